@@ -1,0 +1,1 @@
+"""Aggregator: round engine, mediator, strategies, checkpoints, metrics and the evaluation hook."""

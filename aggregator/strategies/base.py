@@ -1,0 +1,51 @@
+"""The interface every aggregation strategy implements: fold updates one at a time, then finish."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping
+
+import torch
+
+State = dict[str, torch.Tensor]
+
+
+@dataclass
+class ClientUpdate:
+    """One client's contribution, already decoded and validated against the manifest.
+
+    ``tensors`` are full weights θ_k (the engine resolves deltas against the base before folding).
+    Under dynamic pulling a client sends only some tensors: ``tensors`` is then a subset of the manifest.
+    """
+
+    client: str
+    n_samples: int
+    tensors: Mapping[str, torch.Tensor]
+    loss: float | None = None
+    staleness: int = 0  # asynchronous mode: global versions published since the client's base
+    update_id: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Strategy(ABC):
+    """Streaming aggregation: ``begin`` with θ_r, ``fold`` each update as it arrives, ``finish`` -> θ_{r+1}.
+
+    Memory is a small fixed number of model-sized buffers, whatever the number of folded updates.
+    ``finish`` with no folded update returns θ_r unchanged.
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def begin(self, global_state: Mapping[str, torch.Tensor]) -> None: ...
+
+    @abstractmethod
+    def fold(self, update: ClientUpdate) -> None: ...
+
+    @abstractmethod
+    def finish(self) -> State: ...
+
+    def client_weights(self) -> dict[str, float]:
+        """Per-client weight summary of the last aggregation (mean over tensors), for metrics and plots."""
+        return {}

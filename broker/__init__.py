@@ -1,0 +1,1 @@
+"""Transport and wire format: Broker interface, RabbitMQ and in-process backends, topology, codec."""

@@ -1,0 +1,88 @@
+"""The Broker interface every transport implements (RabbitMQ via pika, and the in-process broker)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass
+class Delivery:
+    """One message handed to a consumer. Ack or reject it exactly once, from any thread."""
+
+    body: bytes
+    routing_key: str
+    queue: str
+    message_id: str | None = None
+    user_id: str | None = None  # AMQP user_id property; RabbitMQ validates it against the connection's user
+    headers: dict[str, Any] = field(default_factory=dict)
+    redelivered: bool = False
+    tag: Any = None  # backend-specific delivery handle
+
+
+Handler = Callable[[Delivery], None]
+
+
+class Broker(ABC):
+    """Publish to routing keys on the job's topic exchange; consume named queues; ack/reject.
+
+    Threading: every method is safe to call from any thread. Handlers run on the broker's dispatcher
+    thread, never on the thread that does network I/O, so a slow handler cannot stop heartbeats.
+    """
+
+    url: str
+    user: str
+
+    @abstractmethod
+    def declare_job(self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True) -> None:
+        """Idempotently declare the job's exchange, the aggregator inbox (if ``inbox``) and each agent's queues."""
+
+    @abstractmethod
+    def publish(
+        self,
+        routing_key: str,
+        body: bytes,
+        *,
+        message_id: str | None = None,
+        headers: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Publish persistently with ``mandatory`` and wait for the broker's confirm.
+
+        Sets ``user_id`` to this connection's user. Bodies over the chunk limit are split into chunks and
+        reassembled on the consuming side. Raises BrokerError if the message is unroutable, nacked or not
+        confirmed within ``timeout``.
+        """
+
+    @abstractmethod
+    def consume(self, queue: str, handler: Handler, *, prefetch: int | None = None) -> str:
+        """Start consuming ``queue``; returns a consumer tag. The handler must ack or reject every delivery."""
+
+    @abstractmethod
+    def cancel(self, consumer_tag: str) -> None:
+        """Stop a consumer; its unacked deliveries go back to the queue."""
+
+    @abstractmethod
+    def ack(self, delivery: Delivery) -> None: ...
+
+    @abstractmethod
+    def reject(self, delivery: Delivery, *, requeue: bool = False) -> None: ...
+
+    @abstractmethod
+    def queue_depth(self, queue: str) -> int:
+        """Messages ready in ``queue`` (0 if it does not exist)."""
+
+    @abstractmethod
+    def status(self) -> dict[str, Any]:
+        """Connection facts for `fedmq status`: connected, blocked (flow control), reconnects, unconfirmed."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close the connection; unacked deliveries are redelivered to other consumers."""
+
+    def __enter__(self) -> "Broker":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

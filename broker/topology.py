@@ -1,0 +1,57 @@
+"""Names of the exchange, routing keys and queues of a job (one place, used by every backend)."""
+
+from __future__ import annotations
+
+import re
+
+EXCHANGE = "fedmq"
+AGGREGATOR_USER = "fedmq-aggregator"
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def check_name(kind: str, value: str) -> str:
+    """Job and client ids go into routing keys and queue names: letters, digits, '-' and '_' only."""
+    if not _NAME.match(value):
+        raise ValueError(f"bad {kind} {value!r}: use 1-64 letters, digits, '-' or '_'")
+    return value
+
+
+# routing keys (topic exchange)
+def rk_global(job: str) -> str:
+    return f"job.{job}.global"
+
+
+def rk_control(job: str) -> str:
+    return f"job.{job}.control"
+
+
+def rk_report(job: str, client: str) -> str:
+    return f"job.{job}.report.{client}"
+
+
+def rk_update(job: str, client: str) -> str:
+    return f"job.{job}.update.{client}"
+
+
+def rk_presence(job: str, client: str) -> str:
+    return f"job.{job}.presence.{client}"
+
+
+# queues
+def q_inbox(job: str) -> str:
+    """The aggregator's durable quorum queue (single active consumer): reports, updates, presence."""
+    return f"fedmq.{job}.inbox"
+
+
+def q_latest(job: str, client: str) -> str:
+    """The agent's newest-global-model queue (x-max-length 1)."""
+    return f"fedmq.{job}.agent.{client}.latest"
+
+
+def q_control(job: str, client: str) -> str:
+    """The agent's control queue (upload grants)."""
+    return f"fedmq.{job}.agent.{client}.control"
+
+
+def inbox_bindings(job: str) -> list[str]:
+    return [f"job.{job}.report.*", f"job.{job}.update.*", f"job.{job}.presence.*"]

@@ -1,0 +1,1 @@
+"""The `fedmq` command line."""

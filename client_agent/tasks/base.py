@@ -1,0 +1,85 @@
+"""What every task (model + data + local training + evaluation) offers the agent and the aggregator."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from broker.manifest import Manifest
+
+Progress = Callable[[int, int], None]  # (steps done, steps total)
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 1
+    batch_size: int = 20
+    lr: float = 20.0
+    optimizer: str = "sgd"  # "sgd" | "adam"
+    momentum: float = 0.0
+    lr_decay: float = 1.0  # multiply lr by this after every local epoch
+    clip: float = 0.25  # gradient-norm clipping (0 = off)
+    max_steps: int = 0  # cap on optimizer steps per local run (0 = no cap); the CPU scale uses it
+    device: str = "cpu"  # "auto" | "cpu" | "cuda"
+    amp: bool = False  # mixed precision on CUDA
+    seed: int = 0
+
+
+@dataclass
+class TrainResult:
+    loss: float  # mean training loss per target token over the local run
+    n_samples: int  # n_k, the FedAvg weight: target tokens (lm) or sentence pairs (nmt) in the client's shard
+    steps: int
+    tokens: int
+    seconds: float
+
+
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The federated state: named parameters, tied weights once (named_parameters drops duplicates)."""
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy ``state`` (a subset of the manifest is fine) into the model's parameters in place."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in state.items():
+            params[name].copy_(torch.as_tensor(value, dtype=params[name].dtype))
+
+
+class Task(ABC):
+    """A federated learning task. One instance is shared by all agents of a process (data loaded once)."""
+
+    name: ClassVar[str]
+    metric: ClassVar[str]  # "perplexity" | "bleu"
+    higher_is_better: ClassVar[bool]
+
+    @abstractmethod
+    def build_model(self, seed: int = 0) -> torch.nn.Module:
+        """A freshly initialised model (deterministic for a seed)."""
+
+    @abstractmethod
+    def groups(self) -> dict[str, str]:
+        """Tensor name -> group ("encoder"/"decoder" for seq2seq, "model" otherwise)."""
+
+    def manifest(self, model: torch.nn.Module) -> Manifest:
+        return Manifest.from_arrays(model_state(model), self.groups())
+
+    @property
+    @abstractmethod
+    def num_clients(self) -> int: ...
+
+    @abstractmethod
+    def train(self, model: torch.nn.Module, client: int, cfg: TrainConfig, progress: Progress | None = None) -> TrainResult:
+        """Train ``model`` in place on client ``client``'s shard (0-based) for cfg.epochs local epochs."""
+
+    @abstractmethod
+    def evaluate(self, model: torch.nn.Module, split: str = "valid") -> float:
+        """The task metric on the full split ("valid" | "test"): perplexity or BLEU."""
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for the run folder's config (corpus, vocab size, shard sizes...)."""
+        return {"task": self.name}
