@@ -1,0 +1,128 @@
+"""A federation job's configuration, validated up front (one clear line per bad value)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker.errors import FedmqError
+
+STRATEGIES = ("fedavg", "fedsgd", "fedatt", "fedmed", "dp-l", "dp-g", "dp-random", "async")
+
+
+class JobConfigError(FedmqError):
+    pass
+
+
+@dataclass
+class JobConfig:
+    job: str = "demo"
+    strategy: str = "fedavg"
+    rounds: int = 5  # sync: rounds; async: global versions to publish
+    clients: int = 10  # K, the number of agents in the federation
+    fraction: float = 0.5  # C: m = max(C*K, 1) agents selected per round
+    min_clients: int = 1  # a round with fewer reports/updates is closed as skipped
+    beta: float = 1.0  # top-K share of reporting agents granted an upload (1 = no grant phase unless fedmed)
+    loss_eps: float = 0.1  # FedMed loss switch threshold
+    att_eps: float = 1.2  # FedAtt step size
+    att_norm: str = "fro"  # fro | spectral
+    noise: float = 0.0  # randomization β: client adds noise·N(0, 1) to its weights before upload (FedAtt Eq. 6)
+    pull_fraction: float = 0.5  # dynamic pulling: share of tensors sent (0.5 = median rule, 0.33 = 33 % variant)
+    encoding: str = "raw"  # uplink tensor encoding (broker.encodings.EncodingSpec syntax)
+    down_encoding: str = "raw"  # downlink encoding of the global model
+    epochs: int = 1
+    batch_size: int = 20
+    lr: float = 20.0
+    optimizer: str = "sgd"
+    momentum: float = 0.0
+    lr_decay: float = 1.0
+    clip: float = 0.25
+    max_steps: int = 0
+    report_deadline_s: float = 300.0
+    update_deadline_s: float = 120.0
+    join_timeout_s: float = 60.0  # wait this long for agents before a round with nobody online is skipped
+    heartbeat_s: float = 5.0
+    async_k: int = 3  # async: fold every K arrivals
+    max_staleness: int = 5
+    server_lr: float = 1.0  # async: server step on the staleness-weighted mean delta
+    eval_every: int = 1
+    seed: int = 0
+    identity: str = "strict"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(msg: str) -> None:
+            raise JobConfigError(msg)
+
+        if self.strategy not in STRATEGIES:
+            bad(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if self.rounds < 1:
+            bad("rounds must be at least 1")
+        if self.clients < 1:
+            bad("clients must be at least 1")
+        if not 0 < self.fraction <= 1:
+            bad(f"fraction C={self.fraction} must be in (0, 1]")
+        if not 0 < self.beta <= 1:
+            bad(f"beta={self.beta} must be in (0, 1]")
+        if not 0 < self.pull_fraction < 1:
+            bad(f"pull fraction {self.pull_fraction} must be in (0, 1)")
+        if self.min_clients < 1:
+            bad("min-clients must be at least 1")
+        for name in ("epochs", "batch_size", "async_k"):
+            if getattr(self, name) < 1:
+                bad(f"{name.replace('_', '-')} must be at least 1")
+        for name in ("lr", "report_deadline_s", "update_deadline_s", "heartbeat_s"):
+            if not getattr(self, name) > 0:
+                bad(f"{name.replace('_', '-')} must be positive")
+        if self.noise < 0 or self.loss_eps < 0 or self.max_staleness < 0:
+            bad("noise, loss-eps and max-staleness must not be negative")
+        if self.att_norm not in ("fro", "spectral"):
+            bad(f"unknown norm {self.att_norm!r}; use fro or spectral")
+        if self.optimizer not in ("sgd", "adam"):
+            bad(f"unknown optimizer {self.optimizer!r}; use sgd or adam")
+        if not (self.identity == "strict" or (self.identity.startswith("shared:") and len(self.identity) > 7)):
+            bad("identity must be strict or shared:USER")
+
+    @property
+    def mode(self) -> str:
+        return "async" if self.strategy == "async" else "sync"
+
+    @property
+    def pull(self) -> str:
+        """Which tensors a client uploads: all, or a dynamic-pulling rule."""
+        return self.strategy if self.strategy.startswith("dp-") else "all"
+
+    @property
+    def grant_phase(self) -> bool:
+        """FedMed's mediator needs every report before aggregation starts, so it always grants."""
+        return self.beta < 1 or self.strategy == "fedmed"
+
+    def selected_count(self) -> int:
+        if self.strategy == "fedsgd":
+            return self.clients
+        return max(int(self.fraction * self.clients), 1)
+
+    def train_config(self) -> dict[str, Any]:
+        """The part of the config announced to agents every round."""
+        epochs = 1 if self.strategy == "fedsgd" else self.epochs
+        return {
+            "epochs": epochs, "batch_size": self.batch_size, "lr": self.lr, "optimizer": self.optimizer,
+            "momentum": self.momentum, "lr_decay": self.lr_decay, "clip": self.clip, "max_steps": self.max_steps,
+            "encoding": self.encoding, "noise": self.noise, "pull": self.pull, "pull_fraction": self.pull_fraction,
+            "grant": self.grant_phase, "seed": self.seed,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "JobConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise JobConfigError(f"unknown config key(s): {', '.join(unknown)}")
+        return cls(**values)

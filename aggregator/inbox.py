@@ -1,0 +1,86 @@
+"""The aggregator's inbox: decode, check identity and job, count and log every rejection."""
+
+from __future__ import annotations
+
+import queue
+from collections import Counter
+from dataclasses import dataclass
+
+import structlog
+
+from broker import messages
+from broker.base import Broker, Delivery
+from broker.envelope import Envelope, Kind
+from broker.errors import CodecError
+
+log = structlog.get_logger(__name__)
+
+AGENT_KINDS = (Kind.PRESENCE, Kind.REPORT, Kind.UPDATE)
+
+
+@dataclass
+class Received:
+    env: Envelope
+    delivery: Delivery
+    size: int
+
+
+class Inbox:
+    """Buffers deliveries from the broker's dispatcher thread for the engine thread, validates them.
+
+    identity: "strict" — the AMQP user_id must equal the client id the message claims (each agent has its own
+    broker user); "shared:USER" — every agent connects as USER (simulate over a shared guest account).
+    """
+
+    def __init__(self, broker: Broker, job: str, identity: str = "strict") -> None:
+        self.broker = broker
+        self.job = job
+        self.identity = identity
+        self.rejected: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter()
+        self._q: "queue.Queue[Delivery]" = queue.Queue()
+
+    def handler(self, delivery: Delivery) -> None:
+        self._q.put(delivery)
+
+    def next(self, timeout: float) -> Received | None:
+        """The next valid message, or None when ``timeout`` passes. Invalid ones are rejected on the way."""
+        try:
+            delivery = self._q.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            return None
+        try:
+            env = messages.decode(delivery.body)
+            self._check(env, delivery)
+        except CodecError as exc:
+            self.reject(delivery, exc.reason, str(exc))
+            return None
+        return Received(env, delivery, len(delivery.body))
+
+    def _check(self, env: Envelope, delivery: Delivery) -> None:
+        if env.job != self.job:
+            raise CodecError("wrong-job", f"message for job {env.job!r}")
+        if env.kind not in AGENT_KINDS:
+            raise CodecError("unexpected-kind", f"{env.kind.value} is not sent to the aggregator")
+        user = delivery.user_id
+        if not user:
+            raise CodecError("no-user-id", "message carries no AMQP user_id")
+        expected = self.identity.partition(":")[2] if self.identity.startswith("shared:") else env.client
+        if user != expected:
+            raise CodecError("identity-mismatch", f"user {user!r} claims to be client {env.client!r}")
+
+    def reject(self, delivery: Delivery, reason: str, detail: str = "") -> None:
+        """A malformed or forged message: reject without requeue, count, log."""
+        self.rejected[reason] += 1
+        log.warning("message rejected", reason=reason, detail=detail[:200], routing_key=delivery.routing_key)
+        self.broker.reject(delivery, requeue=False)
+
+    def drop(self, received: Received, reason: str) -> None:
+        """A valid message that is of no use (stale round, duplicate, not granted): ack, count, log."""
+        self.dropped[reason] += 1
+        env = received.env
+        log.info("message dropped", reason=reason, kind=env.kind.value, client=env.client, round=env.round)
+        self.broker.ack(received.delivery)
+
+    def ack(self, received: Received) -> None:
+        self.broker.ack(received.delivery)

@@ -1,0 +1,63 @@
+"""Durable record of the open round, so a killed aggregator resumes it exactly.
+
+An update is acked only after its bytes are in the spool (fsynced for a real broker): a restart replays the
+spool of the round that was open, so no confirmed update is lost, and the (round, client) key means none is
+counted twice. The spool of a round is deleted once the checkpoint that includes the round is written.
+Acking promptly also keeps every delivery far below RabbitMQ's consumer timeout, whatever the round length.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+
+def _write_atomic(path: Path, data: bytes, durable: bool) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        if durable:
+            fh.flush()
+            os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    if durable:
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class RoundSpool:
+    def __init__(self, root: Path, durable: bool = True) -> None:
+        self.root = Path(root)
+        self.durable = durable
+
+    def _dir(self, rnd: int) -> Path:
+        d = self.root / f"r{rnd:06d}"
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def save_state(self, rnd: int, state: dict[str, Any]) -> None:
+        """Round facts decided so far: selected, granted, strategy choice, reports."""
+        _write_atomic(self._dir(rnd) / "round.json", json.dumps(state).encode(), self.durable)
+
+    def save_update(self, rnd: int, client: str, body: bytes) -> None:
+        _write_atomic(self._dir(rnd) / f"update-{client}.msg", body, self.durable)
+
+    def load(self, rnd: int) -> tuple[dict[str, Any] | None, dict[str, bytes]]:
+        d = self.root / f"r{rnd:06d}"
+        if not d.is_dir():
+            return None, {}
+        state_file = d / "round.json"
+        state = json.loads(state_file.read_text()) if state_file.is_file() else None
+        updates = {p.stem.removeprefix("update-"): p.read_bytes() for p in sorted(d.glob("update-*.msg"))}
+        return state, updates
+
+    def clear_upto(self, rnd: int) -> None:
+        for d in self.root.glob("r*"):
+            if d.is_dir() and d.name[1:].isdigit() and int(d.name[1:]) <= rnd:
+                shutil.rmtree(d, ignore_errors=True)

@@ -1,0 +1,86 @@
+"""The fedmq protocol: what each message kind carries, and strict validation of received payloads.
+
+Every message is an Envelope (broker/envelope.py); this module fixes the payload of each kind:
+
+- presence  agent -> inbox   {"state": "online"|"offline", "holds": model version held (-1 none)}
+- announce  aggregator -> global (every agent's latest queue)
+            {"selected": [ids], "config": {...round config...}, "tensors": encoded state,
+             "base_version": version the tensors are a delta against, or -1 for full weights, "mode": "sync"|"async"}
+- report    agent -> inbox   {"loss": float, "n_samples": int}
+- grant     aggregator -> control (every agent's control queue)   {"granted": [ids]}
+- update    agent -> inbox   {"loss": float, "n_samples": int, "tensors": encoded state}
+            envelope.model_version is the global version the agent trained from.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from broker.envelope import Envelope, Kind, Limits, pack, unpack
+from broker.errors import CodecError
+
+NO_VERSION = -1
+
+_FIELDS: dict[Kind, dict[str, tuple[type, ...]]] = {
+    Kind.PRESENCE: {"state": (str,), "holds": (int,)},
+    Kind.ANNOUNCE: {"selected": (list,), "config": (dict,), "tensors": (dict,), "base_version": (int,), "mode": (str,)},
+    Kind.REPORT: {"loss": (float, int), "n_samples": (int,)},
+    Kind.GRANT: {"granted": (list,)},
+    Kind.UPDATE: {"loss": (float, int), "n_samples": (int,), "tensors": (dict,)},
+}
+
+
+def check_payload(env: Envelope) -> Envelope:
+    """Raise CodecError("bad-payload") unless the payload has the fields and types its kind requires."""
+    fields = _FIELDS[env.kind]
+    payload = env.payload
+    for name, types in fields.items():
+        value = payload.get(name)
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise CodecError("bad-payload", f"{env.kind.value} needs {name!r} of type {types[0].__name__}")
+    if env.round < -1 or env.model_version < -1:
+        raise CodecError("bad-payload", "negative round or model version")
+    if "loss" in fields and not math.isfinite(float(payload["loss"])):
+        raise CodecError("bad-payload", "loss is not finite")
+    if "n_samples" in fields and not 0 < payload["n_samples"] < 2**53:
+        raise CodecError("bad-payload", "n_samples must be a positive integer")
+    if env.kind is Kind.PRESENCE and payload["state"] not in ("online", "offline"):
+        raise CodecError("bad-payload", "presence state must be online or offline")
+    for name in ("selected", "granted"):
+        if name in fields and not all(isinstance(c, str) for c in payload[name]):
+            raise CodecError("bad-payload", f"{name} must be a list of client ids")
+    return env
+
+
+def decode(body: bytes, *, limits: Limits | None = None) -> Envelope:
+    """Unpack and validate a message body; CodecError on anything malformed."""
+    env = unpack(body, limits=limits) if limits is not None else unpack(body)
+    return check_payload(env)
+
+
+def encode(env: Envelope, *, level: int = 3) -> bytes:
+    return pack(check_payload(env), level=level)
+
+
+def presence(job: str, client: str, state: str, holds: int) -> Envelope:
+    return Envelope(Kind.PRESENCE, job, NO_VERSION, client, holds, {"state": state, "holds": holds})
+
+
+def announce(job: str, rnd: int, version: int, selected: list[str], config: dict[str, Any], tensors: dict,
+             base_version: int = NO_VERSION, mode: str = "sync") -> Envelope:
+    payload = {"selected": selected, "config": config, "tensors": tensors, "base_version": base_version, "mode": mode}
+    return Envelope(Kind.ANNOUNCE, job, rnd, "aggregator", version, payload)
+
+
+def report(job: str, rnd: int, client: str, version: int, loss: float, n_samples: int) -> Envelope:
+    return Envelope(Kind.REPORT, job, rnd, client, version, {"loss": float(loss), "n_samples": int(n_samples)})
+
+
+def grant(job: str, rnd: int, version: int, granted: list[str]) -> Envelope:
+    return Envelope(Kind.GRANT, job, rnd, "aggregator", version, {"granted": granted})
+
+
+def update(job: str, rnd: int, client: str, version: int, loss: float, n_samples: int, tensors: dict) -> Envelope:
+    payload = {"loss": float(loss), "n_samples": int(n_samples), "tensors": tensors}
+    return Envelope(Kind.UPDATE, job, rnd, client, version, payload)
