@@ -1,0 +1,115 @@
+"""Helpers the strategies share: update validation, accumulator allocation and a running log-sum-exp."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+
+from aggregator.strategies.base import ClientUpdate, State
+from aggregator.strategies.errors import BadParameter, StrategyError
+
+
+def acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """Accumulate in the tensor's own float dtype, but never below float32 (half sums lose too much)."""
+    if t.dtype in (torch.float32, torch.float64):
+        return t.dtype
+    return torch.float32
+
+
+def zeros_like_state(state: Mapping[str, torch.Tensor]) -> State:
+    return {k: torch.zeros(v.shape, dtype=acc_dtype(v)) for k, v in state.items()}
+
+
+def cast_like(result: State, reference: Mapping[str, torch.Tensor]) -> State:
+    return {k: (v if v.dtype == reference[k].dtype else v.to(reference[k].dtype)) for k, v in result.items()}
+
+
+def check_started(global_state: Mapping[str, torch.Tensor] | None, name: str) -> Mapping[str, torch.Tensor]:
+    if global_state is None:
+        raise StrategyError(f"{name}: fold/finish called before begin()")
+    return global_state
+
+
+def validate_update(
+    update: ClientUpdate,
+    global_state: Mapping[str, torch.Tensor],
+    *,
+    subset: bool = False,
+    need_samples: bool = True,
+) -> None:
+    """Raise StrategyError unless every tensor is known, shaped like the global one and finite.
+
+    ``subset`` allows a client to send only some tensors (dynamic pulling); otherwise all are required.
+    Runs before anything is folded, so a rejected update changes nothing.
+    """
+    if need_samples and (not isinstance(update.n_samples, int) or isinstance(update.n_samples, bool) or update.n_samples <= 0):
+        raise StrategyError(f"update from {update.client!r}: n_samples must be a positive integer, got {update.n_samples!r}")
+    names = set(update.tensors)
+    unknown = names - set(global_state)
+    if unknown:
+        raise StrategyError(f"update from {update.client!r}: unknown tensor {sorted(unknown)[0]!r}")
+    if not subset:
+        missing = set(global_state) - names
+        if missing:
+            raise StrategyError(f"update from {update.client!r}: missing tensor {sorted(missing)[0]!r}")
+    elif not names:
+        raise StrategyError(f"update from {update.client!r}: no tensors")
+    for name, t in update.tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise StrategyError(f"update from {update.client!r}: tensor {name!r} is not a torch.Tensor")
+        if tuple(t.shape) != tuple(global_state[name].shape):
+            raise StrategyError(
+                f"update from {update.client!r}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(global_state[name].shape)}"
+            )
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise StrategyError(f"update from {update.client!r}: tensor {name!r} has non-finite values")
+
+
+def check_number(name: str, value: Any, *, low: float | None = None, high: float | None = None,
+                 low_open: bool = False, high_open: bool = False) -> float:
+    """Validate a numeric parameter; raise BadParameter with a one-line message."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise BadParameter(f"{name} must be a finite number, got {value!r}")
+    if low is not None and (value < low or (low_open and value == low)):
+        raise BadParameter(f"{name} must be {'>' if low_open else '>='} {low}, got {value!r}")
+    if high is not None and (value > high or (high_open and value == high)):
+        raise BadParameter(f"{name} must be {'<' if high_open else '<='} {high}, got {value!r}")
+    return float(value)
+
+
+def check_int(name: str, value: Any, *, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise BadParameter(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+class RunningSoftmaxSum:
+    """Σ_k softmax_k(s)·x_k folded one (s_k, x_k) at a time with a running log-sum-exp.
+
+    Keeps m = max s seen, z = Σ e^{s_k − m} and acc = Σ e^{s_k − m} x_k; when a new score exceeds m the
+    accumulator is rescaled by e^{m_old − m_new} (≤ 1, so nothing overflows). One buffer the size of x.
+    """
+
+    __slots__ = ("acc", "m", "z")
+
+    def __init__(self, acc: torch.Tensor) -> None:
+        self.acc = acc  # zero-filled buffer
+        self.m = -math.inf
+        self.z = 0.0
+
+    def add(self, s: float, x: torch.Tensor) -> None:
+        if s > self.m:
+            if self.z > 0.0:
+                scale = math.exp(self.m - s)
+                self.acc.mul_(scale)
+                self.z *= scale
+            self.m = s
+        w = math.exp(s - self.m)
+        self.acc.add_(x, alpha=w)
+        self.z += w
+
+    def mean(self) -> torch.Tensor:
+        """acc / z in place (the softmax-weighted sum); the buffer is consumed."""
+        return self.acc.div_(self.z)

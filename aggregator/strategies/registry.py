@@ -1,0 +1,48 @@
+"""``make_strategy(name, **params)``: the one place names and parameters become Strategy objects.
+
+Names: fedavg, fedsgd, fedatt, fedmed, dp-l, dp-g, dp-random (all three aggregate with DynamicPull; the
+name tells the agents which pulling rule to use), async, fedavg-clip, trimmed-mean, median.
+Unknown names or parameters and out-of-range values raise BadParameter (a FedmqError) with one line.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+from aggregator.strategies.base import Strategy
+from aggregator.strategies.buffered_async import BufferedAsync
+from aggregator.strategies.dynamic_pull import DynamicPull
+from aggregator.strategies.errors import BadParameter
+from aggregator.strategies.fedatt import FedAtt
+from aggregator.strategies.fedavg import FedAvg, FedSGD
+from aggregator.strategies.fedmed import FedMed
+from aggregator.strategies.robust import ClippedFedAvg, TrimmedMean
+
+_FACTORIES: dict[str, tuple[Callable[..., Strategy], dict[str, Any]]] = {
+    "fedavg": (FedAvg, {}),
+    "fedsgd": (FedSGD, {}),
+    "fedatt": (FedAtt, {}),
+    "fedmed": (FedMed, {}),
+    "dp-l": (DynamicPull, {"rule": "dp-l"}),
+    "dp-g": (DynamicPull, {"rule": "dp-g"}),
+    "dp-random": (DynamicPull, {"rule": "random"}),
+    "async": (BufferedAsync, {}),
+    "fedavg-clip": (ClippedFedAvg, {}),
+    "trimmed-mean": (TrimmedMean, {}),
+    "median": (TrimmedMean, {"trim": 0.5}),
+}
+
+STRATEGY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
+
+
+def make_strategy(name: str, **params: Any) -> Strategy:
+    if name not in _FACTORIES:
+        raise BadParameter(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGY_NAMES)}")
+    factory, fixed = _FACTORIES[name]
+    allowed = set(inspect.signature(factory).parameters) - set(fixed)
+    unknown = sorted(set(params) - allowed)
+    if unknown:
+        hint = f"; it accepts {', '.join(sorted(allowed))}" if allowed else "; it takes no parameters"
+        raise BadParameter(f"strategy {name!r} has no parameter {unknown[0]!r}{hint}")
+    return factory(**fixed, **params)
