@@ -1,0 +1,189 @@
+"""Atomic aggregator checkpoints: write to a temp file, fsync, os.replace, fsync the directory.
+
+File ``ckpt-<round:08d>-<version:08d>.fmq`` = magic ``FMQCKPT1`` + 32-byte SHA-256 of the payload + payload,
+the payload being ``torch.save({"tensors": [...], "meta": <json str>})``. Everything that is not a tensor
+(strategy and mediator state, RNG state, folded update ids, extra) is JSON; tensors nested anywhere in it
+are swapped for ``{"__tensor__": i}`` and tuples for ``{"__tuple__": [...]}``. Loading checks the digest and
+uses ``torch.load(weights_only=True)`` only — nothing is ever unpickled. A truncated or corrupt file is skipped
+with a logged reason and the previous one is used; the newest ``keep`` checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from aggregator.strategies.errors import CheckpointError
+
+log = structlog.get_logger(__name__)
+
+MAGIC = b"FMQCKPT1"
+_NAME = re.compile(r"^ckpt-(\d{8})-(\d{8})\.fmq$")
+
+
+@dataclass
+class Checkpoint:
+    round: int
+    model_version: int
+    global_state: dict[str, torch.Tensor]
+    strategy_state: dict
+    mediator_state: dict
+    rng_state: Any
+    folded: dict[int, list[str]]
+    extra: dict = field(default_factory=dict)
+    path: Path | None = None
+
+
+def _encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj.detach().cpu())
+        return {"__tensor__": len(tensors) - 1}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, tensors) for v in obj]}
+    if isinstance(obj, list):
+        return [_encode(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise CheckpointError(f"checkpoint state keys must be strings, got {k!r}")
+            if k in ("__tensor__", "__tuple__"):
+                raise CheckpointError(f"checkpoint state may not use the reserved key {k!r}")
+            out[k] = _encode(v, tensors)
+        return out
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise CheckpointError(f"cannot checkpoint a value of type {type(obj).__name__}")
+
+
+def _decode(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if set(obj) == {"__tensor__"}:
+            return tensors[obj["__tensor__"]]
+        if set(obj) == {"__tuple__"}:
+            return tuple(_decode(v, tensors) for v in obj["__tuple__"])
+        return {k: _decode(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    return obj
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    path_dir: str | os.PathLike,
+    *,
+    round: int,
+    model_version: int,
+    global_state: dict[str, torch.Tensor],
+    strategy_state: dict,
+    mediator_state: dict,
+    rng_state: Any,
+    folded: dict[int, list[str]],
+    extra: dict,
+    keep: int = 3,
+) -> Path:
+    """Write one checkpoint atomically and prune all but the newest ``keep``; returns its path."""
+    if not (isinstance(round, int) and isinstance(model_version, int) and 0 <= round < 10**8 and 0 <= model_version < 10**8):
+        raise CheckpointError(f"round and model_version must be integers in [0, 1e8), got {round!r}, {model_version!r}")
+    if keep < 1:
+        raise CheckpointError(f"keep must be >= 1, got {keep!r}")
+    directory = Path(path_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors: list[torch.Tensor] = []
+    meta = {
+        "round": round,
+        "model_version": model_version,
+        "global_state": _encode(dict(global_state), tensors),
+        "strategy_state": _encode(strategy_state, tensors),
+        "mediator_state": _encode(mediator_state, tensors),
+        "rng_state": _encode(rng_state, tensors),
+        "folded": {str(int(r)): [str(u) for u in ids] for r, ids in folded.items()},
+        "extra": _encode(extra, tensors),
+    }
+    buf = io.BytesIO()
+    torch.save({"tensors": tensors, "meta": json.dumps(meta)}, buf)
+    payload = buf.getvalue()
+    target = directory / f"ckpt-{round:08d}-{model_version:08d}.fmq"
+    fd, tmp = tempfile.mkstemp(prefix=".ckpt-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(MAGIC)
+            fh.write(hashlib.sha256(payload).digest())
+            fh.write(payload)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(directory)
+    for old in _candidates(directory)[keep:]:
+        old.unlink(missing_ok=True)
+    log.info("checkpoint.saved", path=str(target), round=round, model_version=model_version, bytes=len(payload) + 40)
+    return target
+
+
+def _candidates(directory: Path) -> list[Path]:
+    """Checkpoint files, newest (highest round, then version) first."""
+    found = [(m.group(1), m.group(2), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, _, p in sorted(found, reverse=True)]
+
+
+def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Read and verify one checkpoint file; CheckpointError with the reason when it is not valid."""
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {p}: {exc.strerror or exc}") from None
+    if len(data) < 40 or data[:8] != MAGIC:
+        raise CheckpointError(f"{p.name}: not a fedmq checkpoint (bad header or truncated)")
+    payload = data[40:]
+    if hashlib.sha256(payload).digest() != data[8:40]:
+        raise CheckpointError(f"{p.name}: digest mismatch (truncated or corrupt)")
+    try:
+        obj = torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")
+        tensors, meta = obj["tensors"], json.loads(obj["meta"])
+        return Checkpoint(
+            round=int(meta["round"]),
+            model_version=int(meta["model_version"]),
+            global_state=_decode(meta["global_state"], tensors),
+            strategy_state=_decode(meta["strategy_state"], tensors),
+            mediator_state=_decode(meta["mediator_state"], tensors),
+            rng_state=_decode(meta["rng_state"], tensors),
+            folded={int(r): list(ids) for r, ids in meta["folded"].items()},
+            extra=_decode(meta["extra"], tensors),
+            path=p,
+        )
+    except Exception as exc:  # digest matched but the contents are not ours: still one clear reason
+        raise CheckpointError(f"{p.name}: unreadable contents ({type(exc).__name__})") from None
+
+
+def load_checkpoint(path_dir: str | os.PathLike) -> Checkpoint | None:
+    """The newest valid checkpoint in ``path_dir`` (invalid ones are logged and skipped), or None."""
+    directory = Path(path_dir)
+    if not directory.is_dir():
+        return None
+    for p in _candidates(directory):
+        try:
+            return read_checkpoint(p)
+        except CheckpointError as exc:
+            log.warning("checkpoint.skipped", path=str(p), reason=str(exc))
+    return None
