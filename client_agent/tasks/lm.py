@@ -1,0 +1,145 @@
+"""Word-level language modelling task (FedAtt / FedMed setting).
+
+Client shards: the training *lines* are partitioned (``iid``: seeded shuffle, K contiguous equal parts; see
+``partition``); a client's lines, kept in corpus order, with ``<eos>`` after each, form its token stream, laid
+out in ``batch_size`` columns and cut into ``bptt``-step windows (the hidden state is carried across windows and
+reset every epoch). Every token of the shard is a training target once per epoch; n_samples = that token count.
+Perplexity = exp(total NLL / total target tokens) over the full split, the last partial batch included.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from client_agent.tasks.base import Progress, Task, TrainConfig, TrainResult
+from client_agent.tasks.errors import TaskError
+from client_agent.tasks.lm_data import LMCorpus, StreamBatches, Vocabulary, load_corpus
+from client_agent.tasks.lm_models import RNNLanguageModel, detach_hidden, rnn_config
+from client_agent.tasks.partition import PartitionSpec, dirichlet_shards, iid_shards, natural_shards
+from client_agent.tasks.training import run_training
+
+EVAL_BATCH = 10
+
+
+class LanguageModelTask(Task):
+    name = "lm"
+    metric = "perplexity"
+    higher_is_better = False
+
+    def __init__(self, data: str | Path = "builtin", model: str = "gru-small", tied: bool | None = None,
+                 dropout: float = 0.2, clients: int = 100, partition: str = "iid", vocab_size: int | None = None,
+                 max_lines: int | None = None, max_eval_lines: int | None = None, bptt: int = 35, seed: int = 0,
+                 emb: int | None = None, hidden: int | None = None, layers: int | None = None,
+                 corpus: LMCorpus | None = None) -> None:
+        if bptt < 1:
+            raise TaskError(f"--bptt must be at least 1, got {bptt}")
+        self.model_name = model
+        self.model_cfg = rnn_config(model, tied, dropout, emb, hidden, layers)
+        self.corpus = corpus if corpus is not None else load_corpus(data, max_lines, max_eval_lines)
+        self.vocab = Vocabulary.build(self.corpus.lines["train"], vocab_size)
+        self.bptt = bptt
+        self.seed = seed
+        self.partition = PartitionSpec.parse(partition)
+        self.shards = self._partition(clients)
+        self._train_ids: dict[int, torch.Tensor] = {}
+        self._eval: dict[str, StreamBatches] = {}
+
+    def _partition(self, clients: int) -> list[np.ndarray]:
+        n = len(self.corpus.lines["train"])
+        p = self.partition
+        if p.kind == "iid":
+            return iid_shards(n, clients, self.seed)
+        if p.kind == "dirichlet":
+            return dirichlet_shards(self.corpus.categories, clients, p.alpha, self.seed)
+        if not self.corpus.natural_categories:
+            raise TaskError(f"--partition natural needs documents; {self.corpus.name} has none (add train.docid): use iid or dirichlet:ALPHA")
+        shards, _ = natural_shards(self.corpus.categories)
+        return shards
+
+    # --- Task interface -------------------------------------------------------------------------------------
+    def build_model(self, seed: int = 0) -> nn.Module:
+        return RNNLanguageModel(len(self.vocab), self.model_cfg, seed)
+
+    def groups(self) -> dict[str, str]:
+        return {name: "model" for name, _ in self.build_model().named_parameters()}
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.shards)
+
+    def client_ids(self, client: int) -> torch.Tensor:
+        if not 0 <= client < len(self.shards):
+            raise TaskError(f"client {client} does not exist: this task has clients 0..{len(self.shards) - 1}")
+        if client not in self._train_ids:
+            lines = self.corpus.lines["train"]
+            self._train_ids[client] = self.vocab.encode_lines([lines[i] for i in self.shards[client]])
+        return self._train_ids[client]
+
+    def train(self, model: nn.Module, client: int, cfg: TrainConfig, progress: Progress | None = None) -> TrainResult:
+        ids = self.client_ids(client)
+        batches = StreamBatches.build(ids, cfg.batch_size, self.vocab.eos)
+        bptt = self.bptt
+
+        def epoch(m: nn.Module, gen: torch.Generator, device: torch.device) -> Iterator[tuple[torch.Tensor, int]]:
+            hidden = m.init_hidden(batches.inputs.size(1), device)
+            for x, y, mask in batches.windows(bptt):
+                x, y, mask = x.to(device), y.to(device), mask.to(device)
+                hidden = detach_hidden(hidden)
+                logits, hidden = m(x, hidden)
+                nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1), reduction="none")
+                n = int(mask.sum())
+                yield (nll * mask.reshape(-1)).sum() / n, n
+
+        return run_training(model, epoch, batches.num_windows(bptt), cfg, client, batches.n_targets, progress)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, split: str = "valid") -> float:
+        return math.exp(self.mean_nll(model, split))
+
+    @torch.no_grad()
+    def mean_nll(self, model: nn.Module, split: str = "valid") -> float:
+        """Mean NLL (nats) per target token over the full split."""
+        if split not in ("valid", "test", "train"):
+            raise TaskError(f"unknown split {split!r}: use valid or test")
+        if split not in self._eval:
+            ids = self.vocab.encode_lines(self.corpus.lines[split])
+            self._eval[split] = StreamBatches.build(ids, EVAL_BATCH, self.vocab.eos)
+        batches = self._eval[split]
+        device = next(model.parameters()).device
+        was_training = model.training
+        model.eval()
+        total = 0.0
+        hidden = model.init_hidden(batches.inputs.size(1), device)
+        for x, y, mask in batches.windows(self.bptt):
+            logits, hidden = model(x.to(device), hidden)
+            nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.to(device).reshape(-1), reduction="none")
+            total += float((nll * mask.to(device).reshape(-1)).sum())
+        model.train(was_training)
+        return total / batches.n_targets
+
+    def describe(self) -> dict[str, Any]:
+        sizes = [len(s) for s in self.shards]
+        return {
+            "task": self.name,
+            "corpus": self.corpus.name,
+            "source": self.corpus.source,
+            "model": self.model_name,
+            "model_config": vars(self.model_cfg) if hasattr(self.model_cfg, "__dict__") else str(self.model_cfg),
+            "vocab_size": len(self.vocab),
+            "train_lines": len(self.corpus.lines["train"]),
+            "valid_lines": len(self.corpus.lines["valid"]),
+            "test_lines": len(self.corpus.lines["test"]),
+            "clients": len(self.shards),
+            "partition": str(self.partition),
+            "shard_lines_min": min(sizes),
+            "shard_lines_max": max(sizes),
+            "bptt": self.bptt,
+            "seed": self.seed,
+        }

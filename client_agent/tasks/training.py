@@ -1,0 +1,126 @@
+"""The local training loop shared by every task: optimizer, per-epoch lr decay, clipping, step cap, device, AMP.
+
+A task supplies an ``epoch(model, generator)`` iterator that yields, for each batch, the mean loss over the
+batch's target tokens (a tensor with grad) and the number of those tokens; the loop does the backward pass and
+the optimizer step between two yields. Determinism on CPU: the batch order and dropout masks come from
+generators seeded by (cfg.seed, client, epoch), never from torch's global RNG.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Iterator
+
+import structlog
+import torch
+from torch import nn
+
+from client_agent.tasks.base import Progress, TrainConfig, TrainResult
+from client_agent.tasks.dropout import set_dropout_generator
+from client_agent.tasks.errors import TaskError
+
+log = structlog.get_logger(__name__)
+
+EpochFn = Callable[[nn.Module, torch.Generator, torch.device], Iterator[tuple[torch.Tensor, int]]]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        return torch.device("cpu")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise TaskError(f"--device {device}: CUDA is not available on this machine; use --device cpu or auto")
+        return torch.device(device)
+    raise TaskError(f"unknown --device {device!r}: use auto, cpu or cuda")
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    if cfg.lr <= 0:
+        raise TaskError(f"--lr must be positive, got {cfg.lr}")
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    raise TaskError(f"unknown optimizer {cfg.optimizer!r}: use sgd or adam")
+
+
+def check_config(cfg: TrainConfig) -> None:
+    if cfg.epochs < 1:
+        raise TaskError(f"--epochs must be at least 1, got {cfg.epochs}")
+    if cfg.batch_size < 1:
+        raise TaskError(f"--batch-size must be at least 1, got {cfg.batch_size}")
+    if cfg.max_steps < 0 or cfg.clip < 0:
+        raise TaskError("--max-steps and --clip must not be negative")
+    if not 0 < cfg.lr_decay <= 1.0:
+        raise TaskError(f"--lr-decay must be in (0, 1], got {cfg.lr_decay}")
+
+
+def run_training(model: nn.Module, epoch_fn: EpochFn, steps_per_epoch: int, cfg: TrainConfig, client: int,
+                 n_samples: int, progress: Progress | None = None) -> TrainResult:
+    """Train ``model`` in place; it is moved to the training device and back to where it was."""
+    check_config(cfg)
+    device = resolve_device(cfg.device)
+    home = next(model.parameters()).device
+    model.to(device)
+    model.train()
+    opt = make_optimizer(model, cfg)
+    use_amp = cfg.amp and device.type == "cuda"
+    scaler = torch.amp.GradScaler("cuda") if use_amp else None
+    total = steps_per_epoch * cfg.epochs
+    if cfg.max_steps:
+        total = min(total, cfg.max_steps)
+    steps = tokens = 0
+    loss_sum = 0.0
+    t0 = time.perf_counter()
+    try:
+        for epoch in range(cfg.epochs):
+            if steps >= total:
+                break
+            seed = (cfg.seed * 1_000_003 + client * 7_919 + epoch) % (2**63)
+            gen = torch.Generator().manual_seed(seed)
+            set_dropout_generator(model, torch.Generator(device=device).manual_seed(seed) if device.type == "cuda" else gen)
+            for g in opt.param_groups:
+                g["lr"] = cfg.lr * cfg.lr_decay**epoch
+            for loss, n in _autocast(use_amp, epoch_fn(model, gen, device)):
+                opt.zero_grad(set_to_none=True)
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                    scaler.unscale_(opt)
+                else:
+                    loss.backward()
+                if cfg.clip > 0:
+                    nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
+                steps += 1
+                tokens += n
+                loss_sum += float(loss.detach()) * n
+                if progress is not None:
+                    progress(steps, total)
+                if steps >= total:
+                    break
+    finally:
+        set_dropout_generator(model, None)
+        model.to(home)
+    seconds = time.perf_counter() - t0
+    mean = loss_sum / tokens if tokens else float("nan")
+    log.debug("local training done", client=client, steps=steps, tokens=tokens, loss=round(mean, 4), seconds=round(seconds, 2))
+    return TrainResult(loss=mean, n_samples=n_samples, steps=steps, tokens=tokens, seconds=seconds)
+
+
+def _autocast(enabled: bool, it: Iterator[tuple[torch.Tensor, int]]) -> Iterator[tuple[torch.Tensor, int]]:
+    """Run each forward pass (the iterator's work between yields) under CUDA autocast when enabled."""
+    ctx = torch.autocast("cuda", dtype=torch.float16) if enabled else contextlib.nullcontext()
+    while True:
+        with ctx:
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+        yield item
