@@ -1,0 +1,452 @@
+"""The round engine: presence, selection, mediation, streaming aggregation, evaluation, checkpoints.
+
+One engine thread owns all state; the broker's dispatcher thread only queues deliveries (aggregator.inbox).
+Synchronous rounds follow DESIGN.md; asynchronous mode folds every K arrivals with a staleness weight.
+Crash safety: see aggregator/spool.py (ack after spooling) and aggregator/checkpoint.py (after every round).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import structlog
+import torch
+
+from aggregator.checkpoint import load_checkpoint, save_checkpoint
+from aggregator.config import JobConfig
+from aggregator.inbox import Inbox, Received
+from aggregator.mediator import Mediator
+from aggregator.runlog import RunLog
+from aggregator.spool import RoundSpool
+from aggregator.strategies.base import ClientUpdate, Strategy
+from aggregator.strategies.registry import make_strategy
+from broker import messages, topology
+from broker.base import Broker
+from broker.encodings import EncodingSpec, decode_state, encode_state, raw_nbytes
+from broker.envelope import Kind
+from broker.errors import CodecError, FedmqError
+from broker.manifest import Manifest
+from client_agent.tasks.base import Task, load_state, model_state
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class RoundStats:
+    """What one round did, for metrics.jsonl."""
+
+    round: int
+    strategy: str = ""
+    online: list[str] = field(default_factory=list)
+    selected: list[str] = field(default_factory=list)
+    reported: dict[str, float] = field(default_factory=dict)  # client -> loss
+    granted: list[str] = field(default_factory=list)
+    received: list[str] = field(default_factory=list)
+    bytes_up: int = 0
+    bytes_down: int = 0
+    bytes_up_raw: int = 0
+    bytes_down_raw: int = 0
+    started: float = field(default_factory=time.time)
+
+
+class Engine:
+    """Runs a job to completion (or until ``stop`` is set) and writes the run folder."""
+
+    def __init__(self, broker: Broker, task: Task, cfg: JobConfig, run_dir: Path, *,
+                 durable: bool = True, evaluate: bool = True, on_round: Callable[[dict], None] | None = None) -> None:
+        self.broker = broker
+        self.task = task
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.evaluate = evaluate
+        self.on_round = on_round
+        self.stop = threading.Event()
+        self.inbox = Inbox(broker, cfg.job, cfg.identity)
+        self.spool = RoundSpool(self.run_dir / "spool", durable)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.runlog = RunLog(self.run_dir)
+        self.mediator = Mediator(epsilon=cfg.loss_eps)
+        self.model = task.build_model(cfg.seed)
+        self.global_state = {k: v.detach().clone().float() for k, v in model_state(self.model).items()}
+        self.manifest: Manifest = task.manifest(self.model)
+        self.version = 0
+        self.round = 1
+        self.presence: dict[str, tuple[float, int]] = {}  # client -> (last seen, version it holds)
+        self.best: tuple[float, int] | None = None  # (score, round)
+        self.folded: dict[int, list[str]] = {}
+        self.phase = "starting"
+        self.last_row: dict[str, Any] = {}
+        self._consumer: str | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def run(self, resume: bool = True) -> dict[str, Any]:
+        """Declare the topology, resume from the last checkpoint, run the rounds, write the summary."""
+        self.broker.declare_job(self.cfg.job, [])
+        if resume:
+            self._restore()
+        self.runlog.write_config(self._config_record())
+        self._consumer = self.broker.consume(topology.q_inbox(self.cfg.job), self.inbox.handler)
+        started = time.time()
+        try:
+            if self.cfg.mode == "async":
+                self._run_async()
+            else:
+                while self.round <= self.cfg.rounds and not self.stop.is_set():
+                    self._run_round()
+        finally:
+            if self._consumer:
+                self.broker.cancel(self._consumer)
+        summary = self._summary(time.time() - started)
+        self.runlog.write_summary(summary)
+        return summary
+
+    def status(self) -> dict[str, Any]:
+        return {"job": self.cfg.job, "round": self.round, "version": self.version, "phase": self.phase,
+                "agents_online": sorted(self._online()), "last_metrics": self.last_row,
+                "rejected": dict(self.inbox.rejected), "dropped": dict(self.inbox.dropped)}
+
+    # ------------------------------------------------------------------ presence
+    def _online(self) -> list[str]:
+        horizon = time.time() - 3 * self.cfg.heartbeat_s
+        return sorted(c for c, (seen, _) in self.presence.items() if seen >= horizon)
+
+    def _note_presence(self, msg: Received) -> None:
+        env = msg.env
+        if env.payload["state"] == "online":
+            self.presence[env.client] = (time.time(), env.payload["holds"])
+        else:
+            self.presence.pop(env.client, None)
+        self.inbox.ack(msg)
+
+    def _wait_for_agents(self, needed: int, timeout: float) -> None:
+        """Handle presence (nothing else can arrive before an announce) until enough agents are online."""
+        deadline = time.time() + timeout
+        while len(self._online()) < needed and time.time() < deadline and not self.stop.is_set():
+            msg = self.inbox.next(min(0.2, deadline - time.time()))
+            if msg is not None:
+                self._dispatch_idle(msg)
+
+    def _dispatch_idle(self, msg: Received) -> None:
+        if msg.env.kind is Kind.PRESENCE:
+            self._note_presence(msg)
+        else:
+            self.inbox.drop(msg, "no-open-round" if msg.env.round != self.round else "unexpected")
+
+    # ------------------------------------------------------------------ sync rounds
+    def _run_round(self) -> None:
+        cfg, r = self.cfg, self.round
+        spooled, spooled_updates = self.spool.load(r)
+        stats = RoundStats(r)
+        if spooled is None:
+            self.phase = "waiting-for-agents"
+            self._wait_for_agents(cfg.selected_count(), cfg.join_timeout_s if r == 1 else cfg.heartbeat_s * 3)
+            stats.online = self._online()
+            rng = random.Random(f"{cfg.seed}/select/{r}")
+            m = min(cfg.selected_count(), len(stats.online))
+            stats.selected = sorted(rng.sample(stats.online, m)) if m else []
+            self.spool.save_state(r, {"selected": stats.selected, "online": stats.online, "reported": {},
+                                      "granted": None, "strategy": None})
+            if stats.selected:
+                self._announce(stats)
+        else:  # resuming a round that was open when the aggregator stopped
+            stats.online, stats.selected = spooled["online"], spooled["selected"]
+            stats.reported = spooled["reported"]
+            log.info("resuming open round", round=r, reported=len(stats.reported), spooled_updates=len(spooled_updates))
+        if not stats.selected:
+            self._close(stats, None, skipped="nobody online")
+            return
+        strategy = self._collect(stats, spooled, spooled_updates)
+        self._close(stats, strategy)
+
+    def _announce(self, stats: RoundStats) -> None:
+        spec = EncodingSpec.parse(self.cfg.down_encoding)
+        holders = {c for c, (_, v) in self.presence.items() if v == self.version}
+        base = None
+        if spec.delta and self.version > 0 and set(stats.selected) <= holders and self._prev_state is not None:
+            base = self._prev_state
+        tensors = encode_state(self.global_state, spec if base is not None else EncodingSpec(**{**spec.__dict__, "delta": False}), base)
+        env = messages.announce(self.cfg.job, stats.round, self.version, stats.selected, self.cfg.train_config(),
+                                tensors, self.version - 1 if base is not None else messages.NO_VERSION, self.cfg.mode)
+        body = messages.encode(env)
+        self.broker.publish(topology.rk_global(self.cfg.job), body, message_id=env.msg_id)
+        receivers = max(len(stats.online), len(stats.selected))
+        stats.bytes_down += len(body) * receivers
+        stats.bytes_down_raw += raw_nbytes(self.global_state) * receivers
+        self.phase = "training"
+        log.info("round announced", round=stats.round, version=self.version, selected=len(stats.selected),
+                 bytes=len(body))
+
+    _prev_state: dict[str, torch.Tensor] | None = None
+
+    def _collect(self, stats: RoundStats, spooled: dict | None, spooled_updates: dict[str, bytes]) -> Strategy | None:
+        """Reports, mediation, grants and updates of one round; returns the strategy holding the folded updates."""
+        cfg, r = self.cfg, stats.round
+        strategy: Strategy | None = None
+        granted: list[str] | None = spooled.get("granted") if spooled else None
+        if granted is not None or not cfg.grant_phase:
+            strategy = self._begin_strategy(stats, (spooled or {}).get("strategy") or self.cfg.strategy)
+            stats.granted = list(granted if granted is not None else stats.selected)
+        for client, body in spooled_updates.items():
+            self._fold_bytes(stats, strategy, client, body, spooled=True)
+        deadline = time.time() + (cfg.report_deadline_s if strategy is None else cfg.update_deadline_s)
+        if strategy is not None and not cfg.grant_phase:
+            deadline = time.time() + cfg.report_deadline_s + cfg.update_deadline_s
+        while not self.stop.is_set():
+            if strategy is None and (len(stats.reported) == len(stats.selected) or time.time() >= deadline):
+                if len(stats.reported) < cfg.min_clients:
+                    return None
+                strategy = self._mediate(stats)
+                deadline = time.time() + cfg.update_deadline_s
+            if strategy is not None and (set(stats.received) >= set(stats.granted) or time.time() >= deadline):
+                return strategy
+            msg = self.inbox.next(min(0.5, max(deadline - time.time(), 0.0)))
+            if msg is None:
+                continue
+            env = msg.env
+            if env.kind is Kind.PRESENCE:
+                self._note_presence(msg)
+            elif env.round != r:
+                self.inbox.drop(msg, "stale-round" if env.round < r else "future-round")
+            elif env.client not in stats.selected:
+                self.inbox.drop(msg, "not-selected")
+            elif env.kind is Kind.REPORT:
+                self._take_report(stats, msg)
+            elif env.client in stats.received:
+                self.inbox.drop(msg, "duplicate")
+            elif strategy is None or env.client not in stats.granted:
+                self.inbox.drop(msg, "not-granted")
+            else:
+                self._fold_bytes(stats, strategy, env.client, msg.delivery.body, received=msg)
+        return strategy
+
+    def _take_report(self, stats: RoundStats, msg: Received) -> None:
+        env = msg.env
+        if env.client in stats.reported:
+            self.inbox.drop(msg, "duplicate")
+            return
+        stats.reported[env.client] = float(env.payload["loss"])
+        stats.bytes_up += msg.size
+        self._save_round(stats, None, None)
+        self.inbox.ack(msg)
+
+    def _mediate(self, stats: RoundStats) -> Strategy:
+        cfg = self.cfg
+        stats.granted = self.mediator.top_k(stats.reported, cfg.beta) if cfg.beta < 1 else sorted(stats.reported)
+        choice = self._strategy_name(stats)
+        self._save_round(stats, stats.granted, choice)
+        env = messages.grant(cfg.job, stats.round, self.version, stats.granted)
+        body = messages.encode(env)
+        self.broker.publish(topology.rk_control(cfg.job), body, message_id=env.msg_id)
+        stats.bytes_down += len(body) * len(stats.selected)
+        self.phase = "uploading"
+        log.info("uploads granted", round=stats.round, granted=len(stats.granted), strategy=choice)
+        return self._begin_strategy(stats, choice)
+
+    def _strategy_name(self, stats: RoundStats) -> str:
+        if self.cfg.strategy != "fedmed":
+            return self.cfg.strategy
+        mean_loss = sum(stats.reported.values()) / len(stats.reported)
+        return "fedmed" if self.mediator.choose(mean_loss) == "adaptive" else "fedavg"
+
+    def _save_round(self, stats: RoundStats, granted: list[str] | None, choice: str | None) -> None:
+        self.spool.save_state(stats.round, {"selected": stats.selected, "online": stats.online,
+                                            "reported": stats.reported, "granted": granted, "strategy": choice})
+
+    def _begin_strategy(self, stats: RoundStats, choice: str | None) -> Strategy:
+        stats.strategy = choice
+        strategy = make_strategy(choice, **self._strategy_params(choice))
+        strategy.begin(self.global_state)
+        return strategy
+
+    def _strategy_params(self, name: str) -> dict[str, Any]:
+        cfg = self.cfg
+        return {"fedatt": {"epsilon": cfg.att_eps, "norm": cfg.att_norm},
+                "async": {"buffer_size": cfg.async_k, "server_lr": cfg.server_lr,
+                          "max_staleness": cfg.max_staleness}}.get(name, {})
+
+    def _fold_bytes(self, stats: RoundStats, strategy: Strategy | None, client: str, body: bytes, *,
+                    received: Received | None = None, spooled: bool = False) -> None:
+        """Decode an update against the manifest and the current global, fold it, spool it, then ack."""
+        try:
+            env = messages.decode(body)
+            if env.model_version != self.version:
+                raise CodecError("wrong-base", f"trained from version {env.model_version}, current is {self.version}")
+            tensors = decode_state(env.payload["tensors"], self.manifest, self.global_state)
+        except CodecError as exc:
+            if received is not None:
+                self.inbox.reject(received.delivery, exc.reason, str(exc))
+            return
+        update = ClientUpdate(client, env.payload["n_samples"], {k: torch.from_numpy(v) for k, v in tensors.items()},
+                              loss=env.payload["loss"], update_id=env.msg_id)
+        try:
+            strategy.fold(update)
+        except FedmqError as exc:
+            if received is not None:
+                self.inbox.reject(received.delivery, "rejected-by-strategy", str(exc))
+            return
+        if not spooled:
+            self.spool.save_update(stats.round, client, body)
+        stats.received.append(client)
+        stats.bytes_up += len(body)
+        stats.bytes_up_raw += raw_nbytes(update.tensors)
+        stats.reported.setdefault(client, float(env.payload["loss"]))
+        if received is not None:
+            self.inbox.ack(received)
+
+    # ------------------------------------------------------------------ closing a round
+    def _close(self, stats: RoundStats, strategy: Strategy | None, skipped: str | None = None) -> None:
+        cfg = self.cfg
+        if skipped is None and (strategy is None or len(stats.received) < cfg.min_clients):
+            skipped = f"{len(stats.received)} update(s) < min {cfg.min_clients}"
+        weights: dict[str, float] = {}
+        if skipped is None:
+            if EncodingSpec.parse(cfg.down_encoding).delta:
+                self._prev_state = self.global_state
+            self.global_state = {k: v.float() for k, v in strategy.finish().items()}
+            weights = strategy.client_weights()
+            self.version += 1
+            self.folded[stats.round] = sorted(stats.received)
+        else:
+            log.warning("round skipped", round=stats.round, reason=skipped)
+        score = self._evaluate(stats.round) if skipped is None else None
+        row = self._row(stats, score, weights, skipped)
+        self.round += 1
+        self._checkpoint()
+        self.spool.clear_upto(stats.round)
+        self.runlog.append(row)
+        self.last_row = row
+        if self.on_round:
+            self.on_round(row)
+        log.info("round closed", round=stats.round, strategy=stats.strategy, received=len(stats.received),
+                 score=score, skipped=skipped)
+
+    def _evaluate(self, rnd: int) -> float | None:
+        if not self.evaluate or rnd % self.cfg.eval_every:
+            return None
+        load_state(self.model, self.global_state)
+        self.phase = "evaluating"
+        score = float(self.task.evaluate(self.model, "valid"))
+        better = self.best is None or (score > self.best[0] if self.task.higher_is_better else score < self.best[0])
+        if better and math.isfinite(score):
+            self.best = (score, rnd)
+            torch.save({k: v.clone() for k, v in self.global_state.items()}, self.run_dir / "best.pt")
+        return score
+
+    def _row(self, stats: RoundStats, score: float | None, weights: dict[str, float], skipped: str | None) -> dict:
+        losses = list(stats.reported.values())
+        return {
+            "round": stats.round, "time": time.time(), "version": self.version, "strategy": stats.strategy or None,
+            "metric": self.task.metric, "valid": score,
+            "mean_loss": sum(losses) / len(losses) if losses else None,
+            "online": stats.online, "selected": stats.selected, "reported": sorted(stats.reported),
+            "granted": stats.granted, "received": sorted(stats.received),
+            "dropped": sorted(set(stats.selected) - set(stats.received)),
+            "skipped": skipped is not None, "skip_reason": skipped,
+            "bytes_up": stats.bytes_up, "bytes_down": stats.bytes_down,
+            "bytes_up_raw": stats.bytes_up_raw, "bytes_down_raw": stats.bytes_down_raw,
+            "wall_s": time.time() - stats.started, "weights": weights,
+            "rejected": dict(self.inbox.rejected), "dropped_msgs": dict(self.inbox.dropped),
+        }
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint(self) -> None:
+        save_checkpoint(self.ckpt_dir, round=self.round, model_version=self.version, global_state=self.global_state,
+                        strategy_state={}, mediator_state=self.mediator.state_dict(), rng_state=None,
+                        folded=self.folded, extra={"best": self.best, "presence_versions": {}})
+
+    def _restore(self) -> None:
+        ckpt = load_checkpoint(self.ckpt_dir)
+        if ckpt is None:
+            return
+        self.round, self.version = ckpt.round, ckpt.model_version
+        self.global_state = {k: v.float() for k, v in ckpt.global_state.items()}
+        self.mediator.load_state_dict(ckpt.mediator_state)
+        self.folded = {int(k): v for k, v in ckpt.folded.items()}
+        best = ckpt.extra.get("best")
+        self.best = tuple(best) if best else None
+        self.runlog.truncate_after(self.round - 1)
+        log.info("resumed from checkpoint", round=self.round, version=self.version)
+
+    # ------------------------------------------------------------------ asynchronous mode
+    def _run_async(self) -> None:
+        """FedBuff-style: fold every K arrivals (staleness weight 1/sqrt(1+τ)), publish a new version each time."""
+        cfg = self.cfg
+        self._wait_for_agents(1, cfg.join_timeout_s)
+        history: dict[int, dict[str, torch.Tensor]] = {}
+        while self.version < cfg.rounds and not self.stop.is_set():
+            stats = RoundStats(self.round, strategy="async", online=self._online())
+            stats.selected = stats.online
+            history[self.version] = self.global_state
+            for old in [v for v in history if v < self.version - cfg.max_staleness]:
+                del history[old]
+            self._announce(stats)
+            strategy = make_strategy("async", **self._strategy_params("async"))
+            strategy.begin(self.global_state)
+            deadline = time.time() + cfg.report_deadline_s + cfg.update_deadline_s
+            while len(stats.received) < cfg.async_k and time.time() < deadline and not self.stop.is_set():
+                msg = self.inbox.next(min(0.5, deadline - time.time()))
+                if msg is None:
+                    continue
+                env = msg.env
+                if env.kind is Kind.PRESENCE:
+                    self._note_presence(msg)
+                elif env.kind is not Kind.UPDATE:
+                    self.inbox.drop(msg, "unexpected")
+                elif self.version - env.model_version > cfg.max_staleness or env.model_version not in history:
+                    self.inbox.drop(msg, "too-stale")
+                else:
+                    self._fold_async(stats, strategy, msg, history[env.model_version])
+            self._close(stats, strategy if stats.received else None)
+
+    def _fold_async(self, stats: RoundStats, strategy: Strategy, msg: Received, base: dict[str, torch.Tensor]) -> None:
+        env = msg.env
+        try:
+            tensors = decode_state(env.payload["tensors"], self.manifest, base)
+        except CodecError as exc:
+            self.inbox.reject(msg.delivery, exc.reason, str(exc))
+            return
+        full = {k: torch.from_numpy(v) for k, v in tensors.items()}
+        delta = {k: v - base[k] for k, v in full.items()}
+        try:
+            strategy.fold(ClientUpdate(env.client, env.payload["n_samples"], full, loss=env.payload["loss"],
+                                       staleness=self.version - env.model_version, update_id=env.msg_id,
+                                       extra={"delta": delta}))
+        except FedmqError as exc:
+            self.inbox.reject(msg.delivery, "rejected-by-strategy", str(exc))
+            return
+        self.spool.save_update(stats.round, f"{env.client}-{env.msg_id}", msg.delivery.body)
+        stats.received.append(env.client)
+        stats.reported[env.client] = float(env.payload["loss"])
+        stats.bytes_up += msg.size
+        stats.bytes_up_raw += raw_nbytes(delta)
+        self.inbox.ack(msg)
+
+    # ------------------------------------------------------------------ summary
+    def _config_record(self) -> dict[str, Any]:
+        return {**self.cfg.to_dict(), **self.task.describe(), "manifest_tensors": len(self.manifest),
+                "parameters": self.manifest.numel}
+
+    def _summary(self, wall: float) -> dict[str, Any]:
+        rows = self.runlog.rows()
+        test = None
+        best_path = self.run_dir / "best.pt"
+        if self.evaluate and best_path.is_file() and not self.stop.is_set():
+            load_state(self.model, torch.load(best_path, weights_only=True))
+            self.phase = "testing"
+            test = float(self.task.evaluate(self.model, "test"))
+        return {
+            "metric": self.task.metric, "higher_is_better": self.task.higher_is_better,
+            "best_round": self.best[1] if self.best else None, "best_valid": self.best[0] if self.best else None,
+            "test": test, "rounds_completed": sum(1 for r in rows if not r.get("skipped")),
+            "rounds_skipped": sum(1 for r in rows if r.get("skipped")), "wall_s": wall,
+            "strategy": self.cfg.strategy, "version": self.version,
+            "bytes_up": sum(r.get("bytes_up", 0) for r in rows), "bytes_down": sum(r.get("bytes_down", 0) for r in rows),
+            "rejected": dict(self.inbox.rejected), "dropped": dict(self.inbox.dropped),
+            "interrupted": self.stop.is_set(),
+        }

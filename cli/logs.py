@@ -1,0 +1,46 @@
+"""structlog set-up: JSON lines for services (and when not a terminal), readable console for humans."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import structlog
+
+LEVELS = ("debug", "info", "warning", "error")
+
+
+def configure(level: str = "info", fmt: str = "auto", file: Path | None = None) -> None:
+    """fmt: "json" | "console" | "auto" (console on a TTY). ``file`` also receives JSON lines."""
+    if level not in LEVELS:
+        raise ValueError(f"unknown log level {level!r}; use one of {', '.join(LEVELS)}")
+    if fmt == "auto":
+        fmt = "console" if sys.stderr.isatty() else "json"
+    shared = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    renderer = structlog.dev.ConsoleRenderer() if fmt == "console" else structlog.processors.JSONRenderer()
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    handlers[0].setFormatter(structlog.stdlib.ProcessorFormatter(processor=renderer, foreign_pre_chain=shared))
+    if file is not None:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        fh = logging.FileHandler(file)
+        fh.setFormatter(structlog.stdlib.ProcessorFormatter(processor=structlog.processors.JSONRenderer(),
+                                                            foreign_pre_chain=shared))
+        handlers.append(fh)
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    for h in handlers:
+        root.addHandler(h)
+    root.setLevel(level.upper())
+    logging.getLogger("pika").setLevel(logging.WARNING)
+    structlog.configure(
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )

@@ -1,0 +1,85 @@
+"""`fedmq simulate`: an aggregator and K agents in one process, over the in-process broker or RabbitMQ."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import structlog
+
+from aggregator.config import JobConfig
+from aggregator.engine import Engine
+from broker import topology
+from broker.connect import connect
+from client_agent.agent import Agent, AgentLog
+from client_agent.availability import parse_availability, parse_faults
+from client_agent.tasks.base import Task
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class Simulation:
+    cfg: JobConfig
+    task: Task
+    broker_url: str = "memory://sim"
+    run_dir: Path = Path("runs/sim")
+    availability: str = "always"
+    faults: str = ""
+    device: str = "cpu"
+    resume: bool = False
+    rejoin_s: float = 1.0
+    on_round: Callable[[dict], None] | None = None
+    agent_logs: dict[str, AgentLog] = field(default_factory=dict)
+    engine: Engine | None = None
+
+    def _url_user(self) -> str | None:
+        if self.broker_url.startswith("memory://"):
+            return None
+        return urllib.parse.urlparse(self.broker_url).username or "guest"
+
+    def run(self, stop: threading.Event | None = None) -> dict[str, Any]:
+        cfg = self.cfg
+        shared_user = self._url_user()
+        if shared_user:  # every agent shares the URL's account: check the user, not per-agent identity
+            cfg.identity = f"shared:{shared_user}"
+        availability = parse_availability(self.availability, cfg.seed)
+        faults = parse_faults(self.faults, cfg.seed)
+        agg_broker = connect(self.broker_url, user=topology.AGGREGATOR_USER)
+        self.engine = engine = Engine(agg_broker, self.task, cfg, self.run_dir, durable=shared_user is not None,
+                                      on_round=self.on_round)
+        train_lock = threading.Semaphore(1)  # 2 cores: one local training at a time keeps each one fast
+        agents, threads = [], []
+        for i in range(cfg.clients):
+            client = f"agent-{i}"
+            agent = Agent(lambda c=client: connect(self.broker_url, user=c), cfg.job, client, i, self.task,
+                          availability=availability, faults=faults, device=self.device,
+                          heartbeat_s=cfg.heartbeat_s, rejoin_s=self.rejoin_s, seed=cfg.seed, train_lock=train_lock)
+            agents.append(agent)
+            self.agent_logs[client] = agent.log
+            threads.append(threading.Thread(target=agent.run, name=client, daemon=True))
+        watcher = None
+        if stop is not None:
+            def watch() -> None:
+                stop.wait()
+                engine.stop.set()
+            watcher = threading.Thread(target=watch, daemon=True)
+            watcher.start()
+        try:
+            engine.broker.declare_job(cfg.job, [])
+            for t in threads:
+                t.start()
+            summary = engine.run(resume=self.resume)
+        finally:
+            for agent in agents:
+                agent.stop.set()
+            deadline = time.time() + 10
+            for t in threads:
+                t.join(timeout=max(deadline - time.time(), 0.1))
+            agg_broker.close()
+        summary["uploads_confirmed"] = sum(len(a.uploads) for a in self.agent_logs.values())
+        return summary
