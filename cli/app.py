@@ -201,7 +201,6 @@ def aggregator_run(
     """
     from aggregator.config import JobConfig
     from aggregator.engine import Engine
-    from broker import topology
     from broker.connect import connect
 
     _setup_logs(log_level, log_format, state_dir / "logs" / "aggregator.jsonl")
@@ -211,7 +210,7 @@ def aggregator_run(
                                               "clients": clients, "fraction": fraction}))
     task_opts.setdefault("clients", cfg.clients)
     task_obj = _make_task(task_opts)
-    conn = connect(_broker_url(broker, user, password), user=user or topology.AGGREGATOR_USER)
+    conn = connect(_broker_url(broker, user, password))
     engine = Engine(conn, task_obj, cfg, state_dir)
     server = _serve_metrics(metrics_port, engine.status, lambda: conn.status().get("connected", False))
     signal.signal(signal.SIGTERM, lambda *_: engine.stop.set())
@@ -274,7 +273,7 @@ def agent_run(
     task_opts.setdefault("clients", values.get("clients", index + 1))
     task_obj = _make_task(task_opts)
     url = _broker_url(broker, user, password)
-    agent = Agent(lambda: connect(url, user=user or client_id), job, client_id, index, task_obj,
+    agent = Agent(lambda: connect(url), job, client_id, index, task_obj,
                   availability=parse_availability(availability, seed), faults=parse_faults(faults, seed),
                   device=device, seed=seed)
     server = _serve_metrics(metrics_port, lambda: {"client": client_id, "version": agent.version,

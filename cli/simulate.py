@@ -49,14 +49,15 @@ class Simulation:
             cfg.identity = f"shared:{shared_user}"
         availability = parse_availability(self.availability, cfg.seed)
         faults = parse_faults(self.faults, cfg.seed)
-        agg_broker = connect(self.broker_url, user=topology.AGGREGATOR_USER)
+        memory = shared_user is None
+        agg_broker = connect(self.broker_url, user=topology.AGGREGATOR_USER if memory else None)
         self.engine = engine = Engine(agg_broker, self.task, cfg, self.run_dir, durable=shared_user is not None,
                                       on_round=self.on_round)
         train_lock = threading.Semaphore(1)  # 2 cores: one local training at a time keeps each one fast
         agents, threads = [], []
         for i in range(cfg.clients):
             client = f"agent-{i}"
-            agent = Agent(lambda c=client: connect(self.broker_url, user=c), cfg.job, client, i, self.task,
+            agent = Agent(lambda c=client: connect(self.broker_url, user=c if memory else None), cfg.job, client, i, self.task,
                           availability=availability, faults=faults, device=self.device,
                           heartbeat_s=cfg.heartbeat_s, rejoin_s=self.rejoin_s, seed=cfg.seed, train_lock=train_lock)
             agents.append(agent)

@@ -1,0 +1,32 @@
+import pytest
+
+from aggregator.config import JobConfig, JobConfigError
+
+
+def test_defaults_are_valid_and_derived_properties():
+    cfg = JobConfig()
+    assert cfg.mode == "sync" and cfg.pull == "all" and not cfg.grant_phase
+    assert cfg.selected_count() == 5  # C=0.5 of K=10
+    assert JobConfig(strategy="fedmed").grant_phase  # the mediator needs every report first
+    assert JobConfig(beta=0.5).grant_phase
+    assert JobConfig(strategy="fedsgd").selected_count() == 10
+    assert JobConfig(strategy="fedsgd", epochs=5).train_config()["epochs"] == 1
+    assert JobConfig(strategy="dp-g").pull == "dp-g"
+    assert JobConfig(strategy="async").mode == "async"
+    assert JobConfig(fraction=0.01, clients=10).selected_count() == 1
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"strategy": "fedfoo"}, {"rounds": 0}, {"fraction": 0}, {"fraction": 1.5}, {"beta": 0}, {"lr": -1},
+    {"att_norm": "l7"}, {"optimizer": "rmsprop"}, {"identity": "shared:"}, {"pull_fraction": 1.0}, {"epochs": 0},
+])
+def test_bad_values_rejected_with_one_line(kwargs):
+    with pytest.raises(JobConfigError) as err:
+        JobConfig(**kwargs)
+    assert "\n" not in str(err.value)
+
+
+def test_from_dict_rejects_unknown_keys():
+    with pytest.raises(JobConfigError, match="unknown config key"):
+        JobConfig.from_dict({"rounds": 3, "colour": "blue"})
+    assert JobConfig.from_dict({"rounds": 3}).rounds == 3
