@@ -1,0 +1,91 @@
+"""FedMed adaptive aggregation: hand-worked JS weighting, streaming == batch, the fedavg mode."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aggregator.strategies.base import ClientUpdate
+from aggregator.strategies.errors import BadParameter, StrategyError
+from aggregator.strategies.fedmed import FedMed, js_divergence
+
+LN3 = math.log(3.0)
+
+
+def run(strategy, glob, updates):
+    strategy.begin(glob)
+    for u in updates:
+        strategy.fold(u)
+    return strategy.finish()
+
+
+def test_js_divergence_hand_worked():
+    # p = softmax([0,0]) = [1/2, 1/2]; q = softmax([ln 3, 0]) = [3/4, 1/4]; m = [5/8, 3/8]
+    # KL(p‖m) = ½ln(0.8) + ½ln(4/3) = 0.0322693; KL(q‖m) = ¾ln(1.2) + ¼ln(2/3) = 0.0353749
+    # JS = ½(0.0322693 + 0.0353749) = 0.0338221
+    assert js_divergence(torch.zeros(2), torch.tensor([LN3, 0.0])) == pytest.approx(0.0338221, abs=1e-6)
+    assert js_divergence(torch.zeros(5), torch.zeros(5)) == 0.0
+    # bounded by ln 2 for disjoint-looking distributions
+    assert js_divergence(torch.tensor([100.0, 0.0]), torch.tensor([0.0, 100.0])) == pytest.approx(math.log(2), abs=1e-9)
+
+
+def test_chunked_js_matches_direct_formula_on_a_large_tensor():
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3_000_000, generator=gen), torch.randn(3_000_000, generator=gen)  # > one 1M chunk
+    lp, lq = F.log_softmax(a.double(), 0), F.log_softmax(b.double(), 0)
+    lm = torch.logaddexp(lp, lq) - math.log(2)
+    ref = 0.5 * float((lp.exp() * (lp - lm)).sum() + (lq.exp() * (lq - lm)).sum())
+    assert js_divergence(a, b) == pytest.approx(ref, rel=1e-9)
+
+
+def test_adaptive_hand_worked():
+    # client a equals the global model: JS_a = 0; client b: JS_b = 0.0338221 (above)
+    # γ_b = 1/(1 + e^-0.0338221) = 0.5084547, γ_a = 0.4915453; η = 1: θ' = γ_a·[0,0] + γ_b·[ln3, 0] = [0.5585946, 0]
+    s = FedMed()
+    out = run(s, {"w": torch.zeros(2)},
+              [ClientUpdate("a", 5, {"w": torch.zeros(2)}), ClientUpdate("b", 1, {"w": torch.tensor([LN3, 0.0])})])
+    torch.testing.assert_close(out["w"], torch.tensor([0.5585946, 0.0]))
+    assert s.client_weights()["b"] == pytest.approx(0.5084547, abs=1e-6)
+
+
+def test_eta_scales_the_step():
+    # η = 0.5: θ' = θ − ½ Σ γ_k (θ − θ_k) = ½·[0.5585946, 0]
+    out = run(FedMed(eta=0.5), {"w": torch.zeros(2)},
+              [ClientUpdate("a", 1, {"w": torch.zeros(2)}), ClientUpdate("b", 1, {"w": torch.tensor([LN3, 0.0])})])
+    torch.testing.assert_close(out["w"], torch.tensor([0.2792973, 0.0]))
+
+
+def test_fedavg_mode_is_plain_weighted_average():
+    s = FedMed()
+    s.set_mode("fedavg")
+    # (3·[0,0] + 1·[4,8]) / 4 = [1, 2]
+    out = run(s, {"w": torch.zeros(2)}, [ClientUpdate("a", 3, {"w": torch.zeros(2)}), ClientUpdate("b", 1, {"w": torch.tensor([4.0, 8.0])})])
+    assert torch.equal(out["w"], torch.tensor([1.0, 2.0]))
+    assert s.client_weights() == {"a": 0.75, "b": 0.25}
+
+
+def test_streaming_equals_batch_in_any_order():
+    gen = torch.Generator().manual_seed(1)
+    glob = {"w": torch.randn(20, 3, generator=gen), "b": torch.randn(3, generator=gen)}
+    ups = [ClientUpdate(str(i), 1, {k: v + 2 * torch.randn(v.shape, generator=gen) for k, v in glob.items()}) for i in range(5)]
+    ref = {}
+    for k, g in glob.items():
+        gamma = torch.softmax(torch.tensor([js_divergence(g, u.tensors[k]) for u in ups], dtype=torch.float64), 0)
+        ref[k] = sum(float(c) * u.tensors[k].double() for c, u in zip(gamma, ups))
+    for order in (ups, ups[::-1], ups[2:] + ups[:2]):
+        out = run(FedMed(), glob, order)
+        for k in glob:
+            torch.testing.assert_close(out[k].double(), ref[k], rtol=1e-5, atol=1e-6)
+
+
+def test_mode_is_validated_and_fixed_within_a_round():
+    with pytest.raises(BadParameter, match="mode"):
+        FedMed(mode="median")
+    s = FedMed()
+    s.begin({"w": torch.zeros(2)})
+    with pytest.raises(StrategyError, match="before begin"):
+        s.set_mode("fedavg")
+    assert s.mode == "adaptive"
