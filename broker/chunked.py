@@ -1,0 +1,145 @@
+"""Transparent chunking for Broker backends: split on publish, reassemble per consumer.
+
+A body over the chunk limit is published as several messages carrying the header ``x-fedmq-chunk`` whose
+bodies are chunk frames (broker.chunking). Each consumer owns a :class:`ChunkGate` that turns the raw
+deliveries of its queue into whole deliveries for the handler.
+
+Acks: chunk deliveries are *held* unacked until the whole message is handed over, and acking that one
+Delivery acks every chunk (so a consumer that dies mid-message gets all chunks redelivered elsewhere).
+Prefetch would deadlock when a message has more chunks than the window still free, so when the
+consumer's unsettled deliveries reach the window while chunks are held, the held chunks are acked early
+("window-full"). Those chunks then live only in this process: a broker restart or reconnect is harmless
+(the reassembler keeps them and redelivered copies are acked as duplicates), a crash of the consumer
+process loses that partial message. Keep prefetch above chunks-per-message to avoid this path.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import structlog
+
+from broker.base import Broker, Delivery, Handler
+from broker.chunking import Reassembler, decode_chunk, encode_chunk, split
+from broker.errors import CodecError
+
+log = structlog.get_logger(__name__)
+
+CHUNK_HEADER = "x-fedmq-chunk"
+
+
+def chunk_messages(body: bytes, message_id: str, limit: int) -> list[bytes] | None:
+    """Encoded chunk frames for ``body``, or None when it fits in one message."""
+    if len(body) <= limit:
+        return None
+    return [encode_chunk(c) for c in split(body, message_id, limit)]
+
+
+@dataclass
+class Tag:
+    """The handle of a whole delivery: the backend's raw tags of every message it was made of."""
+
+    raw: list[Any]
+    gate: "ChunkGate"
+    gen: int
+    settled: bool = False
+
+
+@dataclass
+class Outcome:
+    """What to do after feeding one raw delivery: hand ``deliver`` to the handler; ack/reject raw tags."""
+
+    deliver: Delivery | None = None
+    ack: list[Any] = field(default_factory=list)
+    reject: list[Any] = field(default_factory=list)
+    reason: str | None = None
+
+
+class ChunkGate:
+    """Per-consumer reassembly and prefetch-window bookkeeping (see module docstring). Thread-safe."""
+
+    def __init__(self, window: int, *, max_message_size: int = 4 * 1024**3, max_pending_bytes: int = 4 * 1024**3,
+                 timeout_s: float = 600.0) -> None:
+        self.window = max(1, window)
+        self.reassembler = Reassembler(timeout_s=timeout_s, max_pending_bytes=max_pending_bytes,
+                                       max_message_size=max_message_size)
+        self._lock = threading.Lock()
+        self._held: dict[str, list[Any]] = {}  # msg_id -> raw tags of its chunks still unacked
+        self._unsettled = 0  # raw deliveries received and not yet acked/rejected
+        self.gen = 0
+        self.rejected = 0
+        self.early_acked = 0
+
+    def reset(self) -> None:
+        """The connection was lost: every raw tag is void (the broker requeued them); keep reassembled data."""
+        with self._lock:
+            self._held.clear()
+            self._unsettled = 0
+            self.gen += 1
+
+    def settle(self, tag: Tag) -> list[Any]:
+        """Mark a whole delivery as acked/rejected; its raw tags (empty if already settled or from an old connection)."""
+        with self._lock:
+            if tag.settled:
+                return []
+            tag.settled = True
+            if tag.gen != self.gen:
+                return []
+            self._unsettled -= len(tag.raw)
+            return list(tag.raw)
+
+    def feed(self, d: Delivery) -> Outcome:
+        """Take one raw delivery (its ``tag`` is the backend's raw tag)."""
+        raw = d.tag
+        with self._lock:
+            self._unsettled += 1
+            if CHUNK_HEADER not in d.headers:
+                return Outcome(deliver=replace(d, tag=Tag([raw], self, self.gen)))
+            try:
+                chunk = decode_chunk(d.body)
+                dup = self.reassembler.is_duplicate(chunk)
+                body = None if dup else self.reassembler.add(chunk)
+            except CodecError as exc:
+                self._unsettled -= 1
+                self.rejected += 1
+                log.warning("chunk rejected", queue=d.queue, message_id=d.message_id, reason=exc.reason, detail=str(exc))
+                return Outcome(reject=[raw], reason=exc.reason)
+            if dup:
+                self._unsettled -= 1
+                log.debug("duplicate chunk dropped", queue=d.queue, msg_id=chunk.msg_id, index=chunk.index)
+                return Outcome(ack=[raw])
+            tags = self._held.setdefault(chunk.msg_id, [])
+            tags.append(raw)
+            if body is not None:
+                del self._held[chunk.msg_id]
+                headers = {k: v for k, v in d.headers.items() if k != CHUNK_HEADER}
+                whole = replace(d, body=body, headers=headers, message_id=chunk.msg_id,
+                                tag=Tag(tags, self, self.gen))
+                return Outcome(deliver=whole)
+            if self._unsettled >= self.window:
+                early = [t for ts in self._held.values() for t in ts]
+                for ts in self._held.values():
+                    ts.clear()
+                self._unsettled -= len(early)
+                self.early_acked += len(early)
+                log.info("prefetch window full of chunks: acking held chunks early", queue=d.queue,
+                         chunks=len(early), window=self.window)
+                return Outcome(ack=early)
+            return Outcome()
+
+
+def run_handler(broker: "Broker", handler: Handler, d: Delivery) -> None:
+    """Run a handler; if it raises, log and reject (no requeue) unless it already settled the delivery."""
+    try:
+        handler(d)
+    except Exception as exc:  # a handler bug must not kill the dispatcher thread
+        log.error("message handler failed; message rejected", queue=d.queue, message_id=d.message_id,
+                  error=f"{type(exc).__name__}: {exc}")
+        tag = d.tag
+        if isinstance(tag, Tag) and not tag.settled:
+            try:
+                broker.reject(d, requeue=False)
+            except Exception as exc2:  # the connection may be gone; the broker requeues it then
+                log.warning("could not reject after handler failure", error=str(exc2))

@@ -1,0 +1,71 @@
+"""``connect(url)``: pick the Broker backend by URL scheme (amqp/amqps: RabbitMQ; memory: in-process)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from broker.base import Broker
+from broker.chunking import DEFAULT_CHUNK_LIMIT
+from broker.errors import BrokerError
+from broker.tls import TlsOptions
+
+_MEMORY_NAME = re.compile(r"^[A-Za-z0-9_.-]{0,64}$")
+
+
+def redact(url: str) -> str:
+    """The URL with its password replaced by ***, for messages and logs."""
+    return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url)
+
+
+def connect(url: str, *, user: str | None = None, prefetch: int = 64, heartbeat: int = 30,
+            chunk_limit: int = DEFAULT_CHUNK_LIMIT, tls: TlsOptions | None = None, **kw: Any) -> Broker:
+    """One connection to the broker at ``url``; BrokerError (one line) on a bad URL or unreachable broker.
+
+    ``memory://NAME`` or ``memory://USER@NAME`` shares the in-process hub NAME with every connect() of the
+    process. ``amqp://USER:PASS@HOST:PORT/VHOST`` (``amqps://`` with ``tls``): RabbitMQ; the user is the URL's.
+    Extra keywords go to the backend (e.g. ``connect_timeout``, ``publish_timeout``, ``max_message_size``).
+    """
+    if not isinstance(url, str) or "://" not in url:
+        raise BrokerError(f"bad broker URL {url!r}: want amqp://, amqps:// or memory://")
+    if not isinstance(prefetch, int) or prefetch < 1:
+        raise BrokerError(f"prefetch must be a positive integer, got {prefetch!r}")
+    if not isinstance(chunk_limit, int) or chunk_limit < 1024:
+        raise BrokerError(f"chunk limit must be an integer of at least 1024 bytes, got {chunk_limit!r}")
+    if not isinstance(heartbeat, int) or heartbeat < 0:
+        raise BrokerError(f"heartbeat must be a non-negative integer of seconds, got {heartbeat!r}")
+    scheme = url.split("://", 1)[0].lower()
+    if scheme == "memory":
+        return _connect_memory(url, user, prefetch, chunk_limit, kw)
+    if scheme in ("amqp", "amqps"):
+        from broker.rabbitmq import RabbitBroker  # pika is only needed for real brokers
+
+        return RabbitBroker(url, user=user, prefetch=prefetch, heartbeat=heartbeat, chunk_limit=chunk_limit,
+                            tls=tls, **kw)
+    raise BrokerError(f"unsupported broker URL scheme {scheme!r} in {redact(url)!r}: use amqp://, amqps:// or memory://")
+
+
+def _connect_memory(url: str, user: str | None, prefetch: int, chunk_limit: int, kw: dict[str, Any]) -> Broker:
+    from broker.memory import MemoryBroker
+
+    rest = url.split("://", 1)[1]
+    if "/" in rest or "?" in rest:
+        raise BrokerError(f"bad memory broker URL {url!r}: want memory://NAME or memory://USER@NAME")
+    url_user, _, name = rest.rpartition("@")
+    if not _MEMORY_NAME.match(name):
+        raise BrokerError(f"bad memory broker name {name!r}: use letters, digits, '.', '-' or '_'")
+    url_user = unquote(url_user)
+    if user and url_user and user != url_user:
+        raise BrokerError(f"user {user!r} conflicts with the user {url_user!r} in the broker URL")
+    unknown = set(kw) - {"max_message_size"}
+    if unknown:
+        raise BrokerError(f"unknown option(s) for the memory broker: {', '.join(sorted(unknown))}")
+    return MemoryBroker(name or "default", user=user or url_user or "guest", prefetch=prefetch,
+                        chunk_limit=chunk_limit, **kw)
+
+
+def url_user(url: str) -> str | None:
+    """The user name in an amqp(s) URL, if any."""
+    parts = urlsplit(url)
+    return unquote(parts.username) if parts.username else None

@@ -1,0 +1,285 @@
+"""The in-process broker (``memory://NAME``) for `fedmq simulate` and fast tests.
+
+Keeps the RabbitMQ semantics fedmq relies on: one topic exchange with ``*``/``#`` routing, ``mandatory``
+(unroutable publishes fail), per-queue FIFO, per-consumer prefetch, unacked messages requeued (in their
+original order, flagged ``redelivered``) when their consumer is cancelled or its connection closes,
+``x-max-length`` with drop-head (only ready messages count, like RabbitMQ), and single active consumer.
+Every ``connect("memory://NAME")`` in the process shares the hub NAME; each is one "connection" with its own
+dispatcher thread that runs the handlers, so a slow handler blocks only its own connection's consumers.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import queue as queue_mod
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from broker.base import Broker, Delivery, Handler
+from broker.chunked import CHUNK_HEADER, ChunkGate, Tag, chunk_messages, run_handler
+from broker.chunking import DEFAULT_CHUNK_LIMIT
+from broker.errors import BrokerError
+from broker.queues import check_publish_args, job_queues
+
+log = structlog.get_logger(__name__)
+
+
+def topic_matches(pattern: str, key: str) -> bool:
+    """AMQP topic matching: words split on '.', '*' is exactly one word, '#' is zero or more words."""
+    return _match(pattern.split("."), key.split("."))
+
+
+def _match(p: list[str], k: list[str]) -> bool:
+    if not p:
+        return not k
+    head = p[0]
+    if head == "#":
+        return any(_match(p[1:], k[i:]) for i in range(len(k) + 1))
+    if not k:
+        return False
+    return (head == "*" or head == k[0]) and _match(p[1:], k[1:])
+
+
+@dataclass
+class _Msg:
+    seq: int
+    routing_key: str
+    body: bytes
+    message_id: str | None
+    user_id: str | None
+    headers: dict[str, Any]
+    redelivered: bool = False
+
+
+@dataclass
+class _Consumer:
+    tag: str
+    queue: "_Queue"
+    conn: "MemoryBroker"
+    handler: Handler
+    prefetch: int
+    gate: ChunkGate
+    unacked: dict[int, _Msg] = field(default_factory=dict)
+    cancelled: bool = False
+
+
+@dataclass
+class _Queue:
+    name: str
+    arguments: dict[str, Any]
+    ready: list[_Msg] = field(default_factory=list)  # sorted by seq
+    consumers: list[_Consumer] = field(default_factory=list)
+    rr: int = 0
+
+    def push(self, msg: _Msg) -> None:
+        self.ready.append(msg)
+        limit = self.arguments.get("x-max-length")
+        if limit is not None:
+            while len(self.ready) > int(limit):
+                dropped = self.ready.pop(0)
+                log.debug("max-length queue dropped its oldest message", queue=self.name, message_id=dropped.message_id)
+
+    def requeue(self, msgs: list[_Msg]) -> None:
+        for m in msgs:
+            m.redelivered = True
+            bisect.insort(self.ready, m, key=lambda x: x.seq)
+
+
+class _Hub:
+    """One named in-process broker: queues, bindings of its topic exchange, and a lock around all of it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.lock = threading.RLock()
+        self.queues: dict[str, _Queue] = {}
+        self.bindings: list[tuple[str, str]] = []  # (pattern, queue)
+        self.seq = itertools.count()
+        self.delivery_ids = itertools.count(1)
+
+    def declare(self, name: str, arguments: dict[str, Any], bindings: tuple[str, ...]) -> None:
+        with self.lock:
+            q = self.queues.get(name)
+            if q is None:
+                self.queues[name] = _Queue(name, dict(arguments))
+            elif q.arguments != arguments:
+                raise BrokerError(f"queue {name} exists with different arguments {q.arguments} (wanted {arguments})")
+            for b in bindings:
+                if (b, name) not in self.bindings:
+                    self.bindings.append((b, name))
+
+    def route(self, routing_key: str) -> list[_Queue]:
+        return [self.queues[q] for p, q in self.bindings if q in self.queues and topic_matches(p, routing_key)]
+
+    def pump(self, q: _Queue) -> None:
+        """Hand ready messages to consumers with room in their prefetch window (caller holds the lock)."""
+        sac = bool(q.arguments.get("x-single-active-consumer"))
+        while q.ready and q.consumers:
+            candidates = q.consumers[:1] if sac else q.consumers
+            chosen = None
+            for i in range(len(candidates)):
+                c = candidates[(q.rr + i) % len(candidates)]
+                if len(c.unacked) < c.prefetch:
+                    chosen = c
+                    q.rr = (q.rr + i + 1) % max(1, len(candidates))
+                    break
+            if chosen is None:
+                return
+            msg = q.ready.pop(0)
+            did = next(self.delivery_ids)
+            chosen.unacked[did] = msg
+            d = Delivery(body=msg.body, routing_key=msg.routing_key, queue=q.name, message_id=msg.message_id,
+                         user_id=msg.user_id, headers=dict(msg.headers), redelivered=msg.redelivered,
+                         tag=(chosen, did))
+            chosen.conn._inbox.put((chosen, d))
+
+
+_hubs: dict[str, _Hub] = {}
+_hubs_lock = threading.Lock()
+
+
+def hub(name: str) -> _Hub:
+    with _hubs_lock:
+        h = _hubs.get(name)
+        if h is None:
+            h = _hubs[name] = _Hub(name)
+        return h
+
+
+class MemoryBroker(Broker):
+    """One connection to the in-process hub ``name`` (see module docstring)."""
+
+    def __init__(self, name: str, *, user: str = "guest", prefetch: int = 64,
+                 chunk_limit: int = DEFAULT_CHUNK_LIMIT, max_message_size: int = 4 * 1024**3) -> None:
+        self.url = f"memory://{user}@{name}"
+        self.user = user
+        self.prefetch = prefetch
+        self.chunk_limit = chunk_limit
+        self.max_message_size = max_message_size
+        self._hub = hub(name)
+        self._consumers: dict[str, _Consumer] = {}
+        self._closed = False
+        self._inbox: queue_mod.Queue = queue_mod.Queue()
+        self._thread = threading.Thread(target=self._dispatch_loop, name=f"fedmq-memory-dispatch-{name}", daemon=True)
+        self._thread.start()
+
+    # ---- publishing ---------------------------------------------------------------------------------
+    def declare_job(self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True) -> None:
+        self._check_open()
+        for spec in job_queues(job, agents, inbox=inbox):
+            self._hub.declare(spec.name, spec.arguments, spec.bindings)
+
+    def publish(self, routing_key: str, body: bytes, *, message_id: str | None = None,
+                headers: dict[str, Any] | None = None, timeout: float | None = None) -> None:
+        self._check_open()
+        check_publish_args(routing_key, body)
+        message_id = message_id or uuid.uuid4().hex
+        base_headers = dict(headers or {})
+        frames = chunk_messages(bytes(body), message_id, self.chunk_limit)
+        parts = [(bytes(body), base_headers)] if frames is None else [(f, {**base_headers, CHUNK_HEADER: 1}) for f in frames]
+        with self._hub.lock:
+            targets = self._hub.route(routing_key)
+            if not targets:
+                raise BrokerError(f"message to {routing_key!r} is unroutable: no queue is bound to it")
+            for data, hdrs in parts:
+                seq = next(self._hub.seq)
+                for q in targets:
+                    q.push(_Msg(seq, routing_key, data, message_id, self.user, dict(hdrs)))
+            for q in targets:
+                self._hub.pump(q)
+
+    # ---- consuming ----------------------------------------------------------------------------------
+    def consume(self, queue: str, handler: Handler, *, prefetch: int | None = None) -> str:
+        self._check_open()
+        window = prefetch or self.prefetch
+        with self._hub.lock:
+            q = self._hub.queues.get(queue)
+            if q is None:
+                raise BrokerError(f"cannot consume {queue!r}: no such queue (declare the job first)")
+            tag = f"memory-{uuid.uuid4().hex[:12]}"
+            c = _Consumer(tag, q, self, handler, window, ChunkGate(window, max_message_size=self.max_message_size))
+            q.consumers.append(c)
+            self._consumers[tag] = c
+            self._hub.pump(q)
+        return tag
+
+    def cancel(self, consumer_tag: str) -> None:
+        with self._hub.lock:
+            c = self._consumers.pop(consumer_tag, None)
+            if c is None:
+                return
+            c.cancelled = True
+            if c in c.queue.consumers:
+                c.queue.consumers.remove(c)
+            c.queue.requeue(list(c.unacked.values()))
+            c.unacked.clear()
+            self._hub.pump(c.queue)
+
+    def _settle_raw(self, raw: tuple[_Consumer, int], requeue: bool | None) -> None:
+        """requeue None = ack; False = reject and drop; True = reject and requeue."""
+        c, did = raw
+        with self._hub.lock:
+            msg = c.unacked.pop(did, None)
+            if msg is None:
+                return  # consumer was cancelled: already requeued
+            if requeue:
+                c.queue.requeue([msg])
+            self._hub.pump(c.queue)
+
+    def _settle(self, delivery: Delivery, requeue: bool | None) -> None:
+        tag = delivery.tag
+        if not isinstance(tag, Tag) or not isinstance(tag.gate, ChunkGate):
+            raise BrokerError("cannot ack/reject: the delivery did not come from this broker")
+        for raw in tag.gate.settle(tag):
+            self._settle_raw(raw, requeue)
+
+    def ack(self, delivery: Delivery) -> None:
+        self._settle(delivery, None)
+
+    def reject(self, delivery: Delivery, *, requeue: bool = False) -> None:
+        self._settle(delivery, requeue)
+
+    def _dispatch_loop(self) -> None:
+        while True:
+            item = self._inbox.get()
+            if item is None:
+                return
+            c, raw = item
+            if c.cancelled:
+                continue  # its unacked messages were requeued on cancel
+            out = c.gate.feed(raw)
+            for t in out.ack:
+                self._settle_raw(t, None)
+            for t in out.reject:
+                self._settle_raw(t, False)
+            if out.deliver is not None:
+                run_handler(self, c.handler, out.deliver)
+
+    # ---- facts and lifecycle ------------------------------------------------------------------------
+    def queue_depth(self, queue: str) -> int:
+        with self._hub.lock:
+            q = self._hub.queues.get(queue)
+            return len(q.ready) if q is not None else 0
+
+    def status(self) -> dict[str, Any]:
+        return {"url": self.url, "user": self.user, "connected": not self._closed, "blocked": False,
+                "reconnects": 0, "unconfirmed": 0, "consumers": len(self._consumers)}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for tag in list(self._consumers):
+            self.cancel(tag)
+        self._inbox.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BrokerError("the broker connection is closed")
+

@@ -1,0 +1,493 @@
+"""The RabbitMQ backend (``amqp://``, ``amqps://``) on pika's BlockingConnection.
+
+Threading: BlockingConnection is not thread-safe, so one I/O thread owns it. It loops on
+``process_data_events`` (heartbeats, consumer deliveries) and runs the commands other threads queue
+(publish, ack, reject, declare, consume, cancel, queue depth); a queued command wakes it through
+``add_callback_threadsafe``. Callers of publish/declare/consume block on a future; ack/reject do not wait.
+Deliveries go to a dispatcher thread that reassembles chunks and runs the handlers, so neither a long
+handler nor a long training step on another thread can stop heartbeats.
+
+Publishing: a channel in confirm mode, ``mandatory``, persistent, ``user_id`` = this connection's user.
+Confirms are awaited one message at a time (BlockingChannel); a publish stays at the head of the command
+queue until confirmed, so after a lost connection the unconfirmed part is republished (a duplicate is
+possible and harmless: chunks are deduplicated by the reassembler, updates by their id in the aggregator).
+
+Reconnection: any connection loss (including 320 CONNECTION_FORCED on a broker restart) starts a loop with
+exponential backoff (0.2 s doubling, capped at ``max_backoff``, with jitter); once connected the declared
+topology is redeclared, the consumers resubscribed and the pending commands resumed. Deliveries from the
+old connection can no longer be acked (the broker requeued them); acking them is a logged no-op.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pika
+import pika.exceptions as pe
+import structlog
+
+from broker.base import Broker, Delivery, Handler
+from broker.chunked import CHUNK_HEADER, ChunkGate, Tag, chunk_messages, run_handler
+from broker.chunking import DEFAULT_CHUNK_LIMIT
+from broker.errors import BrokerError
+from broker.queues import check_publish_args, job_queues
+from broker.tls import TlsOptions, ssl_options
+from broker.topology import EXCHANGE
+
+log = structlog.get_logger(__name__)
+
+_CONNECTION_ERRORS = (pe.AMQPConnectionError, pe.ConnectionClosed, pe.StreamLostError, pe.ConnectionWrongStateError,
+                      OSError)
+
+
+def _redact(url: str) -> str:
+    from broker.connect import redact
+
+    return redact(url)
+
+
+@dataclass
+class _Cmd:
+    fn: Callable[["RabbitBroker"], Any]
+    future: Future = field(default_factory=Future)
+    cancelled: bool = False
+
+
+@dataclass
+class _Consumer:
+    tag: str
+    queue: str
+    handler: Handler
+    prefetch: int
+    gate: ChunkGate
+    channel: Any = None
+    gen: int = -1
+
+
+@dataclass
+class _Publish:
+    routing_key: str
+    parts: list[tuple[bytes, pika.BasicProperties]]
+    next_part: int = 0
+
+
+class RabbitBroker(Broker):
+    """One RabbitMQ connection owned by an I/O thread (see module docstring)."""
+
+    def __init__(self, url: str, *, user: str | None = None, prefetch: int = 64, heartbeat: int = 30,
+                 chunk_limit: int = DEFAULT_CHUNK_LIMIT, tls: TlsOptions | None = None, connect_timeout: float = 5.0,
+                 publish_timeout: float = 300.0, max_backoff: float = 5.0, max_message_size: int = 4 * 1024**3) -> None:
+        self.url = url
+        try:
+            params = pika.URLParameters(url)
+        except Exception as exc:  # pika raises assorted errors on malformed URLs
+            raise BrokerError(f"bad broker URL {_redact(url)!r}: {exc}") from None
+        url_user = params.credentials.username
+        if user and user != url_user and "@" in url:
+            raise BrokerError(f"user {user!r} conflicts with the user {url_user!r} in the broker URL")
+        self.user = url_user
+        if url.lower().startswith("amqps://"):
+            params.ssl_options = ssl_options(tls, params.host)
+        elif tls is not None:
+            raise BrokerError("TLS options given for a plain amqp:// URL: use amqps://")
+        params.heartbeat = heartbeat
+        params.socket_timeout = connect_timeout
+        params.stack_timeout = connect_timeout * 2
+        params.blocked_connection_timeout = None
+        params.connection_attempts = 1
+        self._params = params
+        self.prefetch = prefetch
+        self.chunk_limit = chunk_limit
+        self.connect_timeout = connect_timeout
+        self.publish_timeout = publish_timeout
+        self.max_backoff = max_backoff
+        self.max_message_size = max_message_size
+
+        self._lock = threading.Lock()
+        self._cmds: collections.deque[_Cmd] = collections.deque()
+        self._conn: pika.BlockingConnection | None = None
+        self._pub_ch: Any = None
+        self._gen = 0
+        self._jobs: list[tuple[str, tuple[str, ...], bool]] = []
+        self._consumers: dict[str, _Consumer] = {}
+        self._stopping = False
+        self._blocked = False
+        self._reconnects = 0
+        self._last_error: str | None = None
+        self._first = threading.Event()
+        self._dispatch_q: collections.deque = collections.deque()
+        self._dispatch_cv = threading.Condition()
+        self._io = threading.Thread(target=self._io_loop, name="fedmq-rabbit-io", daemon=True)
+        self._dispatcher = threading.Thread(target=self._dispatch_loop, name="fedmq-rabbit-dispatch", daemon=True)
+        self._io.start()
+        self._first.wait(connect_timeout * 3 + 5)
+        if self._conn is None:
+            self._stopping = True
+            self._io.join(timeout=5)
+            raise BrokerError(f"cannot connect to {_redact(url)}: {self._last_error or 'timed out'}")
+        self._dispatcher.start()
+
+    # ---- I/O thread ---------------------------------------------------------------------------------
+    def _open(self) -> None:
+        conn = pika.BlockingConnection(self._params)
+        conn.add_on_connection_blocked_callback(self._on_blocked)
+        conn.add_on_connection_unblocked_callback(self._on_unblocked)
+        ch = conn.channel()
+        ch.confirm_delivery()
+        self._conn, self._pub_ch = conn, ch
+        self._blocked = False
+
+    def _describe(self, exc: BaseException) -> str:
+        if isinstance(exc, (pe.ProbableAuthenticationError, pe.AuthenticationError)):
+            return f"authentication refused for user {self.user!r}"
+        if isinstance(exc, pe.ProbableAccessDeniedError):
+            return f"access to virtual host {self._params.virtual_host!r} refused for user {self.user!r}"
+        if isinstance(exc, pe.AMQPConnectionError) and exc.args:
+            inner = exc.args[0]
+            if isinstance(inner, BaseException):
+                return self._describe(inner)
+            return str(inner) or type(exc).__name__
+        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+    def _io_loop(self) -> None:
+        try:
+            self._open()
+        except Exception as exc:
+            self._last_error = self._describe(exc)
+            self._first.set()
+            return
+        self._first.set()
+        log.info("connected to RabbitMQ", url=_redact(self.url), user=self.user)
+        while not self._stopping:
+            try:
+                if self._conn is None or not self._conn.is_open:
+                    self._reconnect()
+                    continue
+                self._drain()
+                if self._stopping:
+                    break
+                self._conn.process_data_events(time_limit=0.2)
+                self._drain()
+            except _CONNECTION_ERRORS as exc:
+                self._lost(exc)
+            except Exception as exc:  # keep the I/O thread alive whatever a callback did
+                log.error("unexpected error in the broker I/O thread", error=f"{type(exc).__name__}: {exc}")
+                self._lost(exc)
+        self._shutdown_io()
+
+    def _lost(self, exc: BaseException) -> None:
+        self._last_error = self._describe(exc)
+        log.warning("RabbitMQ connection lost; reconnecting", error=self._last_error)
+        try:
+            if self._conn is not None and self._conn.is_open:
+                self._conn.close()
+        except Exception:
+            pass
+        self._conn = None
+        self._pub_ch = None
+
+    def _reconnect(self) -> None:
+        delay = 0.2
+        while not self._stopping:
+            try:
+                self._open()
+            except Exception as exc:
+                self._last_error = self._describe(exc)
+                sleep = min(self.max_backoff, delay) * random.uniform(0.5, 1.0)
+                log.info("reconnect failed; retrying", error=self._last_error, retry_in=round(sleep, 2))
+                deadline = time.monotonic() + sleep
+                while not self._stopping and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                delay *= 2
+                continue
+            self._gen += 1
+            self._reconnects += 1
+            try:
+                for job, agents, inbox in list(self._jobs):
+                    self._declare_now(job, agents, inbox)
+                for c in list(self._consumers.values()):
+                    c.gate.reset()
+                    self._subscribe(c)
+            except _CONNECTION_ERRORS as exc:
+                self._lost(exc)
+                continue
+            except BrokerError as exc:
+                log.error("could not restore topology or consumers after reconnect", error=str(exc))
+            log.info("reconnected to RabbitMQ", reconnects=self._reconnects)
+            return
+
+    def _shutdown_io(self) -> None:
+        err = BrokerError("the broker connection is closed")
+        with self._lock:
+            pending = list(self._cmds)
+            self._cmds.clear()
+        for cmd in pending:
+            if not cmd.future.done():
+                cmd.future.set_exception(err)
+        try:
+            if self._conn is not None and self._conn.is_open:
+                self._conn.close()
+        except Exception:
+            pass
+        self._conn = None
+
+    def _drain(self) -> None:
+        """Run queued commands in order; a command interrupted by a lost connection stays queued."""
+        while True:
+            with self._lock:
+                if not self._cmds:
+                    return
+                cmd = self._cmds[0]
+            if not cmd.cancelled:
+                try:
+                    result = cmd.fn(self)
+                except _CONNECTION_ERRORS:
+                    raise
+                except BrokerError as exc:
+                    cmd.future.set_exception(exc)
+                except Exception as exc:
+                    cmd.future.set_exception(BrokerError(f"{type(exc).__name__}: {exc}"))
+                else:
+                    cmd.future.set_result(result)
+            with self._lock:
+                if self._cmds and self._cmds[0] is cmd:
+                    self._cmds.popleft()
+
+    def _wake(self) -> None:
+        conn = self._conn
+        if conn is None:
+            return
+        try:
+            conn.add_callback_threadsafe(lambda: None)
+        except Exception:
+            pass  # closed: the I/O loop drains after reconnecting
+
+    def _submit(self, fn: Callable[["RabbitBroker"], Any], timeout: float | None, what: str) -> Any:
+        if self._stopping:
+            raise BrokerError("the broker connection is closed")
+        if threading.current_thread() is self._io:
+            return fn(self)
+        cmd = _Cmd(fn)
+        with self._lock:
+            self._cmds.append(cmd)
+        self._wake()
+        try:
+            return cmd.future.result(timeout)
+        except FutureTimeout:
+            cmd.cancelled = True
+            raise BrokerError(f"{what} not confirmed within {timeout:.0f} s (connected: {self._conn is not None})") from None
+
+    def _post(self, fn: Callable[["RabbitBroker"], Any]) -> None:
+        """Queue a command without waiting (acks and rejects)."""
+        with self._lock:
+            self._cmds.append(_Cmd(fn))
+        self._wake()
+
+    def _on_blocked(self, _conn: Any, frame: Any) -> None:
+        self._blocked = True
+        reason = getattr(getattr(frame, "method", None), "reason", "")
+        log.warning("RabbitMQ blocked this connection (flow control)", reason=reason)
+
+    def _on_unblocked(self, _conn: Any, _frame: Any) -> None:
+        self._blocked = False
+        log.info("RabbitMQ unblocked this connection")
+
+    # ---- topology -----------------------------------------------------------------------------------
+    def _declare_now(self, job: str, agents: tuple[str, ...], inbox: bool) -> None:
+        assert self._conn is not None
+        specs = job_queues(job, agents, inbox=inbox)
+        ch = self._conn.channel()
+        try:
+            # agents may lack configure permission on the exchange: they only check it exists
+            ch.exchange_declare(EXCHANGE, exchange_type="topic", durable=True, passive=not inbox)
+            for s in specs:
+                ch.queue_declare(s.name, durable=True, arguments=s.arguments or None)
+                for b in s.bindings:
+                    ch.queue_bind(s.name, EXCHANGE, routing_key=b)
+        except pe.ChannelClosedByBroker as exc:
+            raise BrokerError(f"declaring job {job!r} refused by the broker: {exc.reply_code} {exc.reply_text}") from None
+        if ch.is_open:
+            ch.close()
+
+    def declare_job(self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True) -> None:
+        agents_t = tuple(agents)
+        job_queues(job, agents_t, inbox=inbox)  # validate ids in the caller's thread
+
+        def run(b: "RabbitBroker") -> None:
+            b._declare_now(job, agents_t, inbox)
+            if (job, agents_t, inbox) not in b._jobs:
+                b._jobs.append((job, agents_t, inbox))
+
+        self._submit(run, self.publish_timeout, "declaring the job")
+
+    # ---- publishing ---------------------------------------------------------------------------------
+    def publish(self, routing_key: str, body: bytes, *, message_id: str | None = None,
+                headers: dict[str, Any] | None = None, timeout: float | None = None) -> None:
+        check_publish_args(routing_key, body)
+        message_id = message_id or uuid.uuid4().hex
+        frames = chunk_messages(body if isinstance(body, bytes) else bytes(body), message_id, self.chunk_limit)
+        base = dict(headers or {})
+
+        def props(h: dict[str, Any]) -> pika.BasicProperties:
+            return pika.BasicProperties(delivery_mode=2, message_id=message_id, user_id=self.user,
+                                        headers=h or None, timestamp=int(time.time()))
+
+        if frames is None:
+            parts = [(body, props(base))]
+        else:
+            parts = [(f, props({**base, CHUNK_HEADER: 1})) for f in frames]
+        job = _Publish(routing_key, parts)
+        self._submit(lambda b: b._publish_now(job), timeout or self.publish_timeout, f"publish to {routing_key!r}")
+
+    def _publish_now(self, job: _Publish) -> None:
+        while job.next_part < len(job.parts):
+            if self._pub_ch is None or not self._pub_ch.is_open:
+                assert self._conn is not None
+                self._pub_ch = self._conn.channel()
+                self._pub_ch.confirm_delivery()
+            data, props = job.parts[job.next_part]
+            try:
+                self._pub_ch.basic_publish(EXCHANGE, job.routing_key, data, props, mandatory=True)
+            except pe.UnroutableError:
+                raise BrokerError(f"message to {job.routing_key!r} is unroutable: no queue is bound to it") from None
+            except pe.NackError:
+                raise BrokerError(f"the broker refused (nacked) the message to {job.routing_key!r}") from None
+            except pe.ChannelClosedByBroker as exc:
+                self._pub_ch = None
+                raise BrokerError(f"publish to {job.routing_key!r} refused by the broker: "
+                                  f"{exc.reply_code} {exc.reply_text}") from None
+            job.next_part += 1
+
+    # ---- consuming ----------------------------------------------------------------------------------
+    def _subscribe(self, c: _Consumer) -> None:
+        assert self._conn is not None
+        ch = self._conn.channel()
+        ch.basic_qos(prefetch_count=c.prefetch)
+        gen = self._gen
+
+        def on_message(_ch: Any, method: Any, props: Any, body: bytes) -> None:
+            d = Delivery(body=body, routing_key=method.routing_key, queue=c.queue, message_id=props.message_id,
+                         user_id=props.user_id, headers=dict(props.headers or {}), redelivered=method.redelivered,
+                         tag=(gen, c.tag, method.delivery_tag))
+            with self._dispatch_cv:
+                self._dispatch_q.append((c, d))
+                self._dispatch_cv.notify()
+
+        ch.add_on_close_callback(lambda _ch, reason: log.info("consumer channel closed", queue=c.queue, reason=str(reason)))
+        try:
+            ch.basic_consume(c.queue, on_message, auto_ack=False, consumer_tag=c.tag)
+        except pe.ChannelClosedByBroker as exc:
+            raise BrokerError(f"cannot consume {c.queue!r}: {exc.reply_code} {exc.reply_text}") from None
+        c.channel, c.gen = ch, gen
+
+    def consume(self, queue: str, handler: Handler, *, prefetch: int | None = None) -> str:
+        window = prefetch or self.prefetch
+        c = _Consumer(f"fedmq-{uuid.uuid4().hex[:12]}", queue, handler, window,
+                      ChunkGate(window, max_message_size=self.max_message_size))
+
+        def run(b: "RabbitBroker") -> str:
+            b._subscribe(c)
+            b._consumers[c.tag] = c
+            return c.tag
+
+        return self._submit(run, self.publish_timeout, f"consuming {queue!r}")
+
+    def cancel(self, consumer_tag: str) -> None:
+        def run(b: "RabbitBroker") -> None:
+            c = b._consumers.pop(consumer_tag, None)
+            if c is not None and c.channel is not None and c.channel.is_open:
+                c.channel.close()  # closing the channel requeues its unacked deliveries
+
+        self._submit(run, self.publish_timeout, "cancelling a consumer")
+
+    def _settle_raw(self, raw: tuple[int, str, int], requeue: bool | None) -> None:
+        gen, tag, delivery_tag = raw
+
+        def run(b: "RabbitBroker") -> None:
+            c = b._consumers.get(tag)
+            if c is None or gen != b._gen or c.channel is None or not c.channel.is_open:
+                log.debug("ack/reject of a delivery from a previous connection ignored (it was requeued)")
+                return
+            if requeue is None:
+                c.channel.basic_ack(delivery_tag)
+            else:
+                c.channel.basic_reject(delivery_tag, requeue=requeue)
+
+        if threading.current_thread() is self._io:
+            run(self)
+        else:
+            self._post(run)
+
+    def _settle(self, delivery: Delivery, requeue: bool | None) -> None:
+        tag = delivery.tag
+        if not isinstance(tag, Tag) or not isinstance(tag.gate, ChunkGate):
+            raise BrokerError("cannot ack/reject: the delivery did not come from this broker")
+        for raw in tag.gate.settle(tag):
+            self._settle_raw(raw, requeue)
+
+    def ack(self, delivery: Delivery) -> None:
+        self._settle(delivery, None)
+
+    def reject(self, delivery: Delivery, *, requeue: bool = False) -> None:
+        self._settle(delivery, requeue)
+
+    def _dispatch_loop(self) -> None:
+        while True:
+            with self._dispatch_cv:
+                while not self._dispatch_q and not self._stopping:
+                    self._dispatch_cv.wait()
+                if self._stopping:
+                    return  # unacked deliveries go back to the queue when the connection closes
+                c, raw = self._dispatch_q.popleft()
+            if c.tag not in self._consumers or raw.tag[0] != c.gen:
+                continue  # cancelled, or from a lost connection (requeued by the broker)
+            out = c.gate.feed(raw)
+            for t in out.ack:
+                self._settle_raw(t, None)
+            for t in out.reject:
+                self._settle_raw(t, False)
+            if out.deliver is not None:
+                run_handler(self, c.handler, out.deliver)
+
+    # ---- facts and lifecycle ------------------------------------------------------------------------
+    def queue_depth(self, queue: str) -> int:
+        def run(b: "RabbitBroker") -> int:
+            assert b._conn is not None
+            ch = b._conn.channel()
+            try:
+                ok = ch.queue_declare(queue, passive=True)
+            except pe.ChannelClosedByBroker as exc:
+                if exc.reply_code == 404:
+                    return 0
+                raise BrokerError(f"cannot read depth of {queue!r}: {exc.reply_code} {exc.reply_text}") from None
+            ch.close()
+            return int(ok.method.message_count)
+
+        return self._submit(run, self.publish_timeout, "queue depth")
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            unconfirmed = sum(1 for c in self._cmds if not c.cancelled and not c.future.done())
+        return {"url": _redact(self.url), "user": self.user, "connected": self._conn is not None and not self._stopping,
+                "blocked": self._blocked, "reconnects": self._reconnects, "unconfirmed": unconfirmed,
+                "consumers": len(self._consumers), "last_error": self._last_error}
+
+    def close(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        self._wake()
+        with self._dispatch_cv:
+            self._dispatch_cv.notify_all()
+        if threading.current_thread() is not self._io:
+            self._io.join(timeout=15)
+        if threading.current_thread() is not self._dispatcher and self._dispatcher.is_alive():
+            self._dispatcher.join(timeout=15)
