@@ -345,6 +345,7 @@ class Engine:
             "metric": self.task.metric, "valid": score,
             "mean_loss": sum(losses) / len(losses) if losses else None,
             "online": stats.online, "selected": stats.selected, "reported": sorted(stats.reported),
+            "losses": dict(stats.reported),
             "granted": stats.granted, "received": sorted(stats.received),
             "dropped": sorted(set(stats.selected) - set(stats.received)),
             "skipped": skipped is not None, "skip_reason": skipped,

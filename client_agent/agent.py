@@ -45,6 +45,7 @@ class AgentLog:
     rounds_trained: list[int] = field(default_factory=list)
     offline_rounds: list[int] = field(default_factory=list)
     faults: list[tuple[int, str]] = field(default_factory=list)
+    sent: dict[int, tuple[int, dict]] | None = None  # round -> (n_samples, tensors sent); kept only when asked (tests)
 
 
 class Offline(Exception):
@@ -263,6 +264,8 @@ class Agent:
         env = messages.update(self.job, rnd, self.client, version, result.loss, result.n_samples, tensors)
         self._send(env, topology.rk_update(self.job, self.client))
         self.log.uploads.append((rnd, env.msg_id))
+        if self.log.sent is not None:
+            self.log.sent[rnd] = (result.n_samples, {k: current[k].clone() for k in names})
 
     def _send(self, env: Envelope, routing_key: str) -> None:
         broker = self._broker
