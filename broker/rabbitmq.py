@@ -381,7 +381,7 @@ class RabbitBroker(Broker):
                 self._dispatch_q.append((c, d))
                 self._dispatch_cv.notify()
 
-        ch.add_on_close_callback(lambda _ch, reason: log.info("consumer channel closed", queue=c.queue, reason=str(reason)))
+        ch.add_on_cancel_callback(lambda _frame: log.warning("the broker cancelled a consumer", queue=c.queue))
         try:
             ch.basic_consume(c.queue, on_message, auto_ack=False, consumer_tag=c.tag)
         except pe.ChannelClosedByBroker as exc:
