@@ -1,0 +1,100 @@
+"""Atomic checkpoints: round trip, truncated/corrupt files skipped, pruning, no unpickling of foreign data."""
+
+from __future__ import annotations
+
+import pickle
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from aggregator.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
+from aggregator.strategies.errors import CheckpointError
+
+
+def save(tmp_path, r, value, **kw):
+    py = random.Random(r)
+    return save_checkpoint(
+        tmp_path,
+        round=r,
+        model_version=r,
+        global_state={"w": torch.full((3,), float(value)), "b": torch.zeros(2, dtype=torch.float16)},
+        strategy_state={"generator": torch.Generator().manual_seed(r).get_state()},
+        mediator_state={"previous_loss": 1.5, "history": [[1.5, "adaptive"]]},
+        rng_state={"python": py.getstate(), "numpy": np.random.default_rng(r).bit_generator.state},
+        folded={r: [f"u{r}a", f"u{r}b"]},
+        extra={"note": "x", "nested": (1, [2.0, None])},
+        **kw,
+    )
+
+
+def test_round_trip_restores_everything(tmp_path):
+    save(tmp_path, 1, 1.0)
+    ck = load_checkpoint(tmp_path)
+    assert ck.round == 1 and ck.model_version == 1
+    assert torch.equal(ck.global_state["w"], torch.ones(3)) and ck.global_state["b"].dtype == torch.float16
+    assert ck.folded == {1: ["u1a", "u1b"]}
+    assert ck.extra == {"note": "x", "nested": (1, [2.0, None])}
+    assert ck.mediator_state["previous_loss"] == 1.5
+    py = random.Random()
+    py.setstate(ck.rng_state["python"])
+    assert py.random() == random.Random(1).random()
+    gen = np.random.default_rng()
+    gen.bit_generator.state = ck.rng_state["numpy"]
+    assert gen.random() == np.random.default_rng(1).random()
+    g = torch.Generator()
+    g.set_state(ck.strategy_state["generator"])
+    assert torch.equal(torch.randn(3, generator=g), torch.randn(3, generator=torch.Generator().manual_seed(1)))
+
+
+def test_truncated_latest_is_ignored_and_previous_loads(tmp_path):
+    save(tmp_path, 1, 1.0)
+    p2 = save(tmp_path, 2, 2.0)
+    data = p2.read_bytes()
+    p2.write_bytes(data[: len(data) // 2])
+    ck = load_checkpoint(tmp_path)
+    assert ck.round == 1 and torch.equal(ck.global_state["w"], torch.ones(3))
+    with pytest.raises(CheckpointError, match="digest mismatch"):
+        read_checkpoint(p2)
+
+
+def test_corrupt_byte_and_empty_file_are_ignored(tmp_path):
+    save(tmp_path, 1, 1.0)
+    p2 = save(tmp_path, 2, 2.0)
+    data = bytearray(p2.read_bytes())
+    data[-100] ^= 0xFF
+    p2.write_bytes(bytes(data))
+    (tmp_path / "ckpt-00000003-00000003.fmq").write_bytes(b"")
+    assert load_checkpoint(tmp_path).round == 1
+
+
+def test_foreign_pickle_is_never_loaded(tmp_path):
+    class Boom:
+        def __reduce__(self):
+            return (exec, ("raise SystemExit('unpickled!')",))
+
+    (tmp_path / "ckpt-00000009-00000009.fmq").write_bytes(pickle.dumps(Boom()))
+    save(tmp_path, 1, 1.0)
+    assert load_checkpoint(tmp_path).round == 1
+
+
+def test_keeps_the_newest_n_and_ignores_temp_files(tmp_path):
+    for r in range(1, 6):
+        save(tmp_path, r, r, keep=2)
+    (tmp_path / ".ckpt-abc.tmp").write_bytes(b"partial write of a crashed save")
+    names = sorted(p.name for p in tmp_path.glob("ckpt-*.fmq"))
+    assert names == ["ckpt-00000004-00000004.fmq", "ckpt-00000005-00000005.fmq"]
+    assert load_checkpoint(tmp_path).round == 5
+
+
+def test_empty_or_missing_directory_gives_none(tmp_path):
+    assert load_checkpoint(tmp_path) is None
+    assert load_checkpoint(tmp_path / "nope") is None
+
+
+def test_unsupported_state_is_a_typed_error_and_writes_nothing(tmp_path):
+    with pytest.raises(CheckpointError, match="cannot checkpoint a value of type set"):
+        save_checkpoint(tmp_path, round=1, model_version=1, global_state={}, strategy_state={"s": {1, 2}},
+                        mediator_state={}, rng_state=None, folded={}, extra={})
+    assert list(tmp_path.iterdir()) == []
