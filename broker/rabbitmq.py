@@ -203,9 +203,7 @@ class RabbitBroker(Broker):
                 self._last_error = self._describe(exc)
                 sleep = min(self.max_backoff, delay) * random.uniform(0.5, 1.0)
                 log.info("reconnect failed; retrying", error=self._last_error, retry_in=round(sleep, 2))
-                deadline = time.monotonic() + sleep
-                while not self._stopping and time.monotonic() < deadline:
-                    time.sleep(0.05)
+                self._sleep(sleep)
                 delay *= 2
                 continue
             self._gen += 1
@@ -216,13 +214,20 @@ class RabbitBroker(Broker):
                 for c in list(self._consumers.values()):
                     c.gate.reset()
                     self._subscribe(c)
-            except _CONNECTION_ERRORS as exc:
+            except (BrokerError, *_CONNECTION_ERRORS) as exc:
+                # e.g. a quorum queue still electing its leader right after a restart: try again
+                log.warning("could not restore topology or consumers after reconnect; retrying", error=str(exc))
                 self._lost(exc)
+                self._sleep(min(self.max_backoff, delay))
+                delay *= 2
                 continue
-            except BrokerError as exc:
-                log.error("could not restore topology or consumers after reconnect", error=str(exc))
             log.info("reconnected to RabbitMQ", reconnects=self._reconnects)
             return
+
+    def _sleep(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self._stopping and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def _shutdown_io(self) -> None:
         err = BrokerError("the broker connection is closed")
