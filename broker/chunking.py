@@ -5,9 +5,10 @@ Every frame is a small msgpack array::
 
     ["fedmq-chunk", 1, msg_id, index, total, total_size, whole_digest, chunk_digest, data]
 
-``whole_digest`` is blake2b-128 of the whole body (checked after reassembly); ``chunk_digest`` is
-blake2b-128 over the frame header fields and ``data`` (checked by :func:`decode_chunk`). blake2b from
-hashlib is used (no extra dependency); it runs at ~1 GB/s per core here, far below the cost of the network.
+``whole_digest`` is xxh3-128 of the whole body (checked after reassembly); ``chunk_digest`` is xxh3-128
+(seeded differently) over the frame header fields and ``data`` (checked by :func:`decode_chunk`). xxh3 (the
+``xxhash`` package) runs at >5 GB/s against ~0.8 GB/s for blake2b here; the digests guard against corruption,
+not forgery (identity comes from the AMQP user_id and TLS).
 
 ``limit`` bounds the *data* of a chunk; the encoded frame adds at most :data:`FRAME_OVERHEAD` bytes.
 All chunks of a message but the last carry exactly ``limit`` bytes, so the receiver can place any chunk
@@ -16,7 +17,6 @@ at its offset on arrival (out of order is fine) in one buffer preallocated after
 
 from __future__ import annotations
 
-import hashlib
 import math
 import threading
 import time
@@ -25,7 +25,9 @@ from dataclasses import dataclass
 
 import msgpack
 import structlog
+import xxhash
 
+from broker._codec_bytes import DIGEST_SIZE, digest
 from broker.errors import CodecError
 
 log = structlog.get_logger(__name__)
@@ -33,10 +35,10 @@ log = structlog.get_logger(__name__)
 DEFAULT_CHUNK_LIMIT = 8 * 1024 * 1024
 MAGIC = "fedmq-chunk"
 FRAME_VERSION = 1
-DIGEST_SIZE = 16
 MAX_MSG_ID_LEN = 128
 MAX_TOTAL = 1 << 20  # chunks per message
 FRAME_OVERHEAD = 256  # upper bound on frame bytes beyond the chunk data
+_CHUNK_SEED = 0x666564_6D71  # "fedmq": per-chunk digests differ from whole-message ones
 _MAGIC_PREFIX = msgpack.packb([MAGIC])[1:]  # the packed magic string, right after the array header
 
 
@@ -46,17 +48,12 @@ class Chunk:
     index: int
     total: int
     total_size: int
-    digest: bytes  # blake2b-128 of the whole message body
+    digest: bytes  # xxh3-128 of the whole message body
     data: bytes
 
 
-def digest(data: bytes | bytearray | memoryview) -> bytes:
-    """The whole-message digest (blake2b, 16 bytes)."""
-    return hashlib.blake2b(data, digest_size=DIGEST_SIZE).digest()
-
-
 def _chunk_digest(msg_id: str, index: int, total: int, total_size: int, whole: bytes, data: bytes | memoryview) -> bytes:
-    h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=b"fedmq-chunk")
+    h = xxhash.xxh3_128(seed=_CHUNK_SEED)
     h.update(msgpack.packb([msg_id, index, total, total_size, whole]))
     h.update(data)
     return h.digest()

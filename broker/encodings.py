@@ -1,0 +1,345 @@
+"""Tensor encodings of the wire format: raw, fp16, bf16, int8 (affine), top-k sparse, optionally as deltas.
+
+``encode_state`` turns a name -> tensor mapping into a msgpack-able dict::
+
+    {"fmt": 1, "enc": "delta+int8-row", "t": [record, ...]}
+
+with one record per tensor, ``{"n": name, "s": shape, "dt": source dtype, "e": kind, "x": delta, ...}`` plus
+the kind's fields (byte blobs, see broker._codec_bytes). Choices where the spec is silent:
+
+* Everything decodes to float32. ``dt`` records the sender's dtype and must equal the manifest's.
+* ``raw`` is bit-exact, also as a delta: the raw delta is the XOR of the float32 bit patterns (an arithmetic
+  difference would not round-trip exactly); close weights share their high bits, so the XOR compresses.
+* Lossy deltas are arithmetic: the sender encodes θ - base, the receiver adds the decoded Δ to its base.
+* ``int8``: q = round((x - lo) / scale) in 0..255 with scale = (hi - lo) / 255 per tensor or per row (first
+  dimension); |x - x̂| <= scale / 2 (+ float rounding). Scale and zero point travel as float32.
+* ``topk``: keeps k = ceil(density · numel) largest-|x| entries; indices ascending, delta-coded as uint32
+  (first absolute), byte-shuffled and zstd'ed; values fp16 (2^-11 relative error) unless one exceeds the
+  fp16 range, then fp32. Dropped entries decode as 0 (or as the base value for a delta).
+* int8 and topk refuse NaN/Inf on encode (they cannot represent them); raw/fp16/bf16 carry them and the
+  decoder rejects them unless ``reject_nonfinite=False``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from broker._codec_bytes import bf16_to_f32, f32_to_bf16, make_blob, pack_array, read_blob, unpack_array
+from broker.errors import CodecError
+from broker.manifest import Manifest
+
+FORMAT = 1
+KINDS = ("raw", "fp16", "bf16", "int8", "topk")
+DEFAULT_MAX_BYTES = 4 << 30  # decoded float32 bytes of one state
+_FP16_MAX = 65504.0
+_SPEC_RE = re.compile(r"^(?:(delta)\+)?(raw|fp16|bf16|int8|int8-row|topk)(?::([^@]+))?(?:@(-?\d+))?(?:,(noshuffle))?$")
+
+
+@dataclass(frozen=True)
+class EncodingSpec:
+    kind: str = "raw"  # raw | fp16 | bf16 | int8 | topk
+    delta: bool = False  # encode θ - base instead of θ (needs base on both sides)
+    per_row: bool = False  # int8: one scale per row instead of per tensor
+    density: float = 0.01  # topk: fraction of entries kept
+    level: int = 3  # zstd level (0 = no compression)
+    shuffle: bool = True  # byte-shuffle float data before zstd where it helps
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise CodecError("bad-encoding", f"unknown encoding kind {self.kind!r}; use one of {', '.join(KINDS)}")
+        if not (isinstance(self.density, (int, float)) and 0.0 < self.density <= 1.0):
+            raise CodecError("bad-encoding", f"topk density must be in (0, 1], got {self.density!r}")
+        if type(self.level) is not int or not -7 <= self.level <= 22:
+            raise CodecError("bad-encoding", f"zstd level must be an int in -7..22, got {self.level!r}")
+        if self.per_row and self.kind != "int8":
+            raise CodecError("bad-encoding", "per_row applies to int8 only")
+
+    @classmethod
+    def parse(cls, text: str) -> "EncodingSpec":
+        """Parse the CLI syntax ``[delta+]KIND[:DENSITY][@LEVEL][,noshuffle]``.
+
+        KIND is raw, fp16, bf16, int8, int8-row or topk; e.g. "bf16", "int8-row", "topk:0.01", "delta+int8",
+        "delta+topk:0.05", "raw@1" (zstd level 1), "raw@0" (no compression).
+        """
+        m = _SPEC_RE.match(text.strip().lower()) if isinstance(text, str) else None
+        if not m:
+            raise CodecError(
+                "bad-encoding",
+                f"cannot parse encoding {text!r}; use [delta+]KIND[:DENSITY][@LEVEL][,noshuffle] with KIND one of "
+                "raw, fp16, bf16, int8, int8-row, topk (e.g. bf16, int8-row, topk:0.01, delta+int8)",
+            )
+        delta, kind, arg, level, noshuffle = m.groups()
+        kw: dict[str, Any] = {"delta": bool(delta), "shuffle": not noshuffle}
+        if kind == "int8-row":
+            kind, kw["per_row"] = "int8", True
+        if arg is not None:
+            if kind != "topk":
+                raise CodecError("bad-encoding", f"{kind} takes no ':' argument (only topk:DENSITY does)")
+            try:
+                kw["density"] = float(arg)
+            except ValueError:
+                raise CodecError("bad-encoding", f"topk density {arg!r} is not a number") from None
+        if level is not None:
+            kw["level"] = int(level)
+        return cls(kind=kind, **kw)
+
+    def __str__(self) -> str:
+        s = ("delta+" if self.delta else "") + self.kind
+        if self.kind == "int8" and self.per_row:
+            s += "-row"
+        if self.kind == "topk":
+            s += f":{self.density:g}"
+        if self.level != 3:
+            s += f"@{self.level}"
+        if not self.shuffle:
+            s += ",noshuffle"
+        return s
+
+
+def _as_f32(t: Any, name: str) -> tuple[np.ndarray, str]:
+    """A C-contiguous float32 numpy array (no copy when already one) and the source dtype name."""
+    if hasattr(t, "detach"):  # torch.Tensor, without importing torch here
+        dt = str(t.dtype).replace("torch.", "")
+        t = t.detach()
+        if dt != "float32":
+            t = t.float()
+        arr = t.cpu().contiguous().numpy()
+    elif isinstance(t, (np.ndarray, np.generic)):
+        dt = t.dtype.name
+        arr = np.asarray(t, dtype=np.float32, order="C")
+    else:
+        raise CodecError("bad-tensor", f"tensor {name!r} is a {type(t).__name__}, not a numpy array or torch tensor")
+    return arr, dt
+
+
+def raw_nbytes(tensors: Mapping[str, Any]) -> int:
+    """Bytes of the tensors as raw float32 (the baseline of every byte metric)."""
+    return sum(4 * int(np.prod(tuple(t.shape), dtype=np.int64)) for t in tensors.values())
+
+
+def _rows(shape: tuple[int, ...], n: int) -> int:
+    return shape[0] if len(shape) >= 2 and shape[0] > 0 else 1
+
+
+def _encode_one(name: str, x: np.ndarray, dt: str, spec: EncodingSpec, b: np.ndarray | None) -> dict:
+    flat = x.reshape(-1)
+    n = flat.size
+    rec: dict[str, Any] = {"n": name, "s": list(x.shape), "dt": dt, "e": spec.kind, "x": b is not None}
+    kind, level = spec.kind, spec.level
+    if kind == "raw":
+        data = flat if b is None else (flat.view(np.uint32) ^ b.view(np.uint32))
+        rec["p"] = pack_array(data, level, spec.shuffle)
+        return rec
+    d = flat if b is None else flat - b
+    if kind == "fp16":
+        rec["p"] = pack_array(d.astype(np.float16), level, spec.shuffle)
+        return rec
+    if kind == "bf16":
+        rec["p"] = pack_array(f32_to_bf16(np.ascontiguousarray(d)), level, spec.shuffle)
+        return rec
+    if n and not np.isfinite(d).all():
+        raise CodecError("non-finite", f"tensor {name!r} has NaN/Inf; {kind} cannot encode it")
+    if kind == "int8":
+        rows = _rows(x.shape, n) if spec.per_row else 1
+        m = d.reshape(rows, -1) if n else d.reshape(rows, 0)
+        lo = m.min(axis=1) if n else np.zeros(rows, np.float32)
+        hi = m.max(axis=1) if n else np.zeros(rows, np.float32)
+        scale = ((hi.astype(np.float64) - lo) / 255.0).astype(np.float32)
+        scale[scale <= 0] = 1.0
+        q = m - lo[:, None]
+        q *= (1.0 / scale.astype(np.float64)).astype(np.float32)[:, None]
+        np.rint(q, out=q)
+        np.clip(q, 0, 255, out=q)
+        rec["r"] = bool(spec.per_row)
+        rec["sc"] = make_blob(scale.astype(np.float32), 0)
+        rec["lo"] = make_blob(lo.astype(np.float32), 0)
+        rec["p"] = pack_array(q.astype(np.uint8).reshape(-1), level, False)
+        return rec
+    # topk
+    k = min(n, max(1, math.ceil(spec.density * n))) if n else 0
+    if k < n:
+        idx = np.argpartition(np.abs(d), n - k)[n - k :]
+        idx.sort()
+    else:
+        idx = np.arange(n)
+    vals = d[idx]
+    diffs = np.diff(idx, prepend=0).astype(np.uint32)
+    vd = "float16" if (k == 0 or float(np.abs(vals).max()) <= _FP16_MAX) else "float32"
+    rec["k"] = int(k)
+    rec["vd"] = vd
+    rec["i"] = pack_array(diffs, level, spec.shuffle)
+    rec["v"] = pack_array(vals.astype(vd), level, spec.shuffle)
+    return rec
+
+
+def encode_state(
+    tensors: Mapping[str, Any],
+    spec: EncodingSpec,
+    base: Mapping[str, Any] | None = None,
+) -> dict:
+    """Encode ``tensors`` (any subset of the model) as a msgpack-able dict; ``base`` is required for a delta."""
+    if not isinstance(spec, EncodingSpec):
+        raise CodecError("bad-encoding", f"spec must be an EncodingSpec, got {type(spec).__name__}")
+    if spec.delta and base is None:
+        raise CodecError("missing-base", f"encoding {spec} needs the base model")
+    records = []
+    for name, t in tensors.items():
+        if not isinstance(name, str):
+            raise CodecError("bad-tensor", f"tensor names must be str, got {type(name).__name__}")
+        x, dt = _as_f32(t, name)
+        b = None
+        if spec.delta:
+            if name not in base:  # type: ignore[operator]
+                raise CodecError("missing-base", f"base has no tensor {name!r}")
+            b, _ = _as_f32(base[name], name)  # type: ignore[index]
+            if b.shape != x.shape:
+                raise CodecError("bad-base", f"base {name!r} has shape {b.shape}, tensor has {x.shape}")
+            b = b.reshape(-1)
+        records.append(_encode_one(name, x, dt, spec, b))
+    return {"fmt": FORMAT, "enc": str(spec), "t": records}
+
+
+_KEYS = {
+    "raw": {"p"},
+    "fp16": {"p"},
+    "bf16": {"p"},
+    "int8": {"r", "sc", "lo", "p"},
+    "topk": {"k", "vd", "i", "v"},
+}
+_COMMON = {"n", "s", "dt", "e", "x"}
+
+
+def _decode_one(rec: dict, n: int, shape: tuple[int, ...], b: np.ndarray | None) -> np.ndarray:
+    kind = rec["e"]
+    if kind == "raw":
+        if b is None:
+            out = unpack_array(rec["p"], np.float32, n)
+            return out if out.flags.writeable else out.copy()
+        u = unpack_array(rec["p"], np.uint32, n)
+        return np.bitwise_xor(u, b.view(np.uint32)).view(np.float32)
+    if kind == "fp16":
+        d = unpack_array(rec["p"], np.float16, n).astype(np.float32)
+    elif kind == "bf16":
+        d = bf16_to_f32(unpack_array(rec["p"], np.uint16, n))
+    elif kind == "int8":
+        per_row = rec["r"]
+        if type(per_row) is not bool:
+            raise CodecError("bad-tensor", "int8 per-row flag must be a bool")
+        rows = _rows(shape, n) if per_row else 1
+        scale = np.frombuffer(read_blob(rec["sc"], 4 * rows), np.float32)
+        lo = np.frombuffer(read_blob(rec["lo"], 4 * rows), np.float32)
+        if not (np.isfinite(scale).all() and np.isfinite(lo).all()):
+            raise CodecError("non-finite", "int8 scale or zero point is NaN/Inf")
+        q = unpack_array(rec["p"], np.uint8, n)
+        d = np.empty((rows, n // rows if rows else 0), np.float32)
+        np.multiply(q.reshape(d.shape), scale[:, None], out=d)
+        d += lo[:, None]
+        d = d.reshape(-1)
+    else:  # topk
+        k, vd = rec["k"], rec["vd"]
+        if type(k) is not int or not 0 <= k <= n:
+            raise CodecError("bad-tensor", f"topk count {k!r} outside 0..{n}")
+        if vd not in ("float16", "float32"):
+            raise CodecError("bad-tensor", f"topk value dtype {vd!r} is not float16/float32")
+        diffs = unpack_array(rec["i"], np.uint32, k)
+        vals = unpack_array(rec["v"], np.dtype(vd), k)
+        idx = np.cumsum(diffs, dtype=np.int64)
+        if k and ((diffs[1:] == 0).any() or idx[-1] >= n):
+            raise CodecError("bad-tensor", "topk indices are not strictly increasing within the tensor")
+        if b is None:
+            d = np.zeros(n, np.float32)
+            d[idx] = vals
+            return d
+        out = b.copy()
+        out[idx] += vals.astype(np.float32)
+        return out
+    return d if b is None else d + b
+
+
+def decode_state(
+    obj: Any,
+    manifest: Manifest,
+    base: Mapping[str, Any] | None = None,
+    *,
+    reject_nonfinite: bool = True,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    max_tensors: int = 100_000,
+) -> dict[str, np.ndarray]:
+    """Decode and validate an ``encode_state`` dict against ``manifest``; float32 arrays by name.
+
+    Checks before any decompression that every name is in the manifest (once), shapes and dtypes match and
+    the decoded size fits ``max_bytes``; resolves deltas against ``base``. All or nothing: any problem
+    raises CodecError and returns no tensor.
+    """
+    try:
+        return _decode_state(obj, manifest, base, reject_nonfinite, max_bytes, max_tensors)
+    except CodecError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, AttributeError, MemoryError) as exc:
+        raise CodecError("malformed", f"tensor data could not be decoded ({type(exc).__name__})") from None
+
+
+def _decode_state(
+    obj: Any, manifest: Manifest, base: Mapping[str, Any] | None, reject_nonfinite: bool, max_bytes: int, max_tensors: int
+) -> dict[str, np.ndarray]:
+    if not isinstance(obj, dict) or set(obj) != {"fmt", "enc", "t"}:
+        raise CodecError("malformed", "tensor payload must be a map with keys fmt, enc, t")
+    if type(obj["fmt"]) is not int or obj["fmt"] != FORMAT:
+        raise CodecError("unknown-version", f"tensor format {obj['fmt']!r} is not supported (want {FORMAT})")
+    records = obj["t"]
+    if not isinstance(records, list):
+        raise CodecError("malformed", "tensor list must be an array")
+    if len(records) > max_tensors:
+        raise CodecError("too-large", f"{len(records)} tensors exceed the limit of {max_tensors}")
+    specs = {t.name: t for t in manifest}
+    plan = []
+    total = 0
+    seen: set[str] = set()
+    for rec in records:
+        if not isinstance(rec, dict) or "e" not in rec or not _COMMON <= set(rec):
+            raise CodecError("malformed", "tensor record lacks n, s, dt, e or x")
+        kind = rec["e"]
+        if kind not in _KEYS:
+            raise CodecError("unknown-encoding", f"tensor encoding {kind!r} is not one of {', '.join(KINDS)}")
+        if set(rec) != _COMMON | _KEYS[kind]:
+            raise CodecError("malformed", f"{kind} record has fields {sorted(rec)}")
+        name = rec["n"]
+        if not isinstance(name, str):
+            raise CodecError("malformed", "tensor name must be a str")
+        if name not in specs:
+            raise CodecError("unknown-tensor", f"tensor {name!r} is not in the model manifest")
+        if name in seen:
+            raise CodecError("duplicate-tensor", f"tensor {name!r} appears twice")
+        seen.add(name)
+        spec = specs[name]
+        shape = rec["s"]
+        if not isinstance(shape, list) or any(type(s) is not int for s in shape) or tuple(shape) != spec.shape:
+            raise CodecError("shape-mismatch", f"tensor {name!r} has shape {shape!r}, the manifest says {list(spec.shape)}")
+        if rec["dt"] != spec.dtype:
+            raise CodecError("dtype-mismatch", f"tensor {name!r} has dtype {rec['dt']!r}, the manifest says {spec.dtype}")
+        if type(rec["x"]) is not bool:
+            raise CodecError("malformed", f"tensor {name!r} delta flag must be a bool")
+        total += 4 * spec.numel
+        if total > max_bytes:
+            raise CodecError("too-large", f"decoded tensors exceed {max_bytes} bytes")
+        b = None
+        if rec["x"]:
+            if base is None or name not in base:
+                raise CodecError("missing-base", f"tensor {name!r} is a delta but the base model lacks it")
+            b, _ = _as_f32(base[name], name)
+            if b.shape != spec.shape:
+                raise CodecError("bad-base", f"base {name!r} has shape {b.shape}, the manifest says {spec.shape}")
+            b = b.reshape(-1)
+        plan.append((rec, name, spec, b))
+    out: dict[str, np.ndarray] = {}
+    for rec, name, spec, b in plan:
+        arr = _decode_one(rec, spec.numel, spec.shape, b)
+        if reject_nonfinite and not np.isfinite(arr).all():
+            raise CodecError("non-finite", f"tensor {name!r} contains NaN or Inf")
+        out[name] = arr.reshape(spec.shape)
+    return out
