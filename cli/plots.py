@@ -181,10 +181,12 @@ def _ratio_text(run: RunData) -> str:
         wire = sum(_finite([row[f"bytes_{direction}"] for row in run.rows]))
         raw = sum(_finite([row[f"bytes_{direction}_raw"] for row in run.rows]))
         if wire > 0 and raw > 0:
-            parts.append(f"{direction} {raw / wire:.1f}× smaller")
+            ratio = raw / wire
+            parts.append(f"{direction} {ratio:.1f}× smaller than raw fp32" if ratio >= 1.05 else
+                         f"{direction} {1 / ratio:.2f}× the raw fp32 size")
     encoding = run.config.get("encoding")
     prefix = f"encoding {encoding}: " if isinstance(encoding, str) else ""
-    return f" — {prefix}{', '.join(parts)} than raw fp32" if parts else ""
+    return f" — {prefix}{', '.join(parts)}" if parts else ""
 
 
 def plot_bytes(runs: list[RunData]) -> Figure:
@@ -222,16 +224,18 @@ def plot_bytes(runs: list[RunData]) -> Figure:
 
 
 def client_state(row: dict[str, Any], client: str) -> int:
-    """The participation state of ``client`` in one metrics row (see STATES)."""
+    """The participation state of ``client`` in one metrics row (see STATES).
+
+    The aggregator logs ``dropped`` as selected minus received, which also holds the reporters that the
+    top-K mediation did not grant; those are shown as "reported, not uploaded", not as dropouts.
+    """
     if client in row["received"]:
         return UPLOADED
-    if client in row["dropped"]:
+    if client in row["granted"]:  # allowed (or, without a grant phase, expected) to upload; nothing came
         return DROPPED
-    if client in row["granted"]:  # granted the upload but it never arrived
-        return DROPPED
-    if client in row["reported"]:  # reported a loss; not granted (top-K) or round closed first
+    if client in row["reported"]:  # reported a loss but was not granted (top-K) or the round closed first
         return REPORTED
-    if client in row["selected"]:
+    if client in row["selected"] or client in row["dropped"]:
         return DROPPED
     if client in row["online"]:
         return ONLINE

@@ -24,7 +24,8 @@ MODEL_RAW = 4 * 250_000  # fp32 bytes of a 250k-parameter model
 
 def write_run_dir(root: Path, name: str, *, strategy: str = "fedatt", clients: int = 10, rounds: int = 6,
                   fraction: float = 0.5, top_k: float = 1.0, seed: int = 0, complete: bool = True,
-                  metric: str = "perplexity", encoding: str = "bf16", garbage: list[str] = ()) -> Path:
+                  metric: str = "perplexity", encoding: str = "bf16", garbage: list[str] = (),
+                  decay: float = 0.8) -> Path:
     """Write a run folder the way the aggregator does: config.json, metrics.jsonl and (if complete) summary.json.
 
     Clients come and go (15 % offline per round), some selected clients drop, FedMed-like runs grant only
@@ -48,9 +49,10 @@ def write_run_dir(root: Path, name: str, *, strategy: str = "fedatt", clients: i
         selected = sorted(rng.sample(online, max(1, int(fraction * clients))) if len(online) else [],
                           key=agents.index)
         reported = [a for a in selected if rng.random() > 0.12]
-        granted = reported[: max(1, math.ceil(top_k * len(reported)))] if reported else []
-        received = [a for a in granted if rng.random() > 0.1]
-        dropped = [a for a in selected if a not in received and (a not in reported or a in granted)]
+        # top-K grants; without a grant phase (top_k = 1) the engine logs granted = selected
+        granted = reported[: max(1, math.ceil(top_k * len(reported)))] if top_k < 1 else list(selected)
+        received = [a for a in granted if a in reported and rng.random() > 0.1]
+        dropped = [a for a in selected if a not in received]  # as the engine logs it: selected - received
         mean_loss = 6.8 - 0.35 * rnd + rng.uniform(-0.05, 0.05)
         applied = strategy
         if strategy == "fedmed" and loss_prev is not None and abs(mean_loss - loss_prev) < 0.34:
@@ -58,7 +60,7 @@ def write_run_dir(root: Path, name: str, *, strategy: str = "fedatt", clients: i
         loss_prev = mean_loss
         skipped = not received
         if not skipped:
-            valid = valid * 0.8 + rng.uniform(-5, 5) if metric == "perplexity" else valid + 2.1
+            valid = valid * decay + rng.uniform(-5, 5) if metric == "perplexity" else valid + 2.1
         raw_w = {a: rng.uniform(0.5, 1.5) for a in received}
         total = sum(raw_w.values())
         rows.append({
@@ -257,8 +259,9 @@ def test_default_output_folder(tmp_path: Path) -> None:
 
 
 def test_client_state_precedence() -> None:
+    # b selected, silent; c reported but not granted; d uploaded; e granted, never uploaded; f logged dropped
     row = {"online": ["a", "b", "c", "d", "e", "f"], "selected": ["b", "c", "d", "e", "f"],
-           "reported": ["c", "d", "e"], "granted": ["d", "e"], "received": ["d"], "dropped": ["f"]}
+           "reported": ["c", "d", "e"], "granted": ["d", "e"], "received": ["d"], "dropped": ["b", "c", "e", "f"]}
     assert [client_state(row, c) for c in "abcdefg"] == [ONLINE, DROPPED, REPORTED, UPLOADED, DROPPED, DROPPED,
                                                         OFFLINE]
 
