@@ -1,0 +1,36 @@
+"""``make_task(name, **options)``: the CLI's entry point to the tasks (``--task lm|nmt``)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from client_agent.tasks.base import Task
+from client_agent.tasks.errors import TaskError
+from client_agent.tasks.lm import LanguageModelTask
+from client_agent.tasks.nmt import TranslationTask
+
+TASKS: dict[str, type[Task]] = {"lm": LanguageModelTask, "nmt": TranslationTask}
+
+
+def make_task(name: str, **options: Any) -> Task:
+    """Build a task; options are the task class's keyword arguments (None values mean "the default").
+
+    lm: data ("builtin" or a folder), model (gru-tiny|gru-small|gru-medium|gru-large|lstm), tied, dropout, clients,
+    partition (iid|dirichlet:ALPHA|natural), vocab_size, max_lines, max_eval_lines, bptt, seed, emb, hidden, layers.
+    nmt: data, model (tiny|small|base), clients, partition, domains, vocab_size, max_lines, dropout, label_smoothing,
+    max_len, eval_max_sentences, beam, eval_batch, seed, cache_dir, eval_fraction.
+    """
+    if name not in TASKS:
+        raise TaskError(f"unknown task {name!r}: use one of {', '.join(TASKS)}")
+    cls = TASKS[name]
+    params = inspect.signature(cls.__init__).parameters
+    allowed = {p for p in params if p not in ("self", "corpus")}
+    unknown = sorted(k for k in options if k not in allowed)
+    if unknown:
+        raise TaskError(f"task {name!r} has no option {', '.join(unknown)}: use {', '.join(sorted(allowed))}")
+    if name == "nmt" and options.get("data") in (None, "builtin"):
+        raise TaskError("the nmt task needs --data PATH to a folder of X.de/X.en files (e.g. ../shared/data/de-en)")
+    if name == "nmt" and isinstance(options.get("domains"), str):
+        options["domains"] = [d for d in options["domains"].split(",") if d]
+    return cls(**{k: v for k, v in options.items() if v is not None})
