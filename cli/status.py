@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 from typing import Any, Iterable
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -171,8 +172,10 @@ def status_json(info: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------- simulate summary
 
 
-SUMMARY_COLUMNS = ["round", "strategy", "valid", "mean loss", "online", "selected", "received", "dropped",
-                   "MB up", "MB down", "wall s"]
+# Short headers so the table fits an 80-column terminal; the caption spells the metric out.
+SUMMARY_COLUMNS = ["round", "strategy", "valid", "loss", "online", "sel.", "recv.", "drop.", "MB up", "MB dn",
+                   "wall s"]
+_SHORT_METRIC = {"perplexity": "ppl"}
 
 
 def _summary_row(row: dict[str, Any]) -> list[str]:
@@ -206,10 +209,11 @@ def render_summary(summary: dict[str, Any], rows: Iterable[dict[str, Any]], *, m
     strategy = summary.get("strategy")
     title = "fedmq run" + (f" — {strategy}" if strategy else "")
     table = Table(title=title, caption=summary_caption({**summary, "metric": metric}), title_justify="left",
-                  caption_justify="left")
+                  caption_justify="left", box=box.SIMPLE_HEAD, padding=0, pad_edge=False,
+                  show_edge=False)
     for name in SUMMARY_COLUMNS:
-        header = f"valid {metric}" if name == "valid" else name
-        table.add_column(header, justify="left" if name == "strategy" else "right")
+        header = f"valid {_SHORT_METRIC.get(metric, metric)}" if name == "valid" else name
+        table.add_column(header, justify="left" if name == "strategy" else "right", no_wrap=True)
     if max_rows > 1 and len(rows) > max_rows:
         head, tail = rows[: max_rows // 2], rows[-(max_rows - max_rows // 2 - 1):]
         for row in head:
