@@ -1,0 +1,302 @@
+"""Tensor encodings: round trips with asserted error bounds, manifest checks, bombs, and fuzzing."""
+
+from __future__ import annotations
+
+import math
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zstandard as zstd
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from broker._codec_bytes import bf16_to_f32, f32_to_bf16
+from broker.encodings import EncodingSpec, decode_state, encode_state, raw_nbytes
+from broker.errors import CodecError
+from broker.manifest import Manifest
+
+
+def _state(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "emb.weight": (rng.standard_normal((300, 64)) * 0.05 * rng.uniform(0.5, 2, (300, 1))).astype(np.float32),
+        "rnn.weight": (rng.standard_normal((96, 32)) * 0.1).astype(np.float32),
+        "rnn.bias": rng.standard_normal(96).astype(np.float32),
+        "scalar": np.array(1.25, np.float32),
+        "empty": np.zeros((0, 3), np.float32),
+    }
+
+
+STATE = _state()
+BASE = {k: (v - (np.random.default_rng(1).standard_normal(v.shape) * 1e-3)).astype(np.float32) for k, v in STATE.items()}
+MANIFEST = Manifest.from_arrays(STATE)
+
+
+def _roundtrip(spec: EncodingSpec, state=STATE, base=None, manifest=MANIFEST) -> tuple[dict, int]:
+    wire = msgpack.packb(encode_state(state, spec, base), use_bin_type=True)
+    return decode_state(msgpack.unpackb(wire, raw=False), manifest, base), len(wire)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["raw", "fp16", "bf16", "int8", "int8-row", "topk:0.01", "delta+raw", "delta+int8", "delta+topk:0.05", "raw@1", "raw@0", "bf16,noshuffle", "delta+fp16@-1"],
+)
+def test_parse_str_roundtrip(text: str) -> None:
+    spec = EncodingSpec.parse(text)
+    assert str(spec) == text and EncodingSpec.parse(str(spec)) == spec
+
+
+def test_parse_fields() -> None:
+    s = EncodingSpec.parse("delta+topk:0.05")
+    assert (s.kind, s.delta, s.density) == ("topk", True, 0.05)
+    assert EncodingSpec.parse("int8-row").per_row and EncodingSpec.parse("raw@0").level == 0
+
+
+@pytest.mark.parametrize("text", ["", "zip", "topk:abc", "topk:0", "topk:1.5", "int8:0.1", "raw@99", "delta+", "raw+delta", 5])
+def test_parse_rejects(text) -> None:
+    with pytest.raises(CodecError) as e:
+        EncodingSpec.parse(text)
+    assert e.value.reason == "bad-encoding"
+
+
+def test_raw_bit_exact_also_as_delta_and_for_torch() -> None:
+    for spec in (EncodingSpec(), EncodingSpec(level=0), EncodingSpec(shuffle=False), EncodingSpec(delta=True)):
+        out, _ = _roundtrip(spec, base=BASE if spec.delta else None)
+        assert set(out) == set(STATE)
+        for k, v in STATE.items():
+            assert out[k].dtype == np.float32 and out[k].shape == v.shape
+            assert out[k].tobytes() == v.tobytes(), (spec, k)
+            assert out[k].flags.writeable
+    tstate = {k: torch.from_numpy(v.copy()) for k, v in STATE.items()}
+    out, _ = _roundtrip(EncodingSpec(), tstate, manifest=Manifest.from_arrays(tstate))
+    assert all(out[k].tobytes() == STATE[k].tobytes() for k in STATE)
+
+
+def test_raw_compresses_trained_like_weights() -> None:
+    rng = np.random.default_rng(3)
+    w = {"w": (rng.standard_normal((512, 512)) * 0.05).astype(np.float32)}
+    _, n = _roundtrip(EncodingSpec(), w, manifest=Manifest.from_arrays(w))
+    assert n < raw_nbytes(w) / 1.1  # sign/exponent plane compresses; mantissa planes are stored
+
+
+def test_fp16_bound() -> None:
+    out, n = _roundtrip(EncodingSpec(kind="fp16"))
+    for k, v in STATE.items():
+        # round to nearest: relative error <= 2^-11 for normals, absolute 2^-25 in the subnormal range
+        assert np.all(np.abs(out[k] - v) <= np.abs(v) * 2.0**-11 + 2.0**-25)
+    assert n < raw_nbytes(STATE) / 1.9
+
+
+def test_bf16_matches_torch_and_bound() -> None:
+    rng = np.random.default_rng(5)
+    x = np.concatenate([rng.standard_normal(10000).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 10000),
+                        np.array([0.0, -0.0, np.inf, -np.inf, 3.4e38, 1e-45], np.float32)]).astype(np.float32)
+    ours = f32_to_bf16(x)
+    ref = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(ours, ref)
+    nan = f32_to_bf16(np.array([np.nan, -np.nan], np.float32))
+    assert np.isnan(bf16_to_f32(nan)).all()
+    out, n = _roundtrip(EncodingSpec(kind="bf16"))
+    for k, v in STATE.items():
+        assert np.all(np.abs(out[k] - v) <= np.abs(v) * 2.0**-8)
+    assert n < raw_nbytes(STATE) / 2.0
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("delta", [False, True])
+def test_int8_bound(per_row: bool, delta: bool) -> None:
+    spec = EncodingSpec(kind="int8", per_row=per_row, delta=delta)
+    out, n = _roundtrip(spec, base=BASE if delta else None)
+    for k, v in STATE.items():
+        d = (v - BASE[k]) if delta else v
+        if d.size == 0:
+            continue
+        m = d.reshape(d.shape[0], -1) if (per_row and d.ndim >= 2) else d.reshape(1, -1)
+        half_step = ((m.max(1) - m.min(1)) / 255 / 2)[:, None]
+        err = np.abs(out[k] - v).reshape(m.shape)
+        assert np.all(err <= half_step * 1.001 + 1e-6 * np.abs(v).reshape(m.shape) + 1e-9), (k, err.max())
+    assert n < raw_nbytes(STATE) / (3.0 if per_row else 3.5)  # per-row pays 8 bytes of scale+zero per row
+
+
+def test_int8_constant_tensor() -> None:
+    s = {"c": np.full((4, 5), 0.3, np.float32)}
+    out, _ = _roundtrip(EncodingSpec(kind="int8", per_row=True), s, manifest=Manifest.from_arrays(s))
+    assert np.allclose(out["c"], 0.3, atol=1e-7)
+
+
+@pytest.mark.parametrize("delta", [False, True])
+def test_topk_keeps_largest(delta: bool) -> None:
+    density = 0.05
+    spec = EncodingSpec(kind="topk", density=density, delta=delta)
+    out, n = _roundtrip(spec, base=BASE if delta else None)
+    for k, v in STATE.items():
+        d = (v - BASE[k]) if delta else v
+        got = (out[k] - BASE[k]) if delta else out[k]
+        if d.size == 0:
+            continue
+        kk = max(1, math.ceil(density * d.size))
+        kept = got != 0
+        assert kept.sum() == kk or (kept.sum() < kk and np.sum(d != 0) < kk), k
+        # every kept entry is at least as large as every dropped one, kept values carry fp16 error only
+        if kept.sum() < d.size and kept.any():
+            assert np.abs(d[kept]).min() >= np.abs(d[~kept]).max()
+        assert np.all(np.abs(got[kept] - d[kept]) <= np.abs(d[kept]) * 2.0**-11 + 1e-6)
+        if not delta:
+            assert np.all(got[~kept] == 0)
+    assert n < raw_nbytes(STATE) / 8
+
+
+def test_topk_fp32_fallback_for_large_values() -> None:
+    s = {"w": np.array([1e6, -3.0, 2e5, 0.1], np.float32)}
+    out, _ = _roundtrip(EncodingSpec(kind="topk", density=0.5), s, manifest=Manifest.from_arrays(s))
+    assert out["w"].tolist() == [1e6, 0.0, 2e5, 0.0]
+
+
+def test_subset_of_manifest() -> None:
+    sub = {"rnn.bias": STATE["rnn.bias"]}
+    out, _ = _roundtrip(EncodingSpec(kind="bf16"), sub)
+    assert list(out) == ["rnn.bias"]
+
+
+def _enc(spec: str = "raw", state=STATE, base=None) -> dict:
+    return msgpack.unpackb(msgpack.packb(encode_state(state, EncodingSpec.parse(spec), base)))
+
+
+def _reason(obj, manifest=MANIFEST, base=None, **kw) -> str:
+    with pytest.raises(CodecError) as e:
+        decode_state(obj, manifest, base, **kw)
+    return e.value.reason
+
+
+def test_manifest_mismatches() -> None:
+    other = Manifest.from_arrays({k: v for k, v in STATE.items() if k != "scalar"})
+    assert _reason(_enc(), other) == "unknown-tensor"
+    wrong_shape = Manifest.from_arrays({**STATE, "rnn.bias": np.zeros(97, np.float32)})
+    assert _reason(_enc(), wrong_shape) == "shape-mismatch"
+    wrong_dtype = Manifest.from_arrays({**STATE, "rnn.bias": np.zeros(96, np.float16)})
+    assert _reason(_enc(), wrong_dtype) == "dtype-mismatch"
+    obj = _enc()
+    obj["t"].append(obj["t"][0])
+    assert _reason(obj) == "duplicate-tensor"
+    assert _reason(_enc(), max_bytes=1000) == "too-large"
+    assert _reason(_enc(), max_tensors=2) == "too-large"
+
+
+def test_delta_needs_base() -> None:
+    with pytest.raises(CodecError) as e:
+        encode_state(STATE, EncodingSpec.parse("delta+int8"))
+    assert e.value.reason == "missing-base"
+    obj = _enc("delta+int8", base=BASE)
+    assert _reason(obj) == "missing-base"
+    assert _reason(obj, base={k: v for k, v in BASE.items() if k != "rnn.bias"}) == "missing-base"
+    assert _reason(obj, base={**BASE, "rnn.bias": np.zeros(3, np.float32)}) == "bad-base"
+
+
+def test_nonfinite_rejection() -> None:
+    bad = {**STATE, "rnn.bias": STATE["rnn.bias"].copy()}
+    bad["rnn.bias"][3] = np.nan
+    bad["rnn.weight"] = STATE["rnn.weight"].copy()
+    bad["rnn.weight"][0, 0] = np.inf
+    for spec in ("raw", "fp16", "bf16"):
+        obj = _enc(spec, bad)
+        assert _reason(obj) == "non-finite"
+        out = decode_state(obj, MANIFEST, reject_nonfinite=False)
+        assert np.isnan(out["rnn.bias"][3]) and np.isinf(out["rnn.weight"][0, 0])
+    for spec in ("int8", "topk:0.1"):
+        with pytest.raises(CodecError) as e:
+            encode_state(bad, EncodingSpec.parse(spec))
+        assert e.value.reason == "non-finite"
+
+
+def test_zstd_bomb_and_blob_lies() -> None:
+    obj = _enc("raw")
+    rec = next(r for r in obj["t"] if r["n"] == "emb.weight")
+    n = 300 * 64
+    huge = zstd.ZstdCompressor(level=19).compress(bytes(64 << 20))  # tiny frame declaring 64 MiB
+    rec["p"] = [[1, n, huge]] + rec["p"][1:]
+    assert _reason(obj) == "bomb"
+    obj = _enc("raw")
+    rec = next(r for r in obj["t"] if r["n"] == "emb.weight")
+    rec["p"][0][1] = 1 << 40  # declared size disagrees with the manifest
+    assert _reason(obj) == "bad-tensor"
+    obj = _enc("raw")
+    rec = next(r for r in obj["t"] if r["n"] == "emb.weight")
+    unknown = zstd.ZstdCompressor(write_content_size=False).compress(bytes(n))
+    rec["p"] = [[1, n, unknown]] + rec["p"][1:]
+    assert _reason(obj) == "bomb"
+
+
+def test_topk_bad_indices() -> None:
+    obj = _enc("topk:0.1", {"w": np.arange(1, 101, dtype=np.float32)})
+    man = Manifest.from_arrays({"w": np.zeros(100, np.float32)})
+    rec = obj["t"][0]
+    diffs = np.zeros(10, np.uint32)  # repeated index 0
+    rec["i"] = [[0, 40, diffs.tobytes()]]
+    assert _reason(obj, man) == "bad-tensor"
+    rec["i"] = [[0, 40, np.full(10, 20, np.uint32).tobytes()]]  # runs past the end
+    assert _reason(obj, man) == "bad-tensor"
+    rec["k"] = 101
+    assert _reason(obj, man) == "bad-tensor"
+
+
+def test_unknown_format_and_encoding() -> None:
+    obj = _enc()
+    obj["fmt"] = 2
+    assert _reason(obj) == "unknown-version"
+    obj = _enc()
+    obj["t"][0]["e"] = "lz4"
+    assert _reason(obj) == "unknown-encoding"
+    assert _reason([1, 2]) == "malformed"
+
+
+def test_decode_is_all_or_nothing() -> None:
+    obj = _enc("raw")
+    obj["t"][-1]["p"][0][2] = b"\x00"  # the last tensor is corrupt; no dict comes back at all
+    with pytest.raises(CodecError):
+        decode_state(obj, MANIFEST)
+
+
+SMALL = {"a": (np.random.default_rng(9).standard_normal((40, 30)) * 0.05).astype(np.float32), "b": np.linspace(-1, 1, 7, dtype=np.float32)}
+SMALL_BASE = {k: v * 0.99 for k, v in SMALL.items()}
+SMALL_MAN = Manifest.from_arrays(SMALL)
+SMALL_WIRES = [
+    msgpack.packb(encode_state(SMALL, EncodingSpec.parse(t), SMALL_BASE))
+    for t in ("raw", "fp16", "bf16", "int8-row", "topk:0.1", "delta+raw", "delta+int8", "delta+topk:0.2", "raw@0")
+]
+
+
+def _check_valid(out: dict) -> None:
+    for k, v in out.items():
+        assert k in SMALL and v.shape == SMALL[k].shape and v.dtype == np.float32 and np.isfinite(v).all()
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_fuzz_decode_state(data: st.DataObject) -> None:
+    """Truncated, bit-flipped and random wire bytes: a valid state or CodecError, nothing else."""
+    wire = data.draw(st.sampled_from(SMALL_WIRES))
+    mode = data.draw(st.sampled_from(["flip", "truncate", "random"]))
+    if mode == "flip":
+        b = bytearray(wire)
+        for _ in range(data.draw(st.integers(1, 3))):
+            i = data.draw(st.integers(0, len(b) - 1))
+            b[i] ^= 1 << data.draw(st.integers(0, 7))
+        wire = bytes(b)
+    elif mode == "truncate":
+        wire = wire[: data.draw(st.integers(0, len(wire) - 1))]
+    else:
+        wire = data.draw(st.binary(max_size=200))
+    try:
+        obj = msgpack.unpackb(wire, raw=False, strict_map_key=False, max_ext_len=0)
+    except Exception:
+        obj = data.draw(st.recursive(st.none() | st.integers() | st.binary(max_size=8) | st.text(max_size=4),
+                                     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=3), c, max_size=4),
+                                     max_leaves=12))
+    try:
+        out = decode_state(obj, SMALL_MAN, SMALL_BASE)
+    except CodecError as e:
+        assert e.reason
+        return
+    _check_valid(out)
