@@ -11,10 +11,18 @@ from client_agent.tasks.lm import LanguageModelTask
 from client_agent.tasks.nmt import TranslationTask
 
 TASKS: dict[str, type[Task]] = {"lm": LanguageModelTask, "nmt": TranslationTask}
+# CLI flags shared by both tasks that only mean something for one of them: ignored by the other
+_LM_ONLY = ("tied", "bptt", "max_eval_lines", "emb", "hidden", "layers")
+_NMT_ONLY = ("domains", "label_smoothing", "max_len", "eval_max_sentences", "beam", "eval_batch", "cache_dir", "eval_fraction")
+# "0 = no cap" on the CLI
+_ZERO_IS_NONE = ("vocab_size", "max_lines", "max_eval_lines")
 
 
 def make_task(name: str, **options: Any) -> Task:
     """Build a task; options are the task class's keyword arguments (None values mean "the default").
+
+    Options that only apply to the other task (e.g. ``tied``/``bptt`` for nmt) are ignored, and 0 means "no cap"
+    for vocab_size, max_lines and max_eval_lines, so the CLI can pass all its flags to either task.
 
     lm: data ("builtin" or a folder), model (gru-tiny|gru-small|gru-medium|gru-large|lstm), tied, dropout, clients,
     partition (iid|dirichlet:ALPHA|natural), vocab_size, max_lines, max_eval_lines, bptt, seed, emb, hidden, layers.
@@ -24,6 +32,8 @@ def make_task(name: str, **options: Any) -> Task:
     if name not in TASKS:
         raise TaskError(f"unknown task {name!r}: use one of {', '.join(TASKS)}")
     cls = TASKS[name]
+    ignored = _LM_ONLY if name == "nmt" else _NMT_ONLY
+    options = {k: v for k, v in options.items() if k not in ignored and not (k in _ZERO_IS_NONE and v == 0)}
     params = inspect.signature(cls.__init__).parameters
     allowed = {p for p in params if p not in ("self", "corpus")}
     unknown = sorted(k for k in options if k not in allowed)
@@ -31,6 +41,10 @@ def make_task(name: str, **options: Any) -> Task:
         raise TaskError(f"task {name!r} has no option {', '.join(unknown)}: use {', '.join(sorted(allowed))}")
     if name == "nmt" and options.get("data") in (None, "builtin"):
         raise TaskError("the nmt task needs --data PATH to a folder of X.de/X.en files (e.g. ../shared/data/de-en)")
+    for key in ("clients", "vocab_size", "max_lines", "max_eval_lines", "bptt", "seed"):
+        value = options.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TaskError(f"option {key} must be a whole number, got {value!r}")
     if name == "nmt" and isinstance(options.get("domains"), str):
         options["domains"] = [d for d in options["domains"].split(",") if d]
     return cls(**{k: v for k, v in options.items() if v is not None})
