@@ -21,8 +21,10 @@ import torch
 from aggregator.strategies._common import (
     RunningSoftmaxSum,
     cast_like,
+    check_score,
     check_number,
     check_started,
+    sq_distance,
     validate_update,
     zeros_like_state,
 )
@@ -37,7 +39,7 @@ def tensor_distance(a: torch.Tensor, b: torch.Tensor, norm: str = "fro") -> floa
     dtype = a.dtype if a.dtype in (torch.float32, torch.float64) else torch.float32
     a, b = a.to(dtype), b.to(dtype)
     if norm == "fro" or a.dim() < 2:
-        return float(torch.dist(a, b))
+        return math.sqrt(sq_distance(a, b))
     diff = a - b
     if diff.dim() > 2:
         diff = diff.reshape(diff.shape[0], -1)
@@ -78,8 +80,10 @@ class FedAtt(Strategy):
 
     def fold(self, update: ClientUpdate) -> None:
         g = check_started(self._global, self.name)
-        validate_update(update, g, need_samples=False)
+        validate_update(update, g, need_samples=False, check_finite=False)
         scores = {name: self._score(name, t) for name, t in update.tensors.items()}
+        for name, s in scores.items():
+            check_score(update, name, s)
         for name, t in update.tensors.items():
             x = t
             if self.beta > 0.0 and self.sigma > 0.0:

@@ -23,6 +23,7 @@ from aggregator.strategies._common import (
     RunningSoftmaxSum,
     cast_like,
     check_number,
+    check_score,
     check_started,
     validate_update,
     zeros_like_state,
@@ -48,7 +49,7 @@ def js_divergence(a: torch.Tensor, b: torch.Tensor) -> float:
         lq = y[i : i + _CHUNK].double() - lse_b
         lm = torch.logaddexp(lp, lq) - _LN2
         total += 0.5 * float((lp.exp() * (lp - lm)).sum() + (lq.exp() * (lq - lm)).sum())
-    return max(total, 0.0)
+    return max(total, 0.0) if math.isfinite(total) else total
 
 
 def _chunked_lse(x: torch.Tensor) -> float:
@@ -91,8 +92,10 @@ class FedMed(Strategy):
         if self._active_mode == "fedavg":
             self._fedavg.fold(update)
             return
-        validate_update(update, g, need_samples=False)
+        validate_update(update, g, need_samples=False, check_finite=False)
         scores = {name: js_divergence(g[name], t) for name, t in update.tensors.items()}
+        for name, s in scores.items():
+            check_score(update, name, s)
         for name, t in update.tensors.items():
             self._sums[name].add(scores[name], t)
         key = update.client

@@ -23,6 +23,7 @@ from aggregator.strategies._common import (
     check_int,
     check_number,
     check_started,
+    sq_distance,
     validate_update,
     zeros_like_state,
 )
@@ -51,7 +52,7 @@ class ClippedFedAvg(Strategy):
     def fold(self, update: ClientUpdate) -> None:
         g = check_started(self._global, self.name)
         validate_update(update, g)
-        sq = sum(float(torch.dist(t.to(acc_dtype(g[k])), g[k].to(acc_dtype(g[k])))) ** 2 for k, t in update.tensors.items())
+        sq = sum(sq_distance(t.to(acc_dtype(g[k])), g[k].to(acc_dtype(g[k]))) for k, t in update.tensors.items())
         norm = math.sqrt(sq)
         scale = 1.0 if norm <= self.clip_norm else self.clip_norm / norm
         if scale < 1.0:

@@ -120,3 +120,25 @@ def test_generator_state_round_trips():
 def test_bad_parameters(params):
     with pytest.raises(BadParameter):
         FedAtt(**params)
+
+
+def test_chunked_distance_matches_torch_dist_on_large_tensors():
+    from aggregator.strategies._common import sq_distance
+
+    gen = torch.Generator().manual_seed(2)
+    a, b = torch.randn(700_001, generator=gen), torch.randn(700_001, generator=gen)  # several chunks + a tail
+    assert math.sqrt(sq_distance(a, b)) == pytest.approx(float(torch.dist(a.double(), b.double())), rel=1e-6)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_update_is_rejected_and_changes_nothing(bad):
+    from aggregator.strategies.errors import StrategyError
+    from aggregator.strategies.fedmed import FedMed
+
+    for strategy in (FedAtt(), FedMed()):
+        strategy.begin({"w": torch.zeros(2)})
+        strategy.fold(ClientUpdate("a", 1, {"w": torch.tensor([3.0, 4.0])}))
+        with pytest.raises(StrategyError, match="non-finite"):
+            strategy.fold(ClientUpdate("x", 1, {"w": torch.tensor([bad, 0.0])}))
+        out = strategy.finish()["w"]
+        assert torch.isfinite(out).all() and strategy.client_weights().keys() == {"a"}
