@@ -182,11 +182,12 @@ def _ratio_text(run: RunData) -> str:
         raw = sum(_finite([row[f"bytes_{direction}_raw"] for row in run.rows]))
         if wire > 0 and raw > 0:
             ratio = raw / wire
-            parts.append(f"{direction} {ratio:.1f}× smaller than raw fp32" if ratio >= 1.05 else
-                         f"{direction} {1 / ratio:.2f}× the raw fp32 size")
-    encoding = run.config.get("encoding")
-    prefix = f"encoding {encoding}: " if isinstance(encoding, str) else ""
-    return f" — {prefix}{', '.join(parts)}" if parts else ""
+            parts.append(f"{direction} {ratio:.1f}× smaller" if ratio >= 1.05 else f"{direction} no smaller")
+    up, down = run.config.get("encoding"), run.config.get("down_encoding")
+    prefix = f"encoding {up}: " if isinstance(up, str) else ""
+    if isinstance(up, str) and isinstance(down, str) and down != up:
+        prefix = f"encoding up {up}, down {down}: "
+    return f" — {prefix}{', '.join(parts)} than raw fp32" if parts else ""
 
 
 def plot_bytes(runs: list[RunData]) -> Figure:

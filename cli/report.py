@@ -34,7 +34,8 @@ HIGHER_IS_BETTER = {"bleu", "accuracy", "acc", "chrf", "f1"}
 _CLIENT_LISTS = ("online", "selected", "reported", "granted", "received", "dropped")
 _NUMBERS = ("valid", "mean_loss", "bytes_up", "bytes_down", "bytes_up_raw", "bytes_down_raw", "wall_s", "time")
 # Config keys shown first in the per-run summary; the rest follow alphabetically.
-_CONFIG_FIRST = ("task", "data", "model", "strategy", "clients", "fraction", "rounds", "encoding", "seed", "job")
+_CONFIG_FIRST = ("task", "data", "corpus", "model", "strategy", "clients", "fraction", "rounds", "encoding",
+                 "down_encoding", "seed", "job")
 
 
 class ReportError(FedmqError):
