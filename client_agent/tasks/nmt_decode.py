@@ -8,6 +8,14 @@ from client_agent.tasks.nmt_data import BOS, EOS, PAD
 from client_agent.tasks.nmt_model import TransformerNMT
 
 
+def _next_logits(model: TransformerNMT, seqs: torch.Tensor, mem: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Last-position logits with PAD and BOS forbidden (never valid outputs)."""
+    logits = model.decode(seqs, mem, mask)[:, -1].float()
+    logits[:, PAD] = float("-inf")
+    logits[:, BOS] = float("-inf")
+    return logits
+
+
 def max_output_len(src: torch.Tensor, model: TransformerNMT) -> int:
     src_len = int((src != PAD).sum(1).max())
     return min(model.cfg.max_len - 1, int(src_len * 1.5) + 10)
@@ -21,7 +29,7 @@ def greedy(model: TransformerNMT, src: torch.Tensor) -> list[list[int]]:
     out = torch.full((b, 1), BOS, dtype=torch.long, device=src.device)
     done = torch.zeros(b, dtype=torch.bool, device=src.device)
     for _ in range(max_output_len(src, model)):
-        nxt = model.decode(out, mem, mask)[:, -1].argmax(-1)
+        nxt = _next_logits(model, out, mem, mask).argmax(-1)
         nxt = torch.where(done, torch.full_like(nxt, PAD), nxt)
         out = torch.cat([out, nxt[:, None]], 1)
         done |= nxt == EOS
@@ -45,7 +53,7 @@ def beam_search(model: TransformerNMT, src: torch.Tensor, beam: int = 4, length_
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(b)]
     alive = torch.ones(b, dtype=torch.bool, device=dev)
     for step in range(max_output_len(src, model)):
-        logp = model.decode(seqs, mem, mask)[:, -1].float().log_softmax(-1)  # [b*beam, V]
+        logp = _next_logits(model, seqs, mem, mask).log_softmax(-1)  # [b*beam, V]
         v = logp.size(-1)
         total = (scores.view(-1, 1) + logp).view(b, beam * v)
         top, idx = total.topk(2 * beam, dim=1)
