@@ -63,7 +63,7 @@ def _new_figure(height_in: float) -> Figure:
 def _style(ax: Any) -> None:
     ax.spines[["top", "right"]].set_visible(False)
     ax.grid(True, alpha=0.3, linewidth=0.6)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=20))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=20, min_n_ticks=1))
 
 
 def _empty(ax: Any, text: str) -> None:
@@ -281,7 +281,7 @@ def plot_participation(run: RunData) -> Figure:
         _empty(ax_grid, "no client ids logged")
     ax_grid.set_ylabel("client")
     ax_grid.set_title(f"Participation timeline — {run.label}", loc="left", fontsize=11)
-    ax_grid.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=20))
+    ax_grid.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=20, min_n_ticks=1))
 
     bottom = np.zeros(len(rounds))
     for state in (UPLOADED, REPORTED, DROPPED, ONLINE, OFFLINE):
@@ -341,7 +341,7 @@ def plot_weights(run: RunData) -> Figure:
                       vmin=0.0, vmax=vmax)
     ax.set_xticks(range(len(rounds)), [str(r) for r in rounds], fontsize=8)
     if len(rounds) > 30:
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=20))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=20, min_n_ticks=1))
         ax.xaxis.set_major_formatter(lambda x, _pos: str(rounds[int(x)]) if 0 <= int(x) < len(rounds) else "")
     step = max(1, math.ceil(len(clients) / 40))
     ax.set_yticks(range(0, len(clients), step), clients[::step], fontsize=8)

@@ -342,3 +342,14 @@ def test_score_of_uses_rows_when_summary_lacks_fields(tmp_path: Path) -> None:
     rows = _read_rows(run)
     assert score.test == 1.5 and score.complete
     assert score.best_valid == min(r["valid"] for r in rows if r["valid"] is not None)
+
+
+def test_single_round_run_has_integer_round_ticks(tmp_path: Path) -> None:
+    from cli.plots import plot_bytes, plot_participation, plot_validation
+
+    run = load_run(write_run_dir(tmp_path, "one", rounds=1, complete=False))
+    for fig in (plot_validation([run]), plot_bytes([run]), plot_participation(run)):
+        fig.canvas.draw()
+        for ax in fig.axes:
+            ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+            assert all(float(t).is_integer() for t in ticks), ticks
