@@ -47,19 +47,27 @@ def _decompressor() -> zstd.ZstdDecompressor:
     return d
 
 
-def make_blob(data: memoryview | bytes | np.ndarray, level: int) -> list:
-    """A stored or zstd blob of ``data``, whichever the sample says is worth it."""
+def make_blob(data: memoryview | bytes | np.ndarray, level: int, owned: bool = False) -> list:
+    """A stored or zstd blob of ``data``, whichever the sample says is worth it.
+
+    ``owned``: ``data`` is a private buffer, so a stored blob may reference it (msgpack packs memoryviews
+    as bin) instead of copying; otherwise it is copied, so later changes to the caller's tensor cannot leak in.
+    """
     buf = memoryview(data).cast("B") if not isinstance(data, bytes) else data
     n = len(buf)
+
+    def stored() -> list:
+        return [STORED, n, buf if owned or isinstance(buf, bytes) else bytes(buf)]
+
     if level == 0 or n < 64:
-        return [STORED, n, bytes(buf)]
+        return stored()
     c = _compressor(level)
     if n > 2 * _SAMPLE:
         if len(c.compress(buf[:_SAMPLE])) > _MIN_GAIN * _SAMPLE:
-            return [STORED, n, bytes(buf)]
+            return stored()
     z = c.compress(buf)
     if len(z) > _MIN_GAIN * n:
-        return [STORED, n, bytes(buf)]
+        return stored()
     return [ZSTD, n, z]
 
 
@@ -70,8 +78,10 @@ def read_blob(blob: object, expected: int) -> bytes | memoryview:
     codec, size, data = blob
     if type(size) is not int or size != expected:
         raise CodecError("bad-tensor", f"blob declares {size!r} bytes, the manifest implies {expected}")
-    if not isinstance(data, bytes):
+    if not isinstance(data, (bytes, memoryview)):
         raise CodecError("bad-tensor", "blob data must be bytes")
+    if isinstance(data, memoryview):  # straight from encode_state, not through msgpack
+        data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
     if codec == STORED:
         if len(data) != expected:
             raise CodecError("bad-tensor", f"stored blob has {len(data)} bytes, want {expected}")
@@ -93,11 +103,14 @@ def read_blob(blob: object, expected: int) -> bytes | memoryview:
     return out
 
 
-def pack_array(arr: np.ndarray, level: int, shuffle: bool) -> list:
-    """Blobs of a contiguous 1-D array: byte-shuffled into ``itemsize`` planes when asked and useful."""
+def pack_array(arr: np.ndarray, level: int, shuffle: bool, owned: bool = False) -> list:
+    """Blobs of a contiguous 1-D array: byte-shuffled into ``itemsize`` planes when asked and useful.
+
+    ``owned``: ``arr`` is a private temporary (not the caller's tensor) that stored blobs may reference.
+    """
     w = arr.dtype.itemsize
     if not shuffle or w == 1 or level == 0 or arr.size < 1024:
-        return [make_blob(memoryview(arr).cast("B"), level)]
+        return [make_blob(memoryview(arr).cast("B"), level, owned)]
     n = arr.size
     u8 = arr.view(np.uint8).reshape(n, w)
     planes = np.empty((w, n), np.uint8)
@@ -105,7 +118,7 @@ def pack_array(arr: np.ndarray, level: int, shuffle: bool) -> list:
         j = min(n, i + _BLOCK)
         for k in range(w):
             planes[k, i:j] = u8[i:j, k]
-    return [make_blob(planes[k], level) for k in range(w)]
+    return [make_blob(planes[k], level, True) for k in range(w)]
 
 
 def unpack_array(blobs: object, dtype: np.dtype, n: int) -> np.ndarray:

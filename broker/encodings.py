@@ -133,14 +133,14 @@ def _encode_one(name: str, x: np.ndarray, dt: str, spec: EncodingSpec, b: np.nda
     kind, level = spec.kind, spec.level
     if kind == "raw":
         data = flat if b is None else (flat.view(np.uint32) ^ b.view(np.uint32))
-        rec["p"] = pack_array(data, level, spec.shuffle)
+        rec["p"] = pack_array(data, level, spec.shuffle, owned=b is not None)
         return rec
     d = flat if b is None else flat - b
     if kind == "fp16":
-        rec["p"] = pack_array(d.astype(np.float16), level, spec.shuffle)
+        rec["p"] = pack_array(d.astype(np.float16), level, spec.shuffle, owned=True)
         return rec
     if kind == "bf16":
-        rec["p"] = pack_array(f32_to_bf16(np.ascontiguousarray(d)), level, spec.shuffle)
+        rec["p"] = pack_array(f32_to_bf16(np.ascontiguousarray(d)), level, spec.shuffle, owned=True)
         return rec
     if n and not np.isfinite(d).all():
         raise CodecError("non-finite", f"tensor {name!r} has NaN/Inf; {kind} cannot encode it")
@@ -156,9 +156,9 @@ def _encode_one(name: str, x: np.ndarray, dt: str, spec: EncodingSpec, b: np.nda
         np.rint(q, out=q)
         np.clip(q, 0, 255, out=q)
         rec["r"] = bool(spec.per_row)
-        rec["sc"] = make_blob(scale.astype(np.float32), 0)
-        rec["lo"] = make_blob(lo.astype(np.float32), 0)
-        rec["p"] = pack_array(q.astype(np.uint8).reshape(-1), level, False)
+        rec["sc"] = make_blob(scale.astype(np.float32), 0, owned=True)
+        rec["lo"] = make_blob(lo.astype(np.float32), 0, owned=True)
+        rec["p"] = pack_array(q.astype(np.uint8).reshape(-1), level, False, owned=True)
         return rec
     # topk
     k = min(n, max(1, math.ceil(spec.density * n))) if n else 0
@@ -172,8 +172,8 @@ def _encode_one(name: str, x: np.ndarray, dt: str, spec: EncodingSpec, b: np.nda
     vd = "float16" if (k == 0 or float(np.abs(vals).max()) <= _FP16_MAX) else "float32"
     rec["k"] = int(k)
     rec["vd"] = vd
-    rec["i"] = pack_array(diffs, level, spec.shuffle)
-    rec["v"] = pack_array(vals.astype(vd), level, spec.shuffle)
+    rec["i"] = pack_array(diffs, level, spec.shuffle, owned=True)
+    rec["v"] = pack_array(vals.astype(vd), level, spec.shuffle, owned=True)
     return rec
 
 
