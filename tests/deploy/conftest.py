@@ -45,16 +45,27 @@ def rendered() -> dict[str, list[dict[str, Any]]]:
     return {name: render(K8S / "overlays" / name) for name in OVERLAYS}
 
 
+CHECKOV_VERSION = "3.3.30"
+CHECKOV_VENV = ROOT / ".fedmq-cache" / "checkov-venv"
+
+
 @pytest.fixture(scope="session")
 def checkov() -> str:
-    """The checkov executable: $FEDMQ_CHECKOV, else the separate venv .fedmq-cache/checkov-venv, else PATH."""
-    candidates = [os.environ.get("FEDMQ_CHECKOV", ""), str(ROOT / ".fedmq-cache" / "checkov-venv" / "bin" / "checkov")]
-    for cand in candidates:
-        if cand and os.access(cand, os.X_OK):
-            return cand
-    exe = shutil.which("checkov")
-    if exe is None:
-        missing_tool("checkov not found: create its venv with `python3 -m venv .fedmq-cache/checkov-venv && "
-                     ".fedmq-cache/checkov-venv/bin/pip install checkov==3.3.30` (see docs/deploy.md)")
-    assert exe is not None
-    return exe
+    """The checkov executable: $FEDMQ_CHECKOV, else the separate venv .fedmq-cache/checkov-venv (created here
+    from PyPI when missing: checkov's pins would downgrade packages of the project's venv), else PATH."""
+    override = os.environ.get("FEDMQ_CHECKOV", "")
+    if override:
+        return override
+    exe = CHECKOV_VENV / "bin" / "checkov"
+    if not os.access(exe, os.X_OK):
+        made = subprocess.run(["python3", "-m", "venv", str(CHECKOV_VENV)], capture_output=True, text=True)
+        if made.returncode == 0:
+            made = subprocess.run([str(CHECKOV_VENV / "bin" / "pip"), "install", "-q", "--disable-pip-version-check",
+                                   f"checkov=={CHECKOV_VERSION}"], capture_output=True, text=True, timeout=1200)
+        if made.returncode != 0 or not os.access(exe, os.X_OK):
+            found = shutil.which("checkov")
+            if found:
+                return found
+            missing_tool(f"checkov {CHECKOV_VERSION} could not be installed into {CHECKOV_VENV}: "
+                         + (made.stderr.strip().splitlines() or ["?"])[-1])
+    return str(exe)

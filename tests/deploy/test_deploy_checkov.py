@@ -12,6 +12,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+# the first run may create checkov's venv (tests/deploy/conftest.py), which takes a few minutes
+pytestmark = pytest.mark.timeout(1500)
+
 ROOT = Path(__file__).resolve().parents[2]
 OFFLINE = {"BC_SKIP_MAPPING": "TRUE", "CHECKOV_RUN_SCA_PACKAGE_SCAN_V2": "false", "LOG_LEVEL": "ERROR"}
 
