@@ -101,7 +101,7 @@ def _read_domain(name: str, folder: Path, src: str, tgt: str) -> list[Pair]:
         if len(s) != len(t):
             raise TaskError(f"{str(folder / stem)}.{src} has {len(s)} lines but .{tgt} has {len(t)}: the files must be line-aligned")
         docfile = folder / f"{stem}.docid"
-        docs = _read(docfile) if docfile.is_file() else [f"{stem}"] * len(s)
+        docs = _read(docfile) if docfile.is_file() else [name] * len(s)  # no docid: the domain is the document
         if len(docs) != len(s):
             raise TaskError(f"{str(docfile)!r} has {len(docs)} lines but the pairs have {len(s)}: one id per pair")
         pairs.extend(Pair(a.strip(), b.strip(), name, d.strip()) for a, b, d in zip(s, t, docs) if a.strip() and b.strip())
