@@ -37,7 +37,8 @@ def configure(level: str = "info", fmt: str = "auto", file: Path | None = None) 
     for h in handlers:
         root.addHandler(h)
     root.setLevel(level.upper())
-    logging.getLogger("pika").setLevel(logging.WARNING)
+    # pika logs every failed connection attempt at ERROR with a traceback; fedmq logs its own one-line summary
+    logging.getLogger("pika").setLevel(logging.DEBUG if level == "debug" else logging.CRITICAL)
     structlog.configure(
         processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         logger_factory=structlog.stdlib.LoggerFactory(),
