@@ -8,7 +8,7 @@ memory and time measure the aggregator, not a pile of pre-made updates. Methods:
 * ``fedavg``        aggregator.strategies.fedavg.FedAvg (validation + the same sum)
 * ``fedatt``        aggregator.strategies.fedatt.FedAtt ('fro' distance + running log-sum-exp)
 * ``stack-fedavg``  copy every update into a [K, numel] stack per tensor, then one weighted reduction
-* ``stack-fedatt``  the same stack, all distances, softmax, one weighted reduction
+* ``stack-fedatt``  the same stack, all distances (same chunked kernel as FedAtt), softmax, one weighted reduction
 
 The stacking baselines are skipped where K models would exceed ``stack_budget_gb`` (default 8 GB: the
 machine is shared) — at 25M parameters that is 200 updates (20 GB). Throughput = K × model bytes /
@@ -52,6 +52,7 @@ def _rss_mb() -> float:
 def _worker(method: str, count: int, params: int, seed: int) -> dict[str, Any]:
     import torch
 
+    from aggregator.strategies._common import sq_distance
     from aggregator.strategies.base import ClientUpdate
     from aggregator.strategies.fedatt import FedAtt
     from aggregator.strategies.fedavg import FedAvg
@@ -108,7 +109,8 @@ def _worker(method: str, count: int, params: int, seed: int) -> dict[str, Any]:
             if method == "stack-fedavg":
                 w = torch.tensor(weights, dtype=torch.float32) / sum(weights)
             else:
-                w = torch.softmax(torch.cdist(glob[k].reshape(1, -1), st).reshape(-1).double(), 0).float()
+                d = torch.tensor([sq_distance(glob[k], row) for row in st], dtype=torch.float64).sqrt()
+                w = torch.softmax(d, 0).float()
             red = w @ st
             out[k] = red.reshape(glob[k].shape) if method == "stack-fedavg" else (glob[k] - 1.2 * (glob[k] - red.reshape(glob[k].shape)))
         t_finish = time.perf_counter() - t0

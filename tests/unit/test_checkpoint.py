@@ -98,3 +98,36 @@ def test_unsupported_state_is_a_typed_error_and_writes_nothing(tmp_path):
         save_checkpoint(tmp_path, round=1, model_version=1, global_state={}, strategy_state={"s": {1, 2}},
                         mediator_state={}, rng_state=None, folded={}, extra={})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_kill_9_during_saves_leaves_a_loadable_checkpoint(tmp_path):
+    """A writer saving 4 MB checkpoints in a loop is SIGKILLed at three points; every time the newest
+    surviving checkpoint loads and its contents match its round."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    script = (
+        "import sys, torch\n"
+        f"sys.path.insert(0, {str(root)!r})\n"
+        "from aggregator.checkpoint import save_checkpoint\n"
+        "r = 0\n"
+        "while True:\n"
+        "    r += 1\n"
+        f"    save_checkpoint({str(tmp_path)!r}, round=r, model_version=r, global_state={{'w': torch.full((1_000_000,), float(r))}},\n"
+        "                    strategy_state={}, mediator_state={}, rng_state=None, folded={r: ['u']}, extra={})\n"
+        "    print(r, flush=True)\n"
+    )
+    for delay in (0.05, 0.3, 0.7):
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        proc.stdout.readline()  # at least one checkpoint exists
+        time.sleep(delay)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        ck = load_checkpoint(tmp_path)
+        assert ck is not None and ck.folded == {ck.round: ["u"]}
+        assert torch.equal(ck.global_state["w"], torch.full((1_000_000,), float(ck.round)))
