@@ -145,7 +145,10 @@ class Engine:
         stats = RoundStats(r)
         if spooled is None:
             self.phase = "waiting-for-agents"
-            self._wait_for_agents(cfg.selected_count(), cfg.join_timeout_s if r == 1 else cfg.heartbeat_s * 3)
+            if r == 1 or not self.presence:  # the first round waits for the whole federation to join
+                self._wait_for_agents(cfg.clients, cfg.join_timeout_s)
+            else:
+                self._wait_for_agents(cfg.selected_count(), cfg.heartbeat_s * 3)
             stats.online = self._online()
             rng = random.Random(f"{cfg.seed}/select/{r}")
             m = min(cfg.selected_count(), len(stats.online))

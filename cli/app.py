@@ -369,9 +369,8 @@ def report(
 
     Example: fedmq report runs/fedavg runs/fedatt --out runs/compare
     """
-    from cli.report import build_report
-    result = build_report(list(run_dirs), out or run_dirs[0] / "report")
-    typer.echo(f"report written: {getattr(result, 'html', result)}")
+    from cli.report import run_report
+    typer.echo(run_report(list(run_dirs), out).describe())
 
 
 # --------------------------------------------------------------------------------------------- bench
@@ -408,6 +407,8 @@ def bench_train(quick: bool = False) -> None:
 
 def main() -> None:
     """Console entry point: user errors become one line on stderr, never a traceback."""
+    from cli.logs import configure
+    configure("warning")  # commands that log (simulate, services) configure their own level and format
     try:
         app(standalone_mode=False)
     except FedmqError as exc:
@@ -418,9 +419,8 @@ def main() -> None:
     except typer.Abort:
         typer.echo("aborted", err=True)
         sys.exit(130)
-    except Exception as exc:  # click usage errors and the like
-        import click
-        if isinstance(exc, click.ClickException):
+    except Exception as exc:  # usage errors of typer's bundled click: they know how to show themselves
+        if hasattr(exc, "show") and hasattr(exc, "exit_code"):
             exc.show()
             sys.exit(exc.exit_code)
         raise

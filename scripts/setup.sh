@@ -7,3 +7,6 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+# checkov (the deploy tests' security scanner) lives in its own venv: it would downgrade packages fedmq uses
+[ -x .fedmq-cache/checkov-venv/bin/checkov ] || { "$PY" -m venv .fedmq-cache/checkov-venv && \
+  .fedmq-cache/checkov-venv/bin/pip install -q --disable-pip-version-check checkov==3.3.30; }
