@@ -3,6 +3,15 @@
 One engine thread owns all state; the broker's dispatcher thread only queues deliveries (aggregator.inbox).
 Synchronous rounds follow DESIGN.md; asynchronous mode folds every K arrivals with a staleness weight.
 Crash safety: see aggregator/spool.py (ack after spooling) and aggregator/checkpoint.py (after every round).
+
+Hot standby: several engines may consume the job's inbox (a single-active-consumer quorum queue); only the
+active one receives deliveries. ``run`` therefore does nothing with the shared state dir until the first
+delivery arrives: only then does it load the newest checkpoint and the open round's spool. A standby that
+takes over after the active one died thus starts from exactly the state the dead one stored, and a standby
+never writes to the state dir while it waits. The cost: an aggregator is idle until some agent speaks
+(agents publish presence on join and every heartbeat, so an active aggregator hears from them at once).
+A resumed round re-publishes its announce (and its grant, if decided): agents ignore rounds they already
+handled, and one whose announce or grant was lost with the old aggregator gets it now.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ class RoundStats:
     reported: dict[str, float] = field(default_factory=dict)  # client -> loss
     granted: list[str] = field(default_factory=list)
     received: list[str] = field(default_factory=list)
+    update_ids: dict[str, str] = field(default_factory=dict)  # client -> msg id of the update folded
     bytes_up: int = 0
     bytes_down: int = 0
     bytes_up_raw: int = 0
@@ -79,7 +89,7 @@ class Engine:
         self.round = 1
         self.presence: dict[str, tuple[float, int]] = {}  # client -> (last seen, version it holds)
         self.best: tuple[float, int] | None = None  # (score, round)
-        self.folded: dict[int, list[str]] = {}
+        self.folded: dict[int, list[str]] = {}  # round -> msg ids of the updates folded into it (the audit)
         self.phase = "starting"
         self.last_row: dict[str, Any] = {}
         self._consumer: str | None = None
@@ -88,12 +98,19 @@ class Engine:
     def run(self, resume: bool = True) -> dict[str, Any]:
         """Declare the topology, resume from the last checkpoint, run the rounds, write the summary."""
         self.broker.declare_job(self.cfg.job, [])
-        if resume:
-            self._restore()
-        self.runlog.write_config(self._config_record())
         self._consumer = self.broker.consume(topology.q_inbox(self.cfg.job), self.inbox.handler)
         started = time.time()
         try:
+            self.phase = "standby"
+            log.info("waiting for the first delivery (a hot standby waits here while another aggregator is active)",
+                     job=self.cfg.job)
+            if not self.inbox.wait_first(self.stop):
+                return self._summary(time.time() - started)
+            self.phase = "starting"
+            log.info("active consumer of the inbox", job=self.cfg.job)
+            if resume:
+                self._restore()
+            self.runlog.write_config(self._config_record())
             if self.cfg.mode == "async":
                 self._run_async()
             else:
@@ -145,9 +162,9 @@ class Engine:
         stats = RoundStats(r)
         if spooled is None:
             self.phase = "waiting-for-agents"
-            if r == 1 or not self.presence:  # the first round waits for the whole federation to join
+            if r == 1:  # the first round waits for the whole federation to join
                 self._wait_for_agents(cfg.clients, cfg.join_timeout_s)
-            else:
+            else:  # later rounds (also right after a restart): live agents heartbeat within heartbeat_s
                 self._wait_for_agents(cfg.selected_count(), cfg.heartbeat_s * 3)
             stats.online = self._online()
             rng = random.Random(f"{cfg.seed}/select/{r}")
@@ -161,6 +178,10 @@ class Engine:
             stats.online, stats.selected = spooled["online"], spooled["selected"]
             stats.reported = spooled["reported"]
             log.info("resuming open round", round=r, reported=len(stats.reported), spooled_updates=len(spooled_updates))
+            if stats.selected:  # the old announce (or grant) may have died with the old aggregator: send again
+                self._announce(stats)
+                if spooled.get("granted") is not None and self.cfg.grant_phase:
+                    self._publish_grant(stats, spooled["granted"])
         if not stats.selected:
             self._close(stats, None, skipped="nobody online")
             return
@@ -243,13 +264,16 @@ class Engine:
         stats.granted = self.mediator.top_k(stats.reported, cfg.beta) if cfg.beta < 1 else sorted(stats.reported)
         choice = self._strategy_name(stats)
         self._save_round(stats, stats.granted, choice)
-        env = messages.grant(cfg.job, stats.round, self.version, stats.granted)
-        body = messages.encode(env)
-        self.broker.publish(topology.rk_control(cfg.job), body, message_id=env.msg_id)
-        stats.bytes_down += len(body) * len(stats.selected)
-        self.phase = "uploading"
+        self._publish_grant(stats, stats.granted)
         log.info("uploads granted", round=stats.round, granted=len(stats.granted), strategy=choice)
         return self._begin_strategy(stats, choice)
+
+    def _publish_grant(self, stats: RoundStats, granted: list[str]) -> None:
+        env = messages.grant(self.cfg.job, stats.round, self.version, granted)
+        body = messages.encode(env)
+        self.broker.publish(topology.rk_control(self.cfg.job), body, message_id=env.msg_id)
+        stats.bytes_down += len(body) * len(stats.selected)
+        self.phase = "uploading"
 
     def _strategy_name(self, stats: RoundStats) -> str:
         if self.cfg.strategy != "fedmed":
@@ -296,6 +320,7 @@ class Engine:
         if not spooled:
             self.spool.save_update(stats.round, client, body)
         stats.received.append(client)
+        stats.update_ids[client] = env.msg_id
         stats.bytes_up += len(body)
         stats.bytes_up_raw += raw_nbytes(update.tensors)
         stats.reported.setdefault(client, float(env.payload["loss"]))
@@ -314,15 +339,16 @@ class Engine:
             self.global_state = {k: v.float() for k, v in strategy.finish().items()}
             weights = strategy.client_weights()
             self.version += 1
-            self.folded[stats.round] = sorted(stats.received)
+            self.folded[stats.round] = sorted(stats.update_ids.values())
         else:
             log.warning("round skipped", round=stats.round, reason=skipped)
         score = self._evaluate(stats.round) if skipped is None else None
         row = self._row(stats, score, weights, skipped)
         self.round += 1
+        # row first: a kill before the checkpoint redoes the round, and the resume truncates this row again
+        self.runlog.append(row)
         self._checkpoint()
         self.spool.clear_upto(stats.round)
-        self.runlog.append(row)
         self.last_row = row
         if self.on_round:
             self.on_round(row)
@@ -349,7 +375,7 @@ class Engine:
             "mean_loss": sum(losses) / len(losses) if losses else None,
             "online": stats.online, "selected": stats.selected, "reported": sorted(stats.reported),
             "losses": dict(stats.reported),
-            "granted": stats.granted, "received": sorted(stats.received),
+            "granted": stats.granted, "received": sorted(stats.received), "update_ids": dict(stats.update_ids),
             "dropped": sorted(set(stats.selected) - set(stats.received)),
             "skipped": skipped is not None, "skip_reason": skipped,
             "bytes_up": stats.bytes_up, "bytes_down": stats.bytes_down,
@@ -424,8 +450,9 @@ class Engine:
         except FedmqError as exc:
             self.inbox.reject(msg.delivery, "rejected-by-strategy", str(exc))
             return
-        self.spool.save_update(stats.round, f"{env.client}-{env.msg_id}", msg.delivery.body)
+        self.spool.save_update(stats.round, f"{env.client}-{len(stats.received)}", msg.delivery.body)
         stats.received.append(env.client)
+        stats.update_ids[f"{env.client}#{len(stats.received)}"] = env.msg_id
         stats.reported[env.client] = float(env.payload["loss"])
         stats.bytes_up += msg.size
         stats.bytes_up_raw += raw_nbytes(delta)

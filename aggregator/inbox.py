@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import threading
 from collections import Counter
 from dataclasses import dataclass
 
@@ -39,16 +40,32 @@ class Inbox:
         self.rejected: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()
         self._q: "queue.Queue[Delivery]" = queue.Queue()
+        self._head: Delivery | None = None  # a delivery taken by wait_first, handed out first by next
 
     def handler(self, delivery: Delivery) -> None:
         self._q.put(delivery)
 
+    def wait_first(self, stop: threading.Event, poll: float = 0.5) -> bool:
+        """Block until a delivery is waiting (we are the active consumer) or ``stop`` is set; True if one is."""
+        while not stop.is_set():
+            if self._head is not None:
+                return True
+            try:
+                self._head = self._q.get(timeout=poll)
+                return True
+            except queue.Empty:
+                continue
+        return False
+
     def next(self, timeout: float) -> Received | None:
         """The next valid message, or None when ``timeout`` passes. Invalid ones are rejected on the way."""
-        try:
-            delivery = self._q.get(timeout=max(timeout, 0.0))
-        except queue.Empty:
-            return None
+        if self._head is not None:
+            delivery, self._head = self._head, None
+        else:
+            try:
+                delivery = self._q.get(timeout=max(timeout, 0.0))
+            except queue.Empty:
+                return None
         try:
             env = messages.decode(delivery.body)
             self._check(env, delivery)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,9 @@ def _write_atomic(path: Path, data: bytes, durable: bool) -> None:
             os.close(fd)
 
 
+_KEY = re.compile(r"^[A-Za-z0-9_-]{1,80}$")
+
+
 class RoundSpool:
     def __init__(self, root: Path, durable: bool = True) -> None:
         self.root = Path(root)
@@ -46,6 +50,8 @@ class RoundSpool:
         _write_atomic(self._dir(rnd) / "round.json", json.dumps(state).encode(), self.durable)
 
     def save_update(self, rnd: int, client: str, body: bytes) -> None:
+        if not _KEY.match(client):  # client ids are validated by the envelope; never let a name leave the dir
+            raise ValueError(f"bad spool key {client!r}")
         _write_atomic(self._dir(rnd) / f"update-{client}.msg", body, self.durable)
 
     def load(self, rnd: int) -> tuple[dict[str, Any] | None, dict[str, bytes]]:

@@ -240,6 +240,8 @@ def agent_run(
     password: Optional[str] = typer.Option(None, envvar="FEDMQ_BROKER_PASSWORD"),
     seed: int = typer.Option(0, envvar="FEDMQ_SEED"),
     metrics_port: int = typer.Option(0, envvar="FEDMQ_METRICS_PORT"),
+    audit_log: Optional[Path] = typer.Option(None, envvar="FEDMQ_AUDIT_LOG",
+                                             help="append one JSON line per broker-confirmed upload (fault audits)"),
     log_format: str = typer.Option("json", envvar="FEDMQ_LOG_FORMAT"),
     log_level: str = LOG_LEVEL,
 ) -> None:
@@ -275,7 +277,7 @@ def agent_run(
     url = _broker_url(broker, user, password)
     agent = Agent(lambda: connect(url), job, client_id, index, task_obj,
                   availability=parse_availability(availability, seed), faults=parse_faults(faults, seed),
-                  device=device, seed=seed)
+                  device=device, seed=seed, audit_log=audit_log)
     server = _serve_metrics(metrics_port, lambda: {"client": client_id, "version": agent.version,
                                                    "rounds_trained": len(agent.log.rounds_trained)},
                             lambda: agent._broker is not None)

@@ -7,12 +7,15 @@ is online. Going offline (availability model or fault) closes the connection for
 
 from __future__ import annotations
 
+import json
+import os
 import queue
 import random
 import threading
 import time
 import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import structlog
@@ -60,12 +63,13 @@ class Agent:
     def __init__(self, connect: Connect, job: str, client: str, index: int, task: Task, *,
                  availability: Availability | None = None, faults: Faults | None = None, device: str = "cpu",
                  heartbeat_s: float = 5.0, rejoin_s: float = 2.0, seed: int = 0,
-                 train_lock: threading.Semaphore | None = None) -> None:
+                 train_lock: threading.Semaphore | None = None, audit_log: str | Path | None = None) -> None:
         self.connect, self.job, self.client, self.index, self.task = connect, job, client, index, task
         self.availability = availability or Availability()
         self.faults = faults or Faults()
         self.device, self.heartbeat_s, self.rejoin_s, self.seed = device, heartbeat_s, rejoin_s, seed
         self.train_lock = train_lock
+        self.audit_log = Path(audit_log) if audit_log else None  # JSON lines: one per broker-confirmed upload
         self.stop = threading.Event()
         self.model = task.build_model(seed)
         self.manifest = task.manifest(self.model)
@@ -264,8 +268,20 @@ class Agent:
         env = messages.update(self.job, rnd, self.client, version, result.loss, result.n_samples, tensors)
         self._send(env, topology.rk_update(self.job, self.client))
         self.log.uploads.append((rnd, env.msg_id))
+        self._audit(rnd, env.msg_id, version)
         if self.log.sent is not None:
             self.log.sent[rnd] = (result.n_samples, {k: current[k].clone() for k in names})
+
+    def _audit(self, rnd: int, update_id: str, version: int) -> None:
+        """Append one confirmed upload to the audit log (flushed: a kill -9 right after cannot lose it)."""
+        if self.audit_log is None:
+            return
+        line = json.dumps({"client": self.client, "round": rnd, "update_id": update_id, "model_version": version,
+                           "time": time.time()})
+        with open(self.audit_log, "a") as fh:
+            fh.write(line + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
 
     def _send(self, env: Envelope, routing_key: str) -> None:
         broker = self._broker
