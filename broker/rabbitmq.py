@@ -76,6 +76,7 @@ class _Consumer:
 class _Publish:
     routing_key: str
     parts: list[tuple[bytes, pika.BasicProperties]]
+    deadline: float
     next_part: int = 0
 
 
@@ -349,8 +350,9 @@ class RabbitBroker(Broker):
             parts = [(body, props(base))]
         else:
             parts = [(f, props({**base, CHUNK_HEADER: 1})) for f in frames]
-        job = _Publish(routing_key, parts)
-        self._submit(lambda b: b._publish_now(job), timeout or self.publish_timeout, f"publish to {routing_key!r}")
+        timeout = timeout or self.publish_timeout
+        job = _Publish(routing_key, parts, time.monotonic() + timeout)
+        self._submit(lambda b: b._publish_now(job), timeout, f"publish to {routing_key!r}")
 
     def _publish_now(self, job: _Publish) -> None:
         while job.next_part < len(job.parts):
@@ -364,7 +366,13 @@ class RabbitBroker(Broker):
             except pe.UnroutableError:
                 raise BrokerError(f"message to {job.routing_key!r} is unroutable: no queue is bound to it") from None
             except pe.NackError:
-                raise BrokerError(f"the broker refused (nacked) the message to {job.routing_key!r}") from None
+                # transient right after a restart (queue leader not elected yet): retry until the deadline
+                if time.monotonic() + 0.5 >= job.deadline:
+                    raise BrokerError(f"the broker refused (nacked) the message to {job.routing_key!r}") from None
+                log.info("publish nacked; retrying", routing_key=job.routing_key, part=job.next_part)
+                assert self._conn is not None
+                self._conn.sleep(0.5)
+                continue
             except pe.ChannelClosedByBroker as exc:
                 self._pub_ch = None
                 raise BrokerError(f"publish to {job.routing_key!r} refused by the broker: "

@@ -63,3 +63,36 @@ def data_dir() -> Path:
             pytest.fail(f"shared corpora not found at {DATA}")
         pytest.skip(f"shared corpora not found at {DATA}")
     return DATA
+
+
+def load_rabbit_node_module():
+    """tests/rabbit_node.py (the isolated-node helper), importable under --import-mode=importlib."""
+    import importlib.util
+    import sys
+
+    name = "fedmq_tests_rabbit_node"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "tests" / "rabbit_node.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="session")
+def rabbit_node(tmp_path_factory):
+    """A private RabbitMQ node for tests that stop, kill or reconfigure a broker (see tests/rabbit_node.py).
+
+    max_message_size is 16 MiB (RabbitMQ 4.x's default) and it has a TLS listener with test certificates
+    (``node.tls_url``, ``node.certs``). Tests that stop or kill it must leave it running.
+    """
+    mod = load_rabbit_node_module()
+    reason = mod.rabbit_node_unavailable()
+    if reason:
+        if IN_CI:
+            pytest.fail(reason)
+        pytest.skip(reason)
+    node = mod.RabbitNode(tmp_path_factory.mktemp("rabbit-node"), max_message_size=16 * 1024 * 1024, tls=True)
+    node.start()
+    yield node
+    node.stop()
