@@ -186,6 +186,8 @@ class Engine:
             self._close(stats, None, skipped="nobody online")
             return
         strategy = self._collect(stats, spooled, spooled_updates)
+        if self.stop.is_set():  # interrupted (Ctrl-C, SIGTERM): the round stays open in the spool for --resume
+            return
         self._close(stats, strategy)
 
     def _announce(self, stats: RoundStats) -> None:
