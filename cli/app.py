@@ -407,12 +407,35 @@ def bench_train(quick: bool = False) -> None:
     _bench("train", "bench_train", quick=quick)
 
 
+@app.command()
+def experiment(
+    name: str = typer.Argument(..., help="table2|fraction|rounds-to-target|topk|randomization|scale|dropout|nmt-domains"),
+    scale: str = typer.Option("cpu", help="smoke (CI) | cpu (minutes on 2 cores) | paper (the papers' settings, GPU)"),
+    out: Path = typer.Option(Path("runs/experiments"), help="results go to OUT/NAME (run folders, results.md, report/)"),
+    seed: int = typer.Option(0, help="one seed for sampling, shards and init"),
+    threads: int = typer.Option(1, help="torch intra-op threads"),
+    log_level: str = LOG_LEVEL,
+) -> None:
+    """Reproduce a seed paper's experiment (docs/results.md).  Example: fedmq experiment table2 --scale cpu"""
+    try:
+        from benchmarks import experiments
+    except ModuleNotFoundError:  # benchmarks/ lives next to cli/ in the source tree
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from benchmarks import experiments
+    experiments.check_args(name, scale, threads)
+    _setup_logs(log_level, "json", out / name / "experiment.jsonl")
+    experiments.run_experiment(name, scale, out, seed, threads)
+    typer.echo((out / name / "results.md").read_text())
+
+
 def main() -> None:
     """Console entry point: user errors become one line on stderr, never a traceback."""
     from cli.logs import configure
     configure("warning")  # commands that log (simulate, services) configure their own level and format
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # returns the exit code of typer.Exit instead of raising it
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except FedmqError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(2)
