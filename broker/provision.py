@@ -1,0 +1,362 @@
+"""`fedmq broker provision | check | purge`: users, permissions and queues of a job on RabbitMQ.
+
+Provisioning creates (idempotently) a vhost, the aggregator user and one user per agent, each with
+least-privilege permissions:
+
+* agent X may configure, write and read only its own queues ``fedmq.<job>.agent.X.(latest|control)``, write
+  to (publish on) and read (bind to) the exchange; topic permissions on the exchange let it publish only
+  ``job.<job>.(report|update|presence).X`` and bind only ``job.<job>.(global|control)``;
+* the aggregator may configure, write and read every ``fedmq*`` resource and publish ``global``/``control``.
+
+How it talks to RabbitMQ: ``rabbitmqctl`` when the broker runs on this machine (no plugin needed; the
+management plugin is off on a stock install and enabling it reconfigures the broker), otherwise the
+management HTTP API (``http(s)://HOST:15672|15671``; the Kubernetes operator enables it), with the admin
+credentials of the broker URL or ``FEDMQ_BROKER_USER``/``FEDMQ_BROKER_PASSWORD``. Passwords are random;
+re-running with an existing credentials file keeps its passwords (otherwise they are rotated).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import secrets
+import shutil
+import ssl
+import subprocess
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
+
+import structlog
+
+from broker import topology as t
+from broker.errors import BrokerError
+from broker.queues import job_queues
+
+log = structlog.get_logger(__name__)
+
+RABBITMQCTL = os.environ.get("FEDMQ_RABBITMQCTL", "rabbitmqctl")
+_LOCAL = {"127.0.0.1", "localhost", "::1", ""}
+
+
+@dataclass(frozen=True)
+class Permissions:
+    configure: str
+    write: str
+    read: str
+    topic_write: str
+    topic_read: str
+
+
+def agent_permissions(client: str) -> Permissions:
+    c = re.escape(t.check_name("client id", client))
+    own = rf"fedmq\.[^.]+\.agent\.{c}\.(latest|control)"
+    ex = re.escape(t.EXCHANGE)
+    return Permissions(configure=rf"^{own}$", write=rf"^({ex}|{own})$", read=rf"^({ex}|{own})$",
+                       topic_write=rf"^job\.[^.]+\.(report|update|presence)\.{c}$",
+                       topic_read=r"^job\.[^.]+\.(global|control)$")
+
+
+def aggregator_permissions() -> Permissions:
+    ex = re.escape(t.EXCHANGE)
+    every = rf"^{ex}(\..*)?$"
+    return Permissions(configure=every, write=every, read=every, topic_write=r"^job\.[^.]+\.(global|control)$",
+                       topic_read=".*")
+
+
+class Admin(Protocol):
+    def add_vhost(self, vhost: str) -> None: ...
+    def put_user(self, user: str, password: str) -> None: ...
+    def delete_user(self, user: str) -> None: ...
+    def set_permissions(self, vhost: str, user: str, p: Permissions) -> None: ...
+    def delete_vhost(self, vhost: str) -> None: ...
+
+
+class CtlAdmin:
+    """rabbitmqctl on this machine (optionally ``-n NODE``)."""
+
+    def __init__(self, node: str | None = None, ctl: str = RABBITMQCTL, env: dict[str, str] | None = None) -> None:
+        self.node, self.ctl, self.env = node, ctl, env
+        if shutil.which(ctl) is None and not Path(ctl).is_file():
+            raise BrokerError(f"{ctl} not found: run on the broker's machine or use the management API")
+
+    def run(self, *args: str, ok_codes: tuple[int, ...] = (0,), ok_text: str = "") -> str:
+        cmd = [self.ctl, *(["-n", self.node] if self.node else []), *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=self.env)
+        out = (proc.stdout or "") + (proc.stderr or "")
+        if proc.returncode not in ok_codes and not (ok_text and ok_text in out):
+            last = (proc.stderr.strip() or proc.stdout.strip() or f"exit {proc.returncode}").splitlines()[-1]
+            raise BrokerError(f"rabbitmqctl {args[0]} failed: {last}")
+        return out
+
+    def add_vhost(self, vhost: str) -> None:
+        self.run("add_vhost", vhost, ok_text="already exists")
+
+    def put_user(self, user: str, password: str) -> None:
+        out = self.run("add_user", user, password, ok_text="already exists")
+        if "already exists" in out:
+            self.run("change_password", user, password)
+
+    def delete_user(self, user: str) -> None:
+        self.run("delete_user", user, ok_text="does not exist")
+
+    def set_permissions(self, vhost: str, user: str, p: Permissions) -> None:
+        self.run("set_permissions", "-p", vhost, user, p.configure, p.write, p.read)
+        self.run("set_topic_permissions", "-p", vhost, user, t.EXCHANGE, p.topic_write, p.topic_read)
+
+    def delete_vhost(self, vhost: str) -> None:
+        self.run("delete_vhost", vhost, ok_text="does not exist")
+
+    def queues(self, vhost: str, prefix: str) -> list[str]:
+        out = self.run("list_queues", "-p", vhost, "name", "--quiet", "--no-table-headers")
+        return [q.strip() for q in out.splitlines() if q.strip().startswith(prefix)]
+
+    def environment(self, key: str) -> str | None:
+        try:
+            out = self.run("eval", f"application:get_env(rabbit, {key}).")
+        except BrokerError:
+            return None
+        m = re.search(r"\{ok,\s*(\d+)\}", out)
+        return m.group(1) if m else None
+
+
+class HttpAdmin:
+    """The management plugin's HTTP API (for brokers on other machines, e.g. the Kubernetes operator's)."""
+
+    def __init__(self, base: str, user: str, password: str, context: ssl.SSLContext | None = None) -> None:
+        self.base, self.context = base.rstrip("/"), context
+        self.auth = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+    def call(self, method: str, path: str, body: Any = None, ok: tuple[int, ...] = (200, 201, 204)) -> Any:
+        req = urllib.request.Request(self.base + path, method=method,
+                                     data=None if body is None else json.dumps(body).encode(),
+                                     headers={"authorization": self.auth, "content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30, context=self.context) as resp:
+                data = resp.read()
+                return json.loads(data) if data else None
+        except urllib.error.HTTPError as exc:
+            if exc.code in ok:
+                return None
+            raise BrokerError(f"management API {method} {path} failed: HTTP {exc.code} {exc.reason}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise BrokerError(f"management API at {self.base} unreachable: {exc}") from None
+
+    def add_vhost(self, vhost: str) -> None:
+        self.call("PUT", f"/api/vhosts/{quote(vhost, safe='')}")
+
+    def put_user(self, user: str, password: str) -> None:
+        self.call("PUT", f"/api/users/{quote(user, safe='')}", {"password": password, "tags": ""})
+
+    def delete_user(self, user: str) -> None:
+        self.call("DELETE", f"/api/users/{quote(user, safe='')}", ok=(404,))
+
+    def set_permissions(self, vhost: str, user: str, p: Permissions) -> None:
+        v, u = quote(vhost, safe=""), quote(user, safe="")
+        self.call("PUT", f"/api/permissions/{v}/{u}", {"configure": p.configure, "write": p.write, "read": p.read})
+        self.call("PUT", f"/api/topic-permissions/{v}/{u}",
+                  {"exchange": t.EXCHANGE, "write": p.topic_write, "read": p.topic_read})
+
+    def delete_vhost(self, vhost: str) -> None:
+        self.call("DELETE", f"/api/vhosts/{quote(vhost, safe='')}", ok=(404,))
+
+
+def admin_for(url: str) -> Admin:
+    """rabbitmqctl for a broker on this machine, else the management HTTP API (see module docstring)."""
+    parts = _split(url)
+    if (parts.hostname or "") in _LOCAL and (shutil.which(RABBITMQCTL) or Path(RABBITMQCTL).is_file()):
+        return CtlAdmin()
+    user = os.environ.get("FEDMQ_BROKER_USER") or (unquote(parts.username) if parts.username else "guest")
+    password = os.environ.get("FEDMQ_BROKER_PASSWORD") or (unquote(parts.password) if parts.password else "guest")
+    tls = parts.scheme == "amqps"
+    port = os.environ.get("FEDMQ_MANAGEMENT_PORT") or ("15671" if tls else "15672")
+    base = f"{'https' if tls else 'http'}://{parts.hostname}:{port}"
+    return HttpAdmin(base, user, password, ssl.create_default_context() if tls else None)
+
+
+def _split(url: str):
+    parts = urlsplit(url)
+    if parts.scheme not in ("amqp", "amqps"):
+        raise BrokerError(f"provisioning needs an amqp:// or amqps:// broker URL, got {url.split('://')[0]!r}")
+    return parts
+
+
+def user_url(url: str, vhost: str, user: str, password: str) -> str:
+    """The broker URL with this user's credentials and the vhost."""
+    parts = _split(url)
+    host = parts.hostname or "127.0.0.1"
+    netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, "/" + quote(vhost, safe=""), "", ""))
+
+
+def provision(url: str, *, vhost: str, agents: list[str], admin: Admin | None = None, remove_guest: bool = False,
+              passwords: dict[str, str] | None = None, aggregator_user: str = t.AGGREGATOR_USER) -> dict[str, Any]:
+    """Create the vhost and users with their permissions; returns the credentials.
+
+    ``{"vhost", "aggregator": {"username", "password", "url"}, "agents": {id: {...}}}``; ``passwords`` (user ->
+    password) keeps existing passwords instead of generating new ones.
+    """
+    try:
+        t.check_name("vhost", vhost)
+        for a in agents:
+            t.check_name("client id", a)
+    except ValueError as exc:
+        raise BrokerError(str(exc)) from None
+    if len(set(agents)) != len(agents) or aggregator_user in agents:
+        raise BrokerError("agent ids must be unique and differ from the aggregator user")
+    admin = admin or admin_for(url)
+    passwords = dict(passwords or {})
+    admin.add_vhost(vhost)
+    creds: dict[str, Any] = {"vhost": vhost, "aggregator": None, "agents": {}}
+    for user, perms in [(aggregator_user, aggregator_permissions()), *[(a, agent_permissions(a)) for a in agents]]:
+        password = passwords.get(user) or secrets.token_urlsafe(24)
+        admin.put_user(user, password)
+        admin.set_permissions(vhost, user, perms)
+        entry = {"username": user, "password": password, "url": user_url(url, vhost, user, password)}
+        if user == aggregator_user:
+            creds["aggregator"] = entry
+        else:
+            creds["agents"][user] = entry
+    if remove_guest:
+        admin.delete_user("guest")
+    log.info("provisioned broker users", vhost=vhost, agents=len(agents), removed_guest=remove_guest)
+    return creds
+
+
+def secret_manifests(creds: dict[str, Any], namespace: str = "fedmq") -> str:
+    """Kubernetes Secrets (one per agent, ``fedmq-agent-<id>``, plus ``fedmq-aggregator``) as multi-doc YAML."""
+    docs = []
+    entries = [("fedmq-aggregator", creds["aggregator"])] + [(f"fedmq-agent-{a}", e) for a, e in creds["agents"].items()]
+    for name, e in entries:
+        data = "\n".join(f"  {k}: {json.dumps(e[k])}" for k in ("username", "password", "url"))
+        docs.append(f"apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}\n  namespace: {namespace}\n"
+                    f"  labels:\n    app.kubernetes.io/part-of: fedmq\ntype: Opaque\nstringData:\n{data}\n")
+    return "---\n".join(docs)
+
+
+def provision_cli(*, broker: str, vhost: str, job: str, agents: int, secrets_out: str | None,
+                  credentials_out: Path | None, namespace: str, remove_guest: bool) -> None:
+    """The `fedmq broker provision` command: agents are named agent-0 … agent-N-1."""
+    import sys
+
+    try:
+        t.check_name("job id", job)
+    except ValueError as exc:
+        raise BrokerError(str(exc)) from None
+    if agents < 1:
+        raise BrokerError(f"--agents must be at least 1, got {agents}")
+    old: dict[str, str] = {}
+    if credentials_out is not None and Path(credentials_out).is_file():
+        try:
+            prev = json.loads(Path(credentials_out).read_text())
+            for e in [prev.get("aggregator") or {}, *(prev.get("agents") or {}).values()]:
+                if e.get("username") and e.get("password"):
+                    old[e["username"]] = e["password"]
+        except (OSError, ValueError, AttributeError):
+            raise BrokerError(f"existing credentials file {credentials_out} is not valid JSON") from None
+    creds = provision(broker, vhost=vhost, agents=[f"agent-{i}" for i in range(agents)], remove_guest=remove_guest,
+                      passwords=old)
+    creds["job"] = job
+    if credentials_out is not None:
+        path = Path(credentials_out)
+        path.write_text(json.dumps(creds, indent=2) + "\n")
+        path.chmod(0o600)
+    if secrets_out == "-":
+        sys.stdout.write(secret_manifests(creds, namespace))
+    elif secrets_out:
+        out = Path(secrets_out)
+        out.mkdir(parents=True, exist_ok=True)
+        for doc in secret_manifests(creds, namespace).split("---\n"):
+            name = re.search(r"name: (\S+)", doc).group(1)  # type: ignore[union-attr]
+            (out / f"{name}.yaml").write_text(doc)
+
+
+def check(url: str, job: str | None = None) -> dict[str, Any]:
+    """Reachable?, server version, max_message_size (when rabbitmqctl can tell), and the job's queues."""
+    import pika
+    import pika.exceptions as pe
+
+    from broker.connect import redact
+
+    info: dict[str, Any] = {"url": redact(url), "reachable": False}
+    if url.startswith("memory://"):
+        from broker.connect import connect
+
+        with connect(url) as b:
+            info.update(reachable=True, version="in-process", max_message_size=None)
+            if job:
+                info["queues"] = {s.name: {"messages": b.queue_depth(s.name)} for s in job_queues(job, inbox=True)}
+        return info
+    params = pika.URLParameters(url)
+    params.socket_timeout = params.stack_timeout = 5
+    params.connection_attempts = 1
+    try:
+        conn = pika.BlockingConnection(params)
+    except Exception as exc:
+        raise BrokerError(f"cannot connect to {redact(url)}: {type(exc).__name__} {exc}".strip()) from None
+    try:
+        props = conn._impl.server_properties or {}
+        version = props.get("version")
+        info.update(reachable=True, version=version.decode() if isinstance(version, bytes) else version)
+        mms = None
+        parts = _split(url)
+        if (parts.hostname or "") in _LOCAL and shutil.which(RABBITMQCTL):
+            try:
+                mms = CtlAdmin().environment("max_message_size")
+            except BrokerError:
+                mms = None
+        info["max_message_size"] = int(mms) if mms else None
+        if job:
+            queues: dict[str, Any] = {}
+            for s in job_queues(job, inbox=True):
+                ch = conn.channel()
+                try:
+                    ok = ch.queue_declare(s.name, passive=True)
+                    queues[s.name] = {"messages": ok.method.message_count, "consumers": ok.method.consumer_count}
+                    ch.close()
+                except pe.ChannelClosedByBroker:
+                    queues[s.name] = {"messages": 0, "consumers": 0, "missing": True}
+            info["queues"] = queues
+    finally:
+        conn.close()
+    return info
+
+
+def purge(url: str, job: str, agents: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """Delete the job's inbox and the given agents' queues; the names deleted."""
+    import pika
+    import pika.exceptions as pe
+
+    from broker.connect import redact
+
+    specs = job_queues(job, tuple(agents), inbox=True)
+    names = [s.name for s in specs]
+    parts = _split(url)
+    if (parts.hostname or "") in _LOCAL and shutil.which(RABBITMQCTL):
+        try:  # also every agent queue of the job, when we can list them
+            vhost = unquote(parts.path[1:]) if len(parts.path) > 1 else "/"
+            names += [q for q in CtlAdmin().queues(vhost, f"fedmq.{job}.") if q not in names]
+        except BrokerError:
+            pass
+    try:
+        conn = pika.BlockingConnection(pika.URLParameters(url))
+    except Exception as exc:
+        raise BrokerError(f"cannot connect to {redact(url)}: {type(exc).__name__}") from None
+    deleted = []
+    try:
+        for name in names:
+            ch = conn.channel()
+            try:
+                ch.queue_delete(name)
+                deleted.append(name)
+                ch.close()
+            except pe.ChannelClosedByBroker as exc:
+                raise BrokerError(f"cannot delete {name}: {exc.reply_code} {exc.reply_text}") from None
+    finally:
+        conn.close()
+    return deleted

@@ -1,0 +1,129 @@
+"""Identity and permissions on the shared RabbitMQ: provisioned users can do only what they should."""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+
+import pika
+import pika.exceptions as pe
+import pytest
+
+from broker import provision as prov
+from broker import topology as t
+from broker.connect import connect
+from broker.errors import BrokerError
+
+pytestmark = pytest.mark.rabbitmq
+
+
+@pytest.fixture
+def fed(rabbit_url):
+    """A fresh vhost with an aggregator and two agents (unique user names), removed afterwards."""
+    tag = uuid.uuid4().hex[:8]
+    vhost, agg, agents = f"fedmqt-{tag}", f"agg-{tag}", [f"a1-{tag}", f"a2-{tag}"]
+    admin = prov.CtlAdmin()
+    creds = prov.provision(rabbit_url, vhost=vhost, agents=agents, admin=admin, aggregator_user=agg)
+    yield creds
+    for u in [agg, *agents]:
+        admin.delete_user(u)
+    admin.delete_vhost(vhost)
+
+
+def _channel(url: str):
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    return conn, conn.channel()
+
+
+def test_provisioned_users_are_confined(fed, job_id):
+    a1, a2 = list(fed["agents"])
+    agg_url, a1_url = fed["aggregator"]["url"], fed["agents"][a1]["url"]
+    with connect(agg_url) as agg, connect(a1_url) as agent:
+        agg.declare_job(job_id, [a1, a2])
+        agent.declare_job(job_id, [a1], inbox=False)  # an agent may (re)declare its own queues
+        got: list = []
+        done = threading.Event()
+        agg.consume(t.q_inbox(job_id), lambda d: (got.append(d), agg.ack(d), done.set()))
+        agent.publish(t.rk_update(job_id, a1), b"mine", message_id="u1")
+        assert done.wait(10)
+        assert (got[0].body, got[0].user_id) == (b"mine", a1)  # RabbitMQ-validated identity
+
+        # publishing another agent's routing key is refused
+        with pytest.raises(BrokerError, match="403|ACCESS_REFUSED"):
+            agent.publish(t.rk_update(job_id, a2), b"forged")
+        with pytest.raises(BrokerError, match="403|ACCESS_REFUSED"):
+            agent.publish(t.rk_global(job_id), b"fake model")
+        # reading the aggregator's inbox or another agent's queue is refused
+        with pytest.raises(BrokerError, match="403|ACCESS_REFUSED"):
+            agent.consume(t.q_inbox(job_id), lambda d: None)
+        with pytest.raises(BrokerError, match="403|ACCESS_REFUSED"):
+            agent.consume(t.q_latest(job_id, a2), lambda d: None)
+        with pytest.raises(BrokerError, match="403|ACCESS_REFUSED"):
+            agent.declare_job(job_id, [a2], inbox=False)
+        # its own queues work, and the connection survived the refusals
+        mine: list = []
+        agent.consume(t.q_latest(job_id, a1), lambda d: (mine.append(d.body), agent.ack(d)))
+        agg.publish(t.rk_global(job_id), b"theta")
+        agent.publish(t.rk_report(job_id, a1), b"loss", message_id="r1")
+        assert agent.status()["reconnects"] == 0
+
+    # setting another user's user_id is refused by RabbitMQ itself
+    conn, ch = _channel(a1_url)
+    ch.confirm_delivery()
+    with pytest.raises(pe.ChannelClosedByBroker) as exc:
+        ch.basic_publish(t.EXCHANGE, t.rk_update(job_id, a1), b"x", pika.BasicProperties(user_id=a2))
+    assert exc.value.reply_code == 406
+    # binding its own queue to another agent's updates (to eavesdrop) is refused by topic permissions
+    ch = conn.channel()
+    with pytest.raises(pe.ChannelClosedByBroker) as exc:
+        ch.queue_bind(t.q_control(job_id, a1), t.EXCHANGE, routing_key=t.rk_update(job_id, a2))
+    assert exc.value.reply_code == 403
+    ch = conn.channel()
+    with pytest.raises(pe.ChannelClosedByBroker) as exc:
+        ch.queue_delete(t.q_inbox(job_id))
+    assert exc.value.reply_code == 403
+    conn.close()
+    prov.purge(fed["aggregator"]["url"], job_id, [a1, a2])
+
+
+def test_provision_is_idempotent_and_writes_secrets(rabbit_url, tmp_path):
+    tag = uuid.uuid4().hex[:8]
+    vhost, agg, agents = f"fedmqt-{tag}", f"agg-{tag}", [f"x-{tag}"]
+    admin = prov.CtlAdmin()
+    try:
+        first = prov.provision(rabbit_url, vhost=vhost, agents=agents, admin=admin, aggregator_user=agg)
+        keep = {e["username"]: e["password"] for e in [first["aggregator"], *first["agents"].values()]}
+        again = prov.provision(rabbit_url, vhost=vhost, agents=agents, admin=admin, aggregator_user=agg, passwords=keep)
+        assert again == first
+        with connect(again["agents"][agents[0]]["url"]) as b:
+            assert b.user == agents[0]
+        rotated = prov.provision(rabbit_url, vhost=vhost, agents=agents, admin=admin, aggregator_user=agg)
+        assert rotated["agents"][agents[0]]["password"] != first["agents"][agents[0]]["password"]
+        with pytest.raises(BrokerError, match="cannot connect.*authentication refused"):
+            connect(first["agents"][agents[0]]["url"])
+        yaml = prov.secret_manifests(rotated, namespace="ns1")
+        assert yaml.count("kind: Secret") == 2 and f"name: fedmq-agent-{agents[0]}" in yaml
+        assert "namespace: ns1" in yaml and json.dumps(rotated["agents"][agents[0]]["password"]) in yaml
+    finally:
+        for u in [agg, *agents]:
+            admin.delete_user(u)
+        admin.delete_vhost(vhost)
+    with pytest.raises(BrokerError, match="bad client id"):
+        prov.provision(rabbit_url, vhost=vhost, agents=["no good"], admin=admin)
+
+
+def test_check_and_purge(rabbit_url, job_id):
+    with connect(rabbit_url) as b:
+        b.declare_job(job_id, ["c1"])
+        b.publish(t.rk_update(job_id, "c1"), b"x")
+        b.publish(t.rk_update(job_id, "c1"), b"y")
+    info = prov.check(rabbit_url, job_id)
+    assert info["reachable"] is True and info["version"].startswith("3.")
+    assert info["max_message_size"] == 134217728  # the shared 3.10 node's default
+    assert info["queues"][t.q_inbox(job_id)]["messages"] == 2
+    deleted = prov.purge(rabbit_url, job_id)
+    assert set(deleted) >= {t.q_inbox(job_id), t.q_latest(job_id, "c1"), t.q_control(job_id, "c1")}
+    assert prov.check(rabbit_url, job_id)["queues"][t.q_inbox(job_id)].get("missing") is True
+    with pytest.raises(BrokerError, match="cannot connect"):
+        prov.check("amqp://guest:guest@127.0.0.1:1/%2F", job_id)
