@@ -1,0 +1,466 @@
+"""Named reproductions of the seed papers' experiments (issue 8): ``fedmq experiment NAME --scale S --out DIR``.
+
+Papers: FedAtt (Ji et al. 2019), FedMed (Wu et al. 2020), dynamic pulling (Passban et al. 2022).
+Every experiment is a grid of federations run one after the other with :class:`cli.simulate.Simulation` over
+the in-process broker (``memory://``, the same engine/agent/codec code path as RabbitMQ). Each federation
+writes a normal run folder ``OUT/NAME/<run>/`` (config.json, metrics.jsonl, summary.json); the experiment
+writes ``OUT/NAME/results.json`` + ``results.md`` (one row per run) and ``OUT/NAME/report/`` (``fedmq report``
+of all its runs). Reruns into the same folder replace that experiment's run folders.
+
+Scales (same code path, only numbers differ):
+
+* ``paper``: the papers' settings (100 IID clients, 50 rounds, GRU-300 / LSTM 2x400, full vocabulary, full
+  validation and test splits; Transformer-base for translation). Meant for a GPU machine.
+* ``cpu``: what finishes on 2 shared CPU cores in a few minutes per experiment: 10 clients, 5 rounds, the first
+  2,000 training lines, vocabulary capped at 2,000 words, at most 5 local SGD steps (batch 10) per round
+  (``max_steps``), validation/test on the first 100 lines (``max_eval_lines``) -- so the numbers are NOT
+  comparable in absolute value with the papers', only the ordering of methods is.
+* ``smoke``: CI; a reduced grid, one or two rounds, tiny slices, tiny models.
+
+Choices where the papers are silent (documented in docs/results.md): local training is SGD lr 20, clip 0.25,
+batch 20, BPTT 35, dropout 0.2 (pytorch/examples word_language_model, which the FedAtt code builds on); the
+score is the test perplexity of the best-on-validation global model (as both LM papers report).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import structlog
+import torch
+
+from aggregator.config import JobConfig
+from broker.errors import FedmqError
+from client_agent.tasks.base import Task, TrainConfig, load_state, model_state
+
+log = structlog.get_logger(__name__)
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(os.environ.get("FEDMQ_DATA", ROOT.parent / "shared" / "data"))
+SCALES = ("smoke", "cpu", "paper")
+
+
+class ExperimentError(FedmqError):
+    pass
+
+
+@dataclass
+class RunSpec:
+    """One federation of an experiment's grid."""
+
+    name: str  # run folder name
+    task: str  # "lm" | "nmt"
+    task_options: dict[str, Any]
+    job: dict[str, Any]  # JobConfig keyword arguments
+    labels: dict[str, Any] = field(default_factory=dict)  # columns of the results table
+    availability: str = "always"
+    faults: str = ""
+
+
+# ----------------------------------------------------------------------------------------------- LM scales
+# task options and job settings shared by the language-modelling experiments, per scale
+_LM_TASK = {
+    "paper": dict(model="gru-small", vocab_size=0, max_lines=0, max_eval_lines=0, clients=100),
+    "cpu": dict(model="gru-small", vocab_size=2000, max_lines=2000, max_eval_lines=100, clients=10),
+    "smoke": dict(model="gru-tiny", vocab_size=300, max_lines=120, max_eval_lines=10, clients=4),
+}
+_LM_JOB = {
+    "paper": dict(clients=100, rounds=50, epochs=1, batch_size=20, lr=20.0, max_steps=0),
+    "cpu": dict(clients=10, rounds=5, epochs=1, batch_size=10, lr=20.0, max_steps=5),
+    "smoke": dict(clients=4, rounds=1, epochs=1, batch_size=4, lr=20.0, max_steps=2),
+}
+_DEADLINES = dict(report_deadline_s=120.0, update_deadline_s=120.0, join_timeout_s=60.0, heartbeat_s=1.0)
+# FedMed's model is an LSTM (300 + 2x400); at the smoke scale a tiny LSTM keeps CI fast
+_FEDMED_MODEL = {"paper": dict(model="lstm", tied=False), "cpu": dict(model="lstm", tied=False),
+                 "smoke": dict(model="lstm", tied=False, emb=16, hidden=16, layers=2)}
+
+
+def _corpus(name: str) -> str:
+    return str(DATA / name)
+
+
+def _lm(scale: str, name: str, labels: dict[str, Any], corpus: str = "wikitext-2", task: dict | None = None,
+        **job: Any) -> RunSpec:
+    options = {**_LM_TASK[scale], "data": _corpus(corpus), "tied": True, **(task or {})}
+    settings = {**_LM_JOB[scale], **_DEADLINES, **job}
+    options["clients"] = settings["clients"]
+    if settings.get("strategy") == "fedmed" and not task:
+        options.update(_FEDMED_MODEL[scale])
+    return RunSpec(name, "lm", options, settings, {"corpus": corpus, **labels})
+
+
+def _pick(scale: str, smoke: list, cpu: list, paper: list) -> list:
+    return {"smoke": smoke, "cpu": cpu, "paper": paper}[scale]
+
+
+def table2(scale: str) -> list[RunSpec]:
+    """FedAtt Table II + FedMed Table 2: FedSGD, FedAvg, FedAtt (GRU), FedMed (LSTM) at C = 0.1 and 0.5."""
+    runs = []
+    for corpus in _pick(scale, ["wikitext-2"], ["wikitext-2", "ptb"], ["wikitext-2", "ptb"]):
+        runs.append(_lm(scale, f"{corpus}-fedsgd", {"strategy": "fedsgd", "C": 1.0}, corpus, strategy="fedsgd",
+                        fraction=1.0))
+        for c in _pick(scale, [0.5], [0.1, 0.5], [0.1, 0.5]):
+            for s in ("fedavg", "fedatt", "fedmed"):
+                runs.append(_lm(scale, f"{corpus}-{s}-c{c}", {"strategy": s, "C": c}, corpus, strategy=s, fraction=c))
+    return runs
+
+
+def fraction(scale: str) -> list[RunSpec]:
+    """FedAtt Fig. 2 / FedMed Fig. 4: test perplexity vs the client fraction C."""
+    cs = _pick(scale, [0.5], [0.2, 0.5, 0.9], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+    return [_lm(scale, f"{s}-c{c}", {"strategy": s, "C": c}, strategy=s, fraction=c)
+            for c in cs for s in ("fedavg", "fedatt", "fedmed")]
+
+
+def rounds_to_target(scale: str) -> list[RunSpec]:
+    """FedAtt Fig. 3 / FedMed Fig. 6: rounds (and bytes) until validation perplexity reaches a target."""
+    runs = []
+    for e in _pick(scale, [1], [1, 2], [1, 5, 10]):
+        for s in ("fedavg", "fedatt", "fedmed"):
+            runs.append(_lm(scale, f"{s}-e{e}", {"strategy": s, "E": e, "encoding": "raw"}, strategy=s, fraction=0.5,
+                            epochs=e, max_steps=_LM_JOB[scale]["max_steps"] * e))
+    for enc in _pick(scale, ["delta+int8"], ["fp16", "delta+int8"], ["fp16", "delta+int8", "delta+topk:0.1"]):
+        safe = enc.replace("+", "-").replace(":", "")
+        runs.append(_lm(scale, f"fedavg-e1-{safe}", {"strategy": "fedavg", "E": 1, "encoding": enc}, strategy="fedavg",
+                        fraction=0.5, encoding=enc))
+    return runs
+
+
+def topk(scale: str) -> list[RunSpec]:
+    """FedMed Fig. 5: top-K share β of the reporting clients allowed to upload, vs upload bytes."""
+    betas = _pick(scale, [0.5, 1.0], [0.3, 0.5, 0.7, 1.0], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
+    return [_lm(scale, f"fedmed-beta{b}", {"strategy": "fedmed", "beta": b}, strategy="fedmed", fraction=0.5, beta=b)
+            for b in betas]
+
+
+def randomization(scale: str) -> list[RunSpec]:
+    """FedAtt Table III: FedAvg vs FedAtt with the clients adding noise·N(0, 1) to their weights."""
+    noises = _pick(scale, [0.0, 0.01], [0.0, 0.005, 0.05], [0.0, 0.001, 0.005, 0.01, 0.05])
+    return [_lm(scale, f"{s}-noise{n}", {"strategy": s, "noise": n}, strategy=s, fraction=0.5, noise=n)
+            for n in noises for s in ("fedavg", "fedatt")]
+
+
+def model_scale(scale: str) -> list[RunSpec]:
+    """FedAtt Table IV: small / medium / large GRU, tied / untied (FedAtt). Large only at the paper scale."""
+    sizes = _pick(scale, ["gru-tiny"], ["gru-small", "gru-medium"], ["gru-small", "gru-medium", "gru-large"])
+    return [_lm(scale, f"fedatt-{m}-{'tied' if t else 'untied'}", {"strategy": "fedatt", "model": m, "tied": t},
+                task={"model": m, "tied": t}, strategy="fedatt", fraction=0.5)
+            for m in sizes for t in (True, False)]
+
+
+def dropout(scale: str, out: Path | None = None) -> list[RunSpec]:
+    """Beyond the papers: FedAvg with clients going offline (availability models) and crashing mid-round."""
+    specs = [("always", ""), ("bernoulli:0.9", ""), ("bernoulli:0.7", ""), ("bernoulli:0.5", ""),
+             ("markov:0.8,0.5", ""), ("trace", ""), ("always", "crash-train:0.2")]
+    if scale == "smoke":
+        specs = [("bernoulli:0.7", "crash-train:0.2"), ("trace", "")]
+    # a missing selected client costs a deadline: keep the deadlines short at the small scales
+    deadlines = {"paper": {}, "cpu": dict(report_deadline_s=20.0, update_deadline_s=20.0),
+                 "smoke": dict(report_deadline_s=5.0, update_deadline_s=5.0)}[scale]
+    runs = []
+    for avail, faults in specs:
+        name = avail.replace(":", "").replace(",", "-") + (f"-{faults.replace(':', '')}" if faults else "")
+        spec = _lm(scale, name, {"availability": avail, "faults": faults or "-"}, strategy="fedavg", fraction=0.5,
+                   **deadlines)
+        spec.availability, spec.faults = avail, faults
+        runs.append(spec)
+    return runs
+
+
+def _trace_file(out: Path, clients: int, rounds: int) -> Path:
+    """A FedScale-style trace: client i is offline for 2 rounds out of every (3 + i % 4), shifted by i."""
+    spans: dict[str, list[list[int]]] = {}
+    for i in range(clients):
+        period, off = 3 + i % 4, 2
+        spans[f"agent-{i}"] = [[s, s + period - off] for s in range(-period + i % period, rounds + period, period)]
+    path = out / "availability-trace.json"
+    path.write_text(json.dumps(spans))
+    return path
+
+
+# ----------------------------------------------------------------------------------------------- NMT
+_NMT = {
+    "paper": dict(task=dict(model="base", domains=None, max_lines=0, vocab_size=32000, eval_max_sentences=0),
+                  pretrain_steps=100_000, rounds=5, max_steps=0, batch_size=64, per_domain_test=0, fractions=(0.5, 0.33)),
+    "cpu": dict(task=dict(model="small", domains=["news_wmt", "subtitles_opensubs", "ted_iwslt14", "software_it"],
+                          max_lines=3000, vocab_size=4000, eval_max_sentences=40, max_len=64),
+                pretrain_steps=150, rounds=3, max_steps=6, batch_size=24, per_domain_test=30, fractions=(0.5, 0.33)),
+    "smoke": dict(task=dict(model="tiny", domains=["news_wmt", "ted_iwslt14"], max_lines=60, vocab_size=300,
+                            eval_max_sentences=6),
+                  pretrain_steps=2, rounds=2, max_steps=1, batch_size=8, per_domain_test=3, fractions=(0.5,)),
+}
+
+
+class WarmStartTask:
+    """A task whose ``build_model`` starts from a given state (the pre-trained model); all else delegated."""
+
+    def __init__(self, task: Task, state: dict[str, torch.Tensor]) -> None:
+        self._task = task
+        self._state = state
+
+    def build_model(self, seed: int = 0) -> torch.nn.Module:
+        model = self._task.build_model(seed)
+        load_state(model, self._state)
+        return model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._task, name)
+
+
+def domain_bleu(task: Any, model: torch.nn.Module, split: str = "test", per_domain: int = 0) -> dict[str, float]:
+    """BLEU of ``model`` on each domain's ``split`` pairs (the first ``per_domain`` of each; 0 = all)."""
+    from client_agent.tasks.nmt import corpus_bleu
+
+    scores = {}
+    for domain in task.corpus.domains:
+        pairs = [p for p in task.corpus.splits[split] if p.domain == domain]
+        if per_domain:
+            pairs = pairs[:per_domain]
+        hyps = task.translate(model, [p.src for p in pairs])
+        scores[domain] = corpus_bleu(hyps, [p.tgt for p in pairs])
+    return scores
+
+
+# ----------------------------------------------------------------------------------------------- running
+EXPERIMENTS: dict[str, Callable[..., list[RunSpec]]] = {
+    "table2": table2, "fraction": fraction, "rounds-to-target": rounds_to_target, "topk": topk,
+    "randomization": randomization, "scale": model_scale, "dropout": dropout,
+}
+NAMES = (*EXPERIMENTS, "nmt-domains")
+
+
+_TASKS: dict[str, Task] = {}  # built tasks by options, shared by the experiments of one process
+
+
+@dataclass
+class Runner:
+    """Runs the federations of an experiment one after the other; tasks with equal options are built once."""
+
+    out: Path
+    tasks: dict[str, Task] = field(default_factory=lambda: _TASKS)
+
+    def task(self, kind: str, options: dict[str, Any]) -> Task:
+        from client_agent.tasks.registry import make_task
+
+        key = json.dumps([kind, options], sort_keys=True, default=str)
+        if key not in self.tasks:
+            self.tasks[key] = make_task(kind, **options)
+        return self.tasks[key]
+
+    def federate(self, spec: RunSpec, task: Any = None, seed: int = 0) -> dict[str, Any]:
+        from cli.simulate import Simulation
+
+        run_dir = self.out / spec.name
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        task = task if task is not None else self.task(spec.task, spec.task_options)
+        job = re.sub(r"[^A-Za-z0-9_-]", "_", f"exp-{spec.name}")[:64]
+        cfg = JobConfig(job=job, seed=seed, **spec.job)
+        sim = Simulation(cfg, task, f"memory://{job}", run_dir, availability=spec.availability,
+                         faults=spec.faults)
+        started = time.time()
+        summary = sim.run()
+        summary["run_wall_s"] = time.time() - started
+        log.info("experiment run done", run=spec.name, test=summary.get("test"), wall_s=round(summary["run_wall_s"], 1))
+        return summary
+
+
+def _metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _row(spec: RunSpec, summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    rows = _metrics(run_dir)
+    return {"run": spec.name, **spec.labels, "test": summary.get("test"), "best_valid": summary.get("best_valid"),
+            "best_round": summary.get("best_round"), "rounds_completed": summary.get("rounds_completed"),
+            "rounds_skipped": summary.get("rounds_skipped"), "bytes_up": summary.get("bytes_up"),
+            "bytes_down": summary.get("bytes_down"), "bytes_up_raw": sum(r.get("bytes_up_raw") or 0 for r in rows),
+            "updates_received": sum(len(r.get("received") or []) for r in rows),
+            "valid_curve": [r.get("valid") for r in rows], "wall_s": round(summary.get("run_wall_s", 0.0), 1)}
+
+
+def rounds_to(rows: list[dict[str, Any]], target: float) -> tuple[int | None, int | None]:
+    """(first round whose validation perplexity <= target, cumulative bytes up+down until then) or (None, None)."""
+    total = 0
+    for r in rows:
+        total += (r.get("bytes_up") or 0) + (r.get("bytes_down") or 0)
+        v = r.get("valid")
+        if v is not None and v <= target:
+            return int(r["round"]), total
+    return None, None
+
+
+def add_rounds_to_target(out: Path, results: list[dict[str, Any]], reference: str) -> float | None:
+    """Target = the final validation perplexity of the ``reference`` run; fills rounds/bytes to reach it."""
+    ref = next((r for r in results if r["run"] == reference), None)
+    curve = [v for v in (ref or {}).get("valid_curve", []) if v is not None]
+    if not curve:
+        return None
+    target = curve[-1]
+    for r in results:
+        r["target"] = target
+        r["rounds_to_target"], r["bytes_to_target"] = rounds_to(_metrics(out / r["run"]), target)
+    return target
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:.2f}"
+    if isinstance(value, list):
+        return " ".join(_fmt(v) if v is not None else "·" for v in value)
+    return str(value)
+
+
+def markdown(results: list[dict[str, Any]], columns: list[str] | None = None) -> str:
+    columns = columns or [k for k in results[0] if k != "valid_curve"] if results else []
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in results:
+        lines.append("| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def run_lm_experiment(name: str, scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
+    runner = Runner(out)
+    specs = EXPERIMENTS[name](scale)
+    if name == "dropout":
+        for spec in specs:
+            if spec.availability == "trace":
+                spec.availability = f"trace:{_trace_file(out, spec.job['clients'], spec.job['rounds'])}"
+    results = []
+    for spec in specs:
+        summary = runner.federate(spec, seed=seed)
+        results.append(_row(spec, summary, out / spec.name))
+    info: dict[str, Any] = {}
+    if name == "rounds-to-target":
+        info["target"] = add_rounds_to_target(out, results, "fedavg-e1")
+    return {"runs": results, **info}
+
+
+def run_nmt_domains(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
+    """Passban et al.: pre-train on news, one client per domain, FedAvg; then DP_l / DP_g / random pulling."""
+    s = _NMT[scale]
+    runner = Runner(out)
+    options = {**s["task"], "data": _corpus("de-en"), "partition": "natural", "seed": seed,
+               "cache_dir": str(out / "spm-cache")}
+    options = {k: v for k, v in options.items() if v is not None}
+    task = runner.task("nmt", options)
+    names = list(task.shard_names)
+    train = dict(batch_size=s["batch_size"], lr=5e-4, optimizer="adam", clip=1.0, seed=seed)
+    # 1. pre-train on the news client's data (the WMT news domain)
+    started = time.time()
+    model = task.build_model(seed)
+    task.train(model, names.index("news_wmt"), TrainConfig(epochs=100, max_steps=s["pretrain_steps"], **train))
+    pretrained = {k: v.detach().clone() for k, v in model_state(model).items()}
+    pretrain_s = time.time() - started
+    n = s["per_domain_test"]
+    table: dict[str, dict[str, float]] = {"pre-trained (news)": domain_bleu(task, model, "test", n)}
+    # 2. each client alone: fine-tune the pre-trained model on its own domain for as many steps as the federation
+    local_steps = s["rounds"] * (s["max_steps"] or 0)
+    for i, client in enumerate(names):
+        m = task.build_model(seed)
+        load_state(m, pretrained)
+        task.train(m, i, TrainConfig(epochs=s["rounds"] if not local_steps else 100, max_steps=local_steps, **train))
+        table[f"client {client} (local only)"] = domain_bleu(task, m, "test", n)
+    warm = WarmStartTask(task, pretrained)
+    job = dict(clients=len(names), fraction=1.0, rounds=s["rounds"], epochs=1, max_steps=s["max_steps"], **_DEADLINES,
+               **{k: v for k, v in train.items() if k != "seed"})
+    # 3. FedAvg from the pre-trained model; then the dynamic-pulling variants
+    specs = [RunSpec("fedavg", "nmt", options, {**job, "strategy": "fedavg"}, {"strategy": "fedavg", "pull": 1.0})]
+    for f in s["fractions"]:
+        for mode in ("dp-l", "dp-g", "dp-random"):
+            specs.append(RunSpec(f"{mode}-{f}", "nmt", options, {**job, "strategy": mode, "pull_fraction": f},
+                                 {"strategy": mode, "pull": f}))
+    results = []
+    for spec in specs:
+        summary = runner.federate(spec, task=warm, seed=seed)
+        row = _row(spec, summary, out / spec.name)
+        server = task.build_model(seed)
+        best = out / spec.name / "best.pt"
+        load_state(server, torch.load(best, weights_only=True) if best.is_file() else pretrained)
+        per_domain = domain_bleu(task, server, "test", n)
+        table[f"server {spec.name}"] = per_domain
+        row["bleu_mean_domains"] = sum(per_domain.values()) / len(per_domain)
+        rows = _metrics(out / spec.name)
+        row["bytes_up_per_round"] = row["bytes_up"] / max(len(rows), 1)
+        results.append(row)
+    return {"runs": results, "bleu_by_domain": table, "domains": names, "pretrain_s": round(pretrain_s, 1),
+            "pretrain_steps": s["pretrain_steps"]}
+
+
+def bleu_markdown(table: dict[str, dict[str, float]], domains: list[str]) -> str:
+    lines = ["| model | " + " | ".join(domains) + " | mean |", "|" + "---|" * (len(domains) + 2)]
+    for name, scores in table.items():
+        vals = [scores[d] for d in domains]
+        lines.append(f"| {name} | " + " | ".join(f"{v:.2f}" for v in vals) + f" | {sum(vals) / len(vals):.2f} |")
+    return "\n".join(lines)
+
+
+_COLUMNS = {
+    "table2": ["run", "corpus", "strategy", "C", "test", "best_valid", "best_round", "bytes_up", "wall_s"],
+    "fraction": ["run", "strategy", "C", "test", "best_valid", "best_round", "bytes_up", "wall_s"],
+    "rounds-to-target": ["run", "strategy", "E", "encoding", "test", "target", "rounds_to_target", "bytes_to_target",
+                         "bytes_up", "bytes_up_raw", "wall_s"],
+    "topk": ["run", "beta", "test", "best_valid", "updates_received", "bytes_up", "wall_s"],
+    "randomization": ["run", "strategy", "noise", "test", "best_valid", "best_round", "wall_s"],
+    "scale": ["run", "model", "tied", "test", "best_valid", "best_round", "wall_s"],
+    "dropout": ["run", "availability", "faults", "test", "best_valid", "rounds_completed", "rounds_skipped",
+                "updates_received", "wall_s"],
+    "nmt-domains": ["run", "strategy", "pull", "test", "bleu_mean_domains", "best_round", "bytes_up_per_round",
+                    "bytes_up", "bytes_up_raw", "wall_s"],
+}
+
+
+def check_args(name: str, scale: str, threads: int = 1) -> None:
+    """One clear error line for a bad experiment name, scale or thread count (before anything is written)."""
+    if name not in NAMES:
+        raise ExperimentError(f"unknown experiment {name!r}; choose one of {', '.join(NAMES)}")
+    if scale not in SCALES:
+        raise ExperimentError(f"unknown scale {scale!r}; choose one of {', '.join(SCALES)}")
+    if threads < 1:
+        raise ExperimentError(f"threads must be at least 1, got {threads}")
+
+
+def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None, seed: int = 0,
+                   threads: int = 1, report: bool = True) -> dict[str, Any]:
+    """Run experiment ``name`` at ``scale``; results under ``out/name``; returns the results dict."""
+    check_args(name, scale, threads)
+    if not DATA.is_dir():
+        raise ExperimentError(f"the corpora folder {DATA} does not exist (expected ../shared/data next to the project)")
+    exp_dir = Path(out or "runs/experiments") / name
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(threads)
+    started = time.time()
+    if name == "nmt-domains":
+        results = run_nmt_domains(scale, exp_dir, seed)
+    else:
+        results = run_lm_experiment(name, scale, exp_dir, seed)
+    results.update(experiment=name, scale=scale, seed=seed, threads=threads, wall_s=round(time.time() - started, 1))
+    (exp_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    text = [f"# {name} ({scale} scale, seed {seed}, wall {results['wall_s']} s)", "", markdown(results["runs"], _COLUMNS[name])]
+    if "bleu_by_domain" in results:
+        text += ["", "BLEU on each domain's test pairs:", "", bleu_markdown(results["bleu_by_domain"], results["domains"])]
+    (exp_dir / "results.md").write_text("\n".join(text) + "\n")
+    if report:
+        from cli.report import run_report
+
+        run_report([exp_dir / r["run"] for r in results["runs"]], exp_dir / "report")
+    return results
