@@ -1,0 +1,156 @@
+"""`fedmq bench broker`: publish/consume throughput of model-sized updates through fedmq's broker layer,
+raw pika with publisher confirms (same node, same queue, same run) and the in-process broker.
+
+Every path publishes persistent messages with ``mandatory`` and waits for each confirm, into the job inbox
+(a quorum queue), then consumes them with manual acks (prefetch 64). fedmq's path chunks bodies over the
+chunk limit (8 MiB) and hands them through its I/O and dispatcher threads; raw pika sends one message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+import pika
+
+from broker import topology as t
+from broker.connect import connect
+
+DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+MB = 1024 * 1024
+
+
+def _count_for(size_mb: int) -> int:
+    return max(3, min(60, int(120 / size_mb)))
+
+
+def _fedmq_trial(url: str, job: str, body: bytes, n: int) -> tuple[float, float]:
+    with connect(url) as pub, connect(url) as sub:
+        pub.declare_job(job, ["bench"])
+        t0 = time.perf_counter()
+        for i in range(n):
+            pub.publish(t.rk_update(job, "bench"), body, message_id=f"m{i}-{uuid.uuid4().hex[:6]}")
+        t_pub = time.perf_counter() - t0
+        got, done = [0], threading.Event()
+
+        def handler(d: Any) -> None:
+            sub.ack(d)
+            got[0] += 1
+            if got[0] == n:
+                done.set()
+
+        t0 = time.perf_counter()
+        sub.consume(t.q_inbox(job), handler)
+        if not done.wait(600):
+            raise RuntimeError(f"fedmq consumed {got[0]} of {n}")
+        t_con = time.perf_counter() - t0
+    return t_pub, t_con
+
+
+def _pika_trial(url: str, job: str, body: bytes, n: int) -> tuple[float, float]:
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    props = pika.BasicProperties(delivery_mode=2, user_id="guest")
+    t0 = time.perf_counter()
+    for i in range(n):
+        ch.basic_publish(t.EXCHANGE, t.rk_update(job, "bench"), body,
+                         pika.BasicProperties(delivery_mode=2, user_id=props.user_id, message_id=f"m{i}"),
+                         mandatory=True)
+    t_pub = time.perf_counter() - t0
+    cch = conn.channel()
+    cch.basic_qos(prefetch_count=64)
+    got = [0]
+
+    def on_message(c: Any, method: Any, _props: Any, _body: bytes) -> None:
+        c.basic_ack(method.delivery_tag)
+        got[0] += 1
+
+    t0 = time.perf_counter()
+    cch.basic_consume(t.q_inbox(job), on_message)
+    deadline = time.monotonic() + 600
+    while got[0] < n and time.monotonic() < deadline:
+        conn.process_data_events(time_limit=0.05)
+    t_con = time.perf_counter() - t0
+    conn.close()
+    if got[0] < n:
+        raise RuntimeError(f"pika consumed {got[0]} of {n}")
+    return t_pub, t_con
+
+
+def _cleanup(url: str, job: str) -> None:
+    if url.startswith("memory://"):
+        return
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    for q in (t.q_inbox(job), t.q_latest(job, "bench"), t.q_control(job, "bench")):
+        ch.queue_delete(q)
+    conn.close()
+
+
+def bench_broker(sizes_mb: tuple[int, ...] = (1, 10, 100), repeats: int = 3, url: str = DEFAULT_URL,
+                 paths: tuple[str, ...] = ("fedmq", "pika", "memory")) -> list[dict[str, Any]]:
+    """One row per (path, size): median MB/s and msg/s of publishing (confirmed) and consuming (acked)."""
+    job = "bench" + uuid.uuid4().hex[:8]
+    with connect(url) as b:  # the topology every path uses
+        b.declare_job(job, ["bench"])
+    rows: list[dict[str, Any]] = []
+    try:
+        for size in sizes_mb:
+            body = os.urandom(size * MB)
+            n = _count_for(size)
+            trials: dict[str, list[tuple[float, float]]] = {p: [] for p in paths}
+            for _ in range(repeats):
+                for p in paths:  # interleaved, so load changes on the shared machine hit every path alike
+                    run: Callable[..., tuple[float, float]]
+                    if p == "fedmq":
+                        trials[p].append(_fedmq_trial(url, job, body, n))
+                    elif p == "pika":
+                        trials[p].append(_pika_trial(url, job, body, n))
+                    else:
+                        trials[p].append(_fedmq_trial(f"memory://bench-{job}", job, body, n))
+            for p in paths:
+                tp = statistics.median(x[0] for x in trials[p])
+                tc = statistics.median(x[1] for x in trials[p])
+                rows.append({"path": p, "size_mb": size, "messages": n, "repeats": repeats,
+                             "publish_MBps": size * n / tp, "publish_msgps": n / tp,
+                             "consume_MBps": size * n / tc, "consume_msgps": n / tc})
+    finally:
+        _cleanup(url, job)
+    base = {r["size_mb"]: r for r in rows if r["path"] == "pika"}
+    for r in rows:
+        ref = base.get(r["size_mb"])
+        if ref is not None:
+            r["publish_vs_pika"] = r["publish_MBps"] / ref["publish_MBps"]
+            r["consume_vs_pika"] = r["consume_MBps"] / ref["consume_MBps"]
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = "| path | size MB | msgs | publish MB/s | publish msg/s | consume MB/s | consume msg/s | publish vs pika | consume vs pika |"
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        pv = f"{r['publish_vs_pika']:.0%}" if "publish_vs_pika" in r else "-"
+        cv = f"{r['consume_vs_pika']:.0%}" if "consume_vs_pika" in r else "-"
+        lines.append(f"| {r['path']} | {r['size_mb']} | {r['messages']} | {r['publish_MBps']:.1f} | "
+                     f"{r['publish_msgps']:.1f} | {r['consume_MBps']:.1f} | {r['consume_msgps']:.1f} | {pv} | {cv} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url", default=DEFAULT_URL)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sizes", default="1,10,100", help="comma-separated MB")
+    a = ap.parse_args(argv)
+    rows = bench_broker(tuple(int(s) for s in a.sizes.split(",")), a.repeats, a.url)
+    print(format_table(rows))  # noqa: T201 - a command's output
+
+
+if __name__ == "__main__":
+    main()
