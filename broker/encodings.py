@@ -25,11 +25,14 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from broker._codec_bytes import bf16_to_f32, f32_to_bf16, make_blob, pack_array, read_blob, unpack_array
+from broker._codec_bytes import (
+    Unpacking, bf16_to_f32, f32_to_bf16, make_blob, pack_array, read_blob, unpack_array,
+)
+from broker._codec_threads import Task, run_all
 from broker.errors import CodecError
 from broker.manifest import Manifest
 
@@ -37,6 +40,7 @@ FORMAT = 1
 KINDS = ("raw", "fp16", "bf16", "int8", "topk")
 DEFAULT_MAX_BYTES = 4 << 30  # decoded float32 bytes of one state
 _FP16_MAX = 65504.0
+DEFAULT_LEVEL = 1  # measured: faster than level 3 and as small or smaller for every encoding (docs/benchmarks.md)
 _SPEC_RE = re.compile(r"^(?:(delta)\+)?(raw|fp16|bf16|int8|int8-row|topk)(?::([^@]+))?(?:@(-?\d+))?(?:,(noshuffle))?$")
 
 
@@ -46,7 +50,7 @@ class EncodingSpec:
     delta: bool = False  # encode θ - base instead of θ (needs base on both sides)
     per_row: bool = False  # int8: one scale per row instead of per tensor
     density: float = 0.01  # topk: fraction of entries kept
-    level: int = 3  # zstd level (0 = no compression)
+    level: int = DEFAULT_LEVEL  # zstd level (0 = no compression; 1 = byte-plane tuned, see _codec_bytes)
     shuffle: bool = True  # byte-shuffle float data before zstd where it helps
 
     def __post_init__(self) -> None:
@@ -64,7 +68,7 @@ class EncodingSpec:
         """Parse the CLI syntax ``[delta+]KIND[:DENSITY][@LEVEL][,noshuffle]``.
 
         KIND is raw, fp16, bf16, int8, int8-row or topk; e.g. "bf16", "int8-row", "topk:0.01", "delta+int8",
-        "delta+topk:0.05", "raw@1" (zstd level 1), "raw@0" (no compression).
+        "delta+topk:0.05", "raw@3" (zstd level 3), "raw@0" (no compression); the default level is 1.
         """
         m = _SPEC_RE.match(text.strip().lower()) if isinstance(text, str) else None
         if not m:
@@ -94,7 +98,7 @@ class EncodingSpec:
             s += "-row"
         if self.kind == "topk":
             s += f":{self.density:g}"
-        if self.level != 3:
+        if self.level != DEFAULT_LEVEL:
             s += f"@{self.level}"
         if not self.shuffle:
             s += ",noshuffle"
@@ -126,21 +130,21 @@ def _rows(shape: tuple[int, ...], n: int) -> int:
     return shape[0] if len(shape) >= 2 and shape[0] > 0 else 1
 
 
-def _encode_one(name: str, x: np.ndarray, dt: str, spec: EncodingSpec, b: np.ndarray | None) -> dict:
+def _encode_one(name: str, x: np.ndarray, dt: str, spec: EncodingSpec, b: np.ndarray | None, tasks: list[Task]) -> dict:
     flat = x.reshape(-1)
     n = flat.size
     rec: dict[str, Any] = {"n": name, "s": list(x.shape), "dt": dt, "e": spec.kind, "x": b is not None}
     kind, level = spec.kind, spec.level
     if kind == "raw":
         data = flat if b is None else (flat.view(np.uint32) ^ b.view(np.uint32))
-        rec["p"] = pack_array(data, level, spec.shuffle, owned=b is not None)
+        rec["p"] = pack_array(data, level, spec.shuffle, tasks, owned=b is not None)
         return rec
     d = flat if b is None else flat - b
     if kind == "fp16":
-        rec["p"] = pack_array(d.astype(np.float16), level, spec.shuffle, owned=True)
+        rec["p"] = pack_array(d.astype(np.float16), level, spec.shuffle, tasks, owned=True)
         return rec
     if kind == "bf16":
-        rec["p"] = pack_array(f32_to_bf16(np.ascontiguousarray(d)), level, spec.shuffle, owned=True)
+        rec["p"] = pack_array(f32_to_bf16(np.ascontiguousarray(d)), level, spec.shuffle, tasks, owned=True)
         return rec
     if n and not np.isfinite(d).all():
         raise CodecError("non-finite", f"tensor {name!r} has NaN/Inf; {kind} cannot encode it")
@@ -158,7 +162,7 @@ def _encode_one(name: str, x: np.ndarray, dt: str, spec: EncodingSpec, b: np.nda
         rec["r"] = bool(spec.per_row)
         rec["sc"] = make_blob(scale.astype(np.float32), 0, owned=True)
         rec["lo"] = make_blob(lo.astype(np.float32), 0, owned=True)
-        rec["p"] = pack_array(q.astype(np.uint8).reshape(-1), level, False, owned=True)
+        rec["p"] = pack_array(q.astype(np.uint8).reshape(-1), level, False, tasks, owned=True)
         return rec
     # topk
     k = min(n, max(1, math.ceil(spec.density * n))) if n else 0
@@ -172,8 +176,8 @@ def _encode_one(name: str, x: np.ndarray, dt: str, spec: EncodingSpec, b: np.nda
     vd = "float16" if (k == 0 or float(np.abs(vals).max()) <= _FP16_MAX) else "float32"
     rec["k"] = int(k)
     rec["vd"] = vd
-    rec["i"] = pack_array(diffs, level, spec.shuffle, owned=True)
-    rec["v"] = pack_array(vals.astype(vd), level, spec.shuffle, owned=True)
+    rec["i"] = pack_array(diffs, level, spec.shuffle, tasks, owned=True)
+    rec["v"] = pack_array(vals.astype(vd), level, spec.shuffle, tasks, owned=True)
     return rec
 
 
@@ -188,6 +192,7 @@ def encode_state(
     if spec.delta and base is None:
         raise CodecError("missing-base", f"encoding {spec} needs the base model")
     records = []
+    tasks: list[Task] = []  # shuffling and compression, run on the codec threads once every tensor is planned
     for name, t in tensors.items():
         if not isinstance(name, str):
             raise CodecError("bad-tensor", f"tensor names must be str, got {type(name).__name__}")
@@ -200,7 +205,8 @@ def encode_state(
             if b.shape != x.shape:
                 raise CodecError("bad-base", f"base {name!r} has shape {b.shape}, tensor has {x.shape}")
             b = b.reshape(-1)
-        records.append(_encode_one(name, x, dt, spec, b))
+        records.append(_encode_one(name, x, dt, spec, b, tasks))
+    run_all(tasks)
     return {"fmt": FORMAT, "enc": str(spec), "t": records}
 
 
@@ -214,18 +220,41 @@ _KEYS = {
 _COMMON = {"n", "s", "dt", "e", "x"}
 
 
-def _decode_one(rec: dict, n: int, shape: tuple[int, ...], b: np.ndarray | None) -> np.ndarray:
+def _raw_post(b32: np.ndarray | None, bad: list, reject: bool) -> Callable[[np.ndarray, int, int], None]:
+    """Per assembled block of a raw tensor: undo the XOR delta, then the NaN/Inf check (while in cache)."""
+
+    def post(a: np.ndarray, i: int, j: int) -> None:
+        blk = a[i:j]
+        if b32 is not None:
+            np.bitwise_xor(blk, b32[i:j], out=blk)
+        if reject and not bad and not np.isfinite(blk.view(np.float32)).all():
+            bad.append(True)
+
+    return post
+
+
+def _decode_one(rec: dict, name: str, n: int, shape: tuple[int, ...], b: np.ndarray | None, work: Unpacking,
+                reject: bool) -> Task:
+    """Check ``rec`` and plan its decoding into ``work``; returns the task that finishes the float32 array."""
     kind = rec["e"]
+    bad: list = []
+
+    def finite(a: np.ndarray) -> np.ndarray:
+        if bad or (reject and kind != "raw" and not np.isfinite(a).all()):
+            raise CodecError("non-finite", f"tensor {name!r} contains NaN or Inf")
+        return a
+
     if kind == "raw":
-        if b is None:
-            out = unpack_array(rec["p"], np.float32, n)
-            return out if out.flags.writeable else out.copy()
-        u = unpack_array(rec["p"], np.uint32, n)
-        return np.bitwise_xor(u, b.view(np.uint32)).view(np.float32)
+        b32 = None if b is None else b.view(np.uint32)
+        get = unpack_array(rec["p"], np.float32 if b is None else np.uint32, n, work, writeable=True,
+                           post=_raw_post(b32, bad, reject))
+        return 0, lambda: finite(get().view(np.float32))
     if kind == "fp16":
-        d = unpack_array(rec["p"], np.float16, n).astype(np.float32)
+        get16 = unpack_array(rec["p"], np.float16, n, work)
+        fin: Callable[[], np.ndarray] = lambda: get16().astype(np.float32)
     elif kind == "bf16":
-        d = bf16_to_f32(unpack_array(rec["p"], np.uint16, n))
+        getb = unpack_array(rec["p"], np.uint16, n, work)
+        fin = lambda: bf16_to_f32(getb())
     elif kind == "int8":
         per_row = rec["r"]
         if type(per_row) is not bool:
@@ -235,30 +264,37 @@ def _decode_one(rec: dict, n: int, shape: tuple[int, ...], b: np.ndarray | None)
         lo = np.frombuffer(read_blob(rec["lo"], 4 * rows), np.float32)
         if not (np.isfinite(scale).all() and np.isfinite(lo).all()):
             raise CodecError("non-finite", "int8 scale or zero point is NaN/Inf")
-        q = unpack_array(rec["p"], np.uint8, n)
-        d = np.empty((rows, n // rows if rows else 0), np.float32)
-        np.multiply(q.reshape(d.shape), scale[:, None], out=d)
-        d += lo[:, None]
-        d = d.reshape(-1)
+        getq = unpack_array(rec["p"], np.uint8, n, work)
+
+        def fin() -> np.ndarray:
+            d = np.empty((rows, n // rows if rows else 0), np.float32)
+            np.multiply(getq().reshape(d.shape), scale[:, None], out=d)
+            d += lo[:, None]
+            return d.reshape(-1)
     else:  # topk
         k, vd = rec["k"], rec["vd"]
         if type(k) is not int or not 0 <= k <= n:
             raise CodecError("bad-tensor", f"topk count {k!r} outside 0..{n}")
         if vd not in ("float16", "float32"):
             raise CodecError("bad-tensor", f"topk value dtype {vd!r} is not float16/float32")
-        diffs = unpack_array(rec["i"], np.uint32, k)
-        vals = unpack_array(rec["v"], np.dtype(vd), k)
-        idx = np.cumsum(diffs, dtype=np.int64)
-        if k and ((diffs[1:] == 0).any() or idx[-1] >= n):
-            raise CodecError("bad-tensor", "topk indices are not strictly increasing within the tensor")
-        if b is None:
-            d = np.zeros(n, np.float32)
-            d[idx] = vals
-            return d
-        out = b.copy()
-        out[idx] += vals.astype(np.float32)
-        return out
-    return d if b is None else d + b
+        getd = unpack_array(rec["i"], np.uint32, k, work)
+        getv = unpack_array(rec["v"], np.dtype(vd), k, work)
+
+        def topk() -> np.ndarray:
+            diffs, vals = getd(), getv()
+            idx = np.cumsum(diffs, dtype=np.int64)
+            if k and ((diffs[1:] == 0).any() or idx[-1] >= n):
+                raise CodecError("bad-tensor", "topk indices are not strictly increasing within the tensor")
+            if b is None:
+                d = np.zeros(n, np.float32)
+                d[idx] = vals
+                return finite(d)
+            out = b.copy()
+            out[idx] += vals.astype(np.float32)
+            return finite(out)
+
+        return 4 * n, topk
+    return 4 * n, lambda: finite(fin() if b is None else fin() + b)
 
 
 def decode_state(
@@ -336,10 +372,9 @@ def _decode_state(
                 raise CodecError("bad-base", f"base {name!r} has shape {b.shape}, the manifest says {spec.shape}")
             b = b.reshape(-1)
         plan.append((rec, name, spec, b))
-    out: dict[str, np.ndarray] = {}
-    for rec, name, spec, b in plan:
-        arr = _decode_one(rec, spec.numel, spec.shape, b)
-        if reject_nonfinite and not np.isfinite(arr).all():
-            raise CodecError("non-finite", f"tensor {name!r} contains NaN or Inf")
-        out[name] = arr.reshape(spec.shape)
-    return out
+    work = Unpacking()  # every record is checked before any decompression starts
+    finish = [_decode_one(rec, name, spec.numel, spec.shape, b, work, reject_nonfinite) for rec, name, spec, b in plan]
+    run_all(work.inflate)
+    run_all(work.assemble)
+    arrays = run_all(finish)
+    return {name: arr.reshape(spec.shape) for (_, name, spec, _), arr in zip(plan, arrays)}

@@ -31,6 +31,7 @@ MAGIC = b"FMQ"
 HEADER_SIZE = len(MAGIC) + 2 + DIGEST_SIZE
 FLAG_ZSTD = 1
 COMPRESS_MAX = 1 << 20  # bodies larger than this are not zstd'ed again (tensors already are)
+_BUF_SLACK = 1 << 16  # packing buffer beyond the payload's binary bytes (field names, numbers, headers)
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _MAX_ID = 128
 _INT_MAX = 1 << 62
@@ -92,19 +93,35 @@ def pack(env: Envelope, *, level: int = 3) -> bytes:
     if env.version != SCHEMA_VERSION:
         raise CodecError("unknown-version", f"cannot write schema version {env.version} (this build writes {SCHEMA_VERSION})")
     kind = _check_fields(env.kind, env.job, env.round, env.client, env.model_version, env.msg_id, env.sent_at, env.payload)
+    # One Packer buffer sized for the payload's binary data up front (no regrowth copies); the body is
+    # digested in place and copied once, into the returned message.
+    packer = msgpack.Packer(use_bin_type=True, autoreset=False, buf_size=_BUF_SLACK + _bin_bytes(env.payload, 0))
     try:
-        body = msgpack.packb(
-            [kind.value, env.job, env.round, env.client, env.model_version, env.msg_id, float(env.sent_at), env.payload],
-            use_bin_type=True,
+        packer.pack(
+            [kind.value, env.job, env.round, env.client, env.model_version, env.msg_id, float(env.sent_at), env.payload]
         )
     except (TypeError, ValueError, OverflowError) as exc:
         raise CodecError("bad-payload", f"payload is not msgpack-able: {exc}") from None
+    body: bytes | memoryview = packer.getbuffer()
     flags = 0
     if level and len(body) <= COMPRESS_MAX:
         z = zstd.ZstdCompressor(level=level, write_content_size=True).compress(body)
         if len(z) < len(body):
             body, flags = z, FLAG_ZSTD
     return b"".join((MAGIC, bytes((SCHEMA_VERSION, flags)), digest(body), body))
+
+
+def _bin_bytes(obj: object, depth: int) -> int:
+    """Bytes of the binary leaves of a payload (a packing-buffer size hint; deep nesting is not followed)."""
+    if isinstance(obj, (bytes, bytearray)):
+        return len(obj)
+    if isinstance(obj, memoryview):
+        return obj.nbytes
+    if depth < 8 and isinstance(obj, dict):
+        return sum(_bin_bytes(v, depth + 1) for v in obj.values())
+    if depth < 8 and isinstance(obj, (list, tuple)):
+        return sum(_bin_bytes(v, depth + 1) for v in obj)
+    return 0
 
 
 def unpack(data: bytes, *, limits: Limits = Limits()) -> Envelope:

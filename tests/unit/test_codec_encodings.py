@@ -41,7 +41,7 @@ def _roundtrip(spec: EncodingSpec, state=STATE, base=None, manifest=MANIFEST) ->
 
 @pytest.mark.parametrize(
     "text",
-    ["raw", "fp16", "bf16", "int8", "int8-row", "topk:0.01", "delta+raw", "delta+int8", "delta+topk:0.05", "raw@1", "raw@0", "bf16,noshuffle", "delta+fp16@-1"],
+    ["raw", "fp16", "bf16", "int8", "int8-row", "topk:0.01", "delta+raw", "delta+int8", "delta+topk:0.05", "raw@3", "raw@0", "bf16,noshuffle", "delta+fp16@-1"],
 )
 def test_parse_str_roundtrip(text: str) -> None:
     spec = EncodingSpec.parse(text)
