@@ -8,9 +8,10 @@ Deliveries go to a dispatcher thread that reassembles chunks and runs the handle
 handler nor a long training step on another thread can stop heartbeats.
 
 Publishing: a channel in confirm mode, ``mandatory``, persistent, ``user_id`` = this connection's user.
-Confirms are awaited one message at a time (BlockingChannel); a publish stays at the head of the command
-queue until confirmed, so after a lost connection the unconfirmed part is republished (a duplicate is
-possible and harmless: chunks are deduplicated by the reassembler, updates by their id in the aggregator).
+The chunks of one message are pipelined (up to PIPELINE in flight) and their acks, nacks and returns tracked
+per delivery tag; a publish stays at the head of the command queue until every part is confirmed, so after a
+lost connection the unconfirmed parts are republished (a duplicate is possible and harmless: chunks are
+deduplicated by the reassembler, updates by their id in the aggregator). Nacks are retried until the deadline.
 
 Reconnection: any connection loss (including 320 CONNECTION_FORCED on a broker restart) starts a loop with
 exponential backoff (0.2 s doubling, capped at ``max_backoff``, with jitter); once connected the declared
@@ -44,8 +45,14 @@ from broker.topology import EXCHANGE
 
 log = structlog.get_logger(__name__)
 
+PIPELINE = 8  # chunk messages of one publish in flight before waiting for confirms
+
 _CONNECTION_ERRORS = (pe.AMQPConnectionError, pe.ConnectionClosed, pe.StreamLostError, pe.ConnectionWrongStateError,
                       OSError)
+
+
+def _noop() -> None:
+    pass
 
 
 def _redact(url: str) -> str:
@@ -77,7 +84,10 @@ class _Publish:
     routing_key: str
     parts: list[tuple[bytes, pika.BasicProperties]]
     deadline: float
-    next_part: int = 0
+    message_id: str
+    confirmed: set[int] = field(default_factory=set)
+    nacked: set[int] = field(default_factory=set)
+    returned: bool = False
 
 
 class RabbitBroker(Broker):
@@ -116,6 +126,8 @@ class RabbitBroker(Broker):
         self._cmds: collections.deque[_Cmd] = collections.deque()
         self._conn: pika.BlockingConnection | None = None
         self._pub_ch: Any = None
+        self._pub_seq = 0
+        self._pub_pending: dict[int, tuple[_Publish, int]] = {}  # delivery tag -> (publish, part)
         self._gen = 0
         self._jobs: list[tuple[str, tuple[str, ...], bool]] = []
         self._consumers: dict[str, _Consumer] = {}
@@ -141,10 +153,17 @@ class RabbitBroker(Broker):
         conn = pika.BlockingConnection(self._params)
         conn.add_on_connection_blocked_callback(self._on_blocked)
         conn.add_on_connection_unblocked_callback(self._on_unblocked)
-        ch = conn.channel()
-        ch.confirm_delivery()
-        self._conn, self._pub_ch = conn, ch
+        self._conn, self._pub_ch = conn, None
         self._blocked = False
+        try:
+            self._open_pub_channel()
+        except Exception:
+            self._conn = None
+            try:
+                conn.close()
+            except Exception:
+                pass
+            raise
 
     def _describe(self, exc: BaseException) -> str:
         if isinstance(exc, (pe.ProbableAuthenticationError, pe.AuthenticationError)):
@@ -351,33 +370,93 @@ class RabbitBroker(Broker):
         else:
             parts = [(f, props({**base, CHUNK_HEADER: 1})) for f in frames]
         timeout = timeout or self.publish_timeout
-        job = _Publish(routing_key, parts, time.monotonic() + timeout)
+        job = _Publish(routing_key, parts, time.monotonic() + timeout, message_id)
         self._submit(lambda b: b._publish_now(job), timeout, f"publish to {routing_key!r}")
 
+    def _open_pub_channel(self) -> Any:
+        """A confirm-mode channel whose acks/nacks/returns we track ourselves, so chunks can be pipelined."""
+        assert self._conn is not None
+        ch = self._conn.channel()
+        ready: list[bool] = []
+        ch._impl.confirm_delivery(ack_nack_callback=self._on_confirm, callback=lambda _f: ready.append(True))
+        ch._impl.add_on_return_callback(self._on_return)
+        deadline = time.monotonic() + self.connect_timeout * 2
+        while not ready:
+            if time.monotonic() > deadline or not ch.is_open:
+                raise pe.AMQPConnectionError("could not enable publisher confirms")
+            self._conn.process_data_events(time_limit=0.05)
+        self._pub_ch, self._pub_seq = ch, 0
+        self._pub_pending.clear()
+        return ch
+
+    def _on_confirm(self, frame: Any) -> None:
+        m = frame.method
+        ok = isinstance(m, pika.spec.Basic.Ack)
+        seqs = [s for s in self._pub_pending if s <= m.delivery_tag] if m.multiple else [m.delivery_tag]
+        for seq in seqs:
+            entry = self._pub_pending.pop(seq, None)
+            if entry is not None:
+                (entry[0].confirmed if ok else entry[0].nacked).add(entry[1])
+        self._poke()
+
+    def _poke(self) -> None:
+        """Make the running process_data_events return now (a confirm is not an event it waits for)."""
+        if self._conn is not None:
+            self._conn.call_later(0, _noop)
+
+    def _on_return(self, _ch: Any, _method: Any, props: Any, _body: bytes) -> None:
+        for job, _ in self._pub_pending.values():
+            if job.message_id == props.message_id:
+                job.returned = True
+        self._poke()
+
     def _publish_now(self, job: _Publish) -> None:
-        while job.next_part < len(job.parts):
-            if self._pub_ch is None or not self._pub_ch.is_open:
-                assert self._conn is not None
-                self._pub_ch = self._conn.channel()
-                self._pub_ch.confirm_delivery()
-            data, props = job.parts[job.next_part]
-            try:
-                self._pub_ch.basic_publish(EXCHANGE, job.routing_key, data, props, mandatory=True)
-            except pe.UnroutableError:
-                raise BrokerError(f"message to {job.routing_key!r} is unroutable: no queue is bound to it") from None
-            except pe.NackError:
+        """Publish every unconfirmed part of ``job`` (up to PIPELINE parts in flight) and await their confirms."""
+        while True:
+            todo = [i for i in range(len(job.parts)) if i not in job.confirmed]
+            if not todo:
+                return
+            ch = self._pub_ch if self._pub_ch is not None and self._pub_ch.is_open else self._open_pub_channel()
+            job.nacked.clear()
+            assert self._conn is not None
+            while todo or any(j is job for j, _ in self._pub_pending.values()):
+                inflight = sum(1 for j, _ in self._pub_pending.values() if j is job)
+                if todo and inflight < PIPELINE and not job.returned:
+                    i = todo.pop(0)
+                    data, props = job.parts[i]
+                    self._pub_seq += 1
+                    self._pub_pending[self._pub_seq] = (job, i)
+                    try:
+                        ch._impl.basic_publish(EXCHANGE, job.routing_key, data, props, mandatory=True)
+                    except pe.ChannelWrongStateError:
+                        pass  # the channel was closed by the broker: reported below
+                    continue
+                if job.returned and inflight == 0:
+                    break
+                if ch.is_closed:
+                    reason = getattr(ch, "_closing_reason", None)
+                    self._pub_ch = None
+                    self._forget(job)
+                    code = getattr(reason, "reply_code", "")
+                    raise BrokerError(f"publish to {job.routing_key!r} refused by the broker: {code} "
+                                      f"{getattr(reason, 'reply_text', reason)}".replace("  ", " "))
+                if time.monotonic() > job.deadline:
+                    self._forget(job)
+                    raise BrokerError(f"publish to {job.routing_key!r} not confirmed in time")
+                self._conn.process_data_events(time_limit=0.05)
+            if job.returned:
+                self._forget(job)
+                raise BrokerError(f"message to {job.routing_key!r} is unroutable: no queue is bound to it")
+            if job.nacked:
                 # transient right after a restart (queue leader not elected yet): retry until the deadline
                 if time.monotonic() + 0.5 >= job.deadline:
-                    raise BrokerError(f"the broker refused (nacked) the message to {job.routing_key!r}") from None
-                log.info("publish nacked; retrying", routing_key=job.routing_key, part=job.next_part)
-                assert self._conn is not None
+                    raise BrokerError(f"the broker refused (nacked) the message to {job.routing_key!r}")
+                log.info("publish nacked; retrying", routing_key=job.routing_key, parts=len(job.nacked))
                 self._conn.sleep(0.5)
-                continue
-            except pe.ChannelClosedByBroker as exc:
-                self._pub_ch = None
-                raise BrokerError(f"publish to {job.routing_key!r} refused by the broker: "
-                                  f"{exc.reply_code} {exc.reply_text}") from None
-            job.next_part += 1
+
+    def _forget(self, job: _Publish) -> None:
+        for seq in [s for s, (j, _) in self._pub_pending.items() if j is job]:
+            del self._pub_pending[seq]
 
     # ---- consuming ----------------------------------------------------------------------------------
     def _subscribe(self, c: _Consumer) -> None:
