@@ -11,15 +11,18 @@ differs by N(0, 1e-3) per entry, like one round of local SGD.
 Encode = encode_state + envelope pack; decode = unpack + decode_state (with digest, bounds, manifest and
 NaN/Inf checks), i.e. exactly what goes over the wire. Baselines measured in the same run: torch.save /
 torch.load(weights_only=True) of the state dict, and plain msgpack of each tensor's raw bytes.
-Run: ``python -m benchmarks.codec [--repeats N] [--quick] [--no-malloc-tune]``. By default the allocator is
-tuned as a service would do at start (broker._codec_malloc.tune_allocator: freed buffers are reused
-instead of page-faulted afresh); --no-malloc-tune measures glibc's defaults.
+Run: ``python -m benchmarks.codec [--repeats N] [--quick] [--threads N] [--no-malloc-tune]``. By default the
+allocator is tuned as a service would do at start (broker._codec_malloc.tune_allocator: freed buffers are
+reused instead of page-faulted afresh); --no-malloc-tune measures glibc's defaults. --threads sets the codec's
+worker threads (default: one per core, at most 4). The machine's load average before and after the run
+and the process's CPU time are printed under the table: speeds on a shared machine depend on them.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import os
 import statistics
 import time
 from typing import Callable
@@ -29,15 +32,16 @@ import numpy as np
 import torch
 
 from broker._codec_malloc import tune_allocator
+from broker._codec_threads import codec_threads, set_codec_threads
 from broker.encodings import EncodingSpec, decode_state, encode_state, raw_nbytes
 from broker.envelope import Envelope, Kind, pack, unpack
 from broker.manifest import Manifest
 
 ENCODINGS = [
-    "raw", "raw@1", "fp16", "bf16", "int8", "int8-row", "topk:0.01",
+    "raw", "raw@3", "raw,noshuffle", "fp16", "bf16", "int8", "int8-row", "topk:0.01",
     "delta+raw", "delta+bf16", "delta+int8", "delta+int8-row", "delta+topk:0.01",
 ]
-QUICK_ENCODINGS = ["raw", "raw@1", "bf16", "delta+int8", "topk:0.01"]
+QUICK_ENCODINGS = ["raw", "raw@3", "bf16", "delta+int8", "topk:0.01"]
 
 
 def _w(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
@@ -182,16 +186,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--models", default=None, help="comma list of gru-untied,gru-tied,transformer-base")
     ap.add_argument("--encodings", default=None, help="comma list, e.g. raw,bf16,delta+int8")
+    ap.add_argument("--threads", type=int, default=None, help="codec worker threads (1 = none)")
     ap.add_argument("--no-malloc-tune", action="store_true", help="leave glibc's allocator at its defaults")
     a = ap.parse_args(argv)
+    if a.threads is not None:
+        try:
+            set_codec_threads(a.threads)
+        except ValueError as exc:
+            ap.error(str(exc))
     if not a.no_malloc_tune:
         tune_allocator()
+    load0, wall0, cpu0 = os.getloadavg(), time.perf_counter(), time.process_time()
     if a.models or a.encodings:
         rows = run(a.models.split(",") if a.models else ["gru-untied", "gru-tied", "transformer-base"],
                    a.encodings.split(",") if a.encodings else ENCODINGS, a.repeats)
     else:
         rows = bench_codec(a.repeats, a.quick)
     print(format_table(rows))  # noqa: T201 - command-line output
+    load1 = os.getloadavg()
+    print(  # noqa: T201
+        f"\ncodec threads {codec_threads()}; load average (1/5/15 min) before {load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f}, "
+        f"after {load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f}; wall {time.perf_counter() - wall0:.0f} s, "
+        f"process CPU {time.process_time() - cpu0:.0f} s"
+    )
 
 
 if __name__ == "__main__":
