@@ -96,7 +96,8 @@ class Inbox:
         """A valid message that is of no use (stale round, duplicate, not granted): ack, count, log."""
         self.dropped[reason] += 1
         env = received.env
-        log.info("message dropped", reason=reason, kind=env.kind.value, client=env.client, round=env.round)
+        log.info("message dropped", reason=reason, kind=env.kind.value, client=env.client, round=env.round,
+                 msg_id=env.msg_id)
         self.broker.ack(received.delivery)
 
     def ack(self, received: Received) -> None:

@@ -86,6 +86,7 @@ class Agent:
     def _join(self) -> Broker:
         delay = 0.2
         while not self.stop.is_set():
+            broker = None
             try:
                 broker = self.connect()
                 broker.declare_job(self.job, [self.client], inbox=False)
@@ -96,6 +97,12 @@ class Agent:
                 self._presence("online")
                 return broker
             except BrokerError as exc:
+                # close the half-joined connection: its consumers would otherwise take (and lose) our deliveries
+                if broker is not None:
+                    try:
+                        broker.close()
+                    except Exception as close_exc:  # already broken: nothing more to release
+                        log.debug("closing a failed join", error=str(close_exc))
                 log.warning("cannot join, retrying", client=self.client, error=str(exc), delay=delay)
                 self.stop.wait(delay)
                 delay = min(delay * 2, 10.0)

@@ -1,0 +1,348 @@
+"""A real federation in separate processes (`fedmq aggregator run`, `fedmq agent run`), faults, and the audit.
+
+Used by the fault suite (tests/fault) and by ``python -m tests.fault.run_all`` for the full seeded runs.
+Every agent runs with ``--audit-log`` (one JSON line per broker-confirmed upload); the audit compares them with
+what the aggregator folded (the newest checkpoint's ``folded``: round -> update ids) and with the updates it
+dropped on purpose (logged with their msg id), so an update can be: folded once (good), folded twice
+(duplicated), confirmed but neither folded nor dropped (lost), or folded but never confirmed (an agent killed
+between the broker's confirm and its log line: harmless, reported as ``unconfirmed_folded``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+FEDMQ = str(Path(sys.executable).parent / "fedmq")
+
+# the tiny language model of tests/integration/test_federation.py: a round takes well under a second
+TINY_TASK = {"task": "lm", "data": "builtin", "model": "gru-small", "emb": 16, "hidden": 16, "vocab_size": 500,
+             "max_lines": 600, "max_eval_lines": 100, "bptt": 10, "dropout": 0.0}
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(str(v))
+
+
+def write_config(path: Path, job: dict[str, Any], task: dict[str, Any]) -> Path:
+    lines = [f"{k} = {_toml_value(v)}" for k, v in job.items()] + ["", "[task]"]
+    lines += [f"{k} = {_toml_value(v)}" for k, v in task.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def wait_for(pred: Callable[[], bool], timeout: float, what: str, poll: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(poll)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def delete_job_queues(url: str, job: str, clients: int) -> None:
+    """Remove the job's queues from a broker (tests on the shared broker leave nothing behind)."""
+    import pika
+
+    from broker import topology as t
+    try:
+        conn = pika.BlockingConnection(pika.URLParameters(url))
+    except Exception:  # the broker may be down in a failed test; nothing to clean then
+        return
+    try:
+        ch = conn.channel()
+        names = [t.q_inbox(job)] + [q for i in range(clients) for q in (t.q_latest(job, f"agent-{i}"),
+                                                                         t.q_control(job, f"agent-{i}"))]
+        for name in names:
+            ch.queue_delete(name)
+    finally:
+        conn.close()
+
+
+@dataclass
+class Audit:
+    rounds_completed: int
+    rounds_skipped: int
+    confirmed: int
+    folded: int
+    lost: list[tuple[int, str]]
+    duplicated: list[str]
+    unconfirmed_folded: list[tuple[int, str]]
+    dropped: list[tuple[int, str, str]]  # (round, msg id, reason) of confirmed uploads dropped on purpose
+    max_round_s: float
+    finite: bool
+    shapes_ok: bool
+
+    @property
+    def clean(self) -> bool:
+        return not self.lost and not self.duplicated and self.finite and self.shapes_ok
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: (len(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class Federation:
+    """A job with ``clients`` agent processes and one or more aggregator processes sharing ``base/state``."""
+
+    base: Path
+    url: str
+    job: str
+    clients: int = 3
+    rounds: int = 4
+    job_options: dict[str, Any] = field(default_factory=dict)
+    agent_faults: dict[int, str] = field(default_factory=dict)
+    agent_url: Callable[[int], str] | None = None  # per-agent broker URL (e.g. through a TCP proxy)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    restarts: int = 0
+
+    def __post_init__(self) -> None:
+        self.base.mkdir(parents=True, exist_ok=True)
+        self.state = self.base / "state"
+        self.audit_dir = self.base / "audit"
+        self.logs = self.base / "logs"
+        for d in (self.audit_dir, self.logs):
+            d.mkdir(exist_ok=True)
+        job = {"job": self.job, "strategy": "fedavg", "rounds": self.rounds, "clients": self.clients,
+               "fraction": 1.0, "lr": 5.0, "max_steps": 3, "batch_size": 4, "heartbeat_s": 2.0,
+               "join_timeout_s": 90.0, "report_deadline_s": 20.0, "update_deadline_s": 20.0,
+               "identity": f"shared:{self._url_user()}", **self.job_options}
+        self.cfg = job
+        self.config = write_config(self.base / "job.toml", job, {**TINY_TASK, "clients": self.clients})
+
+    def _url_user(self) -> str:
+        from urllib.parse import urlsplit
+        return urlsplit(self.url).username or "guest"
+
+    @staticmethod
+    def _env() -> dict[str, str]:
+        return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        out = open(self.logs / f"{name}.out", "ab")
+        err = open(self.logs / f"{name}.err", "ab")
+        proc = subprocess.Popen([FEDMQ, *args], stdout=out, stderr=err, env=self._env(), cwd=self.base,
+                                start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def start_aggregator(self, name: str = "agg") -> subprocess.Popen:
+        return self._spawn(name, ["aggregator", "run", "--broker", self.url, "--config", str(self.config),
+                                  "--state-dir", str(self.state), "--log-level", "info"])
+
+    def start_agent(self, i: int) -> subprocess.Popen:
+        url = self.agent_url(i) if self.agent_url else self.url
+        args = ["agent", "run", "--broker", url, "--job", self.job, "--client-id", f"agent-{i}",
+                "--config", str(self.config), "--device", "cpu", "--audit-log", str(self.audit_dir / f"agent-{i}.jsonl"),
+                "--log-level", "info"]
+        if self.agent_faults.get(i):
+            args += ["--faults", self.agent_faults[i]]
+        return self._spawn(f"agent-{i}", args)
+
+    def start(self) -> "Federation":
+        self.start_aggregator()
+        for i in range(self.clients):
+            self.start_agent(i)
+        return self
+
+    def kill9(self, name: str) -> None:
+        proc = self.procs[name]
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+    def wait_aggregator(self, name: str = "agg", timeout: float = 120.0) -> dict[str, Any]:
+        """Wait for an aggregator to finish the job; its summary (the JSON line it prints)."""
+        proc = self.procs[name]
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"aggregator {name} did not finish in {timeout:.0f}s; logs in {self.logs}") from None
+        out = (self.logs / f"{name}.out").read_text().strip().splitlines()
+        if proc.returncode != 0 or not out:
+            err = (self.logs / f"{name}.err").read_text()[-3000:]
+            raise AssertionError(f"aggregator {name} exited with {proc.returncode}:\n{err}")
+        return json.loads(out[-1])
+
+    def stop_all(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    continue
+        deadline = time.monotonic() + 15
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+
+    # ------------------------------------------------------------------ observing the aggregator
+    def rows(self) -> list[dict[str, Any]]:
+        path = self.state / "metrics.jsonl"
+        if not path.is_file():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
+
+    def spooled_updates(self, rnd: int) -> int:
+        return len(list((self.state / "spool" / f"r{rnd:06d}").glob("update-*.msg")))
+
+    def round_open(self, rnd: int) -> bool:
+        return (self.state / "spool" / f"r{rnd:06d}" / "round.json").is_file()
+
+    def agg_events(self, event: str) -> list[dict[str, Any]]:
+        path = self.state / "logs" / "aggregator.jsonl"
+        if not path.is_file():
+            return []
+        out = []
+        for line in path.read_text(errors="replace").splitlines():
+            if event in line:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue
+        return out
+
+    # ------------------------------------------------------------------ the audit
+    def confirmed(self) -> set[tuple[int, str]]:
+        found = set()
+        for p in self.audit_dir.glob("agent-*.jsonl"):
+            for line in p.read_text().splitlines():
+                if line.strip():
+                    rec = json.loads(line)
+                    found.add((int(rec["round"]), rec["update_id"]))
+        return found
+
+    def audit(self, slack_s: float = 10.0) -> Audit:
+        import torch
+
+        from aggregator.checkpoint import load_checkpoint
+        from client_agent.tasks.lm import LanguageModelTask
+        from client_agent.tasks.base import model_state
+
+        ckpt = load_checkpoint(self.state / "checkpoints")
+        assert ckpt is not None, "no checkpoint written"
+        folded_pairs = [(r, u) for r, ids in ckpt.folded.items() for u in ids]
+        ids = [u for _, u in folded_pairs]
+        duplicated = sorted({u for u in ids if ids.count(u) > 1})
+        confirmed = self.confirmed()
+        dropped = [(e.get("round", -1), e["msg_id"], e["reason"]) for e in self.agg_events("message dropped")
+                   if e.get("kind") == "update" and e.get("msg_id")]
+        dropped_ids = {m for _, m, _ in dropped}
+        folded_set = set(folded_pairs)
+        lost = sorted(c for c in confirmed if c not in folded_set and c[1] not in dropped_ids)
+        unconfirmed = sorted(p for p in folded_set if p not in confirmed)
+        rows = self.rows()
+        task = LanguageModelTask(**{k: v for k, v in TINY_TASK.items() if k != "task"}, clients=self.clients)
+        shapes = {k: tuple(v.shape) for k, v in model_state(task.build_model(0)).items()}
+        state = ckpt.global_state
+        return Audit(
+            rounds_completed=sum(1 for r in rows if not r["skipped"]),
+            rounds_skipped=sum(1 for r in rows if r["skipped"]),
+            confirmed=len(confirmed), folded=len(ids), lost=lost, duplicated=duplicated,
+            unconfirmed_folded=unconfirmed, dropped=[d for d in dropped if d[1] in {c[1] for c in confirmed}],
+            max_round_s=max((r["wall_s"] for r in rows), default=0.0),
+            finite=all(bool(torch.isfinite(v).all()) for v in state.values()),
+            shapes_ok={k: tuple(v.shape) for k, v in state.items()} == shapes,
+        )
+
+    def round_limit_s(self, slack_s: float = 10.0) -> float:
+        """The longest a round may take: report + update deadlines, plus slack for evaluation and startup."""
+        return float(self.cfg["report_deadline_s"]) + float(self.cfg["update_deadline_s"]) + slack_s
+
+
+class TcpProxy:
+    """A TCP proxy between agents and the broker that can cut (RST) or stall every connection through it."""
+
+    def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
+        self.target = (target_host, target_port)
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.stalled = threading.Event()
+        self.refusing = threading.Event()
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self.cuts = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            if self.refusing.is_set():
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                while self.stalled.is_set():
+                    time.sleep(0.05)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+
+    def cut(self) -> None:
+        """Reset every open connection (the peers see a dead TCP connection)."""
+        import struct
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for s in conns:
+            try:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.close()
+            except OSError:
+                pass
+        self.cuts += 1
+
+    def close(self) -> None:
+        self.sock.close()
+        self.cut()

@@ -1,0 +1,59 @@
+"""Kill -9 of the aggregator process mid-round, then a restart, and a hot-standby takeover (real RabbitMQ)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fault_harness import Federation, delete_job_queues, wait_for
+
+pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
+
+
+def _assert_clean(fed: Federation, rounds: int) -> None:
+    audit = fed.audit()
+    assert audit.rounds_completed == rounds and audit.rounds_skipped == 0, audit
+    assert audit.lost == [] and audit.duplicated == [], audit
+    # nobody was killed but the aggregator and the deadlines are generous: every confirmed upload was folded once
+    assert audit.confirmed == audit.folded > 0 and audit.unconfirmed_folded == [] and audit.dropped == [], audit
+    assert audit.finite and audit.shapes_ok
+    assert audit.max_round_s < fed.round_limit_s(), audit
+
+
+@pytest.fixture
+def federation(tmp_path, rabbit_url, job_id):
+    fed = Federation(tmp_path / "fed", rabbit_url, job_id, clients=3, rounds=4, agent_faults={2: "slow:1.0:2"})
+    yield fed
+    fed.stop_all()
+    delete_job_queues(rabbit_url, job_id, fed.clients)
+
+
+def test_aggregator_kill9_mid_round_then_restart_loses_and_doubles_nothing(federation):
+    fed = federation.start()
+    # mid-round: round 2 is open and at least one update is spooled (and acked), the slow agent still training
+    wait_for(lambda: fed.round_open(2) and fed.spooled_updates(2) >= 1, 90, "an update spooled in round 2")
+    fed.kill9("agg")
+    assert len(fed.rows()) == 1
+    fed.start_aggregator("agg2")
+    summary = fed.wait_aggregator("agg2", timeout=120)
+    assert summary["rounds_completed"] == 4 and summary["version"] == 4
+    assert fed.agg_events("resuming open round"), "the restart did not resume the open round"
+    _assert_clean(fed, 4)
+
+
+def test_hot_standby_takes_over_from_the_checkpoint_and_spool(federation):
+    fed = federation
+    fed.start_aggregator("agg")
+    for i in range(fed.clients):
+        fed.start_agent(i)
+    wait_for(lambda: (fed.state / "config.json").is_file(), 60, "the first aggregator to become active")
+    fed.start_aggregator("standby")
+    wait_for(lambda: "waiting for the first delivery" in (fed.logs / "standby.err").read_text(), 60,
+             "the standby to wait on the inbox")
+    wait_for(lambda: fed.round_open(3) and fed.spooled_updates(3) >= 1, 90, "an update spooled in round 3")
+    fed.kill9("agg")
+    summary = fed.wait_aggregator("standby", timeout=120)
+    assert summary["rounds_completed"] == 4 and summary["version"] == 4
+    # the standby started from the dead one's checkpoint (round 3) and replayed its spool
+    resumed = fed.agg_events("resumed from checkpoint")
+    assert resumed and resumed[-1]["round"] == 3, resumed
+    _assert_clean(fed, 4)
