@@ -1,10 +1,13 @@
 """Byte-level pieces of the wire codec: digests, byte-shuffle, bounded zstd blobs, bf16 bit conversion.
 
 A *blob* is ``[codec, size, data]`` with codec 0 = stored, 1 = zstd; ``size`` is the decoded length. An
-array travels as a list of blobs: one blob (unshuffled) or one per byte of its item size (byte-shuffled,
-the way blosc does it: byte k of every element together). For trained float weights only the plane
-holding sign + exponent compresses; mantissa planes are near-random, so a plane is zstd'ed only when a
-sample of it shrinks by at least 5 %, else stored, which keeps encoding fast.
+array of n items of w bytes travels as a list of 1 to w blobs, each a *byte group* of width g = size / n
+(the widths sum to w), low bytes first: blob k holds bytes [off, off + g) of every element, in element
+order. One blob of width w is the array as is; w blobs of width 1 are the blosc-style byte-shuffle (byte k
+of every element together). For trained float weights only the plane holding sign + exponent compresses
+(plus, for XOR deltas, the next one); the two low mantissa bytes are near-random, so for 4-byte items whose
+byte 1 does not compress (a sample says) they travel as one stored 2-byte group: one strided copy instead
+of two. A plane is zstd'ed only when a sample of it shrinks by at least 5 %, else stored.
 
 Speed (see docs/benchmarks.md "## Codec"): the work is split into tasks run on the codec threads
 (broker._codec_threads): on encode one task per plane (gather byte k of every element, then compress or
@@ -135,10 +138,25 @@ def read_blob(blob: object, expected: int) -> bytes | memoryview:
     return data if codec == STORED else inflate(data, expected)
 
 
-def _plane_blob(blobs: list, k: int, u8: np.ndarray, level: int) -> None:
-    plane = np.empty(u8.shape[0], np.uint8)
-    np.copyto(plane, u8[:, k])
+def _group_view(buf: np.ndarray, n: int, w: int, off: int, g: int) -> np.ndarray:
+    """Bytes [off, off + g) of each of the n w-byte elements in ``buf`` as a strided 1-D array."""
+    dt = np.dtype(f"u{g}") if g in (1, 2, 4, 8) else np.dtype(f"V{g}")
+    return np.ndarray((n,), dtype=dt, buffer=buf, offset=off, strides=(w,))
+
+
+def _group_blob(blobs: list, k: int, arr: np.ndarray, off: int, g: int, level: int) -> None:
+    n, w = arr.size, arr.dtype.itemsize
+    src = _group_view(arr.view(np.uint8), n, w, off, g)
+    plane = np.empty(n, src.dtype)
+    np.copyto(plane, src)
     blobs[k] = make_blob(plane, level, True)
+
+
+def _low_pair_incompressible(arr: np.ndarray, level: int) -> bool:
+    """Does byte 1 of the elements (a sample of them) fail to compress? Then bytes 0-1 travel as one group."""
+    m = min(arr.size, _SAMPLE)
+    sample = np.ascontiguousarray(arr[:m].view(np.uint8).reshape(m, arr.dtype.itemsize)[:, 1])
+    return len(_compressor(level).compress(sample)) > _MIN_GAIN * m
 
 
 def _whole_blob(blobs: list, buf: memoryview, level: int, owned: bool) -> None:
@@ -146,7 +164,7 @@ def _whole_blob(blobs: list, buf: memoryview, level: int, owned: bool) -> None:
 
 
 def pack_array(arr: np.ndarray, level: int, shuffle: bool, tasks: list[Task], owned: bool = False) -> list:
-    """Blobs of a contiguous 1-D array: byte-shuffled into ``itemsize`` planes when asked and useful.
+    """Blobs of a contiguous 1-D array: byte-shuffled into byte groups when asked and useful.
 
     The returned list is filled in by the tasks appended to ``tasks`` (run them with
     broker._codec_threads.run_all before using it). ``owned``: ``arr`` is a private temporary (not the
@@ -158,10 +176,14 @@ def pack_array(arr: np.ndarray, level: int, shuffle: bool, tasks: list[Task], ow
         tasks.append((arr.nbytes, partial(_whole_blob, blobs, memoryview(arr).cast("B"), level, owned)))
         return blobs
     n = arr.size
-    u8 = arr.view(np.uint8).reshape(n, w)
-    blobs = [None] * w
-    for k in reversed(range(w)):  # the top (sign/exponent) plane is the one that compresses: start it first
-        tasks.append((n * (2 if k == w - 1 else 1), partial(_plane_blob, blobs, k, u8, level)))
+    groups = [2] + [1] * (w - 2) if w == 4 and _low_pair_incompressible(arr, level) else [1] * w
+    blobs = [None] * len(groups)
+    off = w
+    for k in reversed(range(len(groups))):  # the top (sign/exponent) plane is the one that compresses: start it first
+        g = groups[k]
+        off -= g
+        tasks.append((n * g * (2 if k == len(groups) - 1 else 1),
+                      partial(_group_blob, blobs, k, arr, off, g, level if g == 1 else 0)))
     return blobs
 
 
@@ -180,9 +202,10 @@ def _inflate_into(slots: list, k: int, data: bytes | memoryview, n: int) -> None
     slots[k] = inflate(data, n)
 
 
-def _assemble_block(out: np.ndarray, typed: np.ndarray, planes: list, i: int, j: int, post: Post | None) -> None:
-    for k, p in enumerate(planes):
-        out[i:j, k] = np.frombuffer(p, np.uint8, j - i, i)
+def _assemble_block(out: np.ndarray, typed: np.ndarray, planes: list, groups: list[tuple[int, np.ndarray]], i: int,
+                    j: int, post: Post | None) -> None:
+    for p, (g, dst) in zip(planes, groups):
+        dst[i:j] = np.frombuffer(p, dst.dtype, j - i, i * g)
     if post is not None:
         post(typed, i, j)
 
@@ -206,8 +229,8 @@ def unpack_array(blobs: object, dtype: np.dtype, n: int, work: Unpacking, *, wri
     """
     dtype = np.dtype(dtype)
     w = dtype.itemsize
-    if not isinstance(blobs, list) or len(blobs) not in ({1, w}):
-        raise CodecError("bad-tensor", f"expected 1 or {w} blobs for {dtype.name} data")
+    if not isinstance(blobs, list) or not 1 <= len(blobs) <= w:
+        raise CodecError("bad-tensor", f"expected 1 to {w} blobs for {dtype.name} data")
     if len(blobs) == 1:
         codec, data = check_blob(blobs[0], n * w)
         slots: list = [data]
@@ -216,17 +239,26 @@ def unpack_array(blobs: object, dtype: np.dtype, n: int, work: Unpacking, *, wri
         res: list = [None]
         work.assemble.append((n * w, partial(_assemble_whole, res, slots, dtype, writeable, post)))
         return lambda: res[0]
-    planes: list = [None] * w
-    for k, b in enumerate(blobs):
-        codec, data = check_blob(b, n)
-        planes[k] = data
-        if codec == ZSTD:
-            work.inflate.append((n, partial(_inflate_into, planes, k, data, n)))
+    # byte groups, low to high: blob k holds bytes [off, off + g) of every element, g = its size / n
+    sizes = [b[1] if isinstance(b, list) and len(b) == 3 else None for b in blobs]
+    if any(type(sz) is not int or sz <= 0 or sz % max(n, 1) for sz in sizes) or sum(sizes) != n * w:  # type: ignore[misc]
+        raise CodecError("bad-tensor", f"blob sizes {sizes!r} do not split {n} {dtype.name} items into byte groups")
     out = np.empty((n, w), np.uint8)
     typed = out.view(dtype).reshape(n)
+    planes: list = [None] * len(blobs)
+    groups: list[tuple[int, np.ndarray]] = []
+    off = 0
+    for k, (b, sz) in enumerate(zip(blobs, sizes)):
+        codec, data = check_blob(b, sz)
+        planes[k] = data
+        if codec == ZSTD:
+            work.inflate.append((sz, partial(_inflate_into, planes, k, data, sz)))
+        g = sz // n
+        groups.append((g, _group_view(out, n, w, off, g)))
+        off += g
     for i in range(0, n, _BLOCK):
         j = min(n, i + _BLOCK)
-        work.assemble.append(((j - i) * w, partial(_assemble_block, out, typed, planes, i, j, post)))
+        work.assemble.append(((j - i) * w, partial(_assemble_block, out, typed, planes, groups, i, j, post)))
     return lambda: typed
 
 
