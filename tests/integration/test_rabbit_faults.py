@@ -192,3 +192,22 @@ def test_unreachable_broker_is_one_line_error():
     with pytest.raises(BrokerError, match="cannot connect") as exc:
         connect(f"amqp://guest:guest@127.0.0.1:{port}/%2F", connect_timeout=2)
     assert "\n" not in str(exc.value) and time.monotonic() - t0 < 15
+
+
+def test_flow_control_blocking_is_surfaced_in_status(rabbit_node, job_id):
+    with connect(rabbit_node.url) as b:
+        b.declare_job(job_id, ["a1"])
+        b.publish(t.rk_global(job_id), b"before")
+        rabbit_node.ctl("set_vm_memory_high_watermark", "0.000001")  # raise a memory alarm on the private node
+        try:
+            result: list[object] = []
+            th = threading.Thread(target=lambda: result.append(b.publish(t.rk_global(job_id), b"during", timeout=60)))
+            th.start()
+            _wait(lambda: b.status()["blocked"], 20, "the connection.blocked notification")
+            assert th.is_alive()  # the publish waits while the broker blocks us
+        finally:
+            rabbit_node.ctl("set_vm_memory_high_watermark", "0.4")
+        th.join(timeout=30)
+        assert result == [None]  # confirmed once unblocked
+        _wait(lambda: not b.status()["blocked"], 20, "connection.unblocked")
+        assert b.status()["reconnects"] == 0
