@@ -144,46 +144,53 @@ def _group_view(buf: np.ndarray, n: int, w: int, off: int, g: int) -> np.ndarray
     return np.ndarray((n,), dtype=dt, buffer=buf, offset=off, strides=(w,))
 
 
-def _group_blob(blobs: list, k: int, arr: np.ndarray, off: int, g: int, level: int) -> None:
+def _group_blob(blobs: list, k: int, arr: np.ndarray, xor: np.ndarray | None, off: int, g: int, level: int) -> None:
     n, w = arr.size, arr.dtype.itemsize
     src = _group_view(arr.view(np.uint8), n, w, off, g)
     plane = np.empty(n, src.dtype)
-    np.copyto(plane, src)
+    if xor is None:
+        np.copyto(plane, src)
+    else:  # gather and XOR in one pass: no full-size temporary
+        np.bitwise_xor(src, _group_view(xor.view(np.uint8), n, w, off, g), out=plane)
     blobs[k] = make_blob(plane, level, True)
 
 
-def _low_pair_incompressible(arr: np.ndarray, level: int) -> bool:
+def _low_pair_incompressible(arr: np.ndarray, xor: np.ndarray | None, level: int) -> bool:
     """Does byte 1 of the elements (a sample of them) fail to compress? Then bytes 0-1 travel as one group."""
     m = min(arr.size, _SAMPLE)
-    sample = np.ascontiguousarray(arr[:m].view(np.uint8).reshape(m, arr.dtype.itemsize)[:, 1])
+    head = arr[:m] if xor is None else arr[:m] ^ xor[:m]
+    sample = np.ascontiguousarray(head.view(np.uint8).reshape(m, arr.dtype.itemsize)[:, 1])
     return len(_compressor(level).compress(sample)) > _MIN_GAIN * m
 
 
-def _whole_blob(blobs: list, buf: memoryview, level: int, owned: bool) -> None:
-    blobs[0] = make_blob(buf, level, owned)
+def _whole_blob(blobs: list, arr: np.ndarray, xor: np.ndarray | None, level: int, owned: bool) -> None:
+    if xor is not None:
+        arr, owned = arr ^ xor, True
+    blobs[0] = make_blob(memoryview(arr).cast("B"), level, owned)
 
 
-def pack_array(arr: np.ndarray, level: int, shuffle: bool, tasks: list[Task], owned: bool = False) -> list:
-    """Blobs of a contiguous 1-D array: byte-shuffled into byte groups when asked and useful.
+def pack_array(arr: np.ndarray, level: int, shuffle: bool, tasks: list[Task], owned: bool = False,
+               xor: np.ndarray | None = None) -> list:
+    """Blobs of a contiguous 1-D array (XOR ``xor`` if given): byte-shuffled into byte groups when asked and useful.
 
     The returned list is filled in by the tasks appended to ``tasks`` (run them with
     broker._codec_threads.run_all before using it). ``owned``: ``arr`` is a private temporary (not the
-    caller's tensor) that stored blobs may reference.
+    caller's tensor) that stored blobs may reference. ``xor``: an unsigned integer array like ``arr``.
     """
     w = arr.dtype.itemsize
     if not shuffle or w == 1 or level == 0 or arr.size < 1024:
         blobs: list = [None]
-        tasks.append((arr.nbytes, partial(_whole_blob, blobs, memoryview(arr).cast("B"), level, owned)))
+        tasks.append((arr.nbytes, partial(_whole_blob, blobs, arr, xor, level, owned)))
         return blobs
     n = arr.size
-    groups = [2] + [1] * (w - 2) if w == 4 and _low_pair_incompressible(arr, level) else [1] * w
+    groups = [2] + [1] * (w - 2) if w == 4 and _low_pair_incompressible(arr, xor, level) else [1] * w
     blobs = [None] * len(groups)
     off = w
     for k in reversed(range(len(groups))):  # the top (sign/exponent) plane is the one that compresses: start it first
         g = groups[k]
         off -= g
         tasks.append((n * g * (2 if k == len(groups) - 1 else 1),
-                      partial(_group_blob, blobs, k, arr, off, g, level if g == 1 else 0)))
+                      partial(_group_blob, blobs, k, arr, xor, off, g, level if g == 1 else 0)))
     return blobs
 
 

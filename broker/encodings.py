@@ -136,8 +136,10 @@ def _encode_one(name: str, x: np.ndarray, dt: str, spec: EncodingSpec, b: np.nda
     rec: dict[str, Any] = {"n": name, "s": list(x.shape), "dt": dt, "e": spec.kind, "x": b is not None}
     kind, level = spec.kind, spec.level
     if kind == "raw":
-        data = flat if b is None else (flat.view(np.uint32) ^ b.view(np.uint32))
-        rec["p"] = pack_array(data, level, spec.shuffle, tasks, owned=b is not None)
+        if b is None:
+            rec["p"] = pack_array(flat, level, spec.shuffle, tasks)
+        else:  # the XOR is done by the packing tasks, group by group
+            rec["p"] = pack_array(flat.view(np.uint32), level, spec.shuffle, tasks, xor=b.view(np.uint32))
         return rec
     d = flat if b is None else flat - b
     if kind == "fp16":
