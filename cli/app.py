@@ -43,10 +43,13 @@ def _setup_logs(level: str, fmt: str = "auto", file: Path | None = None) -> None
         raise UsageError(str(exc)) from None
 
 
-def _task_options(task: str, data: str, model: str, tied: bool, clients: int, partition: str, vocab_size: int,
-                  max_lines: int, bptt: int, dropout: float, seed: int) -> dict[str, Any]:
-    return {"task": task, "data": data, "model": model, "tied": tied, "clients": clients, "partition": partition,
-            "vocab_size": vocab_size, "max_lines": max_lines, "bptt": bptt, "dropout": dropout, "seed": seed}
+DEFAULT_MODEL = {"lm": "gru-tiny", "nmt": "small"}
+
+
+def _task_options(task: str, **options: Any) -> dict[str, Any]:
+    """Task options from the CLI; None means "the task's default" (e.g. tied per model, clients per domain)."""
+    options["model"] = options.get("model") or DEFAULT_MODEL.get(task)
+    return {"task": task, **{k: v for k, v in options.items() if v is not None}}
 
 
 def _make_task(options: dict[str, Any]):
@@ -60,9 +63,9 @@ def _make_task(options: dict[str, Any]):
 def simulate(
     task: str = typer.Option("lm", help="lm (language modelling) or nmt (German→English translation)"),
     data: str = typer.Option("builtin", help="corpus folder (wikitext-2, ptb, de-en/<domain>...) or 'builtin'"),
-    model: str = typer.Option("gru-tiny", help="gru-tiny|gru-small|gru-medium|gru-large|lstm (lm); small|base (nmt)"),
-    tied: bool = typer.Option(True, "--tied/--untied", help="tie input and output embeddings (lm)"),
-    clients: int = typer.Option(8, "--clients", "-k", help="K, the number of agents"),
+    model: Optional[str] = typer.Option(None, help="lm: gru-tiny (default)|gru-small|gru-medium|gru-large|lstm; nmt: tiny|small (default)|base"),
+    tied: Optional[bool] = typer.Option(None, "--tied/--untied", help="tie input and output embeddings (lm; default per model)"),
+    clients: Optional[int] = typer.Option(None, "--clients", "-k", help="K, the number of agents (default 8; nmt natural: one per domain)"),
     fraction: float = typer.Option(0.5, "--fraction", "-c", help="C, the share of agents selected per round"),
     epochs: int = typer.Option(1, "--epochs", "-e", help="E, local epochs"),
     batch_size: int = typer.Option(20, "--batch-size", "-b", help="B, local batch size"),
@@ -88,6 +91,10 @@ def simulate(
     partition: str = typer.Option("iid", help="iid | dirichlet:ALPHA | natural"),
     vocab_size: int = typer.Option(0, help="cap the vocabulary to the N most frequent words (0 = all)"),
     max_lines: int = typer.Option(0, help="use only the first N training lines (0 = all)"),
+    max_eval_lines: int = typer.Option(0, help="lm: evaluate on the first N lines of valid/test (0 = full split)"),
+    domains: Optional[str] = typer.Option(None, help="nmt: comma-separated domain folders under --data"),
+    eval_max_sentences: Optional[int] = typer.Option(None, help="nmt: sentences per BLEU evaluation (0 = full split)"),
+    beam: Optional[int] = typer.Option(None, help="nmt: beam size for BLEU (1 = greedy)"),
     bptt: int = typer.Option(35, help="BPTT length (lm)"),
     dropout: float = typer.Option(0.2, help="dropout"),
     device: str = typer.Option("cpu", help="auto | cpu | cuda"),
@@ -122,14 +129,20 @@ def simulate(
     from broker.encodings import EncodingSpec
     EncodingSpec.parse(encoding), EncodingSpec.parse(down_encoding)
     job = "sim" if broker.startswith("memory://") else f"sim-{uuid.uuid4().hex[:8]}"
-    cfg = JobConfig(job=job, strategy=strategy, rounds=rounds, clients=clients, fraction=fraction,
+    cfg = JobConfig(job=job, strategy=strategy, rounds=rounds, clients=clients or 1, fraction=fraction,
                     min_clients=min_clients, beta=beta, loss_eps=loss_eps, att_eps=eps, att_norm=norm, noise=noise,
                     pull_fraction=pull_fraction, encoding=encoding, down_encoding=down_encoding, epochs=epochs,
                     batch_size=batch_size, lr=lr, optimizer=optimizer, momentum=momentum, max_steps=max_steps,
                     report_deadline_s=report_deadline, update_deadline_s=update_deadline, heartbeat_s=1.0,
                     join_timeout_s=60.0, seed=seed)
-    task_obj = _make_task(_task_options(task, data, model, tied, clients, partition, vocab_size, max_lines, bptt,
-                                        dropout, seed))
+    if clients is None and not (task == "nmt" and partition == "natural"):
+        clients = 8
+    task_obj = _make_task(_task_options(task, data=data, model=model, tied=tied, clients=clients, partition=partition,
+                                        vocab_size=vocab_size, max_lines=max_lines, max_eval_lines=max_eval_lines,
+                                        bptt=bptt, dropout=dropout, seed=seed, domains=domains,
+                                        eval_max_sentences=eval_max_sentences, beam=beam))
+    cfg.clients = task_obj.num_clients
+    cfg.validate()
     from cli.progress import RoundProgress
     progress = RoundProgress(rounds, task_obj.metric, enabled=interactive)
     sim = Simulation(cfg, task_obj, broker, run_dir, availability=availability, faults=faults, device=device,
