@@ -224,16 +224,26 @@ def aggregator_run(
     task_opts.setdefault("clients", cfg.clients)
     task_obj = _make_task(task_opts)
     conn = connect(_broker_url(broker, user, password))
-    engine = Engine(conn, task_obj, cfg, state_dir)
-    server = _serve_metrics(metrics_port, engine.status, lambda: conn.status().get("connected", False))
+    from broker import topology
+    telemetry = None
+    if metrics_port:
+        from cli.telemetry import Telemetry
+
+        def live_status() -> dict[str, Any]:
+            inbox = topology.q_inbox(cfg.job)
+            return {**engine.status(), "broker": conn.status(), "queue_depths": {inbox: conn.queue_depth(inbox)}}
+        telemetry = Telemetry(live_status, lambda: bool(conn.status().get("connected")))
+    engine = Engine(conn, task_obj, cfg, state_dir, on_round=telemetry.observe_round if telemetry else None)
+    if telemetry:
+        telemetry.serve(metrics_port)
     signal.signal(signal.SIGTERM, lambda *_: engine.stop.set())
     signal.signal(signal.SIGINT, lambda *_: engine.stop.set())
     try:
         summary = engine.run()
     finally:
         conn.close()
-        if server:
-            server.shutdown()
+        if telemetry:
+            telemetry.close()
     typer.echo(json.dumps(summary, default=str))
 
 
@@ -291,23 +301,21 @@ def agent_run(
     agent = Agent(lambda: connect(url), job, client_id, index, task_obj,
                   availability=parse_availability(availability, seed), faults=parse_faults(faults, seed),
                   device=device, seed=seed, audit_log=audit_log)
-    server = _serve_metrics(metrics_port, lambda: {"client": client_id, "version": agent.version,
-                                                   "rounds_trained": len(agent.log.rounds_trained)},
-                            lambda: agent._broker is not None)
+    telemetry = None
+    if metrics_port:
+        from cli.telemetry import Telemetry
+        telemetry = Telemetry(lambda: {"client": client_id, "version": agent.version,
+                                       "rounds_trained": len(agent.log.rounds_trained),
+                                       "uploads": len(agent.log.uploads)},
+                              lambda: agent.connected)
+        telemetry.serve(metrics_port)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
     signal.signal(signal.SIGINT, lambda *_: agent.stop.set())
     try:
         agent.run()
     finally:
-        if server:
-            server.shutdown()
-
-
-def _serve_metrics(port: int, status, ready):
-    if not port:
-        return None
-    from cli.telemetry import serve
-    return serve(port, status, ready)
+        if telemetry:
+            telemetry.close()
 
 
 # --------------------------------------------------------------------------------------------- broker

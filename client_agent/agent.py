@@ -82,6 +82,11 @@ class Agent:
         self._events: "queue.Queue[Delivery]" = queue.Queue()
         self._broker: Broker | None = None
 
+    @property
+    def connected(self) -> bool:
+        """Joined the job (for /readyz): False while offline, reconnecting or stopped."""
+        return self._broker is not None
+
     # ------------------------------------------------------------------ connection
     def _join(self) -> Broker:
         delay = 0.2
