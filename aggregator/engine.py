@@ -311,11 +311,15 @@ class Engine:
             if received is not None:
                 self.inbox.reject(received.delivery, exc.reason, str(exc))
             return
+        except Exception as exc:  # never let a hostile update crash the engine
+            if received is not None:
+                self.inbox.reject(received.delivery, "undecodable", f"{type(exc).__name__}: {exc}")
+            return
         update = ClientUpdate(client, env.payload["n_samples"], {k: torch.from_numpy(v) for k, v in tensors.items()},
                               loss=env.payload["loss"], update_id=env.msg_id)
         try:
             strategy.fold(update)
-        except FedmqError as exc:
+        except (FedmqError, ValueError, TypeError, RuntimeError) as exc:  # strategies validate before folding
             if received is not None:
                 self.inbox.reject(received.delivery, "rejected-by-strategy", str(exc))
             return

@@ -72,6 +72,9 @@ class Inbox:
         except CodecError as exc:
             self.reject(delivery, exc.reason, str(exc))
             return None
+        except Exception as exc:  # a decoder bug must never stop the aggregator: reject, count, log
+            self.reject(delivery, "undecodable", f"{type(exc).__name__}: {exc}")
+            return None
         return Received(env, delivery, len(delivery.body))
 
     def _check(self, env: Envelope, delivery: Delivery) -> None:
