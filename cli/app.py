@@ -207,8 +207,11 @@ def aggregator_run(
     metrics_port: int = typer.Option(0, envvar="FEDMQ_METRICS_PORT", help="serve /metrics, /healthz, /readyz (0 = off)"),
     log_format: str = typer.Option("json", envvar="FEDMQ_LOG_FORMAT", help="json | console"),
     log_level: str = LOG_LEVEL,
+    print_config: bool = typer.Option(False, help="print the resolved, validated config as JSON and exit"),
 ) -> None:
     """Run the aggregator service until the job's rounds are done (resumes from --state-dir).
+
+    Precedence: flags > FEDMQ_* environment variables > the --config file > defaults.
 
     Example: fedmq aggregator run --broker amqps://rabbit:5671/fedmq --job wt2 --config job.toml --state-dir /var/lib/fedmq
     """
@@ -216,12 +219,15 @@ def aggregator_run(
     from aggregator.engine import Engine
     from broker.connect import connect
 
-    _setup_logs(log_level, log_format, state_dir / "logs" / "aggregator.jsonl")
     values = _load_config_file(config)
     task_opts = {"task": "lm", "data": "builtin", **values.pop("task", {})}
     cfg = JobConfig.from_dict(_merge(values, {"job": job, "strategy": strategy, "rounds": rounds,
                                               "clients": clients, "fraction": fraction}))
     task_opts.setdefault("clients", cfg.clients)
+    if print_config:
+        typer.echo(json.dumps({**cfg.to_dict(), "task": task_opts}, sort_keys=True))
+        return
+    _setup_logs(log_level, log_format, state_dir / "logs" / "aggregator.jsonl")
     task_obj = _make_task(task_opts)
     conn = connect(_broker_url(broker, user, password))
     from broker import topology
