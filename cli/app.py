@@ -82,7 +82,7 @@ def simulate(
     pull_fraction: float = typer.Option(0.5, help="dynamic pulling: share of tensors sent (0.5 or 0.33)"),
     encoding: str = typer.Option("raw", help="uplink encoding: raw|fp16|bf16|int8|int8-row|topk:D, prefix delta+"),
     down_encoding: str = typer.Option("raw", help="downlink encoding of the global model"),
-    rounds: int = typer.Option(5, "--rounds", "-r", help="communication rounds (async: global versions)"),
+    rounds: int = typer.Option(8, "--rounds", "-r", help="communication rounds (async: global versions)"),
     min_clients: int = typer.Option(1, help="a round with fewer updates is closed as skipped"),
     availability: str = typer.Option("always", help="always | bernoulli:P | markov:A,B | trace:FILE"),
     faults: str = typer.Option("", help="crash-train:P,crash-grant:P,slow:P:SECONDS,cut:P"),
@@ -146,7 +146,7 @@ def simulate(
     from cli.progress import RoundProgress
     progress = RoundProgress(rounds, task_obj.metric, enabled=interactive)
     sim = Simulation(cfg, task_obj, broker, run_dir, availability=availability, faults=faults, device=device,
-                     resume=resume, on_round=progress.update)
+                     resume=resume, on_round=progress.update, on_local_progress=progress.local)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     with progress:
@@ -453,6 +453,20 @@ def experiment(
     _setup_logs(log_level, "json", out / name / "experiment.jsonl")
     experiments.run_experiment(name, scale, out, seed, threads)
     typer.echo((out / name / "results.md").read_text())
+
+
+@bench_app.command("load")
+def bench_load(url: str = typer.Option("amqp://guest:guest@127.0.0.1:5672/%2F"),
+               agents: str = typer.Option("100,1000", help="comma-separated agent counts"),
+               rounds: int = 3, threads: int = typer.Option(4, help="swarm connections (agents are shared out)")) -> None:
+    """N lightweight agents vs a real aggregator: updates/s, upload→inclusion p50/p99, aggregator RSS/CPU, lost."""
+    try:
+        counts = tuple(int(a) for a in agents.split(",") if a.strip())
+    except ValueError:
+        raise UsageError(f"--agents wants comma-separated whole numbers, got {agents!r}") from None
+    if not counts or min(counts) < 1 or rounds < 1 or threads < 1:
+        raise UsageError("--agents, --rounds and --threads must be positive")
+    _bench("load", "bench_load", url=url, agents=counts, rounds=rounds, threads=threads)
 
 
 def main() -> None:

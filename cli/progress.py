@@ -7,7 +7,6 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 
 class RoundProgress:
@@ -15,9 +14,18 @@ class RoundProgress:
         self.enabled = enabled
         self.metric = metric
         self.console = Console(stderr=True)
-        self._progress = Progress(TextColumn("[bold]rounds"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        self._progress = Progress(TextColumn("[bold]{task.fields[label]}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                                   TextColumn("{task.description}"), console=self.console, disable=not enabled)
-        self._task = self._progress.add_task("", total=rounds)
+        self._task = self._progress.add_task("", total=rounds, label="rounds")
+        self._local = None  # a second bar for the local training that is running now
+
+    def local(self, client: str, done: int, total: int) -> None:
+        """Called from agent threads during local training (rich's Progress is thread-safe)."""
+        if not self.enabled:
+            return
+        if self._local is None:
+            self._local = self._progress.add_task("", total=total, label="local")
+        self._progress.update(self._local, completed=done, total=total, description=f"{client} training")
 
     def __enter__(self) -> "RoundProgress":
         self._progress.__enter__()
@@ -32,15 +40,8 @@ class RoundProgress:
         self._progress.update(self._task, completed=row["round"], description=text)
 
     def print_summary(self, summary: dict[str, Any], run_dir: Path) -> None:
-        table = Table(title=f"fedmq run — {run_dir}")
-        table.add_column("what")
-        table.add_column("value", justify="right")
-        metric = summary.get("metric", "score")
-        for label, key in ((f"best valid {metric}", "best_valid"), (f"test {metric}", "test"),
-                           ("best round", "best_round"), ("rounds completed", "rounds_completed"),
-                           ("rounds skipped", "rounds_skipped"), ("bytes up", "bytes_up"),
-                           ("bytes down", "bytes_down"), ("wall time (s)", "wall_s")):
-            value = summary.get(key)
-            table.add_row(label, f"{value:,.2f}" if isinstance(value, float) else f"{value:,}" if isinstance(value, int) else str(value))
-        self.console.print(table)
-        self.console.print(f"plots: fedmq report {run_dir}")
+        from aggregator.runlog import RunLog
+        from cli.status import render_summary
+
+        self.console.print(render_summary(summary, RunLog(run_dir).rows()))
+        self.console.print(f"run folder: {run_dir}   plots: fedmq report {run_dir}")

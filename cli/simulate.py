@@ -34,6 +34,7 @@ class Simulation:
     resume: bool = False
     rejoin_s: float = 1.0
     on_round: Callable[[dict], None] | None = None
+    on_local_progress: Callable[[str, int, int], None] | None = None
     agent_logs: dict[str, AgentLog] = field(default_factory=dict)
     engine: Engine | None = None
 
@@ -59,7 +60,8 @@ class Simulation:
             client = f"agent-{i}"
             agent = Agent(lambda c=client: connect(self.broker_url, user=c if memory else None), cfg.job, client, i, self.task,
                           availability=availability, faults=faults, device=self.device,
-                          heartbeat_s=cfg.heartbeat_s, rejoin_s=self.rejoin_s, seed=cfg.seed, train_lock=train_lock)
+                          heartbeat_s=cfg.heartbeat_s, rejoin_s=self.rejoin_s, seed=cfg.seed, train_lock=train_lock,
+                          progress=self.on_local_progress)
             agents.append(agent)
             self.agent_logs[client] = agent.log
             threads.append(threading.Thread(target=agent.run, name=client, daemon=True))

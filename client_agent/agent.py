@@ -63,12 +63,14 @@ class Agent:
     def __init__(self, connect: Connect, job: str, client: str, index: int, task: Task, *,
                  availability: Availability | None = None, faults: Faults | None = None, device: str = "cpu",
                  heartbeat_s: float = 5.0, rejoin_s: float = 2.0, seed: int = 0,
-                 train_lock: threading.Semaphore | None = None, audit_log: str | Path | None = None) -> None:
+                 train_lock: threading.Semaphore | None = None, audit_log: str | Path | None = None,
+                 progress: Callable[[str, int, int], None] | None = None) -> None:
         self.connect, self.job, self.client, self.index, self.task = connect, job, client, index, task
         self.availability = availability or Availability()
         self.faults = faults or Faults()
         self.device, self.heartbeat_s, self.rejoin_s, self.seed = device, heartbeat_s, rejoin_s, seed
         self.train_lock = train_lock
+        self.progress = progress  # (client, steps done, steps total) during local training, for progress bars
         self.audit_log = Path(audit_log) if audit_log else None  # JSON lines: one per broker-confirmed upload
         self.stop = threading.Event()
         self.model = task.build_model(seed)
@@ -244,7 +246,8 @@ class Agent:
         if lock:
             lock.acquire()
         try:
-            result = self.task.train(self.model, self.index, tcfg)
+            report = (lambda done, total: self.progress(self.client, done, total)) if self.progress else None
+            result = self.task.train(self.model, self.index, tcfg, progress=report)
         finally:
             if lock:
                 lock.release()
