@@ -83,8 +83,9 @@ def load_rabbit_node_module():
 def rabbit_node(tmp_path_factory):
     """A private RabbitMQ node for tests that stop, kill or reconfigure a broker (see tests/rabbit_node.py).
 
-    max_message_size is 16 MiB (RabbitMQ 4.x's default) and it has a TLS listener with test certificates
-    (``node.tls_url``, ``node.certs``). Tests that stop or kill it must leave it running.
+    max_message_size is 16 MiB (RabbitMQ 4.x's default); it has a TLS listener with test certificates
+    (``node.tls_url``, ``node.certs``) and the management API (``node.management_url``). Tests that stop or
+    kill it must leave it running.
     """
     mod = load_rabbit_node_module()
     reason = mod.rabbit_node_unavailable()
@@ -92,7 +93,8 @@ def rabbit_node(tmp_path_factory):
         if IN_CI:
             pytest.fail(reason)
         pytest.skip(reason)
-    node = mod.RabbitNode(tmp_path_factory.mktemp("rabbit-node"), max_message_size=16 * 1024 * 1024, tls=True)
+    node = mod.RabbitNode(tmp_path_factory.mktemp("rabbit-node"), max_message_size=16 * 1024 * 1024, tls=True,
+                          management=True)
     node.start()
     yield node
     node.stop()

@@ -13,6 +13,7 @@ Usage::
         node.stop_app(); node.start_app()    # clients see 320 CONNECTION_FORCED
         node.kill9(); node.start()           # hard crash and restart with the same data
         node.close_connections("reason")     # rabbitmqctl close_all_connections
+        node.management_url  # with management=True: the HTTP API (guest/guest)
 """
 
 from __future__ import annotations
@@ -88,12 +89,13 @@ class RabbitNode:
     """A private RabbitMQ node in ``base`` (a temp dir); see the module docstring."""
 
     def __init__(self, base: Path, *, max_message_size: int | None = None, tls: bool = False,
-                 start_timeout: float = 120.0) -> None:
+                 management: bool = False, start_timeout: float = 120.0) -> None:
         self.base = Path(base)
         self.name = f"fedmqtest-{os.getpid()}-{next(_counter)}@localhost"
         self.port = free_port()
         self.dist_port = free_port()
         self.tls_port = free_port() if tls else None
+        self.management_port = free_port() if management else None
         self.max_message_size = max_message_size
         self.start_timeout = start_timeout
         self.home = self.base / "home"
@@ -105,7 +107,7 @@ class RabbitNode:
         self.certs = make_certs(self.base / "certs") if tls else None
         self.config = self.base / "rabbitmq.conf"
         self.config.write_text(self._config_text())
-        (self.base / "enabled_plugins").write_text("[].\n")
+        (self.base / "enabled_plugins").write_text("[rabbitmq_management].\n" if management else "[].\n")
         (self.base / "rabbitmq-env.conf").write_text("")
         self.proc: subprocess.Popen | None = None
 
@@ -113,6 +115,8 @@ class RabbitNode:
     def _config_text(self) -> str:
         lines = [f"listeners.tcp.local = 127.0.0.1:{self.port}", "loopback_users = none",
                  "disk_free_limit.absolute = 10MB", "log.console = false", "log.file.level = warning"]
+        if self.management_port is not None:
+            lines += [f"management.tcp.port = {self.management_port}", "management.tcp.ip = 127.0.0.1"]
         if self.max_message_size is not None:
             lines.append(f"max_message_size = {self.max_message_size}")
         if self.certs is not None:
@@ -143,6 +147,12 @@ class RabbitNode:
     @property
     def url(self) -> str:
         return f"amqp://guest:guest@127.0.0.1:{self.port}/%2F"
+
+    @property
+    def management_url(self) -> str:
+        if self.management_port is None:
+            raise RuntimeError("node started without management=True")
+        return f"http://127.0.0.1:{self.management_port}"
 
     @property
     def tls_url(self) -> str:

@@ -127,3 +127,39 @@ def test_check_and_purge(rabbit_url, job_id):
     assert prov.check(rabbit_url, job_id)["queues"][t.q_inbox(job_id)].get("missing") is True
     with pytest.raises(BrokerError, match="cannot connect"):
         prov.check("amqp://guest:guest@127.0.0.1:1/%2F", job_id)
+
+
+@pytest.mark.isolated_node
+def test_provision_through_the_management_api(rabbit_node, job_id):
+    admin = prov.HttpAdmin(rabbit_node.management_url, "guest", "guest")
+    agents = ["h1", "h2"]
+    creds = prov.provision(rabbit_node.url, vhost="fedmq-http", agents=agents, admin=admin)
+    try:
+        keep = {e["username"]: e["password"] for e in [creds["aggregator"], *creds["agents"].values()]}
+        assert prov.provision(rabbit_node.url, vhost="fedmq-http", agents=agents, admin=admin, passwords=keep) == creds
+        with connect(creds["aggregator"]["url"]) as agg, connect(creds["agents"]["h1"]["url"]) as a1:
+            assert agg.user == t.AGGREGATOR_USER
+            agg.declare_job(job_id, agents)
+            a1.publish(t.rk_update(job_id, "h1"), b"mine")
+            with pytest.raises(BrokerError, match="403|ACCESS_REFUSED"):
+                a1.publish(t.rk_update(job_id, "h2"), b"forged")
+            with pytest.raises(BrokerError, match="403|ACCESS_REFUSED"):
+                a1.consume(t.q_inbox(job_id), lambda d: None)
+            assert agg.queue_depth(t.q_inbox(job_id)) == 1
+    finally:
+        for u in [t.AGGREGATOR_USER, *agents]:
+            admin.delete_user(u)
+        admin.delete_vhost("fedmq-http")
+    with pytest.raises(BrokerError, match="HTTP 401"):
+        prov.HttpAdmin(rabbit_node.management_url, "guest", "wrong").add_vhost("nope")
+
+
+def test_admin_choice_by_broker_location(monkeypatch):
+    monkeypatch.delenv("FEDMQ_BROKER_USER", raising=False)
+    monkeypatch.delenv("FEDMQ_BROKER_PASSWORD", raising=False)
+    remote = prov.admin_for("amqps://boss:s3cret@rabbit.example:5671/")
+    assert isinstance(remote, prov.HttpAdmin) and remote.base == "https://rabbit.example:15671"
+    assert isinstance(prov.admin_for("amqp://u:p@10.1.2.3/"), prov.HttpAdmin)
+    assert isinstance(prov.admin_for("amqp://guest:guest@127.0.0.1:5672/"), prov.CtlAdmin)
+    with pytest.raises(BrokerError, match="amqp"):
+        prov.admin_for("memory://x")
