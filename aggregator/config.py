@@ -49,6 +49,7 @@ class JobConfig:
     eval_every: int = 1
     seed: int = 0
     identity: str = "strict"
+    robust: str = "none"  # FedAvg guard: none | clip:NORM (norm clipping) | trimmed:FRAC | median (coordinate-wise)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -84,6 +85,14 @@ class JobConfig:
             bad(f"unknown norm {self.att_norm!r}; use fro or spectral")
         if self.optimizer not in ("sgd", "adam"):
             bad(f"unknown optimizer {self.optimizer!r}; use sgd or adam")
+        kind, _, arg = self.robust.partition(":")
+        try:
+            ok = (self.robust in ("none", "median") or (kind == "clip" and float(arg) > 0)
+                  or (kind == "trimmed" and 0 <= float(arg) < 0.5))
+        except ValueError:
+            ok = False
+        if not ok:
+            bad(f"robust guard {self.robust!r}: use none, clip:NORM (NORM > 0), trimmed:FRAC (0 <= FRAC < 0.5) or median")
         if not (self.identity == "strict" or (self.identity.startswith("shared:") and len(self.identity) > 7)):
             bad("identity must be strict or shared:USER")
 

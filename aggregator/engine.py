@@ -289,6 +289,16 @@ class Engine:
 
     def _begin_strategy(self, stats: RoundStats, choice: str | None) -> Strategy:
         stats.strategy = choice
+        if choice == "fedavg" and self.cfg.robust != "none":  # the optional guard replaces plain FedAvg
+            kind, _, arg = self.cfg.robust.partition(":")
+            name, params = {"clip": ("fedavg-clip", {"clip_norm": float(arg or 0)}),
+                            "trimmed": ("trimmed-mean", {"trim": float(arg or 0),
+                                                         "max_updates": max(self.cfg.clients, 1)}),
+                            "median": ("median", {"max_updates": max(self.cfg.clients, 1)})}[kind]
+            stats.strategy = name
+            strategy = make_strategy(name, **params)
+            strategy.begin(self.global_state)
+            return strategy
         strategy = make_strategy(choice, **self._strategy_params(choice))
         strategy.begin(self.global_state)
         return strategy
