@@ -48,6 +48,14 @@ def digest(data: bytes | bytearray | memoryview) -> bytes:
     return xxhash.xxh3_128_digest(data)
 
 
+def digest_of(parts: list) -> bytes:
+    """``digest`` of the concatenation of ``parts``, without concatenating them."""
+    h = xxhash.xxh3_128()
+    for x in parts:
+        h.update(x)
+    return h.digest()
+
+
 def _compressor(level: int) -> zstd.ZstdCompressor:
     cache = getattr(_local, "cctx", None)
     if cache is None:

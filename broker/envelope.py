@@ -23,7 +23,7 @@ from enum import Enum
 import msgpack
 import zstandard as zstd
 
-from broker._codec_bytes import DIGEST_SIZE, digest
+from broker._codec_bytes import DIGEST_SIZE, digest, digest_of
 from broker.errors import CodecError
 
 SCHEMA_VERSION = 1
@@ -31,7 +31,8 @@ MAGIC = b"FMQ"
 HEADER_SIZE = len(MAGIC) + 2 + DIGEST_SIZE
 FLAG_ZSTD = 1
 COMPRESS_MAX = 1 << 20  # bodies larger than this are not zstd'ed again (tensors already are)
-_BUF_SLACK = 1 << 16  # packing buffer beyond the payload's binary bytes (field names, numbers, headers)
+_BIG = 1 << 16  # binary leaves this large are written by reference (see _segments)
+_DEPTH = 8  # containers deeper than this are packed whole
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _MAX_ID = 128
 _INT_MAX = 1 << 62
@@ -93,33 +94,59 @@ def pack(env: Envelope, *, level: int = 3) -> bytes:
     if env.version != SCHEMA_VERSION:
         raise CodecError("unknown-version", f"cannot write schema version {env.version} (this build writes {SCHEMA_VERSION})")
     kind = _check_fields(env.kind, env.job, env.round, env.client, env.model_version, env.msg_id, env.sent_at, env.payload)
-    # One Packer buffer sized for the payload's binary data up front (no regrowth copies); the body is
-    # digested in place and copied once, into the returned message.
-    packer = msgpack.Packer(use_bin_type=True, autoreset=False, buf_size=_BUF_SLACK + _bin_bytes(env.payload, 0))
+    # The body is written as segments: msgpack-packed pieces plus the payload's large binary leaves by
+    # reference (as bin32, exactly the bytes msgpack would write), digested piece by piece and copied once,
+    # into the returned message. Tensor bytes are therefore copied once on the way out.
+    segs: list = []
     try:
-        packer.pack(
-            [kind.value, env.job, env.round, env.client, env.model_version, env.msg_id, float(env.sent_at), env.payload]
-        )
+        _segments([kind.value, env.job, env.round, env.client, env.model_version, env.msg_id, float(env.sent_at), env.payload],
+                  msgpack.Packer(use_bin_type=True), segs, 0)
     except (TypeError, ValueError, OverflowError) as exc:
         raise CodecError("bad-payload", f"payload is not msgpack-able: {exc}") from None
-    body: bytes | memoryview = packer.getbuffer()
+    size = sum(len(x) for x in segs)
     flags = 0
-    if level and len(body) <= COMPRESS_MAX:
+    if level and size <= COMPRESS_MAX:
+        body = b"".join(segs)
         z = zstd.ZstdCompressor(level=level, write_content_size=True).compress(body)
         if len(z) < len(body):
             body, flags = z, FLAG_ZSTD
-    return b"".join((MAGIC, bytes((SCHEMA_VERSION, flags)), digest(body), body))
+        segs = [body]
+    return b"".join((MAGIC, bytes((SCHEMA_VERSION, flags)), digest_of(segs), *segs))
+
+
+def _segments(obj: object, packer: msgpack.Packer, out: list, depth: int) -> None:
+    """Append the msgpack encoding of ``obj`` to ``out`` as pieces; binary leaves of _BIG bytes or more
+    are referenced, not copied. Containers holding none are packed in one call (as are deep ones)."""
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        view = memoryview(obj)
+        if view.nbytes >= _BIG and view.c_contiguous and view.nbytes < 1 << 32:
+            out.append(b"\xc6" + view.nbytes.to_bytes(4, "big"))
+            out.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
+            return
+    elif depth < _DEPTH and _bin_bytes(obj, 0) >= _BIG:
+        if isinstance(obj, dict):
+            out.append(packer.pack_map_header(len(obj)))
+            for k, v in obj.items():
+                out.append(packer.pack(k))
+                _segments(v, packer, out, depth + 1)
+            return
+        if isinstance(obj, (list, tuple)):
+            out.append(packer.pack_array_header(len(obj)))
+            for v in obj:
+                _segments(v, packer, out, depth + 1)
+            return
+    out.append(packer.pack(obj))
 
 
 def _bin_bytes(obj: object, depth: int) -> int:
-    """Bytes of the binary leaves of a payload (a packing-buffer size hint; deep nesting is not followed)."""
+    """Bytes of the binary leaves of a payload (nesting deeper than _DEPTH is not followed)."""
     if isinstance(obj, (bytes, bytearray)):
         return len(obj)
     if isinstance(obj, memoryview):
         return obj.nbytes
-    if depth < 8 and isinstance(obj, dict):
+    if depth < _DEPTH and isinstance(obj, dict):
         return sum(_bin_bytes(v, depth + 1) for v in obj.values())
-    if depth < 8 and isinstance(obj, (list, tuple)):
+    if depth < _DEPTH and isinstance(obj, (list, tuple)):
         return sum(_bin_bytes(v, depth + 1) for v in obj)
     return 0
 

@@ -154,3 +154,23 @@ def test_fuzz_unpack(data: st.DataObject) -> None:
         except CodecError:
             return
         assert all(out[k].shape == STATE[k].shape and np.isfinite(out[k]).all() for k in out)
+
+
+def test_large_payload_body_is_exactly_msgpack() -> None:
+    """Big binary leaves are written by reference: the body must still be byte-identical to msgpack.packb."""
+    import msgpack
+    import numpy as np
+
+    from broker.envelope import HEADER_SIZE
+
+    big = np.arange(50_000, dtype=np.float32)
+    payload = {"n_samples": 3, "tensors": {"t": [{"p": [[0, big.nbytes, memoryview(big)], [1, 5, b"x" * 70_000]]},
+                                                   {"q": (bytearray(b"y" * 65_536), b"small", 1.5, None)}]},
+               "deep": [[[[[[[[[[b"z" * 80_000]]]]]]]]]], "text": "é" * 10}
+    env = Envelope(Kind.UPDATE, "j", 1, "c", 0, payload, msg_id="m", sent_at=2.0)
+    wire = pack(env, level=0)
+    want = msgpack.packb(["update", "j", 1, "c", 0, "m", 2.0, payload], use_bin_type=True)
+    assert wire[HEADER_SIZE:] == want and wire[5:HEADER_SIZE] == digest(want)
+    out = unpack(wire)
+    assert out.payload["tensors"]["t"][0]["p"][0][2] == big.tobytes()
+    assert out.payload["tensors"]["t"][1]["q"][0] == b"y" * 65_536
