@@ -1,6 +1,6 @@
 """A real federation in separate processes (`fedmq aggregator run`, `fedmq agent run`), faults, and the audit.
 
-Used by the fault suite (tests/fault) and by ``python -m tests.fault.run_all`` for the full seeded runs.
+Used by the fault suite (tests/fault); docs/reliability.md has the commands for repeated (full) runs.
 Every agent runs with ``--audit-log`` (one JSON line per broker-confirmed upload); the audit compares them with
 what the aggregator folded (the newest checkpoint's ``folded``: round -> update ids) and with the updates it
 dropped on purpose (logged with their msg id), so an update can be: folded once (good), folded twice
