@@ -1,0 +1,60 @@
+"""Reproduce the seed papers' experiments without the CLI: ``python benchmarks/reproduce.py NAME|all [--scale S]``.
+
+Same as ``fedmq experiment NAME``; ``all`` runs every experiment one after the other (see docs/results.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.experiments import NAMES, SCALES, ExperimentError, check_args, run_experiment  # noqa: E402
+from broker.errors import FedmqError  # noqa: E402
+
+
+def parse_overrides(items: list[str]) -> dict[str, object]:
+    """``KEY=VALUE`` pairs; VALUE as JSON when it parses (numbers, true/false), else as text."""
+    out: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ExperimentError(f"--set wants KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("name", help=f"{' | '.join(NAMES)} | all")
+    parser.add_argument("--scale", default="cpu", choices=SCALES)
+    parser.add_argument("--out", type=Path, default=Path("runs/experiments"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--only", help="run only the grid's runs whose name contains this text")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a job setting of every run, e.g. --set rounds=15 --set max_steps=10")
+    args = parser.parse_args(argv)
+    names = list(NAMES) if args.name == "all" else [args.name]
+    try:
+        overrides = parse_overrides(args.set)
+        for name in names:
+            check_args(name, args.scale, args.threads)
+        for name in names:
+            results = run_experiment(name, args.scale, args.out, args.seed, args.threads, only=args.only,
+                                     overrides=overrides)
+            sys.stdout.write((args.out / name / "results.md").read_text() + f"\n({results['wall_s']} s)\n\n")
+    except FedmqError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
