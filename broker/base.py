@@ -35,8 +35,13 @@ class Broker(ABC):
     user: str
 
     @abstractmethod
-    def declare_job(self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True) -> None:
-        """Idempotently declare the job's exchange, the aggregator inbox (if ``inbox``) and each agent's queues."""
+    def declare_job(self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True,
+                    model_bytes: int = 0) -> None:
+        """Idempotently declare the job's exchange, the aggregator inbox (if ``inbox``) and each agent's queues.
+
+        ``model_bytes`` (an upper bound on a global-model message) sizes the agents' latest queues so that a
+        chunked model fits whole (broker.queues.latest_length).
+        """
 
     @abstractmethod
     def publish(

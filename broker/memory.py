@@ -24,7 +24,7 @@ from broker.base import Broker, Delivery, Handler
 from broker.chunked import CHUNK_HEADER, ChunkGate, Tag, chunk_messages, run_handler
 from broker.chunking import DEFAULT_CHUNK_LIMIT
 from broker.errors import BrokerError
-from broker.queues import check_publish_args, job_queues
+from broker.queues import check_publish_args, job_queues, latest_length
 
 log = structlog.get_logger(__name__)
 
@@ -168,9 +168,10 @@ class MemoryBroker(Broker):
         self._thread.start()
 
     # ---- publishing ---------------------------------------------------------------------------------
-    def declare_job(self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True) -> None:
+    def declare_job(self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True,
+                    model_bytes: int = 0) -> None:
         self._check_open()
-        for spec in job_queues(job, agents, inbox=inbox):
+        for spec in job_queues(job, agents, inbox=inbox, latest_max_length=latest_length(model_bytes, self.chunk_limit)):
             self._hub.declare(spec.name, spec.arguments, spec.bindings)
 
     def publish(self, routing_key: str, body: bytes, *, message_id: str | None = None,

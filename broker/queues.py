@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,20 @@ class QueueSpec:
     bindings: tuple[str, ...] = ()
 
 
-def job_queues(job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True) -> list[QueueSpec]:
+def latest_length(model_bytes: int, chunk_limit: int) -> int:
+    """x-max-length of an agent's latest queue: every chunk of the newest global model must fit.
+
+    A model larger than the chunk limit travels as several chunk messages; a max-length-1 queue would keep only
+    the last chunk and the model would never arrive. The queue keeps the newest model's chunks (with 5 % and one
+    slot of slack, so a trailing chunk of an older model may stay: the reassembler expires it).
+    """
+    if model_bytes <= chunk_limit:
+        return 1
+    return math.ceil(model_bytes * 1.05 / chunk_limit) + 1
+
+
+def job_queues(job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True,
+               latest_max_length: int = 1) -> list[QueueSpec]:
     """Specs of the inbox (if ``inbox``) and each agent's latest/control queues; BrokerError on a bad id."""
     try:
         t.check_name("job id", job)
@@ -32,7 +46,8 @@ def job_queues(job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: boo
     if inbox:
         specs.append(QueueSpec(t.q_inbox(job), dict(INBOX_ARGS), tuple(t.inbox_bindings(job))))
     for a in agents:
-        specs.append(QueueSpec(t.q_latest(job, a), dict(LATEST_ARGS), (t.rk_global(job),)))
+        latest_args = {**LATEST_ARGS, "x-max-length": latest_max_length}
+        specs.append(QueueSpec(t.q_latest(job, a), latest_args, (t.rk_global(job),)))
         specs.append(QueueSpec(t.q_control(job, a), dict(CONTROL_ARGS), (t.rk_control(job),)))
     return specs
 

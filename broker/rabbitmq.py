@@ -39,7 +39,7 @@ from broker.base import Broker, Delivery, Handler
 from broker.chunked import CHUNK_HEADER, ChunkGate, Tag, chunk_messages, run_handler
 from broker.chunking import DEFAULT_CHUNK_LIMIT
 from broker.errors import BrokerError
-from broker.queues import check_publish_args, job_queues
+from broker.queues import check_publish_args, job_queues, latest_length
 from broker.tls import TlsOptions, ssl_options
 from broker.topology import EXCHANGE
 
@@ -129,7 +129,7 @@ class RabbitBroker(Broker):
         self._pub_seq = 0
         self._pub_pending: dict[int, tuple[_Publish, int]] = {}  # delivery tag -> (publish, part)
         self._gen = 0
-        self._jobs: list[tuple[str, tuple[str, ...], bool]] = []
+        self._jobs: list[tuple[str, tuple[str, ...], bool, int]] = []  # (job, agents, inbox, latest max-length)
         self._consumers: dict[str, _Consumer] = {}
         self._stopping = False
         self._blocked = False
@@ -229,8 +229,8 @@ class RabbitBroker(Broker):
             self._gen += 1
             self._reconnects += 1
             try:
-                for job, agents, inbox in list(self._jobs):
-                    self._declare_now(job, agents, inbox)
+                for job, agents, inbox, length in list(self._jobs):
+                    self._declare_now(job, agents, inbox, length)
                 for c in list(self._consumers.values()):
                     c.gate.reset()
                     self._subscribe(c)
@@ -326,13 +326,24 @@ class RabbitBroker(Broker):
         log.info("RabbitMQ unblocked this connection")
 
     # ---- topology -----------------------------------------------------------------------------------
-    def _declare_now(self, job: str, agents: tuple[str, ...], inbox: bool) -> None:
+    def _declare_now(self, job: str, agents: tuple[str, ...], inbox: bool, latest_max_length: int = 1) -> None:
         assert self._conn is not None
-        specs = job_queues(job, agents, inbox=inbox)
+        specs = job_queues(job, agents, inbox=inbox, latest_max_length=latest_max_length)
         ch = self._conn.channel()
+        if not inbox:
+            # agents lack configure permission on the exchange: check it exists, create it only if allowed
+            try:
+                ch.exchange_declare(EXCHANGE, exchange_type="topic", passive=True)
+            except pe.ChannelClosedByBroker:
+                ch = self._conn.channel()
+                try:
+                    ch.exchange_declare(EXCHANGE, exchange_type="topic", durable=True)
+                except pe.ChannelClosedByBroker as exc:
+                    raise BrokerError(f"exchange {EXCHANGE!r} does not exist and user {self.user!r} may not create "
+                                      f"it ({exc.reply_code}): start the aggregator first") from None
         try:
-            # agents may lack configure permission on the exchange: they only check it exists
-            ch.exchange_declare(EXCHANGE, exchange_type="topic", durable=True, passive=not inbox)
+            if inbox:
+                ch.exchange_declare(EXCHANGE, exchange_type="topic", durable=True)
             for s in specs:
                 ch.queue_declare(s.name, durable=True, arguments=s.arguments or None)
                 for b in s.bindings:
@@ -342,14 +353,16 @@ class RabbitBroker(Broker):
         if ch.is_open:
             ch.close()
 
-    def declare_job(self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True) -> None:
+    def declare_job(self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True,
+                    model_bytes: int = 0) -> None:
         agents_t = tuple(agents)
+        length = latest_length(model_bytes, self.chunk_limit)
         job_queues(job, agents_t, inbox=inbox)  # validate ids in the caller's thread
 
         def run(b: "RabbitBroker") -> None:
-            b._declare_now(job, agents_t, inbox)
-            if (job, agents_t, inbox) not in b._jobs:
-                b._jobs.append((job, agents_t, inbox))
+            b._declare_now(job, agents_t, inbox, length)
+            if (job, agents_t, inbox, length) not in b._jobs:
+                b._jobs.append((job, agents_t, inbox, length))
 
         self._submit(run, self.publish_timeout, "declaring the job")
 

@@ -1,0 +1,86 @@
+"""A global model bigger than the chunk limit must reach an agent whole through its max-length latest queue,
+whether the agent is consuming when it is published or joins later (then it gets only the newest model)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+
+import pika
+import pytest
+
+from broker import topology as t
+from broker.connect import connect
+from broker.queues import job_queues, latest_length
+
+CHUNK = 64 * 1024
+MODEL = 5 * CHUNK + 1000  # six chunks
+
+
+def test_latest_length_fits_a_chunked_model():
+    assert latest_length(1000, CHUNK) == 1  # unchunked: the newest message only
+    assert latest_length(MODEL, CHUNK) >= 6
+    assert job_queues("j", ["a"], latest_max_length=7)[1].arguments["x-max-length"] == 7
+
+
+@pytest.fixture(params=["memory", "rabbitmq"])
+def url(request, job_id):
+    if request.param == "memory":
+        yield f"memory://latest-{uuid.uuid4().hex[:8]}"
+        return
+    rabbit = request.getfixturevalue("rabbit_url")
+    yield rabbit
+    conn = pika.BlockingConnection(pika.URLParameters(rabbit))
+    ch = conn.channel()
+    for spec in job_queues(job_id, ["agent-0"]):
+        ch.queue_delete(spec.name)
+    conn.close()
+
+
+def _collect(agent, job):
+    got, done = [], threading.Event()
+
+    def handler(d):
+        got.append(bytes(d.body))
+        agent.ack(d)
+        done.set()
+    agent.consume(t.q_latest(job, "agent-0"), handler, prefetch=1)
+    return got, done
+
+
+def test_chunked_model_reaches_a_consuming_agent(url, job_id):
+    memory = url.startswith("memory")
+    agg = connect(url, user="fedmq-aggregator" if memory else None, chunk_limit=CHUNK)
+    agent = connect(url, user="agent-0" if memory else None, chunk_limit=CHUNK)
+    try:
+        agg.declare_job(job_id, [])
+        agent.declare_job(job_id, ["agent-0"], inbox=False, model_bytes=MODEL)
+        got, done = _collect(agent, job_id)
+        body = os.urandom(MODEL)
+        agg.publish(t.rk_global(job_id), body)
+        assert done.wait(15), "the chunked model never arrived"
+        assert got == [body]
+    finally:
+        agent.close()
+        agg.close()
+
+
+def test_late_joiner_gets_only_the_newest_chunked_model(url, job_id):
+    memory = url.startswith("memory")
+    agg = connect(url, user="fedmq-aggregator" if memory else None, chunk_limit=CHUNK)
+    agent = connect(url, user="agent-0" if memory else None, chunk_limit=CHUNK)
+    try:
+        agg.declare_job(job_id, [])
+        agent.declare_job(job_id, ["agent-0"], inbox=False, model_bytes=MODEL)
+        models = [os.urandom(MODEL) for _ in range(3)]
+        for m in models:  # published while the agent is not consuming
+            agg.publish(t.rk_global(job_id), m)
+        got, done = _collect(agent, job_id)
+        assert done.wait(15), "the newest model never arrived"
+        time.sleep(1.0)  # nothing else (complete) may follow
+        assert got == [models[-1]]
+    finally:
+        agent.close()
+        agg.close()
