@@ -40,6 +40,8 @@ def test_provisioned_users_are_confined(fed, job_id):
     a1, a2 = list(fed["agents"])
     agg_url, a1_url = fed["aggregator"]["url"], fed["agents"][a1]["url"]
     with connect(agg_url) as agg, connect(a1_url) as agent:
+        with pytest.raises(BrokerError, match="may not create it.*start the aggregator first"):
+            agent.declare_job(job_id, [a1], inbox=False)  # fresh vhost: no exchange yet
         agg.declare_job(job_id, [a1, a2])
         agent.declare_job(job_id, [a1], inbox=False)  # an agent may (re)declare its own queues
         got: list = []
