@@ -202,30 +202,60 @@ def pack_array(arr: np.ndarray, level: int, shuffle: bool, tasks: list[Task], ow
     return blobs
 
 
+class _Ready:
+    """An array's pending decompressions; its assembly waits until all are over (done or failed)."""
+
+    def __init__(self) -> None:
+        self.left = 0
+        self._lock = threading.Lock()
+        self.event = threading.Event()
+
+    def done(self) -> None:
+        with self._lock:
+            self.left -= 1
+            if self.left == 0:
+                self.event.set()
+
+
 class Unpacking:
-    """The decode work of a state, in two rounds of tasks: decompress blobs, then assemble arrays."""
+    """The decode work of a state: decompress blobs, then assemble arrays, as one batch of tasks.
+
+    ``tasks()`` lists every decompression (largest first) before any assembly, and the codec pool runs
+    tasks in that order (run_all(ordered=True)); an assembly task waits for its own array's
+    decompressions, which have all started by then, so no wait can deadlock. Arrays with least to
+    decompress are assembled first, so one thread assembles while another still decompresses a big plane.
+    """
 
     def __init__(self) -> None:
         self.inflate: list[Task] = []
-        self.assemble: list[Task] = []
+        self.assemble: list[tuple[int, Task]] = []  # (bytes to decompress first, task)
+
+    def tasks(self) -> list[Task]:
+        first = sorted(self.inflate, key=lambda t: -t[0])
+        return first + [t for _, t in sorted(self.assemble, key=lambda e: e[0])]
 
 
 Post = Callable[[np.ndarray, int, int], None]
 
 
-def _inflate_into(slots: list, k: int, data: bytes | memoryview, n: int) -> None:
-    slots[k] = inflate(data, n)
+def _inflate_into(slots: list, k: int, data: bytes | memoryview, n: int, ready: _Ready) -> None:
+    try:
+        slots[k] = inflate(data, n)
+    finally:
+        ready.done()
 
 
 def _assemble_block(out: np.ndarray, typed: np.ndarray, planes: list, groups: list[tuple[int, np.ndarray]], i: int,
-                    j: int, post: Post | None) -> None:
+                    j: int, post: Post | None, ready: _Ready) -> None:
+    ready.event.wait()
     for p, (g, dst) in zip(planes, groups):
         dst[i:j] = np.frombuffer(p, dst.dtype, j - i, i * g)
     if post is not None:
         post(typed, i, j)
 
 
-def _assemble_whole(res: list, slots: list, dtype: np.dtype, writeable: bool, post: Post | None) -> None:
+def _assemble_whole(res: list, slots: list, dtype: np.dtype, writeable: bool, post: Post | None, ready: _Ready) -> None:
+    ready.event.wait()
     a = np.frombuffer(slots[0], dtype)
     if writeable:  # always a copy: the blob may be the sender's buffer (in-process decode) and post may write
         a = a.copy()
@@ -249,10 +279,14 @@ def unpack_array(blobs: object, dtype: np.dtype, n: int, work: Unpacking, *, wri
     if len(blobs) == 1:
         codec, data = check_blob(blobs[0], n * w)
         slots: list = [data]
+        ready = _Ready()
         if codec == ZSTD:
-            work.inflate.append((n * w, partial(_inflate_into, slots, 0, data, n * w)))
+            ready.left = 1
+            work.inflate.append((n * w, partial(_inflate_into, slots, 0, data, n * w, ready)))
+        else:
+            ready.event.set()
         res: list = [None]
-        work.assemble.append((n * w, partial(_assemble_whole, res, slots, dtype, writeable, post)))
+        work.assemble.append((ready.left * n * w, (n * w, partial(_assemble_whole, res, slots, dtype, writeable, post, ready))))
         return lambda: res[0]
     # byte groups, low to high: blob k holds bytes [off, off + g) of every element, g = its size / n
     sizes = [b[1] if isinstance(b, list) and len(b) == 3 else None for b in blobs]
@@ -263,17 +297,24 @@ def unpack_array(blobs: object, dtype: np.dtype, n: int, work: Unpacking, *, wri
     planes: list = [None] * len(blobs)
     groups: list[tuple[int, np.ndarray]] = []
     off = 0
+    ready = _Ready()
+    inflates: list[Task] = []
     for k, (b, sz) in enumerate(zip(blobs, sizes)):
         codec, data = check_blob(b, sz)
         planes[k] = data
         if codec == ZSTD:
-            work.inflate.append((sz, partial(_inflate_into, planes, k, data, sz)))
+            inflates.append((sz, partial(_inflate_into, planes, k, data, sz, ready)))
         g = sz // n
         groups.append((g, _group_view(out, n, w, off, g)))
         off += g
+    ready.left = len(inflates)
+    if not inflates:
+        ready.event.set()
+    work.inflate += inflates
+    wait = sum(c for c, _ in inflates)
     for i in range(0, n, _BLOCK):
         j = min(n, i + _BLOCK)
-        work.assemble.append(((j - i) * w, partial(_assemble_block, out, typed, planes, groups, i, j, post)))
+        work.assemble.append((wait, ((j - i) * w, partial(_assemble_block, out, typed, planes, groups, i, j, post, ready))))
     return lambda: typed
 
 

@@ -72,14 +72,18 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
-def run_all(tasks: Sequence[Task]) -> list[Any]:
-    """Run every task; results in task order. Waits for all before raising the first error in task order."""
+def run_all(tasks: Sequence[Task], ordered: bool = False) -> list[Any]:
+    """Run every task; results in task order. Waits for all before raising the first error in task order.
+
+    The pool starts tasks largest cost first, or in the given order if ``ordered`` (tasks may then wait
+    for earlier ones of the batch, which have all started when they run).
+    """
     if not tasks:
         return []
     if len(tasks) == 1 or codec_threads() == 1 or getattr(_local, "worker", False) or sum(c for c, _ in tasks) < INLINE_BELOW:
         return [fn() for _, fn in tasks]
     pool = _get_pool()
-    order = sorted(range(len(tasks)), key=lambda i: -tasks[i][0])
+    order = range(len(tasks)) if ordered else sorted(range(len(tasks)), key=lambda i: -tasks[i][0])
     futures: list[Any] = [None] * len(tasks)
     for i in order:
         futures[i] = pool.submit(tasks[i][1])

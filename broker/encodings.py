@@ -376,7 +376,6 @@ def _decode_state(
         plan.append((rec, name, spec, b))
     work = Unpacking()  # every record is checked before any decompression starts
     finish = [_decode_one(rec, name, spec.numel, spec.shape, b, work, reject_nonfinite) for rec, name, spec, b in plan]
-    run_all(work.inflate)
-    run_all(work.assemble)
+    run_all(work.tasks(), ordered=True)
     arrays = run_all(finish)
     return {name: arr.reshape(spec.shape) for (_, name, spec, _), arr in zip(plan, arrays)}
