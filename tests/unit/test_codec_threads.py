@@ -148,3 +148,21 @@ def test_codec_benchmark_reports_table_threads_and_load(capsys, threads) -> None
     raw = rows[2].split("|")
     assert raw[8].strip() == "0 (exact)" and float(raw[5].strip().rstrip("×")) > 1.1
     assert "codec threads 2; load average" in out and "process CPU" in out
+
+
+def test_concurrent_callers_share_the_pool(threads) -> None:
+    """Several threads encoding and decoding at once (an aggregator's consumers) get their own results."""
+    threads(2)
+    states = [_big_state(seed) for seed in range(4)]
+    results: list = [None] * 4
+
+    def work(i: int) -> None:
+        wire = pack(Envelope(Kind.UPDATE, "j", 1, "c", 0, {"tensors": encode_state(states[i], EncodingSpec())}))
+        results[i] = decode_state(unpack(wire).payload["tensors"], BIG_MAN)
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=60)
+    assert all(results[i][k].tobytes() == states[i][k].tobytes() for i in range(4) for k in BIG)
