@@ -37,6 +37,13 @@ def test_help_everywhere(cmd):
     (["simulate", "--fraction", "2"], "fraction"),
     (["simulate", "--log-level", "loud"], "log level"),
     (["report", "/nonexistent/run"], "/nonexistent/run"),
+    (["broker", "check", "--broker", "amqp://guest:guest@127.0.0.1:1/%2F"], "cannot connect"),
+    (["status", "--job", "j", "--broker", "amqp://guest:guest@127.0.0.1:1/%2F"], "cannot connect"),
+    (["agent", "run", "--broker", "amqp://127.0.0.1:1/", "--job", "j"], "--client-id"),
+    (["agent", "run", "--broker", "amqp://127.0.0.1:1/", "--job", "j", "--client-id", "agent-0",
+      "--availability", "markov:2,1"], "markov"),
+    (["aggregator", "run", "--broker", "amqp://127.0.0.1:1/", "--config", "/nonexistent/job.toml"], "not found"),
+    (["aggregator", "run", "--broker", "amqp://127.0.0.1:1/", "--strategy", "fedfoo", "--print-config"], "unknown strategy"),
 ])
 def test_user_errors_are_one_line(args, needle, tmp_path):
     proc = fedmq(*args, "--out", str(tmp_path / "run")) if args[0] == "simulate" else fedmq(*args)
