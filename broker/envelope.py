@@ -97,10 +97,15 @@ def pack(env: Envelope, *, level: int = 3) -> bytes:
     # The body is written as segments: msgpack-packed pieces plus the payload's large binary leaves by
     # reference (as bin32, exactly the bytes msgpack would write), digested piece by piece and copied once,
     # into the returned message. Tensor bytes are therefore copied once on the way out.
-    segs: list = []
+    fields = [kind.value, env.job, env.round, env.client, env.model_version, env.msg_id, float(env.sent_at), env.payload]
+    packer = msgpack.Packer(use_bin_type=True)
     try:
-        _segments([kind.value, env.job, env.round, env.client, env.model_version, env.msg_id, float(env.sent_at), env.payload],
-                  msgpack.Packer(use_bin_type=True), segs, 0)
+        if not _has_big_bin(env.payload, 0):
+            segs: list = [packer.pack(fields)]
+        else:
+            segs, pending = [], bytearray()
+            _segments(fields, packer, segs, pending, 0)
+            segs.append(pending)
     except (TypeError, ValueError, OverflowError) as exc:
         raise CodecError("bad-payload", f"payload is not msgpack-able: {exc}") from None
     size = sum(len(x) for x in segs)
@@ -114,41 +119,41 @@ def pack(env: Envelope, *, level: int = 3) -> bytes:
     return b"".join((MAGIC, bytes((SCHEMA_VERSION, flags)), digest_of(segs), *segs))
 
 
-def _segments(obj: object, packer: msgpack.Packer, out: list, depth: int) -> None:
-    """Append the msgpack encoding of ``obj`` to ``out`` as pieces; binary leaves of _BIG bytes or more
-    are referenced, not copied. Containers holding none are packed in one call (as are deep ones)."""
+def _segments(obj: object, packer: msgpack.Packer, segs: list, pending: bytearray, depth: int) -> None:
+    """Append the msgpack encoding of ``obj``: small pieces accumulate in ``pending``; a binary leaf of
+    _BIG bytes or more ends the pending piece and goes into ``segs`` by reference. Containers deeper than
+    _DEPTH are packed whole."""
     if isinstance(obj, (bytes, bytearray, memoryview)):
         view = memoryview(obj)
         if view.nbytes >= _BIG and view.c_contiguous and view.nbytes < 1 << 32:
-            out.append(b"\xc6" + view.nbytes.to_bytes(4, "big"))
-            out.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
+            pending += b"\xc6" + view.nbytes.to_bytes(4, "big")
+            segs.append(bytes(pending))
+            pending.clear()
+            segs.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
             return
-    elif depth < _DEPTH and _bin_bytes(obj, 0) >= _BIG:
-        if isinstance(obj, dict):
-            out.append(packer.pack_map_header(len(obj)))
-            for k, v in obj.items():
-                out.append(packer.pack(k))
-                _segments(v, packer, out, depth + 1)
-            return
-        if isinstance(obj, (list, tuple)):
-            out.append(packer.pack_array_header(len(obj)))
-            for v in obj:
-                _segments(v, packer, out, depth + 1)
-            return
-    out.append(packer.pack(obj))
+    elif depth < _DEPTH and isinstance(obj, dict):
+        pending += packer.pack_map_header(len(obj))
+        for k, v in obj.items():
+            pending += packer.pack(k)
+            _segments(v, packer, segs, pending, depth + 1)
+        return
+    elif depth < _DEPTH and isinstance(obj, (list, tuple)):
+        pending += packer.pack_array_header(len(obj))
+        for v in obj:
+            _segments(v, packer, segs, pending, depth + 1)
+        return
+    pending += packer.pack(obj)
 
 
-def _bin_bytes(obj: object, depth: int) -> int:
-    """Bytes of the binary leaves of a payload (nesting deeper than _DEPTH is not followed)."""
-    if isinstance(obj, (bytes, bytearray)):
-        return len(obj)
-    if isinstance(obj, memoryview):
-        return obj.nbytes
+def _has_big_bin(obj: object, depth: int) -> bool:
+    """Does the payload hold a binary leaf of _BIG bytes or more (nesting deeper than _DEPTH not followed)?"""
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return memoryview(obj).nbytes >= _BIG
     if depth < _DEPTH and isinstance(obj, dict):
-        return sum(_bin_bytes(v, depth + 1) for v in obj.values())
+        return any(_has_big_bin(v, depth + 1) for v in obj.values())
     if depth < _DEPTH and isinstance(obj, (list, tuple)):
-        return sum(_bin_bytes(v, depth + 1) for v in obj)
-    return 0
+        return any(_has_big_bin(v, depth + 1) for v in obj)
+    return False
 
 
 def unpack(data: bytes, *, limits: Limits = Limits()) -> Envelope:
