@@ -163,7 +163,11 @@ def run(models: list[str], encodings: list[str], repeats: int = 5) -> list[dict]
 
 
 def bench_codec(repeats: int = 5, quick: bool = False) -> list[dict]:
-    """The `fedmq bench codec` entry: full run, or a quick one (GRU untied, 5 encodings, 2 repeats)."""
+    """The `fedmq bench codec` entry: full run, or a quick one (GRU untied, 5 encodings, 2 repeats).
+
+    Tunes the allocator first, as ``main`` does unless --no-malloc-tune (idempotent, process-wide).
+    """
+    tune_allocator()
     if quick:
         return run(["gru-untied"], QUICK_ENCODINGS, repeats=min(repeats, 2))
     return run(["gru-untied", "gru-tied", "transformer-base"], ENCODINGS, repeats)
