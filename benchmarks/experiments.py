@@ -364,8 +364,9 @@ def markdown(results: list[dict[str, Any]], columns: list[str] | None = None) ->
 
 
 def select(specs: list[RunSpec], only: str | None, overrides: dict[str, Any] | None) -> list[RunSpec]:
-    """Keep the runs whose name contains ``only`` and apply job ``overrides`` (e.g. rounds=15) to each."""
-    picked = [s for s in specs if not only or only in s.name]
+    """Keep the runs whose name contains ``only`` (comma-separated alternatives) and apply job ``overrides``."""
+    wanted = [w for w in (only or "").split(",") if w]
+    picked = [s for s in specs if not wanted or any(w in s.name for w in wanted)]
     if not picked:
         raise ExperimentError(f"no run name contains {only!r}; runs: {', '.join(s.name for s in specs)}")
     for spec in picked:

@@ -15,6 +15,7 @@ import pytest
 
 from benchmarks import experiments
 from benchmarks.experiments import ExperimentError, run_experiment
+from broker.errors import FedmqError
 
 ROOT = experiments.ROOT
 
@@ -95,6 +96,12 @@ def test_bad_arguments_are_one_line_and_write_nothing(tmp_path):
         run_experiment("tabel2", "smoke", tmp_path)
     with pytest.raises(ExperimentError, match="unknown scale"):
         run_experiment("table2", "gpu", tmp_path)
+    with pytest.raises(ExperimentError, match="no run name contains 'zzz'"):
+        run_experiment("table2", "smoke", tmp_path, only="zzz")
+    with pytest.raises(FedmqError, match="unknown config key"):
+        run_experiment("table2", "smoke", tmp_path, overrides={"roundz": 3})
+    with pytest.raises(FedmqError, match="rounds must be at least 1"):
+        run_experiment("topk", "smoke", tmp_path, overrides={"rounds": 0})
     proc = subprocess.run([sys.executable, "-m", "cli.app", "experiment", "nope", "--out", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
