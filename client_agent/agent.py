@@ -218,6 +218,7 @@ class Agent:
         self.last_round = rnd
         cfg = payload["config"]
         faults = self.faults.draw(self.client, rnd)
+        log.info("round training", client=self.client, round=rnd, version=env.model_version)
         if "cut" in faults:
             self.log.faults.append((rnd, "cut"))
             raise Offline("fault: connection cut", False)
@@ -283,7 +284,11 @@ class Agent:
         spec = EncodingSpec.parse(cfg["encoding"])
         tensors = encode_state({k: current[k] for k in names}, spec, self.held if spec.delta else None)
         env = messages.update(self.job, rnd, self.client, version, result.loss, result.n_samples, tensors)
-        self._send(env, topology.rk_update(self.job, self.client))
+        body = messages.encode(env)
+        # the fault suite watches these two lines to kill an agent mid-upload (see tests/fault/fault_plan.py)
+        log.info("uploading update", client=self.client, round=rnd, msg_id=env.msg_id, bytes=len(body))
+        self._publish(body, env.msg_id, topology.rk_update(self.job, self.client))
+        log.info("update confirmed", client=self.client, round=rnd, msg_id=env.msg_id)
         self.log.uploads.append((rnd, env.msg_id))
         self._audit(rnd, env.msg_id, version)
         if self.log.sent is not None:
@@ -301,7 +306,10 @@ class Agent:
             os.fsync(fh.fileno())
 
     def _send(self, env: Envelope, routing_key: str) -> None:
+        self._publish(messages.encode(env), env.msg_id, routing_key)
+
+    def _publish(self, body: bytes, msg_id: str, routing_key: str) -> None:
         broker = self._broker
         if broker is None:
             raise Offline("not connected", False)
-        broker.publish(routing_key, messages.encode(env), message_id=env.msg_id)
+        broker.publish(routing_key, body, message_id=msg_id)

@@ -107,6 +107,7 @@ class Federation:
     job_options: dict[str, Any] = field(default_factory=dict)
     agent_faults: dict[int, str] = field(default_factory=dict)
     agent_url: Callable[[int], str] | None = None  # per-agent broker URL (e.g. through a TCP proxy)
+    agent_env: dict[str, str] = field(default_factory=dict)  # FEDMQ_CHUNK_LIMIT / FEDMQ_HEARTBEAT (agent_shim.py)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     restarts: int = 0
 
@@ -132,11 +133,13 @@ class Federation:
     def _env() -> dict[str, str]:
         return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
         out = open(self.logs / f"{name}.out", "ab")
         err = open(self.logs / f"{name}.err", "ab")
-        proc = subprocess.Popen([FEDMQ, *args], stdout=out, stderr=err, env=self._env(), cwd=self.base,
-                                start_new_session=True)
+        # with connection options set, agents run the same CLI through agent_shim.py (see its docstring)
+        cmd = [sys.executable, str(Path(__file__).with_name("agent_shim.py"))] if extra_env else [FEDMQ]
+        proc = subprocess.Popen([*cmd, *args], stdout=out, stderr=err, env={**self._env(), **(extra_env or {})},
+                                cwd=self.base, start_new_session=True)
         self.procs[name] = proc
         return proc
 
@@ -151,7 +154,7 @@ class Federation:
                 "--log-level", "info"]
         if self.agent_faults.get(i):
             args += ["--faults", self.agent_faults[i]]
-        return self._spawn(f"agent-{i}", args)
+        return self._spawn(f"agent-{i}", args, self.agent_env)
 
     def start(self) -> "Federation":
         self.start_aggregator()
@@ -213,6 +216,32 @@ class Federation:
 
     def round_open(self, rnd: int) -> bool:
         return (self.state / "spool" / f"r{rnd:06d}" / "round.json").is_file()
+
+    def round_state(self, rnd: int) -> dict[str, Any]:
+        """The open round's facts in the spool (selected, reported, granted); {} before it opens or after it closed."""
+        try:
+            return json.loads((self.state / "spool" / f"r{rnd:06d}" / "round.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def round_closed(self, rnd: int) -> bool:
+        return any(r.get("round") == rnd for r in self.rows())
+
+    def agent_events(self, i: int, event: str, rnd: int | None = None) -> list[dict[str, Any]]:
+        """JSON log lines of agent-i (its stderr, all its incarnations) with this event (and round)."""
+        path = self.logs / f"agent-{i}.err"
+        if not path.is_file():
+            return []
+        out = []
+        for line in path.read_text(errors="replace").splitlines():
+            if event in line:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if rec.get("event") == event and (rnd is None or rec.get("round") == rnd):
+                    out.append(rec)
+        return out
 
     def agg_events(self, event: str) -> list[dict[str, Any]]:
         path = self.state / "logs" / "aggregator.jsonl"
@@ -276,7 +305,7 @@ class Federation:
 
 
 class TcpProxy:
-    """A TCP proxy between agents and the broker that can cut (RST) or stall every connection through it."""
+    """A TCP proxy between agents and the broker that can cut (RST), stall or throttle every connection through it."""
 
     def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
         self.target = (target_host, target_port)
@@ -287,6 +316,8 @@ class TcpProxy:
         self.port = self.sock.getsockname()[1]
         self.stalled = threading.Event()
         self.refusing = threading.Event()
+        self.upstream_rate: float | None = None  # bytes/s client -> broker (None: unthrottled)
+        self.upstream_bytes = 0  # bytes forwarded client -> broker so far
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
         self.cuts = 0
@@ -308,18 +339,25 @@ class TcpProxy:
                 continue
             with self._lock:
                 self._conns += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            for a, b, up in ((client, upstream, True), (upstream, client, False)):
+                threading.Thread(target=self._pipe, args=(a, b, up), daemon=True).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, up: bool = False) -> None:
         try:
             while True:
-                data = src.recv(65536)
+                rate = self.upstream_rate if up else None
+                data = src.recv(4096 if rate else 65536)
                 if not data:
+                    while self.stalled.is_set():  # a stalled link forwards nothing, not even a close
+                        time.sleep(0.05)
                     break
                 while self.stalled.is_set():
                     time.sleep(0.05)
+                if rate:
+                    time.sleep(len(data) / rate)
                 dst.sendall(data)
+                if up:
+                    self.upstream_bytes += len(data)
         except OSError:
             pass
         finally:
