@@ -199,8 +199,8 @@ _NMT = {
     "paper": dict(task=dict(model="base", domains=None, max_lines=0, vocab_size=32000, eval_max_sentences=0),
                   pretrain_steps=100_000, rounds=5, max_steps=0, batch_size=64, per_domain_test=0, fractions=(0.5, 0.33)),
     "cpu": dict(task=dict(model="small", domains=["news_wmt", "subtitles_opensubs", "ted_iwslt14", "software_it"],
-                          max_lines=3000, vocab_size=4000, eval_max_sentences=40, max_len=64),
-                pretrain_steps=150, rounds=3, max_steps=6, batch_size=24, per_domain_test=30, fractions=(0.5, 0.33)),
+                          max_lines=3000, vocab_size=4000, eval_max_sentences=16, max_len=64),
+                pretrain_steps=150, rounds=3, max_steps=6, batch_size=24, per_domain_test=12, fractions=(0.5, 0.33)),
     "smoke": dict(task=dict(model="tiny", domains=["news_wmt", "ted_iwslt14"], max_lines=60, vocab_size=300,
                             eval_max_sentences=6),
                   pretrain_steps=2, rounds=2, max_steps=1, batch_size=8, per_domain_test=3, fractions=(0.5,)),
@@ -403,21 +403,31 @@ def run_nmt_domains(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
     task = runner.task("nmt", options)
     names = list(task.shard_names)
     train = dict(batch_size=s["batch_size"], lr=5e-4, optimizer="adam", clip=1.0, seed=seed)
-    # 1. pre-train on the news client's data (the WMT news domain)
-    started = time.time()
-    model = task.build_model(seed)
-    task.train(model, names.index("news_wmt"), TrainConfig(epochs=100, max_steps=s["pretrain_steps"], **train))
-    pretrained = {k: v.detach().clone() for k, v in model_state(model).items()}
-    pretrain_s = time.time() - started
     n = s["per_domain_test"]
-    table: dict[str, dict[str, float]] = {"pre-trained (news)": domain_bleu(task, model, "test", n)}
-    # 2. each client alone: fine-tune the pre-trained model on its own domain for as many steps as the federation
-    local_steps = s["rounds"] * (s["max_steps"] or 0)
-    for i, client in enumerate(names):
-        m = task.build_model(seed)
-        load_state(m, pretrained)
-        task.train(m, i, TrainConfig(epochs=s["rounds"] if not local_steps else 100, max_steps=local_steps, **train))
-        table[f"client {client} (local only)"] = domain_bleu(task, m, "test", n)
+    # phases 1-2 are cached in OUT (pretrained.pt + pretrain.json) for the same settings: a rerun skips them
+    key = json.dumps({**options, **{k: v for k, v in s.items() if k != "fractions"}, "seed": seed}, sort_keys=True)
+    cache_pt, cache_json = out / "pretrained.pt", out / "pretrain.json"
+    cached = json.loads(cache_json.read_text()) if cache_json.is_file() and cache_pt.is_file() else {}
+    if cached.get("key") == key:
+        pretrained = torch.load(cache_pt, weights_only=True)
+        table, pretrain_s = cached["table"], cached["pretrain_s"]
+    else:
+        # 1. pre-train on the news client's data (the WMT news domain)
+        started = time.time()
+        model = task.build_model(seed)
+        task.train(model, names.index("news_wmt"), TrainConfig(epochs=100, max_steps=s["pretrain_steps"], **train))
+        pretrained = {k: v.detach().clone() for k, v in model_state(model).items()}
+        pretrain_s = time.time() - started
+        table = {"pre-trained (news)": domain_bleu(task, model, "test", n)}
+        # 2. each client alone: fine-tune the pre-trained model on its own domain, as many steps as the federation
+        local_steps = s["rounds"] * (s["max_steps"] or 0)
+        for i, client in enumerate(names):
+            m = task.build_model(seed)
+            load_state(m, pretrained)
+            task.train(m, i, TrainConfig(epochs=s["rounds"] if not local_steps else 100, max_steps=local_steps, **train))
+            table[f"client {client} (local only)"] = domain_bleu(task, m, "test", n)
+        torch.save(pretrained, cache_pt)
+        cache_json.write_text(json.dumps({"key": key, "table": table, "pretrain_s": pretrain_s}))
     warm = WarmStartTask(task, pretrained)
     job = dict(clients=len(names), fraction=1.0, rounds=s["rounds"], epochs=1, max_steps=s["max_steps"], **_DEADLINES,
                **{k: v for k, v in train.items() if k != "seed"})
