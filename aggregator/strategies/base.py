@@ -46,6 +46,15 @@ class Strategy(ABC):
     @abstractmethod
     def finish(self) -> State: ...
 
+    _last_weights: dict[str, float] = {}  # finish() sets the instance's own
+
     def client_weights(self) -> dict[str, float]:
         """Per-client weight summary of the last aggregation (mean over tensors), for metrics and plots."""
+        return dict(self._last_weights)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint must keep between rounds (most strategies keep nothing)."""
         return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        return None

@@ -117,9 +117,6 @@ class BufferedAsync(Strategy):
         self._global, self._acc, self._count = None, {}, 0
         return out
 
-    def client_weights(self) -> dict[str, float]:
-        return dict(self._last_weights)
-
     def state_dict(self) -> dict:
         return {"dropped": self.dropped}
 

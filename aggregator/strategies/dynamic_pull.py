@@ -64,11 +64,3 @@ class DynamicPull(Strategy):
         self._global, self._acc = None, {}
         return out
 
-    def client_weights(self) -> dict[str, float]:
-        return dict(self._last_weights)
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        return None

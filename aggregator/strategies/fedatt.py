@@ -119,9 +119,6 @@ class FedAtt(Strategy):
                 total[c] += a
         return {c: v / len(tensors) for c, v in total.items()}
 
-    def client_weights(self) -> dict[str, float]:
-        return dict(self._last_weights)
-
     def state_dict(self) -> dict:
         return {"generator": self._gen.get_state()}
 

@@ -51,15 +51,6 @@ class FedAvg(Strategy):
         self._global, self._acc = None, {}
         return out
 
-    def client_weights(self) -> dict[str, float]:
-        return dict(self._last_weights)
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        return None
-
 
 class FedSGD(FedAvg):
     """FedAvg over all agents after exactly one local pass; aggregation is identical to FedAvg."""

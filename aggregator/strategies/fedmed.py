@@ -123,9 +123,6 @@ class FedMed(Strategy):
         self._global, self._sums = None, {}
         return out
 
-    def client_weights(self) -> dict[str, float]:
-        return dict(self._last_weights)
-
     def state_dict(self) -> dict:
         return {"mode": self.mode}
 

@@ -69,12 +69,9 @@ class ClippedFedAvg(Strategy):
             out = {k: v.clone() for k, v in g.items()}
         else:
             out = cast_like({k: a.div_(self._n).add_(g[k]) for k, a in self._acc.items()}, g)
-        self._last = {c: n / self._n for c, n in self._samples.items()} if self._n else {}
+        self._last_weights = {c: n / self._n for c, n in self._samples.items()} if self._n else {}
         self._global, self._acc = None, {}
         return out
-
-    def client_weights(self) -> dict[str, float]:
-        return dict(getattr(self, "_last", {}))
 
 
 class TrimmedMean(Strategy):
@@ -116,9 +113,6 @@ class TrimmedMean(Strategy):
                     out[name] = stacked[cut : K - cut].mean(dim=0)
                 del stacked
             out = cast_like(out, g)
-        self._last = {c: 1.0 / K for c in self._clients} if K else {}
+        self._last_weights = {c: 1.0 / K for c in self._clients} if K else {}
         self._global, self._kept = None, []
         return out
-
-    def client_weights(self) -> dict[str, float]:
-        return dict(getattr(self, "_last", {}))
