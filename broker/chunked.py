@@ -22,7 +22,7 @@ from typing import Any
 import structlog
 
 from broker.base import Broker, Delivery, Handler
-from broker.chunking import Reassembler, decode_chunk, encode_chunk, split
+from broker.chunking import Chunk, Reassembler, decode_chunk, encode_chunk, split
 from broker.errors import CodecError
 
 log = structlog.get_logger(__name__)
@@ -32,9 +32,20 @@ CHUNK_HEADER = "x-fedmq-chunk"
 
 def chunk_messages(body: bytes, message_id: str, limit: int) -> list[bytes] | None:
     """Encoded chunk frames for ``body``, or None when it fits in one message."""
+    parts = chunk_parts(body, message_id, limit)
+    return None if parts is None else [encode_chunk(c) for c in parts]
+
+
+def chunk_parts(body: bytes, message_id: str, limit: int) -> list[Chunk] | None:
+    """The chunks of ``body`` (views of it, not encoded yet), or None when it fits in one message.
+
+    A backend that hands each frame to the network right away encodes a chunk (``encode_chunk``) only when
+    it sends it and drops the frame then: the frames of a 100 MB body are never all in memory, and the
+    allocator reuses one frame's memory for the next instead of faulting in fresh pages for each.
+    """
     if len(body) <= limit:
         return None
-    return [encode_chunk(c) for c in split(body, message_id, limit)]
+    return split(body, message_id, limit)
 
 
 @dataclass

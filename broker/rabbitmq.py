@@ -8,7 +8,8 @@ Deliveries go to a dispatcher thread that reassembles chunks and runs the handle
 handler nor a long training step on another thread can stop heartbeats.
 
 Publishing: a channel in confirm mode, ``mandatory``, persistent, ``user_id`` = this connection's user.
-The chunks of one message are pipelined (up to PIPELINE in flight) and their acks, nacks and returns tracked
+The chunks of one message are pipelined (up to PIPELINE in flight; each frame is encoded only when sent and
+not kept) and their acks, nacks and returns tracked
 per delivery tag; a publish stays at the head of the command queue until every part is confirmed, so after a
 lost connection the unconfirmed parts are republished (a duplicate is possible and harmless: chunks are
 deduplicated by the reassembler, updates by their id in the aggregator). Nacks are retried until the deadline.
@@ -36,8 +37,8 @@ import pika.exceptions as pe
 import structlog
 
 from broker.base import Broker, Delivery, Handler
-from broker.chunked import CHUNK_HEADER, ChunkGate, Tag, chunk_messages, run_handler
-from broker.chunking import DEFAULT_CHUNK_LIMIT
+from broker.chunked import CHUNK_HEADER, ChunkGate, Tag, chunk_parts, run_handler
+from broker.chunking import DEFAULT_CHUNK_LIMIT, Chunk, encode_chunk
 from broker.errors import BrokerError
 from broker.queues import check_publish_args, job_queues, latest_length
 from broker.tls import TlsOptions, ssl_options
@@ -82,7 +83,7 @@ class _Consumer:
 @dataclass
 class _Publish:
     routing_key: str
-    parts: list[tuple[bytes, pika.BasicProperties]]
+    parts: list[tuple[bytes | Chunk, pika.BasicProperties]]  # a Chunk is encoded when sent
     deadline: float
     message_id: str
     confirmed: set[int] = field(default_factory=set)
@@ -371,7 +372,7 @@ class RabbitBroker(Broker):
                 headers: dict[str, Any] | None = None, timeout: float | None = None) -> None:
         check_publish_args(routing_key, body)
         message_id = message_id or uuid.uuid4().hex
-        frames = chunk_messages(body if isinstance(body, bytes) else bytes(body), message_id, self.chunk_limit)
+        frames = chunk_parts(body if isinstance(body, bytes) else bytes(body), message_id, self.chunk_limit)
         base = dict(headers or {})
 
         def props(h: dict[str, Any]) -> pika.BasicProperties:
@@ -437,6 +438,8 @@ class RabbitBroker(Broker):
                 if todo and inflight < PIPELINE and not job.returned:
                     i = todo.pop(0)
                     data, props = job.parts[i]
+                    if isinstance(data, Chunk):  # encoded now and dropped once pika has copied it to frames
+                        data = encode_chunk(data)
                     self._pub_seq += 1
                     self._pub_pending[self._pub_seq] = (job, i)
                     try:
