@@ -224,3 +224,43 @@ def test_fuzz_decode_chunk(data: st.DataObject) -> None:
         assert e.reason
         return
     assert isinstance(c, Chunk) and 0 <= c.index < c.total and len(c.data) <= c.total_size
+
+
+def test_frames_are_plain_msgpack_and_decode_without_copying() -> None:
+    """encode_chunk writes the bytes msgpack.packb would (wire-compatible); decode_chunk views a bytes frame."""
+    for size, limit in ((300, 100), (70_000, 66_000), (5, 100), (0, 100)):
+        body = os.urandom(size)
+        for c in split(body, "\U0001f600" * 128, limit):  # the longest msg_id, 4 UTF-8 bytes per char
+            frame = encode_chunk(c)
+            parts = msgpack.unpackb(frame)
+            assert frame == msgpack.packb(parts, use_bin_type=True)
+            assert parts[8] == bytes(c.data) and parts[6] == digest(body)
+            d = decode_chunk(frame)
+            assert d == c and isinstance(d.data, memoryview) and d.data.readonly and d.data.obj is frame
+            assert decode_chunk(bytearray(frame)).data == c.data  # a mutable frame is copied
+            assert isinstance(decode_chunk(bytearray(frame)).data, bytes)
+            for bad in (frame + b"\x00", frame[:-1]):  # trailing bytes or truncated data: refused
+                with pytest.raises(CodecError) as e:
+                    decode_chunk(bad)
+                assert e.value.reason == "bad-chunk"
+
+
+def test_reassembled_body_is_bytes_and_independent_of_frames() -> None:
+    body = os.urandom(1000)
+    frames = [bytearray(f) for f in _frames(body, limit=300)]
+    r = Reassembler()
+    outs = [r.add(decode_chunk(f), now=0.0) for f in frames]
+    for f in frames:  # the frames' buffers are reused by the caller: the body must not change
+        f[:] = bytes(len(f))
+    assert type(outs[-1]) is bytes and outs[-1] == body
+    # corruption of one chunk's data in flight: that chunk is refused, the message never completes wrongly
+    r2 = Reassembler()
+    good = _frames(body, "c", limit=300)
+    bad = bytearray(good[2])
+    bad[len(bad) // 2] ^= 0x40
+    assert r2.add(decode_chunk(good[0]), now=0.0) is None
+    with pytest.raises(CodecError) as e:
+        decode_chunk(bytes(bad))
+    assert e.value.reason == "bad-digest"
+    outs2 = [r2.add(decode_chunk(f), now=0.0) for f in good[1:]]
+    assert outs2[-1] == body
