@@ -11,7 +11,7 @@ Phases
                    after-grant as soon as the grant of the round is in the aggregator's spool (the victim's
                                 throttled upload has at most begun)
                    mid-upload  after the agent logged "uploading update" and its proxy forwarded ``frac`` of the
-                                update's bytes (updates span ~10 chunks at FEDMQ_CHUNK_LIMIT=4096): a partial
+                                update's bytes (updates span ~35 chunks at FEDMQ_CHUNK_LIMIT=1024): a partial
                                 chunked message is in the broker
   aggregator-kill9 before-agg  a report is in, no update yet;  during-agg  an update is spooled (folded);
                    after-agg   the round's metrics row is written (the checkpoint may or may not be)
@@ -66,7 +66,7 @@ def make_plan(seed: int, clients: int = 3, kinds: tuple[str, ...] = KINDS, first
             phase = "mid-upload" if first_mid_upload and agent_kills == 0 else rng.choice(AGENT_PHASES)
             agent_kills += 1
             plan.append(Fault(kind, rnd, phase, target=rng.randrange(clients), seconds=round(rng.uniform(0, 2), 1),
-                              frac=round(rng.uniform(0.2, 0.8), 2)))
+                              frac=round(rng.uniform(0.2, 0.6), 2)))
         elif kind == "aggregator-kill9":
             plan.append(Fault(kind, rnd, rng.choice(AGG_PHASES)))
         elif kind in ("stall", "cut"):
