@@ -331,12 +331,15 @@ def rounds_to(rows: list[dict[str, Any]], target: float) -> tuple[int | None, in
 
 
 def add_rounds_to_target(out: Path, results: list[dict[str, Any]], reference: str) -> float | None:
-    """Target = the final validation perplexity of the ``reference`` run; fills rounds/bytes to reach it."""
+    """Target = the best validation perplexity the ``reference`` run reached; fills rounds/bytes to reach it.
+
+    (The best, not the last: at small scales the validation curve is far from monotone, and the last value
+    is often reached by every run in round 1.)"""
     ref = next((r for r in results if r["run"] == reference), None)
     curve = [v for v in (ref or {}).get("valid_curve", []) if v is not None]
     if not curve:
         return None
-    target = curve[-1]
+    target = min(curve)
     for r in results:
         r["target"] = target
         r["rounds_to_target"], r["bytes_to_target"] = rounds_to(_metrics(out / r["run"]), target)

@@ -52,8 +52,8 @@ def test_lm_grid_runs(name, tmp_path):
 def test_rounds_to_target(tmp_path):
     results = run_experiment("rounds-to-target", "smoke", tmp_path, report=False)
     runs = _check_common(results, tmp_path, "rounds-to-target")
-    assert results["target"] == pytest.approx(runs["fedavg-e1"]["valid_curve"][-1])
-    assert runs["fedavg-e1"]["rounds_to_target"] == 1  # the reference reaches its own final value
+    assert results["target"] == pytest.approx(min(runs["fedavg-e1"]["valid_curve"]))
+    assert runs["fedavg-e1"]["rounds_to_target"] == 1  # the reference reaches its own best value
     assert runs["fedavg-e1"]["bytes_to_target"] > 0
     # int8 deltas put fewer bytes on the wire than raw fp32 for the same rounds
     assert runs["fedavg-e1-delta-int8"]["bytes_up"] < runs["fedavg-e1"]["bytes_up"] / 2
