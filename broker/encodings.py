@@ -2,7 +2,7 @@
 
 ``encode_state`` turns a name -> tensor mapping into a msgpack-able dict::
 
-    {"fmt": 1, "enc": "delta+int8-row", "t": [record, ...]}
+    {"fmt": 2, "enc": "delta+int8-row", "t": [record, ...]}
 
 with one record per tensor, ``{"n": name, "s": shape, "dt": source dtype, "e": kind, "x": delta, ...}`` plus
 the kind's fields (byte blobs, see broker._codec_bytes). Choices where the spec is silent:
@@ -36,7 +36,8 @@ from broker._codec_threads import Task, run_all
 from broker.errors import CodecError
 from broker.manifest import Manifest
 
-FORMAT = 1
+FORMAT = 2  # 2: shuffled arrays may use byte groups (broker._codec_bytes); 1 had one plane per byte
+READS_FORMATS = (1, 2)  # a format-1 message is a format-2 message with no multi-byte group
 KINDS = ("raw", "fp16", "bf16", "int8", "topk")
 DEFAULT_MAX_BYTES = 4 << 30  # decoded float32 bytes of one state
 _FP16_MAX = 65504.0
@@ -327,8 +328,8 @@ def _decode_state(
 ) -> dict[str, np.ndarray]:
     if not isinstance(obj, dict) or set(obj) != {"fmt", "enc", "t"}:
         raise CodecError("malformed", "tensor payload must be a map with keys fmt, enc, t")
-    if type(obj["fmt"]) is not int or obj["fmt"] != FORMAT:
-        raise CodecError("unknown-version", f"tensor format {obj['fmt']!r} is not supported (want {FORMAT})")
+    if type(obj["fmt"]) is not int or obj["fmt"] not in READS_FORMATS:
+        raise CodecError("unknown-version", f"tensor format {obj['fmt']!r} is not supported (this build reads {READS_FORMATS})")
     records = obj["t"]
     if not isinstance(records, list):
         raise CodecError("malformed", "tensor list must be an array")

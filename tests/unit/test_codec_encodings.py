@@ -271,7 +271,7 @@ def test_topk_bad_indices() -> None:
 
 def test_unknown_format_and_encoding() -> None:
     obj = _enc()
-    obj["fmt"] = 2
+    obj["fmt"] = 3
     assert _reason(obj) == "unknown-version"
     obj = _enc()
     obj["t"][0]["e"] = "lz4"

@@ -28,7 +28,9 @@ def _layout(widths: list[int], level: int = 1) -> dict:
 
 
 def test_encoder_groups_the_two_random_low_bytes() -> None:
-    rec = encode_state(STATE, EncodingSpec())["t"][0]
+    obj = encode_state(STATE, EncodingSpec())
+    assert obj["fmt"] == 2  # an older reader refuses it as an unknown version, not as a malformed tensor
+    rec = obj["t"][0]
     assert [b[1] for b in rec["p"]] == [2 * N, N, N]
     assert [b[0] for b in rec["p"]] == [STORED, STORED, ZSTD]  # only the sign/exponent plane compresses
     halves = encode_state({"h": W.astype(np.float16)}, EncodingSpec(kind="fp16"))["t"][0]["p"]
@@ -37,6 +39,7 @@ def test_encoder_groups_the_two_random_low_bytes() -> None:
 
 @pytest.mark.parametrize("widths", [[1, 1, 1, 1], [2, 1, 1], [1, 3], [3, 1], [2, 2], [4]])
 def test_every_byte_group_layout_decodes_bit_exact(widths: list[int]) -> None:
+    """[1, 1, 1, 1] is the format-1 layout of the previous revision; _layout writes fmt 1."""
     obj = msgpack.unpackb(msgpack.packb(_layout(widths)))
     out = decode_state(obj, MAN)
     assert out["w"].tobytes() == W.tobytes()
