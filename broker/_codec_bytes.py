@@ -10,9 +10,9 @@ byte 1 does not compress (a sample says) they travel as one stored 2-byte group:
 of two. A plane is zstd'ed only when a sample of it shrinks by at least 5 %, else stored.
 
 Speed (see docs/benchmarks.md "## Codec"): the work is split into tasks run on the codec threads
-(broker._codec_threads): on encode one task per plane (gather byte k of every element, then compress or
-store it); on decode one task per compressed blob, then one per block of elements (interleave the planes
-back into a preallocated array, plus the caller's per-block step, e.g. the XOR of a raw delta and the
+(broker._codec_threads): on encode one task per byte group (gather it from every element, XOR it with
+the base's for a raw delta, then compress or store it); on decode one task per compressed blob, then one
+per block of elements (interleave the groups back into a preallocated array, plus the caller's per-block step, e.g. the XOR of a raw delta and the
 NaN/Inf check, while the block is in cache). At level 1 (the default) blobs are compressed with
 ``PLANE_PARAMS``, a zstd level-1 variant for byte planes: fast strategy, 64-entry hash table, matches of
 7+ bytes, 128 KiB window. Sign/exponent planes have few long repeats, so zstd's time goes to match search
