@@ -22,6 +22,7 @@ level 1 and smaller (2.77x vs 2.62x on a 10M-entry weight matrix). Frames are or
 
 from __future__ import annotations
 
+import sys
 import threading
 from functools import partial
 from typing import Any, Callable
@@ -41,6 +42,7 @@ _BLOCK = 1 << 18  # elements per un-shuffle task: keeps the working set in L2
 PLANE_PARAMS = dict(window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7, target_length=0,
                     strategy=zstd.STRATEGY_FAST)
 _local = threading.local()
+_LITTLE = sys.byteorder == "little"  # the low byte group is the low-order end of an item
 
 
 def digest(data: bytes | bytearray | memoryview) -> bytes:
@@ -249,7 +251,10 @@ def _assemble_block(out: np.ndarray, typed: np.ndarray, planes: list, groups: li
                     j: int, post: Post | None, ready: _Ready) -> None:
     ready.event.wait()
     for p, (g, dst) in zip(planes, groups):
-        dst[i:j] = np.frombuffer(p, dst.dtype, j - i, i * g)
+        if dst.itemsize == g:
+            dst[i:j] = np.frombuffer(p, dst.dtype, j - i, i * g)
+        else:  # the lowest group, widened into whole items (a vectorised cast; later groups overwrite the zeros)
+            np.copyto(dst[i:j], np.frombuffer(p, f"u{g}", j - i, i * g), casting="unsafe")
     if post is not None:
         post(typed, i, j)
 
@@ -305,7 +310,10 @@ def unpack_array(blobs: object, dtype: np.dtype, n: int, work: Unpacking, *, wri
         if codec == ZSTD:
             inflates.append((sz, partial(_inflate_into, planes, k, data, sz, ready)))
         g = sz // n
-        groups.append((g, _group_view(out, n, w, off, g)))
+        if off == 0 and g < w and g in (1, 2, 4) and w in (2, 4, 8) and _LITTLE:
+            groups.append((g, out.view(f"u{w}").reshape(n)))  # must stay first: assembled in group order
+        else:
+            groups.append((g, _group_view(out, n, w, off, g)))
         off += g
     ready.left = len(inflates)
     if not inflates:
