@@ -205,6 +205,8 @@ def aggregator_run(
     user: Optional[str] = typer.Option(None, envvar="FEDMQ_BROKER_USER"),
     password: Optional[str] = typer.Option(None, envvar="FEDMQ_BROKER_PASSWORD"),
     metrics_port: int = typer.Option(0, envvar="FEDMQ_METRICS_PORT", help="serve /metrics, /healthz, /readyz (0 = off)"),
+    chunk_limit: int = typer.Option(8 * 1024 * 1024, envvar="FEDMQ_CHUNK_LIMIT", help="split messages above this many bytes"),
+    heartbeat: int = typer.Option(30, envvar="FEDMQ_HEARTBEAT", help="AMQP heartbeat in seconds"),
     log_format: str = typer.Option("json", envvar="FEDMQ_LOG_FORMAT", help="json | console"),
     log_level: str = LOG_LEVEL,
     print_config: bool = typer.Option(False, help="print the resolved, validated config as JSON and exit"),
@@ -229,7 +231,7 @@ def aggregator_run(
         return
     _setup_logs(log_level, log_format, state_dir / "logs" / "aggregator.jsonl")
     task_obj = _make_task(task_opts)
-    conn = connect(_broker_url(broker, user, password))
+    conn = connect(_broker_url(broker, user, password), chunk_limit=chunk_limit, heartbeat=heartbeat)
     from broker import topology
     telemetry = None
     if metrics_port:
@@ -269,6 +271,8 @@ def agent_run(
     password: Optional[str] = typer.Option(None, envvar="FEDMQ_BROKER_PASSWORD"),
     seed: int = typer.Option(0, envvar="FEDMQ_SEED"),
     metrics_port: int = typer.Option(0, envvar="FEDMQ_METRICS_PORT"),
+    chunk_limit: int = typer.Option(8 * 1024 * 1024, envvar="FEDMQ_CHUNK_LIMIT", help="split messages above this many bytes"),
+    heartbeat: int = typer.Option(30, envvar="FEDMQ_HEARTBEAT", help="AMQP heartbeat in seconds"),
     audit_log: Optional[Path] = typer.Option(None, envvar="FEDMQ_AUDIT_LOG",
                                              help="append one JSON line per broker-confirmed upload (fault audits)"),
     log_format: str = typer.Option("json", envvar="FEDMQ_LOG_FORMAT"),
@@ -304,7 +308,7 @@ def agent_run(
     task_opts.setdefault("clients", values.get("clients", index + 1))
     task_obj = _make_task(task_opts)
     url = _broker_url(broker, user, password)
-    agent = Agent(lambda: connect(url), job, client_id, index, task_obj,
+    agent = Agent(lambda: connect(url, chunk_limit=chunk_limit, heartbeat=heartbeat), job, client_id, index, task_obj,
                   availability=parse_availability(availability, seed), faults=parse_faults(faults, seed),
                   device=device, seed=seed, audit_log=audit_log)
     telemetry = None

@@ -107,7 +107,7 @@ class Federation:
     job_options: dict[str, Any] = field(default_factory=dict)
     agent_faults: dict[int, str] = field(default_factory=dict)
     agent_url: Callable[[int], str] | None = None  # per-agent broker URL (e.g. through a TCP proxy)
-    agent_env: dict[str, str] = field(default_factory=dict)  # FEDMQ_CHUNK_LIMIT / FEDMQ_HEARTBEAT (agent_shim.py)
+    agent_env: dict[str, str] = field(default_factory=dict)  # e.g. FEDMQ_CHUNK_LIMIT / FEDMQ_HEARTBEAT for agents
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     restarts: int = 0
 
@@ -136,9 +136,7 @@ class Federation:
     def _spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
         out = open(self.logs / f"{name}.out", "ab")
         err = open(self.logs / f"{name}.err", "ab")
-        # with connection options set, agents run the same CLI through agent_shim.py (see its docstring)
-        cmd = [sys.executable, str(Path(__file__).with_name("agent_shim.py"))] if extra_env else [FEDMQ]
-        proc = subprocess.Popen([*cmd, *args], stdout=out, stderr=err, env={**self._env(), **(extra_env or {})},
+        proc = subprocess.Popen([FEDMQ, *args], stdout=out, stderr=err, env={**self._env(), **(extra_env or {})},
                                 cwd=self.base, start_new_session=True)
         self.procs[name] = proc
         return proc
