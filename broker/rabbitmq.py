@@ -446,6 +446,8 @@ class RabbitBroker(Broker):
                         ch._impl.basic_publish(EXCHANGE, job.routing_key, data, props, mandatory=True)
                     except pe.ChannelWrongStateError:
                         pass  # the channel was closed by the broker: reported below
+                    if len(job.parts) > 1:  # write this chunk now, so the broker works on it while we encode the next
+                        self._conn.process_data_events(time_limit=0)
                     continue
                 if job.returned and inflight == 0:
                     break
