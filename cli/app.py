@@ -52,6 +52,12 @@ def _task_options(task: str, **options: Any) -> dict[str, Any]:
     return {"task": task, **{k: v for k, v in options.items() if v is not None}}
 
 
+def _tune_allocator() -> None:
+    """Services and simulations move model-sized buffers all the time: let glibc reuse them (broker/_codec_malloc.py)."""
+    from broker._codec_malloc import tune_allocator
+    tune_allocator()
+
+
 def _make_task(options: dict[str, Any]):
     from client_agent.tasks.registry import make_task
     opts = dict(options)
@@ -80,7 +86,7 @@ def simulate(
     beta: float = typer.Option(1.0, help="top-K share of reporting agents granted an upload (FedMed β)"),
     noise: float = typer.Option(0.0, help="randomization: agents add noise·N(0,1) before upload (FedAtt Eq. 6)"),
     pull_fraction: float = typer.Option(0.5, help="dynamic pulling: share of tensors sent (0.5 or 0.33)"),
-    encoding: str = typer.Option("raw", help="uplink encoding: raw|fp16|bf16|int8|int8-row|topk:D, prefix delta+"),
+    encoding: str = typer.Option("raw", help="uplink encoding: raw|fp16|bf16|int8|int8-row|topk:D, prefix delta+, suffix @LEVEL (zstd, default 1)"),
     down_encoding: str = typer.Option("raw", help="downlink encoding of the global model"),
     rounds: int = typer.Option(8, "--rounds", "-r", help="communication rounds (async: global versions)"),
     min_clients: int = typer.Option(1, help="a round with fewer updates is closed as skipped"),
@@ -119,6 +125,8 @@ def simulate(
     """
     from aggregator.config import JobConfig
     from cli.simulate import Simulation
+
+    _tune_allocator()
 
     run_dir = out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{strategy}"
     if resume and not (run_dir / "config.json").is_file():
@@ -219,6 +227,8 @@ def aggregator_run(
     """
     from aggregator.config import JobConfig
     from aggregator.engine import Engine
+
+    _tune_allocator()
     from broker.connect import connect
 
     values = _load_config_file(config)
@@ -287,6 +297,8 @@ def agent_run(
     from broker.connect import connect
     from client_agent.agent import Agent
     from client_agent.availability import parse_availability, parse_faults
+
+    _tune_allocator()
 
     _setup_logs(log_level, log_format)
     if client_id_from_hostname:
