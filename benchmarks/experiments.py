@@ -352,7 +352,7 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         if not math.isfinite(value):
             return str(value)
-        return f"{value:.2f}"
+        return f"{value:.2f}" if abs(value) >= 10 or value == 0 else f"{value:.4g}"
     if isinstance(value, list):
         return " ".join(_fmt(v) if v is not None else "·" for v in value)
     return str(value)
