@@ -22,7 +22,7 @@ from typing import Any
 import structlog
 
 from broker.base import Broker, Delivery, Handler
-from broker.chunking import Chunk, Reassembler, decode_chunk, encode_chunk, split
+from broker.chunking import Chunk, Reassembler, decode_chunk, encode_chunk, encode_chunk_parts, split
 from broker.errors import CodecError
 
 log = structlog.get_logger(__name__)
@@ -46,6 +46,42 @@ def chunk_parts(body: bytes, message_id: str, limit: int) -> list[Chunk] | None:
     if len(body) <= limit:
         return None
     return split(body, message_id, limit)
+
+
+class ChunkFrame:
+    """The encoded frame of a chunk seen as a read-only body: ``len`` and contiguous slices as bytes.
+
+    Made of the frame's header and a view of the chunk's data, never joined: a transport that slices the
+    body into its own frames (pika) copies each slice once, as it would slice a bytes body, so sending a
+    chunk costs no copy beyond what sending an unchunked body costs. ``bytes(frame)`` is the joined frame.
+    """
+
+    __slots__ = ("head", "data", "_n")
+
+    def __init__(self, chunk: Chunk) -> None:
+        self.head, self.data = encode_chunk_parts(chunk)
+        self._n = len(self.head) + self.data.nbytes
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, key: slice) -> bytes:
+        if not isinstance(key, slice):
+            raise TypeError("ChunkFrame supports slices only")
+        start, stop, step = key.indices(self._n)
+        if step != 1:
+            raise ValueError("ChunkFrame supports contiguous slices only")
+        h = len(self.head)
+        if stop <= start:
+            return b""
+        if stop <= h:
+            return self.head[start:stop]
+        if start >= h:
+            return self.data[start - h : stop - h].tobytes()
+        return self.head[start:] + self.data[: stop - h].tobytes()
+
+    def __bytes__(self) -> bytes:
+        return b"".join((self.head, self.data))
 
 
 @dataclass

@@ -16,7 +16,9 @@ knows each chunk's offset on arrival (out of order is fine) once the limits are 
 
 Copies (they dominate the cost of chunking, see docs/benchmarks.md "## Broker"): each side copies the
 data once. :func:`split` returns zero-copy memoryview slices of the body; :func:`encode_chunk` writes the
-frame header and the data in one ``join`` (byte-identical to ``msgpack.packb`` of the 9-element array);
+frame header and the data in one ``join`` (byte-identical to ``msgpack.packb`` of the 9-element array), and
+:func:`encode_chunk_parts` returns the header and a view of the data for a transport that copies them out
+itself (the RabbitMQ backend: no copy of ours on publish);
 :func:`decode_chunk` parses the small header with msgpack and returns the data as a read-only view of the
 frame (a copy only when the frame is not ``bytes``); :class:`Reassembler` keeps the views until the last
 chunk arrives and joins them into the body. Each side hashes every byte twice with xxh3 (chunk digest,
@@ -88,6 +90,17 @@ def split(body: bytes, msg_id: str, limit: int = DEFAULT_CHUNK_LIMIT) -> list[Ch
 
 def encode_chunk(chunk: Chunk) -> bytes:
     """The self-describing msgpack frame of one chunk, with a per-chunk digest."""
+    head, data = encode_chunk_parts(chunk)
+    # the same bytes as packb of the 9-element array, with one copy of the data instead of three
+    return b"".join((head, data))
+
+
+def encode_chunk_parts(chunk: Chunk) -> tuple[bytes, memoryview]:
+    """The frame of :func:`encode_chunk` as (everything before the data, a view of the data): no copy.
+
+    For a transport that copies the body into its own frames anyway (pika cuts it into 128 KiB AMQP body
+    frames), see ``broker.chunked.ChunkFrame``.
+    """
     _check_fields(chunk.msg_id, chunk.index, chunk.total, chunk.total_size, chunk.digest, chunk.data)
     data = _byte_view(chunk.data)
     cd = _chunk_digest(chunk.msg_id, chunk.index, chunk.total, chunk.total_size, chunk.digest, data)
@@ -95,8 +108,7 @@ def encode_chunk(chunk: Chunk) -> bytes:
         [MAGIC, FRAME_VERSION, chunk.msg_id, chunk.index, chunk.total, chunk.total_size, chunk.digest, cd],
         use_bin_type=True,
     )
-    # the same bytes as packb of the 9-element array, with one copy of the data instead of three
-    return b"".join((b"\x99", head[1:], _bin_header(data.nbytes), data))
+    return b"\x99" + head[1:] + _bin_header(data.nbytes), data
 
 
 def _bin_header(n: int) -> bytes:

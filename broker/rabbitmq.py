@@ -8,8 +8,8 @@ Deliveries go to a dispatcher thread that reassembles chunks and runs the handle
 handler nor a long training step on another thread can stop heartbeats.
 
 Publishing: a channel in confirm mode, ``mandatory``, persistent, ``user_id`` = this connection's user.
-The chunks of one message are pipelined (up to PIPELINE in flight; each frame is encoded only when sent and
-not kept) and their acks, nacks and returns tracked
+The chunks of one message are pipelined (up to PIPELINE in flight; each frame is encoded only when sent, from
+views of the body, see _publish_frame) and their acks, nacks and returns tracked
 per delivery tag; a publish stays at the head of the command queue until every part is confirmed, so after a
 lost connection the unconfirmed parts are republished (a duplicate is possible and harmless: chunks are
 deduplicated by the reassembler, updates by their id in the aggregator). Nacks are retried until the deadline.
@@ -37,8 +37,8 @@ import pika.exceptions as pe
 import structlog
 
 from broker.base import Broker, Delivery, Handler
-from broker.chunked import CHUNK_HEADER, ChunkGate, Tag, chunk_parts, run_handler
-from broker.chunking import DEFAULT_CHUNK_LIMIT, Chunk, encode_chunk
+from broker.chunked import CHUNK_HEADER, ChunkFrame, ChunkGate, Tag, chunk_parts, run_handler
+from broker.chunking import DEFAULT_CHUNK_LIMIT, Chunk
 from broker.errors import BrokerError
 from broker.queues import check_publish_args, job_queues, latest_length
 from broker.tls import TlsOptions, ssl_options
@@ -89,6 +89,15 @@ class _Publish:
     confirmed: set[int] = field(default_factory=set)
     nacked: set[int] = field(default_factory=set)
     returned: bool = False
+
+
+def _publish_frame(impl: Any, routing_key: str, frame: ChunkFrame, props: pika.BasicProperties) -> None:
+    """pika's Channel.basic_publish (check open, send Basic.Publish with the content) minus its ``as_bytes``,
+    which would force us to join the frame into one bytes first: pika only takes ``len`` and slices of the
+    body, each copied once into a 128 KiB AMQP frame, so a chunk is sent straight from the message body."""
+    impl._raise_if_not_open()
+    impl._send_method(pika.spec.Basic.Publish(exchange=EXCHANGE, routing_key=routing_key, mandatory=True),
+                      (props, frame))
 
 
 class RabbitBroker(Broker):
@@ -438,12 +447,13 @@ class RabbitBroker(Broker):
                 if todo and inflight < PIPELINE and not job.returned:
                     i = todo.pop(0)
                     data, props = job.parts[i]
-                    if isinstance(data, Chunk):  # encoded now and dropped once pika has copied it to frames
-                        data = encode_chunk(data)
                     self._pub_seq += 1
                     self._pub_pending[self._pub_seq] = (job, i)
                     try:
-                        ch._impl.basic_publish(EXCHANGE, job.routing_key, data, props, mandatory=True)
+                        if isinstance(data, Chunk):
+                            _publish_frame(ch._impl, job.routing_key, ChunkFrame(data), props)
+                        else:
+                            ch._impl.basic_publish(EXCHANGE, job.routing_key, data, props, mandatory=True)
                     except pe.ChannelWrongStateError:
                         pass  # the channel was closed by the broker: reported below
                     if len(job.parts) > 1:  # write this chunk now, so the broker works on it while we encode the next

@@ -264,3 +264,18 @@ def test_reassembled_body_is_bytes_and_independent_of_frames() -> None:
     assert e.value.reason == "bad-digest"
     outs2 = [r2.add(decode_chunk(f), now=0.0) for f in good[1:]]
     assert outs2[-1] == body
+
+
+def test_chunk_frame_slices_like_the_encoded_frame() -> None:
+    """ChunkFrame (header + view of the data, sent by the RabbitMQ backend) reads exactly as encode_chunk."""
+    from broker.chunked import ChunkFrame
+
+    body = os.urandom(300_000)
+    for c in split(body, "m", 131_072):
+        f, e = ChunkFrame(c), encode_chunk(c)
+        assert len(f) == len(e) and bytes(f) == e
+        head = len(f.head)
+        for a, z in ((0, 131_072), (0, 3), (head - 1, head + 1), (head, head + 7), (5, 10**9), (len(e), len(e) + 5), (9, 2)):
+            assert f[a:z] == e[a:z]
+        with pytest.raises((TypeError, ValueError)):
+            f[::2]
