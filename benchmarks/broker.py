@@ -5,7 +5,8 @@ Every path publishes persistent messages with ``mandatory`` and waits for each c
 (a quorum queue), then consumes them with manual acks (prefetch 64). fedmq's path chunks bodies over the
 chunk limit (8 MiB) and hands them through its I/O and dispatcher threads; raw pika sends one message.
 ``fedmq-unchunked`` is fedmq's path with a 120 MiB chunk limit (fine on 3.10, not on 4.x): the difference
-between the two fedmq rows is the cost of chunking (one copy and two xxh3 passes per side), the rest is the
+between the two fedmq rows is the cost of chunking (two xxh3 passes per side and, on the consuming side, one
+copy joining the chunks; the publishing side sends the chunks from views of the body), the rest is the
 transport.
 
 Noise (the machine is shared): in each repeat every path runs once, in an order rotated between repeats; the
