@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import structlog
 
@@ -119,6 +119,17 @@ class ChunkGate:
         self.rejected = 0
         self.early_acked = 0
 
+    def expire(self) -> list[Any]:
+        """Raw tags of the held chunks of messages that stayed incomplete past the timeout (their sender died
+        mid-upload): the reassembler forgets them and the backend rejects these tags, so nothing stays unacked."""
+        with self._lock:
+            self.reassembler.expire()
+            pending = self.reassembler.pending_ids()
+            gone = [mid for mid in self._held if mid not in pending]  # expired, or rejected mid-way
+            tags = [t for mid in gone for t in self._held.pop(mid)]
+            self._unsettled -= len(tags)
+            return tags
+
     def reset(self) -> None:
         """The connection was lost: every raw tag is void (the broker requeued them); keep reassembled data."""
         with self._lock:
@@ -175,6 +186,13 @@ class ChunkGate:
                          chunks=len(early), window=self.window)
                 return Outcome(ack=early)
             return Outcome()
+
+
+def expire_partials(consumers: Iterable[Any], settle: Callable[[Any, bool | None], None]) -> None:
+    """Reject the held chunks of messages left incomplete past their timeout, for every consumer's gate."""
+    for c in list(consumers):
+        for t in c.gate.expire():
+            settle(t, False)
 
 
 def run_handler(broker: "Broker", handler: Handler, d: Delivery) -> None:

@@ -372,6 +372,7 @@ class Reassembler:
         for mid in dropped:
             p = self._pending.pop(mid)
             self._bytes -= p.total_size
+            self._remember(mid, now, False)  # a chunk arriving later is rejected, not the start of a new partial
             log.warning("chunked message expired", msg_id=mid, received=len(p.parts), total=p.total)
         while self._finished:
             mid, (when, _) = next(iter(self._finished.items()))
@@ -383,6 +384,10 @@ class Reassembler:
     def pending_bytes(self) -> int:
         with self._lock:
             return self._bytes
+
+    def pending_ids(self) -> set[str]:
+        with self._lock:
+            return set(self._pending)
 
     def pending_messages(self) -> int:
         with self._lock:

@@ -58,7 +58,7 @@ def _connect_memory(url: str, user: str | None, prefetch: int, chunk_limit: int,
     url_user = unquote(url_user)
     if user and url_user and user != url_user:
         raise BrokerError(f"user {user!r} conflicts with the user {url_user!r} in the broker URL")
-    unknown = set(kw) - {"max_message_size"}
+    unknown = set(kw) - {"max_message_size", "chunk_timeout_s"}
     if unknown:
         raise BrokerError(f"unknown option(s) for the memory broker: {', '.join(sorted(unknown))}")
     return MemoryBroker(name or "default", user=user or url_user or "guest", prefetch=prefetch,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import queue as queue_mod
+import time
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -21,12 +22,13 @@ from typing import Any
 import structlog
 
 from broker.base import Broker, Delivery, Handler
-from broker.chunked import CHUNK_HEADER, ChunkGate, Tag, chunk_messages, run_handler
+from broker.chunked import CHUNK_HEADER, ChunkGate, Tag, chunk_messages, expire_partials, run_handler
 from broker.chunking import DEFAULT_CHUNK_LIMIT
 from broker.errors import BrokerError
 from broker.queues import check_publish_args, job_queues, latest_length
 
 log = structlog.get_logger(__name__)
+EXPIRY_CHECK_S = 1.0  # how often an idle dispatcher drops incomplete chunked messages past their timeout
 
 
 def topic_matches(pattern: str, key: str) -> bool:
@@ -154,12 +156,14 @@ class MemoryBroker(Broker):
     """One connection to the in-process hub ``name`` (see module docstring)."""
 
     def __init__(self, name: str, *, user: str = "guest", prefetch: int = 64,
-                 chunk_limit: int = DEFAULT_CHUNK_LIMIT, max_message_size: int = 4 * 1024**3) -> None:
+                 chunk_limit: int = DEFAULT_CHUNK_LIMIT, max_message_size: int = 4 * 1024**3,
+                 chunk_timeout_s: float = 600.0) -> None:
         self.url = f"memory://{user}@{name}"
         self.user = user
         self.prefetch = prefetch
         self.chunk_limit = chunk_limit
         self.max_message_size = max_message_size
+        self.chunk_timeout_s = chunk_timeout_s  # an incomplete chunked message is dropped this long after its last chunk
         self._hub = hub(name)
         self._consumers: dict[str, _Consumer] = {}
         self._closed = False
@@ -202,7 +206,8 @@ class MemoryBroker(Broker):
             if q is None:
                 raise BrokerError(f"cannot consume {queue!r}: no such queue (declare the job first)")
             tag = f"memory-{uuid.uuid4().hex[:12]}"
-            c = _Consumer(tag, q, self, handler, window, ChunkGate(window, max_message_size=self.max_message_size))
+            c = _Consumer(tag, q, self, handler, window, ChunkGate(window, max_message_size=self.max_message_size,
+                                                                       timeout_s=self.chunk_timeout_s))
             q.consumers.append(c)
             self._consumers[tag] = c
             self._hub.pump(q)
@@ -245,8 +250,15 @@ class MemoryBroker(Broker):
         self._settle(delivery, requeue)
 
     def _dispatch_loop(self) -> None:
+        last_expiry = time.monotonic()
         while True:
-            item = self._inbox.get()
+            if time.monotonic() - last_expiry >= EXPIRY_CHECK_S:
+                expire_partials(self._consumers.values(), self._settle_raw)
+                last_expiry = time.monotonic()
+            try:
+                item = self._inbox.get(timeout=EXPIRY_CHECK_S)
+            except queue_mod.Empty:
+                continue
             if item is None:
                 return
             c, raw = item

@@ -37,7 +37,7 @@ import pika.exceptions as pe
 import structlog
 
 from broker.base import Broker, Delivery, Handler
-from broker.chunked import CHUNK_HEADER, ChunkFrame, ChunkGate, Tag, chunk_parts, run_handler
+from broker.chunked import CHUNK_HEADER, ChunkFrame, ChunkGate, Tag, chunk_parts, expire_partials, run_handler
 from broker.chunking import DEFAULT_CHUNK_LIMIT, Chunk
 from broker.errors import BrokerError
 from broker.queues import check_publish_args, job_queues, latest_length
@@ -45,6 +45,7 @@ from broker.tls import TlsOptions, ssl_options
 from broker.topology import EXCHANGE
 
 log = structlog.get_logger(__name__)
+EXPIRY_CHECK_S = 1.0  # how often an idle dispatcher drops incomplete chunked messages past their timeout
 
 PIPELINE = 8  # chunk messages of one publish in flight before waiting for confirms
 
@@ -105,7 +106,9 @@ class RabbitBroker(Broker):
 
     def __init__(self, url: str, *, user: str | None = None, prefetch: int = 64, heartbeat: int = 30,
                  chunk_limit: int = DEFAULT_CHUNK_LIMIT, tls: TlsOptions | None = None, connect_timeout: float = 5.0,
-                 publish_timeout: float = 300.0, max_backoff: float = 5.0, max_message_size: int = 4 * 1024**3) -> None:
+                 publish_timeout: float = 300.0, max_backoff: float = 5.0, max_message_size: int = 4 * 1024**3,
+                 chunk_timeout_s: float = 600.0) -> None:
+        self.chunk_timeout_s = chunk_timeout_s  # an incomplete chunked message is dropped this long after its last chunk
         self.url = url
         try:
             params = pika.URLParameters(url)
@@ -511,7 +514,8 @@ class RabbitBroker(Broker):
     def consume(self, queue: str, handler: Handler, *, prefetch: int | None = None) -> str:
         window = prefetch or self.prefetch
         c = _Consumer(f"fedmq-{uuid.uuid4().hex[:12]}", queue, handler, window,
-                      ChunkGate(window, max_message_size=self.max_message_size))
+                      ChunkGate(window, max_message_size=self.max_message_size,
+                                timeout_s=self.chunk_timeout_s))
 
         def run(b: "RabbitBroker") -> str:
             b._subscribe(c)
@@ -560,13 +564,20 @@ class RabbitBroker(Broker):
         self._settle(delivery, requeue)
 
     def _dispatch_loop(self) -> None:
+        last_expiry = time.monotonic()
         while True:
+            if time.monotonic() - last_expiry >= EXPIRY_CHECK_S:
+                expire_partials(self._consumers.values(), self._settle_raw)
+                last_expiry = time.monotonic()
             with self._dispatch_cv:
-                while not self._dispatch_q and not self._stopping:
-                    self._dispatch_cv.wait()
+                if not self._dispatch_q and not self._stopping:
+                    self._dispatch_cv.wait(timeout=EXPIRY_CHECK_S)
                 if self._stopping:
                     return  # unacked deliveries go back to the queue when the connection closes
-                c, raw = self._dispatch_q.popleft()
+                item = self._dispatch_q.popleft() if self._dispatch_q else None
+            if item is None:
+                continue
+            c, raw = item
             if c.tag not in self._consumers or raw.tag[0] != c.gen:
                 continue  # cancelled, or from a lost connection (requeued by the broker)
             out = c.gate.feed(raw)

@@ -241,7 +241,9 @@ def aggregator_run(
         return
     _setup_logs(log_level, log_format, state_dir / "logs" / "aggregator.jsonl")
     task_obj = _make_task(task_opts)
-    conn = connect(_broker_url(broker, user, password), chunk_limit=chunk_limit, heartbeat=heartbeat)
+    # a chunked update whose sender went silent for a whole update deadline is dropped (its chunks rejected)
+    conn = connect(_broker_url(broker, user, password), chunk_limit=chunk_limit, heartbeat=heartbeat,
+                   chunk_timeout_s=cfg.update_deadline_s)
     from broker import topology
     telemetry = None
     if metrics_port:

@@ -6,10 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-import uuid
 
-import pika
-import pytest
 
 from broker import topology as t
 from broker.connect import connect
@@ -23,20 +20,6 @@ def test_latest_length_fits_a_chunked_model():
     assert latest_length(1000, CHUNK) == 1  # unchunked: the newest message only
     assert latest_length(MODEL, CHUNK) >= 6
     assert job_queues("j", ["a"], latest_max_length=7)[1].arguments["x-max-length"] == 7
-
-
-@pytest.fixture(params=["memory", "rabbitmq"])
-def url(request, job_id):
-    if request.param == "memory":
-        yield f"memory://latest-{uuid.uuid4().hex[:8]}"
-        return
-    rabbit = request.getfixturevalue("rabbit_url")
-    yield rabbit
-    conn = pika.BlockingConnection(pika.URLParameters(rabbit))
-    ch = conn.channel()
-    for spec in job_queues(job_id, ["agent-0"]):
-        ch.queue_delete(spec.name)
-    conn.close()
 
 
 def _collect(agent, job):

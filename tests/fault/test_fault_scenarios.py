@@ -49,7 +49,7 @@ class Run:
     extra_s: dict[int, float] = field(default_factory=dict)  # round -> allowed extra wall time (downtime)
     evidence: list[str] = field(default_factory=list)
     partial_ids: list[str] = field(default_factory=list)  # msg ids of updates killed mid-upload
-    broker_down: list[int] = field(default_factory=list)  # rounds in which the node was killed
+    broker_down: list[int] = field(default_factory=list)  # rounds in which the node was restarted or killed
 
     # ---------------------------------------------------------------- phases, observed from outside
     def reached(self, f: Fault, rnd: int) -> bool:
@@ -120,6 +120,7 @@ class Run:
             fed.start_aggregator(self.agg)
             self.extra_s[rnd] = self.extra_s.get(rnd, 0.0) + 15.0  # the new process's start (imports, restore)
         elif f.kind == "broker-restart":
+            self.broker_down.append(rnd)  # a graceful restart is an outage too: reconnect backoff may outlast a deadline
             node.stop_app()
             time.sleep(1.0)
             node.start_app()
