@@ -41,6 +41,10 @@ from broker.encodings import EncodingSpec, decode_state, encode_state, raw_nbyte
 from broker.envelope import Kind
 from broker.errors import CodecError, FedmqError
 from broker.manifest import Manifest
+from broker.chunking import DEFAULT_CHUNK_LIMIT
+from broker.queues import message_chunks
+
+MAX_PREFETCH = 65535  # AMQP's prefetch-count is a 16-bit field
 from client_agent.tasks.base import Task, load_state, model_state
 
 log = structlog.get_logger(__name__)
@@ -98,7 +102,8 @@ class Engine:
     def run(self, resume: bool = True) -> dict[str, Any]:
         """Declare the topology, resume from the last checkpoint, run the rounds, write the summary."""
         self.broker.declare_job(self.cfg.job, [])
-        self._consumer = self.broker.consume(topology.q_inbox(self.cfg.job), self.inbox.handler)
+        self._consumer = self.broker.consume(topology.q_inbox(self.cfg.job), self.inbox.handler,
+                                             prefetch=self._inbox_prefetch())
         started = time.time()
         try:
             self.phase = "standby"
@@ -122,6 +127,16 @@ class Engine:
         summary = self._summary(time.time() - started)
         self.runlog.write_summary(summary)
         return summary
+
+    def _inbox_prefetch(self) -> int:
+        """Prefetch sized to the round (DESIGN.md): every chunk of every selected agent's update can be in flight.
+
+        A smaller window would make the broker layer ack chunks before their message is complete (to avoid a
+        deadlock), and a crash of this process would then lose those partially received, confirmed updates.
+        """
+        chunk_limit = getattr(self.broker, "chunk_limit", DEFAULT_CHUNK_LIMIT)
+        per_update = message_chunks(self.manifest.message_bound, chunk_limit)
+        return min(MAX_PREFETCH, max(64, self.cfg.selected_count() * per_update + 16))
 
     def status(self) -> dict[str, Any]:
         return {"job": self.cfg.job, "round": self.round, "version": self.version, "phase": self.phase,

@@ -40,7 +40,7 @@ class Broker(ABC):
         """Idempotently declare the job's exchange, the aggregator inbox (if ``inbox``) and each agent's queues.
 
         ``model_bytes`` (an upper bound on a global-model message) sizes the agents' latest queues so that a
-        chunked model fits whole (broker.queues.latest_length).
+        chunked model fits whole (broker.queues.message_chunks).
         """
 
     @abstractmethod

@@ -372,7 +372,8 @@ class Reassembler:
         for mid in dropped:
             p = self._pending.pop(mid)
             self._bytes -= p.total_size
-            self._remember(mid, now, False)  # a chunk arriving later is rejected, not the start of a new partial
+            # not remembered as failed: after a reconnect the broker redelivers every chunk of a confirmed message
+            # (the held ones were unacked), and they must be able to complete it
             log.warning("chunked message expired", msg_id=mid, received=len(p.parts), total=p.total)
         while self._finished:
             mid, (when, _) = next(iter(self._finished.items()))

@@ -66,6 +66,11 @@ class Manifest:
     def numel(self) -> int:
         return sum(t.numel for t in self.tensors)
 
+    @property
+    def message_bound(self) -> int:
+        """Upper bound of one message carrying the whole model (raw fp32 plus framing), for queue sizing."""
+        return self.numel * 4 + (1 << 16)
+
     def to_dict(self) -> list[dict]:
         return [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "group": t.group} for t in self.tensors]
 

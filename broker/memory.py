@@ -25,7 +25,7 @@ from broker.base import Broker, Delivery, Handler
 from broker.chunked import CHUNK_HEADER, ChunkGate, Tag, chunk_messages, expire_partials, run_handler
 from broker.chunking import DEFAULT_CHUNK_LIMIT
 from broker.errors import BrokerError
-from broker.queues import check_publish_args, job_queues, latest_length
+from broker.queues import check_publish_args, job_queues, message_chunks
 
 log = structlog.get_logger(__name__)
 EXPIRY_CHECK_S = 1.0  # how often an idle dispatcher drops incomplete chunked messages past their timeout
@@ -175,7 +175,7 @@ class MemoryBroker(Broker):
     def declare_job(self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True,
                     model_bytes: int = 0) -> None:
         self._check_open()
-        for spec in job_queues(job, agents, inbox=inbox, latest_max_length=latest_length(model_bytes, self.chunk_limit)):
+        for spec in job_queues(job, agents, inbox=inbox, latest_max_length=message_chunks(model_bytes, self.chunk_limit)):
             self._hub.declare(spec.name, spec.arguments, spec.bindings)
 
     def publish(self, routing_key: str, body: bytes, *, message_id: str | None = None,

@@ -21,12 +21,12 @@ class QueueSpec:
     bindings: tuple[str, ...] = ()
 
 
-def latest_length(model_bytes: int, chunk_limit: int) -> int:
-    """x-max-length of an agent's latest queue: every chunk of the newest global model must fit.
+def message_chunks(model_bytes: int, chunk_limit: int) -> int:
+    """How many messages a model message of up to ``model_bytes`` can take on the wire (1 when unchunked).
 
-    A model larger than the chunk limit travels as several chunk messages; a max-length-1 queue would keep only
-    the last chunk and the model would never arrive. The queue keeps the newest model's chunks (with 5 % and one
-    slot of slack, so a trailing chunk of an older model may stay: the reassembler expires it).
+    Sizes an agent's latest queue (x-max-length: a max-length-1 queue would keep only the last chunk of a
+    chunked model, so it would never arrive) and the aggregator's prefetch. 5 % and one message of slack: a
+    trailing chunk of an older model may stay in a latest queue; the reassembler expires it.
     """
     if model_bytes <= chunk_limit:
         return 1

@@ -40,7 +40,7 @@ from broker.base import Broker, Delivery, Handler
 from broker.chunked import CHUNK_HEADER, ChunkFrame, ChunkGate, Tag, chunk_parts, expire_partials, run_handler
 from broker.chunking import DEFAULT_CHUNK_LIMIT, Chunk
 from broker.errors import BrokerError
-from broker.queues import check_publish_args, job_queues, latest_length
+from broker.queues import check_publish_args, job_queues, message_chunks
 from broker.tls import TlsOptions, ssl_options
 from broker.topology import EXCHANGE
 
@@ -381,7 +381,7 @@ class RabbitBroker(Broker):
     def declare_job(self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True,
                     model_bytes: int = 0) -> None:
         agents_t = tuple(agents)
-        length = latest_length(model_bytes, self.chunk_limit)
+        length = message_chunks(model_bytes, self.chunk_limit)
         job_queues(job, agents_t, inbox=inbox)  # validate ids in the caller's thread
 
         def run(b: "RabbitBroker") -> None:

@@ -241,9 +241,10 @@ def aggregator_run(
         return
     _setup_logs(log_level, log_format, state_dir / "logs" / "aggregator.jsonl")
     task_obj = _make_task(task_opts)
-    # a chunked update whose sender went silent for a whole update deadline is dropped (its chunks rejected)
+    # a chunked update whose sender went silent this long (it died mid-upload) is dropped and its chunks rejected;
+    # generous, because a publisher blocked by flow control is silent too and its update must still complete
     conn = connect(_broker_url(broker, user, password), chunk_limit=chunk_limit, heartbeat=heartbeat,
-                   chunk_timeout_s=cfg.update_deadline_s)
+                   chunk_timeout_s=max(cfg.update_deadline_s, 300.0))
     from broker import topology
     telemetry = None
     if metrics_port:

@@ -75,8 +75,6 @@ class Agent:
         self.stop = threading.Event()
         self.model = task.build_model(seed)
         self.manifest = task.manifest(self.model)
-        # upper bound of a global-model message (raw fp32 + framing): sizes the latest queue for chunked models
-        self.model_bytes = self.manifest.numel * 4 + (1 << 16)
         self.groups = task.groups()
         self.version = messages.NO_VERSION
         self.held: dict[str, torch.Tensor] | None = None  # the newest global model we hold
@@ -98,7 +96,7 @@ class Agent:
             broker = None
             try:
                 broker = self.connect()
-                broker.declare_job(self.job, [self.client], inbox=False, model_bytes=self.model_bytes)
+                broker.declare_job(self.job, [self.client], inbox=False, model_bytes=self.manifest.message_bound)
                 self._events = queue.Queue()
                 broker.consume(topology.q_latest(self.job, self.client), self._events.put, prefetch=1)
                 broker.consume(topology.q_control(self.job, self.client), self._events.put, prefetch=16)

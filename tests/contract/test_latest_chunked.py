@@ -10,15 +10,15 @@ import time
 
 from broker import topology as t
 from broker.connect import connect
-from broker.queues import job_queues, latest_length
+from broker.queues import job_queues, message_chunks
 
 CHUNK = 64 * 1024
 MODEL = 5 * CHUNK + 1000  # six chunks
 
 
-def test_latest_length_fits_a_chunked_model():
-    assert latest_length(1000, CHUNK) == 1  # unchunked: the newest message only
-    assert latest_length(MODEL, CHUNK) >= 6
+def test_message_chunks_fits_a_chunked_model():
+    assert message_chunks(1000, CHUNK) == 1  # unchunked: the newest message only
+    assert message_chunks(MODEL, CHUNK) >= 6
     assert job_queues("j", ["a"], latest_max_length=7)[1].arguments["x-max-length"] == 7
 
 
