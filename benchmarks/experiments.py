@@ -24,8 +24,6 @@ score is the test perplexity of the best-on-validation global model (as both LM 
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import math
 import os
@@ -245,22 +243,6 @@ EXPERIMENTS: dict[str, Callable[..., list[RunSpec]]] = {
 NAMES = (*EXPERIMENTS, "nmt-domains")
 
 
-@contextlib.contextmanager
-def _unchunked_memory_broker():
-    """WORKAROUND (reported to the lead): a global model larger than the 8 MiB chunk limit is split into chunks,
-    and the agents' ``latest`` queue (x-max-length 1, drop-head) keeps only the last chunk, so no agent can
-    reassemble it and every round is skipped. Over the in-process broker (no 128 MiB message limit) the
-    experiments publish whole messages instead. Remove once chunked announcements survive max-length queues."""
-    import cli.simulate as simulate
-
-    original = simulate.connect
-    simulate.connect = functools.partial(original, chunk_limit=1 << 30)
-    try:
-        yield
-    finally:
-        simulate.connect = original
-
-
 _TASKS: dict[str, Task] = {}  # built tasks by options, shared by the experiments of one process
 
 
@@ -291,8 +273,7 @@ class Runner:
         sim = Simulation(cfg, task, f"memory://{job}", run_dir, availability=spec.availability,
                          faults=spec.faults)
         started = time.time()
-        with _unchunked_memory_broker():
-            summary = sim.run()
+        summary = sim.run()
         summary["run_wall_s"] = time.time() - started
         log.info("experiment run done", run=spec.name, test=summary.get("test"), wall_s=round(summary["run_wall_s"], 1))
         return summary
