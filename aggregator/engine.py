@@ -238,19 +238,22 @@ class Engine:
         deadline = time.time() + (cfg.report_deadline_s if strategy is None else cfg.update_deadline_s)
         if strategy is not None and not cfg.grant_phase:
             deadline = time.time() + cfg.report_deadline_s + cfg.update_deadline_s
+        gone: set[str] = set()  # selected agents that announced going offline: nothing more will come from them
         while not self.stop.is_set():
-            if strategy is None and (len(stats.reported) == len(stats.selected) or time.time() >= deadline):
+            if strategy is None and (set(stats.reported) | gone >= set(stats.selected) or time.time() >= deadline):
                 if len(stats.reported) < cfg.min_clients:
                     return None
                 strategy = self._mediate(stats)
                 deadline = time.time() + cfg.update_deadline_s
-            if strategy is not None and (set(stats.received) >= set(stats.granted) or time.time() >= deadline):
+            if strategy is not None and (set(stats.received) | gone >= set(stats.granted) or time.time() >= deadline):
                 return strategy
             msg = self.inbox.next(min(0.5, max(deadline - time.time(), 0.0)))
             if msg is None:
                 continue
             env = msg.env
             if env.kind is Kind.PRESENCE:
+                if env.payload["state"] == "offline" and env.client in stats.selected:
+                    gone.add(env.client)  # the inbox is FIFO per agent: its earlier report/update came first
                 self._note_presence(msg)
             elif env.round != r:
                 self.inbox.drop(msg, "stale-round" if env.round < r else "future-round")

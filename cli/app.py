@@ -463,11 +463,7 @@ def experiment(
     log_level: str = LOG_LEVEL,
 ) -> None:
     """Reproduce a seed paper's experiment (docs/results.md).  Example: fedmq experiment table2 --scale cpu"""
-    try:
-        from benchmarks import experiments
-    except ModuleNotFoundError:  # benchmarks/ lives next to cli/ in the source tree
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from benchmarks import experiments
+    from benchmarks import experiments
     experiments.check_args(name, scale, threads)
     _setup_logs(log_level, "json", out / name / "experiment.jsonl")
     experiments.run_experiment(name, scale, out, seed, threads)

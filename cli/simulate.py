@@ -72,16 +72,18 @@ class Simulation:
                 engine.stop.set()
             watcher = threading.Thread(target=watch, daemon=True)
             watcher.start()
+        started: list[threading.Thread] = []
         try:
             engine.broker.declare_job(cfg.job, [])
             for t in threads:
                 t.start()
+                started.append(t)
             summary = engine.run(resume=self.resume)
         finally:
             for agent in agents:
                 agent.stop.set()
             deadline = time.time() + 10
-            for t in threads:
+            for t in started:
                 t.join(timeout=max(deadline - time.time(), 0.1))
             agg_broker.close()
         summary["uploads_confirmed"] = sum(len(a.uploads) for a in self.agent_logs.values())

@@ -87,9 +87,17 @@ class LanguageModelTask(Task):
         batches = StreamBatches.build(ids, cfg.batch_size, self.vocab.eos)
         bptt = self.bptt
 
+        n_windows = batches.num_windows(bptt)
+
         def epoch(m: nn.Module, gen: torch.Generator, device: torch.device) -> Iterator[tuple[torch.Tensor, int]]:
             hidden = m.init_hidden(batches.inputs.size(1), device)
-            for x, y, mask in batches.windows(bptt):
+            windows = list(batches.windows(bptt))
+            # a run capped by max_steps covers only part of the shard: start it at a seeded window (the agent's
+            # seed differs per round) so successive rounds see the whole shard, not always its beginning
+            start = int(torch.randint(n_windows, (1,), generator=gen)) if cfg.max_steps and n_windows else 0
+            for i, (x, y, mask) in enumerate(windows[start:] + windows[:start]):
+                if start and i == n_windows - start:
+                    hidden = m.init_hidden(batches.inputs.size(1), device)  # wrapped to the shard's start
                 x, y, mask = x.to(device), y.to(device), mask.to(device)
                 hidden = detach_hidden(hidden)
                 logits, hidden = m(x, hidden)
@@ -97,7 +105,7 @@ class LanguageModelTask(Task):
                 n = int(mask.sum())
                 yield (nll * mask.reshape(-1)).sum() / n, n
 
-        return run_training(model, epoch, batches.num_windows(bptt), cfg, client, batches.n_targets, progress)
+        return run_training(model, epoch, n_windows, cfg, client, batches.n_targets, progress)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split: str = "valid") -> float:

@@ -115,3 +115,16 @@ def test_fedavg_rounds_over_rabbitmq(task, tmp_path, rabbit_url, job_id):
     check_last_round_is_fedavg(engine, agents, 2)
     from broker import provision
     provision.purge(rabbit_url, job_id)
+
+
+def test_round_closes_early_when_selected_agents_go_offline(task, tmp_path):
+    """An agent that leaves (availability model) says so; the round does not wait for its deadline."""
+    from client_agent.availability import parse_availability
+    cfg = JobConfig(job="e2eoff", strategy="fedavg", rounds=2, clients=4, fraction=1.0, lr=5.0, max_steps=2,
+                    batch_size=4, heartbeat_s=0.5, join_timeout_s=20, report_deadline_s=60, update_deadline_s=60)
+    engine, agents, summary = run_federation(task, cfg, "memory://e2e-off", tmp_path,
+                                             availability=parse_availability("bernoulli:0.5", seed=3))
+    rows = engine.runlog.rows()
+    assert summary["rounds_completed"] + summary["rounds_skipped"] == 2
+    assert any(r["dropped"] for r in rows)  # someone was selected and left
+    assert all(r["wall_s"] < 30 for r in rows)  # far below the 60 s deadlines
