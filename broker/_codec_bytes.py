@@ -25,7 +25,7 @@ from __future__ import annotations
 import sys
 import threading
 from functools import partial
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import xxhash

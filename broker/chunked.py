@@ -16,14 +16,15 @@ process loses that partial message. Keep prefetch above chunks-per-message to av
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import structlog
 
 from broker.base import Broker, Delivery, Handler
 from broker.chunking import Chunk, Reassembler, decode_chunk, encode_chunk, encode_chunk_parts, split
-from broker.errors import CodecError
+from broker.errors import BrokerError, CodecError
 
 log = structlog.get_logger(__name__)
 
@@ -188,11 +189,51 @@ class ChunkGate:
             return Outcome()
 
 
-def expire_partials(consumers: Iterable[Any], settle: Callable[[Any, bool | None], None]) -> None:
-    """Reject the held chunks of messages left incomplete past their timeout, for every consumer's gate."""
-    for c in list(consumers):
-        for t in c.gate.expire():
-            settle(t, False)
+EXPIRY_CHECK_S = 1.0  # how often a dispatcher drops incomplete chunked messages past their timeout
+
+
+class GatedDispatch:
+    """ack/reject and the dispatcher's work, shared by the backends: each delivery goes through its consumer's
+    ChunkGate. A backend provides ``_consumers`` (objects with ``gate`` and ``handler``) and
+    ``_settle_raw(raw_tag, requeue)`` (requeue None = ack, False = reject and drop, True = requeue)."""
+
+    _consumers: dict[str, Any]
+
+    def _settle_raw(self, raw: Any, requeue: bool | None) -> None:
+        raise NotImplementedError
+
+    def _settle(self, delivery: Delivery, requeue: bool | None) -> None:
+        tag = delivery.tag
+        if not isinstance(tag, Tag) or not isinstance(tag.gate, ChunkGate):
+            raise BrokerError("cannot ack/reject: the delivery did not come from this broker")
+        for raw in tag.gate.settle(tag):
+            self._settle_raw(raw, requeue)
+
+    def ack(self, delivery: Delivery) -> None:
+        self._settle(delivery, None)
+
+    def reject(self, delivery: Delivery, *, requeue: bool = False) -> None:
+        self._settle(delivery, requeue)
+
+    def _dispatch(self, c: Any, raw: Delivery) -> None:
+        """Feed one raw delivery to its consumer's gate; settle what the gate says; run the handler."""
+        out = c.gate.feed(raw)
+        for t in out.ack:
+            self._settle_raw(t, None)
+        for t in out.reject:
+            self._settle_raw(t, False)
+        if out.deliver is not None:
+            run_handler(self, c.handler, out.deliver)  # type: ignore[arg-type]
+
+    def _expire_due(self, last: float) -> float:
+        """Every EXPIRY_CHECK_S: reject the held chunks of messages left incomplete past their timeout."""
+        now = time.monotonic()
+        if now - last < EXPIRY_CHECK_S:
+            return last
+        for c in list(self._consumers.values()):
+            for t in c.gate.expire():
+                self._settle_raw(t, False)
+        return now
 
 
 def run_handler(broker: "Broker", handler: Handler, d: Delivery) -> None:

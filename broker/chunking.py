@@ -149,7 +149,6 @@ def decode_chunk(data: bytes) -> Chunk:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise CodecError("bad-chunk", f"chunk frame must be bytes, got {type(data).__name__}")
     view = _byte_view(data)
-    n = view.nbytes
     try:
         up = msgpack.Unpacker(
             raw=False,

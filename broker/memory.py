@@ -22,13 +22,12 @@ from typing import Any
 import structlog
 
 from broker.base import Broker, Delivery, Handler
-from broker.chunked import CHUNK_HEADER, ChunkGate, Tag, chunk_messages, expire_partials, run_handler
+from broker.chunked import CHUNK_HEADER, EXPIRY_CHECK_S, ChunkGate, GatedDispatch, chunk_messages
 from broker.chunking import DEFAULT_CHUNK_LIMIT
 from broker.errors import BrokerError
 from broker.queues import check_publish_args, job_queues, message_chunks
 
 log = structlog.get_logger(__name__)
-EXPIRY_CHECK_S = 1.0  # how often an idle dispatcher drops incomplete chunked messages past their timeout
 
 
 def topic_matches(pattern: str, key: str) -> bool:
@@ -152,7 +151,7 @@ def hub(name: str) -> _Hub:
         return h
 
 
-class MemoryBroker(Broker):
+class MemoryBroker(GatedDispatch, Broker):
     """One connection to the in-process hub ``name`` (see module docstring)."""
 
     def __init__(self, name: str, *, user: str = "guest", prefetch: int = 64,
@@ -236,25 +235,10 @@ class MemoryBroker(Broker):
                 c.queue.requeue([msg])
             self._hub.pump(c.queue)
 
-    def _settle(self, delivery: Delivery, requeue: bool | None) -> None:
-        tag = delivery.tag
-        if not isinstance(tag, Tag) or not isinstance(tag.gate, ChunkGate):
-            raise BrokerError("cannot ack/reject: the delivery did not come from this broker")
-        for raw in tag.gate.settle(tag):
-            self._settle_raw(raw, requeue)
-
-    def ack(self, delivery: Delivery) -> None:
-        self._settle(delivery, None)
-
-    def reject(self, delivery: Delivery, *, requeue: bool = False) -> None:
-        self._settle(delivery, requeue)
-
     def _dispatch_loop(self) -> None:
         last_expiry = time.monotonic()
         while True:
-            if time.monotonic() - last_expiry >= EXPIRY_CHECK_S:
-                expire_partials(self._consumers.values(), self._settle_raw)
-                last_expiry = time.monotonic()
+            last_expiry = self._expire_due(last_expiry)
             try:
                 item = self._inbox.get(timeout=EXPIRY_CHECK_S)
             except queue_mod.Empty:
@@ -264,13 +248,7 @@ class MemoryBroker(Broker):
             c, raw = item
             if c.cancelled:
                 continue  # its unacked messages were requeued on cancel
-            out = c.gate.feed(raw)
-            for t in out.ack:
-                self._settle_raw(t, None)
-            for t in out.reject:
-                self._settle_raw(t, False)
-            if out.deliver is not None:
-                run_handler(self, c.handler, out.deliver)
+            self._dispatch(c, raw)
 
     # ---- facts and lifecycle ------------------------------------------------------------------------
     def queue_depth(self, queue: str) -> int:

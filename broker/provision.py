@@ -214,7 +214,7 @@ def provision(url: str, *, vhost: str, agents: list[str], admin: Admin | None = 
     admin.add_vhost(vhost)
     creds: dict[str, Any] = {"vhost": vhost, "aggregator": None, "agents": {}}
     for user, perms in [(aggregator_user, aggregator_permissions()), *[(a, agent_permissions(a)) for a in agents]]:
-        password = passwords.get(user) or secrets.token_urlsafe(24)
+        password = passwords.get(user) or secrets.token_hex(24)  # hex: a password starting with "-" would read as an option to rabbitmqctl
         admin.put_user(user, password)
         admin.set_permissions(vhost, user, perms)
         entry = {"username": user, "password": password, "url": user_url(url, vhost, user, password)}

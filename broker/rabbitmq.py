@@ -37,7 +37,7 @@ import pika.exceptions as pe
 import structlog
 
 from broker.base import Broker, Delivery, Handler
-from broker.chunked import CHUNK_HEADER, ChunkFrame, ChunkGate, Tag, chunk_parts, expire_partials, run_handler
+from broker.chunked import CHUNK_HEADER, EXPIRY_CHECK_S, ChunkFrame, ChunkGate, GatedDispatch, chunk_parts
 from broker.chunking import DEFAULT_CHUNK_LIMIT, Chunk
 from broker.errors import BrokerError
 from broker.queues import check_publish_args, job_queues, message_chunks
@@ -45,7 +45,6 @@ from broker.tls import TlsOptions, ssl_options
 from broker.topology import EXCHANGE
 
 log = structlog.get_logger(__name__)
-EXPIRY_CHECK_S = 1.0  # how often an idle dispatcher drops incomplete chunked messages past their timeout
 
 PIPELINE = 8  # chunk messages of one publish in flight before waiting for confirms
 
@@ -112,7 +111,7 @@ def _widen_reads(conn: "pika.BlockingConnection") -> None:
         transport._MAX_RECV_BYTES = RECV_BYTES
 
 
-class RabbitBroker(Broker):
+class RabbitBroker(GatedDispatch, Broker):
     """One RabbitMQ connection owned by an I/O thread (see module docstring)."""
 
     def __init__(self, url: str, *, user: str | None = None, prefetch: int = 64, heartbeat: int = 30,
@@ -562,25 +561,10 @@ class RabbitBroker(Broker):
         else:
             self._post(run)
 
-    def _settle(self, delivery: Delivery, requeue: bool | None) -> None:
-        tag = delivery.tag
-        if not isinstance(tag, Tag) or not isinstance(tag.gate, ChunkGate):
-            raise BrokerError("cannot ack/reject: the delivery did not come from this broker")
-        for raw in tag.gate.settle(tag):
-            self._settle_raw(raw, requeue)
-
-    def ack(self, delivery: Delivery) -> None:
-        self._settle(delivery, None)
-
-    def reject(self, delivery: Delivery, *, requeue: bool = False) -> None:
-        self._settle(delivery, requeue)
-
     def _dispatch_loop(self) -> None:
         last_expiry = time.monotonic()
         while True:
-            if time.monotonic() - last_expiry >= EXPIRY_CHECK_S:
-                expire_partials(self._consumers.values(), self._settle_raw)
-                last_expiry = time.monotonic()
+            last_expiry = self._expire_due(last_expiry)
             with self._dispatch_cv:
                 if not self._dispatch_q and not self._stopping:
                     self._dispatch_cv.wait(timeout=EXPIRY_CHECK_S)
@@ -592,13 +576,7 @@ class RabbitBroker(Broker):
             c, raw = item
             if c.tag not in self._consumers or raw.tag[0] != c.gen:
                 continue  # cancelled, or from a lost connection (requeued by the broker)
-            out = c.gate.feed(raw)
-            for t in out.ack:
-                self._settle_raw(t, None)
-            for t in out.reject:
-                self._settle_raw(t, False)
-            if out.deliver is not None:
-                run_handler(self, c.handler, out.deliver)
+            self._dispatch(c, raw)
 
     # ---- facts and lifecycle ------------------------------------------------------------------------
     def queue_depth(self, queue: str) -> int:

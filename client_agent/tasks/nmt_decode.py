@@ -58,7 +58,7 @@ def beam_search(model: TransformerNMT, src: torch.Tensor, beam: int = 4, length_
         total = (scores.view(-1, 1) + logp).view(b, beam * v)
         top, idx = total.topk(2 * beam, dim=1)
         origin, token = idx // v, idx % v
-        new_seqs, new_scores = [], torch.full((b, beam), float("-inf"), device=dev)
+        new_scores = torch.full((b, beam), float("-inf"), device=dev)
         rows = torch.zeros(b, beam, dtype=torch.long, device=dev)
         toks = torch.full((b, beam), PAD, dtype=torch.long, device=dev)
         for i in range(b):
