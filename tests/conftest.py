@@ -98,3 +98,50 @@ def rabbit_node(tmp_path_factory):
     node.start()
     yield node
     node.stop()
+
+
+def run_in_process_federation(task, cfg, url: str, run_dir: Path, *, agent_class=None, evaluate: bool = True,
+                              keep_sent: bool = False, **agent_kw):
+    """An Engine plus cfg.clients Agents (threads, one connection each) over ``url``, run to the end.
+
+    ``agent_class(i)`` picks the class of agent i (e.g. a faulty one); ``keep_sent`` keeps what each agent
+    uploaded per round so a test can recompute the aggregate. Returns (engine, agents, summary).
+    """
+    import threading
+
+    from aggregator.engine import Engine
+    from broker import topology
+    from broker.connect import connect
+    from client_agent.agent import Agent
+
+    memory = url.startswith("memory")
+    broker = connect(url, user=topology.AGGREGATOR_USER if memory else None)
+    engine = Engine(broker, task, cfg, run_dir, durable=False, evaluate=evaluate)
+    broker.declare_job(cfg.job, [])
+    agents = []
+    for i in range(cfg.clients):
+        client = f"agent-{i}"
+        cls = agent_class(i) if agent_class else Agent
+        agent = cls(lambda c=client: connect(url, user=c if memory else None), cfg.job, client, i, task,
+                    heartbeat_s=cfg.heartbeat_s, rejoin_s=0.2, **agent_kw)
+        if keep_sent:
+            agent.log.sent = {}
+        agents.append(agent)
+    threads = [threading.Thread(target=a.run, daemon=True) for a in agents]
+    for t in threads:
+        t.start()
+    try:
+        summary = engine.run()
+    finally:
+        for a in agents:
+            a.stop.set()
+        for t in threads:
+            t.join(timeout=10)
+        broker.close()
+    return engine, agents, summary
+
+
+@pytest.fixture
+def federation():
+    """run_in_process_federation, for tests that run a whole federation in this process."""
+    return run_in_process_federation

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from aggregator.config import JobConfig, JobConfigError
-from aggregator.engine import Engine
-from broker import topology
-from broker.connect import connect
 from client_agent.agent import Agent
 from client_agent.tasks.lm import LanguageModelTask
 
@@ -33,35 +28,20 @@ def task():
     return LanguageModelTask(clients=3, seed=0, **TINY)
 
 
-def run(task, tmp_path, robust: str) -> float:
+def run(federation, task, tmp_path, robust: str) -> float:
     name = f"robust-{robust.replace(':', '-').replace('.', '_')}"
     cfg = JobConfig(job=name, rounds=1, clients=3, fraction=1.0, lr=5.0, max_steps=2, batch_size=4, heartbeat_s=0.5,
                     join_timeout_s=20, report_deadline_s=30, update_deadline_s=30, robust=robust)
-    url = f"memory://{name}"
-    broker = connect(url, user=topology.AGGREGATOR_USER)
-    engine = Engine(broker, task, cfg, tmp_path / name, durable=False, evaluate=False)
-    broker.declare_job(cfg.job, [])
-    agents = [(PoisonAgent if i == 2 else Agent)(lambda c=f"agent-{i}": connect(url, user=c), cfg.job, f"agent-{i}", i,
-                                                  task, heartbeat_s=0.5, rejoin_s=0.2) for i in range(3)]
-    threads = [threading.Thread(target=a.run, daemon=True) for a in agents]
-    for t in threads:
-        t.start()
-    try:
-        summary = engine.run()
-    finally:
-        for a in agents:
-            a.stop.set()
-        for t in threads:
-            t.join(timeout=10)
-        broker.close()
+    engine, _, summary = federation(task, cfg, f"memory://{name}", tmp_path / name, evaluate=False,
+                                    agent_class=lambda i: PoisonAgent if i == 2 else Agent)
     assert summary["rounds_completed"] == 1 and len(engine.folded[1]) == 3
     return max(float(v.abs().max()) for v in engine.global_state.values())
 
 
-def test_median_and_clipping_keep_a_poisoned_update_out(task, tmp_path):
-    assert run(task, tmp_path, "none") > 3000  # plain FedAvg: one third of 1e4 gets in
-    assert run(task, tmp_path, "median") < 50  # coordinate-wise median of three ignores the outlier
-    assert run(task, tmp_path, "clip:1.0") < 50  # the outlier's delta is clipped to norm 1
+def test_median_and_clipping_keep_a_poisoned_update_out(federation, task, tmp_path):
+    assert run(federation, task, tmp_path, "none") > 3000  # plain FedAvg: one third of 1e4 gets in
+    assert run(federation, task, tmp_path, "median") < 50  # coordinate-wise median of three ignores the outlier
+    assert run(federation, task, tmp_path, "clip:1.0") < 50  # the outlier's delta is clipped to norm 1
 
 
 def test_bad_robust_setting_is_one_clear_error():

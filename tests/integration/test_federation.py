@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from aggregator.config import JobConfig
-from aggregator.engine import Engine
-from broker import topology
-from broker.connect import connect
-from client_agent.agent import Agent
 from client_agent.tasks.lm import LanguageModelTask
 
 TINY = dict(data="builtin", model="gru-small", emb=16, hidden=16, vocab_size=500, max_lines=600,
@@ -21,31 +15,6 @@ TINY = dict(data="builtin", model="gru-small", emb=16, hidden=16, vocab_size=500
 @pytest.fixture(scope="module")
 def task():
     return LanguageModelTask(clients=4, seed=0, **TINY)
-
-
-def run_federation(task, cfg, url, tmp_path, agent_user=None, **agent_kw):
-    broker = connect(url, user=topology.AGGREGATOR_USER if url.startswith("memory") else None)
-    engine = Engine(broker, task, cfg, tmp_path / "run", durable=False)
-    broker.declare_job(cfg.job, [])
-    agents = []
-    for i in range(cfg.clients):
-        client = f"agent-{i}"
-        agent = Agent(lambda c=client: connect(url, user=c if url.startswith("memory") else None), cfg.job, client, i,
-                      task, heartbeat_s=cfg.heartbeat_s, rejoin_s=0.2, **agent_kw)
-        agent.log.sent = {}
-        agents.append(agent)
-    threads = [threading.Thread(target=a.run, daemon=True) for a in agents]
-    for t in threads:
-        t.start()
-    try:
-        summary = engine.run()
-    finally:
-        for a in agents:
-            a.stop.set()
-        for t in threads:
-            t.join(timeout=10)
-        broker.close()
-    return engine, agents, summary
 
 
 def fedavg_of(sent):
@@ -62,10 +31,10 @@ def check_last_round_is_fedavg(engine, agents, rnd):
         torch.testing.assert_close(engine.global_state[name].double(), value, rtol=1e-5, atol=1e-6)
 
 
-def test_fedavg_rounds_in_memory(task, tmp_path):
+def test_fedavg_rounds_in_memory(federation, task, tmp_path):
     cfg = JobConfig(job="e2e", strategy="fedavg", rounds=3, clients=4, fraction=0.5, lr=5.0, max_steps=5,
                     batch_size=4, heartbeat_s=0.5, join_timeout_s=20, report_deadline_s=60, update_deadline_s=30)
-    engine, agents, summary = run_federation(task, cfg, "memory://e2e-fedavg", tmp_path)
+    engine, agents, summary = federation(task, cfg, "memory://e2e-fedavg", tmp_path / "run", keep_sent=True)
     assert summary["rounds_completed"] == 3 and summary["rounds_skipped"] == 0
     assert engine.version == 3
     check_last_round_is_fedavg(engine, agents, 3)
@@ -77,11 +46,11 @@ def test_fedavg_rounds_in_memory(task, tmp_path):
     assert (tmp_path / "run" / "summary.json").is_file() and (tmp_path / "run" / "config.json").is_file()
 
 
-def test_fedmed_topk_grants_lowest_losses(task, tmp_path):
+def test_fedmed_topk_grants_lowest_losses(federation, task, tmp_path):
     cfg = JobConfig(job="e2emed", strategy="fedmed", rounds=2, clients=4, fraction=1.0, beta=0.5, lr=5.0,
                     max_steps=3, batch_size=4, heartbeat_s=0.5, join_timeout_s=20, report_deadline_s=60,
                     update_deadline_s=30)
-    engine, agents, summary = run_federation(task, cfg, "memory://e2e-fedmed", tmp_path)
+    engine, agents, summary = federation(task, cfg, "memory://e2e-fedmed", tmp_path / "run", keep_sent=True)
     rows = engine.runlog.rows()
     assert summary["rounds_completed"] == 2
     for row in rows:
@@ -92,13 +61,13 @@ def test_fedmed_topk_grants_lowest_losses(task, tmp_path):
     assert rows[0]["strategy"] == "fedmed"
 
 
-def test_dead_agents_do_not_hang_a_round(task, tmp_path):
+def test_dead_agents_do_not_hang_a_round(federation, task, tmp_path):
     """Agents that crash during training: the round closes at its deadline, as skipped when below the minimum."""
     from client_agent.availability import parse_faults
     cfg = JobConfig(job="e2edead", strategy="fedavg", rounds=1, clients=2, fraction=1.0, min_clients=1, lr=5.0,
                     max_steps=2, batch_size=4, heartbeat_s=0.5, join_timeout_s=20, report_deadline_s=3,
                     update_deadline_s=2)
-    engine, agents, summary = run_federation(task, cfg, "memory://e2e-dead", tmp_path,
+    engine, agents, summary = federation(task, cfg, "memory://e2e-dead", tmp_path / "run", keep_sent=True,
                                              faults=parse_faults("crash-train:1.0"))
     row = engine.runlog.rows()[0]
     assert row["skipped"] and row["received"] == [] and row["wall_s"] < 10
@@ -106,23 +75,23 @@ def test_dead_agents_do_not_hang_a_round(task, tmp_path):
 
 
 @pytest.mark.rabbitmq
-def test_fedavg_rounds_over_rabbitmq(task, tmp_path, rabbit_url, job_id):
+def test_fedavg_rounds_over_rabbitmq(federation, task, tmp_path, rabbit_url, job_id):
     cfg = JobConfig(job=job_id, strategy="fedavg", rounds=2, clients=3, fraction=1.0, lr=5.0, max_steps=3,
                     batch_size=4, heartbeat_s=0.5, join_timeout_s=30, report_deadline_s=60, update_deadline_s=30,
                     identity="shared:guest")
-    engine, agents, summary = run_federation(task, cfg, rabbit_url, tmp_path)
+    engine, agents, summary = federation(task, cfg, rabbit_url, tmp_path / "run", keep_sent=True)
     assert summary["rounds_completed"] == 2
     check_last_round_is_fedavg(engine, agents, 2)
     from broker import provision
     provision.purge(rabbit_url, job_id)
 
 
-def test_round_closes_early_when_selected_agents_go_offline(task, tmp_path):
+def test_round_closes_early_when_selected_agents_go_offline(federation, task, tmp_path):
     """An agent that leaves (availability model) says so; the round does not wait for its deadline."""
     from client_agent.availability import parse_availability
     cfg = JobConfig(job="e2eoff", strategy="fedavg", rounds=2, clients=4, fraction=1.0, lr=5.0, max_steps=2,
                     batch_size=4, heartbeat_s=0.5, join_timeout_s=20, report_deadline_s=60, update_deadline_s=60)
-    engine, agents, summary = run_federation(task, cfg, "memory://e2e-off", tmp_path,
+    engine, agents, summary = federation(task, cfg, "memory://e2e-off", tmp_path / "run", keep_sent=True,
                                              availability=parse_availability("bernoulli:0.5", seed=3))
     rows = engine.runlog.rows()
     assert summary["rounds_completed"] + summary["rounds_skipped"] == 2
