@@ -230,13 +230,16 @@ class RabbitBroker(GatedDispatch, Broker):
     def _lost(self, exc: BaseException) -> None:
         self._last_error = self._describe(exc)
         log.warning("RabbitMQ connection lost; reconnecting", error=self._last_error)
+        self._drop_connection()
+        self._pub_ch = None
+
+    def _drop_connection(self) -> None:
         try:
             if self._conn is not None and self._conn.is_open:
                 self._conn.close()
-        except Exception:
+        except Exception:  # it is going away anyway
             pass
         self._conn = None
-        self._pub_ch = None
 
     def _reconnect(self) -> None:
         delay = 0.2
@@ -281,12 +284,7 @@ class RabbitBroker(GatedDispatch, Broker):
         for cmd in pending:
             if not cmd.future.done():
                 cmd.future.set_exception(err)
-        try:
-            if self._conn is not None and self._conn.is_open:
-                self._conn.close()
-        except Exception:
-            pass
-        self._conn = None
+        self._drop_connection()
 
     def _drain(self) -> None:
         """Run queued commands in order; a command interrupted by a lost connection stays queued."""

@@ -56,6 +56,17 @@ def job_id() -> str:
     return "t" + uuid.uuid4().hex[:10]
 
 
+@pytest.fixture
+def one_torch_thread():
+    """Training tests run torch on one thread: faster on a busy 2-core machine, and the same every run."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
     if not DATA.is_dir():

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from client_agent.tasks.base import TrainConfig
 from client_agent.tasks.registry import make_task
@@ -16,12 +15,7 @@ from client_agent.tasks.registry import make_task
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize("corpus,max_lines", [("wikitext-2", 1200), ("ptb", 2500)])

@@ -19,12 +19,7 @@ from client_agent.tasks.registry import make_task
 TINY = dict(emb=16, hidden=16, dropout=0.0, bptt=8)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture

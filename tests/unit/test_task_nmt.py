@@ -20,12 +20,7 @@ EN = ["a dog", "a cat", "the man", "the woman", "a child", "the house", "a car",
 VERBS = [("läuft", "runs"), ("schläft", "sleeps"), ("isst", "eats"), ("spielt", "plays")]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _write_domain(folder, n, offset=0, docids=False):
