@@ -430,25 +430,37 @@ def _bench(module: str, fn: str, **kw: Any) -> None:
 
 @bench_app.command("codec")
 def bench_codec(repeats: int = 5, quick: bool = False) -> None:
-    """Encode/decode MB/s and compression ratio per encoding vs torch.save and msgpack."""
+    """Encode/decode MB/s and compression ratio per encoding vs torch.save and msgpack.
+
+    Example: fedmq bench codec --quick
+    """
     _bench("codec", "bench_codec", repeats=repeats, quick=quick)
 
 
 @bench_app.command("broker")
 def bench_broker(url: str = typer.Option("amqp://guest:guest@127.0.0.1:5672/%2F"), repeats: int = 3) -> None:
-    """Publish/consume MB/s of 1, 10, 100 MB updates: fedmq vs raw pika vs the in-process broker."""
+    """Publish/consume MB/s of 1, 10, 100 MB updates: fedmq vs raw pika vs the in-process broker.
+
+    Example: fedmq bench broker --repeats 3
+    """
     _bench("broker", "bench_broker", url=url, repeats=repeats)
 
 
 @bench_app.command("aggregate")
 def bench_aggregate() -> None:
-    """Streaming aggregation GB/s and peak RSS for 10, 50, 200 updates of a 25M-parameter model."""
+    """Streaming aggregation GB/s and peak RSS for 10, 50, 200 updates of a 25M-parameter model.
+
+    Example: fedmq bench aggregate
+    """
     _bench("aggregate", "bench_aggregate")
 
 
 @bench_app.command("train")
 def bench_train(quick: bool = False) -> None:
-    """Local training tokens/s for GRU-small, LSTM and the small Transformer on CPU."""
+    """Local training tokens/s for GRU-small, LSTM and the small Transformer on CPU.
+
+    Example: fedmq bench train --quick
+    """
     _bench("train", "bench_train", quick=quick)
 
 
@@ -473,7 +485,10 @@ def experiment(
 def bench_load(url: str = typer.Option("amqp://guest:guest@127.0.0.1:5672/%2F"),
                agents: str = typer.Option("100,1000", help="comma-separated agent counts"),
                rounds: int = 3, threads: int = typer.Option(4, help="swarm connections (agents are shared out)")) -> None:
-    """N lightweight agents vs a real aggregator: updates/s, upload→inclusion p50/p99, aggregator RSS/CPU, lost."""
+    """N lightweight agents vs a real aggregator: updates/s, upload→inclusion p50/p99, aggregator RSS/CPU, lost.
+
+    Example: fedmq bench load --agents 100,1000 --rounds 3
+    """
     try:
         counts = tuple(int(a) for a in agents.split(",") if a.strip())
     except ValueError:

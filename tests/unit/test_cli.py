@@ -18,12 +18,13 @@ def fedmq(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("cmd", [[], ["simulate"], ["aggregator", "run"], ["agent", "run"], ["broker", "provision"],
                                  ["broker", "check"], ["broker", "purge"], ["status"], ["report"], ["bench", "codec"],
-                                 ["bench", "broker"], ["bench", "aggregate"], ["bench", "train"]])
+                                 ["bench", "broker"], ["bench", "aggregate"], ["bench", "train"], ["bench", "load"],
+                                 ["experiment"]])
 def test_help_everywhere(cmd):
     proc = fedmq(*cmd, "--help")
     assert proc.returncode == 0, proc.stderr
     assert "Usage" in proc.stdout
-    if cmd and cmd[-1] in ("simulate", "run", "provision", "status", "report"):
+    if cmd:
         assert "Example" in proc.stdout
 
 
