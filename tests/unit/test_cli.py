@@ -37,6 +37,7 @@ def test_help_everywhere(cmd):
     (["simulate", "--availability", "sometimes"], "availability"),
     (["simulate", "--fraction", "2"], "fraction"),
     (["simulate", "--log-level", "loud"], "log level"),
+    (["simulate", "--robust", "clip:-1"], "robust"),
     (["report", "/nonexistent/run"], "/nonexistent/run"),
     (["broker", "check", "--broker", "amqp://guest:guest@127.0.0.1:1/%2F"], "cannot connect"),
     (["status", "--job", "j", "--broker", "amqp://guest:guest@127.0.0.1:1/%2F"], "cannot connect"),
