@@ -142,8 +142,10 @@ class Federation:
         return proc
 
     def start_aggregator(self, name: str = "agg") -> subprocess.Popen:
+        # the same chunk limit as the agents: the aggregator sizes its prefetch from it (every chunk of the round)
+        env = {k: v for k, v in self.agent_env.items() if k == "FEDMQ_CHUNK_LIMIT"}
         return self._spawn(name, ["aggregator", "run", "--broker", self.url, "--config", str(self.config),
-                                  "--state-dir", str(self.state), "--log-level", "info"])
+                                  "--state-dir", str(self.state), "--log-level", "info"], env)
 
     def start_agent(self, i: int) -> subprocess.Popen:
         url = self.agent_url(i) if self.agent_url else self.url
