@@ -33,13 +33,19 @@ def _collect(agent, job):
     return got, done
 
 
-def test_chunked_model_reaches_a_consuming_agent(url, job_id):
+def _aggregator_and_agent(url, job_id):
+    """Two connections with a small chunk limit; the agent's latest queue is sized for a MODEL-byte model."""
     memory = url.startswith("memory")
     agg = connect(url, user="fedmq-aggregator" if memory else None, chunk_limit=CHUNK)
     agent = connect(url, user="agent-0" if memory else None, chunk_limit=CHUNK)
+    agg.declare_job(job_id, [])
+    agent.declare_job(job_id, ["agent-0"], inbox=False, model_bytes=MODEL)
+    return agg, agent
+
+
+def test_chunked_model_reaches_a_consuming_agent(url, job_id):
+    agg, agent = _aggregator_and_agent(url, job_id)
     try:
-        agg.declare_job(job_id, [])
-        agent.declare_job(job_id, ["agent-0"], inbox=False, model_bytes=MODEL)
         got, done = _collect(agent, job_id)
         body = os.urandom(MODEL)
         agg.publish(t.rk_global(job_id), body)
@@ -51,12 +57,8 @@ def test_chunked_model_reaches_a_consuming_agent(url, job_id):
 
 
 def test_late_joiner_gets_only_the_newest_chunked_model(url, job_id):
-    memory = url.startswith("memory")
-    agg = connect(url, user="fedmq-aggregator" if memory else None, chunk_limit=CHUNK)
-    agent = connect(url, user="agent-0" if memory else None, chunk_limit=CHUNK)
+    agg, agent = _aggregator_and_agent(url, job_id)
     try:
-        agg.declare_job(job_id, [])
-        agent.declare_job(job_id, ["agent-0"], inbox=False, model_bytes=MODEL)
         models = [os.urandom(MODEL) for _ in range(3)]
         for m in models:  # published while the agent is not consuming
             agg.publish(t.rk_global(job_id), m)
