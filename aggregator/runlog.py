@@ -8,6 +8,19 @@ from pathlib import Path
 from typing import Any
 
 
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON-lines file (missing file: none); a malformed or torn line is skipped."""
+    if not Path(path).is_file():
+        return []
+    out = []
+    for line in Path(path).read_text(errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
 class RunLog:
     def __init__(self, run_dir: Path) -> None:
         self.dir = Path(run_dir)
@@ -23,15 +36,7 @@ class RunLog:
             fh.flush()
 
     def rows(self) -> list[dict[str, Any]]:
-        if not self.metrics_path.is_file():
-            return []
-        out = []
-        for line in self.metrics_path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-        return out
+        return read_jsonl(self.metrics_path)
 
     def truncate_after(self, rnd: int) -> None:
         """On resume, forget rows of rounds the checkpoint does not include (they will be run again)."""

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from aggregator.runlog import read_jsonl
+
 ROOT = Path(__file__).resolve().parents[2]
 FEDMQ = str(Path(sys.executable).parent / "fedmq")
 
@@ -200,16 +202,7 @@ class Federation:
 
     # ------------------------------------------------------------------ observing the aggregator
     def rows(self) -> list[dict[str, Any]]:
-        path = self.state / "metrics.jsonl"
-        if not path.is_file():
-            return []
-        out = []
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-        return out
+        return read_jsonl(self.state / "metrics.jsonl")
 
     def spooled_updates(self, rnd: int) -> int:
         return len(list((self.state / "spool" / f"r{rnd:06d}").glob("update-*.msg")))
@@ -229,32 +222,11 @@ class Federation:
 
     def agent_events(self, i: int, event: str, rnd: int | None = None) -> list[dict[str, Any]]:
         """JSON log lines of agent-i (its stderr, all its incarnations) with this event (and round)."""
-        path = self.logs / f"agent-{i}.err"
-        if not path.is_file():
-            return []
-        out = []
-        for line in path.read_text(errors="replace").splitlines():
-            if event in line:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if rec.get("event") == event and (rnd is None or rec.get("round") == rnd):
-                    out.append(rec)
-        return out
+        return [r for r in read_jsonl(self.logs / f"agent-{i}.err")
+                if r.get("event") == event and (rnd is None or r.get("round") == rnd)]
 
     def agg_events(self, event: str) -> list[dict[str, Any]]:
-        path = self.state / "logs" / "aggregator.jsonl"
-        if not path.is_file():
-            return []
-        out = []
-        for line in path.read_text(errors="replace").splitlines():
-            if event in line:
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    continue
-        return out
+        return [r for r in read_jsonl(self.state / "logs" / "aggregator.jsonl") if r.get("event") == event]
 
     # ------------------------------------------------------------------ the audit
     def confirmed(self) -> set[tuple[int, str]]:
