@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from aggregator.runlog import read_jsonl
 from broker import provision
 
 
 def _last_row(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return {}
-    for line in reversed(path.read_text().splitlines()):
-        try:
-            return json.loads(line)
-        except ValueError:
-            continue
-    return {}
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    return rows[-1] if rows else {}
 
 
 def gather(broker_url: str, job: str, run_dir: Path | None) -> dict[str, Any]:
