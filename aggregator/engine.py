@@ -334,7 +334,7 @@ class Engine:
             env = messages.decode(body)
             if env.model_version != self.version:
                 raise CodecError("wrong-base", f"trained from version {env.model_version}, current is {self.version}")
-            tensors = decode_state(env.payload["tensors"], self.manifest, self.global_state)
+            tensors = decode_state(env.payload["tensors"], self.manifest, self.global_state, as_delta=True)
         except CodecError as exc:
             if received is not None:
                 self.inbox.reject(received.delivery, exc.reason, str(exc))
@@ -344,7 +344,7 @@ class Engine:
                 self.inbox.reject(received.delivery, "undecodable", f"{type(exc).__name__}: {exc}")
             return
         update = ClientUpdate(client, env.payload["n_samples"], {k: torch.from_numpy(v) for k, v in tensors.items()},
-                              loss=env.payload["loss"], update_id=env.msg_id)
+                              loss=env.payload["loss"], update_id=env.msg_id, delta=True)
         try:
             strategy.fold(update)
         except (FedmqError, ValueError, TypeError, RuntimeError) as exc:  # strategies validate before folding
@@ -471,16 +471,14 @@ class Engine:
     def _fold_async(self, stats: RoundStats, strategy: Strategy, msg: Received, base: dict[str, torch.Tensor]) -> None:
         env = msg.env
         try:
-            tensors = decode_state(env.payload["tensors"], self.manifest, base)
+            tensors = decode_state(env.payload["tensors"], self.manifest, base, as_delta=True)
         except CodecError as exc:
             self.inbox.reject(msg.delivery, exc.reason, str(exc))
             return
-        full = {k: torch.from_numpy(v) for k, v in tensors.items()}
-        delta = {k: v - base[k] for k, v in full.items()}
+        delta = {k: torch.from_numpy(v) for k, v in tensors.items()}
         try:
-            strategy.fold(ClientUpdate(env.client, env.payload["n_samples"], full, loss=env.payload["loss"],
-                                       staleness=self.version - env.model_version, update_id=env.msg_id,
-                                       extra={"delta": delta}))
+            strategy.fold(ClientUpdate(env.client, env.payload["n_samples"], delta, loss=env.payload["loss"],
+                                       staleness=self.version - env.model_version, update_id=env.msg_id, delta=True))
         except FedmqError as exc:
             self.inbox.reject(msg.delivery, "rejected-by-strategy", str(exc))
             return

@@ -223,34 +223,44 @@ _KEYS = {
 _COMMON = {"n", "s", "dt", "e", "x"}
 
 
-def _raw_post(b32: np.ndarray | None, bad: list, reject: bool) -> Callable[[np.ndarray, int, int], None]:
-    """Per assembled block of a raw tensor: undo the XOR delta, then the NaN/Inf check (while in cache)."""
+def _raw_post(b: np.ndarray | None, xor: bool, shift: int, bad: list, reject: bool) -> Callable[[np.ndarray, int, int], None]:
+    """Per assembled block of a raw tensor (while in cache): undo the XOR delta, check for NaN/Inf, then
+    subtract the base when a delta is wanted (``shift`` −1)."""
+    b32 = None if b is None else b.view(np.uint32)
 
     def post(a: np.ndarray, i: int, j: int) -> None:
         blk = a[i:j]
-        if b32 is not None:
-            np.bitwise_xor(blk, b32[i:j], out=blk)
-        if reject and not bad and not np.isfinite(blk.view(np.float32)).all():
+        if xor:
+            np.bitwise_xor(blk, b32[i:j], out=blk)  # type: ignore[index]
+        f = blk.view(np.float32)
+        if reject and not bad and not np.isfinite(f).all():
             bad.append(True)
+        if shift < 0:
+            np.subtract(f, b[i:j], out=f)  # type: ignore[index]
 
     return post
 
 
 def _decode_one(rec: dict, name: str, n: int, shape: tuple[int, ...], b: np.ndarray | None, work: Unpacking,
-                reject: bool) -> Task:
-    """Check ``rec`` and plan its decoding into ``work``; returns the task that finishes the float32 array."""
+                reject: bool, as_delta: bool) -> Task:
+    """Check ``rec`` and plan its decoding into ``work``; returns the task that finishes the float32 array.
+
+    ``b`` is the flat float32 base tensor when the record is a delta or ``as_delta`` is set. The result is
+    θ (a delta record plus the base) or, with ``as_delta``, θ − base (a delta record as it is).
+    """
     kind = rec["e"]
     bad: list = []
+    shift = 0 if rec["x"] == as_delta else (-1 if as_delta else 1)  # arithmetic kinds: −b, nothing or +b
 
     def finite(a: np.ndarray) -> np.ndarray:
         if bad or (reject and kind != "raw" and not np.isfinite(a).all()):
             raise CodecError("non-finite", f"tensor {name!r} contains NaN or Inf")
         return a
 
-    if kind == "raw":
-        b32 = None if b is None else b.view(np.uint32)
-        get = unpack_array(rec["p"], np.float32 if b is None else np.uint32, n, work, writeable=True,
-                           post=_raw_post(b32, bad, reject))
+    if kind == "raw":  # its delta is a bit-pattern XOR: undone, it yields θ either way
+        xor = rec["x"]
+        get = unpack_array(rec["p"], np.uint32 if xor else np.float32, n, work, writeable=True,
+                           post=_raw_post(b, xor, -1 if as_delta else 0, bad, reject))
         return 0, lambda: finite(get().view(np.float32))
     if kind == "fp16":
         get16 = unpack_array(rec["p"], np.float16, n, work)
@@ -288,16 +298,25 @@ def _decode_one(rec: dict, name: str, n: int, shape: tuple[int, ...], b: np.ndar
             idx = np.cumsum(diffs, dtype=np.int64)
             if k and ((diffs[1:] == 0).any() or idx[-1] >= n):
                 raise CodecError("bad-tensor", "topk indices are not strictly increasing within the tensor")
-            if b is None:
-                d = np.zeros(n, np.float32)
-                d[idx] = vals
-                return finite(d)
-            out = b.copy()
-            out[idx] += vals.astype(np.float32)
-            return finite(out)
+            if shift > 0:
+                out = b.copy()  # type: ignore[union-attr]
+                out[idx] += vals.astype(np.float32)
+                return finite(out)
+            d = np.zeros(n, np.float32)
+            d[idx] = vals
+            return finite(d - b if shift < 0 else d)
 
         return 4 * n, topk
-    return 4 * n, lambda: finite(fin() if b is None else fin() + b)
+
+    def values() -> np.ndarray:
+        v = fin()
+        if shift > 0:
+            v += b
+        elif shift < 0:
+            v -= b
+        return finite(v)
+
+    return 4 * n, values
 
 
 def decode_state(
@@ -308,15 +327,19 @@ def decode_state(
     reject_nonfinite: bool = True,
     max_bytes: int = DEFAULT_MAX_BYTES,
     max_tensors: int = 100_000,
+    as_delta: bool = False,
 ) -> dict[str, np.ndarray]:
     """Decode and validate an ``encode_state`` dict against ``manifest``; float32 arrays by name.
 
     Checks before any decompression that every name is in the manifest (once), shapes and dtypes match and
-    the decoded size fits ``max_bytes``; resolves deltas against ``base``. All or nothing: any problem
-    raises CodecError and returns no tensor.
+    the decoded size fits ``max_bytes``; resolves deltas against ``base``. With ``as_delta`` every tensor
+    comes back as θ − ``base`` instead (a delta record as sent, a full one minus the base), in the same
+    single pass. All or nothing: any problem raises CodecError and returns no tensor.
     """
+    if as_delta and base is None:
+        raise CodecError("missing-base", "decoding as deltas needs the base model")
     try:
-        return _decode_state(obj, manifest, base, reject_nonfinite, max_bytes, max_tensors)
+        return _decode_state(obj, manifest, base, reject_nonfinite, max_bytes, max_tensors, as_delta)
     except CodecError:
         raise
     except (ValueError, TypeError, KeyError, IndexError, OverflowError, AttributeError, MemoryError) as exc:
@@ -324,7 +347,8 @@ def decode_state(
 
 
 def _decode_state(
-    obj: Any, manifest: Manifest, base: Mapping[str, Any] | None, reject_nonfinite: bool, max_bytes: int, max_tensors: int
+    obj: Any, manifest: Manifest, base: Mapping[str, Any] | None, reject_nonfinite: bool, max_bytes: int, max_tensors: int,
+    as_delta: bool,
 ) -> dict[str, np.ndarray]:
     if not isinstance(obj, dict) or set(obj) != {"fmt", "enc", "t"}:
         raise CodecError("malformed", "tensor payload must be a map with keys fmt, enc, t")
@@ -367,16 +391,17 @@ def _decode_state(
         if total > max_bytes:
             raise CodecError("too-large", f"decoded tensors exceed {max_bytes} bytes")
         b = None
-        if rec["x"]:
+        if rec["x"] or as_delta:
             if base is None or name not in base:
-                raise CodecError("missing-base", f"tensor {name!r} is a delta but the base model lacks it")
+                raise CodecError("missing-base", f"the base model lacks tensor {name!r}")
             b, _ = _as_f32(base[name], name)
             if b.shape != spec.shape:
                 raise CodecError("bad-base", f"base {name!r} has shape {b.shape}, the manifest says {spec.shape}")
             b = b.reshape(-1)
         plan.append((rec, name, spec, b))
     work = Unpacking()  # every record is checked before any decompression starts
-    finish = [_decode_one(rec, name, spec.numel, spec.shape, b, work, reject_nonfinite) for rec, name, spec, b in plan]
+    finish = [_decode_one(rec, name, spec.numel, spec.shape, b, work, reject_nonfinite, as_delta)
+              for rec, name, spec, b in plan]
     run_all(work.tasks(), ordered=True)
     arrays = run_all(finish)
     return {name: arr.reshape(spec.shape) for (_, name, spec, _), arr in zip(plan, arrays)}

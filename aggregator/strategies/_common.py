@@ -124,31 +124,74 @@ def check_int(name: str, value: Any, *, low: int) -> int:
     return value
 
 
-class RunningSoftmaxSum:
-    """Σ_k softmax_k(s)·x_k folded one (s_k, x_k) at a time with a running log-sum-exp.
+def full_tensor(update: ClientUpdate, global_state: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    """θ_k of one tensor whichever form the update came in (a new tensor for a delta update)."""
+    t = update.tensors[name]
+    return global_state[name] + t if update.delta else t
 
-    Keeps m = max s seen, z = Σ e^{s_k − m} and acc = Σ e^{s_k − m} x_k; when a new score exceeds m the
-    accumulator is rescaled by e^{m_old − m_new} (≤ 1, so nothing overflows). One buffer the size of x.
+
+def update_sq_norm(update: ClientUpdate, global_state: Mapping[str, torch.Tensor], name: str) -> float:
+    """‖θ_k − θ‖² of one tensor: a plain dot for a delta update (one read), else :func:`sq_distance`."""
+    t = update.tensors[name]
+    if update.delta:
+        x = t.reshape(-1).to(acc_dtype(t))
+        return float(torch.dot(x, x))
+    g = global_state[name]
+    return sq_distance(t.to(acc_dtype(g)), g.to(acc_dtype(g)))
+
+
+class WeightedSum:
+    """Σ_k w_k θ_k for updates given either as θ_k or as Δ_k = θ_k − θ, in one buffer.
+
+    A delta term adds w_k Δ_k to ``acc`` and w_k to the scalar ``w_base``, so that Σ w_k θ_k =
+    acc + w_base·θ: folding a delta costs one pass, like folding a full tensor, and θ is added once at the
+    end. ``w`` is Σ w_k.
     """
 
-    __slots__ = ("acc", "m", "z")
+    __slots__ = ("acc", "w", "w_base")
 
     def __init__(self, acc: torch.Tensor) -> None:
         self.acc = acc  # zero-filled buffer
-        self.m = -math.inf
-        self.z = 0.0
+        self.w = 0.0
+        self.w_base = 0.0
 
-    def add(self, s: float, x: torch.Tensor) -> None:
+    def add(self, w: float, x: torch.Tensor, delta: bool) -> None:
+        self.acc.add_(x, alpha=w)
+        self.w += w
+        if delta:
+            self.w_base += w
+
+    def combine(self, base: torch.Tensor, scale: float, base_coef: float = 0.0) -> torch.Tensor:
+        """scale·Σ_k w_k θ_k + base_coef·θ, in place (the buffer is consumed)."""
+        out = self.acc.mul_(scale)
+        coef = scale * self.w_base + base_coef
+        return out.add_(base, alpha=coef) if coef != 0.0 else out
+
+
+class RunningSoftmaxSum(WeightedSum):
+    """Σ_k softmax_k(s)·θ_k folded one (s_k, x_k) at a time with a running log-sum-exp.
+
+    Keeps m = max s seen and weights w_k = e^{s_k − m} (``w`` = their sum z); when a new score exceeds m,
+    the accumulator and both weight sums are rescaled by e^{m_old − m_new} (≤ 1, so nothing overflows).
+    One buffer the size of x; x_k is θ_k or Δ_k as in :class:`WeightedSum`.
+    """
+
+    __slots__ = ("m",)
+
+    def __init__(self, acc: torch.Tensor) -> None:
+        super().__init__(acc)
+        self.m = -math.inf
+
+    def add_scored(self, s: float, x: torch.Tensor, delta: bool) -> None:
         if s > self.m:
-            if self.z > 0.0:
+            if self.w > 0.0:
                 scale = math.exp(self.m - s)
                 self.acc.mul_(scale)
-                self.z *= scale
+                self.w *= scale
+                self.w_base *= scale
             self.m = s
-        w = math.exp(s - self.m)
-        self.acc.add_(x, alpha=w)
-        self.z += w
+        self.add(math.exp(s - self.m), x, delta)
 
-    def mean(self) -> torch.Tensor:
-        """acc / z in place (the softmax-weighted sum); the buffer is consumed."""
-        return self.acc.div_(self.z)
+    def step(self, base: torch.Tensor, eps: float) -> torch.Tensor:
+        """(1 − ε)·θ + ε·Σ_k softmax_k(s)·θ_k, in place (the buffer is consumed)."""
+        return self.combine(base, eps / self.w, 1.0 - eps)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping
+from dataclasses import dataclass
+from typing import ClassVar, Mapping
 
 import torch
 
@@ -15,7 +15,10 @@ State = dict[str, torch.Tensor]
 class ClientUpdate:
     """One client's contribution, already decoded and validated against the manifest.
 
-    ``tensors`` are full weights θ_k (the engine resolves deltas against the base before folding).
+    ``tensors`` are the client's weights θ_k, or with ``delta`` set its change Δ_k = θ_k − θ_base from the
+    model it trained from (for a synchronous round, the global model given to ``begin``). The engine hands
+    updates over as deltas: the wire carries them, and folding Δ_k skips both adding the base back and
+    the second read a distance ‖θ − θ_k‖ needs. Strategies accept either form, and mixing them in a round.
     Under dynamic pulling a client sends only some tensors: ``tensors`` is then a subset of the manifest.
     """
 
@@ -25,7 +28,7 @@ class ClientUpdate:
     loss: float | None = None
     staleness: int = 0  # asynchronous mode: global versions published since the client's base
     update_id: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
+    delta: bool = False
 
 
 class Strategy(ABC):

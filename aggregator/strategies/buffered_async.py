@@ -7,10 +7,9 @@ Contract with the engine (asynchronous mode, no rounds):
 * ``update.staleness`` τ = global versions published since the client's base model.
   τ > ``max_staleness`` → ``fold`` raises :class:`StaleUpdate` and changes nothing (the engine acks, logs
   and counts the drop). τ < 0 is a StrategyError.
-* The update is a *delta*. Preferred: ``update.extra["delta"]`` = Δ_k = θ_k − θ_{base_k} (a tensor per
-  manifest name; the engine already has the base to resolve deltas, so it passes Δ_k along). Without it,
-  Δ_k = θ_k − θ_v is computed from ``update.tensors``, which is exact only when τ = 0; a stale update with
-  no delta is rejected with StrategyError.
+* A stale update (τ > 0) must come as a delta (``update.delta``): Δ_k = θ_k − θ_{base_k}, against the model
+  the client started from, which the engine decodes it against. A full θ_k is only meaningful when τ = 0
+  (Δ_k = θ_k − θ_v); a stale full update is rejected with StrategyError.
 
 Aggregation, with s(τ) = 1/sqrt(1 + τ) and n = Σ_k n_k over the buffer:
 
@@ -18,7 +17,8 @@ Aggregation, with s(τ) = 1/sqrt(1 + τ) and n = Σ_k n_k over the buffer:
 
 The staleness factor is deliberately *not* renormalised (dividing by Σ s(τ_k) n_k instead would cancel it
 whenever the buffer's updates share one staleness, e.g. K = 1): a buffer of stale updates moves the model
-less. η_g (``server_lr``) defaults to 1.0, so K fresh updates give exactly FedAvg of their models.
+less. η_g (``server_lr``) defaults to 1.0, so K fresh updates give exactly FedAvg of their models. This is
+FedAvg's streaming fold with the client weight w_k = η_g s(τ_k) n_k.
 """
 
 from __future__ import annotations
@@ -28,35 +28,25 @@ from typing import ClassVar, Mapping
 
 import torch
 
-from aggregator.strategies._common import (
-    cast_like,
-    check_int,
-    check_number,
-    check_started,
-    validate_update,
-    zeros_like_state,
-)
-from aggregator.strategies.base import ClientUpdate, State, Strategy
+from aggregator.strategies._common import check_int, check_number
+from aggregator.strategies.base import ClientUpdate, State
 from aggregator.strategies.errors import StaleUpdate, StrategyError
+from aggregator.strategies.fedavg import FedAvg
 
 
 def staleness_weight(tau: int) -> float:
     return 1.0 / math.sqrt(1.0 + tau)
 
 
-class BufferedAsync(Strategy):
+class BufferedAsync(FedAvg):
     name: ClassVar[str] = "async"
 
     def __init__(self, buffer_size: int = 10, max_staleness: int = 10, server_lr: float = 1.0) -> None:
+        super().__init__()
         self.buffer_size = check_int("buffer_size", buffer_size, low=1)
         self.max_staleness = check_int("max_staleness", max_staleness, low=0)
         self.server_lr = check_number("server_lr", server_lr, low=0.0, low_open=True)
-        self._global: Mapping[str, torch.Tensor] | None = None
-        self._acc: State = {}
-        self._n = 0
         self._count = 0
-        self._terms: dict[str, float] = {}
-        self._last_weights: dict[str, float] = {}
         self.dropped = 0
 
     @property
@@ -69,53 +59,27 @@ class BufferedAsync(Strategy):
         return self._count
 
     def begin(self, global_state: Mapping[str, torch.Tensor]) -> None:
-        self._global = global_state
-        self._acc = zeros_like_state(global_state)
-        self._n = 0
+        super().begin(global_state)
         self._count = 0
-        self._terms = {}
+
+    def weight(self, update: ClientUpdate) -> float:
+        return self.server_lr * staleness_weight(update.staleness) * update.n_samples
 
     def fold(self, update: ClientUpdate) -> None:
-        g = check_started(self._global, self.name)
         tau = update.staleness
         if isinstance(tau, bool) or not isinstance(tau, int) or tau < 0:
             raise StrategyError(f"update from {update.client!r}: staleness must be an integer >= 0, got {tau!r}")
         if tau > self.max_staleness:
             self.dropped += 1
             raise StaleUpdate(tau, self.max_staleness, update.client)
-        delta = update.extra.get("delta")
-        if delta is None:
-            if tau > 0:
-                raise StrategyError(f"update from {update.client!r}: staleness {tau} needs extra['delta'] (θ_k − θ_base)")
-            validate_update(update, g)
-            terms = {name: (t, g[name]) for name, t in update.tensors.items()}
-        else:
-            as_update = ClientUpdate(update.client, update.n_samples, delta)
-            validate_update(as_update, g)
-            terms = {name: (d, None) for name, d in delta.items()}
-        w = staleness_weight(tau) * update.n_samples
-        for name, (t, base) in terms.items():
-            self._acc[name].add_(t, alpha=w)
-            if base is not None:
-                self._acc[name].add_(base, alpha=-w)
-        self._n += update.n_samples
+        if tau > 0 and not update.delta:
+            raise StrategyError(f"update from {update.client!r}: staleness {tau} needs a delta update (θ_k − θ_base)")
+        super().fold(update)
         self._count += 1
-        key = update.client
-        while key in self._terms:
-            key += "'"
-        self._terms[key] = w
 
     def finish(self) -> State:
-        g = check_started(self._global, self.name)
-        if self._count == 0:
-            out = {k: v.clone() for k, v in g.items()}
-            self._last_weights = {}
-        else:
-            scale = self.server_lr / self._n
-            out = cast_like({k: acc.mul_(scale).add_(g[k]) for k, acc in self._acc.items()}, g)
-            self._last_weights = {c: w / self._n for c, w in self._terms.items()}
-        self._global, self._acc, self._count = None, {}, 0
-        return out
+        self._count = 0
+        return super().finish()
 
     def state_dict(self) -> dict:
         return {"dropped": self.dropped}

@@ -11,7 +11,7 @@ from typing import ClassVar, Mapping
 
 import torch
 
-from aggregator.strategies._common import cast_like, check_started, validate_update, zeros_like_state
+from aggregator.strategies._common import WeightedSum, cast_like, check_started, validate_update, zeros_like_state
 from aggregator.strategies.base import ClientUpdate, State, Strategy
 
 
@@ -21,27 +21,24 @@ class DynamicPull(Strategy):
     def __init__(self, rule: str = "dp-g") -> None:
         self.rule = rule  # informational: which client-side rule the round config asks for
         self._global: Mapping[str, torch.Tensor] | None = None
-        self._acc: State = {}
-        self._n: dict[str, int] = {}  # per tensor Σ n_k over the clients that sent it
+        self._sums: dict[str, WeightedSum] = {}  # per tensor: Σ n_k θ_k over the clients that sent it
         self._share: dict[str, dict[str, float]] = {}  # client -> tensor -> n_k (for client_weights)
         self._last_weights: dict[str, float] = {}
         self.last_samples_per_tensor: dict[str, int] = {}
 
     def begin(self, global_state: Mapping[str, torch.Tensor]) -> None:
         self._global = global_state
-        self._acc = {}
-        self._n = {}
+        self._sums = {}
         self._share = {}
 
     def fold(self, update: ClientUpdate) -> None:
         g = check_started(self._global, self.name)
         validate_update(update, g, subset=True)
         for name, t in update.tensors.items():
-            acc = self._acc.get(name)
+            acc = self._sums.get(name)
             if acc is None:  # allocated lazily: tensors nobody sends cost nothing
-                acc = self._acc[name] = zeros_like_state({name: g[name]})[name]
-            acc.add_(t, alpha=update.n_samples)
-            self._n[name] = self._n.get(name, 0) + update.n_samples
+                acc = self._sums[name] = WeightedSum(zeros_like_state({name: g[name]})[name])
+            acc.add(update.n_samples, t, update.delta)
         key = update.client
         while key in self._share:
             key += "'"
@@ -49,18 +46,17 @@ class DynamicPull(Strategy):
 
     def finish(self) -> State:
         g = check_started(self._global, self.name)
+        n = {name: int(s.w) for name, s in self._sums.items()}
         out: State = {}
         for name, ref in g.items():
-            if name in self._acc:
-                out[name] = self._acc[name].div_(self._n[name])
-            else:
-                out[name] = ref.clone()
+            s = self._sums.get(name)
+            out[name] = s.combine(ref, 1.0 / s.w) if s is not None else ref.clone()
         out = cast_like(out, g)
         # mean over all tensors of the client's share of each tensor (0 for tensors it did not send)
         self._last_weights = {
-            c: sum(n / self._n[name] for name, n in sent.items()) / len(g) for c, sent in self._share.items()
+            c: sum(k / n[name] for name, k in sent.items()) / len(g) for c, sent in self._share.items()
         } if g else {}
-        self.last_samples_per_tensor = dict(self._n)
-        self._global, self._acc = None, {}
+        self.last_samples_per_tensor = n
+        self._global, self._sums = None, {}
         return out
 

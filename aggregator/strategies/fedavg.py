@@ -3,6 +3,13 @@
 FedSGD is a separate tiny class rather than a registry alias so that the engine can read the round
 configuration it implies from ``round_config`` (all agents selected, one local epoch, full-batch-free SGD
 step count left to the task) instead of special-casing a name.
+
+:class:`FedAvg` is also the streaming core of the strategies that only change a client's weight
+(clipping, staleness): with w_k = ``weight(update)`` and n = Σ n_k,
+
+    θ ← θ + Σ_k w_k (θ_k − θ) / n = Σ_k w_k θ_k / n + (1 − Σ_k w_k / n) θ,
+
+which is plain FedAvg when w_k = n_k.
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ from typing import ClassVar, Mapping
 
 import torch
 
-from aggregator.strategies._common import cast_like, check_started, validate_update, zeros_like_state
+from aggregator.strategies._common import WeightedSum, cast_like, check_started, validate_update, zeros_like_state
 from aggregator.strategies.base import ClientUpdate, State, Strategy
 
 
@@ -22,33 +29,38 @@ class FedAvg(Strategy):
 
     def __init__(self) -> None:
         self._global: Mapping[str, torch.Tensor] | None = None
-        self._acc: State = {}
+        self._sums: dict[str, WeightedSum] = {}
         self._n = 0
-        self._samples: dict[str, int] = {}
+        self._terms: dict[str, float] = {}  # client -> Σ w_k, for client_weights
         self._last_weights: dict[str, float] = {}
+
+    def weight(self, update: ClientUpdate) -> float:
+        """w_k of a validated update (n_k here; subclasses scale it)."""
+        return float(update.n_samples)
 
     def begin(self, global_state: Mapping[str, torch.Tensor]) -> None:
         self._global = global_state
-        self._acc = zeros_like_state(global_state)
+        self._sums = {k: WeightedSum(v) for k, v in zeros_like_state(global_state).items()}
         self._n = 0
-        self._samples = {}
+        self._terms = {}
 
     def fold(self, update: ClientUpdate) -> None:
         g = check_started(self._global, self.name)
         validate_update(update, g)
+        w = self.weight(update)
         for name, t in update.tensors.items():
-            self._acc[name].add_(t, alpha=update.n_samples)
+            self._sums[name].add(w, t, update.delta)
         self._n += update.n_samples
-        self._samples[update.client] = self._samples.get(update.client, 0) + update.n_samples
+        self._terms[update.client] = self._terms.get(update.client, 0.0) + w
 
     def finish(self) -> State:
         g = check_started(self._global, self.name)
         if self._n == 0:
             out = {k: v.clone() for k, v in g.items()}
         else:
-            out = cast_like({k: v.div_(self._n) for k, v in self._acc.items()}, g)
-        self._last_weights = {c: n / self._n for c, n in self._samples.items()} if self._n else {}
-        self._global, self._acc = None, {}
+            out = cast_like({k: s.combine(g[k], 1.0 / self._n, 1.0 - s.w / self._n) for k, s in self._sums.items()}, g)
+        self._last_weights = {c: w / self._n for c, w in self._terms.items()} if self._n else {}
+        self._global, self._sums = None, {}
         return out
 
 

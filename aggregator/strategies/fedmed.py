@@ -19,19 +19,11 @@ from typing import ClassVar, Mapping
 
 import torch
 
-from aggregator.strategies._common import (
-    RunningSoftmaxSum,
-    cast_like,
-    check_number,
-    check_score,
-    check_started,
-    validate_update,
-    zeros_like_state,
-)
-from aggregator.strategies.base import ClientUpdate, State, Strategy
+from aggregator.strategies._common import check_number, full_tensor
+from aggregator.strategies.base import ClientUpdate, State
 from aggregator.strategies.errors import BadParameter, StrategyError
-from aggregator.strategies.fedatt import softmax_dict
 from aggregator.strategies.fedavg import FedAvg
+from aggregator.strategies.softmax_weighted import SoftmaxWeighted
 
 MODES = ("adaptive", "fedavg")
 _CHUNK = 1 << 20
@@ -57,19 +49,16 @@ def _chunked_lse(x: torch.Tensor) -> float:
     return float(torch.logsumexp(parts, 0))
 
 
-class FedMed(Strategy):
+class FedMed(SoftmaxWeighted):
     name: ClassVar[str] = "fedmed"
 
     def __init__(self, eta: float = 1.0, mode: str = "adaptive") -> None:
-        self.eta = check_number("eta", eta, low=0.0, low_open=True)
+        super().__init__()
+        self.eta = self.step_size = check_number("eta", eta, low=0.0, low_open=True)
         self.mode = "adaptive"
         self.set_mode(mode)
         self._fedavg = FedAvg()
-        self._global: Mapping[str, torch.Tensor] | None = None
-        self._sums: dict[str, RunningSoftmaxSum] = {}
-        self._scores: dict[str, dict[str, float]] = {}
         self._active_mode = self.mode
-        self._last_weights: dict[str, float] = {}
 
     def set_mode(self, mode: str) -> None:
         if mode not in MODES:
@@ -78,50 +67,31 @@ class FedMed(Strategy):
             raise StrategyError("fedmed: set_mode must be called before begin(), not inside a round")
         self.mode = mode
 
+    def score(self, name: str, update: ClientUpdate) -> float:
+        g = self._global
+        return js_divergence(g[name], full_tensor(update, g, name))  # type: ignore[index, arg-type]
+
     def begin(self, global_state: Mapping[str, torch.Tensor]) -> None:
         self._active_mode = self.mode
-        self._global = global_state
         if self._active_mode == "fedavg":
+            self._global = global_state
             self._fedavg.begin(global_state)
-            return
-        self._sums = {k: RunningSoftmaxSum(v) for k, v in zeros_like_state(global_state).items()}
-        self._scores = {}
+        else:
+            super().begin(global_state)
 
     def fold(self, update: ClientUpdate) -> None:
-        g = check_started(self._global, self.name)
-        if self._active_mode == "fedavg":
+        if self._active_mode == "fedavg" and self._global is not None:
             self._fedavg.fold(update)
-            return
-        validate_update(update, g, need_samples=False, check_finite=False)
-        scores = {name: js_divergence(g[name], t) for name, t in update.tensors.items()}
-        for name, s in scores.items():
-            check_score(update, name, s)
-        for name, t in update.tensors.items():
-            self._sums[name].add(scores[name], t)
-        key = update.client
-        while key in self._scores:
-            key += "'"
-        self._scores[key] = scores
+        else:
+            super().fold(update)
 
     def finish(self) -> State:
-        g = check_started(self._global, self.name)
-        if self._active_mode == "fedavg":
+        if self._active_mode == "fedavg" and self._global is not None:
             out = self._fedavg.finish()
             self._last_weights = self._fedavg.client_weights()
-        elif not self._scores:
-            out = {k: v.clone() for k, v in g.items()}
-            self._last_weights = {}
-        else:
-            out = {name: s.mean().mul_(self.eta).add_(g[name], alpha=1.0 - self.eta) for name, s in self._sums.items()}
-            out = cast_like(out, g)
-            tensors = list(next(iter(self._scores.values())))
-            total = {c: 0.0 for c in self._scores}
-            for name in tensors:
-                for c, w in softmax_dict({c: sc[name] for c, sc in self._scores.items()}).items():
-                    total[c] += w
-            self._last_weights = {c: v / len(tensors) for c, v in total.items()}
-        self._global, self._sums = None, {}
-        return out
+            self._global = None
+            return out
+        return super().finish()
 
     def state_dict(self) -> dict:
         return {"mode": self.mode}

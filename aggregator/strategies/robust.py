@@ -23,55 +23,37 @@ from aggregator.strategies._common import (
     check_int,
     check_number,
     check_started,
-    sq_distance,
+    full_tensor,
+    update_sq_norm,
     validate_update,
     zeros_like_state,
 )
 from aggregator.strategies.base import ClientUpdate, State, Strategy
 from aggregator.strategies.errors import StrategyError
+from aggregator.strategies.fedavg import FedAvg
 
 
-class ClippedFedAvg(Strategy):
+class ClippedFedAvg(FedAvg):
+    """FedAvg whose client weight is n_k·min(1, clip_norm / ‖Δ_k‖)."""
+
     name: ClassVar[str] = "fedavg-clip"
 
     def __init__(self, clip_norm: float = 10.0) -> None:
+        super().__init__()
         self.clip_norm = check_number("clip_norm", clip_norm, low=0.0, low_open=True)
-        self._global: Mapping[str, torch.Tensor] | None = None
-        self._acc: State = {}
-        self._n = 0
-        self._samples: dict[str, int] = {}
         self.clipped: list[str] = []
 
     def begin(self, global_state: Mapping[str, torch.Tensor]) -> None:
-        self._global = global_state
-        self._acc = zeros_like_state(global_state)
-        self._n = 0
-        self._samples = {}
+        super().begin(global_state)
         self.clipped = []
 
-    def fold(self, update: ClientUpdate) -> None:
-        g = check_started(self._global, self.name)
-        validate_update(update, g)
-        sq = sum(sq_distance(t.to(acc_dtype(g[k])), g[k].to(acc_dtype(g[k]))) for k, t in update.tensors.items())
-        norm = math.sqrt(sq)
-        scale = 1.0 if norm <= self.clip_norm else self.clip_norm / norm
-        if scale < 1.0:
-            self.clipped.append(update.client)
-        w = update.n_samples * scale
-        for name, t in update.tensors.items():
-            self._acc[name].add_(t, alpha=w).add_(g[name], alpha=-w)
-        self._n += update.n_samples
-        self._samples[update.client] = self._samples.get(update.client, 0) + update.n_samples
-
-    def finish(self) -> State:
-        g = check_started(self._global, self.name)
-        if self._n == 0:
-            out = {k: v.clone() for k, v in g.items()}
-        else:
-            out = cast_like({k: a.div_(self._n).add_(g[k]) for k, a in self._acc.items()}, g)
-        self._last_weights = {c: n / self._n for c, n in self._samples.items()} if self._n else {}
-        self._global, self._acc = None, {}
-        return out
+    def weight(self, update: ClientUpdate) -> float:
+        g = self._global
+        norm = math.sqrt(sum(update_sq_norm(update, g, k) for k in update.tensors))  # type: ignore[arg-type]
+        if norm <= self.clip_norm:
+            return float(update.n_samples)
+        self.clipped.append(update.client)
+        return update.n_samples * self.clip_norm / norm
 
 
 class TrimmedMean(Strategy):
@@ -93,7 +75,7 @@ class TrimmedMean(Strategy):
         validate_update(update, g, need_samples=False)
         if len(self._kept) >= self.max_updates:
             raise StrategyError(f"{self.name}: more than max_updates={self.max_updates} updates in one round")
-        self._kept.append({k: t.detach().to(acc_dtype(g[k]), copy=True) for k, t in update.tensors.items()})
+        self._kept.append({k: full_tensor(update, g, k).detach().to(acc_dtype(g[k]), copy=True) for k in update.tensors})
         self._clients.append(update.client)
 
     def finish(self) -> State:

@@ -328,3 +328,29 @@ def test_fuzz_decode_state(data: st.DataObject) -> None:
         assert e.reason
         return
     _check_valid(out)
+
+
+@pytest.mark.parametrize(
+    "text", ["raw", "delta+raw", "fp16", "delta+fp16", "bf16", "delta+bf16", "int8-row", "delta+int8", "topk:0.05",
+             "delta+topk:0.05", "raw,noshuffle"],
+)
+def test_as_delta_is_decoded_minus_base(text: str) -> None:
+    """What the aggregator folds: θ − base in one pass, equal to decoding θ and subtracting the base."""
+    obj = _enc(text, base=BASE)
+    full = decode_state(obj, MANIFEST, BASE)
+    deltas = decode_state(obj, MANIFEST, BASE, as_delta=True)
+    assert list(deltas) == list(full)
+    for name, d in deltas.items():
+        np.testing.assert_allclose(d, full[name] - BASE[name], rtol=0, atol=1e-6 * max(1.0, float(np.abs(full[name]).max(initial=0))))
+    if text == "delta+raw":  # the raw XOR delta yields θ bit-exactly, so θ − base is exactly float32 subtraction
+        for name, d in deltas.items():
+            assert np.array_equal(d, STATE[name] - BASE[name])
+
+
+def test_as_delta_needs_the_base_and_still_rejects_nan() -> None:
+    assert _reason(_enc("raw"), as_delta=True) == "missing-base"
+    partial = {k: v for k, v in BASE.items() if k != "rnn.bias"}
+    assert _reason(_enc("raw"), base=partial, as_delta=True) == "missing-base"
+    bad = {**STATE, "rnn.bias": np.full(96, np.nan, np.float32)}
+    assert _reason(_enc("raw", state=bad), base=BASE, as_delta=True) == "non-finite"
+    assert _reason(_enc("fp16", state=bad), base=BASE, as_delta=True) == "non-finite"

@@ -27,7 +27,7 @@ def test_hand_worked_buffer():
     s.fold(ClientUpdate("a", 1, {"w": torch.tensor([3.0, 1.0])}, staleness=0))
     assert not s.ready and s.pending == 1
     # stale update as a delta: Δ_b = [0,4], s(3) = 1/2
-    s.fold(ClientUpdate("b", 1, {"w": torch.tensor([0.0, 0.0])}, staleness=3, extra={"delta": {"w": torch.tensor([0.0, 4.0])}}))
+    s.fold(ClientUpdate("b", 1, {"w": torch.tensor([0.0, 4.0])}, staleness=3, delta=True))
     assert s.ready
     out = s.finish()
     # θ' = [1,1] + (1·1·[2,0] + ½·1·[0,4]) / (1 + 1) = [1,1] + [1,1] = [2,2]
@@ -48,7 +48,7 @@ def test_too_stale_is_dropped_and_changes_nothing():
     s = BufferedAsync(buffer_size=1, max_staleness=3)
     s.begin(GLOBAL)
     with pytest.raises(StaleUpdate, match="4 versions stale \\(max 3\\)") as info:
-        s.fold(ClientUpdate("a", 1, {"w": torch.zeros(2)}, staleness=4, extra={"delta": {"w": torch.ones(2)}}))
+        s.fold(ClientUpdate("a", 1, {"w": torch.ones(2)}, staleness=4, delta=True))
     assert info.value.staleness == 4 and s.pending == 0 and not s.ready and s.dropped == 1
     assert torch.equal(s.finish()["w"], GLOBAL["w"])
 
@@ -56,12 +56,12 @@ def test_too_stale_is_dropped_and_changes_nothing():
 def test_stale_update_without_delta_and_bad_staleness_are_rejected():
     s = BufferedAsync()
     s.begin(GLOBAL)
-    with pytest.raises(StrategyError, match="needs extra\\['delta'\\]"):
+    with pytest.raises(StrategyError, match="needs a delta update"):
         s.fold(ClientUpdate("a", 1, {"w": torch.zeros(2)}, staleness=1))
     with pytest.raises(StrategyError, match="staleness must be an integer"):
         s.fold(ClientUpdate("a", 1, {"w": torch.zeros(2)}, staleness=-1))
     with pytest.raises(StrategyError, match="has shape"):
-        s.fold(ClientUpdate("a", 1, {"w": torch.zeros(2)}, staleness=1, extra={"delta": {"w": torch.zeros(3)}}))
+        s.fold(ClientUpdate("a", 1, {"w": torch.zeros(3)}, staleness=1, delta=True))
     assert s.pending == 0
 
 
