@@ -4,11 +4,17 @@ Every (method, count) pair runs in a fresh subprocess so its peak RSS (``ru_maxr
 are generated on the fly into one reusable model-sized buffer from a seeded generator (untimed), so
 memory and time measure the aggregator, not a pile of pre-made updates. Methods:
 
-* ``inplace``       plain in-place weighted sum ``acc.add_(θ_k, alpha=n_k)`` then ``/ n`` (the yardstick)
-* ``fedavg``        aggregator.strategies.fedavg.FedAvg (validation + the same sum)
-* ``fedatt``        aggregator.strategies.fedatt.FedAtt ('fro' distance + running log-sum-exp)
+* ``inplace``       plain in-place weighted sum ``acc.add_(x_k, alpha=n_k)`` then ``/ n`` (the yardstick)
+* ``fedavg``        aggregator.strategies.fedavg.FedAvg folding updates as deltas Δ_k = θ_k − θ, as the engine
+                    hands them over (validation + the same sum; θ is added once in ``finish``)
+* ``fedatt``        aggregator.strategies.fedatt.FedAtt on deltas ('fro' distance ‖Δ_k‖ + running log-sum-exp)
+* ``fedavg-full``, ``fedatt-full``  the same strategies given full weights θ_k (FedAtt's distance ‖θ − θ_k‖
+                    then reads θ as well as θ_k)
 * ``stack-fedavg``  copy every update into a [K, numel] stack per tensor, then one weighted reduction
 * ``stack-fedatt``  the same stack, all distances (same chunked kernel as FedAtt), softmax, one weighted reduction
+
+The yardstick sums tensors of the same size as every method folds (the deltas' or the weights' values do
+not change its cost).
 
 The stacking baselines are skipped where K models would exceed ``stack_budget_gb`` (default 8 GB: the
 machine is shared) — at 25M parameters that is 200 updates (20 GB). Throughput = K × model bytes /
@@ -26,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ("inplace", "fedavg", "fedatt", "stack-fedavg", "stack-fedatt")
+METHODS = ("inplace", "fedavg", "fedatt", "fedavg-full", "fedatt-full", "stack-fedavg", "stack-fedatt")
+STRATEGY_METHODS = ("fedavg", "fedatt", "fedavg-full", "fedatt-full")
 
 
 def model_shapes(params: int) -> dict[str, tuple[int, ...]]:
@@ -66,18 +73,22 @@ def _worker(method: str, count: int, params: int, seed: int) -> dict[str, Any]:
     model_bytes = sum(t.numel() * 4 for t in glob.values())
     fold_times: list[float] = []
 
+    as_delta = method in ("fedavg", "fedatt")
+
     def next_update() -> None:  # untimed: the harness, not the aggregator
         for k, t in buf.items():
-            t.uniform_(-0.01, 0.01, generator=gen).add_(glob[k])
+            t.uniform_(-0.01, 0.01, generator=gen)
+            if not as_delta:
+                t.add_(glob[k])
 
     weights = [1 + (i % 7) for i in range(count)]
     t_finish = 0.0
-    if method in ("fedavg", "fedatt"):
-        strat = FedAvg() if method == "fedavg" else FedAtt()
+    if method in STRATEGY_METHODS:
+        strat = FedAvg() if method.startswith("fedavg") else FedAtt()
         strat.begin(glob)
         for i in range(count):
             next_update()
-            u = ClientUpdate(str(i), weights[i], buf)
+            u = ClientUpdate(str(i), weights[i], buf, delta=as_delta)
             t0 = time.perf_counter()
             strat.fold(u)
             fold_times.append(time.perf_counter() - t0)

@@ -87,3 +87,22 @@ def test_hand_worked_fedavg_and_clipping_on_deltas():
     clip = ClippedFedAvg(clip_norm=2.5)
     torch.testing.assert_close(run(clip, glob, ups)["w"], torch.tensor([1.375, 2.25]))
     assert clip.clipped == ["a"]
+
+
+def test_running_softmax_sum_moves_its_reference_only_past_the_margin():
+    from aggregator.strategies._common import RunningSoftmaxSum
+
+    scores = [0.0, 5.0, 30.0, 29.0, 100.0, -50.0, 1000.0]
+    xs = [torch.full((3,), float(i + 1)) for i in range(len(scores))]
+    acc = RunningSoftmaxSum(torch.zeros(3))
+    refs = []
+    for s, x in zip(scores, xs):
+        acc.add_scored(s, x, delta=False)
+        refs.append(acc.m)
+    # 5 is within the margin of 0; 30 and 100 and 1000 move it; 29 and −50 do not
+    assert refs == [0.0, 0.0, 30.0, 30.0, 100.0, 100.0, 1000.0]
+    alpha = torch.softmax(torch.tensor(scores, dtype=torch.float64), 0)
+    expected = sum(a * x.double() for a, x in zip(alpha, xs))
+    out = acc.step(torch.zeros(3), 1.0)
+    assert bool(torch.isfinite(out).all())
+    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6)
