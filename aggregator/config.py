@@ -29,6 +29,7 @@ class JobConfig:
     att_norm: str = "fro"  # fro | spectral
     noise: float = 0.0  # randomization β: client adds noise·N(0, 1) to its weights before upload (FedAtt Eq. 6)
     pull_fraction: float = 0.5  # dynamic pulling: share of tensors sent (0.5 = median rule, 0.33 = 33 % variant)
+    pull_down: bool = False  # dynamic pulling in both directions: the server pushes only the tensors its rule picks
     encoding: str = "raw"  # uplink tensor encoding (broker.encodings.EncodingSpec syntax)
     down_encoding: str = "raw"  # downlink encoding of the global model
     epochs: int = 1
@@ -71,6 +72,11 @@ class JobConfig:
             bad(f"beta={self.beta} must be in (0, 1]")
         if not 0 < self.pull_fraction < 1:
             bad(f"pull fraction {self.pull_fraction} must be in (0, 1)")
+        if self.pull_down and self.pull == "all":
+            bad("pull-down needs a dynamic-pulling strategy (dp-l, dp-g or dp-random)")
+        if self.pull_down and (self.encoding.startswith("delta+") or self.down_encoding.startswith("delta+")):
+            bad("pull-down keeps each agent's own values for the tensors not pushed, so its uploads and the pushes "
+                "cannot be deltas; use an encoding without delta+")
         if self.min_clients < 1:
             bad("min-clients must be at least 1")
         for name in ("epochs", "batch_size", "async_k"):

@@ -38,6 +38,7 @@ from aggregator.strategies.registry import make_strategy
 from broker import messages, topology
 from broker.base import Broker
 from broker.encodings import EncodingSpec, decode_state, encode_state, raw_nbytes
+from client_agent.pulling import STRATEGY_RULES, select_tensors
 from broker.envelope import Kind
 from broker.errors import CodecError, FedmqError
 from broker.manifest import Manifest
@@ -94,6 +95,7 @@ class Engine:
         self.presence: dict[str, tuple[float, int]] = {}  # client -> (last seen, version it holds)
         self.best: tuple[float, int] | None = None  # (score, round)
         self.folded: dict[int, list[str]] = {}  # round -> msg ids of the updates folded into it (the audit)
+        self._contributors: set[str] = set()  # agents with a folded update since start: they hold a model
         self.phase = "starting"
         self.last_row: dict[str, Any] = {}
         self._consumer: str | None = None
@@ -211,19 +213,33 @@ class Engine:
         base = None
         if spec.delta and self.version > 0 and set(stats.selected) <= holders and self._prev_state is not None:
             base = self._prev_state
-        tensors = encode_state(self.global_state, spec if base is not None else EncodingSpec(**{**spec.__dict__, "delta": False}), base)
+        pushed = self._pushed_names(stats)
+        state = self.global_state if pushed is None else {k: self.global_state[k] for k in pushed}
+        tensors = encode_state(state, spec if base is not None else EncodingSpec(**{**spec.__dict__, "delta": False}), base)
         env = messages.announce(self.cfg.job, stats.round, self.version, stats.selected, self.cfg.train_config(),
                                 tensors, self.version - 1 if base is not None else messages.NO_VERSION, self.cfg.mode)
         body = messages.encode(env)
         self.broker.publish(topology.rk_global(self.cfg.job), body, message_id=env.msg_id)
         receivers = max(len(stats.online), len(stats.selected))
         stats.bytes_down += len(body) * receivers
-        stats.bytes_down_raw += raw_nbytes(self.global_state) * receivers
+        stats.bytes_down_raw += raw_nbytes(state) * receivers
         self.phase = "training"
         log.info("round announced", round=stats.round, version=self.version, selected=len(stats.selected),
                  bytes=len(body))
 
-    _prev_state: dict[str, torch.Tensor] | None = None
+    _prev_state: dict[str, torch.Tensor] | None = None  # θ_{v−1}, kept for delta pushes and pull-down
+
+    def _pushed_names(self, stats: RoundStats) -> list[str] | None:
+        """Dynamic pulling in both directions (Passban et al.): the tensors of θ_v the job's rule picks by their
+        change since θ_{v−1}; agents keep their own values for the rest. None (push everything) when the job
+        does not pull down, for the first push, or when a selected agent holds no model yet."""
+        cfg = self.cfg
+        if not cfg.pull_down or self._prev_state is None:
+            return None
+        if any(self.presence.get(c, (0, -1))[1] < 0 and c not in self._contributors for c in stats.selected):
+            return None
+        return select_tensors(self.global_state, self._prev_state, self.task.groups(), STRATEGY_RULES[cfg.pull], cfg.pull_fraction,
+                              random.Random(f"{cfg.seed}/push/{stats.round}"))
 
     def _collect(self, stats: RoundStats, spooled: dict | None, spooled_updates: dict[str, bytes]) -> Strategy | None:
         """Reports, mediation, grants and updates of one round; returns the strategy holding the folded updates."""
@@ -354,6 +370,7 @@ class Engine:
         if not spooled:
             self.spool.save_update(stats.round, client, body)
         stats.received.append(client)
+        self._contributors.add(client)
         stats.update_ids[client] = env.msg_id
         stats.bytes_up += len(body)
         stats.bytes_up_raw += raw_nbytes(update.tensors)
@@ -368,7 +385,7 @@ class Engine:
             skipped = f"{len(stats.received)} update(s) < min {cfg.min_clients}"
         weights: dict[str, float] = {}
         if skipped is None:
-            if EncodingSpec.parse(cfg.down_encoding).delta:
+            if EncodingSpec.parse(cfg.down_encoding).delta or cfg.pull_down:
                 self._prev_state = self.global_state
             self.global_state = {k: v.float() for k, v in strategy.finish().items()}
             weights = strategy.client_weights()

@@ -85,6 +85,7 @@ def simulate(
     beta: float = typer.Option(1.0, help="top-K share of reporting agents granted an upload (FedMed β)"),
     noise: float = typer.Option(0.0, help="randomization: agents add noise·N(0,1) before upload (FedAtt Eq. 6)"),
     pull_fraction: float = typer.Option(0.5, help="dynamic pulling: share of tensors sent (0.5 or 0.33)"),
+    pull_down: bool = typer.Option(False, "--pull-down", help="dynamic pulling in both directions: the server pushes only the tensors its rule picks"),
     robust: str = typer.Option("none", help="guard against outlier updates: none | clip:NORM | trimmed:FRAC | median"),
     encoding: str = typer.Option("raw", help="uplink encoding: raw|fp16|bf16|int8|int8-row|topk:D, prefix delta+, suffix @LEVEL (zstd, default 1)"),
     down_encoding: str = typer.Option("raw", help="downlink encoding of the global model"),
@@ -139,7 +140,7 @@ def simulate(
     job = "sim" if broker.startswith("memory://") else f"sim-{uuid.uuid4().hex[:8]}"
     cfg = JobConfig(job=job, strategy=strategy, rounds=rounds, clients=clients or 1, fraction=fraction,
                     min_clients=min_clients, beta=beta, loss_eps=loss_eps, att_eps=eps, att_norm=norm, noise=noise,
-                    pull_fraction=pull_fraction, encoding=encoding, down_encoding=down_encoding, epochs=epochs,
+                    pull_fraction=pull_fraction, pull_down=pull_down, encoding=encoding, down_encoding=down_encoding, epochs=epochs,
                     batch_size=batch_size, lr=lr, optimizer=optimizer, momentum=momentum, max_steps=max_steps,
                     report_deadline_s=report_deadline, update_deadline_s=update_deadline, heartbeat_s=1.0,
                     join_timeout_s=60.0, seed=seed, robust=robust)

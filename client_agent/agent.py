@@ -27,7 +27,7 @@ from broker.encodings import EncodingSpec, decode_state, encode_state
 from broker.envelope import Envelope, Kind
 from broker.errors import BrokerError, CodecError
 from client_agent.availability import Availability, Faults
-from client_agent.pulling import select_tensors
+from client_agent.pulling import STRATEGY_RULES, select_tensors
 from client_agent.tasks.base import Task, TrainConfig, load_state, model_state
 
 log = structlog.get_logger(__name__)
@@ -200,7 +200,14 @@ class Agent:
         except CodecError as exc:
             log.warning("global model rejected", client=self.client, reason=exc.reason)
             return None
-        self.held = {k: torch.from_numpy(v) for k, v in state.items()}
+        pushed = {k: torch.from_numpy(v) for k, v in state.items()}
+        if len(pushed) < len(self.manifest):  # dynamic pulling downwards: keep our own values for the rest
+            own = self.previous_own if self.previous_own is not None else self.held
+            if own is None:
+                log.info("partial model but we hold none; waiting for a full one", client=self.client)
+                return None
+            pushed = {k: pushed.get(k, own[k]) for k in self.manifest.names}
+        self.held = pushed
         self.version = env.model_version
         return env
 
@@ -275,8 +282,7 @@ class Agent:
             current = {k: v + cfg["noise"] * torch.randn(v.shape, generator=gen) for k, v in current.items()}
         names = list(current)
         if cfg["pull"] != "all":
-            mode = {"dp-l": "dp-l", "dp-g": "dp-g", "dp-random": "random"}[cfg["pull"]]
-            names = select_tensors(current, self.previous_own, self.groups, mode, cfg["pull_fraction"],
+            names = select_tensors(current, self.previous_own, self.groups, STRATEGY_RULES[cfg["pull"]], cfg["pull_fraction"],
                                    random.Random(stable_seed(cfg["seed"], self.client, rnd, "pull")))
         self.previous_own = current
         spec = EncodingSpec.parse(cfg["encoding"])

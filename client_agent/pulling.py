@@ -29,6 +29,7 @@ from aggregator.strategies._common import check_number
 from aggregator.strategies.errors import BadParameter
 
 MODES = ("dp-l", "dp-g", "random", "all")
+STRATEGY_RULES = {"dp-l": "dp-l", "dp-g": "dp-g", "dp-random": "random"}  # job strategy -> pulling mode
 
 
 def tensor_changes(current: Mapping[str, torch.Tensor], previous: Mapping[str, torch.Tensor]) -> dict[str, float]:

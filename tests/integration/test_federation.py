@@ -97,3 +97,47 @@ def test_round_closes_early_when_selected_agents_go_offline(federation, task, tm
     assert summary["rounds_completed"] + summary["rounds_skipped"] == 2
     assert any(r["dropped"] for r in rows)  # someone was selected and left
     assert all(r["wall_s"] < 30 for r in rows)  # far below the 60 s deadlines
+
+
+def test_dynamic_pulling_in_both_directions(federation, task, tmp_path):
+    """--pull-down: after the first round the server pushes only the tensors its rule picks (by their change since
+    the previous global), and each agent trains from those plus its own values for the rest."""
+    from client_agent.agent import Agent
+
+    seen: dict[str, list] = {}
+
+    class Recording(Agent):
+        def _take_model(self, env):
+            own = None if self.previous_own is None else {k: v.clone() for k, v in self.previous_own.items()}
+            out = super()._take_model(env)
+            if out is not None:
+                names = [rec["n"] for rec in env.payload["tensors"]["t"]]
+                seen.setdefault(self.client, []).append((env.round, names, own, {k: v.clone() for k, v in self.held.items()}))
+            return out
+
+    cfg = JobConfig(job="e2epush", strategy="dp-g", pull_fraction=0.5, pull_down=True, rounds=3, clients=3,
+                    fraction=1.0, lr=5.0, max_steps=2, batch_size=4, heartbeat_s=0.5, join_timeout_s=20,
+                    report_deadline_s=60, update_deadline_s=30)
+    engine, agents, summary = federation(task, cfg, "memory://e2e-push", tmp_path / "run", agent_class=lambda i: Recording)
+    assert summary["rounds_completed"] == 3
+    rows = engine.runlog.rows()
+    assert rows[1]["bytes_down_raw"] < rows[0]["bytes_down_raw"] and rows[2]["bytes_down_raw"] < rows[0]["bytes_down_raw"]
+    every = set(engine.manifest.names)
+    for rnd in (2, 3):
+        pushes = [(names, own, held) for records in seen.values() for r, names, own, held in records if r == rnd]
+        assert len(pushes) == 3
+        names = pushes[0][0]
+        assert 0 < len(names) < len(every) and all(p[0] == names for p in pushes)  # one push, a strict subset
+        for _, own, held in pushes:
+            for k in every - set(names):
+                assert torch.equal(held[k], own[k])  # kept its own value
+            for k in names:
+                assert torch.equal(held[k], pushes[0][2][k])  # the same pushed global for everyone
+        assert any(not torch.equal(pushes[0][2][k], pushes[0][1][k]) for k in names)
+
+
+def test_pull_down_config_errors():
+    with pytest.raises(Exception, match="pull-down needs a dynamic-pulling strategy"):
+        JobConfig(strategy="fedavg", pull_down=True)
+    with pytest.raises(Exception, match="cannot be deltas"):
+        JobConfig(strategy="dp-l", pull_down=True, encoding="delta+int8")

@@ -77,8 +77,10 @@ def _stream_through_fault(node, job_id: str, fault) -> None:
         _wait(lambda: set(confirmed) <= got.unique(), 90, "every confirmed update at the aggregator")
         assert got.unique() == set(confirmed)
         assert len(confirmed) == 120
-        assert agent.status()["reconnects"] >= 1 and agg.status()["reconnects"] >= 1
-        assert agent.status()["connected"] and agent.status()["unconfirmed"] == 0
+        # on a loaded machine the stream can end before the node goes down: both sides then reconnect after it
+        _wait(lambda: agent.status()["reconnects"] >= 1 and agg.status()["reconnects"] >= 1, 60, "both sides reconnected")
+        _wait(lambda: agent.status()["connected"], 60, "the agent connected again")
+        assert agent.status()["unconfirmed"] == 0
         _wait(lambda: agg.queue_depth(t.q_inbox(job_id)) == 0, 30, "an empty inbox")
     finally:
         agent.close()
