@@ -201,7 +201,7 @@ _NMT = {
                 pretrain_steps=150, rounds=3, max_steps=6, batch_size=24, per_domain_test=12, fractions=(0.5, 0.33)),
     "smoke": dict(task=dict(model="tiny", domains=["news_wmt", "ted_iwslt14"], max_lines=60, vocab_size=300,
                             eval_max_sentences=6),
-                  pretrain_steps=2, rounds=2, max_steps=1, batch_size=8, per_domain_test=3, fractions=(0.5,)),
+                  pretrain_steps=2, rounds=2, max_steps=1, batch_size=8, per_domain_test=3, fractions=(0.5, 0.33)),
 }
 
 
@@ -296,6 +296,7 @@ def _row(spec: RunSpec, summary: dict[str, Any], run_dir: Path) -> dict[str, Any
             "best_round": summary.get("best_round"), "rounds_completed": summary.get("rounds_completed"),
             "rounds_skipped": summary.get("rounds_skipped"), "bytes_up": summary.get("bytes_up"),
             "bytes_down": summary.get("bytes_down"), "bytes_up_raw": sum(r.get("bytes_up_raw") or 0 for r in rows),
+            "bytes_down_raw": sum(r.get("bytes_down_raw") or 0 for r in rows),
             "updates_received": sum(len(r.get("received") or []) for r in rows),
             "valid_curve": [r.get("valid") for r in rows], "wall_s": round(summary.get("run_wall_s", 0.0), 1)}
 
@@ -418,9 +419,11 @@ def run_nmt_domains(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
     # 3. FedAvg from the pre-trained model; then the dynamic-pulling variants
     specs = [RunSpec("fedavg", "nmt", options, {**job, "strategy": "fedavg"}, {"strategy": "fedavg", "pull": 1.0})]
     for f in s["fractions"]:
+        down = f < 0.5  # Passban et al.'s 33 % variant pulls in both directions (the server pushes a third too)
         for mode in ("dp-l", "dp-g", "dp-random"):
-            specs.append(RunSpec(f"{mode}-{f}", "nmt", options, {**job, "strategy": mode, "pull_fraction": f},
-                                 {"strategy": mode, "pull": f}))
+            specs.append(RunSpec(f"{mode}-{f}" + ("-both" if down else ""), "nmt", options,
+                                 {**job, "strategy": mode, "pull_fraction": f, "pull_down": down},
+                                 {"strategy": mode, "pull": f, "directions": "both" if down else "up"}))
     results = []
     for spec in specs:
         summary = runner.federate(spec, task=warm, seed=seed)
@@ -456,8 +459,8 @@ _COLUMNS = {
     "scale": ["run", "model", "tied", "test", "best_valid", "best_round", "wall_s"],
     "dropout": ["run", "availability", "faults", "test", "best_valid", "rounds_completed", "rounds_skipped",
                 "updates_received", "wall_s"],
-    "nmt-domains": ["run", "strategy", "pull", "test", "bleu_mean_domains", "best_round", "bytes_up_per_round",
-                    "bytes_up", "bytes_up_raw", "wall_s"],
+    "nmt-domains": ["run", "strategy", "pull", "directions", "test", "bleu_mean_domains", "best_round", "bytes_up_per_round",
+                    "bytes_up", "bytes_up_raw", "bytes_down_raw", "wall_s"],
 }
 
 

@@ -75,6 +75,10 @@ def test_nmt_domains(tmp_path):
     # round 2 of dynamic pulling sends about half of the tensors: fewer raw bytes up than FedAvg
     assert runs["dp-l-0.5"]["bytes_up_raw"] < runs["fedavg"]["bytes_up_raw"]
     assert runs["dp-g-0.5"]["bytes_up_raw"] < runs["fedavg"]["bytes_up_raw"]
+    # the 33 % variant pulls in both directions: round 2's push is a third of the tensors too
+    assert runs["dp-g-0.33-both"]["directions"] == "both" and runs["dp-g-0.5"]["directions"] == "up"
+    assert runs["dp-g-0.33-both"]["bytes_down_raw"] < runs["fedavg"]["bytes_down_raw"]
+    assert runs["dp-g-0.5"]["bytes_down_raw"] == runs["fedavg"]["bytes_down_raw"]
 
 
 def test_cli_topk_with_report(tmp_path):
