@@ -85,17 +85,3 @@ def _sample(names: list[str], k: int, rng: random.Random | np.random.Generator |
         return rng.sample(names, k)
     raise BadParameter(f"rng must be random.Random or numpy.random.Generator, got {type(rng).__name__}")
 
-
-def select_push(
-    current: Mapping[str, torch.Tensor],
-    previous: Mapping[str, torch.Tensor] | None,
-    groups: Mapping[str, str],
-    fraction: float = 0.33,
-    mode: str = "dp-g",
-    rng: random.Random | np.random.Generator | None = None,
-) -> list[str]:
-    """Server side of the 33 % variant: the global tensors to push, by the same rule on θ_{r+1} vs θ_r.
-
-    Agents keep their own value for tensors not pushed.
-    """
-    return select_tensors(current, previous, groups, mode, fraction, rng)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from aggregator.strategies.errors import BadParameter
-from client_agent.pulling import select_push, select_tensors, tensor_changes
+from client_agent.pulling import select_tensors, tensor_changes
 
 
 def states(changes: dict[str, float]):
@@ -49,7 +49,6 @@ def test_one_third_variant():
     # quantile(1..6, 0.33) = 1 + 0.33·5 = 2.65 → dp-l sends 1, 2; quantile(0.67) = 4.35 → dp-g sends 5, 6
     assert select_tensors(cur, prev, groups, "dp-l", fraction=0.33) == ["t1", "t2"]
     assert select_tensors(cur, prev, groups, "dp-g", fraction=0.33) == ["t5", "t6"]
-    assert select_push(cur, prev, groups) == ["t5", "t6"]
 
 
 def test_random_sends_the_same_count_reproducibly():
