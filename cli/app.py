@@ -449,12 +449,12 @@ def bench_broker(url: str = typer.Option("amqp://guest:guest@127.0.0.1:5672/%2F"
 
 
 @bench_app.command("aggregate")
-def bench_aggregate() -> None:
+def bench_aggregate(repeats: int = typer.Option(3, min=1, help="run the methods in turn this many times; medians")) -> None:
     """Streaming aggregation GB/s and peak RSS for 10, 50, 200 updates of a 25M-parameter model.
 
-    Example: fedmq bench aggregate
+    Example: fedmq bench aggregate --repeats 3
     """
-    _bench("aggregate", "bench_aggregate")
+    _bench("aggregate", "bench_aggregate", repeats=repeats)
 
 
 @bench_app.command("train")
