@@ -159,9 +159,14 @@ class Engine:
         self.inbox.ack(msg)
 
     def _wait_for_agents(self, needed: int, timeout: float) -> None:
-        """Handle presence (nothing else can arrive before an announce) until enough agents are online."""
+        """Handle presence (nothing else can arrive before an announce) until enough agents are online and
+        every heartbeat already queued is counted. Draining matters: heartbeats that queued up while the
+        aggregator was busy (evaluation, checkpoint) would otherwise look stale, and selection would sample
+        from just the first ``needed`` agents read instead of from every live one."""
         deadline = time.time() + timeout
-        while len(self._online()) < needed and time.time() < deadline and not self.stop.is_set():
+        while time.time() < deadline and not self.stop.is_set():
+            if len(self._online()) >= needed and not self.inbox.pending():
+                return
             msg = self.inbox.next(min(0.2, deadline - time.time()))
             if msg is not None:
                 self._dispatch_idle(msg)

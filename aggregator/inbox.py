@@ -57,6 +57,10 @@ class Inbox:
                 continue
         return False
 
+    def pending(self) -> bool:
+        """Whether a message is waiting (``next(0)`` would not wait)."""
+        return self._head is not None or not self._q.empty()
+
     def next(self, timeout: float) -> Received | None:
         """The next valid message, or None when ``timeout`` passes. Invalid ones are rejected on the way."""
         if self._head is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -141,3 +143,28 @@ def test_pull_down_config_errors():
         JobConfig(strategy="fedavg", pull_down=True)
     with pytest.raises(Exception, match="cannot be deltas"):
         JobConfig(strategy="dp-l", pull_down=True, encoding="delta+int8")
+
+
+def test_selection_counts_every_queued_heartbeat(task, tmp_path):
+    """Heartbeats that queued while the aggregator was busy all count: selection samples from every live agent,
+    not from the first few read (which made the seeded sampling a no-op in the experiments)."""
+    from aggregator.engine import Engine
+    from broker import messages, topology
+    from broker.connect import connect
+
+    url = "memory://e2e-presence"
+    cfg = JobConfig(job="e2epres", clients=10, fraction=0.2, heartbeat_s=0.5)
+    broker = connect(url, user=topology.AGGREGATOR_USER)
+    engine = Engine(broker, task, cfg, tmp_path / "run", durable=False, evaluate=False)
+    broker.declare_job(cfg.job, [])
+    broker.consume(topology.q_inbox(cfg.job), engine.inbox.handler, prefetch=64)  # as Engine.run does
+    for i in range(10):
+        agent = connect(url, user=f"agent-{i}")
+        env = messages.presence(cfg.job, f"agent-{i}", "online", 0)
+        agent.publish(topology.rk_presence(cfg.job, f"agent-{i}"), messages.encode(env), message_id=env.msg_id)
+    deadline = time.time() + 10
+    while engine.inbox._q.qsize() < 10 and time.time() < deadline:  # all ten queued, none read yet
+        time.sleep(0.05)
+    engine._wait_for_agents(cfg.selected_count(), 3 * cfg.heartbeat_s)
+    assert len(engine._online()) == 10  # not just the 2 it needs
+    broker.close()
