@@ -193,16 +193,38 @@ def _trace_file(out: Path, clients: int, rounds: int) -> Path:
 
 
 # ----------------------------------------------------------------------------------------------- NMT
+# task: TranslationTask options. pretrain_*: phase 1, Adam on the pairs of ``pretrain_domains`` (the first
+# ``pretrain_max_lines`` of each, 0 = all; minus every pair whose source is in a valid/test split; pairs longer
+# than max_len subwords skipped) for ``pretrain_steps`` steps of ``pretrain_batch`` pairs, lr warm-up over
+# ``pretrain_warmup`` steps to ``pretrain_lr`` then linear decay to 0. lr: the clients' Adam lr (local only and
+# federated); rounds x max_steps local steps of batch_size pairs; per_domain_test: BLEU on the first N test
+# pairs of each domain.
 _NMT = {
     "paper": dict(task=dict(model="base", domains=None, max_lines=0, vocab_size=32000, eval_max_sentences=0),
-                  pretrain_steps=100_000, rounds=5, max_steps=0, batch_size=64, per_domain_test=0, fractions=(0.5, 0.33)),
-    "cpu": dict(task=dict(model="small", domains=["news_wmt", "subtitles_opensubs", "ted_iwslt14", "software_it"],
-                          max_lines=3000, vocab_size=4000, eval_max_sentences=16, max_len=64),
-                pretrain_steps=150, rounds=3, max_steps=6, batch_size=24, per_domain_test=12, fractions=(0.5, 0.33)),
+                  pretrain_domains=["news_wmt"], pretrain_max_lines=0, pretrain_steps=100_000,
+                  pretrain_batch=64, pretrain_lr=7e-4, pretrain_warmup=4000, lr=5e-4,
+                  rounds=5, max_steps=0, batch_size=64, per_domain_test=0, fractions=(0.5, 0.33)),
+    "cpu": dict(task=dict(model="mini", domains=["news_wmt", "subtitles_opensubs", "ted_iwslt14", "software_it"],
+                          max_lines=3000, vocab_size=4000, eval_max_sentences=40, max_len=64, dropout=0.0),
+                pretrain_domains=["news_wmt"], pretrain_max_lines=0, pretrain_steps=4000, pretrain_batch=32,
+                pretrain_lr=4e-3, pretrain_warmup=200, lr=5e-4,
+                rounds=3, max_steps=20, batch_size=24, per_domain_test=100, fractions=(0.5, 0.33)),
     "smoke": dict(task=dict(model="tiny", domains=["news_wmt", "ted_iwslt14"], max_lines=60, vocab_size=300,
                             eval_max_sentences=6),
-                  pretrain_steps=2, rounds=2, max_steps=1, batch_size=8, per_domain_test=3, fractions=(0.5, 0.33)),
+                  pretrain_domains=["news_wmt"], pretrain_max_lines=60, pretrain_steps=2, pretrain_batch=8,
+                  pretrain_lr=5e-4, pretrain_warmup=0, lr=5e-4,
+                  rounds=2, max_steps=1, batch_size=8, per_domain_test=3, fractions=(0.5, 0.33)),
 }
+
+
+def pretrain_pairs(task: Any, domains: list[str], max_lines: int) -> list[Any]:
+    """The pre-training pairs: every pair of ``domains`` (the first ``max_lines`` lines of each, 0 = all) whose
+    source sentence is not in any valid or test split of ``task`` (so no evaluated sentence is trained on)."""
+    from client_agent.tasks.nmt_data import load_parallel
+
+    held = {p.src for split in ("valid", "test") for p in task.corpus.splits[split]}
+    corpus = load_parallel(_corpus("de-en"), domains, max_lines or None)
+    return [p for split in ("train", "valid", "test") for p in corpus.splits[split] if p.src not in held]
 
 
 class WarmStartTask:
@@ -387,7 +409,8 @@ def run_nmt_domains(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
     options = {k: v for k, v in options.items() if v is not None}
     task = runner.task("nmt", options)
     names = list(task.shard_names)
-    train = dict(batch_size=s["batch_size"], lr=5e-4, optimizer="adam", clip=1.0, seed=seed)
+    train = dict(batch_size=s["batch_size"], lr=s["lr"], optimizer="adam", clip=1.0, seed=seed)
+    pre_label = f"pre-trained ({'+'.join(s['pretrain_domains'])})"
     n = s["per_domain_test"]
     # phases 1-2 are cached in OUT (pretrained.pt + pretrain.json) for the same settings: a rerun skips them
     key = json.dumps({**options, **{k: v for k, v in s.items() if k != "fractions"}, "seed": seed}, sort_keys=True)
@@ -395,15 +418,20 @@ def run_nmt_domains(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
     cached = json.loads(cache_json.read_text()) if cache_json.is_file() and cache_pt.is_file() else {}
     if cached.get("key") == key:
         pretrained = torch.load(cache_pt, weights_only=True)
-        table, pretrain_s = cached["table"], cached["pretrain_s"]
+        table, pretrain_s, pretrain_info = cached["table"], cached["pretrain_s"], cached.get("pretrain", {})
     else:
-        # 1. pre-train on the news client's data (the WMT news domain)
+        # 1. pre-train on the news/WMT data (not only the news client's shard), evaluated sentences excluded
         started = time.time()
+        data = task.encode_pairs(pretrain_pairs(task, s["pretrain_domains"], s["pretrain_max_lines"]))
         model = task.build_model(seed)
-        task.train(model, names.index("news_wmt"), TrainConfig(epochs=100, max_steps=s["pretrain_steps"], **train))
+        result = task.pretrain(model, data, s["pretrain_steps"], s["pretrain_batch"], s["pretrain_lr"],
+                               s["pretrain_warmup"], clip=1.0, seed=seed, log_every=max(1, s["pretrain_steps"] // 20))
         pretrained = {k: v.detach().clone() for k, v in model_state(model).items()}
         pretrain_s = time.time() - started
-        table = {"pre-trained (news)": domain_bleu(task, model, "test", n)}
+        pretrain_info = {"pairs": len(data), "tokens": result.tokens, "loss": round(result.loss, 4),
+                         "train_s": round(result.seconds, 1)}
+        log.info("pre-training done", **pretrain_info)
+        table = {pre_label: domain_bleu(task, model, "test", n)}
         # 2. each client alone: fine-tune the pre-trained model on its own domain, as many steps as the federation
         local_steps = s["rounds"] * (s["max_steps"] or 0)
         for i, client in enumerate(names):
@@ -412,7 +440,8 @@ def run_nmt_domains(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
             task.train(m, i, TrainConfig(epochs=s["rounds"] if not local_steps else 100, max_steps=local_steps, **train))
             table[f"client {client} (local only)"] = domain_bleu(task, m, "test", n)
         torch.save(pretrained, cache_pt)
-        cache_json.write_text(json.dumps({"key": key, "table": table, "pretrain_s": pretrain_s}))
+        cache_json.write_text(json.dumps({"key": key, "table": table, "pretrain_s": pretrain_s,
+                                          "pretrain": pretrain_info}))
     warm = WarmStartTask(task, pretrained)
     job = dict(clients=len(names), fraction=1.0, rounds=s["rounds"], epochs=1, max_steps=s["max_steps"], **_DEADLINES,
                **{k: v for k, v in train.items() if k != "seed"})
@@ -438,7 +467,8 @@ def run_nmt_domains(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
         row["bytes_up_per_round"] = row["bytes_up"] / max(len(rows), 1)
         results.append(row)
     return {"runs": results, "bleu_by_domain": table, "domains": names, "pretrain_s": round(pretrain_s, 1),
-            "pretrain_steps": s["pretrain_steps"]}
+            "pretrain_steps": s["pretrain_steps"], "pretrain": pretrain_info,
+            "settings": {k: v for k, v in s.items() if k != "fractions"} | {"fractions": list(s["fractions"])}}
 
 
 def bleu_markdown(table: dict[str, dict[str, float]], domains: list[str]) -> str:

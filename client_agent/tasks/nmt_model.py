@@ -33,6 +33,7 @@ class TransformerConfig:
 
 CONFIGS = {
     "tiny": TransformerConfig(1, 1, 64, 4, 128, 0.1),  # tests
+    "mini": TransformerConfig(3, 3, 128, 4, 512, 0.1),  # the nmt-domains experiment's cpu scale (1 CPU core)
     "small": TransformerConfig(3, 3, 256, 4, 1024, 0.1),  # CPU default
     "base": TransformerConfig(6, 6, 512, 8, 2048, 0.1),  # Vaswani et al. / Passban et al.
 }

@@ -70,7 +70,7 @@ def test_nmt_domains(tmp_path):
     results = run_experiment("nmt-domains", "smoke", tmp_path, report=False)
     runs = _check_common(results, tmp_path, "nmt-domains")
     table = results["bleu_by_domain"]
-    assert set(table["pre-trained (news)"]) == {"news_wmt", "ted_iwslt14"}
+    assert set(table["pre-trained (news_wmt)"]) == {"news_wmt", "ted_iwslt14"}
     assert "server fedavg" in table and "client ted_iwslt14 (local only)" in table
     # round 2 of dynamic pulling sends about half of the tensors: fewer raw bytes up than FedAvg
     assert runs["dp-l-0.5"]["bytes_up_raw"] < runs["fedavg"]["bytes_up_raw"]
