@@ -68,7 +68,7 @@ def _make_task(options: dict[str, Any]):
 def simulate(
     task: str = typer.Option("lm", help="lm (language modelling) or nmt (German→English translation)"),
     data: str = typer.Option("builtin", help="corpus folder (wikitext-2, ptb, de-en/<domain>...) or 'builtin'"),
-    model: Optional[str] = typer.Option(None, help="lm: gru-tiny (default)|gru-small|gru-medium|gru-large|lstm; nmt: tiny|small (default)|base"),
+    model: Optional[str] = typer.Option(None, help="lm: gru-tiny (default)|gru-small|gru-medium|gru-large|lstm; nmt: tiny|mini|small (default)|base"),
     tied: Optional[bool] = typer.Option(None, "--tied/--untied", help="tie input and output embeddings (lm; default per model)"),
     clients: Optional[int] = typer.Option(None, "--clients", "-k", help="K, the number of agents (default 8; nmt natural: one per domain)"),
     fraction: float = typer.Option(0.5, "--fraction", "-c", help="C, the share of agents selected per round"),
