@@ -424,8 +424,16 @@ def run_nmt_domains(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
         started = time.time()
         data = task.encode_pairs(pretrain_pairs(task, s["pretrain_domains"], s["pretrain_max_lines"]))
         model = task.build_model(seed)
-        result = task.pretrain(model, data, s["pretrain_steps"], s["pretrain_batch"], s["pretrain_lr"],
-                               s["pretrain_warmup"], clip=1.0, seed=seed, log_every=max(1, s["pretrain_steps"] // 20))
+        every = max(1, s["pretrain_steps"] // 20)
+
+        def progress(step: int, total: int) -> None:
+            if step % every == 0:
+                log.info("pre-training", step=step, of=total, seconds=round(time.time() - started, 1))
+
+        cfg = TrainConfig(batch_size=s["pretrain_batch"], lr=s["pretrain_lr"], optimizer="adam", clip=1.0,
+                          max_steps=s["pretrain_steps"], warmup_steps=s["pretrain_warmup"], linear_decay=True,
+                          adam_betas=(0.9, 0.98), seed=seed)
+        result = task.pretrain(model, data, cfg, progress)
         pretrained = {k: v.detach().clone() for k, v in model_state(model).items()}
         pretrain_s = time.time() - started
         pretrain_info = {"pairs": len(data), "tokens": result.tokens, "loss": round(result.loss, 4),

@@ -22,6 +22,9 @@ class TrainConfig:
     momentum: float = 0.0
     lr_decay: float = 1.0  # multiply lr by this after every local epoch
     clip: float = 0.25  # gradient-norm clipping (0 = off)
+    warmup_steps: int = 0  # lr rises linearly from lr/warmup_steps to lr over the first steps (0 = off)
+    linear_decay: bool = False  # after warm-up, lr falls linearly to 0 at the run's last step
+    adam_betas: tuple[float, float] = (0.9, 0.999)
     max_steps: int = 0  # cap on optimizer steps per local run (0 = no cap); the CPU scale uses it
     device: str = "cpu"  # "auto" | "cpu" | "cuda"
     amp: bool = False  # mixed precision on CUDA

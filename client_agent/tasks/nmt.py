@@ -10,19 +10,17 @@ BLEU: sacrebleu ``corpus_bleu`` on the sentencepiece-decoded hypotheses against 
 
 from __future__ import annotations
 
-import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 import sacrebleu
-import structlog
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from client_agent.tasks.base import Progress, Task, TrainConfig, TrainResult
-from client_agent.tasks.dropout import set_dropout_generator
 from client_agent.tasks.errors import TaskError
 from client_agent.tasks.nmt_data import (PAD, EncodedPairs, Pair, SubwordVocab, batches_by_length, collate, load_parallel,
                                          pad)
@@ -30,8 +28,6 @@ from client_agent.tasks.nmt_decode import beam_search, greedy
 from client_agent.tasks.nmt_model import TransformerNMT, transformer_config
 from client_agent.tasks.partition import PartitionSpec, dirichlet_shards, iid_shards, natural_shards
 from client_agent.tasks.training import run_training
-
-log = structlog.get_logger(__name__)
 
 
 class TranslationTask(Task):
@@ -104,12 +100,16 @@ class TranslationTask(Task):
     def train(self, model: nn.Module, client: int, cfg: TrainConfig, progress: Progress | None = None) -> TrainResult:
         data = self.client_data(client)
         steps = -(-len(data) // cfg.batch_size) if cfg.batch_size > 0 else 0
+        return run_training(model, self._epoch_fn(data, cfg.batch_size), steps, cfg, client, len(data), progress)
+
+    def _epoch_fn(self, data: EncodedPairs, batch_size: int):
+        """One epoch over ``data`` in length-bucketed batches, for :func:`run_training`."""
 
         def epoch(m: nn.Module, gen: torch.Generator, device: torch.device) -> Iterator[tuple[torch.Tensor, int]]:
-            for idx in batches_by_length(data, cfg.batch_size, gen):
+            for idx in batches_by_length(data, batch_size, gen):
                 yield self._loss(m, data, idx, device)
 
-        return run_training(model, epoch, steps, cfg, client, len(data), progress)
+        return epoch
 
     def _loss(self, m: nn.Module, data: EncodedPairs, idx: list[int], device: torch.device) -> tuple[torch.Tensor, int]:
         """Mean label-smoothed cross-entropy over the batch's target tokens, and their number."""
@@ -126,52 +126,18 @@ class TranslationTask(Task):
         keep = [i for i in range(len(pairs)) if 0 < len(src[i]) < self.max_len and 0 < len(tgt[i]) < self.max_len]
         return EncodedPairs([src[i] for i in keep], [tgt[i] for i in keep])
 
-    def pretrain(self, model: nn.Module, data: EncodedPairs, steps: int, batch_size: int, lr: float, warmup: int = 0,
-                 clip: float = 1.0, seed: int = 0, log_every: int = 0) -> TrainResult:
-        """Train ``model`` (in place, on its device) on ``data`` -- e.g. a pre-training corpus outside the clients'
-        shards -- for ``steps`` Adam steps (betas 0.9/0.98): lr rises linearly to ``lr`` over ``warmup`` steps,
-        then falls linearly to 0 at ``steps``. Batches by length as ``train``; batch order and dropout masks
-        come from generators seeded by (seed, epoch)."""
-        if steps < 1 or batch_size < 1 or lr <= 0 or warmup < 0 or clip < 0:
-            raise TaskError(f"pre-training needs steps, batch_size >= 1, lr > 0, warmup and clip >= 0; got steps={steps}, "
-                            f"batch_size={batch_size}, lr={lr}, warmup={warmup}, clip={clip}")
+    def pretrain(self, model: nn.Module, data: EncodedPairs, cfg: TrainConfig,
+                 progress: Progress | None = None) -> TrainResult:
+        """Train ``model`` on ``data`` -- e.g. a pre-training corpus outside the clients' shards -- for exactly
+        ``cfg.max_steps`` steps (as many epochs as that takes), with the shared loop and batching of ``train``."""
+        if cfg.max_steps < 1:
+            raise TaskError(f"pre-training needs max_steps >= 1, got {cfg.max_steps}")
         if len(data) == 0:
             raise TaskError(f"no pre-training pairs of at most {self.max_len - 1} subwords per side")
-        device = next(model.parameters()).device
-        opt = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.98))
-        model.train()
-        done = tokens = 0
-        loss_sum = 0.0
-        t0 = time.perf_counter()
-        epoch = 0
-        try:
-            while done < steps:
-                gen = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % (2**63))
-                set_dropout_generator(model, gen)
-                for idx in batches_by_length(data, batch_size, gen):
-                    rise = (done + 1) / warmup if warmup else 1.0
-                    fall = (steps - done) / max(1, steps - warmup)
-                    for g in opt.param_groups:
-                        g["lr"] = lr * min(rise, fall, 1.0)
-                    loss, n = self._loss(model, data, idx, device)
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    if clip > 0:
-                        nn.utils.clip_grad_norm_(model.parameters(), clip)
-                    opt.step()
-                    done += 1
-                    tokens += n
-                    loss_sum += float(loss.detach()) * n
-                    if log_every and done % log_every == 0:
-                        log.info("pre-training", step=done, of=steps, loss=round(loss_sum / tokens, 4),
-                                 seconds=round(time.perf_counter() - t0, 1))
-                    if done >= steps:
-                        break
-                epoch += 1
-        finally:
-            set_dropout_generator(model, None)
-        seconds = time.perf_counter() - t0
-        return TrainResult(loss=loss_sum / tokens, n_samples=len(data), steps=done, tokens=tokens, seconds=seconds)
+        steps = -(-len(data) // cfg.batch_size) if cfg.batch_size > 0 else 0
+        epochs = -(-cfg.max_steps // steps) if steps else 1
+        return run_training(model, self._epoch_fn(data, cfg.batch_size), steps, replace(cfg, epochs=epochs), 0,
+                            len(data), progress)
 
     def eval_pairs(self, split: str) -> list[Pair]:
         if split not in ("valid", "test"):

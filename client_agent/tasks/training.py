@@ -43,7 +43,7 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        return torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=cfg.adam_betas)
     raise TaskError(f"unknown optimizer {cfg.optimizer!r}: use sgd or adam")
 
 
@@ -52,8 +52,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise TaskError(f"--epochs must be at least 1, got {cfg.epochs}")
     if cfg.batch_size < 1:
         raise TaskError(f"--batch-size must be at least 1, got {cfg.batch_size}")
-    if cfg.max_steps < 0 or cfg.clip < 0:
-        raise TaskError("--max-steps and --clip must not be negative")
+    if cfg.max_steps < 0 or cfg.clip < 0 or cfg.warmup_steps < 0:
+        raise TaskError("--max-steps, --clip and warm-up steps must not be negative")
     if not 0 < cfg.lr_decay <= 1.0:
         raise TaskError(f"--lr-decay must be in (0, 1], got {cfg.lr_decay}")
 
@@ -82,9 +82,13 @@ def run_training(model: nn.Module, epoch_fn: EpochFn, steps_per_epoch: int, cfg:
             seed = (cfg.seed * 1_000_003 + client * 7_919 + epoch) % (2**63)
             gen = torch.Generator().manual_seed(seed)
             set_dropout_generator(model, torch.Generator(device=device).manual_seed(seed) if device.type == "cuda" else gen)
+            epoch_lr = cfg.lr * cfg.lr_decay**epoch
             for g in opt.param_groups:
-                g["lr"] = cfg.lr * cfg.lr_decay**epoch
+                g["lr"] = epoch_lr
             for loss, n in _autocast(use_amp, epoch_fn(model, gen, device)):
+                if cfg.warmup_steps or cfg.linear_decay:
+                    for g in opt.param_groups:
+                        g["lr"] = epoch_lr * _schedule(cfg, steps, total)
                 opt.zero_grad(set_to_none=True)
                 if scaler is not None:
                     scaler.scale(loss).backward()
@@ -112,6 +116,13 @@ def run_training(model: nn.Module, epoch_fn: EpochFn, steps_per_epoch: int, cfg:
     mean = loss_sum / tokens if tokens else float("nan")
     log.debug("local training done", client=client, steps=steps, tokens=tokens, loss=round(mean, 4), seconds=round(seconds, 2))
     return TrainResult(loss=mean, n_samples=n_samples, steps=steps, tokens=tokens, seconds=seconds)
+
+
+def _schedule(cfg: TrainConfig, step: int, total: int) -> float:
+    """lr multiplier of 0-based ``step`` of ``total``: linear warm-up, then (with linear_decay) linear fall to 0."""
+    rise = (step + 1) / cfg.warmup_steps if cfg.warmup_steps else 1.0
+    fall = (total - step) / max(1, total - cfg.warmup_steps) if cfg.linear_decay else 1.0
+    return min(rise, fall, 1.0)
 
 
 def _autocast(enabled: bool, it: Iterator[tuple[torch.Tensor, int]]) -> Iterator[tuple[torch.Tensor, int]]:
