@@ -37,18 +37,18 @@ from aggregator.strategies.base import ClientUpdate, Strategy
 from aggregator.strategies.registry import make_strategy
 from broker import messages, topology
 from broker.base import Broker
+from broker.chunking import DEFAULT_CHUNK_LIMIT
 from broker.encodings import EncodingSpec, decode_state, encode_state, raw_nbytes
-from client_agent.pulling import STRATEGY_RULES, select_tensors
 from broker.envelope import Kind
 from broker.errors import CodecError, FedmqError
 from broker.manifest import Manifest
-from broker.chunking import DEFAULT_CHUNK_LIMIT
 from broker.queues import message_chunks
-
-MAX_PREFETCH = 65535  # AMQP's prefetch-count is a 16-bit field
+from client_agent.pulling import STRATEGY_RULES, select_tensors
 from client_agent.tasks.base import Task, load_state, model_state
 
 log = structlog.get_logger(__name__)
+
+MAX_PREFETCH = 65535  # AMQP's prefetch-count is a 16-bit field
 
 
 @dataclass

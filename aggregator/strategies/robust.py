@@ -75,7 +75,9 @@ class TrimmedMean(Strategy):
         validate_update(update, g, need_samples=False)
         if len(self._kept) >= self.max_updates:
             raise StrategyError(f"{self.name}: more than max_updates={self.max_updates} updates in one round")
-        self._kept.append({k: full_tensor(update, g, k).detach().to(acc_dtype(g[k]), copy=True) for k in update.tensors})
+        # full_tensor of a delta update is already a new tensor: copy only when it is the caller's
+        self._kept.append({k: full_tensor(update, g, k).detach().to(acc_dtype(g[k]), copy=not update.delta)
+                           for k in update.tensors})
         self._clients.append(update.client)
 
     def finish(self) -> State:
