@@ -32,6 +32,7 @@ class JobConfig:
     pull_down: bool = False  # dynamic pulling in both directions: the server pushes only the tensors its rule picks
     encoding: str = "raw"  # uplink tensor encoding (broker.encodings.EncodingSpec syntax)
     down_encoding: str = "raw"  # downlink encoding of the global model
+    keyframe_every: int = 10  # delta down-encodings: every Nth version is published full only (bounds drift)
     epochs: int = 1
     batch_size: int = 20
     lr: float = 20.0
@@ -79,7 +80,7 @@ class JobConfig:
                 "cannot be deltas; use an encoding without delta+")
         if self.min_clients < 1:
             bad("min-clients must be at least 1")
-        for name in ("epochs", "batch_size", "async_k"):
+        for name in ("epochs", "batch_size", "async_k", "keyframe_every"):
             if getattr(self, name) < 1:
                 bad(f"{name.replace('_', '-')} must be at least 1")
         for name in ("lr", "report_deadline_s", "update_deadline_s", "heartbeat_s"):
@@ -129,6 +130,9 @@ class JobConfig:
             "momentum": self.momentum, "lr_decay": self.lr_decay, "clip": self.clip, "max_steps": self.max_steps,
             "encoding": self.encoding, "noise": self.noise, "pull": self.pull, "pull_fraction": self.pull_fraction,
             "grant": self.grant_phase, "seed": self.seed,
+            # what an agent keeps between the rounds it is selected for: the model it trained from (a base for
+            # delta pushes, its own values under pull-down) and its own model (the dynamic-pulling rule's input)
+            "keep_model": self.pull_down or self.down_encoding.startswith("delta+"), "keep_own": self.pull != "all",
         }
 
     def to_dict(self) -> dict[str, Any]:

@@ -95,7 +95,7 @@ class Engine:
         self.presence: dict[str, tuple[float, int]] = {}  # client -> (last seen, version it holds)
         self.best: tuple[float, int] | None = None  # (score, round)
         self.folded: dict[int, list[str]] = {}  # round -> msg ids of the updates folded into it (the audit)
-        self._contributors: set[str] = set()  # agents with a folded update since start: they hold a model
+        self._trained_from: dict[str, int] = {}  # client -> version its last folded update trained from (kept models)
         self.phase = "starting"
         self.last_row: dict[str, Any] = {}
         self._consumer: str | None = None
@@ -103,7 +103,7 @@ class Engine:
     # ------------------------------------------------------------------ lifecycle
     def run(self, resume: bool = True) -> dict[str, Any]:
         """Declare the topology, resume from the last checkpoint, run the rounds, write the summary."""
-        self.broker.declare_job(self.cfg.job, [])
+        self.declare()
         self._consumer = self.broker.consume(topology.q_inbox(self.cfg.job), self.inbox.handler,
                                              prefetch=self._inbox_prefetch())
         started = time.time()
@@ -129,6 +129,10 @@ class Engine:
         summary = self._summary(time.time() - started)
         self.runlog.write_summary(summary)
         return summary
+
+    def declare(self) -> None:
+        """Declare the job's exchange, inbox and model stream (idempotent; agents need the exchange to join)."""
+        self.broker.declare_job(self.cfg.job, [], model_bytes=self.manifest.message_bound)
 
     def _inbox_prefetch(self) -> int:
         """Prefetch sized to the round (DESIGN.md): every chunk of every selected agent's update can be in flight.
@@ -213,38 +217,86 @@ class Engine:
         self._close(stats, strategy)
 
     def _announce(self, stats: RoundStats) -> None:
-        spec = EncodingSpec.parse(self.cfg.down_encoding)
-        holders = {c for c, (_, v) in self.presence.items() if v == self.version}
-        base = None
-        if spec.delta and self.version > 0 and set(stats.selected) <= holders and self._prev_state is not None:
-            base = self._prev_state
-        pushed = self._pushed_names(stats)
-        state = self.global_state if pushed is None else {k: self.global_state[k] for k in pushed}
-        tensors = encode_state(state, spec if base is not None else EncodingSpec(**{**spec.__dict__, "delta": False}), base)
+        """Publish the forms of the current version the selected agents need (once each: see _publish_model),
+        then the small announce to every agent. Only selected agents fetch a model, so bytes_down counts the
+        announce for every online agent and, for each selected agent, the form it will fetch (none when it
+        already holds this version)."""
+        forms = self._publish_model(stats.selected)
         env = messages.announce(self.cfg.job, stats.round, self.version, stats.selected, self.cfg.train_config(),
-                                tensors, self.version - 1 if base is not None else messages.NO_VERSION, self.cfg.mode)
+                                [entry for entry, _ in forms.values()], self.cfg.mode)
         body = messages.encode(env)
         self.broker.publish(topology.rk_global(self.cfg.job), body, message_id=env.msg_id)
-        receivers = max(len(stats.online), len(stats.selected))
-        stats.bytes_down += len(body) * receivers
-        stats.bytes_down_raw += raw_nbytes(state) * receivers
+        stats.bytes_down += len(body) * max(len(stats.online), len(stats.selected))
+        for client in stats.selected:
+            form = self._form_for(client, forms)
+            if form is not None:
+                stats.bytes_down += forms[form][0]["bytes"]
+                stats.bytes_down_raw += forms[form][1]
         self.phase = "training"
         log.info("round announced", round=stats.round, version=self.version, selected=len(stats.selected),
-                 bytes=len(body))
+                 forms=sorted(forms), bytes=len(body))
 
     _prev_state: dict[str, torch.Tensor] | None = None  # θ_{v−1}, kept for delta pushes and pull-down
 
-    def _pushed_names(self, stats: RoundStats) -> list[str] | None:
+    def _holds(self, client: str) -> int:
+        """The version ``client`` holds: what its presence says or, when the job has agents keep the model they
+        trained from, the version of its last folded update if newer (its heartbeat may not have said so yet)."""
+        said = self.presence.get(client, (0.0, messages.NO_VERSION))[1]
+        return max(said, self._trained_from.get(client, messages.NO_VERSION))
+
+    def _form_for(self, client: str, forms: dict[str, tuple[dict, int]]) -> str | None:
+        """The form of the current version ``client`` will fetch, judged from the version its presence says it
+        holds (the agent itself picks the same way, from what it really holds)."""
+        holds = self._holds(client)
+        if holds == self.version:
+            return None
+        if "delta" in forms and holds == self.version - 1:
+            return "delta"
+        if "partial" in forms and holds >= 0:
+            return "partial"
+        return "full"
+
+    def _publish_model(self, selected: list[str]) -> dict[str, tuple[dict, int]]:
+        """Publish the current version into the job's model stream: the full model (always, so any agent can
+        take it), plus a delta against v−1 (delta down-encodings, when a selected agent holds v−1 and v is not
+        a keyframe) or the pull-down subset (when a selected agent holds a model). Each form is published once
+        per version, not per agent; returns form -> (announce entry, raw fp32 bytes)."""
+        cfg = self.cfg
+        if self._published_version != self.version:
+            self._published, self._published_version = {}, self.version
+        spec = EncodingSpec.parse(cfg.down_encoding)
+        full = EncodingSpec(**{**spec.__dict__, "delta": False})
+        holds = [self._holds(c) for c in selected]
+        wanted: dict[str, tuple[dict[str, torch.Tensor], EncodingSpec, dict | None, int, bool]] = {
+            "full": (self.global_state, full, None, messages.NO_VERSION, False)}
+        if (spec.delta and self._prev_state is not None and self.version % cfg.keyframe_every
+                and any(h == self.version - 1 for h in holds)):
+            wanted["delta"] = (self.global_state, spec, self._prev_state, self.version - 1, False)
+        pushed = self._pushed_names()
+        if pushed is not None and any(h >= 0 for h in holds):
+            wanted["partial"] = ({k: self.global_state[k] for k in pushed}, full, None, messages.NO_VERSION, True)
+        for form, (state, enc, base, base_version, partial) in wanted.items():
+            if form in self._published:
+                continue
+            env = messages.model(cfg.job, self.version, encode_state(state, enc, base), base_version, partial)
+            body = messages.encode(env)
+            since = time.time()
+            self.broker.publish(topology.rk_model(cfg.job), body, message_id=env.msg_id)
+            self._published[form] = (messages.model_entry(env, since, len(body)), raw_nbytes(state))
+        return dict(self._published)
+
+    _published: dict[str, tuple[dict, int]] = {}
+    _published_version = messages.NO_VERSION
+
+    def _pushed_names(self) -> list[str] | None:
         """Dynamic pulling in both directions (Passban et al.): the tensors of θ_v the job's rule picks by their
-        change since θ_{v−1}; agents keep their own values for the rest. None (push everything) when the job
-        does not pull down, for the first push, or when a selected agent holds no model yet."""
+        change since θ_{v−1}; agents keep their own values for the rest. None when the job does not pull down
+        or for the first version (agents that hold no model take the full form)."""
         cfg = self.cfg
         if not cfg.pull_down or self._prev_state is None:
             return None
-        if any(self.presence.get(c, (0, -1))[1] < 0 and c not in self._contributors for c in stats.selected):
-            return None
-        return select_tensors(self.global_state, self._prev_state, self.task.groups(), STRATEGY_RULES[cfg.pull], cfg.pull_fraction,
-                              random.Random(f"{cfg.seed}/push/{stats.round}"))
+        return select_tensors(self.global_state, self._prev_state, self.task.groups(), STRATEGY_RULES[cfg.pull],
+                              cfg.pull_fraction, random.Random(f"{cfg.seed}/push/{self.version}"))
 
     def _collect(self, stats: RoundStats, spooled: dict | None, spooled_updates: dict[str, bytes]) -> Strategy | None:
         """Reports, mediation, grants and updates of one round; returns the strategy holding the folded updates."""
@@ -375,7 +427,8 @@ class Engine:
         if not spooled:
             self.spool.save_update(stats.round, client, body)
         stats.received.append(client)
-        self._contributors.add(client)
+        if self.cfg.train_config()["keep_model"]:
+            self._trained_from[client] = env.model_version
         stats.update_ids[client] = env.msg_id
         stats.bytes_up += len(body)
         stats.bytes_up_raw += raw_nbytes(update.tensors)

@@ -96,10 +96,14 @@ class Swarm:
                 if env.kind is not Kind.ANNOUNCE or env.round in done_rounds:
                     continue
                 done_rounds.add(env.round)
-                state = decode_state(env.payload["tensors"], manifest, None)
+                selected = set(env.payload["selected"])
+                if not selected & set(group):
+                    continue
+                full = next(e for e in env.payload["models"] if e["base_version"] < 0 and not e["partial"])
+                model = broker.fetch(topology.q_models(self.job), full["id"], offset=full["since"], timeout=60)
+                state = decode_state(messages.decode(model.body).payload["tensors"], manifest, None)
                 upd = {k: torch.from_numpy(v) + 0.01 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
                 tensors = encode_state(upd, EncodingSpec.parse("raw"))
-                selected = set(env.payload["selected"])
                 for c in group:
                     if c not in selected:
                         continue

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from broker.errors import BrokerError
 
 
 @dataclass
@@ -39,8 +43,8 @@ class Broker(ABC):
                     model_bytes: int = 0) -> None:
         """Idempotently declare the job's exchange, the aggregator inbox (if ``inbox``) and each agent's queues.
 
-        ``model_bytes`` (an upper bound on a global-model message) sizes the agents' latest queues so that a
-        chunked model fits whole (broker.queues.message_chunks).
+        With ``inbox`` it also declares the job's model stream, whose retention ``model_bytes`` (an upper bound
+        on a global-model message) sizes (broker.queues.model_stream_args).
         """
 
     @abstractmethod
@@ -61,8 +65,37 @@ class Broker(ABC):
         """
 
     @abstractmethod
-    def consume(self, queue: str, handler: Handler, *, prefetch: int | None = None) -> str:
-        """Start consuming ``queue``; returns a consumer tag. The handler must ack or reject every delivery."""
+    def consume(self, queue: str, handler: Handler, *, prefetch: int | None = None, offset: Any = None,
+                only_message: str | None = None) -> str:
+        """Start consuming ``queue``; returns a consumer tag. The handler must ack or reject every delivery.
+
+        ``offset`` (stream queues only, RabbitMQ's ``x-stream-offset``): an int, "first", "last", "next" or a
+        POSIX timestamp (float seconds). ``only_message``: hand over only the message with this id; every other
+        delivery is acked without being reassembled or handed over (reading one model from a stream).
+        """
+
+    def fetch(self, queue: str, message_id: str, *, offset: Any, timeout: float, prefetch: int = 64) -> Delivery:
+        """Read the one message ``message_id`` from the stream ``queue``, starting at ``offset``; BrokerError if
+        it has not arrived whole within ``timeout``. The caller acks the delivery (a no-op on a stream but for
+        flow control) before it lets the consumer go, which this does on return."""
+        got: list[Delivery] = []
+        done = threading.Event()
+
+        def take(d: Delivery) -> None:
+            if got:
+                self.ack(d)
+                return
+            got.append(d)
+            done.set()
+
+        tag = self.consume(queue, take, prefetch=prefetch, offset=offset, only_message=message_id)
+        try:
+            if not done.wait(timeout):
+                raise BrokerError(f"model {message_id} not found in {queue!r} within {timeout:.0f} s")
+            self.ack(got[0])
+            return got[0]
+        finally:
+            self.cancel(tag)
 
     @abstractmethod
     def cancel(self, consumer_tag: str) -> None:

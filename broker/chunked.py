@@ -216,7 +216,14 @@ class GatedDispatch:
         self._settle(delivery, requeue)
 
     def _dispatch(self, c: Any, raw: Delivery) -> None:
-        """Feed one raw delivery to its consumer's gate; settle what the gate says; run the handler."""
+        """Feed one raw delivery to its consumer's gate; settle what the gate says; run the handler.
+
+        A consumer reading for one message (``only``: a model reader on the stream) acks every other raw
+        delivery unseen, before reassembly: skipping a model costs its bytes on the wire and nothing more."""
+        only = getattr(c, "only", None)
+        if only is not None and raw.message_id != only:
+            self._settle_raw(raw.tag, None)
+            return
         out = c.gate.feed(raw)
         for t in out.ack:
             self._settle_raw(t, None)

@@ -44,6 +44,7 @@ class Kind(str, Enum):
     REPORT = "report"
     GRANT = "grant"
     UPDATE = "update"
+    MODEL = "model"
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,11 @@
 Keeps the RabbitMQ semantics fedmq relies on: one topic exchange with ``*``/``#`` routing, ``mandatory``
 (unroutable publishes fail), per-queue FIFO, per-consumer prefetch, unacked messages requeued (in their
 original order, flagged ``redelivered``) when their consumer is cancelled or its connection closes,
-``x-max-length`` with drop-head (only ready messages count, like RabbitMQ), and single active consumer.
+``x-max-length`` with drop-head (only ready messages count, like RabbitMQ), single active consumer, and
+stream queues (``x-queue-type: stream``): an append-only log that consumers read from an ``offset`` (a
+number, "first", "last", "next" or a POSIX timestamp) without removing anything, every delivery carrying its
+``x-stream-offset`` header, retention by ``x-max-length-bytes`` (whole messages, oldest first; RabbitMQ drops
+whole segments, so it keeps at least as much).
 Every ``connect("memory://NAME")`` in the process shares the hub NAME; each is one "connection" with its own
 dispatcher thread that runs the handlers, so a slow handler blocks only its own connection's consumers.
 """
@@ -25,7 +29,7 @@ from broker.base import Broker, Delivery, Handler
 from broker.chunked import CHUNK_HEADER, EXPIRY_CHECK_S, ChunkGate, GatedDispatch, chunk_messages
 from broker.chunking import DEFAULT_CHUNK_LIMIT
 from broker.errors import BrokerError
-from broker.queues import check_publish_args, job_queues, message_chunks
+from broker.queues import check_publish_args, job_queues
 
 log = structlog.get_logger(__name__)
 
@@ -67,6 +71,8 @@ class _Consumer:
     gate: ChunkGate
     unacked: dict[int, _Msg] = field(default_factory=dict)
     cancelled: bool = False
+    only: str | None = None  # deliver only the messages with this message id (the others are acked unseen)
+    cursor: int = 0  # stream queues: the offset of the next message to deliver
 
 
 @dataclass
@@ -76,6 +82,10 @@ class _Queue:
     ready: list[_Msg] = field(default_factory=list)  # sorted by seq
     consumers: list[_Consumer] = field(default_factory=list)
     rr: int = 0
+
+    @property
+    def is_stream(self) -> bool:
+        return self.arguments.get("x-queue-type") == "stream"
 
     def push(self, msg: _Msg) -> None:
         self.ready.append(msg)
@@ -91,6 +101,52 @@ class _Queue:
             bisect.insort(self.ready, m, key=lambda x: x.seq)
 
 
+@dataclass
+class _Stream(_Queue):
+    """A stream queue: ``log`` holds (offset, time, message); nothing is removed by consuming."""
+
+    log: list[tuple[int, float, _Msg]] = field(default_factory=list)
+    next_offset: int = 0
+    nbytes: int = 0
+
+    def push(self, msg: _Msg) -> None:
+        self.log.append((self.next_offset, time.time(), msg))
+        self.next_offset += 1
+        self.nbytes += len(msg.body)
+        limit = self.arguments.get("x-max-length-bytes")
+        while limit is not None and self.nbytes > int(limit) and len(self.log) > 1:
+            self.nbytes -= len(self.log.pop(0)[2].body)
+
+    def requeue(self, msgs: list[_Msg]) -> None:
+        """Nothing to requeue: a stream keeps every message until retention drops it."""
+
+    def start(self, offset: Any) -> int:
+        """The first offset a new consumer reads, for an ``x-stream-offset`` value (default "next")."""
+        first = self.log[0][0] if self.log else self.next_offset
+        if offset is None or offset == "next":
+            return self.next_offset
+        if offset == "first":
+            return first
+        if offset == "last":
+            return self.log[-1][0] if self.log else self.next_offset
+        if isinstance(offset, int) and not isinstance(offset, bool):
+            return max(offset, first)
+        if isinstance(offset, float):  # a POSIX timestamp: the first message stored at or after it
+            for off, stamp, _ in self.log:
+                if stamp >= offset:
+                    return off
+            return self.next_offset
+        raise BrokerError(f"bad stream offset {offset!r}: use an int, first, last, next or a timestamp")
+
+    def read(self, cursor: int) -> tuple[int, _Msg] | None:
+        """The message at ``cursor`` or the first retained one after it, with its offset."""
+        if not self.log or cursor >= self.next_offset:
+            return None
+        i = max(0, cursor - self.log[0][0])
+        off, _, msg = self.log[i]
+        return off, msg
+
+
 class _Hub:
     """One named in-process broker: queues, bindings of its topic exchange, and a lock around all of it."""
 
@@ -101,23 +157,35 @@ class _Hub:
         self.bindings: list[tuple[str, str]] = []  # (pattern, queue)
         self.seq = itertools.count()
         self.delivery_ids = itertools.count(1)
+        self._routes: dict[str, list[str]] = {}
 
     def declare(self, name: str, arguments: dict[str, Any], bindings: tuple[str, ...]) -> None:
         with self.lock:
             q = self.queues.get(name)
             if q is None:
-                self.queues[name] = _Queue(name, dict(arguments))
+                kind = _Stream if arguments.get("x-queue-type") == "stream" else _Queue
+                self.queues[name] = kind(name, dict(arguments))
+                self._routes.clear()
             elif q.arguments != arguments:
                 raise BrokerError(f"queue {name} exists with different arguments {q.arguments} (wanted {arguments})")
             for b in bindings:
                 if (b, name) not in self.bindings:
                     self.bindings.append((b, name))
+                    self._routes.clear()
 
     def route(self, routing_key: str) -> list[_Queue]:
-        return [self.queues[q] for p, q in self.bindings if q in self.queues and topic_matches(p, routing_key)]
+        """The queues bound to ``routing_key``, cached per key: a federation of K agents has 2K bindings, and
+        every heartbeat is a publish (the cache is cleared when a queue or binding is added)."""
+        names = self._routes.get(routing_key)
+        if names is None:
+            names = self._routes[routing_key] = [q for p, q in self.bindings if topic_matches(p, routing_key)]
+        return [self.queues[q] for q in names if q in self.queues]
 
     def pump(self, q: _Queue) -> None:
         """Hand ready messages to consumers with room in their prefetch window (caller holds the lock)."""
+        if isinstance(q, _Stream):
+            self._pump_stream(q)
+            return
         sac = bool(q.arguments.get("x-single-active-consumer"))
         while q.ready and q.consumers:
             candidates = q.consumers[:1] if sac else q.consumers
@@ -137,6 +205,20 @@ class _Hub:
                          user_id=msg.user_id, headers=dict(msg.headers), redelivered=msg.redelivered,
                          tag=(chosen, did))
             chosen.conn._inbox.put((chosen, d))
+
+    def _pump_stream(self, q: _Stream) -> None:
+        for c in q.consumers:
+            while len(c.unacked) < c.prefetch:
+                item = q.read(c.cursor)
+                if item is None:
+                    break
+                off, msg = item
+                c.cursor = off + 1
+                did = next(self.delivery_ids)
+                c.unacked[did] = msg
+                d = Delivery(body=msg.body, routing_key=msg.routing_key, queue=q.name, message_id=msg.message_id,
+                             user_id=msg.user_id, headers={**msg.headers, "x-stream-offset": off}, tag=(c, did))
+                c.conn._inbox.put((c, d))
 
 
 _hubs: dict[str, _Hub] = {}
@@ -174,7 +256,7 @@ class MemoryBroker(GatedDispatch, Broker):
     def declare_job(self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True,
                     model_bytes: int = 0) -> None:
         self._check_open()
-        for spec in job_queues(job, agents, inbox=inbox, latest_max_length=message_chunks(model_bytes, self.chunk_limit)):
+        for spec in job_queues(job, agents, inbox=inbox, model_bytes=model_bytes):
             self._hub.declare(spec.name, spec.arguments, spec.bindings)
 
     def publish(self, routing_key: str, body: bytes, *, message_id: str | None = None,
@@ -197,7 +279,8 @@ class MemoryBroker(GatedDispatch, Broker):
                 self._hub.pump(q)
 
     # ---- consuming ----------------------------------------------------------------------------------
-    def consume(self, queue: str, handler: Handler, *, prefetch: int | None = None) -> str:
+    def consume(self, queue: str, handler: Handler, *, prefetch: int | None = None, offset: Any = None,
+                only_message: str | None = None) -> str:
         self._check_open()
         window = prefetch or self.prefetch
         with self._hub.lock:
@@ -206,7 +289,12 @@ class MemoryBroker(GatedDispatch, Broker):
                 raise BrokerError(f"cannot consume {queue!r}: no such queue (declare the job first)")
             tag = f"memory-{uuid.uuid4().hex[:12]}"
             c = _Consumer(tag, q, self, handler, window, ChunkGate(window, max_message_size=self.max_message_size,
-                                                                       timeout_s=self.chunk_timeout_s))
+                                                                       timeout_s=self.chunk_timeout_s),
+                          only=only_message)
+            if isinstance(q, _Stream):
+                c.cursor = q.start(offset)
+            elif offset is not None:
+                raise BrokerError(f"cannot consume {queue!r} from an offset: it is not a stream")
             q.consumers.append(c)
             self._consumers[tag] = c
             self._hub.pump(q)

@@ -3,9 +3,15 @@
 Every message is an Envelope (broker/envelope.py); this module fixes the payload of each kind:
 
 - presence  agent -> inbox   {"state": "online"|"offline", "holds": model version held (-1 none)}
-- announce  aggregator -> global (every agent's latest queue)
-            {"selected": [ids], "config": {...round config...}, "tensors": encoded state,
-             "base_version": version the tensors are a delta against, or -1 for full weights, "mode": "sync"|"async"}
+- model     aggregator -> the job's model stream, once per version and form (not per agent)
+            {"tensors": encoded state, "base_version": version the tensors are a delta against, or -1 for full
+             weights, "partial": true when the tensors are a subset the agent lays over its own values}
+- announce  aggregator -> global (every agent's latest queue), small: it carries no tensors
+            {"selected": [ids], "config": {...round config...}, "mode": "sync"|"async",
+             "models": [{"id": model message id, "base_version": int, "partial": bool, "since": POSIX time it
+             was published (where a reader starts in the stream), "bytes": its size}]}: the forms of the
+             announced version (envelope.model_version) a selected agent can fetch; it takes the smallest it
+             can apply and fetches nothing when it already holds that version
 - report    agent -> inbox   {"loss": float, "n_samples": int}
 - grant     aggregator -> control (every agent's control queue)   {"granted": [ids]}
 - update    agent -> inbox   {"loss": float, "n_samples": int, "tensors": encoded state}
@@ -24,7 +30,8 @@ NO_VERSION = -1
 
 _FIELDS: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.PRESENCE: {"state": (str,), "holds": (int,)},
-    Kind.ANNOUNCE: {"selected": (list,), "config": (dict,), "tensors": (dict,), "base_version": (int,), "mode": (str,)},
+    Kind.ANNOUNCE: {"selected": (list,), "config": (dict,), "models": (list,), "mode": (str,)},
+    Kind.MODEL: {"tensors": (dict,), "base_version": (int,), "partial": (bool,)},
     Kind.REPORT: {"loss": (float, int), "n_samples": (int,)},
     Kind.GRANT: {"granted": (list,)},
     Kind.UPDATE: {"loss": (float, int), "n_samples": (int,), "tensors": (dict,)},
@@ -37,7 +44,7 @@ def check_payload(env: Envelope) -> Envelope:
     payload = env.payload
     for name, types in fields.items():
         value = payload.get(name)
-        if isinstance(value, bool) or not isinstance(value, types):
+        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
             raise CodecError("bad-payload", f"{env.kind.value} needs {name!r} of type {types[0].__name__}")
     if env.round < -1 or env.model_version < -1:
         raise CodecError("bad-payload", "negative round or model version")
@@ -50,7 +57,20 @@ def check_payload(env: Envelope) -> Envelope:
     for name in ("selected", "granted"):
         if name in fields and not all(isinstance(c, str) for c in payload[name]):
             raise CodecError("bad-payload", f"{name} must be a list of client ids")
+    if env.kind is Kind.ANNOUNCE:
+        for entry in payload["models"]:
+            if not _model_entry_ok(entry):
+                raise CodecError("bad-payload", "announce models must be {id, base_version, partial, since, bytes}")
     return env
+
+
+def _model_entry_ok(entry: object) -> bool:
+    if not isinstance(entry, dict) or set(entry) != {"id", "base_version", "partial", "since", "bytes"}:
+        return False
+    return (isinstance(entry["id"], str) and 0 < len(entry["id"]) <= 128
+            and type(entry["base_version"]) is int and entry["base_version"] >= -1
+            and type(entry["partial"]) is bool and type(entry["since"]) in (int, float)
+            and math.isfinite(entry["since"]) and type(entry["bytes"]) is int and entry["bytes"] >= 0)
 
 
 def decode(body: bytes, *, limits: Limits | None = None) -> Envelope:
@@ -67,9 +87,21 @@ def presence(job: str, client: str, state: str, holds: int) -> Envelope:
     return Envelope(Kind.PRESENCE, job, NO_VERSION, client, holds, {"state": state, "holds": holds})
 
 
-def announce(job: str, rnd: int, version: int, selected: list[str], config: dict[str, Any], tensors: dict,
-             base_version: int = NO_VERSION, mode: str = "sync") -> Envelope:
-    payload = {"selected": selected, "config": config, "tensors": tensors, "base_version": base_version, "mode": mode}
+def model(job: str, version: int, tensors: dict, base_version: int = NO_VERSION, partial: bool = False) -> Envelope:
+    payload = {"tensors": tensors, "base_version": base_version, "partial": partial}
+    return Envelope(Kind.MODEL, job, NO_VERSION, "aggregator", version, payload)
+
+
+def model_entry(env: Envelope, since: float, nbytes: int) -> dict[str, Any]:
+    """What an announce says of one published model message (see the module docstring)."""
+    p = env.payload
+    return {"id": env.msg_id, "base_version": p["base_version"], "partial": p["partial"], "since": float(since),
+            "bytes": int(nbytes)}
+
+
+def announce(job: str, rnd: int, version: int, selected: list[str], config: dict[str, Any],
+             models: list[dict[str, Any]], mode: str = "sync") -> Envelope:
+    payload = {"selected": selected, "config": config, "models": models, "mode": mode}
     return Envelope(Kind.ANNOUNCE, job, rnd, "aggregator", version, payload)
 
 

@@ -3,10 +3,11 @@
 Provisioning creates (idempotently) a vhost, the aggregator user and one user per agent, each with
 least-privilege permissions:
 
-* agent X may configure, write and read only its own queues ``fedmq.<job>.agent.X.(latest|control)``, write
+* agent X may configure, write and read only its own queues ``fedmq.<job>.agent.X.(latest|control)``, read
+  (not write) the job's model stream ``fedmq.<job>.models``, write
   to (publish on) and read (bind to) the exchange; topic permissions on the exchange let it publish only
   ``job.<job>.(report|update|presence).X`` and bind only ``job.<job>.(global|control)``;
-* the aggregator may configure, write and read every ``fedmq*`` resource and publish ``global``/``control``.
+* the aggregator may configure, write and read every ``fedmq*`` resource and publish ``global``/``control``/``model``.
 
 How it talks to RabbitMQ: ``rabbitmqctl`` when the broker runs on this machine (no plugin needed; the
 management plugin is off on a stock install and enabling it reconfigures the broker), otherwise the
@@ -56,8 +57,9 @@ class Permissions:
 def agent_permissions(client: str) -> Permissions:
     c = re.escape(t.check_name("client id", client))
     own = rf"fedmq\.[^.]+\.agent\.{c}\.(latest|control)"
+    models = r"fedmq\.[^.]+\.models"  # the model stream: read only (consuming a stream removes nothing)
     ex = re.escape(t.EXCHANGE)
-    return Permissions(configure=rf"^{own}$", write=rf"^({ex}|{own})$", read=rf"^({ex}|{own})$",
+    return Permissions(configure=rf"^{own}$", write=rf"^({ex}|{own})$", read=rf"^({ex}|{own}|{models})$",
                        topic_write=rf"^job\.[^.]+\.(report|update|presence)\.{c}$",
                        topic_read=r"^job\.[^.]+\.(global|control)$")
 
@@ -65,7 +67,7 @@ def agent_permissions(client: str) -> Permissions:
 def aggregator_permissions() -> Permissions:
     ex = re.escape(t.EXCHANGE)
     every = rf"^{ex}(\..*)?$"
-    return Permissions(configure=every, write=every, read=every, topic_write=r"^job\.[^.]+\.(global|control)$",
+    return Permissions(configure=every, write=every, read=every, topic_write=r"^job\.[^.]+\.(global|control|model)$",
                        topic_read=".*")
 
 

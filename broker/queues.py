@@ -12,6 +12,20 @@ from broker.errors import BrokerError
 INBOX_ARGS: dict[str, Any] = {"x-queue-type": "quorum", "x-single-active-consumer": True}
 LATEST_ARGS: dict[str, Any] = {"x-max-length": 1, "x-overflow": "drop-head"}
 CONTROL_ARGS: dict[str, Any] = {}
+STREAM_VERSIONS = 8  # model messages (a version can have a full and a delta/partial form) the stream retains
+MIN_SEGMENT = 1 << 20
+
+
+def model_stream_args(model_bytes: int) -> dict[str, Any]:
+    """Arguments of the job's model stream: retention of about STREAM_VERSIONS model messages.
+
+    RabbitMQ deletes a stream's oldest *segment* once the stream is over ``x-max-length-bytes``, so the segment
+    size is one model message: retention then keeps between STREAM_VERSIONS - 1 and STREAM_VERSIONS of them.
+    A selected agent reads its version within the round it was announced for, long before it ages out.
+    """
+    segment = max(int(model_bytes), MIN_SEGMENT)
+    return {"x-queue-type": "stream", "x-max-length-bytes": STREAM_VERSIONS * segment,
+            "x-stream-max-segment-size-bytes": segment}
 
 
 @dataclass(frozen=True)
@@ -24,9 +38,8 @@ class QueueSpec:
 def message_chunks(model_bytes: int, chunk_limit: int) -> int:
     """How many messages a model message of up to ``model_bytes`` can take on the wire (1 when unchunked).
 
-    Sizes an agent's latest queue (x-max-length: a max-length-1 queue would keep only the last chunk of a
-    chunked model, so it would never arrive) and the aggregator's prefetch. 5 % and one message of slack: a
-    trailing chunk of an older model may stay in a latest queue; the reassembler expires it.
+    Sizes the aggregator's prefetch (every chunk of every selected update can be in flight) and a model
+    reader's. 5 % and one message of slack.
     """
     if model_bytes <= chunk_limit:
         return 1
@@ -34,8 +47,9 @@ def message_chunks(model_bytes: int, chunk_limit: int) -> int:
 
 
 def job_queues(job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True,
-               latest_max_length: int = 1) -> list[QueueSpec]:
-    """Specs of the inbox (if ``inbox``) and each agent's latest/control queues; BrokerError on a bad id."""
+               model_bytes: int = 0) -> list[QueueSpec]:
+    """Specs of the inbox and, given ``model_bytes`` (which sizes its retention), the model stream (if ``inbox``:
+    the aggregator's side) and each agent's latest/control queues; BrokerError on a bad id."""
     try:
         t.check_name("job id", job)
         for a in agents:
@@ -45,9 +59,10 @@ def job_queues(job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: boo
     specs = []
     if inbox:
         specs.append(QueueSpec(t.q_inbox(job), dict(INBOX_ARGS), tuple(t.inbox_bindings(job))))
+        if model_bytes > 0:  # the aggregator's declaration: it knows the model's size
+            specs.append(QueueSpec(t.q_models(job), model_stream_args(model_bytes), (t.rk_model(job),)))
     for a in agents:
-        latest_args = {**LATEST_ARGS, "x-max-length": latest_max_length}
-        specs.append(QueueSpec(t.q_latest(job, a), latest_args, (t.rk_global(job),)))
+        specs.append(QueueSpec(t.q_latest(job, a), dict(LATEST_ARGS), (t.rk_global(job),)))
         specs.append(QueueSpec(t.q_control(job, a), dict(CONTROL_ARGS), (t.rk_control(job),)))
     return specs
 

@@ -23,6 +23,7 @@ old connection can no longer be acked (the broker requeued them); acking them is
 from __future__ import annotations
 
 import collections
+import datetime
 import random
 import threading
 import time
@@ -40,7 +41,7 @@ from broker.base import Broker, Delivery, Handler
 from broker.chunked import CHUNK_HEADER, EXPIRY_CHECK_S, ChunkFrame, ChunkGate, GatedDispatch, chunk_parts
 from broker.chunking import DEFAULT_CHUNK_LIMIT, Chunk
 from broker.errors import BrokerError
-from broker.queues import check_publish_args, job_queues, message_chunks
+from broker.queues import check_publish_args, job_queues
 from broker.tls import TlsOptions, ssl_options
 from broker.topology import EXCHANGE
 
@@ -78,6 +79,8 @@ class _Consumer:
     gate: ChunkGate
     channel: Any = None
     gen: int = -1
+    offset: Any = None  # stream queues: x-stream-offset
+    only: str | None = None  # hand over only this message id (GatedDispatch._dispatch)
 
 
 @dataclass
@@ -152,7 +155,7 @@ class RabbitBroker(GatedDispatch, Broker):
         self._pub_seq = 0
         self._pub_pending: dict[int, tuple[_Publish, int]] = {}  # delivery tag -> (publish, part)
         self._gen = 0
-        self._jobs: list[tuple[str, tuple[str, ...], bool, int]] = []  # (job, agents, inbox, latest max-length)
+        self._jobs: list[tuple[str, tuple[str, ...], bool, int]] = []  # (job, agents, inbox, model bytes)
         self._consumers: dict[str, _Consumer] = {}
         self._stopping = False
         self._blocked = False
@@ -348,9 +351,9 @@ class RabbitBroker(GatedDispatch, Broker):
         log.info("RabbitMQ unblocked this connection")
 
     # ---- topology -----------------------------------------------------------------------------------
-    def _declare_now(self, job: str, agents: tuple[str, ...], inbox: bool, latest_max_length: int = 1) -> None:
+    def _declare_now(self, job: str, agents: tuple[str, ...], inbox: bool, model_bytes: int = 0) -> None:
         assert self._conn is not None
-        specs = job_queues(job, agents, inbox=inbox, latest_max_length=latest_max_length)
+        specs = job_queues(job, agents, inbox=inbox, model_bytes=model_bytes)
         ch = self._conn.channel()
         if not inbox:
             # agents lack configure permission on the exchange: check it exists, create it only if allowed
@@ -378,7 +381,7 @@ class RabbitBroker(GatedDispatch, Broker):
     def declare_job(self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True,
                     model_bytes: int = 0) -> None:
         agents_t = tuple(agents)
-        length = message_chunks(model_bytes, self.chunk_limit)
+        length = int(model_bytes)
         job_queues(job, agents_t, inbox=inbox)  # validate ids in the caller's thread
 
         def run(b: "RabbitBroker") -> None:
@@ -514,17 +517,26 @@ class RabbitBroker(GatedDispatch, Broker):
                 self._dispatch_cv.notify()
 
         ch.add_on_cancel_callback(lambda _frame: log.warning("the broker cancelled a consumer", queue=c.queue))
+        args = None
+        if c.offset is not None:  # a timestamp travels as an AMQP timestamp, which pika writes for a datetime
+            off = c.offset
+            if isinstance(off, float):
+                off = datetime.datetime.fromtimestamp(int(off), tz=datetime.timezone.utc)
+            args = {"x-stream-offset": off}
         try:
-            ch.basic_consume(c.queue, on_message, auto_ack=False, consumer_tag=c.tag)
+            ch.basic_consume(c.queue, on_message, auto_ack=False, consumer_tag=c.tag, arguments=args)
         except pe.ChannelClosedByBroker as exc:
             raise BrokerError(f"cannot consume {c.queue!r}: {exc.reply_code} {exc.reply_text}") from None
         c.channel, c.gen = ch, gen
 
-    def consume(self, queue: str, handler: Handler, *, prefetch: int | None = None) -> str:
+    def consume(self, queue: str, handler: Handler, *, prefetch: int | None = None, offset: Any = None,
+                only_message: str | None = None) -> str:
         window = prefetch or self.prefetch
+        if offset is not None and not isinstance(offset, (int, float, str)) or isinstance(offset, bool):
+            raise BrokerError(f"bad stream offset {offset!r}: use an int, first, last, next or a timestamp")
         c = _Consumer(f"fedmq-{uuid.uuid4().hex[:12]}", queue, handler, window,
                       ChunkGate(window, max_message_size=self.max_message_size,
-                                timeout_s=self.chunk_timeout_s))
+                                timeout_s=self.chunk_timeout_s), offset=offset, only=only_message)
 
         def run(b: "RabbitBroker") -> str:
             b._subscribe(c)

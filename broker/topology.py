@@ -21,6 +21,11 @@ def rk_global(job: str) -> str:
     return f"job.{job}.global"
 
 
+def rk_model(job: str) -> str:
+    """Global models, each version published once into the job's model stream."""
+    return f"job.{job}.model"
+
+
 def rk_control(job: str) -> str:
     return f"job.{job}.control"
 
@@ -43,8 +48,13 @@ def q_inbox(job: str) -> str:
     return f"fedmq.{job}.inbox"
 
 
+def q_models(job: str) -> str:
+    """The job's model stream (x-queue-type stream): every global model once; selected agents read it by offset."""
+    return f"fedmq.{job}.models"
+
+
 def q_latest(job: str, client: str) -> str:
-    """The agent's newest-global-model queue (x-max-length 1)."""
+    """The agent's newest-round-announcement queue (x-max-length 1): small, it carries no model."""
     return f"fedmq.{job}.agent.{client}.latest"
 
 

@@ -1,4 +1,10 @@
-"""`fedmq simulate`: an aggregator and K agents in one process, over the in-process broker or RabbitMQ."""
+"""`fedmq simulate`: an aggregator and K agents in one process, over the in-process broker or RabbitMQ.
+
+Simulated clients are light: every agent is a real broker client (its own connection, presence, queues), but
+the models they train on come from one TrainerPool of ``trainers`` models, and what an algorithm keeps per
+client between rounds lives on disk under the run folder (client_agent.state.DiskStore). Memory is then
+O(trainers × model + selected clients' encoded updates), not O(K × model).
+"""
 
 from __future__ import annotations
 
@@ -17,7 +23,9 @@ from broker import topology
 from broker.connect import connect
 from client_agent.agent import Agent, AgentLog
 from client_agent.availability import parse_availability, parse_faults
+from client_agent.state import DiskStore
 from client_agent.tasks.base import Task
+from client_agent.trainers import TrainerPool
 
 log = structlog.get_logger(__name__)
 
@@ -33,6 +41,7 @@ class Simulation:
     device: str = "cpu"
     resume: bool = False
     rejoin_s: float = 1.0
+    trainers: int = 1  # models local training runs on (2 cores: one at a time keeps each one fast)
     on_round: Callable[[dict], None] | None = None
     on_local_progress: Callable[[str, int, int], None] | None = None
     agent_logs: dict[str, AgentLog] = field(default_factory=dict)
@@ -54,13 +63,14 @@ class Simulation:
         agg_broker = connect(self.broker_url, user=topology.AGGREGATOR_USER if memory else None)
         self.engine = engine = Engine(agg_broker, self.task, cfg, self.run_dir, durable=shared_user is not None,
                                       on_round=self.on_round)
-        train_lock = threading.Semaphore(1)  # 2 cores: one local training at a time keeps each one fast
+        pool = TrainerPool(self.task, self.trainers, cfg.seed)
+        store = DiskStore(self.run_dir / "clients")
         agents, threads = [], []
         for i in range(cfg.clients):
             client = f"agent-{i}"
             agent = Agent(lambda c=client: connect(self.broker_url, user=c if memory else None), cfg.job, client, i, self.task,
                           availability=availability, faults=faults, device=self.device,
-                          heartbeat_s=cfg.heartbeat_s, rejoin_s=self.rejoin_s, seed=cfg.seed, train_lock=train_lock,
+                          heartbeat_s=cfg.heartbeat_s, rejoin_s=self.rejoin_s, seed=cfg.seed, trainers=pool, store=store,
                           progress=self.on_local_progress)
             agents.append(agent)
             self.agent_logs[client] = agent.log
@@ -74,7 +84,7 @@ class Simulation:
             watcher.start()
         started: list[threading.Thread] = []
         try:
-            engine.broker.declare_job(cfg.job, [])
+            engine.declare()
             for t in threads:
                 t.start()
                 started.append(t)

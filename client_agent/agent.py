@@ -1,4 +1,10 @@
-"""The client agent: join a job, take the newest global model, train, report, upload when granted, repeat.
+"""The client agent: join a job, wait to be selected, fetch that round's global model, train, report, upload
+when granted, repeat.
+
+An agent that is not selected does nothing but stay present: round announcements are small, and only a
+selected agent reads the announced version from the job's model stream (the form it can apply: a delta
+against the version it holds, the pull-down subset, or the full model). It owns no model between rounds: it
+borrows one from a TrainerPool for the round, and keeps only what the job's algorithm needs (client_agent.state).
 
 Threads: the broker's own I/O thread keeps the connection (and its heartbeats) alive; the broker's dispatcher
 thread only queues deliveries here; the agent thread trains; a presence thread announces the agent while it
@@ -28,11 +34,14 @@ from broker.envelope import Envelope, Kind
 from broker.errors import BrokerError, CodecError
 from client_agent.availability import Availability, Faults
 from client_agent.pulling import STRATEGY_RULES, select_tensors
-from client_agent.tasks.base import Task, TrainConfig, load_state, model_state
+from client_agent.state import MemoryStore, State
+from client_agent.tasks.base import Task, TrainConfig, TrainResult, load_state, model_state
+from client_agent.trainers import TrainerPool
 
 log = structlog.get_logger(__name__)
 
 Connect = Callable[[], Broker]
+FETCH_TIMEOUT_S = 60.0  # the announced model is in the stream before the announce is sent: this is generous
 
 
 def stable_seed(*parts: object) -> int:
@@ -48,6 +57,7 @@ class AgentLog:
     rounds_trained: list[int] = field(default_factory=list)
     offline_rounds: list[int] = field(default_factory=list)
     faults: list[tuple[int, str]] = field(default_factory=list)
+    fetched_bytes: int = 0  # model messages read from the stream
     sent: dict[int, tuple[int, dict]] | None = None  # round -> (n_samples, tensors sent); kept only when asked (tests)
 
 
@@ -59,26 +69,34 @@ class Offline(Exception):
         self.graceful = graceful
 
 
+@dataclass
+class Prepared:
+    """A trained round's update, encoded while the trainer was borrowed; sent when granted."""
+
+    result: TrainResult
+    body: bytes
+    msg_id: str
+    sent: dict[str, torch.Tensor] | None = None  # the tensors sent (only when AgentLog.sent is kept)
+
+
 class Agent:
     def __init__(self, connect: Connect, job: str, client: str, index: int, task: Task, *,
                  availability: Availability | None = None, faults: Faults | None = None, device: str = "cpu",
                  heartbeat_s: float = 5.0, rejoin_s: float = 2.0, seed: int = 0,
-                 train_lock: threading.Semaphore | None = None, audit_log: str | Path | None = None,
+                 trainers: TrainerPool | None = None, store: Any = None, audit_log: str | Path | None = None,
                  progress: Callable[[str, int, int], None] | None = None) -> None:
         self.connect, self.job, self.client, self.index, self.task = connect, job, client, index, task
         self.availability = availability or Availability()
         self.faults = faults or Faults()
         self.device, self.heartbeat_s, self.rejoin_s, self.seed = device, heartbeat_s, rejoin_s, seed
-        self.train_lock = train_lock
+        self.trainers = trainers or TrainerPool(task, 1, seed)
+        self.store = store if store is not None else MemoryStore()  # what is kept between rounds (client_agent.state)
         self.progress = progress  # (client, steps done, steps total) during local training, for progress bars
         self.audit_log = Path(audit_log) if audit_log else None  # JSON lines: one per broker-confirmed upload
         self.stop = threading.Event()
-        self.model = task.build_model(seed)
-        self.manifest = task.manifest(self.model)
-        self.groups = task.groups()
-        self.version = messages.NO_VERSION
-        self.held: dict[str, torch.Tensor] | None = None  # the newest global model we hold
-        self.previous_own: dict[str, torch.Tensor] | None = None  # our own model after the previous local run
+        self.manifest = self.trainers.manifest
+        self.groups = self.trainers.groups
+        self.version = messages.NO_VERSION  # the version of the global model kept (NO_VERSION: none)
         self.last_round = 0
         self.log = AgentLog()
         self._events: "queue.Queue[Delivery]" = queue.Queue()
@@ -96,7 +114,7 @@ class Agent:
             broker = None
             try:
                 broker = self.connect()
-                broker.declare_job(self.job, [self.client], inbox=False, model_bytes=self.manifest.message_bound)
+                broker.declare_job(self.job, [self.client], inbox=False)
                 self._events = queue.Queue()
                 broker.consume(topology.q_latest(self.job, self.client), self._events.put, prefetch=1)
                 broker.consume(topology.q_control(self.job, self.client), self._events.put, prefetch=16)
@@ -162,7 +180,7 @@ class Agent:
 
     def _serve(self) -> None:
         while not self.stop.is_set():
-            env = self._next(timeout=0.5)
+            env = self._next(timeout=1.0)
             if env is not None and env.kind is Kind.ANNOUNCE:
                 self._on_announce(env)
 
@@ -181,35 +199,57 @@ class Agent:
             if broker:
                 broker.reject(delivery, requeue=False)
             return None
-        if env.kind is Kind.ANNOUNCE:
-            env = self._take_model(env)
         if broker:
             broker.ack(delivery)
         return env
 
-    def _take_model(self, env: Envelope) -> Envelope | None:
-        """Decode the announced global model (full, or a delta against the version we hold)."""
-        if env.model_version == self.version and self.held is not None:
-            return env
-        base_version = env.payload["base_version"]
-        if base_version != messages.NO_VERSION and base_version != self.version:
-            log.info("delta for a model we do not hold; waiting for a full one", client=self.client)
+    # ------------------------------------------------------------------ the global model
+    def _kept(self, name: str) -> tuple[int, State] | None:
+        return self.store.get(self.client, name)
+
+    def _fetch_model(self, env: Envelope) -> State | None:
+        """The announced version, from what we keep or from the model stream (the smallest form we can apply).
+        None when it cannot be had (logged): we sit this round out."""
+        version = env.model_version
+        kept = self._kept("model")
+        if kept is not None and kept[0] == version:
+            return kept[1]
+        entries = env.payload["models"]
+        own = self._kept("own") or kept
+        entry = (next((e for e in entries if kept is not None and e["base_version"] == kept[0] >= 0), None)
+                 or next((e for e in entries if e["partial"] and own is not None), None)
+                 or next((e for e in entries if e["base_version"] == messages.NO_VERSION and not e["partial"]), None))
+        broker = self._broker
+        if entry is None or broker is None:
+            log.warning("no form of the announced model we can apply", client=self.client, version=version)
             return None
         try:
-            state = decode_state(env.payload["tensors"], self.manifest, self.held if base_version >= 0 else None)
+            menv = self._read_model(broker, entry, version)
+            base = kept[1] if menv.payload["base_version"] >= 0 else None
+            state = decode_state(menv.payload["tensors"], self.manifest, base)
         except CodecError as exc:
-            log.warning("global model rejected", client=self.client, reason=exc.reason)
+            log.warning("global model rejected", client=self.client, reason=exc.reason, detail=str(exc))
+            return None
+        except BrokerError as exc:  # not in the stream (aged out, or the connection went): sit this round out
+            log.warning("global model not fetched", client=self.client, error=str(exc))
             return None
         pushed = {k: torch.from_numpy(v) for k, v in state.items()}
-        if len(pushed) < len(self.manifest):  # dynamic pulling downwards: keep our own values for the rest
-            own = self.previous_own if self.previous_own is not None else self.held
-            if own is None:
-                log.info("partial model but we hold none; waiting for a full one", client=self.client)
-                return None
-            pushed = {k: pushed.get(k, own[k]) for k in self.manifest.names}
-        self.held = pushed
-        self.version = env.model_version
-        return env
+        if menv.payload["partial"]:  # dynamic pulling downwards: keep our own values for the rest
+            assert own is not None
+            pushed = {k: pushed.get(k, own[1][k]) for k in self.manifest.names}
+        elif len(pushed) < len(self.manifest):
+            log.warning("global model rejected", client=self.client, reason="partial", detail="tensors missing")
+            return None
+        return pushed
+
+    def _read_model(self, broker: Broker, entry: dict[str, Any], version: int) -> Envelope:
+        """Read one announced model message from the job's stream (by its id, from where it was published)."""
+        delivery = broker.fetch(topology.q_models(self.job), entry["id"], offset=entry["since"], timeout=FETCH_TIMEOUT_S)
+        self.log.fetched_bytes += len(delivery.body)
+        menv = messages.decode(delivery.body)
+        if menv.kind is not Kind.MODEL or menv.job != self.job or menv.model_version != version:
+            raise CodecError("unexpected", f"{menv.kind.value} v{menv.model_version} is not model v{version}")
+        return menv
 
     # ------------------------------------------------------------------ one round
     def _on_announce(self, env: Envelope) -> None:
@@ -227,11 +267,16 @@ class Agent:
         if "cut" in faults:
             self.log.faults.append((rnd, "cut"))
             raise Offline("fault: connection cut", False)
-        result = self._train(cfg, rnd, crash="crash-train" in faults)
+        version = env.model_version
+        with self.trainers.borrow() as model:
+            held = self._fetch_model(env)
+            if held is None:
+                return
+            result = self._train(model, held, cfg, rnd, crash="crash-train" in faults)
+            prepared = self._prepare(model, held, cfg, rnd, version, result)
         if "slow" in faults:
             self.log.faults.append((rnd, "slow"))
             time.sleep(self.faults.slow_seconds)
-        version = env.model_version
         self._send(messages.report(self.job, rnd, self.client, version, result.loss, result.n_samples),
                    topology.rk_report(self.job, self.client))
         if sync and cfg["grant"] and not self._wait_grant(rnd):
@@ -239,10 +284,10 @@ class Agent:
         if "crash-grant" in faults:
             self.log.faults.append((rnd, "crash-grant"))
             raise Offline("fault: crashed after the grant", False)
-        self._upload(cfg, rnd, version, result)
+        self._upload(rnd, version, prepared)
 
-    def _train(self, cfg: dict[str, Any], rnd: int, crash: bool):
-        load_state(self.model, self.held)
+    def _train(self, model: torch.nn.Module, held: State, cfg: dict[str, Any], rnd: int, crash: bool) -> TrainResult:
+        load_state(model, held)
         tcfg = TrainConfig(epochs=cfg["epochs"], batch_size=cfg["batch_size"], lr=cfg["lr"],
                            optimizer=cfg["optimizer"], momentum=cfg["momentum"], lr_decay=cfg["lr_decay"],
                            clip=cfg["clip"], max_steps=cfg["max_steps"], device=self.device,
@@ -250,17 +295,41 @@ class Agent:
         if crash:
             self.log.faults.append((rnd, "crash-train"))
             raise Offline("fault: crashed during training", False)
-        lock = self.train_lock
-        if lock:
-            lock.acquire()
-        try:
-            report = (lambda done, total: self.progress(self.client, done, total)) if self.progress else None
-            result = self.task.train(self.model, self.index, tcfg, progress=report)
-        finally:
-            if lock:
-                lock.release()
+        report = (lambda done, total: self.progress(self.client, done, total)) if self.progress else None
+        result = self.task.train(model, self.index, tcfg, progress=report)
         self.log.rounds_trained.append(rnd)
         return result
+
+    def _trained_state(self, model: torch.nn.Module) -> State:
+        """Our model after local training, as uploaded (a copy: the trainer goes back to the pool)."""
+        return {k: v.detach().clone() for k, v in model_state(model).items()}
+
+    def _prepare(self, model: torch.nn.Module, held: State, cfg: dict[str, Any], rnd: int, version: int,
+                 result: TrainResult) -> Prepared:
+        """Encode the update (before the grant, so the trainer and the global model can go) and keep what
+        the job's algorithm needs for our next round."""
+        current = self._trained_state(model)
+        if cfg["noise"] > 0:  # FedAtt Eq. 6 randomization, seeded per (client, round)
+            gen = torch.Generator().manual_seed(stable_seed(cfg["seed"], self.client, rnd, "noise"))
+            current = {k: v + cfg["noise"] * torch.randn(v.shape, generator=gen) for k, v in current.items()}
+        names = list(current)
+        if cfg["pull"] != "all":
+            own = self._kept("own")
+            names = select_tensors(current, own[1] if own else None, self.groups, STRATEGY_RULES[cfg["pull"]],
+                                   cfg["pull_fraction"], random.Random(stable_seed(cfg["seed"], self.client, rnd, "pull")))
+        spec = EncodingSpec.parse(cfg["encoding"])
+        tensors = encode_state({k: current[k] for k in names}, spec, held if spec.delta else None)
+        env = messages.update(self.job, rnd, self.client, version, result.loss, result.n_samples, tensors)
+        sent = {k: current[k].clone() for k in names} if self.log.sent is not None else None
+        if cfg["keep_own"]:
+            self.store.put(self.client, "own", version, current)
+        if cfg["keep_model"]:
+            self.store.put(self.client, "model", version, held)
+            self.version = version
+        else:
+            self.store.drop(self.client, "model")
+            self.version = messages.NO_VERSION
+        return Prepared(result, messages.encode(env), env.msg_id, sent)
 
     def _wait_grant(self, rnd: int) -> bool:
         """Wait for this round's grant; a newer announce means the round closed without us."""
@@ -275,28 +344,16 @@ class Agent:
                 return False
         return False
 
-    def _upload(self, cfg: dict[str, Any], rnd: int, version: int, result) -> None:
-        current = {k: v.detach().clone() for k, v in model_state(self.model).items()}
-        if cfg["noise"] > 0:  # FedAtt Eq. 6 randomization, seeded per (client, round)
-            gen = torch.Generator().manual_seed(stable_seed(cfg["seed"], self.client, rnd, "noise"))
-            current = {k: v + cfg["noise"] * torch.randn(v.shape, generator=gen) for k, v in current.items()}
-        names = list(current)
-        if cfg["pull"] != "all":
-            names = select_tensors(current, self.previous_own, self.groups, STRATEGY_RULES[cfg["pull"]], cfg["pull_fraction"],
-                                   random.Random(stable_seed(cfg["seed"], self.client, rnd, "pull")))
-        self.previous_own = current
-        spec = EncodingSpec.parse(cfg["encoding"])
-        tensors = encode_state({k: current[k] for k in names}, spec, self.held if spec.delta else None)
-        env = messages.update(self.job, rnd, self.client, version, result.loss, result.n_samples, tensors)
-        body = messages.encode(env)
+    def _upload(self, rnd: int, version: int, prepared: Prepared) -> None:
+        body, msg_id = prepared.body, prepared.msg_id
         # the fault suite watches these two lines to kill an agent mid-upload (see tests/fault/fault_plan.py)
-        log.info("uploading update", client=self.client, round=rnd, msg_id=env.msg_id, bytes=len(body))
-        self._publish(body, env.msg_id, topology.rk_update(self.job, self.client))
-        log.info("update confirmed", client=self.client, round=rnd, msg_id=env.msg_id)
-        self.log.uploads.append((rnd, env.msg_id))
-        self._audit(rnd, env.msg_id, version)
-        if self.log.sent is not None:
-            self.log.sent[rnd] = (result.n_samples, {k: current[k].clone() for k in names})
+        log.info("uploading update", client=self.client, round=rnd, msg_id=msg_id, bytes=len(body))
+        self._publish(body, msg_id, topology.rk_update(self.job, self.client))
+        log.info("update confirmed", client=self.client, round=rnd, msg_id=msg_id)
+        self.log.uploads.append((rnd, msg_id))
+        self._audit(rnd, msg_id, version)
+        if self.log.sent is not None and prepared.sent is not None:
+            self.log.sent[rnd] = (prepared.result.n_samples, prepared.sent)
 
     def _audit(self, rnd: int, update_id: str, version: int) -> None:
         """Append one confirmed upload to the audit log (flushed: a kill -9 right after cannot lose it)."""

@@ -128,7 +128,7 @@ def run_in_process_federation(task, cfg, url: str, run_dir: Path, *, agent_class
     memory = url.startswith("memory")
     broker = connect(url, user=topology.AGGREGATOR_USER if memory else None)
     engine = Engine(broker, task, cfg, run_dir, durable=False, evaluate=evaluate)
-    broker.declare_job(cfg.job, [])
+    engine.declare()
     agents = []
     for i in range(cfg.clients):
         client = f"agent-{i}"

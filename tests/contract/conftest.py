@@ -20,6 +20,6 @@ def url(request, job_id):
     yield rabbit
     conn = pika.BlockingConnection(pika.URLParameters(rabbit))
     ch = conn.channel()
-    for spec in job_queues(job_id, ["agent-0"]):
+    for spec in job_queues(job_id, ["agent-0"], model_bytes=1):
         ch.queue_delete(spec.name)
     conn.close()

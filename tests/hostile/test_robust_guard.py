@@ -16,11 +16,8 @@ TINY = dict(data="builtin", model="gru-small", emb=16, hidden=16, vocab_size=500
 class PoisonAgent(Agent):
     """Trains honestly, then uploads weights of 1e4 everywhere (finite, right names and shapes)."""
 
-    def _upload(self, cfg, rnd, version, result):
-        with torch.no_grad():
-            for p in self.model.parameters():
-                p.fill_(1e4)
-        super()._upload(cfg, rnd, version, result)
+    def _trained_state(self, model):
+        return {k: torch.full_like(v, 1e4) for k, v in super()._trained_state(model).items()}
 
 
 @pytest.fixture(scope="module")

@@ -109,12 +109,17 @@ def test_dynamic_pulling_in_both_directions(federation, task, tmp_path):
     seen: dict[str, list] = {}
 
     class Recording(Agent):
-        def _take_model(self, env):
-            own = None if self.previous_own is None else {k: v.clone() for k, v in self.previous_own.items()}
-            out = super()._take_model(env)
+        def _read_model(self, broker, entry, version):
+            menv = super()._read_model(broker, entry, version)
+            self.names = [rec["n"] for rec in menv.payload["tensors"]["t"]]
+            return menv
+
+        def _fetch_model(self, env):
+            kept = self._kept("own")
+            own = None if kept is None else {k: v.clone() for k, v in kept[1].items()}
+            out = super()._fetch_model(env)
             if out is not None:
-                names = [rec["n"] for rec in env.payload["tensors"]["t"]]
-                seen.setdefault(self.client, []).append((env.round, names, own, {k: v.clone() for k, v in self.held.items()}))
+                seen.setdefault(self.client, []).append((env.round, self.names, own, {k: v.clone() for k, v in out.items()}))
             return out
 
     cfg = JobConfig(job="e2epush", strategy="dp-g", pull_fraction=0.5, pull_down=True, rounds=3, clients=3,
