@@ -466,6 +466,32 @@ def bench_train(quick: bool = False) -> None:
     _bench("train", "bench_train", quick=quick)
 
 
+@bench_app.command("flower")
+def bench_flower(data: Path = typer.Option(Path("../shared/data/wikitext-2"), help="corpus folder (full vocabulary)"),
+                 clients: int = typer.Option(100, "--clients", "-k", min=1, help="K"),
+                 selected: int = typer.Option(10, min=1, help="clients that train per round (C = selected / K)"),
+                 rounds: int = typer.Option(5, "--rounds", "-r", min=2, help="rounds; medians over rounds 2..R"),
+                 scale: str = typer.Option("", help="also fedmq at these K, comma-separated (e.g. 10,100,1000)"),
+                 flower_python: Optional[Path] = typer.Option(None, help="python of the venv with the bench extra "
+                                                                  "(default .fedmq-cache/flower-venv/bin/python)"),
+                 flower: bool = typer.Option(True, "--flower/--no-flower", help="run the Flower side")) -> None:
+    """fedmq vs Flower 1.41 on the FedAtt setting: s/round, wire bytes/round, peak memory; fedmq's scaling in K.
+
+    Example: fedmq bench flower --data ../shared/data/wikitext-2 -k 100 --selected 10 -r 5 --scale 10,1000
+    """
+    from benchmarks import flower as fl
+    if not data.is_dir():
+        raise UsageError(f"--data {data} is not a folder")
+    try:
+        ks = tuple(int(k) for k in scale.split(",") if k.strip())
+    except ValueError:
+        raise UsageError(f"--scale wants comma-separated whole numbers, got {scale!r}") from None
+    if selected > clients or any(k < selected for k in ks):
+        raise UsageError("--selected must not exceed K")
+    runs = fl.bench_flower(str(data), clients, selected, rounds, ks, flower_python or fl.DEFAULT_FLOWER_PYTHON, flower)
+    typer.echo(fl.format_table(runs))
+
+
 @app.command()
 def experiment(
     name: str = typer.Argument(..., help="table2|fraction|rounds-to-target|topk|randomization|scale|dropout|nmt-domains"),
