@@ -164,15 +164,18 @@ class Engine:
 
     def _wait_for_agents(self, needed: int, timeout: float) -> None:
         """Handle presence (nothing else can arrive before an announce) until enough agents are online and
-        every heartbeat already queued is counted. Draining matters: heartbeats that queued up while the
-        aggregator was busy (evaluation, checkpoint) would otherwise look stale, and selection would sample
-        from just the first ``needed`` agents read instead of from every live one."""
+        every heartbeat queued when the wait began is counted. Draining matters: heartbeats that queued up while
+        the aggregator was busy (evaluation, checkpoint) would otherwise look stale, and selection would sample
+        from just the first ``needed`` agents read instead of from every live one. Only that backlog: with
+        many agents heartbeats keep arriving, and waiting for an empty inbox could take the whole timeout."""
         deadline = time.time() + timeout
+        backlog = self.inbox.backlog()
         while time.time() < deadline and not self.stop.is_set():
-            if len(self._online()) >= needed and not self.inbox.pending():
+            if len(self._online()) >= needed and backlog <= 0:
                 return
             msg = self.inbox.next(min(0.2, deadline - time.time()))
             if msg is not None:
+                backlog -= 1
                 self._dispatch_idle(msg)
 
     def _dispatch_idle(self, msg: Received) -> None:

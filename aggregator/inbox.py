@@ -57,6 +57,10 @@ class Inbox:
                 continue
         return False
 
+    def backlog(self) -> int:
+        """Deliveries queued now (not yet read with ``next``)."""
+        return self._q.qsize() + (self._head is not None)
+
     def pending(self) -> bool:
         """Whether a message is waiting (``next(0)`` would not wait)."""
         return self._head is not None or not self._q.empty()

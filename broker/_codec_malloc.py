@@ -5,7 +5,10 @@ threshold with fresh mmaps and unmaps them on free, so each message pays page fa
 this project's VMs that costs more than the codec itself (fresh-memory copies measured at 0.1-0.7 GB/s
 against 3-6 GB/s for reused memory). ``tune_allocator()`` makes glibc keep freed memory for reuse
 (M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB). Trade-off: the process keeps its peak heap instead of returning
-it to the OS. Call it once at service start; a no-op returning False off glibc.
+it to the OS. So that "its peak heap" is one heap, not one per thread, it also caps glibc's arenas at 2
+(M_ARENA_MAX): a simulation runs an agent thread per client, and with glibc's default of 8 arenas per core
+each encoding thread kept its own model-sized buffers (3.9 GB peak at K = 100 of a 42 MB model, 2.2 GB with
+the cap; docs/benchmarks.md). Call it once at service start; a no-op returning False off glibc.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import ctypes.util
 import structlog
 
 log = structlog.get_logger(__name__)
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 _done: bool | None = None
 
 
@@ -27,7 +30,8 @@ def tune_allocator() -> bool:
         return _done
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok = bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+        ok = (bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+              and bool(libc.mallopt(_M_ARENA_MAX, 2)))
     except (OSError, AttributeError):
         ok = False
     _done = ok

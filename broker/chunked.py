@@ -131,6 +131,11 @@ class ChunkGate:
             self._unsettled -= len(tags)
             return tags
 
+    def holding(self) -> bool:
+        """Whether chunks of an incomplete message are held (an expiry check has work to do)."""
+        with self._lock:
+            return bool(self._held) or bool(self.reassembler.pending_ids())
+
     def reset(self) -> None:
         """The connection was lost: every raw tag is void (the broker requeued them); keep reassembled data."""
         with self._lock:

@@ -324,11 +324,14 @@ class MemoryBroker(GatedDispatch, Broker):
             self._hub.pump(c.queue)
 
     def _dispatch_loop(self) -> None:
+        """Runs the handlers. It wakes for expiry checks only while some consumer holds chunks of an incomplete
+        message: a simulation has a connection per agent, and idle ones must cost no CPU."""
         last_expiry = time.monotonic()
         while True:
             last_expiry = self._expire_due(last_expiry)
+            holding = any(c.gate.holding() for c in list(self._consumers.values()))
             try:
-                item = self._inbox.get(timeout=EXPIRY_CHECK_S)
+                item = self._inbox.get(timeout=EXPIRY_CHECK_S if holding else None)
             except queue_mod.Empty:
                 continue
             if item is None:

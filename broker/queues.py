@@ -12,7 +12,7 @@ from broker.errors import BrokerError
 INBOX_ARGS: dict[str, Any] = {"x-queue-type": "quorum", "x-single-active-consumer": True}
 LATEST_ARGS: dict[str, Any] = {"x-max-length": 1, "x-overflow": "drop-head"}
 CONTROL_ARGS: dict[str, Any] = {}
-STREAM_VERSIONS = 8  # model messages (a version can have a full and a delta/partial form) the stream retains
+STREAM_VERSIONS = 4  # model messages (a version can have a full and a delta/partial form) the stream retains
 MIN_SEGMENT = 1 << 20
 
 

@@ -28,6 +28,10 @@ from client_agent.tasks.base import Task
 from client_agent.trainers import TrainerPool
 
 log = structlog.get_logger(__name__)
+# The in-process broker moves references, not bytes: chunking a model there (as RabbitMQ's message size limit
+# requires) would only copy it twice. Chunking is covered by the contract suite on both backends.
+IN_PROCESS_CHUNK_LIMIT = 1 << 31
+PRESENCE_PER_S = 50.0
 
 
 @dataclass
@@ -54,13 +58,17 @@ class Simulation:
 
     def run(self, stop: threading.Event | None = None) -> dict[str, Any]:
         cfg = self.cfg
+        # presence costs every simulated agent a message per heartbeat: at most PRESENCE_PER_S of them a second
+        # in all (K = 1,000: one heartbeat per agent every 20 s; absences are then noticed within 60 s)
+        cfg.heartbeat_s = max(cfg.heartbeat_s, cfg.clients / PRESENCE_PER_S)
         shared_user = self._url_user()
         if shared_user:  # every agent shares the URL's account: check the user, not per-agent identity
             cfg.identity = f"shared:{shared_user}"
         availability = parse_availability(self.availability, cfg.seed)
         faults = parse_faults(self.faults, cfg.seed)
         memory = shared_user is None
-        agg_broker = connect(self.broker_url, user=topology.AGGREGATOR_USER if memory else None)
+        limit = {"chunk_limit": IN_PROCESS_CHUNK_LIMIT} if memory else {}
+        agg_broker = connect(self.broker_url, user=topology.AGGREGATOR_USER if memory else None, **limit)
         self.engine = engine = Engine(agg_broker, self.task, cfg, self.run_dir, durable=shared_user is not None,
                                       on_round=self.on_round)
         pool = TrainerPool(self.task, self.trainers, cfg.seed)
@@ -68,7 +76,7 @@ class Simulation:
         agents, threads = [], []
         for i in range(cfg.clients):
             client = f"agent-{i}"
-            agent = Agent(lambda c=client: connect(self.broker_url, user=c if memory else None), cfg.job, client, i, self.task,
+            agent = Agent(lambda c=client: connect(self.broker_url, user=c if memory else None, **limit), cfg.job, client, i, self.task,
                           availability=availability, faults=faults, device=self.device,
                           heartbeat_s=cfg.heartbeat_s, rejoin_s=self.rejoin_s, seed=cfg.seed, trainers=pool, store=store,
                           progress=self.on_local_progress)

@@ -152,6 +152,10 @@ class Agent:
         broker.publish(topology.rk_presence(self.job, self.client), messages.encode(env), message_id=env.msg_id)
 
     def _heartbeats(self) -> None:
+        # a seeded phase per client: agents started together would otherwise heartbeat in bursts of K
+        phase = (stable_seed(self.client, "beat") % 1000) / 1000 * self.heartbeat_s
+        if self.stop.wait(phase):
+            return
         while not self.stop.wait(self.heartbeat_s):
             try:
                 self._presence("online")
@@ -180,7 +184,7 @@ class Agent:
 
     def _serve(self) -> None:
         while not self.stop.is_set():
-            env = self._next(timeout=1.0)
+            env = self._next(timeout=max(self.heartbeat_s, 0.5))  # idle agents wake rarely (simulate runs K of them)
             if env is not None and env.kind is Kind.ANNOUNCE:
                 self._on_announce(env)
 
