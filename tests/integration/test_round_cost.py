@@ -1,0 +1,104 @@
+"""Rounds cost what the selected clients cost (issue: publish each global model once, only selected agents
+fetch it, simulated clients without per-client model copies), end to end over the in-process broker."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aggregator.config import JobConfig
+from broker import messages
+from broker.errors import CodecError
+from client_agent.state import DiskStore, MemoryStore
+from client_agent.tasks.lm import LanguageModelTask
+from client_agent.trainers import TrainerPool
+
+TINY = dict(data="builtin", model="gru-small", emb=16, hidden=16, vocab_size=500, max_lines=600,
+            max_eval_lines=100, bptt=10, dropout=0.0)
+
+
+class CountingTask(LanguageModelTask):
+    built = 0
+
+    def build_model(self, seed: int = 0):
+        CountingTask.built += 1
+        return super().build_model(seed)
+
+
+@pytest.fixture(scope="module")
+def task():
+    return CountingTask(clients=8, seed=0, **TINY)
+
+
+def _cfg(job: str, **kw) -> JobConfig:
+    base = dict(job=job, strategy="fedavg", rounds=3, clients=8, fraction=0.25, lr=5.0, max_steps=2, batch_size=4,
+                heartbeat_s=0.5, join_timeout_s=20, report_deadline_s=60, update_deadline_s=30)
+    return JobConfig(**{**base, **kw})
+
+
+def test_only_selected_agents_fetch_and_one_trainer_serves_all(federation, task, tmp_path):
+    CountingTask.built = 0
+    pool = TrainerPool(task, 1, 0)
+    engine, agents, summary = federation(task, _cfg("cost"), "memory://cost", tmp_path / "run", trainers=pool,
+                                         keep_sent=True)
+    assert summary["rounds_completed"] == 3
+    # the pool's one trainer, the engine's model and the throwaway models groups() builds: none per agent
+    assert CountingTask.built < 8
+    rows = engine.runlog.rows()
+    selected = {c for r in rows for c in r["selected"]}
+    for a in agents:
+        fetched = a.log.fetched_bytes
+        assert (fetched > 0) == (a.client in selected), (a.client, fetched)
+    model_bytes = sum(a.log.fetched_bytes for a in agents)
+    down = sum(r["bytes_down"] for r in rows)
+    # what the engine counts down: the models the selected agents read plus 3 small announces to 8 agents
+    assert model_bytes <= down <= model_bytes + 3 * 8 * 2000
+    assert all(r["bytes_down"] < 2 * 2.2 * max(r["bytes_up"] / len(r["received"]), 1) for r in rows)
+
+
+def test_delta_pushes_with_keyframes_stay_exact(federation, task, tmp_path):
+    """Everyone selected every round: agents holding v−1 fetch the (exact, XOR) raw delta, except at keyframes
+    (every 2nd version here), and the aggregate is still FedAvg of exactly what was sent."""
+    from client_agent.agent import Agent
+
+    forms: dict[int, set[int]] = {}
+
+    class Recording(Agent):
+        def _read_model(self, broker, entry, version):
+            menv = super()._read_model(broker, entry, version)
+            forms.setdefault(version, set()).add(menv.payload["base_version"])
+            return menv
+
+    cfg = _cfg("delta", clients=3, fraction=1.0, rounds=4, down_encoding="delta+raw", keyframe_every=2)
+    engine, agents, summary = federation(task, cfg, "memory://delta", tmp_path / "run", keep_sent=True,
+                                         agent_class=lambda i: Recording)
+    assert summary["rounds_completed"] == 4
+    assert forms == {0: {-1}, 1: {0}, 2: {-1}, 3: {2}}
+    sent = [a.log.sent[4] for a in agents]
+    total = sum(n for n, _ in sent)
+    for name in sent[0][1]:
+        expected = sum(n * t[name].double() for n, t in sent) / total
+        torch.testing.assert_close(engine.global_state[name].double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_announce_model_entries_are_validated():
+    env = messages.announce("j", 1, 0, ["a"], {}, [{"id": "m", "base_version": -1, "partial": False, "since": 1.0,
+                                                   "bytes": 10}])
+    assert messages.decode(messages.encode(env)).payload["models"][0]["id"] == "m"
+    for bad in ({"id": "m"}, {"id": 3, "base_version": -1, "partial": False, "since": 1.0, "bytes": 1},
+                {"id": "m", "base_version": -1, "partial": 1, "since": 1.0, "bytes": 1},
+                {"id": "m", "base_version": -1, "partial": False, "since": float("nan"), "bytes": 1}):
+        with pytest.raises(CodecError, match="announce models"):
+            messages.encode(messages.announce("j", 1, 0, ["a"], {}, [bad]))
+
+
+@pytest.mark.parametrize("store_kind", ["memory", "disk"])
+def test_state_stores_round_trip(tmp_path, store_kind):
+    store = MemoryStore() if store_kind == "memory" else DiskStore(tmp_path / "clients")
+    state = {"w": torch.arange(6.0).reshape(2, 3)}
+    assert store.get("a", "model") is None
+    store.put("a", "model", 4, state)
+    version, got = store.get("a", "model")
+    assert version == 4 and torch.equal(got["w"], state["w"])
+    store.drop("a", "model")
+    assert store.get("a", "model") is None
