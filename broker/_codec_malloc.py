@@ -7,8 +7,8 @@ against 3-6 GB/s for reused memory). ``tune_allocator()`` makes glibc keep freed
 (M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB). Trade-off: the process keeps its peak heap instead of returning
 it to the OS. So that "its peak heap" is one heap, not one per thread, it also caps glibc's arenas at 2
 (M_ARENA_MAX): a simulation runs an agent thread per client, and with glibc's default of 8 arenas per core
-each encoding thread kept its own model-sized buffers (3.9 GB peak at K = 100 of a 42 MB model, 2.2 GB with
-the cap; docs/benchmarks.md). Call it once at service start; a no-op returning False off glibc.
+each encoding thread kept its own model-sized buffers (`fedmq simulate` at K = 100 of a 42 MB model: peak RSS
+3.92 GB, 2.93 GB with the cap; docs/benchmarks.md "Round cost"). Call it once at service start; a no-op returning False off glibc.
 """
 
 from __future__ import annotations
