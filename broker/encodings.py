@@ -1,4 +1,4 @@
-"""Tensor encodings of the wire format: raw, fp16, bf16, int8 (affine), top-k sparse, optionally as deltas.
+"""Tensor encodings of the wire format: raw, fp16, bf16, int8 and int4 (affine), top-k sparse, optionally as deltas.
 
 ``encode_state`` turns a name -> tensor mapping into a msgpack-able dict::
 
@@ -13,6 +13,8 @@ the kind's fields (byte blobs, see broker._codec_bytes). Choices where the spec 
 * Lossy deltas are arithmetic: the sender encodes θ - base, the receiver adds the decoded Δ to its base.
 * ``int8``: q = round((x - lo) / scale) in 0..255 with scale = (hi - lo) / 255 per tensor or per row (first
   dimension); |x - x̂| <= scale / 2 (+ float rounding). Scale and zero point travel as float32.
+* ``int4``: the same with 16 levels (scale = (hi - lo) / 15), two values a byte (low nibble first); for a
+  downlink that must be small for clients that hold no recent version (docs/benchmarks.md "Round cost").
 * ``topk``: keeps k = ceil(density · numel) largest-|x| entries; indices ascending, delta-coded as uint32
   (first absolute), byte-shuffled and zstd'ed; values fp16 (2^-11 relative error) unless one exceeds the
   fp16 range, then fp32. Dropped entries decode as 0 (or as the base value for a delta).
@@ -38,18 +40,19 @@ from broker.manifest import Manifest
 
 FORMAT = 2  # 2: shuffled arrays may use byte groups (broker._codec_bytes); 1 had one plane per byte
 READS_FORMATS = (1, 2)  # a format-1 message is a format-2 message with no multi-byte group
-KINDS = ("raw", "fp16", "bf16", "int8", "topk")
+KINDS = ("raw", "fp16", "bf16", "int8", "int4", "topk")
+_LEVELS = {"int8": 255, "int4": 15}  # the affine kinds: top quantization level
 DEFAULT_MAX_BYTES = 4 << 30  # decoded float32 bytes of one state
 _FP16_MAX = 65504.0
 DEFAULT_LEVEL = 1  # measured: faster than level 3 and as small or smaller for every encoding (docs/benchmarks.md)
-_SPEC_RE = re.compile(r"^(?:(delta)\+)?(raw|fp16|bf16|int8|int8-row|topk)(?::([^@]+))?(?:@(-?\d+))?(?:,(noshuffle))?$")
+_SPEC_RE = re.compile(r"^(?:(delta)\+)?(raw|fp16|bf16|int8|int8-row|int4|int4-row|topk)(?::([^@]+))?(?:@(-?\d+))?(?:,(noshuffle))?$")
 
 
 @dataclass(frozen=True)
 class EncodingSpec:
-    kind: str = "raw"  # raw | fp16 | bf16 | int8 | topk
+    kind: str = "raw"  # raw | fp16 | bf16 | int8 | int4 | topk
     delta: bool = False  # encode θ - base instead of θ (needs base on both sides)
-    per_row: bool = False  # int8: one scale per row instead of per tensor
+    per_row: bool = False  # int8/int4: one scale per row instead of per tensor
     density: float = 0.01  # topk: fraction of entries kept
     level: int = DEFAULT_LEVEL  # zstd level (0 = no compression; 1 = byte-plane tuned, see _codec_bytes)
     shuffle: bool = True  # byte-shuffle float data before zstd where it helps
@@ -61,14 +64,14 @@ class EncodingSpec:
             raise CodecError("bad-encoding", f"topk density must be in (0, 1], got {self.density!r}")
         if type(self.level) is not int or not -7 <= self.level <= 22:
             raise CodecError("bad-encoding", f"zstd level must be an int in -7..22, got {self.level!r}")
-        if self.per_row and self.kind != "int8":
-            raise CodecError("bad-encoding", "per_row applies to int8 only")
+        if self.per_row and self.kind not in _LEVELS:
+            raise CodecError("bad-encoding", "per_row applies to int8 and int4 only")
 
     @classmethod
     def parse(cls, text: str) -> "EncodingSpec":
         """Parse the CLI syntax ``[delta+]KIND[:DENSITY][@LEVEL][,noshuffle]``.
 
-        KIND is raw, fp16, bf16, int8, int8-row or topk; e.g. "bf16", "int8-row", "topk:0.01", "delta+int8",
+        KIND is raw, fp16, bf16, int8, int8-row, int4, int4-row or topk; e.g. "bf16", "int8-row", "topk:0.01", "delta+int8",
         "delta+topk:0.05", "raw@3" (zstd level 3), "raw@0" (no compression); the default level is 1.
         """
         m = _SPEC_RE.match(text.strip().lower()) if isinstance(text, str) else None
@@ -76,12 +79,12 @@ class EncodingSpec:
             raise CodecError(
                 "bad-encoding",
                 f"cannot parse encoding {text!r}; use [delta+]KIND[:DENSITY][@LEVEL][,noshuffle] with KIND one of "
-                "raw, fp16, bf16, int8, int8-row, topk (e.g. bf16, int8-row, topk:0.01, delta+int8)",
+                "raw, fp16, bf16, int8, int8-row, int4, int4-row, topk (e.g. bf16, int8-row, topk:0.01, delta+int8)",
             )
         delta, kind, arg, level, noshuffle = m.groups()
         kw: dict[str, Any] = {"delta": bool(delta), "shuffle": not noshuffle}
-        if kind == "int8-row":
-            kind, kw["per_row"] = "int8", True
+        if kind in ("int8-row", "int4-row"):
+            kind, kw["per_row"] = kind[:4], True
         if arg is not None:
             if kind != "topk":
                 raise CodecError("bad-encoding", f"{kind} takes no ':' argument (only topk:DENSITY does)")
@@ -95,7 +98,7 @@ class EncodingSpec:
 
     def __str__(self) -> str:
         s = ("delta+" if self.delta else "") + self.kind
-        if self.kind == "int8" and self.per_row:
+        if self.kind in _LEVELS and self.per_row:
             s += "-row"
         if self.kind == "topk":
             s += f":{self.density:g}"
@@ -127,6 +130,20 @@ def raw_nbytes(tensors: Mapping[str, Any]) -> int:
     return sum(4 * int(np.prod(tuple(t.shape), dtype=np.int64)) for t in tensors.values())
 
 
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """Values 0..15, two a byte: element 2i in the low nibble, 2i+1 in the high one (a zero pads an odd count)."""
+    if q.size % 2:
+        q = np.concatenate([q, np.zeros(1, np.uint8)])
+    return q[0::2] | (q[1::2] << 4)
+
+
+def _unpack_nibbles(p: np.ndarray, n: int) -> np.ndarray:
+    out = np.empty(2 * p.size, np.uint8)
+    np.bitwise_and(p, 15, out=out[0::2])
+    np.right_shift(p, 4, out=out[1::2])
+    return out[:n]
+
+
 def _rows(shape: tuple[int, ...], n: int) -> int:
     return shape[0] if len(shape) >= 2 and shape[0] > 0 else 1
 
@@ -151,21 +168,23 @@ def _encode_one(name: str, x: np.ndarray, dt: str, spec: EncodingSpec, b: np.nda
         return rec
     if n and not np.isfinite(d).all():
         raise CodecError("non-finite", f"tensor {name!r} has NaN/Inf; {kind} cannot encode it")
-    if kind == "int8":
+    if kind in _LEVELS:
+        top = _LEVELS[kind]
         rows = _rows(x.shape, n) if spec.per_row else 1
         m = d.reshape(rows, -1) if n else d.reshape(rows, 0)
         lo = m.min(axis=1) if n else np.zeros(rows, np.float32)
         hi = m.max(axis=1) if n else np.zeros(rows, np.float32)
-        scale = ((hi.astype(np.float64) - lo) / 255.0).astype(np.float32)
+        scale = ((hi.astype(np.float64) - lo) / float(top)).astype(np.float32)
         scale[scale <= 0] = 1.0
         q = m - lo[:, None]
         q *= (1.0 / scale.astype(np.float64)).astype(np.float32)[:, None]
         np.rint(q, out=q)
-        np.clip(q, 0, 255, out=q)
+        np.clip(q, 0, top, out=q)
+        q8 = q.astype(np.uint8).reshape(-1)
         rec["r"] = bool(spec.per_row)
         rec["sc"] = make_blob(scale.astype(np.float32), 0, owned=True)
         rec["lo"] = make_blob(lo.astype(np.float32), 0, owned=True)
-        rec["p"] = pack_array(q.astype(np.uint8).reshape(-1), level, False, tasks, owned=True)
+        rec["p"] = pack_array(_pack_nibbles(q8) if kind == "int4" else q8, level, False, tasks, owned=True)
         return rec
     # topk
     k = min(n, max(1, math.ceil(spec.density * n))) if n else 0
@@ -218,6 +237,7 @@ _KEYS = {
     "fp16": {"p"},
     "bf16": {"p"},
     "int8": {"r", "sc", "lo", "p"},
+    "int4": {"r", "sc", "lo", "p"},
     "topk": {"k", "vd", "i", "v"},
 }
 _COMMON = {"n", "s", "dt", "e", "x"}
@@ -268,20 +288,22 @@ def _decode_one(rec: dict, name: str, n: int, shape: tuple[int, ...], b: np.ndar
     elif kind == "bf16":
         getb = unpack_array(rec["p"], np.uint16, n, work)
         fin = lambda: bf16_to_f32(getb())
-    elif kind == "int8":
+    elif kind in _LEVELS:
         per_row = rec["r"]
         if type(per_row) is not bool:
-            raise CodecError("bad-tensor", "int8 per-row flag must be a bool")
+            raise CodecError("bad-tensor", f"{kind} per-row flag must be a bool")
         rows = _rows(shape, n) if per_row else 1
         scale = np.frombuffer(read_blob(rec["sc"], 4 * rows), np.float32)
         lo = np.frombuffer(read_blob(rec["lo"], 4 * rows), np.float32)
         if not (np.isfinite(scale).all() and np.isfinite(lo).all()):
-            raise CodecError("non-finite", "int8 scale or zero point is NaN/Inf")
-        getq = unpack_array(rec["p"], np.uint8, n, work)
+            raise CodecError("non-finite", f"{kind} scale or zero point is NaN/Inf")
+        nibbles = kind == "int4"
+        getq = unpack_array(rec["p"], np.uint8, (n + 1) // 2 if nibbles else n, work)
 
         def fin() -> np.ndarray:
             d = np.empty((rows, n // rows if rows else 0), np.float32)
-            np.multiply(getq().reshape(d.shape), scale[:, None], out=d)
+            q = _unpack_nibbles(getq(), n) if nibbles else getq()
+            np.multiply(q.reshape(d.shape), scale[:, None], out=d)
             d += lo[:, None]
             return d.reshape(-1)
     else:  # topk

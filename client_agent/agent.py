@@ -305,8 +305,9 @@ class Agent:
         return result
 
     def _trained_state(self, model: torch.nn.Module) -> State:
-        """Our model after local training, as uploaded (a copy: the trainer goes back to the pool)."""
-        return {k: v.detach().clone() for k, v in model_state(model).items()}
+        """Our model after local training, as uploaded: views of the trainer's parameters, valid while it is
+        borrowed (what is kept past the round is cloned in _prepare)."""
+        return model_state(model)
 
     def _prepare(self, model: torch.nn.Module, held: State, cfg: dict[str, Any], rnd: int, version: int,
                  result: TrainResult) -> Prepared:
@@ -326,7 +327,7 @@ class Agent:
         env = messages.update(self.job, rnd, self.client, version, result.loss, result.n_samples, tensors)
         sent = {k: current[k].clone() for k in names} if self.log.sent is not None else None
         if cfg["keep_own"]:
-            self.store.put(self.client, "own", version, current)
+            self.store.put(self.client, "own", version, {k: v.clone() for k, v in current.items()})
         if cfg["keep_model"]:
             self.store.put(self.client, "model", version, held)
             self.version = version

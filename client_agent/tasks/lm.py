@@ -67,8 +67,12 @@ class LanguageModelTask(Task):
     def build_model(self, seed: int = 0) -> nn.Module:
         return RNNLanguageModel(len(self.vocab), self.model_cfg, seed)
 
+    _groups: dict[str, str] | None = None
+
     def groups(self) -> dict[str, str]:
-        return {name: "model" for name, _ in self.build_model().named_parameters()}
+        if self._groups is None:  # built once: it takes a whole model to list the names
+            self._groups = {name: "model" for name, _ in self.build_model().named_parameters()}
+        return dict(self._groups)
 
     @property
     def num_clients(self) -> int:

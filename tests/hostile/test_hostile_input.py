@@ -212,7 +212,7 @@ def test_hostile_messages_are_rejected_and_change_nothing(rabbit_node, job_id, t
                             st.binary(max_size=16), st.none(), st.booleans())
         tensor_rec = st.fixed_dictionaries({"n": st.sampled_from([name0, "bogus"]), "s": st.lists(
             st.integers(-1, 40), max_size=3), "dt": st.sampled_from(["f32", "f16", "x"]),
-            "e": st.sampled_from(["raw", "int8", "topk"]), "x": st.binary(max_size=64)})
+            "e": st.sampled_from(["raw", "int8", "int4", "topk"]), "x": st.binary(max_size=64)})
         payloads = st.one_of(
             st.dictionaries(st.text(max_size=8), scalars, max_size=4),
             st.fixed_dictionaries({"loss": st.one_of(st.floats(), st.integers(-2**63, 2**63 - 1)), "n_samples": st.integers(-5, 2**60),

@@ -104,20 +104,29 @@ def test_bf16_matches_torch_and_bound() -> None:
     assert n < raw_nbytes(STATE) / 2.0
 
 
+@pytest.mark.parametrize("kind,levels", [("int8", 255), ("int4", 15)])
 @pytest.mark.parametrize("per_row", [False, True])
 @pytest.mark.parametrize("delta", [False, True])
-def test_int8_bound(per_row: bool, delta: bool) -> None:
-    spec = EncodingSpec(kind="int8", per_row=per_row, delta=delta)
+def test_affine_bound(kind: str, levels: int, per_row: bool, delta: bool) -> None:
+    spec = EncodingSpec(kind=kind, per_row=per_row, delta=delta)
     out, n = _roundtrip(spec, base=BASE if delta else None)
     for k, v in STATE.items():
         d = (v - BASE[k]) if delta else v
         if d.size == 0:
             continue
         m = d.reshape(d.shape[0], -1) if (per_row and d.ndim >= 2) else d.reshape(1, -1)
-        half_step = ((m.max(1) - m.min(1)) / 255 / 2)[:, None]
+        half_step = ((m.max(1) - m.min(1)) / levels / 2)[:, None]
         err = np.abs(out[k] - v).reshape(m.shape)
         assert np.all(err <= half_step * 1.001 + 1e-6 * np.abs(v).reshape(m.shape) + 1e-9), (k, err.max())
-    assert n < raw_nbytes(STATE) / (3.0 if per_row else 3.5)  # per-row pays 8 bytes of scale+zero per row
+    ratio = 3.0 if per_row else 3.5  # per-row pays 8 bytes of scale+zero per row
+    assert n < raw_nbytes(STATE) / (ratio * (1.8 if kind == "int4" else 1))  # two values a byte
+
+
+def test_int4_odd_sizes_and_text_form() -> None:
+    s = {"odd": np.arange(7, dtype=np.float32), "one": np.ones(1, np.float32), "none": np.zeros(0, np.float32)}
+    out, _ = _roundtrip(EncodingSpec.parse("int4-row"), s, manifest=Manifest.from_arrays(s))
+    assert np.allclose(out["odd"], s["odd"], atol=7 / 15 / 2 + 1e-6) and out["none"].shape == (0,)
+    assert str(EncodingSpec.parse("delta+int4-row")) == "delta+int4-row"
 
 
 def test_int8_constant_tensor() -> None:
@@ -291,7 +300,8 @@ SMALL_BASE = {k: v * 0.99 for k, v in SMALL.items()}
 SMALL_MAN = Manifest.from_arrays(SMALL)
 SMALL_WIRES = [
     msgpack.packb(encode_state(SMALL, EncodingSpec.parse(t), SMALL_BASE))
-    for t in ("raw", "fp16", "bf16", "int8-row", "topk:0.1", "delta+raw", "delta+int8", "delta+topk:0.2", "raw@0")
+    for t in ("raw", "fp16", "bf16", "int8-row", "int4-row", "topk:0.1", "delta+raw", "delta+int8", "delta+int4",
+              "delta+topk:0.2", "raw@0")
 ]
 
 
@@ -331,7 +341,8 @@ def test_fuzz_decode_state(data: st.DataObject) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["raw", "delta+raw", "fp16", "delta+fp16", "bf16", "delta+bf16", "int8-row", "delta+int8", "topk:0.05",
+    "text", ["raw", "delta+raw", "fp16", "delta+fp16", "bf16", "delta+bf16", "int8-row", "delta+int8", "int4-row",
+             "delta+int4", "topk:0.05",
              "delta+topk:0.05", "raw,noshuffle"],
 )
 def test_as_delta_is_decoded_minus_base(text: str) -> None:
