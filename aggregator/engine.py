@@ -221,15 +221,19 @@ class Engine:
 
     def _announce(self, stats: RoundStats) -> None:
         """Publish the forms of the current version the selected agents need (once each: see _publish_model),
-        then the small announce to every agent. Only selected agents fetch a model, so bytes_down counts the
-        announce for every online agent and, for each selected agent, the form it will fetch (none when it
-        already holds this version)."""
+        then the small announce to each selected agent (async: to every agent). bytes_down counts the
+        announces and, for each selected agent, the form it will fetch (none when it already holds it)."""
         forms = self._publish_model(stats.selected)
         env = messages.announce(self.cfg.job, stats.round, self.version, stats.selected, self.cfg.train_config(),
                                 [entry for entry, _ in forms.values()], self.cfg.mode)
         body = messages.encode(env)
-        self.broker.publish(topology.rk_global(self.cfg.job), body, message_id=env.msg_id)
-        stats.bytes_down += len(body) * max(len(stats.online), len(stats.selected))
+        if self.cfg.mode == "sync":  # only the selected agents hear of the round: O(m) messages, not O(K)
+            for client in stats.selected:
+                self.broker.publish(topology.rk_announce(self.cfg.job, client), body, message_id=env.msg_id)
+            stats.bytes_down += len(body) * len(stats.selected)
+        else:  # asynchronous: every online agent trains on the newest version
+            self.broker.publish(topology.rk_global(self.cfg.job), body, message_id=env.msg_id)
+            stats.bytes_down += len(body) * max(len(stats.online), len(stats.selected))
         for client in stats.selected:
             form = self._form_for(client, forms)
             if form is not None:
@@ -367,7 +371,8 @@ class Engine:
     def _publish_grant(self, stats: RoundStats, granted: list[str]) -> None:
         env = messages.grant(self.cfg.job, stats.round, self.version, granted)
         body = messages.encode(env)
-        self.broker.publish(topology.rk_control(self.cfg.job), body, message_id=env.msg_id)
+        for client in stats.selected:  # granted or not, a selected agent waits for the word
+            self.broker.publish(topology.rk_grant(self.cfg.job, client), body, message_id=env.msg_id)
         stats.bytes_down += len(body) * len(stats.selected)
         self.phase = "uploading"
 

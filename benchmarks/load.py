@@ -122,6 +122,7 @@ class Swarm:
             ch.exchange_declare(topology.EXCHANGE, "topic", durable=True)
             ch.queue_declare(name, durable=False, auto_delete=False, arguments={"x-expires": 600_000})
             ch.queue_bind(name, topology.EXCHANGE, topology.rk_global(self.job))
+            ch.queue_bind(name, topology.EXCHANGE, f"job.{self.job}.announce.*")  # sync rounds announce per agent
         finally:
             conn.close()
         return name

@@ -6,14 +6,15 @@ Every message is an Envelope (broker/envelope.py); this module fixes the payload
 - model     aggregator -> the job's model stream, once per version and form (not per agent)
             {"tensors": encoded state, "base_version": version the tensors are a delta against, or -1 for full
              weights, "partial": true when the tensors are a subset the agent lays over its own values}
-- announce  aggregator -> global (every agent's latest queue), small: it carries no tensors
+- announce  aggregator -> each selected agent's latest queue (async mode: global, every agent's), small: it
+            carries no tensors
             {"selected": [ids], "config": {...round config...}, "mode": "sync"|"async",
              "models": [{"id": model message id, "base_version": int, "partial": bool, "since": POSIX time it
              was published (where a reader starts in the stream), "bytes": its size}]}: the forms of the
              announced version (envelope.model_version) a selected agent can fetch; it takes the smallest it
              can apply and fetches nothing when it already holds that version
 - report    agent -> inbox   {"loss": float, "n_samples": int}
-- grant     aggregator -> control (every agent's control queue)   {"granted": [ids]}
+- grant     aggregator -> each selected agent's control queue   {"granted": [ids]}
 - update    agent -> inbox   {"loss": float, "n_samples": int, "tensors": encoded state}
             envelope.model_version is the global version the agent trained from.
 """

@@ -6,7 +6,8 @@ least-privilege permissions:
 * agent X may configure, write and read only its own queues ``fedmq.<job>.agent.X.(latest|control)``, read
   (not write) the job's model stream ``fedmq.<job>.models``, write
   to (publish on) and read (bind to) the exchange; topic permissions on the exchange let it publish only
-  ``job.<job>.(report|update|presence).X`` and bind only ``job.<job>.(global|control)``;
+  ``job.<job>.(report|update|presence).X`` and bind only ``job.<job>.(global|control)`` and its own
+  ``job.<job>.(announce|grant).X``;
 * the aggregator may configure, write and read every ``fedmq*`` resource and publish ``global``/``control``/``model``.
 
 How it talks to RabbitMQ: ``rabbitmqctl`` when the broker runs on this machine (no plugin needed; the
@@ -61,13 +62,13 @@ def agent_permissions(client: str) -> Permissions:
     ex = re.escape(t.EXCHANGE)
     return Permissions(configure=rf"^{own}$", write=rf"^({ex}|{own})$", read=rf"^({ex}|{own}|{models})$",
                        topic_write=rf"^job\.[^.]+\.(report|update|presence)\.{c}$",
-                       topic_read=r"^job\.[^.]+\.(global|control)$")
+                       topic_read=rf"^job\.[^.]+\.((global|control)|(announce|grant)\.{c})$")
 
 
 def aggregator_permissions() -> Permissions:
     ex = re.escape(t.EXCHANGE)
     every = rf"^{ex}(\..*)?$"
-    return Permissions(configure=every, write=every, read=every, topic_write=r"^job\.[^.]+\.(global|control|model)$",
+    return Permissions(configure=every, write=every, read=every, topic_write=r"^job\.[^.]+\.(global|control|model|(announce|grant)\.[^.]+)$",
                        topic_read=".*")
 
 

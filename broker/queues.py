@@ -62,8 +62,8 @@ def job_queues(job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: boo
         if model_bytes > 0:  # the aggregator's declaration: it knows the model's size
             specs.append(QueueSpec(t.q_models(job), model_stream_args(model_bytes), (t.rk_model(job),)))
     for a in agents:
-        specs.append(QueueSpec(t.q_latest(job, a), dict(LATEST_ARGS), (t.rk_global(job),)))
-        specs.append(QueueSpec(t.q_control(job, a), dict(CONTROL_ARGS), (t.rk_control(job),)))
+        specs.append(QueueSpec(t.q_latest(job, a), dict(LATEST_ARGS), (t.rk_global(job), t.rk_announce(job, a))))
+        specs.append(QueueSpec(t.q_control(job, a), dict(CONTROL_ARGS), (t.rk_control(job), t.rk_grant(job, a))))
     return specs
 
 

@@ -30,6 +30,16 @@ def rk_control(job: str) -> str:
     return f"job.{job}.control"
 
 
+def rk_announce(job: str, client: str) -> str:
+    """A synchronous round's announcement, to one selected agent (unselected agents get nothing)."""
+    return f"job.{job}.announce.{client}"
+
+
+def rk_grant(job: str, client: str) -> str:
+    """A round's upload grant, to one agent that reported."""
+    return f"job.{job}.grant.{client}"
+
+
 def rk_report(job: str, client: str) -> str:
     return f"job.{job}.report.{client}"
 

@@ -87,7 +87,7 @@ def simulate(
     pull_fraction: float = typer.Option(0.5, help="dynamic pulling: share of tensors sent (0.5 or 0.33)"),
     pull_down: bool = typer.Option(False, "--pull-down", help="dynamic pulling in both directions: the server pushes only the tensors its rule picks"),
     robust: str = typer.Option("none", help="guard against outlier updates: none | clip:NORM | trimmed:FRAC | median"),
-    encoding: str = typer.Option("raw", help="uplink encoding: raw|fp16|bf16|int8|int8-row|topk:D, prefix delta+, suffix @LEVEL (zstd, default 1)"),
+    encoding: str = typer.Option("raw", help="uplink encoding: raw|fp16|bf16|int8|int8-row|int4|int4-row|topk:D, prefix delta+, suffix @LEVEL (zstd, default 1)"),
     down_encoding: str = typer.Option("raw", help="downlink encoding of the global model"),
     rounds: int = typer.Option(8, "--rounds", "-r", help="communication rounds (async: global versions)"),
     min_clients: int = typer.Option(1, help="a round with fewer updates is closed as skipped"),
