@@ -331,13 +331,13 @@ def check(url: str, job: str | None = None) -> dict[str, Any]:
 
 
 def purge(url: str, job: str, agents: list[str] | tuple[str, ...] = ()) -> list[str]:
-    """Delete the job's inbox and the given agents' queues; the names deleted."""
+    """Delete the job's inbox, model stream and the given agents' queues; the names deleted."""
     import pika
     import pika.exceptions as pe
 
     from broker.connect import redact
 
-    specs = job_queues(job, tuple(agents), inbox=True)
+    specs = job_queues(job, tuple(agents), inbox=True, model_bytes=1)  # (any size: the names are what count)
     names = [s.name for s in specs]
     parts = _split(url)
     if (parts.hostname or "") in _LOCAL and shutil.which(RABBITMQCTL):

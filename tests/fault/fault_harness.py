@@ -67,7 +67,7 @@ def delete_job_queues(url: str, job: str, clients: int) -> None:
         return
     try:
         ch = conn.channel()
-        names = [t.q_inbox(job)] + [q for i in range(clients) for q in (t.q_latest(job, f"agent-{i}"),
+        names = [t.q_inbox(job), t.q_models(job)] + [q for i in range(clients) for q in (t.q_latest(job, f"agent-{i}"),
                                                                          t.q_control(job, f"agent-{i}"))]
         for name in names:
             ch.queue_delete(name)

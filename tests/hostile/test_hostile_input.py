@@ -207,7 +207,7 @@ def test_hostile_messages_are_rejected_and_change_nothing(rabbit_node, job_id, t
 
         # ---------------------------------------------------------------- hypothesis: thousands of generated messages
         ids = st.sampled_from(["agent-0", "agent-1", MALLORY, "x", "", "../etc", "a" * 70])
-        kinds = st.sampled_from(["presence", "announce", "report", "grant", "update", "bogus", 3, None])
+        kinds = st.sampled_from(["presence", "announce", "report", "grant", "update", "model", "bogus", 3, None])
         scalars = st.one_of(st.integers(-2**63, 2**64 - 1), st.floats(allow_nan=True), st.text(max_size=8),
                             st.binary(max_size=16), st.none(), st.booleans())
         tensor_rec = st.fixed_dictionaries({"n": st.sampled_from([name0, "bogus"]), "s": st.lists(

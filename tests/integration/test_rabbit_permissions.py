@@ -42,8 +42,14 @@ def test_provisioned_users_are_confined(fed, job_id):
     with connect(agg_url) as agg, connect(a1_url) as agent:
         with pytest.raises(BrokerError, match="may not create it.*start the aggregator first"):
             agent.declare_job(job_id, [a1], inbox=False)  # fresh vhost: no exchange yet
-        agg.declare_job(job_id, [a1, a2])
+        agg.declare_job(job_id, [a1, a2], model_bytes=1000)
         agent.declare_job(job_id, [a1], inbox=False)  # an agent may (re)declare its own queues
+        # every agent may read the job's model stream, none may write it or another agent's announcements
+        agg.publish(t.rk_model(job_id), b"model v0", message_id="m0")
+        assert agent.fetch(t.q_models(job_id), "m0", offset="first", timeout=10).body == b"model v0"
+        for key in (t.rk_model(job_id), t.rk_announce(job_id, a2), t.rk_grant(job_id, a2)):
+            with pytest.raises(BrokerError, match="403|ACCESS_REFUSED"):
+                agent.publish(key, b"forged")
         got: list = []
         done = threading.Event()
         agg.consume(t.q_inbox(job_id), lambda d: (got.append(d), agg.ack(d), done.set()))
@@ -80,6 +86,10 @@ def test_provisioned_users_are_confined(fed, job_id):
     ch = conn.channel()
     with pytest.raises(pe.ChannelClosedByBroker) as exc:
         ch.queue_bind(t.q_control(job_id, a1), t.EXCHANGE, routing_key=t.rk_update(job_id, a2))
+    assert exc.value.reply_code == 403
+    ch = conn.channel()  # nor to another agent's announcements
+    with pytest.raises(pe.ChannelClosedByBroker) as exc:
+        ch.queue_bind(t.q_latest(job_id, a1), t.EXCHANGE, routing_key=t.rk_announce(job_id, a2))
     assert exc.value.reply_code == 403
     ch = conn.channel()
     with pytest.raises(pe.ChannelClosedByBroker) as exc:

@@ -36,11 +36,24 @@ def _cfg(job: str, **kw) -> JobConfig:
     return JobConfig(**{**base, **kw})
 
 
-def test_only_selected_agents_fetch_and_one_trainer_serves_all(federation, task, tmp_path):
+def test_only_selected_agents_fetch_and_one_trainer_serves_all(federation, task, tmp_path, monkeypatch):
+    from broker.memory import MemoryBroker
+
+    keys: list[str] = []
+    publish = MemoryBroker.publish
+
+    def spy(self, routing_key, body, **kw):
+        keys.append(routing_key)
+        return publish(self, routing_key, body, **kw)
+
+    monkeypatch.setattr(MemoryBroker, "publish", spy)
     CountingTask.built = 0
     pool = TrainerPool(task, 1, 0)
     engine, agents, summary = federation(task, _cfg("cost"), "memory://cost", tmp_path / "run", trainers=pool,
                                          keep_sent=True)
+    announced = sorted(k.rsplit(".", 1)[1] for k in keys if k.startswith("job.cost.announce."))
+    assert announced == sorted(c for r in engine.runlog.rows() for c in r["selected"])  # to the selected only
+    assert "job.cost.global" not in keys and keys.count("job.cost.model") == 3  # one model message a version
     assert summary["rounds_completed"] == 3
     # the pool's one trainer, the engine's model and the throwaway models groups() builds: none per agent
     assert CountingTask.built < 8
