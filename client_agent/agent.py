@@ -42,6 +42,7 @@ log = structlog.get_logger(__name__)
 
 Connect = Callable[[], Broker]
 FETCH_TIMEOUT_S = 60.0  # the announced model is in the stream before the announce is sent: this is generous
+FIRST_TRY_S = 15.0  # reading from the publish time; then from the stream's start (see _read_model)
 
 
 def stable_seed(*parts: object) -> int:
@@ -247,8 +248,16 @@ class Agent:
         return pushed
 
     def _read_model(self, broker: Broker, entry: dict[str, Any], version: int) -> Envelope:
-        """Read one announced model message from the job's stream (by its id, from where it was published)."""
-        delivery = broker.fetch(topology.q_models(self.job), entry["id"], offset=entry["since"], timeout=FETCH_TIMEOUT_S)
+        """Read one announced model message from the job's stream (by its id, from where it was published).
+
+        The start is the aggregator's clock; a broker whose clock is behind by more than the second it rounds
+        down to would make the read start after the model: then read the whole stream (a few models) again."""
+        queue = topology.q_models(self.job)
+        try:
+            delivery = broker.fetch(queue, entry["id"], offset=entry["since"], timeout=FIRST_TRY_S)
+        except BrokerError:
+            log.info("model not found from its publish time; reading the stream from its start", client=self.client)
+            delivery = broker.fetch(queue, entry["id"], offset="first", timeout=FETCH_TIMEOUT_S)
         self.log.fetched_bytes += len(delivery.body)
         menv = messages.decode(delivery.body)
         if menv.kind is not Kind.MODEL or menv.job != self.job or menv.model_version != version:

@@ -115,3 +115,32 @@ def test_state_stores_round_trip(tmp_path, store_kind):
     assert version == 4 and torch.equal(got["w"], state["w"])
     store.drop("a", "model")
     assert store.get("a", "model") is None
+
+
+def test_a_model_published_before_its_announced_time_is_still_found(task, monkeypatch):
+    """Clock skew: the announce says the model was published later than the stream's clock says. The agent's
+    read from that time misses it, then reads the (short) stream from its start."""
+    import time
+
+    from broker import topology as t
+    from broker.connect import connect
+    from broker.encodings import EncodingSpec, encode_state
+    from client_agent import agent as agent_mod
+
+    monkeypatch.setattr(agent_mod, "FIRST_TRY_S", 0.5)
+    pool = TrainerPool(task, 1, 0)
+    agg = connect("memory://skew", user="fedmq-aggregator")
+    agg.declare_job("skew", ["agent-0"], model_bytes=pool.manifest.message_bound)
+    state = {k: v.detach() for k, v in pool.task.build_model(0).named_parameters()}
+    env = messages.model("skew", 0, encode_state(state, EncodingSpec()))
+    body = messages.encode(env)
+    agg.publish(t.rk_model("skew"), body, message_id=env.msg_id)
+    a = agent_mod.Agent(lambda: connect("memory://skew", user="agent-0"), "skew", "agent-0", 0, task, trainers=pool)
+    b = connect("memory://skew", user="agent-0")
+    try:
+        entry = messages.model_entry(env, time.time() + 3600, len(body))  # "published" an hour from now
+        got = a._read_model(b, entry, 0)
+        assert got.msg_id == env.msg_id and a.log.fetched_bytes == len(body)
+    finally:
+        b.close()
+        agg.close()
