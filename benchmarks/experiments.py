@@ -291,7 +291,8 @@ class Runner:
             shutil.rmtree(run_dir)
         task = task if task is not None else self.task(spec.task, spec.task_options)
         job = re.sub(r"[^A-Za-z0-9_-]", "_", f"exp-{spec.name}")[:64]
-        cfg = JobConfig(job=job, seed=seed, **spec.job)
+        # lossless wire unless a run says otherwise: the reproductions compare algorithms, not encodings
+        cfg = JobConfig(job=job, seed=seed, **{"encoding": "raw", "down_encoding": "raw", **spec.job})
         sim = Simulation(cfg, task, f"memory://{job}", run_dir, availability=spec.availability,
                          faults=spec.faults)
         started = time.time()

@@ -5,7 +5,8 @@ vocabulary (WikiText-2: 33,278 words), K clients of which C·K train per round, 
 BPTT 8, validation on one line, R rounds. Each system runs as its own process, one after the other:
 
 * Flower: benchmarks/flower_app.py in the venv that has ``flwr[simulation]==1.41.0`` (FedAvg, Ray simulation).
-* fedmq: ``fedmq simulate`` on the in-process broker, default encodings, then the recommended compressed ones.
+* fedmq: ``fedmq simulate`` on the in-process broker: default encodings (delta+bf16 up, bf16 down), raw both
+  ways (lossless), and the recommended compressed ones.
 * the scaling curve: fedmq at K ∈ ``scale`` with ``selected`` clients per round.
 
 Reported per run: s/round (median of rounds 2..R), wire bytes/round (median; parameters sent to and received
@@ -89,8 +90,8 @@ def _median_rows(rows: list[dict]) -> tuple[float | None, float | None]:
             statistics.median(r["bytes_up"] + r["bytes_down"] for r in later))
 
 
-def run_fedmq(name: str, data: str, clients: int, selected: int, rounds: int, encoding: str = "raw",
-              down_encoding: str = "raw", timeout: float = 1800) -> Run:
+def run_fedmq(name: str, data: str, clients: int, selected: int, rounds: int, encoding: str = "delta+bf16",
+              down_encoding: str = "bf16", timeout: float = 1800) -> Run:
     with tempfile.TemporaryDirectory(prefix="fedmq-bench-") as tmp:
         out = Path(tmp) / "run"
         cmd = [sys.executable, "-m", "cli.app", "simulate", "--data", data, "--model", "gru-small", "--tied",
@@ -131,6 +132,7 @@ def bench_flower(data: str, clients: int = 100, selected: int = 10, rounds: int 
     if flower:
         runs.append(run_flower(flower_python, data, clients, selected, rounds))
     runs.append(run_fedmq(f"fedmq K={clients}", data, clients, selected, rounds))
+    runs.append(run_fedmq(f"fedmq K={clients} raw/raw", data, clients, selected, rounds, "raw", "raw"))
     runs.append(run_fedmq(f"fedmq K={clients} {RECOMMENDED[0]}/{RECOMMENDED[1]}", data, clients, selected, rounds,
                           *RECOMMENDED))
     for k in scale:

@@ -87,8 +87,8 @@ def simulate(
     pull_fraction: float = typer.Option(0.5, help="dynamic pulling: share of tensors sent (0.5 or 0.33)"),
     pull_down: bool = typer.Option(False, "--pull-down", help="dynamic pulling in both directions: the server pushes only the tensors its rule picks"),
     robust: str = typer.Option("none", help="guard against outlier updates: none | clip:NORM | trimmed:FRAC | median"),
-    encoding: str = typer.Option("raw", help="uplink encoding: raw|fp16|bf16|int8|int8-row|int4|int4-row|topk:D, prefix delta+, suffix @LEVEL (zstd, default 1)"),
-    down_encoding: str = typer.Option("raw", help="downlink encoding of the global model"),
+    encoding: str = typer.Option("auto", help="uplink encoding (auto: delta+bf16, raw with --pull-down): raw|fp16|bf16|int8|int8-row|int4|int4-row|topk:D, prefix delta+, suffix @LEVEL (zstd, default 1)"),
+    down_encoding: str = typer.Option("bf16", help="downlink encoding of the global model (raw|fp16|bf16|int8-row|int4-row, prefix delta+)"),
     rounds: int = typer.Option(8, "--rounds", "-r", help="communication rounds (async: global versions)"),
     min_clients: int = typer.Option(1, help="a round with fewer updates is closed as skipped"),
     availability: str = typer.Option("always", help="always | bernoulli:P | markov:A,B | trace:FILE"),
@@ -136,7 +136,7 @@ def simulate(
     _setup_logs(log_level if not interactive else "warning", "console" if interactive else "json",
                 run_dir / "logs" / "simulate.jsonl")
     from broker.encodings import EncodingSpec
-    EncodingSpec.parse(encoding), EncodingSpec.parse(down_encoding)
+    EncodingSpec.parse("raw" if encoding == "auto" else encoding), EncodingSpec.parse(down_encoding)
     job = "sim" if broker.startswith("memory://") else f"sim-{uuid.uuid4().hex[:8]}"
     cfg = JobConfig(job=job, strategy=strategy, rounds=rounds, clients=clients or 1, fraction=fraction,
                     min_clients=min_clients, beta=beta, loss_eps=loss_eps, att_eps=eps, att_norm=norm, noise=noise,

@@ -123,7 +123,9 @@ class Federation:
         job = {"job": self.job, "strategy": "fedavg", "rounds": self.rounds, "clients": self.clients,
                "fraction": 1.0, "lr": 5.0, "max_steps": 3, "batch_size": 4, "heartbeat_s": 2.0,
                "join_timeout_s": 90.0, "report_deadline_s": 20.0, "update_deadline_s": 20.0,
-               "identity": f"shared:{self._url_user()}", **self.job_options}
+               "identity": f"shared:{self._url_user()}",
+               # raw: the kill-mid-upload faults need updates of several socket writes
+               "encoding": "raw", "down_encoding": "raw", **self.job_options}
         self.cfg = job
         self.config = write_config(self.base / "job.toml", job, {**TINY_TASK, "clients": self.clients})
 

@@ -90,7 +90,7 @@ def test_hostile_messages_are_rejected_and_change_nothing(rabbit_node, job_id, t
         node.ctl("set_permissions", "-p", "/", user, ".*", ".*", ".*")
     cfg = JobConfig(job=job_id, strategy="fedavg", rounds=1, clients=2, fraction=1.0, lr=5.0, max_steps=3,
                     batch_size=4, heartbeat_s=60, join_timeout_s=60, report_deadline_s=600, update_deadline_s=60,
-                    identity="strict")
+                    identity="strict", encoding="raw", down_encoding="raw")  # raw: the aggregate is checked exactly
     admin = connect(node.url)
     admin.declare_job(job_id, list(AGENTS))
     engine = Engine(connect(node.url), task, cfg, tmp_path / "run", durable=False, evaluate=False)

@@ -34,7 +34,7 @@ def check_last_round_is_fedavg(engine, agents, rnd):
 
 
 def test_fedavg_rounds_in_memory(federation, task, tmp_path):
-    cfg = JobConfig(job="e2e", strategy="fedavg", rounds=3, clients=4, fraction=0.5, lr=5.0, max_steps=5,
+    cfg = JobConfig(encoding="raw", down_encoding="raw", job="e2e", strategy="fedavg", rounds=3, clients=4, fraction=0.5, lr=5.0, max_steps=5,
                     batch_size=4, heartbeat_s=0.5, join_timeout_s=20, report_deadline_s=60, update_deadline_s=30)
     engine, agents, summary = federation(task, cfg, "memory://e2e-fedavg", tmp_path / "run", keep_sent=True)
     assert summary["rounds_completed"] == 3 and summary["rounds_skipped"] == 0
@@ -49,7 +49,7 @@ def test_fedavg_rounds_in_memory(federation, task, tmp_path):
 
 
 def test_fedmed_topk_grants_lowest_losses(federation, task, tmp_path):
-    cfg = JobConfig(job="e2emed", strategy="fedmed", rounds=2, clients=4, fraction=1.0, beta=0.5, lr=5.0,
+    cfg = JobConfig(encoding="raw", down_encoding="raw", job="e2emed", strategy="fedmed", rounds=2, clients=4, fraction=1.0, beta=0.5, lr=5.0,
                     max_steps=3, batch_size=4, heartbeat_s=0.5, join_timeout_s=20, report_deadline_s=60,
                     update_deadline_s=30)
     engine, agents, summary = federation(task, cfg, "memory://e2e-fedmed", tmp_path / "run", keep_sent=True)
@@ -66,7 +66,7 @@ def test_fedmed_topk_grants_lowest_losses(federation, task, tmp_path):
 def test_dead_agents_do_not_hang_a_round(federation, task, tmp_path):
     """Agents that crash during training: the round closes at its deadline, as skipped when below the minimum."""
     from client_agent.availability import parse_faults
-    cfg = JobConfig(job="e2edead", strategy="fedavg", rounds=1, clients=2, fraction=1.0, min_clients=1, lr=5.0,
+    cfg = JobConfig(encoding="raw", down_encoding="raw", job="e2edead", strategy="fedavg", rounds=1, clients=2, fraction=1.0, min_clients=1, lr=5.0,
                     max_steps=2, batch_size=4, heartbeat_s=0.5, join_timeout_s=20, report_deadline_s=3,
                     update_deadline_s=2)
     engine, agents, summary = federation(task, cfg, "memory://e2e-dead", tmp_path / "run", keep_sent=True,
@@ -78,7 +78,7 @@ def test_dead_agents_do_not_hang_a_round(federation, task, tmp_path):
 
 @pytest.mark.rabbitmq
 def test_fedavg_rounds_over_rabbitmq(federation, task, tmp_path, rabbit_url, job_id):
-    cfg = JobConfig(job=job_id, strategy="fedavg", rounds=2, clients=3, fraction=1.0, lr=5.0, max_steps=3,
+    cfg = JobConfig(encoding="raw", down_encoding="raw", job=job_id, strategy="fedavg", rounds=2, clients=3, fraction=1.0, lr=5.0, max_steps=3,
                     batch_size=4, heartbeat_s=0.5, join_timeout_s=30, report_deadline_s=60, update_deadline_s=30,
                     identity="shared:guest")
     engine, agents, summary = federation(task, cfg, rabbit_url, tmp_path / "run", keep_sent=True)
@@ -91,7 +91,7 @@ def test_fedavg_rounds_over_rabbitmq(federation, task, tmp_path, rabbit_url, job
 def test_round_closes_early_when_selected_agents_go_offline(federation, task, tmp_path):
     """An agent that leaves (availability model) says so; the round does not wait for its deadline."""
     from client_agent.availability import parse_availability
-    cfg = JobConfig(job="e2eoff", strategy="fedavg", rounds=2, clients=4, fraction=1.0, lr=5.0, max_steps=2,
+    cfg = JobConfig(encoding="raw", down_encoding="raw", job="e2eoff", strategy="fedavg", rounds=2, clients=4, fraction=1.0, lr=5.0, max_steps=2,
                     batch_size=4, heartbeat_s=0.5, join_timeout_s=20, report_deadline_s=60, update_deadline_s=60)
     engine, agents, summary = federation(task, cfg, "memory://e2e-off", tmp_path / "run", keep_sent=True,
                                              availability=parse_availability("bernoulli:0.5", seed=3))
@@ -122,7 +122,7 @@ def test_dynamic_pulling_in_both_directions(federation, task, tmp_path):
                 seen.setdefault(self.client, []).append((env.round, self.names, own, {k: v.clone() for k, v in out.items()}))
             return out
 
-    cfg = JobConfig(job="e2epush", strategy="dp-g", pull_fraction=0.5, pull_down=True, rounds=3, clients=3,
+    cfg = JobConfig(encoding="raw", down_encoding="raw", job="e2epush", strategy="dp-g", pull_fraction=0.5, pull_down=True, rounds=3, clients=3,
                     fraction=1.0, lr=5.0, max_steps=2, batch_size=4, heartbeat_s=0.5, join_timeout_s=20,
                     report_deadline_s=60, update_deadline_s=30)
     engine, agents, summary = federation(task, cfg, "memory://e2e-push", tmp_path / "run", agent_class=lambda i: Recording)
@@ -158,7 +158,7 @@ def test_selection_counts_every_queued_heartbeat(task, tmp_path):
     from broker.connect import connect
 
     url = "memory://e2e-presence"
-    cfg = JobConfig(job="e2epres", clients=10, fraction=0.2, heartbeat_s=0.5)
+    cfg = JobConfig(encoding="raw", down_encoding="raw", job="e2epres", clients=10, fraction=0.2, heartbeat_s=0.5)
     broker = connect(url, user=topology.AGGREGATOR_USER)
     engine = Engine(broker, task, cfg, tmp_path / "run", durable=False, evaluate=False)
     broker.declare_job(cfg.job, [])

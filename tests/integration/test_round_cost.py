@@ -31,7 +31,7 @@ def task():
 
 
 def _cfg(job: str, **kw) -> JobConfig:
-    base = dict(job=job, strategy="fedavg", rounds=3, clients=8, fraction=0.25, lr=5.0, max_steps=2, batch_size=4,
+    base = dict(job=job, encoding="raw", down_encoding="raw", strategy="fedavg", rounds=3, clients=8, fraction=0.25, lr=5.0, max_steps=2, batch_size=4,
                 heartbeat_s=0.5, join_timeout_s=20, report_deadline_s=60, update_deadline_s=30)
     return JobConfig(**{**base, **kw})
 

@@ -19,6 +19,8 @@ def test_defaults_are_valid_and_derived_properties():
 @pytest.mark.parametrize("kwargs", [
     {"strategy": "fedfoo"}, {"rounds": 0}, {"fraction": 0}, {"fraction": 1.5}, {"beta": 0}, {"lr": -1},
     {"att_norm": "l7"}, {"optimizer": "rmsprop"}, {"identity": "shared:"}, {"pull_fraction": 1.0}, {"epochs": 0},
+    {"encoding": "no-such-encoding"}, {"down_encoding": "int9"}, {"keyframe_every": 0},
+    {"strategy": "dp-g", "pull_down": True, "encoding": "delta+bf16"},
 ])
 def test_bad_values_rejected_with_one_line(kwargs):
     with pytest.raises(JobConfigError) as err:
@@ -30,3 +32,12 @@ def test_from_dict_rejects_unknown_keys():
     with pytest.raises(JobConfigError, match="unknown config key"):
         JobConfig.from_dict({"rounds": 3, "colour": "blue"})
     assert JobConfig.from_dict({"rounds": 3}).rounds == 3
+
+
+def test_default_encodings_and_auto():
+    assert (JobConfig().encoding, JobConfig().down_encoding) == ("delta+bf16", "bf16")
+    assert JobConfig(strategy="dp-g", pull_down=True).encoding == "raw"  # pull-down uploads cannot be deltas
+    assert JobConfig.from_dict(JobConfig().to_dict()).encoding == "delta+bf16"
+    cfg = JobConfig(pull_down=False, down_encoding="delta+bf16", strategy="dp-l")
+    assert cfg.train_config()["keep_model"] and cfg.train_config()["keep_own"]  # a delta base, the pulling rule's input
+    assert not JobConfig().train_config()["keep_model"] and not JobConfig().train_config()["keep_own"]
