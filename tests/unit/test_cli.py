@@ -18,7 +18,7 @@ def fedmq(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("cmd", [[], ["simulate"], ["aggregator", "run"], ["agent", "run"], ["broker", "provision"],
                                  ["broker", "check"], ["broker", "purge"], ["status"], ["report"], ["bench", "codec"],
-                                 ["bench", "broker"], ["bench", "aggregate"], ["bench", "train"], ["bench", "load"],
+                                 ["bench", "broker"], ["bench", "aggregate"], ["bench", "train"], ["bench", "load"], ["bench", "flower"],
                                  ["experiment"]])
 def test_help_everywhere(cmd):
     proc = fedmq(*cmd, "--help")
@@ -38,7 +38,11 @@ def test_help_everywhere(cmd):
     (["simulate", "--fraction", "2"], "fraction"),
     (["simulate", "--log-level", "loud"], "log level"),
     (["simulate", "--robust", "clip:-1"], "robust"),
+    (["simulate", "--down-encoding", "int9"], "encoding"),
     (["report", "/nonexistent/run"], "/nonexistent/run"),
+    (["bench", "flower", "--data", "/nonexistent/corpus"], "/nonexistent/corpus"),
+    (["bench", "flower", "--data", ".", "-k", "5", "--selected", "10"], "--selected"),
+    (["bench", "flower", "--data", ".", "--scale", "ten"], "--scale"),
     (["broker", "check", "--broker", "amqp://guest:guest@127.0.0.1:1/%2F"], "cannot connect"),
     (["status", "--job", "j", "--broker", "amqp://guest:guest@127.0.0.1:1/%2F"], "cannot connect"),
     (["agent", "run", "--broker", "amqp://127.0.0.1:1/", "--job", "j"], "--client-id"),
