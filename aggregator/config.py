@@ -131,6 +131,13 @@ class JobConfig:
         """FedMed's mediator needs every report before aggregation starts, so it always grants."""
         return self.beta < 1 or self.strategy == "fedmed"
 
+    @property
+    def keep_model(self) -> bool:
+        """Whether agents keep the model they trained from until their next round: the base of a delta push,
+        and under pull-down the values they keep for tensors not pushed. (They keep their own trained model
+        for the dynamic-pulling rule, ``keep_own``, whenever the strategy pulls.)"""
+        return self.pull_down or self.down_encoding.startswith("delta+")
+
     def selected_count(self) -> int:
         if self.strategy == "fedsgd":
             return self.clients
@@ -143,10 +150,7 @@ class JobConfig:
             "epochs": epochs, "batch_size": self.batch_size, "lr": self.lr, "optimizer": self.optimizer,
             "momentum": self.momentum, "lr_decay": self.lr_decay, "clip": self.clip, "max_steps": self.max_steps,
             "encoding": self.encoding, "noise": self.noise, "pull": self.pull, "pull_fraction": self.pull_fraction,
-            "grant": self.grant_phase, "seed": self.seed,
-            # what an agent keeps between the rounds it is selected for: the model it trained from (a base for
-            # delta pushes, its own values under pull-down) and its own model (the dynamic-pulling rule's input)
-            "keep_model": self.pull_down or self.down_encoding.startswith("delta+"), "keep_own": self.pull != "all",
+            "grant": self.grant_phase, "seed": self.seed, "keep_model": self.keep_model, "keep_own": self.pull != "all",
         }
 
     def to_dict(self) -> dict[str, Any]:

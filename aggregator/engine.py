@@ -96,6 +96,8 @@ class Engine:
         self.best: tuple[float, int] | None = None  # (score, round)
         self.folded: dict[int, list[str]] = {}  # round -> msg ids of the updates folded into it (the audit)
         self._trained_from: dict[str, int] = {}  # client -> version its last folded update trained from (kept models)
+        self._published: dict[str, tuple[dict, int]] = {}  # form -> (announce entry, raw bytes) of _published_version
+        self._published_version = messages.NO_VERSION
         self.phase = "starting"
         self.last_row: dict[str, Any] = {}
         self._consumer: str | None = None
@@ -252,8 +254,8 @@ class Engine:
         return max(said, self._trained_from.get(client, messages.NO_VERSION))
 
     def _form_for(self, client: str, forms: dict[str, tuple[dict, int]]) -> str | None:
-        """The form of the current version ``client`` will fetch, judged from the version its presence says it
-        holds (the agent itself picks the same way, from what it really holds)."""
+        """The form of the current version ``client`` will fetch, judged from the version we think it holds
+        (_holds; the agent itself picks the same way, from what it really holds)."""
         holds = self._holds(client)
         if holds == self.version:
             return None
@@ -291,9 +293,6 @@ class Engine:
             self.broker.publish(topology.rk_model(cfg.job), body, message_id=env.msg_id)
             self._published[form] = (messages.model_entry(env, since, len(body)), raw_nbytes(state))
         return dict(self._published)
-
-    _published: dict[str, tuple[dict, int]] = {}
-    _published_version = messages.NO_VERSION
 
     def _pushed_names(self) -> list[str] | None:
         """Dynamic pulling in both directions (Passban et al.): the tensors of θ_v the job's rule picks by their
@@ -435,7 +434,7 @@ class Engine:
         if not spooled:
             self.spool.save_update(stats.round, client, body)
         stats.received.append(client)
-        if self.cfg.train_config()["keep_model"]:
+        if self.cfg.keep_model:
             self._trained_from[client] = env.model_version
         stats.update_ids[client] = env.msg_id
         stats.bytes_up += len(body)

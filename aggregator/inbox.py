@@ -61,10 +61,6 @@ class Inbox:
         """Deliveries queued now (not yet read with ``next``)."""
         return self._q.qsize() + (self._head is not None)
 
-    def pending(self) -> bool:
-        """Whether a message is waiting (``next(0)`` would not wait)."""
-        return self._head is not None or not self._q.empty()
-
     def next(self, timeout: float) -> Received | None:
         """The next valid message, or None when ``timeout`` passes. Invalid ones are rejected on the way."""
         if self._head is not None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -76,8 +75,8 @@ class Broker(ABC):
 
     def fetch(self, queue: str, message_id: str, *, offset: Any, timeout: float, prefetch: int = 64) -> Delivery:
         """Read the one message ``message_id`` from the stream ``queue``, starting at ``offset``; BrokerError if
-        it has not arrived whole within ``timeout``. The caller acks the delivery (a no-op on a stream but for
-        flow control) before it lets the consumer go, which this does on return."""
+        it has not arrived whole within ``timeout``. The delivery comes back acked (on a stream an ack only
+        returns flow-control credit) and the consumer cancelled."""
         got: list[Delivery] = []
         done = threading.Event()
 

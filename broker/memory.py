@@ -83,10 +83,6 @@ class _Queue:
     consumers: list[_Consumer] = field(default_factory=list)
     rr: int = 0
 
-    @property
-    def is_stream(self) -> bool:
-        return self.arguments.get("x-queue-type") == "stream"
-
     def push(self, msg: _Msg) -> None:
         self.ready.append(msg)
         limit = self.arguments.get("x-max-length")

@@ -259,8 +259,8 @@ class RabbitBroker(GatedDispatch, Broker):
             self._gen += 1
             self._reconnects += 1
             try:
-                for job, agents, inbox, length in list(self._jobs):
-                    self._declare_now(job, agents, inbox, length)
+                for job, agents, inbox, size in list(self._jobs):
+                    self._declare_now(job, agents, inbox, size)
                 for c in list(self._consumers.values()):
                     c.gate.reset()
                     self._subscribe(c)
@@ -381,13 +381,13 @@ class RabbitBroker(GatedDispatch, Broker):
     def declare_job(self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True,
                     model_bytes: int = 0) -> None:
         agents_t = tuple(agents)
-        length = int(model_bytes)
+        size = int(model_bytes)
         job_queues(job, agents_t, inbox=inbox)  # validate ids in the caller's thread
 
         def run(b: "RabbitBroker") -> None:
-            b._declare_now(job, agents_t, inbox, length)
-            if (job, agents_t, inbox, length) not in b._jobs:
-                b._jobs.append((job, agents_t, inbox, length))
+            b._declare_now(job, agents_t, inbox, size)
+            if (job, agents_t, inbox, size) not in b._jobs:
+                b._jobs.append((job, agents_t, inbox, size))
 
         self._submit(run, self.publish_timeout, "declaring the job")
 
