@@ -8,7 +8,11 @@ from typing import Any
 
 from broker.errors import FedmqError
 
-STRATEGIES = ("fedavg", "fedsgd", "fedatt", "fedmed", "dp-l", "dp-g", "dp-random", "async")
+STRATEGIES = ("fedavg", "fedsgd", "fedatt", "fedmed", "pull-local", "pull-global", "pull-random", "async")
+# dynamic pulling (Passban et al.: DP_l, DP_g, random) was first named dp-*, which reads as differential privacy;
+# the old names stay accepted (configs, run folders) and are stored under the new ones
+STRATEGY_ALIASES = {"dp-l": "pull-local", "dp-g": "pull-global", "dp-random": "pull-random"}
+PULL_RULES = {"pull-local": "local", "pull-global": "global", "pull-random": "random"}  # client_agent.pulling.MODES
 
 
 class JobConfigError(FedmqError):
@@ -27,8 +31,10 @@ class JobConfig:
     loss_eps: float = 0.1  # FedMed loss switch threshold
     att_eps: float = 1.2  # FedAtt step size
     att_norm: str = "fro"  # fro | spectral
+    fedmed_js: str = "standardised"  # FedMed's JS weights: standardised across the round's clients | raw (the paper's)
     noise: float = 0.0  # randomization β: client adds noise·N(0, 1) to its weights before upload (FedAtt Eq. 6)
     pull_fraction: float = 0.5  # dynamic pulling: share of tensors sent (0.5 = median rule, 0.33 = 33 % variant)
+    pull_by: str = "params"  # dynamic pulling: pull_fraction is a share of parameters (the paper) or of tensors ("count")
     pull_down: bool = False  # dynamic pulling in both directions: the server pushes only the tensors its rule picks
     # wire encodings (broker.encodings.EncodingSpec syntax). Defaults: bf16, for the update as a delta against
     # the model it trained from (so its error is relative to the update, not to the weights), 2.5x smaller
@@ -56,9 +62,14 @@ class JobConfig:
     seed: int = 0
     identity: str = "strict"
     robust: str = "none"  # FedAvg guard: none | clip:NORM (norm clipping) | trimmed:FRAC | median (coordinate-wise)
+    # bounds on one client's influence (aggregator.guards; 0 = off): n_k capped at this x the round's lower-median
+    # n_k, and an update whose delta norm exceeds this x the round's lower-median norm is left out
+    max_samples_factor: float = 4.0
+    norm_bound_factor: float = 10.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.strategy = STRATEGY_ALIASES.get(self.strategy, self.strategy)
         if self.encoding == "auto":
             self.encoding = "raw" if self.pull_down else "delta+bf16"
         self.validate()
@@ -87,8 +98,10 @@ class JobConfig:
             bad(f"beta={self.beta} must be in (0, 1]")
         if not 0 < self.pull_fraction < 1:
             bad(f"pull fraction {self.pull_fraction} must be in (0, 1)")
+        if self.pull_by not in ("params", "count"):
+            bad(f"pull-by {self.pull_by!r}: use params (a share of the parameters, as in the paper) or count (of tensors)")
         if self.pull_down and self.pull == "all":
-            bad("pull-down needs a dynamic-pulling strategy (dp-l, dp-g or dp-random)")
+            bad("pull-down needs a dynamic-pulling strategy (pull-local, pull-global or pull-random)")
         if self.pull_down and (self.encoding.startswith("delta+") or self.down_encoding.startswith("delta+")):
             bad("pull-down keeps each agent's own values for the tensors not pushed, so its uploads and the pushes "
                 "cannot be deltas; use an encoding without delta+")
@@ -102,6 +115,12 @@ class JobConfig:
                 bad(f"{name.replace('_', '-')} must be positive")
         if self.noise < 0 or self.loss_eps < 0 or self.max_staleness < 0:
             bad("noise, loss-eps and max-staleness must not be negative")
+        for name in ("max_samples_factor", "norm_bound_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                bad(f"{name.replace('_', '-')} must be a finite number >= 0 (0 turns the bound off), got {value!r}")
+        if self.fedmed_js not in ("standardised", "raw"):
+            bad(f"unknown fedmed-js {self.fedmed_js!r}; use standardised or raw")
         if self.att_norm not in ("fro", "spectral"):
             bad(f"unknown norm {self.att_norm!r}; use fro or spectral")
         if self.optimizer not in ("sgd", "adam"):
@@ -123,8 +142,8 @@ class JobConfig:
 
     @property
     def pull(self) -> str:
-        """Which tensors a client uploads: all, or a dynamic-pulling rule."""
-        return self.strategy if self.strategy.startswith("dp-") else "all"
+        """Which tensors a client uploads: all, or a dynamic-pulling rule (client_agent.pulling.MODES)."""
+        return PULL_RULES.get(self.strategy, "all")
 
     @property
     def grant_phase(self) -> bool:
@@ -145,12 +164,14 @@ class JobConfig:
 
     def train_config(self) -> dict[str, Any]:
         """The part of the config announced to agents every round."""
-        epochs = 1 if self.strategy == "fedsgd" else self.epochs
+        fedsgd = self.strategy == "fedsgd"  # every client, one step on its whole shard (McMahan et al.: B = ∞, E = 1)
         return {
-            "epochs": epochs, "batch_size": self.batch_size, "lr": self.lr, "optimizer": self.optimizer,
-            "momentum": self.momentum, "lr_decay": self.lr_decay, "clip": self.clip, "max_steps": self.max_steps,
+            "epochs": 1 if fedsgd else self.epochs, "full_batch": fedsgd, "batch_size": self.batch_size, "lr": self.lr, "optimizer": self.optimizer,
+            "momentum": self.momentum, "lr_decay": self.lr_decay, "clip": self.clip, "max_steps": 0 if fedsgd else self.max_steps,
             "encoding": self.encoding, "noise": self.noise, "pull": self.pull, "pull_fraction": self.pull_fraction,
+            "pull_by": self.pull_by, "pull_down": self.pull_down,
             "grant": self.grant_phase, "seed": self.seed, "keep_model": self.keep_model, "keep_own": self.pull != "all",
+            "tail_loss": self.strategy == "fedmed",  # its top-K and loss switch rank the loss at the end of training
         }
 
     def to_dict(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ handled, and one whose announce or grant was lost with the old aggregator gets i
 from __future__ import annotations
 
 import math
+import os
 import random
 import threading
 import time
@@ -29,6 +30,7 @@ import torch
 
 from aggregator.checkpoint import load_checkpoint, save_checkpoint
 from aggregator.config import JobConfig
+from aggregator.guards import RoundGuard, Verdict, first_nonfinite
 from aggregator.inbox import Inbox, Received
 from aggregator.mediator import Mediator
 from aggregator.runlog import RunLog
@@ -37,13 +39,14 @@ from aggregator.strategies.base import ClientUpdate, Strategy
 from aggregator.strategies.registry import make_strategy
 from broker import messages, topology
 from broker.base import Broker
+from broker.chunked import ReassemblyLimits
 from broker.chunking import DEFAULT_CHUNK_LIMIT
 from broker.encodings import EncodingSpec, decode_state, encode_state, raw_nbytes
-from broker.envelope import Kind
+from broker.envelope import Kind, Limits
 from broker.errors import CodecError, FedmqError
 from broker.manifest import Manifest
 from broker.queues import message_chunks
-from client_agent.pulling import STRATEGY_RULES, select_tensors
+from client_agent.pulling import select_tensors
 from client_agent.tasks.base import Task, load_state, model_state
 
 log = structlog.get_logger(__name__)
@@ -62,6 +65,7 @@ class RoundStats:
     reported: dict[str, float] = field(default_factory=dict)  # client -> loss
     granted: list[str] = field(default_factory=list)
     received: list[str] = field(default_factory=list)
+    failed: set[str] = field(default_factory=set)  # granted clients whose update was rejected
     update_ids: dict[str, str] = field(default_factory=dict)  # client -> msg id of the update folded
     bytes_up: int = 0
     bytes_down: int = 0
@@ -82,14 +86,16 @@ class Engine:
         self.evaluate = evaluate
         self.on_round = on_round
         self.stop = threading.Event()
-        self.inbox = Inbox(broker, cfg.job, cfg.identity)
+        self.inbox = Inbox(broker, cfg.job, cfg.identity)  # its decoding limits are set below, from the manifest
         self.spool = RoundSpool(self.run_dir / "spool", durable)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.runlog = RunLog(self.run_dir)
         self.mediator = Mediator(epsilon=cfg.loss_eps)
+        self.guard = RoundGuard(cfg.max_samples_factor, cfg.norm_bound_factor)
         self.model = task.build_model(cfg.seed)
         self.global_state = {k: v.detach().clone().float() for k, v in model_state(self.model).items()}
         self.manifest: Manifest = task.manifest(self.model)
+        self.inbox.limits = Limits.for_model(self.manifest.message_bound)
         self.version = 0
         self.round = 1
         self.presence: dict[str, tuple[float, int]] = {}  # client -> (last seen, version it holds)
@@ -98,8 +104,10 @@ class Engine:
         self._trained_from: dict[str, int] = {}  # client -> version its last folded update trained from (kept models)
         self._published: dict[str, tuple[dict, int]] = {}  # form -> (announce entry, raw bytes) of _published_version
         self._published_version = messages.NO_VERSION
-        self.phase = "starting"
+        self._status_written = 0.0
+        self._active = False  # the inbox's active consumer: only it writes status.json (a standby shares the folder)
         self.last_row: dict[str, Any] = {}
+        self.phase = "starting"
         self._consumer: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -107,7 +115,7 @@ class Engine:
         """Declare the topology, resume from the last checkpoint, run the rounds, write the summary."""
         self.declare()
         self._consumer = self.broker.consume(topology.q_inbox(self.cfg.job), self.inbox.handler,
-                                             prefetch=self._inbox_prefetch())
+                                             prefetch=self._inbox_prefetch(), reassembly=self._reassembly())
         started = time.time()
         try:
             self.phase = "standby"
@@ -115,6 +123,7 @@ class Engine:
                      job=self.cfg.job)
             if not self.inbox.wait_first(self.stop):
                 return self._summary(time.time() - started)
+            self._active = True
             self.phase = "starting"
             log.info("active consumer of the inbox", job=self.cfg.job)
             if resume:
@@ -130,7 +139,45 @@ class Engine:
                 self.broker.cancel(self._consumer)
         summary = self._summary(time.time() - started)
         self.runlog.write_summary(summary)
+        if self._all_rounds_done():
+            self._end_job()
+        else:
+            self.phase = "stopped"
         return summary
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self._phase = value
+        self._write_status(force=True)
+
+    def _write_status(self, force: bool = False) -> None:
+        """Keep the run folder's status.json current (at most once a second unless the phase changed): what
+        `fedmq status --run-dir` shows while the job is live."""
+        now = time.time()
+        if self._active and (force or now - self._status_written >= 1.0):
+            self._status_written = now
+            info = {k: v for k, v in self.status().items() if k != "last_metrics"}
+            self.runlog.write_status({**info, "updated_at": now, "pid": os.getpid()})
+
+    def _all_rounds_done(self) -> bool:
+        done = self.version >= self.cfg.rounds if self.cfg.mode == "async" else self.round > self.cfg.rounds
+        return done and not self.stop.is_set()
+
+    def _end_job(self) -> None:
+        """Tell every agent the job is over (one message to the control binding every agent's queue has): they
+        leave instead of waiting for rounds that will never come. Only a job that ran all its rounds ends."""
+        env = messages.end(self.cfg.job, self.version, len(self.folded))
+        try:
+            self.broker.publish(topology.rk_control(self.cfg.job), messages.encode(env), message_id=env.msg_id)
+        except FedmqError as exc:  # the run is complete either way; agents then stay until stopped
+            log.warning("could not tell the agents the job ended", error=str(exc))
+        self.presence.clear()
+        self.phase = "finished"
+        log.info("job finished: agents told to leave", job=self.cfg.job, version=self.version)
 
     def declare(self) -> None:
         """Declare the job's exchange, inbox and model stream (idempotent; agents need the exchange to join)."""
@@ -145,6 +192,14 @@ class Engine:
         chunk_limit = getattr(self.broker, "chunk_limit", DEFAULT_CHUNK_LIMIT)
         per_update = message_chunks(self.manifest.message_bound, chunk_limit)
         return min(MAX_PREFETCH, max(64, self.cfg.selected_count() * per_update + 16))
+
+    def _reassembly(self) -> ReassemblyLimits:
+        """Bounds on incomplete chunked updates, from the manifest: one is at most one update message; a sender
+        (routing key, i.e. agent) may have two pending (a restarted agent's new upload beside its dead partial
+        one); all together, two more than the agents that may upload at once."""
+        m = self.inbox.limits.max_message_bytes
+        uploaders = self.cfg.clients if self.cfg.mode == "async" else self.cfg.selected_count()
+        return ReassemblyLimits(max_message_size=m, max_pending_bytes=(uploaders + 2) * m, max_pending_per_sender=2 * m)
 
     def status(self) -> dict[str, Any]:
         return {"job": self.cfg.job, "round": self.round, "version": self.version, "phase": self.phase,
@@ -163,6 +218,7 @@ class Engine:
         else:
             self.presence.pop(env.client, None)
         self.inbox.ack(msg)
+        self._write_status()
 
     def _wait_for_agents(self, needed: int, timeout: float) -> None:
         """Handle presence (nothing else can arrive before an announce) until enough agents are online and
@@ -301,8 +357,8 @@ class Engine:
         cfg = self.cfg
         if not cfg.pull_down or self._prev_state is None:
             return None
-        return select_tensors(self.global_state, self._prev_state, self.task.groups(), STRATEGY_RULES[cfg.pull],
-                              cfg.pull_fraction, random.Random(f"{cfg.seed}/push/{self.version}"))
+        return select_tensors(self.global_state, self._prev_state, self.task.groups(), cfg.pull,
+                              cfg.pull_fraction, random.Random(f"{cfg.seed}/push/{self.version}"), cfg.pull_by)
 
     def _collect(self, stats: RoundStats, spooled: dict | None, spooled_updates: dict[str, bytes]) -> Strategy | None:
         """Reports, mediation, grants and updates of one round; returns the strategy holding the folded updates."""
@@ -312,8 +368,10 @@ class Engine:
         if granted is not None or not cfg.grant_phase:
             strategy = self._begin_strategy(stats, (spooled or {}).get("strategy") or self.cfg.strategy)
             stats.granted = list(granted if granted is not None else stats.selected)
-        for client, body in spooled_updates.items():
-            self._fold_bytes(stats, strategy, client, body, spooled=True)
+        for client in stats.granted:  # the spool holds updates folded before a restart: refold them in fold order
+            if client in spooled_updates:
+                self._fold_bytes(stats, strategy, client, spooled_updates[client], spooled=True)
+        held: dict[str, Received] = {}  # arrived ahead of their turn in the fold order, unacked until folded
         deadline = time.time() + (cfg.report_deadline_s if strategy is None else cfg.update_deadline_s)
         if strategy is not None and not cfg.grant_phase:
             deadline = time.time() + cfg.report_deadline_s + cfg.update_deadline_s
@@ -324,7 +382,9 @@ class Engine:
                     return None
                 strategy = self._mediate(stats)
                 deadline = time.time() + cfg.update_deadline_s
-            if strategy is not None and (set(stats.received) | gone >= set(stats.granted) or time.time() >= deadline):
+            if strategy is not None and (set(stats.received) | set(held) | gone >= set(stats.granted)
+                                         or time.time() >= deadline):
+                self._fold_in_order(stats, strategy, held, gone, closing=True)
                 return strategy
             msg = self.inbox.next(min(0.5, max(deadline - time.time(), 0.0)))
             if msg is None:
@@ -340,13 +400,35 @@ class Engine:
                 self.inbox.drop(msg, "not-selected")
             elif env.kind is Kind.REPORT:
                 self._take_report(stats, msg)
-            elif env.client in stats.received:
+            elif env.client in stats.received or env.client in held:
                 self.inbox.drop(msg, "duplicate")
             elif strategy is None or env.client not in stats.granted:
                 self.inbox.drop(msg, "not-granted")
             else:
-                self._fold_bytes(stats, strategy, env.client, msg.delivery.body, received=msg)
-        return strategy
+                stats.failed.discard(env.client)  # a new try after a rejected update
+                held[env.client] = msg
+                self._fold_in_order(stats, strategy, held, gone)
+        return strategy  # stopped: held updates stay unacked and come back to the next aggregator
+
+    def _fold_in_order(self, stats: RoundStats, strategy: Strategy, held: dict[str, Received], gone: set[str],
+                       closing: bool = False) -> None:
+        """Fold held updates in the order of ``stats.granted``, never in arrival order.
+
+        Float sums depend on the order of their terms, so folding in a fixed order is what makes the same seed and
+        config give the same model bit for bit whatever the broker and whoever trains fastest (the spool replays
+        in the same order after a restart). An update waits, unacked (the inbox prefetch fits the whole round),
+        until every client before it has been folded, has gone offline, or the round is closing.
+        """
+        for client in stats.granted:
+            if client in stats.received or client in stats.failed:
+                continue
+            if client in held:
+                msg = held.pop(client)
+                self._fold_bytes(stats, strategy, client, msg.delivery.body, received=msg)
+                if client not in stats.received:
+                    stats.failed.add(client)  # rejected: later clients need not wait for it (it may try again)
+            elif not (closing or client in gone):
+                return
 
     def _take_report(self, stats: RoundStats, msg: Received) -> None:
         env = msg.env
@@ -378,15 +460,17 @@ class Engine:
     def _strategy_name(self, stats: RoundStats) -> str:
         if self.cfg.strategy != "fedmed":
             return self.cfg.strategy
-        mean_loss = sum(stats.reported.values()) / len(stats.reported)
+        mean_loss = math.fsum(stats.reported.values()) / len(stats.reported)  # fsum: exact, so order-free
         return "fedmed" if self.mediator.choose(mean_loss) == "adaptive" else "fedavg"
 
     def _save_round(self, stats: RoundStats, granted: list[str] | None, choice: str | None) -> None:
         self.spool.save_state(stats.round, {"selected": stats.selected, "online": stats.online,
                                             "reported": stats.reported, "granted": granted, "strategy": choice})
 
-    def _begin_strategy(self, stats: RoundStats, choice: str | None) -> Strategy:
+    def _begin_strategy(self, stats: RoundStats, choice: str | None, **extra: Any) -> Strategy:
+        """A strategy for the round, begun with the global model; ``extra`` from a first pass (second_pass)."""
         stats.strategy = choice
+        self.guard.begin()
         if choice == "fedavg" and self.cfg.robust != "none":  # the optional guard replaces plain FedAvg
             kind, _, arg = self.cfg.robust.partition(":")
             name, params = {"clip": ("fedavg-clip", {"clip_norm": float(arg or 0)}),
@@ -397,13 +481,13 @@ class Engine:
             strategy = make_strategy(name, **params)
             strategy.begin(self.global_state)
             return strategy
-        strategy = make_strategy(choice, **self._strategy_params(choice))
+        strategy = make_strategy(choice, **self._strategy_params(choice), **extra)
         strategy.begin(self.global_state)
         return strategy
 
     def _strategy_params(self, name: str) -> dict[str, Any]:
         cfg = self.cfg
-        return {"fedatt": {"epsilon": cfg.att_eps, "norm": cfg.att_norm},
+        return {"fedatt": {"epsilon": cfg.att_eps, "norm": cfg.att_norm}, "fedmed": {"js": cfg.fedmed_js},
                 "async": {"buffer_size": cfg.async_k, "server_lr": cfg.server_lr,
                           "max_staleness": cfg.max_staleness}}.get(name, {})
 
@@ -411,7 +495,7 @@ class Engine:
                     received: Received | None = None, spooled: bool = False) -> None:
         """Decode an update against the manifest and the current global, fold it, spool it, then ack."""
         try:
-            env = messages.decode(body)
+            env = messages.decode(body, limits=self.inbox.limits)
             if env.model_version != self.version:
                 raise CodecError("wrong-base", f"trained from version {env.model_version}, current is {self.version}")
             tensors = decode_state(env.payload["tensors"], self.manifest, self.global_state, as_delta=True)
@@ -431,6 +515,7 @@ class Engine:
             if received is not None:
                 self.inbox.reject(received.delivery, "rejected-by-strategy", str(exc))
             return
+        self.guard.note(update, self.global_state)
         if not spooled:
             self.spool.save_update(stats.round, client, body)
         stats.received.append(client)
@@ -449,17 +534,21 @@ class Engine:
         if skipped is None and (strategy is None or len(stats.received) < cfg.min_clients):
             skipped = f"{len(stats.received)} update(s) < min {cfg.min_clients}"
         weights: dict[str, float] = {}
+        verdict = Verdict()
+        if skipped is None:
+            new, weights, verdict, skipped = self._finish_guarded(stats, strategy)
         if skipped is None:
             if EncodingSpec.parse(cfg.down_encoding).delta or cfg.pull_down:
                 self._prev_state = self.global_state
-            self.global_state = {k: v.float() for k, v in strategy.finish().items()}
-            weights = strategy.client_weights()
+            self.global_state = new
             self.version += 1
-            self.folded[stats.round] = sorted(stats.update_ids.values())
+            self.folded[stats.round] = sorted(v for c, v in stats.update_ids.items() if c not in verdict.dropped)
         else:
             log.warning("round skipped", round=stats.round, reason=skipped)
         score = self._evaluate(stats.round) if skipped is None else None
         row = self._row(stats, score, weights, skipped)
+        if verdict:
+            row["guard"] = verdict.record()
         self.round += 1
         # row first: a kill before the checkpoint redoes the round, and the resume truncates this row again
         self.runlog.append(row)
@@ -470,6 +559,45 @@ class Engine:
             self.on_round(row)
         log.info("round closed", round=stats.round, strategy=stats.strategy, received=len(stats.received),
                  score=score, skipped=skipped)
+
+    def _finish_guarded(self, stats: RoundStats, strategy: Strategy
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, float], Verdict, str | None]:
+        """The round's aggregate within the bounds of aggregator.guards: (state, weights, verdict, skip reason).
+
+        When an update is out of bounds the round is folded again from its spool without it (or with its
+        weight capped); an aggregate that still holds a NaN/Inf is never used: the round is skipped."""
+        verdict = self.guard.verdict()
+        second = strategy.second_pass(frozenset(verdict.dropped))  # weights that need the whole round first
+        if verdict:
+            log.warning("updates out of bounds: the round is aggregated again without them", round=stats.round,
+                        dropped=verdict.dropped, capped=verdict.capped)
+        if verdict or second is not None:
+            strategy = self._refold(stats, verdict, second or {})
+        new = {k: v.float() for k, v in strategy.finish().items()}
+        weights = strategy.client_weights()
+        bad = first_nonfinite(new)
+        if bad is None:
+            return new, weights, verdict, None
+        clients = sorted(set(stats.received) - set(verdict.dropped))
+        reason = f"aggregate not finite (tensor {bad!r}): round closed without the updates of {', '.join(clients)}"
+        log.warning("non-finite aggregate discarded", round=stats.round, tensor=bad, clients=clients)
+        return {}, {}, verdict, reason
+
+    def _refold(self, stats: RoundStats, verdict: Verdict, params: dict[str, Any]) -> Strategy:
+        """Fold the round's spooled updates again (the same strategy, in the fold order of _fold_in_order),
+        leaving out the dropped ones and capping n_samples; they were all folded once, so they decode again."""
+        state, bodies = self.spool.load(stats.round)
+        strategy = self._begin_strategy(stats, (state or {}).get("strategy") or self.cfg.strategy, **params)
+        for client in stats.granted:
+            body = bodies.get(client)
+            if body is None or client in verdict.dropped:
+                continue
+            env = messages.decode(body)
+            tensors = decode_state(env.payload["tensors"], self.manifest, self.global_state, as_delta=True)
+            n = min(env.payload["n_samples"], verdict.capped.get(client, env.payload["n_samples"]))
+            strategy.fold(ClientUpdate(client, n, {k: torch.from_numpy(v) for k, v in tensors.items()},
+                                       loss=env.payload["loss"], update_id=env.msg_id, delta=True))
+        return strategy
 
     def _evaluate(self, rnd: int) -> float | None:
         if not self.evaluate or rnd % self.cfg.eval_every:
@@ -488,10 +616,11 @@ class Engine:
         return {
             "round": stats.round, "time": time.time(), "version": self.version, "strategy": stats.strategy or None,
             "metric": self.task.metric, "valid": score,
-            "mean_loss": sum(losses) / len(losses) if losses else None,
+            "mean_loss": math.fsum(losses) / len(losses) if losses else None,
             "online": stats.online, "selected": stats.selected, "reported": sorted(stats.reported),
-            "losses": dict(stats.reported),
-            "granted": stats.granted, "received": sorted(stats.received), "update_ids": dict(stats.update_ids),
+            "losses": dict(sorted(stats.reported.items())),
+            "granted": stats.granted, "received": sorted(stats.received),
+            "update_ids": dict(sorted(stats.update_ids.items())),
             "dropped": sorted(set(stats.selected) - set(stats.received)),
             "skipped": skipped is not None, "skip_reason": skipped,
             "bytes_up": stats.bytes_up, "bytes_down": stats.bytes_down,
@@ -521,19 +650,35 @@ class Engine:
 
     # ------------------------------------------------------------------ asynchronous mode
     def _run_async(self) -> None:
-        """FedBuff-style: fold every K arrivals (staleness weight 1/sqrt(1+τ)), publish a new version each time."""
+        """FedBuff-style: fold every K arrivals (staleness weight 1/sqrt(1+τ)), publish a new version each time.
+
+        Crash safety as in synchronous rounds: an update is acked once spooled; a restart replays the open
+        round's spool in arrival order against the versions the updates trained from (kept in the spool,
+        aggregator.spool.RoundSpool.save_base), and drops redeliveries of updates already folded (by message
+        id). The folding order of live updates is their arrival order: async runs are not bit-reproducible."""
         cfg = self.cfg
         self._wait_for_agents(1, cfg.join_timeout_s)
-        history: dict[int, dict[str, torch.Tensor]] = {}
+        history = self.spool.load_bases(self.version - cfg.max_staleness)
+        _, spooled = self.spool.load(self.round)
+        if spooled:
+            log.info("resuming open round", round=self.round, spooled_updates=len(spooled))
         while self.version < cfg.rounds and not self.stop.is_set():
             stats = RoundStats(self.round, strategy="async", online=self._online())
             stats.selected = stats.online
-            history[self.version] = self.global_state
+            if self.version not in history:
+                history[self.version] = self.global_state
+                self.spool.save_base(self.version, self.global_state)
             for old in [v for v in history if v < self.version - cfg.max_staleness]:
                 del history[old]
+            self.spool.drop_bases_before(self.version - cfg.max_staleness)
             self._announce(stats)
             strategy = make_strategy("async", **self._strategy_params("async"))
             strategy.begin(self.global_state)
+            for key in sorted(spooled, key=lambda k: int(k.rsplit("-", 1)[1])):  # replay, in arrival order
+                env = messages.decode(spooled[key], limits=self.inbox.limits)
+                self._fold_async(stats, strategy, env, spooled[key], history)
+            spooled = {}
+            folded_ids = {uid for ids in self.folded.values() for uid in ids}
             deadline = time.time() + cfg.report_deadline_s + cfg.update_deadline_s
             while len(stats.received) < cfg.async_k and time.time() < deadline and not self.stop.is_set():
                 msg = self.inbox.next(min(0.5, deadline - time.time()))
@@ -544,33 +689,39 @@ class Engine:
                     self._note_presence(msg)
                 elif env.kind is not Kind.UPDATE:
                     self.inbox.drop(msg, "unexpected")
+                elif env.msg_id in folded_ids or env.msg_id in stats.update_ids.values():
+                    self.inbox.drop(msg, "duplicate")  # redelivered after a crash: already folded
                 elif self.version - env.model_version > cfg.max_staleness or env.model_version not in history:
                     self.inbox.drop(msg, "too-stale")
                 else:
-                    self._fold_async(stats, strategy, msg, history[env.model_version])
+                    self._fold_async(stats, strategy, env, msg.delivery.body, history, msg)
             self._close(stats, strategy if stats.received else None)
 
-    def _fold_async(self, stats: RoundStats, strategy: Strategy, msg: Received, base: dict[str, torch.Tensor]) -> None:
-        env = msg.env
+    def _fold_async(self, stats: RoundStats, strategy: Strategy, env: Any, body: bytes,
+                    history: dict[int, dict[str, torch.Tensor]], msg: Received | None = None) -> None:
+        """Fold one update (live ``msg``, or replayed from the spool when None), spool it, then ack it."""
+        base = history.get(env.model_version)
         try:
+            if base is None:
+                raise CodecError("too-stale", f"base version {env.model_version} is no longer kept")
             tensors = decode_state(env.payload["tensors"], self.manifest, base, as_delta=True)
-        except CodecError as exc:
-            self.inbox.reject(msg.delivery, exc.reason, str(exc))
-            return
-        delta = {k: torch.from_numpy(v) for k, v in tensors.items()}
-        try:
+            delta = {k: torch.from_numpy(v) for k, v in tensors.items()}
             strategy.fold(ClientUpdate(env.client, env.payload["n_samples"], delta, loss=env.payload["loss"],
                                        staleness=self.version - env.model_version, update_id=env.msg_id, delta=True))
-        except FedmqError as exc:
-            self.inbox.reject(msg.delivery, "rejected-by-strategy", str(exc))
+        except (FedmqError, ValueError, TypeError, RuntimeError) as exc:
+            reason = exc.reason if isinstance(exc, CodecError) else "rejected-by-strategy"
+            if msg is not None:
+                self.inbox.reject(msg.delivery, reason, str(exc))
             return
-        self.spool.save_update(stats.round, f"{env.client}-{len(stats.received)}", msg.delivery.body)
+        if msg is not None:
+            self.spool.save_update(stats.round, f"{env.client}-{len(stats.received)}", body)
         stats.received.append(env.client)
         stats.update_ids[f"{env.client}#{len(stats.received)}"] = env.msg_id
         stats.reported[env.client] = float(env.payload["loss"])
-        stats.bytes_up += msg.size
+        stats.bytes_up += len(body)
         stats.bytes_up_raw += raw_nbytes(delta)
-        self.inbox.ack(msg)
+        if msg is not None:
+            self.inbox.ack(msg)
 
     # ------------------------------------------------------------------ summary
     def _config_record(self) -> dict[str, Any]:

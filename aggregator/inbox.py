@@ -11,7 +11,7 @@ import structlog
 
 from broker import messages
 from broker.base import Broker, Delivery
-from broker.envelope import Envelope, Kind
+from broker.envelope import Envelope, Kind, Limits
 from broker.errors import CodecError
 
 log = structlog.get_logger(__name__)
@@ -31,12 +31,14 @@ class Inbox:
 
     identity: "strict" — the AMQP user_id must equal the client id the message claims (each agent has its own
     broker user); "shared:USER" — every agent connects as USER (simulate over a shared guest account).
+    ``limits``: size bounds for decoding (the engine derives them from the job's manifest).
     """
 
-    def __init__(self, broker: Broker, job: str, identity: str = "strict") -> None:
+    def __init__(self, broker: Broker, job: str, identity: str = "strict", limits: Limits | None = None) -> None:
         self.broker = broker
         self.job = job
         self.identity = identity
+        self.limits = limits or Limits()
         self.rejected: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()
         self._q: "queue.Queue[Delivery]" = queue.Queue()
@@ -71,7 +73,7 @@ class Inbox:
             except queue.Empty:
                 return None
         try:
-            env = messages.decode(delivery.body)
+            env = messages.decode(delivery.body, limits=self.limits)
             self._check(env, delivery)
         except CodecError as exc:
             self.reject(delivery, exc.reason, str(exc))
@@ -89,8 +91,11 @@ class Inbox:
         user = delivery.user_id
         if not user:
             raise CodecError("no-user-id", "message carries no AMQP user_id")
-        expected = self.identity.partition(":")[2] if self.identity.startswith("shared:") else env.client
-        if user != expected:
+        if self.identity.startswith("shared:"):
+            ok = user == self.identity.partition(":")[2]
+        else:  # the job's provisioned user for that client, or a user named for the client itself
+            ok = user in (env.client, f"{self.job}.{env.client}")
+        if not ok:
             raise CodecError("identity-mismatch", f"user {user!r} claims to be client {env.client!r}")
 
     def reject(self, delivery: Delivery, reason: str, detail: str = "") -> None:

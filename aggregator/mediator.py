@@ -44,7 +44,7 @@ class Mediator:
     def mean_loss(reports: Mapping[str, float]) -> float:
         if not reports:
             raise BadParameter("mean_loss needs at least one reported loss")
-        return sum(_check_loss(str(c), v) for c, v in reports.items()) / len(reports)
+        return math.fsum(_check_loss(str(c), v) for c, v in reports.items()) / len(reports)
 
     def choose(self, mean_loss: float) -> str:
         loss = _check_loss("the round", mean_loss)

@@ -63,6 +63,35 @@ class RoundSpool:
         updates = {p.stem.removeprefix("update-"): p.read_bytes() for p in sorted(d.glob("update-*.msg"))}
         return state, updates
 
+    def save_base(self, version: int, state: dict[str, Any]) -> None:
+        """Async mode folds updates trained from any of the last max_staleness versions: keep those versions
+        here so a restarted aggregator can replay the open round's spooled updates against their own base."""
+        import io
+
+        import torch
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        d = self.root / "bases"
+        d.mkdir(parents=True, exist_ok=True)
+        _write_atomic(d / f"v{version:06d}.pt", buf.getvalue(), self.durable)
+
+    def load_bases(self, oldest: int) -> dict[int, dict[str, Any]]:
+        """The saved bases from version ``oldest`` on (older ones are deleted)."""
+        import torch
+        bases: dict[int, dict[str, Any]] = {}
+        for path in sorted((self.root / "bases").glob("v*.pt")):
+            version = int(path.stem[1:])
+            if version < oldest:
+                path.unlink(missing_ok=True)
+            else:
+                bases[version] = torch.load(path, weights_only=True)
+        return bases
+
+    def drop_bases_before(self, oldest: int) -> None:
+        for path in (self.root / "bases").glob("v*.pt"):
+            if int(path.stem[1:]) < oldest:
+                path.unlink(missing_ok=True)
+
     def clear_upto(self, rnd: int) -> None:
         for d in self.root.glob("r*"):
             if d.is_dir() and d.name[1:].isdigit() and int(d.name[1:]) <= rnd:

@@ -17,9 +17,11 @@ Scales (same code path, only numbers differ):
   comparable in absolute value with the papers', only the ordering of methods is.
 * ``smoke``: CI; a reduced grid, one or two rounds, tiny slices, tiny models.
 
-Choices where the papers are silent (documented in docs/results.md): local training is SGD lr 20, clip 0.25,
-batch 20, BPTT 35, dropout 0.2 (pytorch/examples word_language_model, which the FedAtt code builds on); the
-score is the test perplexity of the best-on-validation global model (as both LM papers report).
+Local training is SGD lr 20, clip 0.25, batch 20, BPTT 35, dropout 0.2 (pytorch/examples word_language_model).
+That is NOT the papers' regime (docs/results.md): FedAtt's client update is SGD with momentum, its reference code
+(shaoxiongji/fed-att) uses lr 0.01, momentum 0.5, E = 5, B = 10, no clipping; FedMed decays the learning rate.
+Moving the scales to the papers' regime is issue #14. The score is the test perplexity of the
+best-on-validation global model (as both LM papers report).
 """
 
 from __future__ import annotations
@@ -458,7 +460,7 @@ def run_nmt_domains(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
     specs = [RunSpec("fedavg", "nmt", options, {**job, "strategy": "fedavg"}, {"strategy": "fedavg", "pull": 1.0})]
     for f in s["fractions"]:
         down = f < 0.5  # Passban et al.'s 33 % variant pulls in both directions (the server pushes a third too)
-        for mode in ("dp-l", "dp-g", "dp-random"):
+        for mode in ("pull-local", "pull-global", "pull-random"):
             specs.append(RunSpec(f"{mode}-{f}" + ("-both" if down else ""), "nmt", options,
                                  {**job, "strategy": mode, "pull_fraction": f, "pull_down": down},
                                  {"strategy": mode, "pull": f, "directions": "both" if down else "up"}))

@@ -5,9 +5,12 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from broker.errors import BrokerError
+
+if TYPE_CHECKING:
+    from broker.chunked import ReassemblyLimits
 
 
 @dataclass
@@ -65,12 +68,14 @@ class Broker(ABC):
 
     @abstractmethod
     def consume(self, queue: str, handler: Handler, *, prefetch: int | None = None, offset: Any = None,
-                only_message: str | None = None) -> str:
+                only_message: str | None = None, reassembly: ReassemblyLimits | None = None) -> str:
         """Start consuming ``queue``; returns a consumer tag. The handler must ack or reject every delivery.
 
         ``offset`` (stream queues only, RabbitMQ's ``x-stream-offset``): an int, "first", "last", "next" or a
         POSIX timestamp (float seconds). ``only_message``: hand over only the message with this id; every other
         delivery is acked without being reassembled or handed over (reading one model from a stream).
+        ``reassembly``: bounds on this consumer's incomplete chunked messages (default: the connection's
+        max_message_size per message, 4 GiB in all).
         """
 
     def fetch(self, queue: str, message_id: str, *, offset: Any, timeout: float, prefetch: int = 64) -> Delivery:

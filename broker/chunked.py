@@ -105,20 +105,35 @@ class Outcome:
     reason: str | None = None
 
 
+@dataclass(frozen=True)
+class ReassemblyLimits:
+    """What a consumer's incomplete chunked messages may hold: one message's size, all of them together, and
+    (optionally) those of one sender (a delivery's routing key; see Reassembler)."""
+
+    max_message_size: int = 4 * 1024**3
+    max_pending_bytes: int = 4 * 1024**3
+    max_pending_per_sender: int | None = None
+
+
 class ChunkGate:
     """Per-consumer reassembly and prefetch-window bookkeeping (see module docstring). Thread-safe."""
 
     def __init__(self, window: int, *, max_message_size: int = 4 * 1024**3, max_pending_bytes: int = 4 * 1024**3,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, max_pending_per_sender: int | None = None) -> None:
         self.window = max(1, window)
         self.reassembler = Reassembler(timeout_s=timeout_s, max_pending_bytes=max_pending_bytes,
-                                       max_message_size=max_message_size)
+                                       max_message_size=max_message_size, max_pending_per_sender=max_pending_per_sender)
         self._lock = threading.Lock()
         self._held: dict[str, list[Any]] = {}  # msg_id -> raw tags of its chunks still unacked
         self._unsettled = 0  # raw deliveries received and not yet acked/rejected
         self.gen = 0
         self.rejected = 0
         self.early_acked = 0
+
+    @classmethod
+    def of(cls, window: int, limits: ReassemblyLimits, timeout_s: float) -> "ChunkGate":
+        return cls(window, max_message_size=limits.max_message_size, max_pending_bytes=limits.max_pending_bytes,
+                   timeout_s=timeout_s, max_pending_per_sender=limits.max_pending_per_sender)
 
     def expire(self) -> list[Any]:
         """Raw tags of the held chunks of messages that stayed incomplete past the timeout (their sender died
@@ -164,7 +179,7 @@ class ChunkGate:
             try:
                 chunk = decode_chunk(d.body)
                 dup = self.reassembler.is_duplicate(chunk)
-                body = None if dup else self.reassembler.add(chunk)
+                body = None if dup else self.reassembler.add(chunk, sender=d.routing_key)
             except CodecError as exc:
                 self._unsettled -= 1
                 self.rejected += 1

@@ -254,6 +254,7 @@ class _Pending:
     chunk_size: int
     parts: dict[int, bytes | memoryview]  # index -> data (views of the frames, not copies)
     last_seen: float
+    sender: str | None = None
 
 
 class Reassembler:
@@ -264,6 +265,8 @@ class Reassembler:
     joined into the body, the one copy on this side, when the last one arrives. An incomplete message is dropped ``timeout_s`` after its most
     recent chunk (checked on every ``add`` and by ``expire``). Ids of finished messages (completed or
     rejected) are remembered for ``timeout_s`` so late duplicates do not start a new partial message.
+    ``max_pending_per_sender`` (optional) bounds the reserved bytes of one ``sender`` (the aggregator passes
+    each delivery's routing key, which names the agent), so one sender cannot take the whole budget.
     Thread-safe.
     """
 
@@ -274,9 +277,12 @@ class Reassembler:
         max_pending_bytes: int = 2 * 1024**3,
         max_message_size: int = 1024**3,
         max_finished: int = 100_000,
+        max_pending_per_sender: int | None = None,
     ) -> None:
         self.timeout_s = timeout_s
         self.max_pending_bytes = max_pending_bytes
+        self.max_pending_per_sender = max_pending_per_sender
+        self._by_sender: dict[str | None, int] = {}  # sender -> bytes reserved by its incomplete messages
         self.max_message_size = max_message_size
         self.max_finished = max_finished
         self._pending: dict[str, _Pending] = {}
@@ -284,7 +290,7 @@ class Reassembler:
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def add(self, chunk: Chunk, now: float | None = None) -> bytes | None:
+    def add(self, chunk: Chunk, now: float | None = None, sender: str | None = None) -> bytes | None:
         """Add one chunk; the whole body when the message is complete, else None (also for a duplicate)."""
         now = time.monotonic() if now is None else now
         with self._lock:
@@ -296,7 +302,7 @@ class Reassembler:
                 raise CodecError("message-dropped", f"message {chunk.msg_id} was already rejected")
             p = self._pending.get(chunk.msg_id)
             if p is None:
-                p = self._start(chunk, now)
+                p = self._start(chunk, now, sender)
                 if p is None:
                     return self._finish(chunk.msg_id, _byte_view(chunk.data).tobytes()
                                         if not isinstance(chunk.data, bytes) else chunk.data, chunk.digest, now)
@@ -316,11 +322,10 @@ class Reassembler:
             p.last_seen = now
             if len(p.parts) < p.total:
                 return None
-            del self._pending[chunk.msg_id]
-            self._bytes -= p.total_size
+            self._release(chunk.msg_id)
             return self._finish(chunk.msg_id, b"".join(p.parts[i] for i in range(p.total)), p.digest, now)
 
-    def _start(self, chunk: Chunk, now: float) -> _Pending | None:
+    def _start(self, chunk: Chunk, now: float, sender: str | None) -> _Pending | None:
         """Check limits for a new message; None when it is a single chunk (no buffer needed)."""
         if chunk.total_size > self.max_message_size:
             self._remember(chunk.msg_id, now, False)
@@ -335,9 +340,26 @@ class Reassembler:
         if self._bytes + chunk.total_size > self.max_pending_bytes:
             # not remembered as failed: the sender may retry once memory frees up
             raise CodecError("reassembly-full", f"{self._bytes} bytes pending; {chunk.total_size} more exceeds {self.max_pending_bytes}")
-        p = _Pending(chunk.total, chunk.total_size, chunk.digest, cs, {}, now)
+        mine = self._by_sender.get(sender, 0)
+        if self.max_pending_per_sender is not None and mine + chunk.total_size > self.max_pending_per_sender:
+            raise CodecError("reassembly-full", f"{mine} bytes pending from {sender}; {chunk.total_size} more exceeds "
+                                                f"{self.max_pending_per_sender} per sender")
+        p = _Pending(chunk.total, chunk.total_size, chunk.digest, cs, {}, now, sender)
         self._pending[chunk.msg_id] = p
         self._bytes += chunk.total_size
+        self._by_sender[sender] = mine + chunk.total_size
+        return p
+
+    def _release(self, msg_id: str) -> _Pending | None:
+        """Forget an incomplete message's reservation (completed, failed or expired)."""
+        p = self._pending.pop(msg_id, None)
+        if p is not None:
+            self._bytes -= p.total_size
+            left = self._by_sender[p.sender] - p.total_size
+            if left:
+                self._by_sender[p.sender] = left
+            else:
+                del self._by_sender[p.sender]
         return p
 
     def _finish(self, msg_id: str, body: bytes, want: bytes, now: float) -> bytes:
@@ -348,9 +370,7 @@ class Reassembler:
         return body
 
     def _fail(self, msg_id: str, now: float) -> None:
-        p = self._pending.pop(msg_id, None)
-        if p is not None:
-            self._bytes -= p.total_size
+        self._release(msg_id)
         self._remember(msg_id, now, False)
 
     def _remember(self, msg_id: str, now: float, ok: bool) -> None:
@@ -369,8 +389,7 @@ class Reassembler:
         cutoff = now - self.timeout_s
         dropped = [mid for mid, p in self._pending.items() if p.last_seen < cutoff]
         for mid in dropped:
-            p = self._pending.pop(mid)
-            self._bytes -= p.total_size
+            p = self._release(mid)
             # not remembered as failed: after a reconnect the broker redelivers every chunk of a confirmed message
             # (the held ones were unacked), and they must be able to complete it
             log.warning("chunked message expired", msg_id=mid, received=len(p.parts), total=p.total)

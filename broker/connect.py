@@ -27,23 +27,30 @@ def connect(url: str, *, user: str | None = None, prefetch: int = 64, heartbeat:
     process. ``amqp://USER:PASS@HOST:PORT/VHOST`` (``amqps://`` with ``tls``): RabbitMQ; the user is the URL's.
     Extra keywords go to the backend (e.g. ``connect_timeout``, ``publish_timeout``, ``max_message_size``).
     """
-    if not isinstance(url, str) or "://" not in url:
-        raise BrokerError(f"bad broker URL {url!r}: want amqp://, amqps:// or memory://")
+    scheme = check_url(url)
     if not isinstance(prefetch, int) or prefetch < 1:
-        raise BrokerError(f"prefetch must be a positive integer, got {prefetch!r}")
+        raise BrokerError(f"prefetch must be a positive integer, got {prefetch!r}", permanent=True)
     if not isinstance(chunk_limit, int) or chunk_limit < 1024:
-        raise BrokerError(f"chunk limit must be an integer of at least 1024 bytes, got {chunk_limit!r}")
+        raise BrokerError(f"chunk limit must be an integer of at least 1024 bytes, got {chunk_limit!r}", permanent=True)
     if not isinstance(heartbeat, int) or heartbeat < 0:
-        raise BrokerError(f"heartbeat must be a non-negative integer of seconds, got {heartbeat!r}")
-    scheme = url.split("://", 1)[0].lower()
+        raise BrokerError(f"heartbeat must be a non-negative integer of seconds, got {heartbeat!r}", permanent=True)
     if scheme == "memory":
         return _connect_memory(url, user, prefetch, chunk_limit, kw)
-    if scheme in ("amqp", "amqps"):
-        from broker.rabbitmq import RabbitBroker  # pika is only needed for real brokers
+    from broker.rabbitmq import RabbitBroker  # pika is only needed for real brokers
 
-        return RabbitBroker(url, user=user, prefetch=prefetch, heartbeat=heartbeat, chunk_limit=chunk_limit,
-                            tls=tls, **kw)
-    raise BrokerError(f"unsupported broker URL scheme {scheme!r} in {redact(url)!r}: use amqp://, amqps:// or memory://")
+    return RabbitBroker(url, user=user, prefetch=prefetch, heartbeat=heartbeat, chunk_limit=chunk_limit,
+                        tls=tls, **kw)
+
+
+def check_url(url: str) -> str:
+    """The URL's scheme (amqp, amqps or memory); BrokerError (one line) for anything else. Connects to nothing."""
+    if not isinstance(url, str) or "://" not in url:
+        raise BrokerError(f"bad broker URL {url!r}: want amqp://, amqps:// or memory://", permanent=True)
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in ("memory", "amqp", "amqps"):
+        raise BrokerError(f"unsupported broker URL scheme {scheme!r} in {redact(url)!r}: "
+                          "use amqp://, amqps:// or memory://", permanent=True)
+    return scheme
 
 
 def _connect_memory(url: str, user: str | None, prefetch: int, chunk_limit: int, kw: dict[str, Any]) -> Broker:
@@ -51,16 +58,16 @@ def _connect_memory(url: str, user: str | None, prefetch: int, chunk_limit: int,
 
     rest = url.split("://", 1)[1]
     if "/" in rest or "?" in rest:
-        raise BrokerError(f"bad memory broker URL {url!r}: want memory://NAME or memory://USER@NAME")
+        raise BrokerError(f"bad memory broker URL {url!r}: want memory://NAME or memory://USER@NAME", permanent=True)
     url_user, _, name = rest.rpartition("@")
     if not _MEMORY_NAME.match(name):
-        raise BrokerError(f"bad memory broker name {name!r}: use letters, digits, '.', '-' or '_'")
+        raise BrokerError(f"bad memory broker name {name!r}: use letters, digits, '.', '-' or '_'", permanent=True)
     url_user = unquote(url_user)
     if user and url_user and user != url_user:
-        raise BrokerError(f"user {user!r} conflicts with the user {url_user!r} in the broker URL")
+        raise BrokerError(f"user {user!r} conflicts with the user {url_user!r} in the broker URL", permanent=True)
     unknown = set(kw) - {"max_message_size", "chunk_timeout_s"}
     if unknown:
-        raise BrokerError(f"unknown option(s) for the memory broker: {', '.join(sorted(unknown))}")
+        raise BrokerError(f"unknown option(s) for the memory broker: {', '.join(sorted(unknown))}", permanent=True)
     return MemoryBroker(name or "default", user=user or url_user or "guest", prefetch=prefetch,
                         chunk_limit=chunk_limit, **kw)
 

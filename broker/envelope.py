@@ -45,6 +45,7 @@ class Kind(str, Enum):
     GRANT = "grant"
     UPDATE = "update"
     MODEL = "model"
+    END = "end"
 
 
 @dataclass(frozen=True)
@@ -62,11 +63,22 @@ class Envelope:
 
 @dataclass(frozen=True)
 class Limits:
+    """Bounds on one message. ``max_decompressed_bytes`` caps the zstd'ed body: ``pack`` compresses bodies of
+    at most COMPRESS_MAX bytes only, so no valid message inflates further, and a frame declaring more (or no
+    size) is refused before anything is decompressed. ``for_model`` bounds a whole message by a job's manifest."""
+
     max_message_bytes: int = 1 << 30
-    max_decompressed_bytes: int = 2 << 30
+    max_decompressed_bytes: int = COMPRESS_MAX
     max_tensors: int = 10_000  # applied by decode_state callers; also caps msgpack array/map lengths below
     max_container_len: int = 1_000_000  # entries of any one msgpack array or map
     max_str_len: int = 1 << 20
+
+    @classmethod
+    def for_model(cls, message_bound: int) -> "Limits":
+        """Limits for messages of a job whose model message is at most ``message_bound`` bytes (its manifest's
+        ``message_bound``): a message may carry the model at most twice (e.g. top-k values plus indices), plus
+        1 MiB of framing; nothing decompresses past COMPRESS_MAX."""
+        return cls(max_message_bytes=2 * int(message_bound) + COMPRESS_MAX)
 
 
 def _check_fields(kind: object, job: object, rnd: object, client: object, mv: object, msg_id: object, sent_at: object, payload: object) -> Kind:

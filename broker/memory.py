@@ -7,7 +7,9 @@ original order, flagged ``redelivered``) when their consumer is cancelled or its
 stream queues (``x-queue-type: stream``): an append-only log that consumers read from an ``offset`` (a
 number, "first", "last", "next" or a POSIX timestamp) without removing anything, every delivery carrying its
 ``x-stream-offset`` header, retention by ``x-max-length-bytes`` (whole messages, oldest first; RabbitMQ drops
-whole segments, so it keeps at least as much).
+whole segments, so it keeps at least as much), and a quorum queue's ``x-delivery-limit`` with
+``x-dead-letter-exchange``/``-routing-key`` (a message returned more than the limit, or rejected without requeue,
+is routed to the dead-letter key; no ``x-death`` header).
 Every ``connect("memory://NAME")`` in the process shares the hub NAME; each is one "connection" with its own
 dispatcher thread that runs the handlers, so a slow handler blocks only its own connection's consumers.
 """
@@ -20,13 +22,13 @@ import queue as queue_mod
 import time
 import threading
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import structlog
 
 from broker.base import Broker, Delivery, Handler
-from broker.chunked import CHUNK_HEADER, EXPIRY_CHECK_S, ChunkGate, GatedDispatch, chunk_messages
+from broker.chunked import CHUNK_HEADER, EXPIRY_CHECK_S, ChunkGate, GatedDispatch, ReassemblyLimits, chunk_messages
 from broker.chunking import DEFAULT_CHUNK_LIMIT
 from broker.errors import BrokerError
 from broker.queues import check_publish_args, job_queues
@@ -59,6 +61,7 @@ class _Msg:
     user_id: str | None
     headers: dict[str, Any]
     redelivered: bool = False
+    returns: int = 0  # times given back to its queue (RabbitMQ's quorum-queue delivery count)
 
 
 @dataclass
@@ -91,10 +94,19 @@ class _Queue:
                 dropped = self.ready.pop(0)
                 log.debug("max-length queue dropped its oldest message", queue=self.name, message_id=dropped.message_id)
 
-    def requeue(self, msgs: list[_Msg]) -> None:
+    def requeue(self, msgs: list[_Msg]) -> list[_Msg]:
+        """Give ``msgs`` back; those returned more than the queue's ``x-delivery-limit`` times are not requeued
+        but returned (to be dead-lettered), as a RabbitMQ quorum queue does."""
+        limit = self.arguments.get("x-delivery-limit")
+        over = []
         for m in msgs:
             m.redelivered = True
-            bisect.insort(self.ready, m, key=lambda x: x.seq)
+            m.returns += 1
+            if limit is not None and m.returns > int(limit):
+                over.append(m)
+            else:
+                bisect.insort(self.ready, m, key=lambda x: x.seq)
+        return over
 
 
 @dataclass
@@ -113,8 +125,9 @@ class _Stream(_Queue):
         while limit is not None and self.nbytes > int(limit) and len(self.log) > 1:
             self.nbytes -= len(self.log.pop(0)[2].body)
 
-    def requeue(self, msgs: list[_Msg]) -> None:
+    def requeue(self, msgs: list[_Msg]) -> list[_Msg]:
         """Nothing to requeue: a stream keeps every message until retention drops it."""
+        return []
 
     def start(self, offset: Any) -> int:
         """The first offset a new consumer reads, for an ``x-stream-offset`` value (default "next")."""
@@ -176,6 +189,17 @@ class _Hub:
         if names is None:
             names = self._routes[routing_key] = [q for p, q in self.bindings if topic_matches(p, routing_key)]
         return [self.queues[q] for q in names if q in self.queues]
+
+    def dead_letter(self, q: _Queue, msgs: list[_Msg]) -> None:
+        """Route ``msgs`` (rejected, or over the delivery limit) to ``q``'s dead-letter routing key, if it has one;
+        else they are dropped (caller holds the lock)."""
+        rk = q.arguments.get("x-dead-letter-routing-key")
+        if rk is None or "x-dead-letter-exchange" not in q.arguments:
+            return
+        for m in msgs:
+            for target in self.route(rk):
+                target.push(replace(m, seq=next(self.seq), routing_key=rk, redelivered=False, returns=0))
+                self.pump(target)
 
     def pump(self, q: _Queue) -> None:
         """Hand ready messages to consumers with room in their prefetch window (caller holds the lock)."""
@@ -276,17 +300,17 @@ class MemoryBroker(GatedDispatch, Broker):
 
     # ---- consuming ----------------------------------------------------------------------------------
     def consume(self, queue: str, handler: Handler, *, prefetch: int | None = None, offset: Any = None,
-                only_message: str | None = None) -> str:
+                only_message: str | None = None, reassembly: ReassemblyLimits | None = None) -> str:
         self._check_open()
         window = prefetch or self.prefetch
+        gate = ChunkGate.of(window, reassembly or ReassemblyLimits(max_message_size=self.max_message_size),
+                            self.chunk_timeout_s)
         with self._hub.lock:
             q = self._hub.queues.get(queue)
             if q is None:
                 raise BrokerError(f"cannot consume {queue!r}: no such queue (declare the job first)")
             tag = f"memory-{uuid.uuid4().hex[:12]}"
-            c = _Consumer(tag, q, self, handler, window, ChunkGate(window, max_message_size=self.max_message_size,
-                                                                       timeout_s=self.chunk_timeout_s),
-                          only=only_message)
+            c = _Consumer(tag, q, self, handler, window, gate, only=only_message)
             if isinstance(q, _Stream):
                 c.cursor = q.start(offset)
             elif offset is not None:
@@ -304,7 +328,7 @@ class MemoryBroker(GatedDispatch, Broker):
             c.cancelled = True
             if c in c.queue.consumers:
                 c.queue.consumers.remove(c)
-            c.queue.requeue(list(c.unacked.values()))
+            self._hub.dead_letter(c.queue, c.queue.requeue(list(c.unacked.values())))
             c.unacked.clear()
             self._hub.pump(c.queue)
 
@@ -315,8 +339,8 @@ class MemoryBroker(GatedDispatch, Broker):
             msg = c.unacked.pop(did, None)
             if msg is None:
                 return  # consumer was cancelled: already requeued
-            if requeue:
-                c.queue.requeue([msg])
+            if requeue is not None:  # rejected: requeued (up to the delivery limit) or dead-lettered
+                self._hub.dead_letter(c.queue, c.queue.requeue([msg]) if requeue else [msg])
             self._hub.pump(c.queue)
 
     def _dispatch_loop(self) -> None:

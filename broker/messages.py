@@ -17,6 +17,9 @@ Every message is an Envelope (broker/envelope.py); this module fixes the payload
 - grant     aggregator -> each selected agent's control queue   {"granted": [ids]}
 - update    agent -> inbox   {"loss": float, "n_samples": int, "tensors": encoded state}
             envelope.model_version is the global version the agent trained from.
+- end       aggregator -> every agent's control queue, once, when the job has run all its rounds
+            {"rounds": rounds completed}: agents leave (a stopped or crashed aggregator sends none: the job
+             goes on when it restarts)
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ _FIELDS: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.REPORT: {"loss": (float, int), "n_samples": (int,)},
     Kind.GRANT: {"granted": (list,)},
     Kind.UPDATE: {"loss": (float, int), "n_samples": (int,), "tensors": (dict,)},
+    Kind.END: {"rounds": (int,)},
 }
 
 
@@ -117,3 +121,7 @@ def grant(job: str, rnd: int, version: int, granted: list[str]) -> Envelope:
 def update(job: str, rnd: int, client: str, version: int, loss: float, n_samples: int, tensors: dict) -> Envelope:
     payload = {"loss": float(loss), "n_samples": int(n_samples), "tensors": tensors}
     return Envelope(Kind.UPDATE, job, rnd, client, version, payload)
+
+
+def end(job: str, version: int, rounds: int) -> Envelope:
+    return Envelope(Kind.END, job, NO_VERSION, "aggregator", version, {"rounds": int(rounds)})

@@ -1,14 +1,16 @@
 """`fedmq broker provision | check | purge`: users, permissions and queues of a job on RabbitMQ.
 
-Provisioning creates (idempotently) a vhost, the aggregator user and one user per agent, each with
-least-privilege permissions:
+Provisioning creates (idempotently) a vhost and, for one job, the aggregator user ``fedmq-aggregator.<job>`` and
+one user ``<job>.<client>`` per agent (per job, so provisioning a second job in the same vhost never rotates or
+widens the first job's users), each with least-privilege permissions scoped to the job:
 
 * agent X may configure, write and read only its own queues ``fedmq.<job>.agent.X.(latest|control)``, read
   (not write) the job's model stream ``fedmq.<job>.models``, write
   to (publish on) and read (bind to) the exchange; topic permissions on the exchange let it publish only
   ``job.<job>.(report|update|presence).X`` and bind only ``job.<job>.(global|control)`` and its own
   ``job.<job>.(announce|grant).X``;
-* the aggregator may configure, write and read every ``fedmq*`` resource and publish ``global``/``control``/``model``.
+* the aggregator may configure, write and read the exchange and the job's ``fedmq.<job>.*`` queues, publish the
+  job's ``global``/``control``/``model``/``announce``/``grant`` keys and bind only the job's keys.
 
 How it talks to RabbitMQ: ``rabbitmqctl`` when the broker runs on this machine (no plugin needed; the
 management plugin is off on a stock install and enabling it reconfigures the broker), otherwise the
@@ -55,21 +57,24 @@ class Permissions:
     topic_read: str
 
 
-def agent_permissions(client: str) -> Permissions:
-    c = re.escape(t.check_name("client id", client))
-    own = rf"fedmq\.[^.]+\.agent\.{c}\.(latest|control)"
-    models = r"fedmq\.[^.]+\.models"  # the model stream: read only (consuming a stream removes nothing)
+def agent_permissions(job: str, client: str) -> Permissions:
+    """One client of one job: its own queues, the job's model stream (read only), its own routing keys."""
+    j, c = re.escape(t.check_name("job id", job)), re.escape(t.check_name("client id", client))
+    own = rf"fedmq\.{j}\.agent\.{c}\.(latest|control)"
+    models = rf"fedmq\.{j}\.models"  # the model stream: read only (consuming a stream removes nothing)
     ex = re.escape(t.EXCHANGE)
     return Permissions(configure=rf"^{own}$", write=rf"^({ex}|{own})$", read=rf"^({ex}|{own}|{models})$",
-                       topic_write=rf"^job\.[^.]+\.(report|update|presence)\.{c}$",
-                       topic_read=rf"^job\.[^.]+\.((global|control)|(announce|grant)\.{c})$")
+                       topic_write=rf"^job\.{j}\.(report|update|presence)\.{c}$",
+                       topic_read=rf"^job\.{j}\.((global|control)|(announce|grant)\.{c})$")
 
 
-def aggregator_permissions() -> Permissions:
-    ex = re.escape(t.EXCHANGE)
-    every = rf"^{ex}(\..*)?$"
-    return Permissions(configure=every, write=every, read=every, topic_write=r"^job\.[^.]+\.(global|control|model|(announce|grant)\.[^.]+)$",
-                       topic_read=".*")
+def aggregator_permissions(job: str) -> Permissions:
+    """The aggregator of one job: the exchange and every queue and routing key of that job, nothing of another."""
+    j, ex = re.escape(t.check_name("job id", job)), re.escape(t.EXCHANGE)
+    mine = rf"^({ex}|{ex}\.{j}\..*)$"  # the exchange is named fedmq, the job's queues fedmq.<job>.*
+    return Permissions(configure=mine, write=mine, read=mine,
+                       topic_write=rf"^job\.{j}\.(global|control|model|(announce|grant)\.[^.]+)$",
+                       topic_read=rf"^job\.{j}\..*$")
 
 
 class Admin(Protocol):
@@ -118,6 +123,12 @@ class CtlAdmin:
     def queues(self, vhost: str, prefix: str) -> list[str]:
         out = self.run("list_queues", "-p", vhost, "name", "--quiet", "--no-table-headers")
         return [q.strip() for q in out.splitlines() if q.strip().startswith(prefix)]
+
+    def amqp_ports(self) -> list[int]:
+        """The AMQP ports the node listens on (plain and TLS)."""
+        out = self.run("eval", "[P || {listener, _, Proto, _, _, P, _} <- rabbit_networking:active_listeners(), "
+                               "lists:member(Proto, [amqp, 'amqp/ssl'])].")
+        return sorted({int(p) for p in re.findall(r"\d+", out)})
 
     def environment(self, key: str) -> str | None:
         try:
@@ -170,10 +181,21 @@ class HttpAdmin:
 
 
 def admin_for(url: str) -> Admin:
-    """rabbitmqctl for a broker on this machine, else the management HTTP API (see module docstring)."""
+    """rabbitmqctl for a broker on this machine, else the management HTTP API (see module docstring).
+
+    A local URL names a port, and rabbitmqctl names a node: the node (``FEDMQ_RABBITMQ_NODE``, else
+    rabbitmqctl's default) must be the one listening on the URL's port, or this is one error line — never
+    users and permissions silently set up on another broker than the one the URL points at."""
     parts = _split(url)
     if (parts.hostname or "") in _LOCAL and (shutil.which(RABBITMQCTL) or Path(RABBITMQCTL).is_file()):
-        return CtlAdmin()
+        admin = CtlAdmin(os.environ.get("FEDMQ_RABBITMQ_NODE") or None)
+        port = parts.port or (5671 if parts.scheme == "amqps" else 5672)
+        ports = admin.amqp_ports()
+        if port not in ports:
+            node = admin.node or "rabbitmqctl's default node"
+            raise BrokerError(f"{node} listens on port(s) {', '.join(map(str, ports)) or 'none'}, not {port}: "
+                              f"name the node of port {port} with FEDMQ_RABBITMQ_NODE")
+        return admin
     user = os.environ.get("FEDMQ_BROKER_USER") or (unquote(parts.username) if parts.username else "guest")
     password = os.environ.get("FEDMQ_BROKER_PASSWORD") or (unquote(parts.password) if parts.password else "guest")
     tls = parts.scheme == "amqps"
@@ -197,34 +219,41 @@ def user_url(url: str, vhost: str, user: str, password: str) -> str:
     return urlunsplit((parts.scheme, netloc, "/" + quote(vhost, safe=""), "", ""))
 
 
-def provision(url: str, *, vhost: str, agents: list[str], admin: Admin | None = None, remove_guest: bool = False,
-              passwords: dict[str, str] | None = None, aggregator_user: str = t.AGGREGATOR_USER) -> dict[str, Any]:
-    """Create the vhost and users with their permissions; returns the credentials.
+def provision(url: str, *, vhost: str, job: str, agents: list[str], admin: Admin | None = None,
+              remove_guest: bool = False, passwords: dict[str, str] | None = None,
+              aggregator_user: str | None = None) -> dict[str, Any]:
+    """Create the vhost and the job's users with their permissions; returns the credentials.
 
-    ``{"vhost", "aggregator": {"username", "password", "url"}, "agents": {id: {...}}}``; ``passwords`` (user ->
-    password) keeps existing passwords instead of generating new ones.
+    ``{"vhost", "job", "aggregator": {"username", "password", "url"}, "agents": {client id: {...}}}``. Users are
+    per job (``topology.agent_user``/``aggregator_user``) and so are their permissions: provisioning one job
+    never touches another job's users, and no user of one job can read, write or delete anything of another.
+    ``passwords`` (user -> password) keeps existing passwords instead of generating new ones.
     """
     try:
         t.check_name("vhost", vhost)
+        t.check_name("job id", job)
         for a in agents:
             t.check_name("client id", a)
     except ValueError as exc:
         raise BrokerError(str(exc)) from None
-    if len(set(agents)) != len(agents) or aggregator_user in agents:
+    aggregator_user = aggregator_user or t.aggregator_user(job)
+    users = [(None, aggregator_user, aggregator_permissions(job)),
+             *[(a, t.agent_user(job, a), agent_permissions(job, a)) for a in agents]]
+    if len({u for _, u, _ in users}) != len(users):
         raise BrokerError("agent ids must be unique and differ from the aggregator user")
     admin = admin or admin_for(url)
     passwords = dict(passwords or {})
     admin.add_vhost(vhost)
-    creds: dict[str, Any] = {"vhost": vhost, "aggregator": None, "agents": {}}
-    for user, perms in [(aggregator_user, aggregator_permissions()), *[(a, agent_permissions(a)) for a in agents]]:
+    creds: dict[str, Any] = {"vhost": vhost, "job": job, "aggregator": None, "agents": {}}
+    for client, user, perms in users:
         password = passwords.get(user) or secrets.token_hex(24)  # hex: a password starting with "-" would read as an option to rabbitmqctl
         admin.put_user(user, password)
         admin.set_permissions(vhost, user, perms)
         entry = {"username": user, "password": password, "url": user_url(url, vhost, user, password)}
-        if user == aggregator_user:
+        if client is None:
             creds["aggregator"] = entry
         else:
-            creds["agents"][user] = entry
+            creds["agents"][client] = entry
     if remove_guest:
         admin.delete_user("guest")
     log.info("provisioned broker users", vhost=vhost, agents=len(agents), removed_guest=remove_guest)
@@ -262,9 +291,8 @@ def provision_cli(*, broker: str, vhost: str, job: str, agents: int, secrets_out
                     old[e["username"]] = e["password"]
         except (OSError, ValueError, AttributeError):
             raise BrokerError(f"existing credentials file {credentials_out} is not valid JSON") from None
-    creds = provision(broker, vhost=vhost, agents=[f"agent-{i}" for i in range(agents)], remove_guest=remove_guest,
-                      passwords=old)
-    creds["job"] = job
+    creds = provision(broker, vhost=vhost, job=job, agents=[f"agent-{i}" for i in range(agents)],
+                      remove_guest=remove_guest, passwords=old)
     if credentials_out is not None:
         path = Path(credentials_out)
         path.write_text(json.dumps(creds, indent=2) + "\n")

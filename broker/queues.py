@@ -10,6 +10,15 @@ from broker import topology as t
 from broker.errors import BrokerError
 
 INBOX_ARGS: dict[str, Any] = {"x-queue-type": "quorum", "x-single-active-consumer": True}
+DELIVERY_LIMIT = 5  # deliveries of one inbox message beyond the first before RabbitMQ dead-letters it
+DEAD_ARGS: dict[str, Any] = {"x-max-length": 10_000, "x-max-length-bytes": 1 << 30, "x-overflow": "drop-head"}
+
+
+def inbox_args(job: str) -> dict[str, Any]:
+    """The inbox's arguments: a message returned more than DELIVERY_LIMIT times (its consumer died holding it,
+    e.g. killed by it) or rejected goes to the job's dead-letter queue instead of coming back forever."""
+    return {**INBOX_ARGS, "x-delivery-limit": DELIVERY_LIMIT, "x-dead-letter-exchange": t.EXCHANGE,
+            "x-dead-letter-routing-key": t.rk_dead(job)}
 LATEST_ARGS: dict[str, Any] = {"x-max-length": 1, "x-overflow": "drop-head"}
 CONTROL_ARGS: dict[str, Any] = {}
 STREAM_VERSIONS = 4  # model messages (a version can have a full and a delta/partial form) the stream retains
@@ -58,7 +67,8 @@ def job_queues(job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: boo
         raise BrokerError(str(exc)) from None
     specs = []
     if inbox:
-        specs.append(QueueSpec(t.q_inbox(job), dict(INBOX_ARGS), tuple(t.inbox_bindings(job))))
+        specs.append(QueueSpec(t.q_dead(job), dict(DEAD_ARGS), (t.rk_dead(job),)))  # before the inbox that feeds it
+        specs.append(QueueSpec(t.q_inbox(job), inbox_args(job), tuple(t.inbox_bindings(job))))
         if model_bytes > 0:  # the aggregator's declaration: it knows the model's size
             specs.append(QueueSpec(t.q_models(job), model_stream_args(model_bytes), (t.rk_model(job),)))
     for a in agents:

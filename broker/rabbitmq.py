@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import datetime
 import random
+import socket
 import threading
 import time
 import uuid
@@ -38,7 +39,8 @@ import pika.exceptions as pe
 import structlog
 
 from broker.base import Broker, Delivery, Handler
-from broker.chunked import CHUNK_HEADER, EXPIRY_CHECK_S, ChunkFrame, ChunkGate, GatedDispatch, chunk_parts
+from broker.chunked import (CHUNK_HEADER, EXPIRY_CHECK_S, ChunkFrame, ChunkGate, GatedDispatch, ReassemblyLimits,
+                            chunk_parts)
 from broker.chunking import DEFAULT_CHUNK_LIMIT, Chunk
 from broker.errors import BrokerError
 from broker.queues import check_publish_args, job_queues
@@ -114,6 +116,18 @@ def _widen_reads(conn: "pika.BlockingConnection") -> None:
         transport._MAX_RECV_BYTES = RECV_BYTES
 
 
+def _refused(exc: BaseException) -> bool:
+    """Did the broker refuse the credentials or the virtual host (pika wraps the cause in connector errors)?"""
+    while exc is not None:
+        if isinstance(exc, (pe.ProbableAuthenticationError, pe.AuthenticationError, pe.ProbableAccessDeniedError)):
+            return True
+        inner = getattr(exc, "exception", None)
+        if inner is None and isinstance(exc, pe.AMQPConnectionError) and exc.args:
+            inner = exc.args[0]
+        exc = inner if isinstance(inner, BaseException) else None
+    return False
+
+
 class RabbitBroker(GatedDispatch, Broker):
     """One RabbitMQ connection owned by an I/O thread (see module docstring)."""
 
@@ -126,15 +140,15 @@ class RabbitBroker(GatedDispatch, Broker):
         try:
             params = pika.URLParameters(url)
         except Exception as exc:  # pika raises assorted errors on malformed URLs
-            raise BrokerError(f"bad broker URL {_redact(url)!r}: {exc}") from None
+            raise BrokerError(f"bad broker URL {_redact(url)!r}: {exc}", permanent=True) from None
         url_user = params.credentials.username
         if user and user != url_user and "@" in url:
-            raise BrokerError(f"user {user!r} conflicts with the user {url_user!r} in the broker URL")
+            raise BrokerError(f"user {user!r} conflicts with the user {url_user!r} in the broker URL", permanent=True)
         self.user = url_user
         if url.lower().startswith("amqps://"):
             params.ssl_options = ssl_options(tls, params.host)
         elif tls is not None:
-            raise BrokerError("TLS options given for a plain amqp:// URL: use amqps://")
+            raise BrokerError("TLS options given for a plain amqp:// URL: use amqps://", permanent=True)
         params.heartbeat = heartbeat
         params.socket_timeout = connect_timeout
         params.stack_timeout = connect_timeout * 2
@@ -161,6 +175,7 @@ class RabbitBroker(GatedDispatch, Broker):
         self._blocked = False
         self._reconnects = 0
         self._last_error: str | None = None
+        self._refused = False  # the broker refused these credentials or this virtual host (not worth retrying)
         self._first = threading.Event()
         self._dispatch_q: collections.deque = collections.deque()
         self._dispatch_cv = threading.Condition()
@@ -171,7 +186,8 @@ class RabbitBroker(GatedDispatch, Broker):
         if self._conn is None:
             self._stopping = True
             self._io.join(timeout=5)
-            raise BrokerError(f"cannot connect to {_redact(url)}: {self._last_error or 'timed out'}")
+            raise BrokerError(f"cannot connect to {_redact(url)}: {self._last_error or 'timed out'}",
+                              permanent=self._refused)
         self._dispatcher.start()
 
     # ---- I/O thread ---------------------------------------------------------------------------------
@@ -197,18 +213,31 @@ class RabbitBroker(GatedDispatch, Broker):
             return f"authentication refused for user {self.user!r}"
         if isinstance(exc, pe.ProbableAccessDeniedError):
             return f"access to virtual host {self._params.virtual_host!r} refused for user {self.user!r}"
+        inner = getattr(exc, "exception", None)  # pika's connector-phase errors wrap the cause here
+        if isinstance(inner, BaseException):
+            return self._describe(inner)
         if isinstance(exc, pe.AMQPConnectionError) and exc.args:
             inner = exc.args[0]
             if isinstance(inner, BaseException):
                 return self._describe(inner)
-            return str(inner) or type(exc).__name__
-        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            return str(inner) or "connection failed"
+        # words for a person, not exception class names
+        where = f"{self._params.host}:{self._params.port}"
+        if isinstance(exc, socket.gaierror):
+            return f"unknown host {self._params.host!r}"
+        if isinstance(exc, TimeoutError) or type(exc).__name__ == "AMQPConnectorStackTimeout":
+            return f"no answer from {where} (timed out)"
+        if isinstance(exc, OSError) and exc.strerror:
+            return f"{exc.strerror.lower()} by {where}" if isinstance(exc, ConnectionRefusedError) else \
+                f"{exc.strerror.lower()} ({where})"
+        return str(exc) or type(exc).__name__
 
     def _io_loop(self) -> None:
         try:
             self._open()
         except Exception as exc:
             self._last_error = self._describe(exc)
+            self._refused = _refused(exc)
             self._first.set()
             return
         self._first.set()
@@ -530,13 +559,13 @@ class RabbitBroker(GatedDispatch, Broker):
         c.channel, c.gen = ch, gen
 
     def consume(self, queue: str, handler: Handler, *, prefetch: int | None = None, offset: Any = None,
-                only_message: str | None = None) -> str:
+                only_message: str | None = None, reassembly: ReassemblyLimits | None = None) -> str:
         window = prefetch or self.prefetch
         if offset is not None and not isinstance(offset, (int, float, str)) or isinstance(offset, bool):
             raise BrokerError(f"bad stream offset {offset!r}: use an int, first, last, next or a timestamp")
         c = _Consumer(f"fedmq-{uuid.uuid4().hex[:12]}", queue, handler, window,
-                      ChunkGate(window, max_message_size=self.max_message_size,
-                                timeout_s=self.chunk_timeout_s), offset=offset, only=only_message)
+                      ChunkGate.of(window, reassembly or ReassemblyLimits(max_message_size=self.max_message_size),
+                                   self.chunk_timeout_s), offset=offset, only=only_message)
 
         def run(b: "RabbitBroker") -> str:
             b._subscribe(c)

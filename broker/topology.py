@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 EXCHANGE = "fedmq"
-AGGREGATOR_USER = "fedmq-aggregator"
+AGGREGATOR_USER = "fedmq-aggregator"  # the in-process broker's aggregator; provisioned ones are per job
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -17,6 +17,16 @@ def check_name(kind: str, value: str) -> str:
 
 
 # routing keys (topic exchange)
+def agent_user(job: str, client: str) -> str:
+    """The broker user `fedmq broker provision` makes for one client of one job: users are per job, so
+    provisioning one job never touches another's (client and job ids hold no '.', so the name is unambiguous)."""
+    return f"{check_name('job id', job)}.{check_name('client id', client)}"
+
+
+def aggregator_user(job: str) -> str:
+    return f"{AGGREGATOR_USER}.{check_name('job id', job)}"
+
+
 def rk_global(job: str) -> str:
     return f"job.{job}.global"
 
@@ -52,10 +62,21 @@ def rk_presence(job: str, client: str) -> str:
     return f"job.{job}.presence.{client}"
 
 
+def rk_dead(job: str) -> str:
+    """Where the inbox dead-letters (no agent may publish it: its topic permissions stop at report/update/presence)."""
+    return f"job.{job}.dead"
+
+
 # queues
 def q_inbox(job: str) -> str:
     """The aggregator's durable quorum queue (single active consumer): reports, updates, presence."""
     return f"fedmq.{job}.inbox"
+
+
+def q_dead(job: str) -> str:
+    """The inbox's dead-letter queue: what the aggregator rejected, and messages delivered more than the inbox's
+    delivery limit (a message that kills its consumer each time). Kept for an operator to inspect."""
+    return f"fedmq.{job}.dead"
 
 
 def q_models(job: str) -> str:

@@ -6,22 +6,24 @@ import json
 import signal
 import sys
 import threading
-import time
 import tomllib
-import uuid
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 
 from broker.errors import FedmqError
+from aggregator.config import STRATEGIES
+from cli.errors import UsageError
+from cli.help import HelpCommand, HelpGroup
+from client_agent.tasks.catalog import MODELS
 
-app = typer.Typer(add_completion=True, no_args_is_help=True, rich_markup_mode="rich",
+app = typer.Typer(cls=HelpGroup, add_completion=True, no_args_is_help=True, rich_markup_mode=None,
                   help="fedmq: asynchronous federated learning over a message broker.")
-aggregator_app = typer.Typer(no_args_is_help=True, help="The aggregator service.")
-agent_app = typer.Typer(no_args_is_help=True, help="The client agent service.")
-broker_app = typer.Typer(no_args_is_help=True, help="Broker topology, users and permissions.")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (results go to docs/benchmarks.md).")
+aggregator_app = typer.Typer(cls=HelpGroup, no_args_is_help=True, help="The aggregator service.")
+agent_app = typer.Typer(cls=HelpGroup, no_args_is_help=True, help="The client agent service.")
+broker_app = typer.Typer(cls=HelpGroup, no_args_is_help=True, help="Broker topology, users and permissions.")
+bench_app = typer.Typer(cls=HelpGroup, no_args_is_help=True, help="Benchmarks (results go to docs/benchmarks.md).")
 app.add_typer(aggregator_app, name="aggregator")
 app.add_typer(agent_app, name="agent")
 app.add_typer(broker_app, name="broker")
@@ -30,25 +32,12 @@ app.add_typer(bench_app, name="bench")
 LOG_LEVEL = typer.Option("info", "--log-level", help="debug | info | warning | error")
 
 
-class UsageError(FedmqError):
-    pass
-
-
 def _setup_logs(level: str, fmt: str = "auto", file: Path | None = None) -> None:
     from cli.logs import configure
     try:
         configure(level, fmt, file)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-
-
-DEFAULT_MODEL = {"lm": "gru-tiny", "nmt": "small"}
-
-
-def _task_options(task: str, **options: Any) -> dict[str, Any]:
-    """Task options from the CLI; None means "the task's default" (e.g. tied per model, clients per domain)."""
-    options["model"] = options.get("model") or DEFAULT_MODEL.get(task)
-    return {"task": task, **{k: v for k, v in options.items() if v is not None}}
 
 
 def _tune_allocator() -> None:
@@ -64,98 +53,182 @@ def _make_task(options: dict[str, Any]):
 
 
 # --------------------------------------------------------------------------------------------- simulate
-@app.command()
+TASK, STRATEGY, TRAIN, WIRE, AVAIL, RUN = ("Task and data", "Strategy", "Local training", "Wire",
+                                           "Availability and faults", "Run")
+ENCODINGS = "raw, fp16, bf16, int8, int8-row, int4, int4-row, topk:DENSITY"  # broker.encodings.EncodingSpec
+
+
+def _opt(default: Any, *names: str, panel: str, metavar: str | None = None, help: str = "") -> Any:
+    return typer.Option(default, *names, rich_help_panel=panel, metavar=metavar, help=help)
+
+
+@app.command(cls=HelpCommand)
 def simulate(
-    task: str = typer.Option("lm", help="lm (language modelling) or nmt (German→English translation)"),
-    data: str = typer.Option("builtin", help="corpus folder (wikitext-2, ptb, de-en/<domain>...) or 'builtin'"),
-    model: Optional[str] = typer.Option(None, help="lm: gru-tiny (default)|gru-small|gru-medium|gru-large|lstm; nmt: tiny|mini|small (default)|base"),
-    tied: Optional[bool] = typer.Option(None, "--tied/--untied", help="tie input and output embeddings (lm; default per model)"),
-    clients: Optional[int] = typer.Option(None, "--clients", "-k", help="K, the number of agents (default 8; nmt natural: one per domain)"),
-    fraction: float = typer.Option(0.5, "--fraction", "-c", help="C, the share of agents selected per round"),
-    epochs: int = typer.Option(1, "--epochs", "-e", help="E, local epochs"),
-    batch_size: int = typer.Option(20, "--batch-size", "-b", help="B, local batch size"),
-    lr: float = typer.Option(20.0, help="client learning rate"),
-    optimizer: str = typer.Option("sgd", help="sgd | adam"),
-    momentum: float = typer.Option(0.0, help="SGD momentum"),
-    max_steps: int = typer.Option(0, help="cap on local optimizer steps per round (0 = full epochs)"),
-    strategy: str = typer.Option("fedavg", help="fedavg|fedsgd|fedatt|fedmed|dp-l|dp-g|dp-random|async"),
-    eps: float = typer.Option(1.2, help="FedAtt step size ε"),
-    norm: str = typer.Option("fro", help="FedAtt distance: fro | spectral"),
-    loss_eps: float = typer.Option(0.1, help="FedMed loss-switch threshold ε"),
-    beta: float = typer.Option(1.0, help="top-K share of reporting agents granted an upload (FedMed β)"),
-    noise: float = typer.Option(0.0, help="randomization: agents add noise·N(0,1) before upload (FedAtt Eq. 6)"),
-    pull_fraction: float = typer.Option(0.5, help="dynamic pulling: share of tensors sent (0.5 or 0.33)"),
-    pull_down: bool = typer.Option(False, "--pull-down", help="dynamic pulling in both directions: the server pushes only the tensors its rule picks"),
-    robust: str = typer.Option("none", help="guard against outlier updates: none | clip:NORM | trimmed:FRAC | median"),
-    encoding: str = typer.Option("auto", help="uplink encoding (auto: delta+bf16, raw with --pull-down): raw|fp16|bf16|int8|int8-row|int4|int4-row|topk:D, prefix delta+, suffix @LEVEL (zstd, default 1)"),
-    down_encoding: str = typer.Option("bf16", help="downlink encoding of the global model (raw|fp16|bf16|int8-row|int4-row, prefix delta+)"),
-    rounds: int = typer.Option(8, "--rounds", "-r", help="communication rounds (async: global versions)"),
-    min_clients: int = typer.Option(1, help="a round with fewer updates is closed as skipped"),
-    availability: str = typer.Option("always", help="always | bernoulli:P | markov:A,B | trace:FILE"),
-    faults: str = typer.Option("", help="crash-train:P,crash-grant:P,slow:P:SECONDS,cut:P"),
-    report_deadline: float = typer.Option(300.0, help="seconds to wait for loss reports"),
-    update_deadline: float = typer.Option(120.0, help="seconds to wait for granted uploads"),
-    partition: str = typer.Option("iid", help="iid | dirichlet:ALPHA | natural"),
-    vocab_size: int = typer.Option(0, help="cap the vocabulary to the N most frequent words (0 = all)"),
-    max_lines: int = typer.Option(0, help="use only the first N training lines (0 = all)"),
-    max_eval_lines: int = typer.Option(0, help="lm: evaluate on the first N lines of valid/test (0 = full split)"),
-    domains: Optional[str] = typer.Option(None, help="nmt: comma-separated domain folders under --data"),
-    eval_max_sentences: Optional[int] = typer.Option(None, help="nmt: sentences per BLEU evaluation (0 = full split)"),
-    beam: Optional[int] = typer.Option(None, help="nmt: beam size for BLEU (1 = greedy)"),
-    bptt: int = typer.Option(35, help="BPTT length (lm)"),
-    dropout: float = typer.Option(0.2, help="dropout"),
-    device: str = typer.Option("cpu", help="auto | cpu | cuda"),
-    seed: int = typer.Option(0, help="one seed for sampling, dropouts, shards and init"),
-    broker: str = typer.Option("memory://sim", help="memory://NAME (in-process) or amqp://user:pass@host:5672/vhost"),
-    out: Optional[Path] = typer.Option(None, help="run folder (default runs/<time>-<strategy>)"),
-    resume: bool = typer.Option(False, help="continue the run in --out from its last checkpoint"),
-    as_json: bool = typer.Option(False, "--json", help="machine-readable output (default when not a terminal)"),
-    log_level: str = LOG_LEVEL,
+    ctx: typer.Context,
+    task: str = _opt("lm", panel=TASK, metavar="TASK", help="lm (language modelling) or nmt (German→English)"),
+    data: str = _opt("builtin", panel=TASK, metavar="PATH",
+                     help="corpus folder, or builtin (Python's docs: nothing to download; lm only)"),
+    model: Optional[str] = _opt(None, panel=TASK, metavar="NAME",
+                                help=f"lm: {', '.join(MODELS['lm'])} (default gru-tiny); "
+                                     f"nmt: {', '.join(MODELS['nmt'])} (default small)"),
+    tied: Optional[bool] = _opt(None, "--tied/--untied", panel=TASK,
+                                help="tie input and output embeddings (lm; default per model)"),
+    partition: str = _opt("iid", panel=TASK, metavar="SPEC", help="iid, dirichlet:ALPHA or natural"),
+    vocab_size: int = _opt(0, panel=TASK, metavar="N", help="keep the N most frequent words (0 = all)"),
+    max_lines: int = _opt(0, panel=TASK, metavar="N", help="use only the first N training lines (0 = all)"),
+    max_eval_lines: int = _opt(0, panel=TASK, metavar="N",
+                               help="lm: evaluate on the first N lines of valid/test (0 = all)"),
+    bptt: int = _opt(35, panel=TASK, metavar="N", help="lm: BPTT length"),
+    dropout: float = _opt(0.2, panel=TASK, metavar="P", help="dropout"),
+    domains: Optional[str] = _opt(None, panel=TASK, metavar="A,B,...",
+                                  help="nmt: comma-separated domain folders under --data"),
+    eval_max_sentences: Optional[int] = _opt(None, panel=TASK, metavar="N",
+                                             help="nmt: sentences per BLEU evaluation (0 = all)"),
+    beam: Optional[int] = _opt(None, panel=TASK, metavar="N", help="nmt: beam size for BLEU (1 = greedy)"),
+    clients: Optional[int] = _opt(None, "--clients", "-k", panel=STRATEGY, metavar="K",
+                                  help="number of agents (default 8; nmt natural: one per domain)"),
+    fraction: float = _opt(0.5, "--fraction", "-c", panel=STRATEGY, metavar="C",
+                           help="share of agents selected per round"),
+    rounds: int = _opt(8, "--rounds", "-r", panel=STRATEGY, metavar="N",
+                       help="communication rounds (async: global versions)"),
+    strategy: str = _opt("fedavg", panel=STRATEGY, metavar="NAME", help=", ".join(STRATEGIES)),
+    eps: float = _opt(1.2, panel=STRATEGY, metavar="EPS", help="FedAtt step size ε"),
+    norm: str = _opt("fro", panel=STRATEGY, metavar="NORM", help="FedAtt distance: fro or spectral"),
+    loss_eps: float = _opt(0.1, panel=STRATEGY, metavar="EPS", help="FedMed loss-switch threshold ε"),
+    beta: float = _opt(1.0, panel=STRATEGY, metavar="BETA",
+                       help="top-K share of reporting agents granted an upload (FedMed β)"),
+    noise: float = _opt(0.0, panel=STRATEGY, metavar="SIGMA",
+                        help="agents add noise·N(0,1) before upload (FedAtt randomization)"),
+    pull_fraction: float = _opt(0.5, panel=STRATEGY, metavar="F",
+                                help="dynamic pulling: share of tensors sent (0.5 or 0.33)"),
+    pull_down: bool = _opt(False, "--pull-down", panel=STRATEGY,
+                           help="dynamic pulling both ways: the server pushes only the tensors its rule picks"),
+    robust: str = _opt("none", panel=STRATEGY, metavar="GUARD",
+                       help="outlier guard: none, clip:NORM, trimmed:FRAC or median"),
+    min_clients: int = _opt(1, panel=STRATEGY, metavar="N", help="a round with fewer updates is skipped"),
+    epochs: int = _opt(1, "--epochs", "-e", panel=TRAIN, metavar="E", help="local epochs"),
+    batch_size: int = _opt(20, "--batch-size", "-b", panel=TRAIN, metavar="B", help="local batch size"),
+    lr: float = _opt(20.0, panel=TRAIN, metavar="LR", help="client learning rate"),
+    optimizer: str = _opt("sgd", panel=TRAIN, metavar="NAME", help="sgd or adam"),
+    momentum: float = _opt(0.0, panel=TRAIN, metavar="M", help="SGD momentum"),
+    max_steps: int = _opt(0, panel=TRAIN, metavar="N", help="cap on local optimizer steps per round (0 = none)"),
+    encoding: str = _opt("auto", panel=WIRE, metavar="SPEC",
+                         help=f"uplink: auto (delta+bf16; raw with --pull-down) or one of {ENCODINGS}; "
+                              "prefix delta+, suffix @LEVEL (zstd level, default 1)"),
+    down_encoding: str = _opt("bf16", panel=WIRE, metavar="SPEC",
+                              help="downlink (the global model): raw, fp16, bf16, int8-row or int4-row; "
+                                   "prefix delta+"),
+    broker: str = _opt("memory://sim", panel=WIRE, metavar="URL",
+                       help="memory://NAME (in-process) or amqp://USER:PASS@HOST:5672/VHOST"),
+    availability: str = _opt("always", panel=AVAIL, metavar="SPEC",
+                             help="always, bernoulli:P, markov:A,B or trace:FILE"),
+    faults: str = _opt("", panel=AVAIL, metavar="LIST",
+                       help="comma-separated: crash-train:P, crash-grant:P, slow:P:SECONDS, cut:P"),
+    report_deadline: float = _opt(300.0, panel=AVAIL, metavar="S", help="seconds to wait for loss reports"),
+    update_deadline: float = _opt(120.0, panel=AVAIL, metavar="S", help="seconds to wait for granted uploads"),
+    config: Optional[Path] = _opt(None, panel=RUN, metavar="FILE",
+                                  help="TOML job file (JobConfig keys, a [task] table, as for aggregator run); "
+                                       "flags override it"),
+    out: Optional[Path] = _opt(None, panel=RUN, metavar="DIR",
+                               help="run folder, new or empty (default runs/TIME-STRATEGY)"),
+    resume: bool = _opt(False, "--resume", panel=RUN,
+                        help="continue the run in --out with its saved options (--rounds may extend it)"),
+    keep_queues: bool = _opt(False, "--keep-queues", panel=RUN,
+                             help="over RabbitMQ: keep the job's queues after the run (default: delete them)"),
+    device: str = _opt("cpu", panel=RUN, metavar="DEVICE", help="auto, cpu, cuda or cuda:N"),
+    seed: int = _opt(0, panel=RUN, metavar="N", help="one seed for sampling, dropouts, shards and init"),
+    as_json: bool = _opt(False, "--json", panel=RUN, help="machine-readable output (default when not a terminal)"),
+    log_level: str = _opt("info", "--log-level", panel=RUN, metavar="LEVEL", help="debug, info, warning or error"),
+    metrics_port: int = _opt(0, panel=RUN, metavar="PORT",
+                             help="serve /metrics, /healthz, /readyz and /status while it runs (0 = off)"),
 ) -> None:
     """Run a whole federation on this machine and report its scores.
 
+    Options come from the flags' defaults, then --config FILE, then the flags
+    given. --resume takes the run's saved options and refuses different ones.
+
     Examples:
 
-      fedmq simulate                                   # ~2 min demo on Python's own docs, no download
-
-      fedmq simulate --data ../shared/data/wikitext-2 --model gru-small --strategy fedatt --rounds 10
-
-      fedmq simulate --strategy fedmed --beta 0.5 --availability bernoulli:0.8 --encoding delta+int8
-
+    \b
+      fedmq simulate                    # ~2 min demo on Python's docs
+      fedmq simulate --data DIR --model gru-small --strategy fedatt -r 10
+      fedmq simulate --strategy fedmed --beta 0.5 --encoding delta+int8
+      fedmq simulate --config job.toml --rounds 20 --out runs/a
+      fedmq simulate --out runs/a --resume --rounds 30
       fedmq simulate --broker amqp://guest:guest@127.0.0.1:5672/%2F
     """
-    from aggregator.config import JobConfig
-    from cli.simulate import Simulation
+    from cli import run_folder
+    from cli.simulate_options import from_context, saved_options
 
-    _tune_allocator()
+    if resume and out is None:
+        raise UsageError("--resume needs --out RUN_FOLDER, the run to continue")
+    saved = run_folder.check(out, True) if resume else None
+    plan = from_context(ctx, simulate, saved_options(saved) if saved is not None else None)
+    run_dir = out or run_folder.default_dir(plan.options["strategy"])
+    if not resume:
+        run_folder.check(run_dir, False)
+    telemetry = _serve_metrics(metrics_port) if metrics_port else None  # a taken port: one line, no folder made
+    discard = run_folder.create(run_dir)
+    try:
+        code = _simulate(plan, run_dir, resume, as_json, log_level, keep_queues, telemetry)
+    except BaseException:
+        discard()
+        raise
+    finally:
+        if telemetry:
+            telemetry.close()
+    if code:
+        discard()
+        raise typer.Exit(code)
 
-    run_dir = out or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{strategy}"
-    if resume and not (run_dir / "config.json").is_file():
-        raise UsageError(f"--resume needs an existing run folder; {run_dir} has no config.json")
+
+def _serve_metrics(port: int) -> Any:
+    """`simulate --metrics-port`: the endpoint `aggregator run --metrics-port` serves; it reports "starting" (not
+    ready) until ``_simulate`` points it at the simulation."""
+    from cli.telemetry import Telemetry
+
+    telemetry = Telemetry(lambda: {"phase": "starting"}, lambda: False)
+    try:
+        telemetry.serve(port)
+    except OSError as exc:
+        raise UsageError(f"--metrics-port {port}: cannot listen there: {exc.strerror or exc}") from None
+    return telemetry
+
+
+def _simulate(plan: Any, run_dir: Path, resume: bool, as_json: bool, log_level: str, keep_queues: bool,
+              telemetry: Any = None) -> int:
+    """Run the validated plan in ``run_dir``; the exit code (130: interrupted)."""
     interactive = sys.stderr.isatty() and not as_json
     _setup_logs(log_level if not interactive else "warning", "console" if interactive else "json",
                 run_dir / "logs" / "simulate.jsonl")
-    from broker.encodings import EncodingSpec
-    EncodingSpec.parse("raw" if encoding == "auto" else encoding), EncodingSpec.parse(down_encoding)
-    job = "sim" if broker.startswith("memory://") else f"sim-{uuid.uuid4().hex[:8]}"
-    cfg = JobConfig(job=job, strategy=strategy, rounds=rounds, clients=clients or 1, fraction=fraction,
-                    min_clients=min_clients, beta=beta, loss_eps=loss_eps, att_eps=eps, att_norm=norm, noise=noise,
-                    pull_fraction=pull_fraction, pull_down=pull_down, encoding=encoding, down_encoding=down_encoding, epochs=epochs,
-                    batch_size=batch_size, lr=lr, optimizer=optimizer, momentum=momentum, max_steps=max_steps,
-                    report_deadline_s=report_deadline, update_deadline_s=update_deadline, heartbeat_s=1.0,
-                    join_timeout_s=60.0, seed=seed, robust=robust)
-    if clients is None and not (task == "nmt" and partition == "natural"):
-        clients = 8
-    task_obj = _make_task(_task_options(task, data=data, model=model, tied=tied, clients=clients, partition=partition,
-                                        vocab_size=vocab_size, max_lines=max_lines, max_eval_lines=max_eval_lines,
-                                        bptt=bptt, dropout=dropout, seed=seed, domains=domains,
-                                        eval_max_sentences=eval_max_sentences, beam=beam))
+    _tune_allocator()
+    from client_agent.tasks.training import resolve_device  # the first torch import
+
+    opts, cfg = plan.options, plan.job
+    resolve_device(opts["device"])  # --device cuda without a GPU: one line, before any agent starts
+    from cli import run_folder
+    from cli.progress import RoundProgress
+    from cli.simulate import Simulation
+
+    task_obj = _make_task(plan.task)
+    if resume:
+        run_folder.check_checkpoint_fits(run_dir, task_obj, cfg.seed)
     cfg.clients = task_obj.num_clients
     cfg.validate()
-    from cli.progress import RoundProgress
-    progress = RoundProgress(rounds, task_obj.metric, enabled=interactive)
-    sim = Simulation(cfg, task_obj, broker, run_dir, availability=availability, faults=faults, device=device,
-                     resume=resume, on_round=progress.update, on_local_progress=progress.local)
+    over_rabbit = not opts["broker"].startswith("memory://")
+    job_line = f"job {cfg.job}" + (f" (fedmq status --job {cfg.job})" if over_rabbit else "")
+    progress = RoundProgress(cfg.rounds, task_obj.metric, enabled=interactive)
+
+    def on_round(row: dict[str, Any]) -> None:
+        progress.update(row)
+        if telemetry:
+            telemetry.observe_round(row)
+
+    sim = Simulation(cfg, task_obj, opts["broker"], run_dir, availability=opts["availability"], faults=opts["faults"],
+                     device=opts["device"], resume=resume, keep_queues=keep_queues, on_round=on_round,
+                     on_local_progress=progress.local, on_start=lambda: typer.echo(job_line, err=True))
+    if telemetry:
+        telemetry.status, telemetry.ready = sim.status, lambda: sim.engine is not None
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     with progress:
@@ -165,8 +238,7 @@ def simulate(
         progress.print_summary(summary, run_dir)
     else:
         typer.echo(json.dumps(summary, default=str))
-    if summary.get("interrupted"):
-        raise typer.Exit(130)
+    return 130 if summary.get("interrupted") else 0
 
 
 # --------------------------------------------------------------------------------------------- services
@@ -201,7 +273,7 @@ def _broker_url(url: str, user: Optional[str], password: Optional[str]) -> str:
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
-@aggregator_app.command("run")
+@aggregator_app.command("run", cls=HelpCommand)
 def aggregator_run(
     broker: str = typer.Option(..., envvar="FEDMQ_BROKER", help="amqp(s)://host:port/vhost"),
     job: Optional[str] = typer.Option(None, envvar="FEDMQ_JOB", help="job id"),
@@ -269,7 +341,7 @@ def aggregator_run(
     typer.echo(json.dumps(summary, default=str))
 
 
-@agent_app.command("run")
+@agent_app.command("run", cls=HelpCommand)
 def agent_run(
     broker: str = typer.Option(..., envvar="FEDMQ_BROKER", help="amqp(s)://host:port/vhost"),
     job: str = typer.Option(..., envvar="FEDMQ_JOB"),
@@ -342,15 +414,17 @@ def agent_run(
     finally:
         if telemetry:
             telemetry.close()
+    if agent.finished:
+        typer.echo(f"job {job} finished: agent {client_id} left", err=True)
 
 
 # --------------------------------------------------------------------------------------------- broker
-@broker_app.command("provision")
+@broker_app.command("provision", cls=HelpCommand)
 def broker_provision(
     broker: str = typer.Option("amqp://guest:guest@127.0.0.1:5672/%2F", envvar="FEDMQ_BROKER"),
     vhost: str = typer.Option("fedmq", help="virtual host to create"),
     job: str = typer.Option(..., envvar="FEDMQ_JOB"),
-    agents: int = typer.Option(..., help="number of agents (users agent-0 … agent-N-1)"),
+    agents: int = typer.Option(..., help="number of agents (users agent-0 to agent-N-1)"),
     secrets_out: Optional[str] = typer.Option(None, help="write Kubernetes Secret manifests to DIR, or - for stdout"),
     credentials_out: Optional[Path] = typer.Option(None, help="write a JSON credentials file"),
     namespace: str = typer.Option("fedmq", help="namespace of the Secrets"),
@@ -365,7 +439,7 @@ def broker_provision(
                             credentials_out=credentials_out, namespace=namespace, remove_guest=remove_guest)
 
 
-@broker_app.command("check")
+@broker_app.command("check", cls=HelpCommand)
 def broker_check(
     broker: str = typer.Option("amqp://guest:guest@127.0.0.1:5672/%2F", envvar="FEDMQ_BROKER"),
     job: Optional[str] = typer.Option(None, envvar="FEDMQ_JOB"),
@@ -380,19 +454,22 @@ def broker_check(
     typer.echo(json.dumps(info, default=str) if as_json else "\n".join(f"{k}: {v}" for k, v in info.items()))
 
 
-@broker_app.command("purge")
+@broker_app.command("purge", cls=HelpCommand)
 def broker_purge(
     broker: str = typer.Option("amqp://guest:guest@127.0.0.1:5672/%2F", envvar="FEDMQ_BROKER"),
     job: str = typer.Option(..., envvar="FEDMQ_JOB"),
 ) -> None:
-    """Delete the job's queues.  Example: fedmq broker purge --job wt2"""
+    """Delete the job's queues.
+
+    Example: fedmq broker purge --job wt2
+    """
     from broker import provision
     provision.purge(broker, job)
     typer.echo(f"purged job {job}")
 
 
 # --------------------------------------------------------------------------------------------- status, report
-@app.command()
+@app.command(cls=HelpCommand)
 def status(
     broker: str = typer.Option("amqp://guest:guest@127.0.0.1:5672/%2F", envvar="FEDMQ_BROKER"),
     job: str = typer.Option(..., envvar="FEDMQ_JOB"),
@@ -409,7 +486,7 @@ def status(
     typer.echo(status_view.status_json(info) if as_json else status_view.render_status(info))
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 def report(
     run_dirs: list[Path] = typer.Argument(..., help="one or more run folders"),
     out: Optional[Path] = typer.Option(None, help="output folder (default: RUN_DIR/report)"),
@@ -430,7 +507,7 @@ def _bench(module: str, fn: str, **kw: Any) -> None:
     typer.echo(mod.format_table(rows))
 
 
-@bench_app.command("codec")
+@bench_app.command("codec", cls=HelpCommand)
 def bench_codec(repeats: int = 5, quick: bool = False) -> None:
     """Encode/decode MB/s and compression ratio per encoding vs torch.save and msgpack.
 
@@ -439,7 +516,7 @@ def bench_codec(repeats: int = 5, quick: bool = False) -> None:
     _bench("codec", "bench_codec", repeats=repeats, quick=quick)
 
 
-@bench_app.command("broker")
+@bench_app.command("broker", cls=HelpCommand)
 def bench_broker(url: str = typer.Option("amqp://guest:guest@127.0.0.1:5672/%2F"), repeats: int = 3) -> None:
     """Publish/consume MB/s of 1, 10, 100 MB updates: fedmq vs raw pika vs the in-process broker.
 
@@ -448,7 +525,7 @@ def bench_broker(url: str = typer.Option("amqp://guest:guest@127.0.0.1:5672/%2F"
     _bench("broker", "bench_broker", url=url, repeats=repeats)
 
 
-@bench_app.command("aggregate")
+@bench_app.command("aggregate", cls=HelpCommand)
 def bench_aggregate(repeats: int = typer.Option(3, min=1, help="run the methods in turn this many times; medians")) -> None:
     """Streaming aggregation GB/s and peak RSS for 10, 50, 200 updates of a 25M-parameter model.
 
@@ -457,7 +534,7 @@ def bench_aggregate(repeats: int = typer.Option(3, min=1, help="run the methods 
     _bench("aggregate", "bench_aggregate", repeats=repeats)
 
 
-@bench_app.command("train")
+@bench_app.command("train", cls=HelpCommand)
 def bench_train(quick: bool = False) -> None:
     """Local training tokens/s for GRU-small, LSTM and the small Transformer on CPU.
 
@@ -466,7 +543,7 @@ def bench_train(quick: bool = False) -> None:
     _bench("train", "bench_train", quick=quick)
 
 
-@bench_app.command("flower")
+@bench_app.command("flower", cls=HelpCommand)
 def bench_flower(data: Path = typer.Option(Path("../shared/data/wikitext-2"), help="corpus folder (full vocabulary)"),
                  clients: int = typer.Option(100, "--clients", "-k", min=1, help="K"),
                  selected: int = typer.Option(10, min=1, help="clients that train per round (C = selected / K)"),
@@ -492,16 +569,20 @@ def bench_flower(data: Path = typer.Option(Path("../shared/data/wikitext-2"), he
     typer.echo(fl.format_table(runs))
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 def experiment(
-    name: str = typer.Argument(..., help="table2|fraction|rounds-to-target|topk|randomization|scale|dropout|nmt-domains"),
+    name: str = typer.Argument(..., help="table2, fraction, rounds-to-target, topk, randomization, scale, "
+                                         "dropout or nmt-domains"),
     scale: str = typer.Option("cpu", help="smoke (CI) | cpu (minutes on 2 cores) | paper (the papers' settings, GPU)"),
     out: Path = typer.Option(Path("runs/experiments"), help="results go to OUT/NAME (run folders, results.md, report/)"),
     seed: int = typer.Option(0, help="one seed for sampling, shards and init"),
     threads: int = typer.Option(1, help="torch intra-op threads"),
     log_level: str = LOG_LEVEL,
 ) -> None:
-    """Reproduce a seed paper's experiment (docs/results.md).  Example: fedmq experiment table2 --scale cpu"""
+    """Reproduce a seed paper's experiment (docs/results.md).
+
+    Example: fedmq experiment table2 --scale cpu
+    """
     from benchmarks import experiments
     experiments.check_args(name, scale, threads)
     _setup_logs(log_level, "json", out / name / "experiment.jsonl")
@@ -509,7 +590,7 @@ def experiment(
     typer.echo((out / name / "results.md").read_text())
 
 
-@bench_app.command("load")
+@bench_app.command("load", cls=HelpCommand)
 def bench_load(url: str = typer.Option("amqp://guest:guest@127.0.0.1:5672/%2F"),
                agents: str = typer.Option("100,1000", help="comma-separated agent counts"),
                rounds: int = 3, threads: int = typer.Option(4, help="swarm connections (agents are shared out)")) -> None:
@@ -536,17 +617,22 @@ def main() -> None:
             sys.exit(code)
     except FedmqError as exc:
         typer.echo(f"error: {exc}", err=True)
-        sys.exit(2)
+        sys.exit(getattr(exc, "exit_code", 2))  # 2: the command line was wrong; 1: a run that broke
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
-    except typer.Abort:
-        typer.echo("aborted", err=True)
+    except (typer.Abort, KeyboardInterrupt):
+        typer.echo("interrupted", err=True)
         sys.exit(130)
-    except Exception as exc:  # usage errors of typer's bundled click: they know how to show themselves
-        if hasattr(exc, "show") and hasattr(exc, "exit_code"):
-            exc.show()
-            sys.exit(exc.exit_code)
-        raise
+    except Exception as exc:  # errors of typer's bundled click (bad flag values, unknown options)
+        if type(exc).__name__ == "NoArgsIsHelpError" or not hasattr(exc, "format_message"):
+            if hasattr(exc, "show") and hasattr(exc, "exit_code"):
+                exc.show()
+                sys.exit(exc.exit_code)
+            raise
+        ctx = getattr(exc, "ctx", None)
+        hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+        typer.echo(f"error: {exc.format_message()}{hint}", err=True)  # one line, like fedmq's own errors
+        sys.exit(getattr(exc, "exit_code", 2))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ class RoundProgress:
         self.enabled = enabled
         self.metric = metric
         self.console = Console(stderr=True)
-        self._progress = Progress(TextColumn("[bold]{task.fields[label]}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        # a short bar leaves room at 80 columns for "10/10 0:01:23 perplexity 123.45" (tests/integration/
+        # test_terminal.py)
+        self._progress = Progress(TextColumn("[bold]{task.fields[label]}"), BarColumn(bar_width=24), MofNCompleteColumn(), TimeElapsedColumn(),
                                   TextColumn("{task.description}"), console=self.console, disable=not enabled)
         self._task = self._progress.add_task("", total=rounds, label="rounds")
         self._local = None  # a second bar for the local training that is running now
@@ -44,4 +46,5 @@ class RoundProgress:
         from cli.status import render_summary
 
         self.console.print(render_summary(summary, RunLog(run_dir).rows()))
-        self.console.print(f"run folder: {run_dir}   plots: fedmq report {run_dir}")
+        self.console.print(f"run folder: {run_dir}")
+        self.console.print(f"plots:      fedmq report {run_dir}")

@@ -21,6 +21,7 @@ from aggregator.config import JobConfig
 from aggregator.engine import Engine
 from broker import topology
 from broker.connect import connect
+from broker.errors import FedmqError
 from client_agent.agent import Agent, AgentLog
 from client_agent.availability import parse_availability, parse_faults
 from client_agent.state import DiskStore
@@ -32,6 +33,18 @@ log = structlog.get_logger(__name__)
 # requires) would only copy it twice. Chunking is covered by the contract suite on both backends.
 IN_PROCESS_CHUNK_LIMIT = 1 << 31
 PRESENCE_PER_S = 50.0
+
+
+class SimulationFailed(FedmqError):
+    """An agent or the aggregator failed: the run ended at once; the message is the first cause, in one line.
+    Exit code 1 (a run that broke), not 2 (a command line that was wrong)."""
+
+    exit_code = 1
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 @dataclass
@@ -46,9 +59,12 @@ class Simulation:
     resume: bool = False
     rejoin_s: float = 1.0
     trainers: int = 1  # models local training runs on (2 cores: one at a time keeps each one fast)
+    keep_queues: bool = False  # over RabbitMQ: leave the job's queues on the broker after the run
     on_round: Callable[[dict], None] | None = None
     on_local_progress: Callable[[str, int, int], None] | None = None
+    on_start: Callable[[], None] | None = None  # once the broker answered and the job's queues exist
     agent_logs: dict[str, AgentLog] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
     engine: Engine | None = None
 
     def _url_user(self) -> str | None:
@@ -82,7 +98,7 @@ class Simulation:
                           progress=self.on_local_progress)
             agents.append(agent)
             self.agent_logs[client] = agent.log
-            threads.append(threading.Thread(target=agent.run, name=client, daemon=True))
+            threads.append(threading.Thread(target=self._run_agent, args=(agent,), name=client, daemon=True))
         watcher = None
         if stop is not None:
             def watch() -> None:
@@ -93,10 +109,16 @@ class Simulation:
         started: list[threading.Thread] = []
         try:
             engine.declare()
+            if self.on_start:
+                self.on_start()
             for t in threads:
                 t.start()
                 started.append(t)
-            summary = engine.run(resume=self.resume)
+            try:
+                summary = engine.run(resume=self.resume)
+            except Exception as exc:  # the traceback goes to the run's log; the user gets the cause in one line
+                log.error("aggregator failed", exc_info=True, file_only=True)
+                self._fail(f"aggregator: {_one_line(exc)}")
         finally:
             for agent in agents:
                 agent.stop.set()
@@ -104,5 +126,36 @@ class Simulation:
             for t in started:
                 t.join(timeout=max(deadline - time.time(), 0.1))
             agg_broker.close()
+            if not memory and not self.keep_queues:
+                self._delete_queues([a.client for a in agents])
+        if self.failures:
+            raise SimulationFailed(self.failures[0])
         summary["uploads_confirmed"] = sum(len(a.uploads) for a in self.agent_logs.values())
+        summary["job"] = cfg.job
         return summary
+
+    def status(self) -> dict[str, Any]:
+        """The aggregator's live status (`simulate --metrics-port`); "starting" until its engine exists."""
+        return self.engine.status() if self.engine is not None else {"phase": "starting"}
+
+    def _run_agent(self, agent: Agent) -> None:
+        """Agent.run, but a failure ends the whole simulation at once (the first cause is what the user sees)."""
+        try:
+            agent.run()
+        except Exception as exc:
+            log.error("agent failed", client=agent.client, exc_info=True, file_only=True)
+            self._fail(f"agent {agent.client}: {_one_line(exc)}")
+
+    def _fail(self, cause: str) -> None:
+        self.failures.append(cause)
+        if self.engine is not None:
+            self.engine.stop.set()
+
+    def _delete_queues(self, agents: list[str]) -> None:
+        """A simulation's job exists only for the run: leave nothing on the broker (unless keep_queues)."""
+        from broker.provision import purge
+        try:
+            deleted = purge(self.broker_url, self.cfg.job, agents)
+            log.info("deleted the job's queues", job=self.cfg.job, queues=len(deleted))
+        except FedmqError as exc:
+            log.warning("could not delete the job's queues", job=self.cfg.job, error=str(exc))

@@ -1,33 +1,71 @@
-"""Collect what `fedmq status` shows: the broker's view (queues, consumers) and the run folder's (rounds, metrics)."""
+"""Collect what `fedmq status` shows: the broker's view (queues, consumers) and the run folder's (the live status
+the active aggregator keeps in status.json, the last metrics row)."""
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 from typing import Any
 
 from aggregator.runlog import read_jsonl
 from broker import provision
+from broker.errors import FedmqError
+
+# the active aggregator rewrites status.json at least on every phase change and presence heartbeat; a live one
+# older than this with nobody consuming the inbox is a dead aggregator's last word
+STALE_S = 120.0
 
 
-def _last_row(run_dir: Path) -> dict[str, Any]:
-    rows = read_jsonl(run_dir / "metrics.jsonl")
-    return rows[-1] if rows else {}
+class UnknownJob(FedmqError):
+    """Neither the broker nor the run folder knows the job: one line, exit code 1."""
+
+    exit_code = 1
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def gather(broker_url: str, job: str, run_dir: Path | None) -> dict[str, Any]:
-    """A status dict for cli.status.render_status; raises BrokerError (one line) if the broker is unreachable."""
+    """A status dict for cli.status.render_status; BrokerError (one line) if the broker is unreachable,
+    UnknownJob if the job has no inbox on the broker and no run in ``run_dir``."""
     checked = provision.check(broker_url, job)
     info: dict[str, Any] = {"job": job, "broker": {k: v for k, v in checked.items() if k != "queues"}}
     queues = checked.get("queues", {}) or {}
-    info["queue_depths"] = {name: q.get("messages", q) if isinstance(q, dict) else q for name, q in queues.items()}
     inbox = queues.get(f"fedmq.{job}.inbox")
-    consumers = inbox.get("consumers", 0) if isinstance(inbox, dict) else 0
+    on_broker = isinstance(inbox, dict) and not inbox.get("missing")
+    info["queue_depths"] = {name: q.get("messages", q) if isinstance(q, dict) else q for name, q in queues.items()
+                            if not (isinstance(q, dict) and q.get("missing"))}
+    consumers = inbox.get("consumers", 0) if on_broker else 0
     info["standby_waiting"] = consumers > 1
     info["aggregators"] = consumers
-    row = _last_row(run_dir) if run_dir else {}
+    live = _read_json(run_dir / "status.json") if run_dir else {}
+    rows = read_jsonl(run_dir / "metrics.jsonl") if run_dir else []
+    if not on_broker and not live and not rows:
+        where = f" and no run in {run_dir}" if run_dir else " (a finished simulation deletes its queues: --run-dir"\
+                                                             " reads its run folder)"
+        raise UnknownJob(f"no job {job!r} on {info['broker'].get('url', broker_url)}: it has no inbox queue{where}")
+    row = rows[-1] if rows else {}
     info["last_metrics"] = row
     info["round"] = row.get("round")
-    info["agents_online"] = row.get("online", [])
-    if run_dir and (run_dir / "summary.json").is_file():
+    if live.get("job") == job:
+        for key in ("phase", "round", "version", "agents_online", "rejected", "dropped"):
+            if key in live:
+                info[key] = live[key]
+        age = time.time() - float(live.get("updated_at", 0) or 0)
+        if info.get("phase") not in ("finished", "stopped") and age > STALE_S and consumers == 0:
+            info["phase"] = f"not running (last seen {age:,.0f} s ago, {live.get('phase')})"
+            info["agents_online"] = []
+    if run_dir and (run_dir / "summary.json").is_file() and info.get("phase") not in ("stopped",):
         info["phase"] = "finished"
+    if info.get("phase") == "finished":
+        info["round"] = row.get("round")  # the last round, not the one the engine would have opened next
+    if info.get("phase") in ("finished", "stopped") or str(info.get("phase", "")).startswith("not running"):
+        info["agents_online"] = []  # nobody tracks presence once the aggregator is gone
+    info.setdefault("agents_online", row.get("online", []) if row else [])
     return info

@@ -7,11 +7,12 @@ else is read from the service's live ``status()`` at scrape time, so there is no
 from __future__ import annotations
 
 import json
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 Status = Callable[[], dict[str, Any]]
@@ -51,12 +52,13 @@ class Telemetry:
     def __init__(self, status: Status, ready: Callable[[], bool]) -> None:
         self.status, self.ready = status, ready
         self.registry = CollectorRegistry()
-        self.registry.register(_StatusCollector(status))
+        self.registry.register(_StatusCollector(lambda: self.status()))  # self.status may be set later (simulate)
         self.rounds = Counter("fedmq_rounds", "closed rounds", ["outcome"], registry=self.registry)
         self.updates = Counter("fedmq_updates_accepted", "updates folded into a global model", registry=self.registry)
         self.wire = Counter("fedmq_wire_bytes", "bytes on the wire", ["direction"], registry=self.registry)
         self.duration = Histogram("fedmq_round_duration_seconds", "round wall time", registry=self.registry,
                                   buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, float("inf")))
+        self.gauges: dict[str, Gauge] = {}  # created on their first value: no score reads as 0 before round 1
         self.server: ThreadingHTTPServer | None = None
 
     def observe_round(self, row: dict[str, Any]) -> None:
@@ -65,6 +67,18 @@ class Telemetry:
         self.wire.labels("up").inc(row.get("bytes_up", 0))
         self.wire.labels("down").inc(row.get("bytes_down", 0))
         self.duration.observe(row.get("wall_s", 0.0))
+        if row.get("valid") is not None:  # fedmq_validation_perplexity or fedmq_validation_bleu
+            metric = re.sub(r"[^a-z0-9_]", "_", str(row.get("metric") or "score").lower())
+            self._gauge(f"fedmq_validation_{metric}",
+                        f"validation {metric} of the global model, last evaluated round").set(row["valid"])
+        if row.get("mean_loss") is not None:
+            self._gauge("fedmq_train_loss", "mean training loss the clients reported, last round with reports"
+                        ).set(row["mean_loss"])
+
+    def _gauge(self, name: str, documentation: str) -> Gauge:
+        if name not in self.gauges:
+            self.gauges[name] = Gauge(name, documentation, registry=self.registry)
+        return self.gauges[name]
 
     def serve(self, port: int, host: str = "0.0.0.0") -> ThreadingHTTPServer:
         telemetry = self

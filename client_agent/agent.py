@@ -33,7 +33,7 @@ from broker.encodings import EncodingSpec, decode_state, encode_state
 from broker.envelope import Envelope, Kind
 from broker.errors import BrokerError, CodecError
 from client_agent.availability import Availability, Faults
-from client_agent.pulling import STRATEGY_RULES, select_tensors
+from client_agent.pulling import select_tensors
 from client_agent.state import MemoryStore, State
 from client_agent.tasks.base import Task, TrainConfig, TrainResult, load_state, model_state
 from client_agent.trainers import TrainerPool
@@ -95,6 +95,7 @@ class Agent:
         self.progress = progress  # (client, steps done, steps total) during local training, for progress bars
         self.audit_log = Path(audit_log) if audit_log else None  # JSON lines: one per broker-confirmed upload
         self.stop = threading.Event()
+        self.finished = False  # set when the aggregator said the job is over
         self.manifest = self.trainers.manifest
         self.groups = self.trainers.groups
         self.version = messages.NO_VERSION  # the version of the global model kept (NO_VERSION: none)
@@ -123,6 +124,8 @@ class Agent:
                 self._presence("online")
                 return broker
             except BrokerError as exc:
+                if exc.permanent:  # a bad URL or refused credentials: retrying cannot help
+                    raise
                 # close the half-joined connection: its consumers would otherwise take (and lose) our deliveries
                 if broker is not None:
                     try:
@@ -177,6 +180,9 @@ class Agent:
                     log.info("agent offline", client=self.client, why=str(off))
                     self.stop.wait(self.rejoin_s)
             except BrokerError as exc:  # connection lost for good: drop it and join again
+                if exc.permanent:
+                    self._leave(False)
+                    raise
                 log.warning("broker connection lost", client=self.client, error=str(exc))
                 self._leave(False)
                 self.stop.wait(self.rejoin_s)
@@ -197,7 +203,7 @@ class Agent:
         broker = self._broker
         try:
             env = messages.decode(delivery.body)
-            if env.job != self.job or env.kind not in (Kind.ANNOUNCE, Kind.GRANT):
+            if env.job != self.job or env.kind not in (Kind.ANNOUNCE, Kind.GRANT, Kind.END):
                 raise CodecError("unexpected", f"{env.kind.value} for job {env.job}")
         except CodecError as exc:
             log.warning("message rejected", client=self.client, reason=exc.reason)
@@ -206,6 +212,11 @@ class Agent:
             return None
         if broker:
             broker.ack(delivery)
+        if env.kind is Kind.END:  # the job ran all its rounds: leave (run() returns)
+            log.info("job finished: leaving", client=self.client, rounds=env.payload["rounds"])
+            self.finished = True
+            self.stop.set()
+            return None
         return env
 
     # ------------------------------------------------------------------ the global model
@@ -285,12 +296,12 @@ class Agent:
             held = self._fetch_model(env)
             if held is None:
                 return
-            result = self._train(model, held, cfg, rnd, crash="crash-train" in faults)
+            result = self._train(model, self._with_private(held, cfg), cfg, rnd, crash="crash-train" in faults)
             prepared = self._prepare(model, held, cfg, rnd, version, result)
         if "slow" in faults:
             self.log.faults.append((rnd, "slow"))
             time.sleep(self.faults.slow_seconds)
-        self._send(messages.report(self.job, rnd, self.client, version, result.loss, result.n_samples),
+        self._send(messages.report(self.job, rnd, self.client, version, result.reported, result.n_samples),
                    topology.rk_report(self.job, self.client))
         if sync and cfg["grant"] and not self._wait_grant(rnd):
             return
@@ -299,12 +310,19 @@ class Agent:
             raise Offline("fault: crashed after the grant", False)
         self._upload(rnd, version, prepared)
 
+    def _with_private(self, held: State, cfg: dict[str, Any]) -> State:
+        """Dynamic pulling upwards only: the tensors we did not send last time stay ours, "protected from
+        external updates and only modified using local data" (Passban et al.); the rest is the global model.
+        (Under pull-down the server pushes only its pick and we keep our values for the rest: _fetch_model.)"""
+        private = self._kept("private") if cfg["pull"] != "all" and not cfg["pull_down"] else None
+        return held if private is None else {**held, **private[1]}
+
     def _train(self, model: torch.nn.Module, held: State, cfg: dict[str, Any], rnd: int, crash: bool) -> TrainResult:
         load_state(model, held)
         tcfg = TrainConfig(epochs=cfg["epochs"], batch_size=cfg["batch_size"], lr=cfg["lr"],
                            optimizer=cfg["optimizer"], momentum=cfg["momentum"], lr_decay=cfg["lr_decay"],
-                           clip=cfg["clip"], max_steps=cfg["max_steps"], device=self.device,
-                           seed=stable_seed(cfg["seed"], self.client, rnd))
+                           clip=cfg["clip"], max_steps=cfg["max_steps"], full_batch=cfg["full_batch"], device=self.device,
+                           tail_loss=cfg["tail_loss"], seed=stable_seed(cfg["seed"], self.client, rnd))
         if crash:
             self.log.faults.append((rnd, "crash-train"))
             raise Offline("fault: crashed during training", False)
@@ -322,21 +340,25 @@ class Agent:
                  result: TrainResult) -> Prepared:
         """Encode the update (before the grant, so the trainer and the global model can go) and keep what
         the job's algorithm needs for our next round."""
-        current = self._trained_state(model)
+        current = trained = self._trained_state(model)
         if cfg["noise"] > 0:  # FedAtt Eq. 6 randomization, seeded per (client, round)
             gen = torch.Generator().manual_seed(stable_seed(cfg["seed"], self.client, rnd, "noise"))
             current = {k: v + cfg["noise"] * torch.randn(v.shape, generator=gen) for k, v in current.items()}
         names = list(current)
         if cfg["pull"] != "all":
             own = self._kept("own")
-            names = select_tensors(current, own[1] if own else None, self.groups, STRATEGY_RULES[cfg["pull"]],
-                                   cfg["pull_fraction"], random.Random(stable_seed(cfg["seed"], self.client, rnd, "pull")))
+            names = select_tensors(current, own[1] if own else None, self.groups, cfg["pull"],
+                                   cfg["pull_fraction"], random.Random(stable_seed(cfg["seed"], self.client, rnd, "pull")),
+                                   cfg["pull_by"])
         spec = EncodingSpec.parse(cfg["encoding"])
         tensors = encode_state({k: current[k] for k in names}, spec, held if spec.delta else None)
-        env = messages.update(self.job, rnd, self.client, version, result.loss, result.n_samples, tensors)
+        env = messages.update(self.job, rnd, self.client, version, result.reported, result.n_samples, tensors)
         sent = {k: current[k].clone() for k in names} if self.log.sent is not None else None
         if cfg["keep_own"]:
             self.store.put(self.client, "own", version, {k: v.clone() for k, v in current.items()})
+        if cfg["pull"] != "all" and not cfg["pull_down"]:
+            kept = set(names)
+            self.store.put(self.client, "private", version, {k: v.clone() for k, v in trained.items() if k not in kept})
         if cfg["keep_model"]:
             self.store.put(self.client, "model", version, held)
             self.version = version

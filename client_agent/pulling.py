@@ -1,20 +1,26 @@
 """Dynamic pulling (Passban et al. 2022): which tensors a client sends (and the server pushes) this round.
 
 For every tensor t, d_t = ‖θ_t^r − θ_t^{r−1}‖ (Frobenius norm of the change since the previous round).
-Thresholds are computed separately for each group (encoder / decoder for seq2seq, "model" otherwise) with
-``torch.quantile`` (linear interpolation, float64) over that group's d values, and ``fraction`` f is the
-share of each group's tensors meant to travel:
+Thresholds are computed separately for each group (encoder / decoder for seq2seq, "model" otherwise), and
+``fraction`` f is the share of each group meant to travel. By default (``by="params"``) it is a share of the
+group's *parameters*, as in the paper ("DP_l exchanges 22,863,104 of 45,724,160 parameters"; random exchanges
+"the same number of parameters"; the 33 % variant "only accepts 33 % of the parameters"): with the group's
+tensors sorted by d (ties by name),
 
-* ``dp-l`` sends d_t <  quantile(d, f)       (the slowest-moving tensors)
-* ``dp-g`` sends d_t >= quantile(d, 1 − f)   (the fastest-moving tensors)
-* ``random`` sends, per group, as many tensors as ``dp-g`` would, chosen uniformly at random by ``rng``
+* ``local`` (DP_l) sends the slowest-moving tensors while their parameters stay within f of the group's
+* ``global`` (DP_g) sends the fastest-moving tensors until they hold at least f of the group's parameters
+  (the tensor that crosses the line goes to global, so at f = 0.5 local and global are exact complements)
+* ``random`` sends, per group, tensors in a random order (``rng``) until it holds as many parameters as
+  ``global`` would
 * ``all`` sends everything.
 
-With f = 0.5 both thresholds are the median and dp-l / dp-g are exact complements (the paper's rule;
-the median tensor itself goes to dp-g). f = 0.33 is the "33 %" variant: about a third of each group.
-Edge cases: a group of one tensor is sent by dp-g and never by dp-l; tensors with no previous value (new
-tensors) are always sent; with no previous state at all (first round) everything is sent. The result is in
-the order of ``current``.
+``by="count"`` is the first version's rule, kept as an option: f is a share of the group's *tensors*, with
+``torch.quantile`` thresholds (linear interpolation, float64): local sends d_t < quantile(d, f), global
+d_t >= quantile(d, 1 − f), random as many tensors as global. By count, "50 %" of a GRU language model is
+0.4 % (local) or 99.6 % (global) of its bytes, because the few large matrices move most (docs/results.md).
+Edge cases (both rules): a group of one tensor is sent by global and never by local; tensors with no previous
+value (new tensors) are always sent; with no previous state at all (first round) everything is sent. The
+result is in the order of ``current``.
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ import torch
 from aggregator.strategies._common import check_number
 from aggregator.strategies.errors import BadParameter
 
-MODES = ("dp-l", "dp-g", "random", "all")
-STRATEGY_RULES = {"dp-l": "dp-l", "dp-g": "dp-g", "dp-random": "random"}  # job strategy -> pulling mode
+MODES = ("local", "global", "random", "all")  # the paper's DP_l, DP_g, random; aggregator.config maps strategies to them
+SHARES = ("params", "count")  # what the fraction is a share of
 
 
 def tensor_changes(current: Mapping[str, torch.Tensor], previous: Mapping[str, torch.Tensor]) -> dict[str, float]:
@@ -48,10 +54,13 @@ def select_tensors(
     mode: str,
     fraction: float = 0.5,
     rng: random.Random | np.random.Generator | None = None,
+    by: str = "params",
 ) -> list[str]:
     """Names of the tensors to send (see module docstring for the exact rule)."""
     if mode not in MODES:
         raise BadParameter(f"pulling mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if by not in SHARES:
+        raise BadParameter(f"pulling share must be one of {', '.join(SHARES)}, got {by!r}")
     f = check_number("fraction", fraction, low=0.0, high=1.0, low_open=True)
     if mode == "random" and rng is None:
         raise BadParameter("pulling mode 'random' needs an rng (random.Random or numpy Generator)")
@@ -63,19 +72,50 @@ def select_tensors(
     for name in current:
         if name in d:
             by_group.setdefault(groups.get(name, "model"), []).append(name)
+    pick = _by_params if by == "params" else _by_count
     for names in by_group.values():
-        values = torch.tensor([d[n] for n in names], dtype=torch.float64)
-        if mode == "dp-l":
-            theta = float(torch.quantile(values, f))
-            chosen.update(n for n in names if d[n] < theta)
-            continue
-        theta = float(torch.quantile(values, 1.0 - f))
-        picked = [n for n in names if d[n] >= theta]
-        if mode == "dp-g":
-            chosen.update(picked)
-        else:
-            chosen.update(_sample(sorted(names), len(picked), rng))
+        chosen.update(pick(names, d, {n: current[n].numel() for n in names}, mode, f, rng))
     return [name for name in current if name in chosen]
+
+
+def _by_count(names: list[str], d: dict[str, float], _sizes: dict[str, int], mode: str, f: float,
+              rng: random.Random | np.random.Generator | None) -> list[str]:
+    values = torch.tensor([d[n] for n in names], dtype=torch.float64)
+    if mode == "local":
+        theta = float(torch.quantile(values, f))
+        return [n for n in names if d[n] < theta]
+    theta = float(torch.quantile(values, 1.0 - f))
+    picked = [n for n in names if d[n] >= theta]
+    return picked if mode == "global" else _sample(sorted(names), len(picked), rng)
+
+
+def _by_params(names: list[str], d: dict[str, float], sizes: dict[str, int], mode: str, f: float,
+               rng: random.Random | np.random.Generator | None) -> list[str]:
+    budget = f * sum(sizes.values())
+    if mode == "local":  # slowest first, while the parameters sent stay within the budget
+        sent, total = [], 0
+        for n in sorted(names, key=lambda n: (d[n], n)):
+            if total + sizes[n] > budget:
+                break
+            sent.append(n)
+            total += sizes[n]
+        return sent
+    fastest = _prefix(sorted(names, key=lambda n: (-d[n], n)), sizes, budget)
+    if mode == "global":
+        return fastest
+    order = _sample(sorted(names), len(names), rng)
+    return _prefix(order, sizes, sum(sizes[n] for n in fastest))
+
+
+def _prefix(order: list[str], sizes: dict[str, int], budget: float) -> list[str]:
+    """The first tensors of ``order`` until they hold at least ``budget`` parameters (the crossing one included)."""
+    sent, total = [], 0
+    for n in order:
+        if total >= budget:
+            break
+        sent.append(n)
+        total += sizes[n]
+    return sent
 
 
 def _sample(names: list[str], k: int, rng: random.Random | np.random.Generator | None) -> list[str]:

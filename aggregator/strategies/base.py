@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Mapping
+from typing import Callable, ClassVar, Iterable, Mapping
 
 import torch
 
@@ -51,6 +51,11 @@ class Strategy(ABC):
 
     _last_weights: dict[str, float] = {}  # finish() sets the instance's own
 
+    def second_pass(self, exclude: frozenset[str] = frozenset()) -> dict | None:
+        """Parameters for folding the same updates again (leaving out ``exclude``), when the weights depend on the
+        whole round and so cannot be known while streaming (FedMed's standardised JS); None: one pass is all."""
+        return None
+
     def client_weights(self) -> dict[str, float]:
         """Per-client weight summary of the last aggregation (mean over tensors), for metrics and plots."""
         return dict(self._last_weights)
@@ -61,3 +66,22 @@ class Strategy(ABC):
 
     def load_state_dict(self, state: dict) -> None:
         return None
+
+
+def aggregate(make: Callable[..., Strategy], global_state: Mapping[str, torch.Tensor],
+              updates: Iterable[ClientUpdate]) -> tuple[State, Strategy]:
+    """One whole round in memory: ``make()`` a strategy, fold ``updates``, fold them again into ``make(**extra)``
+    when the strategy asks for a second pass, finish. The engine does the same from its spool; this is for tools
+    and tests that hold the updates. Returns the new model and the strategy that made it (for client_weights)."""
+    updates = list(updates)
+    strategy = make()
+    strategy.begin(global_state)
+    for u in updates:
+        strategy.fold(u)
+    extra = strategy.second_pass()
+    if extra is not None:
+        strategy = make(**extra)
+        strategy.begin(global_state)
+        for u in updates:
+            strategy.fold(u)
+    return strategy.finish(), strategy

@@ -2,7 +2,7 @@
 
 Each client sends only the tensors its pulling rule selected (client_agent.pulling.select_tensors). For
 tensor t: θ_t ← Σ_{k sent t} n_k θ_{k,t} / Σ_{k sent t} n_k; a tensor nobody sent keeps the server's value.
-The same class serves dp-l, dp-g and dp-random (they differ only on the client side).
+The same class serves pull-local, pull-global and pull-random (they differ only on the client side).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from aggregator.strategies.base import ClientUpdate, State, Strategy
 class DynamicPull(Strategy):
     name: ClassVar[str] = "dynamic-pull"
 
-    def __init__(self, rule: str = "dp-g") -> None:
+    def __init__(self, rule: str = "global") -> None:
         self.rule = rule  # informational: which client-side rule the round config asks for
         self._global: Mapping[str, torch.Tensor] | None = None
         self._sums: dict[str, WeightedSum] = {}  # per tensor: Σ n_k θ_k over the clients that sent it

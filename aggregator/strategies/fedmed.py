@@ -10,6 +10,14 @@ combination of the client models, the same scale as the FedAvg rounds the loss s
 
 ``mode`` is what the mediator's loss switch picked for the round ("adaptive" or "fedavg"); set it with
 ``set_mode`` before ``begin``. In "fedavg" mode the round is plain n_k-weighted FedAvg.
+
+``js = "standardised"`` (the default) departs from the paper's literal γ_k = softmax_k(JS_k): with a softmax of
+each flattened layer, JS between a client and the global model is ~1e-6 nats and varies between clients by less
+than that, so γ stays within 0.3 % of uniform and "adaptive" aggregation is equal-weight FedAvg (issue #14).
+Standardised, each layer's JS is taken relative to the round's spread: γ_k = softmax_k((JS_k − mean)/sd); the mean
+cancels in a softmax, so this is a per-layer temperature sd_l. sd_l is only known once every update of the round
+has been scored, so the round is folded twice (``second_pass``: the engine refolds it from its spool with the
+temperatures, ``temperatures=``). ``js = "raw"`` is the paper's literal formula.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from aggregator.strategies.fedavg import FedAvg
 from aggregator.strategies.softmax_weighted import SoftmaxWeighted
 
 MODES = ("adaptive", "fedavg")
+JS_WEIGHTS = ("standardised", "raw")
 _CHUNK = 1 << 20
 _LN2 = math.log(2.0)
 
@@ -52,13 +61,23 @@ def _chunked_lse(x: torch.Tensor) -> float:
 class FedMed(SoftmaxWeighted):
     name: ClassVar[str] = "fedmed"
 
-    def __init__(self, eta: float = 1.0, mode: str = "adaptive") -> None:
+    def __init__(self, eta: float = 1.0, mode: str = "adaptive", js: str = "standardised",
+                 temperatures: Mapping[str, float] | None = None) -> None:
         super().__init__()
         self.eta = self.step_size = check_number("eta", eta, low=0.0, low_open=True)
+        if js not in JS_WEIGHTS:
+            raise BadParameter(f"fedmed js must be one of {', '.join(JS_WEIGHTS)}, got {js!r}")
+        self.js = js
+        # standardised: None on the first pass (scores only), then the per-layer sd of JS over the round
+        self.temperatures = None if temperatures is None else {k: float(v) for k, v in temperatures.items()}
         self.mode = "adaptive"
         self.set_mode(mode)
         self._fedavg = FedAvg()
         self._active_mode = self.mode
+
+    @property
+    def _scoring_only(self) -> bool:
+        return self._active_mode == "adaptive" and self.js == "standardised" and self.temperatures is None
 
     def set_mode(self, mode: str) -> None:
         if mode not in MODES:
@@ -69,7 +88,22 @@ class FedMed(SoftmaxWeighted):
 
     def score(self, name: str, update: ClientUpdate) -> float:
         g = self._global
-        return js_divergence(g[name], full_tensor(update, g, name))  # type: ignore[index, arg-type]
+        d = js_divergence(g[name], full_tensor(update, g, name))  # type: ignore[index, arg-type]
+        if self.js == "raw" or self.temperatures is None:
+            return d
+        t = self.temperatures.get(name, 0.0)
+        return d / t if t > 0 else 0.0  # one client, or all equal: equal weights
+
+    def second_pass(self, exclude: frozenset[str] = frozenset()) -> dict | None:
+        if not self._scoring_only:
+            return None
+        temps: dict[str, float] = {}
+        kept = [sc for c, sc in self._scores.items() if c.rstrip("'") not in exclude]
+        for name in (kept[0] if kept else {}):
+            values = [sc[name] for sc in kept]
+            mean = math.fsum(values) / len(values)
+            temps[name] = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
+        return {"temperatures": temps}
 
     def begin(self, global_state: Mapping[str, torch.Tensor]) -> None:
         self._active_mode = self.mode
@@ -82,16 +116,23 @@ class FedMed(SoftmaxWeighted):
     def fold(self, update: ClientUpdate) -> None:
         if self._active_mode == "fedavg" and self._global is not None:
             self._fedavg.fold(update)
+        elif self._scoring_only:  # first pass: JS scores only, the weighted sum comes on the second pass
+            self.score_only(update)
         else:
             super().fold(update)
 
-    def finish(self) -> State:
+    def _finish(self) -> State:
         if self._active_mode == "fedavg" and self._global is not None:
             out = self._fedavg.finish()
             self._last_weights = self._fedavg.client_weights()
             self._global = None
             return out
         return super().finish()
+
+    def finish(self) -> State:
+        if self._scoring_only and self._global is not None:
+            raise StrategyError("fedmed: standardised JS weights need the second pass (second_pass) before finish")
+        return self._finish()
 
     def state_dict(self) -> dict:
         return {"mode": self.mode}

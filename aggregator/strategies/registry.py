@@ -1,6 +1,6 @@
 """``make_strategy(name, **params)``: the one place names and parameters become Strategy objects.
 
-Names: fedavg, fedsgd, fedatt, fedmed, dp-l, dp-g, dp-random (all three aggregate with DynamicPull; the
+Names: fedavg, fedsgd, fedatt, fedmed, pull-local, pull-global, pull-random (all three aggregate with DynamicPull; the
 name tells the agents which pulling rule to use), async, fedavg-clip, trimmed-mean, median.
 Unknown names or parameters and out-of-range values raise BadParameter (a FedmqError) with one line.
 """
@@ -24,9 +24,9 @@ _FACTORIES: dict[str, tuple[Callable[..., Strategy], dict[str, Any]]] = {
     "fedsgd": (FedSGD, {}),
     "fedatt": (FedAtt, {}),
     "fedmed": (FedMed, {}),
-    "dp-l": (DynamicPull, {"rule": "dp-l"}),
-    "dp-g": (DynamicPull, {"rule": "dp-g"}),
-    "dp-random": (DynamicPull, {"rule": "random"}),
+    "pull-local": (DynamicPull, {"rule": "local"}),
+    "pull-global": (DynamicPull, {"rule": "global"}),
+    "pull-random": (DynamicPull, {"rule": "random"}),
     "async": (BufferedAsync, {}),
     "fedavg-clip": (ClippedFedAvg, {}),
     "trimmed-mean": (TrimmedMean, {}),

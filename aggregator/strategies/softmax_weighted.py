@@ -60,17 +60,22 @@ class SoftmaxWeighted(Strategy):
         self._scores = {}
 
     def fold(self, update: ClientUpdate) -> None:
+        scores = self.score_only(update)
+        for name in update.tensors:
+            self._sums[name].add_scored(scores[name], self.term(name, update), update.delta)
+
+    def score_only(self, update: ClientUpdate) -> dict[str, float]:
+        """Validate and score ``update`` and record its scores, without adding it to the weighted sums."""
         g = check_started(self._global, self.name)
         validate_update(update, g, need_samples=False, check_finite=False)
         scores = {name: self.score(name, update) for name in update.tensors}
         for name, s in scores.items():
             check_score(update, name, s)  # a NaN/inf element makes its score non-finite: nothing folded yet
-        for name in update.tensors:
-            self._sums[name].add_scored(scores[name], self.term(name, update), update.delta)
         key = update.client
         while key in self._scores:  # the same client twice in one round stays two terms
             key += "'"
         self._scores[key] = scores
+        return scores
 
     def finish(self) -> State:
         g = check_started(self._global, self.name)

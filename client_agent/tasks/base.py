@@ -26,6 +26,8 @@ class TrainConfig:
     linear_decay: bool = False  # after warm-up, lr falls linearly to 0 at the run's last step
     adam_betas: tuple[float, float] = (0.9, 0.999)
     max_steps: int = 0  # cap on optimizer steps per local run (0 = no cap); the CPU scale uses it
+    full_batch: bool = False  # FedSGD (McMahan et al., B = ∞): one step on the gradient of the whole shard per epoch
+    tail_loss: bool = False  # also measure the trained model's loss on its shard (FedMed's top-K ranks by it)
     device: str = "cpu"  # "auto" | "cpu" | "cuda"
     amp: bool = False  # mixed precision on CUDA
     seed: int = 0
@@ -38,6 +40,12 @@ class TrainResult:
     steps: int
     tokens: int
     seconds: float
+    tail_loss: float | None = None  # the trained model's loss on the shard it trained on (cfg.tail_loss), no dropout
+
+    @property
+    def reported(self) -> float:
+        """The loss an agent reports: the tail loss when measured, else the mean over the local run."""
+        return self.loss if self.tail_loss is None else self.tail_loss
 
 
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

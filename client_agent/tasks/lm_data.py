@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from client_agent.tasks.corpora import resolve
 from client_agent.tasks.errors import TaskError
 
 EOS = "<eos>"
@@ -89,9 +90,7 @@ def load_corpus(data: str | Path, max_lines: int | None = None, max_eval_lines: 
     if str(data) == "builtin":
         corpus = builtin_corpus()
     else:
-        folder = Path(data).expanduser()
-        if not folder.is_dir():
-            raise TaskError(f"LM data folder {str(folder)!r} does not exist: pass --data PATH to a corpus folder or --data builtin")
+        folder = Path(resolve(data))
         layout = detect_layout(folder)
         lines = {s: _read_lines(folder / _LAYOUTS[layout].format(split=s)) for s in SPLITS}
         cats, natural = _categories(folder, layout, lines["train"])

@@ -22,6 +22,7 @@ import numpy as np
 import structlog
 import torch
 
+from client_agent.tasks.corpora import resolve
 from client_agent.tasks.errors import TaskError
 
 log = structlog.get_logger(__name__)
@@ -49,9 +50,9 @@ class ParallelCorpus:
 def load_parallel(data: str | Path, domains: list[str] | None = None, max_lines: int | None = None,
                   eval_fraction: float = 0.05, eval_max_pairs: int = 500, src_lang: str = "de",
                   tgt_lang: str = "en") -> ParallelCorpus:
-    folder = Path(data).expanduser()
-    if not folder.is_dir():
-        raise TaskError(f"NMT data folder {str(folder)!r} does not exist: pass --data PATH to a folder of X.{src_lang}/X.{tgt_lang} files or of domain folders")
+    if str(data) == "builtin":
+        raise TaskError(f"translation needs --data: a folder of X.{src_lang}/X.{tgt_lang} files or of domain folders")
+    folder = Path(resolve(data))
     if max_lines is not None and max_lines < 3:
         raise TaskError(f"--max-lines must be at least 3 for translation (train, valid and test pairs), got {max_lines}")
     if not 0 < eval_fraction < 0.5:

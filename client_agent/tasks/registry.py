@@ -6,14 +6,12 @@ import inspect
 from typing import Any
 
 from client_agent.tasks.base import Task
+from client_agent.tasks.catalog import LM_ONLY, NMT_ONLY
 from client_agent.tasks.errors import TaskError
 from client_agent.tasks.lm import LanguageModelTask
 from client_agent.tasks.nmt import TranslationTask
 
 TASKS: dict[str, type[Task]] = {"lm": LanguageModelTask, "nmt": TranslationTask}
-# CLI flags shared by both tasks that only mean something for one of them: ignored by the other
-_LM_ONLY = ("tied", "bptt", "max_eval_lines", "emb", "hidden", "layers")
-_NMT_ONLY = ("domains", "label_smoothing", "max_len", "eval_max_sentences", "beam", "eval_batch", "cache_dir", "eval_fraction")
 # "0 = no cap" on the CLI
 _ZERO_IS_NONE = ("vocab_size", "max_lines", "max_eval_lines")
 
@@ -32,7 +30,7 @@ def make_task(name: str, **options: Any) -> Task:
     if name not in TASKS:
         raise TaskError(f"unknown task {name!r}: use one of {', '.join(TASKS)}")
     cls = TASKS[name]
-    ignored = _LM_ONLY if name == "nmt" else _NMT_ONLY
+    ignored = LM_ONLY if name == "nmt" else NMT_ONLY
     options = {k: v for k, v in options.items() if k not in ignored and not (k in _ZERO_IS_NONE and v == 0)}
     params = inspect.signature(cls.__init__).parameters
     allowed = {p for p in params if p not in ("self", "corpus")}

@@ -69,7 +69,7 @@ def run_training(model: nn.Module, epoch_fn: EpochFn, steps_per_epoch: int, cfg:
     opt = make_optimizer(model, cfg)
     use_amp = cfg.amp and device.type == "cuda"
     scaler = torch.amp.GradScaler("cuda") if use_amp else None
-    total = steps_per_epoch * cfg.epochs
+    total = (1 if cfg.full_batch else steps_per_epoch) * cfg.epochs
     if cfg.max_steps:
         total = min(total, cfg.max_steps)
     steps = tokens = 0
@@ -85,6 +85,12 @@ def run_training(model: nn.Module, epoch_fn: EpochFn, steps_per_epoch: int, cfg:
             epoch_lr = cfg.lr * cfg.lr_decay**epoch
             for g in opt.param_groups:
                 g["lr"] = epoch_lr
+            if cfg.full_batch:
+                steps, tokens, loss_sum = _full_batch_step(model, opt, scaler, epoch_fn(model, gen, device), use_amp,
+                                                           cfg, steps, tokens, loss_sum)
+                if progress is not None:
+                    progress(steps, total)
+                continue
             for loss, n in _autocast(use_amp, epoch_fn(model, gen, device)):
                 if cfg.warmup_steps or cfg.linear_decay:
                     for g in opt.param_groups:
@@ -95,13 +101,7 @@ def run_training(model: nn.Module, epoch_fn: EpochFn, steps_per_epoch: int, cfg:
                     scaler.unscale_(opt)
                 else:
                     loss.backward()
-                if cfg.clip > 0:
-                    nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-                if scaler is not None:
-                    scaler.step(opt)
-                    scaler.update()
-                else:
-                    opt.step()
+                _step(model, opt, scaler, cfg)
                 steps += 1
                 tokens += n
                 loss_sum += float(loss.detach()) * n
@@ -109,13 +109,67 @@ def run_training(model: nn.Module, epoch_fn: EpochFn, steps_per_epoch: int, cfg:
                     progress(steps, total)
                 if steps >= total:
                     break
+        tail = _tail_loss(model, epoch_fn, device, cfg, client, steps_per_epoch if cfg.full_batch else steps) \
+            if cfg.tail_loss else None
     finally:
         set_dropout_generator(model, None)
         model.to(home)
     seconds = time.perf_counter() - t0
     mean = loss_sum / tokens if tokens else float("nan")
     log.debug("local training done", client=client, steps=steps, tokens=tokens, loss=round(mean, 4), seconds=round(seconds, 2))
-    return TrainResult(loss=mean, n_samples=n_samples, steps=steps, tokens=tokens, seconds=seconds)
+    return TrainResult(loss=mean, n_samples=n_samples, steps=steps, tokens=tokens, seconds=seconds, tail_loss=tail)
+
+
+def _tail_loss(model: nn.Module, epoch_fn: EpochFn, device: torch.device, cfg: TrainConfig, client: int,
+               batches: int) -> float:
+    """FedMed §3.4: "the loss on the dataset of each worker is computed at the tail of local training". The trained
+    model (eval mode: no dropout, no gradients) over its own shard, as many batches as one epoch — or as the run
+    took, when --max-steps cut it shorter (the CPU scale), so the extra pass never costs more than the training."""
+    gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + client * 7_919 + 999_983) % (2**63))
+    model.eval()
+    total = count = 0.0
+    try:
+        with torch.no_grad():
+            for i, (loss, n) in enumerate(epoch_fn(model, gen, device)):
+                if i >= max(batches, 1):
+                    break
+                total += float(loss) * n
+                count += n
+    finally:
+        model.train()
+    return total / count if count else float("nan")
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, scaler, cfg: TrainConfig) -> None:
+    if cfg.clip > 0:
+        nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+
+
+def _full_batch_step(model: nn.Module, opt: torch.optim.Optimizer, scaler, batches: Iterator[tuple[torch.Tensor, int]],
+                     use_amp: bool, cfg: TrainConfig, steps: int, tokens: int, loss_sum: float) -> tuple[int, int, float]:
+    """One optimizer step on the mean loss over every target of the shard: the batches' gradients, each weighted
+    by its token count, are summed in place (no more memory than one batch), then divided by the shard's tokens."""
+    opt.zero_grad(set_to_none=True)
+    seen = 0
+    for loss, n in _autocast(use_amp, batches):
+        weighted = loss * n
+        (scaler.scale(weighted) if scaler is not None else weighted).backward()
+        seen += n
+        loss_sum += float(loss.detach()) * n
+    if not seen:
+        return steps, tokens, loss_sum
+    if scaler is not None:
+        scaler.unscale_(opt)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.div_(seen)
+    _step(model, opt, scaler, cfg)
+    return steps + 1, tokens + seen, loss_sum
 
 
 def _schedule(cfg: TrainConfig, step: int, total: int) -> float:

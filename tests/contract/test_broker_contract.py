@@ -358,3 +358,44 @@ def test_memory_user_comes_from_url_or_argument():
         b.consume(t.q_inbox("juser"), got)
         a.publish(t.rk_report("juser", "bob"), b"r")
         assert got.wait(1)[0].user_id == "alice"
+
+
+def test_a_message_that_kills_its_consumer_is_dead_lettered_after_the_delivery_limit(make, job_id):
+    """Each consumer dies holding the message (connection closed, unacked): past DELIVERY_LIMIT returns the
+    inbox moves it to the job's dead-letter queue, where an operator finds it; the inbox then works on.
+    A rejected message goes there too."""
+    from broker.queues import DELIVERY_LIMIT
+
+    pub = make()
+    pub.declare_job(job_id, AGENTS)
+    pub.publish(t.rk_update(job_id, "a1"), b"poison", message_id="m-poison")
+    for attempt in range(DELIVERY_LIMIT + 1):
+        victim = make()
+        held = Inbox(victim, ack=False)
+        victim.consume(t.q_inbox(job_id), held)
+        assert held.wait(1)[0].body == b"poison", attempt
+        victim.close()  # dies without settling it
+    assert _depth(pub, t.q_dead(job_id), 1) == 1
+    assert _depth(pub, t.q_inbox(job_id), 0) == 0
+    pub.publish(t.rk_update(job_id, "a1"), b"next")
+    pub.publish(t.rk_update(job_id, "a2"), b"refused")
+    alive = make()
+    got: list[bytes] = []
+    done = threading.Event()
+
+    def handle(d: Delivery) -> None:
+        got.append(d.body)
+        if d.body == b"refused":
+            alive.reject(d, requeue=False)
+            done.set()
+        else:
+            alive.ack(d)
+
+    alive.consume(t.q_inbox(job_id), handle)
+    assert done.wait(10) and got == [b"next", b"refused"]
+    assert _depth(pub, t.q_dead(job_id), 2) == 2
+    dead = Inbox(pub)
+    pub.consume(t.q_dead(job_id), dead)
+    items = dead.wait(2)
+    assert [d.body for d in items] == [b"poison", b"refused"]
+    assert items[0].message_id == "m-poison" and items[0].user_id == pub.user

@@ -67,8 +67,8 @@ def delete_job_queues(url: str, job: str, clients: int) -> None:
         return
     try:
         ch = conn.channel()
-        names = [t.q_inbox(job), t.q_models(job)] + [q for i in range(clients) for q in (t.q_latest(job, f"agent-{i}"),
-                                                                         t.q_control(job, f"agent-{i}"))]
+        names = [t.q_inbox(job), t.q_dead(job), t.q_models(job)]
+        names += [q for i in range(clients) for q in (t.q_latest(job, f"agent-{i}"), t.q_control(job, f"agent-{i}"))]
         for name in names:
             ch.queue_delete(name)
     finally:
@@ -253,10 +253,14 @@ class Federation:
         ids = [u for _, u in folded_pairs]
         duplicated = sorted({u for u in ids if ids.count(u) > 1})
         confirmed = self.confirmed()
-        dropped = [(e.get("round", -1), e["msg_id"], e["reason"]) for e in self.agg_events("message dropped")
-                   if e.get("kind") == "update" and e.get("msg_id")]
-        dropped_ids = {m for _, m, _ in dropped}
         folded_set = set(folded_pairs)
+        # a redelivery of an update already folded (the aggregator died between spooling it and acking it) is
+        # dropped as a duplicate: that is the guarantee working, not a drop
+        folded_ids = set(ids)
+        dropped = [(e.get("round", -1), e["msg_id"], e["reason"]) for e in self.agg_events("message dropped")
+                   if e.get("kind") == "update" and e.get("msg_id")
+                   and not (e["reason"] == "duplicate" and e["msg_id"] in folded_ids)]
+        dropped_ids = {m for _, m, _ in dropped}
         lost = sorted(c for c in confirmed if c not in folded_set and c[1] not in dropped_ids)
         unconfirmed = sorted(p for p in folded_set if p not in confirmed)
         rows = self.rows()

@@ -73,12 +73,12 @@ def test_nmt_domains(tmp_path):
     assert set(table["pre-trained (news_wmt)"]) == {"news_wmt", "ted_iwslt14"}
     assert "server fedavg" in table and "client ted_iwslt14 (local only)" in table
     # round 2 of dynamic pulling sends about half of the tensors: fewer raw bytes up than FedAvg
-    assert runs["dp-l-0.5"]["bytes_up_raw"] < runs["fedavg"]["bytes_up_raw"]
-    assert runs["dp-g-0.5"]["bytes_up_raw"] < runs["fedavg"]["bytes_up_raw"]
+    assert runs["pull-local-0.5"]["bytes_up_raw"] < runs["fedavg"]["bytes_up_raw"]
+    assert runs["pull-global-0.5"]["bytes_up_raw"] < runs["fedavg"]["bytes_up_raw"]
     # the 33 % variant pulls in both directions: round 2's push is a third of the tensors too
-    assert runs["dp-g-0.33-both"]["directions"] == "both" and runs["dp-g-0.5"]["directions"] == "up"
-    assert runs["dp-g-0.33-both"]["bytes_down_raw"] < runs["fedavg"]["bytes_down_raw"]
-    assert runs["dp-g-0.5"]["bytes_down_raw"] == runs["fedavg"]["bytes_down_raw"]
+    assert runs["pull-global-0.33-both"]["directions"] == "both" and runs["pull-global-0.5"]["directions"] == "up"
+    assert runs["pull-global-0.33-both"]["bytes_down_raw"] < runs["fedavg"]["bytes_down_raw"]
+    assert runs["pull-global-0.5"]["bytes_down_raw"] == runs["fedavg"]["bytes_down_raw"]
 
 
 def test_cli_topk_with_report(tmp_path):

@@ -122,7 +122,7 @@ def test_dynamic_pulling_in_both_directions(federation, task, tmp_path):
                 seen.setdefault(self.client, []).append((env.round, self.names, own, {k: v.clone() for k, v in out.items()}))
             return out
 
-    cfg = JobConfig(encoding="raw", down_encoding="raw", job="e2epush", strategy="dp-g", pull_fraction=0.5, pull_down=True, rounds=3, clients=3,
+    cfg = JobConfig(encoding="raw", down_encoding="raw", job="e2epush", strategy="pull-global", pull_fraction=0.5, pull_down=True, rounds=3, clients=3,
                     fraction=1.0, lr=5.0, max_steps=2, batch_size=4, heartbeat_s=0.5, join_timeout_s=20,
                     report_deadline_s=60, update_deadline_s=30)
     engine, agents, summary = federation(task, cfg, "memory://e2e-push", tmp_path / "run", agent_class=lambda i: Recording)
@@ -147,7 +147,7 @@ def test_pull_down_config_errors():
     with pytest.raises(Exception, match="pull-down needs a dynamic-pulling strategy"):
         JobConfig(strategy="fedavg", pull_down=True)
     with pytest.raises(Exception, match="cannot be deltas"):
-        JobConfig(strategy="dp-l", pull_down=True, encoding="delta+int8")
+        JobConfig(strategy="pull-local", pull_down=True, encoding="delta+int8")
 
 
 def test_selection_counts_every_queued_heartbeat(task, tmp_path):
@@ -173,3 +173,44 @@ def test_selection_counts_every_queued_heartbeat(task, tmp_path):
     engine._wait_for_agents(cfg.selected_count(), 3 * cfg.heartbeat_s)
     assert len(engine._online()) == 10  # not just the 2 it needs
     broker.close()
+
+
+def test_upload_only_pulling_keeps_unsent_tensors_private(federation, task, tmp_path):
+    """Dynamic pulling upwards only (Passban et al.: unsent tensors are "protected from external updates and only
+    modified using local data"): a DP_l client starts round 3 from the global model for the tensors it sent in
+    round 2 and from its own trained values for the rest (in round 1, with no previous model, it sends all)."""
+    from client_agent.agent import Agent
+
+    starts: dict[str, dict[int, dict]] = {}
+    trained: dict[str, dict[int, dict]] = {}
+    fetched: dict[str, dict[int, dict]] = {}
+
+    class Recording(Agent):
+        def _fetch_model(self, env):
+            out = super()._fetch_model(env)
+            if out is not None:
+                fetched.setdefault(self.client, {})[env.round] = {k: v.clone() for k, v in out.items()}
+            return out
+
+        def _train(self, model, held, cfg, rnd, crash):
+            starts.setdefault(self.client, {})[rnd] = {k: v.clone() for k, v in held.items()}
+            result = super()._train(model, held, cfg, rnd, crash)
+            trained.setdefault(self.client, {})[rnd] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            return result
+
+    cfg = JobConfig(encoding="raw", down_encoding="raw", job="e2eprivate", strategy="pull-local", rounds=3, clients=2,
+                    fraction=1.0, lr=5.0, max_steps=2, batch_size=4, heartbeat_s=0.5, join_timeout_s=20,
+                    report_deadline_s=60, update_deadline_s=30)
+    engine, agents, summary = federation(task, cfg, "memory://e2e-private", tmp_path / "run", keep_sent=True,
+                                         agent_class=lambda i: Recording)
+    assert summary["rounds_completed"] == 3
+    for agent in agents:
+        sent_r1 = set(agent.log.sent[2][1])
+        start, global_v1 = starts[agent.client][3], fetched[agent.client][3]
+        private = set(start) - sent_r1
+        assert private and sent_r1, "DP_l sends part of the model and keeps the rest"
+        for k in private:
+            assert torch.equal(start[k], trained[agent.client][2][k]), k  # its own value, not the server's
+            assert not torch.equal(start[k], global_v1[k]), k
+        for k in sent_r1:
+            assert torch.equal(start[k], global_v1[k]), k  # what it shared starts from the global model

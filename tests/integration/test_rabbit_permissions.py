@@ -19,14 +19,14 @@ pytestmark = pytest.mark.rabbitmq
 
 
 @pytest.fixture
-def fed(rabbit_url):
-    """A fresh vhost with an aggregator and two agents (unique user names), removed afterwards."""
+def fed(rabbit_url, job_id):
+    """A fresh vhost with the job's aggregator and two agents (per-job user names), removed afterwards."""
     tag = uuid.uuid4().hex[:8]
-    vhost, agg, agents = f"fedmqt-{tag}", f"agg-{tag}", [f"a1-{tag}", f"a2-{tag}"]
+    vhost, agents = f"fedmqt-{tag}", [f"a1-{tag}", f"a2-{tag}"]
     admin = prov.CtlAdmin()
-    creds = prov.provision(rabbit_url, vhost=vhost, agents=agents, admin=admin, aggregator_user=agg)
+    creds = prov.provision(rabbit_url, vhost=vhost, job=job_id, agents=agents, admin=admin)
     yield creds
-    for u in [agg, *agents]:
+    for u in [creds["aggregator"]["username"], *(e["username"] for e in creds["agents"].values())]:
         admin.delete_user(u)
     admin.delete_vhost(vhost)
 
@@ -47,7 +47,7 @@ def test_provisioned_users_are_confined(fed, job_id):
         # every agent may read the job's model stream, none may write it or another agent's announcements
         agg.publish(t.rk_model(job_id), b"model v0", message_id="m0")
         assert agent.fetch(t.q_models(job_id), "m0", offset="first", timeout=10).body == b"model v0"
-        for key in (t.rk_model(job_id), t.rk_announce(job_id, a2), t.rk_grant(job_id, a2)):
+        for key in (t.rk_model(job_id), t.rk_announce(job_id, a2), t.rk_grant(job_id, a2), t.rk_dead(job_id)):
             with pytest.raises(BrokerError, match="403|ACCESS_REFUSED"):
                 agent.publish(key, b"forged")
         got: list = []
@@ -55,7 +55,7 @@ def test_provisioned_users_are_confined(fed, job_id):
         agg.consume(t.q_inbox(job_id), lambda d: (got.append(d), agg.ack(d), done.set()))
         agent.publish(t.rk_update(job_id, a1), b"mine", message_id="u1")
         assert done.wait(10)
-        assert (got[0].body, got[0].user_id) == (b"mine", a1)  # RabbitMQ-validated identity
+        assert (got[0].body, got[0].user_id) == (b"mine", t.agent_user(job_id, a1))  # RabbitMQ-validated identity
 
         # publishing another agent's routing key is refused
         with pytest.raises(BrokerError, match="403|ACCESS_REFUSED"):
@@ -67,6 +67,9 @@ def test_provisioned_users_are_confined(fed, job_id):
             agent.consume(t.q_inbox(job_id), lambda d: None)
         with pytest.raises(BrokerError, match="403|ACCESS_REFUSED"):
             agent.consume(t.q_latest(job_id, a2), lambda d: None)
+        with pytest.raises(BrokerError, match="403|ACCESS_REFUSED"):  # nor the dead letters (only the operator's)
+            agent.consume(t.q_dead(job_id), lambda d: None)
+        assert agg.queue_depth(t.q_dead(job_id)) == 0  # the aggregator declared it, and may read it
         with pytest.raises(BrokerError, match="403|ACCESS_REFUSED"):
             agent.declare_job(job_id, [a2], inbox=False)
         # its own queues work, and the connection survived the refusals
@@ -80,7 +83,8 @@ def test_provisioned_users_are_confined(fed, job_id):
     conn, ch = _channel(a1_url)
     ch.confirm_delivery()
     with pytest.raises(pe.ChannelClosedByBroker) as exc:
-        ch.basic_publish(t.EXCHANGE, t.rk_update(job_id, a1), b"x", pika.BasicProperties(user_id=a2))
+        ch.basic_publish(t.EXCHANGE, t.rk_update(job_id, a1), b"x",
+                         pika.BasicProperties(user_id=t.agent_user(job_id, a2)))
     assert exc.value.reply_code == 406
     # binding its own queue to another agent's updates (to eavesdrop) is refused by topic permissions
     ch = conn.channel()
@@ -99,18 +103,19 @@ def test_provisioned_users_are_confined(fed, job_id):
     prov.purge(fed["aggregator"]["url"], job_id, [a1, a2])
 
 
-def test_provision_is_idempotent_and_writes_secrets(rabbit_url, tmp_path):
+def test_provision_is_idempotent_and_writes_secrets(rabbit_url, tmp_path, job_id):
     tag = uuid.uuid4().hex[:8]
     vhost, agg, agents = f"fedmqt-{tag}", f"agg-{tag}", [f"x-{tag}"]
     admin = prov.CtlAdmin()
     try:
-        first = prov.provision(rabbit_url, vhost=vhost, agents=agents, admin=admin, aggregator_user=agg)
+        first = prov.provision(rabbit_url, vhost=vhost, job=job_id, agents=agents, admin=admin, aggregator_user=agg)
         keep = {e["username"]: e["password"] for e in [first["aggregator"], *first["agents"].values()]}
-        again = prov.provision(rabbit_url, vhost=vhost, agents=agents, admin=admin, aggregator_user=agg, passwords=keep)
+        again = prov.provision(rabbit_url, vhost=vhost, job=job_id, agents=agents, admin=admin, aggregator_user=agg,
+                               passwords=keep)
         assert again == first
         with connect(again["agents"][agents[0]]["url"]) as b:
-            assert b.user == agents[0]
-        rotated = prov.provision(rabbit_url, vhost=vhost, agents=agents, admin=admin, aggregator_user=agg)
+            assert b.user == t.agent_user(job_id, agents[0])
+        rotated = prov.provision(rabbit_url, vhost=vhost, job=job_id, agents=agents, admin=admin, aggregator_user=agg)
         assert rotated["agents"][agents[0]]["password"] != first["agents"][agents[0]]["password"]
         with pytest.raises(BrokerError, match="cannot connect.*authentication refused"):
             connect(first["agents"][agents[0]]["url"])
@@ -118,11 +123,13 @@ def test_provision_is_idempotent_and_writes_secrets(rabbit_url, tmp_path):
         assert yaml.count("kind: Secret") == 2 and f"name: fedmq-agent-{agents[0]}" in yaml
         assert "namespace: ns1" in yaml and json.dumps(rotated["agents"][agents[0]]["password"]) in yaml
     finally:
-        for u in [agg, *agents]:
+        for u in [agg, *(t.agent_user(job_id, a) for a in agents)]:
             admin.delete_user(u)
         admin.delete_vhost(vhost)
     with pytest.raises(BrokerError, match="bad client id"):
-        prov.provision(rabbit_url, vhost=vhost, agents=["no good"], admin=admin)
+        prov.provision(rabbit_url, vhost=vhost, job=job_id, agents=["no good"], admin=admin)
+    with pytest.raises(BrokerError, match="bad job id"):
+        prov.provision(rabbit_url, vhost=vhost, job="no.good", agents=agents, admin=admin)
 
 
 def test_check_and_purge(rabbit_url, job_id):
@@ -145,12 +152,13 @@ def test_check_and_purge(rabbit_url, job_id):
 def test_provision_through_the_management_api(rabbit_node, job_id):
     admin = prov.HttpAdmin(rabbit_node.management_url, "guest", "guest")
     agents = ["h1", "h2"]
-    creds = prov.provision(rabbit_node.url, vhost="fedmq-http", agents=agents, admin=admin)
+    creds = prov.provision(rabbit_node.url, vhost="fedmq-http", job=job_id, agents=agents, admin=admin)
     try:
         keep = {e["username"]: e["password"] for e in [creds["aggregator"], *creds["agents"].values()]}
-        assert prov.provision(rabbit_node.url, vhost="fedmq-http", agents=agents, admin=admin, passwords=keep) == creds
+        assert prov.provision(rabbit_node.url, vhost="fedmq-http", job=job_id, agents=agents, admin=admin,
+                              passwords=keep) == creds
         with connect(creds["aggregator"]["url"]) as agg, connect(creds["agents"]["h1"]["url"]) as a1:
-            assert agg.user == t.AGGREGATOR_USER
+            assert agg.user == t.aggregator_user(job_id)
             agg.declare_job(job_id, agents)
             a1.publish(t.rk_update(job_id, "h1"), b"mine")
             with pytest.raises(BrokerError, match="403|ACCESS_REFUSED"):
@@ -159,7 +167,7 @@ def test_provision_through_the_management_api(rabbit_node, job_id):
                 a1.consume(t.q_inbox(job_id), lambda d: None)
             assert agg.queue_depth(t.q_inbox(job_id)) == 1
     finally:
-        for u in [t.AGGREGATOR_USER, *agents]:
+        for u in [t.aggregator_user(job_id), *(t.agent_user(job_id, a) for a in agents)]:
             admin.delete_user(u)
         admin.delete_vhost("fedmq-http")
     with pytest.raises(BrokerError, match="HTTP 401"):
@@ -175,3 +183,78 @@ def test_admin_choice_by_broker_location(monkeypatch):
     assert isinstance(prov.admin_for("amqp://guest:guest@127.0.0.1:5672/"), prov.CtlAdmin)
     with pytest.raises(BrokerError, match="amqp"):
         prov.admin_for("memory://x")
+
+
+def test_provision_configures_the_node_the_url_names(rabbit_node, tmp_path):
+    """A local URL's port decides the broker: rabbitmqctl's default node listening elsewhere is one line and
+    nothing is configured anywhere; FEDMQ_RABBITMQ_NODE names the node of that port, which then gets the users."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    vhost = "fedmq-port-" + uuid.uuid4().hex[:6]
+    cmd = [sys.executable, "-m", "cli.app", "broker", "provision", "--broker", rabbit_node.url, "--vhost", vhost,
+           "--job", "portjob", "--agents", "1", "--credentials-out", str(tmp_path / "creds.json")]
+    root = Path(__file__).resolve().parents[2]
+    wrong = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=root)
+    assert wrong.returncode == 2, wrong.stderr
+    assert wrong.stderr.strip() == (f"error: rabbitmqctl's default node listens on port(s) 5672, not {rabbit_node.port}:"
+                                    f" name the node of port {rabbit_node.port} with FEDMQ_RABBITMQ_NODE")
+    assert not (tmp_path / "creds.json").exists()
+    assert vhost not in prov.CtlAdmin().run("list_vhosts", "--quiet")  # the shared broker was not touched
+    env = {**rabbit_node.env(), "FEDMQ_RABBITMQ_NODE": rabbit_node.name,
+           "FEDMQ_RABBITMQCTL": str(Path("/usr/lib/rabbitmq/bin/rabbitmqctl"))}
+    right = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=root, env=env)
+    try:
+        assert right.returncode == 0, right.stderr[-2000:]
+        assert vhost in rabbit_node.ctl("list_vhosts", "--quiet")
+        creds = json.loads((tmp_path / "creds.json").read_text())
+        with connect(creds["agents"]["agent-0"]["url"]) as agent:
+            assert agent.user == "portjob.agent-0"  # per-job user names
+    finally:
+        rabbit_node.ctl("delete_vhost", vhost, check=False)
+
+
+def test_two_jobs_in_one_vhost_are_isolated(rabbit_url):
+    """Provisioning job B (same client ids, same vhost) leaves job A's users as they were, and no user of B can
+    read, write, bind to or delete anything of A."""
+    tag = uuid.uuid4().hex[:8]
+    vhost, job_a, job_b, agents = f"fedmqt-{tag}", f"ja{tag}", f"jb{tag}", ["agent-0"]
+    admin = prov.CtlAdmin()
+    a = prov.provision(rabbit_url, vhost=vhost, job=job_a, agents=agents, admin=admin)
+    b = prov.provision(rabbit_url, vhost=vhost, job=job_b, agents=agents, admin=admin)
+    try:
+        assert a["agents"]["agent-0"]["username"] != b["agents"]["agent-0"]["username"]
+        with connect(a["aggregator"]["url"]) as agg_a, connect(a["agents"]["agent-0"]["url"]) as a0, \
+                connect(b["aggregator"]["url"]) as agg_b, connect(b["agents"]["agent-0"]["url"]) as b0:
+            agg_a.declare_job(job_a, agents, model_bytes=1000)  # A's credentials still work: nothing rotated
+            agg_b.declare_job(job_b, agents, model_bytes=1000)
+            a0.declare_job(job_a, agents, inbox=False)
+            agg_a.publish(t.rk_model(job_a), b"model of A", message_id="ma")
+            for forged in (t.rk_presence(job_a, "agent-0"), t.rk_update(job_a, "agent-0")):
+                with pytest.raises(BrokerError, match="403|ACCESS_REFUSED"):
+                    b0.publish(forged, b"into A's inbox")
+            with pytest.raises(BrokerError, match="403|ACCESS_REFUSED"):
+                b0.declare_job(job_a, agents, inbox=False)  # A's queues: neither declared nor bound
+            with pytest.raises(BrokerError, match="403|ACCESS_REFUSED"):
+                b0.fetch(t.q_models(job_a), "ma", offset="first", timeout=10)  # A's model stream
+            with pytest.raises(BrokerError, match="403|ACCESS_REFUSED"):
+                agg_b.consume(t.q_inbox(job_a), lambda d: None)
+            for key in (t.rk_model(job_a), t.rk_control(job_a)):
+                with pytest.raises(BrokerError, match="403|ACCESS_REFUSED"):
+                    agg_b.publish(key, b"forged")
+            assert agg_a.queue_depth(t.q_inbox(job_a)) == 0
+        conn, ch = _channel(b["agents"]["agent-0"]["url"])
+        with pytest.raises(pe.ChannelClosedByBroker) as exc:  # eavesdropping on A's models via its own queue
+            ch.queue_bind(t.q_latest(job_b, "agent-0"), t.EXCHANGE, routing_key=t.rk_global(job_a))
+        assert exc.value.reply_code == 403
+        ch = conn.channel()
+        with pytest.raises(pe.ChannelClosedByBroker) as exc:
+            ch.queue_delete(t.q_latest(job_a, "agent-0"))
+        assert exc.value.reply_code == 403
+        conn.close()
+    finally:
+        for creds in (a, b):
+            for u in [creds["aggregator"]["username"], *(e["username"] for e in creds["agents"].values())]:
+                admin.delete_user(u)
+        admin.delete_vhost(vhost)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import csv
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -61,6 +63,50 @@ def test_ctrl_c_checkpoints_and_resume_continues(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [r["round"] for r in rows(run)] == [1, 2, 3, 4, 5]  # no round lost, none run twice
     assert [r["version"] for r in rows(run)] == [1, 2, 3, 4, 5]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    with open(run / "metrics.csv", newline="") as fh:  # the same CSV and event files, appended to, no round twice
+        assert [float(r["valid"]) for r in csv.DictReader(fh)] == [r["valid"] for r in rows(run)]
+    board = EventAccumulator(str(run / "tb"))
+    board.Reload()
+    assert [e.step for e in board.Scalars("valid/perplexity")] == [1, 2, 3, 4, 5]
+
+
+def test_simulate_metrics_port_serves_score_and_loss_and_the_run_has_csv_and_tensorboard(tmp_path):
+    import socket
+    import urllib.request
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    run = tmp_path / "run"
+    proc = subprocess.Popen(fedmq("simulate", *TINY, "--rounds", "2", "--out", str(run), "--metrics-port", str(port)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    scraped, deadline = "", time.time() + 120
+    while "fedmq_validation_perplexity" not in scraped and time.time() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+                scraped = resp.read().decode()
+        except OSError:
+            pass
+        time.sleep(0.2)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    metrics = dict(line.rsplit(" ", 1) for line in scraped.splitlines() if line and not line.startswith("#"))
+    done = int(float(metrics['fedmq_rounds_total{outcome="completed"}']))  # scraped while it ran: 1 (or 2)
+    assert float(metrics["fedmq_validation_perplexity"]) == rows(run)[done - 1]["valid"]
+    assert float(metrics["fedmq_train_loss"]) == rows(run)[done - 1]["mean_loss"]
+    with open(run / "metrics.csv", newline="") as fh:
+        table = list(csv.DictReader(fh))
+    assert [(int(r["round"]), float(r["valid"]), json.loads(r["weights"])) for r in table] == \
+        [(r["round"], r["valid"], r["weights"]) for r in rows(run)]
+    board = EventAccumulator(str(run / "tb"))
+    board.Reload()
+    tags = set(board.Tags()["scalars"])
+    assert {"valid/perplexity", "train/mean_loss", "bytes/up", "participation/received"} <= tags
+    assert {f"weights/{c}" for r in rows(run) for c in r["weights"]} <= tags
+    assert [e.step for e in board.Scalars("valid/perplexity")] == [1, 2]
 
 
 def test_resume_without_a_run_folder_is_one_line(tmp_path):
@@ -78,3 +124,107 @@ def test_simulate_over_rabbitmq(tmp_path, rabbit_url):
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["rounds_completed"] == 2 and summary["rejected"] == {}
     assert json.loads((run / "config.json").read_text())["identity"] == "shared:guest"
+    # the job's id is printed, and the run leaves no queue of it on the broker
+    job = summary["job"]
+    assert job.startswith("sim-") and f"job {job}" in proc.stderr
+    assert _job_queues(job) == []
+
+
+def _job_queues(job: str) -> list[str]:
+    out = subprocess.run(["rabbitmqctl", "list_queues", "name", "--quiet", "--no-table-headers"], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    return [q.strip() for q in out.splitlines() if q.strip().startswith(f"fedmq.{job}.")]
+
+
+@pytest.mark.rabbitmq
+def test_simulate_keep_queues_leaves_them(tmp_path, rabbit_url):
+    from broker.provision import purge
+
+    proc = subprocess.run(fedmq("simulate", *TINY, "--rounds", "1", "--out", str(tmp_path / "run"), "--broker", rabbit_url,
+                                "--keep-queues"), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    job = json.loads(proc.stdout.strip().splitlines()[-1])["job"]
+    try:
+        left = _job_queues(job)
+        assert f"fedmq.{job}.inbox" in left and f"fedmq.{job}.models" in left and f"fedmq.{job}.dead" in left
+        assert len(left) == 3 + 2 * 4
+    finally:
+        purge(rabbit_url, job, [f"agent-{i}" for i in range(4)])
+    assert _job_queues(job) == []
+
+
+def test_an_agent_failure_ends_the_simulation_at_once_with_one_line(tmp_path):
+    """A failing agent thread (here: its training raises) stops the run within seconds, not at the 300 s report
+    deadline, and the user sees the first cause in one line (exit 1); the traceback is in the run's log."""
+    from aggregator.config import JobConfig
+    from cli.simulate import Simulation, SimulationFailed
+    from client_agent.tasks.lm import LanguageModelTask
+
+    class Broken(LanguageModelTask):
+        def train(self, model, client, cfg, progress=None):
+            raise RuntimeError(f"out of memory on client {client}\nsecond line")
+
+    task = Broken(data="builtin", model="gru-tiny", clients=3, max_lines=300, vocab_size=300, bptt=10)
+    cfg = JobConfig(job="sim", rounds=2, clients=3, fraction=1.0, heartbeat_s=0.5, join_timeout_s=20,
+                    report_deadline_s=300, update_deadline_s=300, encoding="raw", down_encoding="raw")
+    started = time.monotonic()
+    with pytest.raises(SimulationFailed) as info:
+        Simulation(cfg, task, "memory://sim-broken", tmp_path / "run").run()
+    assert time.monotonic() - started < 30
+    assert re.fullmatch(r"agent agent-(\d): out of memory on client \1", str(info.value)), str(info.value)
+    assert info.value.exit_code == 1
+
+
+JOB_TOML = """\
+job = "wt2"          # the services' job id: simulate names its own
+strategy = "fedatt"
+rounds = 8
+clients = 3
+fraction = 0.67
+max_steps = 10
+lr = 10
+
+[task]
+model = "gru-tiny"
+max_lines = 1200
+vocab_size = 1500
+bptt = 20
+"""
+
+
+@pytest.mark.slow
+def test_config_file_run_then_resume_from_the_saved_options_alone(tmp_path):
+    job, run = tmp_path / "job.toml", tmp_path / "run"
+    job.write_text(JOB_TOML)
+    proc = subprocess.run(fedmq("simulate", "--config", str(job), "--rounds", "1", "--out", str(run)),
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    config = json.loads((run / "config.json").read_text())
+    assert (config["strategy"], config["rounds"], config["clients"], config["train_lines"]) == ("fedatt", 1, 3, 1200)
+    assert config["job"] == "sim" and config["extra"]["cli"]["vocab_size"] == 1500
+
+    # no option repeated: the run's own config, not the defaults (8 agents, all words, fedavg)
+    proc = subprocess.run(fedmq("simulate", "--out", str(run), "--resume", "--rounds", "2"), capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [r["round"] for r in rows(run)] == [1, 2]
+    resumed = json.loads((run / "config.json").read_text())
+    assert {k: resumed[k] for k in ("strategy", "clients", "vocab_size", "parameters", "lr")} == \
+        {k: config[k] for k in ("strategy", "clients", "vocab_size", "parameters", "lr")}
+    assert resumed["rounds"] == 2
+
+    # different options are refused in one line, and nothing in the folder changes
+    before = {p: p.read_bytes() for p in (run / "config.json", run / "metrics.jsonl")}
+    proc = subprocess.run(fedmq("simulate", "--out", str(run), "--resume", "--model", "gru-small", "-k", "8"),
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "--clients 8 (saved: 3)" in proc.stderr and "--model 'gru-small'" in proc.stderr
+    assert {p: p.read_bytes() for p in before} == before
+
+    # a checkpoint that no longer fits (the corpus or the recorded options changed) is one line, not a hang
+    changed = {**resumed, "extra": {"cli": {**resumed["extra"]["cli"], "vocab_size": 1000}}}
+    (run / "config.json").write_text(json.dumps(changed))
+    proc = subprocess.run(fedmq("simulate", "--out", str(run), "--resume", "--rounds", "3"), capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "does not fit" in proc.stderr and [r["round"] for r in rows(run)] == [1, 2]

@@ -165,6 +165,25 @@ def test_limits() -> None:
     assert r.pending_bytes() == 1000 and r.pending_messages() == 1
 
 
+def test_per_sender_limit_and_its_release() -> None:
+    """One sender's incomplete messages may reserve at most max_pending_per_sender; completing, failing or
+    expiring one frees its share for that sender, and other senders are unaffected."""
+    msgs = {m: split(os.urandom(1000), m, 100) for m in ("a", "b", "c", "d")}
+    r = Reassembler(max_pending_per_sender=2000, timeout_s=10.0)
+    r.add(msgs["a"][0], now=0.0, sender="x")
+    r.add(msgs["b"][0], now=0.0, sender="x")
+    with pytest.raises(CodecError) as e:
+        r.add(msgs["c"][0], now=0.0, sender="x")
+    assert e.value.reason == "reassembly-full" and r.pending_messages() == 2
+    r.add(msgs["c"][0], now=0.0, sender="y")  # another sender has its own share
+    for ch in msgs["a"][1:]:
+        out = r.add(ch, now=1.0, sender="x")
+    assert out == b"".join(ch.data for ch in msgs["a"])
+    r.add(msgs["d"][0], now=1.0, sender="x")  # a's share is free again
+    assert r.expire(now=10.5) == ["b", "c"] and r.pending_bytes() == 1000
+    assert r._by_sender == {"x": 1000}
+
+
 def test_expiry_frees_memory() -> None:
     r = Reassembler(timeout_s=10.0)
     a = split(os.urandom(1000), "a", 100)

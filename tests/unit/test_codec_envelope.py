@@ -75,6 +75,7 @@ def test_bombs() -> None:
     huge = zstd.ZstdCompressor(level=19).compress(bytes(64 << 20))  # ~2 KiB declaring 64 MiB
     assert len(huge) < 10_000
     assert _reason(_frame(huge, FLAG_ZSTD), limits=Limits(max_decompressed_bytes=1 << 20)) == "bomb"
+    assert _reason(_frame(huge, FLAG_ZSTD)) == "bomb"  # by default: pack never zstd's a body over COMPRESS_MAX
     unknown = zstd.ZstdCompressor(write_content_size=False).compress(msgpack.packb(_body()))
     assert _reason(_frame(unknown, FLAG_ZSTD)) == "bomb"
     # a msgpack map claiming 2^31 entries, and an array claiming 2^32-1

@@ -11,7 +11,9 @@ def test_defaults_are_valid_and_derived_properties():
     assert JobConfig(beta=0.5).grant_phase
     assert JobConfig(strategy="fedsgd").selected_count() == 10
     assert JobConfig(strategy="fedsgd", epochs=5).train_config()["epochs"] == 1
-    assert JobConfig(strategy="dp-g").pull == "dp-g"
+    assert JobConfig(strategy="pull-global").pull == "global"
+    # the first names (dp-*) read as differential privacy: still accepted, stored under the new ones
+    assert JobConfig(strategy="dp-l").strategy == "pull-local" and JobConfig(strategy="dp-random").pull == "random"
     assert JobConfig(strategy="async").mode == "async"
     assert JobConfig(fraction=0.01, clients=10).selected_count() == 1
 
@@ -20,7 +22,7 @@ def test_defaults_are_valid_and_derived_properties():
     {"strategy": "fedfoo"}, {"rounds": 0}, {"fraction": 0}, {"fraction": 1.5}, {"beta": 0}, {"lr": -1},
     {"att_norm": "l7"}, {"optimizer": "rmsprop"}, {"identity": "shared:"}, {"pull_fraction": 1.0}, {"epochs": 0},
     {"encoding": "no-such-encoding"}, {"down_encoding": "int9"}, {"keyframe_every": 0},
-    {"strategy": "dp-g", "pull_down": True, "encoding": "delta+bf16"},
+    {"strategy": "pull-global", "pull_down": True, "encoding": "delta+bf16"},
 ])
 def test_bad_values_rejected_with_one_line(kwargs):
     with pytest.raises(JobConfigError) as err:
@@ -36,8 +38,22 @@ def test_from_dict_rejects_unknown_keys():
 
 def test_default_encodings_and_auto():
     assert (JobConfig().encoding, JobConfig().down_encoding) == ("delta+bf16", "bf16")
-    assert JobConfig(strategy="dp-g", pull_down=True).encoding == "raw"  # pull-down uploads cannot be deltas
+    assert JobConfig(strategy="pull-global", pull_down=True).encoding == "raw"  # pull-down uploads cannot be deltas
     assert JobConfig.from_dict(JobConfig().to_dict()).encoding == "delta+bf16"
-    cfg = JobConfig(pull_down=False, down_encoding="delta+bf16", strategy="dp-l")
+    cfg = JobConfig(pull_down=False, down_encoding="delta+bf16", strategy="pull-local")
     assert cfg.train_config()["keep_model"] and cfg.train_config()["keep_own"]  # a delta base, the pulling rule's input
     assert not JobConfig().train_config()["keep_model"] and not JobConfig().train_config()["keep_own"]
+
+
+def test_pull_share_is_of_parameters_by_default_and_validated():
+    assert JobConfig(strategy="pull-local").train_config()["pull_by"] == "params"
+    assert JobConfig(strategy="pull-local", pull_by="count").train_config()["pull_by"] == "count"
+    with pytest.raises(JobConfigError, match="pull-by 'bytes'"):
+        JobConfig(strategy="pull-local", pull_by="bytes")
+
+
+def test_fedsgd_is_one_full_batch_step_on_every_client():
+    cfg = JobConfig(strategy="fedsgd", clients=7, fraction=0.1, epochs=5, max_steps=30).train_config()
+    assert cfg["full_batch"] and cfg["epochs"] == 1 and cfg["max_steps"] == 0
+    assert JobConfig(strategy="fedsgd", clients=7, fraction=0.1).selected_count() == 7
+    assert not JobConfig(strategy="fedavg", epochs=5).train_config()["full_batch"]

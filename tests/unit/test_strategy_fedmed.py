@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aggregator.strategies.base import ClientUpdate
+from aggregator.strategies.base import ClientUpdate, aggregate
 from aggregator.strategies.errors import BadParameter, StrategyError
 from aggregator.strategies.fedmed import FedMed, js_divergence
 
@@ -41,10 +41,10 @@ def test_chunked_js_matches_direct_formula_on_a_large_tensor():
     assert js_divergence(a, b) == pytest.approx(ref, rel=1e-9)
 
 
-def test_adaptive_hand_worked():
+def test_adaptive_hand_worked():  # the paper's literal γ = softmax(JS)
     # client a equals the global model: JS_a = 0; client b: JS_b = 0.0338221 (above)
     # γ_b = 1/(1 + e^-0.0338221) = 0.5084547, γ_a = 0.4915453; η = 1: θ' = γ_a·[0,0] + γ_b·[ln3, 0] = [0.5585946, 0]
-    s = FedMed()
+    s = FedMed(js="raw")
     out = run(s, {"w": torch.zeros(2)},
               [ClientUpdate("a", 5, {"w": torch.zeros(2)}), ClientUpdate("b", 1, {"w": torch.tensor([LN3, 0.0])})])
     torch.testing.assert_close(out["w"], torch.tensor([0.5585946, 0.0]))
@@ -53,7 +53,7 @@ def test_adaptive_hand_worked():
 
 def test_eta_scales_the_step():
     # η = 0.5: θ' = θ − ½ Σ γ_k (θ − θ_k) = ½·[0.5585946, 0]
-    out = run(FedMed(eta=0.5), {"w": torch.zeros(2)},
+    out = run(FedMed(eta=0.5, js="raw"), {"w": torch.zeros(2)},
               [ClientUpdate("a", 1, {"w": torch.zeros(2)}), ClientUpdate("b", 1, {"w": torch.tensor([LN3, 0.0])})])
     torch.testing.assert_close(out["w"], torch.tensor([0.2792973, 0.0]))
 
@@ -76,7 +76,7 @@ def test_streaming_equals_batch_in_any_order():
         gamma = torch.softmax(torch.tensor([js_divergence(g, u.tensors[k]) for u in ups], dtype=torch.float64), 0)
         ref[k] = sum(float(c) * u.tensors[k].double() for c, u in zip(gamma, ups))
     for order in (ups, ups[::-1], ups[2:] + ups[:2]):
-        out = run(FedMed(), glob, order)
+        out = run(FedMed(js="raw"), glob, order)
         for k in glob:
             torch.testing.assert_close(out[k].double(), ref[k], rtol=1e-5, atol=1e-6)
 
@@ -89,3 +89,58 @@ def test_mode_is_validated_and_fixed_within_a_round():
     with pytest.raises(StrategyError, match="before begin"):
         s.set_mode("fedavg")
     assert s.mode == "adaptive"
+
+
+def _two_pass(glob, updates, **kw):
+    first = FedMed(**kw)
+    first.begin(glob)
+    for u in updates:
+        first.fold(u)
+    with pytest.raises(StrategyError, match="second pass"):
+        first.finish()
+    out, second = aggregate(lambda **extra: FedMed(**kw, **extra), glob, updates)
+    assert second.temperatures == first.second_pass()["temperatures"]
+    return out, second
+
+
+def test_standardised_js_is_a_softmax_of_z_scores_over_two_passes():
+    glob = {"w": torch.zeros(2)}
+    xs = [torch.zeros(2), torch.tensor([LN3, 0.0]), torch.tensor([2.0, -1.0])]
+    ups = [ClientUpdate(c, 1, {"w": x}) for c, x in zip("abc", xs)]
+    d = torch.tensor([js_divergence(glob["w"], x) for x in xs], dtype=torch.float64)
+    gamma = torch.softmax((d - d.mean()) / d.std(unbiased=False), 0)
+    out, s = _two_pass(glob, ups)
+    torch.testing.assert_close(out["w"].double(), sum(g * x.double() for g, x in zip(gamma, xs)), rtol=1e-6, atol=1e-7)
+    assert s.client_weights() == pytest.approx(dict(zip("abc", gamma.tolist())), abs=1e-9)
+    # one pass is enough for the raw formula and for FedAvg mode
+    raw = FedMed(js="raw")
+    raw.begin(glob)
+    assert raw.second_pass() is None
+    # equal divergences (or one client): equal weights, no division by zero
+    same, s = _two_pass(glob, [ClientUpdate("a", 1, {"w": xs[1]}), ClientUpdate("b", 1, {"w": xs[1]})])
+    assert s.client_weights() == {"a": 0.5, "b": 0.5}
+
+
+def test_standardised_weights_differ_between_clients_on_real_updates():
+    """The paper's literal softmax of raw JS gives near-uniform weights on trained models (JS ~1e-6 nats); the
+    standardised weights differ between clients."""
+    from client_agent.tasks.base import TrainConfig, model_state
+    from client_agent.tasks.lm import LanguageModelTask
+
+    task = LanguageModelTask(clients=4, seed=0, data="builtin", model="gru-small", emb=16, hidden=16,
+                             vocab_size=500, max_lines=600, max_eval_lines=50, bptt=10, dropout=0.0)
+    torch.manual_seed(0)
+    glob = {k: v.clone() for k, v in model_state(task.build_model(0)).items()}
+    ups = []
+    for c in range(4):
+        m = task.build_model(0)
+        task.train(m, c, TrainConfig(batch_size=4, lr=5.0, max_steps=5, seed=c))
+        ups.append(ClientUpdate(f"agent-{c}", 1, {k: v.clone() for k, v in model_state(m).items()}))
+    raw = FedMed(js="raw")
+    run(raw, glob, ups)
+    w_raw = raw.client_weights()
+    assert max(w_raw.values()) / min(w_raw.values()) < 1.01  # inert: the issue's finding
+    _, std = _two_pass(glob, ups)
+    w_std = std.client_weights()
+    assert max(w_std.values()) / min(w_std.values()) > 1.5, w_std
+    assert sum(w_std.values()) == pytest.approx(1.0)

@@ -52,7 +52,7 @@ def test_trimmed_mean_refuses_more_than_its_memory_bound():
 def test_registry_builds_every_name():
     for name in STRATEGY_NAMES:
         assert isinstance(make_strategy(name), Strategy)
-    assert isinstance(make_strategy("dp-random"), DynamicPull) and make_strategy("dp-random").rule == "random"
+    assert isinstance(make_strategy("pull-random"), DynamicPull) and make_strategy("pull-random").rule == "random"
     s = make_strategy("fedatt", epsilon=1.0, norm="spectral")
     assert isinstance(s, FedAtt) and s.epsilon == 1.0 and s.norm == "spectral"
     assert make_strategy("median").trim == 0.5
@@ -64,7 +64,7 @@ def test_registry_builds_every_name():
         ("fedprox", {}, "unknown strategy 'fedprox'"),
         ("fedavg", {"epsilon": 1}, "has no parameter 'epsilon'; it takes no parameters"),
         ("fedatt", {"eps": 1}, "has no parameter 'eps'; it accepts"),
-        ("dp-l", {"rule": "dp-g"}, "has no parameter 'rule'"),
+        ("pull-local", {"rule": "global"}, "has no parameter 'rule'"),
         ("fedatt", {"epsilon": -1}, "epsilon must be > 0.0"),
         ("async", {"buffer_size": "ten"}, "buffer_size must be an integer >= 1"),
     ],

@@ -11,7 +11,7 @@ from torch import nn
 
 from client_agent.tasks.base import TrainConfig, load_state, model_state
 from client_agent.tasks.errors import TaskError
-from client_agent.tasks.lm import LanguageModelTask
+from client_agent.tasks.lm import LanguageModelTask, detach_hidden
 from client_agent.tasks.lm_data import EOS, UNK, StreamBatches, Vocabulary, load_corpus
 from client_agent.tasks.lm_models import RNNLanguageModel, rnn_config
 from client_agent.tasks.registry import make_task
@@ -196,7 +196,7 @@ def test_natural_partition_by_docid(corpus_dir):
 @pytest.mark.parametrize("options,match", [
     (dict(model="gru-huge"), "unknown LM model"),
     (dict(model="lstm", tied=True, hidden=24), "use --untied"),
-    (dict(data="/does/not/exist"), "does not exist"),
+    (dict(data="/does/not/exist"), "no such folder"),
     (dict(dropout=1.5), "dropout"),
     (dict(bptt=0), "bptt"),
     (dict(vocab_size=2), "vocab-size"),
@@ -232,3 +232,81 @@ def test_bad_train_config(corpus_dir):
     with pytest.raises(TaskError, match="does not exist"):
         task.train(model, 5, TrainConfig())
     assert all(torch.equal(a, b) for a, b in zip(before, model_state(model).values()))  # nothing changed
+
+
+def test_data_names_a_cached_corpus_or_says_where_to_put_it(tmp_path, monkeypatch, corpus_dir):
+    """`--data wikitext-2` reads $FEDMQ_DATA_DIR/wikitext-2; a missing corpus or a file gets one line saying what to do."""
+    from client_agent.tasks.corpora import resolve
+    monkeypatch.setenv("FEDMQ_DATA_DIR", str(tmp_path / "cache"))
+    with pytest.raises(TaskError, match=r"corpus 'ptb' is not on this machine: put its folder .* at .*cache/ptb") as info:
+        make_task("lm", data="ptb", clients=2, **TINY)
+    assert "\n" not in str(info.value)
+    cached = tmp_path / "cache" / "ptb"
+    cached.mkdir(parents=True)
+    for split in ("train", "valid", "test"):
+        (cached / f"ptb.{split}.txt").write_text((corpus_dir / f"{split}.txt").read_text())
+    assert resolve("ptb") == str(cached)
+    task = make_task("lm", data="ptb", model="gru-small", clients=2, **TINY)
+    assert task.num_clients == 2
+    a_file = cached / "ptb.train.txt"
+    with pytest.raises(TaskError, match=f"is a file; pass the folder that holds the corpus \\({cached}\\)"):
+        make_task("lm", data=str(a_file), clients=2, **TINY)
+
+
+def test_full_batch_is_one_step_on_the_whole_shard_gradient(corpus_dir):
+    """FedSGD (B = ∞): one optimizer step per epoch on the token-weighted mean gradient of every batch."""
+    task = LanguageModelTask(corpus_dir, model="gru-small", clients=2, **{**TINY, "bptt": 4})
+    base = model_state(task.build_model(0))
+    cfg = dict(lr=0.5, clip=0.0, batch_size=4, seed=3)
+
+    sgd = task.build_model(0)
+    per_batch = task.train(sgd, 0, TrainConfig(**cfg))
+    full = task.build_model(0)
+    result = task.train(full, 0, TrainConfig(**cfg, full_batch=True))
+    assert per_batch.steps > 1 and result.steps == 1 and result.tokens == per_batch.tokens
+
+    # the same step by hand: the mean loss over all targets, one backward, θ − lr·∇
+    manual = task.build_model(0)
+    load_state(manual, base)
+    grads = {n: torch.zeros_like(p) for n, p in manual.named_parameters()}
+    hidden, total = None, 0
+    batches = StreamBatches.build(task.client_ids(0), 4, task.vocab.eos)
+    manual.train()
+    hidden = manual.init_hidden(batches.inputs.size(1), torch.device("cpu"))
+    for x, y, mask in batches.windows(4):
+        hidden = detach_hidden(hidden)
+        logits, hidden = manual(x, hidden)
+        nll = nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
+        manual.zero_grad()
+        (nll * mask.reshape(-1)).sum().backward()
+        for n, p in manual.named_parameters():
+            grads[n] += p.grad
+        total += int(mask.sum())
+    expected = {n: base[n] - 0.5 * g / total for n, g in grads.items()}
+    got = dict(full.named_parameters())
+    for n in expected:
+        assert torch.allclose(got[n].detach(), expected[n], atol=1e-6), n
+    assert not all(torch.equal(a, b) for a, b in zip(model_state(sgd).values(), model_state(full).values()))
+
+
+def test_tail_loss_is_the_trained_models_loss_on_its_shard(corpus_dir):
+    """FedMed §3.4 ranks workers by "the loss on the dataset of each worker ... computed at the tail of local
+    training": the trained model on its own shard, not the running mean over the run (which lags behind)."""
+    task = LanguageModelTask(corpus_dir, model="gru-small", clients=1, emb=16, hidden=16, dropout=0.3, bptt=8)
+    cfg = dict(epochs=2, batch_size=5, lr=2.0, momentum=0.5, optimizer="sgd", seed=7)
+    plain, tailed = task.build_model(3), task.build_model(3)
+    r_plain = task.train(plain, 0, TrainConfig(**cfg))
+    r_tail = task.train(tailed, 0, TrainConfig(**cfg, tail_loss=True))
+    assert r_plain.tail_loss is None and r_plain.reported == r_plain.loss
+    # measuring it changes nothing else: the same model, the same running loss
+    assert r_tail.loss == r_plain.loss
+    assert all(torch.equal(x, y) for x, y in zip(model_state(plain).values(), model_state(tailed).values()))
+    # it is the trained model's loss on the shard (clients=1: the whole train split), dropout off
+    assert r_tail.reported == r_tail.tail_loss == pytest.approx(task.mean_nll(tailed, "train"), rel=0.03)
+    assert r_tail.tail_loss < r_tail.loss  # the model learned during the run: its end is below the run's mean
+
+
+def test_fedmed_rounds_ask_for_the_tail_loss_and_others_do_not():
+    from aggregator.config import JobConfig
+    assert JobConfig(strategy="fedmed").train_config()["tail_loss"] is True
+    assert JobConfig(strategy="fedavg").train_config()["tail_loss"] is False

@@ -45,3 +45,18 @@ def test_metrics_health_ready_status(telemetry):
     assert get(port, "/readyz")[0] == 200
     assert json.loads(get(port, "/status")[1])["version"] == 2
     assert get(port, "/nope")[0] == 404
+
+
+@pytest.mark.parametrize("metric,name", [("perplexity", "fedmq_validation_perplexity"), ("bleu", "fedmq_validation_bleu")])
+def test_metrics_carry_the_last_rounds_validation_score_and_train_loss(telemetry, metric, name):
+    t, _ = telemetry
+    port = t.server.server_address[1]
+    assert name not in get(port, "/metrics")[1]  # no score before a round, rather than a score of 0
+    t.observe_round({"round": 1, "metric": metric, "valid": 181.5, "mean_loss": 5.25, "received": ["a"]})
+    t.observe_round({"round": 2, "metric": metric, "skipped": True, "valid": None, "mean_loss": None})
+    text = get(port, "/metrics")[1]
+    assert f"# TYPE {name} gauge" in text and f"\n{name} 181.5\n" in text  # a skipped round keeps the last values
+    assert "# TYPE fedmq_train_loss gauge" in text and "\nfedmq_train_loss 5.25\n" in text
+    t.observe_round({"round": 3, "metric": metric, "valid": 120.0, "mean_loss": 4.5, "received": ["a"]})
+    text = get(port, "/metrics")[1]
+    assert f"\n{name} 120.0\n" in text and "\nfedmq_train_loss 4.5\n" in text

@@ -1,0 +1,109 @@
+"""`fedmq simulate`'s run folder: one run per folder, created only once the flags are valid, gone again when the
+command fails before its first round.
+
+- ``--out`` holding a run (config.json or metrics.jsonl) without ``--resume`` is refused in one line naming
+  ``--resume`` (as Lightning and NVFlare users expect): no silently mixed metrics, checkpoints or summaries.
+- ``--out`` that is a file, sits under a file, or cannot be created is one line, not a traceback.
+- Nothing is created until every flag is checked; what the command created (the folder, or new entries in an
+  existing empty one) is removed again when it fails or is interrupted before the engine wrote config.json (it
+  does so right before the first round): a typo, a refused option or an unreachable broker leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from cli.errors import UsageError
+
+RUN_FILES = ("config.json", "metrics.jsonl")
+
+
+def default_dir(strategy: str) -> Path:
+    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{strategy}"
+
+
+def check(run_dir: Path, resume: bool) -> dict[str, Any] | None:
+    """Check ``run_dir`` for this command (nothing is created): on --resume its saved config.json, else None."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UsageError(f"--out {run_dir} is a file; give a folder for the run")
+    if resume:
+        path = run_dir / "config.json"
+        if not path.is_file():
+            raise UsageError(f"--resume needs an existing run folder; {run_dir} has no config.json")
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--resume: cannot read {path} ({exc}); the run cannot be rebuilt from it") from None
+        if not isinstance(config, dict):
+            raise UsageError(f"--resume: {path} is not a run config (a JSON object)")
+        return config
+    held = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if held:
+        raise UsageError(f"--out {run_dir} already holds a run ({held[0]}); pass --resume to continue it, "
+                         "or choose another --out")
+    _check_writable(run_dir)
+    return None
+
+
+def create(run_dir: Path) -> Callable[[], None]:
+    """Create ``run_dir``; returns ``discard``: it removes what this command made there (the folders it created,
+    or, in a folder that existed, the entries that were not there before) unless a round started."""
+    first_new = None
+    for folder in (run_dir, *run_dir.parents):
+        if folder.exists():
+            break
+        first_new = folder
+    before = set(os.listdir(run_dir)) if first_new is None else set()
+
+    def discard() -> None:
+        if (run_dir / "config.json").exists():  # written right before round 1: a resumable run
+            return
+        if first_new is not None:
+            shutil.rmtree(first_new, ignore_errors=True)
+            return
+        for name in set(os.listdir(run_dir)) - before:
+            path = run_dir / name
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".fedmq-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        discard()
+        raise UsageError(f"cannot write the run folder {run_dir}: {exc.strerror or exc}") from None
+    return discard
+
+
+def check_checkpoint_fits(run_dir: Path, task: Any, seed: int) -> None:
+    """On --resume: the newest checkpoint's tensors must have this task's model shapes. A mismatch (the corpus
+    changed, or an old folder lacked the options) is one line here instead of agents rejecting every model."""
+    from aggregator.checkpoint import load_checkpoint
+    from client_agent.tasks.base import model_state
+
+    ckpt = load_checkpoint(run_dir / "checkpoints")
+    if ckpt is None:
+        return
+    want = {k: tuple(v.shape) for k, v in model_state(task.build_model(seed)).items()}
+    have = {k: tuple(v.shape) for k, v in ckpt.global_state.items()}
+    if want != have:
+        name = next((k for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k)))
+        raise UsageError(f"the checkpoint in {run_dir} does not fit the model these options build (tensor {name}: "
+                         f"checkpoint {list(have.get(name, ()))}, model {list(want.get(name, ()))}); resume with "
+                         "the run's own data and task options")
+
+
+def _check_writable(run_dir: Path) -> None:
+    folder = run_dir
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UsageError(f"cannot create the run folder {run_dir}: {folder} is a file")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot create the run folder {run_dir}: {folder} is not writable")

@@ -1,0 +1,83 @@
+"""The bounds on one client's influence (aggregator.guards): norms that cannot overflow, the lower median,
+which updates a round drops or caps, and the non-finite check. The engine's use of them runs on real RabbitMQ
+in tests/hostile/test_poison_bounds.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from aggregator.config import JobConfig, JobConfigError
+from aggregator.guards import RoundGuard, delta_norm, first_nonfinite, lower_median
+from aggregator.strategies.base import ClientUpdate
+
+GLOBAL = {"w": torch.ones(4, 3), "b": torch.zeros(3)}
+
+
+def delta(client: str, n: int, value: float) -> ClientUpdate:
+    return ClientUpdate(client, n, {k: torch.full_like(v, value) for k, v in GLOBAL.items()}, delta=True)
+
+
+def judge(*updates: ClientUpdate, samples: float = 4.0, norm: float = 10.0):
+    guard = RoundGuard(samples, norm)
+    guard.begin()
+    for u in updates:
+        guard.note(u, GLOBAL)
+    return guard.verdict()
+
+
+def test_delta_norm_of_3e38_weights_is_finite_and_huge():
+    assert delta_norm(delta("a", 1, 3e38), GLOBAL) == pytest.approx(3e38 * math.sqrt(15), rel=1e-6)
+    full = ClientUpdate("a", 1, {k: torch.zeros_like(v) for k, v in GLOBAL.items()})  # θ_k = 0: Δ = −θ
+    assert delta_norm(full, GLOBAL) == pytest.approx(math.sqrt(12))
+
+
+def test_lower_median_ignores_one_outlier_and_takes_the_smaller_of_two():
+    assert lower_median([1.0, 2.0, 1e30]) == 2.0
+    assert lower_median([5.0, 1e30]) == 5.0
+    assert lower_median([3.0, 1.0, 2.0, 1e30]) == 2.0
+
+
+def test_honest_round_is_left_alone():
+    verdict = judge(delta("a", 100, 0.1), delta("b", 300, 0.3), delta("c", 200, -0.2))
+    assert not verdict and verdict.record() == {"dropped": {}, "capped": {}}
+
+
+def test_overflow_attack_is_dropped_and_its_weight_does_not_matter():
+    verdict = judge(delta("a", 100, 0.1), delta("b", 120, 0.1), delta("evil", 2**52, 3e38))
+    assert list(verdict.dropped) == ["evil"] and "median" in verdict.dropped["evil"]
+    assert verdict.capped == {}  # a dropped update is not capped as well
+
+
+def test_huge_n_samples_with_a_normal_update_is_capped_to_factor_times_median():
+    verdict = judge(delta("a", 100, 0.1), delta("b", 120, 0.1), delta("evil", 2**52, 0.1))
+    assert verdict.dropped == {} and verdict.capped == {"evil": 480}
+
+
+def test_a_lone_update_has_no_peer_to_be_judged_against():
+    assert not judge(delta("evil", 2**52, 3e38))
+
+
+def test_factor_zero_turns_a_bound_off():
+    assert judge(delta("a", 100, 0.1), delta("evil", 2**52, 3e38), norm=0).dropped == {}
+    assert judge(delta("a", 100, 0.1), delta("evil", 2**52, 0.1), samples=0).capped == {}
+
+
+def test_first_nonfinite_names_the_tensor():
+    assert first_nonfinite(GLOBAL) is None
+    assert first_nonfinite({"w": torch.ones(2), "b": torch.tensor([1.0, float("inf")])}) == "b"
+    assert first_nonfinite({"w": torch.tensor([float("nan")])}) == "w"
+
+
+@pytest.mark.parametrize("field", ["max_samples_factor", "norm_bound_factor"])
+@pytest.mark.parametrize("value", [-1, float("nan"), float("inf"), True])
+def test_bad_bound_setting_is_one_clear_error(field, value):
+    with pytest.raises(JobConfigError, match=field.replace("_", "-")):
+        JobConfig(**{field: value})
+
+
+def test_bounds_are_on_by_default():
+    cfg = JobConfig()
+    assert cfg.max_samples_factor > 0 and cfg.norm_bound_factor > 0
