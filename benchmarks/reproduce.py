@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.experiments import NAMES, SCALES, ExperimentError, check_args, run_experiment  # noqa: E402
+from benchmarks.experiments import NAMES, SCALES, ExperimentError, check_args, parse_seeds, run_experiment  # noqa: E402
 from broker.errors import FedmqError  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name", help=f"{' | '.join(NAMES)} | all")
     parser.add_argument("--scale", default="cpu", choices=SCALES)
     parser.add_argument("--out", type=Path, default=Path("runs/experiments"))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds; several: mean ± sd (rerun to resume)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--only", help="run only the grid's runs whose name contains this text")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -44,10 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     names = list(NAMES) if args.name == "all" else [args.name]
     try:
         overrides = parse_overrides(args.set)
+        seeds = parse_seeds(args.seeds)
         for name in names:
             check_args(name, args.scale, args.threads)
         for name in names:
-            results = run_experiment(name, args.scale, args.out, args.seed, args.threads, only=args.only,
+            results = run_experiment(name, args.scale, args.out, seeds, args.threads, only=args.only,
                                      overrides=overrides)
             sys.stdout.write((args.out / name / "results.md").read_text() + f"\n({results['wall_s']} s)\n\n")
     except FedmqError as exc:

@@ -571,22 +571,23 @@ def bench_flower(data: Path = typer.Option(Path("../shared/data/wikitext-2"), he
 
 @app.command(cls=HelpCommand)
 def experiment(
-    name: str = typer.Argument(..., help="table2, fraction, rounds-to-target, topk, randomization, scale, "
+    name: str = typer.Argument(..., help="table2, sweep, fraction, rounds-to-target, topk, randomization, scale, "
                                          "dropout or nmt-domains"),
     scale: str = typer.Option("cpu", help="smoke (CI) | cpu (minutes on 2 cores) | paper (the papers' settings, GPU)"),
     out: Path = typer.Option(Path("runs/experiments"), help="results go to OUT/NAME (run folders, results.md, report/)"),
-    seed: int = typer.Option(0, help="one seed for sampling, shards and init"),
+    seeds: str = typer.Option("0", help="seeds for sampling, shards and init, e.g. 0,1,2 (several: mean ± sd)"),
     threads: int = typer.Option(1, help="torch intra-op threads"),
     log_level: str = LOG_LEVEL,
 ) -> None:
     """Reproduce a seed paper's experiment (docs/results.md).
 
-    Example: fedmq experiment table2 --scale cpu
+    Example: fedmq experiment table2 --scale cpu --seeds 0,1,2   (rerun the same command to resume)
     """
     from benchmarks import experiments
     experiments.check_args(name, scale, threads)
+    seed_list = experiments.parse_seeds(seeds)
     _setup_logs(log_level, "json", out / name / "experiment.jsonl")
-    experiments.run_experiment(name, scale, out, seed, threads)
+    experiments.run_experiment(name, scale, out, seed_list, threads)
     typer.echo((out / name / "results.md").read_text())
 
 

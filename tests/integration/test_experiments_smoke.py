@@ -45,6 +45,8 @@ def test_lm_grid_runs(name, tmp_path):
     if name == "table2":  # FedSGD uses every client, the others C*K
         assert runs["wikitext-2-fedsgd"]["updates_received"] == 4
         assert runs["wikitext-2-fedavg-c0.5"]["updates_received"] == 2
+        central = runs["wikitext-2-central-c0.5"]  # no federation: nothing on the wire, one model on the union
+        assert central["strategy"] == "central" and central["bytes_up"] == 0 and central["updates_received"] == 0
     if name == "randomization":  # noise changes the uploaded weights, hence the model
         assert runs["fedavg-noise0.0"]["test"] != runs["fedavg-noise0.01"]["test"]
 
@@ -95,6 +97,61 @@ def test_cli_topk_with_report(tmp_path):
     assert list((tmp_path / "topk" / "report").glob("*.png"))
 
 
+def test_central_baseline_matches_the_federations_token_passes(tmp_path):
+    """C x K clients x E epochs of their shards a round = C x E epochs of the union, trained on one model."""
+    from benchmarks.experiments import Runner
+    from client_agent.tasks.lm_data import StreamBatches
+
+    spec = next(s for s in experiments.table2("smoke") if s.central)
+    runner = Runner(tmp_path)
+    summary = runner.federate(spec, seed=0)
+    union = runner.task("lm", {**spec.task_options, "clients": 1})
+    windows = StreamBatches.build(union.client_ids(0), spec.job["batch_size"], union.vocab.eos).num_windows(union.bptt)
+    assert summary["steps_per_round"] == math.ceil(spec.job["fraction"] * spec.job["epochs"] * windows)
+    rows = [json.loads(line) for line in (tmp_path / spec.name / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == list(range(1, spec.job["rounds"] + 1))
+    assert summary["best_valid"] == min(r["valid"] for r in rows) and math.isfinite(summary["test"])
+
+
+def test_seeds_give_mean_and_sd_and_a_rerun_resumes(tmp_path):
+    results = run_experiment("table2", "smoke", tmp_path, seeds=[0, 1], report=False, only="fedavg,central")
+    runs = {r["run"]: r for r in results["runs"]}
+    assert set(runs) == {"wikitext-2-fedavg-c0.5", "wikitext-2-central-c0.5"}
+    for name, row in runs.items():
+        tests = [results["per_seed"][s]["runs"][i]["test"] for s in ("0", "1")
+                 for i, r in enumerate(results["per_seed"][s]["runs"]) if r["run"] == name]
+        assert row["seeds"] == 2 and row["test"] == pytest.approx(sum(tests) / 2)
+        assert row["test_sd"] == pytest.approx(abs(tests[0] - tests[1]) / math.sqrt(2))
+        assert (tmp_path / "table2" / "seed-1" / name / "summary.json").is_file()
+    assert tests[0] != tests[1]  # the seed changes shards, init and sampling
+    per = {s: {r["run"]: r["test"] for r in results["per_seed"][s]["runs"]} for s in ("0", "1")}
+    diffs = [per[s]["wikitext-2-central-c0.5"] - per[s]["wikitext-2-fedavg-c0.5"] for s in ("0", "1")]
+    low, high = "wikitext-2-fedavg-c0.5", "wikitext-2-central-c0.5"
+    if sum(diffs) < 0:
+        low, high, diffs = high, low, [-d for d in diffs]
+    [line] = results["orderings"]
+    assert line.startswith(f"{low} < {high} in {sum(d > 0 for d in diffs)}/2 seeds, difference {sum(diffs) / 2:.2f}")
+    md = (tmp_path / "table2" / "results.md").read_text()
+    assert "seeds 0, 1, mean ± sd" in md and "test_sd" in md and line in md
+    # the same command again: every run is already done, nothing is retrained
+    stamp = {p: p.stat().st_mtime_ns for p in (tmp_path / "table2").rglob("metrics.jsonl")}
+    again = run_experiment("table2", "smoke", tmp_path, seeds=[0, 1], report=False, only="fedavg,central")
+    assert [r["test"] for r in again["runs"]] == [r["test"] for r in results["runs"]]
+    assert {p: p.stat().st_mtime_ns for p in stamp} == stamp
+    # a changed setting is a different run: it replaces the folder
+    run_experiment("table2", "smoke", tmp_path, seeds=[0, 1], report=False, only="fedavg-c", overrides={"lr": 0.5})
+    changed = tmp_path / "table2" / "seed-0" / "wikitext-2-fedavg-c0.5" / "metrics.jsonl"
+    assert changed.stat().st_mtime_ns != stamp[changed]
+
+
+def test_sweep_reports_smoothness(tmp_path):
+    results = run_experiment("sweep", "smoke", tmp_path, report=False)
+    runs = _check_common(results, tmp_path, "sweep")
+    assert {(r["lr"], r["momentum"]) for r in runs.values()} == {(1.0, 0.5), (0.5, 0.9)}
+    assert experiments.max_jump([300.0, 200.0, 150.0, 240.0, 100.0]) == pytest.approx(1.6)
+    assert experiments.max_jump([300.0, 200.0, 150.0]) is None
+
+
 def test_bad_arguments_are_one_line_and_write_nothing(tmp_path):
     with pytest.raises(ExperimentError, match="unknown experiment 'tabel2'"):
         run_experiment("tabel2", "smoke", tmp_path)
@@ -106,6 +163,9 @@ def test_bad_arguments_are_one_line_and_write_nothing(tmp_path):
         run_experiment("table2", "smoke", tmp_path, overrides={"roundz": 3})
     with pytest.raises(FedmqError, match="rounds must be at least 1"):
         run_experiment("topk", "smoke", tmp_path, overrides={"rounds": 0})
+    for bad in ("0,x", "1,1", "-1"):
+        with pytest.raises(ExperimentError, match="--seeds wants"):
+            experiments.parse_seeds(bad)
     proc = subprocess.run([sys.executable, "-m", "cli.app", "experiment", "nope", "--out", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
