@@ -300,6 +300,7 @@ class Runner:
 
     out: Path
     tasks: dict[str, Task] = field(default_factory=lambda: _TASKS)
+    device: str = "cpu"  # local training: cpu | cuda | auto (the aggregator evaluates on the CPU)
 
     def task(self, kind: str, options: dict[str, Any]) -> Task:
         from client_agent.tasks.registry import make_task
@@ -336,7 +337,8 @@ class Runner:
             # lossless wire unless a run says otherwise: the reproductions compare algorithms, not encodings
             cfg = JobConfig(job=job, seed=seed, **{"encoding": "raw", "down_encoding": "raw", **spec.job})
             sim = Simulation(cfg, task, f"memory://{job}", run_dir, availability=spec.availability,
-                             faults=spec.faults, resume=resume and (run_dir / "config.json").is_file())
+                             faults=spec.faults, device=self.device,
+                             resume=resume and (run_dir / "config.json").is_file())
             summary = sim.run()
         summary["run_wall_s"] = time.time() - started
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
@@ -363,7 +365,7 @@ class Runner:
         for r in range(1, job["rounds"] + 1):
             cfg = TrainConfig(epochs=job["epochs"] + 1, batch_size=job["batch_size"], lr=job["lr"],
                               momentum=job.get("momentum", 0.0), clip=job.get("clip", 0.25), max_steps=steps,
-                              seed=seed * 1000 + r)
+                              seed=seed * 1000 + r, device=self.device)
             result = union.train(model, 0, cfg)
             valid = union.evaluate(model, "valid")
             if valid < best:
@@ -468,8 +470,8 @@ def select(specs: list[RunSpec], only: str | None, overrides: dict[str, Any] | N
 
 
 def run_lm_experiment(name: str, scale: str, out: Path, seed: int = 0, only: str | None = None,
-                      overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    runner = Runner(out)
+                      overrides: dict[str, Any] | None = None, device: str = "cpu") -> dict[str, Any]:
+    runner = Runner(out, device=device)
     specs = select(EXPERIMENTS[name](scale), only, overrides)
     if name == "dropout":
         for spec in specs:
@@ -588,14 +590,17 @@ _COLUMNS = {
 }
 
 
-def check_args(name: str, scale: str, threads: int = 1) -> None:
-    """One clear error line for a bad experiment name, scale or thread count (before anything is written)."""
+def check_args(name: str, scale: str, threads: int = 1, device: str = "cpu") -> None:
+    """One clear error line for a bad experiment name, scale, thread count or device (before anything is written)."""
+    from client_agent.tasks.training import resolve_device
+
     if name not in NAMES:
         raise ExperimentError(f"unknown experiment {name!r}; choose one of {', '.join(NAMES)}")
     if scale not in SCALES:
         raise ExperimentError(f"unknown scale {scale!r}; choose one of {', '.join(SCALES)}")
     if threads < 1:
         raise ExperimentError(f"threads must be at least 1, got {threads}")
+    resolve_device(device)  # --device cuda without a GPU
 
 
 def mean_sd(values: list[float]) -> tuple[float, float]:
@@ -668,7 +673,7 @@ def parse_seeds(text: str) -> list[int]:
 
 def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None, seeds: Sequence[int] = (0,),
                    threads: int = 1, report: bool = True, only: str | None = None,
-                   overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+                   overrides: dict[str, Any] | None = None, device: str = "cpu") -> dict[str, Any]:
     """Run experiment ``name`` at ``scale`` for each seed; results under ``out/name``; returns the results dict.
 
     One seed writes its run folders to ``out/name/<run>``; several write ``out/name/seed-<s>/<run>`` and the
@@ -676,7 +681,7 @@ def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None,
     command skips finished runs and resumes unfinished ones (``Runner.federate``).
     ``only``/``overrides`` (LM experiments): run a subset of the grid with changed job settings, for the
     investigations in docs/results.md (e.g. more rounds); the results record them."""
-    check_args(name, scale, threads)
+    check_args(name, scale, threads, device)
     seeds = list(seeds)
     if not seeds or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds):
         raise ExperimentError(f"seeds must be distinct whole numbers >= 0, got {seeds}")
@@ -697,7 +702,7 @@ def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None,
         if name == "nmt-domains":
             per_seed.append(run_nmt_domains(scale, folder, seed))
         else:
-            per_seed.append(run_lm_experiment(name, scale, folder, seed, only, overrides))
+            per_seed.append(run_lm_experiment(name, scale, folder, seed, only, overrides, device))
     if len(seeds) == 1:
         results = per_seed[0]
     else:

@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/experiments"))
     parser.add_argument("--seeds", default="0", help="comma-separated seeds; several: mean ± sd (rerun to resume)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="local training: cpu | cuda | auto (LM experiments)")
     parser.add_argument("--only", help="run only the grid's runs whose name contains this text")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a job setting of every run, e.g. --set rounds=15 --set max_steps=10")
@@ -46,10 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         overrides = parse_overrides(args.set)
         seeds = parse_seeds(args.seeds)
         for name in names:
-            check_args(name, args.scale, args.threads)
+            check_args(name, args.scale, args.threads, args.device)
         for name in names:
             results = run_experiment(name, args.scale, args.out, seeds, args.threads, only=args.only,
-                                     overrides=overrides)
+                                     overrides=overrides, device=args.device)
             sys.stdout.write((args.out / name / "results.md").read_text() + f"\n({results['wall_s']} s)\n\n")
     except FedmqError as exc:
         sys.stderr.write(f"error: {exc}\n")

@@ -577,6 +577,7 @@ def experiment(
     out: Path = typer.Option(Path("runs/experiments"), help="results go to OUT/NAME (run folders, results.md, report/)"),
     seeds: str = typer.Option("0", help="seeds for sampling, shards and init, e.g. 0,1,2 (several: mean ± sd)"),
     threads: int = typer.Option(1, help="torch intra-op threads"),
+    device: str = typer.Option("cpu", help="local training of the LM experiments: cpu | cuda | auto"),
     log_level: str = LOG_LEVEL,
 ) -> None:
     """Reproduce a seed paper's experiment (docs/results.md).
@@ -584,10 +585,10 @@ def experiment(
     Example: fedmq experiment table2 --scale cpu --seeds 0,1,2   (rerun the same command to resume)
     """
     from benchmarks import experiments
-    experiments.check_args(name, scale, threads)
+    experiments.check_args(name, scale, threads, device)
     seed_list = experiments.parse_seeds(seeds)
     _setup_logs(log_level, "json", out / name / "experiment.jsonl")
-    experiments.run_experiment(name, scale, out, seed_list, threads)
+    experiments.run_experiment(name, scale, out, seed_list, threads, device=device)
     typer.echo((out / name / "results.md").read_text())
 
 

@@ -166,8 +166,11 @@ def test_bad_arguments_are_one_line_and_write_nothing(tmp_path):
     for bad in ("0,x", "1,1", "-1"):
         with pytest.raises(ExperimentError, match="--seeds wants"):
             experiments.parse_seeds(bad)
-    proc = subprocess.run([sys.executable, "-m", "cli.app", "experiment", "nope", "--out", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "unknown experiment 'nope'" in proc.stderr
+    for args, message in ((["nope"], "unknown experiment 'nope'"),
+                          (["table2", "--seeds", "1,1"], "--seeds wants distinct"),
+                          (["table2", "--device", "tpu"], "unknown --device 'tpu'")):
+        proc = subprocess.run([sys.executable, "-m", "cli.app", "experiment", *args, "--out", str(tmp_path)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, args
+        assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and message in proc.stderr
     assert list(tmp_path.iterdir()) == []
