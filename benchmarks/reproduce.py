@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     except FedmqError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted: each finished round is checkpointed; rerun the same command to resume\n")
+        return 130
     return 0
 
 
