@@ -43,6 +43,9 @@ class JobConfig:
     encoding: str = "auto"  # uplink: auto = delta+bf16, or raw under pull-down (whose uploads cannot be deltas)
     down_encoding: str = "bf16"  # downlink (the global model)
     keyframe_every: int = 10  # delta down-encodings: every Nth version is published full only (bounds drift)
+    # sparsified uploads (delta+topk): each agent keeps what its upload left out and adds it to its next one
+    # (error feedback, client_agent/agent.py); false sends each round's top-k alone, the rest is lost
+    error_feedback: bool = True
     epochs: int = 1
     batch_size: int = 20
     lr: float = 20.0
@@ -86,6 +89,8 @@ class JobConfig:
                 EncodingSpec.parse(getattr(self, name))
             except CodecError as exc:
                 bad(f"{name.replace('_', '-')}: {exc}")
+        if not isinstance(self.error_feedback, bool):
+            bad(f"error_feedback must be true or false, got {self.error_feedback!r}")
         if self.strategy not in STRATEGIES:
             bad(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
         if self.rounds < 1:
@@ -172,6 +177,7 @@ class JobConfig:
             "pull_by": self.pull_by, "pull_down": self.pull_down,
             "grant": self.grant_phase, "seed": self.seed, "keep_model": self.keep_model, "keep_own": self.pull != "all",
             "tail_loss": self.strategy == "fedmed",  # its top-K and loss switch rank the loss at the end of training
+            "error_feedback": self.error_feedback and self.encoding.startswith("delta+topk"),
         }
 
     def to_dict(self) -> dict[str, Any]:

@@ -351,7 +351,13 @@ class Agent:
                                    cfg["pull_fraction"], random.Random(stable_seed(cfg["seed"], self.client, rnd, "pull")),
                                    cfg["pull_by"])
         spec = EncodingSpec.parse(cfg["encoding"])
-        tensors = encode_state({k: current[k] for k in names}, spec, held if spec.delta else None)
+        upload = {k: current[k] for k in names}
+        residual = self._kept("residual") if cfg["error_feedback"] else None
+        if residual is not None:  # what earlier sparsified uploads left out rides on this one
+            upload = {k: v + residual[1][k] for k, v in upload.items()}
+        tensors = encode_state(upload, spec, held if spec.delta else None)
+        if cfg["error_feedback"]:
+            self._keep_residual(upload, held, tensors, version, residual)
         env = messages.update(self.job, rnd, self.client, version, result.reported, result.n_samples, tensors)
         sent = {k: current[k].clone() for k in names} if self.log.sent is not None else None
         if cfg["keep_own"]:
@@ -366,6 +372,17 @@ class Agent:
             self.store.drop(self.client, "model")
             self.version = messages.NO_VERSION
         return Prepared(result, messages.encode(env), env.msg_id, sent)
+
+    def _keep_residual(self, upload: State, held: State, tensors: dict, version: int,
+                       residual: tuple[int, State] | None) -> None:
+        """Error feedback for sparsified deltas (Stich et al. 2018, "Sparsified SGD with memory"; Lin et al. 2018,
+        Deep Gradient Compression): keep e = (Δ + e_prev) − what the aggregator will decode, and add it to the next
+        upload, so no coordinate's change is dropped for good, only delayed. e lives in parameter space, so it
+        still applies when the next round starts from a newer global model; lost with the agent (a restart only
+        loses the correction). Kept in the agent's store: memory for a service, disk for `fedmq simulate`."""
+        sent = decode_state(tensors, self.manifest, held, as_delta=True)
+        left = {k: (v - held[k]) - torch.from_numpy(sent[k]) for k, v in upload.items()}
+        self.store.put(self.client, "residual", version, {**(residual[1] if residual else {}), **left})
 
     def _wait_grant(self, rnd: int) -> bool:
         """Wait for this round's grant; a newer announce means the round closed without us."""

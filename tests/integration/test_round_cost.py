@@ -144,3 +144,70 @@ def test_a_model_published_before_its_announced_time_is_still_found(task, monkey
     finally:
         b.close()
         agg.close()
+
+
+def _feedback_run(federation, task, tmp_path, name: str, **kw):
+    """Three clients, every one selected every round, top-5 % deltas up, raw down; records what each agent kept."""
+    from broker.encodings import decode_state
+    from client_agent.agent import Agent
+
+    seen: dict[str, list[dict]] = {}
+
+    class Recording(Agent):
+        def _keep_residual(self, upload, held, tensors, version, residual):
+            super()._keep_residual(upload, held, tensors, version, residual)
+            seen.setdefault(self.client, []).append({
+                "upload_delta": {k: (v - held[k]).clone() for k, v in upload.items()},
+                "before": None if residual is None else {k: t.clone() for k, t in residual[1].items()},
+                "after": {k: t.clone() for k, t in self.store.get(self.client, "residual")[1].items()},
+                "sent": {k: torch.from_numpy(v) for k, v in
+                         decode_state(tensors, self.manifest, held, as_delta=True).items()}})
+
+    cfg = _cfg(name, clients=3, fraction=1.0, rounds=4, encoding="delta+topk:0.05", **kw)
+    engine, agents, summary = federation(task, cfg, f"memory://{name}", tmp_path / name,
+                                         agent_class=lambda i: Recording)
+    assert summary["rounds_completed"] == 4
+    return engine, agents, seen
+
+
+def test_error_feedback_delays_what_topk_leaves_out_and_loses_nothing(federation, task, tmp_path):
+    engine, agents, seen = _feedback_run(federation, task, tmp_path, "ef")
+    assert set(seen) == {a.client for a in agents} and all(len(v) == 4 for v in seen.values())
+    for client, rounds in seen.items():
+        for i, r in enumerate(rounds):
+            for k, up in r["upload_delta"].items():
+                # nothing is lost: what the aggregator decodes plus what is kept is exactly what was to be sent
+                torch.testing.assert_close(r["sent"][k] + r["after"][k], up, rtol=0, atol=1e-6)
+                # top-k keeps 5 %: most of the change waits in the residual
+                assert int((r["sent"][k] != 0).sum()) <= max(1, int(0.05 * up.numel()) + 1)
+            if i:  # the previous round's leftover rides on this upload (and the store kept it between rounds)
+                assert r["before"] is not None
+                for k in r["before"]:
+                    torch.testing.assert_close(r["before"][k], rounds[i - 1]["after"][k], rtol=0, atol=0)
+            else:
+                assert r["before"] is None
+
+
+def test_error_feedback_brings_topk_closer_to_raw_and_off_keeps_nothing(federation, task, tmp_path):
+    raw_engine, _, _ = federation(task, _cfg("efraw", clients=3, fraction=1.0, rounds=4), "memory://efraw",
+                                  tmp_path / "raw")
+    on_engine, _, _ = _feedback_run(federation, task, tmp_path, "efon")
+    off_engine, off_agents, off_seen = _feedback_run(federation, task, tmp_path, "efoff", error_feedback=False)
+    assert off_seen == {} and all(a.store.get(a.client, "residual") is None for a in off_agents)
+
+    def gap(engine) -> float:
+        return sum(float((engine.global_state[k] - raw_engine.global_state[k]).double().norm() ** 2)
+                   for k in raw_engine.global_state) ** 0.5
+
+    assert gap(on_engine) < gap(off_engine)
+
+
+def test_error_feedback_is_a_boolean_and_only_for_sparsified_deltas():
+    from aggregator.config import JobConfigError
+
+    with pytest.raises(JobConfigError, match="error_feedback must be true or false"):
+        JobConfig(error_feedback="yes")
+    assert JobConfig(encoding="delta+topk:0.05").train_config()["error_feedback"] is True
+    assert JobConfig(encoding="delta+topk:0.05", error_feedback=False).train_config()["error_feedback"] is False
+    assert JobConfig(encoding="delta+int8").train_config()["error_feedback"] is False  # quantised, not sparsified
+    assert JobConfig(encoding="topk:0.05").train_config()["error_feedback"] is False  # weights, not a change
