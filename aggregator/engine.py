@@ -111,6 +111,11 @@ class Engine:
         self._consumer: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
+    @property
+    def started(self) -> bool:
+        """Subscribed to the inbox: start-up (the broker waits a signal must be able to cut short) is over."""
+        return self._consumer is not None
+
     def run(self, resume: bool = True) -> dict[str, Any]:
         """Declare the topology, resume from the last checkpoint, run the rounds, write the summary."""
         self.declare()

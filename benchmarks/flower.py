@@ -34,7 +34,7 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_FLOWER_PYTHON = REPO / ".fedmq-cache" / "flower-venv" / "bin" / "python"
-RECOMMENDED = ("delta+int8-row", "int8-row")  # uplink, downlink: within 2 % of raw on PTB (docs/benchmarks.md)
+RECOMMENDED = ("delta+int4-row", "int4-row")  # uplink, downlink: within 2 % of raw on PTB (docs/benchmarks.md)
 
 
 @dataclass

@@ -148,7 +148,8 @@ def bench_load(url: str = "amqp://guest:guest@127.0.0.1:5672/%2F", agents: tuple
 
     from aggregator.checkpoint import load_checkpoint
     from broker import topology
-    from broker.connect import connect, url_user
+    from broker.connect import connect
+    from broker.urls import url_user
 
     rows = []
     for n in agents:

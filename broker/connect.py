@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import re
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
 from broker.base import Broker
 from broker.chunking import DEFAULT_CHUNK_LIMIT
 from broker.errors import BrokerError
 from broker.tls import TlsOptions
+from broker.urls import check_url
 
 _MEMORY_NAME = re.compile(r"^[A-Za-z0-9_.-]{0,64}$")
-
-
-def redact(url: str) -> str:
-    """The URL with its password replaced by ***, for messages and logs."""
-    return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url)
 
 
 def connect(url: str, *, user: str | None = None, prefetch: int = 64, heartbeat: int = 30,
@@ -25,6 +21,7 @@ def connect(url: str, *, user: str | None = None, prefetch: int = 64, heartbeat:
 
     ``memory://NAME`` or ``memory://USER@NAME`` shares the in-process hub NAME with every connect() of the
     process. ``amqp://USER:PASS@HOST:PORT/VHOST`` (``amqps://`` with ``tls``): RabbitMQ; the user is the URL's.
+    ``amqp://USER:PASS@H1:P1,H2:P2,H3:P3/VHOST``: the nodes of one cluster, tried in turn (see addresses()).
     Extra keywords go to the backend (e.g. ``connect_timeout``, ``publish_timeout``, ``max_message_size``).
     """
     scheme = check_url(url)
@@ -40,17 +37,6 @@ def connect(url: str, *, user: str | None = None, prefetch: int = 64, heartbeat:
 
     return RabbitBroker(url, user=user, prefetch=prefetch, heartbeat=heartbeat, chunk_limit=chunk_limit,
                         tls=tls, **kw)
-
-
-def check_url(url: str) -> str:
-    """The URL's scheme (amqp, amqps or memory); BrokerError (one line) for anything else. Connects to nothing."""
-    if not isinstance(url, str) or "://" not in url:
-        raise BrokerError(f"bad broker URL {url!r}: want amqp://, amqps:// or memory://", permanent=True)
-    scheme = url.split("://", 1)[0].lower()
-    if scheme not in ("memory", "amqp", "amqps"):
-        raise BrokerError(f"unsupported broker URL scheme {scheme!r} in {redact(url)!r}: "
-                          "use amqp://, amqps:// or memory://", permanent=True)
-    return scheme
 
 
 def _connect_memory(url: str, user: str | None, prefetch: int, chunk_limit: int, kw: dict[str, Any]) -> Broker:
@@ -70,9 +56,3 @@ def _connect_memory(url: str, user: str | None, prefetch: int, chunk_limit: int,
         raise BrokerError(f"unknown option(s) for the memory broker: {', '.join(sorted(unknown))}", permanent=True)
     return MemoryBroker(name or "default", user=user or url_user or "guest", prefetch=prefetch,
                         chunk_limit=chunk_limit, **kw)
-
-
-def url_user(url: str) -> str | None:
-    """The user name in an amqp(s) URL, if any."""
-    parts = urlsplit(url)
-    return unquote(parts.username) if parts.username else None

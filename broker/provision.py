@@ -34,13 +34,14 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import quote, unquote, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import structlog
 
 from broker import topology as t
 from broker.errors import BrokerError
 from broker.queues import job_queues
+from broker.urls import addresses, redact, with_credentials
 
 log = structlog.get_logger(__name__)
 
@@ -205,18 +206,18 @@ def admin_for(url: str) -> Admin:
 
 
 def _split(url: str):
-    parts = urlsplit(url)
+    """The first address of ``url``, split: users, vhosts and queues are cluster-wide, so administration talks
+    to one node."""
+    parts = urlsplit(addresses(url)[0])
     if parts.scheme not in ("amqp", "amqps"):
         raise BrokerError(f"provisioning needs an amqp:// or amqps:// broker URL, got {url.split('://')[0]!r}")
     return parts
 
 
 def user_url(url: str, vhost: str, user: str, password: str) -> str:
-    """The broker URL with this user's credentials and the vhost."""
-    parts = _split(url)
-    host = parts.hostname or "127.0.0.1"
-    netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, "/" + quote(vhost, safe=""), "", ""))
+    """The broker URL (every address of it) with this user's credentials and the vhost."""
+    _split(url)
+    return with_credentials(url, user, password, vhost)
 
 
 def provision(url: str, *, vhost: str, job: str, agents: list[str], admin: Admin | None = None,
@@ -312,7 +313,6 @@ def check(url: str, job: str | None = None) -> dict[str, Any]:
     import pika
     import pika.exceptions as pe
 
-    from broker.connect import redact
 
     info: dict[str, Any] = {"url": redact(url), "reachable": False}
     if url.startswith("memory://"):
@@ -323,7 +323,7 @@ def check(url: str, job: str | None = None) -> dict[str, Any]:
             if job:
                 info["queues"] = {s.name: {"messages": b.queue_depth(s.name)} for s in job_queues(job, inbox=True)}
         return info
-    params = pika.URLParameters(url)
+    params = pika.URLParameters(addresses(url)[0])
     params.socket_timeout = params.stack_timeout = 5
     params.connection_attempts = 1
     try:
@@ -363,7 +363,6 @@ def purge(url: str, job: str, agents: list[str] | tuple[str, ...] = ()) -> list[
     import pika
     import pika.exceptions as pe
 
-    from broker.connect import redact
 
     specs = job_queues(job, tuple(agents), inbox=True, model_bytes=1)  # (any size: the names are what count)
     names = [s.name for s in specs]
@@ -375,7 +374,7 @@ def purge(url: str, job: str, agents: list[str] | tuple[str, ...] = ()) -> list[
         except BrokerError:
             pass
     try:
-        conn = pika.BlockingConnection(pika.URLParameters(url))
+        conn = pika.BlockingConnection(pika.URLParameters(addresses(url)[0]))
     except Exception as exc:
         raise BrokerError(f"cannot connect to {redact(url)}: {type(exc).__name__}") from None
     deleted = []

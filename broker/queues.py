@@ -1,4 +1,9 @@
-"""The queues a job declares: names from broker.topology, arguments and bindings per its docstrings."""
+"""The queues a job declares: names from broker.topology, arguments and bindings per its docstrings.
+
+Every queue is a quorum queue (or, for models, a stream): on a RabbitMQ cluster each is replicated, so the loss
+of a minority of nodes loses no queue and no confirmed message; a client that reconnects to another node finds
+its queues there. On a single node they behave like durable classic queues.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,10 @@ from typing import Any
 from broker import topology as t
 from broker.errors import BrokerError
 
-INBOX_ARGS: dict[str, Any] = {"x-queue-type": "quorum", "x-single-active-consumer": True}
+QUORUM: dict[str, Any] = {"x-queue-type": "quorum"}
+INBOX_ARGS: dict[str, Any] = {**QUORUM, "x-single-active-consumer": True}
 DELIVERY_LIMIT = 5  # deliveries of one inbox message beyond the first before RabbitMQ dead-letters it
-DEAD_ARGS: dict[str, Any] = {"x-max-length": 10_000, "x-max-length-bytes": 1 << 30, "x-overflow": "drop-head"}
+DEAD_ARGS: dict[str, Any] = {**QUORUM, "x-max-length": 10_000, "x-max-length-bytes": 1 << 30, "x-overflow": "drop-head"}
 
 
 def inbox_args(job: str) -> dict[str, Any]:
@@ -19,8 +25,8 @@ def inbox_args(job: str) -> dict[str, Any]:
     e.g. killed by it) or rejected goes to the job's dead-letter queue instead of coming back forever."""
     return {**INBOX_ARGS, "x-delivery-limit": DELIVERY_LIMIT, "x-dead-letter-exchange": t.EXCHANGE,
             "x-dead-letter-routing-key": t.rk_dead(job)}
-LATEST_ARGS: dict[str, Any] = {"x-max-length": 1, "x-overflow": "drop-head"}
-CONTROL_ARGS: dict[str, Any] = {}
+LATEST_ARGS: dict[str, Any] = {**QUORUM, "x-max-length": 1, "x-overflow": "drop-head"}
+CONTROL_ARGS: dict[str, Any] = dict(QUORUM)
 STREAM_VERSIONS = 4  # model messages (a version can have a full and a delta/partial form) the stream retains
 MIN_SEGMENT = 1 << 20
 

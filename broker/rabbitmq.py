@@ -17,7 +17,9 @@ deduplicated by the reassembler, updates by their id in the aggregator). Nacks a
 Reconnection: any connection loss (including 320 CONNECTION_FORCED on a broker restart) starts a loop with
 exponential backoff (0.2 s doubling, capped at ``max_backoff``, with jitter); once connected the declared
 topology is redeclared, the consumers resubscribed and the pending commands resumed. Deliveries from the
-old connection can no longer be acked (the broker requeued them); acking them is a logged no-op.
+old connection can no longer be acked (the broker requeued them); acking them is a logged no-op. A URL with
+several addresses (the nodes of one cluster) is tried address by address, starting after the node just lost.
+A consumer the broker cancels (its queue's replica went down with a node) is subscribed again, with backoff.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from broker.chunking import DEFAULT_CHUNK_LIMIT, Chunk
 from broker.errors import BrokerError
 from broker.queues import check_publish_args, job_queues
 from broker.tls import TlsOptions, ssl_options
+from broker.urls import addresses, redact
 from broker.topology import EXCHANGE
 
 log = structlog.get_logger(__name__)
@@ -59,17 +62,13 @@ def _noop() -> None:
     pass
 
 
-def _redact(url: str) -> str:
-    from broker.connect import redact
-
-    return redact(url)
-
-
 @dataclass
 class _Cmd:
     fn: Callable[["RabbitBroker"], Any]
     future: Future = field(default_factory=Future)
     cancelled: bool = False
+    started: float | None = None  # monotonic time the I/O thread began running it on a live connection
+    losses: int = 0  # connections lost while running it
 
 
 @dataclass
@@ -134,27 +133,15 @@ class RabbitBroker(GatedDispatch, Broker):
     def __init__(self, url: str, *, user: str | None = None, prefetch: int = 64, heartbeat: int = 30,
                  chunk_limit: int = DEFAULT_CHUNK_LIMIT, tls: TlsOptions | None = None, connect_timeout: float = 5.0,
                  publish_timeout: float = 300.0, max_backoff: float = 5.0, max_message_size: int = 4 * 1024**3,
-                 chunk_timeout_s: float = 600.0) -> None:
+                 chunk_timeout_s: float = 600.0, consume_timeout: float = 20.0, confirm_stall_s: float = 15.0) -> None:
+        self.consume_timeout = consume_timeout  # a subscription the broker has not confirmed by then is stuck
+        self.confirm_stall_s = confirm_stall_s  # no confirm for this long: publish the rest again on a new channel
         self.chunk_timeout_s = chunk_timeout_s  # an incomplete chunked message is dropped this long after its last chunk
         self.url = url
-        try:
-            params = pika.URLParameters(url)
-        except Exception as exc:  # pika raises assorted errors on malformed URLs
-            raise BrokerError(f"bad broker URL {_redact(url)!r}: {exc}", permanent=True) from None
-        url_user = params.credentials.username
-        if user and user != url_user and "@" in url:
-            raise BrokerError(f"user {user!r} conflicts with the user {url_user!r} in the broker URL", permanent=True)
-        self.user = url_user
-        if url.lower().startswith("amqps://"):
-            params.ssl_options = ssl_options(tls, params.host)
-        elif tls is not None:
-            raise BrokerError("TLS options given for a plain amqp:// URL: use amqps://", permanent=True)
-        params.heartbeat = heartbeat
-        params.socket_timeout = connect_timeout
-        params.stack_timeout = connect_timeout * 2
-        params.blocked_connection_timeout = None
-        params.connection_attempts = 1
-        self._params = params
+        self._addresses = [self._parameters(a, tls, user, heartbeat, connect_timeout) for a in addresses(url)]
+        self._at = 0  # the address tried first: the one last connected to, the next one after losing it
+        self._params = self._addresses[0]
+        self.user = self._params.credentials.username
         self.prefetch = prefetch
         self.chunk_limit = chunk_limit
         self.connect_timeout = connect_timeout
@@ -168,7 +155,7 @@ class RabbitBroker(GatedDispatch, Broker):
         self._pub_ch: Any = None
         self._pub_seq = 0
         self._pub_pending: dict[int, tuple[_Publish, int]] = {}  # delivery tag -> (publish, part)
-        self._gen = 0
+        self._subscriptions = 0
         self._jobs: list[tuple[str, tuple[str, ...], bool, int]] = []  # (job, agents, inbox, model bytes)
         self._consumers: dict[str, _Consumer] = {}
         self._stopping = False
@@ -176,23 +163,64 @@ class RabbitBroker(GatedDispatch, Broker):
         self._reconnects = 0
         self._last_error: str | None = None
         self._refused = False  # the broker refused these credentials or this virtual host (not worth retrying)
+        self._wedged = False  # the I/O thread is stuck in a call the broker never answers (see consume)
         self._first = threading.Event()
         self._dispatch_q: collections.deque = collections.deque()
         self._dispatch_cv = threading.Condition()
         self._io = threading.Thread(target=self._io_loop, name="fedmq-rabbit-io", daemon=True)
         self._dispatcher = threading.Thread(target=self._dispatch_loop, name="fedmq-rabbit-dispatch", daemon=True)
         self._io.start()
-        self._first.wait(connect_timeout * 3 + 5)
+        self._first.wait((connect_timeout * 3 + 5) * len(self._addresses))
         if self._conn is None:
             self._stopping = True
             self._io.join(timeout=5)
-            raise BrokerError(f"cannot connect to {_redact(url)}: {self._last_error or 'timed out'}",
+            raise BrokerError(f"cannot connect to {redact(url)}: {self._last_error or 'timed out'}",
                               permanent=self._refused)
         self._dispatcher.start()
 
+    @staticmethod
+    def _parameters(url: str, tls: TlsOptions | None, user: str | None, heartbeat: int,
+                    connect_timeout: float) -> pika.URLParameters:
+        try:
+            params = pika.URLParameters(url)
+        except Exception as exc:  # pika raises assorted errors on malformed URLs
+            raise BrokerError(f"bad broker URL {redact(url)!r}: {exc}", permanent=True) from None
+        url_user = params.credentials.username
+        if user and user != url_user and "@" in url:
+            raise BrokerError(f"user {user!r} conflicts with the user {url_user!r} in the broker URL", permanent=True)
+        if url.lower().startswith("amqps://"):
+            params.ssl_options = ssl_options(tls, params.host)
+        elif tls is not None:
+            raise BrokerError("TLS options given for a plain amqp:// URL: use amqps://", permanent=True)
+        params.heartbeat = heartbeat
+        params.socket_timeout = connect_timeout
+        params.stack_timeout = connect_timeout * 2
+        params.blocked_connection_timeout = None
+        params.connection_attempts = 1
+        return params
+
     # ---- I/O thread ---------------------------------------------------------------------------------
+    def _connect_any(self) -> "pika.BlockingConnection":
+        """A connection to the first address that answers, starting at ``_at``; the last error if none does."""
+        error: BaseException | None = None
+        n = len(self._addresses)
+        for i in range(n):
+            k = (self._at + i) % n
+            self._params = self._addresses[k]
+            try:
+                conn = pika.BlockingConnection(self._params)
+            except Exception as exc:
+                if _refused(exc):
+                    raise  # the same users live on every node of a cluster: not worth trying the others
+                error = exc
+                continue
+            self._at = k
+            return conn
+        assert error is not None
+        raise error
+
     def _open(self) -> None:
-        conn = pika.BlockingConnection(self._params)
+        conn = self._connect_any()
         _widen_reads(conn)
         conn.add_on_connection_blocked_callback(self._on_blocked)
         conn.add_on_connection_unblocked_callback(self._on_unblocked)
@@ -241,7 +269,7 @@ class RabbitBroker(GatedDispatch, Broker):
             self._first.set()
             return
         self._first.set()
-        log.info("connected to RabbitMQ", url=_redact(self.url), user=self.user)
+        log.info("connected to RabbitMQ", url=redact(self.url), user=self.user)
         while not self._stopping:
             try:
                 if self._conn is None or not self._conn.is_open:
@@ -261,7 +289,9 @@ class RabbitBroker(GatedDispatch, Broker):
 
     def _lost(self, exc: BaseException) -> None:
         self._last_error = self._describe(exc)
-        log.warning("RabbitMQ connection lost; reconnecting", error=self._last_error)
+        log.warning("RabbitMQ connection lost; reconnecting", error=self._last_error,
+                    node=f"{self._params.host}:{self._params.port}")
+        self._at = (self._at + 1) % len(self._addresses)  # a cluster's other nodes first: this one may be down
         self._drop_connection()
         self._pub_ch = None
 
@@ -285,7 +315,6 @@ class RabbitBroker(GatedDispatch, Broker):
                 self._sleep(sleep)
                 delay *= 2
                 continue
-            self._gen += 1
             self._reconnects += 1
             try:
                 for job, agents, inbox, size in list(self._jobs):
@@ -326,9 +355,12 @@ class RabbitBroker(GatedDispatch, Broker):
                     return
                 cmd = self._cmds[0]
             if not cmd.cancelled:
+                cmd.started = time.monotonic()
                 try:
                     result = cmd.fn(self)
                 except _CONNECTION_ERRORS:
+                    cmd.started = None  # runs again once reconnected
+                    cmd.losses += 1
                     raise
                 except BrokerError as exc:
                     cmd.future.set_exception(exc)
@@ -349,7 +381,13 @@ class RabbitBroker(GatedDispatch, Broker):
         except Exception:
             pass  # closed: the I/O loop drains after reconnecting
 
-    def _submit(self, fn: Callable[["RabbitBroker"], Any], timeout: float | None, what: str) -> Any:
+    def _submit(self, fn: Callable[["RabbitBroker"], Any], timeout: float | None, what: str,
+                stuck: tuple[float, str] | None = None) -> Any:
+        """Run ``fn`` on the I/O thread and wait for it, at most ``timeout`` s in all; with ``stuck`` = (s, why),
+        at most s once the I/O thread has started it on a live connection, and at most 3 connections lost while
+        running it, else a permanent BrokerError that ends with ``why``.
+
+        The wait is sliced, so a signal handler in the calling (main) thread runs within half a second."""
         if self._stopping:
             raise BrokerError("the broker connection is closed")
         if threading.current_thread() is self._io:
@@ -358,11 +396,24 @@ class RabbitBroker(GatedDispatch, Broker):
         with self._lock:
             self._cmds.append(cmd)
         self._wake()
-        try:
-            return cmd.future.result(timeout)
-        except FutureTimeout:
-            cmd.cancelled = True
-            raise BrokerError(f"{what} not confirmed within {timeout:.0f} s (connected: {self._conn is not None})") from None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                return cmd.future.result(0.5)
+            except FutureTimeout:
+                now = time.monotonic()
+                if stuck is not None and cmd.started is not None and now - cmd.started > stuck[0]:
+                    cmd.cancelled = self._wedged = True  # the I/O thread waits inside pika for an answer
+                    raise BrokerError(f"RabbitMQ did not confirm {what} within {stuck[0]:.0f} s: {stuck[1]}",
+                                      permanent=True) from None
+                if stuck is not None and cmd.losses >= 3:
+                    cmd.cancelled = True
+                    raise BrokerError(f"RabbitMQ closed the connection {cmd.losses} times while {what} "
+                                      f"(last: {self._last_error}): {stuck[1]}", permanent=True) from None
+                if deadline is not None and now >= deadline:
+                    cmd.cancelled = True
+                    raise BrokerError(f"{what} not confirmed within {timeout:.0f} s "
+                                      f"(connected: {self._conn is not None})") from None
 
     def _post(self, fn: Callable[["RabbitBroker"], Any]) -> None:
         """Queue a command without waiting (acks and rejects)."""
@@ -445,7 +496,8 @@ class RabbitBroker(GatedDispatch, Broker):
         assert self._conn is not None
         ch = self._conn.channel()
         ready: list[bool] = []
-        ch._impl.confirm_delivery(ack_nack_callback=self._on_confirm, callback=lambda _f: ready.append(True))
+        ch._impl.confirm_delivery(ack_nack_callback=lambda f: self._on_confirm(f),  # looked up per confirm
+                                  callback=lambda _f: ready.append(True))
         ch._impl.add_on_return_callback(self._on_return)
         deadline = time.monotonic() + self.connect_timeout * 2
         while not ready:
@@ -457,6 +509,8 @@ class RabbitBroker(GatedDispatch, Broker):
         return ch
 
     def _on_confirm(self, frame: Any) -> None:
+        if self._pub_ch is None or frame.channel_number != self._pub_ch.channel_number:
+            return  # a late confirm from a channel given up on: its delivery tags are not this channel's
         m = frame.method
         ok = isinstance(m, pika.spec.Basic.Ack)
         seqs = [s for s in self._pub_pending if s <= m.delivery_tag] if m.multiple else [m.delivery_tag]
@@ -486,6 +540,7 @@ class RabbitBroker(GatedDispatch, Broker):
             ch = self._pub_ch if self._pub_ch is not None and self._pub_ch.is_open else self._open_pub_channel()
             job.nacked.clear()
             assert self._conn is not None
+            progress, done = time.monotonic(), len(job.confirmed)
             while todo or any(j is job for j, _ in self._pub_pending.values()):
                 inflight = sum(1 for j, _ in self._pub_pending.values() if j is job)
                 if todo and inflight < PIPELINE and not job.returned:
@@ -515,6 +570,11 @@ class RabbitBroker(GatedDispatch, Broker):
                 if time.monotonic() > job.deadline:
                     self._forget(job)
                     raise BrokerError(f"publish to {job.routing_key!r} not confirmed in time")
+                if len(job.confirmed) > done:
+                    progress, done = time.monotonic(), len(job.confirmed)
+                elif time.monotonic() - progress > self.confirm_stall_s and not self._blocked:  # blocked: held
+                    self._abandon_pub_channel(job)
+                    break
                 self._conn.process_data_events(time_limit=0.05)
             if job.returned:
                 self._forget(job)
@@ -526,6 +586,20 @@ class RabbitBroker(GatedDispatch, Broker):
                 log.info("publish nacked; retrying", routing_key=job.routing_key, parts=len(job.nacked))
                 self._conn.sleep(0.5)
 
+    def _abandon_pub_channel(self, job: _Publish) -> None:
+        """No confirm for confirm_stall_s on a live connection: a confirm lost in a quorum queue's leader change
+        would otherwise hold the I/O thread (and every command behind this one) until the publish deadline.
+        The unconfirmed parts go out again on a new channel: at least once, and receivers drop duplicates by
+        message id (chunks by message id and index)."""
+        log.warning("publish not confirmed; publishing again on a new channel", routing_key=job.routing_key,
+                    unconfirmed=len(job.parts) - len(job.confirmed), after_s=self.confirm_stall_s)
+        self._forget(job)
+        ch, self._pub_ch = self._pub_ch, None
+        try:
+            ch._impl.close()  # without waiting for close-ok: the broker's side of it may be the stuck part
+        except Exception:  # already closing or closed
+            pass
+
     def _forget(self, job: _Publish) -> None:
         for seq in [s for s, (j, _) in self._pub_pending.items() if j is job]:
             del self._pub_pending[seq]
@@ -535,7 +609,8 @@ class RabbitBroker(GatedDispatch, Broker):
         assert self._conn is not None
         ch = self._conn.channel()
         ch.basic_qos(prefetch_count=c.prefetch)
-        gen = self._gen
+        self._subscriptions += 1
+        gen = self._subscriptions  # deliveries of an earlier subscription (or connection) can no longer be settled
 
         def on_message(_ch: Any, method: Any, props: Any, body: bytes) -> None:
             d = Delivery(body=body, routing_key=method.routing_key, queue=c.queue, message_id=props.message_id,
@@ -545,7 +620,7 @@ class RabbitBroker(GatedDispatch, Broker):
                 self._dispatch_q.append((c, d))
                 self._dispatch_cv.notify()
 
-        ch.add_on_cancel_callback(lambda _frame: log.warning("the broker cancelled a consumer", queue=c.queue))
+        ch.add_on_cancel_callback(lambda _frame: self._on_cancelled(c, ch))
         args = None
         if c.offset is not None:  # a timestamp travels as an AMQP timestamp, which pika writes for a datetime
             off = c.offset
@@ -557,6 +632,32 @@ class RabbitBroker(GatedDispatch, Broker):
         except pe.ChannelClosedByBroker as exc:
             raise BrokerError(f"cannot consume {c.queue!r}: {exc.reply_code} {exc.reply_text}") from None
         c.channel, c.gen = ch, gen
+
+    def _on_cancelled(self, c: _Consumer, ch: Any) -> None:
+        """The broker cancelled a consumer (its queue's member on a lost node, a deleted queue): subscribe again,
+        with backoff, for as long as the consumer is wanted."""
+        if self._consumers.get(c.tag) is not c or c.channel is not ch:
+            return
+        log.warning("the broker cancelled a consumer; subscribing again", queue=c.queue)
+        self._resubscribe(c, 0.5)
+
+    def _resubscribe(self, c: _Consumer, delay: float) -> None:
+        conn = self._conn
+
+        def again() -> None:
+            if self._consumers.get(c.tag) is not c or self._conn is not conn:
+                return  # cancelled meanwhile, or a reconnect subscribed it again
+            if c.channel is not None and c.channel.is_open:
+                c.channel.close()  # gives back what the cancelled consumer held
+            c.gate.reset()
+            try:
+                self._subscribe(c)
+            except BrokerError as exc:
+                log.warning("subscribing again failed; retrying", queue=c.queue, error=str(exc))
+                self._resubscribe(c, min(delay * 2, self.max_backoff))
+
+        if conn is not None:
+            conn.call_later(delay, again)
 
     def consume(self, queue: str, handler: Handler, *, prefetch: int | None = None, offset: Any = None,
                 only_message: str | None = None, reassembly: ReassemblyLimits | None = None) -> str:
@@ -572,7 +673,11 @@ class RabbitBroker(GatedDispatch, Broker):
             b._consumers[c.tag] = c
             return c.tag
 
-        return self._submit(run, self.publish_timeout, f"consuming {queue!r}")
+        # RabbitMQ 3.10 answers a consume at once, or never: a quorum queue whose node was killed within about a
+        # second of declaring it comes back as a zombie (declarable, 0 messages, no consume or get ever answered)
+        zombie = (f"probably a zombie quorum queue (its node was killed within seconds of declaring it; its "
+                  f"messages are lost); delete it (rabbitmqctl delete_queue {queue}) and start again")
+        return self._submit(run, self.publish_timeout, f"consuming {queue!r}", stuck=(self.consume_timeout, zombie))
 
     def cancel(self, consumer_tag: str) -> None:
         def run(b: "RabbitBroker") -> None:
@@ -587,7 +692,7 @@ class RabbitBroker(GatedDispatch, Broker):
 
         def run(b: "RabbitBroker") -> None:
             c = b._consumers.get(tag)
-            if c is None or gen != b._gen or c.channel is None or not c.channel.is_open:
+            if c is None or gen != c.gen or c.channel is None or not c.channel.is_open:
                 log.debug("ack/reject of a delivery from a previous connection ignored (it was requeued)")
                 return
             if requeue is None:
@@ -636,7 +741,7 @@ class RabbitBroker(GatedDispatch, Broker):
     def status(self) -> dict[str, Any]:
         with self._lock:
             unconfirmed = sum(1 for c in self._cmds if not c.cancelled and not c.future.done())
-        return {"url": _redact(self.url), "user": self.user, "connected": self._conn is not None and not self._stopping,
+        return {"url": redact(self.url), "user": self.user, "connected": self._conn is not None and not self._stopping,
                 "blocked": self._blocked, "reconnects": self._reconnects, "unconfirmed": unconfirmed,
                 "consumers": len(self._consumers), "last_error": self._last_error}
 
@@ -647,7 +752,9 @@ class RabbitBroker(GatedDispatch, Broker):
         self._wake()
         with self._dispatch_cv:
             self._dispatch_cv.notify_all()
+        with self._lock:  # a command the broker is not answering keeps the I/O thread (a daemon) for good
+            busy = self._wedged or any(c.started is not None and not c.future.done() for c in self._cmds)
         if threading.current_thread() is not self._io:
-            self._io.join(timeout=15)
+            self._io.join(timeout=1 if busy else 15)
         if threading.current_thread() is not self._dispatcher and self._dispatcher.is_alive():
             self._dispatcher.join(timeout=15)

@@ -8,13 +8,13 @@ import sys
 import threading
 import tomllib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import typer
 
 from broker.errors import FedmqError
 from aggregator.config import STRATEGIES
-from cli.errors import UsageError
+from cli.errors import Stopped, UsageError
 from cli.help import HelpCommand, HelpGroup
 from client_agent.tasks.catalog import MODELS
 
@@ -46,6 +46,23 @@ def _tune_allocator() -> None:
     tune_allocator()
 
 
+def _stop_on_signals(service: Callable[[], Any], running: Callable[[Any], bool]) -> None:
+    """SIGTERM / SIGINT set the service's ``stop``: a running service ends its step and leaves cleanly. While it is
+    not running yet, or an agent is rejoining (connecting, declaring, subscribing: waits a broker may never answer),
+    the process leaves at once."""
+    def handler(signum: int, _frame: Any) -> None:
+        svc = service()
+        if svc is not None:
+            svc.stop.set()
+        if svc is None or not running(svc):
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise Stopped(f"stopped by {signal.Signals(signum).name} while connecting")
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
 def _make_task(options: dict[str, Any]):
     from client_agent.tasks.registry import make_task
     opts = dict(options)
@@ -55,7 +72,7 @@ def _make_task(options: dict[str, Any]):
 # --------------------------------------------------------------------------------------------- simulate
 TASK, STRATEGY, TRAIN, WIRE, AVAIL, RUN = ("Task and data", "Strategy", "Local training", "Wire",
                                            "Availability and faults", "Run")
-ENCODINGS = "raw, fp16, bf16, int8, int8-row, int4, int4-row, topk:DENSITY"  # broker.encodings.EncodingSpec
+ENCODINGS = "raw, fp16, bf16, int8, int6, int5, int4 (each also -row), topk:DENSITY"  # broker.encodings.EncodingSpec
 
 
 def _opt(default: Any, *names: str, panel: str, metavar: str | None = None, help: str = "") -> Any:
@@ -116,7 +133,7 @@ def simulate(
                          help=f"uplink: auto (delta+bf16; raw with --pull-down) or one of {ENCODINGS}; "
                               "prefix delta+, suffix @LEVEL (zstd level, default 1)"),
     down_encoding: str = _opt("bf16", panel=WIRE, metavar="SPEC",
-                              help="downlink (the global model): raw, fp16, bf16, int8-row or int4-row; "
+                              help="downlink (the global model): raw, fp16, bf16, int8-row, int6-row, int5-row or int4-row; "
                                    "prefix delta+"),
     broker: str = _opt("memory://sim", panel=WIRE, metavar="URL",
                        help="memory://NAME (in-process) or amqp://USER:PASS@HOST:5672/VHOST"),
@@ -264,18 +281,13 @@ def _broker_url(url: str, user: Optional[str], password: Optional[str]) -> str:
     """Combine a URL with credentials from FEDMQ_BROKER_USER / FEDMQ_BROKER_PASSWORD (Kubernetes Secrets)."""
     if not user:
         return url
-    import urllib.parse
-    parts = urllib.parse.urlsplit(url)
-    host = parts.hostname or ""
-    netloc = f"{urllib.parse.quote(user)}:{urllib.parse.quote(password or '')}@{host}"
-    if parts.port:
-        netloc += f":{parts.port}"
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    from broker.urls import with_credentials
+    return with_credentials(url, user, password or "")
 
 
 @aggregator_app.command("run", cls=HelpCommand)
 def aggregator_run(
-    broker: str = typer.Option(..., envvar="FEDMQ_BROKER", help="amqp(s)://host:port/vhost"),
+    broker: str = typer.Option(..., envvar="FEDMQ_BROKER", help="amqp(s)://user:pass@host:port[,host2:port2...]/vhost (several addresses: the nodes of one cluster)"),
     job: Optional[str] = typer.Option(None, envvar="FEDMQ_JOB", help="job id"),
     config: Optional[Path] = typer.Option(None, envvar="FEDMQ_CONFIG", help="TOML file: job keys, [task] table"),
     state_dir: Path = typer.Option(Path("fedmq-state"), envvar="FEDMQ_STATE_DIR", help="run folder: checkpoints, metrics"),
@@ -313,6 +325,8 @@ def aggregator_run(
         typer.echo(json.dumps({**cfg.to_dict(), "task": task_opts}, sort_keys=True))
         return
     _setup_logs(log_level, log_format, state_dir / "logs" / "aggregator.jsonl")
+    engine = None
+    _stop_on_signals(lambda: engine, lambda e: e.started)
     task_obj = _make_task(task_opts)
     # a chunked update whose sender went silent this long (it died mid-upload) is dropped and its chunks rejected;
     # generous, because a publisher blocked by flow control is silent too and its update must still complete
@@ -330,8 +344,6 @@ def aggregator_run(
     engine = Engine(conn, task_obj, cfg, state_dir, on_round=telemetry.observe_round if telemetry else None)
     if telemetry:
         telemetry.serve(metrics_port)
-    signal.signal(signal.SIGTERM, lambda *_: engine.stop.set())
-    signal.signal(signal.SIGINT, lambda *_: engine.stop.set())
     try:
         summary = engine.run()
     finally:
@@ -343,7 +355,7 @@ def aggregator_run(
 
 @agent_app.command("run", cls=HelpCommand)
 def agent_run(
-    broker: str = typer.Option(..., envvar="FEDMQ_BROKER", help="amqp(s)://host:port/vhost"),
+    broker: str = typer.Option(..., envvar="FEDMQ_BROKER", help="amqp(s)://user:pass@host:port[,host2:port2...]/vhost (several addresses: the nodes of one cluster)"),
     job: str = typer.Option(..., envvar="FEDMQ_JOB"),
     client_id: Optional[str] = typer.Option(None, envvar="FEDMQ_CLIENT_ID", help="this agent's id and broker user"),
     client_id_from_hostname: bool = typer.Option(False, help="derive the id from a StatefulSet pod name (fedmq-agent-3 → agent-3)"),
@@ -377,6 +389,8 @@ def agent_run(
     _tune_allocator()
 
     _setup_logs(log_level, log_format)
+    agent = None
+    _stop_on_signals(lambda: agent, lambda a: a.connected)
     if client_id_from_hostname:
         host = socket.gethostname()
         client_id = "agent-" + host.rsplit("-", 1)[-1] if host.rsplit("-", 1)[-1].isdigit() else None
@@ -407,8 +421,6 @@ def agent_run(
                                        "uploads": len(agent.log.uploads)},
                               lambda: agent.connected)
         telemetry.serve(metrics_port)
-    signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
-    signal.signal(signal.SIGINT, lambda *_: agent.stop.set())
     try:
         agent.run()
     finally:

@@ -5,3 +5,9 @@ from broker.errors import FedmqError
 
 class UsageError(FedmqError):
     """A bad command line, option value, config file or run folder: one line, exit code 2."""
+
+
+class Stopped(FedmqError):
+    """SIGTERM while a service was connecting (starting, or an agent rejoining): exit code 143."""
+
+    exit_code = 143

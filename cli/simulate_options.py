@@ -171,7 +171,7 @@ def read_config_file(path: Path, types: dict[str, str]) -> dict[str, Any]:
 
 def check(values: dict[str, Any]) -> None:
     """Every option that can be checked without torch; UsageError or another FedmqError, one line."""
-    from broker.connect import check_url
+    from broker.urls import check_url
     from client_agent.availability import parse_availability, parse_faults
     from client_agent.tasks.partition import PartitionSpec
 

@@ -148,12 +148,13 @@ class Agent:
                 pass
         broker.close()
 
-    def _presence(self, state: str, broker: Broker | None = None) -> None:
+    def _presence(self, state: str, broker: Broker | None = None, timeout: float | None = None) -> None:
         broker = broker or self._broker
         if broker is None:
             return
         env = messages.presence(self.job, self.client, state, self.version)
-        broker.publish(topology.rk_presence(self.job, self.client), messages.encode(env), message_id=env.msg_id)
+        broker.publish(topology.rk_presence(self.job, self.client), messages.encode(env), message_id=env.msg_id,
+                       timeout=timeout)
 
     def _heartbeats(self) -> None:
         # a seeded phase per client: agents started together would otherwise heartbeat in bursts of K
@@ -161,8 +162,8 @@ class Agent:
         if self.stop.wait(phase):
             return
         while not self.stop.wait(self.heartbeat_s):
-            try:
-                self._presence("online")
+            try:  # a beat is worth nothing once the aggregator's horizon (3 beats) has passed: never wait longer
+                self._presence("online", timeout=3 * self.heartbeat_s)
             except (BrokerError, AttributeError):
                 pass
 

@@ -90,6 +90,17 @@ def load_rabbit_node_module():
     return sys.modules[name]
 
 
+def _rabbit_node_module_or_skip():
+    """tests/rabbit_node.py when private nodes can start here; else the test fails in CI and is skipped elsewhere."""
+    mod = load_rabbit_node_module()
+    reason = mod.rabbit_node_unavailable()
+    if reason:
+        if IN_CI:
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return mod
+
+
 @pytest.fixture(scope="session")
 def rabbit_node(tmp_path_factory):
     """A private RabbitMQ node for tests that stop, kill or reconfigure a broker (see tests/rabbit_node.py).
@@ -98,14 +109,28 @@ def rabbit_node(tmp_path_factory):
     (``node.tls_url``, ``node.certs``) and the management API (``node.management_url``). Tests that stop or
     kill it must leave it running.
     """
-    mod = load_rabbit_node_module()
-    reason = mod.rabbit_node_unavailable()
-    if reason:
-        if IN_CI:
-            pytest.fail(reason)
-        pytest.skip(reason)
+    mod = _rabbit_node_module_or_skip()
     node = mod.RabbitNode(tmp_path_factory.mktemp("rabbit-node"), max_message_size=16 * 1024 * 1024, tls=True,
                           management=True)
+    node.start()
+    yield node
+    node.stop()
+
+
+@pytest.fixture
+def rabbit_cluster(tmp_path_factory):
+    """Three private RabbitMQ nodes on loopback joined into one cluster (tests/rabbit_node.py: RabbitCluster)."""
+    mod = _rabbit_node_module_or_skip()
+    with mod.RabbitCluster(tmp_path_factory.mktemp("rabbit-cluster"), size=3) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def own_rabbit_node(tmp_path_factory):
+    """A private RabbitMQ node for one test module (default settings), for tests that kill it at odd moments;
+    each test leaves it running."""
+    mod = _rabbit_node_module_or_skip()
+    node = mod.RabbitNode(tmp_path_factory.mktemp("own-rabbit-node"))
     node.start()
     yield node
     node.stop()

@@ -14,6 +14,11 @@ Usage::
         node.kill9(); node.start()           # hard crash and restart with the same data
         node.close_connections("reason")     # rabbitmqctl close_all_connections
         node.management_url  # with management=True: the HTTP API (guest/guest)
+
+    with RabbitCluster(tmp_path, size=3) as cluster:   # three nodes on loopback, one cluster
+        cluster.url          # amqp://guest:guest@127.0.0.1:<p1>,127.0.0.1:<p2>,127.0.0.1:<p3>/%2F
+        cluster.leader_of("fedmq.job.inbox")   # the node leading a quorum queue (or a stream)
+        cluster.nodes[i].kill9()
 """
 
 from __future__ import annotations
@@ -89,7 +94,7 @@ class RabbitNode:
     """A private RabbitMQ node in ``base`` (a temp dir); see the module docstring."""
 
     def __init__(self, base: Path, *, max_message_size: int | None = None, tls: bool = False,
-                 management: bool = False, start_timeout: float = 120.0) -> None:
+                 management: bool = False, start_timeout: float = 120.0, cookie: str | None = None) -> None:
         self.base = Path(base)
         self.name = f"fedmqtest-{os.getpid()}-{next(_counter)}@localhost"
         self.port = free_port()
@@ -100,10 +105,10 @@ class RabbitNode:
         self.start_timeout = start_timeout
         self.home = self.base / "home"
         self.home.mkdir(parents=True, exist_ok=True)
-        cookie = self.home / ".erlang.cookie"
-        if not cookie.exists():
-            cookie.write_text(secrets.token_hex(16).upper())
-            cookie.chmod(0o400)
+        cookie_file = self.home / ".erlang.cookie"
+        if not cookie_file.exists():  # the nodes of one cluster share theirs
+            cookie_file.write_text(cookie or secrets.token_hex(16).upper())
+            cookie_file.chmod(0o400)
         self.certs = make_certs(self.base / "certs") if tls else None
         self.config = self.base / "rabbitmq.conf"
         self.config.write_text(self._config_text())
@@ -233,6 +238,65 @@ class RabbitNode:
 
     def __enter__(self) -> "RabbitNode":
         return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class RabbitCluster:
+    """``size`` private nodes on loopback joined into one cluster (node 0 first, the others join it)."""
+
+    def __init__(self, base: Path, size: int = 3, start_timeout: float = 120.0) -> None:
+        cookie = secrets.token_hex(16).upper()
+        self.nodes = [RabbitNode(Path(base) / f"node{i}", cookie=cookie, start_timeout=start_timeout)
+                      for i in range(size)]
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        return f"amqp://guest:guest@{hosts}/%2F"
+
+    def start(self) -> "RabbitCluster":
+        import concurrent.futures as cf
+
+        with cf.ThreadPoolExecutor(len(self.nodes)) as pool:  # boot in parallel: each takes seconds
+            list(pool.map(lambda n: n.start(), self.nodes))
+        first = self.nodes[0]
+        for n in self.nodes[1:]:
+            n.stop_app()
+            n.ctl("join_cluster", first.name)
+            n.start_app()
+        running = first.ctl("eval", "length(rabbit_nodes:all_running()).").strip()
+        if running != str(len(self.nodes)):
+            raise RuntimeError(f"cluster formed with {running} running nodes, wanted {len(self.nodes)}")
+        return self
+
+    def node_named(self, name: str) -> RabbitNode:
+        return next(n for n in self.nodes if n.name == name)
+
+    def leader_of(self, queue: str) -> RabbitNode:
+        """The node leading a quorum queue or stream, asked of any running node."""
+        for n in self.nodes:
+            if n.proc is None or n.proc.poll() is not None:
+                continue
+            out = n.ctl("list_queues", "name", "leader", "--quiet", "--no-table-headers")
+            for line in out.splitlines():
+                parts = line.split()
+                if len(parts) == 2 and parts[0] == queue:
+                    return self.node_named(parts[1])
+        raise LookupError(f"no leader found for {queue}")
+
+    def stop(self) -> None:
+        for n in self.nodes:  # a throw-away cluster: no graceful shutdown (tens of seconds per node) needed
+            n.kill9()
+            n.proc = None
+
+    def __enter__(self) -> "RabbitCluster":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -125,6 +125,45 @@ def test_connection_closed_by_broker_recovers_on_its_own(rabbit_node, job_id):
         assert b.status()["connected"]
 
 
+def test_a_lost_confirm_is_published_again_on_a_new_channel(rabbit_node, job_id):
+    """Confirms that never come (lost in a quorum queue's leader change) hold the publisher only confirm_stall_s,
+    not the publish deadline: the unconfirmed parts go out again on a new channel, once."""
+    agg = connect(rabbit_node.url)
+    agent = connect(rabbit_node.url, chunk_limit=64 * 1024, confirm_stall_s=1.0, publish_timeout=60)
+    try:
+        agg.declare_job(job_id, ["a1"])
+        got = Collector(agg)
+        agg.consume(t.q_inbox(job_id), got)
+        deaf, lost, abandoned = [True], [], []
+        on_confirm, abandon = agent._on_confirm, agent._abandon_pub_channel
+
+        def lossy(frame) -> None:  # every confirm of a publish's first channel is lost on the way
+            if deaf[0]:
+                lost.append(frame.method.delivery_tag)
+                return
+            on_confirm(frame)
+
+        def abandon_and_hear(job) -> None:
+            abandoned.append(job.message_id)
+            abandon(job)
+            deaf[0] = False
+
+        agent._on_confirm, agent._abandon_pub_channel = lossy, abandon_and_hear
+        for mid, body in (("small", b"x" * 100), ("big", os.urandom(300 * 1024))):  # big: 5 chunks
+            deaf[0] = True
+            t0 = time.monotonic()
+            agent.publish(t.rk_update(job_id, "a1"), body, message_id=mid)
+            assert 1.0 <= time.monotonic() - t0 < 20, "held until the deadline, or no confirm was lost"
+        assert abandoned == ["small", "big"] and lost
+        _wait(lambda: got.unique() == {"small", "big"}, 20, "both messages")
+        time.sleep(1.0)
+        assert got.ids.count("big") == 1  # duplicate chunks of a delivered message are dropped by reassembly
+        assert got.ids.count("small") == 2  # at least once: the aggregator drops duplicates by message id
+    finally:
+        agent.close()
+        agg.close()
+
+
 def test_300mb_update_crosses_a_broker_with_16mib_max_message_size(rabbit_node, job_id):
     body = os.urandom(300 * 1024 * 1024)
     want = hashlib.blake2b(body, digest_size=16).digest()

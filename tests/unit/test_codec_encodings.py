@@ -12,7 +12,8 @@ import zstandard as zstd
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broker._codec_bytes import bf16_to_f32, f32_to_bf16
+from broker._codec_bytes import bf16_to_f32, f32_to_bf16, pack_array
+from broker._codec_threads import run_all
 from broker.encodings import EncodingSpec, decode_state, encode_state, raw_nbytes
 from broker.errors import CodecError
 from broker.manifest import Manifest
@@ -104,7 +105,7 @@ def test_bf16_matches_torch_and_bound() -> None:
     assert n < raw_nbytes(STATE) / 2.0
 
 
-@pytest.mark.parametrize("kind,levels", [("int8", 255), ("int4", 15)])
+@pytest.mark.parametrize("kind,levels", [("int8", 255), ("int6", 63), ("int5", 31), ("int4", 15)])
 @pytest.mark.parametrize("per_row", [False, True])
 @pytest.mark.parametrize("delta", [False, True])
 def test_affine_bound(kind: str, levels: int, per_row: bool, delta: bool) -> None:
@@ -119,7 +120,8 @@ def test_affine_bound(kind: str, levels: int, per_row: bool, delta: bool) -> Non
         err = np.abs(out[k] - v).reshape(m.shape)
         assert np.all(err <= half_step * 1.001 + 1e-6 * np.abs(v).reshape(m.shape) + 1e-9), (k, err.max())
     ratio = 3.0 if per_row else 3.5  # per-row pays 8 bytes of scale+zero per row
-    assert n < raw_nbytes(STATE) / (ratio * (1.8 if kind == "int4" else 1))  # two values a byte
+    # int4: two values a byte; int6/int5: one a byte, which zstd's entropy stage packs into about 6/5 bits
+    assert n < raw_nbytes(STATE) / (ratio * {"int8": 1, "int6": 1.2, "int5": 1.4, "int4": 1.8}[kind])
 
 
 def test_int4_odd_sizes_and_text_form() -> None:
@@ -127,6 +129,21 @@ def test_int4_odd_sizes_and_text_form() -> None:
     out, _ = _roundtrip(EncodingSpec.parse("int4-row"), s, manifest=Manifest.from_arrays(s))
     assert np.allclose(out["odd"], s["odd"], atol=7 / 15 / 2 + 1e-6) and out["none"].shape == (0,)
     assert str(EncodingSpec.parse("delta+int4-row")) == "delta+int4-row"
+
+
+def test_int5_and_int6_refuse_values_above_their_top_level() -> None:
+    s = {"w": np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8)}
+    man = Manifest.from_arrays(s)
+    for kind, top in (("int5-row", 31), ("int6", 63)):
+        obj = encode_state(s, EncodingSpec.parse(kind), None)
+        rec = obj["t"][0]
+        q = np.full(64, top + 1, np.uint8)  # one level too high: would decode above the row's maximum
+        tasks: list = []
+        rec["p"] = pack_array(q, 1, False, tasks, owned=True)
+        run_all(tasks)
+        with pytest.raises(CodecError, match="above its top level"):
+            decode_state(msgpack.unpackb(msgpack.packb(obj)), man)
+    assert str(EncodingSpec.parse("delta+int5-row")) == "delta+int5-row" and str(EncodingSpec.parse("int6")) == "int6"
 
 
 def test_int8_constant_tensor() -> None:
@@ -300,8 +317,8 @@ SMALL_BASE = {k: v * 0.99 for k, v in SMALL.items()}
 SMALL_MAN = Manifest.from_arrays(SMALL)
 SMALL_WIRES = [
     msgpack.packb(encode_state(SMALL, EncodingSpec.parse(t), SMALL_BASE))
-    for t in ("raw", "fp16", "bf16", "int8-row", "int4-row", "topk:0.1", "delta+raw", "delta+int8", "delta+int4",
-              "delta+topk:0.2", "raw@0")
+    for t in ("raw", "fp16", "bf16", "int8-row", "int6-row", "int5-row", "int4-row", "topk:0.1", "delta+raw",
+              "delta+int8", "delta+int5", "delta+int4", "delta+topk:0.2", "raw@0")
 ]
 
 
