@@ -6,13 +6,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.errors import FedmqError
+from fedmq.errors import FedmqError
 
 STRATEGIES = ("fedavg", "fedsgd", "fedatt", "fedmed", "pull-local", "pull-global", "pull-random", "async")
 # dynamic pulling (Passban et al.: DP_l, DP_g, random) was first named dp-*, which reads as differential privacy;
 # the old names stay accepted (configs, run folders) and are stored under the new ones
 STRATEGY_ALIASES = {"dp-l": "pull-local", "dp-g": "pull-global", "dp-random": "pull-random"}
-PULL_RULES = {"pull-local": "local", "pull-global": "global", "pull-random": "random"}  # client_agent.pulling.MODES
+PULL_RULES = {"pull-local": "local", "pull-global": "global", "pull-random": "random"}  # fedmq.pulling.MODES
 
 
 class JobConfigError(FedmqError):
@@ -82,7 +82,7 @@ class JobConfig:
             raise JobConfigError(msg)
 
         from broker.encodings import EncodingSpec
-        from broker.errors import CodecError
+        from fedmq.errors import CodecError
 
         for name in ("encoding", "down_encoding"):
             try:
@@ -147,7 +147,7 @@ class JobConfig:
 
     @property
     def pull(self) -> str:
-        """Which tensors a client uploads: all, or a dynamic-pulling rule (client_agent.pulling.MODES)."""
+        """Which tensors a client uploads: all, or a dynamic-pulling rule (fedmq.pulling.MODES)."""
         return PULL_RULES.get(self.strategy, "all")
 
     @property

@@ -38,16 +38,15 @@ from aggregator.spool import RoundSpool
 from aggregator.strategies.base import ClientUpdate, Strategy
 from aggregator.strategies.registry import make_strategy
 from broker import messages, topology
-from broker.base import Broker
-from broker.chunked import ReassemblyLimits
+from broker.base import Broker, ReassemblyLimits
 from broker.chunking import DEFAULT_CHUNK_LIMIT
 from broker.encodings import EncodingSpec, decode_state, encode_state, raw_nbytes
 from broker.envelope import Kind, Limits
-from broker.errors import CodecError, FedmqError
-from broker.manifest import Manifest
 from broker.queues import message_chunks
-from client_agent.pulling import select_tensors
-from client_agent.tasks.base import Task, load_state, model_state
+from fedmq.errors import CodecError, FedmqError
+from fedmq.manifest import Manifest
+from fedmq.pulling import select_tensors
+from fedmq.tasks.base import Task, load_state, model_state
 
 log = structlog.get_logger(__name__)
 

@@ -12,7 +12,7 @@ import structlog
 from broker import messages
 from broker.base import Broker, Delivery
 from broker.envelope import Envelope, Kind, Limits
-from broker.errors import CodecError
+from fedmq.errors import CodecError
 
 log = structlog.get_logger(__name__)
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from aggregator.strategies._common import check_number
-from aggregator.strategies.errors import BadParameter
+from fedmq.checks import check_number
+from fedmq.errors import BadParameter
 
 
 def _check_loss(client: str, loss: Any) -> float:

@@ -35,7 +35,7 @@ from broker._codec_malloc import tune_allocator
 from broker._codec_threads import codec_threads, set_codec_threads
 from broker.encodings import EncodingSpec, decode_state, encode_state, raw_nbytes
 from broker.envelope import Envelope, Kind, pack, unpack
-from broker.manifest import Manifest
+from fedmq.manifest import Manifest
 
 ENCODINGS = [
     "raw", "raw@3", "raw,noshuffle", "fp16", "bf16", "int8", "int8-row", "topk:0.01",

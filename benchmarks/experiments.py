@@ -41,8 +41,8 @@ import structlog
 import torch
 
 from aggregator.config import JobConfig
-from broker.errors import FedmqError
-from client_agent.tasks.base import Task, TrainConfig, load_state, model_state
+from fedmq.errors import FedmqError
+from fedmq.tasks.base import Task, TrainConfig, load_state, model_state
 
 log = structlog.get_logger(__name__)
 
@@ -250,7 +250,7 @@ _NMT = {
 def pretrain_pairs(task: Any, domains: list[str], max_lines: int) -> list[Any]:
     """The pre-training pairs: every pair of ``domains`` (the first ``max_lines`` lines of each, 0 = all) whose
     source sentence is not in any valid or test split of ``task`` (so no evaluated sentence is trained on)."""
-    from client_agent.tasks.nmt_data import load_parallel
+    from fedmq.tasks.nmt_data import load_parallel
 
     held = {p.src for split in ("valid", "test") for p in task.corpus.splits[split]}
     corpus = load_parallel(_corpus("de-en"), domains, max_lines or None)
@@ -275,7 +275,7 @@ class WarmStartTask:
 
 def domain_bleu(task: Any, model: torch.nn.Module, split: str = "test", per_domain: int = 0) -> dict[str, float]:
     """BLEU of ``model`` on each domain's ``split`` pairs (the first ``per_domain`` of each; 0 = all)."""
-    from client_agent.tasks.nmt import corpus_bleu
+    from fedmq.tasks.nmt import corpus_bleu
 
     scores = {}
     for domain in task.corpus.domains:
@@ -307,7 +307,7 @@ class Runner:
     device: str = "cpu"  # local training: cpu | cuda | auto (the aggregator evaluates on the CPU)
 
     def task(self, kind: str, options: dict[str, Any]) -> Task:
-        from client_agent.tasks.registry import make_task
+        from fedmq.tasks.registry import make_task
 
         key = json.dumps([kind, options], sort_keys=True, default=str)
         if key not in self.tasks:
@@ -358,7 +358,7 @@ class Runner:
         job = spec.job
         union = self.task(spec.task, {**spec.task_options, "clients": 1})
         model = union.build_model(seed)
-        from client_agent.tasks.lm_data import StreamBatches
+        from fedmq.tasks.lm_data import StreamBatches
 
         ids = union.client_ids(0)
         windows = StreamBatches.build(ids, job["batch_size"], union.vocab.eos).num_windows(union.bptt)
@@ -596,7 +596,7 @@ _COLUMNS = {
 
 def check_args(name: str, scale: str, threads: int = 1, device: str = "cpu") -> None:
     """One clear error line for a bad experiment name, scale, thread count or device (before anything is written)."""
-    from client_agent.tasks.training import resolve_device
+    from fedmq.tasks.training import resolve_device
 
     if name not in NAMES:
         raise ExperimentError(f"unknown experiment {name!r}; choose one of {', '.join(NAMES)}")

@@ -35,8 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     from flwr.server.strategy import FedAvg
     from flwr.simulation import run_simulation
 
-    from client_agent.tasks.base import TrainConfig, load_state, model_state
-    from client_agent.tasks.registry import make_task
+    from fedmq.tasks.base import TrainConfig, load_state, model_state
+    from fedmq.tasks.registry import make_task
 
     task_opts = json.loads(args.task)
     train = json.loads(args.train)

@@ -58,7 +58,7 @@ class Swarm:
         from broker.connect import connect
         from broker.encodings import EncodingSpec, decode_state, encode_state
         from broker.envelope import Kind
-        from client_agent.tasks.lm import LanguageModelTask
+        from fedmq.tasks.lm import LanguageModelTask
 
         task = LanguageModelTask(clients=1, seed=0, **{k: v for k, v in TINY_TASK.items() if k != "task"})
         manifest = task.manifest(task.build_model(0))

@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.experiments import NAMES, SCALES, ExperimentError, check_args, parse_seeds, run_experiment  # noqa: E402
-from broker.errors import FedmqError  # noqa: E402
+from fedmq.errors import FedmqError  # noqa: E402
 
 
 def parse_overrides(items: list[str]) -> dict[str, object]:

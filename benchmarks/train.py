@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from client_agent.tasks.base import TrainConfig
-from client_agent.tasks.registry import make_task
+from fedmq.tasks.base import TrainConfig
+from fedmq.tasks.registry import make_task
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("FEDMQ_DATA", ROOT.parent / "shared" / "data"))

@@ -32,7 +32,7 @@ import xxhash
 import zstandard as zstd
 
 from broker._codec_threads import Task
-from broker.errors import CodecError
+from fedmq.errors import CodecError
 
 DIGEST_SIZE = 16
 STORED, ZSTD = 0, 1

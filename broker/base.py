@@ -5,12 +5,19 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from broker.errors import BrokerError
 
-if TYPE_CHECKING:
-    from broker.chunked import ReassemblyLimits
+
+@dataclass(frozen=True)
+class ReassemblyLimits:
+    """What a consumer's incomplete chunked messages may hold: one message's size, all of them together, and
+    (optionally) those of one sender (a delivery's routing key; see Reassembler)."""
+
+    max_message_size: int = 4 * 1024**3
+    max_pending_bytes: int = 4 * 1024**3
+    max_pending_per_sender: int | None = None
 
 
 @dataclass

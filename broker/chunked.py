@@ -22,9 +22,10 @@ from typing import Any
 
 import structlog
 
-from broker.base import Broker, Delivery, Handler
+from broker.base import Broker, Delivery, Handler, ReassemblyLimits
 from broker.chunking import Chunk, Reassembler, decode_chunk, encode_chunk, encode_chunk_parts, split
-from broker.errors import BrokerError, CodecError
+from broker.errors import BrokerError
+from fedmq.errors import CodecError
 
 log = structlog.get_logger(__name__)
 
@@ -104,15 +105,6 @@ class Outcome:
     reject: list[Any] = field(default_factory=list)
     reason: str | None = None
 
-
-@dataclass(frozen=True)
-class ReassemblyLimits:
-    """What a consumer's incomplete chunked messages may hold: one message's size, all of them together, and
-    (optionally) those of one sender (a delivery's routing key; see Reassembler)."""
-
-    max_message_size: int = 4 * 1024**3
-    max_pending_bytes: int = 4 * 1024**3
-    max_pending_per_sender: int | None = None
 
 
 class ChunkGate:

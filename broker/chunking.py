@@ -39,7 +39,7 @@ import structlog
 import xxhash
 
 from broker._codec_bytes import DIGEST_SIZE, digest
-from broker.errors import CodecError
+from fedmq.errors import CodecError
 
 log = structlog.get_logger(__name__)
 

@@ -39,8 +39,8 @@ from broker._codec_bytes import (
     Unpacking, bf16_to_f32, f32_to_bf16, make_blob, pack_array, read_blob, unpack_array,
 )
 from broker._codec_threads import Task, run_all
-from broker.errors import CodecError
-from broker.manifest import Manifest
+from fedmq.errors import CodecError
+from fedmq.manifest import Manifest
 
 FORMAT = 2  # 2: shuffled arrays may use byte groups (broker._codec_bytes); 1 had one plane per byte
 READS_FORMATS = (1, 2)  # a format-1 message is a format-2 message with no multi-byte group

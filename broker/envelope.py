@@ -24,7 +24,7 @@ import msgpack
 import zstandard as zstd
 
 from broker._codec_bytes import DIGEST_SIZE, digest, digest_of
-from broker.errors import CodecError
+from fedmq.errors import CodecError
 
 SCHEMA_VERSION = 1
 MAGIC = b"FMQ"

@@ -1,20 +1,6 @@
-"""Typed errors of the transport and wire format."""
+"""Typed errors of the transport."""
 
-
-class FedmqError(Exception):
-    """Base of every error fedmq raises on purpose; its message is one line for the user."""
-
-
-class CodecError(FedmqError):
-    """A message could not be encoded or was rejected while decoding.
-
-    ``reason`` is a short stable slug (e.g. ``"bad-digest"``, ``"shape-mismatch"``) used as a metric label.
-    """
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        self.reason = reason
-        self.detail = detail
-        super().__init__(f"{reason}: {detail}" if detail else reason)
+from fedmq.errors import FedmqError
 
 
 class BrokerError(FedmqError):

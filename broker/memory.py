@@ -27,8 +27,8 @@ from typing import Any
 
 import structlog
 
-from broker.base import Broker, Delivery, Handler
-from broker.chunked import CHUNK_HEADER, EXPIRY_CHECK_S, ChunkGate, GatedDispatch, ReassemblyLimits, chunk_messages
+from broker.base import Broker, Delivery, Handler, ReassemblyLimits
+from broker.chunked import CHUNK_HEADER, EXPIRY_CHECK_S, ChunkGate, GatedDispatch, chunk_messages
 from broker.chunking import DEFAULT_CHUNK_LIMIT
 from broker.errors import BrokerError
 from broker.queues import check_publish_args, job_queues

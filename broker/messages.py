@@ -28,7 +28,7 @@ import math
 from typing import Any
 
 from broker.envelope import Envelope, Kind, Limits, pack, unpack
-from broker.errors import CodecError
+from fedmq.errors import CodecError
 
 NO_VERSION = -1
 

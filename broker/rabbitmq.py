@@ -40,8 +40,8 @@ import pika
 import pika.exceptions as pe
 import structlog
 
-from broker.base import Broker, Delivery, Handler
-from broker.chunked import (CHUNK_HEADER, EXPIRY_CHECK_S, ChunkFrame, ChunkGate, GatedDispatch, ReassemblyLimits,
+from broker.base import Broker, Delivery, Handler, ReassemblyLimits
+from broker.chunked import (CHUNK_HEADER, EXPIRY_CHECK_S, ChunkFrame, ChunkGate, GatedDispatch,
                             chunk_parts)
 from broker.chunking import DEFAULT_CHUNK_LIMIT, Chunk
 from broker.errors import BrokerError

@@ -12,11 +12,11 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from broker.errors import FedmqError
+from fedmq.errors import FedmqError
 from aggregator.config import STRATEGIES
 from cli.errors import Stopped, UsageError
 from cli.help import HelpCommand, HelpGroup
-from client_agent.tasks.catalog import MODELS
+from fedmq.tasks.catalog import MODELS
 
 app = typer.Typer(cls=HelpGroup, add_completion=True, no_args_is_help=True, rich_markup_mode=None,
                   help="fedmq: asynchronous federated learning over a message broker.")
@@ -64,7 +64,7 @@ def _stop_on_signals(service: Callable[[], Any], running: Callable[[Any], bool])
 
 
 def _make_task(options: dict[str, Any]):
-    from client_agent.tasks.registry import make_task
+    from fedmq.tasks.registry import make_task
     opts = dict(options)
     return make_task(opts.pop("task"), **opts)
 
@@ -219,7 +219,7 @@ def _simulate(plan: Any, run_dir: Path, resume: bool, as_json: bool, log_level: 
     _setup_logs(log_level if not interactive else "warning", "console" if interactive else "json",
                 run_dir / "logs" / "simulate.jsonl")
     _tune_allocator()
-    from client_agent.tasks.training import resolve_device  # the first torch import
+    from fedmq.tasks.training import resolve_device  # the first torch import
 
     opts, cfg = plan.options, plan.job
     resolve_device(opts["device"])  # --device cuda without a GPU: one line, before any agent starts

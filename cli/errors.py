@@ -1,6 +1,6 @@
 """The CLI's own error type (torch-free, so flag checks can raise it before anything heavy is imported)."""
 
-from broker.errors import FedmqError
+from fedmq.errors import FedmqError
 
 
 class UsageError(FedmqError):

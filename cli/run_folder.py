@@ -85,7 +85,7 @@ def check_checkpoint_fits(run_dir: Path, task: Any, seed: int) -> None:
     """On --resume: the newest checkpoint's tensors must have this task's model shapes. A mismatch (the corpus
     changed, or an old folder lacked the options) is one line here instead of agents rejecting every model."""
     from aggregator.checkpoint import load_checkpoint
-    from client_agent.tasks.base import model_state
+    from fedmq.tasks.base import model_state
 
     ckpt = load_checkpoint(run_dir / "checkpoints")
     if ckpt is None:

@@ -21,12 +21,12 @@ from aggregator.config import JobConfig
 from aggregator.engine import Engine
 from broker import topology
 from broker.connect import connect
-from broker.errors import FedmqError
 from client_agent.agent import Agent, AgentLog
 from client_agent.availability import parse_availability, parse_faults
 from client_agent.state import DiskStore
-from client_agent.tasks.base import Task
 from client_agent.trainers import TrainerPool
+from fedmq.errors import FedmqError
+from fedmq.tasks.base import Task
 
 log = structlog.get_logger(__name__)
 # The in-process broker moves references, not bytes: chunking a model there (as RabbitMQ's message size limit

@@ -12,7 +12,7 @@ runs (``RESUMABLE``: ``--rounds`` extends a run, ``--device``, ``--broker``); an
 one line. A run folder written before options were recorded is resumed from its JobConfig keys and the task facts
 it kept (task, model, partition, bptt, tied, dropout); the checkpoint check in cli/run_folder.py catches the rest.
 
-Everything here is torch-free (aggregator.config, client_agent.availability, client_agent.tasks.catalog and
+Everything here is torch-free (aggregator.config, client_agent.availability, fedmq.tasks.catalog and
 .partition, broker.connect's URL check), so a bad flag is rejected in well under a second.
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 
 from aggregator.config import JobConfig
 from cli.errors import UsageError
-from client_agent.tasks.catalog import LM_ONLY, MODELS, NMT_ONLY, TASKS
+from fedmq.tasks.catalog import LM_ONLY, MODELS, NMT_ONLY, TASKS
 
 # flag -> JobConfig field
 JOB_FLAGS = {
@@ -173,7 +173,7 @@ def check(values: dict[str, Any]) -> None:
     """Every option that can be checked without torch; UsageError or another FedmqError, one line."""
     from broker.urls import check_url
     from client_agent.availability import parse_availability, parse_faults
-    from client_agent.tasks.partition import PartitionSpec
+    from fedmq.tasks.partition import PartitionSpec
 
     task, model = values["task"], values["model"]
     if model not in MODELS[task]:
@@ -198,14 +198,14 @@ def check(values: dict[str, Any]) -> None:
 
 
 def check_data(task: str, data: str) -> None:
-    """``--data``: builtin (lm only), a folder, or a corpus name kept in the local cache (client_agent.tasks.corpora,
+    """``--data``: builtin (lm only), a folder, or a corpus name kept in the local cache (fedmq.tasks.corpora,
     torch-free); anything else gets its one line here, before torch loads."""
     if data == "builtin":
         if task == "nmt":
             raise UsageError("the nmt task needs --data PATH to a folder of X.de/X.en files or of domain folders")
         return
-    from client_agent.tasks.corpora import resolve
-    from client_agent.tasks.errors import TaskError
+    from fedmq.tasks.corpora import resolve
+    from fedmq.tasks.errors import TaskError
     try:
         resolve(data)
     except TaskError as exc:

@@ -16,7 +16,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from broker.errors import FedmqError
+from fedmq.errors import FedmqError
 
 DASH = "—"
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from aggregator.runlog import read_jsonl
 from broker import provision
-from broker.errors import FedmqError
+from fedmq.errors import FedmqError
 
 # the active aggregator rewrites status.json at least on every phase change and presence heartbeat; a live one
 # older than this with nobody consuming the inbox is a dead aggregator's last word

@@ -31,12 +31,13 @@ from broker import messages, topology
 from broker.base import Broker, Delivery
 from broker.encodings import EncodingSpec, decode_state, encode_state
 from broker.envelope import Envelope, Kind
-from broker.errors import BrokerError, CodecError
+from broker.errors import BrokerError
 from client_agent.availability import Availability, Faults
-from client_agent.pulling import select_tensors
 from client_agent.state import MemoryStore, State
-from client_agent.tasks.base import Task, TrainConfig, TrainResult, load_state, model_state
 from client_agent.trainers import TrainerPool
+from fedmq.errors import CodecError
+from fedmq.pulling import select_tensors
+from fedmq.tasks.base import Task, TrainConfig, TrainResult, load_state, model_state
 
 log = structlog.get_logger(__name__)
 

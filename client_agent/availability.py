@@ -25,7 +25,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from broker.errors import FedmqError
+from fedmq.errors import FedmqError
 
 
 class ConfigError(FedmqError):

@@ -14,8 +14,8 @@ from typing import Iterator
 
 import torch
 
-from broker.manifest import Manifest
-from client_agent.tasks.base import Task
+from fedmq.manifest import Manifest
+from fedmq.tasks.base import Task
 
 
 class TrainerPool:

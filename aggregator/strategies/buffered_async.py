@@ -28,10 +28,11 @@ from typing import ClassVar, Mapping
 
 import torch
 
-from aggregator.strategies._common import check_int, check_number
 from aggregator.strategies.base import ClientUpdate, State
-from aggregator.strategies.errors import StaleUpdate, StrategyError
+from aggregator.strategies.errors import StaleUpdate
 from aggregator.strategies.fedavg import FedAvg
+from fedmq.checks import check_int, check_number
+from fedmq.errors import StrategyError
 
 
 def staleness_weight(tau: int) -> float:

@@ -1,6 +1,6 @@
 """Dynamic-pulled aggregation (Passban et al. 2022): per-tensor FedAvg over the clients that sent it.
 
-Each client sends only the tensors its pulling rule selected (client_agent.pulling.select_tensors). For
+Each client sends only the tensors its pulling rule selected (fedmq.pulling.select_tensors). For
 tensor t: θ_t ← Σ_{k sent t} n_k θ_{k,t} / Σ_{k sent t} n_k; a tensor nobody sent keeps the server's value.
 The same class serves pull-local, pull-global and pull-random (they differ only on the client side).
 """

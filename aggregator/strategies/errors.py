@@ -1,16 +1,8 @@
-"""Typed errors of the aggregation strategies, the mediator and checkpoints (one-line messages)."""
+"""Typed errors of the aggregator's own: stale asynchronous updates and checkpoints (one-line messages)."""
 
 from __future__ import annotations
 
-from broker.errors import FedmqError
-
-
-class StrategyError(FedmqError):
-    """An update does not fit the aggregation (unknown tensor, wrong shape, non-finite values, bad state)."""
-
-
-class BadParameter(StrategyError):
-    """A strategy, mediator or pulling parameter is out of range or unknown."""
+from fedmq.errors import FedmqError, StrategyError
 
 
 class StaleUpdate(StrategyError):

@@ -18,10 +18,11 @@ from typing import ClassVar
 
 import torch
 
-from aggregator.strategies._common import check_number, sq_distance, update_sq_norm
+from aggregator.strategies._common import sq_distance, update_sq_norm
 from aggregator.strategies.base import ClientUpdate
-from aggregator.strategies.errors import BadParameter
 from aggregator.strategies.softmax_weighted import SoftmaxWeighted
+from fedmq.checks import check_number
+from fedmq.errors import BadParameter
 
 NORMS = ("fro", "spectral")
 

@@ -27,11 +27,12 @@ from typing import ClassVar, Mapping
 
 import torch
 
-from aggregator.strategies._common import check_number, full_tensor
+from aggregator.strategies._common import full_tensor
 from aggregator.strategies.base import ClientUpdate, State
-from aggregator.strategies.errors import BadParameter, StrategyError
 from aggregator.strategies.fedavg import FedAvg
 from aggregator.strategies.softmax_weighted import SoftmaxWeighted
+from fedmq.checks import check_number
+from fedmq.errors import BadParameter, StrategyError
 
 MODES = ("adaptive", "fedavg")
 JS_WEIGHTS = ("standardised", "raw")

@@ -13,11 +13,11 @@ from typing import Any, Callable
 from aggregator.strategies.base import Strategy
 from aggregator.strategies.buffered_async import BufferedAsync
 from aggregator.strategies.dynamic_pull import DynamicPull
-from aggregator.strategies.errors import BadParameter
 from aggregator.strategies.fedatt import FedAtt
 from aggregator.strategies.fedavg import FedAvg, FedSGD
 from aggregator.strategies.fedmed import FedMed
 from aggregator.strategies.robust import ClippedFedAvg, TrimmedMean
+from fedmq.errors import BadParameter
 
 _FACTORIES: dict[str, tuple[Callable[..., Strategy], dict[str, Any]]] = {
     "fedavg": (FedAvg, {}),

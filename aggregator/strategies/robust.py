@@ -20,17 +20,15 @@ import torch
 from aggregator.strategies._common import (
     acc_dtype,
     cast_like,
-    check_int,
-    check_number,
     check_started,
     full_tensor,
     update_sq_norm,
     validate_update,
-    zeros_like_state,
 )
 from aggregator.strategies.base import ClientUpdate, State, Strategy
-from aggregator.strategies.errors import StrategyError
 from aggregator.strategies.fedavg import FedAvg
+from fedmq.checks import check_int, check_number
+from fedmq.errors import StrategyError
 
 
 class ClippedFedAvg(FedAvg):

@@ -244,8 +244,8 @@ class Federation:
         import torch
 
         from aggregator.checkpoint import load_checkpoint
-        from client_agent.tasks.lm import LanguageModelTask
-        from client_agent.tasks.base import model_state
+        from fedmq.tasks.lm import LanguageModelTask
+        from fedmq.tasks.base import model_state
 
         ckpt = load_checkpoint(self.state / "checkpoints")
         assert ckpt is not None, "no checkpoint written"

@@ -29,8 +29,8 @@ from broker.envelope import FLAG_ZSTD, MAGIC, SCHEMA_VERSION
 from broker._codec_bytes import digest
 from broker.provision import purge
 from client_agent.agent import Agent
-from client_agent.tasks.base import model_state
-from client_agent.tasks.lm import LanguageModelTask
+from fedmq.tasks.base import model_state
+from fedmq.tasks.lm import LanguageModelTask
 
 pytestmark = pytest.mark.rabbitmq
 

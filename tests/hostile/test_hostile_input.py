@@ -34,8 +34,8 @@ from broker.connect import connect
 from broker.encodings import EncodingSpec, encode_state
 from broker.envelope import MAGIC, SCHEMA_VERSION
 from client_agent.agent import Agent
-from client_agent.tasks.base import model_state
-from client_agent.tasks.lm import LanguageModelTask
+from fedmq.tasks.base import model_state
+from fedmq.tasks.lm import LanguageModelTask
 
 pytestmark = [pytest.mark.isolated_node, pytest.mark.slow]
 

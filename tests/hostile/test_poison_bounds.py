@@ -14,8 +14,8 @@ import torch
 from aggregator.config import JobConfig
 from broker import provision
 from client_agent.agent import Agent
-from client_agent.tasks.base import model_state
-from client_agent.tasks.lm import LanguageModelTask
+from fedmq.tasks.base import model_state
+from fedmq.tasks.lm import LanguageModelTask
 
 pytestmark = [pytest.mark.rabbitmq]
 

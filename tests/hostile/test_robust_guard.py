@@ -7,7 +7,7 @@ import torch
 
 from aggregator.config import JobConfig, JobConfigError
 from client_agent.agent import Agent
-from client_agent.tasks.lm import LanguageModelTask
+from fedmq.tasks.lm import LanguageModelTask
 
 TINY = dict(data="builtin", model="gru-small", emb=16, hidden=16, vocab_size=500, max_lines=600,
             max_eval_lines=100, bptt=10, dropout=0.0)

@@ -15,7 +15,7 @@ import pytest
 
 from benchmarks import experiments
 from benchmarks.experiments import ExperimentError, run_experiment
-from broker.errors import FedmqError
+from fedmq.errors import FedmqError
 
 ROOT = experiments.ROOT
 
@@ -100,7 +100,7 @@ def test_cli_topk_with_report(tmp_path):
 def test_central_baseline_matches_the_federations_token_passes(tmp_path):
     """C x K clients x E epochs of their shards a round = C x E epochs of the union, trained on one model."""
     from benchmarks.experiments import Runner
-    from client_agent.tasks.lm_data import StreamBatches
+    from fedmq.tasks.lm_data import StreamBatches
 
     spec = next(s for s in experiments.table2("smoke") if s.central)
     runner = Runner(tmp_path)

@@ -8,10 +8,10 @@ import torch
 
 from aggregator.config import JobConfig
 from broker import messages
-from broker.errors import CodecError
 from client_agent.state import DiskStore, MemoryStore
-from client_agent.tasks.lm import LanguageModelTask
 from client_agent.trainers import TrainerPool
+from fedmq.errors import CodecError
+from fedmq.tasks.lm import LanguageModelTask
 
 TINY = dict(data="builtin", model="gru-small", emb=16, hidden=16, vocab_size=500, max_lines=600,
             max_eval_lines=100, bptt=10, dropout=0.0)

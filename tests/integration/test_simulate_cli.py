@@ -158,7 +158,7 @@ def test_an_agent_failure_ends_the_simulation_at_once_with_one_line(tmp_path):
     deadline, and the user sees the first cause in one line (exit 1); the traceback is in the run's log."""
     from aggregator.config import JobConfig
     from cli.simulate import Simulation, SimulationFailed
-    from client_agent.tasks.lm import LanguageModelTask
+    from fedmq.tasks.lm import LanguageModelTask
 
     class Broken(LanguageModelTask):
         def train(self, model, client, cfg, progress=None):

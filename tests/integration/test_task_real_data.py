@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from client_agent.tasks.base import TrainConfig
-from client_agent.tasks.registry import make_task
+from fedmq.tasks.base import TrainConfig
+from fedmq.tasks.registry import make_task
 
 pytestmark = pytest.mark.slow
 

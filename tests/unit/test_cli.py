@@ -91,8 +91,8 @@ def words(text: str) -> set[str]:
 def test_simulate_help_groups_options_and_lists_every_choice_in_full():
     from aggregator.config import STRATEGIES
     from broker.encodings import KINDS
-    from client_agent.tasks.lm_models import PRESETS
-    from client_agent.tasks.nmt_model import CONFIGS
+    from fedmq.tasks.lm_models import PRESETS
+    from fedmq.tasks.nmt_model import CONFIGS
 
     text = help80("simulate")
     for panel in ("Task and data:", "Strategy:", "Local training:", "Wire:", "Availability and faults:", "Run:"):
@@ -116,9 +116,9 @@ def test_agent_run_help_shows_option_names_and_brackets():
 
 
 def test_model_catalog_matches_the_models():
-    from client_agent.tasks.catalog import MODELS
-    from client_agent.tasks.lm_models import PRESETS
-    from client_agent.tasks.nmt_model import CONFIGS
+    from fedmq.tasks.catalog import MODELS
+    from fedmq.tasks.lm_models import PRESETS
+    from fedmq.tasks.nmt_model import CONFIGS
 
     assert MODELS == {"lm": tuple(PRESETS), "nmt": tuple(CONFIGS)}
 

@@ -21,7 +21,7 @@ from broker.chunking import (
     is_chunk_frame,
     split,
 )
-from broker.errors import CodecError
+from fedmq.errors import CodecError
 
 
 def _frames(body: bytes, msg_id: str = "m1", limit: int = 100) -> list[bytes]:

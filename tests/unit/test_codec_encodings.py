@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from broker._codec_bytes import bf16_to_f32, f32_to_bf16, pack_array
 from broker._codec_threads import run_all
 from broker.encodings import EncodingSpec, decode_state, encode_state, raw_nbytes
-from broker.errors import CodecError
-from broker.manifest import Manifest
+from fedmq.errors import CodecError
+from fedmq.manifest import Manifest
 
 
 def _state(seed: int = 0) -> dict[str, np.ndarray]:

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from broker._codec_bytes import digest
 from broker.encodings import EncodingSpec, decode_state, encode_state
 from broker.envelope import FLAG_ZSTD, HEADER_SIZE, SCHEMA_VERSION, Envelope, Kind, Limits, pack, unpack
-from broker.errors import CodecError
-from broker.manifest import Manifest
+from fedmq.errors import CodecError
+from fedmq.manifest import Manifest
 
 STATE = {"w": (np.random.default_rng(0).standard_normal((64, 48)) * 0.05).astype(np.float32), "b": np.ones(48, np.float32)}
 MAN = Manifest.from_arrays(STATE)

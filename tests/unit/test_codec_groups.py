@@ -8,8 +8,8 @@ import pytest
 
 from broker._codec_bytes import STORED, ZSTD, make_blob
 from broker.encodings import EncodingSpec, decode_state, encode_state
-from broker.errors import CodecError
-from broker.manifest import Manifest
+from fedmq.errors import CodecError
+from fedmq.manifest import Manifest
 
 W = (np.random.default_rng(5).standard_normal((200, 50), dtype=np.float32) * np.float32(0.05))
 STATE = {"w": W}

@@ -14,8 +14,8 @@ from broker import _codec_threads as ct
 from broker._codec_bytes import PLANE_PARAMS, ZSTD, make_blob
 from broker.encodings import EncodingSpec, decode_state, encode_state
 from broker.envelope import Envelope, Kind, pack, unpack
-from broker.errors import CodecError
-from broker.manifest import Manifest
+from fedmq.errors import CodecError
+from fedmq.manifest import Manifest
 
 
 def _big_state(seed: int = 0) -> dict[str, np.ndarray]:

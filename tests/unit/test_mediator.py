@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from aggregator.mediator import Mediator
-from aggregator.strategies.errors import BadParameter
+from fedmq.errors import BadParameter
 
 
 def test_top_k_picks_lowest_losses_with_id_tie_break():

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from broker.errors import FedmqError
 from cli.plots import DROPPED, OFFLINE, ONLINE, REPORTED, UPLOADED, client_state, participation_grid
-from cli.report import ReportError, build_report, load_run, markdown_table, run_report, score_of
+from cli.report import build_report, markdown_table, run_report, score_of
+from cli.runs import ReportError, load_run
+from fedmq.errors import FedmqError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MODEL_RAW = 4 * 250_000  # fp32 bytes of a 250k-parameter model

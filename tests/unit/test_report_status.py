@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from rich.table import Table
 
-from broker.errors import FedmqError
 from cli.status import StatusError, render_status, render_summary, status_json, to_text
+from fedmq.errors import FedmqError
 
 
 def _row(rnd: int, **kw) -> dict:

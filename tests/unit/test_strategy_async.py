@@ -9,7 +9,8 @@ import torch
 
 from aggregator.strategies.base import ClientUpdate
 from aggregator.strategies.buffered_async import BufferedAsync, staleness_weight
-from aggregator.strategies.errors import BadParameter, StaleUpdate, StrategyError
+from aggregator.strategies.errors import StaleUpdate
+from fedmq.errors import BadParameter, StrategyError
 
 GLOBAL = {"w": torch.tensor([1.0, 1.0])}
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from aggregator.strategies.base import ClientUpdate
-from aggregator.strategies.errors import BadParameter
 from aggregator.strategies.fedatt import FedAtt, tensor_distance
+from fedmq.errors import BadParameter
 
 
 def run(strategy, glob, updates):
@@ -132,8 +132,8 @@ def test_chunked_distance_matches_torch_dist_on_large_tensors():
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_update_is_rejected_and_changes_nothing(bad):
-    from aggregator.strategies.errors import StrategyError
     from aggregator.strategies.fedmed import FedMed
+    from fedmq.errors import StrategyError
 
     good = ClientUpdate("a", 1, {"w": torch.tensor([3.0, 4.0])})
     for make in (FedAtt, FedMed, lambda: FedMed(js="raw")):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from aggregator.strategies.base import ClientUpdate
-from aggregator.strategies.errors import StrategyError
 from aggregator.strategies.fedavg import FedAvg, FedSGD
+from fedmq.errors import StrategyError
 
 GLOBAL = {"w": torch.tensor([0.0, 0.0]), "b": torch.tensor([0.0])}
 UPDATES = [

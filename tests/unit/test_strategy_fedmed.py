@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from aggregator.strategies.base import ClientUpdate, aggregate
-from aggregator.strategies.errors import BadParameter, StrategyError
 from aggregator.strategies.fedmed import FedMed, js_divergence
+from fedmq.errors import BadParameter, StrategyError
 
 LN3 = math.log(3.0)
 
@@ -124,8 +124,8 @@ def test_standardised_js_is_a_softmax_of_z_scores_over_two_passes():
 def test_standardised_weights_differ_between_clients_on_real_updates():
     """The paper's literal softmax of raw JS gives near-uniform weights on trained models (JS ~1e-6 nats); the
     standardised weights differ between clients."""
-    from client_agent.tasks.base import TrainConfig, model_state
-    from client_agent.tasks.lm import LanguageModelTask
+    from fedmq.tasks.base import TrainConfig, model_state
+    from fedmq.tasks.lm import LanguageModelTask
 
     task = LanguageModelTask(clients=4, seed=0, data="builtin", model="gru-small", emb=16, hidden=16,
                              vocab_size=500, max_lines=600, max_eval_lines=50, bptt=10, dropout=0.0)

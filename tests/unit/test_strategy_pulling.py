@@ -1,4 +1,4 @@
-"""Client-side dynamic pulling selection (client_agent.pulling)."""
+"""Client-side dynamic pulling selection (fedmq.pulling)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from aggregator.strategies.errors import BadParameter
-from client_agent.pulling import select_tensors, tensor_changes
+from fedmq.errors import BadParameter
+from fedmq.pulling import select_tensors, tensor_changes
 
 
 def states(changes: dict[str, float]):

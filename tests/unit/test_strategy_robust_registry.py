@@ -7,11 +7,10 @@ import torch
 
 from aggregator.strategies.base import ClientUpdate, Strategy
 from aggregator.strategies.dynamic_pull import DynamicPull
-from aggregator.strategies.errors import BadParameter, StrategyError
 from aggregator.strategies.fedatt import FedAtt
 from aggregator.strategies.registry import STRATEGY_NAMES, make_strategy
 from aggregator.strategies.robust import ClippedFedAvg, TrimmedMean
-from broker.errors import FedmqError
+from fedmq.errors import BadParameter, FedmqError, StrategyError
 
 
 def run(strategy, glob, updates):

@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from client_agent.tasks.base import TrainConfig, load_state, model_state
-from client_agent.tasks.errors import TaskError
-from client_agent.tasks.lm import LanguageModelTask, detach_hidden
-from client_agent.tasks.lm_data import EOS, UNK, StreamBatches, Vocabulary, load_corpus
-from client_agent.tasks.lm_models import RNNLanguageModel, rnn_config
-from client_agent.tasks.registry import make_task
+from fedmq.tasks.base import TrainConfig, load_state, model_state
+from fedmq.tasks.errors import TaskError
+from fedmq.tasks.lm import LanguageModelTask, detach_hidden
+from fedmq.tasks.lm_data import EOS, UNK, StreamBatches, Vocabulary, load_corpus
+from fedmq.tasks.lm_models import RNNLanguageModel, rnn_config
+from fedmq.tasks.registry import make_task
 
 TINY = dict(emb=16, hidden=16, dropout=0.0, bptt=8)
 
@@ -236,7 +236,7 @@ def test_bad_train_config(corpus_dir):
 
 def test_data_names_a_cached_corpus_or_says_where_to_put_it(tmp_path, monkeypatch, corpus_dir):
     """`--data wikitext-2` reads $FEDMQ_DATA_DIR/wikitext-2; a missing corpus or a file gets one line saying what to do."""
-    from client_agent.tasks.corpora import resolve
+    from fedmq.tasks.corpora import resolve
     monkeypatch.setenv("FEDMQ_DATA_DIR", str(tmp_path / "cache"))
     with pytest.raises(TaskError, match=r"corpus 'ptb' is not on this machine: put its folder .* at .*cache/ptb") as info:
         make_task("lm", data="ptb", clients=2, **TINY)

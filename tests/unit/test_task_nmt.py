@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from client_agent.tasks.base import TrainConfig, model_state
-from client_agent.tasks.errors import TaskError
-from client_agent.tasks.nmt import TranslationTask, corpus_bleu
-from client_agent.tasks.nmt_data import BOS, EOS, PAD, pad
-from client_agent.tasks.nmt_decode import beam_search, greedy
-from client_agent.tasks.nmt_model import TransformerNMT, transformer_config
-from client_agent.tasks.registry import make_task
+from fedmq.tasks.base import TrainConfig, model_state
+from fedmq.tasks.errors import TaskError
+from fedmq.tasks.nmt import TranslationTask, corpus_bleu
+from fedmq.tasks.nmt_data import BOS, EOS, PAD, pad
+from fedmq.tasks.nmt_decode import beam_search, greedy
+from fedmq.tasks.nmt_model import TransformerNMT, transformer_config
+from fedmq.tasks.registry import make_task
 
 DE = ["ein hund", "eine katze", "der mann", "die frau", "ein kind", "das haus", "ein auto", "der baum"]
 EN = ["a dog", "a cat", "the man", "the woman", "a child", "the house", "a car", "the tree"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from client_agent.tasks.errors import TaskError
-from client_agent.tasks.partition import PartitionSpec, dirichlet_shards, iid_shards, natural_shards
+from fedmq.tasks.errors import TaskError
+from fedmq.tasks.partition import PartitionSpec, dirichlet_shards, iid_shards, natural_shards
 
 
 def _covers_once(shards, n):

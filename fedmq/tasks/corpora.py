@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from client_agent.tasks.errors import TaskError
+from fedmq.tasks.errors import TaskError
 
 # name -> (the file that shows the folder is right, where to get it)
 KNOWN = {

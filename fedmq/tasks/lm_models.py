@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from client_agent.tasks.dropout import SeededDropout, uniform_
-from client_agent.tasks.errors import TaskError
+from fedmq.tasks.dropout import SeededDropout, uniform_
+from fedmq.tasks.errors import TaskError
 
 
 @dataclass(frozen=True)

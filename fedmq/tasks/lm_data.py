@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from client_agent.tasks.corpora import resolve
-from client_agent.tasks.errors import TaskError
+from fedmq.tasks.corpora import resolve
+from fedmq.tasks.errors import TaskError
 
 EOS = "<eos>"
 UNK = "<unk>"

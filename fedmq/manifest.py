@@ -7,7 +7,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from broker.errors import CodecError
+from fedmq.errors import CodecError
 
 
 @dataclass(frozen=True)

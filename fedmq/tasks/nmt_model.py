@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from client_agent.tasks.dropout import SeededDropout, uniform_
-from client_agent.tasks.errors import TaskError
-from client_agent.tasks.nmt_data import PAD
+from fedmq.tasks.dropout import SeededDropout, uniform_
+from fedmq.tasks.errors import TaskError
+from fedmq.tasks.nmt_data import PAD
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from client_agent.tasks.base import Task
-from client_agent.tasks.catalog import LM_ONLY, NMT_ONLY
-from client_agent.tasks.errors import TaskError
-from client_agent.tasks.lm import LanguageModelTask
-from client_agent.tasks.nmt import TranslationTask
+from fedmq.tasks.base import Task
+from fedmq.tasks.catalog import LM_ONLY, NMT_ONLY
+from fedmq.tasks.errors import TaskError
+from fedmq.tasks.lm import LanguageModelTask
+from fedmq.tasks.nmt import TranslationTask
 
 TASKS: dict[str, type[Task]] = {"lm": LanguageModelTask, "nmt": TranslationTask}
 # "0 = no cap" on the CLI

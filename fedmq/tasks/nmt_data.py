@@ -22,8 +22,8 @@ import numpy as np
 import structlog
 import torch
 
-from client_agent.tasks.corpora import resolve
-from client_agent.tasks.errors import TaskError
+from fedmq.tasks.corpora import resolve
+from fedmq.tasks.errors import TaskError
 
 log = structlog.get_logger(__name__)
 

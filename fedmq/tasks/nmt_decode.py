@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from client_agent.tasks.nmt_data import BOS, EOS, PAD
-from client_agent.tasks.nmt_model import TransformerNMT
+from fedmq.tasks.nmt_data import BOS, EOS, PAD
+from fedmq.tasks.nmt_model import TransformerNMT
 
 
 def _next_logits(model: TransformerNMT, seqs: torch.Tensor, mem: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

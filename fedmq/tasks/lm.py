@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from client_agent.tasks.base import Progress, Task, TrainConfig, TrainResult
-from client_agent.tasks.errors import TaskError
-from client_agent.tasks.lm_data import LMCorpus, StreamBatches, Vocabulary, load_corpus
-from client_agent.tasks.lm_models import RNNLanguageModel, detach_hidden, rnn_config
-from client_agent.tasks.partition import PartitionSpec, dirichlet_shards, iid_shards, natural_shards
-from client_agent.tasks.training import run_training
+from fedmq.tasks.base import Progress, Task, TrainConfig, TrainResult
+from fedmq.tasks.errors import TaskError
+from fedmq.tasks.lm_data import LMCorpus, StreamBatches, Vocabulary, load_corpus
+from fedmq.tasks.lm_models import RNNLanguageModel, detach_hidden, rnn_config
+from fedmq.tasks.partition import PartitionSpec, dirichlet_shards, iid_shards, natural_shards
+from fedmq.tasks.training import run_training
 
 EVAL_BATCH = 10
 

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from client_agent.tasks.errors import TaskError
+from fedmq.tasks.errors import TaskError
 
 
 @dataclass(frozen=True)

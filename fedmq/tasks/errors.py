@@ -1,6 +1,6 @@
 """Typed errors a user can cause through task options or data folders."""
 
-from broker.errors import FedmqError
+from fedmq.errors import FedmqError
 
 
 class TaskError(FedmqError):

@@ -31,8 +31,8 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from aggregator.strategies._common import check_number
-from aggregator.strategies.errors import BadParameter
+from fedmq.checks import check_number
+from fedmq.errors import BadParameter
 
 MODES = ("local", "global", "random", "all")  # the paper's DP_l, DP_g, random; aggregator.config maps strategies to them
 SHARES = ("params", "count")  # what the fraction is a share of

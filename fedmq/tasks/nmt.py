@@ -20,14 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from client_agent.tasks.base import Progress, Task, TrainConfig, TrainResult
-from client_agent.tasks.errors import TaskError
-from client_agent.tasks.nmt_data import (PAD, EncodedPairs, Pair, SubwordVocab, batches_by_length, collate, load_parallel,
-                                         pad)
-from client_agent.tasks.nmt_decode import beam_search, greedy
-from client_agent.tasks.nmt_model import TransformerNMT, transformer_config
-from client_agent.tasks.partition import PartitionSpec, dirichlet_shards, iid_shards, natural_shards
-from client_agent.tasks.training import run_training
+from fedmq.tasks.base import Progress, Task, TrainConfig, TrainResult
+from fedmq.tasks.errors import TaskError
+from fedmq.tasks.nmt_data import PAD, EncodedPairs, Pair, SubwordVocab, batches_by_length, collate, load_parallel, pad
+from fedmq.tasks.nmt_decode import beam_search, greedy
+from fedmq.tasks.nmt_model import TransformerNMT, transformer_config
+from fedmq.tasks.partition import PartitionSpec, dirichlet_shards, iid_shards, natural_shards
+from fedmq.tasks.training import run_training
 
 
 class TranslationTask(Task):

@@ -8,7 +8,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from broker.manifest import Manifest
+from fedmq.manifest import Manifest
 
 Progress = Callable[[int, int], None]  # (steps done, steps total)
 

@@ -16,9 +16,9 @@ import structlog
 import torch
 from torch import nn
 
-from client_agent.tasks.base import Progress, TrainConfig, TrainResult
-from client_agent.tasks.dropout import set_dropout_generator
-from client_agent.tasks.errors import TaskError
+from fedmq.tasks.base import Progress, TrainConfig, TrainResult
+from fedmq.tasks.dropout import set_dropout_generator
+from fedmq.tasks.errors import TaskError
 
 log = structlog.get_logger(__name__)
 
