@@ -16,13 +16,16 @@ _MEMORY_NAME = re.compile(r"^[A-Za-z0-9_.-]{0,64}$")
 
 
 def connect(url: str, *, user: str | None = None, prefetch: int = 64, heartbeat: int = 30,
-            chunk_limit: int = DEFAULT_CHUNK_LIMIT, tls: TlsOptions | None = None, **kw: Any) -> Broker:
+            chunk_limit: int = DEFAULT_CHUNK_LIMIT, tls: TlsOptions | None = None, consume_timeout: float = 20.0,
+            **kw: Any) -> Broker:
     """One connection to the broker at ``url``; BrokerError (one line) on a bad URL or unreachable broker.
 
     ``memory://NAME`` or ``memory://USER@NAME`` shares the in-process hub NAME with every connect() of the
     process. ``amqp://USER:PASS@HOST:PORT/VHOST`` (``amqps://`` with ``tls``): RabbitMQ; the user is the URL's.
     ``amqp://USER:PASS@H1:P1,H2:P2,H3:P3/VHOST``: the nodes of one cluster, tried in turn (see addresses()).
-    Extra keywords go to the backend (e.g. ``connect_timeout``, ``publish_timeout``, ``max_message_size``).
+    ``heartbeat`` and ``consume_timeout`` (how long RabbitMQ may take to confirm a subscription before the queue
+    counts as broken) only apply to RabbitMQ. Extra keywords go to the backend (e.g. ``connect_timeout``,
+    ``publish_timeout``, ``max_message_size``).
     """
     scheme = check_url(url)
     if not isinstance(prefetch, int) or prefetch < 1:
@@ -31,12 +34,15 @@ def connect(url: str, *, user: str | None = None, prefetch: int = 64, heartbeat:
         raise BrokerError(f"chunk limit must be an integer of at least 1024 bytes, got {chunk_limit!r}", permanent=True)
     if not isinstance(heartbeat, int) or heartbeat < 0:
         raise BrokerError(f"heartbeat must be a non-negative integer of seconds, got {heartbeat!r}", permanent=True)
+    if isinstance(consume_timeout, bool) or not isinstance(consume_timeout, (int, float)) or not consume_timeout > 0:
+        raise BrokerError(f"consume timeout must be a positive number of seconds, got {consume_timeout!r}",
+                          permanent=True)
     if scheme == "memory":
         return _connect_memory(url, user, prefetch, chunk_limit, kw)
     from broker.rabbitmq import RabbitBroker  # pika is only needed for real brokers
 
     return RabbitBroker(url, user=user, prefetch=prefetch, heartbeat=heartbeat, chunk_limit=chunk_limit,
-                        tls=tls, **kw)
+                        tls=tls, consume_timeout=consume_timeout, **kw)
 
 
 def _connect_memory(url: str, user: str | None, prefetch: int, chunk_limit: int, kw: dict[str, Any]) -> Broker:

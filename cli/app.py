@@ -30,6 +30,9 @@ app.add_typer(broker_app, name="broker")
 app.add_typer(bench_app, name="bench")
 
 LOG_LEVEL = typer.Option("info", "--log-level", help="debug | info | warning | error")
+CONSUME_TIMEOUT = typer.Option(20.0, envvar="FEDMQ_CONSUME_TIMEOUT",
+                               help="seconds RabbitMQ may take to confirm a subscription before the queue counts as "
+                                    "broken (a zombie quorum queue): the service then stops with one line")
 
 
 def _setup_logs(level: str, fmt: str = "auto", file: Path | None = None) -> None:
@@ -300,6 +303,7 @@ def aggregator_run(
     metrics_port: int = typer.Option(0, envvar="FEDMQ_METRICS_PORT", help="serve /metrics, /healthz, /readyz (0 = off)"),
     chunk_limit: int = typer.Option(8 * 1024 * 1024, envvar="FEDMQ_CHUNK_LIMIT", help="split messages above this many bytes"),
     heartbeat: int = typer.Option(30, envvar="FEDMQ_HEARTBEAT", help="AMQP heartbeat in seconds"),
+    consume_timeout: float = CONSUME_TIMEOUT,
     log_format: str = typer.Option("json", envvar="FEDMQ_LOG_FORMAT", help="json | console"),
     log_level: str = LOG_LEVEL,
     print_config: bool = typer.Option(False, help="print the resolved, validated config as JSON and exit"),
@@ -331,7 +335,7 @@ def aggregator_run(
     # a chunked update whose sender went silent this long (it died mid-upload) is dropped and its chunks rejected;
     # generous, because a publisher blocked by flow control is silent too and its update must still complete
     conn = connect(_broker_url(broker, user, password), chunk_limit=chunk_limit, heartbeat=heartbeat,
-                   chunk_timeout_s=max(cfg.update_deadline_s, 300.0))
+                   consume_timeout=consume_timeout, chunk_timeout_s=max(cfg.update_deadline_s, 300.0))
     from broker import topology
     telemetry = None
     if metrics_port:
@@ -371,6 +375,7 @@ def agent_run(
     metrics_port: int = typer.Option(0, envvar="FEDMQ_METRICS_PORT"),
     chunk_limit: int = typer.Option(8 * 1024 * 1024, envvar="FEDMQ_CHUNK_LIMIT", help="split messages above this many bytes"),
     heartbeat: int = typer.Option(30, envvar="FEDMQ_HEARTBEAT", help="AMQP heartbeat in seconds"),
+    consume_timeout: float = CONSUME_TIMEOUT,
     audit_log: Optional[Path] = typer.Option(None, envvar="FEDMQ_AUDIT_LOG",
                                              help="append one JSON line per broker-confirmed upload (fault audits)"),
     log_format: str = typer.Option("json", envvar="FEDMQ_LOG_FORMAT"),
@@ -410,7 +415,8 @@ def agent_run(
     task_opts.setdefault("clients", values.get("clients", index + 1))
     task_obj = _make_task(task_opts)
     url = _broker_url(broker, user, password)
-    agent = Agent(lambda: connect(url, chunk_limit=chunk_limit, heartbeat=heartbeat), job, client_id, index, task_obj,
+    agent = Agent(lambda: connect(url, chunk_limit=chunk_limit, heartbeat=heartbeat, consume_timeout=consume_timeout),
+                  job, client_id, index, task_obj,
                   availability=parse_availability(availability, seed), faults=parse_faults(faults, seed),
                   device=device, seed=seed, audit_log=audit_log)
     telemetry = None

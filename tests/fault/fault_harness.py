@@ -146,8 +146,9 @@ class Federation:
         return proc
 
     def start_aggregator(self, name: str = "agg") -> subprocess.Popen:
-        # the same chunk limit as the agents: the aggregator sizes its prefetch from it (every chunk of the round)
-        env = {k: v for k, v in self.agent_env.items() if k == "FEDMQ_CHUNK_LIMIT"}
+        # the same chunk limit as the agents (the aggregator sizes its prefetch from it: every chunk of the round)
+        # and the same consume timeout
+        env = {k: v for k, v in self.agent_env.items() if k in ("FEDMQ_CHUNK_LIMIT", "FEDMQ_CONSUME_TIMEOUT")}
         return self._spawn(name, ["aggregator", "run", "--broker", self.url, "--config", str(self.config),
                                   "--state-dir", str(self.state), "--log-level", "info"], env)
 

@@ -18,6 +18,7 @@ from broker.queues import job_queues
 from fault_harness import Federation, wait_for
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.isolated_node, pytest.mark.slow]
+CONSUME_TIMEOUT_S = 6
 
 
 def _answers_a_consume(url: str, queue: str, within: float) -> bool:
@@ -38,62 +39,63 @@ def _answers_a_consume(url: str, queue: str, within: float) -> bool:
 
 def test_zombie_quorum_queues_are_reported_in_one_line_and_sigterm_ends_startup(own_rabbit_node, tmp_path, job_id):
     node = own_rabbit_node
-    if True:
-        # the recipe, one queue per crash: declare, publish 6 confirmed messages, kill -9 at once (within
-        # ~0.2 s here: the queue declared just before the last one survives). The agent's queue first, then the inbox.
-        specs = {q.name: q for q in job_queues(job_id, ["agent-0"], inbox=True, model_bytes=1 << 20)}
-        inbox, latest = t.q_inbox(job_id), t.q_latest(job_id, "agent-0")
-        for queue in (latest, inbox):
-            conn = pika.BlockingConnection(pika.URLParameters(node.url))
-            ch = conn.channel()
-            ch.confirm_delivery()
-            ch.queue_declare(queue, durable=True, arguments=specs[queue].arguments)
-            for _ in range(6):
-                ch.basic_publish("", queue, b"confirmed, then lost", pika.BasicProperties(delivery_mode=2))
-            node.kill9()
-            node.start()
-        for queue in (latest, inbox):
-            assert not _answers_a_consume(node.url, queue, 3.0), f"premise: {queue} did not come back a zombie"
+    # the recipe, one queue per crash: declare, publish 6 confirmed messages, kill -9 at once (within
+    # ~0.2 s here: the queue declared just before the last one survives). The agent's queue first, then the inbox.
+    specs = {q.name: q for q in job_queues(job_id, ["agent-0"], inbox=True, model_bytes=1 << 20)}
+    inbox, latest = t.q_inbox(job_id), t.q_latest(job_id, "agent-0")
+    for queue in (latest, inbox):
+        conn = pika.BlockingConnection(pika.URLParameters(node.url))
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.queue_declare(queue, durable=True, arguments=specs[queue].arguments)
+        for _ in range(6):
+            ch.basic_publish("", queue, b"confirmed, then lost", pika.BasicProperties(delivery_mode=2))
+        node.kill9()
+        node.start()
+    for queue in (latest, inbox):
+        assert not _answers_a_consume(node.url, queue, 3.0), f"premise: {queue} did not come back a zombie"
 
-        fed = Federation(tmp_path / "fed", node.url, job_id, clients=1, rounds=1)
-        try:
-            started = time.monotonic()
-            fed.start_aggregator("agg")
-            fed.start_agent(0)
-            fed.start_aggregator("agg-term")
-            # SIGTERM while agg-term waits on its consume (connected, the zombie not yet diagnosed)
-            wait_for(lambda: "connected to RabbitMQ" in (fed.logs / "agg-term.err").read_text(), 60,
-                     "agg-term connected")
-            time.sleep(1.0)
-            term = fed.procs["agg-term"]
-            t_term = time.monotonic()
-            term.send_signal(signal.SIGTERM)
-            term.wait(timeout=10)
-            term_s = time.monotonic() - t_term
-            for name in ("agg", "agent-0"):
-                fed.procs[name].wait(timeout=90)
-            took = time.monotonic() - started
-            agg_err, agent_err = (fed.logs / "agg.err").read_text(), (fed.logs / "agent-0.err").read_text()
-            print(f"zombie: aggregator and agent stopped {took:.1f} s after start; SIGTERM honoured in {term_s:.2f} s")
-            assert fed.procs["agg"].returncode not in (0, None) and fed.procs["agent-0"].returncode not in (0, None)
-            for err, queue in ((agg_err, inbox), (agent_err, latest)):
-                assert "Traceback" not in err
-                line = _last_line_of(err)
-                assert line.startswith(f"error: RabbitMQ did not confirm consuming '{queue}' within 20 s"), line
-                assert "zombie quorum queue" in line and f"rabbitmqctl delete_queue {queue}" in line, line
-            assert term.returncode == 143, term.returncode
-            assert _last_line_of((fed.logs / "agg-term.err").read_text()) == "error: stopped by SIGTERM while connecting"
-            assert term_s < 5.0, term_s
+    fed = Federation(tmp_path / "fed", node.url, job_id, clients=1, rounds=1,
+                     agent_env={"FEDMQ_CONSUME_TIMEOUT": str(CONSUME_TIMEOUT_S)})  # 20 s by default
+    try:
+        started = time.monotonic()
+        fed.start_aggregator("agg")
+        fed.start_agent(0)
+        fed.start_aggregator("agg-term")
+        # SIGTERM while agg-term waits on its consume (connected, the zombie not yet diagnosed)
+        wait_for(lambda: "connected to RabbitMQ" in (fed.logs / "agg-term.err").read_text(), 60,
+                 "agg-term connected")
+        time.sleep(1.0)
+        term = fed.procs["agg-term"]
+        t_term = time.monotonic()
+        term.send_signal(signal.SIGTERM)
+        term.wait(timeout=10)
+        term_s = time.monotonic() - t_term
+        for name in ("agg", "agent-0"):
+            fed.procs[name].wait(timeout=90)
+        took = time.monotonic() - started
+        agg_err, agent_err = (fed.logs / "agg.err").read_text(), (fed.logs / "agent-0.err").read_text()
+        print(f"zombie: aggregator and agent stopped {took:.1f} s after start; SIGTERM honoured in {term_s:.2f} s")
+        assert fed.procs["agg"].returncode not in (0, None) and fed.procs["agent-0"].returncode not in (0, None)
+        for err, queue in ((agg_err, inbox), (agent_err, latest)):
+            assert "Traceback" not in err
+            line = _last_line_of(err)
+            want = f"error: RabbitMQ did not confirm consuming '{queue}' within {CONSUME_TIMEOUT_S} s"
+            assert line.startswith(want), line
+            assert "zombie quorum queue" in line and f"rabbitmqctl delete_queue {queue}" in line, line
+        assert term.returncode == 143, term.returncode
+        assert _last_line_of((fed.logs / "agg-term.err").read_text()) == "error: stopped by SIGTERM while connecting"
+        assert term_s < 5.0, term_s
 
-            # the remedy the line gives works: deleted and declared again, the job runs
-            node.ctl("delete_queue", inbox)
-            node.ctl("delete_queue", latest)
-            fed.start_aggregator("agg-2")
-            fed.start_agent(0)
-            summary = fed.wait_aggregator("agg-2", timeout=120)
-            assert summary["rounds_completed"] == 1, summary
-        finally:
-            fed.stop_all()
+        # the remedy the line gives works: deleted and declared again, the job runs
+        node.ctl("delete_queue", inbox)
+        node.ctl("delete_queue", latest)
+        fed.start_aggregator("agg-2")
+        fed.start_agent(0)
+        summary = fed.wait_aggregator("agg-2", timeout=120)
+        assert summary["rounds_completed"] == 1, summary
+    finally:
+        fed.stop_all()
 
 
 def _last_line_of(text: str) -> str:
