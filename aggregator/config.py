@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedmq.errors import FedmqError
+from fedmq.plugins import is_import_path
 
 STRATEGIES = ("fedavg", "fedsgd", "fedatt", "fedmed", "pull-local", "pull-global", "pull-random", "async")
 # dynamic pulling (Passban et al.: DP_l, DP_g, random) was first named dp-*, which reads as differential privacy;
@@ -91,8 +92,8 @@ class JobConfig:
                 bad(f"{name.replace('_', '-')}: {exc}")
         if not isinstance(self.error_feedback, bool):
             bad(f"error_feedback must be true or false, got {self.error_feedback!r}")
-        if self.strategy not in STRATEGIES:
-            bad(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if self.strategy not in STRATEGIES and not is_import_path(self.strategy):
+            bad(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)} or package.module:Class")
         if self.rounds < 1:
             bad("rounds must be at least 1")
         if self.clients < 1:

@@ -45,6 +45,7 @@ from broker.envelope import Kind, Limits
 from broker.queues import message_chunks
 from fedmq.errors import CodecError, FedmqError
 from fedmq.manifest import Manifest
+from fedmq.plugins import is_import_path
 from fedmq.pulling import select_tensors
 from fedmq.tasks.base import Task, load_state, model_state
 
@@ -81,6 +82,8 @@ class Engine:
         self.broker = broker
         self.task = task
         self.cfg = cfg
+        if is_import_path(cfg.strategy):  # a user's strategy fails here, not when the first round closes
+            make_strategy(cfg.strategy)
         self.run_dir = Path(run_dir)
         self.evaluate = evaluate
         self.on_round = on_round

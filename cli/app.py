@@ -85,7 +85,8 @@ def _opt(default: Any, *names: str, panel: str, metavar: str | None = None, help
 @app.command(cls=HelpCommand)
 def simulate(
     ctx: typer.Context,
-    task: str = _opt("lm", panel=TASK, metavar="TASK", help="lm (language modelling) or nmt (German→English)"),
+    task: str = _opt("lm", panel=TASK, metavar="TASK",
+                     help="lm (language modelling), nmt (German→English) or your own package.module:Class"),
     data: str = _opt("builtin", panel=TASK, metavar="PATH",
                      help="corpus folder, or builtin (Python's docs: nothing to download; lm only)"),
     model: Optional[str] = _opt(None, panel=TASK, metavar="NAME",
@@ -111,7 +112,8 @@ def simulate(
                            help="share of agents selected per round"),
     rounds: int = _opt(8, "--rounds", "-r", panel=STRATEGY, metavar="N",
                        help="communication rounds (async: global versions)"),
-    strategy: str = _opt("fedavg", panel=STRATEGY, metavar="NAME", help=", ".join(STRATEGIES)),
+    strategy: str = _opt("fedavg", panel=STRATEGY, metavar="NAME",
+                         help=", ".join(STRATEGIES) + ", or your own package.module:Class"),
     eps: float = _opt(1.2, panel=STRATEGY, metavar="EPS", help="FedAtt step size ε"),
     norm: str = _opt("fro", panel=STRATEGY, metavar="NORM", help="FedAtt distance: fro or spectral"),
     loss_eps: float = _opt(0.1, panel=STRATEGY, metavar="EPS", help="FedMed loss-switch threshold ε"),

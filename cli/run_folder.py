@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -24,7 +25,8 @@ RUN_FILES = ("config.json", "metrics.jsonl")
 
 
 def default_dir(strategy: str) -> Path:
-    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{strategy}"
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", strategy.rpartition(":")[2] or strategy)  # package.module:Class -> Class
+    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
 
 
 def check(run_dir: Path, resume: bool) -> dict[str, Any] | None:

@@ -28,6 +28,7 @@ from typing import Any
 
 from aggregator.config import JobConfig
 from cli.errors import UsageError
+from fedmq.plugins import is_import_path
 from fedmq.tasks.catalog import LM_ONLY, MODELS, NMT_ONLY, TASKS
 
 # flag -> JobConfig field
@@ -109,12 +110,13 @@ def resolve(params: dict[str, Any], given: set[str], types: dict[str, str], conf
         values = {**defaults, **explicit}
     values["domains"] = _norm(values.get("domains"))
     task = values["task"]
-    if task not in TASKS:
-        raise UsageError(f"unknown task {task!r}: use one of {', '.join(TASKS)}")
-    values["model"] = values.get("model") or DEFAULT_MODEL[task]
+    own = is_import_path(task)  # a Task the user brings: it takes the options its constructor names
+    if task not in TASKS and not own:
+        raise UsageError(f"unknown task {task!r}: use one of {', '.join(TASKS)} or package.module:Class")
+    values["model"] = values.get("model") or (None if own else DEFAULT_MODEL[task])
     if values.get("clients") is None and not (task == "nmt" and values["partition"] == "natural"):
         values["clients"] = DEFAULT_CLIENTS
-    other = NMT_ONLY if task == "lm" else LM_ONLY
+    other = () if own else NMT_ONLY if task == "lm" else LM_ONLY
     foreign = sorted(k for k in explicit if k in other)
     if foreign:
         names = ", ".join(option_name(k) if k in params else k for k in foreign)
@@ -176,9 +178,10 @@ def check(values: dict[str, Any]) -> None:
     from fedmq.tasks.partition import PartitionSpec
 
     task, model = values["task"], values["model"]
-    if model not in MODELS[task]:
-        raise UsageError(f"unknown {task} model {model!r}: use one of {', '.join(MODELS[task])}")
-    check_data(task, values["data"])
+    if task in MODELS:  # a task the user brings checks its own model and data
+        if model not in MODELS[task]:
+            raise UsageError(f"unknown {task} model {model!r}: use one of {', '.join(MODELS[task])}")
+        check_data(task, values["data"])
     PartitionSpec.parse(values["partition"])
     for name in ("vocab_size", "max_lines", "max_eval_lines", "eval_max_sentences"):
         if (values.get(name) or 0) < 0:
