@@ -1,10 +1,15 @@
 """The import graph of fedmq's packages (every import statement, also inside functions and TYPE_CHECKING blocks):
-layers import one way and no module imports itself back through others (docs/architecture.md)."""
+layers import one way and no module imports itself back through others (README "Layout").
+
+The public names of ``import fedmq`` (fedmq/__init__.py) are resolved by name on first use, so that importing the
+bottom layer never loads the layers above: test_public_names_resolve_and_the_bottom_layer_loads_nothing_above."""
 
 from __future__ import annotations
 
 import ast
 import collections
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,3 +116,17 @@ def test_the_scan_finds_a_cycle_and_resolves_imports_to_modules():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     graph = _graph()
     assert "fedmq.tasks.base" in graph["aggregator.engine"]  # imports inside the package are resolved to modules
+
+
+def test_public_names_resolve_and_the_bottom_layer_loads_nothing_above():
+    code = ("import sys, fedmq.errors, fedmq.tasks.registry, fedmq.pulling; "
+            "above = sorted(m for m in sys.modules if m.split('.')[0] in ('broker', 'aggregator', 'client_agent', "
+            "'cli', 'benchmarks')); import fedmq; "
+            "names = [getattr(fedmq, n) for n in fedmq.__all__]; print(above, len(names))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    import fedmq
+
+    assert done.stdout.split() == ["[]", str(len(fedmq.__all__))]
+    assert {"Task", "Strategy", "ClientUpdate", "TrainConfig", "TrainResult", "JobConfig", "Simulation"} <= set(
+        fedmq.__all__)
