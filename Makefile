@@ -12,4 +12,4 @@ demo: setup
 
 test: setup-test
 	bash scripts/ensure-rabbitmq.sh || [ -z "$${CI:-}" ]
-	.venv/bin/python -m pytest
+	.venv/bin/python -m pytest -n 2 --dist loadgroup

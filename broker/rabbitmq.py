@@ -580,10 +580,14 @@ class RabbitBroker(GatedDispatch, Broker):
                 self._forget(job)
                 raise BrokerError(f"message to {job.routing_key!r} is unroutable: no queue is bound to it")
             if job.nacked:
-                # transient right after a restart (queue leader not elected yet): retry until the deadline
+                # transient right after a restart (queue leader not elected yet): retry until the deadline, on a
+                # new channel: after a failover a channel can nack every publish to a quorum queue whose leader
+                # moved (seen in the 3-node test for over a minute), while a new one reaches the new leader
                 if time.monotonic() + 0.5 >= job.deadline:
                     raise BrokerError(f"the broker refused (nacked) the message to {job.routing_key!r}")
-                log.info("publish nacked; retrying", routing_key=job.routing_key, parts=len(job.nacked))
+                log.info("publish nacked; retrying on a new channel", routing_key=job.routing_key,
+                         parts=len(job.nacked))
+                self._drop_pub_channel()
                 self._conn.sleep(0.5)
 
     def _abandon_pub_channel(self, job: _Publish) -> None:
@@ -594,9 +598,16 @@ class RabbitBroker(GatedDispatch, Broker):
         log.warning("publish not confirmed; publishing again on a new channel", routing_key=job.routing_key,
                     unconfirmed=len(job.parts) - len(job.confirmed), after_s=self.confirm_stall_s)
         self._forget(job)
+        self._drop_pub_channel()
+
+    def _drop_pub_channel(self) -> None:
+        """Close the publishing channel without waiting for close-ok (the broker's side may be the stuck part);
+        the next publish opens a new one. Confirms still arriving on it are ignored (see _on_confirm)."""
         ch, self._pub_ch = self._pub_ch, None
+        if ch is None:
+            return
         try:
-            ch._impl.close()  # without waiting for close-ok: the broker's side of it may be the stuck part
+            ch._impl.close()
         except Exception:  # already closing or closed
             pass
 

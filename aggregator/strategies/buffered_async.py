@@ -2,8 +2,8 @@
 
 Contract with the engine (asynchronous mode, no rounds):
 
-* ``begin(θ_v)`` with the current global model (version v); ``fold`` arrivals until ``ready`` (K =
-  ``buffer_size`` updates folded); ``finish()`` → θ_{v+1}; ``begin`` again with it.
+* ``begin(θ_v)`` with the current global model (version v); ``fold`` arrivals until the engine has K (=
+  ``buffer_size``, the job's async_k) or its deadline passed; ``finish()`` → θ_{v+1}; ``begin`` again with it.
 * ``update.staleness`` τ = global versions published since the client's base model.
   τ > ``max_staleness`` → ``fold`` raises :class:`StaleUpdate` and changes nothing (the engine acks, logs
   and counts the drop). τ < 0 is a StrategyError.
@@ -49,11 +49,6 @@ class BufferedAsync(FedAvg):
         self.server_lr = check_number("server_lr", server_lr, low=0.0, low_open=True)
         self._count = 0
         self.dropped = 0
-
-    @property
-    def ready(self) -> bool:
-        """True once ``buffer_size`` updates were folded: the engine should call ``finish``."""
-        return self._count >= self.buffer_size
 
     @property
     def pending(self) -> int:

@@ -1,8 +1,8 @@
 """FedAvg (θ = Σ n_k/n · θ_k) and FedSGD (the same average; the round config asks for one local pass).
 
-FedSGD is a separate tiny class rather than a registry alias so that the engine can read the round
-configuration it implies from ``round_config`` (all agents selected, one local epoch, full-batch-free SGD
-step count left to the task) instead of special-casing a name.
+FedSGD aggregates exactly like FedAvg; what makes it FedSGD is its round (every client selected, one step on
+the gradient of the whole shard: McMahan et al.'s B = ∞, E = 1), which JobConfig.selected_count and
+JobConfig.train_config set for the name "fedsgd".
 
 :class:`FedAvg` is also the streaming core of the strategies that only change a client's weight
 (clipping, staleness): with w_k = ``weight(update)`` and n = Σ n_k,
@@ -65,7 +65,6 @@ class FedAvg(Strategy):
 
 
 class FedSGD(FedAvg):
-    """FedAvg over all agents after exactly one local pass; aggregation is identical to FedAvg."""
+    """FedAvg's aggregation under FedSGD's name (its round: see the module docstring)."""
 
     name: ClassVar[str] = "fedsgd"
-    round_config: ClassVar[dict] = {"select_all": True, "epochs": 1}

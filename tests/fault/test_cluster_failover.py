@@ -23,11 +23,17 @@ def test_killing_the_inbox_leader_mid_round_loses_no_confirmed_update(rabbit_clu
                      # agents pause before reporting (1-2 s), so a round lasts long enough to be hit mid-way
                      agent_faults={i: f"slow:1.0:{1.0 + 0.5 * i:.1f}" for i in range(3)})
     try:
-        fed.start()
-        wait_for(lambda: fed.round_open(1), 120, "round 1")
+        # the inbox's leader is looked up before any agent starts: rabbitmqctl takes seconds on a busy machine,
+        # and the rounds (2 s each) must not run past round 3 meanwhile
+        fed.start_aggregator()
+        wait_for(lambda: fed.agg_events("waiting for the first delivery (a hot standby waits here while another "
+                                        "aggregator is active)"), 120, "the aggregator declared the job")
         victim = cluster.leader_of(t.q_inbox(job_id))
         # every client connected to the first address that answered: node 0, where the aggregator declared the inbox
         assert victim is cluster.nodes[0], victim.name
+        for i in range(fed.clients):
+            fed.start_agent(i)
+        wait_for(lambda: fed.round_open(1), 120, "round 1")
         wait_for(lambda: fed.round_open(3) and fed.spooled_updates(3) >= 1, 120, "an update spooled in round 3")
         t_kill = time.monotonic()
         victim.kill9()

@@ -164,6 +164,37 @@ def test_a_lost_confirm_is_published_again_on_a_new_channel(rabbit_node, job_id)
         agg.close()
 
 
+def test_a_nacked_publish_is_retried_on_a_new_channel(rabbit_node, job_id):
+    """A channel that nacks (after a failover, one may nack every publish to a quorum queue whose leader moved)
+    is given up: the retry goes out on a new channel and the message arrives once."""
+    import pika
+
+    agg = connect(rabbit_node.url)
+    agent = connect(rabbit_node.url, publish_timeout=30)
+    try:
+        agg.declare_job(job_id, ["a1"])
+        got = Collector(agg)
+        agg.consume(t.q_inbox(job_id), got)
+        channels, on_confirm = [], agent._on_confirm
+
+        def nack_first_channel(frame) -> None:  # the broker acked; the first channel "nacks" instead
+            if agent._pub_ch not in channels:
+                channels.append(agent._pub_ch)
+            if agent._pub_ch is channels[0]:
+                frame = pika.frame.Method(frame.channel_number, pika.spec.Basic.Nack(frame.method.delivery_tag))
+            on_confirm(frame)
+
+        agent._on_confirm = nack_first_channel
+        first = agent.status()
+        agent.publish(t.rk_update(job_id, "a1"), b"u" * 100, message_id="u1")
+        assert len(channels) == 2, channels  # nacked on one channel, confirmed on the next
+        _wait(lambda: got.unique() == {"u1"}, 20, "the message")
+        assert agent.status()["reconnects"] == first["reconnects"]  # a channel, not the connection
+    finally:
+        agent.close()
+        agg.close()
+
+
 def test_300mb_update_crosses_a_broker_with_16mib_max_message_size(rabbit_node, job_id):
     body = os.urandom(300 * 1024 * 1024)
     want = hashlib.blake2b(body, digest_size=16).digest()

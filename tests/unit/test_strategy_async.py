@@ -26,10 +26,10 @@ def test_hand_worked_buffer():
     s.begin(GLOBAL)
     # fresh update as full weights: Δ_a = [3,1] − [1,1] = [2,0], s(0) = 1
     s.fold(ClientUpdate("a", 1, {"w": torch.tensor([3.0, 1.0])}, staleness=0))
-    assert not s.ready and s.pending == 1
+    assert s.pending == 1
     # stale update as a delta: Δ_b = [0,4], s(3) = 1/2
     s.fold(ClientUpdate("b", 1, {"w": torch.tensor([0.0, 4.0])}, staleness=3, delta=True))
-    assert s.ready
+    assert s.pending == 2 == s.buffer_size
     out = s.finish()
     # θ' = [1,1] + (1·1·[2,0] + ½·1·[0,4]) / (1 + 1) = [1,1] + [1,1] = [2,2]
     assert torch.equal(out["w"], torch.tensor([2.0, 2.0]))
@@ -50,7 +50,7 @@ def test_too_stale_is_dropped_and_changes_nothing():
     s.begin(GLOBAL)
     with pytest.raises(StaleUpdate, match="4 versions stale \\(max 3\\)") as info:
         s.fold(ClientUpdate("a", 1, {"w": torch.ones(2)}, staleness=4, delta=True))
-    assert info.value.staleness == 4 and s.pending == 0 and not s.ready and s.dropped == 1
+    assert info.value.staleness == 4 and s.pending == 0 and s.dropped == 1
     assert torch.equal(s.finish()["w"], GLOBAL["w"])
 
 

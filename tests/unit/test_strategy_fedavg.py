@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 
+from aggregator.config import JobConfig
 from aggregator.strategies.base import ClientUpdate
 from aggregator.strategies.fedavg import FedAvg, FedSGD
 from fedmq.errors import StrategyError
@@ -40,9 +41,11 @@ def test_fedavg_client_weights_are_sample_shares():
     assert s.client_weights() == {"a": 0.25, "b": 0.5, "c": 0.25}
 
 
-def test_fedsgd_aggregates_like_fedavg_and_declares_one_pass():
+def test_fedsgd_aggregates_like_fedavg_after_one_full_batch_step_of_every_client():
     assert torch.equal(run(FedSGD(), UPDATES)["w"], torch.tensor([3.0, 3.0]))
-    assert FedSGD.round_config == {"select_all": True, "epochs": 1}
+    cfg = JobConfig(job="j", strategy="fedsgd", clients=7, fraction=0.1, epochs=3, max_steps=5)
+    train = cfg.train_config()
+    assert cfg.selected_count() == 7 and train["full_batch"] and train["epochs"] == 1 and train["max_steps"] == 0
 
 
 def test_fold_order_does_not_matter():
