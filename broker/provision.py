@@ -313,7 +313,6 @@ def check(url: str, job: str | None = None) -> dict[str, Any]:
     import pika
     import pika.exceptions as pe
 
-
     info: dict[str, Any] = {"url": redact(url), "reachable": False}
     if url.startswith("memory://"):
         from broker.connect import connect
@@ -362,7 +361,6 @@ def purge(url: str, job: str, agents: list[str] | tuple[str, ...] = ()) -> list[
     """Delete the job's inbox, model stream and the given agents' queues; the names deleted."""
     import pika
     import pika.exceptions as pe
-
 
     specs = job_queues(job, tuple(agents), inbox=True, model_bytes=1)  # (any size: the names are what count)
     names = [s.name for s in specs]

@@ -12,10 +12,10 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from fedmq.errors import FedmqError
 from aggregator.config import STRATEGIES
 from cli.errors import Stopped, UsageError
 from cli.help import HelpCommand, HelpGroup
+from fedmq.errors import FedmqError
 from fedmq.tasks.catalog import MODELS
 
 app = typer.Typer(cls=HelpGroup, add_completion=True, no_args_is_help=True, rich_markup_mode=None,

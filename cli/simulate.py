@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -21,6 +20,7 @@ from aggregator.config import JobConfig
 from aggregator.engine import Engine
 from broker import topology
 from broker.connect import connect
+from broker.urls import url_user
 from client_agent.agent import Agent, AgentLog
 from client_agent.availability import parse_availability, parse_faults
 from client_agent.state import DiskStore
@@ -70,7 +70,7 @@ class Simulation:
     def _url_user(self) -> str | None:
         if self.broker_url.startswith("memory://"):
             return None
-        return urllib.parse.urlparse(self.broker_url).username or "guest"
+        return url_user(self.broker_url) or "guest"
 
     def run(self, stop: threading.Event | None = None) -> dict[str, Any]:
         cfg = self.cfg
