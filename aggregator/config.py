@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from broker.messages import RoundConfig
 from fedmq.errors import FedmqError
 from fedmq.plugins import is_import_path
 
+if TYPE_CHECKING:
+    from aggregator.strategies.base import RoundPlan, Strategy
+
+# what --strategy offers (the registry also holds the robust guards, chosen with --robust)
 STRATEGIES = ("fedavg", "fedsgd", "fedatt", "fedmed", "pull-local", "pull-global", "pull-random", "async")
 # dynamic pulling (Passban et al.: DP_l, DP_g, random) was first named dp-*, which reads as differential privacy;
 # the old names stay accepted (configs, run folders) and are stored under the new ones
 STRATEGY_ALIASES = {"dp-l": "pull-local", "dp-g": "pull-global", "dp-random": "pull-random"}
-PULL_RULES = {"pull-local": "local", "pull-global": "global", "pull-random": "random"}  # fedmq.pulling.MODES
 
 
 class JobConfigError(FedmqError):
@@ -143,18 +147,29 @@ class JobConfig:
             bad("identity must be strict or shared:USER")
 
     @property
+    def strategy_class(self) -> type[Strategy]:
+        from aggregator.strategies.registry import strategy_class  # torch: the CLI checks its flags without it
+
+        return strategy_class(self.strategy)
+
+    @property
+    def plan(self) -> RoundPlan:
+        """The shape of the strategy's rounds (aggregator.strategies.base.RoundPlan)."""
+        return self.strategy_class.plan
+
+    @property
     def mode(self) -> str:
-        return "async" if self.strategy == "async" else "sync"
+        return self.plan.mode
 
     @property
     def pull(self) -> str:
         """Which tensors a client uploads: all, or a dynamic-pulling rule (fedmq.pulling.MODES)."""
-        return PULL_RULES.get(self.strategy, "all")
+        return self.plan.pull
 
     @property
     def grant_phase(self) -> bool:
-        """FedMed's mediator needs every report before aggregation starts, so it always grants."""
-        return self.beta < 1 or self.strategy == "fedmed"
+        """Top-K (β < 1) grants the best reporters; a strategy whose plan asks for it always grants."""
+        return self.beta < 1 or self.plan.grant_phase
 
     @property
     def keep_model(self) -> bool:
@@ -164,22 +179,21 @@ class JobConfig:
         return self.pull_down or self.down_encoding.startswith("delta+")
 
     def selected_count(self) -> int:
-        if self.strategy == "fedsgd":
-            return self.clients
-        return max(int(self.fraction * self.clients), 1)
+        """m, the agents selected per round: max(C·K, 1), or all K when the strategy's plan selects all."""
+        return self.clients if self.plan.select_all else max(int(self.fraction * self.clients), 1)
 
-    def train_config(self) -> dict[str, Any]:
-        """The part of the config announced to agents every round."""
-        fedsgd = self.strategy == "fedsgd"  # every client, one step on its whole shard (McMahan et al.: B = ∞, E = 1)
-        return {
-            "epochs": 1 if fedsgd else self.epochs, "full_batch": fedsgd, "batch_size": self.batch_size, "lr": self.lr, "optimizer": self.optimizer,
-            "momentum": self.momentum, "lr_decay": self.lr_decay, "clip": self.clip, "max_steps": 0 if fedsgd else self.max_steps,
-            "encoding": self.encoding, "noise": self.noise, "pull": self.pull, "pull_fraction": self.pull_fraction,
-            "pull_by": self.pull_by, "pull_down": self.pull_down,
-            "grant": self.grant_phase, "seed": self.seed, "keep_model": self.keep_model, "keep_own": self.pull != "all",
-            "tail_loss": self.strategy == "fedmed",  # its top-K and loss switch rank the loss at the end of training
-            "error_feedback": self.error_feedback and self.encoding.startswith("delta+topk"),
-        }
+    def round_config(self) -> RoundConfig:
+        """What the selected agents are told each round: the job's settings, shaped by the strategy's
+        ``configure_train`` (FedSGD: one full-batch step; FedMed: report the loss at the end of training)."""
+        train = RoundConfig(
+            epochs=self.epochs, full_batch=False, batch_size=self.batch_size, lr=float(self.lr),
+            optimizer=self.optimizer, momentum=float(self.momentum), lr_decay=float(self.lr_decay),
+            clip=float(self.clip), max_steps=self.max_steps, tail_loss=False, seed=self.seed,
+            encoding=self.encoding, noise=float(self.noise),
+            error_feedback=self.error_feedback and self.encoding.startswith("delta+topk"),
+            pull=self.pull, pull_fraction=float(self.pull_fraction), pull_by=self.pull_by, pull_down=self.pull_down,
+            grant=self.grant_phase, keep_model=self.keep_model, keep_own=self.pull != "all")
+        return self.strategy_class.configure_train(train)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,7 +1,9 @@
-"""The round engine: presence, selection, mediation, streaming aggregation, evaluation, checkpoints.
+"""The round engine: a job's lifecycle and state — presence, the global model and its publication, the one
+fold path, closing a round (guards, evaluation, the run log, checkpoints).
 
 One engine thread owns all state; the broker's dispatcher thread only queues deliveries (aggregator.inbox).
-Synchronous rounds follow DESIGN.md; asynchronous mode folds every K arrivals with a staleness weight.
+The rounds themselves run in aggregator.sync_round (DESIGN.md's synchronous round) and aggregator.async_rounds
+(fold every K arrivals with a staleness weight), through the engine's RoundContext (aggregator.rounds).
 Crash safety: see aggregator/spool.py (ack after spooling) and aggregator/checkpoint.py (after every round).
 
 Hot standby: several engines may consume the job's inbox (a single-active-consumer quorum queue); only the
@@ -10,8 +12,6 @@ delivery arrives: only then does it load the newest checkpoint and the open roun
 takes over after the active one died thus starts from exactly the state the dead one stored, and a standby
 never writes to the state dir while it waits. The cost: an aggregator is idle until some agent speaks
 (agents publish presence on join and every heartbeat, so an active aggregator hears from them at once).
-A resumed round re-publishes its announce (and its grant, if decided): agents ignore rounds they already
-handled, and one whose announce or grant was lost with the old aggregator gets it now.
 """
 
 from __future__ import annotations
@@ -21,29 +21,32 @@ import os
 import random
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import structlog
 import torch
 
+from aggregator.async_rounds import AsyncRounds
 from aggregator.checkpoint import load_checkpoint, save_checkpoint
 from aggregator.config import JobConfig
 from aggregator.guards import RoundGuard, Verdict, first_nonfinite
 from aggregator.inbox import Inbox, Received
 from aggregator.mediator import Mediator
+from aggregator.rounds import RoundStats
 from aggregator.runlog import RunLog
 from aggregator.spool import RoundSpool
-from aggregator.strategies.base import ClientUpdate, Strategy
-from aggregator.strategies.registry import make_strategy
+from aggregator.strategies.base import ClientUpdate, State, Strategy
+from aggregator.strategies.registry import strategy_from_config
+from aggregator.sync_round import SyncRound
 from broker import messages, topology
 from broker.base import Broker, ReassemblyLimits
 from broker.chunking import DEFAULT_CHUNK_LIMIT
 from broker.encodings import EncodingSpec, decode_state, encode_state, raw_nbytes
-from broker.envelope import Kind, Limits
+from broker.envelope import Envelope, Kind, Limits
+from broker.messages import RoundConfig
 from broker.queues import message_chunks
-from fedmq.errors import CodecError, FedmqError
+from fedmq.errors import BadParameter, CodecError, FedmqError
 from fedmq.manifest import Manifest
 from fedmq.plugins import is_import_path
 from fedmq.pulling import select_tensors
@@ -54,26 +57,6 @@ log = structlog.get_logger(__name__)
 MAX_PREFETCH = 65535  # AMQP's prefetch-count is a 16-bit field
 
 
-@dataclass
-class RoundStats:
-    """What one round did, for metrics.jsonl."""
-
-    round: int
-    strategy: str = ""
-    online: list[str] = field(default_factory=list)
-    selected: list[str] = field(default_factory=list)
-    reported: dict[str, float] = field(default_factory=dict)  # client -> loss
-    granted: list[str] = field(default_factory=list)
-    received: list[str] = field(default_factory=list)
-    failed: set[str] = field(default_factory=set)  # granted clients whose update was rejected
-    update_ids: dict[str, str] = field(default_factory=dict)  # client -> msg id of the update folded
-    bytes_up: int = 0
-    bytes_down: int = 0
-    bytes_up_raw: int = 0
-    bytes_down_raw: int = 0
-    started: float = field(default_factory=time.time)
-
-
 class Engine:
     """Runs a job to completion (or until ``stop`` is set) and writes the run folder."""
 
@@ -82,8 +65,10 @@ class Engine:
         self.broker = broker
         self.task = task
         self.cfg = cfg
-        if is_import_path(cfg.strategy):  # a user's strategy fails here, not when the first round closes
-            make_strategy(cfg.strategy)
+        if is_import_path(cfg.strategy):  # a user's strategy fails here, not at the first announce or close
+            strategy_from_config(cfg.strategy, cfg)
+            if not isinstance(cfg.round_config(), RoundConfig):
+                raise BadParameter(f"strategy {cfg.strategy!r}: configure_train must return a RoundConfig")
         self.run_dir = Path(run_dir)
         self.evaluate = evaluate
         self.on_round = on_round
@@ -137,10 +122,10 @@ class Engine:
                 self._restore()
             self.runlog.write_config(self._config_record())
             if self.cfg.mode == "async":
-                self._run_async()
+                AsyncRounds(self).run()
             else:
                 while self.round <= self.cfg.rounds and not self.stop.is_set():
-                    self._run_round()
+                    SyncRound(self).run()
         finally:
             if self._consumer:
                 self.broker.cancel(self._consumer)
@@ -210,15 +195,15 @@ class Engine:
 
     def status(self) -> dict[str, Any]:
         return {"job": self.cfg.job, "round": self.round, "version": self.version, "phase": self.phase,
-                "agents_online": sorted(self._online()), "last_metrics": self.last_row,
+                "agents_online": sorted(self.online()), "last_metrics": self.last_row,
                 "rejected": dict(self.inbox.rejected), "dropped": dict(self.inbox.dropped)}
 
     # ------------------------------------------------------------------ presence
-    def _online(self) -> list[str]:
+    def online(self) -> list[str]:
         horizon = time.time() - 3 * self.cfg.heartbeat_s
         return sorted(c for c, (seen, _) in self.presence.items() if seen >= horizon)
 
-    def _note_presence(self, msg: Received) -> None:
+    def note_presence(self, msg: Received) -> None:
         env = msg.env
         if env.payload["state"] == "online":
             self.presence[env.client] = (time.time(), env.payload["holds"])
@@ -227,7 +212,7 @@ class Engine:
         self.inbox.ack(msg)
         self._write_status()
 
-    def _wait_for_agents(self, needed: int, timeout: float) -> None:
+    def wait_for_agents(self, needed: int, timeout: float) -> None:
         """Handle presence (nothing else can arrive before an announce) until enough agents are online and
         every heartbeat queued when the wait began is counted. Draining matters: heartbeats that queued up while
         the aggregator was busy (evaluation, checkpoint) would otherwise look stale, and selection would sample
@@ -236,7 +221,7 @@ class Engine:
         deadline = time.time() + timeout
         backlog = self.inbox.backlog()
         while time.time() < deadline and not self.stop.is_set():
-            if len(self._online()) >= needed and backlog <= 0:
+            if len(self.online()) >= needed and backlog <= 0:
                 return
             msg = self.inbox.next(min(0.2, deadline - time.time()))
             if msg is not None:
@@ -245,51 +230,17 @@ class Engine:
 
     def _dispatch_idle(self, msg: Received) -> None:
         if msg.env.kind is Kind.PRESENCE:
-            self._note_presence(msg)
+            self.note_presence(msg)
         else:
             self.inbox.drop(msg, "no-open-round" if msg.env.round != self.round else "unexpected")
 
-    # ------------------------------------------------------------------ sync rounds
-    def _run_round(self) -> None:
-        cfg, r = self.cfg, self.round
-        spooled, spooled_updates = self.spool.load(r)
-        stats = RoundStats(r)
-        if spooled is None:
-            self.phase = "waiting-for-agents"
-            if r == 1:  # the first round waits for the whole federation to join
-                self._wait_for_agents(cfg.clients, cfg.join_timeout_s)
-            else:  # later rounds (also right after a restart): live agents heartbeat within heartbeat_s
-                self._wait_for_agents(cfg.selected_count(), cfg.heartbeat_s * 3)
-            stats.online = self._online()
-            rng = random.Random(f"{cfg.seed}/select/{r}")
-            m = min(cfg.selected_count(), len(stats.online))
-            stats.selected = sorted(rng.sample(stats.online, m)) if m else []
-            self.spool.save_state(r, {"selected": stats.selected, "online": stats.online, "reported": {},
-                                      "granted": None, "strategy": None})
-            if stats.selected:
-                self._announce(stats)
-        else:  # resuming a round that was open when the aggregator stopped
-            stats.online, stats.selected = spooled["online"], spooled["selected"]
-            stats.reported = spooled["reported"]
-            log.info("resuming open round", round=r, reported=len(stats.reported), spooled_updates=len(spooled_updates))
-            if stats.selected:  # the old announce (or grant) may have died with the old aggregator: send again
-                self._announce(stats)
-                if spooled.get("granted") is not None and self.cfg.grant_phase:
-                    self._publish_grant(stats, spooled["granted"])
-        if not stats.selected:
-            self._close(stats, None, skipped="nobody online")
-            return
-        strategy = self._collect(stats, spooled, spooled_updates)
-        if self.stop.is_set():  # interrupted (Ctrl-C, SIGTERM): the round stays open in the spool for --resume
-            return
-        self._close(stats, strategy)
-
-    def _announce(self, stats: RoundStats) -> None:
+    # ------------------------------------------------------------------ publishing the model
+    def announce(self, stats: RoundStats) -> None:
         """Publish the forms of the current version the selected agents need (once each: see _publish_model),
         then the small announce to each selected agent (async: to every agent). bytes_down counts the
         announces and, for each selected agent, the form it will fetch (none when it already holds it)."""
         forms = self._publish_model(stats.selected)
-        env = messages.announce(self.cfg.job, stats.round, self.version, stats.selected, self.cfg.train_config(),
+        env = messages.announce(self.cfg.job, stats.round, self.version, stats.selected, self.cfg.round_config(),
                                 [entry for entry, _ in forms.values()], self.cfg.mode)
         body = messages.encode(env)
         if self.cfg.mode == "sync":  # only the selected agents hear of the round: O(m) messages, not O(K)
@@ -367,176 +318,58 @@ class Engine:
         return select_tensors(self.global_state, self._prev_state, self.task.groups(), cfg.pull,
                               cfg.pull_fraction, random.Random(f"{cfg.seed}/push/{self.version}"), cfg.pull_by)
 
-    def _collect(self, stats: RoundStats, spooled: dict | None, spooled_updates: dict[str, bytes]) -> Strategy | None:
-        """Reports, mediation, grants and updates of one round; returns the strategy holding the folded updates."""
-        cfg, r = self.cfg, stats.round
-        strategy: Strategy | None = None
-        granted: list[str] | None = spooled.get("granted") if spooled else None
-        if granted is not None or not cfg.grant_phase:
-            strategy = self._begin_strategy(stats, (spooled or {}).get("strategy") or self.cfg.strategy)
-            stats.granted = list(granted if granted is not None else stats.selected)
-        for client in stats.granted:  # the spool holds updates folded before a restart: refold them in fold order
-            if client in spooled_updates:
-                self._fold_bytes(stats, strategy, client, spooled_updates[client], spooled=True)
-        held: dict[str, Received] = {}  # arrived ahead of their turn in the fold order, unacked until folded
-        deadline = time.time() + (cfg.report_deadline_s if strategy is None else cfg.update_deadline_s)
-        if strategy is not None and not cfg.grant_phase:
-            deadline = time.time() + cfg.report_deadline_s + cfg.update_deadline_s
-        gone: set[str] = set()  # selected agents that announced going offline: nothing more will come from them
-        while not self.stop.is_set():
-            if strategy is None and (set(stats.reported) | gone >= set(stats.selected) or time.time() >= deadline):
-                if len(stats.reported) < cfg.min_clients:
-                    return None
-                strategy = self._mediate(stats)
-                deadline = time.time() + cfg.update_deadline_s
-            if strategy is not None and (set(stats.received) | set(held) | gone >= set(stats.granted)
-                                         or time.time() >= deadline):
-                self._fold_in_order(stats, strategy, held, gone, closing=True)
-                return strategy
-            msg = self.inbox.next(min(0.5, max(deadline - time.time(), 0.0)))
-            if msg is None:
-                continue
-            env = msg.env
-            if env.kind is Kind.PRESENCE:
-                if env.payload["state"] == "offline" and env.client in stats.selected:
-                    gone.add(env.client)  # the inbox is FIFO per agent: its earlier report/update came first
-                self._note_presence(msg)
-            elif env.round != r:
-                self.inbox.drop(msg, "stale-round" if env.round < r else "future-round")
-            elif env.client not in stats.selected:
-                self.inbox.drop(msg, "not-selected")
-            elif env.kind is Kind.REPORT:
-                self._take_report(stats, msg)
-            elif env.client in stats.received or env.client in held:
-                self.inbox.drop(msg, "duplicate")
-            elif strategy is None or env.client not in stats.granted:
-                self.inbox.drop(msg, "not-granted")
-            else:
-                stats.failed.discard(env.client)  # a new try after a rejected update
-                held[env.client] = msg
-                self._fold_in_order(stats, strategy, held, gone)
-        return strategy  # stopped: held updates stay unacked and come back to the next aggregator
-
-    def _fold_in_order(self, stats: RoundStats, strategy: Strategy, held: dict[str, Received], gone: set[str],
-                       closing: bool = False) -> None:
-        """Fold held updates in the order of ``stats.granted``, never in arrival order.
-
-        Float sums depend on the order of their terms, so folding in a fixed order is what makes the same seed and
-        config give the same model bit for bit whatever the broker and whoever trains fastest (the spool replays
-        in the same order after a restart). An update waits, unacked (the inbox prefetch fits the whole round),
-        until every client before it has been folded, has gone offline, or the round is closing.
-        """
-        for client in stats.granted:
-            if client in stats.received or client in stats.failed:
-                continue
-            if client in held:
-                msg = held.pop(client)
-                self._fold_bytes(stats, strategy, client, msg.delivery.body, received=msg)
-                if client not in stats.received:
-                    stats.failed.add(client)  # rejected: later clients need not wait for it (it may try again)
-            elif not (closing or client in gone):
-                return
-
-    def _take_report(self, stats: RoundStats, msg: Received) -> None:
-        env = msg.env
-        if env.client in stats.reported:
-            self.inbox.drop(msg, "duplicate")
-            return
-        stats.reported[env.client] = float(env.payload["loss"])
-        stats.bytes_up += msg.size
-        self._save_round(stats, None, None)
-        self.inbox.ack(msg)
-
-    def _mediate(self, stats: RoundStats) -> Strategy:
-        cfg = self.cfg
-        stats.granted = self.mediator.top_k(stats.reported, cfg.beta) if cfg.beta < 1 else sorted(stats.reported)
-        choice = self._strategy_name(stats)
-        self._save_round(stats, stats.granted, choice)
-        self._publish_grant(stats, stats.granted)
-        log.info("uploads granted", round=stats.round, granted=len(stats.granted), strategy=choice)
-        return self._begin_strategy(stats, choice)
-
-    def _publish_grant(self, stats: RoundStats, granted: list[str]) -> None:
-        env = messages.grant(self.cfg.job, stats.round, self.version, granted)
-        body = messages.encode(env)
-        for client in stats.selected:  # granted or not, a selected agent waits for the word
-            self.broker.publish(topology.rk_grant(self.cfg.job, client), body, message_id=env.msg_id)
-        stats.bytes_down += len(body) * len(stats.selected)
-        self.phase = "uploading"
-
-    def _strategy_name(self, stats: RoundStats) -> str:
-        if self.cfg.strategy != "fedmed":
-            return self.cfg.strategy
-        mean_loss = math.fsum(stats.reported.values()) / len(stats.reported)  # fsum: exact, so order-free
-        return "fedmed" if self.mediator.choose(mean_loss) == "adaptive" else "fedavg"
-
-    def _save_round(self, stats: RoundStats, granted: list[str] | None, choice: str | None) -> None:
-        self.spool.save_state(stats.round, {"selected": stats.selected, "online": stats.online,
-                                            "reported": stats.reported, "granted": granted, "strategy": choice})
-
-    def _begin_strategy(self, stats: RoundStats, choice: str | None, **extra: Any) -> Strategy:
-        """A strategy for the round, begun with the global model; ``extra`` from a first pass (second_pass)."""
-        stats.strategy = choice
+    # ------------------------------------------------------------------ folding (both modes)
+    def begin_strategy(self, stats: RoundStats, choice: str, **extra: Any) -> Strategy:
+        """The round's strategy ``choice`` built from the job's settings and begun with the global model;
+        ``extra`` from a first pass (second_pass)."""
+        stats.strategy, strategy = strategy_from_config(choice, self.cfg, **extra)
         self.guard.begin()
-        if choice == "fedavg" and self.cfg.robust != "none":  # the optional guard replaces plain FedAvg
-            kind, _, arg = self.cfg.robust.partition(":")
-            name, params = {"clip": ("fedavg-clip", {"clip_norm": float(arg or 0)}),
-                            "trimmed": ("trimmed-mean", {"trim": float(arg or 0),
-                                                         "max_updates": max(self.cfg.clients, 1)}),
-                            "median": ("median", {"max_updates": max(self.cfg.clients, 1)})}[kind]
-            stats.strategy = name
-            strategy = make_strategy(name, **params)
-            strategy.begin(self.global_state)
-            return strategy
-        strategy = make_strategy(choice, **self._strategy_params(choice), **extra)
         strategy.begin(self.global_state)
         return strategy
 
-    def _strategy_params(self, name: str) -> dict[str, Any]:
-        cfg = self.cfg
-        return {"fedatt": {"epsilon": cfg.att_eps, "norm": cfg.att_norm}, "fedmed": {"js": cfg.fedmed_js},
-                "async": {"buffer_size": cfg.async_k, "server_lr": cfg.server_lr,
-                          "max_staleness": cfg.max_staleness}}.get(name, {})
-
-    def _fold_bytes(self, stats: RoundStats, strategy: Strategy | None, client: str, body: bytes, *,
-                    received: Received | None = None, spooled: bool = False) -> None:
-        """Decode an update against the manifest and the current global, fold it, spool it, then ack."""
+    def fold(self, stats: RoundStats, strategy: Strategy, env: Envelope, size: int, *, base: State,
+             staleness: int = 0, received: Received | None = None) -> ClientUpdate | None:
+        """Decode an update (its envelope is decoded already: the inbox's, or the spool's) against the manifest
+        and ``base`` and fold it: the one fold path of both modes. A bad update is rejected (when live) and
+        None returned; the caller spools and acks a folded one."""
         try:
-            env = messages.decode(body, limits=self.inbox.limits)
-            if env.model_version != self.version:
-                raise CodecError("wrong-base", f"trained from version {env.model_version}, current is {self.version}")
-            tensors = decode_state(env.payload["tensors"], self.manifest, self.global_state, as_delta=True)
+            update = self._decode_update(env, base, staleness)
         except CodecError as exc:
-            if received is not None:
-                self.inbox.reject(received.delivery, exc.reason, str(exc))
-            return
+            reason, detail = exc.reason, str(exc)
         except Exception as exc:  # never let a hostile update crash the engine
-            if received is not None:
-                self.inbox.reject(received.delivery, "undecodable", f"{type(exc).__name__}: {exc}")
-            return
-        update = ClientUpdate(client, env.payload["n_samples"], {k: torch.from_numpy(v) for k, v in tensors.items()},
-                              loss=env.payload["loss"], update_id=env.msg_id, delta=True)
-        try:
-            strategy.fold(update)
-        except (FedmqError, ValueError, TypeError, RuntimeError) as exc:  # strategies validate before folding
-            if received is not None:
-                self.inbox.reject(received.delivery, "rejected-by-strategy", str(exc))
-            return
-        self.guard.note(update, self.global_state)
-        if not spooled:
-            self.spool.save_update(stats.round, client, body)
-        stats.received.append(client)
-        if self.cfg.keep_model:
-            self._trained_from[client] = env.model_version
-        stats.update_ids[client] = env.msg_id
-        stats.bytes_up += len(body)
-        stats.bytes_up_raw += raw_nbytes(update.tensors)
-        stats.reported.setdefault(client, float(env.payload["loss"]))
+            reason, detail = "undecodable", f"{type(exc).__name__}: {exc}"
+        else:
+            try:
+                strategy.fold(update)
+            except (FedmqError, ValueError, TypeError, RuntimeError) as exc:  # strategies validate before folding
+                reason, detail = "rejected-by-strategy", str(exc)
+            else:
+                stats.received.append(env.client)
+                stats.bytes_up += size
+                stats.bytes_up_raw += raw_nbytes(update.tensors)
+                return update
         if received is not None:
-            self.inbox.ack(received)
+            self.inbox.reject(received.delivery, reason, detail)
+        return None
+
+    def _decode_update(self, env: Envelope, base: State, staleness: int = 0, n_samples: int | None = None
+                       ) -> ClientUpdate:
+        tensors = decode_state(env.payload["tensors"], self.manifest, base, as_delta=True)
+        return ClientUpdate(env.client, env.payload["n_samples"] if n_samples is None else n_samples,
+                            {k: torch.from_numpy(v) for k, v in tensors.items()}, loss=env.payload["loss"],
+                            staleness=staleness, update_id=env.msg_id, delta=True)
+
+    def note_trained_from(self, client: str, version: int) -> None:
+        """Where agents keep the model they trained from, ``client`` now holds ``version`` (see _holds)."""
+        if self.cfg.keep_model:
+            self._trained_from[client] = version
+
+    def folded_ids(self) -> set[str]:
+        """Message ids of every update folded so far (the audit: aggregator.checkpoint keeps them)."""
+        return {uid for ids in self.folded.values() for uid in ids}
 
     # ------------------------------------------------------------------ closing a round
-    def _close(self, stats: RoundStats, strategy: Strategy | None, skipped: str | None = None) -> None:
+    def close_round(self, stats: RoundStats, strategy: Strategy | None, skipped: str | None = None) -> None:
         cfg = self.cfg
         if skipped is None and (strategy is None or len(stats.received) < cfg.min_clients):
             skipped = f"{len(stats.received)} update(s) < min {cfg.min_clients}"
@@ -594,16 +427,14 @@ class Engine:
         """Fold the round's spooled updates again (the same strategy, in the fold order of _fold_in_order),
         leaving out the dropped ones and capping n_samples; they were all folded once, so they decode again."""
         state, bodies = self.spool.load(stats.round)
-        strategy = self._begin_strategy(stats, (state or {}).get("strategy") or self.cfg.strategy, **params)
+        strategy = self.begin_strategy(stats, (state or {}).get("strategy") or self.cfg.strategy, **params)
         for client in stats.granted:
             body = bodies.get(client)
             if body is None or client in verdict.dropped:
                 continue
             env = messages.decode(body)
-            tensors = decode_state(env.payload["tensors"], self.manifest, self.global_state, as_delta=True)
             n = min(env.payload["n_samples"], verdict.capped.get(client, env.payload["n_samples"]))
-            strategy.fold(ClientUpdate(client, n, {k: torch.from_numpy(v) for k, v in tensors.items()},
-                                       loss=env.payload["loss"], update_id=env.msg_id, delta=True))
+            strategy.fold(self._decode_update(env, self.global_state, n_samples=n))
         return strategy
 
     def _evaluate(self, rnd: int) -> float | None:
@@ -654,81 +485,6 @@ class Engine:
         self.best = tuple(best) if best else None
         self.runlog.truncate_after(self.round - 1)
         log.info("resumed from checkpoint", round=self.round, version=self.version)
-
-    # ------------------------------------------------------------------ asynchronous mode
-    def _run_async(self) -> None:
-        """FedBuff-style: fold every K arrivals (staleness weight 1/sqrt(1+τ)), publish a new version each time.
-
-        Crash safety as in synchronous rounds: an update is acked once spooled; a restart replays the open
-        round's spool in arrival order against the versions the updates trained from (kept in the spool,
-        aggregator.spool.RoundSpool.save_base), and drops redeliveries of updates already folded (by message
-        id). The folding order of live updates is their arrival order: async runs are not bit-reproducible."""
-        cfg = self.cfg
-        self._wait_for_agents(1, cfg.join_timeout_s)
-        history = self.spool.load_bases(self.version - cfg.max_staleness)
-        _, spooled = self.spool.load(self.round)
-        if spooled:
-            log.info("resuming open round", round=self.round, spooled_updates=len(spooled))
-        while self.version < cfg.rounds and not self.stop.is_set():
-            stats = RoundStats(self.round, strategy="async", online=self._online())
-            stats.selected = stats.online
-            if self.version not in history:
-                history[self.version] = self.global_state
-                self.spool.save_base(self.version, self.global_state)
-            for old in [v for v in history if v < self.version - cfg.max_staleness]:
-                del history[old]
-            self.spool.drop_bases_before(self.version - cfg.max_staleness)
-            self._announce(stats)
-            strategy = make_strategy("async", **self._strategy_params("async"))
-            strategy.begin(self.global_state)
-            for key in sorted(spooled, key=lambda k: int(k.rsplit("-", 1)[1])):  # replay, in arrival order
-                env = messages.decode(spooled[key], limits=self.inbox.limits)
-                self._fold_async(stats, strategy, env, spooled[key], history)
-            spooled = {}
-            folded_ids = {uid for ids in self.folded.values() for uid in ids}
-            deadline = time.time() + cfg.report_deadline_s + cfg.update_deadline_s
-            while len(stats.received) < cfg.async_k and time.time() < deadline and not self.stop.is_set():
-                msg = self.inbox.next(min(0.5, deadline - time.time()))
-                if msg is None:
-                    continue
-                env = msg.env
-                if env.kind is Kind.PRESENCE:
-                    self._note_presence(msg)
-                elif env.kind is not Kind.UPDATE:
-                    self.inbox.drop(msg, "unexpected")
-                elif env.msg_id in folded_ids or env.msg_id in stats.update_ids.values():
-                    self.inbox.drop(msg, "duplicate")  # redelivered after a crash: already folded
-                elif self.version - env.model_version > cfg.max_staleness or env.model_version not in history:
-                    self.inbox.drop(msg, "too-stale")
-                else:
-                    self._fold_async(stats, strategy, env, msg.delivery.body, history, msg)
-            self._close(stats, strategy if stats.received else None)
-
-    def _fold_async(self, stats: RoundStats, strategy: Strategy, env: Any, body: bytes,
-                    history: dict[int, dict[str, torch.Tensor]], msg: Received | None = None) -> None:
-        """Fold one update (live ``msg``, or replayed from the spool when None), spool it, then ack it."""
-        base = history.get(env.model_version)
-        try:
-            if base is None:
-                raise CodecError("too-stale", f"base version {env.model_version} is no longer kept")
-            tensors = decode_state(env.payload["tensors"], self.manifest, base, as_delta=True)
-            delta = {k: torch.from_numpy(v) for k, v in tensors.items()}
-            strategy.fold(ClientUpdate(env.client, env.payload["n_samples"], delta, loss=env.payload["loss"],
-                                       staleness=self.version - env.model_version, update_id=env.msg_id, delta=True))
-        except (FedmqError, ValueError, TypeError, RuntimeError) as exc:
-            reason = exc.reason if isinstance(exc, CodecError) else "rejected-by-strategy"
-            if msg is not None:
-                self.inbox.reject(msg.delivery, reason, str(exc))
-            return
-        if msg is not None:
-            self.spool.save_update(stats.round, f"{env.client}-{len(stats.received)}", body)
-        stats.received.append(env.client)
-        stats.update_ids[f"{env.client}#{len(stats.received)}"] = env.msg_id
-        stats.reported[env.client] = float(env.payload["loss"])
-        stats.bytes_up += len(body)
-        stats.bytes_up_raw += raw_nbytes(delta)
-        if msg is not None:
-            self.inbox.ack(msg)
 
     # ------------------------------------------------------------------ summary
     def _config_record(self) -> dict[str, Any]:

@@ -8,7 +8,7 @@ Every message is an Envelope (broker/envelope.py); this module fixes the payload
              weights, "partial": true when the tensors are a subset the agent lays over its own values}
 - announce  aggregator -> each selected agent's latest queue (async mode: global, every agent's), small: it
             carries no tensors
-            {"selected": [ids], "config": {...round config...}, "mode": "sync"|"async",
+            {"selected": [ids], "config": RoundConfig (below; exactly its fields), "mode": "sync"|"async",
              "models": [{"id": model message id, "base_version": int, "partial": bool, "since": POSIX time it
              was published (where a reader starts in the stream), "bytes": its size}]}: the forms of the
              announced version (envelope.model_version) a selected agent can fetch; it takes the smallest it
@@ -24,11 +24,15 @@ Every message is an Envelope (broker/envelope.py); this module fixes the payload
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any
 
+from broker.encodings import EncodingSpec
 from broker.envelope import Envelope, Kind, Limits, pack, unpack
 from fedmq.errors import CodecError
+from fedmq.pulling import MODES, SHARES
 
 NO_VERSION = -1
 
@@ -41,6 +45,73 @@ _FIELDS: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.UPDATE: {"loss": (float, int), "n_samples": (int,), "tensors": (dict,)},
     Kind.END: {"rounds": (int,)},
 }
+
+
+@dataclass(frozen=True)
+class RoundConfig:
+    """What a selected agent is told to do in a round: the announce's "config". The aggregator builds it
+    (aggregator.config.JobConfig.round_config, shaped by the strategy's configure_train); the agent reads it
+    after ``from_payload`` has checked every field, so a forged or damaged announce is rejected as bad-payload
+    instead of failing half-way through a round."""
+
+    # local training (fedmq.tasks.TrainConfig; the agent adds its device and a per-(client, round) seed)
+    epochs: int
+    full_batch: bool  # FedSGD: one step on the whole shard's gradient per epoch
+    batch_size: int
+    lr: float
+    optimizer: str
+    momentum: float
+    lr_decay: float
+    clip: float
+    max_steps: int
+    tail_loss: bool  # also report the loss at the end of local training (FedMed's top-K ranks by it)
+    seed: int
+    # the upload
+    encoding: str  # broker.encodings.EncodingSpec syntax
+    noise: float  # FedAtt Eq. 6: noise·N(0, 1) added to the weights before upload
+    error_feedback: bool  # sparsified deltas: keep what the upload left out for the next one
+    pull: str  # which tensors go up: all, or a dynamic-pulling rule (fedmq.pulling.MODES)
+    pull_fraction: float
+    pull_by: str
+    pull_down: bool  # the server pushes only its rule's pick; the agent keeps its own values for the rest
+    # the round's shape and what the agent keeps until its next round
+    grant: bool  # wait for a grant after reporting before uploading
+    keep_model: bool  # the model trained from: the base of delta pushes, and pull-down's values
+    keep_own: bool  # its own trained model: the dynamic-pulling rule's previous state
+
+    def to_payload(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_payload(cls, payload: Any) -> "RoundConfig":
+        """The round config an announce carries; CodecError("bad-payload") unless every field is there, of its
+        type and in its range, and nothing else is."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        if not isinstance(payload, dict) or set(payload) != set(names):
+            raise CodecError("bad-payload", f"announce config must have exactly the fields {', '.join(names)}")
+        for f in dataclasses.fields(cls):
+            value = payload[f.name]
+            kind = {"int": int, "bool": bool, "str": str, "float": (int, float)}[f.type]
+            if (isinstance(value, bool) and f.type != "bool") or not isinstance(value, kind):
+                raise CodecError("bad-payload", f"announce config: {f.name} must be a {f.type}")
+            if f.type == "float" and not math.isfinite(value):
+                raise CodecError("bad-payload", f"announce config: {f.name} is not finite")
+        p = payload
+        checks = {
+            "epochs": p["epochs"] >= 1, "batch_size": p["batch_size"] >= 1, "max_steps": p["max_steps"] >= 0,
+            "lr": p["lr"] > 0, "momentum": p["momentum"] >= 0, "lr_decay": p["lr_decay"] > 0, "clip": p["clip"] >= 0,
+            "noise": p["noise"] >= 0, "optimizer": p["optimizer"] in ("sgd", "adam"), "pull": p["pull"] in MODES,
+            "pull_fraction": 0 < p["pull_fraction"] < 1, "pull_by": p["pull_by"] in SHARES,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise CodecError("bad-payload", f"announce config: {name}={p[name]!r} is out of range")
+        try:
+            EncodingSpec.parse(p["encoding"])
+        except CodecError as exc:
+            raise CodecError("bad-payload", f"announce config: encoding: {exc}") from None
+        return cls(**{name: float(p[name]) if f_type == "float" else p[name]
+                      for name, f_type in ((f.name, f.type) for f in dataclasses.fields(cls))})
 
 
 def check_payload(env: Envelope) -> Envelope:
@@ -63,6 +134,9 @@ def check_payload(env: Envelope) -> Envelope:
         if name in fields and not all(isinstance(c, str) for c in payload[name]):
             raise CodecError("bad-payload", f"{name} must be a list of client ids")
     if env.kind is Kind.ANNOUNCE:
+        if payload["mode"] not in ("sync", "async"):
+            raise CodecError("bad-payload", "announce mode must be sync or async")
+        RoundConfig.from_payload(payload["config"])
         for entry in payload["models"]:
             if not _model_entry_ok(entry):
                 raise CodecError("bad-payload", "announce models must be {id, base_version, partial, since, bytes}")
@@ -104,9 +178,9 @@ def model_entry(env: Envelope, since: float, nbytes: int) -> dict[str, Any]:
             "bytes": int(nbytes)}
 
 
-def announce(job: str, rnd: int, version: int, selected: list[str], config: dict[str, Any],
+def announce(job: str, rnd: int, version: int, selected: list[str], config: RoundConfig,
              models: list[dict[str, Any]], mode: str = "sync") -> Envelope:
-    payload = {"selected": selected, "config": config, "models": models, "mode": mode}
+    payload = {"selected": selected, "config": config.to_payload(), "models": models, "mode": mode}
     return Envelope(Kind.ANNOUNCE, job, rnd, "aggregator", version, payload)
 
 

@@ -32,6 +32,7 @@ from broker.base import Broker, Delivery
 from broker.encodings import EncodingSpec, decode_state, encode_state
 from broker.envelope import Envelope, Kind
 from broker.errors import BrokerError
+from broker.messages import RoundConfig
 from client_agent.availability import Availability, Faults
 from client_agent.state import MemoryStore, State
 from client_agent.trainers import TrainerPool
@@ -287,7 +288,7 @@ class Agent:
             self.log.offline_rounds.append(rnd)
             raise Offline(f"availability model: offline in slot {rnd}", True)
         self.last_round = rnd
-        cfg = payload["config"]
+        cfg = RoundConfig.from_payload(payload["config"])
         faults = self.faults.draw(self.client, rnd)
         log.info("round training", client=self.client, round=rnd, version=env.model_version)
         if "cut" in faults:
@@ -305,26 +306,26 @@ class Agent:
             time.sleep(self.faults.slow_seconds)
         self._send(messages.report(self.job, rnd, self.client, version, result.reported, result.n_samples),
                    topology.rk_report(self.job, self.client))
-        if sync and cfg["grant"] and not self._wait_grant(rnd):
+        if sync and cfg.grant and not self._wait_grant(rnd):
             return
         if "crash-grant" in faults:
             self.log.faults.append((rnd, "crash-grant"))
             raise Offline("fault: crashed after the grant", False)
         self._upload(rnd, version, prepared)
 
-    def _with_private(self, held: State, cfg: dict[str, Any]) -> State:
+    def _with_private(self, held: State, cfg: RoundConfig) -> State:
         """Dynamic pulling upwards only: the tensors we did not send last time stay ours, "protected from
         external updates and only modified using local data" (Passban et al.); the rest is the global model.
         (Under pull-down the server pushes only its pick and we keep our values for the rest: _fetch_model.)"""
-        private = self._kept("private") if cfg["pull"] != "all" and not cfg["pull_down"] else None
+        private = self._kept("private") if cfg.pull != "all" and not cfg.pull_down else None
         return held if private is None else {**held, **private[1]}
 
-    def _train(self, model: torch.nn.Module, held: State, cfg: dict[str, Any], rnd: int, crash: bool) -> TrainResult:
+    def _train(self, model: torch.nn.Module, held: State, cfg: RoundConfig, rnd: int, crash: bool) -> TrainResult:
         load_state(model, held)
-        tcfg = TrainConfig(epochs=cfg["epochs"], batch_size=cfg["batch_size"], lr=cfg["lr"],
-                           optimizer=cfg["optimizer"], momentum=cfg["momentum"], lr_decay=cfg["lr_decay"],
-                           clip=cfg["clip"], max_steps=cfg["max_steps"], full_batch=cfg["full_batch"], device=self.device,
-                           tail_loss=cfg["tail_loss"], seed=stable_seed(cfg["seed"], self.client, rnd))
+        tcfg = TrainConfig(epochs=cfg.epochs, batch_size=cfg.batch_size, lr=cfg.lr,
+                           optimizer=cfg.optimizer, momentum=cfg.momentum, lr_decay=cfg.lr_decay,
+                           clip=cfg.clip, max_steps=cfg.max_steps, full_batch=cfg.full_batch, device=self.device,
+                           tail_loss=cfg.tail_loss, seed=stable_seed(cfg.seed, self.client, rnd))
         if crash:
             self.log.faults.append((rnd, "crash-train"))
             raise Offline("fault: crashed during training", False)
@@ -338,36 +339,36 @@ class Agent:
         borrowed (what is kept past the round is cloned in _prepare)."""
         return model_state(model)
 
-    def _prepare(self, model: torch.nn.Module, held: State, cfg: dict[str, Any], rnd: int, version: int,
+    def _prepare(self, model: torch.nn.Module, held: State, cfg: RoundConfig, rnd: int, version: int,
                  result: TrainResult) -> Prepared:
         """Encode the update (before the grant, so the trainer and the global model can go) and keep what
         the job's algorithm needs for our next round."""
         current = trained = self._trained_state(model)
-        if cfg["noise"] > 0:  # FedAtt Eq. 6 randomization, seeded per (client, round)
-            gen = torch.Generator().manual_seed(stable_seed(cfg["seed"], self.client, rnd, "noise"))
-            current = {k: v + cfg["noise"] * torch.randn(v.shape, generator=gen) for k, v in current.items()}
+        if cfg.noise > 0:  # FedAtt Eq. 6 randomization, seeded per (client, round)
+            gen = torch.Generator().manual_seed(stable_seed(cfg.seed, self.client, rnd, "noise"))
+            current = {k: v + cfg.noise * torch.randn(v.shape, generator=gen) for k, v in current.items()}
         names = list(current)
-        if cfg["pull"] != "all":
+        if cfg.pull != "all":
             own = self._kept("own")
-            names = select_tensors(current, own[1] if own else None, self.groups, cfg["pull"],
-                                   cfg["pull_fraction"], random.Random(stable_seed(cfg["seed"], self.client, rnd, "pull")),
-                                   cfg["pull_by"])
-        spec = EncodingSpec.parse(cfg["encoding"])
+            names = select_tensors(current, own[1] if own else None, self.groups, cfg.pull,
+                                   cfg.pull_fraction, random.Random(stable_seed(cfg.seed, self.client, rnd, "pull")),
+                                   cfg.pull_by)
+        spec = EncodingSpec.parse(cfg.encoding)
         upload = {k: current[k] for k in names}
-        residual = self._kept("residual") if cfg["error_feedback"] else None
+        residual = self._kept("residual") if cfg.error_feedback else None
         if residual is not None:  # what earlier sparsified uploads left out rides on this one
             upload = {k: v + residual[1][k] for k, v in upload.items()}
         tensors = encode_state(upload, spec, held if spec.delta else None)
-        if cfg["error_feedback"]:
+        if cfg.error_feedback:
             self._keep_residual(upload, held, tensors, version, residual)
         env = messages.update(self.job, rnd, self.client, version, result.reported, result.n_samples, tensors)
         sent = {k: current[k].clone() for k in names} if self.log.sent is not None else None
-        if cfg["keep_own"]:
+        if cfg.keep_own:
             self.store.put(self.client, "own", version, {k: v.clone() for k, v in current.items()})
-        if cfg["pull"] != "all" and not cfg["pull_down"]:
+        if cfg.pull != "all" and not cfg.pull_down:
             kept = set(names)
             self.store.put(self.client, "private", version, {k: v.clone() for k, v in trained.items() if k not in kept})
-        if cfg["keep_model"]:
+        if cfg.keep_model:
             self.store.put(self.client, "model", version, held)
             self.version = version
         else:

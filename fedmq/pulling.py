@@ -26,13 +26,15 @@ result is in the order of ``current``.
 from __future__ import annotations
 
 import random
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
-import torch
 
 from fedmq.checks import check_number
 from fedmq.errors import BadParameter
+
+if TYPE_CHECKING:  # torch is imported where it is used: the round protocol reads MODES and SHARES without it
+    import torch
 
 MODES = ("local", "global", "random", "all")  # the paper's DP_l, DP_g, random; aggregator.config maps strategies to them
 SHARES = ("params", "count")  # what the fraction is a share of
@@ -40,6 +42,8 @@ SHARES = ("params", "count")  # what the fraction is a share of
 
 def tensor_changes(current: Mapping[str, torch.Tensor], previous: Mapping[str, torch.Tensor]) -> dict[str, float]:
     """d_t for every tensor present in both states."""
+    import torch
+
     return {
         name: float(torch.dist(t.double(), previous[name].double()))
         for name, t in current.items()
@@ -80,6 +84,8 @@ def select_tensors(
 
 def _by_count(names: list[str], d: dict[str, float], _sizes: dict[str, int], mode: str, f: float,
               rng: random.Random | np.random.Generator | None) -> list[str]:
+    import torch
+
     values = torch.tensor([d[n] for n in names], dtype=torch.float64)
     if mode == "local":
         theta = float(torch.quantile(values, f))

@@ -1,12 +1,15 @@
-"""The interface every aggregation strategy implements: fold updates one at a time, then finish."""
+"""The interface every aggregation strategy implements: what it asks of a round (``plan``, ``configure_train``,
+``from_config``; Flower's configure_train), then fold updates one at a time and finish (its aggregate_train)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Iterable, Mapping
+from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 import torch
+
+from broker.messages import RoundConfig
 
 State = dict[str, torch.Tensor]
 
@@ -31,14 +34,41 @@ class ClientUpdate:
     delta: bool = False
 
 
-class Strategy(ABC):
-    """Streaming aggregation: ``begin`` with θ_r, ``fold`` each update as it arrives, ``finish`` -> θ_{r+1}.
+@dataclass(frozen=True)
+class RoundPlan:
+    """The shape of a strategy's rounds, read by the engine and (through the round config) the agents, so that
+    nothing else branches on a strategy's name. The defaults are FedAvg's."""
 
+    mode: str = "sync"  # sync rounds, or "async": fold every K arrivals whatever their round (BufferedAsync)
+    select_all: bool = False  # every client trains each round, whatever the fraction C (FedSGD)
+    grant_phase: bool = False  # collect every report before granting uploads, even at β = 1 (FedMed's mediator)
+    loss_switch: bool = False  # each round the mediator's loss switch picks this strategy or plain FedAvg (FedMed)
+    pull: str = "all"  # which tensors agents upload: all, or a dynamic-pulling rule (fedmq.pulling.MODES)
+
+
+class Strategy(ABC):
+    """A federated algorithm's server side: what it asks of a round, and its aggregation.
+
+    The round: ``plan`` (who is selected, grant phase, pulling rule, sync or async), ``configure_train`` (the
+    local training the agents run) and ``from_config`` (the strategy built from the job's settings each round).
+    The aggregation streams: ``begin`` with θ_r, ``fold`` each update as it arrives, ``finish`` -> θ_{r+1}.
     Memory is a small fixed number of model-sized buffers, whatever the number of folded updates.
     ``finish`` with no folded update returns θ_r unchanged.
     """
 
     name: ClassVar[str]
+    plan: ClassVar[RoundPlan] = RoundPlan()
+
+    @classmethod
+    def from_config(cls, cfg: Any, **extra: Any) -> "Strategy":
+        """This round's strategy from the job's settings (``cfg``: an aggregator.config.JobConfig, whose
+        ``extra`` holds settings of a user's own strategy); ``extra``: what ``second_pass`` asked for."""
+        return cls(**extra)
+
+    @classmethod
+    def configure_train(cls, train: RoundConfig) -> RoundConfig:
+        """The round config the selected agents get, from the one the job's settings give; default unchanged."""
+        return train
 
     @abstractmethod
     def begin(self, global_state: Mapping[str, torch.Tensor]) -> None: ...

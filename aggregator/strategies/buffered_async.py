@@ -24,11 +24,11 @@ FedAvg's streaming fold with the client weight w_k = η_g s(τ_k) n_k.
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 
-from aggregator.strategies.base import ClientUpdate, State
+from aggregator.strategies.base import ClientUpdate, RoundPlan, State
 from aggregator.strategies.errors import StaleUpdate
 from aggregator.strategies.fedavg import FedAvg
 from fedmq.checks import check_int, check_number
@@ -41,6 +41,11 @@ def staleness_weight(tau: int) -> float:
 
 class BufferedAsync(FedAvg):
     name: ClassVar[str] = "async"
+    plan: ClassVar[RoundPlan] = RoundPlan(mode="async")
+
+    @classmethod
+    def from_config(cls, cfg: Any, **extra: Any) -> "BufferedAsync":
+        return cls(buffer_size=cfg.async_k, max_staleness=cfg.max_staleness, server_lr=cfg.server_lr, **extra)
 
     def __init__(self, buffer_size: int = 10, max_staleness: int = 10, server_lr: float = 1.0) -> None:
         super().__init__()

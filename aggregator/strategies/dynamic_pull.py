@@ -2,7 +2,7 @@
 
 Each client sends only the tensors its pulling rule selected (fedmq.pulling.select_tensors). For
 tensor t: θ_t ← Σ_{k sent t} n_k θ_{k,t} / Σ_{k sent t} n_k; a tensor nobody sent keeps the server's value.
-The same class serves pull-local, pull-global and pull-random (they differ only on the client side).
+pull-local, pull-global and pull-random aggregate alike; they differ in the rule their ``plan`` gives the agents.
 """
 
 from __future__ import annotations
@@ -12,14 +12,13 @@ from typing import ClassVar, Mapping
 import torch
 
 from aggregator.strategies._common import WeightedSum, cast_like, check_started, validate_update, zeros_like_state
-from aggregator.strategies.base import ClientUpdate, State, Strategy
+from aggregator.strategies.base import ClientUpdate, RoundPlan, State, Strategy
 
 
 class DynamicPull(Strategy):
     name: ClassVar[str] = "dynamic-pull"
 
-    def __init__(self, rule: str = "global") -> None:
-        self.rule = rule  # informational: which client-side rule the round config asks for
+    def __init__(self) -> None:
         self._global: Mapping[str, torch.Tensor] | None = None
         self._sums: dict[str, WeightedSum] = {}  # per tensor: Σ n_k θ_k over the clients that sent it
         self._share: dict[str, dict[str, float]] = {}  # client -> tensor -> n_k (for client_weights)
@@ -60,3 +59,24 @@ class DynamicPull(Strategy):
         self._global, self._sums = None, {}
         return out
 
+
+
+class PullLocal(DynamicPull):
+    """DP_l: agents send their slowest-moving tensors."""
+
+    name: ClassVar[str] = "pull-local"
+    plan: ClassVar[RoundPlan] = RoundPlan(pull="local")
+
+
+class PullGlobal(DynamicPull):
+    """DP_g: agents send their fastest-moving tensors."""
+
+    name: ClassVar[str] = "pull-global"
+    plan: ClassVar[RoundPlan] = RoundPlan(pull="global")
+
+
+class PullRandom(DynamicPull):
+    """Agents send random tensors holding as many parameters as DP_g's."""
+
+    name: ClassVar[str] = "pull-random"
+    plan: ClassVar[RoundPlan] = RoundPlan(pull="random")

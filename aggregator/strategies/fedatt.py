@@ -14,7 +14,7 @@ torch.Generator seeded with ``seed``, in fold order, so a seeded run is reproduc
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -44,6 +44,10 @@ def tensor_distance(a: torch.Tensor, b: torch.Tensor, norm: str = "fro") -> floa
 
 class FedAtt(SoftmaxWeighted):
     name: ClassVar[str] = "fedatt"
+
+    @classmethod
+    def from_config(cls, cfg: Any, **extra: Any) -> "FedAtt":
+        return cls(epsilon=cfg.att_eps, norm=cfg.att_norm, **extra)
 
     def __init__(self, epsilon: float = 1.2, norm: str = "fro", beta: float = 0.0, sigma: float = 1.0, seed: int = 0) -> None:
         super().__init__()

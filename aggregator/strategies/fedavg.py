@@ -1,8 +1,7 @@
 """FedAvg (θ = Σ n_k/n · θ_k) and FedSGD (the same average; the round config asks for one local pass).
 
 FedSGD aggregates exactly like FedAvg; what makes it FedSGD is its round (every client selected, one step on
-the gradient of the whole shard: McMahan et al.'s B = ∞, E = 1), which JobConfig.selected_count and
-JobConfig.train_config set for the name "fedsgd".
+the gradient of the whole shard: McMahan et al.'s B = ∞, E = 1), which its ``plan`` and ``configure_train`` set.
 
 :class:`FedAvg` is also the streaming core of the strategies that only change a client's weight
 (clipping, staleness): with w_k = ``weight(update)`` and n = Σ n_k,
@@ -14,12 +13,14 @@ which is plain FedAvg when w_k = n_k.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar, Mapping
 
 import torch
 
 from aggregator.strategies._common import WeightedSum, cast_like, check_started, validate_update, zeros_like_state
-from aggregator.strategies.base import ClientUpdate, State, Strategy
+from aggregator.strategies.base import ClientUpdate, RoundPlan, State, Strategy
+from broker.messages import RoundConfig
 
 
 class FedAvg(Strategy):
@@ -68,3 +69,8 @@ class FedSGD(FedAvg):
     """FedAvg's aggregation under FedSGD's name (its round: see the module docstring)."""
 
     name: ClassVar[str] = "fedsgd"
+    plan: ClassVar[RoundPlan] = RoundPlan(select_all=True)
+
+    @classmethod
+    def configure_train(cls, train: RoundConfig) -> RoundConfig:
+        return dataclasses.replace(train, epochs=1, full_batch=True, max_steps=0)

@@ -22,15 +22,17 @@ temperatures, ``temperatures=``). ``js = "raw"`` is the paper's literal formula.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import ClassVar, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 
 from aggregator.strategies._common import full_tensor
-from aggregator.strategies.base import ClientUpdate, State
+from aggregator.strategies.base import ClientUpdate, RoundPlan, State
 from aggregator.strategies.fedavg import FedAvg
 from aggregator.strategies.softmax_weighted import SoftmaxWeighted
+from broker.messages import RoundConfig
 from fedmq.checks import check_number
 from fedmq.errors import BadParameter, StrategyError
 
@@ -61,6 +63,17 @@ def _chunked_lse(x: torch.Tensor) -> float:
 
 class FedMed(SoftmaxWeighted):
     name: ClassVar[str] = "fedmed"
+    # the mediator (FedMed §3.4) needs every report first: top-K ranks the losses at the end of local training,
+    # and the loss switch picks FedMed's adaptive aggregation or FedAvg from their mean
+    plan: ClassVar[RoundPlan] = RoundPlan(grant_phase=True, loss_switch=True)
+
+    @classmethod
+    def from_config(cls, cfg: Any, **extra: Any) -> "FedMed":
+        return cls(js=cfg.fedmed_js, **extra)
+
+    @classmethod
+    def configure_train(cls, train: RoundConfig) -> RoundConfig:
+        return dataclasses.replace(train, tail_loss=True)
 
     def __init__(self, eta: float = 1.0, mode: str = "adaptive", js: str = "standardised",
                  temperatures: Mapping[str, float] | None = None) -> None:

@@ -1,64 +1,73 @@
-"""``make_strategy(name, **params)``: the one place names and parameters become Strategy objects.
+"""The one place names become Strategy classes and objects.
 
-Names: fedavg, fedsgd, fedatt, fedmed, pull-local, pull-global, pull-random (all three aggregate with DynamicPull; the
-name tells the agents which pulling rule to use), async, fedavg-clip, trimmed-mean, median; or a Strategy the user
-brings, as ``package.module:Class`` (it runs synchronous rounds like fedavg, with its own begin/fold/finish).
+Names: fedavg, fedsgd, fedatt, fedmed, pull-local, pull-global, pull-random, async, fedavg-clip, trimmed-mean,
+median; or a Strategy the user brings, as ``package.module:Class`` (its ``plan`` says what its rounds are like;
+the default is FedAvg's synchronous round). ``strategy_class`` looks a name up, ``strategy_from_config`` builds
+a round's strategy from the job's settings, ``make_strategy`` from explicit parameters (tools and tests).
 Unknown names or parameters and out-of-range values raise BadParameter (a FedmqError) with one line.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any
 
 from aggregator.strategies.base import Strategy
 from aggregator.strategies.buffered_async import BufferedAsync
-from aggregator.strategies.dynamic_pull import DynamicPull
+from aggregator.strategies.dynamic_pull import PullGlobal, PullLocal, PullRandom
 from aggregator.strategies.fedatt import FedAtt
 from aggregator.strategies.fedavg import FedAvg, FedSGD
 from aggregator.strategies.fedmed import FedMed
-from aggregator.strategies.robust import ClippedFedAvg, TrimmedMean
+from aggregator.strategies.robust import ClippedFedAvg, Median, TrimmedMean
 from fedmq.errors import BadParameter
 from fedmq.plugins import is_import_path, load_class
 
-_FACTORIES: dict[str, tuple[Callable[..., Strategy], dict[str, Any]]] = {
-    "fedavg": (FedAvg, {}),
-    "fedsgd": (FedSGD, {}),
-    "fedatt": (FedAtt, {}),
-    "fedmed": (FedMed, {}),
-    "pull-local": (DynamicPull, {"rule": "local"}),
-    "pull-global": (DynamicPull, {"rule": "global"}),
-    "pull-random": (DynamicPull, {"rule": "random"}),
-    "async": (BufferedAsync, {}),
-    "fedavg-clip": (ClippedFedAvg, {}),
-    "trimmed-mean": (TrimmedMean, {}),
-    "median": (TrimmedMean, {"trim": 0.5}),
-}
+_CLASSES: dict[str, type[Strategy]] = {cls.name: cls for cls in (
+    FedAvg, FedSGD, FedAtt, FedMed, PullLocal, PullGlobal, PullRandom, BufferedAsync, ClippedFedAvg, TrimmedMean,
+    Median)}
+# the job's robust guard (JobConfig.robust) replaces plain FedAvg, also where FedMed's loss switch falls back to it
+_ROBUST = {"clip": "fedavg-clip", "trimmed": "trimmed-mean", "median": "median"}
 
-STRATEGY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
+STRATEGY_NAMES: tuple[str, ...] = tuple(_CLASSES)
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    if is_import_path(name):
+        return load_class(name, Strategy, "strategy", BadParameter)
+    if name not in _CLASSES:
+        raise BadParameter(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGY_NAMES)} "
+                           "or package.module:Class")
+    return _CLASSES[name]
+
+
+def strategy_from_config(name: str, cfg: Any, **extra: Any) -> tuple[str, Strategy]:
+    """The strategy ``name`` built from the job's settings ``cfg`` (a JobConfig) for one round, and the name it
+    runs under (a robust guard's where one replaces FedAvg); ``extra``: what a first pass asked for (second_pass)."""
+    if name == FedAvg.name and cfg.robust != "none":
+        name = _ROBUST[cfg.robust.partition(":")[0]]
+    cls = strategy_class(name)
+    return name, _built(name, lambda: cls.from_config(cfg, **extra))
 
 
 def make_strategy(name: str, **params: Any) -> Strategy:
+    cls = strategy_class(name)
     if is_import_path(name):
-        return _make_own_strategy(name, params)
-    if name not in _FACTORIES:
-        raise BadParameter(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGY_NAMES)} "
-                           "or package.module:Class")
-    factory, fixed = _FACTORIES[name]
-    allowed = set(inspect.signature(factory).parameters) - set(fixed)
+        return _built(name, lambda: cls(**params))
+    allowed = set(inspect.signature(cls).parameters)
     unknown = sorted(set(params) - allowed)
     if unknown:
         hint = f"; it accepts {', '.join(sorted(allowed))}" if allowed else "; it takes no parameters"
         raise BadParameter(f"strategy {name!r} has no parameter {unknown[0]!r}{hint}")
-    return factory(**fixed, **params)
+    return cls(**params)
 
 
-def _make_own_strategy(path: str, params: dict[str, Any]) -> Strategy:
-    """A user's Strategy class; whatever its constructor raises is one BadParameter line."""
-    cls = load_class(path, Strategy, "strategy", BadParameter)
+def _built(name: str, build: Any) -> Strategy:
+    """``build()``; whatever a user's strategy raises while being built is one BadParameter line."""
+    if not is_import_path(name):
+        return build()
     try:
-        return cls(**params)
+        return build()
     except BadParameter:
         raise
     except Exception as exc:
-        raise BadParameter(f"strategy {path!r} could not be built: {type(exc).__name__}: {exc}") from None
+        raise BadParameter(f"strategy {name!r} could not be built: {type(exc).__name__}: {exc}") from None

@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 
@@ -36,6 +36,10 @@ class ClippedFedAvg(FedAvg):
 
     name: ClassVar[str] = "fedavg-clip"
 
+    @classmethod
+    def from_config(cls, cfg: Any, **extra: Any) -> "ClippedFedAvg":
+        return cls(clip_norm=float(cfg.robust.partition(":")[2]), **extra)
+
     def __init__(self, clip_norm: float = 10.0) -> None:
         super().__init__()
         self.clip_norm = check_number("clip_norm", clip_norm, low=0.0, low_open=True)
@@ -56,6 +60,10 @@ class ClippedFedAvg(FedAvg):
 
 class TrimmedMean(Strategy):
     name: ClassVar[str] = "trimmed-mean"
+
+    @classmethod
+    def from_config(cls, cfg: Any, **extra: Any) -> "TrimmedMean":
+        return cls(trim=float(cfg.robust.partition(":")[2]), max_updates=max(cfg.clients, 1), **extra)
 
     def __init__(self, trim: float = 0.1, max_updates: int = 64) -> None:
         self.trim = check_number("trim", trim, low=0.0, high=0.5, high_open=False)
@@ -98,3 +106,16 @@ class TrimmedMean(Strategy):
         self._last_weights = {c: 1.0 / K for c in self._clients} if K else {}
         self._global, self._kept = None, []
         return out
+
+
+class Median(TrimmedMean):
+    """The coordinate-wise median: the mean trimmed all the way in."""
+
+    name: ClassVar[str] = "median"
+
+    def __init__(self, max_updates: int = 64) -> None:
+        super().__init__(trim=0.5, max_updates=max_updates)
+
+    @classmethod
+    def from_config(cls, cfg: Any, **extra: Any) -> "Median":
+        return cls(max_updates=max(cfg.clients, 1), **extra)

@@ -170,8 +170,8 @@ def test_selection_counts_every_queued_heartbeat(task, tmp_path):
     deadline = time.time() + 10
     while engine.inbox._q.qsize() < 10 and time.time() < deadline:  # all ten queued, none read yet
         time.sleep(0.05)
-    engine._wait_for_agents(cfg.selected_count(), 3 * cfg.heartbeat_s)
-    assert len(engine._online()) == 10  # not just the 2 it needs
+    engine.wait_for_agents(cfg.selected_count(), 3 * cfg.heartbeat_s)
+    assert len(engine.online()) == 10  # not just the 2 it needs
     broker.close()
 
 

@@ -95,14 +95,14 @@ def test_delta_pushes_with_keyframes_stay_exact(federation, task, tmp_path):
 
 
 def test_announce_model_entries_are_validated():
-    env = messages.announce("j", 1, 0, ["a"], {}, [{"id": "m", "base_version": -1, "partial": False, "since": 1.0,
+    env = messages.announce("j", 1, 0, ["a"], JobConfig().round_config(), [{"id": "m", "base_version": -1, "partial": False, "since": 1.0,
                                                    "bytes": 10}])
     assert messages.decode(messages.encode(env)).payload["models"][0]["id"] == "m"
     for bad in ({"id": "m"}, {"id": 3, "base_version": -1, "partial": False, "since": 1.0, "bytes": 1},
                 {"id": "m", "base_version": -1, "partial": 1, "since": 1.0, "bytes": 1},
                 {"id": "m", "base_version": -1, "partial": False, "since": float("nan"), "bytes": 1}):
         with pytest.raises(CodecError, match="announce models"):
-            messages.encode(messages.announce("j", 1, 0, ["a"], {}, [bad]))
+            messages.encode(messages.announce("j", 1, 0, ["a"], JobConfig().round_config(), [bad]))
 
 
 @pytest.mark.parametrize("store_kind", ["memory", "disk"])
@@ -207,7 +207,7 @@ def test_error_feedback_is_a_boolean_and_only_for_sparsified_deltas():
 
     with pytest.raises(JobConfigError, match="error_feedback must be true or false"):
         JobConfig(error_feedback="yes")
-    assert JobConfig(encoding="delta+topk:0.05").train_config()["error_feedback"] is True
-    assert JobConfig(encoding="delta+topk:0.05", error_feedback=False).train_config()["error_feedback"] is False
-    assert JobConfig(encoding="delta+int8").train_config()["error_feedback"] is False  # quantised, not sparsified
-    assert JobConfig(encoding="topk:0.05").train_config()["error_feedback"] is False  # weights, not a change
+    assert JobConfig(encoding="delta+topk:0.05").round_config().error_feedback is True
+    assert JobConfig(encoding="delta+topk:0.05", error_feedback=False).round_config().error_feedback is False
+    assert JobConfig(encoding="delta+int8").round_config().error_feedback is False  # quantised, not sparsified
+    assert JobConfig(encoding="topk:0.05").round_config().error_feedback is False  # weights, not a change

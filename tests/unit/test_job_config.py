@@ -10,7 +10,7 @@ def test_defaults_are_valid_and_derived_properties():
     assert JobConfig(strategy="fedmed").grant_phase  # the mediator needs every report first
     assert JobConfig(beta=0.5).grant_phase
     assert JobConfig(strategy="fedsgd").selected_count() == 10
-    assert JobConfig(strategy="fedsgd", epochs=5).train_config()["epochs"] == 1
+    assert JobConfig(strategy="fedsgd", epochs=5).round_config().epochs == 1
     assert JobConfig(strategy="pull-global").pull == "global"
     # the first names (dp-*) read as differential privacy: still accepted, stored under the new ones
     assert JobConfig(strategy="dp-l").strategy == "pull-local" and JobConfig(strategy="dp-random").pull == "random"
@@ -41,19 +41,19 @@ def test_default_encodings_and_auto():
     assert JobConfig(strategy="pull-global", pull_down=True).encoding == "raw"  # pull-down uploads cannot be deltas
     assert JobConfig.from_dict(JobConfig().to_dict()).encoding == "delta+bf16"
     cfg = JobConfig(pull_down=False, down_encoding="delta+bf16", strategy="pull-local")
-    assert cfg.train_config()["keep_model"] and cfg.train_config()["keep_own"]  # a delta base, the pulling rule's input
-    assert not JobConfig().train_config()["keep_model"] and not JobConfig().train_config()["keep_own"]
+    assert cfg.round_config().keep_model and cfg.round_config().keep_own  # a delta base, the pulling rule's input
+    assert not JobConfig().round_config().keep_model and not JobConfig().round_config().keep_own
 
 
 def test_pull_share_is_of_parameters_by_default_and_validated():
-    assert JobConfig(strategy="pull-local").train_config()["pull_by"] == "params"
-    assert JobConfig(strategy="pull-local", pull_by="count").train_config()["pull_by"] == "count"
+    assert JobConfig(strategy="pull-local").round_config().pull_by == "params"
+    assert JobConfig(strategy="pull-local", pull_by="count").round_config().pull_by == "count"
     with pytest.raises(JobConfigError, match="pull-by 'bytes'"):
         JobConfig(strategy="pull-local", pull_by="bytes")
 
 
 def test_fedsgd_is_one_full_batch_step_on_every_client():
-    cfg = JobConfig(strategy="fedsgd", clients=7, fraction=0.1, epochs=5, max_steps=30).train_config()
-    assert cfg["full_batch"] and cfg["epochs"] == 1 and cfg["max_steps"] == 0
+    cfg = JobConfig(strategy="fedsgd", clients=7, fraction=0.1, epochs=5, max_steps=30).round_config()
+    assert cfg.full_batch and cfg.epochs == 1 and cfg.max_steps == 0
     assert JobConfig(strategy="fedsgd", clients=7, fraction=0.1).selected_count() == 7
-    assert not JobConfig(strategy="fedavg", epochs=5).train_config()["full_batch"]
+    assert not JobConfig(strategy="fedavg", epochs=5).round_config().full_batch

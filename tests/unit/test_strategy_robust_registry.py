@@ -51,7 +51,7 @@ def test_trimmed_mean_refuses_more_than_its_memory_bound():
 def test_registry_builds_every_name():
     for name in STRATEGY_NAMES:
         assert isinstance(make_strategy(name), Strategy)
-    assert isinstance(make_strategy("pull-random"), DynamicPull) and make_strategy("pull-random").rule == "random"
+    assert isinstance(make_strategy("pull-random"), DynamicPull) and make_strategy("pull-random").plan.pull == "random"
     s = make_strategy("fedatt", epsilon=1.0, norm="spectral")
     assert isinstance(s, FedAtt) and s.epsilon == 1.0 and s.norm == "spectral"
     assert make_strategy("median").trim == 0.5

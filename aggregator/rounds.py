@@ -1,0 +1,75 @@
+"""What the round runners (aggregator.sync_round, aggregator.async_rounds) share with the engine that drives
+them: the record of one round (:class:`RoundStats`) and what a runner may use of the engine
+(:class:`RoundContext`, which aggregator.engine.Engine implements). The runners hold a round's logic; the engine
+holds the job's lifecycle and state (presence, the global model and its versions, checkpoints, the run log)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from aggregator.config import JobConfig
+from aggregator.guards import RoundGuard
+from aggregator.inbox import Inbox, Received
+from aggregator.mediator import Mediator
+from aggregator.spool import RoundSpool
+from aggregator.strategies.base import ClientUpdate, State, Strategy
+from broker.base import Broker
+from broker.envelope import Envelope
+
+
+@dataclass
+class RoundStats:
+    """What one round did, for its row in the run log."""
+
+    round: int
+    strategy: str = ""
+    online: list[str] = field(default_factory=list)
+    selected: list[str] = field(default_factory=list)
+    reported: dict[str, float] = field(default_factory=dict)  # client -> loss
+    granted: list[str] = field(default_factory=list)
+    received: list[str] = field(default_factory=list)
+    failed: set[str] = field(default_factory=set)  # granted clients whose update was rejected
+    update_ids: dict[str, str] = field(default_factory=dict)  # client -> msg id of the update folded
+    bytes_up: int = 0
+    bytes_down: int = 0
+    bytes_up_raw: int = 0
+    bytes_down_raw: int = 0
+    started: float = field(default_factory=time.time)
+
+
+class RoundContext(Protocol):
+    """The engine as a round runner sees it."""
+
+    cfg: JobConfig
+    broker: Broker
+    inbox: Inbox
+    spool: RoundSpool
+    mediator: Mediator
+    guard: RoundGuard
+    stop: threading.Event
+    round: int  # the open round (sync) or the next version's round number (async)
+    version: int  # the global model's version
+    global_state: State
+    phase: str
+
+    def online(self) -> list[str]: ...
+
+    def wait_for_agents(self, needed: int, timeout: float) -> None: ...
+
+    def note_presence(self, msg: Received) -> None: ...
+
+    def announce(self, stats: RoundStats) -> None: ...
+
+    def begin_strategy(self, stats: RoundStats, choice: str, **extra: object) -> Strategy: ...
+
+    def fold(self, stats: RoundStats, strategy: Strategy, env: Envelope, size: int, *, base: State,
+             staleness: int = 0, received: Received | None = None) -> ClientUpdate | None: ...
+
+    def note_trained_from(self, client: str, version: int) -> None: ...
+
+    def close_round(self, stats: RoundStats, strategy: Strategy | None, skipped: str | None = None) -> None: ...
+
+    def folded_ids(self) -> set[str]: ...
