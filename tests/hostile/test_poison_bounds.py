@@ -66,7 +66,7 @@ def honest_ppl(federation, task, tmp_path, url, job) -> float:
     """Validation perplexity after two rounds of three honest agents (run once per module)."""
     if "ppl" not in _HONEST:
         _, summary, rows = run(federation, task, tmp_path, url, job + "h")
-        assert summary["rounds_completed"] == 2 and all("guard" not in r for r in rows)  # honest: no bound fires
+        assert summary["rounds_completed"] == 2 and all(r.guard is None for r in rows)  # honest: no bound fires
         _HONEST["ppl"] = rows[-1].valid
     return _HONEST["ppl"]
 
