@@ -33,6 +33,7 @@ from aggregator.config import JobConfig
 from aggregator.guards import RoundGuard, Verdict, first_nonfinite
 from aggregator.inbox import Inbox, Received
 from aggregator.mediator import Mediator
+from aggregator.records import RoundRecord
 from aggregator.rounds import RoundStats
 from aggregator.runlog import RunLog
 from aggregator.spool import RoundSpool
@@ -386,15 +387,13 @@ class Engine:
         else:
             log.warning("round skipped", round=stats.round, reason=skipped)
         score = self._evaluate(stats.round) if skipped is None else None
-        row = self._row(stats, score, weights, skipped)
-        if verdict:
-            row["guard"] = verdict.record()
+        record = self._record(stats, score, weights, skipped, verdict)
         self.round += 1
         # row first: a kill before the checkpoint redoes the round, and the resume truncates this row again
-        self.runlog.append(row)
+        self.runlog.append(record)
         self._checkpoint()
         self.spool.clear_upto(stats.round)
-        self.last_row = row
+        self.last_row = row = record.to_json()
         if self.on_round:
             self.on_round(row)
         log.info("round closed", round=stats.round, strategy=stats.strategy, received=len(stats.received),
@@ -449,23 +448,25 @@ class Engine:
             torch.save({k: v.clone() for k, v in self.global_state.items()}, self.run_dir / "best.pt")
         return score
 
-    def _row(self, stats: RoundStats, score: float | None, weights: dict[str, float], skipped: str | None) -> dict:
+    def _record(self, stats: RoundStats, score: float | None, weights: dict[str, float], skipped: str | None,
+                verdict: Verdict) -> RoundRecord:
         losses = list(stats.reported.values())
-        return {
-            "round": stats.round, "time": time.time(), "version": self.version, "strategy": stats.strategy or None,
-            "metric": self.task.metric, "valid": score,
-            "mean_loss": math.fsum(losses) / len(losses) if losses else None,
-            "online": stats.online, "selected": stats.selected, "reported": sorted(stats.reported),
-            "losses": dict(sorted(stats.reported.items())),
-            "granted": stats.granted, "received": sorted(stats.received),
-            "update_ids": dict(sorted(stats.update_ids.items())),
-            "dropped": sorted(set(stats.selected) - set(stats.received)),
-            "skipped": skipped is not None, "skip_reason": skipped,
-            "bytes_up": stats.bytes_up, "bytes_down": stats.bytes_down,
-            "bytes_up_raw": stats.bytes_up_raw, "bytes_down_raw": stats.bytes_down_raw,
-            "wall_s": time.time() - stats.started, "weights": weights,
-            "rejected": dict(self.inbox.rejected), "dropped_msgs": dict(self.inbox.dropped),
-        }
+        return RoundRecord(
+            round=stats.round, time=time.time(), version=self.version, strategy=stats.strategy or None,
+            metric=self.task.metric, valid=score,
+            mean_loss=math.fsum(losses) / len(losses) if losses else None,
+            online=tuple(stats.online), selected=tuple(stats.selected), reported=tuple(sorted(stats.reported)),
+            losses=dict(sorted(stats.reported.items())),
+            granted=tuple(stats.granted), received=tuple(sorted(stats.received)),
+            update_ids=dict(sorted(stats.update_ids.items())),
+            dropped=tuple(sorted(set(stats.selected) - set(stats.received))),
+            skipped=skipped is not None, skip_reason=skipped,
+            bytes_up=stats.bytes_up, bytes_down=stats.bytes_down,
+            bytes_up_raw=stats.bytes_up_raw, bytes_down_raw=stats.bytes_down_raw,
+            wall_s=time.time() - stats.started, weights=weights,
+            rejected=dict(self.inbox.rejected), dropped_msgs=dict(self.inbox.dropped),
+            guard=verdict.record() if verdict else None,
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self) -> None:
@@ -502,10 +503,10 @@ class Engine:
         return {
             "metric": self.task.metric, "higher_is_better": self.task.higher_is_better,
             "best_round": self.best[1] if self.best else None, "best_valid": self.best[0] if self.best else None,
-            "test": test, "rounds_completed": sum(1 for r in rows if not r.get("skipped")),
-            "rounds_skipped": sum(1 for r in rows if r.get("skipped")), "wall_s": wall,
+            "test": test, "rounds_completed": sum(1 for r in rows if not r.skipped),
+            "rounds_skipped": sum(1 for r in rows if r.skipped), "wall_s": wall,
             "strategy": self.cfg.strategy, "version": self.version,
-            "bytes_up": sum(r.get("bytes_up", 0) for r in rows), "bytes_down": sum(r.get("bytes_down", 0) for r in rows),
+            "bytes_up": sum(r.bytes_up or 0 for r in rows), "bytes_down": sum(r.bytes_down or 0 for r in rows),
             "rejected": dict(self.inbox.rejected), "dropped": dict(self.inbox.dropped),
             "interrupted": self.stop.is_set(),
         }

@@ -3,9 +3,14 @@
 Papers: FedAtt (Ji et al. 2019), FedMed (Wu et al. 2020), dynamic pulling (Passban et al. 2022).
 Every experiment is a grid of federations run one after the other with :class:`cli.simulate.Simulation` over
 the in-process broker (``memory://``, the same engine/agent/codec code path as RabbitMQ). Each federation
-writes a normal run folder ``OUT/NAME/<run>/`` (config.json, metrics.jsonl, summary.json); the experiment
+writes a normal run folder ``OUT/NAME/<run>/`` (aggregator.runlog: config, metrics, summary); the experiment
 writes ``OUT/NAME/results.json`` + ``results.md`` (one row per run) and ``OUT/NAME/report/`` (``fedmq report``
 of all its runs). Reruns into the same folder replace that experiment's run folders.
+
+The caller hands in the Simulation class and the report function (``run_experiment(simulation=, report=)``):
+the CLI (``fedmq experiment``), scripts/reproduce.py and the tests. This package sits below cli, which imports it
+for ``fedmq bench`` and ``fedmq experiment``; importing them back would make the two packages a cycle
+(tests/unit/test_layering.py), and both live in cli for good reasons (``fedmq simulate``, ``fedmq report``).
 
 Scales (same code path, only numbers differ):
 
@@ -41,6 +46,8 @@ import structlog
 import torch
 
 from aggregator.config import JobConfig
+from aggregator.records import RoundRecord
+from aggregator.runlog import CONFIG_FILE, RunLog, finished, read_rounds, read_summary, write_summary
 from fedmq.errors import FedmqError
 from fedmq.tasks.base import Task, TrainConfig, load_state, model_state
 
@@ -300,9 +307,13 @@ _TASKS: dict[str, Task] = {}  # built tasks by options, shared by the experiment
 
 @dataclass
 class Runner:
-    """Runs the federations of an experiment one after the other; tasks with equal options are built once."""
+    """Runs the federations of an experiment one after the other; tasks with equal options are built once.
+
+    ``simulation``: cli.simulate.Simulation (module docstring), called as ``simulation(cfg, task, url, run_dir,
+    availability=, faults=, device=, resume=)``; its ``run()`` returns the run's summary."""
 
     out: Path
+    simulation: Callable[..., Any]
     tasks: dict[str, Task] = field(default_factory=lambda: _TASKS)
     device: str = "cpu"  # local training: cpu | cuda | auto (the aggregator evaluates on the CPU)
 
@@ -318,16 +329,14 @@ class Runner:
         """Run ``spec`` into OUT/<run>. A run folder this spec and seed already finished is kept (its summary is
         returned); one they started and did not finish resumes from its last checkpoint; anything else is
         replaced. So an interrupted grid is rerun with the same command and loses at most a round per run."""
-        from cli.simulate import Simulation
-
         run_dir = self.out / spec.name
         key = json.dumps({"spec": asdict(spec), "seed": seed}, sort_keys=True, default=str)
         marker = run_dir / "spec.json"
         saved = json.loads(marker.read_text()) if marker.is_file() else {}
         resume = saved.get("key") == key
-        if resume and saved.get("done") and (run_dir / "summary.json").is_file():
+        if resume and saved.get("done") and finished(run_dir):
             log.info("experiment run already done", run=spec.name)
-            return json.loads((run_dir / "summary.json").read_text())
+            return read_summary(run_dir)
         if run_dir.exists() and not resume:
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -340,12 +349,12 @@ class Runner:
             job = re.sub(r"[^A-Za-z0-9_-]", "_", f"exp-{spec.name}")[:64]
             # lossless wire unless a run says otherwise: the reproductions compare algorithms, not encodings
             cfg = JobConfig(job=job, seed=seed, **{"encoding": "raw", "down_encoding": "raw", **spec.job})
-            sim = Simulation(cfg, task, f"memory://{job}", run_dir, availability=spec.availability,
-                             faults=spec.faults, device=self.device,
-                             resume=resume and (run_dir / "config.json").is_file())
+            sim = self.simulation(cfg, task, f"memory://{job}", run_dir, availability=spec.availability,
+                                  faults=spec.faults, device=self.device,
+                                  resume=resume and (run_dir / CONFIG_FILE).is_file())
             summary = sim.run()
         summary["run_wall_s"] = time.time() - started
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        write_summary(run_dir, summary)
         marker.write_text(json.dumps({"key": key, "done": True}))
         log.info("experiment run done", run=spec.name, test=summary.get("test"), wall_s=round(summary["run_wall_s"], 1))
         return summary
@@ -364,8 +373,8 @@ class Runner:
         windows = StreamBatches.build(ids, job["batch_size"], union.vocab.eos).num_windows(union.bptt)
         steps = max(1, math.ceil(job["fraction"] * job["epochs"] * windows))
         best, best_round, best_state = math.inf, 0, None
-        metrics = run_dir / "metrics.jsonl"
-        metrics.write_text("")
+        runlog = RunLog(run_dir)
+        runlog.truncate_after(0)  # a rerun starts the curve again
         for r in range(1, job["rounds"] + 1):
             cfg = TrainConfig(epochs=job["epochs"] + 1, batch_size=job["batch_size"], lr=job["lr"],
                               momentum=job.get("momentum", 0.0), clip=job.get("clip", 0.25), max_steps=steps,
@@ -375,8 +384,8 @@ class Runner:
             if valid < best:
                 best, best_round = valid, r
                 best_state = {k: v.detach().clone() for k, v in model_state(model).items()}
-            with metrics.open("a") as f:
-                f.write(json.dumps({"round": r, "valid": valid, "train_loss": result.loss, "steps": steps}) + "\n")
+            runlog.append(RoundRecord(round=r, valid=valid, extra={"train_loss": result.loss, "steps": steps}))
+        runlog.close()
         if best_state is not None:
             load_state(model, best_state)
         return {"test": union.evaluate(model, "test"), "best_valid": best, "best_round": best_round,
@@ -384,26 +393,15 @@ class Runner:
                 "steps_per_round": steps}
 
 
-def _metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    rows = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
 def _row(spec: RunSpec, summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-    rows = _metrics(run_dir)
+    rows = read_rounds(run_dir).records
     return {"run": spec.name, **spec.labels, "test": summary.get("test"), "best_valid": summary.get("best_valid"),
             "best_round": summary.get("best_round"), "rounds_completed": summary.get("rounds_completed"),
             "rounds_skipped": summary.get("rounds_skipped"), "bytes_up": summary.get("bytes_up"),
-            "bytes_down": summary.get("bytes_down"), "bytes_up_raw": sum(r.get("bytes_up_raw") or 0 for r in rows),
-            "bytes_down_raw": sum(r.get("bytes_down_raw") or 0 for r in rows),
-            "updates_received": sum(len(r.get("received") or []) for r in rows),
-            "valid_curve": [r.get("valid") for r in rows], "max_jump": max_jump([r.get("valid") for r in rows]),
+            "bytes_down": summary.get("bytes_down"), "bytes_up_raw": sum(r.bytes_up_raw or 0 for r in rows),
+            "bytes_down_raw": sum(r.bytes_down_raw or 0 for r in rows),
+            "updates_received": sum(len(r.received) for r in rows),
+            "valid_curve": [r.valid for r in rows], "max_jump": max_jump([r.valid for r in rows]),
             "wall_s": round(summary.get("run_wall_s", 0.0), 1)}
 
 
@@ -414,14 +412,13 @@ def max_jump(curve: list[float | None], after: int = 3) -> float | None:
     return max(ratios) if ratios else None
 
 
-def rounds_to(rows: list[dict[str, Any]], target: float) -> tuple[int | None, int | None]:
+def rounds_to(rows: Sequence[RoundRecord], target: float) -> tuple[int | None, int | None]:
     """(first round whose validation perplexity <= target, cumulative bytes up+down until then) or (None, None)."""
     total = 0
     for r in rows:
-        total += (r.get("bytes_up") or 0) + (r.get("bytes_down") or 0)
-        v = r.get("valid")
-        if v is not None and v <= target:
-            return int(r["round"]), total
+        total += (r.bytes_up or 0) + (r.bytes_down or 0)
+        if r.valid is not None and r.valid <= target:
+            return r.round, total
     return None, None
 
 
@@ -437,7 +434,7 @@ def add_rounds_to_target(out: Path, results: list[dict[str, Any]], reference: st
     target = min(curve)
     for r in results:
         r["target"] = target
-        r["rounds_to_target"], r["bytes_to_target"] = rounds_to(_metrics(out / r["run"]), target)
+        r["rounds_to_target"], r["bytes_to_target"] = rounds_to(read_rounds(out / r["run"]).records, target)
     return target
 
 
@@ -473,9 +470,10 @@ def select(specs: list[RunSpec], only: str | None, overrides: dict[str, Any] | N
     return picked
 
 
-def run_lm_experiment(name: str, scale: str, out: Path, seed: int = 0, only: str | None = None,
-                      overrides: dict[str, Any] | None = None, device: str = "cpu") -> dict[str, Any]:
-    runner = Runner(out, device=device)
+def run_lm_experiment(name: str, scale: str, out: Path, simulation: Callable[..., Any], seed: int = 0,
+                      only: str | None = None, overrides: dict[str, Any] | None = None,
+                      device: str = "cpu") -> dict[str, Any]:
+    runner = Runner(out, simulation, device=device)
     specs = select(EXPERIMENTS[name](scale), only, overrides)
     if name == "dropout":
         for spec in specs:
@@ -491,10 +489,10 @@ def run_lm_experiment(name: str, scale: str, out: Path, seed: int = 0, only: str
     return {"runs": results, **info}
 
 
-def run_nmt_domains(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
+def run_nmt_domains(scale: str, out: Path, simulation: Callable[..., Any], seed: int = 0) -> dict[str, Any]:
     """Passban et al.: pre-train on news, one client per domain, FedAvg; then DP_l / DP_g / random pulling."""
     s = _NMT[scale]
-    runner = Runner(out)
+    runner = Runner(out, simulation)
     options = {**s["task"], "data": _corpus("de-en"), "partition": "natural", "seed": seed,
                "cache_dir": str(out / "spm-cache")}
     options = {k: v for k, v in options.items() if v is not None}
@@ -562,8 +560,8 @@ def run_nmt_domains(scale: str, out: Path, seed: int = 0) -> dict[str, Any]:
         per_domain = domain_bleu(task, server, "test", n)
         table[f"server {spec.name}"] = per_domain
         row["bleu_mean_domains"] = sum(per_domain.values()) / len(per_domain)
-        rows = _metrics(out / spec.name)
-        row["bytes_up_per_round"] = row["bytes_up"] / max(len(rows), 1)
+        rounds = len(read_rounds(out / spec.name).records)
+        row["bytes_up_per_round"] = row["bytes_up"] / max(rounds, 1)
         results.append(row)
     return {"runs": results, "bleu_by_domain": table, "domains": names, "pretrain_s": round(pretrain_s, 1),
             "pretrain_steps": s["pretrain_steps"], "pretrain": pretrain_info,
@@ -676,9 +674,13 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None, seeds: Sequence[int] = (0,),
-                   threads: int = 1, report: bool = True, only: str | None = None,
+                   threads: int = 1, *, simulation: Callable[..., Any],
+                   report: Callable[[list[Path], Path], Any] | None = None, only: str | None = None,
                    overrides: dict[str, Any] | None = None, device: str = "cpu") -> dict[str, Any]:
     """Run experiment ``name`` at ``scale`` for each seed; results under ``out/name``; returns the results dict.
+
+    ``simulation`` runs a federation (:class:`Runner`); ``report`` (cli.report.run_report; None: none) draws each
+    results folder's report from its run folders (module docstring).
 
     One seed writes its run folders to ``out/name/<run>``; several write ``out/name/seed-<s>/<run>`` and the
     results table gives mean ± sd over seeds, plus the paired orderings (``orderings``). Rerunning the same
@@ -704,9 +706,9 @@ def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None,
     for seed, folder in zip(seeds, folders):
         folder.mkdir(parents=True, exist_ok=True)
         if name == "nmt-domains":
-            per_seed.append(run_nmt_domains(scale, folder, seed))
+            per_seed.append(run_nmt_domains(scale, folder, simulation, seed))
         else:
-            per_seed.append(run_lm_experiment(name, scale, folder, seed, only, overrides, device))
+            per_seed.append(run_lm_experiment(name, scale, folder, simulation, seed, only, overrides, device))
     if len(seeds) == 1:
         results = per_seed[0]
     else:
@@ -728,11 +730,9 @@ def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None,
             text += ["", f"BLEU on each domain's test pairs (seed {seed}):", "",
                      bleu_markdown(r["bleu_by_domain"], r["domains"])]
     (exp_dir / "results.md").write_text("\n".join(text) + "\n")
-    if report:
-        from cli.report import run_report
-
+    if report is not None:
         for folder, r in zip(folders, per_seed):
-            run_report([folder / row["run"] for row in r["runs"]], folder / "report")
+            report([folder / row["run"] for row in r["runs"]], folder / "report")
     return results
 
 

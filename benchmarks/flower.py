@@ -32,6 +32,8 @@ from pathlib import Path
 
 import psutil
 
+from aggregator.runlog import read_rounds
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_FLOWER_PYTHON = REPO / ".fedmq-cache" / "flower-venv" / "bin" / "python"
 RECOMMENDED = ("delta+int4-row", "int4-row")  # uplink, downlink: within 2 % of raw on PTB (docs/benchmarks.md)
@@ -99,8 +101,7 @@ def run_fedmq(name: str, data: str, clients: int, selected: int, rounds: int, en
                "-r", str(rounds), "--max-eval-lines", "1", "--encoding", encoding, "--down-encoding", down_encoding,
                "--out", str(out), "--log-level", "warning"]
         code, _, err, tree, used = _measured(cmd, dict(os.environ), timeout)
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
-            if (out / "metrics.jsonl").is_file() else []
+        rows = [r.to_json() for r in read_rounds(out).records]  # dicts, as Flower's rows are
     run = Run(name, peak_tree_gb=tree / 1e9, peak_used_gb=used / 1e9, rounds=len(rows), raw=rows)
     run.s_per_round, run.bytes_per_round = _median_rows([r for r in rows if not r.get("skipped")])
     if code != 0 or len(rows) < rounds:

@@ -147,6 +147,7 @@ def bench_load(url: str = "amqp://guest:guest@127.0.0.1:5672/%2F", agents: tuple
     import psutil
 
     from aggregator.checkpoint import load_checkpoint
+    from aggregator.runlog import read_rounds
     from broker import topology
     from broker.connect import connect
     from broker.urls import url_user
@@ -186,14 +187,13 @@ def bench_load(url: str = "amqp://guest:guest@127.0.0.1:5672/%2F", agents: tuple
         swarm.stop.set()
         for t in threads_:
             t.join(timeout=10)
-        mpath = work / "state" / "metrics.jsonl"
-        if not mpath.is_file():
+        metrics = read_rounds(work / "state").records
+        if not metrics:
             err = (work / "agg.err").read_text(errors="replace").strip().splitlines()
             raise RuntimeError(f"the aggregator wrote no metrics: {err[-1] if err else 'no output'}")
-        metrics = [json.loads(line) for line in mpath.read_text().splitlines()]
         ckpt = load_checkpoint(work / "state" / "checkpoints")
         folded = [u for ids in (ckpt.folded.values() if ckpt else []) for u in ids]
-        closed = {m["round"]: m["time"] for m in metrics}
+        closed = {m.round: m.time for m in metrics}
         confirmed = {(r, u): t for _, r, u, t in swarm.uploads}
         folded_set = set(folded)
         lost = [k for k in confirmed if k[1] not in folded_set and k[0] in closed]

@@ -605,10 +605,13 @@ def experiment(
     Example: fedmq experiment table2 --scale cpu --seeds 0,1,2   (rerun the same command to resume)
     """
     from benchmarks import experiments
+    from cli.report import run_report
+    from cli.simulate import Simulation
     experiments.check_args(name, scale, threads, device)
     seed_list = experiments.parse_seeds(seeds)
     _setup_logs(log_level, "json", out / name / "experiment.jsonl")
-    experiments.run_experiment(name, scale, out, seed_list, threads, device=device)
+    experiments.run_experiment(name, scale, out, seed_list, threads, simulation=Simulation, report=run_report,
+                               device=device)
     typer.echo((out / name / "results.md").read_text())
 
 

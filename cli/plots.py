@@ -24,6 +24,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
+from aggregator.records import RoundRecord
 from cli.runs import RunData
 
 OKABE_ITO = {
@@ -106,15 +107,15 @@ def plot_validation(runs: list[RunData]) -> Figure:
     metrics = list(dict.fromkeys(r.metric for r in runs))
     fig = _new_figure(3.3 * (len(metrics) + 1))
     axes = fig.subplots(len(metrics) + 1, 1, sharex=True)
-    strategies = list(dict.fromkeys(row["strategy"] for r in runs for row in r.rows if row["strategy"]))
+    strategies = list(dict.fromkeys(row.strategy for r in runs for row in r.rows if row.strategy))
     marker_of = {s: STRATEGY_MARKERS[i % len(STRATEGY_MARKERS)] for i, s in enumerate(strategies)}
 
     for ax, metric in zip(axes, metrics):
         members = [(i, r) for i, r in enumerate(runs) if r.metric == metric]
         all_values: list[float] = []
         for i, run in members:
-            pts = [(row["round"], row["valid"], row["strategy"]) for row in run.rows
-                   if row["valid"] is not None and math.isfinite(row["valid"])]
+            pts = [(row.round, row.valid, row.strategy) for row in run.rows
+                   if row.valid is not None and math.isfinite(row.valid)]
             if not pts:
                 continue
             style = _run_style(i)
@@ -141,8 +142,8 @@ def plot_validation(runs: list[RunData]) -> Figure:
     ax = axes[-1]
     any_loss = False
     for i, run in enumerate(runs):
-        pts = [(row["round"], row["mean_loss"]) for row in run.rows
-               if row["mean_loss"] is not None and math.isfinite(row["mean_loss"])]
+        pts = [(row.round, row.mean_loss) for row in run.rows
+               if row.mean_loss is not None and math.isfinite(row.mean_loss)]
         if pts:
             any_loss = True
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=run.label, **_run_style(i))
@@ -177,8 +178,8 @@ _BYTE_SERIES = [
 def _ratio_text(run: RunData) -> str:
     parts = []
     for direction in ("up", "down"):
-        wire = sum(_finite([row[f"bytes_{direction}"] for row in run.rows]))
-        raw = sum(_finite([row[f"bytes_{direction}_raw"] for row in run.rows]))
+        wire = sum(_finite([getattr(row, f"bytes_{direction}") for row in run.rows]))
+        raw = sum(_finite([getattr(row, f"bytes_{direction}_raw") for row in run.rows]))
         if wire > 0 and raw > 0:
             ratio = raw / wire
             parts.append(f"{direction} {ratio:.1f}× smaller" if ratio >= 1.05 else f"{direction} no smaller")
@@ -193,13 +194,13 @@ def plot_bytes(runs: list[RunData]) -> Figure:
     """Bytes on the wire per round, one panel per run: up/down compressed (solid) vs raw fp32 (dotted), MB."""
     fig = _new_figure(max(3.2, 2.9 * len(runs)))
     axes = np.atleast_1d(fig.subplots(len(runs), 1, sharex=True, squeeze=False)[:, 0])
-    values = [v / 1e6 for run in runs for key, *_ in _BYTE_SERIES for v in _finite([row[key] for row in run.rows])]
+    values = [v / 1e6 for run in runs for key, *_ in _BYTE_SERIES for v in _finite([getattr(row, key) for row in run.rows])]
     log_scale = _wants_log(values, 20) if values else False
     for ax, run in zip(axes, runs):
         drawn = False
         for key, label, color, style in _BYTE_SERIES:
-            pts = [(row["round"], row[key] / 1e6) for row in run.rows
-                   if row[key] is not None and math.isfinite(row[key])]
+            values = [(row.round, getattr(row, key)) for row in run.rows]
+            pts = [(rnd, v / 1e6) for rnd, v in values if v is not None and math.isfinite(v)]
             if pts:
                 drawn = True
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, linestyle=style, marker=".",
@@ -223,21 +224,21 @@ def plot_bytes(runs: list[RunData]) -> Figure:
 # ------------------------------------------------------------------------------------ (3) participation
 
 
-def client_state(row: dict[str, Any], client: str) -> int:
-    """The participation state of ``client`` in one metrics row (see STATES).
+def client_state(row: RoundRecord, client: str) -> int:
+    """The participation state of ``client`` in one round (see STATES).
 
     The aggregator logs ``dropped`` as selected minus received, which also holds the reporters that the
     top-K mediation did not grant; those are shown as "reported, not uploaded", not as dropouts.
     """
-    if client in row["received"]:
+    if client in row.received:
         return UPLOADED
-    if client in row["granted"]:  # allowed (or, without a grant phase, expected) to upload; nothing came
+    if client in row.granted:  # allowed (or, without a grant phase, expected) to upload; nothing came
         return DROPPED
-    if client in row["reported"]:  # reported a loss but was not granted (top-K) or the round closed first
+    if client in row.reported:  # reported a loss but was not granted (top-K) or the round closed first
         return REPORTED
-    if client in row["selected"] or client in row["dropped"]:
+    if client in row.selected or client in row.dropped:
         return DROPPED
-    if client in row["online"]:
+    if client in row.online:
         return ONLINE
     return OFFLINE
 
@@ -245,9 +246,9 @@ def client_state(row: dict[str, Any], client: str) -> int:
 def participation_grid(run: RunData) -> tuple[list[str], list[int], np.ndarray]:
     """(clients, rounds, grid[client, round] of state indices); rounds with no row are NOT_LOGGED."""
     clients = run.clients()
-    first, last = run.rows[0]["round"], run.rows[-1]["round"]
+    first, last = run.rows[0].round, run.rows[-1].round
     rounds = list(range(first, last + 1))
-    by_round = {row["round"]: row for row in run.rows}
+    by_round = {row.round: row for row in run.rows}
     grid = np.full((len(clients), len(rounds)), NOT_LOGGED, dtype=int)
     for j, rnd in enumerate(rounds):
         row = by_round.get(rnd)
@@ -289,8 +290,7 @@ def plot_participation(run: RunData) -> Figure:
             ax_bar.bar(rounds, counts, bottom=bottom, width=0.8, color=STATES[state][1],
                        edgecolor="#888888" if state == OFFLINE else "none", linewidth=0.4)
             bottom += counts
-    by_round = {row["round"]: row for row in run.rows}
-    skipped = [r for r in rounds if by_round.get(r, {}).get("skipped")]
+    skipped = [row.round for row in run.rows if row.skipped]
     for rnd in skipped:
         ax_bar.annotate("skipped", (rnd, 0), xytext=(0, 3), textcoords="offset points", ha="center",
                         fontsize=7, rotation=90, color="#333333")
@@ -312,17 +312,17 @@ def plot_participation(run: RunData) -> Figure:
 
 
 def has_weights(run: RunData) -> bool:
-    return any(row["weights"] for row in run.rows)
+    return any(row.weights for row in run.rows)
 
 
 def weight_grid(run: RunData) -> tuple[list[str], list[int], np.ndarray]:
     """(clients, rounds, grid[client, round]) of aggregation weights; NaN where a client had none."""
-    clients = sorted({c for row in run.rows for c in row["weights"]}, key=run.clients().index)
-    rounds = [row["round"] for row in run.rows]
+    clients = sorted({c for row in run.rows for c in row.weights}, key=run.clients().index)
+    rounds = [row.round for row in run.rows]
     grid = np.full((len(clients), len(rounds)), np.nan)
     index = {c: i for i, c in enumerate(clients)}
     for j, row in enumerate(run.rows):
-        for client, weight in row["weights"].items():
+        for client, weight in row.weights.items():
             grid[index[client], j] = weight
     return clients, rounds, grid
 
@@ -354,7 +354,7 @@ def plot_weights(run: RunData) -> Figure:
                             color="white" if dark else "black")
     ax.set_xlabel("round")
     ax.set_ylabel("client")
-    strategies = ", ".join(dict.fromkeys(row["strategy"] for row in run.rows if row["strategy"] and row["weights"]))
+    strategies = ", ".join(dict.fromkeys(row.strategy for row in run.rows if row.strategy and row.weights))
     ax.set_title(f"Aggregation weight per client — {run.label}" + (f" (rounds using {strategies})" if strategies
                                                                   else ""), loc="left", fontsize=11)
     bar = fig.colorbar(image, ax=ax, location="right", fraction=0.04, pad=0.01)

@@ -20,7 +20,9 @@ from typing import Any
 
 import structlog
 
-from cli.runs import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, ReportError, RunData, is_number, load_runs
+from aggregator.records import is_number
+from aggregator.runlog import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
+from cli.runs import ReportError, RunData, load_runs
 
 log = structlog.get_logger(__name__)
 
@@ -82,17 +84,17 @@ def _opt_float(value: Any) -> float | None:
 
 def score_of(run: RunData) -> Score:
     """Final scores: summary.json wins where it has a field; otherwise computed from the rows."""
-    evaluated = [(r["round"], r["valid"]) for r in run.rows if r["valid"] is not None and not math.isnan(r["valid"])]
+    evaluated = [(r.round, r.valid) for r in run.rows if r.valid is not None and not math.isnan(r.valid)]
     best_round = best_valid = None
     if evaluated:
         pick = max if run.higher_is_better else min
         best_round, best_valid = pick(evaluated, key=lambda rv: rv[1])
     final_valid = evaluated[-1][1] if evaluated else None
-    done = [r for r in run.rows if not r["skipped"]]
+    done = [r for r in run.rows if not r.skipped]
     summary = run.summary or {}
 
     def total(key: str) -> float | None:
-        values = [r[key] for r in run.rows if r[key] is not None]
+        values = [getattr(r, key) for r in run.rows if getattr(r, key) is not None]
         return sum(values) if values else None
 
     return Score(
@@ -105,7 +107,7 @@ def score_of(run: RunData) -> Score:
         test=_opt_float(summary.get("test")),
         rounds_completed=_opt_int(summary.get("rounds_completed")) or len(done),
         rounds_planned=_opt_int(run.config.get("rounds")),
-        rounds_skipped=_opt_int(summary.get("rounds_skipped")) or sum(r["skipped"] for r in run.rows),
+        rounds_skipped=_opt_int(summary.get("rounds_skipped")) or sum(r.skipped for r in run.rows),
         bytes_up=_opt_float(summary.get("bytes_up", total("bytes_up"))),
         bytes_down=_opt_float(summary.get("bytes_down", total("bytes_down"))),
         wall_s=_opt_float(summary.get("wall_s", total("wall_s"))),
@@ -160,7 +162,7 @@ def run_notes(runs: list[RunData]) -> list[str]:
     notes = []
     for run in runs:
         if not run.complete:
-            last = run.rows[-1]["round"]
+            last = run.rows[-1].round
             notes.append(f"{run.name}: no {SUMMARY_FILE} — the run is still going or was stopped; "
                          f"showing {len(run.rows)} round(s) up to round {last}.")
         if run.malformed_lines:

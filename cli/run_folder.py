@@ -11,7 +11,6 @@ command fails before its first round.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -19,9 +18,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from aggregator.runlog import CONFIG_FILE, RunFolderError, holds_run, read_config
 from cli.errors import UsageError
-
-RUN_FILES = ("config.json", "metrics.jsonl")
 
 
 def default_dir(strategy: str) -> Path:
@@ -34,17 +32,18 @@ def check(run_dir: Path, resume: bool) -> dict[str, Any] | None:
     if run_dir.exists() and not run_dir.is_dir():
         raise UsageError(f"--out {run_dir} is a file; give a folder for the run")
     if resume:
-        path = run_dir / "config.json"
-        if not path.is_file():
-            raise UsageError(f"--resume needs an existing run folder; {run_dir} has no config.json")
+        path = run_dir / CONFIG_FILE
         try:
-            config = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise UsageError(f"--resume: cannot read {path} ({exc}); the run cannot be rebuilt from it") from None
-        if not isinstance(config, dict):
-            raise UsageError(f"--resume: {path} is not a run config (a JSON object)")
+            config = read_config(run_dir)
+        except RunFolderError as exc:
+            if exc.__cause__ is None:  # JSON, but not an object; else the error that made it unreadable
+                raise UsageError(f"--resume: {path} is not a run config (a JSON object)") from None
+            raise UsageError(f"--resume: cannot read {path} ({exc.__cause__}); the run cannot be rebuilt from it"
+                             ) from None
+        if config is None:
+            raise UsageError(f"--resume needs an existing run folder; {run_dir} has no {CONFIG_FILE}")
         return config
-    held = [name for name in RUN_FILES if (run_dir / name).exists()]
+    held = holds_run(run_dir)
     if held:
         raise UsageError(f"--out {run_dir} already holds a run ({held[0]}); pass --resume to continue it, "
                          "or choose another --out")
@@ -63,7 +62,7 @@ def create(run_dir: Path) -> Callable[[], None]:
     before = set(os.listdir(run_dir)) if first_new is None else set()
 
     def discard() -> None:
-        if (run_dir / "config.json").exists():  # written right before round 1: a resumable run
+        if (run_dir / CONFIG_FILE).exists():  # written right before round 1: a resumable run
             return
         if first_new is not None:
             shutil.rmtree(first_new, ignore_errors=True)

@@ -3,12 +3,11 @@ the active aggregator keeps in status.json, the last metrics row)."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
-from aggregator.runlog import read_jsonl
+from aggregator.runlog import finished, read_rounds, read_status
 from broker import provision
 from fedmq.errors import FedmqError
 
@@ -21,14 +20,6 @@ class UnknownJob(FedmqError):
     """Neither the broker nor the run folder knows the job: one line, exit code 1."""
 
     exit_code = 1
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def gather(broker_url: str, job: str, run_dir: Path | None) -> dict[str, Any]:
@@ -44,13 +35,13 @@ def gather(broker_url: str, job: str, run_dir: Path | None) -> dict[str, Any]:
     consumers = inbox.get("consumers", 0) if on_broker else 0
     info["standby_waiting"] = consumers > 1
     info["aggregators"] = consumers
-    live = _read_json(run_dir / "status.json") if run_dir else {}
-    rows = read_jsonl(run_dir / "metrics.jsonl") if run_dir else []
-    if not on_broker and not live and not rows:
+    live = read_status(run_dir) if run_dir else {}
+    records = read_rounds(run_dir).records if run_dir else ()
+    if not on_broker and not live and not records:
         where = f" and no run in {run_dir}" if run_dir else " (a finished simulation deletes its queues: --run-dir"\
                                                              " reads its run folder)"
         raise UnknownJob(f"no job {job!r} on {info['broker'].get('url', broker_url)}: it has no inbox queue{where}")
-    row = rows[-1] if rows else {}
+    row = records[-1].to_json() if records else {}
     info["last_metrics"] = row
     info["round"] = row.get("round")
     if live.get("job") == job:
@@ -61,7 +52,7 @@ def gather(broker_url: str, job: str, run_dir: Path | None) -> dict[str, Any]:
         if info.get("phase") not in ("finished", "stopped") and age > STALE_S and consumers == 0:
             info["phase"] = f"not running (last seen {age:,.0f} s ago, {live.get('phase')})"
             info["agents_online"] = []
-    if run_dir and (run_dir / "summary.json").is_file() and info.get("phase") not in ("stopped",):
+    if run_dir and info.get("phase") != "stopped" and finished(run_dir):
         info["phase"] = "finished"
     if info.get("phase") == "finished":
         info["round"] = row.get("round")  # the last round, not the one the engine would have opened next

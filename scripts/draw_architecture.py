@@ -31,8 +31,8 @@ def layers(ax):
                  fontsize=10)
     box(ax, 0.03, 0.80, 0.44, 0.17, "cli", "fedmq simulate | aggregator run | agent run\nreport, status, "
         "telemetry; Simulation", GREY)
-    box(ax, 0.53, 0.80, 0.44, 0.17, "benchmarks", "fedmq bench …, fedmq experiment …\n(uses cli.simulate, "
-        "cli.report)", GREY)
+    box(ax, 0.53, 0.80, 0.44, 0.17, "benchmarks", "fedmq bench …, fedmq experiment …\n(cli hands in Simulation "
+        "and report)", GREY)
     box(ax, 0.03, 0.53, 0.44, 0.22, "aggregator", "engine (rounds), inbox, spool,\nmediator, strategies, "
         "checkpoints,\nrun log", BLUE)
     box(ax, 0.53, 0.53, 0.44, 0.22, "client_agent", "agent loop, trainer pool,\nstate store, availability "

@@ -46,7 +46,7 @@ case "$cmd" in
     fi
     mkdir -p runs/paper
     rc=0
-    timeout -s INT -k 30 "$seconds" "$py" benchmarks/reproduce.py table2 --scale "$scale" --seeds 0 \
+    timeout -s INT -k 30 "$seconds" "$py" scripts/reproduce.py table2 --scale "$scale" --seeds 0 \
       --device "$device" --threads 8 --only "$cells" --out runs/paper > runs/paper/log.txt 2>&1 || rc=$?
     {
       echo "exit $rc after at most $seconds s ($(date -u +%FT%TZ)); cells $cells; scale $scale; device $device"

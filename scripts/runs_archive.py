@@ -1,6 +1,6 @@
 """Keep the finished runs of an experiment folder across sessions (runs/ is not tracked and a new checkout starts
-without it): ``save`` copies each finished run's small files (spec.json, summary.json, metrics.jsonl, config.json)
-into a tracked folder; ``restore`` copies them back, so rerunning the experiment's command keeps those runs
+without it): ``save`` copies each finished run's small files (the experiment's spec.json and the run log's config,
+metrics and summary: aggregator.runlog.RECORD_FILES) into a tracked folder; ``restore`` copies them back, so rerunning the experiment's command keeps those runs
 (benchmarks/experiments.py: a run whose spec.json says done is not run again) and runs only the rest.
 
     python scripts/runs_archive.py save runs/exp14 benchmarks/records/exp14
@@ -14,12 +14,16 @@ import shutil
 import sys
 from pathlib import Path
 
-FILES = ("spec.json", "summary.json", "metrics.jsonl", "config.json")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from aggregator import runlog  # noqa: E402
+
+FILES = ("spec.json", *runlog.RECORD_FILES)
 
 
 def finished(run: Path) -> bool:
     try:
-        return bool(json.loads((run / "spec.json").read_text()).get("done")) and (run / "summary.json").is_file()
+        return bool(json.loads((run / "spec.json").read_text()).get("done")) and runlog.finished(run)
     except (OSError, ValueError):
         return False
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from aggregator.runlog import read_jsonl
+from aggregator.runlog import read_rounds
 
 ROOT = Path(__file__).resolve().parents[2]
 FEDMQ = str(Path(sys.executable).parent / "fedmq")
@@ -30,6 +30,19 @@ FEDMQ = str(Path(sys.executable).parent / "fedmq")
 # the tiny language model of tests/integration/test_federation.py: a round takes well under a second
 TINY_TASK = {"task": "lm", "data": "builtin", "model": "gru-small", "emb": 16, "hidden": 16, "vocab_size": 500,
              "max_lines": 600, "max_eval_lines": 100, "bptt": 10, "dropout": 0.0}
+
+
+def read_jsonl(path: Path) -> list[Any]:
+    """The JSON values of a JSON-lines log (missing file: none); a line that is not JSON (a traceback) is skipped."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
 
 
 def _toml_value(v: Any) -> str:
@@ -205,7 +218,7 @@ class Federation:
 
     # ------------------------------------------------------------------ observing the aggregator
     def rows(self) -> list[dict[str, Any]]:
-        return read_jsonl(self.state / "metrics.jsonl")
+        return [r.to_json() for r in read_rounds(self.state).records]
 
     def spooled_updates(self, rnd: int) -> int:
         return len(list((self.state / "spool" / f"r{rnd:06d}").glob("update-*.msg")))

@@ -66,8 +66,8 @@ def honest_ppl(federation, task, tmp_path, url, job) -> float:
     """Validation perplexity after two rounds of three honest agents (run once per module)."""
     if "ppl" not in _HONEST:
         _, summary, rows = run(federation, task, tmp_path, url, job + "h")
-        assert summary["rounds_completed"] == 2 and all("guard" not in r for r in rows)  # honest: no bound fires
-        _HONEST["ppl"] = rows[-1]["valid"]
+        assert summary["rounds_completed"] == 2 and all(r.guard is None for r in rows)  # honest: no bound fires
+        _HONEST["ppl"] = rows[-1].valid
     return _HONEST["ppl"]
 
 
@@ -81,20 +81,20 @@ def test_one_hostile_agent_is_left_out_and_quality_holds(federation, task, tmp_p
     engine, summary, rows = run(federation, task, tmp_path, rabbit_url, job_id, fill)
     assert summary["rounds_completed"] == 2 and finite(engine)
     for row in rows:  # each round: the hostile update is received, named, left out; the honest two are folded
-        assert row["received"] == ["agent-0", "agent-1", HOSTILE]
-        assert list(row["guard"]["dropped"]) == [HOSTILE] and set(row["weights"]) == {"agent-0", "agent-1"}
-        assert len(engine.folded[row["round"]]) == 2 and math.isfinite(row["valid"])
-    assert rows[-1]["valid"] < 1.05 * honest  # close to the honest run of three (unbounded: NaN, or 500 = wiped)
+        assert row.received == ("agent-0", "agent-1", HOSTILE)
+        assert list(row.guard["dropped"]) == [HOSTILE] and set(row.weights) == {"agent-0", "agent-1"}
+        assert len(engine.folded[row.round]) == 2 and math.isfinite(row.valid)
+    assert rows[-1].valid < 1.05 * honest  # close to the honest run of three (unbounded: NaN, or 500 = wiped)
 
 
 def test_a_claimed_2_52_samples_is_capped_to_4x_the_median(federation, task, tmp_path, rabbit_url, job_id):
     engine, summary, rows = run(federation, task, tmp_path, rabbit_url, job_id, None)  # honest weights, n = 2**52
     assert summary["rounds_completed"] == 2 and finite(engine)
     for row in rows:  # the median of (n0, n1, 2**52) is max(n0, n1): the hostile weight is 4x the larger honest one
-        w = row["weights"]
-        assert row["guard"]["dropped"] == {} and list(row["guard"]["capped"]) == [HOSTILE]
+        w = row.weights
+        assert row.guard["dropped"] == {} and list(row.guard["capped"]) == [HOSTILE]
         assert w[HOSTILE] / max(w["agent-0"], w["agent-1"]) == pytest.approx(4.0, rel=1e-3)
-        assert len(engine.folded[row["round"]]) == 3  # capped, not dropped: its update is in
+        assert len(engine.folded[row.round]) == 3  # capped, not dropped: its update is in
 
 
 def test_without_the_relative_bounds_a_non_finite_aggregate_is_never_published(federation, task, tmp_path,
@@ -103,6 +103,6 @@ def test_without_the_relative_bounds_a_non_finite_aggregate_is_never_published(f
     engine, summary, rows = run(federation, task, tmp_path, rabbit_url, job_id, 3e38,
                                 max_samples_factor=0, norm_bound_factor=0)
     assert summary["rounds_completed"] == 0 and summary["version"] == 0 and finite(engine)
-    assert all("aggregate not finite" in r["skip_reason"] and HOSTILE in r["skip_reason"] for r in rows)
+    assert all("aggregate not finite" in r.skip_reason and HOSTILE in r.skip_reason for r in rows)
     for name, value in engine.global_state.items():  # the model (and its checkpoint) stayed the initial one
         assert torch.equal(value, initial[name].float())

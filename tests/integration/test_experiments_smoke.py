@@ -10,14 +10,17 @@ import json
 import math
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 
 from benchmarks import experiments
-from benchmarks.experiments import ExperimentError, run_experiment
+from benchmarks.experiments import ExperimentError
+from cli.simulate import Simulation
 from fedmq.errors import FedmqError
 
 ROOT = experiments.ROOT
+run_experiment = partial(experiments.run_experiment, simulation=Simulation)  # the report: test_cli_topk_with_report
 
 
 def _check_common(results: dict, out, name: str) -> dict[str, dict]:
@@ -38,7 +41,7 @@ def _check_common(results: dict, out, name: str) -> dict[str, dict]:
 
 @pytest.mark.parametrize("name", ["table2", "fraction", "randomization", "scale"])
 def test_lm_grid_runs(name, tmp_path):
-    results = run_experiment(name, "smoke", tmp_path, report=False)
+    results = run_experiment(name, "smoke", tmp_path)
     runs = _check_common(results, tmp_path, name)
     assert all(r["rounds_completed"] == 1 for r in runs.values())
     assert len(runs) == len(experiments.EXPERIMENTS[name]("smoke"))
@@ -52,7 +55,7 @@ def test_lm_grid_runs(name, tmp_path):
 
 
 def test_rounds_to_target(tmp_path):
-    results = run_experiment("rounds-to-target", "smoke", tmp_path, report=False)
+    results = run_experiment("rounds-to-target", "smoke", tmp_path)
     runs = _check_common(results, tmp_path, "rounds-to-target")
     assert results["target"] == pytest.approx(min(runs["fedavg-e1"]["valid_curve"]))
     assert runs["fedavg-e1"]["rounds_to_target"] == 1  # the reference reaches its own best value
@@ -62,14 +65,14 @@ def test_rounds_to_target(tmp_path):
 
 
 def test_dropout_availability_and_crashes(tmp_path):
-    results = run_experiment("dropout", "smoke", tmp_path, report=False)
+    results = run_experiment("dropout", "smoke", tmp_path)
     runs = _check_common(results, tmp_path, "dropout")
     assert (tmp_path / "dropout" / "availability-trace.json").is_file()
     assert set(runs) == {"bernoulli0.7-crash-train0.2", "trace"}
 
 
 def test_nmt_domains(tmp_path):
-    results = run_experiment("nmt-domains", "smoke", tmp_path, report=False)
+    results = run_experiment("nmt-domains", "smoke", tmp_path)
     runs = _check_common(results, tmp_path, "nmt-domains")
     table = results["bleu_by_domain"]
     assert set(table["pre-trained (news_wmt)"]) == {"news_wmt", "ted_iwslt14"}
@@ -103,7 +106,7 @@ def test_central_baseline_matches_the_federations_token_passes(tmp_path):
     from fedmq.tasks.lm_data import StreamBatches
 
     spec = next(s for s in experiments.table2("smoke") if s.central)
-    runner = Runner(tmp_path)
+    runner = Runner(tmp_path, Simulation)
     summary = runner.federate(spec, seed=0)
     union = runner.task("lm", {**spec.task_options, "clients": 1})
     windows = StreamBatches.build(union.client_ids(0), spec.job["batch_size"], union.vocab.eos).num_windows(union.bptt)
@@ -114,7 +117,7 @@ def test_central_baseline_matches_the_federations_token_passes(tmp_path):
 
 
 def test_seeds_give_mean_and_sd_and_a_rerun_resumes(tmp_path):
-    results = run_experiment("table2", "smoke", tmp_path, seeds=[0, 1], report=False, only="fedavg,central")
+    results = run_experiment("table2", "smoke", tmp_path, seeds=[0, 1], only="fedavg,central")
     runs = {r["run"]: r for r in results["runs"]}
     assert set(runs) == {"wikitext-2-fedavg-c0.5", "wikitext-2-central-c0.5"}
     for name, row in runs.items():
@@ -135,17 +138,17 @@ def test_seeds_give_mean_and_sd_and_a_rerun_resumes(tmp_path):
     assert "seeds 0, 1, mean ± sd" in md and "test_sd" in md and line in md
     # the same command again: every run is already done, nothing is retrained
     stamp = {p: p.stat().st_mtime_ns for p in (tmp_path / "table2").rglob("metrics.jsonl")}
-    again = run_experiment("table2", "smoke", tmp_path, seeds=[0, 1], report=False, only="fedavg,central")
+    again = run_experiment("table2", "smoke", tmp_path, seeds=[0, 1], only="fedavg,central")
     assert [r["test"] for r in again["runs"]] == [r["test"] for r in results["runs"]]
     assert {p: p.stat().st_mtime_ns for p in stamp} == stamp
     # a changed setting is a different run: it replaces the folder
-    run_experiment("table2", "smoke", tmp_path, seeds=[0, 1], report=False, only="fedavg-c", overrides={"lr": 0.5})
+    run_experiment("table2", "smoke", tmp_path, seeds=[0, 1], only="fedavg-c", overrides={"lr": 0.5})
     changed = tmp_path / "table2" / "seed-0" / "wikitext-2-fedavg-c0.5" / "metrics.jsonl"
     assert changed.stat().st_mtime_ns != stamp[changed]
 
 
 def test_sweep_reports_smoothness(tmp_path):
-    results = run_experiment("sweep", "smoke", tmp_path, report=False)
+    results = run_experiment("sweep", "smoke", tmp_path)
     runs = _check_common(results, tmp_path, "sweep")
     assert {(r["lr"], r["momentum"]) for r in runs.values()} == {(1.0, 0.5), (0.5, 0.9)}
     assert experiments.max_jump([300.0, 200.0, 150.0, 240.0, 100.0]) == pytest.approx(1.6)
@@ -174,3 +177,10 @@ def test_bad_arguments_are_one_line_and_write_nothing(tmp_path):
         assert proc.returncode == 2, args
         assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and message in proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_reproduce_script_reports_a_bad_name_in_one_line():
+    """scripts/reproduce.py (docs/results.md) runs outside the CLI: it imports cli and benchmarks side by side."""
+    proc = subprocess.run([sys.executable, "scripts/reproduce.py", "tabel2", "--scale", "smoke"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "tabel2" in proc.stderr

@@ -41,9 +41,9 @@ def test_fedavg_rounds_in_memory(federation, task, tmp_path):
     assert engine.version == 3
     check_last_round_is_fedavg(engine, agents, 3)
     rows = engine.runlog.rows()
-    assert [r["round"] for r in rows] == [1, 2, 3]
-    assert all(len(r["received"]) == 2 for r in rows)  # m = C*K = 2 selected and folded each round
-    assert rows[-1]["valid"] < rows[0]["valid"] * 1.5
+    assert [r.round for r in rows] == [1, 2, 3]
+    assert all(len(r.received) == 2 for r in rows)  # m = C*K = 2 selected and folded each round
+    assert rows[-1].valid < rows[0].valid * 1.5
     assert summary["test"] is not None and summary["test"] > 1
     assert (tmp_path / "run" / "summary.json").is_file() and (tmp_path / "run" / "config.json").is_file()
 
@@ -56,11 +56,11 @@ def test_fedmed_topk_grants_lowest_losses(federation, task, tmp_path):
     rows = engine.runlog.rows()
     assert summary["rounds_completed"] == 2
     for row in rows:
-        assert len(row["granted"]) == 2 and row["received"] == sorted(row["granted"])
-        lowest = sorted(row["losses"], key=lambda c: (row["losses"][c], c))[:2]
-        assert sorted(row["granted"]) == sorted(lowest)
+        assert len(row.granted) == 2 and row.received == tuple(sorted(row.granted))
+        lowest = sorted(row.losses, key=lambda c: (row.losses[c], c))[:2]
+        assert sorted(row.granted) == sorted(lowest)
     # the first round always uses the adaptive aggregation (no previous loss)
-    assert rows[0]["strategy"] == "fedmed"
+    assert rows[0].strategy == "fedmed"
 
 
 def test_dead_agents_do_not_hang_a_round(federation, task, tmp_path):
@@ -72,7 +72,7 @@ def test_dead_agents_do_not_hang_a_round(federation, task, tmp_path):
     engine, agents, summary = federation(task, cfg, "memory://e2e-dead", tmp_path / "run", keep_sent=True,
                                              faults=parse_faults("crash-train:1.0"))
     row = engine.runlog.rows()[0]
-    assert row["skipped"] and row["received"] == [] and row["wall_s"] < 10
+    assert row.skipped and row.received == () and row.wall_s < 10
     assert engine.version == 0
 
 
@@ -97,8 +97,8 @@ def test_round_closes_early_when_selected_agents_go_offline(federation, task, tm
                                              availability=parse_availability("bernoulli:0.5", seed=3))
     rows = engine.runlog.rows()
     assert summary["rounds_completed"] + summary["rounds_skipped"] == 2
-    assert any(r["dropped"] for r in rows)  # someone was selected and left
-    assert all(r["wall_s"] < 30 for r in rows)  # far below the 60 s deadlines
+    assert any(r.dropped for r in rows)  # someone was selected and left
+    assert all(r.wall_s < 30 for r in rows)  # far below the 60 s deadlines
 
 
 def test_dynamic_pulling_in_both_directions(federation, task, tmp_path):
@@ -128,7 +128,7 @@ def test_dynamic_pulling_in_both_directions(federation, task, tmp_path):
     engine, agents, summary = federation(task, cfg, "memory://e2e-push", tmp_path / "run", agent_class=lambda i: Recording)
     assert summary["rounds_completed"] == 3
     rows = engine.runlog.rows()
-    assert rows[1]["bytes_down_raw"] < rows[0]["bytes_down_raw"] and rows[2]["bytes_down_raw"] < rows[0]["bytes_down_raw"]
+    assert rows[1].bytes_down_raw < rows[0].bytes_down_raw and rows[2].bytes_down_raw < rows[0].bytes_down_raw
     every = set(engine.manifest.names)
     for rnd in (2, 3):
         pushes = [(names, own, held) for records in seen.values() for r, names, own, held in records if r == rnd]

@@ -52,21 +52,21 @@ def test_only_selected_agents_fetch_and_one_trainer_serves_all(federation, task,
     engine, agents, summary = federation(task, _cfg("cost"), "memory://cost", tmp_path / "run", trainers=pool,
                                          keep_sent=True)
     announced = sorted(k.rsplit(".", 1)[1] for k in keys if k.startswith("job.cost.announce."))
-    assert announced == sorted(c for r in engine.runlog.rows() for c in r["selected"])  # to the selected only
+    assert announced == sorted(c for r in engine.runlog.rows() for c in r.selected)  # to the selected only
     assert "job.cost.global" not in keys and keys.count("job.cost.model") == 3  # one model message a version
     assert summary["rounds_completed"] == 3
     # the pool's one trainer, the engine's model and the throwaway models groups() builds: none per agent
     assert CountingTask.built < 8
     rows = engine.runlog.rows()
-    selected = {c for r in rows for c in r["selected"]}
+    selected = {c for r in rows for c in r.selected}
     for a in agents:
         fetched = a.log.fetched_bytes
         assert (fetched > 0) == (a.client in selected), (a.client, fetched)
     model_bytes = sum(a.log.fetched_bytes for a in agents)
-    down = sum(r["bytes_down"] for r in rows)
+    down = sum(r.bytes_down for r in rows)
     # what the engine counts down: the models the selected agents read plus 3 small announces to 8 agents
     assert model_bytes <= down <= model_bytes + 3 * 8 * 2000
-    assert all(r["bytes_down"] < 2 * 2.2 * max(r["bytes_up"] / len(r["received"]), 1) for r in rows)
+    assert all(r.bytes_down < 2 * 2.2 * max(r.bytes_up / len(r.received), 1) for r in rows)
 
 
 def test_delta_pushes_with_keyframes_stay_exact(federation, task, tmp_path):

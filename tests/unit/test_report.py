@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
+from aggregator.records import RoundRecord
 from cli.plots import DROPPED, OFFLINE, ONLINE, REPORTED, UPLOADED, client_state, participation_grid
 from cli.report import build_report, markdown_table, run_report, score_of
 from cli.runs import ReportError, load_run
@@ -176,7 +177,7 @@ def test_several_runs_side_by_side(tmp_path: Path) -> None:
     for name in ("fedatt", "fedmed", "fedavg"):
         assert f"<caption>{name}</caption>" in html
     fedmed = load_run(runs[1])
-    assert {"fedmed", "fedavg"} == {r["strategy"] for r in fedmed.rows}  # the loss switch is visible
+    assert {"fedmed", "fedavg"} == {r.strategy for r in fedmed.rows}  # the loss switch is visible
 
 
 def test_bleu_and_perplexity_runs_get_separate_panels(tmp_path: Path) -> None:
@@ -218,7 +219,7 @@ def test_malformed_lines_are_counted_not_fatal(tmp_path: Path) -> None:
     run = write_run_dir(tmp_path, "noisy", rounds=5, garbage=garbage)
     loaded = load_run(run)
     assert loaded.malformed_lines == len(garbage)
-    assert [r["round"] for r in loaded.rows] == [1, 2, 3, 4, 5]
+    assert [r.round for r in loaded.rows] == [1, 2, 3, 4, 5]
     result = build_report([run], tmp_path / "out")
     assert result.malformed_lines == {"noisy": len(garbage)}
     assert f"skipped {len(garbage)} malformed line(s)" in result.markdown.read_text()
@@ -232,8 +233,8 @@ def test_duplicate_rounds_keep_the_last_entry(tmp_path: Path) -> None:
     with (run / "metrics.jsonl").open("a") as fh:
         fh.write(json.dumps(again) + "\n")
     loaded = load_run(run)
-    assert loaded.duplicate_rounds == 1 and loaded.rows[1]["valid"] == 123.0
-    assert [r["round"] for r in loaded.rows] == [1, 2, 3]
+    assert loaded.duplicate_rounds == 1 and loaded.rows[1].valid == 123.0
+    assert [r.round for r in loaded.rows] == [1, 2, 3]
 
 
 def test_missing_optional_fields_and_no_weights(tmp_path: Path) -> None:
@@ -261,8 +262,8 @@ def test_default_output_folder(tmp_path: Path) -> None:
 
 def test_client_state_precedence() -> None:
     # b selected, silent; c reported but not granted; d uploaded; e granted, never uploaded; f logged dropped
-    row = {"online": ["a", "b", "c", "d", "e", "f"], "selected": ["b", "c", "d", "e", "f"],
-           "reported": ["c", "d", "e"], "granted": ["d", "e"], "received": ["d"], "dropped": ["b", "c", "e", "f"]}
+    row = RoundRecord(1, online=tuple("abcdef"), selected=tuple("bcdef"), reported=tuple("cde"), granted=tuple("de"),
+                      received=("d",), dropped=tuple("bcef"))
     assert [client_state(row, c) for c in "abcdefg"] == [ONLINE, DROPPED, REPORTED, UPLOADED, DROPPED, DROPPED,
                                                         OFFLINE]
 
@@ -272,8 +273,8 @@ def test_participation_grid_counts_match_rows(tmp_path: Path) -> None:
     clients, rounds, grid = participation_grid(run)
     assert clients == [f"agent-{i}" for i in range(10)] or clients == sorted(clients, key=lambda c: int(c[6:]))
     for j, row in enumerate(run.rows):
-        assert (grid[:, j] == UPLOADED).sum() == len(row["received"])
-        assert (grid[:, j] != OFFLINE).sum() == len(row["online"])
+        assert (grid[:, j] == UPLOADED).sum() == len(row.received)
+        assert (grid[:, j] != OFFLINE).sum() == len(row.online)
 
 
 # ------------------------------------------------------------------------------------------- errors

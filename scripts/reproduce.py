@@ -1,6 +1,8 @@
-"""Reproduce the seed papers' experiments without the CLI: ``python benchmarks/reproduce.py NAME|all [--scale S]``.
+"""Reproduce the seed papers' experiments: ``python scripts/reproduce.py NAME|all [--scale S]``.
 
-Same as ``fedmq experiment NAME``; ``all`` runs every experiment one after the other (see docs/results.md).
+Same as ``fedmq experiment NAME``; ``all`` runs every experiment one after the other, ``--only``/``--set`` run a
+subset with changed settings (see docs/results.md). A script above both cli and benchmarks: it hands the CLI's
+Simulation and report to benchmarks.experiments, which cannot import cli (its docstring says why).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.experiments import NAMES, SCALES, ExperimentError, check_args, parse_seeds, run_experiment  # noqa: E402
+from cli.report import run_report  # noqa: E402
+from cli.simulate import Simulation  # noqa: E402
 from fedmq.errors import FedmqError  # noqa: E402
 
 
@@ -49,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             check_args(name, args.scale, args.threads, args.device)
         for name in names:
-            results = run_experiment(name, args.scale, args.out, seeds, args.threads, only=args.only,
-                                     overrides=overrides, device=args.device)
+            results = run_experiment(name, args.scale, args.out, seeds, args.threads, simulation=Simulation,
+                                     report=run_report, only=args.only, overrides=overrides, device=args.device)
             sys.stdout.write((args.out / name / "results.md").read_text() + f"\n({results['wall_s']} s)\n\n")
     except FedmqError as exc:
         sys.stderr.write(f"error: {exc}\n")
