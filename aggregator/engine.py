@@ -37,12 +37,13 @@ from aggregator.runlog import RunLog
 from aggregator.spool import RoundSpool
 from aggregator.strategies.base import ClientUpdate, Strategy
 from aggregator.strategies.registry import make_strategy
-from broker import messages, topology
-from broker.base import Broker, ReassemblyLimits
-from broker.chunking import DEFAULT_CHUNK_LIMIT
-from broker.encodings import EncodingSpec, decode_state, encode_state, raw_nbytes
-from broker.envelope import Kind, Limits
-from broker.queues import message_chunks
+from broker.transport import topology
+from broker.transport.base import Broker, ReassemblyLimits
+from broker.transport.queues import message_chunks
+from broker.wire import messages
+from broker.wire.chunk_frames import DEFAULT_CHUNK_LIMIT
+from broker.wire.encodings import EncodingSpec, decode_state, encode_state, raw_nbytes
+from broker.wire.envelope import Kind, Limits
 from fedmq.errors import CodecError, FedmqError
 from fedmq.manifest import Manifest
 from fedmq.plugins import is_import_path

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import structlog
 
-from broker import messages
-from broker.base import Broker, Delivery
-from broker.envelope import Envelope, Kind, Limits
+from broker.transport.base import Broker, Delivery
+from broker.wire import messages
+from broker.wire.envelope import Envelope, Kind, Limits
 from fedmq.errors import CodecError
 
 log = structlog.get_logger(__name__)

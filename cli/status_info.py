@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from aggregator.runlog import read_jsonl
-from broker import provision
+from broker.transport import provision
 from fedmq.errors import FedmqError
 
 # the active aggregator rewrites status.json at least on every phase change and presence heartbeat; a live one

@@ -27,11 +27,12 @@ from typing import Any, Callable
 import structlog
 import torch
 
-from broker import messages, topology
-from broker.base import Broker, Delivery
-from broker.encodings import EncodingSpec, decode_state, encode_state
-from broker.envelope import Envelope, Kind
-from broker.errors import BrokerError
+from broker.transport import topology
+from broker.transport.base import Broker, Delivery
+from broker.transport.errors import BrokerError
+from broker.wire import messages
+from broker.wire.encodings import EncodingSpec, decode_state, encode_state
+from broker.wire.envelope import Envelope, Kind
 from client_agent.availability import Availability, Faults
 from client_agent.state import MemoryStore, State
 from client_agent.trainers import TrainerPool

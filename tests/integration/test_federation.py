@@ -84,7 +84,7 @@ def test_fedavg_rounds_over_rabbitmq(federation, task, tmp_path, rabbit_url, job
     engine, agents, summary = federation(task, cfg, rabbit_url, tmp_path / "run", keep_sent=True)
     assert summary["rounds_completed"] == 2
     check_last_round_is_fedavg(engine, agents, 2)
-    from broker import provision
+    from broker.transport import provision
     provision.purge(rabbit_url, job_id)
 
 
@@ -154,8 +154,9 @@ def test_selection_counts_every_queued_heartbeat(task, tmp_path):
     """Heartbeats that queued while the aggregator was busy all count: selection samples from every live agent,
     not from the first few read (which made the seeded sampling a no-op in the experiments)."""
     from aggregator.engine import Engine
-    from broker import messages, topology
-    from broker.connect import connect
+    from broker.transport import topology
+    from broker.transport.connect import connect
+    from broker.wire import messages
 
     url = "memory://e2e-presence"
     cfg = JobConfig(encoding="raw", down_encoding="raw", job="e2epres", clients=10, fraction=0.2, heartbeat_s=0.5)

@@ -26,6 +26,12 @@ ALLOWED = {
     # package cycle left (issue 15), held to those two modules
     "benchmarks": {"fedmq", "broker", "aggregator", "client_agent", "cli.simulate", "cli.report"},
 }
+# inside broker: the wire format (bytes in, bytes out) below the transport that carries it; every broker module
+# is in one of the two
+SUBLAYERS = {
+    "broker.wire": {"fedmq"},
+    "broker.transport": {"fedmq", "broker.wire"},
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -105,6 +111,22 @@ def test_layers_import_one_way():
                 continue
             if not any(dep == a or dep.startswith(a + ".") for a in ALLOWED[package]):
                 wrong.append(f"{module} -> {dep}")
+    assert wrong == []
+
+
+def _within(module: str, prefixes) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def test_inside_broker_the_wire_format_sits_below_the_transport():
+    broker_modules = [m for m in _modules() if m.startswith("broker.")]
+    assert [m for m in broker_modules if not _within(m, SUBLAYERS)] == []
+    wrong = []
+    for module, deps in _graph().items():
+        layer = next((s for s in SUBLAYERS if _within(module, [s])), None)
+        if layer is None:
+            continue
+        wrong += [f"{module} -> {dep}" for dep in deps if not _within(dep, [layer, *SUBLAYERS[layer]])]
     assert wrong == []
 
 

@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from broker.errors import BrokerError
+from broker.transport.errors import BrokerError
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Broker(ABC):
         """Idempotently declare the job's exchange, the aggregator inbox (if ``inbox``) and each agent's queues.
 
         With ``inbox`` it also declares the job's model stream, whose retention ``model_bytes`` (an upper bound
-        on a global-model message) sizes (broker.queues.model_stream_args).
+        on a global-model message) sizes (broker.transport.queues.model_stream_args).
         """
 
     @abstractmethod

@@ -40,15 +40,14 @@ import pika
 import pika.exceptions as pe
 import structlog
 
-from broker.base import Broker, Delivery, Handler, ReassemblyLimits
-from broker.chunked import (CHUNK_HEADER, EXPIRY_CHECK_S, ChunkFrame, ChunkGate, GatedDispatch,
-                            chunk_parts)
-from broker.chunking import DEFAULT_CHUNK_LIMIT, Chunk
-from broker.errors import BrokerError
-from broker.queues import check_publish_args, job_queues
-from broker.tls import TlsOptions, ssl_options
-from broker.urls import addresses, redact
-from broker.topology import EXCHANGE
+from broker.transport.base import Broker, Delivery, Handler, ReassemblyLimits
+from broker.transport.errors import BrokerError
+from broker.transport.queues import check_publish_args, job_queues
+from broker.transport.reassembly import EXPIRY_CHECK_S, ChunkGate, GatedDispatch
+from broker.transport.tls import TlsOptions, ssl_options
+from broker.transport.topology import EXCHANGE
+from broker.transport.urls import addresses, redact
+from broker.wire.chunk_frames import CHUNK_HEADER, DEFAULT_CHUNK_LIMIT, Chunk, ChunkFrame, chunk_parts
 
 log = structlog.get_logger(__name__)
 
