@@ -38,6 +38,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 import structlog
 
+from broker.transport import pika_private
 from broker.transport import topology as t
 from broker.transport.errors import BrokerError
 from broker.transport.queues import job_queues
@@ -330,7 +331,8 @@ def check(url: str, job: str | None = None) -> dict[str, Any]:
     except Exception as exc:
         raise BrokerError(f"cannot connect to {redact(url)}: {type(exc).__name__} {exc}".strip()) from None
     try:
-        props = conn._impl.server_properties or {}
+        pika_private.check(conn)
+        props = pika_private.server_properties(conn)
         version = props.get("version")
         info.update(reachable=True, version=version.decode() if isinstance(version, bytes) else version)
         mms = None
