@@ -122,8 +122,8 @@ class Engine:
     def run(self, resume: bool = True) -> dict[str, Any]:
         """Declare the topology, resume from the last checkpoint, run the rounds, write the summary."""
         self.declare()
-        self._consumer = self.broker.consume(topology.q_inbox(self.cfg.job), self.inbox.handler,
-                                             prefetch=self._inbox_prefetch(), reassembly=self._reassembly())
+        self._consumer = self.inbox.subscribe(topology.q_inbox(self.cfg.job), prefetch=self._inbox_prefetch(),
+                                              reassembly=self._reassembly())
         started = time.time()
         try:
             self.phase = "standby"

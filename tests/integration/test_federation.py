@@ -163,13 +163,13 @@ def test_selection_counts_every_queued_heartbeat(task, tmp_path):
     broker = connect(url, user=topology.AGGREGATOR_USER)
     engine = Engine(broker, task, cfg, tmp_path / "run", durable=False, evaluate=False)
     broker.declare_job(cfg.job, [])
-    broker.consume(topology.q_inbox(cfg.job), engine.inbox.handler, prefetch=64)  # as Engine.run does
+    engine.inbox.subscribe(topology.q_inbox(cfg.job), prefetch=64)  # as Engine.run does
     for i in range(10):
         agent = connect(url, user=f"agent-{i}")
         env = messages.presence(cfg.job, f"agent-{i}", "online", 0)
         agent.publish(topology.rk_presence(cfg.job, f"agent-{i}"), messages.encode(env), message_id=env.msg_id)
     deadline = time.time() + 10
-    while engine.inbox._q.qsize() < 10 and time.time() < deadline:  # all ten queued, none read yet
+    while engine.inbox.backlog() < 10 and time.time() < deadline:  # all ten queued, none read yet
         time.sleep(0.05)
     engine._wait_for_agents(cfg.selected_count(), 3 * cfg.heartbeat_s)
     assert len(engine._online()) == 10  # not just the 2 it needs
