@@ -15,8 +15,8 @@ import structlog
 from aggregator.inbox import Received
 from aggregator.rounds import RoundContext, RoundStats
 from aggregator.strategies.base import State, Strategy
-from broker import messages
-from broker.envelope import Envelope, Kind
+from broker.wire import messages
+from broker.wire.envelope import Envelope, Kind
 
 log = structlog.get_logger(__name__)
 

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from broker.messages import RoundConfig
+from broker.wire.messages import RoundConfig
 from fedmq.errors import FedmqError
 from fedmq.plugins import is_import_path
 
@@ -41,7 +41,7 @@ class JobConfig:
     pull_fraction: float = 0.5  # dynamic pulling: share of tensors sent (0.5 = median rule, 0.33 = 33 % variant)
     pull_by: str = "params"  # dynamic pulling: pull_fraction is a share of parameters (the paper) or of tensors ("count")
     pull_down: bool = False  # dynamic pulling in both directions: the server pushes only the tensors its rule picks
-    # wire encodings (broker.encodings.EncodingSpec syntax). Defaults: bf16, for the update as a delta against
+    # wire encodings (broker.wire.encodings.EncodingSpec syntax). Defaults: bf16, for the update as a delta against
     # the model it trained from (so its error is relative to the update, not to the weights), 2.5x smaller
     # than raw both ways at the same validation perplexity (docs/benchmarks.md "Equal quality, fewer bytes");
     # "raw" both ways is bit-exact FedAvg
@@ -86,7 +86,7 @@ class JobConfig:
         def bad(msg: str) -> None:
             raise JobConfigError(msg)
 
-        from broker.encodings import EncodingSpec
+        from broker.wire.encodings import EncodingSpec
         from fedmq.errors import CodecError
 
         for name in ("encoding", "down_encoding"):

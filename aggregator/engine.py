@@ -40,13 +40,14 @@ from aggregator.spool import RoundSpool
 from aggregator.strategies.base import ClientUpdate, State, Strategy
 from aggregator.strategies.registry import strategy_from_config
 from aggregator.sync_round import SyncRound
-from broker import messages, topology
-from broker.base import Broker, ReassemblyLimits
-from broker.chunking import DEFAULT_CHUNK_LIMIT
-from broker.encodings import EncodingSpec, decode_state, encode_state, raw_nbytes
-from broker.envelope import Envelope, Kind, Limits
-from broker.messages import RoundConfig
-from broker.queues import message_chunks
+from broker.transport import topology
+from broker.transport.base import Broker, ReassemblyLimits
+from broker.transport.queues import message_chunks
+from broker.wire import messages
+from broker.wire.chunk_frames import DEFAULT_CHUNK_LIMIT
+from broker.wire.encodings import EncodingSpec, decode_state, encode_state, raw_nbytes
+from broker.wire.envelope import Envelope, Kind, Limits
+from broker.wire.messages import RoundConfig
 from fedmq.errors import BadParameter, CodecError, FedmqError
 from fedmq.manifest import Manifest
 from fedmq.plugins import is_import_path
@@ -107,8 +108,8 @@ class Engine:
     def run(self, resume: bool = True) -> dict[str, Any]:
         """Declare the topology, resume from the last checkpoint, run the rounds, write the summary."""
         self.declare()
-        self._consumer = self.broker.consume(topology.q_inbox(self.cfg.job), self.inbox.handler,
-                                             prefetch=self._inbox_prefetch(), reassembly=self._reassembly())
+        self._consumer = self.inbox.subscribe(topology.q_inbox(self.cfg.job), prefetch=self._inbox_prefetch(),
+                                              reassembly=self._reassembly())
         started = time.time()
         try:
             self.phase = "standby"

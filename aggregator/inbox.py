@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections import Counter
 from dataclasses import dataclass
 
 import structlog
 
-from broker import messages
-from broker.base import Broker, Delivery
-from broker.envelope import Envelope, Kind, Limits
+from broker.transport.base import Broker, Delivery, ReassemblyLimits, Subscription
+from broker.wire import messages
+from broker.wire.envelope import Envelope, Kind, Limits
 from fedmq.errors import CodecError
 
 log = structlog.get_logger(__name__)
@@ -27,7 +26,7 @@ class Received:
 
 
 class Inbox:
-    """Buffers deliveries from the broker's dispatcher thread for the engine thread, validates them.
+    """Takes the job's inbox deliveries for the engine thread through a Subscription, validates them.
 
     identity: "strict" — the AMQP user_id must equal the client id the message claims (each agent has its own
     broker user); "shared:USER" — every agent connects as USER (simulate over a shared guest account).
@@ -41,36 +40,38 @@ class Inbox:
         self.limits = limits or Limits()
         self.rejected: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()
-        self._q: "queue.Queue[Delivery]" = queue.Queue()
+        self._sub: Subscription | None = None
         self._head: Delivery | None = None  # a delivery taken by wait_first, handed out first by next
 
-    def handler(self, delivery: Delivery) -> None:
-        self._q.put(delivery)
+    def subscribe(self, queue: str, *, prefetch: int | None = None, reassembly: ReassemblyLimits | None = None) -> str:
+        """Start consuming ``queue`` (the job's inbox); the consumer tag (Broker.cancel stops it)."""
+        self._sub = self.broker.subscribe(queue, prefetch=prefetch, reassembly=reassembly)
+        return self._sub.tags[0]
+
+    def _subscription(self) -> Subscription:
+        if self._sub is None:
+            raise RuntimeError("Inbox.subscribe first")
+        return self._sub
 
     def wait_first(self, stop: threading.Event, poll: float = 0.5) -> bool:
         """Block until a delivery is waiting (we are the active consumer) or ``stop`` is set; True if one is."""
         while not stop.is_set():
+            if self._head is None:
+                self._head = self._subscription().next(poll)
             if self._head is not None:
                 return True
-            try:
-                self._head = self._q.get(timeout=poll)
-                return True
-            except queue.Empty:
-                continue
         return False
 
     def backlog(self) -> int:
         """Deliveries queued now (not yet read with ``next``)."""
-        return self._q.qsize() + (self._head is not None)
+        return self._subscription().qsize() + (self._head is not None)
 
     def next(self, timeout: float) -> Received | None:
         """The next valid message, or None when ``timeout`` passes. Invalid ones are rejected on the way."""
-        if self._head is not None:
-            delivery, self._head = self._head, None
-        else:
-            try:
-                delivery = self._q.get(timeout=max(timeout, 0.0))
-            except queue.Empty:
+        delivery, self._head = self._head, None
+        if delivery is None:
+            delivery = self._subscription().next(max(timeout, 0.0))
+            if delivery is None:
                 return None
         try:
             env = messages.decode(delivery.body, limits=self.limits)

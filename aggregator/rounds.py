@@ -16,8 +16,8 @@ from aggregator.inbox import Inbox, Received
 from aggregator.mediator import Mediator
 from aggregator.spool import RoundSpool
 from aggregator.strategies.base import ClientUpdate, State, Strategy
-from broker.base import Broker
-from broker.envelope import Envelope
+from broker.transport.base import Broker
+from broker.wire.envelope import Envelope
 
 
 @dataclass

@@ -19,8 +19,9 @@ from aggregator.inbox import Received
 from aggregator.rounds import RoundContext, RoundStats
 from aggregator.strategies.base import Strategy
 from aggregator.strategies.fedavg import FedAvg
-from broker import messages, topology
-from broker.envelope import Envelope, Kind
+from broker.transport import topology
+from broker.wire import messages
+from broker.wire.envelope import Envelope, Kind
 from fedmq.errors import CodecError
 
 log = structlog.get_logger(__name__)

@@ -1,1 +1,4 @@
-"""Transport and wire format: Broker interface, RabbitMQ and in-process backends, topology, codec."""
+"""Messaging: the wire format (broker.wire) and the transport that carries it (broker.transport).
+
+broker.wire imports nothing of broker.transport: bytes in, bytes out, no connection.
+"""

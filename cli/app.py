@@ -44,8 +44,8 @@ def _setup_logs(level: str, fmt: str = "auto", file: Path | None = None) -> None
 
 
 def _tune_allocator() -> None:
-    """Services and simulations move model-sized buffers all the time: let glibc reuse them (broker/_codec_malloc.py)."""
-    from broker._codec_malloc import tune_allocator
+    """Services and simulations move model-sized buffers all the time: let glibc reuse them (broker/wire/malloc.py)."""
+    from broker.wire.malloc import tune_allocator
     tune_allocator()
 
 
@@ -75,7 +75,7 @@ def _make_task(options: dict[str, Any]):
 # --------------------------------------------------------------------------------------------- simulate
 TASK, STRATEGY, TRAIN, WIRE, AVAIL, RUN = ("Task and data", "Strategy", "Local training", "Wire",
                                            "Availability and faults", "Run")
-ENCODINGS = "raw, fp16, bf16, int8, int6, int5, int4 (each also -row), topk:DENSITY"  # broker.encodings.EncodingSpec
+ENCODINGS = "raw, fp16, bf16, int8, int6, int5, int4 (each also -row), topk:DENSITY"  # broker.wire.encodings.EncodingSpec
 
 
 def _opt(default: Any, *names: str, panel: str, metavar: str | None = None, help: str = "") -> Any:
@@ -286,7 +286,7 @@ def _broker_url(url: str, user: Optional[str], password: Optional[str]) -> str:
     """Combine a URL with credentials from FEDMQ_BROKER_USER / FEDMQ_BROKER_PASSWORD (Kubernetes Secrets)."""
     if not user:
         return url
-    from broker.urls import with_credentials
+    from broker.transport.urls import with_credentials
     return with_credentials(url, user, password or "")
 
 
@@ -320,7 +320,7 @@ def aggregator_run(
     from aggregator.engine import Engine
 
     _tune_allocator()
-    from broker.connect import connect
+    from broker.transport.connect import connect
 
     values = _load_config_file(config)
     task_opts = {"task": "lm", "data": "builtin", **values.pop("task", {})}
@@ -338,7 +338,7 @@ def aggregator_run(
     # generous, because a publisher blocked by flow control is silent too and its update must still complete
     conn = connect(_broker_url(broker, user, password), chunk_limit=chunk_limit, heartbeat=heartbeat,
                    consume_timeout=consume_timeout, chunk_timeout_s=max(cfg.update_deadline_s, 300.0))
-    from broker import topology
+    from broker.transport import topology
     telemetry = None
     if metrics_port:
         from cli.telemetry import Telemetry
@@ -389,7 +389,7 @@ def agent_run(
     """
     import socket
 
-    from broker.connect import connect
+    from broker.transport.connect import connect
     from client_agent.agent import Agent
     from client_agent.availability import parse_availability, parse_faults
 
@@ -454,7 +454,7 @@ def broker_provision(
 
     Example: fedmq broker provision --job wt2 --agents 10 --secrets-out - | kubectl apply -f -
     """
-    from broker import provision
+    from broker.transport import provision
     provision.provision_cli(broker=broker, vhost=vhost, job=job, agents=agents, secrets_out=secrets_out,
                             credentials_out=credentials_out, namespace=namespace, remove_guest=remove_guest)
 
@@ -469,7 +469,7 @@ def broker_check(
 
     Example: fedmq broker check --job wt2
     """
-    from broker import provision
+    from broker.transport import provision
     info = provision.check(broker, job)
     typer.echo(json.dumps(info, default=str) if as_json else "\n".join(f"{k}: {v}" for k, v in info.items()))
 
@@ -483,7 +483,7 @@ def broker_purge(
 
     Example: fedmq broker purge --job wt2
     """
-    from broker import provision
+    from broker.transport import provision
     provision.purge(broker, job)
     typer.echo(f"purged job {job}")
 

@@ -18,9 +18,9 @@ import structlog
 
 from aggregator.config import JobConfig
 from aggregator.engine import Engine
-from broker import topology
-from broker.connect import connect
-from broker.urls import url_user
+from broker.transport import topology
+from broker.transport.connect import connect
+from broker.transport.urls import url_user
 from client_agent.agent import Agent, AgentLog
 from client_agent.availability import parse_availability, parse_faults
 from client_agent.state import DiskStore
@@ -153,7 +153,7 @@ class Simulation:
 
     def _delete_queues(self, agents: list[str]) -> None:
         """A simulation's job exists only for the run: leave nothing on the broker (unless keep_queues)."""
-        from broker.provision import purge
+        from broker.transport.provision import purge
         try:
             deleted = purge(self.broker_url, self.cfg.job, agents)
             log.info("deleted the job's queues", job=self.cfg.job, queues=len(deleted))

@@ -13,7 +13,7 @@ one line. A run folder written before options were recorded is resumed from its 
 it kept (task, model, partition, bptt, tied, dropout); the checkpoint check in cli/run_folder.py catches the rest.
 
 Everything here is torch-free (aggregator.config, client_agent.availability, fedmq.tasks.catalog and
-.partition, broker.connect's URL check), so a bad flag is rejected in well under a second.
+.partition, broker.transport.connect's URL check), so a bad flag is rejected in well under a second.
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def read_config_file(path: Path, types: dict[str, str]) -> dict[str, Any]:
 
 def check(values: dict[str, Any]) -> None:
     """Every option that can be checked without torch; UsageError or another FedmqError, one line."""
-    from broker.urls import check_url
+    from broker.transport.urls import check_url
     from client_agent.availability import parse_availability, parse_faults
     from fedmq.tasks.partition import PartitionSpec
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import random
 import threading
 import time
@@ -27,12 +26,13 @@ from typing import Any, Callable
 import structlog
 import torch
 
-from broker import messages, topology
-from broker.base import Broker, Delivery
-from broker.encodings import EncodingSpec, decode_state, encode_state
-from broker.envelope import Envelope, Kind
-from broker.errors import BrokerError
-from broker.messages import RoundConfig
+from broker.transport import topology
+from broker.transport.base import Broker, Subscription
+from broker.transport.errors import BrokerError
+from broker.wire import messages
+from broker.wire.encodings import EncodingSpec, decode_state, encode_state
+from broker.wire.envelope import Envelope, Kind
+from broker.wire.messages import RoundConfig
 from client_agent.availability import Availability, Faults
 from client_agent.state import MemoryStore, State
 from client_agent.trainers import TrainerPool
@@ -103,7 +103,7 @@ class Agent:
         self.version = messages.NO_VERSION  # the version of the global model kept (NO_VERSION: none)
         self.last_round = 0
         self.log = AgentLog()
-        self._events: "queue.Queue[Delivery]" = queue.Queue()
+        self._events: Subscription | None = None  # announcements and grants of the current connection
         self._broker: Broker | None = None
 
     @property
@@ -119,9 +119,9 @@ class Agent:
             try:
                 broker = self.connect()
                 broker.declare_job(self.job, [self.client], inbox=False)
-                self._events = queue.Queue()
-                broker.consume(topology.q_latest(self.job, self.client), self._events.put, prefetch=1)
-                broker.consume(topology.q_control(self.job, self.client), self._events.put, prefetch=16)
+                events = broker.subscribe(topology.q_latest(self.job, self.client), prefetch=1)
+                events.add(topology.q_control(self.job, self.client), prefetch=16)
+                self._events = events
                 self._broker = broker
                 self._presence("online")
                 return broker
@@ -199,9 +199,9 @@ class Agent:
                 self._on_announce(env)
 
     def _next(self, timeout: float) -> Envelope | None:
-        try:
-            delivery = self._events.get(timeout=timeout)
-        except queue.Empty:
+        events = self._events
+        delivery = events.next(timeout) if events is not None else None
+        if delivery is None:
             return None
         broker = self._broker
         try:

@@ -25,11 +25,11 @@ import msgpack
 import zstandard as zstd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from broker import topology  # noqa: E402
-from broker._codec_bytes import digest  # noqa: E402
-from broker.connect import connect  # noqa: E402
-from broker.envelope import MAGIC, SCHEMA_VERSION  # noqa: E402
-from broker.provision import purge  # noqa: E402
+from broker.transport import topology  # noqa: E402
+from broker.transport.connect import connect  # noqa: E402
+from broker.transport.provision import purge  # noqa: E402
+from broker.wire.blobs import digest  # noqa: E402
+from broker.wire.envelope import MAGIC, SCHEMA_VERSION  # noqa: E402
 
 
 def kib(pid: int, field: str) -> int:

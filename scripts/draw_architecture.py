@@ -33,12 +33,13 @@ def layers(ax):
         "telemetry; Simulation", GREY)
     box(ax, 0.53, 0.80, 0.44, 0.17, "benchmarks", "fedmq bench …, fedmq experiment …\n(cli hands in Simulation "
         "and report)", GREY)
-    box(ax, 0.03, 0.53, 0.44, 0.22, "aggregator", "engine (rounds), inbox, spool,\nmediator, strategies, "
-        "checkpoints,\nrun log", BLUE)
+    box(ax, 0.03, 0.53, 0.44, 0.22, "aggregator", "engine, sync round, async rounds,\ninbox, spool, mediator, "
+        "strategies\n(each owns its round), checkpoints, run log", BLUE)
     box(ax, 0.53, 0.53, 0.44, 0.22, "client_agent", "agent loop, trainer pool,\nstate store, availability "
         "and faults", ORANGE)
-    box(ax, 0.03, 0.27, 0.94, 0.21, "broker", "Broker interface: RabbitMQ (pika) and in-process backends;\n"
-        "wire format (envelope, encodings, chunking), protocol messages,\ntopology, provisioning, TLS, URLs", GREEN)
+    box(ax, 0.03, 0.27, 0.94, 0.21, "broker", "transport: Broker interface, Subscription, RabbitMQ (pika) and\n"
+        "in-process backends, reassembly, topology, provisioning, TLS, URLs\nwire (below it): envelope, encodings, "
+        "chunk frames, protocol messages (typed RoundConfig)", GREEN)
     box(ax, 0.03, 0.02, 0.94, 0.20, "fedmq  (import fedmq: the public API)", "errors, checks, tensor manifest, "
         "tasks (models, data, local training),\npulling rule, plugins (package.module:Class); imports nothing "
         "above", PURPLE)

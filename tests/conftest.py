@@ -155,8 +155,8 @@ def run_in_process_federation(task, cfg, url: str, run_dir: Path, *, agent_class
     import threading
 
     from aggregator.engine import Engine
-    from broker import topology
-    from broker.connect import connect
+    from broker.transport import topology
+    from broker.transport.connect import connect
     from client_agent.agent import Agent
 
     memory = url.startswith("memory")

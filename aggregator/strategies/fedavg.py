@@ -20,7 +20,7 @@ import torch
 
 from aggregator.strategies._common import WeightedSum, cast_like, check_started, validate_update, zeros_like_state
 from aggregator.strategies.base import ClientUpdate, RoundPlan, State, Strategy
-from broker.messages import RoundConfig
+from broker.wire.messages import RoundConfig
 
 
 class FedAvg(Strategy):

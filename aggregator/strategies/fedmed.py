@@ -32,7 +32,7 @@ from aggregator.strategies._common import full_tensor
 from aggregator.strategies.base import ClientUpdate, RoundPlan, State
 from aggregator.strategies.fedavg import FedAvg
 from aggregator.strategies.softmax_weighted import SoftmaxWeighted
-from broker.messages import RoundConfig
+from broker.wire.messages import RoundConfig
 from fedmq.checks import check_number
 from fedmq.errors import BadParameter, StrategyError
 

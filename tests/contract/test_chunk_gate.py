@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 
-from broker.base import Delivery
-from broker.chunked import CHUNK_HEADER, ChunkGate, chunk_messages
+from broker.transport.base import Delivery
+from broker.transport.reassembly import ChunkGate
+from broker.wire.chunk_frames import CHUNK_HEADER, chunk_messages
 
 LIMIT = 1024
 

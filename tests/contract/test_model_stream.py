@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from broker import topology as t
-from broker.connect import connect
-from broker.errors import BrokerError
-from broker.queues import STREAM_VERSIONS, job_queues, message_chunks, model_stream_args
+from broker.transport import topology as t
+from broker.transport.connect import connect
+from broker.transport.errors import BrokerError
+from broker.transport.queues import STREAM_VERSIONS, job_queues, message_chunks, model_stream_args
 
 CHUNK = 64 * 1024
 MODEL = 5 * CHUNK + 1000  # six chunks

@@ -73,7 +73,7 @@ def delete_job_queues(url: str, job: str, clients: int) -> None:
     """Remove the job's queues from a broker (tests on the shared broker leave nothing behind)."""
     import pika
 
-    from broker import topology as t
+    from broker.transport import topology as t
     try:
         conn = pika.BlockingConnection(pika.URLParameters(url))
     except Exception:  # the broker may be down in a failed test; nothing to clean then
@@ -258,8 +258,8 @@ class Federation:
         import torch
 
         from aggregator.checkpoint import load_checkpoint
-        from fedmq.tasks.lm import LanguageModelTask
         from fedmq.tasks.base import model_state
+        from fedmq.tasks.lm import LanguageModelTask
 
         ckpt = load_checkpoint(self.state / "checkpoints")
         assert ckpt is not None, "no checkpoint written"

@@ -20,14 +20,15 @@ import zstandard as zstd
 
 from aggregator.config import JobConfig
 from aggregator.engine import Engine
-from broker import messages, topology
-from broker.chunked import CHUNK_HEADER
-from broker.chunking import encode_chunk, split
-from broker.connect import connect
-from broker.encodings import EncodingSpec, encode_state
-from broker.envelope import FLAG_ZSTD, MAGIC, SCHEMA_VERSION
-from broker._codec_bytes import digest
-from broker.provision import purge
+from broker.transport import topology
+from broker.transport.connect import connect
+from broker.transport.provision import purge
+from broker.wire import messages
+from broker.wire.blobs import digest
+from broker.wire.chunk_frames import CHUNK_HEADER
+from broker.wire.chunk_frames import encode_chunk, split
+from broker.wire.encodings import EncodingSpec, encode_state
+from broker.wire.envelope import FLAG_ZSTD, MAGIC, SCHEMA_VERSION
 from client_agent.agent import Agent
 from fedmq.tasks.base import model_state
 from fedmq.tasks.lm import LanguageModelTask

@@ -26,13 +26,14 @@ from hypothesis import strategies as st
 
 from aggregator.config import JobConfig
 from aggregator.engine import Engine
-from broker import messages, topology
-from broker._codec_bytes import digest
-from broker.chunked import CHUNK_HEADER
-from broker.chunking import encode_chunk, split
-from broker.connect import connect
-from broker.encodings import EncodingSpec, encode_state
-from broker.envelope import MAGIC, SCHEMA_VERSION
+from broker.transport import topology
+from broker.transport.connect import connect
+from broker.wire import messages
+from broker.wire.blobs import digest
+from broker.wire.chunk_frames import CHUNK_HEADER
+from broker.wire.chunk_frames import encode_chunk, split
+from broker.wire.encodings import EncodingSpec, encode_state
+from broker.wire.envelope import MAGIC, SCHEMA_VERSION
 from client_agent.agent import Agent
 from fedmq.tasks.base import model_state
 from fedmq.tasks.lm import LanguageModelTask

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from aggregator.config import JobConfig
-from broker import provision
+from broker.transport import provision
 from client_agent.agent import Agent
 from fedmq.tasks.base import model_state
 from fedmq.tasks.lm import LanguageModelTask

@@ -84,7 +84,7 @@ def test_fedavg_rounds_over_rabbitmq(federation, task, tmp_path, rabbit_url, job
     engine, agents, summary = federation(task, cfg, rabbit_url, tmp_path / "run", keep_sent=True)
     assert summary["rounds_completed"] == 2
     check_last_round_is_fedavg(engine, agents, 2)
-    from broker import provision
+    from broker.transport import provision
     provision.purge(rabbit_url, job_id)
 
 
@@ -154,21 +154,22 @@ def test_selection_counts_every_queued_heartbeat(task, tmp_path):
     """Heartbeats that queued while the aggregator was busy all count: selection samples from every live agent,
     not from the first few read (which made the seeded sampling a no-op in the experiments)."""
     from aggregator.engine import Engine
-    from broker import messages, topology
-    from broker.connect import connect
+    from broker.transport import topology
+    from broker.transport.connect import connect
+    from broker.wire import messages
 
     url = "memory://e2e-presence"
     cfg = JobConfig(encoding="raw", down_encoding="raw", job="e2epres", clients=10, fraction=0.2, heartbeat_s=0.5)
     broker = connect(url, user=topology.AGGREGATOR_USER)
     engine = Engine(broker, task, cfg, tmp_path / "run", durable=False, evaluate=False)
     broker.declare_job(cfg.job, [])
-    broker.consume(topology.q_inbox(cfg.job), engine.inbox.handler, prefetch=64)  # as Engine.run does
+    engine.inbox.subscribe(topology.q_inbox(cfg.job), prefetch=64)  # as Engine.run does
     for i in range(10):
         agent = connect(url, user=f"agent-{i}")
         env = messages.presence(cfg.job, f"agent-{i}", "online", 0)
         agent.publish(topology.rk_presence(cfg.job, f"agent-{i}"), messages.encode(env), message_id=env.msg_id)
     deadline = time.time() + 10
-    while engine.inbox._q.qsize() < 10 and time.time() < deadline:  # all ten queued, none read yet
+    while engine.inbox.backlog() < 10 and time.time() < deadline:  # all ten queued, none read yet
         time.sleep(0.05)
     engine.wait_for_agents(cfg.selected_count(), 3 * cfg.heartbeat_s)
     assert len(engine.online()) == 10  # not just the 2 it needs

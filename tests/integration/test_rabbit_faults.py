@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from broker import topology as t
-from broker.base import Delivery
-from broker.connect import connect
-from broker.errors import BrokerError
-from broker.tls import TlsOptions
+from broker.transport import topology as t
+from broker.transport.base import Delivery
+from broker.transport.connect import connect
+from broker.transport.errors import BrokerError
+from broker.transport.tls import TlsOptions
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.isolated_node, pytest.mark.slow]
 

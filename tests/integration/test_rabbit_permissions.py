@@ -10,10 +10,10 @@ import pika
 import pika.exceptions as pe
 import pytest
 
-from broker import provision as prov
-from broker import topology as t
-from broker.connect import connect
-from broker.errors import BrokerError
+from broker.transport import provision as prov
+from broker.transport import topology as t
+from broker.transport.connect import connect
+from broker.transport.errors import BrokerError
 
 pytestmark = pytest.mark.rabbitmq
 

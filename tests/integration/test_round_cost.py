@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from aggregator.config import JobConfig
-from broker import messages
+from broker.wire import messages
 from client_agent.state import DiskStore, MemoryStore
 from client_agent.trainers import TrainerPool
 from fedmq.errors import CodecError
@@ -37,7 +37,7 @@ def _cfg(job: str, **kw) -> JobConfig:
 
 
 def test_only_selected_agents_fetch_and_one_trainer_serves_all(federation, task, tmp_path, monkeypatch):
-    from broker.memory import MemoryBroker
+    from broker.transport.memory import MemoryBroker
 
     keys: list[str] = []
     publish = MemoryBroker.publish
@@ -122,9 +122,9 @@ def test_a_model_published_before_its_announced_time_is_still_found(task, monkey
     read from that time misses it, then reads the (short) stream from its start."""
     import time
 
-    from broker import topology as t
-    from broker.connect import connect
-    from broker.encodings import EncodingSpec, encode_state
+    from broker.transport import topology as t
+    from broker.transport.connect import connect
+    from broker.wire.encodings import EncodingSpec, encode_state
     from client_agent import agent as agent_mod
 
     monkeypatch.setattr(agent_mod, "FIRST_TRY_S", 0.5)
@@ -148,7 +148,7 @@ def test_a_model_published_before_its_announced_time_is_still_found(task, monkey
 
 def _feedback_run(federation, task, tmp_path, name: str, **kw):
     """Three clients, every one selected every round, top-5 % deltas up, raw down; records what each agent kept."""
-    from broker.encodings import decode_state
+    from broker.wire.encodings import decode_state
     from client_agent.agent import Agent
 
     seen: dict[str, list[dict]] = {}

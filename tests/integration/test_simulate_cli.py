@@ -138,7 +138,7 @@ def _job_queues(job: str) -> list[str]:
 
 @pytest.mark.rabbitmq
 def test_simulate_keep_queues_leaves_them(tmp_path, rabbit_url):
-    from broker.provision import purge
+    from broker.transport.provision import purge
 
     proc = subprocess.run(fedmq("simulate", *TINY, "--rounds", "1", "--out", str(tmp_path / "run"), "--broker", rabbit_url,
                                 "--keep-queues"), capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -90,7 +90,7 @@ def words(text: str) -> set[str]:
 
 def test_simulate_help_groups_options_and_lists_every_choice_in_full():
     from aggregator.config import STRATEGIES
-    from broker.encodings import KINDS
+    from broker.wire.encodings import KINDS
     from fedmq.tasks.lm_models import PRESETS
     from fedmq.tasks.nmt_model import CONFIGS
 

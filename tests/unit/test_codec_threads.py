@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import zstandard as zstd
 
-from broker import _codec_threads as ct
-from broker._codec_bytes import PLANE_PARAMS, ZSTD, make_blob
-from broker.encodings import EncodingSpec, decode_state, encode_state
-from broker.envelope import Envelope, Kind, pack, unpack
+from broker.wire import threads as ct
+from broker.wire.blobs import PLANE_PARAMS, ZSTD, make_blob
+from broker.wire.encodings import EncodingSpec, decode_state, encode_state
+from broker.wire.envelope import Envelope, Kind, pack, unpack
 from fedmq.errors import CodecError
 from fedmq.manifest import Manifest
 

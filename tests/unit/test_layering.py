@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,12 @@ ALLOWED = {
     "client_agent": {"fedmq", "broker"},
     "benchmarks": {"fedmq", "broker", "aggregator", "client_agent"},
     "cli": {"fedmq", "broker", "aggregator", "client_agent", "benchmarks"},
+}
+# inside broker: the wire format (bytes in, bytes out) below the transport that carries it; every broker module
+# is in one of the two
+SUBLAYERS = {
+    "broker.wire": {"fedmq"},
+    "broker.transport": {"fedmq", "broker.wire"},
 }
 
 
@@ -105,6 +112,37 @@ def test_layers_import_one_way():
             if not any(dep == a or dep.startswith(a + ".") for a in ALLOWED[package]):
                 wrong.append(f"{module} -> {dep}")
     assert wrong == []
+
+
+def _within(module: str, prefixes) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def test_inside_broker_the_wire_format_sits_below_the_transport():
+    broker_modules = [m for m in _modules() if m.startswith("broker.")]
+    assert [m for m in broker_modules if not _within(m, SUBLAYERS)] == []
+    wrong = []
+    for module, deps in _graph().items():
+        layer = next((s for s in SUBLAYERS if _within(module, [s])), None)
+        if layer is None:
+            continue
+        wrong += [f"{module} -> {dep}" for dep in deps if not _within(dep, [layer, *SUBLAYERS[layer]])]
+    assert wrong == []
+
+
+PIKA_PRIVATE = ROOT / "broker" / "transport" / "pika_private.py"
+# pika's private attributes the RabbitMQ backend uses (and _adapter, another way in); only PIKA_PRIVATE names them
+PIKA_PRIVATES = re.compile(r"\._impl\b|\._transport\b|\._adapter|_MAX_RECV_BYTES|_closing_reason|_raise_if_not_open"
+                           r"|_send_method")
+
+
+def test_only_pika_private_touches_pikas_private_attributes():
+    paths = [*_modules().values(), *(ROOT / "scripts").rglob("*.py")]
+    assert PIKA_PRIVATE in paths
+    hits = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}" for path in paths if path != PIKA_PRIVATE
+            for n, line in enumerate(path.read_text().splitlines(), 1) if PIKA_PRIVATES.search(line)]
+    assert hits == []
+    assert PIKA_PRIVATES.search(PIKA_PRIVATE.read_text())
 
 
 def test_no_module_imports_itself_back():

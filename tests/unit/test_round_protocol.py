@@ -11,8 +11,8 @@ from aggregator.config import JobConfig
 from aggregator.strategies.base import RoundPlan, Strategy
 from aggregator.strategies.fedavg import FedAvg
 from aggregator.strategies.registry import STRATEGY_NAMES, strategy_class, strategy_from_config
-from broker import messages
-from broker.messages import RoundConfig
+from broker.wire import messages
+from broker.wire.messages import RoundConfig
 from fedmq.errors import CodecError
 
 

@@ -5,7 +5,7 @@
     {"fmt": 2, "enc": "delta+int8-row", "t": [record, ...]}
 
 with one record per tensor, ``{"n": name, "s": shape, "dt": source dtype, "e": kind, "x": delta, ...}`` plus
-the kind's fields (byte blobs, see broker._codec_bytes). Choices where the spec is silent:
+the kind's fields (byte blobs, see broker.wire.blobs). Choices where the spec is silent:
 
 * Everything decodes to float32. ``dt`` records the sender's dtype and must equal the manifest's.
 * ``raw`` is bit-exact, also as a delta: the raw delta is the XOR of the float32 bit patterns (an arithmetic
@@ -35,14 +35,14 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from broker._codec_bytes import (
+from broker.wire.blobs import (
     Unpacking, bf16_to_f32, f32_to_bf16, make_blob, pack_array, read_blob, unpack_array,
 )
-from broker._codec_threads import Task, run_all
+from broker.wire.threads import Task, run_all
 from fedmq.errors import CodecError
 from fedmq.manifest import Manifest
 
-FORMAT = 2  # 2: shuffled arrays may use byte groups (broker._codec_bytes); 1 had one plane per byte
+FORMAT = 2  # 2: shuffled arrays may use byte groups (broker.wire.blobs); 1 had one plane per byte
 READS_FORMATS = (1, 2)  # a format-1 message is a format-2 message with no multi-byte group
 KINDS = ("raw", "fp16", "bf16", "int8", "int6", "int5", "int4", "topk")
 _LEVELS = {"int8": 255, "int6": 63, "int5": 31, "int4": 15}  # the affine kinds: top quantization level
@@ -59,7 +59,7 @@ class EncodingSpec:
     delta: bool = False  # encode θ - base instead of θ (needs base on both sides)
     per_row: bool = False  # intN: one scale per row instead of per tensor
     density: float = 0.01  # topk: fraction of entries kept
-    level: int = DEFAULT_LEVEL  # zstd level (0 = no compression; 1 = byte-plane tuned, see _codec_bytes)
+    level: int = DEFAULT_LEVEL  # zstd level (0 = no compression; 1 = byte-plane tuned, see broker.wire.blobs)
     shuffle: bool = True  # byte-shuffle float data before zstd where it helps
 
     def __post_init__(self) -> None:

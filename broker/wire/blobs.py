@@ -10,7 +10,7 @@ byte 1 does not compress (a sample says) they travel as one stored 2-byte group:
 of two. A plane is zstd'ed only when a sample of it shrinks by at least 5 %, else stored.
 
 Speed (see docs/benchmarks.md "## Codec"): the work is split into tasks run on the codec threads
-(broker._codec_threads): on encode one task per byte group (gather it from every element, XOR it with
+(broker.wire.threads): on encode one task per byte group (gather it from every element, XOR it with
 the base's for a raw delta, then compress or store it); on decode one task per compressed blob, then one
 per block of elements (interleave the groups back into a preallocated array, plus the caller's per-block step, e.g. the XOR of a raw delta and the
 NaN/Inf check, while the block is in cache). At level 1 (the default) blobs are compressed with
@@ -31,7 +31,7 @@ import numpy as np
 import xxhash
 import zstandard as zstd
 
-from broker._codec_threads import Task
+from broker.wire.threads import Task
 from fedmq.errors import CodecError
 
 DIGEST_SIZE = 16
@@ -184,7 +184,7 @@ def pack_array(arr: np.ndarray, level: int, shuffle: bool, tasks: list[Task], ow
     """Blobs of a contiguous 1-D array (XOR ``xor`` if given): byte-shuffled into byte groups when asked and useful.
 
     The returned list is filled in by the tasks appended to ``tasks`` (run them with
-    broker._codec_threads.run_all before using it). ``owned``: ``arr`` is a private temporary (not the
+    broker.wire.threads.run_all before using it). ``owned``: ``arr`` is a private temporary (not the
     caller's tensor) that stored blobs may reference. ``xor``: an unsigned integer array like ``arr``.
     """
     w = arr.dtype.itemsize

@@ -38,10 +38,11 @@ from urllib.parse import quote, unquote, urlsplit
 
 import structlog
 
-from broker import topology as t
-from broker.errors import BrokerError
-from broker.queues import job_queues
-from broker.urls import addresses, redact, with_credentials
+from broker.transport import pika_private
+from broker.transport import topology as t
+from broker.transport.errors import BrokerError
+from broker.transport.queues import job_queues
+from broker.transport.urls import addresses, redact, with_credentials
 
 log = structlog.get_logger(__name__)
 
@@ -315,7 +316,7 @@ def check(url: str, job: str | None = None) -> dict[str, Any]:
 
     info: dict[str, Any] = {"url": redact(url), "reachable": False}
     if url.startswith("memory://"):
-        from broker.connect import connect
+        from broker.transport.connect import connect
 
         with connect(url) as b:
             info.update(reachable=True, version="in-process", max_message_size=None)
@@ -330,7 +331,8 @@ def check(url: str, job: str | None = None) -> dict[str, Any]:
     except Exception as exc:
         raise BrokerError(f"cannot connect to {redact(url)}: {type(exc).__name__} {exc}".strip()) from None
     try:
-        props = conn._impl.server_properties or {}
+        pika_private.check(conn)
+        props = pika_private.server_properties(conn)
         version = props.get("version")
         info.update(reachable=True, version=version.decode() if isinstance(version, bytes) else version)
         mms = None

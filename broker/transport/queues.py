@@ -1,4 +1,4 @@
-"""The queues a job declares: names from broker.topology, arguments and bindings per its docstrings.
+"""The queues a job declares: names from broker.transport.topology, arguments and bindings per its docstrings.
 
 Every queue is a quorum queue (or, for models, a stream): on a RabbitMQ cluster each is replicated, so the loss
 of a minority of nodes loses no queue and no confirmed message; a client that reconnects to another node finds
@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker import topology as t
-from broker.errors import BrokerError
+from broker.transport import topology as t
+from broker.transport.errors import BrokerError
 
 QUORUM: dict[str, Any] = {"x-queue-type": "quorum"}
 INBOX_ARGS: dict[str, Any] = {**QUORUM, "x-single-active-consumer": True}

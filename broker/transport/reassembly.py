@@ -1,8 +1,9 @@
-"""Transparent chunking for Broker backends: split on publish, reassemble per consumer.
+"""Reassembly of chunked messages on the consuming side, for every Broker backend.
 
 A body over the chunk limit is published as several messages carrying the header ``x-fedmq-chunk`` whose
-bodies are chunk frames (broker.chunking). Each consumer owns a :class:`ChunkGate` that turns the raw
-deliveries of its queue into whole deliveries for the handler.
+bodies are chunk frames (the format: broker.wire.chunk_frames). :class:`Reassembler` joins the frames of many
+messages into their bodies within memory bounds; each consumer owns a :class:`ChunkGate` that feeds it the raw
+deliveries of its queue and turns them into whole deliveries for the handler.
 
 Acks: chunk deliveries are *held* unacked until the whole message is handed over, and acking that one
 Delivery acks every chunk (so a consumer that dies mid-message gets all chunks redelivered elsewhere).
@@ -17,73 +18,195 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import structlog
 
-from broker.base import Broker, Delivery, Handler, ReassemblyLimits
-from broker.chunking import Chunk, Reassembler, decode_chunk, encode_chunk, encode_chunk_parts, split
-from broker.errors import BrokerError
+from broker.transport.base import Broker, Delivery, Handler, ReassemblyLimits
+from broker.transport.errors import BrokerError
+from broker.wire.blobs import digest
+from broker.wire.chunk_frames import CHUNK_HEADER, Chunk, byte_view, chunk_size, decode_chunk
 from fedmq.errors import CodecError
 
 log = structlog.get_logger(__name__)
 
-CHUNK_HEADER = "x-fedmq-chunk"
+
+@dataclass
+class _Pending:
+    total: int
+    total_size: int
+    digest: bytes
+    chunk_size: int
+    parts: dict[int, bytes | memoryview]  # index -> data (views of the frames, not copies)
+    last_seen: float
+    sender: str | None = None
 
 
-def chunk_messages(body: bytes, message_id: str, limit: int) -> list[bytes] | None:
-    """Encoded chunk frames for ``body``, or None when it fits in one message."""
-    parts = chunk_parts(body, message_id, limit)
-    return None if parts is None else [encode_chunk(c) for c in parts]
+class Reassembler:
+    """Collects chunks of many messages at once and returns each body once all its chunks arrived.
 
-
-def chunk_parts(body: bytes, message_id: str, limit: int) -> list[Chunk] | None:
-    """The chunks of ``body`` (views of it, not encoded yet), or None when it fits in one message.
-
-    A backend that hands each frame to the network right away encodes a chunk (``encode_chunk``) only when
-    it sends it and drops the frame then: the frames of a 100 MB body are never all in memory, and the
-    allocator reuses one frame's memory for the next instead of faulting in fresh pages for each.
-    """
-    if len(body) <= limit:
-        return None
-    return split(body, message_id, limit)
-
-
-class ChunkFrame:
-    """The encoded frame of a chunk seen as a read-only body: ``len`` and contiguous slices as bytes.
-
-    Made of the frame's header and a view of the chunk's data, never joined: a transport that slices the
-    body into its own frames (pika) copies each slice once, as it would slice a bytes body, so sending a
-    chunk costs no copy beyond what sending an unchunked body costs. ``bytes(frame)`` is the joined frame.
+    Memory: ``total_size`` bytes are reserved per incomplete message once the limits are checked
+    (``pending_bytes`` is their sum); its chunks' data are kept as they came (views of the frames) and
+    joined into the body, the one copy on this side, when the last one arrives. An incomplete message is dropped ``timeout_s`` after its most
+    recent chunk (checked on every ``add`` and by ``expire``). Ids of finished messages (completed or
+    rejected) are remembered for ``timeout_s`` so late duplicates do not start a new partial message.
+    ``max_pending_per_sender`` (optional) bounds the reserved bytes of one ``sender`` (the aggregator passes
+    each delivery's routing key, which names the agent), so one sender cannot take the whole budget.
+    Thread-safe.
     """
 
-    __slots__ = ("head", "data", "_n")
+    def __init__(
+        self,
+        *,
+        timeout_s: float = 300.0,
+        max_pending_bytes: int = 2 * 1024**3,
+        max_message_size: int = 1024**3,
+        max_finished: int = 100_000,
+        max_pending_per_sender: int | None = None,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.max_pending_bytes = max_pending_bytes
+        self.max_pending_per_sender = max_pending_per_sender
+        self._by_sender: dict[str | None, int] = {}  # sender -> bytes reserved by its incomplete messages
+        self.max_message_size = max_message_size
+        self.max_finished = max_finished
+        self._pending: dict[str, _Pending] = {}
+        self._finished: OrderedDict[str, tuple[float, bool]] = OrderedDict()  # msg_id -> (when, completed ok)
+        self._bytes = 0
+        self._lock = threading.Lock()
 
-    def __init__(self, chunk: Chunk) -> None:
-        self.head, self.data = encode_chunk_parts(chunk)
-        self._n = len(self.head) + self.data.nbytes
+    def add(self, chunk: Chunk, now: float | None = None, sender: str | None = None) -> bytes | None:
+        """Add one chunk; the whole body when the message is complete, else None (also for a duplicate)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._expire_locked(now)
+            done = self._finished.get(chunk.msg_id)
+            if done is not None:
+                if done[1]:
+                    return None  # late duplicate of a delivered message
+                raise CodecError("message-dropped", f"message {chunk.msg_id} was already rejected")
+            p = self._pending.get(chunk.msg_id)
+            if p is None:
+                p = self._start(chunk, now, sender)
+                if p is None:
+                    return self._finish(chunk.msg_id, byte_view(chunk.data).tobytes()
+                                        if not isinstance(chunk.data, bytes) else chunk.data, chunk.digest, now)
+            else:
+                if (chunk.total, chunk.total_size, chunk.digest) != (p.total, p.total_size, p.digest):
+                    self._fail(chunk.msg_id, now)
+                    raise CodecError("inconsistent-chunk", f"chunk {chunk.index} of {chunk.msg_id} disagrees with earlier chunks")
+                if chunk.index in p.parts:
+                    p.last_seen = now
+                    return None
+            expected = min(p.chunk_size, p.total_size - chunk.index * p.chunk_size)
+            data = chunk.data if isinstance(chunk.data, bytes) else byte_view(chunk.data)
+            if len(data) != expected:
+                self._fail(chunk.msg_id, now)
+                raise CodecError("inconsistent-chunk", f"chunk {chunk.index} of {chunk.msg_id} has {len(data)} bytes, want {expected}")
+            p.parts[chunk.index] = data
+            p.last_seen = now
+            if len(p.parts) < p.total:
+                return None
+            self._release(chunk.msg_id)
+            return self._finish(chunk.msg_id, b"".join(p.parts[i] for i in range(p.total)), p.digest, now)
 
-    def __len__(self) -> int:
-        return self._n
+    def _start(self, chunk: Chunk, now: float, sender: str | None) -> _Pending | None:
+        """Check limits for a new message; None when it is a single chunk (no buffer needed)."""
+        if chunk.total_size > self.max_message_size:
+            self._remember(chunk.msg_id, now, False)
+            raise CodecError("too-large", f"message {chunk.msg_id} of {chunk.total_size} bytes exceeds {self.max_message_size}")
+        try:
+            cs = chunk_size(chunk)
+        except CodecError:
+            self._remember(chunk.msg_id, now, False)
+            raise
+        if chunk.total == 1:
+            return None
+        if self._bytes + chunk.total_size > self.max_pending_bytes:
+            # not remembered as failed: the sender may retry once memory frees up
+            raise CodecError("reassembly-full", f"{self._bytes} bytes pending; {chunk.total_size} more exceeds {self.max_pending_bytes}")
+        mine = self._by_sender.get(sender, 0)
+        if self.max_pending_per_sender is not None and mine + chunk.total_size > self.max_pending_per_sender:
+            raise CodecError("reassembly-full", f"{mine} bytes pending from {sender}; {chunk.total_size} more exceeds "
+                                                f"{self.max_pending_per_sender} per sender")
+        p = _Pending(chunk.total, chunk.total_size, chunk.digest, cs, {}, now, sender)
+        self._pending[chunk.msg_id] = p
+        self._bytes += chunk.total_size
+        self._by_sender[sender] = mine + chunk.total_size
+        return p
 
-    def __getitem__(self, key: slice) -> bytes:
-        if not isinstance(key, slice):
-            raise TypeError("ChunkFrame supports slices only")
-        start, stop, step = key.indices(self._n)
-        if step != 1:
-            raise ValueError("ChunkFrame supports contiguous slices only")
-        h = len(self.head)
-        if stop <= start:
-            return b""
-        if stop <= h:
-            return self.head[start:stop]
-        if start >= h:
-            return self.data[start - h : stop - h].tobytes()
-        return self.head[start:] + self.data[: stop - h].tobytes()
+    def _release(self, msg_id: str) -> _Pending | None:
+        """Forget an incomplete message's reservation (completed, failed or expired)."""
+        p = self._pending.pop(msg_id, None)
+        if p is not None:
+            self._bytes -= p.total_size
+            left = self._by_sender[p.sender] - p.total_size
+            if left:
+                self._by_sender[p.sender] = left
+            else:
+                del self._by_sender[p.sender]
+        return p
 
-    def __bytes__(self) -> bytes:
-        return b"".join((self.head, self.data))
+    def _finish(self, msg_id: str, body: bytes, want: bytes, now: float) -> bytes:
+        if digest(body) != want:
+            self._remember(msg_id, now, False)
+            raise CodecError("bad-digest", f"reassembled message {msg_id} fails its digest")
+        self._remember(msg_id, now, True)
+        return body
+
+    def _fail(self, msg_id: str, now: float) -> None:
+        self._release(msg_id)
+        self._remember(msg_id, now, False)
+
+    def _remember(self, msg_id: str, now: float, ok: bool) -> None:
+        self._finished[msg_id] = (now, ok)
+        self._finished.move_to_end(msg_id)
+        while len(self._finished) > self.max_finished:
+            self._finished.popitem(last=False)
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Drop incomplete messages whose newest chunk is older than ``timeout_s``; their msg_ids."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            return self._expire_locked(now)
+
+    def _expire_locked(self, now: float) -> list[str]:
+        cutoff = now - self.timeout_s
+        dropped = [mid for mid, p in self._pending.items() if p.last_seen < cutoff]
+        for mid in dropped:
+            p = self._release(mid)
+            # not remembered as failed: after a reconnect the broker redelivers every chunk of a confirmed message
+            # (the held ones were unacked), and they must be able to complete it
+            log.warning("chunked message expired", msg_id=mid, received=len(p.parts), total=p.total)
+        while self._finished:
+            mid, (when, _) = next(iter(self._finished.items()))
+            if when >= cutoff:
+                break
+            self._finished.popitem(last=False)
+        return dropped
+
+    def pending_bytes(self) -> int:
+        with self._lock:
+            return self._bytes
+
+    def pending_ids(self) -> set[str]:
+        with self._lock:
+            return set(self._pending)
+
+    def pending_messages(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def is_duplicate(self, chunk: Chunk) -> bool:
+        """True if this chunk was already received (pending message) or its message was already delivered."""
+        with self._lock:
+            done = self._finished.get(chunk.msg_id)
+            if done is not None:
+                return done[1]
+            p = self._pending.get(chunk.msg_id)
+            return p is not None and chunk.index in p.parts
 
 
 @dataclass

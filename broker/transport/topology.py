@@ -1,4 +1,7 @@
-"""Names of the exchange, routing keys and queues of a job (one place, used by every backend)."""
+"""Names of the exchange, routing keys and queues of a job (one place, used by every backend).
+
+In the transport, not the wire format: these names say where a message goes (AMQP addressing), which the
+encoded bytes never depend on; the aggregator and the agent import them from here."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Splitting large message bodies into chunk frames and reassembling them.
+"""The chunk frame format: a large message body split into chunk frames, each frame encoded and decoded.
+
+Putting the frames of a message back together on the consuming side is broker.transport.reassembly.
 
 RabbitMQ refuses very large messages, so a body over ``limit`` bytes travels as ``total`` chunk frames.
 Every frame is a small msgpack array::
@@ -20,8 +22,8 @@ frame header and the data in one ``join`` (byte-identical to ``msgpack.packb`` o
 :func:`encode_chunk_parts` returns the header and a view of the data for a transport that copies them out
 itself (the RabbitMQ backend: no copy of ours on publish);
 :func:`decode_chunk` parses the small header with msgpack and returns the data as a read-only view of the
-frame (a copy only when the frame is not ``bytes``); :class:`Reassembler` keeps the views until the last
-chunk arrives and joins them into the body. Each side hashes every byte twice with xxh3 (chunk digest,
+frame (a copy only when the frame is not ``bytes``); the reassembler (broker.transport.reassembly) keeps the
+views until the last chunk arrives and joins them into the body. Each side hashes every byte twice with xxh3 (chunk digest,
 then whole-message digest), which costs a fraction of one copy.
 """
 
@@ -29,19 +31,13 @@ from __future__ import annotations
 
 import math
 import struct
-import threading
-import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import msgpack
-import structlog
 import xxhash
 
-from broker._codec_bytes import DIGEST_SIZE, digest
+from broker.wire.blobs import DIGEST_SIZE, digest
 from fedmq.errors import CodecError
-
-log = structlog.get_logger(__name__)
 
 DEFAULT_CHUNK_LIMIT = 8 * 1024 * 1024
 MAGIC = "fedmq-chunk"
@@ -79,12 +75,12 @@ def split(body: bytes, msg_id: str, limit: int = DEFAULT_CHUNK_LIMIT) -> list[Ch
     if not isinstance(limit, int) or limit < 1:
         raise CodecError("bad-chunk-limit", f"chunk limit must be a positive int, got {limit!r}")
     _check_msg_id(msg_id)
-    size = _byte_view(body).nbytes
+    size = byte_view(body).nbytes
     total = max(1, math.ceil(size / limit))
     if total > MAX_TOTAL:
         raise CodecError("too-many-chunks", f"{size} bytes at {limit} bytes per chunk needs {total} > {MAX_TOTAL} chunks")
     whole = digest(body)
-    view = _byte_view(body)
+    view = byte_view(body)
     return [Chunk(msg_id, i, total, size, whole, view[i * limit : (i + 1) * limit]) for i in range(total)]
 
 
@@ -99,10 +95,10 @@ def encode_chunk_parts(chunk: Chunk) -> tuple[bytes, memoryview]:
     """The frame of :func:`encode_chunk` as (everything before the data, a view of the data): no copy.
 
     For a transport that copies the body into its own frames anyway (pika cuts it into 128 KiB AMQP body
-    frames), see ``broker.chunked.ChunkFrame``.
+    frames), see :class:`ChunkFrame`.
     """
     _check_fields(chunk.msg_id, chunk.index, chunk.total, chunk.total_size, chunk.digest, chunk.data)
-    data = _byte_view(chunk.data)
+    data = byte_view(chunk.data)
     cd = _chunk_digest(chunk.msg_id, chunk.index, chunk.total, chunk.total_size, chunk.digest, data)
     head = msgpack.packb(
         [MAGIC, FRAME_VERSION, chunk.msg_id, chunk.index, chunk.total, chunk.total_size, chunk.digest, cd],
@@ -122,7 +118,7 @@ def _bin_header(n: int) -> bytes:
     raise CodecError("bad-chunk", f"chunk data of {n} bytes exceeds msgpack's bin limit")
 
 
-def _byte_view(data: object) -> memoryview:
+def byte_view(data: object) -> memoryview:
     """A flat byte view of a bytes-like ``data``; CodecError for anything else."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise CodecError("bad-chunk", f"chunk data must be bytes, got {type(data).__name__}")
@@ -148,7 +144,7 @@ def decode_chunk(data: bytes) -> Chunk:
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise CodecError("bad-chunk", f"chunk frame must be bytes, got {type(data).__name__}")
-    view = _byte_view(data)
+    view = byte_view(data)
     try:
         up = msgpack.Unpacker(
             raw=False,
@@ -222,14 +218,14 @@ def _check_fields(msg_id: object, index: object, total: object, total_size: obje
         raise CodecError("bad-chunk", f"negative total_size {total_size}")
     if not isinstance(whole, bytes) or len(whole) != DIGEST_SIZE:
         raise CodecError("bad-chunk", "message digest must be 16 bytes")
-    size = _byte_view(payload).nbytes
+    size = byte_view(payload).nbytes
     if size > total_size:  # type: ignore[operator]
         raise CodecError("bad-chunk", f"chunk carries {size} bytes of a {total_size}-byte message")
 
 
-def _chunk_size(chunk: Chunk) -> int:
+def chunk_size(chunk: Chunk) -> int:
     """The uniform chunk size implied by one chunk (all but the last chunk carry exactly this many bytes)."""
-    n, total, size = _byte_view(chunk.data).nbytes, chunk.total, chunk.total_size
+    n, total, size = byte_view(chunk.data).nbytes, chunk.total, chunk.total_size
     if total == 1:
         if n != size:
             raise CodecError("bad-chunk", f"single chunk carries {n} of {size} bytes")
@@ -246,177 +242,58 @@ def _chunk_size(chunk: Chunk) -> int:
     return cs
 
 
-@dataclass
-class _Pending:
-    total: int
-    total_size: int
-    digest: bytes
-    chunk_size: int
-    parts: dict[int, bytes | memoryview]  # index -> data (views of the frames, not copies)
-    last_seen: float
-    sender: str | None = None
+CHUNK_HEADER = "x-fedmq-chunk"  # the AMQP header that marks a message body as a chunk frame
 
 
-class Reassembler:
-    """Collects chunks of many messages at once and returns each body once all its chunks arrived.
+def chunk_messages(body: bytes, message_id: str, limit: int) -> list[bytes] | None:
+    """Encoded chunk frames for ``body``, or None when it fits in one message."""
+    parts = chunk_parts(body, message_id, limit)
+    return None if parts is None else [encode_chunk(c) for c in parts]
 
-    Memory: ``total_size`` bytes are reserved per incomplete message once the limits are checked
-    (``pending_bytes`` is their sum); its chunks' data are kept as they came (views of the frames) and
-    joined into the body, the one copy on this side, when the last one arrives. An incomplete message is dropped ``timeout_s`` after its most
-    recent chunk (checked on every ``add`` and by ``expire``). Ids of finished messages (completed or
-    rejected) are remembered for ``timeout_s`` so late duplicates do not start a new partial message.
-    ``max_pending_per_sender`` (optional) bounds the reserved bytes of one ``sender`` (the aggregator passes
-    each delivery's routing key, which names the agent), so one sender cannot take the whole budget.
-    Thread-safe.
+
+def chunk_parts(body: bytes, message_id: str, limit: int) -> list[Chunk] | None:
+    """The chunks of ``body`` (views of it, not encoded yet), or None when it fits in one message.
+
+    A backend that hands each frame to the network right away encodes a chunk (``encode_chunk``) only when
+    it sends it and drops the frame then: the frames of a 100 MB body are never all in memory, and the
+    allocator reuses one frame's memory for the next instead of faulting in fresh pages for each.
+    """
+    if len(body) <= limit:
+        return None
+    return split(body, message_id, limit)
+
+
+class ChunkFrame:
+    """The encoded frame of a chunk seen as a read-only body: ``len`` and contiguous slices as bytes.
+
+    Made of the frame's header and a view of the chunk's data, never joined: a transport that slices the
+    body into its own frames (pika) copies each slice once, as it would slice a bytes body, so sending a
+    chunk costs no copy beyond what sending an unchunked body costs. ``bytes(frame)`` is the joined frame.
     """
 
-    def __init__(
-        self,
-        *,
-        timeout_s: float = 300.0,
-        max_pending_bytes: int = 2 * 1024**3,
-        max_message_size: int = 1024**3,
-        max_finished: int = 100_000,
-        max_pending_per_sender: int | None = None,
-    ) -> None:
-        self.timeout_s = timeout_s
-        self.max_pending_bytes = max_pending_bytes
-        self.max_pending_per_sender = max_pending_per_sender
-        self._by_sender: dict[str | None, int] = {}  # sender -> bytes reserved by its incomplete messages
-        self.max_message_size = max_message_size
-        self.max_finished = max_finished
-        self._pending: dict[str, _Pending] = {}
-        self._finished: OrderedDict[str, tuple[float, bool]] = OrderedDict()  # msg_id -> (when, completed ok)
-        self._bytes = 0
-        self._lock = threading.Lock()
+    __slots__ = ("head", "data", "_n")
 
-    def add(self, chunk: Chunk, now: float | None = None, sender: str | None = None) -> bytes | None:
-        """Add one chunk; the whole body when the message is complete, else None (also for a duplicate)."""
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            self._expire_locked(now)
-            done = self._finished.get(chunk.msg_id)
-            if done is not None:
-                if done[1]:
-                    return None  # late duplicate of a delivered message
-                raise CodecError("message-dropped", f"message {chunk.msg_id} was already rejected")
-            p = self._pending.get(chunk.msg_id)
-            if p is None:
-                p = self._start(chunk, now, sender)
-                if p is None:
-                    return self._finish(chunk.msg_id, _byte_view(chunk.data).tobytes()
-                                        if not isinstance(chunk.data, bytes) else chunk.data, chunk.digest, now)
-            else:
-                if (chunk.total, chunk.total_size, chunk.digest) != (p.total, p.total_size, p.digest):
-                    self._fail(chunk.msg_id, now)
-                    raise CodecError("inconsistent-chunk", f"chunk {chunk.index} of {chunk.msg_id} disagrees with earlier chunks")
-                if chunk.index in p.parts:
-                    p.last_seen = now
-                    return None
-            expected = min(p.chunk_size, p.total_size - chunk.index * p.chunk_size)
-            data = chunk.data if isinstance(chunk.data, bytes) else _byte_view(chunk.data)
-            if len(data) != expected:
-                self._fail(chunk.msg_id, now)
-                raise CodecError("inconsistent-chunk", f"chunk {chunk.index} of {chunk.msg_id} has {len(data)} bytes, want {expected}")
-            p.parts[chunk.index] = data
-            p.last_seen = now
-            if len(p.parts) < p.total:
-                return None
-            self._release(chunk.msg_id)
-            return self._finish(chunk.msg_id, b"".join(p.parts[i] for i in range(p.total)), p.digest, now)
+    def __init__(self, chunk: Chunk) -> None:
+        self.head, self.data = encode_chunk_parts(chunk)
+        self._n = len(self.head) + self.data.nbytes
 
-    def _start(self, chunk: Chunk, now: float, sender: str | None) -> _Pending | None:
-        """Check limits for a new message; None when it is a single chunk (no buffer needed)."""
-        if chunk.total_size > self.max_message_size:
-            self._remember(chunk.msg_id, now, False)
-            raise CodecError("too-large", f"message {chunk.msg_id} of {chunk.total_size} bytes exceeds {self.max_message_size}")
-        try:
-            cs = _chunk_size(chunk)
-        except CodecError:
-            self._remember(chunk.msg_id, now, False)
-            raise
-        if chunk.total == 1:
-            return None
-        if self._bytes + chunk.total_size > self.max_pending_bytes:
-            # not remembered as failed: the sender may retry once memory frees up
-            raise CodecError("reassembly-full", f"{self._bytes} bytes pending; {chunk.total_size} more exceeds {self.max_pending_bytes}")
-        mine = self._by_sender.get(sender, 0)
-        if self.max_pending_per_sender is not None and mine + chunk.total_size > self.max_pending_per_sender:
-            raise CodecError("reassembly-full", f"{mine} bytes pending from {sender}; {chunk.total_size} more exceeds "
-                                                f"{self.max_pending_per_sender} per sender")
-        p = _Pending(chunk.total, chunk.total_size, chunk.digest, cs, {}, now, sender)
-        self._pending[chunk.msg_id] = p
-        self._bytes += chunk.total_size
-        self._by_sender[sender] = mine + chunk.total_size
-        return p
+    def __len__(self) -> int:
+        return self._n
 
-    def _release(self, msg_id: str) -> _Pending | None:
-        """Forget an incomplete message's reservation (completed, failed or expired)."""
-        p = self._pending.pop(msg_id, None)
-        if p is not None:
-            self._bytes -= p.total_size
-            left = self._by_sender[p.sender] - p.total_size
-            if left:
-                self._by_sender[p.sender] = left
-            else:
-                del self._by_sender[p.sender]
-        return p
+    def __getitem__(self, key: slice) -> bytes:
+        if not isinstance(key, slice):
+            raise TypeError("ChunkFrame supports slices only")
+        start, stop, step = key.indices(self._n)
+        if step != 1:
+            raise ValueError("ChunkFrame supports contiguous slices only")
+        h = len(self.head)
+        if stop <= start:
+            return b""
+        if stop <= h:
+            return self.head[start:stop]
+        if start >= h:
+            return self.data[start - h : stop - h].tobytes()
+        return self.head[start:] + self.data[: stop - h].tobytes()
 
-    def _finish(self, msg_id: str, body: bytes, want: bytes, now: float) -> bytes:
-        if digest(body) != want:
-            self._remember(msg_id, now, False)
-            raise CodecError("bad-digest", f"reassembled message {msg_id} fails its digest")
-        self._remember(msg_id, now, True)
-        return body
-
-    def _fail(self, msg_id: str, now: float) -> None:
-        self._release(msg_id)
-        self._remember(msg_id, now, False)
-
-    def _remember(self, msg_id: str, now: float, ok: bool) -> None:
-        self._finished[msg_id] = (now, ok)
-        self._finished.move_to_end(msg_id)
-        while len(self._finished) > self.max_finished:
-            self._finished.popitem(last=False)
-
-    def expire(self, now: float | None = None) -> list[str]:
-        """Drop incomplete messages whose newest chunk is older than ``timeout_s``; their msg_ids."""
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            return self._expire_locked(now)
-
-    def _expire_locked(self, now: float) -> list[str]:
-        cutoff = now - self.timeout_s
-        dropped = [mid for mid, p in self._pending.items() if p.last_seen < cutoff]
-        for mid in dropped:
-            p = self._release(mid)
-            # not remembered as failed: after a reconnect the broker redelivers every chunk of a confirmed message
-            # (the held ones were unacked), and they must be able to complete it
-            log.warning("chunked message expired", msg_id=mid, received=len(p.parts), total=p.total)
-        while self._finished:
-            mid, (when, _) = next(iter(self._finished.items()))
-            if when >= cutoff:
-                break
-            self._finished.popitem(last=False)
-        return dropped
-
-    def pending_bytes(self) -> int:
-        with self._lock:
-            return self._bytes
-
-    def pending_ids(self) -> set[str]:
-        with self._lock:
-            return set(self._pending)
-
-    def pending_messages(self) -> int:
-        with self._lock:
-            return len(self._pending)
-
-    def is_duplicate(self, chunk: Chunk) -> bool:
-        """True if this chunk was already received (pending message) or its message was already delivered."""
-        with self._lock:
-            done = self._finished.get(chunk.msg_id)
-            if done is not None:
-                return done[1]
-            p = self._pending.get(chunk.msg_id)
-            return p is not None and chunk.index in p.parts
+    def __bytes__(self) -> bytes:
+        return b"".join((self.head, self.data))

@@ -27,11 +27,11 @@ from typing import Any
 
 import structlog
 
-from broker.base import Broker, Delivery, Handler, ReassemblyLimits
-from broker.chunked import CHUNK_HEADER, EXPIRY_CHECK_S, ChunkGate, GatedDispatch, chunk_messages
-from broker.chunking import DEFAULT_CHUNK_LIMIT
-from broker.errors import BrokerError
-from broker.queues import check_publish_args, job_queues
+from broker.transport.base import Broker, Delivery, Handler, ReassemblyLimits
+from broker.transport.errors import BrokerError
+from broker.transport.queues import check_publish_args, job_queues
+from broker.transport.reassembly import EXPIRY_CHECK_S, ChunkGate, GatedDispatch
+from broker.wire.chunk_frames import CHUNK_HEADER, DEFAULT_CHUNK_LIMIT, chunk_messages
 
 log = structlog.get_logger(__name__)
 

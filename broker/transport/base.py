@@ -1,13 +1,15 @@
-"""The Broker interface every transport implements (RabbitMQ via pika, and the in-process broker)."""
+"""The Broker interface every transport implements (RabbitMQ via pika, and the in-process broker), and the
+pull-style Subscription built on it."""
 
 from __future__ import annotations
 
+import collections
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from broker.errors import BrokerError
+from broker.transport.errors import BrokerError
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ class Broker(ABC):
         """Idempotently declare the job's exchange, the aggregator inbox (if ``inbox``) and each agent's queues.
 
         With ``inbox`` it also declares the job's model stream, whose retention ``model_bytes`` (an upper bound
-        on a global-model message) sizes (broker.queues.model_stream_args).
+        on a global-model message) sizes (broker.transport.queues.model_stream_args).
         """
 
     @abstractmethod
@@ -85,28 +87,23 @@ class Broker(ABC):
         max_message_size per message, 4 GiB in all).
         """
 
+    def subscribe(self, queue: str, *, prefetch: int | None = None, offset: Any = None,
+                  only_message: str | None = None, reassembly: ReassemblyLimits | None = None) -> "Subscription":
+        """Consume ``queue`` (arguments as for consume) into a Subscription to take deliveries from."""
+        sub = Subscription(self)
+        sub.add(queue, prefetch=prefetch, offset=offset, only_message=only_message, reassembly=reassembly)
+        return sub
+
     def fetch(self, queue: str, message_id: str, *, offset: Any, timeout: float, prefetch: int = 64) -> Delivery:
         """Read the one message ``message_id`` from the stream ``queue``, starting at ``offset``; BrokerError if
         it has not arrived whole within ``timeout``. The delivery comes back acked (on a stream an ack only
         returns flow-control credit) and the consumer cancelled."""
-        got: list[Delivery] = []
-        done = threading.Event()
-
-        def take(d: Delivery) -> None:
-            if got:
-                self.ack(d)
-                return
-            got.append(d)
-            done.set()
-
-        tag = self.consume(queue, take, prefetch=prefetch, offset=offset, only_message=message_id)
-        try:
-            if not done.wait(timeout):
+        with self.subscribe(queue, prefetch=prefetch, offset=offset, only_message=message_id) as sub:
+            d = sub.next(timeout)
+            if d is None:
                 raise BrokerError(f"model {message_id} not found in {queue!r} within {timeout:.0f} s")
-            self.ack(got[0])
-            return got[0]
-        finally:
-            self.cancel(tag)
+            sub.ack(d)
+            return d
 
     @abstractmethod
     def cancel(self, consumer_tag: str) -> None:
@@ -131,6 +128,71 @@ class Broker(ABC):
         """Close the connection; unacked deliveries are redelivered to other consumers."""
 
     def __enter__(self) -> "Broker":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Subscription:
+    """Pull-style consuming: the deliveries of one or more queues of a Broker, taken in arrival order with next().
+
+    Built on Broker.consume with a handler that only buffers, so the prefetch window of each queue still bounds
+    what is held here unsettled. Ack or reject every delivery taken. close() (or leaving a ``with`` block) cancels
+    the consumers: their unsettled deliveries, those still buffered included, go back to their queues.
+    """
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.tags: list[str] = []  # consumer tags, one per queue added
+        self._buffer: collections.deque[Delivery] = collections.deque()
+        self._cv = threading.Condition()
+        self._closed = False
+
+    def add(self, queue: str, *, prefetch: int | None = None, offset: Any = None, only_message: str | None = None,
+            reassembly: ReassemblyLimits | None = None) -> str:
+        """Consume ``queue`` too (arguments as for Broker.consume), into the same buffer; its consumer tag."""
+        tag = self.broker.consume(queue, self._put, prefetch=prefetch, offset=offset, only_message=only_message,
+                                  reassembly=reassembly)
+        self.tags.append(tag)
+        return tag
+
+    def _put(self, delivery: Delivery) -> None:
+        with self._cv:
+            if not self._closed:  # else its consumer is cancelled and the broker takes it back
+                self._buffer.append(delivery)
+                self._cv.notify()
+
+    def next(self, timeout: float | None) -> Delivery | None:
+        """The next delivery, waiting at most ``timeout`` s (None: for as long as it takes); None if none came
+        or the subscription is closed."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._buffer or self._closed, timeout)
+            return self._buffer.popleft() if self._buffer and not self._closed else None
+
+    def ack(self, delivery: Delivery) -> None:
+        self.broker.ack(delivery)
+
+    def reject(self, delivery: Delivery, *, requeue: bool = False) -> None:
+        self.broker.reject(delivery, requeue=requeue)
+
+    def qsize(self) -> int:
+        """Deliveries buffered now, not yet taken with next() (the backlog)."""
+        with self._cv:
+            return len(self._buffer)
+
+    def close(self) -> None:
+        """Cancel the consumers; the buffered deliveries are dropped here and redelivered by the broker."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._buffer.clear()
+            self._cv.notify_all()
+        for tag in self.tags:
+            self.broker.cancel(tag)
+
+    def __enter__(self) -> "Subscription":
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pika
 
-from broker.errors import BrokerError
+from broker.transport.errors import BrokerError
 
 
 @dataclass(frozen=True)

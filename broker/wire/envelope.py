@@ -23,7 +23,7 @@ from enum import Enum
 import msgpack
 import zstandard as zstd
 
-from broker._codec_bytes import DIGEST_SIZE, digest, digest_of
+from broker.wire.blobs import DIGEST_SIZE, digest, digest_of
 from fedmq.errors import CodecError
 
 SCHEMA_VERSION = 1

@@ -1,6 +1,6 @@
 """The fedmq protocol: what each message kind carries, and strict validation of received payloads.
 
-Every message is an Envelope (broker/envelope.py); this module fixes the payload of each kind:
+Every message is an Envelope (broker/wire/envelope.py); this module fixes the payload of each kind:
 
 - presence  agent -> inbox   {"state": "online"|"offline", "holds": model version held (-1 none)}
 - model     aggregator -> the job's model stream, once per version and form (not per agent)
@@ -29,8 +29,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from broker.encodings import EncodingSpec
-from broker.envelope import Envelope, Kind, Limits, pack, unpack
+from broker.wire.encodings import EncodingSpec
+from broker.wire.envelope import Envelope, Kind, Limits, pack, unpack
 from fedmq.errors import CodecError
 from fedmq.pulling import MODES, SHARES
 

@@ -1,0 +1,210 @@
+"""Publishing of the RabbitMQ backend: a channel in confirm mode, ``mandatory``, persistent, ``user_id`` = this
+connection's user.
+
+The chunks of one message are pipelined (up to PIPELINE in flight; each frame is encoded only when sent, from
+views of the body, see pika_private.publish_frame) and their acks, nacks and returns tracked per delivery tag; a
+publish stays at the head of the command queue until every part is confirmed, so after a lost connection the
+unconfirmed parts are republished (a duplicate is possible and harmless: chunks are deduplicated by the
+reassembler, updates by their id in the aggregator). A nacked publish is retried on a new channel until its
+deadline; a publish with no confirm for ``confirm_stall_s`` goes out again on a new channel.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pika
+import pika.exceptions as pe
+import structlog
+
+from broker.transport import pika_private
+from broker.transport.errors import BrokerError
+from broker.transport.queues import check_publish_args
+from broker.transport.topology import EXCHANGE
+from broker.wire.chunk_frames import CHUNK_HEADER, Chunk, ChunkFrame, chunk_parts
+
+log = structlog.get_logger(__name__)
+
+PIPELINE = 8  # chunk messages of one publish in flight before waiting for confirms
+
+
+def _noop() -> None:
+    pass
+
+
+@dataclass
+class _Publish:
+    routing_key: str
+    parts: list[tuple[bytes | Chunk, pika.BasicProperties]]  # a Chunk is encoded when sent
+    deadline: float
+    message_id: str
+    confirmed: set[int] = field(default_factory=set)
+    nacked: set[int] = field(default_factory=set)
+    returned: bool = False
+
+
+class RabbitPublishing:
+    """publish() and the publishing channel, for RabbitBroker (runs on its I/O thread, broker.transport.rabbit_io).
+
+    The broker provides ``user``, ``chunk_limit``, ``publish_timeout``, ``connect_timeout``, ``confirm_stall_s``,
+    and from RabbitIo ``_conn``, ``_blocked`` and ``_submit``."""
+
+    user: str
+    chunk_limit: int
+    publish_timeout: float
+    connect_timeout: float
+    confirm_stall_s: float
+    _conn: Any
+    _blocked: bool
+    _submit: Callable[..., Any]
+
+    def _init_publishing(self) -> None:
+        self._pub_ch: Any = None
+        self._pub_seq = 0
+        self._pub_pending: dict[int, tuple[_Publish, int]] = {}  # delivery tag -> (publish, part)
+
+    def publish(self, routing_key: str, body: bytes, *, message_id: str | None = None,
+                headers: dict[str, Any] | None = None, timeout: float | None = None) -> None:
+        check_publish_args(routing_key, body)
+        message_id = message_id or uuid.uuid4().hex
+        frames = chunk_parts(body if isinstance(body, bytes) else bytes(body), message_id, self.chunk_limit)
+        base = dict(headers or {})
+
+        def props(h: dict[str, Any]) -> pika.BasicProperties:
+            return pika.BasicProperties(delivery_mode=2, message_id=message_id, user_id=self.user,
+                                        headers=h or None, timestamp=int(time.time()))
+
+        if frames is None:
+            parts = [(body, props(base))]
+        else:
+            parts = [(f, props({**base, CHUNK_HEADER: 1})) for f in frames]
+        timeout = timeout or self.publish_timeout
+        job = _Publish(routing_key, parts, time.monotonic() + timeout, message_id)
+        self._submit(lambda b: b._publish_now(job), timeout, f"publish to {routing_key!r}")
+
+    def _open_pub_channel(self) -> Any:
+        """A confirm-mode channel whose acks/nacks/returns we track ourselves, so chunks can be pipelined."""
+        assert self._conn is not None
+        ch = self._conn.channel()
+        pika_private.check(self._conn, ch)
+        ready: list[bool] = []
+        pika_private.enable_confirms(ch, on_confirm=lambda f: self._on_confirm(f),  # looked up per confirm
+                                     on_ready=lambda _f: ready.append(True), on_return=self._on_return)
+        deadline = time.monotonic() + self.connect_timeout * 2
+        while not ready:
+            if time.monotonic() > deadline or not ch.is_open:
+                raise pe.AMQPConnectionError("could not enable publisher confirms")
+            self._conn.process_data_events(time_limit=0.05)
+        self._pub_ch, self._pub_seq = ch, 0
+        self._pub_pending.clear()
+        return ch
+
+    def _on_confirm(self, frame: Any) -> None:
+        if self._pub_ch is None or frame.channel_number != self._pub_ch.channel_number:
+            return  # a late confirm from a channel given up on: its delivery tags are not this channel's
+        m = frame.method
+        ok = isinstance(m, pika.spec.Basic.Ack)
+        seqs = [s for s in self._pub_pending if s <= m.delivery_tag] if m.multiple else [m.delivery_tag]
+        for seq in seqs:
+            entry = self._pub_pending.pop(seq, None)
+            if entry is not None:
+                (entry[0].confirmed if ok else entry[0].nacked).add(entry[1])
+        self._poke()
+
+    def _poke(self) -> None:
+        """Make the running process_data_events return now (a confirm is not an event it waits for)."""
+        if self._conn is not None:
+            self._conn.call_later(0, _noop)
+
+    def _on_return(self, _ch: Any, _method: Any, props: Any, _body: bytes) -> None:
+        for job, _ in self._pub_pending.values():
+            if job.message_id == props.message_id:
+                job.returned = True
+        self._poke()
+
+    def _publish_now(self, job: _Publish) -> None:
+        """Publish every unconfirmed part of ``job`` (up to PIPELINE parts in flight) and await their confirms."""
+        while True:
+            todo = [i for i in range(len(job.parts)) if i not in job.confirmed]
+            if not todo:
+                return
+            ch = self._pub_ch if self._pub_ch is not None and self._pub_ch.is_open else self._open_pub_channel()
+            job.nacked.clear()
+            assert self._conn is not None
+            progress, done = time.monotonic(), len(job.confirmed)
+            while todo or any(j is job for j, _ in self._pub_pending.values()):
+                inflight = sum(1 for j, _ in self._pub_pending.values() if j is job)
+                if todo and inflight < PIPELINE and not job.returned:
+                    i = todo.pop(0)
+                    data, props = job.parts[i]
+                    self._pub_seq += 1
+                    self._pub_pending[self._pub_seq] = (job, i)
+                    try:
+                        if isinstance(data, Chunk):
+                            pika_private.publish_frame(ch, EXCHANGE, job.routing_key, ChunkFrame(data), props)
+                        else:
+                            pika_private.publish(ch, EXCHANGE, job.routing_key, data, props)
+                    except pe.ChannelWrongStateError:
+                        pass  # the channel was closed by the broker: reported below
+                    if len(job.parts) > 1:  # write this chunk now, so the broker works on it while we encode the next
+                        self._conn.process_data_events(time_limit=0)
+                    continue
+                if job.returned and inflight == 0:
+                    break
+                if ch.is_closed:
+                    reason = pika_private.closing_reason(ch)
+                    self._pub_ch = None
+                    self._forget(job)
+                    code = getattr(reason, "reply_code", "")
+                    raise BrokerError(f"publish to {job.routing_key!r} refused by the broker: {code} "
+                                      f"{getattr(reason, 'reply_text', reason)}".replace("  ", " "))
+                if time.monotonic() > job.deadline:
+                    self._forget(job)
+                    raise BrokerError(f"publish to {job.routing_key!r} not confirmed in time")
+                if len(job.confirmed) > done:
+                    progress, done = time.monotonic(), len(job.confirmed)
+                elif time.monotonic() - progress > self.confirm_stall_s and not self._blocked:  # blocked: held
+                    self._abandon_pub_channel(job)
+                    break
+                self._conn.process_data_events(time_limit=0.05)
+            if job.returned:
+                self._forget(job)
+                raise BrokerError(f"message to {job.routing_key!r} is unroutable: no queue is bound to it")
+            if job.nacked:
+                # transient right after a restart (queue leader not elected yet): retry until the deadline, on a
+                # new channel: after a failover a channel can nack every publish to a quorum queue whose leader
+                # moved (seen in the 3-node test for over a minute), while a new one reaches the new leader
+                if time.monotonic() + 0.5 >= job.deadline:
+                    raise BrokerError(f"the broker refused (nacked) the message to {job.routing_key!r}")
+                log.info("publish nacked; retrying on a new channel", routing_key=job.routing_key,
+                         parts=len(job.nacked))
+                self._drop_pub_channel()
+                self._conn.sleep(0.5)
+
+    def _abandon_pub_channel(self, job: _Publish) -> None:
+        """No confirm for confirm_stall_s on a live connection: a confirm lost in a quorum queue's leader change
+        would otherwise hold the I/O thread (and every command behind this one) until the publish deadline.
+        The unconfirmed parts go out again on a new channel: at least once, and receivers drop duplicates by
+        message id (chunks by message id and index)."""
+        log.warning("publish not confirmed; publishing again on a new channel", routing_key=job.routing_key,
+                    unconfirmed=len(job.parts) - len(job.confirmed), after_s=self.confirm_stall_s)
+        self._forget(job)
+        self._drop_pub_channel()
+
+    def _drop_pub_channel(self) -> None:
+        """Close the publishing channel without waiting for close-ok (the broker's side may be the stuck part);
+        the next publish opens a new one. Confirms still arriving on it are ignored (see _on_confirm)."""
+        ch, self._pub_ch = self._pub_ch, None
+        if ch is None:
+            return
+        try:
+            pika_private.close_now(ch)
+        except Exception:  # already closing or closed
+            pass
+
+    def _forget(self, job: _Publish) -> None:
+        for seq in [s for s, (j, _) in self._pub_pending.items() if j is job]:
+            del self._pub_pending[seq]
