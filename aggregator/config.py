@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +78,7 @@ class JobConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._check_types()
         self.strategy = STRATEGY_ALIASES.get(self.strategy, self.strategy)
         if self.encoding == "auto":
             self.encoding = "raw" if self.pull_down else "delta+bf16"
@@ -86,16 +88,21 @@ class JobConfig:
         def bad(msg: str) -> None:
             raise JobConfigError(msg)
 
+        from broker.transport.topology import check_name
         from broker.wire.encodings import EncodingSpec
         from fedmq.errors import CodecError
+
+        self._check_types()
+        try:
+            check_name("job id", self.job)
+        except ValueError as exc:
+            bad(str(exc))
 
         for name in ("encoding", "down_encoding"):
             try:
                 EncodingSpec.parse(getattr(self, name))
             except CodecError as exc:
                 bad(f"{name.replace('_', '-')}: {exc}")
-        if not isinstance(self.error_feedback, bool):
-            bad(f"error_feedback must be true or false, got {self.error_feedback!r}")
         if self.strategy not in STRATEGIES and not is_import_path(self.strategy):
             bad(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)} or package.module:Class")
         if self.rounds < 1:
@@ -117,14 +124,16 @@ class JobConfig:
                 "cannot be deltas; use an encoding without delta+")
         if self.min_clients < 1:
             bad("min-clients must be at least 1")
-        for name in ("epochs", "batch_size", "async_k", "keyframe_every"):
+        for name in ("epochs", "batch_size", "async_k", "keyframe_every", "eval_every"):
             if getattr(self, name) < 1:
                 bad(f"{name.replace('_', '-')} must be at least 1")
-        for name in ("lr", "report_deadline_s", "update_deadline_s", "heartbeat_s"):
+        for name in ("lr", "report_deadline_s", "update_deadline_s", "join_timeout_s", "heartbeat_s", "att_eps",
+                     "server_lr", "lr_decay"):
             if not getattr(self, name) > 0:
                 bad(f"{name.replace('_', '-')} must be positive")
-        if self.noise < 0 or self.loss_eps < 0 or self.max_staleness < 0:
-            bad("noise, loss-eps and max-staleness must not be negative")
+        for name in ("noise", "loss_eps", "max_staleness", "momentum", "clip", "max_steps", "seed"):
+            if getattr(self, name) < 0:
+                bad(f"{name.replace('_', '-')} must not be negative")
         for name in ("max_samples_factor", "norm_bound_factor"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
@@ -145,6 +154,19 @@ class JobConfig:
             bad(f"robust guard {self.robust!r}: use none, clip:NORM (NORM > 0), trimmed:FRAC (0 <= FRAC < 0.5) or median")
         if not (self.identity == "strict" or (self.identity.startswith("shared:") and len(self.identity) > 7)):
             bad("identity must be strict or shared:USER")
+
+    def _check_types(self) -> None:
+        """Every field of the type it is declared with (a job file's JSON can hold anything): ints are ints, not
+        bools; numbers are finite; ``extra`` is an object."""
+        kinds = {"int": (int, "an integer"), "float": ((int, float), "a number"), "bool": (bool, "true or false"),
+                 "str": (str, "a string"), "dict[str, Any]": (dict, "an object")}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            kind, words = kinds[f.type]
+            if (isinstance(value, bool) and f.type != "bool") or not isinstance(value, kind):
+                raise JobConfigError(f"{f.name.replace('_', '-')} must be {words}, got {value!r}")
+            if f.type == "float" and not math.isfinite(value):
+                raise JobConfigError(f"{f.name.replace('_', '-')} must be finite, got {value!r}")
 
     @property
     def strategy_class(self) -> type[Strategy]:

@@ -53,7 +53,9 @@ class Strategy(ABC):
     local training the agents run) and ``from_config`` (the strategy built from the job's settings each round).
     The aggregation streams: ``begin`` with θ_r, ``fold`` each update as it arrives, ``finish`` -> θ_{r+1}.
     Memory is a small fixed number of model-sized buffers, whatever the number of folded updates.
-    ``finish`` with no folded update returns θ_r unchanged.
+    ``finish`` with no folded update returns θ_r unchanged. A strategy is built afresh for every round
+    (``from_config``) and keeps nothing between rounds: what must outlive one (FedMed's loss switch) is the
+    engine's, in its checkpoint.
     """
 
     name: ClassVar[str]
@@ -89,13 +91,6 @@ class Strategy(ABC):
     def client_weights(self) -> dict[str, float]:
         """Per-client weight summary of the last aggregation (mean over tensors), for metrics and plots."""
         return dict(self._last_weights)
-
-    def state_dict(self) -> dict:
-        """What a checkpoint must keep between rounds (most strategies keep nothing)."""
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        return None
 
 
 def aggregate(make: Callable[..., Strategy], global_state: Mapping[str, torch.Tensor],

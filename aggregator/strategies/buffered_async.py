@@ -81,9 +81,3 @@ class BufferedAsync(FedAvg):
     def finish(self) -> State:
         self._count = 0
         return super().finish()
-
-    def state_dict(self) -> dict:
-        return {"dropped": self.dropped}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.dropped = int(state.get("dropped", 0))

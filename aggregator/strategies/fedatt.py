@@ -74,10 +74,3 @@ class FedAtt(SoftmaxWeighted):
             noise = torch.randn(t.shape, generator=self._gen, dtype=torch.float32)
             return t.float() - noise.mul_(self.beta * self.sigma)
         return t
-
-    def state_dict(self) -> dict:
-        return {"generator": self._gen.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        if "generator" in state:
-            self._gen.set_state(state["generator"])

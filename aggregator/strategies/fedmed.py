@@ -1,4 +1,4 @@
-"""FedMed adaptive aggregation (Wu et al. 2020), folded one client at a time, plus the mediator's mode switch.
+"""FedMed adaptive aggregation (Wu et al. 2020), folded one client at a time.
 
 Per tensor l: JS_k = JS(softmax(θ^l.flatten()) ‖ softmax(θ_k^l.flatten())) with natural logarithms (so
 0 ≤ JS ≤ ln 2), γ_k = softmax_k(JS_k) kept with a running log-sum-exp, and
@@ -8,8 +8,8 @@ Per tensor l: JS_k = JS(softmax(θ^l.flatten()) ‖ softmax(θ_k^l.flatten())) w
 η defaults to 1.0 (the paper gives no server step size for FedMed): the new model is then a convex
 combination of the client models, the same scale as the FedAvg rounds the loss switch alternates with.
 
-``mode`` is what the mediator's loss switch picked for the round ("adaptive" or "fedavg"); set it with
-``set_mode`` before ``begin``. In "fedavg" mode the round is plain n_k-weighted FedAvg.
+The mediator's loss switch (aggregator.mediator) picks, each round, this adaptive aggregation or plain FedAvg:
+the plan's ``loss_switch`` has the engine run a FedAvg round when it says so (aggregator.sync_round).
 
 ``js = "standardised"`` (the default) departs from the paper's literal γ_k = softmax_k(JS_k): with a softmax of
 each flattened layer, JS between a client and the global model is ~1e-6 nats and varies between clients by less
@@ -30,13 +30,11 @@ import torch
 
 from aggregator.strategies._common import full_tensor
 from aggregator.strategies.base import ClientUpdate, RoundPlan, State
-from aggregator.strategies.fedavg import FedAvg
 from aggregator.strategies.softmax_weighted import SoftmaxWeighted
 from broker.wire.messages import RoundConfig
 from fedmq.checks import check_number
 from fedmq.errors import BadParameter, StrategyError
 
-MODES = ("adaptive", "fedavg")
 JS_WEIGHTS = ("standardised", "raw")
 _CHUNK = 1 << 20
 _LN2 = math.log(2.0)
@@ -75,7 +73,7 @@ class FedMed(SoftmaxWeighted):
     def configure_train(cls, train: RoundConfig) -> RoundConfig:
         return dataclasses.replace(train, tail_loss=True)
 
-    def __init__(self, eta: float = 1.0, mode: str = "adaptive", js: str = "standardised",
+    def __init__(self, eta: float = 1.0, js: str = "standardised",
                  temperatures: Mapping[str, float] | None = None) -> None:
         super().__init__()
         self.eta = self.step_size = check_number("eta", eta, low=0.0, low_open=True)
@@ -84,21 +82,10 @@ class FedMed(SoftmaxWeighted):
         self.js = js
         # standardised: None on the first pass (scores only), then the per-layer sd of JS over the round
         self.temperatures = None if temperatures is None else {k: float(v) for k, v in temperatures.items()}
-        self.mode = "adaptive"
-        self.set_mode(mode)
-        self._fedavg = FedAvg()
-        self._active_mode = self.mode
 
     @property
     def _scoring_only(self) -> bool:
-        return self._active_mode == "adaptive" and self.js == "standardised" and self.temperatures is None
-
-    def set_mode(self, mode: str) -> None:
-        if mode not in MODES:
-            raise BadParameter(f"fedmed mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if getattr(self, "_global", None) is not None:
-            raise StrategyError("fedmed: set_mode must be called before begin(), not inside a round")
-        self.mode = mode
+        return self.js == "standardised" and self.temperatures is None
 
     def score(self, name: str, update: ClientUpdate) -> float:
         g = self._global
@@ -119,38 +106,13 @@ class FedMed(SoftmaxWeighted):
             temps[name] = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
         return {"temperatures": temps}
 
-    def begin(self, global_state: Mapping[str, torch.Tensor]) -> None:
-        self._active_mode = self.mode
-        if self._active_mode == "fedavg":
-            self._global = global_state
-            self._fedavg.begin(global_state)
-        else:
-            super().begin(global_state)
-
     def fold(self, update: ClientUpdate) -> None:
-        if self._active_mode == "fedavg" and self._global is not None:
-            self._fedavg.fold(update)
-        elif self._scoring_only:  # first pass: JS scores only, the weighted sum comes on the second pass
+        if self._scoring_only:  # first pass: JS scores only, the weighted sum comes on the second pass
             self.score_only(update)
         else:
             super().fold(update)
 
-    def _finish(self) -> State:
-        if self._active_mode == "fedavg" and self._global is not None:
-            out = self._fedavg.finish()
-            self._last_weights = self._fedavg.client_weights()
-            self._global = None
-            return out
-        return super().finish()
-
     def finish(self) -> State:
         if self._scoring_only and self._global is not None:
             raise StrategyError("fedmed: standardised JS weights need the second pass (second_pass) before finish")
-        return self._finish()
-
-    def state_dict(self) -> dict:
-        return {"mode": self.mode}
-
-    def load_state_dict(self, state: dict) -> None:
-        if "mode" in state:
-            self.set_mode(state["mode"])
+        return super().finish()

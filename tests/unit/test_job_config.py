@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from aggregator.config import JobConfig, JobConfigError
@@ -57,3 +59,23 @@ def test_fedsgd_is_one_full_batch_step_on_every_client():
     assert cfg.full_batch and cfg.epochs == 1 and cfg.max_steps == 0
     assert JobConfig(strategy="fedsgd", clients=7, fraction=0.1).selected_count() == 7
     assert not JobConfig(strategy="fedavg", epochs=5).round_config().full_batch
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"rounds": "5"}, "rounds must be an integer, got '5'"),
+    ({"clients": True}, "clients must be an integer, got True"),
+    ({"lr": float("inf")}, "lr must be finite"),
+    ({"lr": "fast"}, "lr must be a number"),
+    ({"strategy": ["fedavg"]}, "strategy must be a string"),
+    ({"error_feedback": 1}, "error-feedback must be true or false"),
+    ({"extra": []}, "extra must be an object"),
+    ({"job": "a b"}, "bad job id 'a b'"),
+    ({"momentum": -0.5}, "momentum must not be negative"),
+    ({"eval_every": 0}, "eval-every must be at least 1"),
+    ({"server_lr": 0.0}, "server-lr must be positive"),
+    ({"encoding": "no-such-encoding"}, "encoding"),
+])
+def test_job_config_validates_everything_it_holds(values, message):
+    """A job file's JSON can hold anything: every field is checked for its type and range, one line each."""
+    with pytest.raises(JobConfigError, match=re.escape(message)):
+        JobConfig.from_dict(values)

@@ -13,7 +13,6 @@ from aggregator.strategies.base import ClientUpdate, aggregate
 from aggregator.strategies.dynamic_pull import DynamicPull
 from aggregator.strategies.fedatt import FedAtt
 from aggregator.strategies.fedavg import FedAvg
-from aggregator.strategies.fedmed import FedMed
 from aggregator.strategies.registry import STRATEGY_NAMES, make_strategy
 from aggregator.strategies.robust import ClippedFedAvg
 
@@ -37,14 +36,13 @@ def random_round(seed: int = 0, k: int = 5):
     return glob, ups
 
 
-STRATEGIES = [*STRATEGY_NAMES, "fedatt-spectral", "fedatt-noise", "fedmed-fedavg", "fedavg-clip-tight"]
+STRATEGIES = [*STRATEGY_NAMES, "fedatt-spectral", "fedatt-noise", "fedavg-clip-tight"]
 
 
 def maker(name: str):
     """A factory taking a second pass's parameters (FedMed's standardised JS asks for one)."""
     return {"fedatt-spectral": lambda **kw: FedAtt(norm="spectral", **kw),
             "fedatt-noise": lambda **kw: FedAtt(beta=0.01, seed=4, **kw),
-            "fedmed-fedavg": lambda **kw: FedMed(mode="fedavg", **kw),
             "fedavg-clip-tight": lambda **kw: ClippedFedAvg(clip_norm=1.0, **kw)}.get(
                 name, lambda **kw: make_strategy(name, **kw))
 

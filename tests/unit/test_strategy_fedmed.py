@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from aggregator.strategies.base import ClientUpdate, aggregate
 from aggregator.strategies.fedmed import FedMed, js_divergence
-from fedmq.errors import BadParameter, StrategyError
+from fedmq.errors import StrategyError
 
 LN3 = math.log(3.0)
 
@@ -58,14 +58,6 @@ def test_eta_scales_the_step():
     torch.testing.assert_close(out["w"], torch.tensor([0.2792973, 0.0]))
 
 
-def test_fedavg_mode_is_plain_weighted_average():
-    s = FedMed()
-    s.set_mode("fedavg")
-    # (3·[0,0] + 1·[4,8]) / 4 = [1, 2]
-    out = run(s, {"w": torch.zeros(2)}, [ClientUpdate("a", 3, {"w": torch.zeros(2)}), ClientUpdate("b", 1, {"w": torch.tensor([4.0, 8.0])})])
-    assert torch.equal(out["w"], torch.tensor([1.0, 2.0]))
-    assert s.client_weights() == {"a": 0.75, "b": 0.25}
-
 
 def test_streaming_equals_batch_in_any_order():
     gen = torch.Generator().manual_seed(1)
@@ -80,15 +72,6 @@ def test_streaming_equals_batch_in_any_order():
         for k in glob:
             torch.testing.assert_close(out[k].double(), ref[k], rtol=1e-5, atol=1e-6)
 
-
-def test_mode_is_validated_and_fixed_within_a_round():
-    with pytest.raises(BadParameter, match="mode"):
-        FedMed(mode="median")
-    s = FedMed()
-    s.begin({"w": torch.zeros(2)})
-    with pytest.raises(StrategyError, match="before begin"):
-        s.set_mode("fedavg")
-    assert s.mode == "adaptive"
 
 
 def _two_pass(glob, updates, **kw):
