@@ -31,7 +31,8 @@ _EXPORTS = {
     "Progress": "fedmq.tasks.base", "model_state": "fedmq.tasks.base", "load_state": "fedmq.tasks.base",
     # what a strategy is made of (the aggregator's interface)
     "Strategy": "aggregator.strategies.base", "ClientUpdate": "aggregator.strategies.base",
-    "State": "aggregator.strategies.base",
+    "State": "aggregator.strategies.base", "RoundPlan": "aggregator.strategies.base",
+    "RoundConfig": "broker.wire.messages",
     # running a job
     "JobConfig": "aggregator.config", "Simulation": "cli.simulate",
     # errors: one line for the user

@@ -67,7 +67,7 @@ class RoundConfig:
     tail_loss: bool  # also report the loss at the end of local training (FedMed's top-K ranks by it)
     seed: int
     # the upload
-    encoding: str  # broker.encodings.EncodingSpec syntax
+    encoding: str  # broker.wire.encodings.EncodingSpec syntax
     noise: float  # FedAtt Eq. 6: noise·N(0, 1) added to the weights before upload
     error_feedback: bool  # sparsified deltas: keep what the upload left out for the next one
     pull: str  # which tensors go up: all, or a dynamic-pulling rule (fedmq.pulling.MODES)

@@ -20,6 +20,7 @@ with the module on their Python path.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -88,9 +89,17 @@ class TwoMoons(fedmq.Task):
 
 
 class UniformMean(fedmq.Strategy):
-    """θ = mean_k θ_k, every client counted once (FedAvg: Σ n_k θ_k / Σ n_k). Streaming: one running sum."""
+    """θ = mean_k θ_k, every client counted once (FedAvg: Σ n_k θ_k / Σ n_k). Streaming: one running sum.
+
+    It owns its round as well (Flower's configure_train): its ``plan`` has every client train each round,
+    whatever the job's fraction C, and ``configure_train`` asks each for two local epochs."""
 
     name = "uniform-mean"
+    plan = fedmq.RoundPlan(select_all=True)
+
+    @classmethod
+    def configure_train(cls, train: fedmq.RoundConfig) -> fedmq.RoundConfig:
+        return dataclasses.replace(train, epochs=2)
 
     def begin(self, global_state: Mapping[str, torch.Tensor]) -> None:
         self.base = global_state
@@ -113,7 +122,7 @@ class UniformMean(fedmq.Strategy):
 
 
 def main(run_dir: Path) -> dict:
-    cfg = fedmq.JobConfig(job="byo", strategy=f"{__name__}:UniformMean", rounds=5, clients=8, fraction=1.0,
+    cfg = fedmq.JobConfig(job="byo", strategy=f"{__name__}:UniformMean", rounds=5, clients=8, fraction=0.25,
                           lr=0.5, batch_size=16)
     summary = fedmq.Simulation(cfg, TwoMoons(clients=8), run_dir=run_dir).run()
     print(f"accuracy after {summary['rounds_completed']} rounds: valid {summary['best_valid']:.3f} "

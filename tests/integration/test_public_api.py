@@ -39,7 +39,7 @@ def test_the_example_runs_from_python_and_learns(tmp_path):
     assert summary["strategy"] == "bring_your_own:UniformMean"
     assert summary["best_valid"] > max(0.75, chance + 0.15), (chance, summary["best_valid"])
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 5 and all(len(r["received"]) == 8 for r in rows)
+    assert len(rows) == 5 and all(len(r["received"]) == 8 for r in rows)  # its plan: all 8, not C = 0.25 of them
     assert all(set(r["weights"].values()) == {1 / 8} for r in rows)  # the strategy's own weights: uniform
 
 
