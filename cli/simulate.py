@@ -20,6 +20,7 @@ from aggregator.config import JobConfig
 from aggregator.engine import Engine
 from broker.transport import topology
 from broker.transport.connect import connect
+from broker.transport.memory import MemoryBroker
 from broker.transport.urls import url_user
 from client_agent.agent import Agent, AgentLog
 from client_agent.availability import parse_availability, parse_faults
@@ -125,6 +126,8 @@ class Simulation:
             deadline = time.time() + 10
             for t in started:
                 t.join(timeout=max(deadline - time.time(), 0.1))
+            if isinstance(agg_broker, MemoryBroker):  # the in-process hub outlives the run: leave nothing there
+                agg_broker.purge_job(cfg.job)
             agg_broker.close()
             if not memory and not self.keep_queues:
                 self._delete_queues([a.client for a in agents])

@@ -182,6 +182,16 @@ class _Hub:
                     self.bindings.append((b, name))
                     self._routes.clear()
 
+    def delete_queues(self, prefix: str) -> list[str]:
+        """Delete every queue whose name starts with ``prefix``, with its bindings; the names deleted."""
+        with self.lock:
+            gone = [name for name in self.queues if name.startswith(prefix)]
+            for name in gone:
+                del self.queues[name]
+            self.bindings = [(p, q) for p, q in self.bindings if q not in gone]
+            self._routes.clear()
+            return gone
+
     def route(self, routing_key: str) -> list[_Queue]:
         """The queues bound to ``routing_key``, cached per key: a federation of K agents has 2K bindings, and
         every heartbeat is a publish (the cache is cleared when a queue or binding is added)."""
@@ -271,6 +281,12 @@ class MemoryBroker(GatedDispatch, Broker):
         self._inbox: queue_mod.Queue = queue_mod.Queue()
         self._thread = threading.Thread(target=self._dispatch_loop, name=f"fedmq-memory-dispatch-{name}", daemon=True)
         self._thread.start()
+
+    def purge_job(self, job: str) -> list[str]:
+        """Delete the job's queues from this hub (provision.purge's counterpart); the names deleted. The hub lives
+        as long as the process: a simulation purges its job at the end, so a later run of the same job does not
+        read this one's leftovers (its agents' goodbyes would look like the new run's selected agents leaving)."""
+        return self._hub.delete_queues(f"fedmq.{job}.")
 
     # ---- publishing ---------------------------------------------------------------------------------
     def declare_job(self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True,

@@ -228,3 +228,29 @@ def test_config_file_run_then_resume_from_the_saved_options_alone(tmp_path):
                           text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "does not fit" in proc.stderr and [r["round"] for r in rows(run)] == [1, 2]
+
+
+def test_a_second_run_of_the_same_job_in_one_process_starts_clean(tmp_path):
+    """The in-process hub lives as long as the process: a run of the same job after another (the experiments' seeds)
+    must not read the first run's leftovers. Before the purge, in `scripts/reproduce.py table2 --seeds 0,1` (K = 20)
+    the first run's last heartbeats and goodbyes were still in the inbox: the second run counted the old agents
+    online, selected at once, then took their goodbyes for its selected agents leaving, and closed round 1 with no
+    update (every seed after the first lost a round). How many leftovers a run leaves depends on timing; what the
+    fix guarantees does not: the job's queues are gone after each run, and the next run's rounds are whole."""
+    from aggregator.config import JobConfig
+    from broker.transport.connect import connect
+    from cli.simulate import Simulation
+    from fedmq.tasks.lm import LanguageModelTask
+
+    task = LanguageModelTask(data="builtin", model="gru-tiny", clients=4, max_lines=300, vocab_size=300, bptt=10)
+    for seed in (0, 1):
+        cfg = JobConfig(job="same", rounds=2, clients=4, fraction=0.5, join_timeout_s=20, seed=seed,
+                        encoding="raw", down_encoding="raw", max_steps=2)
+        Simulation(cfg, task, "memory://same-hub", tmp_path / f"seed-{seed}").run()
+        first = rows(tmp_path / f"seed-{seed}")[0]
+        assert not first["skipped"] and len(first["received"]) == 2, first
+    probe = connect("memory://same-hub")
+    try:
+        assert probe.purge_job("same") == []  # nothing of the job left behind
+    finally:
+        probe.close()
