@@ -29,18 +29,18 @@ def box(ax, x, y, w, h, title, body, color):
 def layers(ax):
     ax.set_title("Layers: each imports only those below it (aggregator and client_agent: never each other)",
                  fontsize=10)
-    box(ax, 0.03, 0.80, 0.44, 0.17, "cli", "fedmq simulate | aggregator run | agent run\nreport, status, "
+    box(ax, 0.03, 0.86, 0.94, 0.12, "cli", "fedmq simulate | aggregator run | agent run | report, status, "
         "telemetry; Simulation", GREY)
-    box(ax, 0.53, 0.80, 0.44, 0.17, "benchmarks", "fedmq bench …, fedmq experiment …\n(cli hands in Simulation "
+    box(ax, 0.03, 0.71, 0.94, 0.12, "benchmarks", "fedmq bench …, fedmq experiment … (cli hands in Simulation "
         "and report)", GREY)
-    box(ax, 0.03, 0.53, 0.44, 0.22, "aggregator", "engine, sync round, async rounds,\ninbox, spool, mediator, "
+    box(ax, 0.03, 0.46, 0.44, 0.22, "aggregator", "engine, sync round, async rounds,\ninbox, spool, mediator, "
         "strategies\n(each owns its round), checkpoints, run log", BLUE)
-    box(ax, 0.53, 0.53, 0.44, 0.22, "client_agent", "agent loop, trainer pool,\nstate store, availability "
+    box(ax, 0.53, 0.46, 0.44, 0.22, "client_agent", "agent loop, trainer pool,\nstate store, availability "
         "and faults", ORANGE)
-    box(ax, 0.03, 0.27, 0.94, 0.21, "broker", "transport: Broker interface, Subscription, RabbitMQ (pika) and\n"
+    box(ax, 0.03, 0.23, 0.94, 0.20, "broker", "transport: Broker interface, Subscription, RabbitMQ (pika) and\n"
         "in-process backends, reassembly, topology, provisioning, TLS, URLs\nwire (below it): envelope, encodings, "
         "chunk frames, protocol messages (typed RoundConfig)", GREEN)
-    box(ax, 0.03, 0.02, 0.94, 0.20, "fedmq  (import fedmq: the public API)", "errors, checks, tensor manifest, "
+    box(ax, 0.03, 0.01, 0.94, 0.19, "fedmq  (import fedmq: the public API)", "errors, checks, tensor manifest, "
         "tasks (models, data, local training),\npulling rule, plugins (package.module:Class); imports nothing "
         "above", PURPLE)
     ax.set_xlim(0, 1)
