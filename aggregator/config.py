@@ -78,8 +78,8 @@ class JobConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._check_types()
-        self.strategy = STRATEGY_ALIASES.get(self.strategy, self.strategy)
+        if isinstance(self.strategy, str):  # validate() names a strategy of any other type
+            self.strategy = STRATEGY_ALIASES.get(self.strategy, self.strategy)
         if self.encoding == "auto":
             self.encoding = "raw" if self.pull_down else "delta+bf16"
         self.validate()

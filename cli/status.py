@@ -16,6 +16,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from aggregator.records import is_number
 from fedmq.errors import FedmqError
 
 DASH = "—"
@@ -31,14 +32,10 @@ def _require_dict(value: Any, what: str) -> dict[str, Any]:
     return value
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _num(value: Any, digits: int = 2) -> str:
     if value is None:
         return DASH
-    if not _is_number(value):
+    if not is_number(value):
         return str(value)
     if isinstance(value, int):
         return f"{value:,}"
@@ -48,7 +45,7 @@ def _num(value: Any, digits: int = 2) -> str:
 
 
 def _mb(value: Any) -> str:
-    return f"{value / 1e6:,.2f}" if _is_number(value) and math.isfinite(value) else DASH
+    return f"{value / 1e6:,.2f}" if is_number(value) and math.isfinite(value) else DASH
 
 
 def _count(value: Any) -> str:

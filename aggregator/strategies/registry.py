@@ -10,7 +10,7 @@ Unknown names or parameters and out-of-range values raise BadParameter (a FedmqE
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 from aggregator.strategies.base import Strategy
 from aggregator.strategies.buffered_async import BufferedAsync
@@ -61,7 +61,7 @@ def make_strategy(name: str, **params: Any) -> Strategy:
     return cls(**params)
 
 
-def _built(name: str, build: Any) -> Strategy:
+def _built(name: str, build: Callable[[], Strategy]) -> Strategy:
     """``build()``; whatever a user's strategy raises while being built is one BadParameter line."""
     if not is_import_path(name):
         return build()
