@@ -57,7 +57,10 @@ class JobConfig:
     lr: float = 20.0
     optimizer: str = "sgd"
     momentum: float = 0.0
-    lr_decay: float = 1.0
+    lr_decay: float = 1.0  # local: lr × this after every local epoch
+    # across rounds: round r's clients train at lr × round_lr_decay^(r−1) (FedMed: "worker models are tuned with
+    # decayed learning rate"); stateless, so a resumed run continues the schedule where it stopped
+    round_lr_decay: float = 1.0
     clip: float = 0.25
     max_steps: int = 0
     report_deadline_s: float = 300.0
@@ -128,9 +131,12 @@ class JobConfig:
             if getattr(self, name) < 1:
                 bad(f"{name.replace('_', '-')} must be at least 1")
         for name in ("lr", "report_deadline_s", "update_deadline_s", "join_timeout_s", "heartbeat_s", "att_eps",
-                     "server_lr", "lr_decay"):
+                     "server_lr", "lr_decay", "round_lr_decay"):
             if not getattr(self, name) > 0:
                 bad(f"{name.replace('_', '-')} must be positive")
+        for name in ("lr_decay", "round_lr_decay"):
+            if getattr(self, name) > 1:
+                bad(f"{name.replace('_', '-')} must be in (0, 1], got {getattr(self, name)}")
         for name in ("noise", "loss_eps", "max_staleness", "momentum", "clip", "max_steps", "seed"):
             if getattr(self, name) < 0:
                 bad(f"{name.replace('_', '-')} must not be negative")
@@ -204,11 +210,17 @@ class JobConfig:
         """m, the agents selected per round: max(C·K, 1), or all K when the strategy's plan selects all."""
         return self.clients if self.plan.select_all else max(int(self.fraction * self.clients), 1)
 
-    def round_config(self) -> RoundConfig:
-        """What the selected agents are told each round: the job's settings, shaped by the strategy's
-        ``configure_train`` (FedSGD: one full-batch step; FedMed: report the loss at the end of training)."""
+    def round_lr(self, round_number: int) -> float:
+        """The clients' learning rate in round ``round_number`` (1-based): lr × round_lr_decay^(round − 1)."""
+        lr = float(self.lr) * float(self.round_lr_decay) ** max(round_number - 1, 0)
+        return max(lr, math.ulp(0.0))  # a long run's product may underflow; the announce needs lr > 0
+
+    def round_config(self, round_number: int = 1) -> RoundConfig:
+        """What the selected agents are told in round ``round_number``: the job's settings (the learning rate
+        decayed to that round), shaped by the strategy's ``configure_train`` (FedSGD: one full-batch step;
+        FedMed: report the loss at the end of training)."""
         train = RoundConfig(
-            epochs=self.epochs, full_batch=False, batch_size=self.batch_size, lr=float(self.lr),
+            epochs=self.epochs, full_batch=False, batch_size=self.batch_size, lr=self.round_lr(round_number),
             optimizer=self.optimizer, momentum=float(self.momentum), lr_decay=float(self.lr_decay),
             clip=float(self.clip), max_steps=self.max_steps, tail_loss=False, seed=self.seed,
             encoding=self.encoding, noise=float(self.noise),

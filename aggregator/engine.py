@@ -242,7 +242,8 @@ class Engine:
         then the small announce to each selected agent (async: to every agent). bytes_down counts the
         announces and, for each selected agent, the form it will fetch (none when it already holds it)."""
         forms = self._publish_model(stats.selected)
-        env = messages.announce(self.cfg.job, stats.round, self.version, stats.selected, self.cfg.round_config(),
+        env = messages.announce(self.cfg.job, stats.round, self.version, stats.selected,
+                                self.cfg.round_config(stats.round),
                                 [entry for entry, _ in forms.values()], self.cfg.mode)
         body = messages.encode(env)
         if self.cfg.mode == "sync":  # only the selected agents hear of the round: O(m) messages, not O(K)

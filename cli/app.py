@@ -133,6 +133,8 @@ def simulate(
     lr: float = _opt(20.0, panel=TRAIN, metavar="LR", help="client learning rate"),
     optimizer: str = _opt("sgd", panel=TRAIN, metavar="NAME", help="sgd or adam"),
     momentum: float = _opt(0.0, panel=TRAIN, metavar="M", help="SGD momentum"),
+    round_lr_decay: float = _opt(1.0, panel=TRAIN, metavar="D",
+                                 help="round r trains at lr × D^(r−1) (1 = constant; FedMed's decayed lr)"),
     max_steps: int = _opt(0, panel=TRAIN, metavar="N", help="cap on local optimizer steps per round (0 = none)"),
     encoding: str = _opt("auto", panel=WIRE, metavar="SPEC",
                          help=f"uplink: auto (delta+bf16; raw with --pull-down) or one of {ENCODINGS}; "

@@ -37,7 +37,8 @@ JOB_FLAGS = {
     "min_clients": "min_clients", "beta": "beta", "loss_eps": "loss_eps", "eps": "att_eps", "norm": "att_norm",
     "noise": "noise", "pull_fraction": "pull_fraction", "pull_down": "pull_down", "encoding": "encoding",
     "down_encoding": "down_encoding", "epochs": "epochs", "batch_size": "batch_size", "lr": "lr",
-    "optimizer": "optimizer", "momentum": "momentum", "max_steps": "max_steps", "report_deadline": "report_deadline_s",
+    "optimizer": "optimizer", "momentum": "momentum",
+    "round_lr_decay": "round_lr_decay", "max_steps": "max_steps", "report_deadline": "report_deadline_s",
     "update_deadline": "update_deadline_s", "seed": "seed", "robust": "robust",
 }
 # flags handed to the task (clients and seed go to both)

@@ -10,8 +10,8 @@ tensors sorted by d (ties by name),
 * ``local`` (DP_l) sends the slowest-moving tensors while their parameters stay within f of the group's
 * ``global`` (DP_g) sends the fastest-moving tensors until they hold at least f of the group's parameters
   (the tensor that crosses the line goes to global, so at f = 0.5 local and global are exact complements)
-* ``random`` sends, per group, tensors in a random order (``rng``) until it holds as many parameters as
-  ``global`` would
+* ``random`` takes, per group, tensors in a random order (``rng``) while they fit in the parameters ``global``
+  would send (first fit: never more, and short by less than any tensor it leaves out)
 * ``all`` sends everything.
 
 ``by="count"`` is the first version's rule, kept as an option: f is a share of the group's *tensors*, with
@@ -109,8 +109,7 @@ def _by_params(names: list[str], d: dict[str, float], sizes: dict[str, int], mod
     fastest = _prefix(sorted(names, key=lambda n: (-d[n], n)), sizes, budget)
     if mode == "global":
         return fastest
-    order = _sample(sorted(names), len(names), rng)
-    return _prefix(order, sizes, sum(sizes[n] for n in fastest))
+    return _fill(_sample(sorted(names), len(names), rng), sizes, sum(sizes[n] for n in fastest))
 
 
 def _prefix(order: list[str], sizes: dict[str, int], budget: float) -> list[str]:
@@ -121,6 +120,18 @@ def _prefix(order: list[str], sizes: dict[str, int], budget: float) -> list[str]
             break
         sent.append(n)
         total += sizes[n]
+    return sent
+
+
+def _fill(order: list[str], sizes: dict[str, int], budget: float) -> list[str]:
+    """Tensors taken in ``order`` when they still fit in ``budget`` (first fit): never over it, and short of it
+    by less than any tensor left out. Stopping at the tensor that crosses the line instead would overshoot by
+    up to the largest tensor -- an embedding matrix, 16 % of the model in the cpu-scale NMT runs."""
+    sent, total = [], 0
+    for n in order:
+        if total + sizes[n] <= budget:
+            sent.append(n)
+            total += sizes[n]
     return sent
 
 

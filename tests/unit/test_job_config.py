@@ -79,3 +79,21 @@ def test_job_config_validates_everything_it_holds(values, message):
     """A job file's JSON can hold anything: every field is checked for its type and range, one line each."""
     with pytest.raises(JobConfigError, match=re.escape(message)):
         JobConfig.from_dict(values)
+
+
+def test_round_lr_decay_sets_each_rounds_learning_rate():
+    """Round r's announce carries lr × round_lr_decay^(r−1); 1 (the default) keeps it constant."""
+    cfg = JobConfig(lr=2.0, round_lr_decay=0.5)
+    assert [cfg.round_config(r).lr for r in (1, 2, 3)] == [2.0, 1.0, 0.5]
+    assert JobConfig(lr=2.0).round_config(7).lr == 2.0
+    assert JobConfig(lr=1.0, round_lr_decay=0.5).round_config(5000).lr > 0  # underflow never sends lr = 0
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"round_lr_decay": 0.0}, "round-lr-decay must be positive"),
+    ({"round_lr_decay": 1.5}, "round-lr-decay must be in (0, 1], got 1.5"),
+    ({"lr_decay": 2.0}, "lr-decay must be in (0, 1], got 2.0"),
+])
+def test_learning_rate_decays_are_checked(values, message):
+    with pytest.raises(JobConfigError, match=re.escape(message)):
+        JobConfig.from_dict(values)

@@ -76,10 +76,24 @@ def test_fraction_is_a_share_of_parameters_as_in_the_paper():
     assert glob == ["emb", "w_ih"] and local == ["w_hh", "b_ih", "b_hh", "dec_b"]
     by_count = select_tensors(cur, prev, groups, "local", by="count")
     assert by_count == ["b_ih", "b_hh", "dec_b"]  # half the tensors, 33 % of the parameters here
-    for seed in range(10):  # random matches global's parameter budget, not its tensor count
+    budget = sum(numel[n] for n in glob)
+    for seed in range(10):  # random matches global's parameter budget (first fit), not its tensor count
         picked = select_tensors(cur, prev, groups, "random", rng=random.Random(seed))
-        budget = sum(numel[n] for n in glob)
-        assert budget <= sum(numel[n] for n in picked) < budget + max(numel.values())
+        sent = sum(numel[n] for n in picked)
+        assert sent <= budget and all(sent + numel[n] > budget for n in set(cur) - set(picked)), (seed, picked)
+
+
+def test_random_never_overshoots_by_a_big_tensor():
+    """Stopping at the tensor that crosses the budget would send the 5,000-parameter embedding on top of the
+    budget whenever it comes late in the random order; first fit keeps random within DP_g's count."""
+    cur, prev = sized({"emb": (1.0, 5000), **{f"w{i}": (10.0 + i, 1000) for i in range(10)}})
+    groups = {k: "model" for k in cur}
+    glob = select_tensors(cur, prev, groups, "global")
+    budget = sum(cur[n].numel() for n in glob)
+    assert glob == [f"w{i}" for i in range(2, 10)] and budget == 8000  # 7,500 needed: eight 1,000s
+    sends = [sum(cur[n].numel() for n in select_tensors(cur, prev, groups, "random", rng=random.Random(s)))
+             for s in range(30)]
+    assert max(sends) <= budget and min(sends) >= budget - 1000, sends
 
 
 def test_random_sends_the_same_count_reproducibly():
