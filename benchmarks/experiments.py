@@ -294,6 +294,23 @@ def domain_bleu(task: Any, model: torch.nn.Module, split: str = "test", per_doma
     return scores
 
 
+def _server_domain_bleu(task: Any, run_dir: Path, summary: dict[str, Any], seed: int, n: int) -> dict[str, float]:
+    """Per-domain test BLEU of a run's best global model, kept in its summary.json (``test_bleu_by_domain``) so
+    that a run restored from its small files (scripts/runs_archive.py, no best.pt) keeps its row; a finished run
+    with neither is refused rather than scored on another model."""
+    if isinstance(summary.get("test_bleu_by_domain"), dict):
+        return summary["test_bleu_by_domain"]
+    best = run_dir / "best.pt"
+    if not best.is_file():
+        raise ExperimentError(f"run {run_dir.name} has no best.pt and no per-domain BLEU in its summary.json "
+                              f"(restored from an older archive?): delete {run_dir} to run it again")
+    server = task.build_model(seed)
+    load_state(server, torch.load(best, weights_only=True))
+    summary["test_bleu_by_domain"] = per_domain = domain_bleu(task, server, "test", n)
+    write_summary(run_dir, summary)
+    return per_domain
+
+
 # ----------------------------------------------------------------------------------------------- running
 EXPERIMENTS: dict[str, Callable[..., list[RunSpec]]] = {
     "table2": table2, "sweep": sweep, "fraction": fraction, "rounds-to-target": rounds_to_target, "topk": topk,
@@ -554,10 +571,7 @@ def run_nmt_domains(scale: str, out: Path, simulation: Callable[..., Any], seed:
     for spec in specs:
         summary = runner.federate(spec, task=warm, seed=seed)
         row = _row(spec, summary, out / spec.name)
-        server = task.build_model(seed)
-        best = out / spec.name / "best.pt"
-        load_state(server, torch.load(best, weights_only=True) if best.is_file() else pretrained)
-        per_domain = domain_bleu(task, server, "test", n)
+        per_domain = _server_domain_bleu(task, out / spec.name, summary, seed, n)
         table[f"server {spec.name}"] = per_domain
         row["bleu_mean_domains"] = sum(per_domain.values()) / len(per_domain)
         rounds = len(read_rounds(out / spec.name).records)

@@ -84,6 +84,18 @@ def test_nmt_domains(tmp_path):
     assert runs["pull-global-0.33-both"]["directions"] == "both" and runs["pull-global-0.5"]["directions"] == "up"
     assert runs["pull-global-0.33-both"]["bytes_down_raw"] < runs["fedavg"]["bytes_down_raw"]
     assert runs["pull-global-0.5"]["bytes_down_raw"] == runs["fedavg"]["bytes_down_raw"]
+    # a run restored from its small files (no best.pt; scripts/runs_archive.py) keeps its per-domain BLEU row
+    fedavg = tmp_path / "nmt-domains" / "fedavg"
+    assert json.loads((fedavg / "summary.json").read_text())["test_bleu_by_domain"] == table["server fedavg"]
+    (fedavg / "best.pt").unlink()
+    again = run_experiment("nmt-domains", "smoke", tmp_path)
+    assert again["bleu_by_domain"]["server fedavg"] == table["server fedavg"]
+    # without either, the row is refused, not scored on another model (the old fallback: the pre-trained one)
+    summary = json.loads((fedavg / "summary.json").read_text())
+    del summary["test_bleu_by_domain"]
+    (fedavg / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(ExperimentError, match="run fedavg has no best.pt and no per-domain BLEU"):
+        run_experiment("nmt-domains", "smoke", tmp_path)
 
 
 def test_cli_topk_with_report(tmp_path):
