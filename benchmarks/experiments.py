@@ -245,7 +245,7 @@ _NMT = {
                           max_lines=3000, vocab_size=4000, eval_max_sentences=40, max_len=64, dropout=0.0),
                 pretrain_domains=["news_wmt"], pretrain_max_lines=0, pretrain_steps=4000, pretrain_batch=32,
                 pretrain_lr=4e-3, pretrain_warmup=200, lr=5e-4,
-                rounds=3, max_steps=20, batch_size=24, per_domain_test=100, fractions=(0.5, 0.33)),
+                rounds=5, max_steps=20, batch_size=24, per_domain_test=100, fractions=(0.5, 0.33)),
     "smoke": dict(task=dict(model="tiny", domains=["news_wmt", "ted_iwslt14"], max_lines=60, vocab_size=300,
                             eval_max_sentences=6),
                   pretrain_domains=["news_wmt"], pretrain_max_lines=60, pretrain_steps=2, pretrain_batch=8,
@@ -380,8 +380,10 @@ class Runner:
         """The centralized baseline: one model trained on the union of every client's data, no federation, for
         the token passes of the federation it stands beside (C x K clients x E epochs of their shards a round,
         i.e. C x E epochs of the union), evaluated and kept best-on-validation round by round like a federation.
-        As on a client, the optimizer (and its momentum) starts afresh each round."""
+        As on a client, the optimizer (and its momentum) starts afresh each round, at the round's learning rate
+        (``round_lr_decay``)."""
         job = spec.job
+        schedule = JobConfig.from_dict({"job": "central", **job})
         union = self.task(spec.task, {**spec.task_options, "clients": 1})
         model = union.build_model(seed)
         from fedmq.tasks.lm_data import StreamBatches
@@ -393,7 +395,7 @@ class Runner:
         runlog = RunLog(run_dir)
         runlog.truncate_after(0)  # a rerun starts the curve again
         for r in range(1, job["rounds"] + 1):
-            cfg = TrainConfig(epochs=job["epochs"] + 1, batch_size=job["batch_size"], lr=job["lr"],
+            cfg = TrainConfig(epochs=job["epochs"] + 1, batch_size=job["batch_size"], lr=schedule.round_lr(r),
                               momentum=job.get("momentum", 0.0), clip=job.get("clip", 0.25), max_steps=steps,
                               seed=seed * 1000 + r, device=self.device)
             result = union.train(model, 0, cfg)
@@ -506,21 +508,31 @@ def run_lm_experiment(name: str, scale: str, out: Path, simulation: Callable[...
     return {"runs": results, **info}
 
 
-def run_nmt_domains(scale: str, out: Path, simulation: Callable[..., Any], seed: int = 0) -> dict[str, Any]:
-    """Passban et al.: pre-train on news, one client per domain, FedAvg; then DP_l / DP_g / random pulling."""
+def run_nmt_domains(scale: str, out: Path, simulation: Callable[..., Any], seed: int = 0,
+                    cache: Path | None = None) -> dict[str, Any]:
+    """Passban et al.: pre-train on news, one client per domain, FedAvg; then DP_l / DP_g / random pulling.
+
+    Phases 1-2 (pre-training, each client alone) do not depend on ``seed``: as in the paper, every federation
+    starts from one pre-trained engine ("we initialize all the clients with WMT parameters"), so the seeds vary
+    the federations (batch order, pull-random's draws), and the pre-trained model is built once (seed 0) and
+    cached in ``cache`` (default ``out``) for every seed."""
     s = _NMT[scale]
     runner = Runner(out, simulation)
+    cache = cache or out
     options = {**s["task"], "data": _corpus("de-en"), "partition": "natural", "seed": seed,
-               "cache_dir": str(out / "spm-cache")}
+               "cache_dir": str(cache / "spm-cache")}
     options = {k: v for k, v in options.items() if v is not None}
     task = runner.task("nmt", options)
     names = list(task.shard_names)
     train = dict(batch_size=s["batch_size"], lr=s["lr"], optimizer="adam", clip=1.0, seed=seed)
     pre_label = f"pre-trained ({'+'.join(s['pretrain_domains'])})"
     n = s["per_domain_test"]
-    # phases 1-2 are cached in OUT (pretrained.pt + pretrain.json) for the same settings: a rerun skips them
-    key = json.dumps({**options, **{k: v for k, v in s.items() if k != "fractions"}, "seed": seed}, sort_keys=True)
-    cache_pt, cache_json = out / "pretrained.pt", out / "pretrain.json"
+    # phases 1-2 are cached (pretrained.pt + pretrain.json) for the same settings: a rerun or another seed skips them
+    pre_seed = 0
+    shared = {k: v for k, v in options.items() if k not in ("seed", "cache_dir")}  # the vocabulary does not vary
+    key = json.dumps({**shared, **{k: v for k, v in s.items() if k not in ("fractions", "rounds")}, "seed": pre_seed,
+                      "local_steps": s["rounds"] * (s["max_steps"] or 0)}, sort_keys=True)
+    cache_pt, cache_json = cache / "pretrained.pt", cache / "pretrain.json"
     cached = json.loads(cache_json.read_text()) if cache_json.is_file() and cache_pt.is_file() else {}
     if cached.get("key") == key:
         pretrained = torch.load(cache_pt, weights_only=True)
@@ -529,7 +541,7 @@ def run_nmt_domains(scale: str, out: Path, simulation: Callable[..., Any], seed:
         # 1. pre-train on the news/WMT data (not only the news client's shard), evaluated sentences excluded
         started = time.time()
         data = task.encode_pairs(pretrain_pairs(task, s["pretrain_domains"], s["pretrain_max_lines"]))
-        model = task.build_model(seed)
+        model = task.build_model(pre_seed)
         every = max(1, s["pretrain_steps"] // 20)
 
         def progress(step: int, total: int) -> None:
@@ -538,7 +550,7 @@ def run_nmt_domains(scale: str, out: Path, simulation: Callable[..., Any], seed:
 
         cfg = TrainConfig(batch_size=s["pretrain_batch"], lr=s["pretrain_lr"], optimizer="adam", clip=1.0,
                           max_steps=s["pretrain_steps"], warmup_steps=s["pretrain_warmup"], linear_decay=True,
-                          adam_betas=(0.9, 0.98), seed=seed)
+                          adam_betas=(0.9, 0.98), seed=pre_seed)
         result = task.pretrain(model, data, cfg, progress)
         pretrained = {k: v.detach().clone() for k, v in model_state(model).items()}
         pretrain_s = time.time() - started
@@ -549,9 +561,10 @@ def run_nmt_domains(scale: str, out: Path, simulation: Callable[..., Any], seed:
         # 2. each client alone: fine-tune the pre-trained model on its own domain, as many steps as the federation
         local_steps = s["rounds"] * (s["max_steps"] or 0)
         for i, client in enumerate(names):
-            m = task.build_model(seed)
+            m = task.build_model(pre_seed)
             load_state(m, pretrained)
-            task.train(m, i, TrainConfig(epochs=s["rounds"] if not local_steps else 100, max_steps=local_steps, **train))
+            task.train(m, i, TrainConfig(epochs=s["rounds"] if not local_steps else 100, max_steps=local_steps,
+                                         **{**train, "seed": pre_seed}))
             table[f"client {client} (local only)"] = domain_bleu(task, m, "test", n)
         torch.save(pretrained, cache_pt)
         cache_json.write_text(json.dumps({"key": key, "table": table, "pretrain_s": pretrain_s,
@@ -720,7 +733,7 @@ def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None,
     for seed, folder in zip(seeds, folders):
         folder.mkdir(parents=True, exist_ok=True)
         if name == "nmt-domains":
-            per_seed.append(run_nmt_domains(scale, folder, simulation, seed))
+            per_seed.append(run_nmt_domains(scale, folder, simulation, seed, cache=exp_dir))
         else:
             per_seed.append(run_lm_experiment(name, scale, folder, simulation, seed, only, overrides, device))
     if len(seeds) == 1:

@@ -196,3 +196,14 @@ def test_reproduce_script_reports_a_bad_name_in_one_line():
     proc = subprocess.run([sys.executable, "scripts/reproduce.py", "tabel2", "--scale", "smoke"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "tabel2" in proc.stderr
+
+
+def test_nmt_domains_seeds_share_one_pretrained_engine(tmp_path):
+    """As in Passban et al. every federation starts from one pre-trained (WMT) engine: two seeds pre-train once
+    (cached at the experiment level) and differ only in their federations."""
+    results = run_experiment("nmt-domains", "smoke", tmp_path, seeds=(0, 1))
+    exp = tmp_path / "nmt-domains"
+    assert (exp / "pretrained.pt").is_file() and not list(exp.glob("seed-*/pretrained.pt"))
+    tables = [results["per_seed"][s]["bleu_by_domain"] for s in ("0", "1")]
+    assert tables[0]["pre-trained (news_wmt)"] == tables[1]["pre-trained (news_wmt)"]
+    assert {r["run"] for r in results["runs"]} >= {"fedavg", "pull-random-0.5"}
