@@ -15,7 +15,7 @@ from cli.run_folder import check
 from tests.unit.test_runlog import row
 
 ROOT = Path(__file__).resolve().parents[2]
-EXP14 = ROOT / "benchmarks" / "records" / "exp14" / "table2" / "seed-0"
+EXP14 = ROOT / "benchmarks" / "records" / "exp14-lr1.0" / "table2" / "seed-0"
 
 
 def test_an_engine_row_round_trips_exactly():
@@ -93,7 +93,7 @@ def test_a_resume_keeps_the_kept_lines_byte_for_byte(tmp_path):
 
 @pytest.mark.parametrize("run", ["ptb-fedmed-c0.5", "ptb-central-c0.5"])
 def test_an_archived_run_folder_loads(run):
-    """benchmarks/records/exp14 was written before RoundRecord existed: every line reads back to its own bytes."""
+    """benchmarks/records/exp14-lr1.0 was written before RoundRecord existed: every line reads back to its own bytes."""
     folder = read_run(EXP14 / run)
     assert [r.round for r in folder.rounds] == list(range(1, 13))
     assert folder.malformed_lines == 0 and folder.duplicate_rounds == 0
