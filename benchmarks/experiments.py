@@ -27,7 +27,8 @@ reference code (shaoxiongji/fed-att: lr 0.01, momentum 0.5, E = 5, B = 10, no gr
 scale. The papers give no learning rate; at the cpu scale, where a client takes ~12 steps a round, momentum comes
 from the validation sweep ``fedmq experiment sweep --scale cpu`` and lr (0.5) with FedMed's "decayed learning
 rate" (x 0.9 a round) from a second sweep on the C = 0.1 cells whose validation curves spiked at lr 1.0
-(docs/results.md section 0). Every method shares this one client regime, so that only the aggregation differs. The score is the test perplexity of the best-on-validation global model (as both LM papers report).
+(docs/results.md section 0). Every method shares this one client regime, so that only the aggregation differs.
+The score is the test perplexity of the best-on-validation global model (as both LM papers report).
 """
 
 from __future__ import annotations
@@ -385,21 +386,20 @@ class Runner:
         i.e. C x E epochs of the union), evaluated and kept best-on-validation round by round like a federation.
         As on a client, the optimizer (and its momentum) starts afresh each round, at the round's learning rate
         (``round_lr_decay``)."""
-        job = spec.job
-        schedule = JobConfig.from_dict({"job": "central", **job})
+        job = JobConfig.from_dict({"job": "central", **spec.job})
         union = self.task(spec.task, {**spec.task_options, "clients": 1})
         model = union.build_model(seed)
         from fedmq.tasks.lm_data import StreamBatches
 
         ids = union.client_ids(0)
-        windows = StreamBatches.build(ids, job["batch_size"], union.vocab.eos).num_windows(union.bptt)
-        steps = max(1, math.ceil(job["fraction"] * job["epochs"] * windows))
+        windows = StreamBatches.build(ids, job.batch_size, union.vocab.eos).num_windows(union.bptt)
+        steps = max(1, math.ceil(job.fraction * job.epochs * windows))
         best, best_round, best_state = math.inf, 0, None
         runlog = RunLog(run_dir)
         runlog.truncate_after(0)  # a rerun starts the curve again
-        for r in range(1, job["rounds"] + 1):
-            cfg = TrainConfig(epochs=job["epochs"] + 1, batch_size=job["batch_size"], lr=schedule.round_lr(r),
-                              momentum=job.get("momentum", 0.0), clip=job.get("clip", 0.25), max_steps=steps,
+        for r in range(1, job.rounds + 1):
+            cfg = TrainConfig(epochs=job.epochs + 1, batch_size=job.batch_size, lr=job.round_lr(r),
+                              momentum=job.momentum, clip=job.clip, max_steps=steps,
                               seed=seed * 1000 + r, device=self.device)
             result = union.train(model, 0, cfg)
             valid = union.evaluate(model, "valid")
@@ -411,7 +411,7 @@ class Runner:
         if best_state is not None:
             load_state(model, best_state)
         return {"test": union.evaluate(model, "test"), "best_valid": best, "best_round": best_round,
-                "rounds_completed": job["rounds"], "rounds_skipped": 0, "bytes_up": 0, "bytes_down": 0,
+                "rounds_completed": job.rounds, "rounds_skipped": 0, "bytes_up": 0, "bytes_down": 0,
                 "steps_per_round": steps}
 
 
@@ -527,14 +527,15 @@ def run_nmt_domains(scale: str, out: Path, simulation: Callable[..., Any], seed:
     options = {k: v for k, v in options.items() if v is not None}
     task = runner.task("nmt", options)
     names = list(task.shard_names)
-    train = dict(batch_size=s["batch_size"], lr=s["lr"], optimizer="adam", clip=1.0, seed=seed)
+    train = dict(batch_size=s["batch_size"], lr=s["lr"], optimizer="adam", clip=1.0)
     pre_label = f"pre-trained ({'+'.join(s['pretrain_domains'])})"
     n = s["per_domain_test"]
     # phases 1-2 are cached (pretrained.pt + pretrain.json) for the same settings: a rerun or another seed skips them
     pre_seed = 0
+    local_steps = s["rounds"] * (s["max_steps"] or 0)  # phase 2: as many steps as a federation gives a client
     shared = {k: v for k, v in options.items() if k not in ("seed", "cache_dir")}  # the vocabulary does not vary
     key = json.dumps({**shared, **{k: v for k, v in s.items() if k not in ("fractions", "rounds")}, "seed": pre_seed,
-                      "local_steps": s["rounds"] * (s["max_steps"] or 0)}, sort_keys=True)
+                      "local_steps": local_steps}, sort_keys=True)
     cache_pt, cache_json = cache / "pretrained.pt", cache / "pretrain.json"
     cached = json.loads(cache_json.read_text()) if cache_json.is_file() and cache_pt.is_file() else {}
     if cached.get("key") == key:
@@ -562,19 +563,18 @@ def run_nmt_domains(scale: str, out: Path, simulation: Callable[..., Any], seed:
         log.info("pre-training done", **pretrain_info)
         table = {pre_label: domain_bleu(task, model, "test", n)}
         # 2. each client alone: fine-tune the pre-trained model on its own domain, as many steps as the federation
-        local_steps = s["rounds"] * (s["max_steps"] or 0)
         for i, client in enumerate(names):
             m = task.build_model(pre_seed)
             load_state(m, pretrained)
             task.train(m, i, TrainConfig(epochs=s["rounds"] if not local_steps else 100, max_steps=local_steps,
-                                         **{**train, "seed": pre_seed}))
+                                         seed=pre_seed, **train))
             table[f"client {client} (local only)"] = domain_bleu(task, m, "test", n)
         torch.save(pretrained, cache_pt)
         cache_json.write_text(json.dumps({"key": key, "table": table, "pretrain_s": pretrain_s,
                                           "pretrain": pretrain_info}))
     warm = WarmStartTask(task, pretrained)
     job = dict(clients=len(names), fraction=1.0, rounds=s["rounds"], epochs=1, max_steps=s["max_steps"], **_DEADLINES,
-               **{k: v for k, v in train.items() if k != "seed"})
+               **train)
     # 3. FedAvg from the pre-trained model; then the dynamic-pulling variants
     specs = [RunSpec("fedavg", "nmt", options, {**job, "strategy": "fedavg"}, {"strategy": "fedavg", "pull": 1.0})]
     for f in s["fractions"]:
