@@ -158,7 +158,7 @@ def sweep(scale: str) -> list[RunSpec]:
 
 def fraction(scale: str) -> list[RunSpec]:
     """FedAtt Fig. 2 / FedMed Fig. 4: test perplexity vs the client fraction C."""
-    cs = _pick(scale, [0.5], [0.2, 0.5, 0.9], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+    cs = _pick(scale, [0.5], [0.1, 0.2, 0.5, 0.9], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
     return [_lm(scale, f"{s}-c{c}", {"strategy": s, "C": c}, strategy=s, fraction=c)
             for c in cs for s in ("fedavg", "fedatt", "fedmed")]
 
@@ -192,11 +192,12 @@ def randomization(scale: str) -> list[RunSpec]:
 
 
 def model_scale(scale: str) -> list[RunSpec]:
-    """FedAtt Table IV: small / medium / large GRU, tied / untied (FedAtt). Large only at the paper scale."""
+    """FedAtt Table IV: small / medium / large GRU, tied / untied, FedAvg beside FedAtt. Large only at the paper
+    scale."""
     sizes = _pick(scale, ["gru-tiny"], ["gru-small", "gru-medium"], ["gru-small", "gru-medium", "gru-large"])
-    return [_lm(scale, f"fedatt-{m}-{'tied' if t else 'untied'}", {"strategy": "fedatt", "model": m, "tied": t},
-                task={"model": m, "tied": t}, strategy="fedatt", fraction=0.5)
-            for m in sizes for t in (True, False)]
+    return [_lm(scale, f"{s}-{m}-{'tied' if t else 'untied'}", {"strategy": s, "model": m, "tied": t},
+                task={"model": m, "tied": t}, strategy=s, fraction=0.5)
+            for m in sizes for t in (True, False) for s in ("fedavg", "fedatt")]
 
 
 def dropout(scale: str, out: Path | None = None) -> list[RunSpec]:
@@ -205,8 +206,9 @@ def dropout(scale: str, out: Path | None = None) -> list[RunSpec]:
              ("markov:0.8,0.5", ""), ("trace", ""), ("always", "crash-train:0.2")]
     if scale == "smoke":
         specs = [("bernoulli:0.7", "crash-train:0.2"), ("trace", "")]
-    # a missing selected client costs a deadline: keep the deadlines short at the small scales
-    deadlines = {"paper": {}, "cpu": dict(report_deadline_s=20.0, update_deadline_s=20.0),
+    # a missing selected client costs a deadline: keep the deadlines short at the small scales, but above a round's
+    # local training (cpu: the ten clients of a C = 0.5 round train one after another on one core, ~30 s)
+    deadlines = {"paper": {}, "cpu": dict(report_deadline_s=60.0, update_deadline_s=60.0),
                  "smoke": dict(report_deadline_s=5.0, update_deadline_s=5.0)}[scale]
     runs = []
     for avail, faults in specs:
@@ -323,6 +325,8 @@ EXPERIMENTS: dict[str, Callable[..., list[RunSpec]]] = {
 NAMES = (*EXPERIMENTS, "nmt-domains")
 
 
+# a federation's wire unless its spec says otherwise: the reproductions compare algorithms, not encodings
+_LOSSLESS = {"encoding": "raw", "down_encoding": "raw"}
 _TASKS: dict[str, Task] = {}  # built tasks by options, shared by the experiments of one process
 
 
@@ -337,6 +341,7 @@ class Runner:
     simulation: Callable[..., Any]
     tasks: dict[str, Task] = field(default_factory=lambda: _TASKS)
     device: str = "cpu"  # local training: cpu | cuda | auto (the aggregator evaluates on the CPU)
+    shared: Path | None = None  # where other experiments' finished runs are looked up (``reuse``); None: nowhere
 
     def task(self, kind: str, options: dict[str, Any]) -> Task:
         from fedmq.tasks.registry import make_task
@@ -360,6 +365,10 @@ class Runner:
             return read_summary(run_dir)
         if run_dir.exists() and not resume:
             shutil.rmtree(run_dir)
+        if not resume and (source := self.reuse(spec, seed, run_dir)) is not None:
+            marker.write_text(json.dumps({"key": key, "done": True, "reused": str(source)}))
+            log.info("experiment run reused", run=spec.name, source=str(source))
+            return read_summary(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         marker.write_text(json.dumps({"key": key, "done": False}))
         task = task if task is not None else self.task(spec.task, spec.task_options)
@@ -368,8 +377,7 @@ class Runner:
             summary = self.centralize(spec, seed, run_dir)
         else:
             job = re.sub(r"[^A-Za-z0-9_-]", "_", f"exp-{spec.name}")[:64]
-            # lossless wire unless a run says otherwise: the reproductions compare algorithms, not encodings
-            cfg = JobConfig(job=job, seed=seed, **{"encoding": "raw", "down_encoding": "raw", **spec.job})
+            cfg = JobConfig(job=job, seed=seed, **{**_LOSSLESS, **spec.job})
             sim = self.simulation(cfg, task, f"memory://{job}", run_dir, availability=spec.availability,
                                   faults=spec.faults, device=self.device,
                                   resume=resume and (run_dir / CONFIG_FILE).is_file())
@@ -379,6 +387,27 @@ class Runner:
         marker.write_text(json.dumps({"key": key, "done": True}))
         log.info("experiment run done", run=spec.name, test=summary.get("test"), wall_s=round(summary["run_wall_s"], 1))
         return summary
+
+    def reuse(self, spec: RunSpec, seed: int, run_dir: Path) -> Path | None:
+        """Copy a finished run of another experiment under ``shared`` that is the same federation as ``spec``
+        with ``seed`` (equal ``work_key``) into ``run_dir``; its folder, or None. The experiments repeat one
+        configuration (e.g. FedAvg at C = 0.5 is a cell of table2, fraction, rounds-to-target and
+        randomization): it is trained once and read by all of them."""
+        if self.shared is None or not self.shared.is_dir():
+            return None
+        wanted = work_key(asdict(spec), seed)
+        for marker in sorted(self.shared.rglob("spec.json")):  # run_dir has none: federate removed it or never had one
+            source = marker.parent
+            try:
+                saved = json.loads(marker.read_text())
+                done = json.loads(saved["key"]) if saved.get("done") else None
+                same = done is not None and work_key(done["spec"], done["seed"]) == wanted
+            except (OSError, ValueError, KeyError, TypeError, FedmqError):
+                continue  # not a run folder of this module's (or a damaged one): never a source
+            if same and finished(source):
+                shutil.copytree(source, run_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("spec.json"))
+                return source
+        return None
 
     def centralize(self, spec: RunSpec, seed: int, run_dir: Path) -> dict[str, Any]:
         """The centralized baseline: one model trained on the union of every client's data, no federation, for
@@ -415,9 +444,19 @@ class Runner:
                 "steps_per_round": steps}
 
 
+def work_key(spec: dict[str, Any], seed: int) -> str:
+    """What a federation computes: its spec (``asdict(RunSpec)``) without the run's name and table labels, its job
+    settings as the JobConfig they make (a setting given at its default equals one left out), and the seed."""
+    job = JobConfig.from_dict({"job": "-", **_LOSSLESS, **spec["job"]}).to_dict()
+    job.pop("job")
+    work = {k: v for k, v in spec.items() if k not in ("name", "labels", "job")}
+    return json.dumps({**work, "job": job, "seed": seed}, sort_keys=True, default=str)
+
+
 def _row(spec: RunSpec, summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     rows = read_rounds(run_dir).records
-    return {"run": spec.name, **spec.labels, "test": summary.get("test"), "best_valid": summary.get("best_valid"),
+    return {"run": spec.name, **spec.labels, "fraction": spec.job.get("fraction"),
+            "test": summary.get("test"), "best_valid": summary.get("best_valid"),
             "best_round": summary.get("best_round"), "rounds_completed": summary.get("rounds_completed"),
             "rounds_skipped": summary.get("rounds_skipped"), "bytes_up": summary.get("bytes_up"),
             "bytes_down": summary.get("bytes_down"), "bytes_up_raw": sum(r.bytes_up_raw or 0 for r in rows),
@@ -481,9 +520,11 @@ def markdown(results: list[dict[str, Any]], columns: list[str] | None = None) ->
 
 
 def select(specs: list[RunSpec], only: str | None, overrides: dict[str, Any] | None) -> list[RunSpec]:
-    """Keep the runs whose name contains ``only`` (comma-separated alternatives) and apply job ``overrides``."""
+    """Keep the runs ``only`` names (comma-separated alternatives; one that is a run's whole name picks that run,
+    any other every run whose name contains it) and apply job ``overrides``."""
     wanted = [w for w in (only or "").split(",") if w]
-    picked = [s for s in specs if not wanted or any(w in s.name for w in wanted)]
+    names = {s.name for s in specs}
+    picked = [s for s in specs if not wanted or any(w == s.name if w in names else w in s.name for w in wanted)]
     if not picked:
         raise ExperimentError(f"no run name contains {only!r}; runs: {', '.join(s.name for s in specs)}")
     for spec in picked:
@@ -494,8 +535,8 @@ def select(specs: list[RunSpec], only: str | None, overrides: dict[str, Any] | N
 
 def run_lm_experiment(name: str, scale: str, out: Path, simulation: Callable[..., Any], seed: int = 0,
                       only: str | None = None, overrides: dict[str, Any] | None = None,
-                      device: str = "cpu") -> dict[str, Any]:
-    runner = Runner(out, simulation, device=device)
+                      device: str = "cpu", shared: Path | None = None) -> dict[str, Any]:
+    runner = Runner(out, simulation, device=device, shared=shared)
     specs = select(EXPERIMENTS[name](scale), only, overrides)
     if name == "dropout":
         for spec in specs:
@@ -647,10 +688,18 @@ def across_seeds(per_seed: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     rows = []
     for first in per_seed[0]:
         same = [r for runs in per_seed for r in runs if r["run"] == first["run"]]
-        row = {k: v for k, v in first.items() if k not in _PER_RUN}
-        for metric in ("test", "best_valid"):
+        row = {k: v for k, v in first.items() if k not in (*_PER_RUN, *_EACH_SEED)}
+        for metric in _MEAN_SD:
+            if not any(metric in r for r in same):
+                continue
             vals = [r[metric] for r in same if r.get(metric) is not None and math.isfinite(r[metric])]
             row[metric], row[f"{metric}_sd"] = mean_sd(vals) if vals else (None, None)
+        for count in _MEAN_COUNTS:
+            vals = [r[count] for r in same if r.get(count) is not None]
+            row[count] = round(mean_sd(vals)[0]) if vals else None
+        for each in _EACH_SEED:  # values that differ by seed and do not average (a round; None: never reached)
+            if any(each in r for r in same):
+                row[each] = " / ".join(_fmt(r.get(each)) for r in same)
         jumps = [r["max_jump"] for r in same if r.get("max_jump") is not None]
         row["max_jump"] = max(jumps) if jumps else None
         row["seeds"] = len(same)
@@ -659,19 +708,27 @@ def across_seeds(per_seed: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return rows
 
 
-_PER_RUN = ("test", "best_valid", "best_round", "valid_curve", "max_jump", "wall_s", "bytes_up", "bytes_down",
-            "bytes_up_raw", "bytes_down_raw", "updates_received", "rounds_completed", "rounds_skipped")
+_PER_RUN = ("test", "best_valid", "bleu_mean_domains", "best_round", "valid_curve", "max_jump", "wall_s", "bytes_up",
+            "bytes_down", "bytes_up_raw", "bytes_down_raw", "bytes_up_per_round", "updates_received",
+            "rounds_completed", "rounds_skipped")
+# in a several-seed row: _MEAN_SD as mean and sd over seeds, counts as their mean, _EACH_SEED listed seed by seed
+# ("3 / 5 / —")
+_MEAN_SD = ("test", "best_valid", "bleu_mean_domains")
+_MEAN_COUNTS = ("bytes_up", "bytes_down", "bytes_up_raw", "bytes_down_raw", "updates_received", "rounds_completed",
+                "rounds_skipped", "bytes_up_per_round")
+_EACH_SEED = ("best_round", "target", "rounds_to_target", "bytes_to_target")
 
 
 def orderings(per_seed: list[list[dict[str, Any]]]) -> list[str]:
-    """Pairwise test-perplexity comparisons of the runs that share a corpus and C, paired by seed (a seed fixes
+    """Pairwise test-perplexity comparisons of the runs that share a corpus and client fraction C (every pair of a
+    C = 0.5 grid such as randomization's: strategy against strategy, noise against noise), paired by seed (a seed fixes
     the shards, the initial model and the client sampling): "A < B in k/n seeds, B − A = mean ± sd". An ordering
     is called resolved when it holds in every seed and the mean difference exceeds its sd."""
     lines = []
     runs = per_seed[0]
     for i, a in enumerate(runs):
         for b in runs[i + 1:]:
-            if a.get("C") is None or (a.get("corpus"), a.get("C")) != (b.get("corpus"), b.get("C")):
+            if a.get("fraction") is None or (a.get("corpus"), a["fraction"]) != (b.get("corpus"), b.get("fraction")):
                 continue
             diffs = []
             for seed_runs in per_seed:
@@ -738,12 +795,14 @@ def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None,
         if name == "nmt-domains":
             per_seed.append(run_nmt_domains(scale, folder, simulation, seed, cache=exp_dir))
         else:
-            per_seed.append(run_lm_experiment(name, scale, folder, simulation, seed, only, overrides, device))
+            per_seed.append(run_lm_experiment(name, scale, folder, simulation, seed, only, overrides, device,
+                                              shared=exp_dir.parent))
     if len(seeds) == 1:
         results = per_seed[0]
     else:
         results = {"runs": across_seeds([r["runs"] for r in per_seed]),
-                   "orderings": orderings([r["runs"] for r in per_seed]),
+                   # lower is better: perplexity (BLEU, higher, is read from nmt-domains' per-domain tables)
+                   "orderings": orderings([r["runs"] for r in per_seed]) if name != "nmt-domains" else [],
                    "per_seed": {str(s): r for s, r in zip(seeds, per_seed)}}
     results.update(experiment=name, scale=scale, seeds=seeds, threads=threads, only=only, overrides=overrides or {},
                    wall_s=round(time.time() - started, 1))
@@ -770,8 +829,8 @@ def _seed_columns(columns: list[str]) -> list[str]:
     """The columns of a several-seed table: per-seed-only ones dropped, an sd beside each averaged metric."""
     out = []
     for c in columns:
-        if c in ("test", "best_valid"):
+        if c in _MEAN_SD:
             out += [c, f"{c}_sd"]
-        elif c not in _PER_RUN or c in ("max_jump", "wall_s"):
+        elif c not in _PER_RUN or c in ("max_jump", "wall_s", *_MEAN_COUNTS, *_EACH_SEED):
             out.append(c)
     return out + ["seeds"]

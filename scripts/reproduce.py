@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0", help="comma-separated seeds; several: mean ± sd (rerun to resume)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="local training: cpu | cuda | auto (LM experiments)")
-    parser.add_argument("--only", help="run only the grid's runs whose name contains this text")
+    parser.add_argument("--only", help="run only these runs of the grid (comma-separated: a run's whole name, or text its name "
+                        "contains)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a job setting of every run, e.g. --set rounds=15 --set max_steps=10")
     args = parser.parse_args(argv)

@@ -4,11 +4,13 @@ Per tensor l: s_k = ‖θ^l − θ_k^l‖ ('fro': Frobenius/vector 2-norm; 'spec
 2-D tensor, tensors with more dimensions reshaped to (shape[0], -1), 1-D and 0-D tensors use the vector
 2-norm), α_k = softmax_k(s_k) over the positive distance, and
 
-    θ^l ← θ^l − ε Σ_k α_k (θ^l − θ_k^l + β ξ_k),   ξ_k ~ N(0, σ²) elementwise (optional randomization),
+    θ^l ← θ^l − ε Σ_k α_k (θ^l − θ_k^l) = (1 − ε) θ^l + ε Σ_k α_k θ_k^l
 
-which equals (1 − ε) θ^l + ε Σ_k α_k (θ_k^l − β ξ_k) (see :mod:`softmax_weighted`). For an update that
-arrives as a delta, s_k = ‖Δ_k^l‖ reads the update once. The noise is drawn per client term from a
-torch.Generator seeded with ``seed``, in fold order, so a seeded run is reproducible.
+(see :mod:`softmax_weighted`). For an update that arrives as a delta, s_k = ‖Δ_k^l‖ reads the update once.
+
+The paper's randomization (its Eq. 6, β ξ_k with ξ_k ~ N(0, σ²)) is "added in before the clients send the updated
+parameters to the server, but it is written in the form of server optimization for simplicity": here it is the
+clients' (``JobConfig.noise``, added in client_agent.agent before an update is encoded), for every strategy.
 """
 
 from __future__ import annotations
@@ -49,16 +51,12 @@ class FedAtt(SoftmaxWeighted):
     def from_config(cls, cfg: Any, **extra: Any) -> "FedAtt":
         return cls(epsilon=cfg.att_eps, norm=cfg.att_norm, **extra)
 
-    def __init__(self, epsilon: float = 1.2, norm: str = "fro", beta: float = 0.0, sigma: float = 1.0, seed: int = 0) -> None:
+    def __init__(self, epsilon: float = 1.2, norm: str = "fro") -> None:
         super().__init__()
         self.epsilon = self.step_size = check_number("epsilon", epsilon, low=0.0, low_open=True)
         if norm not in NORMS:
             raise BadParameter(f"norm must be one of {', '.join(NORMS)}, got {norm!r}")
         self.norm = norm
-        self.beta = check_number("beta", beta, low=0.0)
-        self.sigma = check_number("sigma", sigma, low=0.0)
-        self.seed = int(check_number("seed", seed))
-        self._gen = torch.Generator().manual_seed(self.seed)
 
     def score(self, name: str, update: ClientUpdate) -> float:
         t = update.tensors[name]
@@ -67,10 +65,3 @@ class FedAtt(SoftmaxWeighted):
         if update.delta:
             return _spectral(t.float())
         return tensor_distance(self._global[name], t, self.norm)  # type: ignore[index]
-
-    def term(self, name: str, update: ClientUpdate) -> torch.Tensor:
-        t = update.tensors[name]
-        if self.beta > 0.0 and self.sigma > 0.0:
-            noise = torch.randn(t.shape, generator=self._gen, dtype=torch.float32)
-            return t.float() - noise.mul_(self.beta * self.sigma)
-        return t

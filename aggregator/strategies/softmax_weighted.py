@@ -4,7 +4,7 @@ Per tensor l, with a score s_k^l per client (FedAtt: a distance, FedMed: a JS di
 
     θ^l ← (1 − ε) θ^l + ε Σ_k softmax_k(s_k^l) x_k^l
 
-where x_k is the client's tensor (θ_k, or a noisy θ_k for FedAtt's randomization). Each Σ is a
+where x_k is the client's tensor θ_k. Each Σ is a
 :class:`RunningSoftmaxSum` (a running log-sum-exp, one model-sized buffer), and an update folded as a
 delta Δ_k = θ_k − θ costs one pass like a full one (see :class:`WeightedSum`).
 """
@@ -50,10 +50,6 @@ class SoftmaxWeighted(Strategy):
     def score(self, name: str, update: ClientUpdate) -> float:
         """s_k of one tensor of ``update`` against the global model (``self._global``)."""
 
-    def term(self, name: str, update: ClientUpdate) -> torch.Tensor:
-        """x_k of one tensor, in the update's own form (θ_k or Δ_k)."""
-        return update.tensors[name]
-
     def begin(self, global_state: Mapping[str, torch.Tensor]) -> None:
         self._global = global_state
         self._sums = {k: RunningSoftmaxSum(v) for k, v in zeros_like_state(global_state).items()}
@@ -62,7 +58,7 @@ class SoftmaxWeighted(Strategy):
     def fold(self, update: ClientUpdate) -> None:
         scores = self.score_only(update)
         for name in update.tensors:
-            self._sums[name].add_scored(scores[name], self.term(name, update), update.delta)
+            self._sums[name].add_scored(scores[name], update.tensors[name], update.delta)
 
     def score_only(self, update: ClientUpdate) -> dict[str, float]:
         """Validate and score ``update`` and record its scores, without adding it to the weighted sums."""

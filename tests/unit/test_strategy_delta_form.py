@@ -36,13 +36,12 @@ def random_round(seed: int = 0, k: int = 5):
     return glob, ups
 
 
-STRATEGIES = [*STRATEGY_NAMES, "fedatt-spectral", "fedatt-noise", "fedavg-clip-tight"]
+STRATEGIES = [*STRATEGY_NAMES, "fedatt-spectral", "fedavg-clip-tight"]
 
 
 def maker(name: str):
     """A factory taking a second pass's parameters (FedMed's standardised JS asks for one)."""
     return {"fedatt-spectral": lambda **kw: FedAtt(norm="spectral", **kw),
-            "fedatt-noise": lambda **kw: FedAtt(beta=0.01, seed=4, **kw),
             "fedavg-clip-tight": lambda **kw: ClippedFedAvg(clip_norm=1.0, **kw)}.get(
                 name, lambda **kw: make_strategy(name, **kw))
 

@@ -92,22 +92,7 @@ def test_large_distances_do_not_overflow():
     torch.testing.assert_close(out, torch.tensor([0.0, 2000.0]))
 
 
-def test_randomization_is_seeded_and_bounded():
-    glob = {"w": torch.zeros(10_000)}
-    ups = [ClientUpdate("a", 1, {"w": torch.ones(10_000)})]
-    plain = run(FedAtt(epsilon=1.0), glob, ups)["w"]
-    assert torch.equal(plain, torch.ones(10_000))
-    n1 = run(FedAtt(epsilon=1.0, beta=0.001, seed=7), glob, ups)["w"]
-    n2 = run(FedAtt(epsilon=1.0, beta=0.001, seed=7), glob, ups)["w"]
-    n3 = run(FedAtt(epsilon=1.0, beta=0.001, seed=8), glob, ups)["w"]
-    assert torch.equal(n1, n2) and not torch.equal(n1, n3)
-    noise = n1 - plain  # one client, ε = 1: θ' = θ_a − β ξ, ξ ~ N(0, 1)
-    assert 0.0009 < float(noise.std()) < 0.0011
-    assert float(noise.abs().max()) < 0.001 * 6
-
-
-
-@pytest.mark.parametrize("params", [{"epsilon": 0}, {"epsilon": float("nan")}, {"norm": "l1"}, {"beta": -1}, {"sigma": "x"}])
+@pytest.mark.parametrize("params", [{"epsilon": 0}, {"epsilon": float("nan")}, {"norm": "l1"}, {"norm": None}])
 def test_bad_parameters(params):
     with pytest.raises(BadParameter):
         FedAtt(**params)
