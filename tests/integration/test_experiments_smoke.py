@@ -72,9 +72,19 @@ def test_dropout_availability_and_crashes(tmp_path):
 
 
 def test_nmt_domains(tmp_path):
-    results = run_experiment("nmt-domains", "smoke", tmp_path)
-    runs = _check_common(results, tmp_path, "nmt-domains")
-    table = results["bleu_by_domain"]
+    """Two seeds: as in Passban et al. every federation starts from one pre-trained (WMT) engine, so the seeds
+    pre-train once (cached at the experiment level) and differ only in their federations."""
+    results = run_experiment("nmt-domains", "smoke", tmp_path, seeds=(0, 1))
+    exp = tmp_path / "nmt-domains"
+    assert (exp / "pretrained.pt").is_file() and not list(exp.glob("seed-*/pretrained.pt"))
+    tables = [results["per_seed"][s]["bleu_by_domain"] for s in ("0", "1")]
+    assert tables[0]["pre-trained (news_wmt)"] == tables[1]["pre-trained (news_wmt)"]
+    assert {r["run"] for r in results["runs"]} >= {"fedavg", "pull-random-0.5"}
+    runs = {r["run"]: r for r in results["per_seed"]["0"]["runs"]}
+    md = (exp / "results.md").read_text()
+    for run in runs:
+        assert run in md and (exp / "seed-0" / run / "summary.json").is_file(), run
+    table = tables[0]
     assert set(table["pre-trained (news_wmt)"]) == {"news_wmt", "ted_iwslt14"}
     assert "server fedavg" in table and "client ted_iwslt14 (local only)" in table
     # round 2 of dynamic pulling sends about half of the tensors: fewer raw bytes up than FedAvg
@@ -85,17 +95,17 @@ def test_nmt_domains(tmp_path):
     assert runs["pull-global-0.33-both"]["bytes_down_raw"] < runs["fedavg"]["bytes_down_raw"]
     assert runs["pull-global-0.5"]["bytes_down_raw"] == runs["fedavg"]["bytes_down_raw"]
     # a run restored from its small files (no best.pt; scripts/runs_archive.py) keeps its per-domain BLEU row
-    fedavg = tmp_path / "nmt-domains" / "fedavg"
+    fedavg = exp / "seed-0" / "fedavg"
     assert json.loads((fedavg / "summary.json").read_text())["test_bleu_by_domain"] == table["server fedavg"]
     (fedavg / "best.pt").unlink()
-    again = run_experiment("nmt-domains", "smoke", tmp_path)
-    assert again["bleu_by_domain"]["server fedavg"] == table["server fedavg"]
+    again = run_experiment("nmt-domains", "smoke", tmp_path, seeds=(0, 1))
+    assert again["per_seed"]["0"]["bleu_by_domain"]["server fedavg"] == table["server fedavg"]
     # without either, the row is refused, not scored on another model (the old fallback: the pre-trained one)
     summary = json.loads((fedavg / "summary.json").read_text())
     del summary["test_bleu_by_domain"]
     (fedavg / "summary.json").write_text(json.dumps(summary))
     with pytest.raises(ExperimentError, match="run fedavg has no best.pt and no per-domain BLEU"):
-        run_experiment("nmt-domains", "smoke", tmp_path)
+        run_experiment("nmt-domains", "smoke", tmp_path, seeds=(0, 1))
 
 
 def test_cli_topk_with_report(tmp_path):
@@ -137,6 +147,9 @@ def test_seeds_give_mean_and_sd_and_a_rerun_resumes(tmp_path):
                  for i, r in enumerate(results["per_seed"][s]["runs"]) if r["run"] == name]
         assert row["seeds"] == 2 and row["test"] == pytest.approx(sum(tests) / 2)
         assert row["test_sd"] == pytest.approx(abs(tests[0] - tests[1]) / math.sqrt(2))
+        each = [next(r for r in results["per_seed"][s]["runs"] if r["run"] == name) for s in ("0", "1")]
+        assert row["best_round"] == f"{each[0]['best_round']} / {each[1]['best_round']}"  # rounds are not averaged
+        assert row["bytes_up"] == round((each[0]["bytes_up"] + each[1]["bytes_up"]) / 2)
         assert (tmp_path / "table2" / "seed-1" / name / "summary.json").is_file()
     assert tests[0] != tests[1]  # the seed changes shards, init and sampling
     per = {s: {r["run"]: r["test"] for r in results["per_seed"][s]["runs"]} for s in ("0", "1")}
@@ -198,12 +211,37 @@ def test_reproduce_script_reports_a_bad_name_in_one_line():
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "tabel2" in proc.stderr
 
 
-def test_nmt_domains_seeds_share_one_pretrained_engine(tmp_path):
-    """As in Passban et al. every federation starts from one pre-trained (WMT) engine: two seeds pre-train once
-    (cached at the experiment level) and differ only in their federations."""
-    results = run_experiment("nmt-domains", "smoke", tmp_path, seeds=(0, 1))
-    exp = tmp_path / "nmt-domains"
-    assert (exp / "pretrained.pt").is_file() and not list(exp.glob("seed-*/pretrained.pt"))
-    tables = [results["per_seed"][s]["bleu_by_domain"] for s in ("0", "1")]
-    assert tables[0]["pre-trained (news_wmt)"] == tables[1]["pre-trained (news_wmt)"]
-    assert {r["run"] for r in results["runs"]} >= {"fedavg", "pull-random-0.5"}
+def test_a_configuration_shared_by_experiments_is_trained_once(tmp_path):
+    """FedAvg at C = 0.5 is a cell of randomization (noise 0) and of fraction: the second experiment copies the
+    first one's finished run instead of training it again; a changed setting, or another seed, trains."""
+    calls = []
+
+    def counting(cfg, *args, **kwargs):
+        calls.append(cfg.job)
+        return Simulation(cfg, *args, **kwargs)
+
+    first = experiments.run_experiment("randomization", "smoke", tmp_path, simulation=counting, only="fedavg")
+    (tmp_path / "junk" / "x").mkdir(parents=True)
+    (tmp_path / "junk" / "x" / "spec.json").write_text("{not json")  # a damaged marker is never a source
+    assert len(calls) == 2  # noise 0 and 0.01
+    again = experiments.run_experiment("fraction", "smoke", tmp_path, simulation=counting, only="fedavg")
+    assert len(calls) == 2  # nothing trained
+    [src, _], [row] = first["runs"], again["runs"]
+    assert row["test"] == src["test"] and row["valid_curve"] == src["valid_curve"]
+    marker = json.loads((tmp_path / "fraction" / "fedavg-c0.5" / "spec.json").read_text())
+    assert marker["done"] and marker["reused"] == str(tmp_path / "randomization" / "fedavg-noise0.0")
+    assert (tmp_path / "fraction" / "fedavg-c0.5" / "metrics.jsonl").read_bytes() == (
+        tmp_path / "randomization" / "fedavg-noise0.0" / "metrics.jsonl").read_bytes()
+    experiments.run_experiment("fraction", "smoke", tmp_path, simulation=counting, only="fedavg",
+                               overrides={"lr": 0.5})
+    experiments.run_experiment("fraction", "smoke", tmp_path / "other", simulation=counting, seeds=[1],
+                               only="fedavg")
+    assert calls == ["exp-fedavg-noise0_0", "exp-fedavg-noise0_01", "exp-fedavg-c0_5", "exp-fedavg-c0_5"]
+
+
+def test_only_picks_a_whole_name_exactly_and_otherwise_by_containment():
+    grid = experiments.EXPERIMENTS["rounds-to-target"]("cpu")
+    assert [s.name for s in experiments.select(grid, "fedavg-e1", None)] == ["fedavg-e1"]
+    assert [s.name for s in experiments.select(grid, "fedavg-e1,fp16", None)] == ["fedavg-e1", "fedavg-e1-fp16"]
+    assert [s.name for s in experiments.select(grid, "avg-e1", None)] == [
+        "fedavg-e1", "fedavg-e1-fp16", "fedavg-e1-delta-int8"]
