@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -47,10 +48,30 @@ def rabbit_node_unavailable() -> str | None:
     return None
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range.
+
+    A node that a test restarts must bind its ports again. The kernel draws the local port of every outgoing
+    connection on the machine from the ephemeral range, so a port picked there (bind to port 0) can be held by
+    some client's connection at the moment of the restart: the listener then fails with eaddrinuse (it happened
+    to the management listener after ``stop_app``) and every later test on the node fails with it."""
+    rng = random.SystemRandom()
+    for _ in range(500):
+        port = rng.randint(10000, max(_ephemeral_low() - 1, 10001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def _port_open(port: int) -> bool:

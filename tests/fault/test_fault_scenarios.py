@@ -191,8 +191,11 @@ def _run_plan(node, tmp_path, job_id, seed: int, first_mid_upload: bool) -> None
             fh.write(json.dumps(report) + "\n")
         assert summary["rounds_completed"] + summary["rounds_skipped"] == rounds, (summary, context)
         # a round in which the broker was down longer than its deadlines closes as skipped (its deadline held);
-        # the next one may too while agents reconnect. Every other round completes.
-        down = {r + k for r in run.broker_down for k in (0, 1)}
+        # the next two may too while agents reconnect (their join backoff doubles up to 10 s, longer than a round
+        # that closes with nobody online). Round 1 (no fault) may too: the agents' first training step is cold,
+        # and on a loaded machine three cold processes can all miss its 8 s report deadline (seen in CI).
+        # Every other round completes.
+        down = {1} | {r + k for r in run.broker_down for k in (0, 1, 2)}
         skipped = {r["round"] for r in rows if r["skipped"]}
         assert skipped <= down, (f"skipped rounds {sorted(skipped)} outside broker outages {sorted(down)}", context)
         assert audit.lost == [] and audit.duplicated == [], (audit, context)
