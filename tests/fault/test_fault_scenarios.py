@@ -195,9 +195,10 @@ def _run_plan(node, tmp_path, job_id, seed: int, first_mid_upload: bool) -> None
         # that closes with nobody online). Round 1 (no fault) may too: the agents' first training step is cold,
         # and on a loaded machine three cold processes can all miss its 8 s report deadline (seen in CI).
         # Every other round completes.
-        down = {1} | {r + k for r in run.broker_down for k in (0, 1, 2)}
+        excused = {1} | {r + k for r in run.broker_down for k in (0, 1, 2)}
         skipped = {r["round"] for r in rows if r["skipped"]}
-        assert skipped <= down, (f"skipped rounds {sorted(skipped)} outside broker outages {sorted(down)}", context)
+        assert skipped <= excused, (f"skipped rounds {sorted(skipped)} outside round 1 and broker outages "
+                                    f"{sorted(excused)}", context)
         assert audit.lost == [] and audit.duplicated == [], (audit, context)
         assert audit.finite and audit.shapes_ok, context
         assert not over, (f"rounds past deadline + slack: {over}", context)

@@ -23,16 +23,19 @@ ROOT = experiments.ROOT
 run_experiment = partial(experiments.run_experiment, simulation=Simulation)  # the report: test_cli_topk_with_report
 
 
-def _check_common(results: dict, out, name: str) -> dict[str, dict]:
-    runs = {r["run"]: r for r in results["runs"]}
+def _check_common(results: dict, out, name: str, seed: str | None = None) -> dict[str, dict]:
+    """The runs of ``results`` (with ``seed``: that seed's, of a several-seed experiment) are in the experiment's
+    tables and have their run folders."""
+    runs = {r["run"]: r for r in (results if seed is None else results["per_seed"][seed])["runs"]}
     assert runs, "an experiment must run at least one federation"
     md = (out / name / "results.md").read_text()
     saved = json.loads((out / name / "results.json").read_text())
     assert [r["run"] for r in saved["runs"]] == list(runs)
+    folder = out / name if seed is None else out / name / f"seed-{seed}"
     for run, r in runs.items():
         assert run in md
-        assert (out / name / run / "summary.json").is_file()
-        assert (out / name / run / "metrics.jsonl").is_file()
+        assert (folder / run / "summary.json").is_file()
+        assert (folder / run / "metrics.jsonl").is_file()
         assert r["rounds_completed"] + r["rounds_skipped"] >= 1
         if r["rounds_completed"]:
             assert r["test"] is not None and math.isfinite(r["test"]), run
@@ -80,10 +83,7 @@ def test_nmt_domains(tmp_path):
     tables = [results["per_seed"][s]["bleu_by_domain"] for s in ("0", "1")]
     assert tables[0]["pre-trained (news_wmt)"] == tables[1]["pre-trained (news_wmt)"]
     assert {r["run"] for r in results["runs"]} >= {"fedavg", "pull-random-0.5"}
-    runs = {r["run"]: r for r in results["per_seed"]["0"]["runs"]}
-    md = (exp / "results.md").read_text()
-    for run in runs:
-        assert run in md and (exp / "seed-0" / run / "summary.json").is_file(), run
+    runs = _check_common(results, tmp_path, "nmt-domains", seed="0")
     table = tables[0]
     assert set(table["pre-trained (news_wmt)"]) == {"news_wmt", "ted_iwslt14"}
     assert "server fedavg" in table and "client ted_iwslt14 (local only)" in table
