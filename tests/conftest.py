@@ -99,6 +99,13 @@ def load_rabbit_node_module():
     return sys.modules[name]
 
 
+@pytest.fixture
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a listener a test starts (tests/rabbit_node.free_port: below the
+    kernel's ephemeral range, where no client connection can be holding it)."""
+    return load_rabbit_node_module().free_port()
+
+
 def _rabbit_node_module_or_skip():
     """tests/rabbit_node.py when private nodes can start here; else the test fails in CI and is skipped elsewhere."""
     mod = load_rabbit_node_module()

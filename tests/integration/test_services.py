@@ -6,7 +6,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -42,12 +41,6 @@ def fedmq(*args: str) -> list[str]:
     return [sys.executable, "-m", "cli.app", *args]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def resolved(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(fedmq("aggregator", "run", "--broker", "amqp://127.0.0.1", "--job", "j1",
                                 "--config", str(tmp_path / "job.toml"), "--print-config", *args),
@@ -69,10 +62,10 @@ def test_config_precedence_flags_env_file(tmp_path):
 
 
 @pytest.mark.rabbitmq
-def test_aggregator_and_agents_as_services(tmp_path, rabbit_url, job_id):
+def test_aggregator_and_agents_as_services(tmp_path, rabbit_url, job_id, free_port):
     (tmp_path / "job.toml").write_text(JOB_TOML)
     state = tmp_path / "state"
-    port = free_port()
+    port = free_port
     common = ["--broker", rabbit_url, "--job", job_id, "--config", str(tmp_path / "job.toml")]
     agg = subprocess.Popen(fedmq("aggregator", "run", *common, "--rounds", "3", "--state-dir", str(state),
                                  "--metrics-port", str(port)),

@@ -71,15 +71,12 @@ def test_ctrl_c_checkpoints_and_resume_continues(tmp_path):
     assert [e.step for e in board.Scalars("valid/perplexity")] == [1, 2, 3, 4, 5]
 
 
-def test_simulate_metrics_port_serves_score_and_loss_and_the_run_has_csv_and_tensorboard(tmp_path):
-    import socket
+def test_simulate_metrics_port_serves_score_and_loss_and_the_run_has_csv_and_tensorboard(tmp_path, free_port):
     import urllib.request
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    with socket.socket() as probe:  # a free port
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port
     run = tmp_path / "run"
     proc = subprocess.Popen(fedmq("simulate", *TINY, "--rounds", "2", "--out", str(run), "--metrics-port", str(port)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
