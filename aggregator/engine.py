@@ -53,6 +53,7 @@ from fedmq.manifest import Manifest
 from fedmq.plugins import is_import_path
 from fedmq.pulling import select_tensors
 from fedmq.tasks.base import Task, load_state, model_state
+from fedmq.tasks.training import resolve_device
 
 log = structlog.get_logger(__name__)
 
@@ -63,7 +64,8 @@ class Engine:
     """Runs a job to completion (or until ``stop`` is set) and writes the run folder."""
 
     def __init__(self, broker: Broker, task: Task, cfg: JobConfig, run_dir: Path, *,
-                 durable: bool = True, evaluate: bool = True, on_round: Callable[[dict], None] | None = None) -> None:
+                 durable: bool = True, evaluate: bool = True, on_round: Callable[[dict], None] | None = None,
+                 device: str = "cpu") -> None:
         self.broker = broker
         self.task = task
         self.cfg = cfg
@@ -73,6 +75,7 @@ class Engine:
                 raise BadParameter(f"strategy {cfg.strategy!r}: configure_train must return a RoundConfig")
         self.run_dir = Path(run_dir)
         self.evaluate = evaluate
+        self.eval_device = resolve_device(device)  # where validation and test run (the model lives on the CPU)
         self.on_round = on_round
         self.stop = threading.Event()
         self.inbox = Inbox(broker, cfg.job, cfg.identity)  # its decoding limits are set below, from the manifest
@@ -441,14 +444,23 @@ class Engine:
     def _evaluate(self, rnd: int) -> float | None:
         if not self.evaluate or rnd % self.cfg.eval_every:
             return None
-        load_state(self.model, self.global_state)
         self.phase = "evaluating"
-        score = float(self.task.evaluate(self.model, "valid"))
+        score = self._score(self.global_state, "valid")
         better = self.best is None or (score > self.best[0] if self.task.higher_is_better else score < self.best[0])
         if better and math.isfinite(score):
             self.best = (score, rnd)
             torch.save({k: v.clone() for k, v in self.global_state.items()}, self.run_dir / "best.pt")
         return score
+
+    def _score(self, state: State, split: str) -> float:
+        """The task's metric of ``state`` on ``split``, computed on the run's device (a GPU run's full-split
+        perplexity on the CPU would cost more than the round)."""
+        load_state(self.model, state)
+        self.model.to(self.eval_device)
+        try:
+            return float(self.task.evaluate(self.model, split))
+        finally:
+            self.model.to("cpu")
 
     def _record(self, stats: RoundStats, score: float | None, weights: dict[str, float], skipped: str | None,
                 verdict: Verdict) -> RoundRecord:
@@ -499,9 +511,8 @@ class Engine:
         test = None
         best_path = self.run_dir / "best.pt"
         if self.evaluate and best_path.is_file() and not self.stop.is_set():
-            load_state(self.model, torch.load(best_path, weights_only=True))
             self.phase = "testing"
-            test = float(self.task.evaluate(self.model, "test"))
+            test = self._score(torch.load(best_path, weights_only=True), "test")
         return {
             "metric": self.task.metric, "higher_is_better": self.task.higher_is_better,
             "best_round": self.best[1] if self.best else None, "best_valid": self.best[0] if self.best else None,

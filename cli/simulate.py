@@ -87,6 +87,7 @@ class Simulation:
         limit = {"chunk_limit": IN_PROCESS_CHUNK_LIMIT} if memory else {}
         agg_broker = connect(self.broker_url, user=topology.AGGREGATOR_USER if memory else None, **limit)
         self.engine = engine = Engine(agg_broker, self.task, cfg, self.run_dir, durable=shared_user is not None,
+                                      device=self.device,
                                       on_round=self.on_round)
         pool = TrainerPool(self.task, self.trainers, cfg.seed)
         store = DiskStore(self.run_dir / "clients")

@@ -7,16 +7,20 @@
 #
 #   here, once:   scripts/paper_gpu.sh prepare
 #                 -> .whl/ (wheels for the GPU machine's Python 3.12) and .gpudata/ (PTB and WikiText-2)
-#   there:        bash scripts/paper_gpu.sh run CELLS SECONDS [SCALE] [DEVICE]
-#                 (device run, carry [".whl", ".gpudata", "runs/paper"]): runs
-#                 `reproduce.py table2 --scale paper --only CELLS`, stops it after SECONDS (each round is
-#                 checkpointed: a stop loses at most the round in flight), and packs runs/paper into
-#                 $OUT/state.tgz.NN (15 MiB parts) plus $OUT/progress.txt
-#   here, after:  scripts/paper_gpu.sh unpack FOLDER   (FOLDER = the call's files_at)
-#                 -> runs/paper restored; the next `run` call carries it and the same command resumes
+#   there:        bash scripts/paper_gpu.sh run JOBS SECONDS [SCALE] [DEVICE]
+#                 (device run, carry [".whl", ".gpudata"]): JOBS is a comma-separated list of CELL:SEED (e.g.
+#                 ptb-fedavg-c0.1:0,ptb-fedatt-c0.1:0); each job is its own process,
+#                 `reproduce.py table2 --scale paper --seeds SEED --only CELL --out runs/paper/seed-SEED/CELL`,
+#                 all at once on the one GPU (a GRU client's steps are too small to keep it busy alone), each
+#                 stopped after SECONDS (every round is checkpointed: a stop loses at most the round in flight).
+#                 What comes back is small: $OUT/results.tgz (metrics, summaries, specs, configs, logs; no
+#                 weights) and $OUT/progress.txt. The weights and checkpoints stay on that machine, so the same
+#                 command resumes the unfinished jobs only while it is still warm (30 s after a call); on a fresh
+#                 machine they start again from round 1.
+#   here, after:  scripts/paper_gpu.sh unpack FOLDER   (FOLDER = the call's files_at) -> merged into runs/paper
 #
 # SCALE (default paper) and DEVICE (default cuda) exist so that the round trip can be rehearsed on the CPU:
-# `OUT=/tmp/o bash scripts/paper_gpu.sh run ptb-fedavg-c0.5 60 smoke cpu` (then `unpack /tmp/o`).
+# `OUT=/tmp/o bash scripts/paper_gpu.sh run wikitext-2-fedavg-c0.5:0 60 smoke cpu` (then `unpack /tmp/o`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmd=${1:-}
@@ -31,8 +35,8 @@ case "$cmd" in
     du -sh .whl .gpudata
     ;;
   run)
-    cells=${2:?cells: comma-separated run names, e.g. ptb-fedavg-c0.1}
-    seconds=${3:?seconds to run before stopping and packing}
+    jobs=${2:?jobs: comma-separated CELL:SEED, e.g. ptb-fedavg-c0.1:0}
+    seconds=${3:?seconds to run before stopping}
     scale=${4:-paper}
     device=${5:-cuda}
     out=${OUT:?OUT must name the folder whose files come back}
@@ -44,25 +48,34 @@ case "$cmd" in
       export PYTHONPATH=/tmp/site:$PWD
       py=python3
     fi
-    mkdir -p runs/paper
+    pids=()
+    for job in ${jobs//,/ }; do
+      cell=${job%%:*}; seed=${job#*:}; [ "$seed" = "$job" ] && seed=0
+      dir=runs/paper/seed-$seed/$cell
+      mkdir -p "$dir"
+      timeout -s INT -k 30 "$seconds" "$py" scripts/reproduce.py table2 --scale "$scale" --seeds "$seed" \
+        --device "$device" --threads 1 --only "$cell" --out "$dir" > "$dir/log.txt" 2>&1 &
+      pids+=($!)
+    done
     rc=0
-    timeout -s INT -k 30 "$seconds" "$py" scripts/reproduce.py table2 --scale "$scale" --seeds 0 \
-      --device "$device" --threads 8 --only "$cells" --out runs/paper > runs/paper/log.txt 2>&1 || rc=$?
+    for p in "${pids[@]}"; do wait "$p" || rc=$?; done
     {
-      echo "exit $rc after at most $seconds s ($(date -u +%FT%TZ)); cells $cells; scale $scale; device $device"
-      for m in runs/paper/table2/*/metrics.jsonl; do
-        [ -f "$m" ] && echo "$(dirname "$m" | xargs basename): $(wc -l < "$m") rounds; last: $(tail -n 1 "$m" | cut -c1-300)"
+      echo "last exit $rc after at most $seconds s ($(date -u +%FT%TZ)); jobs $jobs; scale $scale; device $device"
+      for m in runs/paper/seed-*/*/table2/*/metrics.jsonl; do
+        [ -f "$m" ] || continue
+        d=$(dirname "$m")
+        echo "$d: $(wc -l < "$m") rounds$([ -f "$d/summary.json" ] && echo ', done'); last: $(tail -n 1 "$m" | cut -c1-200)"
       done
-      tail -n 5 runs/paper/log.txt
+      for l in runs/paper/seed-*/*/log.txt; do echo "== $l"; tail -n 3 "$l"; done
     } > "$out/progress.txt"
-    tar -czf - -C runs paper | split -b 15M -d - "$out/state.tgz."
+    (cd runs && find paper \( -name metrics.jsonl -o -name summary.json -o -name spec.json -o -name config.json \
+      -o -name results.json -o -name log.txt \) -print0 | tar -czf "$out/results.tgz" --null -T -)
     ls -la "$out"
     ;;
   unpack)
-    from=${2:?the folder holding state.tgz.NN}
-    rm -rf runs/paper
+    from=${2:?the folder holding results.tgz}
     mkdir -p runs
-    cat "$from"/state.tgz.* | tar -xzf - -C runs
+    tar -xzf "$from/results.tgz" -C runs
     cat "$from/progress.txt"
     ;;
   *)
