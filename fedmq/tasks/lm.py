@@ -93,20 +93,23 @@ class LanguageModelTask(Task):
 
         n_windows = batches.num_windows(bptt)
 
+        counts = batches.window_targets(bptt)
+        on_device: dict[torch.device, StreamBatches] = {}
+
         def epoch(m: nn.Module, gen: torch.Generator, device: torch.device) -> Iterator[tuple[torch.Tensor, int]]:
             hidden = m.init_hidden(batches.inputs.size(1), device)
-            windows = list(batches.windows(bptt))
+            if device not in on_device:
+                on_device[device] = batches.to(device)
+            windows = list(zip(on_device[device].windows(bptt), counts))
             # a run capped by max_steps covers only part of the shard: start it at a seeded window (the agent's
             # seed differs per round) so successive rounds see the whole shard, not always its beginning
             start = int(torch.randint(n_windows, (1,), generator=gen)) if cfg.max_steps and n_windows else 0
-            for i, (x, y, mask) in enumerate(windows[start:] + windows[:start]):
+            for i, ((x, y, mask), n) in enumerate(windows[start:] + windows[:start]):
                 if start and i == n_windows - start:
                     hidden = m.init_hidden(batches.inputs.size(1), device)  # wrapped to the shard's start
-                x, y, mask = x.to(device), y.to(device), mask.to(device)
                 hidden = detach_hidden(hidden)
                 logits, hidden = m(x, hidden)
                 nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1), reduction="none")
-                n = int(mask.sum())
                 yield (nll * mask.reshape(-1)).sum() / n, n
 
         return run_training(model, epoch, n_windows, cfg, client, batches.n_targets, progress)
@@ -123,18 +126,18 @@ class LanguageModelTask(Task):
         if split not in self._eval:
             ids = self.vocab.encode_lines(self.corpus.lines[split])
             self._eval[split] = StreamBatches.build(ids, EVAL_BATCH, self.vocab.eos)
-        batches = self._eval[split]
         device = next(model.parameters()).device
+        batches = self._eval[split].to(device)
         was_training = model.training
         model.eval()
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=device)
         hidden = model.init_hidden(batches.inputs.size(1), device)
         for x, y, mask in batches.windows(self.bptt):
-            logits, hidden = model(x.to(device), hidden)
-            nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.to(device).reshape(-1), reduction="none")
-            total += float((nll * mask.to(device).reshape(-1)).sum())
+            logits, hidden = model(x, hidden)
+            nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1), reduction="none")
+            total += (nll * mask.reshape(-1)).sum()
         model.train(was_training)
-        return total / batches.n_targets
+        return float(total) / batches.n_targets
 
     def describe(self) -> dict[str, Any]:
         sizes = [len(s) for s in self.shards]

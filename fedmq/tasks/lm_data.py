@@ -199,6 +199,15 @@ class StreamBatches:
         shape = (cols, length)
         return cls(inputs.view(shape).t().contiguous(), targets.view(shape).t().contiguous(), mask.view(shape).t().contiguous(), n)
 
+    def to(self, device: torch.device) -> "StreamBatches":
+        """The same batches on ``device``: moved once, so a training or evaluation pass copies nothing per step
+        (a GPU step that waits for its own input copy cannot overlap the next one)."""
+        return StreamBatches(self.inputs.to(device), self.targets.to(device), self.mask.to(device), self.n_targets)
+
+    def window_targets(self, bptt: int) -> list[int]:
+        """The number of real (unmasked) targets in each window, counted once on the CPU."""
+        return [int(m.sum()) for _, _, m in self.windows(bptt)]
+
     def windows(self, bptt: int):
         """(inputs, targets, mask) slices of at most ``bptt`` time steps, in order."""
         for start in range(0, self.inputs.size(0), bptt):

@@ -73,7 +73,7 @@ def run_training(model: nn.Module, epoch_fn: EpochFn, steps_per_epoch: int, cfg:
     if cfg.max_steps:
         total = min(total, cfg.max_steps)
     steps = tokens = 0
-    loss_sum = 0.0
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # summed where the loss is: no sync a step
     t0 = time.perf_counter()
     try:
         for epoch in range(cfg.epochs):
@@ -104,7 +104,7 @@ def run_training(model: nn.Module, epoch_fn: EpochFn, steps_per_epoch: int, cfg:
                 _step(model, opt, scaler, cfg)
                 steps += 1
                 tokens += n
-                loss_sum += float(loss.detach()) * n
+                loss_sum += loss.detach().double() * n
                 if progress is not None:
                     progress(steps, total)
                 if steps >= total:
@@ -115,7 +115,7 @@ def run_training(model: nn.Module, epoch_fn: EpochFn, steps_per_epoch: int, cfg:
         set_dropout_generator(model, None)
         model.to(home)
     seconds = time.perf_counter() - t0
-    mean = loss_sum / tokens if tokens else float("nan")
+    mean = float(loss_sum) / tokens if tokens else float("nan")
     log.debug("local training done", client=client, steps=steps, tokens=tokens, loss=round(mean, 4), seconds=round(seconds, 2))
     return TrainResult(loss=mean, n_samples=n_samples, steps=steps, tokens=tokens, seconds=seconds, tail_loss=tail)
 
@@ -127,17 +127,18 @@ def _tail_loss(model: nn.Module, epoch_fn: EpochFn, device: torch.device, cfg: T
     took, when --max-steps cut it shorter (the CPU scale), so the extra pass never costs more than the training."""
     gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + client * 7_919 + 999_983) % (2**63))
     model.eval()
-    total = count = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = 0
     try:
         with torch.no_grad():
             for i, (loss, n) in enumerate(epoch_fn(model, gen, device)):
                 if i >= max(batches, 1):
                     break
-                total += float(loss) * n
+                total += loss.double() * n
                 count += n
     finally:
         model.train()
-    return total / count if count else float("nan")
+    return float(total) / count if count else float("nan")
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, scaler, cfg: TrainConfig) -> None:
@@ -151,7 +152,8 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, scaler, cfg: TrainConfig
 
 
 def _full_batch_step(model: nn.Module, opt: torch.optim.Optimizer, scaler, batches: Iterator[tuple[torch.Tensor, int]],
-                     use_amp: bool, cfg: TrainConfig, steps: int, tokens: int, loss_sum: float) -> tuple[int, int, float]:
+                     use_amp: bool, cfg: TrainConfig, steps: int, tokens: int,
+                     loss_sum: torch.Tensor) -> tuple[int, int, torch.Tensor]:
     """One optimizer step on the mean loss over every target of the shard: the batches' gradients, each weighted
     by its token count, are summed in place (no more memory than one batch), then divided by the shard's tokens."""
     opt.zero_grad(set_to_none=True)
@@ -160,7 +162,7 @@ def _full_batch_step(model: nn.Module, opt: torch.optim.Optimizer, scaler, batch
         weighted = loss * n
         (scaler.scale(weighted) if scaler is not None else weighted).backward()
         seen += n
-        loss_sum += float(loss.detach()) * n
+        loss_sum += loss.detach().double() * n
     if not seen:
         return steps, tokens, loss_sum
     if scaler is not None:
