@@ -47,6 +47,14 @@ case "$cmd" in
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
       export PYTHONPATH=/tmp/site:$PWD
       py=python3
+      # CUDA MPS lets the jobs' small kernels run side by side instead of taking turns on the GPU. A warm
+      # machine may still run the daemon from the last call ("already running": keep it); if CUDA does not
+      # answer through it, stop it and go on without.
+      nvidia-cuda-mps-control -d 2>/dev/null || true
+      if ! timeout 60 python3 -c 'import torch; torch.zeros(1, device="cuda")' 2>/dev/null; then
+        echo quit | nvidia-cuda-mps-control 2>/dev/null || true
+        echo "MPS off: CUDA did not answer through it" >&2
+      fi
     fi
     pids=()
     for job in ${jobs//,/ }; do
