@@ -37,7 +37,8 @@ class JobConfig:
     loss_eps: float = 0.1  # FedMed loss switch threshold
     att_eps: float = 1.2  # FedAtt step size
     att_norm: str = "fro"  # fro | spectral
-    fedmed_js: str = "standardised"  # FedMed's JS weights: standardised across the round's clients | raw (the paper's)
+    fedmed_js: str = "standardised"  # FedMed's JS weights: standardised across the round's clients | relative
+    # (each JS over the round's mean) | raw (the paper's)
     noise: float = 0.0  # randomization β: client adds noise·N(0, 1) to its weights before upload (FedAtt Eq. 6)
     pull_fraction: float = 0.5  # dynamic pulling: share of tensors sent (0.5 = median rule, 0.33 = 33 % variant)
     pull_by: str = "params"  # dynamic pulling: pull_fraction is a share of parameters (the paper) or of tensors ("count")
@@ -144,8 +145,8 @@ class JobConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
                 bad(f"{name.replace('_', '-')} must be a finite number >= 0 (0 turns the bound off), got {value!r}")
-        if self.fedmed_js not in ("standardised", "raw"):
-            bad(f"unknown fedmed-js {self.fedmed_js!r}; use standardised or raw")
+        if self.fedmed_js not in ("standardised", "relative", "raw"):
+            bad(f"unknown fedmed-js {self.fedmed_js!r}; use standardised, relative or raw")
         if self.att_norm not in ("fro", "spectral"):
             bad(f"unknown norm {self.att_norm!r}; use fro or spectral")
         if self.optimizer not in ("sgd", "adam"):

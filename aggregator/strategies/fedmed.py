@@ -18,6 +18,12 @@ Standardised, each layer's JS is taken relative to the round's spread: γ_k = so
 cancels in a softmax, so this is a per-layer temperature sd_l. sd_l is only known once every update of the round
 has been scored, so the round is folded twice (``second_pass``: the engine refolds it from its spool with the
 temperatures, ``temperatures=``). ``js = "raw"`` is the paper's literal formula.
+
+Standardised weights are degenerate at two clients a round: any two different values standardise to ±1, so γ is
+0.881 / 0.119 however close the divergences are. ``js = "relative"`` divides each layer's JS by the round's mean
+instead, γ_k = softmax_k(JS_k / mean_j JS_j): scale-free like the standardised form (JS ~1e-6 nats does not
+matter), equal divergences give equal weights at any m, and the weights move smoothly with the ratios (two clients
+at 1.15 : 0.93 of the mean get 0.55 / 0.45).
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ from broker.wire.messages import RoundConfig
 from fedmq.checks import check_number
 from fedmq.errors import BadParameter, StrategyError
 
-JS_WEIGHTS = ("standardised", "raw")
+JS_WEIGHTS = ("standardised", "relative", "raw")
+TWO_PASS = ("standardised", "relative")  # their temperatures need every score of the round first
 _CHUNK = 1 << 20
 _LN2 = math.log(2.0)
 
@@ -80,12 +87,13 @@ class FedMed(SoftmaxWeighted):
         if js not in JS_WEIGHTS:
             raise BadParameter(f"fedmed js must be one of {', '.join(JS_WEIGHTS)}, got {js!r}")
         self.js = js
-        # standardised: None on the first pass (scores only), then the per-layer sd of JS over the round
+        # two-pass forms: None on the first pass (scores only), then the per-layer sd (standardised) or mean
+        # (relative) of JS over the round
         self.temperatures = None if temperatures is None else {k: float(v) for k, v in temperatures.items()}
 
     @property
     def _scoring_only(self) -> bool:
-        return self.js == "standardised" and self.temperatures is None
+        return self.js in TWO_PASS and self.temperatures is None
 
     def score(self, name: str, update: ClientUpdate) -> float:
         g = self._global
@@ -103,7 +111,8 @@ class FedMed(SoftmaxWeighted):
         for name in (kept[0] if kept else {}):
             values = [sc[name] for sc in kept]
             mean = math.fsum(values) / len(values)
-            temps[name] = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
+            temps[name] = mean if self.js == "relative" else \
+                math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
         return {"temperatures": temps}
 
     def fold(self, update: ClientUpdate) -> None:
@@ -114,5 +123,5 @@ class FedMed(SoftmaxWeighted):
 
     def finish(self) -> State:
         if self._scoring_only and self._global is not None:
-            raise StrategyError("fedmed: standardised JS weights need the second pass (second_pass) before finish")
+            raise StrategyError(f"fedmed: {self.js} JS weights need the second pass (second_pass) before finish")
         return super().finish()

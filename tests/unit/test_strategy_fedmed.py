@@ -92,7 +92,7 @@ def test_standardised_js_is_a_softmax_of_z_scores_over_two_passes():
     ups = [ClientUpdate(c, 1, {"w": x}) for c, x in zip("abc", xs)]
     d = torch.tensor([js_divergence(glob["w"], x) for x in xs], dtype=torch.float64)
     gamma = torch.softmax((d - d.mean()) / d.std(unbiased=False), 0)
-    out, s = _two_pass(glob, ups)
+    out, s = _two_pass(glob, ups, js="standardised")
     torch.testing.assert_close(out["w"].double(), sum(g * x.double() for g, x in zip(gamma, xs)), rtol=1e-6, atol=1e-7)
     assert s.client_weights() == pytest.approx(dict(zip("abc", gamma.tolist())), abs=1e-9)
     # one pass is enough for the raw formula and for FedAvg mode
@@ -100,7 +100,7 @@ def test_standardised_js_is_a_softmax_of_z_scores_over_two_passes():
     raw.begin(glob)
     assert raw.second_pass() is None
     # equal divergences (or one client): equal weights, no division by zero
-    same, s = _two_pass(glob, [ClientUpdate("a", 1, {"w": xs[1]}), ClientUpdate("b", 1, {"w": xs[1]})])
+    same, s = _two_pass(glob, [ClientUpdate("a", 1, {"w": xs[1]}), ClientUpdate("b", 1, {"w": xs[1]})], js="standardised")
     assert s.client_weights() == {"a": 0.5, "b": 0.5}
 
 
@@ -123,7 +123,35 @@ def test_standardised_weights_differ_between_clients_on_real_updates():
     run(raw, glob, ups)
     w_raw = raw.client_weights()
     assert max(w_raw.values()) / min(w_raw.values()) < 1.01  # inert: the finding
-    _, std = _two_pass(glob, ups)
+    _, std = _two_pass(glob, ups, js="standardised")
     w_std = std.client_weights()
     assert max(w_std.values()) / min(w_std.values()) > 1.5, w_std
     assert sum(w_std.values()) == pytest.approx(1.0)
+    _, rel = _two_pass(glob, ups, js="relative")
+    w_rel = rel.client_weights()
+    assert 1.1 < max(w_rel.values()) / min(w_rel.values()) < max(w_std.values()) / min(w_std.values()), w_rel
+    assert sum(w_rel.values()) == pytest.approx(1.0)
+
+
+def test_relative_js_divides_by_the_rounds_mean_and_is_not_degenerate_at_two_clients():
+    glob = {"w": torch.zeros(2)}
+    xs = [torch.zeros(2) + 0.1, torch.tensor([LN3, 0.0]), torch.tensor([2.0, -1.0])]
+    ups = [ClientUpdate(c, 1, {"w": x}) for c, x in zip("abc", xs)]
+    d = torch.tensor([js_divergence(glob["w"], x) for x in xs], dtype=torch.float64)
+    gamma = torch.softmax(d / d.mean(), 0)
+    out, s = _two_pass(glob, ups, js="relative")
+    torch.testing.assert_close(out["w"].double(), sum(g * x.double() for g, x in zip(gamma, xs)), rtol=1e-6, atol=1e-7)
+    assert s.client_weights() == pytest.approx(dict(zip("abc", gamma.tolist())), abs=1e-9)
+    # two clients: standardised weights are 0.881 / 0.119 whether the divergences are close or far apart;
+    # relative ones follow the ratio, and equal divergences give equal weights
+    near = [ClientUpdate("a", 1, {"w": torch.tensor([1.0, 0.0])}), ClientUpdate("b", 1, {"w": torch.tensor([1.01, 0.0])})]
+    far = [ClientUpdate("a", 1, {"w": torch.tensor([1.0, 0.0])}), ClientUpdate("b", 1, {"w": torch.tensor([3.0, 0.0])})]
+    for pair in (near, far):
+        _, std = _two_pass(glob, pair, js="standardised")
+        assert sorted(std.client_weights().values()) == pytest.approx([0.1192, 0.8808], abs=1e-4)
+    _, rel_near = _two_pass(glob, near, js="relative")
+    _, rel_far = _two_pass(glob, far, js="relative")
+    assert 0.5 < rel_near.client_weights()["b"] < 0.51
+    assert rel_far.client_weights()["b"] > 0.7
+    _, same = _two_pass(glob, [near[0], ClientUpdate("b", 1, {"w": torch.tensor([1.0, 0.0])})], js="relative")
+    assert same.client_weights() == pytest.approx({"a": 0.5, "b": 0.5})
