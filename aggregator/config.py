@@ -37,8 +37,8 @@ class JobConfig:
     loss_eps: float = 0.1  # FedMed loss switch threshold
     att_eps: float = 1.2  # FedAtt step size
     att_norm: str = "fro"  # fro | spectral
-    fedmed_js: str = "standardised"  # FedMed's JS weights: standardised across the round's clients | relative
-    # (each JS over the round's mean) | raw (the paper's)
+    fedmed_js: str = "relative"  # FedMed's JS weights: each over the round's mean | standardised across the
+    # round's clients | raw (the paper's)
     noise: float = 0.0  # randomization β: client adds noise·N(0, 1) to its weights before upload (FedAtt Eq. 6)
     pull_fraction: float = 0.5  # dynamic pulling: share of tensors sent (0.5 = median rule, 0.33 = 33 % variant)
     pull_by: str = "params"  # dynamic pulling: pull_fraction is a share of parameters (the paper) or of tensors ("count")

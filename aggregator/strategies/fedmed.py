@@ -11,8 +11,8 @@ combination of the client models, the same scale as the FedAvg rounds the loss s
 The mediator's loss switch (aggregator.mediator) picks, each round, this adaptive aggregation or plain FedAvg:
 the plan's ``loss_switch`` has the engine run a FedAvg round when it says so (aggregator.sync_round).
 
-``js = "standardised"`` (the default) departs from the paper's literal γ_k = softmax_k(JS_k): with a softmax of
-each flattened layer, JS between a client and the global model is ~1e-6 nats and varies between clients by less
+``js = "relative"`` (the default) and ``"standardised"`` depart from the paper's literal γ_k = softmax_k(JS_k):
+with a softmax of each flattened layer, JS between a client and the global model is ~1e-6 nats and varies between clients by less
 than that, so γ stays within 0.3 % of uniform and "adaptive" aggregation is equal-weight FedAvg (issue #14).
 Standardised, each layer's JS is taken relative to the round's spread: γ_k = softmax_k((JS_k − mean)/sd); the mean
 cancels in a softmax, so this is a per-layer temperature sd_l. sd_l is only known once every update of the round
@@ -23,7 +23,7 @@ Standardised weights are degenerate at two clients a round: any two different va
 0.881 / 0.119 however close the divergences are. ``js = "relative"`` divides each layer's JS by the round's mean
 instead, γ_k = softmax_k(JS_k / mean_j JS_j): scale-free like the standardised form (JS ~1e-6 nats does not
 matter), equal divergences give equal weights at any m, and the weights move smoothly with the ratios (two clients
-at 1.15 : 0.93 of the mean get 0.55 / 0.45).
+at 1.15 : 0.93 of the mean get 0.55 / 0.45). Chosen on validation over standardised (docs/results.md, Investigations).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class FedMed(SoftmaxWeighted):
     def configure_train(cls, train: RoundConfig) -> RoundConfig:
         return dataclasses.replace(train, tail_loss=True)
 
-    def __init__(self, eta: float = 1.0, js: str = "standardised",
+    def __init__(self, eta: float = 1.0, js: str = "relative",
                  temperatures: Mapping[str, float] | None = None) -> None:
         super().__init__()
         self.eta = self.step_size = check_number("eta", eta, low=0.0, low_open=True)
