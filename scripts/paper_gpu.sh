@@ -7,10 +7,11 @@
 #
 #   here, once:   scripts/paper_gpu.sh prepare
 #                 -> .whl/ (wheels for the GPU machine's Python 3.12) and .gpudata/ (PTB and WikiText-2)
-#   there:        bash scripts/paper_gpu.sh run JOBS SECONDS [SCALE] [DEVICE]
+#   there:        [EXP=NAME] [SET="KEY=VALUE ..."] bash scripts/paper_gpu.sh run JOBS SECONDS [SCALE] [DEVICE]
 #                 (device run, carry [".whl", ".gpudata"]): JOBS is a comma-separated list of CELL:SEED (e.g.
-#                 ptb-fedavg-c0.1:0,ptb-fedatt-c0.1:0); each job is its own process,
-#                 `reproduce.py table2 --scale paper --seeds SEED --only CELL --out runs/paper/seed-SEED/CELL`,
+#                 ptb-fedavg-c0.1:0,ptb-fedatt-c0.1:0) of experiment EXP (default table2); each job is its own
+#                 process, `reproduce.py EXP --scale paper --seeds SEED --only CELL [--set KEY=VALUE ...]
+#                 --out runs/paper/EXP[-KEY-VALUE...]/seed-SEED/CELL`,
 #                 all at once on the one GPU (a GRU client's steps are too small to keep it busy alone), each
 #                 stopped after SECONDS (every round is checkpointed: a stop loses at most the round in flight).
 #                 What comes back is small: $OUT/results.tgz (metrics, summaries, specs, configs, logs; no
@@ -40,6 +41,9 @@ case "$cmd" in
     scale=${4:-paper}
     device=${5:-cuda}
     out=${OUT:?OUT must name the folder whose files come back}
+    exp=${EXP:-table2}  # the experiment whose cells JOBS names (e.g. EXP=sweep)
+    sets=""
+    for kv in ${SET:-}; do sets="$sets --set $kv"; done  # SET="lr=0.5 momentum=0.5": job settings for every job
     export FEDMQ_DATA=$PWD/.gpudata PYTHONUNBUFFERED=1
     if [ -x .venv/bin/python ]; then  # a rehearsal here
       py=.venv/bin/python
@@ -59,22 +63,23 @@ case "$cmd" in
     pids=()
     for job in ${jobs//,/ }; do
       cell=${job%%:*}; seed=${job#*:}; [ "$seed" = "$job" ] && seed=0
-      dir=runs/paper/seed-$seed/$cell
+      dir=runs/paper/$exp${SET:+-${SET//[ =]/-}}/seed-$seed/$cell
       mkdir -p "$dir"
-      timeout -s INT -k 30 "$seconds" "$py" scripts/reproduce.py table2 --scale "$scale" --seeds "$seed" \
-        --device "$device" --threads 1 --only "$cell" --out "$dir" > "$dir/log.txt" 2>&1 &
+      # shellcheck disable=SC2086  # $sets is a list of options
+      timeout -s INT -k 30 "$seconds" "$py" scripts/reproduce.py "$exp" --scale "$scale" --seeds "$seed" \
+        --device "$device" --threads 1 --only "$cell" --out "$dir" $sets > "$dir/log.txt" 2>&1 &
       pids+=($!)
     done
     rc=0
     for p in "${pids[@]}"; do wait "$p" || rc=$?; done
     {
-      echo "last exit $rc after at most $seconds s ($(date -u +%FT%TZ)); jobs $jobs; scale $scale; device $device"
-      for m in runs/paper/seed-*/*/table2/*/metrics.jsonl; do
+      echo "last exit $rc after at most $seconds s ($(date -u +%FT%TZ)); $exp jobs $jobs; set ${SET:-nothing}; scale $scale; device $device"
+      for m in runs/paper/"$exp"*/seed-*/*/"$exp"/*/metrics.jsonl; do
         [ -f "$m" ] || continue
         d=$(dirname "$m")
         echo "$d: $(wc -l < "$m") rounds$([ -f "$d/summary.json" ] && echo ', done'); last: $(tail -n 1 "$m" | cut -c1-200)"
       done
-      for l in runs/paper/seed-*/*/log.txt; do echo "== $l"; tail -n 3 "$l"; done
+      for l in runs/paper/"$exp"*/seed-*/*/log.txt; do echo "== $l"; tail -n 3 "$l"; done
     } > "$out/progress.txt"
     (cd runs && find paper \( -name metrics.jsonl -o -name summary.json -o -name spec.json -o -name config.json \
       -o -name results.json -o -name log.txt \) -print0 | tar -czf "$out/results.tgz" --null -T -)
