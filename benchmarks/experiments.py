@@ -46,6 +46,7 @@ from typing import Any, Callable, Sequence
 import structlog
 import torch
 
+from aggregator.checkpoint import load_checkpoint, save_checkpoint
 from aggregator.config import JobConfig
 from aggregator.records import RoundRecord
 from aggregator.runlog import CONFIG_FILE, RunLog, finished, read_rounds, read_summary, write_summary
@@ -152,7 +153,7 @@ def sweep(scale: str) -> list[RunSpec]:
     rounds (docs/results.md section 1) and a fifth of C = 0.5's client work."""
     grid = _pick(scale, [(1.0, 0.5), (0.5, 0.9)],
                  [(0.5, 0.5), (1.0, 0.5), (2.0, 0.5), (1.0, 0.0), (0.1, 0.9), (0.2, 0.9)],
-                 [(0.1, 0.5), (0.5, 0.5), (1.0, 0.5), (2.0, 0.5)])
+                 [(0.1, 0.5), (0.5, 0.5), (1.0, 0.5), (2.0, 0.5), (4.0, 0.5)])
     rounds = max(1, _LM_JOB[scale]["rounds"] // 2)
     fraction, corpus = (0.1, "ptb") if scale == "paper" else (0.5, None)
     return [_lm(scale, f"fedavg-lr{lr}-m{m}", {"strategy": "fedavg", "lr": lr, "momentum": m}, corpus,
@@ -378,7 +379,7 @@ class Runner:
         task = task if task is not None else self.task(spec.task, spec.task_options)
         started = time.time()
         if spec.central:
-            summary = self.centralize(spec, seed, run_dir)
+            summary = self.centralize(spec, seed, run_dir, resume=resume)
         else:
             job = re.sub(r"[^A-Za-z0-9_-]", "_", f"exp-{spec.name}")[:64]
             cfg = JobConfig(job=job, seed=seed, **{**_LOSSLESS, **spec.job})
@@ -413,12 +414,14 @@ class Runner:
                 return source
         return None
 
-    def centralize(self, spec: RunSpec, seed: int, run_dir: Path) -> dict[str, Any]:
+    def centralize(self, spec: RunSpec, seed: int, run_dir: Path, resume: bool = False) -> dict[str, Any]:
         """The centralized baseline: one model trained on the union of every client's data, no federation, for
         the token passes of the federation it stands beside (C x K clients x E epochs of their shards a round,
         i.e. C x E epochs of the union), evaluated and kept best-on-validation round by round like a federation.
         As on a client, the optimizer (and its momentum) starts afresh each round, at the round's learning rate
-        (``round_lr_decay``)."""
+        (``round_lr_decay``), and a round's training seed is fixed by (seed, round): every round is checkpointed
+        (the aggregator's atomic format) and ``resume`` continues from the last one to the same numbers as an
+        uninterrupted run."""
         job = JobConfig.from_dict({"job": "central", **spec.job})
         union = self.task(spec.task, {**spec.task_options, "clients": 1})
         model = union.build_model(seed)
@@ -427,10 +430,17 @@ class Runner:
         ids = union.client_ids(0)
         windows = StreamBatches.build(ids, job.batch_size, union.vocab.eos).num_windows(union.bptt)
         steps = max(1, math.ceil(job.fraction * job.epochs * windows))
-        best, best_round, best_state = math.inf, 0, None
+        best, best_round, best_state, done = math.inf, 0, None, 0
+        checkpoints = run_dir / "checkpoints"
+        saved = load_checkpoint(checkpoints) if resume else None
+        if saved is not None:
+            load_state(model, saved.global_state)
+            done, best, best_round = saved.round, saved.extra["best"], saved.extra["best_round"]
+            best_state = saved.extra["best_state"]
+            log.info("centralized baseline resumed", run=spec.name, round=done)
         runlog = RunLog(run_dir)
-        runlog.truncate_after(0)  # a rerun starts the curve again
-        for r in range(1, job.rounds + 1):
+        runlog.truncate_after(done)  # rows of a round the checkpoint does not hold are run again
+        for r in range(done + 1, job.rounds + 1):
             cfg = TrainConfig(epochs=job.epochs + 1, batch_size=job.batch_size, lr=job.round_lr(r),
                               momentum=job.momentum, clip=job.clip, max_steps=steps,
                               seed=seed * 1000 + r, device=self.device)
@@ -440,6 +450,9 @@ class Runner:
                 best, best_round = valid, r
                 best_state = {k: v.detach().clone() for k, v in model_state(model).items()}
             runlog.append(RoundRecord(round=r, valid=valid, extra={"train_loss": result.loss, "steps": steps}))
+            save_checkpoint(checkpoints, round=r, model_version=r, global_state=model_state(model), strategy_state={},
+                            mediator_state={}, rng_state=None, folded={}, keep=1,
+                            extra={"best": best, "best_round": best_round, "best_state": best_state})
         runlog.close()
         if best_state is not None:
             load_state(model, best_state)

@@ -116,7 +116,8 @@ class LanguageModelTask(Task):
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split: str = "valid") -> float:
-        return math.exp(self.mean_nll(model, split))
+        nll = self.mean_nll(model, split)
+        return math.exp(nll) if nll < 709.0 else math.inf  # a diverged model scores inf, not OverflowError
 
     @torch.no_grad()
     def mean_nll(self, model: nn.Module, split: str = "valid") -> float:

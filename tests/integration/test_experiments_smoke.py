@@ -138,6 +138,43 @@ def test_central_baseline_matches_the_federations_token_passes(tmp_path):
     assert summary["best_valid"] == min(r["valid"] for r in rows) and math.isfinite(summary["test"])
 
 
+def test_central_baseline_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    """Stopped in round 3 of 3, the centralized baseline's rerun trains round 3 only and ends with the numbers of
+    an uninterrupted run (a round's seed is fixed by the run's seed and the round)."""
+    from dataclasses import replace
+
+    from benchmarks.experiments import Runner
+
+    spec = next(s for s in experiments.table2("smoke") if s.central)
+    spec = replace(spec, job={**spec.job, "rounds": 3})
+    whole = Runner(tmp_path / "whole", Simulation).federate(spec, seed=0)
+    runner = Runner(tmp_path / "stopped", Simulation)
+    union = runner.task("lm", {**spec.task_options, "clients": 1})
+    train, calls = union.train, []
+
+    def stop_in_round_3(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return train(*args, **kwargs)
+
+    monkeypatch.setattr(union, "train", stop_in_round_3)
+    with pytest.raises(KeyboardInterrupt):
+        runner.federate(spec, seed=0)
+    assert len(read_rows(tmp_path / "stopped" / spec.name)) == 2
+    calls.clear()
+    resumed = runner.federate(spec, seed=0)
+    assert len(calls) == 1  # round 3 only
+    rows = read_rows(tmp_path / "stopped" / spec.name)
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    assert [r["valid"] for r in rows] == [r["valid"] for r in read_rows(tmp_path / "whole" / spec.name)]
+    assert (resumed["test"], resumed["best_round"]) == (whole["test"], whole["best_round"])
+
+
+def read_rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_seeds_give_mean_and_sd_and_a_rerun_resumes(tmp_path):
     results = run_experiment("table2", "smoke", tmp_path, seeds=[0, 1], only="fedavg,central")
     runs = {r["run"]: r for r in results["runs"]}

@@ -122,6 +122,19 @@ def test_perplexity_of_a_fixed_distribution_by_hand(corpus_dir):
     assert task.evaluate(FixedDistribution(torch.full((v,), 1.0 / v)), "test") == pytest.approx(v, rel=1e-5)
 
 
+def test_a_diverged_model_scores_infinite_perplexity(corpus_dir):
+    """A mean NLL past exp's range (a federation whose lr diverged) is perplexity inf, not an OverflowError that
+    stops the aggregator (seen at lr 4 on the GPU)."""
+    task = LanguageModelTask(corpus_dir, model="gru-small", clients=2, **TINY)
+    v = len(task.vocab)
+    p = torch.full((v,), 1e-300, dtype=torch.float64)
+    p[0] = 1.0  # every other token at log-probability ~ -690 - log(sum): far past exp's range once averaged
+    model = FixedDistribution(p)
+    with torch.no_grad():
+        model.logits[1:] = -2000.0
+    assert task.mean_nll(model, "valid") > 710 and task.evaluate(model, "valid") == math.inf
+
+
 def test_client_shards_and_n_samples(corpus_dir):
     task = LanguageModelTask(corpus_dir, model="gru-small", clients=4, seed=1, **TINY)
     assert task.num_clients == 4
