@@ -15,9 +15,10 @@
 #                 all at once on the one GPU (a GRU client's steps are too small to keep it busy alone), each
 #                 stopped after SECONDS (every round is checkpointed: a stop loses at most the round in flight).
 #                 What comes back is small: $OUT/results.tgz (metrics, summaries, specs, configs, logs; no
-#                 weights) and $OUT/progress.txt. The weights and checkpoints stay on that machine, so the same
-#                 command resumes the unfinished jobs only while it is still warm (30 s after a call); on a fresh
-#                 machine they start again from round 1.
+#                 weights), $OUT/progress.txt and $OUT/gpu.txt (nvidia-smi every 30 s). The weights and
+#                 checkpoints stay on that machine, so the same command resumes the unfinished jobs (federations
+#                 and centralized baselines alike) only while it is still warm (30 s after a call: issue the next
+#                 call at once, analyse after); on a fresh machine they start again from round 1.
 #   here, after:  scripts/paper_gpu.sh unpack FOLDER   (FOLDER = the call's files_at) -> merged into runs/paper
 #
 # SCALE (default paper) and DEVICE (default cuda) exist so that the round trip can be rehearsed on the CPU:
@@ -59,6 +60,10 @@ case "$cmd" in
         echo quit | nvidia-cuda-mps-control 2>/dev/null || true
         echo "MPS off: CUDA did not answer through it" >&2
       fi
+      # GPU memory and utilisation every 30 s, returned as $OUT/gpu.txt
+      (while :; do echo "$(date -u +%T) $(nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader)"
+        sleep 30; done >> "$out/gpu.txt") &
+      watcher=$!
     fi
     pids=()
     for job in ${jobs//,/ }; do
@@ -72,6 +77,7 @@ case "$cmd" in
     done
     rc=0
     for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+    [ -n "${watcher:-}" ] && kill "$watcher" 2>/dev/null
     {
       echo "last exit $rc after at most $seconds s ($(date -u +%FT%TZ)); $exp jobs $jobs; set ${SET:-nothing}; scale $scale; device $device"
       for m in runs/paper/"$exp"*/seed-*/*/"$exp"/*/metrics.jsonl; do
