@@ -64,6 +64,9 @@ class JobConfig:
     round_lr_decay: float = 1.0
     clip: float = 0.25
     max_steps: int = 0
+    # mixed precision for local training on a GPU (CUDA autocast to fp16 with a gradient scaler); an agent that
+    # trains on the CPU ignores it. Off by default: the reproductions compare methods in fp32
+    amp: bool = False
     report_deadline_s: float = 300.0
     update_deadline_s: float = 120.0
     join_timeout_s: float = 60.0  # wait this long for agents before a round with nobody online is skipped
@@ -223,7 +226,7 @@ class JobConfig:
         train = RoundConfig(
             epochs=self.epochs, full_batch=False, batch_size=self.batch_size, lr=self.round_lr(round_number),
             optimizer=self.optimizer, momentum=float(self.momentum), lr_decay=float(self.lr_decay),
-            clip=float(self.clip), max_steps=self.max_steps, tail_loss=False, seed=self.seed,
+            clip=float(self.clip), max_steps=self.max_steps, amp=self.amp, tail_loss=False, seed=self.seed,
             encoding=self.encoding, noise=float(self.noise),
             error_feedback=self.error_feedback and self.encoding.startswith("delta+topk"),
             pull=self.pull, pull_fraction=float(self.pull_fraction), pull_by=self.pull_by, pull_down=self.pull_down,

@@ -447,7 +447,7 @@ class Runner:
         runlog.truncate_after(done)  # rows of a round the checkpoint does not hold are run again
         for r in range(done + 1, job.rounds + 1):
             cfg = TrainConfig(epochs=job.epochs + 1, batch_size=job.batch_size, lr=job.round_lr(r),
-                              momentum=job.momentum, clip=job.clip, max_steps=steps,
+                              momentum=job.momentum, clip=job.clip, max_steps=steps, amp=job.amp,
                               seed=seed * 1000 + r, device=self.device)
             result = union.train(model, 0, cfg)
             valid = union.evaluate(model, "valid")

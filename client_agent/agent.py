@@ -325,6 +325,7 @@ class Agent:
         tcfg = TrainConfig(epochs=cfg.epochs, batch_size=cfg.batch_size, lr=cfg.lr,
                            optimizer=cfg.optimizer, momentum=cfg.momentum, lr_decay=cfg.lr_decay,
                            clip=cfg.clip, max_steps=cfg.max_steps, full_batch=cfg.full_batch, device=self.device,
+                           amp=cfg.amp,
                            tail_loss=cfg.tail_loss, seed=stable_seed(cfg.seed, self.client, rnd))
         if crash:
             self.log.faults.append((rnd, "crash-train"))

@@ -64,6 +64,7 @@ class RoundConfig:
     lr_decay: float
     clip: float
     max_steps: int
+    amp: bool  # mixed precision when the agent trains on a GPU (ignored on the CPU)
     tail_loss: bool  # also report the loss at the end of local training (FedMed's top-K ranks by it)
     seed: int
     # the upload

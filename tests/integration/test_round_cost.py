@@ -1,5 +1,6 @@
 """Rounds cost what the selected clients cost (issue: publish each global model once, only selected agents
-fetch it, simulated clients without per-client model copies), end to end over the in-process broker."""
+fetch it, simulated clients without per-client model copies), end to end over the in-process broker; and what
+the round's config tells the selected agents reaches their local training."""
 
 from __future__ import annotations
 
@@ -211,3 +212,35 @@ def test_error_feedback_is_a_boolean_and_only_for_sparsified_deltas():
     assert JobConfig(encoding="delta+topk:0.05", error_feedback=False).round_config().error_feedback is False
     assert JobConfig(encoding="delta+int8").round_config().error_feedback is False  # quantised, not sparsified
     assert JobConfig(encoding="topk:0.05").round_config().error_feedback is False  # weights, not a change
+
+
+def test_mixed_precision_reaches_local_training_and_the_cpu_ignores_it(federation, task, tmp_path):
+    """``amp`` travels in the round config to every agent's TrainConfig; on the CPU it changes no number."""
+    from client_agent.agent import Agent
+
+    asked: list[bool] = []
+
+    class Recording(Agent):
+        def _train(self, model, held, cfg, rnd, crash):
+            asked.append(cfg.amp)
+            return super()._train(model, held, cfg, rnd, crash)
+
+    runs = {}
+    for amp in (False, True):
+        cfg = _cfg(f"amp{int(amp)}", clients=3, fraction=1.0, rounds=2, amp=amp)
+        runs[amp], _, _ = federation(task, cfg, f"memory://amp{int(amp)}", tmp_path / str(amp),
+                                     agent_class=lambda i: Recording)
+    assert asked == [False] * 6 + [True] * 6
+    assert JobConfig(amp=True).round_config().amp and not JobConfig().round_config().amp
+    for k, v in runs[False].global_state.items():
+        assert torch.equal(v, runs[True].global_state[k])
+
+
+def test_mixed_precision_is_a_boolean_in_the_job_and_on_the_wire():
+    from aggregator.config import JobConfigError
+
+    with pytest.raises(JobConfigError, match="amp must be true or false"):
+        JobConfig(amp="yes")
+    payload = {**JobConfig().round_config().to_payload(), "amp": 1}
+    with pytest.raises(CodecError, match="amp must be a bool"):
+        messages.RoundConfig.from_payload(payload)
