@@ -51,7 +51,8 @@ import torch
 from aggregator.checkpoint import load_checkpoint, save_checkpoint
 from aggregator.config import JobConfig
 from aggregator.records import RoundRecord
-from aggregator.runlog import CONFIG_FILE, RunLog, finished, read_rounds, read_summary, write_summary
+from aggregator.runlog import (CONFIG_FILE, RunLog, finished, read_config, read_rounds, read_summary,
+                               write_summary)
 from fedmq.errors import FedmqError
 from fedmq.tasks.base import Task, TrainConfig, load_state, model_state
 
@@ -369,13 +370,15 @@ class Runner:
         key = json.dumps({"spec": asdict(spec), "seed": seed}, sort_keys=True, default=str)
         marker = run_dir / "spec.json"
         saved = json.loads(marker.read_text()) if marker.is_file() else {}
-        resume = saved.get("key") == key
+        job = re.sub(r"[^A-Za-z0-9_-]", "_", f"exp-{spec.name}")[:64]
+        cfg = JobConfig(job=job, seed=seed, **{**_LOSSLESS, **spec.job})
+        resume = saved.get("key") == key and ran_as(run_dir, cfg)
         if resume and saved.get("done") and finished(run_dir):
             log.info("experiment run already done", run=spec.name)
             return read_summary(run_dir)
         if run_dir.exists() and not resume:
             shutil.rmtree(run_dir)
-        if not resume and (source := self.reuse(spec, seed, run_dir)) is not None:
+        if not resume and (source := self.reuse(spec, seed, run_dir, cfg)) is not None:
             marker.write_text(json.dumps({"key": key, "done": True, "reused": str(source)}))
             log.info("experiment run reused", run=spec.name, source=str(source))
             return read_summary(run_dir)
@@ -386,8 +389,6 @@ class Runner:
         if spec.central:
             summary = self.centralize(spec, seed, run_dir, resume=resume)
         else:
-            job = re.sub(r"[^A-Za-z0-9_-]", "_", f"exp-{spec.name}")[:64]
-            cfg = JobConfig(job=job, seed=seed, **{**_LOSSLESS, **spec.job})
             sim = self.simulation(cfg, task, f"memory://{job}", run_dir, availability=spec.availability,
                                   faults=spec.faults, device=self.device,
                                   resume=resume and (run_dir / CONFIG_FILE).is_file())
@@ -398,11 +399,11 @@ class Runner:
         log.info("experiment run done", run=spec.name, test=summary.get("test"), wall_s=round(summary["run_wall_s"], 1))
         return summary
 
-    def reuse(self, spec: RunSpec, seed: int, run_dir: Path) -> Path | None:
+    def reuse(self, spec: RunSpec, seed: int, run_dir: Path, cfg: JobConfig) -> Path | None:
         """Copy a finished run of another experiment under ``shared`` that is the same federation as ``spec``
-        with ``seed`` (equal ``work_key``) into ``run_dir``; its folder, or None. The experiments repeat one
-        configuration (e.g. FedAvg at C = 0.5 is a cell of table2, fraction, rounds-to-target and
-        randomization): it is trained once and read by all of them."""
+        with ``seed`` (equal ``work_key``, and run with ``cfg``'s settings: ``ran_as``) into ``run_dir``; its
+        folder, or None. The experiments repeat one configuration (e.g. FedAvg at C = 0.5 is a cell of table2,
+        fraction, rounds-to-target and randomization): it is trained once and read by all of them."""
         if self.shared is None or not self.shared.is_dir():
             return None
         wanted = work_key(asdict(spec), seed)
@@ -414,7 +415,7 @@ class Runner:
                 same = done is not None and work_key(done["spec"], done["seed"]) == wanted
             except (OSError, ValueError, KeyError, TypeError, FedmqError):
                 continue  # not a run folder of this module's (or a damaged one): never a source
-            if same and finished(source):
+            if same and finished(source) and ran_as(source, cfg):
                 shutil.copytree(source, run_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("spec.json"))
                 return source
         return None
@@ -464,6 +465,24 @@ class Runner:
         return {"test": union.evaluate(model, "test"), "best_valid": best, "best_round": best_round,
                 "rounds_completed": job.rounds, "rounds_skipped": 0, "bytes_up": 0, "bytes_down": 0,
                 "steps_per_round": steps}
+
+
+def ran_as(run_dir: Path, cfg: JobConfig) -> bool:
+    """The run in ``run_dir`` ran with ``cfg``'s settings, as far as its strategy reads them: every JobConfig key
+    its config.json records has ``cfg``'s value (a key the run predates must be at its default in ``cfg``), but
+    the job's name, the seed (config.json holds the task's; the spec key holds the run's) and the settings only
+    other strategies read (``Strategy.own_settings``: FedAvg does not depend on FedMed's JS weighting). A spec
+    names only the settings it changes, so without this a changed default (FedMed's JS weighting, 2026-11-24)
+    would leave the runs made under the old one counted as done. A folder without config.json (the centralized
+    baseline, whose spec names every setting it uses) passes."""
+    from aggregator.strategies.registry import OWN_SETTINGS
+
+    recorded = read_config(run_dir)
+    if recorded is None:
+        return True
+    ignored = {"job", "extra", "seed"} | (OWN_SETTINGS - set(cfg.strategy_class.own_settings))
+    now, default = cfg.to_dict(), JobConfig().to_dict()
+    return all(recorded[k] == v if k in recorded else v == default[k] for k, v in now.items() if k not in ignored)
 
 
 def work_key(spec: dict[str, Any], seed: int) -> str:
@@ -744,7 +763,8 @@ _EACH_SEED = ("best_round", "target", "rounds_to_target", "bytes_to_target")
 def orderings(per_seed: list[list[dict[str, Any]]]) -> list[str]:
     """Pairwise test-perplexity comparisons of the runs that share a corpus and client fraction C (every pair of a
     C = 0.5 grid such as randomization's: strategy against strategy, noise against noise), paired by seed (a seed fixes
-    the shards, the initial model and the client sampling): "A < B in k/n seeds, B − A = mean ± sd". An ordering
+    the initial model, the client sampling and local batch order; the LM tasks' IID shards are seed 0's in every
+    seed): "A < B in k/n seeds, B − A = mean ± sd". An ordering
     is called resolved when it holds in every seed and the mean difference exceeds its sd."""
     lines = []
     runs = per_seed[0]

@@ -60,6 +60,8 @@ class Strategy(ABC):
 
     name: ClassVar[str]
     plan: ClassVar[RoundPlan] = RoundPlan()
+    # the JobConfig keys only this strategy reads (from_config): a run of another strategy does not depend on them
+    own_settings: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def from_config(cls, cfg: Any, **extra: Any) -> "Strategy":

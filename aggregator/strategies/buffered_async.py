@@ -42,6 +42,7 @@ def staleness_weight(tau: int) -> float:
 class BufferedAsync(FedAvg):
     name: ClassVar[str] = "async"
     plan: ClassVar[RoundPlan] = RoundPlan(mode="async")
+    own_settings: ClassVar[tuple[str, ...]] = ("async_k", "max_staleness", "server_lr")
 
     @classmethod
     def from_config(cls, cfg: Any, **extra: Any) -> "BufferedAsync":

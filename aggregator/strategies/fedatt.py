@@ -46,6 +46,7 @@ def tensor_distance(a: torch.Tensor, b: torch.Tensor, norm: str = "fro") -> floa
 
 class FedAtt(SoftmaxWeighted):
     name: ClassVar[str] = "fedatt"
+    own_settings: ClassVar[tuple[str, ...]] = ("att_eps", "att_norm")
 
     @classmethod
     def from_config(cls, cfg: Any, **extra: Any) -> "FedAtt":

@@ -71,6 +71,7 @@ class FedMed(SoftmaxWeighted):
     # the mediator (FedMed §3.4) needs every report first: top-K ranks the losses at the end of local training,
     # and the loss switch picks FedMed's adaptive aggregation or FedAvg from their mean
     plan: ClassVar[RoundPlan] = RoundPlan(grant_phase=True, loss_switch=True)
+    own_settings: ClassVar[tuple[str, ...]] = ("fedmed_js",)
 
     @classmethod
     def from_config(cls, cfg: Any, **extra: Any) -> "FedMed":

@@ -171,6 +171,30 @@ def test_central_baseline_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     assert (resumed["test"], resumed["best_round"]) == (whole["test"], whole["best_round"])
 
 
+def test_a_run_made_under_an_older_default_is_run_again(tmp_path):
+    """A finished run whose config.json records another value of a setting its strategy reads (FedMed's JS
+    weighting before 2026-11-24) is replaced; one that differs only in another strategy's setting, or predates
+    a setting now at its default, is kept."""
+    from benchmarks.experiments import Runner
+
+    specs = {s.name: s for s in experiments.table2("smoke")}
+    runner = Runner(tmp_path, Simulation)
+    for name in ("wikitext-2-fedavg-c0.5", "wikitext-2-fedmed-c0.5"):
+        runner.federate(specs[name], seed=0)
+        config = tmp_path / name / "config.json"
+        recorded = json.loads(config.read_text())
+        assert recorded["fedmed_js"] == "relative" and recorded["amp"] is False
+        del recorded["amp"]  # as if run before the setting existed
+        config.write_text(json.dumps({**recorded, "fedmed_js": "standardised"}))
+    stamp = {name: (tmp_path / name / "metrics.jsonl").stat().st_mtime_ns
+             for name in ("wikitext-2-fedavg-c0.5", "wikitext-2-fedmed-c0.5")}
+    for name in stamp:
+        runner.federate(specs[name], seed=0)
+    assert (tmp_path / "wikitext-2-fedavg-c0.5" / "metrics.jsonl").stat().st_mtime_ns == stamp["wikitext-2-fedavg-c0.5"]
+    assert (tmp_path / "wikitext-2-fedmed-c0.5" / "metrics.jsonl").stat().st_mtime_ns != stamp["wikitext-2-fedmed-c0.5"]
+    assert json.loads((tmp_path / "wikitext-2-fedmed-c0.5" / "config.json").read_text())["fedmed_js"] == "relative"
+
+
 def read_rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
