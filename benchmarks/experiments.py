@@ -387,7 +387,7 @@ class Runner:
         task = task if task is not None else self.task(spec.task, spec.task_options)
         started = time.time()
         if spec.central:
-            summary = self.centralize(spec, seed, run_dir, resume=resume)
+            summary = self.centralize(spec, cfg, run_dir, resume=resume)
         else:
             sim = self.simulation(cfg, task, f"memory://{job}", run_dir, availability=spec.availability,
                                   faults=spec.faults, device=self.device,
@@ -420,15 +420,15 @@ class Runner:
                 return source
         return None
 
-    def centralize(self, spec: RunSpec, seed: int, run_dir: Path, resume: bool = False) -> dict[str, Any]:
+    def centralize(self, spec: RunSpec, job: JobConfig, run_dir: Path, resume: bool = False) -> dict[str, Any]:
         """The centralized baseline: one model trained on the union of every client's data, no federation, for
         the token passes of the federation it stands beside (C x K clients x E epochs of their shards a round,
         i.e. C x E epochs of the union), evaluated and kept best-on-validation round by round like a federation.
         As on a client, the optimizer (and its momentum) starts afresh each round, at the round's learning rate
-        (``round_lr_decay``), and a round's training seed is fixed by (seed, round): every round is checkpointed
-        (the aggregator's atomic format) and ``resume`` continues from the last one to the same numbers as an
-        uninterrupted run."""
-        job = JobConfig.from_dict({"job": "central", **spec.job})
+        (``round_lr_decay``), and a round's training seed is fixed by (``job.seed``, round): every round is
+        checkpointed (the aggregator's atomic format) and ``resume`` continues from the last one to the same
+        numbers as an uninterrupted run. ``job``: the run's settings as the federation beside it would run them."""
+        seed = job.seed
         union = self.task(spec.task, {**spec.task_options, "clients": 1})
         model = union.build_model(seed)
         from fedmq.tasks.lm_data import StreamBatches

@@ -117,7 +117,9 @@ class LanguageModelTask(Task):
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split: str = "valid") -> float:
         nll = self.mean_nll(model, split)
-        return math.exp(nll) if nll < 709.0 else math.inf  # a diverged model scores inf, not OverflowError
+        # a diverged model (a mean NLL past exp's range, or NaN) scores inf: no OverflowError, and a NaN would
+        # never be beaten as the best validation score
+        return math.exp(nll) if nll < 709.0 else math.inf
 
     @torch.no_grad()
     def mean_nll(self, model: nn.Module, split: str = "valid") -> float:

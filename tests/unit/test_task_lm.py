@@ -127,11 +127,9 @@ def test_a_diverged_model_scores_infinite_perplexity(corpus_dir):
     stops the aggregator (seen at lr 4 on the GPU)."""
     task = LanguageModelTask(corpus_dir, model="gru-small", clients=2, **TINY)
     v = len(task.vocab)
-    p = torch.full((v,), 1e-300, dtype=torch.float64)
-    p[0] = 1.0  # every other token at log-probability ~ -690 - log(sum): far past exp's range once averaged
-    model = FixedDistribution(p)
+    model = FixedDistribution(torch.full((v,), 1.0 / v, dtype=torch.float64))
     with torch.no_grad():
-        model.logits[1:] = -2000.0
+        model.logits[1:] = -2000.0  # every token but the first at log-probability ≈ -2000: far past exp's range
     assert task.mean_nll(model, "valid") > 710 and task.evaluate(model, "valid") == math.inf
 
 
