@@ -262,7 +262,7 @@ _NMT = {
                           max_lines=3000, vocab_size=4000, eval_max_sentences=40, max_len=64, dropout=0.0),
                 pretrain_domains=["news_wmt"], pretrain_max_lines=0, pretrain_steps=4000, pretrain_batch=32,
                 pretrain_lr=4e-3, pretrain_warmup=200, lr=5e-4,
-                rounds=5, max_steps=20, batch_size=24, per_domain_test=100, fractions=(0.5, 0.33)),
+                rounds=5, max_steps=0, batch_size=24, per_domain_test=0, fractions=(0.5, 0.33)),
     "smoke": dict(task=dict(model="tiny", domains=["news_wmt", "ted_iwslt14"], max_lines=60, vocab_size=300,
                             eval_max_sentences=6),
                   pretrain_domains=["news_wmt"], pretrain_max_lines=60, pretrain_steps=2, pretrain_batch=8,
@@ -593,8 +593,30 @@ def run_lm_experiment(name: str, scale: str, out: Path, simulation: Callable[...
     return {"runs": results, **info}
 
 
+def _nmt_train(s: dict[str, Any]) -> dict[str, Any]:
+    """The clients' optimiser settings (a federation's and the local-only baselines')."""
+    return dict(batch_size=s["batch_size"], lr=s["lr"], optimizer="adam", clip=1.0)
+
+
+def nmt_specs(scale: str, options: dict[str, Any] | None = None) -> list[RunSpec]:
+    """The federations of ``nmt-domains`` (one client per domain, C = 1): FedAvg, then DP_l / DP_g / random pulling
+    at each of the scale's fractions."""
+    s = _NMT[scale]
+    options = options or {}
+    job = dict(clients=len(s["task"]["domains"]), fraction=1.0, rounds=s["rounds"], epochs=1,
+               max_steps=s["max_steps"], **_DEADLINES, **_nmt_train(s))
+    specs = [RunSpec("fedavg", "nmt", options, {**job, "strategy": "fedavg"}, {"strategy": "fedavg", "pull": 1.0})]
+    for f in s["fractions"]:
+        down = f < 0.5  # Passban et al.'s 33 % variant pulls in both directions (the server pushes a third too)
+        for mode in ("pull-local", "pull-global", "pull-random"):
+            specs.append(RunSpec(f"{mode}-{f}" + ("-both" if down else ""), "nmt", options,
+                                 {**job, "strategy": mode, "pull_fraction": f, "pull_down": down},
+                                 {"strategy": mode, "pull": f, "directions": "both" if down else "up"}))
+    return specs
+
+
 def run_nmt_domains(scale: str, out: Path, simulation: Callable[..., Any], seed: int = 0,
-                    cache: Path | None = None) -> dict[str, Any]:
+                    cache: Path | None = None, only: str | None = None) -> dict[str, Any]:
     """Passban et al.: pre-train on news, one client per domain, FedAvg; then DP_l / DP_g / random pulling.
 
     Phases 1-2 (pre-training, each client alone) do not depend on ``seed``: as in the paper, every federation
@@ -609,7 +631,7 @@ def run_nmt_domains(scale: str, out: Path, simulation: Callable[..., Any], seed:
     options = {k: v for k, v in options.items() if v is not None}
     task = runner.task("nmt", options)
     names = list(task.shard_names)
-    train = dict(batch_size=s["batch_size"], lr=s["lr"], optimizer="adam", clip=1.0)
+    train = _nmt_train(s)
     pre_label = f"pre-trained ({'+'.join(s['pretrain_domains'])})"
     n = s["per_domain_test"]
     # phases 1-2 are cached (pretrained.pt + pretrain.json) for the same settings: a rerun or another seed skips them
@@ -655,18 +677,10 @@ def run_nmt_domains(scale: str, out: Path, simulation: Callable[..., Any], seed:
         cache_json.write_text(json.dumps({"key": key, "table": table, "pretrain_s": pretrain_s,
                                           "pretrain": pretrain_info}))
     warm = WarmStartTask(task, pretrained)
-    job = dict(clients=len(names), fraction=1.0, rounds=s["rounds"], epochs=1, max_steps=s["max_steps"], **_DEADLINES,
-               **train)
     # 3. FedAvg from the pre-trained model; then the dynamic-pulling variants
-    specs = [RunSpec("fedavg", "nmt", options, {**job, "strategy": "fedavg"}, {"strategy": "fedavg", "pull": 1.0})]
-    for f in s["fractions"]:
-        down = f < 0.5  # Passban et al.'s 33 % variant pulls in both directions (the server pushes a third too)
-        for mode in ("pull-local", "pull-global", "pull-random"):
-            specs.append(RunSpec(f"{mode}-{f}" + ("-both" if down else ""), "nmt", options,
-                                 {**job, "strategy": mode, "pull_fraction": f, "pull_down": down},
-                                 {"strategy": mode, "pull": f, "directions": "both" if down else "up"}))
+    specs = nmt_specs(scale, options)
     results = []
-    for spec in specs:
+    for spec in select(specs, only, None):
         summary = runner.federate(spec, task=warm, seed=seed)
         row = _row(spec, summary, out / spec.name)
         per_domain = _server_domain_bleu(task, out / spec.name, summary, seed, n)
@@ -824,8 +838,10 @@ def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None,
         raise ExperimentError(f"the corpora folder {DATA} does not exist (expected ../shared/data next to the project)")
     if name != "nmt-domains":
         select(EXPERIMENTS[name](scale), only, overrides)  # validate before anything is written
-    elif only or overrides:
-        raise ExperimentError("--only/--set apply to the language-modelling experiments, not nmt-domains")
+    elif overrides:  # --set would change the federations but not the local-only baselines they are read against
+        raise ExperimentError("--set applies to the language-modelling experiments, not nmt-domains")
+    elif only:
+        select(nmt_specs(scale), only, None)
     exp_dir = Path(out or "runs/experiments") / name
     exp_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(threads)
@@ -835,7 +851,7 @@ def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None,
     for seed, folder in zip(seeds, folders):
         folder.mkdir(parents=True, exist_ok=True)
         if name == "nmt-domains":
-            per_seed.append(run_nmt_domains(scale, folder, simulation, seed, cache=exp_dir))
+            per_seed.append(run_nmt_domains(scale, folder, simulation, seed, cache=exp_dir, only=only))
         else:
             per_seed.append(run_lm_experiment(name, scale, folder, simulation, seed, only, overrides, device,
                                               shared=exp_dir.parent))

@@ -94,6 +94,15 @@ def test_nmt_domains(tmp_path):
     assert runs["pull-global-0.33-both"]["directions"] == "both" and runs["pull-global-0.5"]["directions"] == "up"
     assert runs["pull-global-0.33-both"]["bytes_down_raw"] < runs["fedavg"]["bytes_down_raw"]
     assert runs["pull-global-0.5"]["bytes_down_raw"] == runs["fedavg"]["bytes_down_raw"]
+    # --only runs a subset of the grid (two processes can share a grid), reusing the finished runs; --set is refused
+    # (it would change the federations but not the local-only baselines they are read against)
+    subset = run_experiment("nmt-domains", "smoke", tmp_path, seeds=(0, 1), only="fedavg,pull-local-0.5")
+    assert [r["run"] for r in subset["runs"]] == ["fedavg", "pull-local-0.5"]
+    assert subset["per_seed"]["0"]["bleu_by_domain"]["server fedavg"] == table["server fedavg"]
+    with pytest.raises(ExperimentError, match="no run name contains 'zzz'"):
+        run_experiment("nmt-domains", "smoke", tmp_path, seeds=(0, 1), only="zzz")
+    with pytest.raises(ExperimentError, match="--set applies to the language-modelling experiments"):
+        run_experiment("nmt-domains", "smoke", tmp_path, seeds=(0, 1), overrides={"lr": 0.1})
     # a run restored from its small files (no best.pt; scripts/runs_archive.py) keeps its per-domain BLEU row
     fedavg = exp / "seed-0" / "fedavg"
     assert json.loads((fedavg / "summary.json").read_text())["test_bleu_by_domain"] == table["server fedavg"]
