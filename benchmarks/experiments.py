@@ -774,34 +774,37 @@ _MEAN_COUNTS = ("bytes_up", "bytes_down", "bytes_up_raw", "bytes_down_raw", "upd
 _EACH_SEED = ("best_round", "target", "rounds_to_target", "bytes_to_target")
 
 
-def orderings(per_seed: list[list[dict[str, Any]]]) -> list[str]:
-    """Pairwise test-perplexity comparisons of the runs that share a corpus and client fraction C (every pair of a
-    C = 0.5 grid such as randomization's: strategy against strategy, noise against noise), paired by seed (a seed fixes
-    the initial model, the client sampling and local batch order; the LM tasks' IID shards are seed 0's in every
-    seed): "A < B in k/n seeds, B − A = mean ± sd". An ordering
-    is called resolved when it holds in every seed and the mean difference exceeds its sd."""
+def orderings(per_seed: list[list[dict[str, Any]]], metric: str = "test", higher_is_better: bool = False) -> list[str]:
+    """Pairwise comparisons of ``metric`` (test perplexity; nmt-domains: the per-domain mean BLEU, higher better)
+    between the runs that share a corpus and client fraction C (every pair of a C = 0.5 grid such as
+    randomization's: strategy against strategy, noise against noise; every pair of nmt-domains' grid, all at C = 1),
+    paired by seed (a seed fixes the initial model, the client sampling and local batch order; the LM tasks' IID
+    shards are seed 0's in every seed): "A < B in k/n seeds, difference mean ± sd" (A is the better one: ">" when
+    higher is better). An ordering is called resolved when it holds in every seed and the mean difference exceeds
+    its sd."""
     lines = []
     runs = per_seed[0]
+    sign = -1.0 if higher_is_better else 1.0  # diffs are "how much worse the second is", so > 0 favours the first
     for i, a in enumerate(runs):
         for b in runs[i + 1:]:
             if a.get("fraction") is None or (a.get("corpus"), a["fraction"]) != (b.get("corpus"), b.get("fraction")):
                 continue
             diffs = []
             for seed_runs in per_seed:
-                ta = next((r["test"] for r in seed_runs if r["run"] == a["run"]), None)
-                tb = next((r["test"] for r in seed_runs if r["run"] == b["run"]), None)
+                ta = next((r.get(metric) for r in seed_runs if r["run"] == a["run"]), None)
+                tb = next((r.get(metric) for r in seed_runs if r["run"] == b["run"]), None)
                 if ta is not None and tb is not None:
-                    diffs.append(tb - ta)
+                    diffs.append(sign * (tb - ta))
             if not diffs:
                 continue
-            low, high = a["run"], b["run"]
-            if math.fsum(diffs) < 0:  # b is the lower one: state it as "b < a"
-                low, high, diffs = high, low, [-d for d in diffs]
+            better, worse = a["run"], b["run"]
+            if math.fsum(diffs) < 0:  # b is the better one: state it first
+                better, worse, diffs = worse, better, [-d for d in diffs]
             wins = sum(1 for d in diffs if d > 0)
             m, sd = mean_sd(diffs)
             resolved = wins == len(diffs) and len(diffs) > 1 and m > sd
-            lines.append(f"{low} < {high} in {wins}/{len(diffs)} seeds, difference {m:.2f} ± {sd:.2f}"
-                         f"{' (resolved)' if resolved else ' (not resolved)'}")
+            lines.append(f"{better} {'>' if higher_is_better else '<'} {worse} in {wins}/{len(diffs)} seeds, "
+                         f"difference {m:.2f} ± {sd:.2f}{' (resolved)' if resolved else ' (not resolved)'}")
     return lines
 
 
@@ -859,8 +862,8 @@ def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None,
         results = per_seed[0]
     else:
         results = {"runs": across_seeds([r["runs"] for r in per_seed]),
-                   # lower is better: perplexity (BLEU, higher, is read from nmt-domains' per-domain tables)
-                   "orderings": orderings([r["runs"] for r in per_seed]) if name != "nmt-domains" else [],
+                   "orderings": (orderings([r["runs"] for r in per_seed]) if name != "nmt-domains" else
+                                 orderings([r["runs"] for r in per_seed], "bleu_mean_domains", higher_is_better=True)),
                    "per_seed": {str(s): r for s, r in zip(seeds, per_seed)}}
     results.update(experiment=name, scale=scale, seeds=seeds, threads=threads, only=only, overrides=overrides or {},
                    wall_s=round(time.time() - started, 1))
@@ -871,7 +874,8 @@ def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None,
     text = [f"# {name} ({scale} scale{changed}, {seed_text}, wall {results['wall_s']} s)", "",
             markdown(results["runs"], columns)]
     if results.get("orderings"):
-        text += ["", "Orderings of test perplexity (paired by seed):", ""] + [f"- {o}" for o in results["orderings"]]
+        what = "test perplexity" if name != "nmt-domains" else "the per-domain mean BLEU"
+        text += ["", f"Orderings of {what} (paired by seed):", ""] + [f"- {o}" for o in results["orderings"]]
     for seed, r in zip(seeds, per_seed):
         if "bleu_by_domain" in r:
             text += ["", f"BLEU on each domain's test pairs (seed {seed}):", "",

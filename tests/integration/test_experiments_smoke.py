@@ -94,6 +94,16 @@ def test_nmt_domains(tmp_path):
     assert runs["pull-global-0.33-both"]["directions"] == "both" and runs["pull-global-0.5"]["directions"] == "up"
     assert runs["pull-global-0.33-both"]["bytes_down_raw"] < runs["fedavg"]["bytes_down_raw"]
     assert runs["pull-global-0.5"]["bytes_down_raw"] == runs["fedavg"]["bytes_down_raw"]
+    # orderings of the per-domain mean BLEU, paired by seed, the higher one first: one line per pair of the 7 runs
+    mean = {s: {r["run"]: r["bleu_mean_domains"] for r in results["per_seed"][s]["runs"]} for s in ("0", "1")}
+    assert len(results["orderings"]) == 21
+    line = next(o for o in results["orderings"] if "fedavg" in o.split(" in ")[0] and "pull-local-0.5 " in o + " ")
+    diffs = [mean[s]["fedavg"] - mean[s]["pull-local-0.5"] for s in ("0", "1")]
+    first, second = ("fedavg", "pull-local-0.5") if sum(diffs) >= 0 else ("pull-local-0.5", "fedavg")
+    wins = sum(d > 0 for d in diffs) if first == "fedavg" else sum(d < 0 for d in diffs)
+    assert line.startswith(f"{first} > {second} in {wins}/2 seeds, difference {abs(sum(diffs)) / 2:.2f}")
+    assert line in (exp / "results.md").read_text() and "Orderings of the per-domain mean BLEU" in (
+        exp / "results.md").read_text()
     # --only runs a subset of the grid (two processes can share a grid), reusing the finished runs; --set is refused
     # (it would change the federations but not the local-only baselines they are read against)
     subset = run_experiment("nmt-domains", "smoke", tmp_path, seeds=(0, 1), only="fedavg,pull-local-0.5")
