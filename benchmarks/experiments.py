@@ -470,7 +470,8 @@ class Runner:
 def ran_as(run_dir: Path, cfg: JobConfig) -> bool:
     """The run in ``run_dir`` ran with ``cfg``'s settings, as far as its strategy reads them: every JobConfig key
     its config.json records has ``cfg``'s value (a key the run predates must be at its default in ``cfg``), but
-    the job's name, the seed (config.json holds the task's; the spec key holds the run's) and the settings only
+    the job's name, the seed (the spec key holds it; config.json before 2026-11-24 (session 14) recorded the task's seed under
+    "seed", now "shard_seed", so an archived run's "seed" may not be its own) and the settings only
     other strategies read (``Strategy.own_settings``: FedAvg does not depend on FedMed's JS weighting). A spec
     names only the settings it changes, so without this a changed default (FedMed's JS weighting, 2026-11-24)
     would leave the runs made under the old one counted as done. A folder without config.json (the centralized

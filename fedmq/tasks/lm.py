@@ -159,5 +159,5 @@ class LanguageModelTask(Task):
             "shard_lines_min": min(sizes),
             "shard_lines_max": max(sizes),
             "bptt": self.bptt,
-            "seed": self.seed,
+            "shard_seed": self.seed,  # the seed that drew the shards; "seed" in config.json is the job's
         }

@@ -199,7 +199,7 @@ class TranslationTask(Task):
             "partition": str(self.partition),
             "shard_pairs_min": min(sizes),
             "shard_pairs_max": max(sizes),
-            "seed": self.seed,
+            "shard_seed": self.seed,  # the seed that drew the shards; "seed" in config.json is the job's
         }
 
 

@@ -222,6 +222,9 @@ def test_seeds_give_mean_and_sd_and_a_rerun_resumes(tmp_path):
     results = run_experiment("table2", "smoke", tmp_path, seeds=[0, 1], only="fedavg,central")
     runs = {r["run"]: r for r in results["runs"]}
     assert set(runs) == {"wikitext-2-fedavg-c0.5", "wikitext-2-central-c0.5"}
+    # config.json records the run's seed; the task's (its shards are drawn with seed 0 in every seed) beside it
+    recorded = json.loads((tmp_path / "table2" / "seed-1" / "wikitext-2-fedavg-c0.5" / "config.json").read_text())
+    assert (recorded["seed"], recorded["shard_seed"]) == (1, 0)
     for name, row in runs.items():
         tests = [results["per_seed"][s]["runs"][i]["test"] for s in ("0", "1")
                  for i, r in enumerate(results["per_seed"][s]["runs"]) if r["run"] == name]
