@@ -599,6 +599,13 @@ def _nmt_train(s: dict[str, Any]) -> dict[str, Any]:
     return dict(batch_size=s["batch_size"], lr=s["lr"], optimizer="adam", clip=1.0)
 
 
+def nmt_options(scale: str, seed: int, cache: Path) -> dict[str, Any]:
+    """The translation task's options at ``scale`` (one client per domain; the vocabulary cached under ``cache``)."""
+    options = {**_NMT[scale]["task"], "data": _corpus("de-en"), "partition": "natural", "seed": seed,
+               "cache_dir": str(cache / "spm-cache")}
+    return {k: v for k, v in options.items() if v is not None}
+
+
 def nmt_specs(scale: str, options: dict[str, Any] | None = None) -> list[RunSpec]:
     """The federations of ``nmt-domains`` (one client per domain, C = 1): FedAvg, then DP_l / DP_g / random pulling
     at each of the scale's fractions."""
@@ -627,9 +634,7 @@ def run_nmt_domains(scale: str, out: Path, simulation: Callable[..., Any], seed:
     s = _NMT[scale]
     runner = Runner(out, simulation)
     cache = cache or out
-    options = {**s["task"], "data": _corpus("de-en"), "partition": "natural", "seed": seed,
-               "cache_dir": str(cache / "spm-cache")}
-    options = {k: v for k, v in options.items() if v is not None}
+    options = nmt_options(scale, seed, cache)
     task = runner.task("nmt", options)
     names = list(task.shard_names)
     train = _nmt_train(s)

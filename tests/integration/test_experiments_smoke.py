@@ -104,6 +104,19 @@ def test_nmt_domains(tmp_path):
     assert line.startswith(f"{first} > {second} in {wins}/2 seeds, difference {abs(sum(diffs)) / 2:.2f}")
     assert line in (exp / "results.md").read_text() and "Orderings of the per-domain mean BLEU" in (
         exp / "results.md").read_text()
+    # scripts/bleu_bootstrap.py rescores each server from its sentences' statistics: the same per-domain mean BLEU
+    # as the experiment's, and a server against itself differs by exactly 0 in every resample
+    def bootstrap(a, b):
+        proc = subprocess.run([sys.executable, "scripts/bleu_bootstrap.py", str(exp), a, b, "--seeds", "0,1",
+                               "--scale", "smoke", "--resamples", "20"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout.splitlines()
+    lines = bootstrap("fedavg", "pull-local-0.5")
+    for s, text in zip(("0", "1"), lines):
+        assert text.startswith(f"seed {s}: fedavg - pull-local-0.5 = {mean[s]['fedavg'] - mean[s]['pull-local-0.5']:+.2f}, ")
+    assert lines[2].startswith("mean over seeds: 95 % [")
+    assert all("= +0.00, 95 % [+0.00, +0.00], A ahead in 0.0% of 20" in t for t in bootstrap("fedavg", "fedavg")[:2])
     # --only runs a subset of the grid (two processes can share a grid), reusing the finished runs; --set is refused
     # (it would change the federations but not the local-only baselines they are read against)
     subset = run_experiment("nmt-domains", "smoke", tmp_path, seeds=(0, 1), only="fedavg,pull-local-0.5")
