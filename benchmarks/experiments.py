@@ -470,8 +470,8 @@ class Runner:
 def ran_as(run_dir: Path, cfg: JobConfig) -> bool:
     """The run in ``run_dir`` ran with ``cfg``'s settings, as far as its strategy reads them: every JobConfig key
     its config.json records has ``cfg``'s value (a key the run predates must be at its default in ``cfg``), but
-    the job's name, the seed (the spec key holds it; config.json before 2026-11-24 (session 14) recorded the task's seed under
-    "seed", now "shard_seed", so an archived run's "seed" may not be its own) and the settings only
+    the job's name, the seed (the spec key holds it; until 2026-11-24 config.json recorded the task's seed under
+    "seed", now under "shard_seed", so an archived run's "seed" may not be its own) and the settings only
     other strategies read (``Strategy.own_settings``: FedAvg does not depend on FedMed's JS weighting). A spec
     names only the settings it changes, so without this a changed default (FedMed's JS weighting, 2026-11-24)
     would leave the runs made under the old one counted as done. A folder without config.json (the centralized
@@ -837,8 +837,9 @@ def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None,
     One seed writes its run folders to ``out/name/<run>``; several write ``out/name/seed-<s>/<run>`` and the
     results table gives mean ± sd over seeds, plus the paired orderings (``orderings``). Rerunning the same
     command skips finished runs and resumes unfinished ones (``Runner.federate``).
-    ``only``/``overrides`` (LM experiments): run a subset of the grid with changed job settings, for the
-    investigations in docs/results.md (e.g. more rounds); the results record them."""
+    ``only``: run a subset of the grid (several processes can share one grid this way); ``overrides`` (LM
+    experiments only): with changed job settings, for the investigations in docs/results.md (e.g. more rounds);
+    the results record them."""
     check_args(name, scale, threads, device)
     seeds = list(seeds)
     if not seeds or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds):
