@@ -297,15 +297,19 @@ class WarmStartTask:
         return getattr(self._task, name)
 
 
+def domain_pairs(task: Any, domain: str, split: str = "test", per_domain: int = 0) -> list[Any]:
+    """The pairs of ``domain`` a model is scored on: the first ``per_domain`` of its ``split`` (0 = all)."""
+    pairs = [p for p in task.corpus.splits[split] if p.domain == domain]
+    return pairs[:per_domain] if per_domain else pairs
+
+
 def domain_bleu(task: Any, model: torch.nn.Module, split: str = "test", per_domain: int = 0) -> dict[str, float]:
     """BLEU of ``model`` on each domain's ``split`` pairs (the first ``per_domain`` of each; 0 = all)."""
     from fedmq.tasks.nmt import corpus_bleu
 
     scores = {}
     for domain in task.corpus.domains:
-        pairs = [p for p in task.corpus.splits[split] if p.domain == domain]
-        if per_domain:
-            pairs = pairs[:per_domain]
+        pairs = domain_pairs(task, domain, split, per_domain)
         hyps = task.translate(model, [p.src for p in pairs])
         scores[domain] = corpus_bleu(hyps, [p.tgt for p in pairs])
     return scores

@@ -22,7 +22,7 @@ from sacrebleu.metrics import BLEU
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.experiments import _NMT, nmt_options  # noqa: E402
+from benchmarks.experiments import _NMT, ExperimentError, domain_pairs, nmt_options, parse_seeds  # noqa: E402
 from fedmq.tasks.registry import make_task  # noqa: E402
 from fedmq.tasks.base import load_state  # noqa: E402
 
@@ -50,7 +50,12 @@ def main() -> None:
     parser.add_argument("--scale", default="cpu", choices=sorted(_NMT))
     parser.add_argument("--resamples", type=int, default=1000)
     args = parser.parse_args()
-    seeds = [int(s) for s in args.seeds.split(",")]
+    try:
+        seeds = parse_seeds(args.seeds)
+    except ExperimentError as exc:
+        sys.exit(f"error: {exc}")
+    if args.resamples < 1:
+        sys.exit(f"error: --resamples must be at least 1, got {args.resamples}")
     runs = {}  # seed -> per domain (stats of A, stats of B)
     for seed in seeds:
         paths = [args.exp_dir / f"seed-{seed}" / run / "best.pt" for run in (args.run_a, args.run_b)]
@@ -58,11 +63,10 @@ def main() -> None:
         if missing:
             sys.exit(f"error: no best.pt at {', '.join(missing)}")
         task = make_task("nmt", **nmt_options(args.scale, seed, args.exp_dir))
-        n = _NMT[args.scale]["per_domain_test"]
         states = [torch.load(path, weights_only=True) for path in paths]
         runs[seed] = []
         for domain in task.corpus.domains:
-            pairs = [p for p in task.corpus.splits["test"] if p.domain == domain][: n or None]
+            pairs = domain_pairs(task, domain, "test", _NMT[args.scale]["per_domain_test"])
             runs[seed].append(tuple(sentence_stats(task, state, pairs) for state in states))
     rng = np.random.default_rng(0)
     sizes = [len(a) for a, _ in runs[seeds[0]]]
