@@ -19,6 +19,8 @@
 #                 checkpoints stay on that machine, so the same command resumes the unfinished jobs (federations
 #                 and centralized baselines alike) only while it is still warm (30 s after a call: issue the next
 #                 call at once, analyse after); on a fresh machine they start again from round 1.
+#                 Two experiments in one call: `run` the first in the background, and the second a minute later
+#                 (once the first has installed the wheels and started MPS) with OUT=$OUT/NAME, then `wait`.
 #   here, after:  scripts/paper_gpu.sh unpack FOLDER   (FOLDER = the call's files_at) -> merged into runs/paper
 #
 # SCALE (default paper) and DEVICE (default cuda) exist so that the round trip can be rehearsed on the CPU:
@@ -49,7 +51,10 @@ case "$cmd" in
     if [ -x .venv/bin/python ]; then  # a rehearsal here
       py=.venv/bin/python
     else  # the GPU machine: its python3 holds torch; add what it lacks
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+      # once a machine: a second invocation beside a running one (another EXP in the same call) must not rewrite
+      # the packages under the first one's processes
+      [ -d /tmp/site/pika ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl
       export PYTHONPATH=/tmp/site:$PWD
       py=python3
       # CUDA MPS lets the jobs' small kernels run side by side instead of taking turns on the GPU. A warm
