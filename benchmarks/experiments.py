@@ -475,7 +475,9 @@ def ran_as(run_dir: Path, cfg: JobConfig) -> bool:
     """The run in ``run_dir`` ran with ``cfg``'s settings, as far as its strategy reads them: every JobConfig key
     its config.json records has ``cfg``'s value (a key the run predates must be at its default in ``cfg``), but
     the job's name, the seed (the spec key holds it; until 2026-11-24 config.json recorded the task's seed under
-    "seed", now under "shard_seed", so an archived run's "seed" may not be its own) and the settings only
+    "seed", now under "shard_seed", so an archived run's "seed" may not be its own), ``heartbeat_s`` (presence
+    timing, not a result: cli.simulate raises it with K, so a K = 100 run records 2.0 where its spec says 1.0
+    and, before this was ignored, was deleted and started again on every rerun) and the settings only
     other strategies read (``Strategy.own_settings``: FedAvg does not depend on FedMed's JS weighting). A spec
     names only the settings it changes, so without this a changed default (FedMed's JS weighting, 2026-11-24)
     would leave the runs made under the old one counted as done. A folder without config.json (the centralized
@@ -485,7 +487,7 @@ def ran_as(run_dir: Path, cfg: JobConfig) -> bool:
     recorded = read_config(run_dir)
     if recorded is None:
         return True
-    ignored = {"job", "extra", "seed"} | (OWN_SETTINGS - set(cfg.strategy_class.own_settings))
+    ignored = {"job", "extra", "seed", "heartbeat_s"} | (OWN_SETTINGS - set(cfg.strategy_class.own_settings))
     now, default = cfg.to_dict(), JobConfig().to_dict()
     return all(recorded[k] == v if k in recorded else v == default[k] for k, v in now.items() if k not in ignored)
 

@@ -77,7 +77,7 @@ case "$cmd" in
       mkdir -p "$dir"
       # shellcheck disable=SC2086  # $sets is a list of options
       timeout -s INT -k 30 "$seconds" "$py" scripts/reproduce.py "$exp" --scale "$scale" --seeds "$seed" \
-        --device "$device" --threads 1 --only "$cell" --out "$dir" $sets > "$dir/log.txt" 2>&1 &
+        --device "$device" --threads 1 --only "$cell" --out "$dir" $sets >> "$dir/log.txt" 2>&1 &
       pids+=($!)
     done
     rc=0

@@ -227,6 +227,25 @@ def test_a_run_made_under_an_older_default_is_run_again(tmp_path):
     assert json.loads((tmp_path / "wikitext-2-fedmed-c0.5" / "config.json").read_text())["fedmed_js"] == "relative"
 
 
+def test_a_finished_run_of_many_clients_is_kept_on_rerun(tmp_path):
+    """The simulation raises heartbeat_s with K (presence traffic), so config.json records more than the spec
+    asks; that is timing, not a setting the result depends on. Before it was ignored, every K = 100 paper-scale
+    run was deleted and started again by the same command (2026-11-24, on the GPU machine)."""
+    from dataclasses import replace
+
+    from benchmarks.experiments import Runner
+
+    spec = next(s for s in experiments.table2("smoke") if s.name == "wikitext-2-fedavg-c0.5")
+    spec = replace(spec, job={**spec.job, "clients": 60}, task_options={**spec.task_options, "clients": 60})
+    runner = Runner(tmp_path, Simulation)
+    first = runner.federate(spec, seed=0)
+    recorded = json.loads((tmp_path / spec.name / "config.json").read_text())
+    assert (spec.job["heartbeat_s"], recorded["heartbeat_s"]) == (1.0, 1.2)
+    stamp = (tmp_path / spec.name / "metrics.jsonl").stat().st_mtime_ns
+    assert runner.federate(spec, seed=0)["test"] == first["test"]
+    assert (tmp_path / spec.name / "metrics.jsonl").stat().st_mtime_ns == stamp
+
+
 def read_rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
