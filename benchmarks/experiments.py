@@ -629,6 +629,72 @@ def nmt_specs(scale: str, options: dict[str, Any] | None = None) -> list[RunSpec
     return specs
 
 
+_PRE_SEED = 0  # phases 1-2 do not depend on the run's seed: one engine for every seed, as in the paper
+
+
+def _cache_key(options: dict[str, Any], settings: dict[str, Any]) -> str:
+    """What a cached phase depends on: the task's options (not the run's seed or the cache folder) and ``settings``."""
+    shared = {k: v for k, v in options.items() if k not in ("seed", "cache_dir")}  # the vocabulary does not vary
+    return json.dumps({**shared, **settings, "seed": _PRE_SEED}, sort_keys=True)
+
+
+def _pretrained_engine(task: Any, s: dict[str, Any], options: dict[str, Any],
+                       cache: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], float, dict[str, Any]]:
+    """Phase 1: pre-train on the news/WMT data (not only the news client's shard; evaluated sentences excluded).
+    Cached in ``cache`` (pretrained.pt + pretrain.json) keyed by the task and the pre-training settings alone, so
+    that changing how the clients train does not pre-train again. Returns the state, its BLEU row, the seconds it
+    took and its summary."""
+    key = _cache_key(options, {k: v for k, v in s.items() if k.startswith("pretrain_") or k in ("task", "per_domain_test")})
+    cache_pt, cache_json = cache / "pretrained.pt", cache / "pretrain.json"
+    cached = json.loads(cache_json.read_text()) if cache_json.is_file() and cache_pt.is_file() else {}
+    if cached.get("key") == key:
+        return (torch.load(cache_pt, weights_only=True), cached["table"], cached["pretrain_s"],
+                cached.get("pretrain", {}))
+    started = time.time()
+    data = task.encode_pairs(pretrain_pairs(task, s["pretrain_domains"], s["pretrain_max_lines"]))
+    model = task.build_model(_PRE_SEED)
+    every = max(1, s["pretrain_steps"] // 20)
+
+    def progress(step: int, total: int) -> None:
+        if step % every == 0:
+            log.info("pre-training", step=step, of=total, seconds=round(time.time() - started, 1))
+
+    cfg = TrainConfig(batch_size=s["pretrain_batch"], lr=s["pretrain_lr"], optimizer="adam", clip=1.0,
+                      max_steps=s["pretrain_steps"], warmup_steps=s["pretrain_warmup"], linear_decay=True,
+                      adam_betas=(0.9, 0.98), seed=_PRE_SEED)
+    result = task.pretrain(model, data, cfg, progress)
+    pretrained = {k: v.detach().clone() for k, v in model_state(model).items()}
+    pretrain_s = time.time() - started
+    info = {"pairs": len(data), "tokens": result.tokens, "loss": round(result.loss, 4), "train_s": round(result.seconds, 1)}
+    log.info("pre-training done", **info)
+    table = {f"pre-trained ({'+'.join(s['pretrain_domains'])})": domain_bleu(task, model, "test", s["per_domain_test"])}
+    torch.save(pretrained, cache_pt)
+    cache_json.write_text(json.dumps({"key": key, "table": table, "pretrain_s": pretrain_s, "pretrain": info}))
+    return pretrained, table, pretrain_s, info
+
+
+def _local_only(task: Any, s: dict[str, Any], pretrained: dict[str, torch.Tensor], options: dict[str, Any],
+                cache: Path) -> dict[str, dict[str, float]]:
+    """Phase 2: each client alone -- the pre-trained engine fine-tuned on its own domain for as many epochs (or
+    steps) as a federation gives it. Its BLEU rows are cached in ``cache``/local-only.json, keyed by the
+    pre-training and the clients' settings."""
+    key = _cache_key(options, {k: v for k, v in s.items() if k != "fractions"})
+    path = cache / "local-only.json"
+    cached = json.loads(path.read_text()) if path.is_file() else {}
+    if cached.get("key") == key:
+        return cached["table"]
+    local_steps = s["rounds"] * (s["max_steps"] or 0)
+    table = {}
+    for i, client in enumerate(task.shard_names):
+        m = task.build_model(_PRE_SEED)
+        load_state(m, pretrained)
+        task.train(m, i, TrainConfig(epochs=s["rounds"] if not local_steps else 100, max_steps=local_steps,
+                                     seed=_PRE_SEED, **_nmt_train(s)))
+        table[f"client {client} (local only)"] = domain_bleu(task, m, "test", s["per_domain_test"])
+    path.write_text(json.dumps({"key": key, "table": table}))
+    return table
+
+
 def run_nmt_domains(scale: str, out: Path, simulation: Callable[..., Any], seed: int = 0,
                     cache: Path | None = None, only: str | None = None) -> dict[str, Any]:
     """Passban et al.: pre-train on news, one client per domain, FedAvg; then DP_l / DP_g / random pulling.
@@ -643,51 +709,9 @@ def run_nmt_domains(scale: str, out: Path, simulation: Callable[..., Any], seed:
     options = nmt_options(scale, seed, cache)
     task = runner.task("nmt", options)
     names = list(task.shard_names)
-    train = _nmt_train(s)
-    pre_label = f"pre-trained ({'+'.join(s['pretrain_domains'])})"
     n = s["per_domain_test"]
-    # phases 1-2 are cached (pretrained.pt + pretrain.json) for the same settings: a rerun or another seed skips them
-    pre_seed = 0
-    local_steps = s["rounds"] * (s["max_steps"] or 0)  # phase 2: as many steps as a federation gives a client
-    shared = {k: v for k, v in options.items() if k not in ("seed", "cache_dir")}  # the vocabulary does not vary
-    key = json.dumps({**shared, **{k: v for k, v in s.items() if k not in ("fractions", "rounds")}, "seed": pre_seed,
-                      "local_steps": local_steps}, sort_keys=True)
-    cache_pt, cache_json = cache / "pretrained.pt", cache / "pretrain.json"
-    cached = json.loads(cache_json.read_text()) if cache_json.is_file() and cache_pt.is_file() else {}
-    if cached.get("key") == key:
-        pretrained = torch.load(cache_pt, weights_only=True)
-        table, pretrain_s, pretrain_info = cached["table"], cached["pretrain_s"], cached.get("pretrain", {})
-    else:
-        # 1. pre-train on the news/WMT data (not only the news client's shard), evaluated sentences excluded
-        started = time.time()
-        data = task.encode_pairs(pretrain_pairs(task, s["pretrain_domains"], s["pretrain_max_lines"]))
-        model = task.build_model(pre_seed)
-        every = max(1, s["pretrain_steps"] // 20)
-
-        def progress(step: int, total: int) -> None:
-            if step % every == 0:
-                log.info("pre-training", step=step, of=total, seconds=round(time.time() - started, 1))
-
-        cfg = TrainConfig(batch_size=s["pretrain_batch"], lr=s["pretrain_lr"], optimizer="adam", clip=1.0,
-                          max_steps=s["pretrain_steps"], warmup_steps=s["pretrain_warmup"], linear_decay=True,
-                          adam_betas=(0.9, 0.98), seed=pre_seed)
-        result = task.pretrain(model, data, cfg, progress)
-        pretrained = {k: v.detach().clone() for k, v in model_state(model).items()}
-        pretrain_s = time.time() - started
-        pretrain_info = {"pairs": len(data), "tokens": result.tokens, "loss": round(result.loss, 4),
-                         "train_s": round(result.seconds, 1)}
-        log.info("pre-training done", **pretrain_info)
-        table = {pre_label: domain_bleu(task, model, "test", n)}
-        # 2. each client alone: fine-tune the pre-trained model on its own domain, as many steps as the federation
-        for i, client in enumerate(names):
-            m = task.build_model(pre_seed)
-            load_state(m, pretrained)
-            task.train(m, i, TrainConfig(epochs=s["rounds"] if not local_steps else 100, max_steps=local_steps,
-                                         seed=pre_seed, **train))
-            table[f"client {client} (local only)"] = domain_bleu(task, m, "test", n)
-        torch.save(pretrained, cache_pt)
-        cache_json.write_text(json.dumps({"key": key, "table": table, "pretrain_s": pretrain_s,
-                                          "pretrain": pretrain_info}))
+    pretrained, table, pretrain_s, pretrain_info = _pretrained_engine(task, s, options, cache)
+    table |= _local_only(task, s, pretrained, options, cache)
     warm = WarmStartTask(task, pretrained)
     # 3. FedAvg from the pre-trained model; then the dynamic-pulling variants
     specs = nmt_specs(scale, options)

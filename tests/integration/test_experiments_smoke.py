@@ -74,7 +74,7 @@ def test_dropout_availability_and_crashes(tmp_path):
     assert set(runs) == {"bernoulli0.7-crash-train0.2", "trace"}
 
 
-def test_nmt_domains(tmp_path):
+def test_nmt_domains(tmp_path, monkeypatch):
     """Two seeds: as in Passban et al. every federation starts from one pre-trained (WMT) engine, so the seeds
     pre-train once (cached at the experiment level) and differ only in their federations."""
     results = run_experiment("nmt-domains", "smoke", tmp_path, seeds=(0, 1))
@@ -138,6 +138,15 @@ def test_nmt_domains(tmp_path):
     (fedavg / "summary.json").write_text(json.dumps(summary))
     with pytest.raises(ExperimentError, match="run fedavg has no best.pt and no per-domain BLEU"):
         run_experiment("nmt-domains", "smoke", tmp_path, seeds=(0, 1))
+    # the pre-trained engine is cached by the pre-training settings alone: a change in how the clients train
+    # reruns the local-only baselines (and the federations) but not the pre-training
+    pre = (exp / "pretrained.pt").stat().st_mtime_ns, (exp / "pretrain.json").read_text()
+    local = json.loads((exp / "local-only.json").read_text())["key"]
+    monkeypatch.setitem(experiments._NMT["smoke"], "lr", 1e-3)
+    changed = run_experiment("nmt-domains", "smoke", tmp_path, seeds=(0, 1), only="fedavg")
+    assert ((exp / "pretrained.pt").stat().st_mtime_ns, (exp / "pretrain.json").read_text()) == pre
+    assert json.loads((exp / "local-only.json").read_text())["key"] != local
+    assert changed["runs"][0]["run"] == "fedavg"
 
 
 def test_cli_topk_with_report(tmp_path):
