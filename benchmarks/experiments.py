@@ -577,6 +577,8 @@ def select(specs: list[RunSpec], only: str | None, overrides: dict[str, Any] | N
         raise ExperimentError(f"no run name contains {only!r}; runs: {', '.join(s.name for s in specs)}")
     for spec in picked:
         spec.job.update(overrides or {})
+        if "clients" in (overrides or {}) and "clients" in spec.task_options:  # the task's shards follow the job's K
+            spec.task_options = {**spec.task_options, "clients": spec.job["clients"]}
         JobConfig.from_dict({"job": "check", **spec.job})  # a bad override fails here, before anything runs
     return picked
 

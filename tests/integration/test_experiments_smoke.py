@@ -294,6 +294,11 @@ def test_seeds_give_mean_and_sd_and_a_rerun_resumes(tmp_path):
     run_experiment("table2", "smoke", tmp_path, seeds=[0, 1], only="fedavg-c", overrides={"lr": 0.5})
     changed = tmp_path / "table2" / "seed-0" / "wikitext-2-fedavg-c0.5" / "metrics.jsonl"
     assert changed.stat().st_mtime_ns != stamp[changed]
+    # --set clients=K changes the task's shards too (else agents beyond the task's clients would find none)
+    k3 = run_experiment("table2", "smoke", tmp_path / "k3", only="fedavg-c0.5", overrides={"clients": 3})
+    config = json.loads((tmp_path / "k3" / "table2" / "wikitext-2-fedavg-c0.5" / "config.json").read_text())
+    assert config["clients"] == 3  # the task's shard count (config.json holds the job's settings, then the task's)
+    assert all(r["rounds_completed"] == 1 for r in k3["runs"])  # the smoke scale runs one round
 
 
 def test_sweep_reports_smoothness(tmp_path):
