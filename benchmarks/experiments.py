@@ -315,21 +315,34 @@ def domain_bleu(task: Any, model: torch.nn.Module, split: str = "test", per_doma
     return scores
 
 
-def _server_domain_bleu(task: Any, run_dir: Path, summary: dict[str, Any], seed: int, n: int) -> dict[str, float]:
-    """Per-domain test BLEU of a run's best global model, kept in its summary.json (``test_bleu_by_domain``) so
-    that a run restored from its small files (scripts/runs_archive.py, no best.pt) keeps its row; a finished run
-    with neither is refused rather than scored on another model."""
-    if isinstance(summary.get("test_bleu_by_domain"), dict):
-        return summary["test_bleu_by_domain"]
+def domain_ce(task: Any, model: torch.nn.Module, split: str = "test", per_domain: int = 0) -> dict[str, float]:
+    """Cross-entropy (nats per reference token, teacher forcing) of ``model`` on each domain's ``split`` pairs."""
+    return {domain: task.cross_entropy(model, domain_pairs(task, domain, split, per_domain))
+            for domain in task.corpus.domains}
+
+
+def _server_domain_scores(task: Any, run_dir: Path, summary: dict[str, Any], seed: int,
+                          n: int) -> tuple[dict[str, float], dict[str, float] | None]:
+    """Per-domain test BLEU and cross-entropy of a run's best global model, kept in its summary.json
+    (``test_bleu_by_domain``, ``test_ce_by_domain``) so that a run restored from its small files
+    (scripts/runs_archive.py, no best.pt) keeps its row; a finished run with no BLEU and no best.pt is refused
+    rather than scored on another model. Cross-entropy is None for a restored run from before it was measured."""
+    bleu, ce = summary.get("test_bleu_by_domain"), summary.get("test_ce_by_domain")
+    if isinstance(bleu, dict) and isinstance(ce, dict):
+        return bleu, ce
     best = run_dir / "best.pt"
     if not best.is_file():
+        if isinstance(bleu, dict):
+            return bleu, None
         raise ExperimentError(f"run {run_dir.name} has no best.pt and no per-domain BLEU in its summary.json "
                               f"(restored from an older archive?): delete {run_dir} to run it again")
     server = task.build_model(seed)
     load_state(server, torch.load(best, weights_only=True))
-    summary["test_bleu_by_domain"] = per_domain = domain_bleu(task, server, "test", n)
+    if not isinstance(bleu, dict):
+        summary["test_bleu_by_domain"] = bleu = domain_bleu(task, server, "test", n)
+    summary["test_ce_by_domain"] = ce = domain_ce(task, server, "test", n)
     write_summary(run_dir, summary)
-    return per_domain
+    return bleu, ce
 
 
 # ----------------------------------------------------------------------------------------------- running
@@ -641,16 +654,17 @@ def _cache_key(options: dict[str, Any], settings: dict[str, Any]) -> str:
 
 
 def _pretrained_engine(task: Any, s: dict[str, Any], options: dict[str, Any],
-                       cache: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], float, dict[str, Any]]:
+                       cache: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any], float,
+                                             dict[str, Any]]:
     """Phase 1: pre-train on the news/WMT data (not only the news client's shard; evaluated sentences excluded).
     Cached in ``cache`` (pretrained.pt + pretrain.json) keyed by the task and the pre-training settings alone, so
-    that changing how the clients train does not pre-train again. Returns the state, its BLEU row, the seconds it
-    took and its summary."""
+    that changing how the clients train does not pre-train again. Returns the state, its BLEU and cross-entropy
+    rows, the seconds it took and its summary."""
     key = _cache_key(options, {k: v for k, v in s.items() if k.startswith("pretrain_") or k in ("task", "per_domain_test")})
     cache_pt, cache_json = cache / "pretrained.pt", cache / "pretrain.json"
     cached = json.loads(cache_json.read_text()) if cache_json.is_file() and cache_pt.is_file() else {}
     if cached.get("key") == key:
-        return (torch.load(cache_pt, weights_only=True), cached["table"], cached["pretrain_s"],
+        return (torch.load(cache_pt, weights_only=True), cached["table"], cached["ce"], cached["pretrain_s"],
                 cached.get("pretrain", {}))
     started = time.time()
     data = task.encode_pairs(pretrain_pairs(task, s["pretrain_domains"], s["pretrain_max_lines"]))
@@ -669,32 +683,35 @@ def _pretrained_engine(task: Any, s: dict[str, Any], options: dict[str, Any],
     pretrain_s = time.time() - started
     info = {"pairs": len(data), "tokens": result.tokens, "loss": round(result.loss, 4), "train_s": round(result.seconds, 1)}
     log.info("pre-training done", **info)
-    table = {f"pre-trained ({'+'.join(s['pretrain_domains'])})": domain_bleu(task, model, "test", s["per_domain_test"])}
+    label = f"pre-trained ({'+'.join(s['pretrain_domains'])})"
+    table = {label: domain_bleu(task, model, "test", s["per_domain_test"])}
+    ce = {label: domain_ce(task, model, "test", s["per_domain_test"])}
     torch.save(pretrained, cache_pt)
-    cache_json.write_text(json.dumps({"key": key, "table": table, "pretrain_s": pretrain_s, "pretrain": info}))
-    return pretrained, table, pretrain_s, info
+    cache_json.write_text(json.dumps({"key": key, "table": table, "ce": ce, "pretrain_s": pretrain_s, "pretrain": info}))
+    return pretrained, table, ce, pretrain_s, info
 
 
 def _local_only(task: Any, s: dict[str, Any], pretrained: dict[str, torch.Tensor], options: dict[str, Any],
-                cache: Path) -> dict[str, dict[str, float]]:
+                cache: Path) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
     """Phase 2: each client alone -- the pre-trained engine fine-tuned on its own domain for as many epochs (or
-    steps) as a federation gives it. Its BLEU rows are cached in ``cache``/local-only.json, keyed by the
-    pre-training and the clients' settings."""
+    steps) as a federation gives it. Its BLEU and cross-entropy rows are cached in ``cache``/local-only.json,
+    keyed by the pre-training and the clients' settings."""
     key = _cache_key(options, {k: v for k, v in s.items() if k != "fractions"})
     path = cache / "local-only.json"
     cached = json.loads(path.read_text()) if path.is_file() else {}
     if cached.get("key") == key:
-        return cached["table"]
+        return cached["table"], cached["ce"]
     local_steps = s["rounds"] * (s["max_steps"] or 0)
-    table = {}
+    table, ce = {}, {}
     for i, client in enumerate(task.shard_names):
         m = task.build_model(_PRE_SEED)
         load_state(m, pretrained)
         task.train(m, i, TrainConfig(epochs=s["rounds"] if not local_steps else 100, max_steps=local_steps,
                                      seed=_PRE_SEED, **_nmt_train(s)))
         table[f"client {client} (local only)"] = domain_bleu(task, m, "test", s["per_domain_test"])
-    path.write_text(json.dumps({"key": key, "table": table}))
-    return table
+        ce[f"client {client} (local only)"] = domain_ce(task, m, "test", s["per_domain_test"])
+    path.write_text(json.dumps({"key": key, "table": table, "ce": ce}))
+    return table, ce
 
 
 def run_nmt_domains(scale: str, out: Path, simulation: Callable[..., Any], seed: int = 0,
@@ -712,8 +729,9 @@ def run_nmt_domains(scale: str, out: Path, simulation: Callable[..., Any], seed:
     task = runner.task("nmt", options)
     names = list(task.shard_names)
     n = s["per_domain_test"]
-    pretrained, table, pretrain_s, pretrain_info = _pretrained_engine(task, s, options, cache)
-    table |= _local_only(task, s, pretrained, options, cache)
+    pretrained, table, ce, pretrain_s, pretrain_info = _pretrained_engine(task, s, options, cache)
+    local_bleu, local_ce = _local_only(task, s, pretrained, options, cache)
+    table, ce = {**table, **local_bleu}, {**ce, **local_ce}
     warm = WarmStartTask(task, pretrained)
     # 3. FedAvg from the pre-trained model; then the dynamic-pulling variants
     specs = nmt_specs(scale, options)
@@ -721,22 +739,26 @@ def run_nmt_domains(scale: str, out: Path, simulation: Callable[..., Any], seed:
     for spec in select(specs, only, None):
         summary = runner.federate(spec, task=warm, seed=seed)
         row = _row(spec, summary, out / spec.name)
-        per_domain = _server_domain_bleu(task, out / spec.name, summary, seed, n)
+        per_domain, per_domain_ce = _server_domain_scores(task, out / spec.name, summary, seed, n)
         table[f"server {spec.name}"] = per_domain
         row["bleu_mean_domains"] = sum(per_domain.values()) / len(per_domain)
+        if per_domain_ce is not None:
+            ce[f"server {spec.name}"] = per_domain_ce
+            row["ce_mean_domains"] = sum(per_domain_ce.values()) / len(per_domain_ce)
         rounds = len(read_rounds(out / spec.name).records)
         row["bytes_up_per_round"] = row["bytes_up"] / max(rounds, 1)
         results.append(row)
-    return {"runs": results, "bleu_by_domain": table, "domains": names, "pretrain_s": round(pretrain_s, 1),
+    return {"runs": results, "bleu_by_domain": table, "ce_by_domain": ce, "domains": names, "pretrain_s": round(pretrain_s, 1),
             "pretrain_steps": s["pretrain_steps"], "pretrain": pretrain_info,
             "settings": {k: v for k, v in s.items() if k != "fractions"} | {"fractions": list(s["fractions"])}}
 
 
-def bleu_markdown(table: dict[str, dict[str, float]], domains: list[str]) -> str:
+def domain_markdown(table: dict[str, dict[str, float]], domains: list[str], digits: int = 2) -> str:
+    """A model x domain table (BLEU, or cross-entropy with ``digits`` 3) with each model's mean over domains."""
     lines = ["| model | " + " | ".join(domains) + " | mean |", "|" + "---|" * (len(domains) + 2)]
     for name, scores in table.items():
         vals = [scores[d] for d in domains]
-        lines.append(f"| {name} | " + " | ".join(f"{v:.2f}" for v in vals) + f" | {sum(vals) / len(vals):.2f} |")
+        lines.append(f"| {name} | " + " | ".join(f"{v:.{digits}f}" for v in vals) + f" | {sum(vals) / len(vals):.{digits}f} |")
     return "\n".join(lines)
 
 
@@ -751,7 +773,7 @@ _COLUMNS = {
     "scale": ["run", "model", "tied", "test", "best_valid", "best_round", "wall_s"],
     "dropout": ["run", "availability", "faults", "test", "best_valid", "rounds_completed", "rounds_skipped",
                 "updates_received", "wall_s"],
-    "nmt-domains": ["run", "strategy", "pull", "directions", "test", "bleu_mean_domains", "best_round", "bytes_up_per_round",
+    "nmt-domains": ["run", "strategy", "pull", "directions", "test", "bleu_mean_domains", "ce_mean_domains", "best_round", "bytes_up_per_round",
                     "bytes_up", "bytes_up_raw", "bytes_down_raw", "wall_s"],
 }
 
@@ -801,18 +823,19 @@ def across_seeds(per_seed: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return rows
 
 
-_PER_RUN = ("test", "best_valid", "bleu_mean_domains", "best_round", "valid_curve", "max_jump", "wall_s", "bytes_up",
+_PER_RUN = ("test", "best_valid", "bleu_mean_domains", "ce_mean_domains", "best_round", "valid_curve", "max_jump", "wall_s", "bytes_up",
             "bytes_down", "bytes_up_raw", "bytes_down_raw", "bytes_up_per_round", "updates_received",
             "rounds_completed", "rounds_skipped")
 # in a several-seed row: _MEAN_SD as mean and sd over seeds, counts as their mean, _EACH_SEED listed seed by seed
 # ("3 / 5 / —")
-_MEAN_SD = ("test", "best_valid", "bleu_mean_domains")
+_MEAN_SD = ("test", "best_valid", "bleu_mean_domains", "ce_mean_domains")
 _MEAN_COUNTS = ("bytes_up", "bytes_down", "bytes_up_raw", "bytes_down_raw", "updates_received", "rounds_completed",
                 "rounds_skipped", "bytes_up_per_round")
 _EACH_SEED = ("best_round", "target", "rounds_to_target", "bytes_to_target")
 
 
-def orderings(per_seed: list[list[dict[str, Any]]], metric: str = "test", higher_is_better: bool = False) -> list[str]:
+def orderings(per_seed: list[list[dict[str, Any]]], metric: str = "test", higher_is_better: bool = False,
+              digits: int = 2) -> list[str]:
     """Pairwise comparisons of ``metric`` (test perplexity; nmt-domains: the per-domain mean BLEU, higher better)
     between the runs that share a corpus and client fraction C (every pair of a C = 0.5 grid such as
     randomization's: strategy against strategy, noise against noise; every pair of nmt-domains' grid, all at C = 1),
@@ -842,7 +865,7 @@ def orderings(per_seed: list[list[dict[str, Any]]], metric: str = "test", higher
             m, sd = mean_sd(diffs)
             resolved = wins == len(diffs) and len(diffs) > 1 and m > sd
             lines.append(f"{better} {'>' if higher_is_better else '<'} {worse} in {wins}/{len(diffs)} seeds, "
-                         f"difference {m:.2f} ± {sd:.2f}{' (resolved)' if resolved else ' (not resolved)'}")
+                         f"difference {m:.{digits}f} ± {sd:.{digits}f}{' (resolved)' if resolved else ' (not resolved)'}")
     return lines
 
 
@@ -903,6 +926,8 @@ def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None,
         results = {"runs": across_seeds([r["runs"] for r in per_seed]),
                    "orderings": (orderings([r["runs"] for r in per_seed]) if name != "nmt-domains" else
                                  orderings([r["runs"] for r in per_seed], "bleu_mean_domains", higher_is_better=True)),
+                   **({"orderings_ce": orderings([r["runs"] for r in per_seed], "ce_mean_domains", digits=3)}
+                      if name == "nmt-domains" else {}),
                    "per_seed": {str(s): r for s, r in zip(seeds, per_seed)}}
     results.update(experiment=name, scale=scale, seeds=seeds, threads=threads, only=only, overrides=overrides or {},
                    wall_s=round(time.time() - started, 1))
@@ -915,10 +940,16 @@ def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None,
     if results.get("orderings"):
         what = "test perplexity" if name != "nmt-domains" else "the per-domain mean BLEU"
         text += ["", f"Orderings of {what} (paired by seed):", ""] + [f"- {o}" for o in results["orderings"]]
+    if results.get("orderings_ce"):
+        text += ["", "Orderings of the per-domain mean cross-entropy, nats a token, lower is better (paired by seed):",
+                 ""] + [f"- {o}" for o in results["orderings_ce"]]
     for seed, r in zip(seeds, per_seed):
         if "bleu_by_domain" in r:
             text += ["", f"BLEU on each domain's test pairs (seed {seed}):", "",
-                     bleu_markdown(r["bleu_by_domain"], r["domains"])]
+                     domain_markdown(r["bleu_by_domain"], r["domains"])]
+        if r.get("ce_by_domain"):
+            text += ["", f"Cross-entropy (nats a reference token, teacher forcing) on each domain's test pairs (seed {seed}):",
+                     "", domain_markdown(r["ce_by_domain"], r["domains"], digits=3)]
     (exp_dir / "results.md").write_text("\n".join(text) + "\n")
     if report is not None:
         for folder, r in zip(folders, per_seed):

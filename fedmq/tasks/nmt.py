@@ -175,6 +175,27 @@ class TranslationTask(Task):
         model.train(was_training)
         return out
 
+    @torch.no_grad()
+    def cross_entropy(self, model: nn.Module, pairs: list[Pair]) -> float:
+        """Mean cross-entropy (nats) per reference target token of ``pairs`` under teacher forcing, without label
+        smoothing; exp() of it is the perplexity. Unlike BLEU of greedy output it does not depend on decoding, so
+        it still ranks models whose translations are too poor for BLEU to (docs/results.md, section 8)."""
+        device = next(model.parameters()).device
+        was_training = model.training
+        model.eval()
+        data = EncodedPairs(self.vocab.encode([p.src for p in pairs], self.max_len),
+                            self.vocab.encode([p.tgt for p in pairs], self.max_len))
+        total, tokens = 0.0, 0
+        for start in range(0, len(data), self.eval_batch):
+            src, tin, tout = (t.to(device) for t in collate(data, list(range(start, min(start + self.eval_batch,
+                                                                                          len(data))))))
+            logits = model(src, tin)
+            total += float(F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), tout.reshape(-1),
+                                           ignore_index=PAD, reduction="sum"))
+            tokens += int((tout != PAD).sum())
+        model.train(was_training)
+        return total / max(tokens, 1)
+
     def evaluate(self, model: nn.Module, split: str = "valid") -> float:
         pairs = self.eval_pairs(split)
         hyps = self.translate(model, [p.src for p in pairs])

@@ -87,6 +87,12 @@ def test_nmt_domains(tmp_path, monkeypatch):
     table = tables[0]
     assert set(table["pre-trained (news_wmt)"]) == {"news_wmt", "ted_iwslt14"}
     assert "server fedavg" in table and "client ted_iwslt14 (local only)" in table
+    # cross-entropy beside BLEU for every model, a mean per server row, and its own orderings (lower is better)
+    ce = results["per_seed"]["0"]["ce_by_domain"]
+    assert set(ce) == set(table) and all(0 < v < 10 for row in ce.values() for v in row.values())
+    assert all(r["ce_mean_domains"] > 0 and r["ce_mean_domains_sd"] is not None for r in results["runs"])
+    assert results["orderings_ce"] and all(" < " in o for o in results["orderings_ce"])
+    assert "Cross-entropy (nats a reference token" in (exp / "results.md").read_text()
     # round 2 of dynamic pulling sends about half of the tensors: fewer raw bytes up than FedAvg
     assert runs["pull-local-0.5"]["bytes_up_raw"] < runs["fedavg"]["bytes_up_raw"]
     assert runs["pull-global-0.5"]["bytes_up_raw"] < runs["fedavg"]["bytes_up_raw"]
@@ -132,6 +138,14 @@ def test_nmt_domains(tmp_path, monkeypatch):
     (fedavg / "best.pt").unlink()
     again = run_experiment("nmt-domains", "smoke", tmp_path, seeds=(0, 1))
     assert again["per_seed"]["0"]["bleu_by_domain"]["server fedavg"] == table["server fedavg"]
+    # one restored from before cross-entropy was measured keeps its BLEU row and has no cross-entropy row
+    summary = json.loads((fedavg / "summary.json").read_text())
+    del summary["test_ce_by_domain"]
+    (fedavg / "summary.json").write_text(json.dumps(summary))
+    again = run_experiment("nmt-domains", "smoke", tmp_path, seeds=(0, 1))
+    assert again["per_seed"]["0"]["bleu_by_domain"]["server fedavg"] == table["server fedavg"]
+    assert "server fedavg" not in again["per_seed"]["0"]["ce_by_domain"]
+    assert "ce_mean_domains" not in again["per_seed"]["0"]["runs"][0]
     # without either, the row is refused, not scored on another model (the old fallback: the pre-trained one)
     summary = json.loads((fedavg / "summary.json").read_text())
     del summary["test_bleu_by_domain"]

@@ -163,6 +163,13 @@ def test_training_deterministic_and_bleu_rises(de_en, tmp_path):
     bleu = task.evaluate(a, "valid")
     assert bleu0 < 5 and bleu > 50, (bleu0, bleu)  # a toy language is learnt almost perfectly
     assert task.translate(a, ["der mann schläft ."]) == ["The man sleeps."]
+    # cross-entropy under teacher forcing: near log(vocab) untrained, near 0 on a language the model has learnt;
+    # batched with padding it equals the per-pair sums (padding counts no token)
+    pairs = task.eval_pairs("valid")
+    ce0, ce = task.cross_entropy(task.build_model(0), pairs), task.cross_entropy(a, pairs)
+    assert ce < 0.5 < 2.0 < ce0 < 2 * math.log(len(task.vocab)), (ce0, ce)
+    single = [(task.cross_entropy(a, [p]), len(task.vocab.encode([p.tgt], task.max_len)[0]) + 1) for p in pairs]
+    assert ce == pytest.approx(sum(v * n for v, n in single) / sum(n for _, n in single), rel=1e-5)
 
 
 def test_bad_options(de_en, tmp_path):
