@@ -660,7 +660,8 @@ def _pretrained_engine(task: Any, s: dict[str, Any], options: dict[str, Any],
     Cached in ``cache`` (pretrained.pt + pretrain.json) keyed by the task and the pre-training settings alone, so
     that changing how the clients train does not pre-train again. Returns the state, its BLEU and cross-entropy
     rows, the seconds it took and its summary."""
-    key = _cache_key(options, {k: v for k, v in s.items() if k.startswith("pretrain_") or k in ("task", "per_domain_test")})
+    key = _cache_key(options, {k: v for k, v in s.items()
+                               if k.startswith("pretrain_") or k in ("task", "per_domain_test")})
     cache_pt, cache_json = cache / "pretrained.pt", cache / "pretrain.json"
     cached = json.loads(cache_json.read_text()) if cache_json.is_file() and cache_pt.is_file() else {}
     if cached.get("key") == key:
@@ -681,13 +682,15 @@ def _pretrained_engine(task: Any, s: dict[str, Any], options: dict[str, Any],
     result = task.pretrain(model, data, cfg, progress)
     pretrained = {k: v.detach().clone() for k, v in model_state(model).items()}
     pretrain_s = time.time() - started
-    info = {"pairs": len(data), "tokens": result.tokens, "loss": round(result.loss, 4), "train_s": round(result.seconds, 1)}
+    info = {"pairs": len(data), "tokens": result.tokens, "loss": round(result.loss, 4),
+            "train_s": round(result.seconds, 1)}
     log.info("pre-training done", **info)
     label = f"pre-trained ({'+'.join(s['pretrain_domains'])})"
     table = {label: domain_bleu(task, model, "test", s["per_domain_test"])}
     ce = {label: domain_ce(task, model, "test", s["per_domain_test"])}
     torch.save(pretrained, cache_pt)
-    cache_json.write_text(json.dumps({"key": key, "table": table, "ce": ce, "pretrain_s": pretrain_s, "pretrain": info}))
+    cache_json.write_text(json.dumps({"key": key, "table": table, "ce": ce, "pretrain_s": pretrain_s,
+                                      "pretrain": info}))
     return pretrained, table, ce, pretrain_s, info
 
 
@@ -748,7 +751,8 @@ def run_nmt_domains(scale: str, out: Path, simulation: Callable[..., Any], seed:
         rounds = len(read_rounds(out / spec.name).records)
         row["bytes_up_per_round"] = row["bytes_up"] / max(rounds, 1)
         results.append(row)
-    return {"runs": results, "bleu_by_domain": table, "ce_by_domain": ce, "domains": names, "pretrain_s": round(pretrain_s, 1),
+    return {"runs": results, "bleu_by_domain": table, "ce_by_domain": ce, "domains": names,
+            "pretrain_s": round(pretrain_s, 1),
             "pretrain_steps": s["pretrain_steps"], "pretrain": pretrain_info,
             "settings": {k: v for k, v in s.items() if k != "fractions"} | {"fractions": list(s["fractions"])}}
 
@@ -758,7 +762,8 @@ def domain_markdown(table: dict[str, dict[str, float]], domains: list[str], digi
     lines = ["| model | " + " | ".join(domains) + " | mean |", "|" + "---|" * (len(domains) + 2)]
     for name, scores in table.items():
         vals = [scores[d] for d in domains]
-        lines.append(f"| {name} | " + " | ".join(f"{v:.{digits}f}" for v in vals) + f" | {sum(vals) / len(vals):.{digits}f} |")
+        cells = [f"{v:.{digits}f}" for v in (*vals, sum(vals) / len(vals))]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -773,7 +778,8 @@ _COLUMNS = {
     "scale": ["run", "model", "tied", "test", "best_valid", "best_round", "wall_s"],
     "dropout": ["run", "availability", "faults", "test", "best_valid", "rounds_completed", "rounds_skipped",
                 "updates_received", "wall_s"],
-    "nmt-domains": ["run", "strategy", "pull", "directions", "test", "bleu_mean_domains", "ce_mean_domains", "best_round", "bytes_up_per_round",
+    "nmt-domains": ["run", "strategy", "pull", "directions", "test", "bleu_mean_domains", "ce_mean_domains",
+                    "best_round", "bytes_up_per_round",
                     "bytes_up", "bytes_up_raw", "bytes_down_raw", "wall_s"],
 }
 
@@ -823,7 +829,8 @@ def across_seeds(per_seed: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return rows
 
 
-_PER_RUN = ("test", "best_valid", "bleu_mean_domains", "ce_mean_domains", "best_round", "valid_curve", "max_jump", "wall_s", "bytes_up",
+_PER_RUN = ("test", "best_valid", "bleu_mean_domains", "ce_mean_domains", "best_round", "valid_curve", "max_jump",
+            "wall_s", "bytes_up",
             "bytes_down", "bytes_up_raw", "bytes_down_raw", "bytes_up_per_round", "updates_received",
             "rounds_completed", "rounds_skipped")
 # in a several-seed row: _MEAN_SD as mean and sd over seeds, counts as their mean, _EACH_SEED listed seed by seed
@@ -864,8 +871,9 @@ def orderings(per_seed: list[list[dict[str, Any]]], metric: str = "test", higher
             wins = sum(1 for d in diffs if d > 0)
             m, sd = mean_sd(diffs)
             resolved = wins == len(diffs) and len(diffs) > 1 and m > sd
+            verdict = " (resolved)" if resolved else " (not resolved)"
             lines.append(f"{better} {'>' if higher_is_better else '<'} {worse} in {wins}/{len(diffs)} seeds, "
-                         f"difference {m:.{digits}f} ± {sd:.{digits}f}{' (resolved)' if resolved else ' (not resolved)'}")
+                         f"difference {m:.{digits}f} ± {sd:.{digits}f}{verdict}")
     return lines
 
 
@@ -948,8 +956,8 @@ def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None,
             text += ["", f"BLEU on each domain's test pairs (seed {seed}):", "",
                      domain_markdown(r["bleu_by_domain"], r["domains"])]
         if r.get("ce_by_domain"):
-            text += ["", f"Cross-entropy (nats a reference token, teacher forcing) on each domain's test pairs (seed {seed}):",
-                     "", domain_markdown(r["ce_by_domain"], r["domains"], digits=3)]
+            text += ["", "Cross-entropy (nats a reference token, teacher forcing) on each domain's test pairs "
+                     f"(seed {seed}):", "", domain_markdown(r["ce_by_domain"], r["domains"], digits=3)]
     (exp_dir / "results.md").write_text("\n".join(text) + "\n")
     if report is not None:
         for folder, r in zip(folders, per_seed):
