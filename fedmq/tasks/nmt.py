@@ -95,10 +95,14 @@ class TranslationTask(Task):
         if not 0 <= client < len(self.shards):
             raise TaskError(f"client {client} does not exist: this task has clients 0..{len(self.shards) - 1}")
         if client not in self._encoded:
-            pairs = [self.corpus.splits["train"][i] for i in self.shards[client]]
-            self._encoded[client] = EncodedPairs(self.vocab.encode([p.src for p in pairs], self.max_len),
-                                                 self.vocab.encode([p.tgt for p in pairs], self.max_len))
+            train = self.corpus.splits["train"]
+            self._encoded[client] = self._encode_truncated([train[i] for i in self.shards[client]])
         return self._encoded[client]
+
+    def _encode_truncated(self, pairs: list[Pair]) -> EncodedPairs:
+        """Both sides encoded with the task's vocabulary, each cut at ``max_len`` subwords."""
+        return EncodedPairs(self.vocab.encode([p.src for p in pairs], self.max_len),
+                            self.vocab.encode([p.tgt for p in pairs], self.max_len))
 
     def train(self, model: nn.Module, client: int, cfg: TrainConfig, progress: Progress | None = None) -> TrainResult:
         data = self.client_data(client)
@@ -114,12 +118,15 @@ class TranslationTask(Task):
 
         return epoch
 
-    def _loss(self, m: nn.Module, data: EncodedPairs, idx: list[int], device: torch.device) -> tuple[torch.Tensor, int]:
-        """Mean label-smoothed cross-entropy over the batch's target tokens, and their number."""
+    def _loss(self, m: nn.Module, data: EncodedPairs, idx: list[int], device: torch.device,
+              smoothing: float | None = None, reduction: str = "mean") -> tuple[torch.Tensor, int]:
+        """Cross-entropy over the batch's target tokens (label-smoothed by the task's ``label_smoothing`` unless
+        ``smoothing`` is given; their mean, or with ``reduction`` "sum" their sum), and their number."""
         src, tin, tout = (t.to(device) for t in collate(data, idx))
         logits = m(src, tin)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), tout.reshape(-1), ignore_index=PAD,
-                               label_smoothing=self.label_smoothing)
+                               label_smoothing=self.label_smoothing if smoothing is None else smoothing,
+                               reduction=reduction)
         return loss, int((tout != PAD).sum())
 
     def encode_pairs(self, pairs: list[Pair]) -> EncodedPairs:
@@ -183,16 +190,12 @@ class TranslationTask(Task):
         device = next(model.parameters()).device
         was_training = model.training
         model.eval()
-        data = EncodedPairs(self.vocab.encode([p.src for p in pairs], self.max_len),
-                            self.vocab.encode([p.tgt for p in pairs], self.max_len))
+        data = self._encode_truncated(pairs)
         total, tokens = 0.0, 0
         for start in range(0, len(data), self.eval_batch):
-            src, tin, tout = (t.to(device) for t in collate(data, list(range(start, min(start + self.eval_batch,
-                                                                                          len(data))))))
-            logits = model(src, tin)
-            total += float(F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), tout.reshape(-1),
-                                           ignore_index=PAD, reduction="sum"))
-            tokens += int((tout != PAD).sum())
+            idx = list(range(start, min(start + self.eval_batch, len(data))))
+            loss, n = self._loss(model, data, idx, device, smoothing=0.0, reduction="sum")
+            total, tokens = total + float(loss), tokens + n
         model.train(was_training)
         return total / max(tokens, 1)
 
