@@ -2,9 +2,10 @@
 
 From the experiment's cached pre-trained engine (OUT/nmt-domains/pretrained.pt, written by
 ``fedmq experiment nmt-domains``), each client fine-tunes for one local epoch at each given learning rate, the five
-models are averaged with FedAvg's n_k weights, and the pre-trained engine, each client and the average are scored
-on every domain's test pairs: sacreBLEU of greedy output and cross-entropy (nats a token, teacher forcing). Prints
-one JSON line a model. An investigation (docs/results.md, section 8), not part of the experiment:
+models are averaged by the engine's FedAvg strategy (n_k weights), and the pre-trained engine, each client and the
+average are scored on every domain's test pairs: sacreBLEU of greedy output and cross-entropy (nats a token,
+teacher forcing). Prints one JSON line a model. An investigation (docs/results.md, section 8), not part of the
+experiment:
 
     python scripts/nmt_one_round.py runs/exp16 --lr 5e-4,1e-4 [--threads 1]
 """
@@ -20,6 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from aggregator.strategies.base import ClientUpdate  # noqa: E402
+from aggregator.strategies.fedavg import FedAvg  # noqa: E402
 from benchmarks.experiments import _NMT, _nmt_train, domain_bleu, domain_ce, nmt_options  # noqa: E402
 from fedmq.tasks.base import TrainConfig, load_state, model_state  # noqa: E402
 from fedmq.tasks.registry import make_task  # noqa: E402
@@ -54,15 +57,14 @@ def main() -> int:
     load_state(model, pretrained)
     print(json.dumps({"model": "pre-trained", **scores(task, model)}), flush=True)
     for lr in lrs:
-        states, weights = [], []
+        fedavg = FedAvg()  # the engine's aggregation: n_k-weighted, folded client by client
+        fedavg.begin(pretrained)
         for i, name in enumerate(task.shard_names):
             load_state(model, pretrained)
-            task.train(model, i, TrainConfig(epochs=1, seed=0, **{**_nmt_train(_NMT["cpu"]), "lr": lr}))
+            result = task.train(model, i, TrainConfig(epochs=1, seed=0, **{**_nmt_train(_NMT["cpu"]), "lr": lr}))
             print(json.dumps({"model": f"client {name}", "lr": lr, **scores(task, model)}), flush=True)
-            states.append({k: v.clone() for k, v in model_state(model).items()})
-            weights.append(len(task.client_data(i)))
-        total = sum(weights)
-        load_state(model, {k: sum(s[k] * (w / total) for s, w in zip(states, weights)) for k in states[0]})
+            fedavg.fold(ClientUpdate(client=name, n_samples=result.n_samples, tensors=model_state(model)))
+        load_state(model, fedavg.finish())
         print(json.dumps({"model": "FedAvg of the five", "lr": lr, **scores(task, model)}), flush=True)
     return 0
 
