@@ -96,6 +96,13 @@ CPU_LR, CPU_MOMENTUM, CPU_ROUND_LR_DECAY = 0.5, 0.5, 0.9
 # paper lr: the paper-scale sweep's pick (the reference code's 0.01 left the model at 4.7-5.4x the papers'
 # perplexities after 50 rounds); momentum, E, B and no clipping are the reference code's
 PAPER_LR = 0.5
+# FedSGD's one step a round is on the gradient of the mean loss over the whole shard, whatever the batch size; for
+# a stream-batched LM the batch size only sets how many streams the shard is cut into (each starts from a zero
+# hidden state). At the paper scale a shard is cut into 100 streams instead of 10: the same targets and mean loss
+# in ~1/30 of the sequential forward/backward passes, which is what a GPU client's step costs (docs/results.md,
+# "The client regime"); 10 streams made FedSGD ~50 s a round on the H100, every client passing its shard in 265+
+# windows of 10 x 35 tokens
+PAPER_FEDSGD_STREAMS = 100
 _LM_JOB = {
     "paper": dict(clients=100, rounds=50, epochs=5, batch_size=10, lr=PAPER_LR, momentum=0.5, clip=0.0, max_steps=0),
     "cpu": dict(clients=20, rounds=12, epochs=1, batch_size=10, lr=CPU_LR, momentum=CPU_MOMENTUM, clip=0.0,
@@ -139,8 +146,9 @@ def table2(scale: str) -> list[RunSpec]:
     and 0.5, each C beside a centralized baseline with the same token passes (``central-cC``)."""
     runs = []
     for corpus in _CORPORA[scale]:
+        streams = {"batch_size": PAPER_FEDSGD_STREAMS} if scale == "paper" else {}
         runs.append(_lm(scale, f"{corpus}-fedsgd", {"strategy": "fedsgd", "C": 1.0}, corpus, strategy="fedsgd",
-                        fraction=1.0))
+                        fraction=1.0, **streams))
         for c in _pick(scale, [0.5], [0.1, 0.5], [0.1, 0.5]):
             for s in ("fedavg", "fedatt", "fedmed"):
                 runs.append(_lm(scale, f"{corpus}-{s}-c{c}", {"strategy": s, "C": c, "model": _model(scale, s)}, corpus,

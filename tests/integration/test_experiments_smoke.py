@@ -388,3 +388,12 @@ def test_only_picks_a_whole_name_exactly_and_otherwise_by_containment():
     assert [s.name for s in experiments.select(grid, "fedavg-e1,fp16", None)] == ["fedavg-e1", "fedavg-e1-fp16"]
     assert [s.name for s in experiments.select(grid, "avg-e1", None)] == [
         "fedavg-e1", "fedavg-e1-fp16", "fedavg-e1-delta-int8"]
+
+
+def test_paper_fedsgd_cuts_a_shard_into_more_streams_and_nothing_else_changes_b():
+    """Only the paper scale's FedSGD cells (one full-batch step) take PAPER_FEDSGD_STREAMS; every minibatch cell keeps
+    the reference code's B = 10, and the smaller scales keep theirs."""
+    paper = {s.name: s.job["batch_size"] for s in experiments.table2("paper")}
+    assert {n: b for n, b in paper.items() if "fedsgd" in n} == {"wikitext-2-fedsgd": 100, "ptb-fedsgd": 100}
+    assert {b for n, b in paper.items() if "fedsgd" not in n} == {10}
+    assert {s.job["batch_size"] for s in experiments.table2("cpu")} == {10}

@@ -321,3 +321,15 @@ def test_fedmed_rounds_ask_for_the_tail_loss_and_others_do_not():
     from aggregator.config import JobConfig
     assert JobConfig(strategy="fedmed").round_config().tail_loss is True
     assert JobConfig(strategy="fedavg").round_config().tail_loss is False
+
+
+def test_full_batch_step_covers_the_same_targets_whatever_the_stream_count(corpus_dir):
+    """The paper scale's FedSGD cuts a shard into more streams (benchmarks PAPER_FEDSGD_STREAMS): still one step on
+    every target of the shard, and the mean loss differs only where a stream's hidden state starts at zero."""
+    task = LanguageModelTask(corpus_dir, model="gru-small", clients=2, **{**TINY, "bptt": 4})
+    cfg = dict(lr=0.5, clip=0.0, seed=3, full_batch=True)
+    few = task.train(task.build_model(0), 0, TrainConfig(**cfg, batch_size=2))
+    many = task.train(task.build_model(0), 0, TrainConfig(**cfg, batch_size=16))
+    assert few.steps == many.steps == 1
+    assert few.tokens == many.tokens == few.n_samples == many.n_samples == len(task.client_ids(0))
+    assert many.loss == pytest.approx(few.loss, rel=0.02) and many.loss != few.loss
