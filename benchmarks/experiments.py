@@ -99,9 +99,8 @@ PAPER_LR = 0.5
 # FedSGD's one step a round is on the gradient of the mean loss over the whole shard, whatever the batch size; for
 # a stream-batched LM the batch size only sets how many streams the shard is cut into (each starts from a zero
 # hidden state). At the paper scale a shard is cut into 100 streams instead of 10: the same targets and mean loss
-# in ~1/30 of the sequential forward/backward passes, which is what a GPU client's step costs (docs/results.md,
-# "The client regime"); 10 streams made FedSGD ~50 s a round on the H100, every client passing its shard in 265+
-# windows of 10 x 35 tokens
+# in a ninth of the sequential forward/backward passes (a PTB shard: 28 windows of 10 x 35 tokens, 3 of 100 x 35;
+# WikiText-2: 64 and 7), which is what a latency-bound GPU client's step costs (docs/results.md, "The client regime")
 PAPER_FEDSGD_STREAMS = 100
 _LM_JOB = {
     "paper": dict(clients=100, rounds=50, epochs=5, batch_size=10, lr=PAPER_LR, momentum=0.5, clip=0.0, max_steps=0),
