@@ -371,12 +371,13 @@ class Runner:
     """Runs the federations of an experiment one after the other; tasks with equal options are built once.
 
     ``simulation``: cli.simulate.Simulation (module docstring), called as ``simulation(cfg, task, url, run_dir,
-    availability=, faults=, device=, resume=)``; its ``run()`` returns the run's summary."""
+    availability=, faults=, device=, cohort=, resume=)``; its ``run()`` returns the run's summary."""
 
     out: Path
     simulation: Callable[..., Any]
     tasks: dict[str, Task] = field(default_factory=lambda: _TASKS)
     device: str = "cpu"  # local training: cpu | cuda | auto (the aggregator evaluates on the CPU)
+    cohort: bool = False  # train a round's selected clients together (Simulation.cohort): how, not what, it runs
     shared: Path | None = None  # where other experiments' finished runs are looked up (``reuse``); None: nowhere
 
     def task(self, kind: str, options: dict[str, Any]) -> Task:
@@ -415,7 +416,7 @@ class Runner:
             summary = self.centralize(spec, cfg, run_dir, resume=resume)
         else:
             sim = self.simulation(cfg, task, f"memory://{job}", run_dir, availability=spec.availability,
-                                  faults=spec.faults, device=self.device,
+                                  faults=spec.faults, device=self.device, cohort=self.cohort,
                                   resume=resume and (run_dir / CONFIG_FILE).is_file())
             summary = sim.run()
         summary["run_wall_s"] = time.time() - started
@@ -608,8 +609,8 @@ def select(specs: list[RunSpec], only: str | None, overrides: dict[str, Any] | N
 
 def run_lm_experiment(name: str, scale: str, out: Path, simulation: Callable[..., Any], seed: int = 0,
                       only: str | None = None, overrides: dict[str, Any] | None = None,
-                      device: str = "cpu", shared: Path | None = None) -> dict[str, Any]:
-    runner = Runner(out, simulation, device=device, shared=shared)
+                      device: str = "cpu", shared: Path | None = None, cohort: bool = False) -> dict[str, Any]:
+    runner = Runner(out, simulation, device=device, shared=shared, cohort=cohort)
     specs = select(EXPERIMENTS[name](scale), only, overrides)
     if name == "dropout":
         for spec in specs:
@@ -901,7 +902,8 @@ def parse_seeds(text: str) -> list[int]:
 def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None, seeds: Sequence[int] = (0,),
                    threads: int = 1, *, simulation: Callable[..., Any],
                    report: Callable[[list[Path], Path], Any] | None = None, only: str | None = None,
-                   overrides: dict[str, Any] | None = None, device: str = "cpu") -> dict[str, Any]:
+                   overrides: dict[str, Any] | None = None, device: str = "cpu", cohort: bool = False
+                   ) -> dict[str, Any]:
     """Run experiment ``name`` at ``scale`` for each seed; results under ``out/name``; returns the results dict.
 
     ``simulation`` runs a federation (:class:`Runner`); ``report`` (cli.report.run_report; None: none) draws each
@@ -912,7 +914,8 @@ def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None,
     command skips finished runs and resumes unfinished ones (``Runner.federate``).
     ``only``: run a subset of the grid (several processes can share one grid this way); ``overrides`` (LM
     experiments only): with changed job settings, for the investigations in docs/results.md (e.g. more rounds);
-    the results record them."""
+    the results record them. ``cohort``: train each round's selected clients together (``Simulation.cohort``).
+    """
     check_args(name, scale, threads, device)
     seeds = list(seeds)
     if not seeds or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds):
@@ -937,7 +940,7 @@ def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None,
             per_seed.append(run_nmt_domains(scale, folder, simulation, seed, cache=exp_dir, only=only))
         else:
             per_seed.append(run_lm_experiment(name, scale, folder, simulation, seed, only, overrides, device,
-                                              shared=exp_dir.parent))
+                                              shared=exp_dir.parent, cohort=cohort))
     if len(seeds) == 1:
         results = per_seed[0]
     else:

@@ -160,6 +160,9 @@ def simulate(
     keep_queues: bool = _opt(False, "--keep-queues", panel=RUN,
                              help="over RabbitMQ: keep the job's queues after the run (default: delete them)"),
     device: str = _opt("cpu", panel=RUN, metavar="DEVICE", help="auto, cpu, cuda or cuda:N"),
+    cohort: bool = _opt(False, "--cohort", panel=RUN,
+                        help="train each round's selected clients together, one batched model (LM tasks, SGD; "
+                             "for a GPU: slower than one at a time on a CPU)"),
     seed: int = _opt(0, panel=RUN, metavar="N", help="one seed for sampling, dropouts, shards and init"),
     as_json: bool = _opt(False, "--json", panel=RUN, help="machine-readable output (default when not a terminal)"),
     log_level: str = _opt("info", "--log-level", panel=RUN, metavar="LEVEL", help="debug, info, warning or error"),
@@ -249,7 +252,8 @@ def _simulate(plan: Any, run_dir: Path, resume: bool, as_json: bool, log_level: 
             telemetry.observe_round(row)
 
     sim = Simulation(cfg, task_obj, opts["broker"], run_dir, availability=opts["availability"], faults=opts["faults"],
-                     device=opts["device"], resume=resume, keep_queues=keep_queues, on_round=on_round,
+                     device=opts["device"], cohort=opts["cohort"], resume=resume, keep_queues=keep_queues,
+                     on_round=on_round,
                      on_local_progress=progress.local, on_start=lambda: typer.echo(job_line, err=True))
     if telemetry:
         telemetry.status, telemetry.ready = sim.status, lambda: sim.engine is not None
@@ -600,6 +604,7 @@ def experiment(
     seeds: str = typer.Option("0", help="seeds for sampling, shards and init, e.g. 0,1,2 (several: mean ± sd)"),
     threads: int = typer.Option(1, help="torch intra-op threads"),
     device: str = typer.Option("cpu", help="local training of the LM experiments: cpu | cuda | auto"),
+    cohort: bool = typer.Option(False, "--cohort", help="train each round's selected clients together (GPU)"),
     log_level: str = LOG_LEVEL,
 ) -> None:
     """Reproduce a seed paper's experiment (docs/results.md).
@@ -613,7 +618,7 @@ def experiment(
     seed_list = experiments.parse_seeds(seeds)
     _setup_logs(log_level, "json", out / name / "experiment.jsonl")
     experiments.run_experiment(name, scale, out, seed_list, threads, simulation=Simulation, report=run_report,
-                               device=device)
+                               device=device, cohort=cohort)
     typer.echo((out / name / "results.md").read_text())
 
 

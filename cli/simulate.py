@@ -3,7 +3,8 @@
 Simulated clients are light: every agent is a real broker client (its own connection, presence, queues), but
 the models they train on come from one TrainerPool of ``trainers`` models, and what an algorithm keeps per
 client between rounds lives on disk under the run folder (client_agent.state.DiskStore). Memory is then
-O(trainers × model + selected clients' encoded updates), not O(K × model).
+O(trainers × model + selected clients' encoded updates), not O(K × model). With ``cohort`` the pool trains a
+round's selected clients together (a model each, O(selected × model); one batched run on the device).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from broker.transport.urls import url_user
 from client_agent.agent import Agent, AgentLog
 from client_agent.availability import parse_availability, parse_faults
 from client_agent.state import DiskStore
-from client_agent.trainers import TrainerPool
+from client_agent.trainers import CohortPool, TrainerPool
 from fedmq.errors import FedmqError
 from fedmq.tasks.base import Task
 
@@ -60,6 +61,7 @@ class Simulation:
     resume: bool = False
     rejoin_s: float = 1.0
     trainers: int = 1  # models local training runs on (2 cores: one at a time keeps each one fast)
+    cohort: bool = False  # train a round's selected clients together (client_agent.trainers.CohortPool)
     keep_queues: bool = False  # over RabbitMQ: leave the job's queues on the broker after the run
     on_round: Callable[[dict], None] | None = None
     on_local_progress: Callable[[str, int, int], None] | None = None
@@ -67,6 +69,7 @@ class Simulation:
     agent_logs: dict[str, AgentLog] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     engine: Engine | None = None
+    pool: TrainerPool | None = None  # the run's trainers, once it started
 
     def _url_user(self) -> str | None:
         if self.broker_url.startswith("memory://"):
@@ -89,7 +92,9 @@ class Simulation:
         self.engine = engine = Engine(agg_broker, self.task, cfg, self.run_dir, durable=shared_user is not None,
                                       device=self.device,
                                       on_round=self.on_round)
-        pool = TrainerPool(self.task, self.trainers, cfg.seed)
+        # a cohort pool holds a model per agent training at once (built on first borrow: the selected ones)
+        self.pool = pool = CohortPool(self.task, max(self.trainers, cfg.clients), cfg.seed) if self.cohort \
+            else TrainerPool(self.task, self.trainers, cfg.seed)
         store = DiskStore(self.run_dir / "clients")
         agents, threads = [], []
         for i in range(cfg.clients):

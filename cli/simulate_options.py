@@ -8,7 +8,7 @@ are flags only.
 
 ``--resume`` rebuilds the run from the options it recorded in its ``config.json`` (``extra.cli``): an option given
 again (as a flag or in ``--config``) must have its saved value, except those that only say where or how long it
-runs (``RESUMABLE``: ``--rounds`` extends a run, ``--device``, ``--broker``); any other difference is refused in
+runs (``RESUMABLE``: ``--rounds`` extends a run, ``--device``, ``--cohort``, ``--broker``); any other difference is refused in
 one line. A run folder written before options were recorded is resumed from its JobConfig keys and the task facts
 it kept (task, model, partition, bptt, tied, dropout); the checkpoint check in cli/run_folder.py catches the rest.
 
@@ -47,7 +47,7 @@ TASK_FLAGS = ("task", "data", "model", "tied", "clients", "partition", "vocab_si
 # (availability, faults, device and broker are flags only; the command reads them from the options)
 # flags about this invocation, not the run: never recorded, never compared on --resume
 NOT_RECORDED = ("config", "out", "resume", "keep_queues", "as_json", "log_level", "metrics_port")
-RESUMABLE = ("rounds", "device", "broker")
+RESUMABLE = ("rounds", "device", "cohort", "broker")
 # JobConfig keys without a flag (the file may set them) and the task options without one
 FILE_JOB_KEYS = tuple(f.name for f in dataclasses.fields(JobConfig)
                       if f.name not in JOB_FLAGS.values() and f.name not in ("job", "identity", "extra"))

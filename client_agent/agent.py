@@ -331,7 +331,7 @@ class Agent:
             self.log.faults.append((rnd, "crash-train"))
             raise Offline("fault: crashed during training", False)
         report = (lambda done, total: self.progress(self.client, done, total)) if self.progress else None
-        result = self.trainers.run(model, self.task.train, model, self.index, tcfg, progress=report)
+        result = self.trainers.train(model, self.index, tcfg, report)
         self.log.rounds_trained.append(rnd)
         return result
 

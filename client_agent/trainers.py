@@ -7,6 +7,11 @@ it, trains, encodes its update and gives the trainer back, so a process that sim
 Each trainer's work runs on a thread of its own (``TrainerPool.run``): CUDA keeps state per thread (cuBLAS and
 cuDNN handles and their workspaces, tens of MB each), so K agent threads that each trained on the GPU would hold
 K sets of them — on an H100, eleven 100-client simulations ran out of its 80 GB by round 12.
+
+A ``CohortPool`` (``fedmq simulate --cohort``) trains its borrowers together: the agents a round selected each
+hand in their job, and once every borrowed model's job is in, one ``Task.train_cohort`` call trains them all (for
+the RNN language models, one batched model on the GPU: fedmq.tasks.lm_cohort). Each agent still fetches,
+trains on its own shard, encodes and uploads its own update; only the arithmetic of local training is shared.
 """
 
 from __future__ import annotations
@@ -15,13 +20,18 @@ import contextlib
 import contextvars
 import queue
 import threading
+import time
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, TypeVar
 
+import structlog
 import torch
 
 from fedmq.manifest import Manifest
-from fedmq.tasks.base import Task
+from fedmq.tasks.base import Progress, Task, TrainConfig, TrainResult
+
+log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
 
@@ -55,6 +65,10 @@ class TrainerPool:
         finally:
             self._free.put(model)
 
+    def train(self, model: torch.nn.Module, client: int, cfg: TrainConfig, progress: Progress | None = None) -> TrainResult:
+        """Local training of ``client`` on the borrowed ``model``, on the model's thread."""
+        return self.run(model, self.task.train, model, client, cfg, progress=progress)
+
     def run(self, model: torch.nn.Module, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` on the thread of the borrowed ``model`` (in the caller's logging context);
         returns its result or raises its exception."""
@@ -67,6 +81,79 @@ class TrainerPool:
         context = contextvars.copy_context()
         jobs.put((lambda: context.run(fn, *args, **kwargs), done))
         return done.result()
+
+
+@dataclass
+class _Job:
+    model: torch.nn.Module
+    client: int
+    cfg: TrainConfig
+    progress: Progress | None
+    done: Future = field(default_factory=Future)
+
+
+class CohortPool(TrainerPool):
+    """A pool whose borrowers train together (module docstring): jobs wait until every borrowed model's job is
+    in and nothing has been borrowed or handed in for ``settle_s`` (agents still on their way to ``borrow`` in
+    the same round join), then go to ``Task.train_cohort`` on one thread. ``cohorts`` lists the sizes trained."""
+
+    def __init__(self, task: Task, size: int = 1, seed: int = 0, settle_s: float = 0.2) -> None:
+        super().__init__(task, size, seed)
+        self.settle_s = settle_s
+        self.cohorts: list[int] = []
+        self._cond = threading.Condition()
+        self._borrowed = 0
+        self._jobs: list[_Job] = []
+        self._last = time.monotonic()
+        threading.Thread(target=self._gather, name="cohort-trainer", daemon=True).start()
+
+    def _count(self, delta: int) -> None:
+        with self._cond:
+            self._borrowed += delta
+            self._last = time.monotonic()
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def borrow(self) -> Iterator[torch.nn.Module]:
+        with super().borrow() as model:
+            self._count(+1)
+            try:
+                yield model
+            finally:
+                self._count(-1)
+
+    def train(self, model: torch.nn.Module, client: int, cfg: TrainConfig, progress: Progress | None = None) -> TrainResult:
+        job = _Job(model, client, cfg, progress)
+        with self._cond:
+            self._jobs.append(job)
+            self._last = time.monotonic()
+            self._cond.notify_all()
+        return job.done.result()
+
+    def _next_cohort(self) -> list[_Job]:
+        with self._cond:
+            while True:
+                ready = bool(self._jobs) and len(self._jobs) >= self._borrowed
+                wait = self.settle_s - (time.monotonic() - self._last)
+                if ready and wait <= 0:
+                    jobs, self._jobs = self._jobs, []
+                    return jobs
+                self._cond.wait(timeout=wait if ready else None)
+
+    def _gather(self) -> None:
+        while True:
+            jobs = self._next_cohort()
+            self.cohorts.append(len(jobs))
+            try:
+                results = self.task.train_cohort([j.model for j in jobs], [j.client for j in jobs],
+                                                 [j.cfg for j in jobs], [j.progress for j in jobs])
+            except BaseException as exc:  # every job of the cohort fails with it, as each would have alone
+                for j in jobs:
+                    j.done.set_exception(exc)
+                continue
+            log.debug("cohort trained", clients=len(jobs), seconds=round(results[0].seconds, 2))
+            for j, result in zip(jobs, results):
+                j.done.set_result(result)
 
 
 def _serve(jobs: "queue.Queue[tuple[Callable[[], Any], Future]]") -> None:

@@ -7,13 +7,14 @@
 #
 #   here, once:   scripts/paper_gpu.sh prepare
 #                 -> .whl/ (wheels for the GPU machine's Python 3.12) and .gpudata/ (PTB and WikiText-2)
-#   there:        [EXP=NAME] [SET="KEY=VALUE ..."] bash scripts/paper_gpu.sh run JOBS SECONDS [SCALE] [DEVICE]
+#   there:        [EXP=NAME] [SET="KEY=VALUE ..."] [COHORT=1] bash scripts/paper_gpu.sh run JOBS SECONDS [SCALE] [DEVICE]
 #                 (device run, carry [".whl", ".gpudata"]): JOBS is a comma-separated list of CELL:SEED (e.g.
 #                 ptb-fedavg-c0.1:0,ptb-fedatt-c0.1:0) of experiment EXP (default table2); each job is its own
 #                 process, `reproduce.py EXP --scale paper --seeds SEED --only CELL [--set KEY=VALUE ...]
 #                 --out runs/paper/EXP[-KEY-VALUE...]/seed-SEED/CELL`,
 #                 all at once on the one GPU (a GRU client's steps are too small to keep it busy alone), each
 #                 stopped after SECONDS (every round is checkpointed: a stop loses at most the round in flight).
+#                 COHORT=1 adds --cohort: each federation trains a round's selected clients as one batched model.
 #                 What comes back is small: $OUT/results.tgz (metrics, summaries, specs, configs, logs; no
 #                 weights), $OUT/progress.txt and $OUT/gpu.txt (nvidia-smi every 30 s). The weights and
 #                 checkpoints stay on that machine, so the same command resumes the unfinished jobs (federations
@@ -77,7 +78,7 @@ case "$cmd" in
       mkdir -p "$dir"
       # shellcheck disable=SC2086  # $sets is a list of options
       timeout -s INT -k 30 "$seconds" "$py" scripts/reproduce.py "$exp" --scale "$scale" --seeds "$seed" \
-        --device "$device" --threads 1 --only "$cell" --out "$dir" $sets >> "$dir/log.txt" 2>&1 &
+        --device "$device" --threads 1 --only "$cell" --out "$dir" $sets ${COHORT:+--cohort} >> "$dir/log.txt" 2>&1 &
       pids+=($!)
     done
     rc=0

@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0", help="comma-separated seeds; several: mean ± sd (rerun to resume)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="local training: cpu | cuda | auto (LM experiments)")
+    parser.add_argument("--cohort", action="store_true",
+                        help="train each round's selected clients together, one batched model (for a GPU)")
     parser.add_argument("--only", help="run only these runs of the grid (comma-separated: a run's whole name, or text its name "
                         "contains)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -55,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
             check_args(name, args.scale, args.threads, args.device)
         for name in names:
             results = run_experiment(name, args.scale, args.out, seeds, args.threads, simulation=Simulation,
-                                     report=run_report, only=args.only, overrides=overrides, device=args.device)
+                                     report=run_report, only=args.only, overrides=overrides, device=args.device,
+                                     cohort=args.cohort)
             sys.stdout.write((args.out / name / "results.md").read_text() + f"\n({results['wall_s']} s)\n\n")
     except FedmqError as exc:
         sys.stderr.write(f"error: {exc}\n")

@@ -87,6 +87,13 @@ class Task(ABC):
     def train(self, model: torch.nn.Module, client: int, cfg: TrainConfig, progress: Progress | None = None) -> TrainResult:
         """Train ``model`` in place on client ``client``'s shard (0-based) for cfg.epochs local epochs."""
 
+    def train_cohort(self, models: list[torch.nn.Module], clients: list[int], cfgs: list[TrainConfig],
+                     progress: list[Progress | None]) -> list[TrainResult]:
+        """Train ``models[i]`` on client ``clients[i]`` for each i: the clients a round selected, handed over
+        together (client_agent.trainers.CohortPool). A task that can batch them overrides this; by default they
+        train one after the other, each exactly as ``train`` would."""
+        return [self.train(m, c, cfg, p) for m, c, cfg, p in zip(models, clients, cfgs, progress)]
+
     @abstractmethod
     def evaluate(self, model: torch.nn.Module, split: str = "valid") -> float:
         """The task metric on the full split ("valid" | "test"): perplexity or BLEU."""

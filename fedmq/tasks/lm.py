@@ -20,6 +20,7 @@ from torch import nn
 
 from fedmq.tasks.base import Progress, Task, TrainConfig, TrainResult
 from fedmq.tasks.errors import TaskError
+from fedmq.tasks.lm_cohort import can_train_together, train_cohort
 from fedmq.tasks.lm_data import LMCorpus, StreamBatches, Vocabulary, load_corpus
 from fedmq.tasks.lm_models import RNNLanguageModel, detach_hidden, rnn_config
 from fedmq.tasks.partition import PartitionSpec, dirichlet_shards, iid_shards, natural_shards
@@ -113,6 +114,13 @@ class LanguageModelTask(Task):
                 yield (nll * mask.reshape(-1)).sum() / n, n
 
         return run_training(model, epoch, n_windows, cfg, client, batches.n_targets, progress)
+
+    def train_cohort(self, models: list[nn.Module], clients: list[int], cfgs: list[TrainConfig],
+                     progress: list[Progress | None]) -> list[TrainResult]:
+        """One batched run for every client (fedmq.tasks.lm_cohort) when their settings allow it."""
+        if len(models) > 1 and can_train_together(cfgs):
+            return train_cohort(self, models, clients, cfgs, progress)
+        return super().train_cohort(models, clients, cfgs, progress)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split: str = "valid") -> float:
