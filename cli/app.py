@@ -569,6 +569,30 @@ def bench_train(quick: bool = False) -> None:
     _bench("train", "bench_train", quick=quick)
 
 
+@bench_app.command("cohort", cls=HelpCommand)
+def bench_cohort(data: Path = typer.Option(Path("../shared/data/ptb"), help="corpus folder (full vocabulary)"),
+                 model: str = typer.Option("gru-small", help="LM preset"),
+                 clients: int = typer.Option(100, min=2, help="K: the corpus is split into K iid shards"),
+                 cohort: str = typer.Option("10", help="cohort sizes, comma-separated (C x K: 10 and 50 at K = 100)"),
+                 epochs: int = typer.Option(5, min=1, help="local epochs E"),
+                 max_steps: int = typer.Option(0, min=0, help="cap on a client's steps (0 = none; for a CPU)"),
+                 device: str = typer.Option("cpu", help="cpu | cuda | auto"),
+                 repeats: int = typer.Option(3, min=1, help="timed repetitions (after one warm-up); medians"),
+                 threads: int = typer.Option(1, min=1, help="torch intra-op threads")) -> None:
+    """A round's local training: the selected clients one at a time vs as one batched cohort (--cohort).
+
+    Example: fedmq bench cohort --data ../shared/data/ptb --cohort 10,50 --device cuda
+    """
+    try:
+        sizes = tuple(int(n) for n in cohort.split(","))
+    except ValueError:
+        raise UsageError(f"--cohort wants comma-separated whole numbers, got {cohort!r}") from None
+    if any(not 2 <= n <= clients for n in sizes):
+        raise UsageError(f"--cohort sizes must be between 2 and --clients ({clients}), got {cohort!r}")
+    _bench("cohort", "bench_cohort", data=data, model=model, clients=clients, sizes=sizes, epochs=epochs,
+           max_steps=max_steps, device=device, repeats=repeats, threads=threads)
+
+
 @bench_app.command("flower", cls=HelpCommand)
 def bench_flower(data: Path = typer.Option(Path("../shared/data/wikitext-2"), help="corpus folder (full vocabulary)"),
                  clients: int = typer.Option(100, "--clients", "-k", min=1, help="K"),

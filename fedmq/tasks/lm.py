@@ -117,8 +117,10 @@ class LanguageModelTask(Task):
 
     def train_cohort(self, models: list[nn.Module], clients: list[int], cfgs: list[TrainConfig],
                      progress: list[Progress | None]) -> list[TrainResult]:
-        """One batched run for every client (fedmq.tasks.lm_cohort) when their settings allow it."""
-        if len(models) > 1 and can_train_together(cfgs):
+        """One batched run for every client (fedmq.tasks.lm_cohort) when their settings allow it and every shard
+        fills the batch's columns (a shorter one has fewer: its windows would not stack)."""
+        if (len(models) > 1 and can_train_together(cfgs)
+                and all(self.client_ids(c).numel() >= cfgs[0].batch_size for c in clients)):
             return train_cohort(self, models, clients, cfgs, progress)
         return super().train_cohort(models, clients, cfgs, progress)
 

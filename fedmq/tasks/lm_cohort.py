@@ -43,24 +43,6 @@ def can_train_together(cfgs: list[TrainConfig]) -> bool:
             and not first.amp and not first.warmup_steps and not first.linear_decay)
 
 
-@dataclass
-class _Client:
-    """One client's data and counters within the cohort."""
-
-    batches: StreamBatches  # on the training device
-    counts: list[int]  # real targets in each window
-    cfg: TrainConfig
-    client: int
-    progress: Progress | None
-    total: int = 0  # optimizer steps this run takes
-    steps: int = 0
-    tokens: int = 0
-
-    @property
-    def n_windows(self) -> int:
-        return len(self.counts)
-
-
 class _Stacked:
     """The cohort's parameters, ``[clients, *shape]`` leaves named as in the model, and its forward pass."""
 
@@ -108,9 +90,9 @@ def _layer(x: torch.Tensor, h, w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: tor
     gates_x = torch.baddbmm(b_ih[:, None, :], x.reshape(c, t * b, i), w_ih.transpose(1, 2)).view(c, t, b, -1)
     w_hh_t, b_hh = w_hh.transpose(1, 2), b_hh[:, None, :]
     outs = []
-    for s in range(t):
+    for gx in gates_x.unbind(1):  # not gates_x[:, s]: each such slice's backward would fill a whole-window tensor
         h_prev = h[0] if isinstance(h, tuple) else h
-        h = step(gates_x[:, s], torch.baddbmm(b_hh, h_prev, w_hh_t), h)
+        h = step(gx, torch.baddbmm(b_hh, h_prev, w_hh_t), h)
         outs.append(h[0] if isinstance(h, tuple) else h)
     return torch.stack(outs, 1), h
 
@@ -154,6 +136,70 @@ def _no_dropout(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+class _Shards:
+    """Every client's training stream cut into windows, padded into one ``[C, W, bptt, B]`` layout on the device
+    once per cohort (a window is then a slice, not a copy); lengths and target counts stay on the host."""
+
+    def __init__(self, task: "LanguageModelTask", clients: list[int], cols: int, device: torch.device) -> None:
+        bptt = task.bptt
+        streams = [StreamBatches.build(task.client_ids(c), cols, task.vocab.eos) for c in clients]
+        self.n_samples = [b.n_targets for b in streams]
+        self.counts = [b.window_targets(bptt) for b in streams]  # real targets of each window
+        self.lengths = [[min(bptt, b.inputs.size(0) - w * bptt) for w in range(len(n))]  # its time steps
+                        for b, n in zip(streams, self.counts)]
+        rows = max(len(n) for n in self.counts) * bptt
+
+        def layout(part: str) -> torch.Tensor:
+            padded = [F.pad(getattr(b, part), (0, 0, 0, rows - b.inputs.size(0))) for b in streams]
+            return torch.stack(padded).view(len(streams), -1, bptt, cols).to(device)
+
+        self.inputs, self.targets, self.mask = layout("inputs"), layout("targets"), layout("mask")
+
+    def windows(self, c: int) -> int:
+        return len(self.counts[c])
+
+
+@dataclass
+class _Plan:
+    """One pass over the clients' shards: each client's window order and, per slot w, who takes part."""
+
+    order: list[list[int]]  # client -> its windows in the order it visits them
+    on: list[list[bool]]  # slot -> client -> whether it trains on (or scores) its window of this slot
+    inputs: torch.Tensor  # [C, W, bptt, B], each client's windows in its order
+    targets: torch.Tensor
+    mask: torch.Tensor  # real targets of the clients taking part
+    counts: torch.Tensor  # [C, W] real targets (0 where a client does not take part)
+    taking: torch.Tensor  # [C, W] 1.0 where a client takes part (``on`` on the device)
+
+    @classmethod
+    def build(cls, shards: _Shards, gens: list[torch.Generator], capped: bool, budget: list[int],
+              device: torch.device) -> "_Plan":
+        """``budget``: how many windows each client takes this pass. With the step cap on, a client starts at a
+        seeded window (LanguageModelTask.train: the epoch generator's first draw) and wraps to its shard's start."""
+        order = []
+        for c, gen in enumerate(gens):
+            n = shards.windows(c)
+            start = int(torch.randint(n, (1,), generator=gen)) if capped and n else 0
+            order.append(list(range(start, n)) + list(range(start)))
+        slots = max(len(o) for o in order)
+        on = [[w < min(len(o), b) for o, b in zip(order, budget)] for w in range(slots)]
+        idx = torch.tensor([o + [0] * (slots - len(o)) for o in order], device=device)
+        taking = torch.tensor(on, device=device).t().contiguous()  # [C, W]
+        counts = [[shards.counts[c][o[w]] if on[w][c] else 0 for w in range(slots)] for c, o in enumerate(order)]
+        rows = torch.arange(len(order), device=device)[:, None]
+        return cls(order, on, shards.inputs[rows, idx], shards.targets[rows, idx],
+                   shards.mask[rows, idx] & taking[:, :, None, None],
+                   torch.tensor(counts, dtype=torch.float32, device=device), taking.float())
+
+    def lengths(self, shards: _Shards, w: int) -> list[int]:
+        """Each client's time steps in slot ``w`` (0: not taking part)."""
+        return [shards.lengths[c][o[w]] if self.on[w][c] else 0 for c, o in enumerate(self.order)]
+
+    def wrapped(self, w: int) -> list[bool]:
+        """Clients whose slot ``w`` wrapped to their shard's first window: they start it with a fresh hidden state."""
+        return [w > 0 and self.on[w][c] and o[w] == 0 for c, o in enumerate(self.order)]
+
+
 def train_cohort(task: "LanguageModelTask", models: list[nn.Module], clients: list[int], cfgs: list[TrainConfig],
                  progress: list[Progress | None]) -> list[TrainResult]:
     """Train ``models[i]`` in place on client ``clients[i]``'s shard, all at once (``can_train_together``)."""
@@ -163,67 +209,102 @@ def train_cohort(task: "LanguageModelTask", models: list[nn.Module], clients: li
         raise TaskError(f"--lr must be positive, got {cfg.lr}")
     device = resolve_device(cfg.device)
     t0 = time.perf_counter()
-    cohort = []
-    for model, client, c, prog in zip(models, clients, cfgs, progress):
-        batches = StreamBatches.build(task.client_ids(client), c.batch_size, task.vocab.eos)
-        member = _Client(batches.to(device), batches.window_targets(task.bptt), c, client, prog)
-        member.total = (1 if c.full_batch else member.n_windows) * c.epochs
-        if c.max_steps:
-            member.total = min(member.total, c.max_steps)
-        cohort.append(member)
-    net = _Stacked(models, device)
-    buffers = {name: torch.zeros_like(p) for name, p in net.params.items()} if cfg.momentum else {}
-    loss_sum = torch.zeros(len(cohort), dtype=torch.float64, device=device)  # summed on the device: no sync a step
+    shards = _Shards(task, clients, cfg.batch_size, device)
+    per_epoch = [1 if cfg.full_batch else shards.windows(c) for c in range(len(clients))]
+    total = [e * cfg.epochs for e in per_epoch]
+    if cfg.max_steps:
+        total = [min(t, cfg.max_steps) for t in total]
+    run = _Run(_Stacked(models, device), shards, cfg, clients, [c.seed for c in cfgs], total, progress,
+               task.model_cfg.dropout, device)
     for epoch in range(cfg.epochs):
-        if all(m.steps >= m.total for m in cohort):
+        if all(s >= t for s, t in zip(run.steps, total)):
             break
-        seeds = [(m.cfg.seed * 1_000_003 + m.client * 7_919 + epoch) % (2**63) for m in cohort]
-        _epoch(net, cohort, seeds, cfg.lr * cfg.lr_decay**epoch, buffers, loss_sum, device, task.bptt,
-               task.model_cfg.dropout)
-    tails = _tail_losses(net, cohort, device, task.bptt) if cfg.tail_loss else [None] * len(cohort)
-    net.write_back(models)
+        run.epoch(epoch, cfg.lr * cfg.lr_decay**epoch)
+    tails = run.tail_losses() if cfg.tail_loss else [None] * len(clients)
+    run.net.write_back(models)
     seconds = time.perf_counter() - t0
-    return [TrainResult(loss=total / m.tokens if m.tokens else float("nan"), n_samples=m.batches.n_targets,
-                        steps=m.steps, tokens=m.tokens, seconds=seconds, tail_loss=tail)
-            for m, total, tail in zip(cohort, loss_sum.tolist(), tails)]
+    return [TrainResult(loss=loss / tokens if tokens else float("nan"), n_samples=n, steps=steps, tokens=tokens,
+                        seconds=seconds, tail_loss=tail)
+            for loss, n, steps, tokens, tail in zip(run.loss_sum.tolist(), shards.n_samples, run.steps, run.tokens, tails)]
 
 
-def _order(members: list[_Client], gens: list[torch.Generator], capped: bool) -> list[list[int]]:
-    """Each client's window order for an epoch: from a seeded start window when the step cap is on (as
-    LanguageModelTask.train: the draw comes first from the epoch's generator), else from the first."""
-    orders = []
-    for m, gen in zip(members, gens):
-        n = m.n_windows
-        start = int(torch.randint(n, (1,), generator=gen)) if capped and n else 0
-        orders.append(list(range(start, n)) + list(range(start)))
-    return orders
+class _Run:
+    """The cohort's training state: parameters, momentum, step and token counts, summed losses."""
 
+    def __init__(self, net: _Stacked, shards: _Shards, cfg: TrainConfig, clients: list[int], seeds: list[int],
+                 total: list[int], progress: list[Progress | None], p_drop: float, device: torch.device) -> None:
+        self.net, self.shards, self.cfg, self.clients, self.seeds, self.total = net, shards, cfg, clients, seeds, total
+        self.progress, self.p_drop, self.device = progress, p_drop, device
+        self.steps = [0] * len(clients)
+        self.tokens = [0] * len(clients)
+        self.loss_sum = torch.zeros(len(clients), dtype=torch.float64, device=device)  # no host sync a step
+        self.buffers = {n: torch.zeros_like(p) for n, p in net.params.items()} if cfg.momentum else {}
 
-def _window(members: list[_Client], orders: list[list[int]], w: int, live: list[bool], bptt: int,
-            device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-    """Window ``w`` of every client's order, padded to a common length: inputs, targets, mask [C, T, B] and each
-    client's real length (0: not in this step)."""
-    lengths, slices = [], []
-    for m, order, on in zip(members, orders, live):
-        if on and w < len(order):
-            start = order[w] * bptt
-            piece = (m.batches.inputs[start:start + bptt], m.batches.targets[start:start + bptt],
-                     m.batches.mask[start:start + bptt])
-            lengths.append(piece[0].size(0))
-            slices.append(piece)
-        else:
-            lengths.append(0)
-            slices.append(None)
-    t = max(lengths)
-    cols = members[0].batches.inputs.size(1)
-    x = torch.zeros(len(members), t, cols, dtype=torch.long, device=device)
-    y = torch.zeros_like(x)
-    mask = torch.zeros(len(members), t, cols, dtype=torch.bool, device=device)
-    for c, piece in enumerate(slices):
-        if piece is not None:
-            n = lengths[c]
-            x[c, :n], y[c, :n], mask[c, :n] = piece
-    return x, y, mask, lengths
+    def epoch(self, epoch: int, lr: float) -> None:
+        cfg, shards = self.cfg, self.shards
+        seeds = [(seed * 1_000_003 + client * 7_919 + epoch) % (2**63) for seed, client in zip(self.seeds, self.clients)]
+        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        drop_gens = [torch.Generator(device=self.device).manual_seed(s) for s in seeds] \
+            if self.device.type == "cuda" else gens
+        left = [max(t - s, 0) for s, t in zip(self.steps, self.total)]  # steps each client has still to take
+        budget = [shards.windows(c) if n else 0 for c, n in enumerate(left)] if cfg.full_batch else left
+        plan = _Plan.build(shards, gens, bool(cfg.max_steps), budget, self.device)
+        hidden = self.net.init_hidden(len(self.clients), cfg.batch_size, self.device)
+        for w in range(len(plan.on)):
+            if not any(plan.on[w]):
+                break
+            lengths = plan.lengths(shards, w)
+            hidden = _reset(_detach(hidden), plan.wrapped(w), self.device)
+            t = max(lengths)
+            sums, hidden = _nll(self.net, plan.inputs[:, w, :t], plan.targets[:, w, :t], plan.mask[:, w, :t],
+                                hidden, _Dropout(self.p_drop, drop_gens, lengths))
+            n = plan.counts[:, w]
+            mean = sums / n.clamp(min=1)
+            self.loss_sum += mean.detach().double() * n.double()
+            (sums if cfg.full_batch else mean).sum().backward()  # FedSGD: divided by the shard's targets below
+            for c, on in enumerate(plan.on[w]):
+                if on:
+                    self.tokens[c] += shards.counts[c][plan.order[c][w]]
+            if not cfg.full_batch:
+                self._step(lr, plan.on[w], plan.taking[:, w])
+        if cfg.full_batch:
+            took = [b > 0 for b in budget]
+            seen = plan.counts.sum(1).clamp(min=1)
+            for p in self.net.params.values():
+                p.grad.div_(seen.view(-1, *[1] * (p.dim() - 1)))
+            self._step(lr, took, plan.taking.amax(1))
+
+    def _step(self, lr: float, on: list[bool], active: torch.Tensor) -> None:
+        _sgd_step(self.net, self.buffers, lr, self.cfg, active if not all(on) else None)
+        for c, took in enumerate(on):
+            if took:
+                self.steps[c] += 1
+                if self.progress[c] is not None:
+                    self.progress[c](self.steps[c], self.total[c])
+
+    def tail_losses(self) -> list[float]:
+        """FedMed's tail loss of each trained client (training.py ``_tail_loss``): no dropout, no gradients, as
+        many windows as one epoch (full batch) or as the run took."""
+        cfg, shards = self.cfg, self.shards
+        gens = [torch.Generator().manual_seed((s * 1_000_003 + c * 7_919 + 999_983) % (2**63))
+                for s, c in zip(self.seeds, self.clients)]
+        budget = [max(shards.windows(c) if cfg.full_batch else self.steps[c], 1) for c in range(len(self.clients))]
+        plan = _Plan.build(shards, gens, bool(cfg.max_steps), budget, self.device)
+        hidden = self.net.init_hidden(len(self.clients), cfg.batch_size, self.device)
+        total = torch.zeros(len(self.clients), dtype=torch.float64, device=self.device)
+        with torch.no_grad():
+            for w in range(len(plan.on)):
+                if not any(plan.on[w]):
+                    break
+                lengths = plan.lengths(shards, w)
+                hidden = _reset(hidden, plan.wrapped(w), self.device)
+                t = max(lengths)
+                sums, hidden = _nll(self.net, plan.inputs[:, w, :t], plan.targets[:, w, :t], plan.mask[:, w, :t],
+                                    hidden, _no_dropout)
+                n = plan.counts[:, w]
+                total += (sums / n.clamp(min=1)).double() * n.double()
+        count = plan.counts.sum(1).tolist()
+        return [t / n if n else float("nan") for t, n in zip(total.tolist(), count)]
 
 
 def _nll(net: _Stacked, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, hidden: list, drop
@@ -232,125 +313,44 @@ def _nll(net: _Stacked, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, hi
     logits, hidden = net.forward(x, hidden, drop)
     c = x.size(0)
     nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1), reduction="none")
-    return (nll.view(c, -1) * mask.view(c, -1)).sum(1), hidden
+    return (nll.view(c, -1) * mask.reshape(c, -1)).sum(1), hidden
 
 
 def _detach(hidden: list) -> list:
     return [tuple(t.detach() for t in h) if isinstance(h, tuple) else h.detach() for h in hidden]
 
 
-def _reset(hidden: list, keep: torch.Tensor) -> list:
-    """Zero the hidden state of the clients where ``keep`` [C] is 0."""
-    k = keep[:, None, None]
+def _reset(hidden: list, fresh: list[bool], device: torch.device) -> list:
+    """Zero the hidden state of the clients marked ``fresh``."""
+    if not any(fresh):
+        return hidden
+    k = torch.tensor([0.0 if f else 1.0 for f in fresh], device=device)[:, None, None]
     return [tuple(t * k for t in h) if isinstance(h, tuple) else h * k for h in hidden]
 
 
-def _epoch(net: _Stacked, members: list[_Client], seeds: list[int], lr: float, buffers: dict, loss_sum: torch.Tensor,
-           device: torch.device, bptt: int, p_drop: float) -> None:
-    cfg = members[0].cfg
-    gens = [torch.Generator().manual_seed(s) for s in seeds]
-    drop_gens = [torch.Generator(device=device).manual_seed(s) for s in seeds] if device.type == "cuda" else gens
-    live = [m.steps < m.total for m in members]
-    orders = _order(members, gens, bool(cfg.max_steps))
-    cols = members[0].batches.inputs.size(1)
-    hidden = net.init_hidden(len(members), cols, device)
-    c_all = len(members)
-    if cfg.full_batch:
-        for name, p in net.params.items():
-            p.grad = None
-        seen = [0] * c_all
-    for w in range(max(len(o) for o in orders)):
-        if not cfg.full_batch:
-            live = [on and m.steps < m.total for on, m in zip(live, members)]
-        if not any(live):
-            break
-        x, y, mask, lengths = _window(members, orders, w, live, bptt, device)
-        # a capped run that wrapped to its shard's start begins it with a fresh hidden state, as alone
-        wrapped = [bool(n) and w > 0 and orders[c][w] == 0 for c, n in enumerate(lengths)]
-        hidden = _detach(hidden)
-        if any(wrapped):
-            hidden = _reset(hidden, torch.tensor([0.0 if f else 1.0 for f in wrapped], device=device))
-        drop = _Dropout(p_drop, drop_gens, lengths)
-        sums, hidden = _nll(net, x, y, mask, hidden, drop)
-        counts = [members[c].counts[orders[c][w]] if n else 0 for c, n in enumerate(lengths)]
-        n_t = torch.tensor([max(n, 1) for n in counts], dtype=sums.dtype, device=device)
-        active = torch.tensor([1.0 if n else 0.0 for n in lengths], dtype=sums.dtype, device=device)
-        if cfg.full_batch:
-            sums.sum().backward()  # each client's summed NLL: its gradient is divided by its token count below
-        else:
-            ((sums / n_t) * active).sum().backward()
-        loss_sum += (sums.detach() / n_t).double() * torch.tensor(counts, dtype=torch.float64, device=device)
-        for c, n in enumerate(counts):
-            members[c].tokens += n
-            if cfg.full_batch:
-                seen[c] += n
-        if not cfg.full_batch:
-            _sgd_step(net, buffers, lr, cfg, active)
-            for c, m in enumerate(members):
-                if lengths[c]:
-                    m.steps += 1
-                    if m.progress is not None:
-                        m.progress(m.steps, m.total)
-    if cfg.full_batch:
-        took = torch.tensor([1.0 if s else 0.0 for s in seen], device=device)
-        scale = torch.tensor([1.0 / s if s else 0.0 for s in seen], device=device)
-        for p in net.params.values():
-            if p.grad is not None:
-                p.grad.mul_(scale.view(-1, *[1] * (p.dim() - 1)).to(p.grad.dtype))
-        _sgd_step(net, buffers, lr, cfg, took)
-        for c, m in enumerate(members):
-            if seen[c]:
-                m.steps += 1
-                if m.progress is not None:
-                    m.progress(m.steps, m.total)
-
-
-def _sgd_step(net: _Stacked, buffers: dict, lr: float, cfg: TrainConfig, active: torch.Tensor) -> None:
-    """torch.optim.SGD (momentum, no dampening) for the clients where ``active`` [C] is 1; the others keep their
-    parameters and momentum. Clipping, when on, scales each client's gradient by its own total norm."""
-    grads = {name: p.grad for name, p in net.params.items() if p.grad is not None}
+def _sgd_step(net: _Stacked, buffers: dict, lr: float, cfg: TrainConfig, active: torch.Tensor | None) -> None:
+    """torch.optim.SGD (momentum, no dampening) for the clients where ``active`` [C] is 1 (None: all of them); the
+    others keep their parameters and momentum. Clipping, when on, scales each client's gradient by its own norm."""
+    everyone = active is None
     with torch.no_grad():
+        grads = {name: p.grad for name, p in net.params.items()}
         if cfg.clip > 0:
             norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads.values()], 1).norm(dim=1)
             coef = torch.clamp(cfg.clip / (norms + 1e-6), max=1.0)
         for name, g in grads.items():
             shape = (-1,) + (1,) * (g.dim() - 1)
-            a = active.view(shape).to(g.dtype)
             if cfg.clip > 0:
-                g.mul_(coef.view(shape).to(g.dtype))
+                g.mul_(coef.view(shape))
+            p = net.params[name]
             if cfg.momentum:
                 buf = buffers[name]
-                buf.copy_(torch.where(a > 0, buf * cfg.momentum + g, buf))
+                if everyone:
+                    buf.mul_(cfg.momentum).add_(g)
+                else:
+                    buf.copy_(torch.where(active.view(shape) > 0, buf * cfg.momentum + g, buf))
                 g = buf
-            net.params[name].sub_(g * (lr * a))
-            net.params[name].grad = None
-
-
-def _tail_losses(net: _Stacked, members: list[_Client], device: torch.device, bptt: int) -> list[float]:
-    """FedMed's tail loss of each trained client (training.py ``_tail_loss``): no dropout, no gradients, as many
-    windows as one epoch (full batch) or as the run took."""
-    gens = [torch.Generator().manual_seed((m.cfg.seed * 1_000_003 + m.client * 7_919 + 999_983) % (2**63))
-            for m in members]
-    orders = _order(members, gens, bool(members[0].cfg.max_steps))
-    budget = [max(m.n_windows if m.cfg.full_batch else m.steps, 1) for m in members]
-    cols = members[0].batches.inputs.size(1)
-    hidden = net.init_hidden(len(members), cols, device)
-    total = torch.zeros(len(members), dtype=torch.float64, device=device)
-    count = [0] * len(members)
-    with torch.no_grad():
-        for w in range(max(budget)):
-            live = [w < b for b in budget]
-            if not any(live):
-                break
-            x, y, mask, lengths = _window(members, orders, w, live, bptt, device)
-            if not any(lengths):
-                break
-            wrapped = [bool(n) and w > 0 and orders[c][w] == 0 for c, n in enumerate(lengths)]
-            if any(wrapped):
-                hidden = _reset(hidden, torch.tensor([0.0 if f else 1.0 for f in wrapped], device=device))
-            sums, hidden = _nll(net, x, y, mask, hidden, _no_dropout)
-            counts = [members[c].counts[orders[c][w]] if n else 0 for c, n in enumerate(lengths)]
-            n_t = torch.tensor([max(k, 1) for k in counts], dtype=sums.dtype, device=device)
-            total += (sums / n_t).double() * torch.tensor(counts, dtype=torch.float64, device=device)
-            count = [a + b for a, b in zip(count, counts)]
-    return [t / n if n else float("nan") for t, n in zip(total.tolist(), count)]
+            if everyone:
+                p.add_(g, alpha=-lr)
+            else:
+                p.sub_(g * (lr * active.view(shape)))
+            p.grad = None

@@ -397,3 +397,20 @@ def test_paper_fedsgd_cuts_a_shard_into_more_streams_and_nothing_else_changes_b(
     assert {n: b for n, b in paper.items() if "fedsgd" in n} == {"wikitext-2-fedsgd": 100, "ptb-fedsgd": 100}
     assert {b for n, b in paper.items() if "fedsgd" not in n} == {10}
     assert {s.job["batch_size"] for s in experiments.table2("cpu")} == {10}
+
+
+def test_cohort_reaches_each_federation_of_an_experiment(tmp_path):
+    """--cohort is how the runs train, not what they are: every federation of the grid gets it, trains its rounds'
+    clients together, and the FedMed cell (its LSTM, tail losses) scores as it does one client at a time."""
+    sims: list[Simulation] = []
+
+    def keeping(*args, **kwargs):
+        sims.append(Simulation(*args, **kwargs))
+        return sims[-1]
+
+    together = experiments.run_experiment("table2", "smoke", tmp_path / "together", simulation=keeping,
+                                          only="fedmed-c0.5", cohort=True)
+    alone = experiments.run_experiment("table2", "smoke", tmp_path / "alone", simulation=Simulation, only="fedmed-c0.5")
+    assert [s.cohort for s in sims] == [True] and sims[0].pool.cohorts == [2]  # C = 0.5 of K = 4, one round
+    [t], [a] = together["runs"], alone["runs"]
+    assert t["test"] == pytest.approx(a["test"], rel=1e-4)

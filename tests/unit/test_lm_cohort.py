@@ -157,3 +157,12 @@ def test_a_failing_cohort_fails_each_of_its_jobs_and_the_pool_goes_on(gru):
     with pool.borrow() as model:
         assert pool.train(model, 0, TrainConfig(**REGIME, max_steps=2)).steps == 2
     assert pool.cohorts == [2, 1]
+
+
+def test_a_shard_shorter_than_the_batch_trains_one_after_the_other():
+    task = make_task("lm", data="builtin", model="gru-tiny", emb=16, hidden=16, clients=400, vocab_size=300,
+                     max_lines=400, dropout=0.2, seed=0)
+    tiny = min(range(400), key=lambda c: task.client_ids(c).numel())
+    cols = task.client_ids(tiny).numel() + 1  # more columns than the shortest shard has tokens
+    (alone, ra), (together, rt), _ = _both(task, {"batch_size": cols, "epochs": 1}, clients=[tiny, 0])
+    assert all(_max_diff(a, t) == 0.0 for a, t in zip(alone, together)) and ra[1].loss == rt[1].loss
