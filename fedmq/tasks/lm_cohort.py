@@ -98,20 +98,24 @@ def _layer(x: torch.Tensor, h, w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: tor
 
 
 def _gru_step(gx: torch.Tensor, gh: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """PyTorch's GRU: r, z, n gates in that order; h' = (h - n) * z + n."""
-    x_r, x_z, x_n = gx.chunk(3, -1)
-    h_r, h_z, h_n = gh.chunk(3, -1)
-    r = torch.sigmoid(h_r + x_r)
-    z = torch.sigmoid(h_z + x_z)
-    n = torch.tanh(x_n + h_n * r)
-    return (h - n) * z + n
+    """PyTorch's GRU (r, z, n gates in that order): r, z = σ(x_rz + h_rz), n = tanh(x_n + r * h_n),
+    h' = (h - n) * z + n — in as few kernels as it takes (a GPU step is launch-bound). Gates are cut with
+    ``split``, whose backward is one concatenation (a slice's backward fills a zero tensor of the whole)."""
+    hidden = h.size(-1)
+    x_rz, x_n = gx.split([2 * hidden, hidden], -1)
+    h_rz, h_n = gh.split([2 * hidden, hidden], -1)
+    r, z = torch.sigmoid(x_rz + h_rz).chunk(2, -1)
+    n = torch.tanh(torch.addcmul(x_n, h_n, r))
+    return torch.addcmul(n, h - n, z)
 
 
 def _lstm_step(gx: torch.Tensor, gh: torch.Tensor, hc: tuple[torch.Tensor, torch.Tensor]
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch's LSTM: i, f, g, o gates in that order."""
-    i, f, g, o = (gh + gx).chunk(4, -1)
-    c = torch.sigmoid(f) * hc[1] + torch.sigmoid(i) * torch.tanh(g)
+    """PyTorch's LSTM (i, f, g, o gates in that order): c' = σ(f) * c + σ(i) * tanh(g), h' = σ(o) * tanh(c')."""
+    hidden = hc[0].size(-1)
+    i_f, g, o = (gh + gx).split([2 * hidden, hidden, hidden], -1)
+    i, f = torch.sigmoid(i_f).chunk(2, -1)
+    c = torch.addcmul(f * hc[1], i, torch.tanh(g))
     return torch.sigmoid(o) * torch.tanh(c), c
 
 
