@@ -20,7 +20,7 @@ from torch import nn
 
 from fedmq.tasks.base import Progress, Task, TrainConfig, TrainResult
 from fedmq.tasks.errors import TaskError
-from fedmq.tasks.lm_cohort import can_train_together, train_cohort
+from fedmq.tasks.lm_cohort import can_train_together, cohort_size, train_cohort
 from fedmq.tasks.lm_data import LMCorpus, StreamBatches, Vocabulary, load_corpus
 from fedmq.tasks.lm_models import RNNLanguageModel, detach_hidden, rnn_config
 from fedmq.tasks.partition import PartitionSpec, dirichlet_shards, iid_shards, natural_shards
@@ -117,12 +117,20 @@ class LanguageModelTask(Task):
 
     def train_cohort(self, models: list[nn.Module], clients: list[int], cfgs: list[TrainConfig],
                      progress: list[Progress | None]) -> list[TrainResult]:
-        """One batched run for every client (fedmq.tasks.lm_cohort) when their settings allow it and every shard
-        fills the batch's columns (a shorter one has fewer: its windows would not stack)."""
-        if (len(models) > 1 and can_train_together(cfgs)
-                and all(self.client_ids(c).numel() >= cfgs[0].batch_size for c in clients)):
-            return train_cohort(self, models, clients, cfgs, progress)
-        return super().train_cohort(models, clients, cfgs, progress)
+        """Batched runs (fedmq.tasks.lm_cohort) of as many clients as ``cohort_size`` lets the device hold, when
+        their settings allow it and every shard fills the batch's columns (a shorter one has fewer: its windows
+        would not stack); otherwise one after the other."""
+        if not (can_train_together(cfgs) and all(self.client_ids(c).numel() >= cfgs[0].batch_size for c in clients)):
+            return super().train_cohort(models, clients, cfgs, progress)
+        size = cohort_size(len(self.vocab), self.bptt, cfgs[0].batch_size)
+        results: list[TrainResult] = []
+        for i in range(0, len(models), size):
+            part = slice(i, i + size)
+            if len(models[part]) > 1:
+                results += train_cohort(self, models[part], clients[part], cfgs[part], progress[part])
+            else:
+                results += super().train_cohort(models[part], clients[part], cfgs[part], progress[part])
+        return results
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split: str = "valid") -> float:

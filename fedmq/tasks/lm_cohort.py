@@ -35,6 +35,17 @@ if TYPE_CHECKING:
     from fedmq.tasks.lm import LanguageModelTask
 
 
+# the activations a cohort may hold at once: the logits of a window, their log-softmax, its gradient and the
+# loss's (4 x bptt x B x vocabulary floats a client) -- WikiText-2 at B = 10: 186 MB a client, so all of a C = 0.5
+# round's 50 in 16 GiB; FedSGD's B = 100: 8 at a time
+ACTIVATION_BUDGET = 16 * 2**30
+
+
+def cohort_size(vocab: int, bptt: int, cols: int) -> int:
+    """How many clients one batched run takes (a larger cohort trains in parts of this size)."""
+    return max(1, ACTIVATION_BUDGET // (4 * bptt * cols * vocab * 4))
+
+
 def can_train_together(cfgs: list[TrainConfig]) -> bool:
     """Whether these clients' runs can be one batched run: the same settings (seeds aside) and a regime the
     batched loop implements."""

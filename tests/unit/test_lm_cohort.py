@@ -166,3 +166,19 @@ def test_a_shard_shorter_than_the_batch_trains_one_after_the_other():
     cols = task.client_ids(tiny).numel() + 1  # more columns than the shortest shard has tokens
     (alone, ra), (together, rt), _ = _both(task, {"batch_size": cols, "epochs": 1}, clients=[tiny, 0])
     assert all(_max_diff(a, t) == 0.0 for a, t in zip(alone, together)) and ra[1].loss == rt[1].loss
+
+
+def test_a_cohort_larger_than_the_activation_budget_trains_in_parts(gru, monkeypatch):
+    """Budget for two clients: three train as a batched pair and a lone one, each as alone."""
+    from fedmq.tasks import lm_cohort
+
+    per_client = 4 * gru.bptt * 4 * len(gru.vocab) * 4
+    monkeypatch.setattr(lm_cohort, "ACTIVATION_BUDGET", 2 * per_client + 1)
+    calls: list[int] = []
+    real = lm_cohort.train_cohort
+    monkeypatch.setattr("fedmq.tasks.lm.train_cohort", lambda task, models, *a: calls.append(len(models)) or
+                        real(task, models, *a))
+    (alone, ra), (together, rt), _ = _both(gru, {"max_steps": 6})
+    assert calls == [2]
+    assert all(_max_diff(a, t) < 2e-5 for a, t in zip(alone, together))
+    assert [r.steps for r in rt] == [r.steps for r in ra]
