@@ -28,3 +28,21 @@ def test_a_cohort_run_trains_each_round_together_and_scores_as_one_at_a_time(tmp
     assert together["best_valid"] == pytest.approx(alone["best_valid"], rel=1e-4)
     assert together["test"] == pytest.approx(alone["test"], rel=1e-4)
     assert together["best_valid"] < 0.5 * len(task.vocab)  # it trained: far below a uniform guess
+
+
+def test_a_cohort_goes_on_without_agents_that_go_offline_or_crash(tmp_path):
+    """Agents that go offline or crash in training leave the cohort without holding it up: every round closes,
+    and a cohort trains only the agents that handed in their jobs."""
+    task = make_task("lm", data="builtin", model="gru-tiny", emb=16, hidden=16, clients=8, vocab_size=300,
+                     max_lines=800, max_eval_lines=100, seed=0)
+    cfg = JobConfig(job="cohort-faults", strategy="fedavg", rounds=3, clients=8, fraction=1.0, lr=0.5,
+                    momentum=0.5, batch_size=4, epochs=1, max_steps=3, clip=0.0, heartbeat_s=1.0, seed=1,
+                    report_deadline_s=4.0, update_deadline_s=4.0)
+    sim = Simulation(cfg, task, "memory://cohort-faults", run_dir=tmp_path / "run", cohort=True,
+                     availability="bernoulli:0.8", faults="crash-train:0.2", rejoin_s=0.2)
+    summary = sim.run()
+    lost = sum(len(log.offline_rounds) + sum(1 for _, f in log.faults if f == "crash-train")
+               for log in sim.agent_logs.values())
+    trained = sum(len(log.rounds_trained) for log in sim.agent_logs.values())
+    assert summary["rounds_completed"] == 3 and lost > 0
+    assert sum(sim.pool.cohorts) == trained == summary["uploads_confirmed"] < 3 * 8
