@@ -21,7 +21,7 @@ def fedmq(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("cmd", [[], ["simulate"], ["aggregator", "run"], ["agent", "run"], ["broker", "provision"],
                                  ["broker", "check"], ["broker", "purge"], ["status"], ["report"], ["bench", "codec"],
                                  ["bench", "broker"], ["bench", "aggregate"], ["bench", "train"], ["bench", "load"], ["bench", "flower"],
-                                 ["experiment"]])
+                                 ["bench", "cohort"], ["experiment"]])
 def test_help_everywhere(cmd):
     proc = fedmq(*cmd, "--help")
     assert proc.returncode == 0, proc.stderr
@@ -45,6 +45,9 @@ def test_help_everywhere(cmd):
     (["bench", "flower", "--data", "/nonexistent/corpus"], "/nonexistent/corpus"),
     (["bench", "flower", "--data", ".", "-k", "5", "--selected", "10"], "--selected"),
     (["bench", "flower", "--data", ".", "--scale", "ten"], "--scale"),
+    (["bench", "cohort", "--cohort", "ten"], "--cohort"),
+    (["bench", "cohort", "--cohort", "1"], "between 2"),
+    (["bench", "cohort", "--data", "/nonexistent/corpus", "--cohort", "2"], "/nonexistent/corpus"),
     (["broker", "check", "--broker", "amqp://guest:guest@127.0.0.1:1/%2F"], "cannot connect"),
     (["status", "--job", "j", "--broker", "amqp://guest:guest@127.0.0.1:1/%2F"], "cannot connect"),
     (["agent", "run", "--broker", "amqp://127.0.0.1:1/", "--job", "j"], "--client-id"),
@@ -65,7 +68,8 @@ def test_user_errors_are_one_line(args, needle, tmp_path):
 # --------------------------------------------------------------------------------------------- help at 80 columns
 ALL_COMMANDS = [[], ["simulate"], ["aggregator", "run"], ["agent", "run"], ["broker", "provision"], ["broker", "check"],
                 ["broker", "purge"], ["status"], ["report"], ["bench", "codec"], ["bench", "broker"],
-                ["bench", "aggregate"], ["bench", "train"], ["bench", "load"], ["bench", "flower"], ["experiment"]]
+                ["bench", "aggregate"], ["bench", "train"], ["bench", "load"], ["bench", "flower"], ["bench", "cohort"],
+                ["experiment"]]
 
 
 def help80(*cmd: str) -> str:
