@@ -132,6 +132,7 @@ class Simulation:
             deadline = time.time() + 10
             for t in started:
                 t.join(timeout=max(deadline - time.time(), 0.1))
+            pool.close()
             if isinstance(agg_broker, MemoryBroker):  # the in-process hub outlives the run: leave nothing there
                 agg_broker.purge_job(cfg.job)
             agg_broker.close()

@@ -50,7 +50,7 @@ class TrainerPool:
         self._free.put(first)
         self._built = 1
         self._lock = threading.Lock()
-        self._workers: dict[int, "queue.Queue[tuple[Callable[[], Any], Future]]"] = {}
+        self._workers: dict[int, "queue.Queue[tuple[Callable[[], Any], Future] | None]"] = {}
 
     @contextlib.contextmanager
     def borrow(self) -> Iterator[torch.nn.Module]:
@@ -82,6 +82,14 @@ class TrainerPool:
         jobs.put((lambda: context.run(fn, *args, **kwargs), done))
         return done.result()
 
+    def close(self) -> None:
+        """End the pool's threads (once its run is over: a process that runs many federations must not keep a
+        thread, and what it references, per run)."""
+        with self._lock:
+            for jobs in self._workers.values():
+                jobs.put(None)
+            self._workers.clear()
+
 
 @dataclass
 class _Job:
@@ -105,7 +113,9 @@ class CohortPool(TrainerPool):
         self._borrowed = 0
         self._jobs: list[_Job] = []
         self._last = time.monotonic()
-        threading.Thread(target=self._gather, name="cohort-trainer", daemon=True).start()
+        self._closed = False
+        self._thread = threading.Thread(target=self._gather, name="cohort-trainer", daemon=True)
+        self._thread.start()
 
     def _count(self, delta: int) -> None:
         with self._cond:
@@ -125,14 +135,29 @@ class CohortPool(TrainerPool):
     def train(self, model: torch.nn.Module, client: int, cfg: TrainConfig, progress: Progress | None = None) -> TrainResult:
         job = _Job(model, client, cfg, progress)
         with self._cond:
+            if self._closed:
+                raise RuntimeError("the run is over: its trainers are closed")
             self._jobs.append(job)
             self._last = time.monotonic()
             self._cond.notify_all()
         return job.done.result()
 
-    def _next_cohort(self) -> list[_Job]:
+    def close(self) -> None:
+        """End the gathering thread; jobs handed in after (an agent still training when its run ended) fail."""
+        super().close()
+        with self._cond:
+            self._closed = True
+            for job in self._jobs:
+                job.done.set_exception(RuntimeError("the run is over: its trainers are closed"))
+            self._jobs = []
+            self._cond.notify_all()
+
+    def _next_cohort(self) -> list[_Job] | None:
+        """The next cohort's jobs; None once the pool is closed."""
         with self._cond:
             while True:
+                if self._closed:
+                    return None
                 ready = bool(self._jobs) and len(self._jobs) >= self._borrowed
                 wait = self.settle_s - (time.monotonic() - self._last)
                 if ready and wait <= 0:
@@ -141,8 +166,7 @@ class CohortPool(TrainerPool):
                 self._cond.wait(timeout=wait if ready else None)
 
     def _gather(self) -> None:
-        while True:
-            jobs = self._next_cohort()
+        while (jobs := self._next_cohort()) is not None:
             self.cohorts.append(len(jobs))
             try:
                 results = self.task.train_cohort([j.model for j in jobs], [j.client for j in jobs],
@@ -156,9 +180,9 @@ class CohortPool(TrainerPool):
                 j.done.set_result(result)
 
 
-def _serve(jobs: "queue.Queue[tuple[Callable[[], Any], Future]]") -> None:
-    while True:
-        work, done = jobs.get()
+def _serve(jobs: "queue.Queue[tuple[Callable[[], Any], Future] | None]") -> None:
+    while (job := jobs.get()) is not None:
+        work, done = job
         try:
             done.set_result(work())
         except BaseException as exc:  # handed to the caller, which raises it

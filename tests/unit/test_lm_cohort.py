@@ -182,3 +182,12 @@ def test_a_cohort_larger_than_the_activation_budget_trains_in_parts(gru, monkeyp
     assert calls == [2]
     assert all(_max_diff(a, t) < 2e-5 for a, t in zip(alone, together))
     assert [r.steps for r in rt] == [r.steps for r in ra]
+
+
+def test_a_closed_pool_ends_its_thread_and_refuses_work(gru):
+    pool = CohortPool(gru, size=1, seed=0, settle_s=0.01)
+    pool.close()
+    pool._thread.join(timeout=10)
+    assert not pool._thread.is_alive()
+    with pool.borrow() as model, pytest.raises(RuntimeError, match="closed"):
+        pool.train(model, 0, TrainConfig(**REGIME, max_steps=1))

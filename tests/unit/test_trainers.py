@@ -35,3 +35,13 @@ def test_the_works_exception_reaches_the_caller(pool):
         with pytest.raises(ValueError, match="bad shard"):
             pool.run(model, lambda: (_ for _ in ()).throw(ValueError("bad shard")))
         assert pool.run(model, lambda: "still serving") == "still serving"
+
+
+def test_close_ends_the_trainers_threads():
+    pool = TrainerPool(make_task("lm", data="builtin", model="gru-tiny", clients=2, seed=0), size=1, seed=0)
+    with pool.borrow() as model:
+        worker = pool.run(model, threading.current_thread)
+    assert worker.is_alive()
+    pool.close()
+    worker.join(timeout=10)
+    assert not worker.is_alive()
