@@ -75,6 +75,7 @@ class JobConfig:
     max_staleness: int = 5
     server_lr: float = 1.0  # async: server step on the staleness-weighted mean delta
     eval_every: int = 1
+    keep_checkpoints: int = 3  # the newest round checkpoints kept (nmt-domains keeps every round's to pick one)
     seed: int = 0
     identity: str = "strict"
     robust: str = "none"  # FedAvg guard: none | clip:NORM (norm clipping) | trimmed:FRAC | median (coordinate-wise)
@@ -131,7 +132,7 @@ class JobConfig:
                 "cannot be deltas; use an encoding without delta+")
         if self.min_clients < 1:
             bad("min-clients must be at least 1")
-        for name in ("epochs", "batch_size", "async_k", "keyframe_every", "eval_every"):
+        for name in ("epochs", "batch_size", "async_k", "keyframe_every", "eval_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 bad(f"{name.replace('_', '-')} must be at least 1")
         for name in ("lr", "report_deadline_s", "update_deadline_s", "join_timeout_s", "heartbeat_s", "att_eps",

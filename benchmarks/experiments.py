@@ -48,7 +48,7 @@ from typing import Any, Callable, Sequence
 import structlog
 import torch
 
-from aggregator.checkpoint import load_checkpoint, save_checkpoint
+from aggregator.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
 from aggregator.config import JobConfig
 from aggregator.records import RoundRecord
 from aggregator.runlog import (CONFIG_FILE, RunLog, finished, read_config, read_rounds, read_summary,
@@ -353,6 +353,38 @@ def _server_domain_scores(task: Any, run_dir: Path, summary: dict[str, Any], see
     return bleu, ce
 
 
+def _ce_pick(task: Any, run_dir: Path, summary: dict[str, Any], seed: int, n: int) -> dict[str, Any] | None:
+    """The server read at the round whose global model has the lowest validation cross-entropy (the mean over
+    domains of each domain's, on all its validation pairs) rather than the engine's pick by BLEU on a few
+    validation pairs: that round, every round's validation cross-entropy, and the chosen model's per-domain test
+    BLEU and cross-entropy. Kept in summary.json (``ce_pick``); None for a run without every round's checkpoint
+    (one from before they were kept, or restored from its small files)."""
+    if isinstance(summary.get("ce_pick"), dict):
+        return summary["ce_pick"]
+    states = {}
+    for path in sorted((run_dir / "checkpoints").glob("ckpt-*.fmq")):
+        ckpt = read_checkpoint(path)
+        states[ckpt.model_version] = ckpt.global_state  # a skipped round's checkpoint repeats its version
+    if sorted(states) != list(range(1, summary.get("rounds_completed", 0) + 1)):
+        return None
+    server = task.build_model(seed)
+    valid = {}
+    for version, state in states.items():
+        load_state(server, state)
+        ce = domain_ce(task, server, "valid")
+        valid[version] = sum(ce.values()) / len(ce)
+    best = min(valid, key=valid.get)
+    if best == summary.get("best_round"):  # the engine's pick: scored already
+        bleu, ce = summary["test_bleu_by_domain"], summary["test_ce_by_domain"]
+    else:
+        load_state(server, states[best])
+        bleu, ce = domain_bleu(task, server, "test", n), domain_ce(task, server, "test", n)
+    summary["ce_pick"] = pick = {"round": best, "valid_ce_by_round": {str(k): v for k, v in valid.items()},
+                                 "test_bleu_by_domain": bleu, "test_ce_by_domain": ce}
+    write_summary(run_dir, summary)
+    return pick
+
+
 # ----------------------------------------------------------------------------------------------- running
 EXPERIMENTS: dict[str, Callable[..., list[RunSpec]]] = {
     "table2": table2, "sweep": sweep, "fraction": fraction, "rounds-to-target": rounds_to_target, "topk": topk,
@@ -644,7 +676,7 @@ def nmt_specs(scale: str, options: dict[str, Any] | None = None) -> list[RunSpec
     s = _NMT[scale]
     options = options or {}
     job = dict(clients=len(s["task"]["domains"]), fraction=1.0, rounds=s["rounds"], epochs=1,
-               max_steps=s["max_steps"], **_DEADLINES, **_nmt_train(s))
+               max_steps=s["max_steps"], keep_checkpoints=s["rounds"], **_DEADLINES, **_nmt_train(s))
     specs = [RunSpec("fedavg", "nmt", options, {**job, "strategy": "fedavg"}, {"strategy": "fedavg", "pull": 1.0})]
     for f in s["fractions"]:
         down = f < 0.5  # Passban et al.'s 33 % variant pulls in both directions (the server pushes a third too)
@@ -759,6 +791,13 @@ def run_nmt_domains(scale: str, out: Path, simulation: Callable[..., Any], seed:
         if per_domain_ce is not None:
             ce[f"server {spec.name}"] = per_domain_ce
             row["ce_mean_domains"] = sum(per_domain_ce.values()) / len(per_domain_ce)
+        pick = _ce_pick(task, out / spec.name, summary, seed, n) if per_domain_ce is not None else None
+        if pick is not None:
+            table[f"server {spec.name}, CE pick"] = pick["test_bleu_by_domain"]
+            ce[f"server {spec.name}, CE pick"] = pick["test_ce_by_domain"]
+            row["ce_pick_round"] = pick["round"]
+            row["bleu_ce_pick"] = sum(pick["test_bleu_by_domain"].values()) / len(pick["test_bleu_by_domain"])
+            row["ce_ce_pick"] = sum(pick["test_ce_by_domain"].values()) / len(pick["test_ce_by_domain"])
         rounds = len(read_rounds(out / spec.name).records)
         row["bytes_up_per_round"] = row["bytes_up"] / max(rounds, 1)
         results.append(row)
@@ -790,7 +829,7 @@ _COLUMNS = {
     "dropout": ["run", "availability", "faults", "test", "best_valid", "rounds_completed", "rounds_skipped",
                 "updates_received", "wall_s"],
     "nmt-domains": ["run", "strategy", "pull", "directions", "test", "bleu_mean_domains", "ce_mean_domains",
-                    "best_round", "bytes_up_per_round",
+                    "best_round", "ce_pick_round", "bleu_ce_pick", "ce_ce_pick", "bytes_up_per_round",
                     "bytes_up", "bytes_up_raw", "bytes_down_raw", "wall_s"],
 }
 
@@ -840,16 +879,16 @@ def across_seeds(per_seed: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return rows
 
 
-_PER_RUN = ("test", "best_valid", "bleu_mean_domains", "ce_mean_domains", "best_round", "valid_curve", "max_jump",
+_PER_RUN = ("test", "best_valid", "bleu_mean_domains", "ce_mean_domains", "bleu_ce_pick", "ce_ce_pick", "best_round", "valid_curve", "max_jump",
             "wall_s", "bytes_up",
             "bytes_down", "bytes_up_raw", "bytes_down_raw", "bytes_up_per_round", "updates_received",
             "rounds_completed", "rounds_skipped")
 # in a several-seed row: _MEAN_SD as mean and sd over seeds, counts as their mean, _EACH_SEED listed seed by seed
 # ("3 / 5 / —")
-_MEAN_SD = ("test", "best_valid", "bleu_mean_domains", "ce_mean_domains")
+_MEAN_SD = ("test", "best_valid", "bleu_mean_domains", "ce_mean_domains", "bleu_ce_pick", "ce_ce_pick")
 _MEAN_COUNTS = ("bytes_up", "bytes_down", "bytes_up_raw", "bytes_down_raw", "updates_received", "rounds_completed",
                 "rounds_skipped", "bytes_up_per_round")
-_EACH_SEED = ("best_round", "target", "rounds_to_target", "bytes_to_target")
+_EACH_SEED = ("best_round", "ce_pick_round", "target", "rounds_to_target", "bytes_to_target")
 
 
 def orderings(per_seed: list[list[dict[str, Any]]], metric: str = "test", higher_is_better: bool = False,
@@ -947,7 +986,8 @@ def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None,
         results = {"runs": across_seeds([r["runs"] for r in per_seed]),
                    "orderings": (orderings([r["runs"] for r in per_seed]) if name != "nmt-domains" else
                                  orderings([r["runs"] for r in per_seed], "bleu_mean_domains", higher_is_better=True)),
-                   **({"orderings_ce": orderings([r["runs"] for r in per_seed], "ce_mean_domains", digits=3)}
+                   **({"orderings_ce": orderings([r["runs"] for r in per_seed], "ce_mean_domains", digits=3),
+                       "orderings_ce_pick": orderings([r["runs"] for r in per_seed], "ce_ce_pick", digits=3)}
                       if name == "nmt-domains" else {}),
                    "per_seed": {str(s): r for s, r in zip(seeds, per_seed)}}
     results.update(experiment=name, scale=scale, seeds=seeds, threads=threads, only=only, overrides=overrides or {},
@@ -964,6 +1004,9 @@ def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None,
     if results.get("orderings_ce"):
         text += ["", "Orderings of the per-domain mean cross-entropy, nats a token, lower is better (paired by seed):",
                  ""] + [f"- {o}" for o in results["orderings_ce"]]
+    if results.get("orderings_ce_pick"):
+        text += ["", "The same, each server read at its round of lowest validation cross-entropy (ce_pick_round):",
+                 ""] + [f"- {o}" for o in results["orderings_ce_pick"]]
     for seed, r in zip(seeds, per_seed):
         if "bleu_by_domain" in r:
             text += ["", f"BLEU on each domain's test pairs (seed {seed}):", "",

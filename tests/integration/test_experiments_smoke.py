@@ -93,6 +93,18 @@ def test_nmt_domains(tmp_path, monkeypatch):
     assert all(r["ce_mean_domains"] > 0 and r["ce_mean_domains_sd"] is not None for r in results["runs"])
     assert results["orderings_ce"] and all(" < " in o for o in results["orderings_ce"])
     assert "Cross-entropy (nats a reference token" in (exp / "results.md").read_text()
+    # every round's checkpoint is kept, and each server is also read at its round of lowest validation
+    # cross-entropy (all validation pairs of each domain) beside the engine's pick by BLEU on a few pairs
+    pick = json.loads((exp / "seed-0" / "fedavg" / "summary.json").read_text())["ce_pick"]
+    by_round = pick["valid_ce_by_round"]
+    assert set(by_round) == {"1", "2"} and str(pick["round"]) == min(by_round, key=by_round.get)
+    assert table["server fedavg, CE pick"] == pick["test_bleu_by_domain"] and ce["server fedavg, CE pick"] == pick[
+        "test_ce_by_domain"]
+    seed0 = {r["run"]: r for r in results["per_seed"]["0"]["runs"]}
+    assert seed0["fedavg"]["ce_pick_round"] == pick["round"]
+    assert seed0["fedavg"]["ce_ce_pick"] == pytest.approx(sum(pick["test_ce_by_domain"].values()) / 2)
+    assert len(results["orderings_ce_pick"]) == 21
+    assert "each server read at its round of lowest validation cross-entropy" in (exp / "results.md").read_text()
     # round 2 of dynamic pulling sends about half of the tensors: fewer raw bytes up than FedAvg
     assert runs["pull-local-0.5"]["bytes_up_raw"] < runs["fedavg"]["bytes_up_raw"]
     assert runs["pull-global-0.5"]["bytes_up_raw"] < runs["fedavg"]["bytes_up_raw"]
