@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +30,6 @@ from fedmq.tasks.base import Progress, TrainConfig, TrainResult
 from fedmq.tasks.errors import TaskError
 from fedmq.tasks.lm_data import StreamBatches
 from fedmq.tasks.training import check_config, resolve_device
-
-if TYPE_CHECKING:
-    from fedmq.tasks.lm import LanguageModelTask
 
 
 # the activations a cohort may hold at once: the logits of a window, their log-softmax, its gradient and the
@@ -155,7 +152,7 @@ class _Shards:
     """Every client's training stream cut into windows, padded into one ``[C, W, bptt, B]`` layout on the device
     once per cohort (a window is then a slice, not a copy); lengths and target counts stay on the host."""
 
-    def __init__(self, task: "LanguageModelTask", clients: list[int], cols: int, device: torch.device) -> None:
+    def __init__(self, task: Any, clients: list[int], cols: int, device: torch.device) -> None:
         bptt = task.bptt
         streams = [StreamBatches.build(task.client_ids(c), cols, task.vocab.eos) for c in clients]
         self.n_samples = [b.n_targets for b in streams]
@@ -215,9 +212,10 @@ class _Plan:
         return [w > 0 and self.on[w][c] and o[w] == 0 for c, o in enumerate(self.order)]
 
 
-def train_cohort(task: "LanguageModelTask", models: list[nn.Module], clients: list[int], cfgs: list[TrainConfig],
+def train_cohort(task: Any, models: list[nn.Module], clients: list[int], cfgs: list[TrainConfig],
                  progress: list[Progress | None]) -> list[TrainResult]:
-    """Train ``models[i]`` in place on client ``clients[i]``'s shard, all at once (``can_train_together``)."""
+    """Train ``models[i]`` in place on client ``clients[i]``'s shard of ``task`` (a LanguageModelTask), all at once
+    (``can_train_together``)."""
     cfg = cfgs[0]
     check_config(cfg)
     if cfg.lr <= 0:
