@@ -154,7 +154,8 @@ class Simulation:
             agent.run()
         except Exception as exc:
             log.error("agent failed", client=agent.client, exc_info=True, file_only=True)
-            self._fail(f"agent {agent.client}: {_one_line(exc)}")
+            if not agent.stop.is_set():  # once the run is over (e.g. its trainers closed under it), not a failure
+                self._fail(f"agent {agent.client}: {_one_line(exc)}")
 
     def _fail(self, cause: str) -> None:
         self.failures.append(cause)
