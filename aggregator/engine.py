@@ -486,7 +486,8 @@ class Engine:
     def _checkpoint(self) -> None:
         save_checkpoint(self.ckpt_dir, round=self.round, model_version=self.version, global_state=self.global_state,
                         strategy_state={}, mediator_state=self.mediator.state_dict(), rng_state=None,
-                        folded=self.folded, extra={"best": self.best, "presence_versions": {}}, keep=self.cfg.keep_checkpoints)
+                        folded=self.folded, extra={"best": self.best, "presence_versions": {}},
+                        keep=self.cfg.keep_checkpoints)
 
     def _restore(self) -> None:
         ckpt = load_checkpoint(self.ckpt_dir)
