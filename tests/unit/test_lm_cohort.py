@@ -184,10 +184,9 @@ def test_a_cohort_larger_than_the_activation_budget_trains_in_parts(gru, monkeyp
     assert [r.steps for r in rt] == [r.steps for r in ra]
 
 
-def test_a_closed_pool_ends_its_thread_and_refuses_work(gru):
+def test_a_closed_pool_lets_go_of_its_models_and_refuses_work(gru):
     pool = CohortPool(gru, size=1, seed=0, settle_s=0.01)
     pool.close()
-    pool._thread.join(timeout=10)
-    assert not pool._thread.is_alive()
-    with pool.borrow() as model, pytest.raises(RuntimeError, match="closed"):
-        pool.train(model, 0, TrainConfig(**REGIME, max_steps=1))
+    assert pool._free.empty()  # the model built for the manifest is no longer held
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.train(gru.build_model(0), 0, TrainConfig(**REGIME, max_steps=1))
