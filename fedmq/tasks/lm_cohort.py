@@ -29,7 +29,8 @@ from torch import nn
 from fedmq.tasks.base import Progress, TrainConfig, TrainResult
 from fedmq.tasks.errors import TaskError
 from fedmq.tasks.lm_data import StreamBatches
-from fedmq.tasks.training import check_config, resolve_device
+from fedmq.tasks.lm_models import detach_hidden
+from fedmq.tasks.training import TAIL_EPOCH, check_config, epoch_seed, resolve_device
 
 
 # the activations a cohort may hold at once: the logits of a window, their log-softmax, its gradient and the
@@ -255,7 +256,7 @@ class _Run:
 
     def epoch(self, epoch: int, lr: float) -> None:
         cfg, shards = self.cfg, self.shards
-        seeds = [(seed * 1_000_003 + client * 7_919 + epoch) % (2**63) for seed, client in zip(self.seeds, self.clients)]
+        seeds = [epoch_seed(seed, client, epoch) for seed, client in zip(self.seeds, self.clients)]
         gens = [torch.Generator().manual_seed(s) for s in seeds]
         drop_gens = [torch.Generator(device=self.device).manual_seed(s) for s in seeds] \
             if self.device.type == "cuda" else gens
@@ -267,7 +268,7 @@ class _Run:
             if not any(plan.on[w]):
                 break
             lengths = plan.lengths(shards, w)
-            hidden = _reset(_detach(hidden), plan.wrapped(w), self.device)
+            hidden = _reset(detach_hidden(hidden), plan.wrapped(w), self.device)
             t = max(lengths)
             sums, hidden = _nll(self.net, plan.inputs[:, w, :t], plan.targets[:, w, :t], plan.mask[:, w, :t],
                                 hidden, _Dropout(self.p_drop, drop_gens, lengths))
@@ -299,7 +300,7 @@ class _Run:
         """FedMed's tail loss of each trained client (training.py ``_tail_loss``): no dropout, no gradients, as
         many windows as one epoch (full batch) or as the run took."""
         cfg, shards = self.cfg, self.shards
-        gens = [torch.Generator().manual_seed((s * 1_000_003 + c * 7_919 + 999_983) % (2**63))
+        gens = [torch.Generator().manual_seed(epoch_seed(s, c, TAIL_EPOCH))
                 for s, c in zip(self.seeds, self.clients)]
         budget = [max(shards.windows(c) if cfg.full_batch else self.steps[c], 1) for c in range(len(self.clients))]
         plan = _Plan.build(shards, gens, bool(cfg.max_steps), budget, self.device)
@@ -327,10 +328,6 @@ def _nll(net: _Stacked, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, hi
     c = x.size(0)
     nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1), reduction="none")
     return (nll.view(c, -1) * mask.reshape(c, -1)).sum(1), hidden
-
-
-def _detach(hidden: list) -> list:
-    return [tuple(t.detach() for t in h) if isinstance(h, tuple) else h.detach() for h in hidden]
 
 
 def _reset(hidden: list, fresh: list[bool], device: torch.device) -> list:

@@ -37,6 +37,14 @@ def resolve_device(device: str) -> torch.device:
     raise TaskError(f"unknown --device {device!r}: use auto, cpu or cuda")
 
 
+TAIL_EPOCH = 999_983  # the tail-loss pass draws from its own generator, as if it were this epoch
+
+
+def epoch_seed(seed: int, client: int, epoch: int) -> int:
+    """The seed of a client's local epoch (its batch order and dropout masks), from the round's seed."""
+    return (seed * 1_000_003 + client * 7_919 + epoch) % (2**63)
+
+
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     if cfg.lr <= 0:
         raise TaskError(f"--lr must be positive, got {cfg.lr}")
@@ -79,7 +87,7 @@ def run_training(model: nn.Module, epoch_fn: EpochFn, steps_per_epoch: int, cfg:
         for epoch in range(cfg.epochs):
             if steps >= total:
                 break
-            seed = (cfg.seed * 1_000_003 + client * 7_919 + epoch) % (2**63)
+            seed = epoch_seed(cfg.seed, client, epoch)
             gen = torch.Generator().manual_seed(seed)
             set_dropout_generator(model, torch.Generator(device=device).manual_seed(seed) if device.type == "cuda" else gen)
             epoch_lr = cfg.lr * cfg.lr_decay**epoch
@@ -125,7 +133,7 @@ def _tail_loss(model: nn.Module, epoch_fn: EpochFn, device: torch.device, cfg: T
     """FedMed §3.4: "the loss on the dataset of each worker is computed at the tail of local training". The trained
     model (eval mode: no dropout, no gradients) over its own shard, as many batches as one epoch — or as the run
     took, when --max-steps cut it shorter (the CPU scale), so the extra pass never costs more than the training."""
-    gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + client * 7_919 + 999_983) % (2**63))
+    gen = torch.Generator().manual_seed(epoch_seed(cfg.seed, client, TAIL_EPOCH))
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
