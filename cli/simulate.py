@@ -4,14 +4,17 @@ Simulated clients are light: every agent is a real broker client (its own connec
 the models they train on come from one TrainerPool of ``trainers`` models, and what an algorithm keeps per
 client between rounds lives on disk under the run folder (client_agent.state.DiskStore). Memory is then
 O(trainers × model + selected clients' encoded updates), not O(K × model). With ``cohort`` the pool trains a
-round's selected clients together (a model each, O(selected × model); one batched run on the device).
+round's selected clients together (a model each, O(selected × model); one batched run on the device). A cohort's
+agents report when the last of them has trained, so the round's report deadline -- set for one client's local
+training -- is given to each of the m selected clients, as if they trained in turn (m × report_deadline_s: the
+cohort's worst case, a CPU or a cohort trained in parts); without faults a round never waits for a deadline.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -84,6 +87,8 @@ class Simulation:
         shared_user = self._url_user()
         if shared_user:  # every agent shares the URL's account: check the user, not per-agent identity
             cfg.identity = f"shared:{shared_user}"
+        if self.cohort:  # the module docstring says why
+            cfg = replace(cfg, report_deadline_s=cfg.report_deadline_s * cfg.selected_count())
         availability = parse_availability(self.availability, cfg.seed)
         faults = parse_faults(self.faults, cfg.seed)
         memory = shared_user is None

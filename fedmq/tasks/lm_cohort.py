@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -263,15 +263,7 @@ class _Run:
         left = [max(t - s, 0) for s, t in zip(self.steps, self.total)]  # steps each client has still to take
         budget = [shards.windows(c) if n else 0 for c, n in enumerate(left)] if cfg.full_batch else left
         plan = _Plan.build(shards, gens, bool(cfg.max_steps), budget, self.device)
-        hidden = self.net.init_hidden(len(self.clients), cfg.batch_size, self.device)
-        for w in range(len(plan.on)):
-            if not any(plan.on[w]):
-                break
-            lengths = plan.lengths(shards, w)
-            hidden = _reset(detach_hidden(hidden), plan.wrapped(w), self.device)
-            t = max(lengths)
-            sums, hidden = _nll(self.net, plan.inputs[:, w, :t], plan.targets[:, w, :t], plan.mask[:, w, :t],
-                                hidden, _Dropout(self.p_drop, drop_gens, lengths))
+        for w, sums in self._slots(plan, lambda lengths: _Dropout(self.p_drop, drop_gens, lengths)):
             n = plan.counts[:, w]
             mean = sums / n.clamp(min=1)
             self.loss_sum += mean.detach().double() * n.double()
@@ -287,6 +279,22 @@ class _Run:
             for p in self.net.params.values():
                 p.grad.div_(seen.view(-1, *[1] * (p.dim() - 1)))
             self._step(lr, took, plan.taking.amax(1))
+
+    def _slots(self, plan: _Plan, drop: Callable[[list[int]], Callable[[torch.Tensor], torch.Tensor]]
+               ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Each slot ``w`` of ``plan`` in turn with every client's summed NLL of its window [C]; the hidden state is
+        carried from slot to slot (detached: truncated BPTT) and zeroed for a client that wrapped to its shard's
+        start. ``drop(lengths)``: the slot's dropout, given each client's time steps."""
+        hidden = self.net.init_hidden(len(self.clients), self.cfg.batch_size, self.device)
+        for w in range(len(plan.on)):
+            if not any(plan.on[w]):
+                break
+            lengths = plan.lengths(self.shards, w)
+            hidden = _reset(detach_hidden(hidden), plan.wrapped(w), self.device)
+            t = max(lengths)
+            sums, hidden = _nll(self.net, plan.inputs[:, w, :t], plan.targets[:, w, :t], plan.mask[:, w, :t],
+                                hidden, drop(lengths))
+            yield w, sums
 
     def _step(self, lr: float, on: list[bool], active: torch.Tensor) -> None:
         _sgd_step(self.net, self.buffers, lr, self.cfg, active if not all(on) else None)
@@ -304,17 +312,9 @@ class _Run:
                 for s, c in zip(self.seeds, self.clients)]
         budget = [max(shards.windows(c) if cfg.full_batch else self.steps[c], 1) for c in range(len(self.clients))]
         plan = _Plan.build(shards, gens, bool(cfg.max_steps), budget, self.device)
-        hidden = self.net.init_hidden(len(self.clients), cfg.batch_size, self.device)
         total = torch.zeros(len(self.clients), dtype=torch.float64, device=self.device)
         with torch.no_grad():
-            for w in range(len(plan.on)):
-                if not any(plan.on[w]):
-                    break
-                lengths = plan.lengths(shards, w)
-                hidden = _reset(hidden, plan.wrapped(w), self.device)
-                t = max(lengths)
-                sums, hidden = _nll(self.net, plan.inputs[:, w, :t], plan.targets[:, w, :t], plan.mask[:, w, :t],
-                                    hidden, _no_dropout)
+            for w, sums in self._slots(plan, lambda lengths: _no_dropout):
                 n = plan.counts[:, w]
                 total += (sums / n.clamp(min=1)).double() * n.double()
         count = plan.counts.sum(1).tolist()

@@ -24,6 +24,9 @@ def test_a_cohort_run_trains_each_round_together_and_scores_as_one_at_a_time(tmp
     together_sim, together = run("together", True)
     assert together_sim.pool.cohorts == [3, 3]  # each round's three selected clients, trained as one
     assert together_sim.pool._free.empty()  # closed with its run: no models kept per run
+    # the three report together once the last has trained: the report deadline is one client's, times three
+    assert together_sim.engine.cfg.report_deadline_s == 3 * alone_sim.engine.cfg.report_deadline_s == 3 * 300.0
+    assert together_sim.cfg.report_deadline_s == 300.0  # the caller's config is left as it was
     assert alone["rounds_completed"] == together["rounds_completed"] == 2
     assert together["uploads_confirmed"] == alone["uploads_confirmed"] == 6
     assert together["best_valid"] == pytest.approx(alone["best_valid"], rel=1e-4)
@@ -38,7 +41,7 @@ def test_a_cohort_goes_on_without_agents_that_go_offline_or_crash(tmp_path):
                      max_lines=800, max_eval_lines=100, seed=0)
     cfg = JobConfig(job="cohort-faults", strategy="fedavg", rounds=3, clients=8, fraction=1.0, lr=0.5,
                     momentum=0.5, batch_size=4, epochs=1, max_steps=3, clip=0.0, heartbeat_s=1.0, seed=1,
-                    report_deadline_s=4.0, update_deadline_s=4.0)
+                    report_deadline_s=0.5, update_deadline_s=4.0)  # report: 8 × 0.5 s for the cohort
     sim = Simulation(cfg, task, "memory://cohort-faults", run_dir=tmp_path / "run", cohort=True,
                      availability="bernoulli:0.8", faults="crash-train:0.2", rejoin_s=0.2)
     summary = sim.run()
