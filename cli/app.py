@@ -162,7 +162,8 @@ def simulate(
     device: str = _opt("cpu", panel=RUN, metavar="DEVICE", help="auto, cpu, cuda or cuda:N"),
     cohort: bool = _opt(False, "--cohort", panel=RUN,
                         help="train each round's selected clients together, one batched model (LM tasks, SGD; "
-                             "for a GPU: slower than one at a time on a CPU)"),
+                             "for a GPU: slower than one at a time on a CPU); the report deadline is then "
+                             "per selected client"),
     seed: int = _opt(0, panel=RUN, metavar="N", help="one seed for sampling, dropouts, shards and init"),
     as_json: bool = _opt(False, "--json", panel=RUN, help="machine-readable output (default when not a terminal)"),
     log_level: str = _opt("info", "--log-level", panel=RUN, metavar="LEVEL", help="debug, info, warning or error"),
