@@ -284,6 +284,11 @@ class Agent:
         sync = payload["mode"] == "sync"
         if sync and (rnd <= self.last_round or self.client not in payload["selected"]):
             return
+        with self.trainers.taking_part(rnd, payload["selected"] if sync else (), self.client):
+            self._take_part(env, sync)
+
+    def _take_part(self, env: Envelope, sync: bool) -> None:
+        rnd, payload = env.round, env.payload
         if not self.availability.online(self.client, rnd if sync else env.model_version):
             self.log.offline_rounds.append(rnd)
             raise Offline(f"availability model: offline in slot {rnd}", True)

@@ -9,9 +9,12 @@ cuDNN handles and their workspaces, tens of MB each), so K agent threads that ea
 K sets of them — on an H100, eleven 100-client simulations ran out of its 80 GB by round 12.
 
 A ``CohortPool`` (``fedmq simulate --cohort``) trains its borrowers together: the agents a round selected each
-hand in their job, and once every borrowed model's job is in, one ``Task.train_cohort`` call trains them all (for
-the RNN language models, one batched model on the GPU: fedmq.tasks.lm_cohort). Each agent still fetches,
-trains on its own shard, encodes and uploads its own update; only the arithmetic of local training is shared.
+hand in their job, and once every selected agent has handed in its job or dropped out of the round, one
+``Task.train_cohort`` call trains them all (for the RNN language models, one batched model on the GPU:
+fedmq.tasks.lm_cohort). Each agent still fetches, trains on its own shard, encodes and uploads its own update;
+only the arithmetic of local training is shared. The pool learns who is coming from the round's announcement
+(``taking_part``), not from who has borrowed a model yet: on a loaded machine agents reach ``borrow`` seconds
+apart (a paper-scale round on a busy CPU trained 3 of its 10 clients as a cohort when it waited for borrowers).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import structlog
 import torch
@@ -34,6 +37,7 @@ from fedmq.tasks.base import Progress, Task, TrainConfig, TrainResult
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
+_PART: "contextvars.ContextVar[str | None]" = contextvars.ContextVar("taking_part", default=None)
 
 
 class TrainerPool:
@@ -64,6 +68,12 @@ class TrainerPool:
             yield model
         finally:
             self._free.put(model)
+
+    @contextlib.contextmanager
+    def taking_part(self, round_number: int, selected: Sequence[str], agent: str) -> Iterator[None]:
+        """``agent``'s part in round ``round_number``, which selected ``selected``: from its announcement to the
+        end of its training, however it ends. Nothing to a pool whose trainers work alone (CohortPool's)."""
+        yield
 
     def train(self, model: torch.nn.Module, client: int, cfg: TrainConfig, progress: Progress | None = None) -> TrainResult:
         """Local training of ``client`` on the borrowed ``model``, on the model's thread."""
@@ -100,16 +110,21 @@ class _Job:
 
 
 class CohortPool(TrainerPool):
-    """A pool whose borrowers train together (module docstring): jobs wait until every borrowed model's job is
-    in and nothing has been borrowed or handed in for ``settle_s`` (agents still on their way to ``borrow`` in
-    the same round join), then go to ``Task.train_cohort`` on one thread. ``cohorts`` lists the sizes trained."""
+    """A pool whose borrowers train together (module docstring). Jobs wait until every agent the newest round
+    selected has handed in its job or left the round (``taking_part``), every borrowed model's job is in, and
+    nothing has happened for ``settle_s``; then they go to ``Task.train_cohort`` on one thread. A selected agent
+    that never shows up (its announcement lost) is waited for ``patience_s`` of quiet at most. ``cohorts`` lists
+    the sizes trained."""
 
-    def __init__(self, task: Task, size: int = 1, seed: int = 0, settle_s: float = 0.2) -> None:
+    def __init__(self, task: Task, size: int = 1, seed: int = 0, settle_s: float = 0.2,
+                 patience_s: float = 10.0) -> None:
         super().__init__(task, size, seed)
-        self.settle_s = settle_s
+        self.settle_s, self.patience_s = settle_s, patience_s
         self.cohorts: list[int] = []
         self._cond = threading.Condition()
         self._borrowed = 0
+        self._round = -1
+        self._expected: set[str] = set()  # the newest round's selected agents with no job in and still in it
         self._jobs: list[_Job] = []
         self._last = time.monotonic()
         self._closed = False
@@ -124,12 +139,28 @@ class CohortPool(TrainerPool):
 
     @contextlib.contextmanager
     def borrow(self) -> Iterator[torch.nn.Module]:
-        with super().borrow() as model:
-            self._count(+1)
-            try:
+        self._count(+1)  # before the wait for a model (or its building): the borrower is on its way
+        try:
+            with super().borrow() as model:
                 yield model
-            finally:
-                self._count(-1)
+        finally:
+            self._count(-1)
+
+    @contextlib.contextmanager
+    def taking_part(self, round_number: int, selected: Sequence[str], agent: str) -> Iterator[None]:
+        with self._cond:
+            if round_number > self._round:  # the first of the round's agents to hear of it: expect them all
+                self._round, self._expected = round_number, set(selected)
+            self._last = time.monotonic()
+        token = _PART.set(agent)
+        try:
+            yield
+        finally:
+            _PART.reset(token)
+            with self._cond:
+                self._expected.discard(agent)  # offline, crashed or failed: the cohort does not wait for it
+                self._last = time.monotonic()
+                self._cond.notify_all()
 
     def train(self, model: torch.nn.Module, client: int, cfg: TrainConfig, progress: Progress | None = None) -> TrainResult:
         job = _Job(model, client, cfg, progress)
@@ -137,6 +168,7 @@ class CohortPool(TrainerPool):
             if self._closed:
                 raise RuntimeError("the run is over: its trainers are closed")
             self._jobs.append(job)
+            self._expected.discard(_PART.get() or "")
             self._last = time.monotonic()
             self._cond.notify_all()
         return job.done.result()
@@ -160,7 +192,7 @@ class CohortPool(TrainerPool):
                     self._cond.wait()
                     continue
                 ready = bool(self._jobs) and len(self._jobs) >= self._borrowed
-                wait = self.settle_s - (time.monotonic() - self._last)
+                wait = (self.patience_s if self._expected else self.settle_s) - (time.monotonic() - self._last)
                 if ready and wait <= 0:
                     jobs, self._jobs = self._jobs, []
                     return jobs

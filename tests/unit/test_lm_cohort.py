@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import pytest
 import torch
@@ -135,6 +136,59 @@ def test_the_pool_trains_its_borrowers_together(gru):
         alone = copy.deepcopy(start)
         single = gru.train(alone, c, TrainConfig(**cfg, seed=c))
         assert _max_diff(alone, models[c]) < 2e-5 and results[c].steps == single.steps
+
+
+class _SlowBuild:
+    """The task, with a model that takes ``seconds`` to build (a big model on a busy machine)."""
+
+    def __init__(self, task, seconds: float) -> None:
+        self._task, self._seconds = task, seconds
+
+    def build_model(self, seed: int = 0):
+        time.sleep(self._seconds)
+        return self._task.build_model(seed)
+
+    def __getattr__(self, name: str):
+        return getattr(self._task, name)
+
+
+def _round_of(pool: CohortPool, agents: dict[str, int | None], selected: list[str]) -> float:
+    """Round 1 on ``pool``: each agent named in ``agents`` hears the announcement of ``selected`` and trains its
+    client, or (client None) drops out of the round; returns the seconds until every agent is done."""
+    cfg = TrainConfig(**REGIME, max_steps=2)
+
+    def agent(name: str, client: int | None) -> None:
+        with pool.taking_part(1, selected, name):
+            if client is None:
+                return  # offline in this round
+            with pool.borrow() as model:
+                pool.train(model, client, cfg)
+
+    threads = [threading.Thread(target=agent, args=item) for item in agents.items()]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return time.monotonic() - t0
+
+
+def test_the_pool_waits_for_every_selected_agent_not_for_the_first_borrowers(gru):
+    """Models that take longer to build than the settle time: the first agent's job is in long before the others
+    have a model to borrow, and still the round's three train as one cohort."""
+    pool = CohortPool(_SlowBuild(gru, 0.4), size=3, seed=0, settle_s=0.1)
+    names = ["a", "b", "c"]
+    _round_of(pool, dict(zip(names, CLIENTS)), names)
+    assert pool.cohorts == [3]
+
+
+def test_a_selected_agent_that_drops_out_or_never_comes_is_not_waited_for_long(gru):
+    pool = CohortPool(gru, size=2, seed=0, settle_s=0.05, patience_s=30.0)
+    seconds = _round_of(pool, {"a": 0, "b": 3, "c": None}, ["a", "b", "c"])  # c: offline this round
+    assert pool.cohorts == [2] and seconds < 15.0
+    late = CohortPool(gru, size=2, seed=0, settle_s=0.05, patience_s=1.0)
+    seconds = _round_of(late, {"a": 0, "b": 3}, ["a", "b", "d"])  # d never hears of the round
+    assert late.cohorts == [2] and seconds >= 1.0
 
 
 def test_a_failing_cohort_fails_each_of_its_jobs_and_the_pool_goes_on(gru):
