@@ -14,7 +14,8 @@ hand in their job, and once every selected agent has handed in its job or droppe
 fedmq.tasks.lm_cohort). Each agent still fetches, trains on its own shard, encodes and uploads its own update;
 only the arithmetic of local training is shared. The pool learns who is coming from the round's announcement
 (``taking_part``), not from who has borrowed a model yet: on a loaded machine agents reach ``borrow`` seconds
-apart (a paper-scale round on a busy CPU trained 3 of its 10 clients as a cohort when it waited for borrowers).
+apart (a paper-scale round on a busy CPU trained 3 of its 10 clients as a cohort when it waited for borrowers:
+the other 7 were, most likely, waiting for their models to be built).
 """
 
 from __future__ import annotations
@@ -113,8 +114,8 @@ class CohortPool(TrainerPool):
     """A pool whose borrowers train together (module docstring). Jobs wait until every agent the newest round
     selected has handed in its job or left the round (``taking_part``), every borrowed model's job is in, and
     nothing has happened for ``settle_s``; then they go to ``Task.train_cohort`` on one thread. A selected agent
-    that never shows up (its announcement lost) is waited for ``patience_s`` of quiet at most. ``cohorts`` lists
-    the sizes trained."""
+    that never shows up (its announcement lost) is waited for ``patience_s`` of quiet at most, and not at all
+    once every model of the pool is in a job. ``cohorts`` lists the sizes trained."""
 
     def __init__(self, task: Task, size: int = 1, seed: int = 0, settle_s: float = 0.2,
                  patience_s: float = 10.0) -> None:
@@ -139,12 +140,12 @@ class CohortPool(TrainerPool):
 
     @contextlib.contextmanager
     def borrow(self) -> Iterator[torch.nn.Module]:
-        self._count(+1)  # before the wait for a model (or its building): the borrower is on its way
-        try:
-            with super().borrow() as model:
+        with super().borrow() as model:
+            self._count(+1)
+            try:
                 yield model
-        finally:
-            self._count(-1)
+            finally:
+                self._count(-1)
 
     @contextlib.contextmanager
     def taking_part(self, round_number: int, selected: Sequence[str], agent: str) -> Iterator[None]:
@@ -192,7 +193,9 @@ class CohortPool(TrainerPool):
                     self._cond.wait()
                     continue
                 ready = bool(self._jobs) and len(self._jobs) >= self._borrowed
-                wait = (self.patience_s if self._expected else self.settle_s) - (time.monotonic() - self._last)
+                # with every model handed in, an agent still to come could not borrow one until this cohort trains
+                coming = self._expected if self._borrowed < self.size else ()
+                wait = (self.patience_s if coming else self.settle_s) - (time.monotonic() - self._last)
                 if ready and wait <= 0:
                     jobs, self._jobs = self._jobs, []
                     return jobs
