@@ -183,7 +183,7 @@ def test_the_pool_waits_for_every_selected_agent_not_for_the_first_borrowers(gru
 
 
 def test_a_selected_agent_that_drops_out_or_never_comes_is_not_waited_for_long(gru):
-    pool = CohortPool(gru, size=2, seed=0, settle_s=0.05, patience_s=30.0)
+    pool = CohortPool(gru, size=3, seed=0, settle_s=0.05, patience_s=30.0)
     seconds = _round_of(pool, {"a": 0, "b": 3, "c": None}, ["a", "b", "c"])  # c: offline this round
     assert pool.cohorts == [2] and seconds < 15.0
     late = CohortPool(gru, size=3, seed=0, settle_s=0.05, patience_s=1.0)
