@@ -132,11 +132,15 @@ class CohortPool(TrainerPool):
         self._thread = threading.Thread(target=self._gather, name="cohort-trainer", daemon=True)
         self._thread.start()
 
+    def _changed(self) -> None:
+        """Under ``self._cond``: something happened, so the quiet period starts again and the gatherer looks."""
+        self._last = time.monotonic()
+        self._cond.notify_all()
+
     def _count(self, delta: int) -> None:
         with self._cond:
             self._borrowed += delta
-            self._last = time.monotonic()
-            self._cond.notify_all()
+            self._changed()
 
     @contextlib.contextmanager
     def borrow(self) -> Iterator[torch.nn.Module]:
@@ -152,7 +156,7 @@ class CohortPool(TrainerPool):
         with self._cond:
             if round_number > self._round:  # the first of the round's agents to hear of it: expect them all
                 self._round, self._expected = round_number, set(selected)
-            self._last = time.monotonic()
+            self._changed()
         token = _PART.set(agent)
         try:
             yield
@@ -160,8 +164,7 @@ class CohortPool(TrainerPool):
             _PART.reset(token)
             with self._cond:
                 self._expected.discard(agent)  # offline, crashed or failed: the cohort does not wait for it
-                self._last = time.monotonic()
-                self._cond.notify_all()
+                self._changed()
 
     def train(self, model: torch.nn.Module, client: int, cfg: TrainConfig, progress: Progress | None = None) -> TrainResult:
         job = _Job(model, client, cfg, progress)
@@ -170,8 +173,7 @@ class CohortPool(TrainerPool):
                 raise RuntimeError("the run is over: its trainers are closed")
             self._jobs.append(job)
             self._expected.discard(_PART.get() or "")
-            self._last = time.monotonic()
-            self._cond.notify_all()
+            self._changed()
         return job.done.result()
 
     def close(self) -> None:
