@@ -54,6 +54,7 @@ class TrainerPool:
         self._free: "queue.Queue[torch.nn.Module]" = queue.Queue()
         self._free.put(first)
         self._built = 1
+        self._open = True
         self._lock = threading.Lock()
         self._workers: dict[int, "queue.Queue[tuple[Callable[[], Any], Future]]"] = {}
 
@@ -68,7 +69,9 @@ class TrainerPool:
         try:
             yield model
         finally:
-            self._free.put(model)
+            with self._lock:
+                if self._open:  # a model given back after close (its agent outlived the run) is let go too
+                    self._free.put(model)
 
     @contextlib.contextmanager
     def taking_part(self, round_number: int, selected: Sequence[str], agent: str) -> Iterator[None]:
@@ -98,6 +101,7 @@ class TrainerPool:
         every run's). The threads stay parked: ending a thread that ran torch made the process abort at exit
         ("terminate called without an active exception") in 4 of 10 runs of `fedmq simulate`."""
         with self._lock:
+            self._open = False
             self._free = queue.Queue()
 
 

@@ -44,3 +44,10 @@ def test_close_lets_go_of_the_models():
     assert not pool._free.empty()
     pool.close()
     assert pool._free.empty()
+
+
+def test_a_model_given_back_after_close_is_let_go():
+    pool = TrainerPool(make_task("lm", data="builtin", model="gru-tiny", clients=2, seed=0), size=1, seed=0)
+    with pool.borrow():
+        pool.close()  # the run ends while an agent still holds its model
+    assert pool._free.empty()
