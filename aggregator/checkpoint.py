@@ -1,4 +1,4 @@
-"""Atomic aggregator checkpoints: write to a temp file, fsync, os.replace, fsync the directory.
+"""Atomic aggregator checkpoints (fedmq.files, durable: a temp file, fsync, os.replace, fsync the directory).
 
 File ``ckpt-<round:08d>-<version:08d>.fmq`` = magic ``FMQCKPT1`` + 32-byte SHA-256 of the payload + payload,
 the payload being ``torch.save({"tensors": [...], "meta": <json str>})``. Everything that is not a tensor
@@ -15,7 +15,6 @@ import io
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import structlog
 import torch
 
 from aggregator.strategies.errors import CheckpointError
+from fedmq.files import replacing
 
 log = structlog.get_logger(__name__)
 
@@ -78,14 +78,6 @@ def _decode(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(
     path_dir: str | os.PathLike,
     *,
@@ -121,19 +113,10 @@ def save_checkpoint(
     torch.save({"tensors": tensors, "meta": json.dumps(meta)}, buf)
     payload = buf.getvalue()
     target = directory / f"ckpt-{round:08d}-{model_version:08d}.fmq"
-    fd, tmp = tempfile.mkstemp(prefix=".ckpt-", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(MAGIC)
-            fh.write(hashlib.sha256(payload).digest())
-            fh.write(payload)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(directory)
+    with replacing(target, durable=True) as fh:
+        fh.write(MAGIC)
+        fh.write(hashlib.sha256(payload).digest())
+        fh.write(payload)
     for old in _candidates(directory)[keep:]:
         old.unlink(missing_ok=True)
     log.info("checkpoint.saved", path=str(target), round=round, model_version=model_version, bytes=len(payload) + 40)

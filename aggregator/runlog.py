@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -25,6 +24,7 @@ import structlog
 
 from aggregator.records import CLIENT_LISTS, MalformedRow, RoundRecord
 from fedmq.errors import FedmqError
+from fedmq.files import replacing, write_atomic
 
 log = structlog.get_logger(__name__)
 
@@ -173,9 +173,7 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=str))
 
 
 def csv_cells(row: dict[str, Any]) -> list[str]:
@@ -249,9 +247,7 @@ class RunLog:
         TensorBoard's rows of those rounds are hidden by a purge from ``rnd + 1`` on (TensorBoard drops the
         steps a restarted writer declares purged); a run folder without event files gets its kept rows in new ones."""
         kept = [(line, r) for line, r in _lines(self.dir) if r is not None and r.round <= rnd]
-        tmp = self.metrics_path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line, _ in kept))
-        os.replace(tmp, self.metrics_path)
+        write_atomic(self.metrics_path, "".join(line + "\n" for line, _ in kept))
         records = [r for _, r in kept]
         self._write_csv(records)
         self.close()
@@ -287,12 +283,10 @@ class RunLog:
             csv.writer(fh).writerow(csv_cells(record.to_json()))
 
     def _write_csv(self, records: list[RoundRecord]) -> None:
-        tmp = self.csv_path.with_suffix(".tmp")
-        with open(tmp, "w", newline="") as fh:
+        with replacing(self.csv_path, text=True) as fh:
             writer = csv.writer(fh)
             writer.writerow(CSV_COLUMNS)
             writer.writerows(csv_cells(r.to_json()) for r in records)
-        os.replace(tmp, self.csv_path)
         self._csv_checked = True
 
     def _board_rows(self, records: list[RoundRecord]) -> None:

@@ -9,28 +9,12 @@ Acking promptly also keeps every delivery far below RabbitMQ's consumer timeout,
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
-
-def _write_atomic(path: Path, data: bytes, durable: bool) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        if durable:
-            fh.flush()
-            os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    if durable:
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
+from fedmq.files import write_atomic
 
 _KEY = re.compile(r"^[A-Za-z0-9_-]{1,80}$")
 
@@ -47,12 +31,12 @@ class RoundSpool:
 
     def save_state(self, rnd: int, state: dict[str, Any]) -> None:
         """Round facts decided so far: selected, granted, strategy choice, reports."""
-        _write_atomic(self._dir(rnd) / "round.json", json.dumps(state).encode(), self.durable)
+        write_atomic(self._dir(rnd) / "round.json", json.dumps(state).encode(), durable=self.durable)
 
     def save_update(self, rnd: int, client: str, body: bytes) -> None:
         if not _KEY.match(client):  # client ids are validated by the envelope; never let a name leave the dir
             raise ValueError(f"bad spool key {client!r}")
-        _write_atomic(self._dir(rnd) / f"update-{client}.msg", body, self.durable)
+        write_atomic(self._dir(rnd) / f"update-{client}.msg", body, durable=self.durable)
 
     def load(self, rnd: int) -> tuple[dict[str, Any] | None, dict[str, bytes]]:
         d = self.root / f"r{rnd:06d}"
@@ -73,7 +57,7 @@ class RoundSpool:
         torch.save(state, buf)
         d = self.root / "bases"
         d.mkdir(parents=True, exist_ok=True)
-        _write_atomic(d / f"v{version:06d}.pt", buf.getvalue(), self.durable)
+        write_atomic(d / f"v{version:06d}.pt", buf.getvalue(), durable=self.durable)
 
     def load_bases(self, oldest: int) -> dict[int, dict[str, Any]]:
         """The saved bases from version ``oldest`` on (older ones are deleted)."""

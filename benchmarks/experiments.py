@@ -54,6 +54,7 @@ from aggregator.records import RoundRecord
 from aggregator.runlog import (CONFIG_FILE, RunLog, finished, read_config, read_rounds, read_summary,
                                write_summary)
 from fedmq.errors import FedmqError
+from fedmq.files import write_atomic
 from fedmq.tasks.base import Task, TrainConfig, load_state, model_state
 from fedmq.tasks.training import resolve_device
 
@@ -246,7 +247,7 @@ def _trace_file(out: Path, clients: int, rounds: int) -> Path:
         period, off = 3 + i % 4, 2
         spans[f"agent-{i}"] = [[s, s + period - off] for s in range(-period + i % period, rounds + period, period)]
     path = out / "availability-trace.json"
-    path.write_text(json.dumps(spans))
+    write_atomic(path, json.dumps(spans))
     return path
 
 
@@ -437,11 +438,11 @@ class Runner:
         if run_dir.exists() and not resume:
             shutil.rmtree(run_dir)
         if not resume and (source := self.reuse(spec, seed, run_dir, cfg)) is not None:
-            marker.write_text(json.dumps({"key": key, "done": True, "reused": str(source)}))
+            write_atomic(marker, json.dumps({"key": key, "done": True, "reused": str(source)}))
             log.info("experiment run reused", run=spec.name, source=str(source))
             return read_summary(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        marker.write_text(json.dumps({"key": key, "done": False}))
+        write_atomic(marker, json.dumps({"key": key, "done": False}))
         task = task if task is not None else self.task(spec.task, spec.task_options)
         started = time.time()
         if spec.central:
@@ -453,7 +454,7 @@ class Runner:
             summary = sim.run()
         summary["run_wall_s"] = time.time() - started
         write_summary(run_dir, summary)
-        marker.write_text(json.dumps({"key": key, "done": True}))
+        write_atomic(marker, json.dumps({"key": key, "done": True}))
         log.info("experiment run done", run=spec.name, test=summary.get("test"), wall_s=round(summary["run_wall_s"], 1))
         return summary
 
@@ -732,8 +733,8 @@ def _pretrained_engine(task: Any, s: dict[str, Any], options: dict[str, Any],
     table = {label: domain_bleu(task, model, "test", s["per_domain_test"])}
     ce = {label: domain_ce(task, model, "test", s["per_domain_test"])}
     torch.save(pretrained, cache_pt)
-    cache_json.write_text(json.dumps({"key": key, "table": table, "ce": ce, "pretrain_s": pretrain_s,
-                                      "pretrain": info}))
+    write_atomic(cache_json, json.dumps({"key": key, "table": table, "ce": ce, "pretrain_s": pretrain_s,
+                                        "pretrain": info}))
     return pretrained, table, ce, pretrain_s, info
 
 
@@ -756,7 +757,7 @@ def _local_only(task: Any, s: dict[str, Any], pretrained: dict[str, torch.Tensor
                                      seed=_PRE_SEED, **_nmt_train(s)))
         table[f"client {client} (local only)"] = domain_bleu(task, m, "test", s["per_domain_test"])
         ce[f"client {client} (local only)"] = domain_ce(task, m, "test", s["per_domain_test"])
-    path.write_text(json.dumps({"key": key, "table": table, "ce": ce}))
+    write_atomic(path, json.dumps({"key": key, "table": table, "ce": ce}))
     return table, ce
 
 
@@ -992,7 +993,7 @@ def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None,
                    "per_seed": {str(s): r for s, r in zip(seeds, per_seed)}}
     results.update(experiment=name, scale=scale, seeds=seeds, threads=threads, only=only, overrides=overrides or {},
                    wall_s=round(time.time() - started, 1))
-    (exp_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    write_atomic(exp_dir / "results.json", json.dumps(results, indent=1, default=str))
     changed = f", overrides {overrides}" if overrides else ""
     columns = _COLUMNS[name] if len(seeds) == 1 else _seed_columns(_COLUMNS[name])
     seed_text = f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {', '.join(map(str, seeds))}, mean ± sd"
@@ -1014,7 +1015,7 @@ def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None,
         if r.get("ce_by_domain"):
             text += ["", "Cross-entropy (nats a reference token, teacher forcing) on each domain's test pairs "
                      f"(seed {seed}):", "", domain_markdown(r["ce_by_domain"], r["domains"], digits=3)]
-    (exp_dir / "results.md").write_text("\n".join(text) + "\n")
+    write_atomic(exp_dir / "results.md", "\n".join(text) + "\n")
     if report is not None:
         for folder, r in zip(folders, per_seed):
             report([folder / row["run"] for row in r["runs"]], folder / "report")

@@ -7,8 +7,6 @@ heatmaps use viridis. Legends sit outside the data area.
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,7 @@ from matplotlib.ticker import MaxNLocator
 
 from aggregator.records import RoundRecord
 from cli.runs import RunData
+from fedmq.files import replacing
 
 OKABE_ITO = {
     "blue": "#0072B2", "orange": "#E69F00", "green": "#009E73", "vermillion": "#D55E00",
@@ -84,14 +83,8 @@ def _wants_log(values: list[float], ratio: float) -> bool:
 def save_png(fig: Figure, path: Path) -> Path:
     """Render ``fig`` to ``path`` (through a temporary file, so a reader never sees half an image)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fig.savefig(fh, format="png", dpi=DPI, metadata={"Software": "fedmq report"})
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with replacing(path) as fh:
+        fig.savefig(fh, format="png", dpi=DPI, metadata={"Software": "fedmq report"})
     return path
 
 

@@ -13,7 +13,6 @@ import html
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import structlog
 from aggregator.records import is_number
 from aggregator.runlog import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
 from cli.runs import ReportError, RunData, load_runs
+from fedmq.files import write_atomic
 
 log = structlog.get_logger(__name__)
 
@@ -262,18 +262,6 @@ def render_markdown(runs: list[RunData], scores: list[Score], figures: list[tupl
     return "\n".join(lines)
 
 
-def _write_text(path: Path, text: str) -> None:
-    """Write through a temporary file and rename, so a reader never sees half a page."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _prepare_out_dir(out_dir: Path) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise ReportError(f"report output {out_dir} exists and is not a folder")
@@ -313,8 +301,8 @@ def build_report(run_dirs: list[Path], out_dir: Path) -> ReportResult:
         figures.append((key, caption, path))
 
     md_path, html_path = out_dir / "report.md", out_dir / "report.html"
-    _write_text(md_path, render_markdown(runs, scores, figures, notes))
-    _write_text(html_path, render_html(runs, scores, figures, notes))
+    write_atomic(md_path, render_markdown(runs, scores, figures, notes))  # a reader never sees half a page
+    write_atomic(html_path, render_html(runs, scores, figures, notes))
     result = ReportResult(out_dir=out_dir, html=html_path, markdown=md_path,
                           figures={k: p for k, _, p in figures}, scores=scores,
                           malformed_lines={r.name: r.malformed_lines for r in runs if r.malformed_lines},

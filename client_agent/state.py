@@ -9,11 +9,11 @@ keeps them on disk, so K simulated clients cost no memory for it.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import torch
+
+from fedmq.files import replacing
 
 State = dict[str, torch.Tensor]
 
@@ -45,10 +45,8 @@ class DiskStore:
         return self.root / f"{client}.{name}.pt"
 
     def put(self, client: str, name: str, version: int, state: State) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
-        os.close(fd)
-        torch.save({"version": version, "state": state}, tmp)
-        os.replace(tmp, self._path(client, name))
+        with replacing(self._path(client, name)) as fh:
+            torch.save({"version": version, "state": state}, fh)
 
     def get(self, client: str, name: str) -> tuple[int, State] | None:
         path = self._path(client, name)

@@ -22,6 +22,7 @@ import numpy as np
 import structlog
 import torch
 
+from fedmq.files import write_atomic
 from fedmq.tasks.corpora import resolve
 from fedmq.tasks.errors import TaskError
 
@@ -144,9 +145,7 @@ class SubwordVocab:
         model = out.getvalue()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_bytes(model)
-            tmp.replace(path)
+            write_atomic(path, model)
         except OSError as e:  # a read-only home is not fatal: the model is in memory
             log.warning("cannot cache the subword model", path=str(path), error=str(e))
         log.info("trained subword vocabulary", vocab_size=vocab_size, sentences=len(texts), path=str(path))

@@ -1,0 +1,48 @@
+"""Writing a file whole or not at all: the new content goes to a temporary file beside it, which then replaces it
+(``os.replace``), so that a reader, or a process restarted after a crash, finds the old file or the new one, never
+half of one. Each write has a temporary of its own, so two processes writing one file (two experiment processes
+sharing a grid) do not mix. ``durable`` also fsyncs the file and its folder before returning, so that the new
+file survives a power cut (checkpoints, the round spool)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+
+@contextlib.contextmanager
+def replacing(path: str | os.PathLike, *, text: bool = False, durable: bool = False) -> Iterator[IO[Any]]:
+    """A file to write ``path``'s new content to (binary, or text in UTF-8 with ``text``): it replaces ``path``
+    when the block ends, and is removed instead when the block raises."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")  # a dot first: no reader's glob sees it
+    try:
+        with open(tmp, "x", encoding="utf-8", newline="") if text else open(tmp, "xb") as fh:
+            yield fh
+            if durable:
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(path.parent)
+
+
+def write_atomic(path: str | os.PathLike, data: bytes | str, *, durable: bool = False) -> None:
+    """Replace ``path`` by ``data`` (a str is written as UTF-8), whole or not at all (module docstring)."""
+    with replacing(path, text=isinstance(data, str), durable=durable) as fh:
+        fh.write(data)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a folder's entries (a file just created, replaced or removed in it) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,60 @@
+"""fedmq.files: a file is replaced whole or not at all, and two writers of one file do not mix."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from fedmq import files
+from fedmq.files import replacing, write_atomic
+
+
+def test_write_atomic_replaces_the_file_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "results.md"
+    path.write_text("old")
+    write_atomic(path, "new ✓")
+    write_atomic(tmp_path / "blob", b"\x00\xff")
+    assert path.read_text(encoding="utf-8") == "new ✓"
+    assert (tmp_path / "blob").read_bytes() == b"\x00\xff"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blob", "results.md"]
+
+
+def test_a_failed_write_keeps_the_old_file_and_removes_its_temporary(tmp_path):
+    path = tmp_path / "summary.json"
+    path.write_text("old")
+    with pytest.raises(RuntimeError, match="crashed"):
+        with replacing(path, text=True) as fh:
+            fh.write("half of the new")
+            raise RuntimeError("crashed mid-write")
+    assert path.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_two_writers_of_one_file_each_have_their_own_temporary(tmp_path):
+    path = tmp_path / "results.md"
+    with replacing(path, text=True) as first:
+        first.write("first, ")
+        with replacing(path, text=True) as second:  # a second process's table, written meanwhile
+            second.write("second whole")
+        first.write("whole")
+        assert path.read_text() == "second whole"  # readers see one whole table, never a mix
+    assert path.read_text() == "first, whole"
+    assert [p.name for p in tmp_path.iterdir()] == ["results.md"]
+
+
+def test_text_mode_keeps_line_ends_as_written(tmp_path):
+    path = tmp_path / "metrics.csv"
+    with replacing(path, text=True) as fh:
+        fh.write("a,b\r\n1,2\r\n")  # the csv module's line ends
+    assert path.read_bytes() == b"a,b\r\n1,2\r\n"
+
+
+def test_durable_fsyncs_the_file_and_its_folder(tmp_path, monkeypatch):
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(files.os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    write_atomic(tmp_path / "round.json", b"{}")
+    assert synced == []
+    write_atomic(tmp_path / "round.json", b"{}", durable=True)
+    assert len(synced) == 2  # the new file, then the folder entry that names it
