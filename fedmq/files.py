@@ -2,7 +2,8 @@
 (``os.replace``), so that a reader, or a process restarted after a crash, finds the old file or the new one, never
 half of one. Each write has a temporary of its own, so two processes writing one file (two experiment processes
 sharing a grid) do not mix. ``durable`` also fsyncs the file and its folder before returning, so that the new
-file survives a power cut (checkpoints, the round spool)."""
+file survives a power cut (checkpoints, the round spool); ``private`` makes it readable by its owner only from the
+moment it exists (credentials)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ from typing import IO, Any, Iterator
 
 
 @contextlib.contextmanager
-def replacing(path: str | os.PathLike, *, text: bool = False, durable: bool = False) -> Iterator[IO[Any]]:
+def replacing(path: str | os.PathLike, *, text: bool = False, durable: bool = False,
+              private: bool = False) -> Iterator[IO[Any]]:
     """A file to write ``path``'s new content to (binary, or text in UTF-8 with ``text``): it replaces ``path``
     when the block ends, and is removed instead when the block raises."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")  # a dot first: no reader's glob sees it
     try:
-        with open(tmp, "x", encoding="utf-8", newline="") if text else open(tmp, "xb") as fh:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o666)  # 0o666: the umask's
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") if text else os.fdopen(fd, "wb") as fh:
             yield fh
             if durable:
                 fh.flush()
@@ -33,9 +36,9 @@ def replacing(path: str | os.PathLike, *, text: bool = False, durable: bool = Fa
         fsync_dir(path.parent)
 
 
-def write_atomic(path: str | os.PathLike, data: bytes | str, *, durable: bool = False) -> None:
+def write_atomic(path: str | os.PathLike, data: bytes | str, *, durable: bool = False, private: bool = False) -> None:
     """Replace ``path`` by ``data`` (a str is written as UTF-8), whole or not at all (module docstring)."""
-    with replacing(path, text=isinstance(data, str), durable=durable) as fh:
+    with replacing(path, text=isinstance(data, str), durable=durable, private=private) as fh:
         fh.write(data)
 
 

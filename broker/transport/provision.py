@@ -43,6 +43,7 @@ from broker.transport import topology as t
 from broker.transport.errors import BrokerError
 from broker.transport.queues import job_queues
 from broker.transport.urls import addresses, redact, with_credentials
+from fedmq.files import write_atomic
 
 log = structlog.get_logger(__name__)
 
@@ -296,9 +297,7 @@ def provision_cli(*, broker: str, vhost: str, job: str, agents: int, secrets_out
     creds = provision(broker, vhost=vhost, job=job, agents=[f"agent-{i}" for i in range(agents)],
                       remove_guest=remove_guest, passwords=old)
     if credentials_out is not None:
-        path = Path(credentials_out)
-        path.write_text(json.dumps(creds, indent=2) + "\n")
-        path.chmod(0o600)
+        write_atomic(Path(credentials_out), json.dumps(creds, indent=2) + "\n", private=True)
     if secrets_out == "-":
         sys.stdout.write(secret_manifests(creds, namespace))
     elif secrets_out:
@@ -306,7 +305,7 @@ def provision_cli(*, broker: str, vhost: str, job: str, agents: int, secrets_out
         out.mkdir(parents=True, exist_ok=True)
         for doc in secret_manifests(creds, namespace).split("---\n"):
             name = re.search(r"name: (\S+)", doc).group(1)  # type: ignore[union-attr]
-            (out / f"{name}.yaml").write_text(doc)
+            write_atomic(out / f"{name}.yaml", doc, private=True)  # passwords: never readable by others
 
 
 def check(url: str, job: str | None = None) -> dict[str, Any]:

@@ -194,7 +194,8 @@ def test_provision_configures_the_node_the_url_names(rabbit_node, tmp_path):
 
     vhost = "fedmq-port-" + uuid.uuid4().hex[:6]
     cmd = [sys.executable, "-m", "cli.app", "broker", "provision", "--broker", rabbit_node.url, "--vhost", vhost,
-           "--job", "portjob", "--agents", "1", "--credentials-out", str(tmp_path / "creds.json")]
+           "--job", "portjob", "--agents", "1", "--credentials-out", str(tmp_path / "creds.json"),
+           "--secrets-out", str(tmp_path / "secrets")]
     root = Path(__file__).resolve().parents[2]
     wrong = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=root)
     assert wrong.returncode == 2, wrong.stderr
@@ -209,6 +210,10 @@ def test_provision_configures_the_node_the_url_names(rabbit_node, tmp_path):
         assert right.returncode == 0, right.stderr[-2000:]
         assert vhost in rabbit_node.ctl("list_vhosts", "--quiet")
         creds = json.loads((tmp_path / "creds.json").read_text())
+        secrets = sorted((tmp_path / "secrets").iterdir())
+        assert [p.name for p in secrets] == ["fedmq-agent-agent-0.yaml", "fedmq-aggregator.yaml"]
+        for path in [tmp_path / "creds.json", *secrets]:  # passwords: the owner's alone
+            assert path.stat().st_mode & 0o077 == 0, path
         with connect(creds["agents"]["agent-0"]["url"]) as agent:
             assert agent.user == "portjob.agent-0"  # per-job user names
     finally:

@@ -58,3 +58,16 @@ def test_durable_fsyncs_the_file_and_its_folder(tmp_path, monkeypatch):
     assert synced == []
     write_atomic(tmp_path / "round.json", b"{}", durable=True)
     assert len(synced) == 2  # the new file, then the folder entry that names it
+
+
+def test_private_files_are_the_owners_alone_from_the_moment_they_exist(tmp_path):
+    path = tmp_path / "creds.json"
+    with replacing(path, text=True, private=True) as fh:
+        fh.write("{}")
+        (tmp,) = [p for p in tmp_path.iterdir()]  # the temporary, before it becomes creds.json
+        assert tmp.stat().st_mode & 0o077 == 0
+    assert path.stat().st_mode & 0o777 == 0o600
+    write_atomic(tmp_path / "report.md", "x")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "report.md").stat().st_mode & 0o777 == 0o666 & ~umask  # an ordinary file otherwise
