@@ -1,4 +1,5 @@
-"""Atomic aggregator checkpoints (fedmq.files, durable: a temp file, fsync, os.replace, fsync the directory).
+"""Atomic aggregator checkpoints (fedmq.files, durable and private: a temp file, fsync, os.replace, fsync the
+directory; mode 0600).
 
 File ``ckpt-<round:08d>-<version:08d>.fmq`` = magic ``FMQCKPT1`` + 32-byte SHA-256 of the payload + payload,
 the payload being ``torch.save({"tensors": [...], "meta": <json str>})``. Everything that is not a tensor
@@ -113,7 +114,7 @@ def save_checkpoint(
     torch.save({"tensors": tensors, "meta": json.dumps(meta)}, buf)
     payload = buf.getvalue()
     target = directory / f"ckpt-{round:08d}-{model_version:08d}.fmq"
-    with replacing(target, durable=True) as fh:
+    with replacing(target, durable=True, private=True) as fh:  # the model: its owner's alone
         fh.write(MAGIC)
         fh.write(hashlib.sha256(payload).digest())
         fh.write(payload)

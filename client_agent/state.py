@@ -45,7 +45,7 @@ class DiskStore:
         return self.root / f"{client}.{name}.pt"
 
     def put(self, client: str, name: str, version: int, state: State) -> None:
-        with replacing(self._path(client, name)) as fh:
+        with replacing(self._path(client, name), private=True) as fh:  # trained on private data: 0600
             torch.save({"version": version, "state": state}, fh)
 
     def get(self, client: str, name: str) -> tuple[int, State] | None:

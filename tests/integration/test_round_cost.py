@@ -114,6 +114,8 @@ def test_state_stores_round_trip(tmp_path, store_kind):
     store.put("a", "model", 4, state)
     version, got = store.get("a", "model")
     assert version == 4 and torch.equal(got["w"], state["w"])
+    if store_kind == "disk":  # a client's model, trained on its private data: the owner's alone
+        assert [p.stat().st_mode & 0o777 for p in (tmp_path / "clients").iterdir()] == [0o600]
     store.drop("a", "model")
     assert store.get("a", "model") is None
 

@@ -88,6 +88,10 @@ def test_keeps_the_newest_n_and_ignores_temp_files(tmp_path):
     assert load_checkpoint(tmp_path).round == 5
 
 
+def test_a_checkpoint_is_readable_by_its_owner_only(tmp_path):
+    assert save(tmp_path, 1, 1.0).stat().st_mode & 0o777 == 0o600
+
+
 def test_empty_or_missing_directory_gives_none(tmp_path):
     assert load_checkpoint(tmp_path) is None
     assert load_checkpoint(tmp_path / "nope") is None
