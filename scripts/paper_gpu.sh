@@ -22,6 +22,9 @@
 #                 call at once, analyse after); on a fresh machine they start again from round 1.
 #                 Two experiments in one call: `run` the first in the background, and the second a minute later
 #                 (once the first has installed the wheels and started MPS) with OUT=$OUT/NAME, then `wait`.
+#                 BENCH="ptb wikitext-2" first runs `fedmq bench cohort` on each corpus (BENCH_S seconds at most each,
+#                 default 120; BENCH_COHORT sizes, default 10,50; BENCH_ARGS more options) into $OUT/bench.txt, and
+#                 the jobs get what is left of SECONDS.
 #   here, after:  scripts/paper_gpu.sh unpack FOLDER   (FOLDER = the call's files_at) -> merged into runs/paper
 #
 # SCALE (default paper) and DEVICE (default cuda) exist so that the round trip can be rehearsed on the CPU:
@@ -71,8 +74,20 @@ case "$cmd" in
         sleep 30; done >> "$out/gpu.txt") &
       watcher=$!
     fi
+    # BENCH="ptb wikitext-2": first time one round's local training one at a time vs as a cohort on each corpus
+    # (fedmq bench cohort, at most BENCH_S seconds each, default 120), into $OUT/bench.txt; the jobs then get what
+    # is left of SECONDS
+    started=$SECONDS
+    for corpus in ${BENCH:-}; do
+      echo "== bench cohort $corpus ($(date -u +%T))" >> "$out/bench.txt"
+      timeout -k 10 "${BENCH_S:-120}" "$py" -m cli.app bench cohort --data ".gpudata/$corpus" --cohort "${BENCH_COHORT:-10,50}" \
+        --epochs 1 --repeats 1 --device "$device" ${BENCH_ARGS:-} >> "$out/bench.txt" 2>&1 || echo "bench cohort $corpus: exit $?" >> "$out/bench.txt"
+    done
+    seconds=$((seconds - (SECONDS - started)))
+    if [ "$seconds" -lt 30 ]; then echo "no time left for the jobs after the bench" >&2; seconds=0; fi
     pids=()
     for job in ${jobs//,/ }; do
+      [ "$seconds" -gt 0 ] || break
       cell=${job%%:*}; seed=${job#*:}; [ "$seed" = "$job" ] && seed=0
       dir=runs/paper/$exp${SET:+-${SET//[ =]/-}}/seed-$seed/$cell
       mkdir -p "$dir"
@@ -93,6 +108,7 @@ case "$cmd" in
       done
       for l in runs/paper/"$exp"*/seed-*/*/log.txt; do echo "== $l"; tail -n 3 "$l"; done
     } > "$out/progress.txt"
+    mkdir -p runs/paper
     (cd runs && find paper \( -name metrics.jsonl -o -name summary.json -o -name spec.json -o -name config.json \
       -o -name results.json -o -name log.txt \) -print0 | tar -czf "$out/results.tgz" --null -T -)
     ls -la "$out"
@@ -102,6 +118,7 @@ case "$cmd" in
     mkdir -p runs
     tar -xzf "$from/results.tgz" -C runs
     cat "$from/progress.txt"
+    if [ -f "$from/bench.txt" ]; then cat "$from/bench.txt"; fi
     ;;
   *)
     echo "usage: scripts/paper_gpu.sh prepare | run CELLS SECONDS [SCALE] [DEVICE] | unpack FOLDER" >&2
