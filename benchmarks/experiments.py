@@ -206,7 +206,7 @@ def topk(scale: str) -> list[RunSpec]:
 
 def randomization(scale: str) -> list[RunSpec]:
     """FedAtt Table III: FedAvg vs FedAtt with the clients adding noise·N(0, 1) to their weights."""
-    noises = _pick(scale, [0.0, 0.01], [0.0, 0.005, 0.05], [0.0, 0.001, 0.005, 0.01, 0.05])
+    noises = _pick(scale, [0.0, 0.01], [0.0, 0.001, 0.005, 0.01, 0.05], [0.0, 0.001, 0.005, 0.01, 0.05])
     return [_lm(scale, f"{s}-noise{n}", {"strategy": s, "noise": n}, strategy=s, fraction=0.5, noise=n)
             for n in noises for s in ("fedavg", "fedatt")]
 
