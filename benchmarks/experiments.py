@@ -178,7 +178,7 @@ def sweep(scale: str) -> list[RunSpec]:
 
 def fraction(scale: str) -> list[RunSpec]:
     """FedAtt Fig. 2 / FedMed Fig. 4: test perplexity vs the client fraction C."""
-    cs = _pick(scale, [0.5], [0.1, 0.2, 0.5, 0.9], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+    cs = _pick(scale, [0.5], [0.1, 0.2, 0.5, 0.7, 0.9], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
     return [_lm(scale, f"{s}-c{c}", {"strategy": s, "C": c}, strategy=s, fraction=c)
             for c in cs for s in ("fedavg", "fedatt", "fedmed")]
 
@@ -199,7 +199,7 @@ def rounds_to_target(scale: str) -> list[RunSpec]:
 
 def topk(scale: str) -> list[RunSpec]:
     """FedMed Fig. 5: top-K share β of the reporting clients allowed to upload, vs upload bytes."""
-    betas = _pick(scale, [0.5, 1.0], [0.3, 0.5, 0.7, 1.0], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
+    betas = _pick(scale, [0.5, 1.0], [0.3, 0.5, 0.7, 0.8, 0.9, 1.0], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
     return [_lm(scale, f"fedmed-beta{b}", {"strategy": "fedmed", "beta": b}, strategy="fedmed", fraction=0.5, beta=b)
             for b in betas]
 
