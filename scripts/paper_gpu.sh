@@ -74,20 +74,17 @@ case "$cmd" in
         sleep 30; done >> "$out/gpu.txt") &
       watcher=$!
     fi
-    # BENCH="ptb wikitext-2": first time one round's local training one at a time vs as a cohort on each corpus
-    # (fedmq bench cohort, at most BENCH_S seconds each, default 120), into $OUT/bench.txt; the jobs then get what
-    # is left of SECONDS
-    started=$SECONDS
+    started=$SECONDS  # BENCH first (see the header); the jobs get what is left of SECONDS
+    todo=$jobs
     for corpus in ${BENCH:-}; do
       echo "== bench cohort $corpus ($(date -u +%T))" >> "$out/bench.txt"
       timeout -k 10 "${BENCH_S:-120}" "$py" -m cli.app bench cohort --data ".gpudata/$corpus" --cohort "${BENCH_COHORT:-10,50}" \
         --epochs 1 --repeats 1 --device "$device" ${BENCH_ARGS:-} >> "$out/bench.txt" 2>&1 || echo "bench cohort $corpus: exit $?" >> "$out/bench.txt"
     done
     seconds=$((seconds - (SECONDS - started)))
-    if [ "$seconds" -lt 30 ]; then echo "no time left for the jobs after the bench" >&2; seconds=0; fi
+    if [ "$seconds" -lt 30 ]; then echo "no time left for the jobs after the bench" >&2; todo=""; fi
     pids=()
-    for job in ${jobs//,/ }; do
-      [ "$seconds" -gt 0 ] || break
+    for job in ${todo//,/ }; do
       cell=${job%%:*}; seed=${job#*:}; [ "$seed" = "$job" ] && seed=0
       dir=runs/paper/$exp${SET:+-${SET//[ =]/-}}/seed-$seed/$cell
       mkdir -p "$dir"
@@ -106,7 +103,7 @@ case "$cmd" in
         d=$(dirname "$m")
         echo "$d: $(wc -l < "$m") rounds$([ -f "$d/summary.json" ] && echo ', done'); last: $(tail -n 1 "$m" | cut -c1-200)"
       done
-      for l in runs/paper/"$exp"*/seed-*/*/log.txt; do echo "== $l"; tail -n 3 "$l"; done
+      for l in runs/paper/"$exp"*/seed-*/*/log.txt; do [ -f "$l" ] || continue; echo "== $l"; tail -n 3 "$l"; done
     } > "$out/progress.txt"
     mkdir -p runs/paper
     (cd runs && find paper \( -name metrics.jsonl -o -name summary.json -o -name spec.json -o -name config.json \
