@@ -12,11 +12,11 @@ import time
 
 import structlog
 
-from aggregator.inbox import Received
-from aggregator.rounds import RoundContext, RoundStats
-from aggregator.strategies.base import State, Strategy
-from broker.wire import messages
-from broker.wire.envelope import Envelope, Kind
+from fedmq.aggregator.inbox import Received
+from fedmq.aggregator.rounds import RoundContext, RoundStats
+from fedmq.aggregator.strategies.base import State, Strategy
+from fedmq.broker.wire import messages
+from fedmq.broker.wire.envelope import Envelope, Kind
 
 log = structlog.get_logger(__name__)
 

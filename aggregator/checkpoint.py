@@ -23,7 +23,7 @@ from typing import Any
 import structlog
 import torch
 
-from aggregator.strategies.errors import CheckpointError
+from fedmq.aggregator.strategies.errors import CheckpointError
 from fedmq.files import replacing
 
 log = structlog.get_logger(__name__)

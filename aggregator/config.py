@@ -7,12 +7,12 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from broker.wire.messages import RoundConfig
+from fedmq.broker.wire.messages import RoundConfig
 from fedmq.errors import FedmqError
 from fedmq.plugins import is_import_path
 
 if TYPE_CHECKING:
-    from aggregator.strategies.base import RoundPlan, Strategy
+    from fedmq.aggregator.strategies.base import RoundPlan, Strategy
 
 # what --strategy offers (the registry also holds the robust guards, chosen with --robust)
 STRATEGIES = ("fedavg", "fedsgd", "fedatt", "fedmed", "pull-local", "pull-global", "pull-random", "async")
@@ -96,8 +96,8 @@ class JobConfig:
         def bad(msg: str) -> None:
             raise JobConfigError(msg)
 
-        from broker.transport.topology import check_name
-        from broker.wire.encodings import EncodingSpec
+        from fedmq.broker.transport.topology import check_name
+        from fedmq.broker.wire.encodings import EncodingSpec
         from fedmq.errors import CodecError
 
         self._check_types()
@@ -181,7 +181,7 @@ class JobConfig:
 
     @property
     def strategy_class(self) -> type[Strategy]:
-        from aggregator.strategies.registry import strategy_class  # torch: the CLI checks its flags without it
+        from fedmq.aggregator.strategies.registry import strategy_class  # torch: the CLI checks its flags without it
 
         return strategy_class(self.strategy)
 

@@ -27,27 +27,27 @@ from typing import Any, Callable
 import structlog
 import torch
 
-from aggregator.async_rounds import AsyncRounds
-from aggregator.checkpoint import load_checkpoint, save_checkpoint
-from aggregator.config import JobConfig
-from aggregator.guards import RoundGuard, Verdict, first_nonfinite
-from aggregator.inbox import Inbox, Received
-from aggregator.mediator import Mediator
-from aggregator.records import RoundRecord
-from aggregator.rounds import RoundStats
-from aggregator.runlog import RunLog
-from aggregator.spool import RoundSpool
-from aggregator.strategies.base import ClientUpdate, State, Strategy
-from aggregator.strategies.registry import strategy_from_config
-from aggregator.sync_round import SyncRound
-from broker.transport import topology
-from broker.transport.base import Broker, ReassemblyLimits
-from broker.transport.queues import message_chunks
-from broker.wire import messages
-from broker.wire.chunk_frames import DEFAULT_CHUNK_LIMIT
-from broker.wire.encodings import EncodingSpec, decode_state, encode_state, raw_nbytes
-from broker.wire.envelope import Envelope, Kind, Limits
-from broker.wire.messages import RoundConfig
+from fedmq.aggregator.async_rounds import AsyncRounds
+from fedmq.aggregator.checkpoint import load_checkpoint, save_checkpoint
+from fedmq.aggregator.config import JobConfig
+from fedmq.aggregator.guards import RoundGuard, Verdict, first_nonfinite
+from fedmq.aggregator.inbox import Inbox, Received
+from fedmq.aggregator.mediator import Mediator
+from fedmq.aggregator.records import RoundRecord
+from fedmq.aggregator.rounds import RoundStats
+from fedmq.aggregator.runlog import RunLog
+from fedmq.aggregator.spool import RoundSpool
+from fedmq.aggregator.strategies.base import ClientUpdate, State, Strategy
+from fedmq.aggregator.strategies.registry import strategy_from_config
+from fedmq.aggregator.sync_round import SyncRound
+from fedmq.broker.transport import topology
+from fedmq.broker.transport.base import Broker, ReassemblyLimits
+from fedmq.broker.transport.queues import message_chunks
+from fedmq.broker.wire import messages
+from fedmq.broker.wire.chunk_frames import DEFAULT_CHUNK_LIMIT
+from fedmq.broker.wire.encodings import EncodingSpec, decode_state, encode_state, raw_nbytes
+from fedmq.broker.wire.envelope import Envelope, Kind, Limits
+from fedmq.broker.wire.messages import RoundConfig
 from fedmq.errors import BadParameter, CodecError, FedmqError
 from fedmq.manifest import Manifest
 from fedmq.plugins import is_import_path

@@ -31,7 +31,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from aggregator.strategies.base import ClientUpdate
+from fedmq.aggregator.strategies.base import ClientUpdate
 
 
 def delta_norm(update: ClientUpdate, global_state: Mapping[str, torch.Tensor]) -> float:

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import structlog
 
-from broker.transport.base import Broker, Delivery, ReassemblyLimits, Subscription
-from broker.wire import messages
-from broker.wire.envelope import Envelope, Kind, Limits
+from fedmq.broker.transport.base import Broker, Delivery, ReassemblyLimits, Subscription
+from fedmq.broker.wire import messages
+from fedmq.broker.wire.envelope import Envelope, Kind, Limits
 from fedmq.errors import CodecError
 
 log = structlog.get_logger(__name__)

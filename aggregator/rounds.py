@@ -10,14 +10,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from aggregator.config import JobConfig
-from aggregator.guards import RoundGuard
-from aggregator.inbox import Inbox, Received
-from aggregator.mediator import Mediator
-from aggregator.spool import RoundSpool
-from aggregator.strategies.base import ClientUpdate, State, Strategy
-from broker.transport.base import Broker
-from broker.wire.envelope import Envelope
+from fedmq.aggregator.config import JobConfig
+from fedmq.aggregator.guards import RoundGuard
+from fedmq.aggregator.inbox import Inbox, Received
+from fedmq.aggregator.mediator import Mediator
+from fedmq.aggregator.spool import RoundSpool
+from fedmq.aggregator.strategies.base import ClientUpdate, State, Strategy
+from fedmq.broker.transport.base import Broker
+from fedmq.broker.wire.envelope import Envelope
 
 
 @dataclass

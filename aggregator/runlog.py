@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 import structlog
 
-from aggregator.records import CLIENT_LISTS, MalformedRow, RoundRecord
+from fedmq.aggregator.records import CLIENT_LISTS, MalformedRow, RoundRecord
 from fedmq.errors import FedmqError
 from fedmq.files import replacing, write_atomic
 

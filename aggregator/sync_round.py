@@ -15,13 +15,13 @@ import time
 
 import structlog
 
-from aggregator.inbox import Received
-from aggregator.rounds import RoundContext, RoundStats
-from aggregator.strategies.base import Strategy
-from aggregator.strategies.fedavg import FedAvg
-from broker.transport import topology
-from broker.wire import messages
-from broker.wire.envelope import Envelope, Kind
+from fedmq.aggregator.inbox import Received
+from fedmq.aggregator.rounds import RoundContext, RoundStats
+from fedmq.aggregator.strategies.base import Strategy
+from fedmq.aggregator.strategies.fedavg import FedAvg
+from fedmq.broker.transport import topology
+from fedmq.broker.wire import messages
+from fedmq.broker.wire.envelope import Envelope, Kind
 from fedmq.errors import CodecError
 
 log = structlog.get_logger(__name__)

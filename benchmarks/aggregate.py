@@ -60,10 +60,10 @@ def _rss_mb() -> float:
 def _worker(method: str, count: int, params: int, seed: int) -> dict[str, Any]:
     import torch
 
-    from aggregator.strategies._common import sq_distance
-    from aggregator.strategies.base import ClientUpdate
-    from aggregator.strategies.fedatt import FedAtt
-    from aggregator.strategies.fedavg import FedAvg
+    from fedmq.aggregator.strategies._common import sq_distance
+    from fedmq.aggregator.strategies.base import ClientUpdate
+    from fedmq.aggregator.strategies.fedatt import FedAtt
+    from fedmq.aggregator.strategies.fedavg import FedAvg
 
     torch.set_num_threads(1)
     base_rss = _rss_mb()

@@ -27,8 +27,8 @@ from typing import Any
 
 import pika
 
-from broker.transport import topology as t
-from broker.transport.connect import connect
+from fedmq.broker.transport import topology as t
+from fedmq.broker.transport.connect import connect
 
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 MB = 1024 * 1024

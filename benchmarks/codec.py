@@ -11,7 +11,7 @@ differs by N(0, 1e-3) per entry, like one round of local SGD.
 Encode = encode_state + envelope pack; decode = unpack + decode_state (with digest, bounds, manifest and
 NaN/Inf checks), i.e. exactly what goes over the wire. Baselines measured in the same run: torch.save /
 torch.load(weights_only=True) of the state dict, and plain msgpack of each tensor's raw bytes.
-Run: ``python -m benchmarks.codec [--repeats N] [--quick] [--threads N] [--no-malloc-tune]``. By default the
+Run: ``python -m fedmq.benchmarks.codec [--repeats N] [--quick] [--threads N] [--no-malloc-tune]``. By default the
 allocator is tuned as a service would do at start (broker.wire.malloc.tune_allocator: freed buffers are
 reused instead of page-faulted afresh); --no-malloc-tune measures glibc's defaults. --threads sets the codec's
 worker threads (default: one per core, at most 4). The machine's load average before and after the run
@@ -31,10 +31,10 @@ import msgpack
 import numpy as np
 import torch
 
-from broker.wire.encodings import EncodingSpec, decode_state, encode_state, raw_nbytes
-from broker.wire.envelope import Envelope, Kind, pack, unpack
-from broker.wire.malloc import tune_allocator
-from broker.wire.threads import codec_threads, set_codec_threads
+from fedmq.broker.wire.encodings import EncodingSpec, decode_state, encode_state, raw_nbytes
+from fedmq.broker.wire.envelope import Envelope, Kind, pack, unpack
+from fedmq.broker.wire.malloc import tune_allocator
+from fedmq.broker.wire.threads import codec_threads, set_codec_threads
 from fedmq.manifest import Manifest
 
 ENCODINGS = [

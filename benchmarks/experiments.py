@@ -1,7 +1,7 @@
 """Named reproductions of the seed papers' experiments (issue 8): ``fedmq experiment NAME --scale S --out DIR``.
 
 Papers: FedAtt (Ji et al. 2019), FedMed (Wu et al. 2020), dynamic pulling (Passban et al. 2022).
-Every experiment is a grid of federations run one after the other with :class:`cli.simulate.Simulation` over
+Every experiment is a grid of federations run one after the other with :class:`fedmq.simulation.Simulation` over
 the in-process broker (``memory://``, the same engine/agent/codec code path as RabbitMQ). Each federation
 writes a normal run folder ``OUT/NAME/<run>/`` (aggregator.runlog: config, metrics, summary); the experiment
 writes ``OUT/NAME/results.json`` + ``results.md`` (one row per run) and ``OUT/NAME/report/`` (``fedmq report``
@@ -48,10 +48,10 @@ from typing import Any, Callable, Sequence
 import structlog
 import torch
 
-from aggregator.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
-from aggregator.config import JobConfig
-from aggregator.records import RoundRecord
-from aggregator.runlog import (CONFIG_FILE, RunLog, finished, read_config, read_rounds, read_summary,
+from fedmq.aggregator.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
+from fedmq.aggregator.config import JobConfig
+from fedmq.aggregator.records import RoundRecord
+from fedmq.aggregator.runlog import (CONFIG_FILE, RunLog, finished, read_config, read_rounds, read_summary,
                                write_summary)
 from fedmq.errors import FedmqError
 from fedmq.files import write_atomic
@@ -403,7 +403,7 @@ _TASKS: dict[str, Task] = {}  # built tasks by options, shared by the experiment
 class Runner:
     """Runs the federations of an experiment one after the other; tasks with equal options are built once.
 
-    ``simulation``: cli.simulate.Simulation (module docstring), called as ``simulation(cfg, task, url, run_dir,
+    ``simulation``: fedmq.simulation.Simulation (module docstring), called as ``simulation(cfg, task, url, run_dir,
     availability=, faults=, device=, cohort=, resume=)``; its ``run()`` returns the run's summary."""
 
     out: Path
@@ -533,13 +533,13 @@ def ran_as(run_dir: Path, cfg: JobConfig) -> bool:
     its config.json records has ``cfg``'s value (a key the run predates must be at its default in ``cfg``), but
     the job's name, the seed (the spec key holds it; until 2026-11-24 config.json recorded the task's seed under
     "seed", now under "shard_seed", so an archived run's "seed" may not be its own), ``heartbeat_s`` (presence
-    timing, not a result: cli.simulate raises it with K, so a K = 100 run records 2.0 where its spec says 1.0
+    timing, not a result: fedmq.simulation raises it with K, so a K = 100 run records 2.0 where its spec says 1.0
     and, before this was ignored, was deleted and started again on every rerun) and the settings only
     other strategies read (``Strategy.own_settings``: FedAvg does not depend on FedMed's JS weighting). A spec
     names only the settings it changes, so without this a changed default (FedMed's JS weighting, 2026-11-24)
     would leave the runs made under the old one counted as done. A folder without config.json (the centralized
     baseline, whose spec names every setting it uses) passes."""
-    from aggregator.strategies.registry import OWN_SETTINGS
+    from fedmq.aggregator.strategies.registry import OWN_SETTINGS
 
     recorded = read_config(run_dir)
     if recorded is None:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import psutil
 
-from aggregator.runlog import read_rounds
+from fedmq.aggregator.runlog import read_rounds
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_FLOWER_PYTHON = REPO / ".fedmq-cache" / "flower-venv" / "bin" / "python"
@@ -96,7 +96,7 @@ def run_fedmq(name: str, data: str, clients: int, selected: int, rounds: int, en
               down_encoding: str = "bf16", timeout: float = 1800) -> Run:
     with tempfile.TemporaryDirectory(prefix="fedmq-bench-") as tmp:
         out = Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "cli.app", "simulate", "--data", data, "--model", "gru-small", "--tied",
+        cmd = [sys.executable, "-m", "fedmq.cli.app", "simulate", "--data", data, "--model", "gru-small", "--tied",
                "-k", str(clients), "-c", repr(selected / clients), "--max-steps", "1", "-b", "2", "--bptt", "8",
                "-r", str(rounds), "--max-eval-lines", "1", "--encoding", encoding, "--down-encoding", down_encoding,
                "--out", str(out), "--log-level", "warning"]
@@ -115,7 +115,7 @@ def run_flower(python: Path, data: str, clients: int, selected: int, rounds: int
     task = {"task": "lm", "data": data, "model": "gru-small", "tied": True, "clients": clients, "bptt": 8,
             "max_eval_lines": 1}
     train = {"epochs": 1, "batch_size": 2, "lr": 20.0, "clip": 0.25, "max_steps": 1}
-    cmd = [str(python), "-m", "benchmarks.flower_app", "--task", json.dumps(task), "--train",
+    cmd = [str(python), "-m", "fedmq.benchmarks.flower_app", "--task", json.dumps(task), "--train",
            json.dumps(train), "--clients", str(clients), "--fraction", repr(selected / clients), "--rounds", str(rounds)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     code, out, err, tree, used = _measured(cmd, env, timeout)

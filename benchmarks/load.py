@@ -54,11 +54,11 @@ class Swarm:
     def run_group(self, group: list[str], seed: int) -> None:
         import torch
 
-        from broker.transport import topology
-        from broker.transport.connect import connect
-        from broker.wire import messages
-        from broker.wire.encodings import EncodingSpec, decode_state, encode_state
-        from broker.wire.envelope import Kind
+        from fedmq.broker.transport import topology
+        from fedmq.broker.transport.connect import connect
+        from fedmq.broker.wire import messages
+        from fedmq.broker.wire.encodings import EncodingSpec, decode_state, encode_state
+        from fedmq.broker.wire.envelope import Kind
         from fedmq.tasks.lm import LanguageModelTask
 
         task = LanguageModelTask(clients=1, seed=0, **{k: v for k, v in TINY_TASK.items() if k != "task"})
@@ -116,7 +116,7 @@ class Swarm:
     def _declare_swarm_queue(self, name: str) -> str:
         import pika
 
-        from broker.transport import topology
+        from fedmq.broker.transport import topology
         conn = pika.BlockingConnection(pika.URLParameters(self.url))
         try:
             ch = conn.channel()
@@ -147,11 +147,11 @@ def bench_load(url: str = "amqp://guest:guest@127.0.0.1:5672/%2F", agents: tuple
                rounds: int = 3, threads: int = 4, timeout_s: float = 600.0) -> list[dict[str, Any]]:
     import psutil
 
-    from aggregator.checkpoint import load_checkpoint
-    from aggregator.runlog import read_rounds
-    from broker.transport import topology
-    from broker.transport.connect import connect
-    from broker.transport.urls import url_user
+    from fedmq.aggregator.checkpoint import load_checkpoint
+    from fedmq.aggregator.runlog import read_rounds
+    from fedmq.broker.transport import topology
+    from fedmq.broker.transport.connect import connect
+    from fedmq.broker.transport.urls import url_user
 
     rows = []
     for n in agents:
@@ -215,7 +215,7 @@ def bench_load(url: str = "amqp://guest:guest@127.0.0.1:5672/%2F", agents: tuple
 def _delete_queues(url: str, job: str, extra: list[str]) -> None:
     import pika
 
-    from broker.transport import topology
+    from fedmq.broker.transport import topology
     conn = pika.BlockingConnection(pika.URLParameters(url))
     try:
         ch = conn.channel()

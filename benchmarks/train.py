@@ -9,7 +9,7 @@
 Each timed window is one ``Task.train`` call capped at ``steps`` optimizer steps (the real training path:
 batching, forward, backward, clipping, step); after one warm-up window, the median tokens/s of ``repeats``
 windows is reported. Torch runs with ``threads`` intra-op threads (default 1: the machine is shared).
-Run: ``python -m benchmarks.train [--quick] [--threads N]``.
+Run: ``python -m fedmq.benchmarks.train [--quick] [--threads N]``.
 """
 
 from __future__ import annotations

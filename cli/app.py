@@ -12,9 +12,9 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from aggregator.config import STRATEGIES
-from cli.errors import Stopped, UsageError
-from cli.help import HelpCommand, HelpGroup
+from fedmq.aggregator.config import STRATEGIES
+from fedmq.cli.errors import Stopped, UsageError
+from fedmq.cli.help import HelpCommand, HelpGroup
 from fedmq.errors import FedmqError
 from fedmq.tasks.catalog import MODELS
 
@@ -36,7 +36,7 @@ CONSUME_TIMEOUT = typer.Option(20.0, envvar="FEDMQ_CONSUME_TIMEOUT",
 
 
 def _setup_logs(level: str, fmt: str = "auto", file: Path | None = None) -> None:
-    from cli.logs import configure
+    from fedmq.cli.logs import configure
     try:
         configure(level, fmt, file)
     except ValueError as exc:
@@ -45,7 +45,7 @@ def _setup_logs(level: str, fmt: str = "auto", file: Path | None = None) -> None
 
 def _tune_allocator() -> None:
     """Services and simulations move model-sized buffers all the time: let glibc reuse them (broker/wire/malloc.py)."""
-    from broker.wire.malloc import tune_allocator
+    from fedmq.broker.wire.malloc import tune_allocator
     tune_allocator()
 
 
@@ -185,8 +185,8 @@ def simulate(
       fedmq simulate --out runs/a --resume --rounds 30
       fedmq simulate --broker amqp://guest:guest@127.0.0.1:5672/%2F
     """
-    from cli import run_folder
-    from cli.simulate_options import from_context, saved_options
+    from fedmq.cli import run_folder
+    from fedmq.cli.simulate_options import from_context, saved_options
 
     if resume and out is None:
         raise UsageError("--resume needs --out RUN_FOLDER, the run to continue")
@@ -213,7 +213,7 @@ def simulate(
 def _serve_metrics(port: int) -> Any:
     """`simulate --metrics-port`: the endpoint `aggregator run --metrics-port` serves; it reports "starting" (not
     ready) until ``_simulate`` points it at the simulation."""
-    from cli.telemetry import Telemetry
+    from fedmq.cli.telemetry import Telemetry
 
     telemetry = Telemetry(lambda: {"phase": "starting"}, lambda: False)
     try:
@@ -234,9 +234,9 @@ def _simulate(plan: Any, run_dir: Path, resume: bool, as_json: bool, log_level: 
 
     opts, cfg = plan.options, plan.job
     resolve_device(opts["device"])  # --device cuda without a GPU: one line, before any agent starts
-    from cli import run_folder
-    from cli.progress import RoundProgress
-    from cli.simulate import Simulation
+    from fedmq.cli import run_folder
+    from fedmq.cli.progress import RoundProgress
+    from fedmq.simulation import Simulation
 
     task_obj = _make_task(plan.task)
     if resume:
@@ -293,7 +293,7 @@ def _broker_url(url: str, user: Optional[str], password: Optional[str]) -> str:
     """Combine a URL with credentials from FEDMQ_BROKER_USER / FEDMQ_BROKER_PASSWORD (Kubernetes Secrets)."""
     if not user:
         return url
-    from broker.transport.urls import with_credentials
+    from fedmq.broker.transport.urls import with_credentials
     return with_credentials(url, user, password or "")
 
 
@@ -323,11 +323,11 @@ def aggregator_run(
 
     Example: fedmq aggregator run --broker amqps://rabbit:5671/fedmq --job wt2 --config job.toml --state-dir /var/lib/fedmq
     """
-    from aggregator.config import JobConfig
-    from aggregator.engine import Engine
+    from fedmq.aggregator.config import JobConfig
+    from fedmq.aggregator.engine import Engine
 
     _tune_allocator()
-    from broker.transport.connect import connect
+    from fedmq.broker.transport.connect import connect
 
     values = _load_config_file(config)
     task_opts = {"task": "lm", "data": "builtin", **values.pop("task", {})}
@@ -345,10 +345,10 @@ def aggregator_run(
     # generous, because a publisher blocked by flow control is silent too and its update must still complete
     conn = connect(_broker_url(broker, user, password), chunk_limit=chunk_limit, heartbeat=heartbeat,
                    consume_timeout=consume_timeout, chunk_timeout_s=max(cfg.update_deadline_s, 300.0))
-    from broker.transport import topology
+    from fedmq.broker.transport import topology
     telemetry = None
     if metrics_port:
-        from cli.telemetry import Telemetry
+        from fedmq.cli.telemetry import Telemetry
 
         def live_status() -> dict[str, Any]:
             inbox = topology.q_inbox(cfg.job)
@@ -396,9 +396,9 @@ def agent_run(
     """
     import socket
 
-    from broker.transport.connect import connect
-    from client_agent.agent import Agent
-    from client_agent.availability import parse_availability, parse_faults
+    from fedmq.broker.transport.connect import connect
+    from fedmq.client_agent.agent import Agent
+    from fedmq.client_agent.availability import parse_availability, parse_faults
 
     _tune_allocator()
 
@@ -430,7 +430,7 @@ def agent_run(
                   device=device, seed=seed, audit_log=audit_log)
     telemetry = None
     if metrics_port:
-        from cli.telemetry import Telemetry
+        from fedmq.cli.telemetry import Telemetry
         telemetry = Telemetry(lambda: {"client": client_id, "version": agent.version,
                                        "rounds_trained": len(agent.log.rounds_trained),
                                        "uploads": len(agent.log.uploads)},
@@ -461,7 +461,7 @@ def broker_provision(
 
     Example: fedmq broker provision --job wt2 --agents 10 --secrets-out - | kubectl apply -f -
     """
-    from broker.transport import provision
+    from fedmq.broker.transport import provision
     provision.provision_cli(broker=broker, vhost=vhost, job=job, agents=agents, secrets_out=secrets_out,
                             credentials_out=credentials_out, namespace=namespace, remove_guest=remove_guest)
 
@@ -476,7 +476,7 @@ def broker_check(
 
     Example: fedmq broker check --job wt2
     """
-    from broker.transport import provision
+    from fedmq.broker.transport import provision
     info = provision.check(broker, job)
     typer.echo(json.dumps(info, default=str) if as_json else "\n".join(f"{k}: {v}" for k, v in info.items()))
 
@@ -490,7 +490,7 @@ def broker_purge(
 
     Example: fedmq broker purge --job wt2
     """
-    from broker.transport import provision
+    from fedmq.broker.transport import provision
     provision.purge(broker, job)
     typer.echo(f"purged job {job}")
 
@@ -507,9 +507,9 @@ def status(
 
     Example: fedmq status --job wt2 --run-dir /var/lib/fedmq
     """
-    from cli.status_info import gather
+    from fedmq.cli.status_info import gather
     info = gather(broker, job, run_dir)
-    from cli import status as status_view
+    from fedmq.cli import status as status_view
     typer.echo(status_view.status_json(info) if as_json else status_view.render_status(info))
 
 
@@ -522,14 +522,14 @@ def report(
 
     Example: fedmq report runs/fedavg runs/fedatt --out runs/compare
     """
-    from cli.report import run_report
+    from fedmq.cli.report import run_report
     typer.echo(run_report(list(run_dirs), out).describe())
 
 
 # --------------------------------------------------------------------------------------------- bench
 def _bench(module: str, fn: str, **kw: Any) -> None:
     import importlib
-    mod = importlib.import_module(f"benchmarks.{module}")
+    mod = importlib.import_module(f"fedmq.benchmarks.{module}")
     rows = getattr(mod, fn)(**kw)
     typer.echo(mod.format_table(rows))
 
@@ -607,7 +607,7 @@ def bench_flower(data: Path = typer.Option(Path("../shared/data/wikitext-2"), he
 
     Example: fedmq bench flower --data ../shared/data/wikitext-2 -k 100 --selected 10 -r 5 --scale 10,1000
     """
-    from benchmarks import flower as fl
+    from fedmq.benchmarks import flower as fl
     if not data.is_dir():
         raise UsageError(f"--data {data} is not a folder")
     try:
@@ -636,9 +636,9 @@ def experiment(
 
     Example: fedmq experiment table2 --scale cpu --seeds 0,1,2   (rerun the same command to resume)
     """
-    from benchmarks import experiments
-    from cli.report import run_report
-    from cli.simulate import Simulation
+    from fedmq.benchmarks import experiments
+    from fedmq.cli.report import run_report
+    from fedmq.simulation import Simulation
     experiments.check_args(name, scale, threads, device)
     seed_list = experiments.parse_seeds(seeds)
     _setup_logs(log_level, "json", out / name / "experiment.jsonl")
@@ -666,7 +666,7 @@ def bench_load(url: str = typer.Option("amqp://guest:guest@127.0.0.1:5672/%2F"),
 
 def main() -> None:
     """Console entry point: user errors become one line on stderr, never a traceback."""
-    from cli.logs import configure
+    from fedmq.cli.logs import configure
     configure("warning")  # commands that log (simulate, services) configure their own level and format
     try:
         code = app(standalone_mode=False)  # returns the exit code of typer.Exit instead of raising it

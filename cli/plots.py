@@ -22,8 +22,8 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from aggregator.records import RoundRecord
-from cli.runs import RunData
+from fedmq.aggregator.records import RoundRecord
+from fedmq.cli.runs import RunData
 from fedmq.files import replacing
 
 OKABE_ITO = {

@@ -42,8 +42,8 @@ class RoundProgress:
         self._progress.update(self._task, completed=row["round"], description=text)
 
     def print_summary(self, summary: dict[str, Any], run_dir: Path) -> None:
-        from aggregator.runlog import read_rounds
-        from cli.status import render_summary
+        from fedmq.aggregator.runlog import read_rounds
+        from fedmq.cli.status import render_summary
 
         self.console.print(render_summary(summary, [r.to_json() for r in read_rounds(run_dir).records]))
         self.console.print(f"run folder: {run_dir}")

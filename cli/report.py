@@ -19,9 +19,9 @@ from typing import Any
 
 import structlog
 
-from aggregator.records import is_number
-from aggregator.runlog import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
-from cli.runs import ReportError, RunData, load_runs
+from fedmq.aggregator.records import is_number
+from fedmq.aggregator.runlog import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
+from fedmq.cli.runs import ReportError, RunData, load_runs
 from fedmq.files import write_atomic
 
 log = structlog.get_logger(__name__)
@@ -275,7 +275,7 @@ def _prepare_out_dir(out_dir: Path) -> None:
 
 def build_report(run_dirs: list[Path], out_dir: Path) -> ReportResult:
     """Write the figures (PNG), report.html and report.md for one or several runs into ``out_dir``."""
-    from cli import plots  # matplotlib is only imported when a report is really drawn
+    from fedmq.cli import plots  # matplotlib is only imported when a report is really drawn
 
     runs = load_runs(run_dirs)
     out_dir = Path(out_dir)

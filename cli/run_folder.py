@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from aggregator.runlog import CONFIG_FILE, RunFolderError, holds_run, read_config
-from cli.errors import UsageError
+from fedmq.aggregator.runlog import CONFIG_FILE, RunFolderError, holds_run, read_config
+from fedmq.cli.errors import UsageError
 
 
 def default_dir(strategy: str) -> Path:
@@ -85,7 +85,7 @@ def create(run_dir: Path) -> Callable[[], None]:
 def check_checkpoint_fits(run_dir: Path, task: Any, seed: int) -> None:
     """On --resume: the newest checkpoint's tensors must have this task's model shapes. A mismatch (the corpus
     changed, or an old folder lacked the options) is one line here instead of agents rejecting every model."""
-    from aggregator.checkpoint import load_checkpoint
+    from fedmq.aggregator.checkpoint import load_checkpoint
     from fedmq.tasks.base import model_state
 
     ckpt = load_checkpoint(run_dir / "checkpoints")

@@ -13,8 +13,8 @@ from typing import Any
 
 import structlog
 
-from aggregator.records import CLIENT_LISTS, RoundRecord
-from aggregator.runlog import RunFolderError, read_run
+from fedmq.aggregator.records import CLIENT_LISTS, RoundRecord
+from fedmq.aggregator.runlog import RunFolderError, read_run
 from fedmq.errors import FedmqError
 
 log = structlog.get_logger(__name__)

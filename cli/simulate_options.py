@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aggregator.config import JobConfig
-from cli.errors import UsageError
+from fedmq.aggregator.config import JobConfig
+from fedmq.cli.errors import UsageError
 from fedmq.plugins import is_import_path
 from fedmq.tasks.catalog import LM_ONLY, MODELS, NMT_ONLY, TASKS
 
@@ -123,7 +123,7 @@ def resolve(params: dict[str, Any], given: set[str], types: dict[str, str], conf
         names = ", ".join(option_name(k) if k in params else k for k in foreign)
         raise UsageError(f"{names}: {'nmt' if task == 'lm' else 'lm'} option(s), not used by --task {task}")
     check(values)
-    from cli.logs import LEVELS
+    from fedmq.cli.logs import LEVELS
     if params.get("log_level", "info") not in LEVELS:
         raise UsageError(f"unknown log level {params['log_level']!r}; use one of {', '.join(LEVELS)}")
     port = params.get("metrics_port") or 0
@@ -174,8 +174,8 @@ def read_config_file(path: Path, types: dict[str, str]) -> dict[str, Any]:
 
 def check(values: dict[str, Any]) -> None:
     """Every option that can be checked without torch; UsageError or another FedmqError, one line."""
-    from broker.transport.urls import check_url
-    from client_agent.availability import parse_availability, parse_faults
+    from fedmq.broker.transport.urls import check_url
+    from fedmq.client_agent.availability import parse_availability, parse_faults
     from fedmq.tasks.partition import PartitionSpec
 
     task, model = values["task"], values["model"]

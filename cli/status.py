@@ -16,7 +16,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from aggregator.records import is_number
+from fedmq.aggregator.records import is_number
 from fedmq.errors import FedmqError
 
 DASH = "—"

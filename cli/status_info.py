@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from aggregator.runlog import finished, read_rounds, read_status
-from broker.transport import provision
+from fedmq.aggregator.runlog import finished, read_rounds, read_status
+from fedmq.broker.transport import provision
 from fedmq.errors import FedmqError
 
 # the active aggregator rewrites status.json at least on every phase change and presence heartbeat; a live one

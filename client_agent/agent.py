@@ -26,16 +26,16 @@ from typing import Any, Callable
 import structlog
 import torch
 
-from broker.transport import topology
-from broker.transport.base import Broker, Subscription
-from broker.transport.errors import BrokerError
-from broker.wire import messages
-from broker.wire.encodings import EncodingSpec, decode_state, encode_state
-from broker.wire.envelope import Envelope, Kind
-from broker.wire.messages import RoundConfig
-from client_agent.availability import Availability, Faults
-from client_agent.state import MemoryStore, State
-from client_agent.trainers import TrainerPool
+from fedmq.broker.transport import topology
+from fedmq.broker.transport.base import Broker, Subscription
+from fedmq.broker.transport.errors import BrokerError
+from fedmq.broker.wire import messages
+from fedmq.broker.wire.encodings import EncodingSpec, decode_state, encode_state
+from fedmq.broker.wire.envelope import Envelope, Kind
+from fedmq.broker.wire.messages import RoundConfig
+from fedmq.client_agent.availability import Availability, Faults
+from fedmq.client_agent.state import MemoryStore, State
+from fedmq.client_agent.trainers import TrainerPool
 from fedmq.errors import CodecError
 from fedmq.pulling import select_tensors
 from fedmq.tasks.base import Task, TrainConfig, TrainResult, load_state, model_state

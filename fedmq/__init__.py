@@ -30,11 +30,11 @@ _EXPORTS = {
     "Task": "fedmq.tasks.base", "TrainConfig": "fedmq.tasks.base", "TrainResult": "fedmq.tasks.base",
     "Progress": "fedmq.tasks.base", "model_state": "fedmq.tasks.base", "load_state": "fedmq.tasks.base",
     # what a strategy is made of (the aggregator's interface)
-    "Strategy": "aggregator.strategies.base", "ClientUpdate": "aggregator.strategies.base",
-    "State": "aggregator.strategies.base", "RoundPlan": "aggregator.strategies.base",
-    "RoundConfig": "broker.wire.messages",
+    "Strategy": "fedmq.aggregator.strategies.base", "ClientUpdate": "fedmq.aggregator.strategies.base",
+    "State": "fedmq.aggregator.strategies.base", "RoundPlan": "fedmq.aggregator.strategies.base",
+    "RoundConfig": "fedmq.broker.wire.messages",
     # running a job
-    "JobConfig": "aggregator.config", "Simulation": "cli.simulate",
+    "JobConfig": "fedmq.aggregator.config", "Simulation": "fedmq.simulation",
     # errors: one line for the user
     "FedmqError": "fedmq.errors", "StrategyError": "fedmq.errors", "BadParameter": "fedmq.errors",
     "TaskError": "fedmq.tasks.errors",

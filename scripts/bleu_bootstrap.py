@@ -22,7 +22,7 @@ from sacrebleu.metrics import BLEU
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.experiments import _NMT, ExperimentError, domain_pairs, nmt_options, parse_seeds  # noqa: E402
+from fedmq.benchmarks.experiments import _NMT, ExperimentError, domain_pairs, nmt_options, parse_seeds  # noqa: E402
 from fedmq.tasks.registry import make_task  # noqa: E402
 from fedmq.tasks.base import load_state  # noqa: E402
 

@@ -25,11 +25,11 @@ import msgpack
 import zstandard as zstd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from broker.transport import topology  # noqa: E402
-from broker.transport.connect import connect  # noqa: E402
-from broker.transport.provision import purge  # noqa: E402
-from broker.wire.blobs import digest  # noqa: E402
-from broker.wire.envelope import MAGIC, SCHEMA_VERSION  # noqa: E402
+from fedmq.broker.transport import topology  # noqa: E402
+from fedmq.broker.transport.connect import connect  # noqa: E402
+from fedmq.broker.transport.provision import purge  # noqa: E402
+from fedmq.broker.wire.blobs import digest  # noqa: E402
+from fedmq.broker.wire.envelope import MAGIC, SCHEMA_VERSION  # noqa: E402
 
 
 def kib(pid: int, field: str) -> int:
@@ -62,7 +62,7 @@ def main() -> None:
     body = bomb(job, args.size_mib << 20)
     tmp = Path(tempfile.mkdtemp(prefix="bomb-rss-"))
     (tmp / "job.toml").write_text('identity = "shared:guest"\nrounds = 1\nclients = 1\n')
-    cmd = [sys.executable, "-m", "cli.app", "aggregator", "run", "--broker", args.broker, "--job", job,
+    cmd = [sys.executable, "-m", "fedmq.cli.app", "aggregator", "run", "--broker", args.broker, "--job", job,
            "--config", str(tmp / "job.toml"), "--state-dir", str(tmp / "state")]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             cwd=Path(__file__).resolve().parents[1])

@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from aggregator.strategies.base import ClientUpdate  # noqa: E402
-from aggregator.strategies.fedavg import FedAvg  # noqa: E402
-from benchmarks.experiments import _NMT, _nmt_train, domain_bleu, domain_ce, nmt_options  # noqa: E402
+from fedmq.aggregator.strategies.base import ClientUpdate  # noqa: E402
+from fedmq.aggregator.strategies.fedavg import FedAvg  # noqa: E402
+from fedmq.benchmarks.experiments import _NMT, _nmt_train, domain_bleu, domain_ce, nmt_options  # noqa: E402
 from fedmq.tasks.base import TrainConfig, load_state, model_state  # noqa: E402
 from fedmq.tasks.registry import make_task  # noqa: E402
 

@@ -78,7 +78,7 @@ case "$cmd" in
     todo=$jobs
     for corpus in ${BENCH:-}; do
       echo "== bench cohort $corpus ($(date -u +%T))" >> "$out/bench.txt"
-      timeout -k 10 "${BENCH_S:-120}" "$py" -m cli.app bench cohort --data ".gpudata/$corpus" --cohort "${BENCH_COHORT:-10,50}" \
+      timeout -k 10 "${BENCH_S:-120}" "$py" -m fedmq.cli.app bench cohort --data ".gpudata/$corpus" --cohort "${BENCH_COHORT:-10,50}" \
         --epochs 1 --repeats 1 --device "$device" ${BENCH_ARGS:-} >> "$out/bench.txt" 2>&1 || echo "bench cohort $corpus: exit $?" >> "$out/bench.txt"
     done
     seconds=$((seconds - (SECONDS - started)))

@@ -14,9 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.experiments import NAMES, SCALES, ExperimentError, check_args, parse_seeds, run_experiment  # noqa: E402
-from cli.report import run_report  # noqa: E402
-from cli.simulate import Simulation  # noqa: E402
+from fedmq.benchmarks.experiments import NAMES, SCALES, ExperimentError, check_args, parse_seeds, run_experiment  # noqa: E402
+from fedmq.cli.report import run_report  # noqa: E402
+from fedmq.simulation import Simulation  # noqa: E402
 from fedmq.errors import FedmqError  # noqa: E402
 
 

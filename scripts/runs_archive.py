@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from aggregator import runlog  # noqa: E402
+from fedmq.aggregator import runlog  # noqa: E402
 
 FILES = ("spec.json", *runlog.RECORD_FILES)
 

@@ -161,10 +161,10 @@ def run_in_process_federation(task, cfg, url: str, run_dir: Path, *, agent_class
     """
     import threading
 
-    from aggregator.engine import Engine
-    from broker.transport import topology
-    from broker.transport.connect import connect
-    from client_agent.agent import Agent
+    from fedmq.aggregator.engine import Engine
+    from fedmq.broker.transport import topology
+    from fedmq.broker.transport.connect import connect
+    from fedmq.client_agent.agent import Agent
 
     memory = url.startswith("memory")
     broker = connect(url, user=topology.AGGREGATOR_USER if memory else None)

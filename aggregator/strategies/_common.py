@@ -8,7 +8,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from aggregator.strategies.base import ClientUpdate, State
+from fedmq.aggregator.strategies.base import ClientUpdate, State
 from fedmq.errors import StrategyError
 
 

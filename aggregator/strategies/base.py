@@ -9,7 +9,7 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 import torch
 
-from broker.wire.messages import RoundConfig
+from fedmq.broker.wire.messages import RoundConfig
 
 State = dict[str, torch.Tensor]
 

@@ -28,9 +28,9 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
-from aggregator.strategies.base import ClientUpdate, RoundPlan, State
-from aggregator.strategies.errors import StaleUpdate
-from aggregator.strategies.fedavg import FedAvg
+from fedmq.aggregator.strategies.base import ClientUpdate, RoundPlan, State
+from fedmq.aggregator.strategies.errors import StaleUpdate
+from fedmq.aggregator.strategies.fedavg import FedAvg
 from fedmq.checks import check_int, check_number
 from fedmq.errors import StrategyError
 

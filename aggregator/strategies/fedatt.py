@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from aggregator.strategies._common import sq_distance, update_sq_norm
-from aggregator.strategies.base import ClientUpdate
-from aggregator.strategies.softmax_weighted import SoftmaxWeighted
+from fedmq.aggregator.strategies._common import sq_distance, update_sq_norm
+from fedmq.aggregator.strategies.base import ClientUpdate
+from fedmq.aggregator.strategies.softmax_weighted import SoftmaxWeighted
 from fedmq.checks import check_number
 from fedmq.errors import BadParameter
 

@@ -18,9 +18,9 @@ from typing import ClassVar, Mapping
 
 import torch
 
-from aggregator.strategies._common import WeightedSum, cast_like, check_started, validate_update, zeros_like_state
-from aggregator.strategies.base import ClientUpdate, RoundPlan, State, Strategy
-from broker.wire.messages import RoundConfig
+from fedmq.aggregator.strategies._common import WeightedSum, cast_like, check_started, validate_update, zeros_like_state
+from fedmq.aggregator.strategies.base import ClientUpdate, RoundPlan, State, Strategy
+from fedmq.broker.wire.messages import RoundConfig
 
 
 class FedAvg(Strategy):

@@ -34,10 +34,10 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
-from aggregator.strategies._common import full_tensor
-from aggregator.strategies.base import ClientUpdate, RoundPlan, State
-from aggregator.strategies.softmax_weighted import SoftmaxWeighted
-from broker.wire.messages import RoundConfig
+from fedmq.aggregator.strategies._common import full_tensor
+from fedmq.aggregator.strategies.base import ClientUpdate, RoundPlan, State
+from fedmq.aggregator.strategies.softmax_weighted import SoftmaxWeighted
+from fedmq.broker.wire.messages import RoundConfig
 from fedmq.checks import check_number
 from fedmq.errors import BadParameter, StrategyError
 

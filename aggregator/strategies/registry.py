@@ -12,13 +12,13 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
-from aggregator.strategies.base import Strategy
-from aggregator.strategies.buffered_async import BufferedAsync
-from aggregator.strategies.dynamic_pull import PullGlobal, PullLocal, PullRandom
-from aggregator.strategies.fedatt import FedAtt
-from aggregator.strategies.fedavg import FedAvg, FedSGD
-from aggregator.strategies.fedmed import FedMed
-from aggregator.strategies.robust import ClippedFedAvg, Median, TrimmedMean
+from fedmq.aggregator.strategies.base import Strategy
+from fedmq.aggregator.strategies.buffered_async import BufferedAsync
+from fedmq.aggregator.strategies.dynamic_pull import PullGlobal, PullLocal, PullRandom
+from fedmq.aggregator.strategies.fedatt import FedAtt
+from fedmq.aggregator.strategies.fedavg import FedAvg, FedSGD
+from fedmq.aggregator.strategies.fedmed import FedMed
+from fedmq.aggregator.strategies.robust import ClippedFedAvg, Median, TrimmedMean
 from fedmq.errors import BadParameter
 from fedmq.plugins import is_import_path, load_class
 

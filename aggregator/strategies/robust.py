@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
-from aggregator.strategies._common import (
+from fedmq.aggregator.strategies._common import (
     acc_dtype,
     cast_like,
     check_started,
@@ -25,8 +25,8 @@ from aggregator.strategies._common import (
     update_sq_norm,
     validate_update,
 )
-from aggregator.strategies.base import ClientUpdate, State, Strategy
-from aggregator.strategies.fedavg import FedAvg
+from fedmq.aggregator.strategies.base import ClientUpdate, State, Strategy
+from fedmq.aggregator.strategies.fedavg import FedAvg
 from fedmq.checks import check_int, check_number
 from fedmq.errors import StrategyError
 

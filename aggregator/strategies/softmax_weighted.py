@@ -17,7 +17,7 @@ from typing import Mapping
 
 import torch
 
-from aggregator.strategies._common import (
+from fedmq.aggregator.strategies._common import (
     RunningSoftmaxSum,
     cast_like,
     check_score,
@@ -25,7 +25,7 @@ from aggregator.strategies._common import (
     validate_update,
     zeros_like_state,
 )
-from aggregator.strategies.base import ClientUpdate, State, Strategy
+from fedmq.aggregator.strategies.base import ClientUpdate, State, Strategy
 
 
 def softmax_dict(scores: dict[str, float]) -> dict[str, float]:

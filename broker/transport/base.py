@@ -9,7 +9,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from broker.transport.errors import BrokerError
+from fedmq.broker.transport.errors import BrokerError
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,11 @@ import re
 from typing import Any
 from urllib.parse import unquote
 
-from broker.transport.base import Broker
-from broker.transport.errors import BrokerError
-from broker.transport.tls import TlsOptions
-from broker.transport.urls import check_url
-from broker.wire.chunk_frames import DEFAULT_CHUNK_LIMIT
+from fedmq.broker.transport.base import Broker
+from fedmq.broker.transport.errors import BrokerError
+from fedmq.broker.transport.tls import TlsOptions
+from fedmq.broker.transport.urls import check_url
+from fedmq.broker.wire.chunk_frames import DEFAULT_CHUNK_LIMIT
 
 _MEMORY_NAME = re.compile(r"^[A-Za-z0-9_.-]{0,64}$")
 
@@ -39,14 +39,14 @@ def connect(url: str, *, user: str | None = None, prefetch: int = 64, heartbeat:
                           permanent=True)
     if scheme == "memory":
         return _connect_memory(url, user, prefetch, chunk_limit, kw)
-    from broker.transport.rabbitmq import RabbitBroker  # pika is only needed for real brokers
+    from fedmq.broker.transport.rabbitmq import RabbitBroker  # pika is only needed for real brokers
 
     return RabbitBroker(url, user=user, prefetch=prefetch, heartbeat=heartbeat, chunk_limit=chunk_limit,
                         tls=tls, consume_timeout=consume_timeout, **kw)
 
 
 def _connect_memory(url: str, user: str | None, prefetch: int, chunk_limit: int, kw: dict[str, Any]) -> Broker:
-    from broker.transport.memory import MemoryBroker
+    from fedmq.broker.transport.memory import MemoryBroker
 
     rest = url.split("://", 1)[1]
     if "/" in rest or "?" in rest:

@@ -27,11 +27,11 @@ from typing import Any
 
 import structlog
 
-from broker.transport.base import Broker, Delivery, Handler, ReassemblyLimits
-from broker.transport.errors import BrokerError
-from broker.transport.queues import check_publish_args, job_queues
-from broker.transport.reassembly import EXPIRY_CHECK_S, ChunkGate, GatedDispatch
-from broker.wire.chunk_frames import CHUNK_HEADER, DEFAULT_CHUNK_LIMIT, chunk_messages
+from fedmq.broker.transport.base import Broker, Delivery, Handler, ReassemblyLimits
+from fedmq.broker.transport.errors import BrokerError
+from fedmq.broker.transport.queues import check_publish_args, job_queues
+from fedmq.broker.transport.reassembly import EXPIRY_CHECK_S, ChunkGate, GatedDispatch
+from fedmq.broker.wire.chunk_frames import CHUNK_HEADER, DEFAULT_CHUNK_LIMIT, chunk_messages
 
 log = structlog.get_logger(__name__)
 

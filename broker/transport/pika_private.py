@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import pika
 
-from broker.transport.errors import BrokerError
+from fedmq.broker.transport.errors import BrokerError
 
 RECV_BYTES = 128 * 1024
 

@@ -38,11 +38,11 @@ from urllib.parse import quote, unquote, urlsplit
 
 import structlog
 
-from broker.transport import pika_private
-from broker.transport import topology as t
-from broker.transport.errors import BrokerError
-from broker.transport.queues import job_queues
-from broker.transport.urls import addresses, redact, with_credentials
+from fedmq.broker.transport import pika_private
+from fedmq.broker.transport import topology as t
+from fedmq.broker.transport.errors import BrokerError
+from fedmq.broker.transport.queues import job_queues
+from fedmq.broker.transport.urls import addresses, redact, with_credentials
 from fedmq.files import write_atomic
 
 log = structlog.get_logger(__name__)
@@ -315,7 +315,7 @@ def check(url: str, job: str | None = None) -> dict[str, Any]:
 
     info: dict[str, Any] = {"url": redact(url), "reachable": False}
     if url.startswith("memory://"):
-        from broker.transport.connect import connect
+        from fedmq.broker.transport.connect import connect
 
         with connect(url) as b:
             info.update(reachable=True, version="in-process", max_message_size=None)

@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.transport import topology as t
-from broker.transport.errors import BrokerError
+from fedmq.broker.transport import topology as t
+from fedmq.broker.transport.errors import BrokerError
 
 QUORUM: dict[str, Any] = {"x-queue-type": "quorum"}
 INBOX_ARGS: dict[str, Any] = {**QUORUM, "x-single-active-consumer": True}

@@ -20,9 +20,9 @@ from typing import Any, Callable
 import pika.exceptions as pe
 import structlog
 
-from broker.transport.base import Delivery, Handler, ReassemblyLimits
-from broker.transport.errors import BrokerError
-from broker.transport.reassembly import EXPIRY_CHECK_S, ChunkGate
+from fedmq.broker.transport.base import Delivery, Handler, ReassemblyLimits
+from fedmq.broker.transport.errors import BrokerError
+from fedmq.broker.transport.reassembly import EXPIRY_CHECK_S, ChunkGate
 
 log = structlog.get_logger(__name__)
 

@@ -21,10 +21,10 @@ from typing import Any, Callable
 import pika
 import structlog
 
-from broker.transport import pika_private
-from broker.transport.errors import BrokerError
-from broker.transport.rabbit_reconnect import CONNECTION_ERRORS, Reconnection, describe, refused
-from broker.transport.urls import redact
+from fedmq.broker.transport import pika_private
+from fedmq.broker.transport.errors import BrokerError
+from fedmq.broker.transport.rabbit_reconnect import CONNECTION_ERRORS, Reconnection, describe, refused
+from fedmq.broker.transport.urls import redact
 
 log = structlog.get_logger(__name__)
 

@@ -20,11 +20,11 @@ import pika
 import pika.exceptions as pe
 import structlog
 
-from broker.transport import pika_private
-from broker.transport.errors import BrokerError
-from broker.transport.queues import check_publish_args
-from broker.transport.topology import EXCHANGE
-from broker.wire.chunk_frames import CHUNK_HEADER, Chunk, ChunkFrame, chunk_parts
+from fedmq.broker.transport import pika_private
+from fedmq.broker.transport.errors import BrokerError
+from fedmq.broker.transport.queues import check_publish_args
+from fedmq.broker.transport.topology import EXCHANGE
+from fedmq.broker.wire.chunk_frames import CHUNK_HEADER, Chunk, ChunkFrame, chunk_parts
 
 log = structlog.get_logger(__name__)
 

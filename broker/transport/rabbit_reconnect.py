@@ -17,7 +17,7 @@ import pika
 import pika.exceptions as pe
 import structlog
 
-from broker.transport.errors import BrokerError
+from fedmq.broker.transport.errors import BrokerError
 
 log = structlog.get_logger(__name__)
 

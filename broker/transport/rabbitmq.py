@@ -15,18 +15,18 @@ from typing import Any
 import pika
 import pika.exceptions as pe
 
-from broker.transport.base import Broker
-from broker.transport.errors import BrokerError
-from broker.transport.queues import job_queues
-from broker.transport.rabbit_consume import RabbitConsuming
-from broker.transport.rabbit_io import RabbitIo
-from broker.transport.rabbit_publish import RabbitPublishing
-from broker.transport.rabbit_reconnect import Reconnection
-from broker.transport.reassembly import GatedDispatch
-from broker.transport.tls import TlsOptions, ssl_options
-from broker.transport.topology import EXCHANGE
-from broker.transport.urls import addresses, redact
-from broker.wire.chunk_frames import DEFAULT_CHUNK_LIMIT
+from fedmq.broker.transport.base import Broker
+from fedmq.broker.transport.errors import BrokerError
+from fedmq.broker.transport.queues import job_queues
+from fedmq.broker.transport.rabbit_consume import RabbitConsuming
+from fedmq.broker.transport.rabbit_io import RabbitIo
+from fedmq.broker.transport.rabbit_publish import RabbitPublishing
+from fedmq.broker.transport.rabbit_reconnect import Reconnection
+from fedmq.broker.transport.reassembly import GatedDispatch
+from fedmq.broker.transport.tls import TlsOptions, ssl_options
+from fedmq.broker.transport.topology import EXCHANGE
+from fedmq.broker.transport.urls import addresses, redact
+from fedmq.broker.wire.chunk_frames import DEFAULT_CHUNK_LIMIT
 
 
 class RabbitBroker(RabbitConsuming, RabbitPublishing, RabbitIo, GatedDispatch, Broker):

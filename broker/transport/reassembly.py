@@ -24,10 +24,10 @@ from typing import Any
 
 import structlog
 
-from broker.transport.base import Broker, Delivery, Handler, ReassemblyLimits
-from broker.transport.errors import BrokerError
-from broker.wire.blobs import digest
-from broker.wire.chunk_frames import CHUNK_HEADER, Chunk, byte_view, chunk_size, decode_chunk
+from fedmq.broker.transport.base import Broker, Delivery, Handler, ReassemblyLimits
+from fedmq.broker.transport.errors import BrokerError
+from fedmq.broker.wire.blobs import digest
+from fedmq.broker.wire.chunk_frames import CHUNK_HEADER, Chunk, byte_view, chunk_size, decode_chunk
 from fedmq.errors import CodecError
 
 log = structlog.get_logger(__name__)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pika
 
-from broker.transport.errors import BrokerError
+from fedmq.broker.transport.errors import BrokerError
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from urllib.parse import quote, unquote
 
-from broker.transport.errors import BrokerError
+from fedmq.broker.transport.errors import BrokerError
 
 
 def redact(url: str) -> str:

@@ -31,7 +31,7 @@ import numpy as np
 import xxhash
 import zstandard as zstd
 
-from broker.wire.threads import Task
+from fedmq.broker.wire.threads import Task
 from fedmq.errors import CodecError
 
 DIGEST_SIZE = 16

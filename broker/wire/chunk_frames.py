@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import msgpack
 import xxhash
 
-from broker.wire.blobs import DIGEST_SIZE, digest
+from fedmq.broker.wire.blobs import DIGEST_SIZE, digest
 from fedmq.errors import CodecError
 
 DEFAULT_CHUNK_LIMIT = 8 * 1024 * 1024

@@ -35,10 +35,10 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from broker.wire.blobs import (
+from fedmq.broker.wire.blobs import (
     Unpacking, bf16_to_f32, f32_to_bf16, make_blob, pack_array, read_blob, unpack_array,
 )
-from broker.wire.threads import Task, run_all
+from fedmq.broker.wire.threads import Task, run_all
 from fedmq.errors import CodecError
 from fedmq.manifest import Manifest
 

@@ -23,7 +23,7 @@ from enum import Enum
 import msgpack
 import zstandard as zstd
 
-from broker.wire.blobs import DIGEST_SIZE, digest, digest_of
+from fedmq.broker.wire.blobs import DIGEST_SIZE, digest, digest_of
 from fedmq.errors import CodecError
 
 SCHEMA_VERSION = 1

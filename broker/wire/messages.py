@@ -29,8 +29,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from broker.wire.encodings import EncodingSpec
-from broker.wire.envelope import Envelope, Kind, Limits, pack, unpack
+from fedmq.broker.wire.encodings import EncodingSpec
+from fedmq.broker.wire.envelope import Envelope, Kind, Limits, pack, unpack
 from fedmq.errors import CodecError
 from fedmq.pulling import MODES, SHARES
 

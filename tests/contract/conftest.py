@@ -7,7 +7,7 @@ import uuid
 import pika
 import pytest
 
-from broker.transport.queues import job_queues
+from fedmq.broker.transport.queues import job_queues
 
 
 @pytest.fixture(params=["memory", "rabbitmq"])

@@ -11,13 +11,13 @@ from collections.abc import Callable, Iterator
 import pika
 import pytest
 
-from broker.transport import topology as t
-from broker.transport.base import Broker, Delivery
-from broker.transport.connect import connect
-from broker.transport.errors import BrokerError
-from broker.transport.memory import topic_matches
-from broker.transport.queues import job_queues
-from broker.wire.chunk_frames import CHUNK_HEADER
+from fedmq.broker.transport import topology as t
+from fedmq.broker.transport.base import Broker, Delivery
+from fedmq.broker.transport.connect import connect
+from fedmq.broker.transport.errors import BrokerError
+from fedmq.broker.transport.memory import topic_matches
+from fedmq.broker.transport.queues import job_queues
+from fedmq.broker.wire.chunk_frames import CHUNK_HEADER
 
 SMALL_CHUNK = 64 * 1024
 
@@ -364,7 +364,7 @@ def test_a_message_that_kills_its_consumer_is_dead_lettered_after_the_delivery_l
     """Each consumer dies holding the message (connection closed, unacked): past DELIVERY_LIMIT returns the
     inbox moves it to the job's dead-letter queue, where an operator finds it; the inbox then works on.
     A rejected message goes there too."""
-    from broker.transport.queues import DELIVERY_LIMIT
+    from fedmq.broker.transport.queues import DELIVERY_LIMIT
 
     pub = make()
     pub.declare_job(job_id, AGENTS)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
-from broker.transport.base import Delivery
-from broker.transport.reassembly import ChunkGate
-from broker.wire.chunk_frames import CHUNK_HEADER, chunk_messages
+from fedmq.broker.transport.base import Delivery
+from fedmq.broker.transport.reassembly import ChunkGate
+from fedmq.broker.wire.chunk_frames import CHUNK_HEADER, chunk_messages
 
 LIMIT = 1024
 

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from broker.transport import topology as t
-from broker.transport.connect import connect
-from broker.transport.errors import BrokerError
-from broker.transport.queues import STREAM_VERSIONS, job_queues, message_chunks, model_stream_args
+from fedmq.broker.transport import topology as t
+from fedmq.broker.transport.connect import connect
+from fedmq.broker.transport.errors import BrokerError
+from fedmq.broker.transport.queues import STREAM_VERSIONS, job_queues, message_chunks, model_stream_args
 
 CHUNK = 64 * 1024
 MODEL = 5 * CHUNK + 1000  # six chunks

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from broker.transport import topology as t
-from broker.transport.connect import connect
+from fedmq.broker.transport import topology as t
+from fedmq.broker.transport.connect import connect
 
 AGENT = "agent-0"
 

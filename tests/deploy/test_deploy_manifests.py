@@ -15,8 +15,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 
-from aggregator.config import JobConfig
-from client_agent.availability import Markov, parse_availability
+from fedmq.aggregator.config import JobConfig
+from fedmq.client_agent.availability import Markov, parse_availability
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

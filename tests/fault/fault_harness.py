@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from aggregator.runlog import read_rounds
+from fedmq.aggregator.runlog import read_rounds
 
 ROOT = Path(__file__).resolve().parents[2]
 FEDMQ = str(Path(sys.executable).parent / "fedmq")
@@ -73,7 +73,7 @@ def delete_job_queues(url: str, job: str, clients: int) -> None:
     """Remove the job's queues from a broker (tests on the shared broker leave nothing behind)."""
     import pika
 
-    from broker.transport import topology as t
+    from fedmq.broker.transport import topology as t
     try:
         conn = pika.BlockingConnection(pika.URLParameters(url))
     except Exception:  # the broker may be down in a failed test; nothing to clean then
@@ -257,7 +257,7 @@ class Federation:
     def audit(self, slack_s: float = 10.0) -> Audit:
         import torch
 
-        from aggregator.checkpoint import load_checkpoint
+        from fedmq.aggregator.checkpoint import load_checkpoint
         from fedmq.tasks.base import model_state
         from fedmq.tasks.lm import LanguageModelTask
 

@@ -61,8 +61,8 @@ def test_hot_standby_takes_over_from_the_checkpoint_and_spool(federation):
 
 def test_async_kill9_mid_round_replays_the_spool(tmp_path, rabbit_url, job_id):
     """Async (FedBuff) mode: updates acked into the spool before a kill -9 are folded after the restart, once."""
-    from broker.transport.connect import connect
-    from broker.wire import messages
+    from fedmq.broker.transport.connect import connect
+    from fedmq.broker.wire import messages
 
     fed = Federation(tmp_path / "fed", rabbit_url, job_id, clients=3, rounds=5, agent_faults={2: "slow:1.0:2"},
                      job_options={"strategy": "async", "async_k": 3, "max_staleness": 5})
@@ -81,7 +81,7 @@ def test_async_kill9_mid_round_replays_the_spool(tmp_path, rabbit_url, job_id):
             fed.kill9(f"agent-{i}")
         audit = fed.audit()  # its (round, id) matching is for synchronous rounds; async is matched by id below
         assert audit.duplicated == [] and audit.finite and audit.shapes_ok, audit
-        from aggregator.checkpoint import load_checkpoint
+        from fedmq.aggregator.checkpoint import load_checkpoint
         folded = {u for ids in load_checkpoint(fed.state / "checkpoints").folded.values() for u in ids}
         confirmed = {u for _, u in fed.confirmed()}
         assert folded <= confirmed, "folded an update no agent had confirmed"

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from broker.transport import topology as t
+from fedmq.broker.transport import topology as t
 from fault_harness import Federation, wait_for
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.isolated_node, pytest.mark.slow]

@@ -181,7 +181,7 @@ def _run_plan(node, tmp_path, job_id, seed: int, first_mid_upload: bool) -> None
         walls = {r["round"]: r["wall_s"] for r in rows}
         over = {r: w for r, w in walls.items()
                 if w > fed.round_limit_s(SLACK_S) + run.extra_s.get(r, 0.0)}
-        from aggregator.checkpoint import load_checkpoint
+        from fedmq.aggregator.checkpoint import load_checkpoint
         folded = {u for ids in load_checkpoint(fed.state / "checkpoints").folded.values() for u in ids}
         report = {"seed": seed, "partial_folded": sorted(set(run.partial_ids) & folded), "wall_s": round(time.monotonic() - t_start, 1), **audit.as_dict(),
                   "round_walls": walls, "extra_s": {r: round(s, 1) for r, s in run.extra_s.items()},

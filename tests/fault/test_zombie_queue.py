@@ -11,10 +11,10 @@ import time
 import pika
 import pytest
 
-from broker.transport import topology as t
-from broker.transport.connect import connect
-from broker.transport.errors import BrokerError
-from broker.transport.queues import job_queues
+from fedmq.broker.transport import topology as t
+from fedmq.broker.transport.connect import connect
+from fedmq.broker.transport.errors import BrokerError
+from fedmq.broker.transport.queues import job_queues
 from fault_harness import Federation, wait_for
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.isolated_node, pytest.mark.slow]

@@ -18,18 +18,18 @@ import msgpack
 import pytest
 import zstandard as zstd
 
-from aggregator.config import JobConfig
-from aggregator.engine import Engine
-from broker.transport import topology
-from broker.transport.connect import connect
-from broker.transport.provision import purge
-from broker.wire import messages
-from broker.wire.blobs import digest
-from broker.wire.chunk_frames import CHUNK_HEADER
-from broker.wire.chunk_frames import encode_chunk, split
-from broker.wire.encodings import EncodingSpec, encode_state
-from broker.wire.envelope import FLAG_ZSTD, MAGIC, SCHEMA_VERSION
-from client_agent.agent import Agent
+from fedmq.aggregator.config import JobConfig
+from fedmq.aggregator.engine import Engine
+from fedmq.broker.transport import topology
+from fedmq.broker.transport.connect import connect
+from fedmq.broker.transport.provision import purge
+from fedmq.broker.wire import messages
+from fedmq.broker.wire.blobs import digest
+from fedmq.broker.wire.chunk_frames import CHUNK_HEADER
+from fedmq.broker.wire.chunk_frames import encode_chunk, split
+from fedmq.broker.wire.encodings import EncodingSpec, encode_state
+from fedmq.broker.wire.envelope import FLAG_ZSTD, MAGIC, SCHEMA_VERSION
+from fedmq.client_agent.agent import Agent
 from fedmq.tasks.base import model_state
 from fedmq.tasks.lm import LanguageModelTask
 

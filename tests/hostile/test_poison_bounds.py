@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from aggregator.config import JobConfig
-from broker.transport import provision
-from client_agent.agent import Agent
+from fedmq.aggregator.config import JobConfig
+from fedmq.broker.transport import provision
+from fedmq.client_agent.agent import Agent
 from fedmq.tasks.base import model_state
 from fedmq.tasks.lm import LanguageModelTask
 

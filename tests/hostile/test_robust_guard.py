@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aggregator.config import JobConfig, JobConfigError
-from client_agent.agent import Agent
+from fedmq.aggregator.config import JobConfig, JobConfigError
+from fedmq.client_agent.agent import Agent
 from fedmq.tasks.lm import LanguageModelTask
 
 TINY = dict(data="builtin", model="gru-small", emb=16, hidden=16, vocab_size=500, max_lines=600,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from aggregator.config import JobConfig
-from cli.simulate import Simulation
+from fedmq.aggregator.config import JobConfig
+from fedmq.simulation import Simulation
 from fedmq.tasks.registry import make_task
 
 

@@ -14,9 +14,9 @@ from functools import partial
 
 import pytest
 
-from benchmarks import experiments
-from benchmarks.experiments import ExperimentError
-from cli.simulate import Simulation
+from fedmq.benchmarks import experiments
+from fedmq.benchmarks.experiments import ExperimentError
+from fedmq.simulation import Simulation
 from fedmq.errors import FedmqError
 
 ROOT = experiments.ROOT
@@ -177,7 +177,7 @@ def test_nmt_domains(tmp_path, monkeypatch):
 
 def test_cli_topk_with_report(tmp_path):
     """`fedmq experiment topk --scale smoke`: top-K β=0.5 grants half the uploads; the report has its figures."""
-    proc = subprocess.run([sys.executable, "-m", "cli.app", "experiment", "topk", "--scale", "smoke", "--out",
+    proc = subprocess.run([sys.executable, "-m", "fedmq.cli.app", "experiment", "topk", "--scale", "smoke", "--out",
                            str(tmp_path), "--log-level", "warning"], cwd=ROOT, capture_output=True, text=True,
                           timeout=150)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -191,7 +191,7 @@ def test_cli_topk_with_report(tmp_path):
 
 def test_central_baseline_matches_the_federations_token_passes(tmp_path):
     """C x K clients x E epochs of their shards a round = C x E epochs of the union, trained on one model."""
-    from benchmarks.experiments import Runner
+    from fedmq.benchmarks.experiments import Runner
     from fedmq.tasks.lm_data import StreamBatches
 
     spec = next(s for s in experiments.table2("smoke") if s.central)
@@ -210,7 +210,7 @@ def test_central_baseline_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     an uninterrupted run (a round's seed is fixed by the run's seed and the round)."""
     from dataclasses import replace
 
-    from benchmarks.experiments import Runner
+    from fedmq.benchmarks.experiments import Runner
 
     spec = next(s for s in experiments.table2("smoke") if s.central)
     spec = replace(spec, job={**spec.job, "rounds": 3})
@@ -242,7 +242,7 @@ def test_a_run_made_under_an_older_default_is_run_again(tmp_path):
     """A finished run whose config.json records another value of a setting its strategy reads (FedMed's JS
     weighting before 2026-11-24) is replaced; one that differs only in another strategy's setting, or predates
     a setting now at its default, is kept."""
-    from benchmarks.experiments import Runner
+    from fedmq.benchmarks.experiments import Runner
 
     specs = {s.name: s for s in experiments.table2("smoke")}
     runner = Runner(tmp_path, Simulation)
@@ -268,7 +268,7 @@ def test_a_finished_run_of_many_clients_is_kept_on_rerun(tmp_path):
     run was deleted and started again by the same command (2026-11-24, on the GPU machine)."""
     from dataclasses import replace
 
-    from benchmarks.experiments import Runner
+    from fedmq.benchmarks.experiments import Runner
 
     spec = next(s for s in experiments.table2("smoke") if s.name == "wikitext-2-fedavg-c0.5")
     spec = replace(spec, job={**spec.job, "clients": 60}, task_options={**spec.task_options, "clients": 60})
@@ -352,7 +352,7 @@ def test_bad_arguments_are_one_line_and_write_nothing(tmp_path):
     for args, message in ((["nope"], "unknown experiment 'nope'"),
                           (["table2", "--seeds", "1,1"], "--seeds wants distinct"),
                           (["table2", "--device", "tpu"], "unknown --device 'tpu'")):
-        proc = subprocess.run([sys.executable, "-m", "cli.app", "experiment", *args, "--out", str(tmp_path)],
+        proc = subprocess.run([sys.executable, "-m", "fedmq.cli.app", "experiment", *args, "--out", str(tmp_path)],
                               cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2, args
         assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and message in proc.stderr

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from aggregator.config import JobConfig
+from fedmq.aggregator.config import JobConfig
 from fedmq.tasks.lm import LanguageModelTask
 
 TINY = dict(data="builtin", model="gru-small", emb=16, hidden=16, vocab_size=500, max_lines=600,
@@ -65,7 +65,7 @@ def test_fedmed_topk_grants_lowest_losses(federation, task, tmp_path):
 
 def test_dead_agents_do_not_hang_a_round(federation, task, tmp_path):
     """Agents that crash during training: the round closes at its deadline, as skipped when below the minimum."""
-    from client_agent.availability import parse_faults
+    from fedmq.client_agent.availability import parse_faults
     cfg = JobConfig(encoding="raw", down_encoding="raw", job="e2edead", strategy="fedavg", rounds=1, clients=2, fraction=1.0, min_clients=1, lr=5.0,
                     max_steps=2, batch_size=4, heartbeat_s=0.5, join_timeout_s=20, report_deadline_s=3,
                     update_deadline_s=2)
@@ -84,13 +84,13 @@ def test_fedavg_rounds_over_rabbitmq(federation, task, tmp_path, rabbit_url, job
     engine, agents, summary = federation(task, cfg, rabbit_url, tmp_path / "run", keep_sent=True)
     assert summary["rounds_completed"] == 2
     check_last_round_is_fedavg(engine, agents, 2)
-    from broker.transport import provision
+    from fedmq.broker.transport import provision
     provision.purge(rabbit_url, job_id)
 
 
 def test_round_closes_early_when_selected_agents_go_offline(federation, task, tmp_path):
     """An agent that leaves (availability model) says so; the round does not wait for its deadline."""
-    from client_agent.availability import parse_availability
+    from fedmq.client_agent.availability import parse_availability
     cfg = JobConfig(encoding="raw", down_encoding="raw", job="e2eoff", strategy="fedavg", rounds=2, clients=4, fraction=1.0, lr=5.0, max_steps=2,
                     batch_size=4, heartbeat_s=0.5, join_timeout_s=20, report_deadline_s=60, update_deadline_s=60)
     engine, agents, summary = federation(task, cfg, "memory://e2e-off", tmp_path / "run", keep_sent=True,
@@ -104,7 +104,7 @@ def test_round_closes_early_when_selected_agents_go_offline(federation, task, tm
 def test_dynamic_pulling_in_both_directions(federation, task, tmp_path):
     """--pull-down: after the first round the server pushes only the tensors its rule picks (by their change since
     the previous global), and each agent trains from those plus its own values for the rest."""
-    from client_agent.agent import Agent
+    from fedmq.client_agent.agent import Agent
 
     seen: dict[str, list] = {}
 
@@ -153,10 +153,10 @@ def test_pull_down_config_errors():
 def test_selection_counts_every_queued_heartbeat(task, tmp_path):
     """Heartbeats that queued while the aggregator was busy all count: selection samples from every live agent,
     not from the first few read (which made the seeded sampling a no-op in the experiments)."""
-    from aggregator.engine import Engine
-    from broker.transport import topology
-    from broker.transport.connect import connect
-    from broker.wire import messages
+    from fedmq.aggregator.engine import Engine
+    from fedmq.broker.transport import topology
+    from fedmq.broker.transport.connect import connect
+    from fedmq.broker.wire import messages
 
     url = "memory://e2e-presence"
     cfg = JobConfig(encoding="raw", down_encoding="raw", job="e2epres", clients=10, fraction=0.2, heartbeat_s=0.5)
@@ -180,7 +180,7 @@ def test_upload_only_pulling_keeps_unsent_tensors_private(federation, task, tmp_
     """Dynamic pulling upwards only (Passban et al.: unsent tensors are "protected from external updates and only
     modified using local data"): a DP_l client starts round 3 from the global model for the tensors it sent in
     round 2 and from its own trained values for the rest (in round 1, with no previous model, it sends all)."""
-    from client_agent.agent import Agent
+    from fedmq.client_agent.agent import Agent
 
     starts: dict[str, dict[int, dict]] = {}
     trained: dict[str, dict[int, dict]] = {}

@@ -21,7 +21,7 @@ OWN = ["--task", "bring_your_own:TwoMoons", "--strategy", "bring_your_own:Unifor
 
 
 def fedmq(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli.app", *args], capture_output=True, text=True, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "fedmq.cli.app", *args], capture_output=True, text=True, cwd=ROOT,
                           env=ENV, timeout=timeout)
 
 
@@ -59,7 +59,7 @@ def test_simulate_takes_a_task_and_a_strategy_by_import_path(tmp_path):
     (["--task", "bring_your_own:UniformMean"], "must name a subclass of fedmq.tasks.base.Task; found UniformMean"),
     (["--task", "bring_your_own:Nothing"], "must name a subclass of fedmq.tasks.base.Task; found nothing"),
     (["--task", "bring_your_own:TwoMoons", "--strategy", "bring_your_own:TwoMoons"],
-     "must name a subclass of aggregator.strategies.base.Strategy; found TwoMoons"),
+     "must name a subclass of fedmq.aggregator.strategies.base.Strategy; found TwoMoons"),
     (["--task", "bring_your_own:TwoMoons", "--strategy", "bring_your_own"], "unknown strategy 'bring_your_own'"),
 ])
 def test_a_class_that_cannot_be_used_is_one_line_and_leaves_nothing(tmp_path, args, message):
@@ -78,7 +78,7 @@ def test_own_task_and_strategy_as_services(tmp_path, rabbit_url, job_id):
                    'batch_size = 16\nidentity = "shared:guest"\nstrategy = "bring_your_own:UniformMean"\n\n'
                    '[task]\ntask = "bring_your_own:TwoMoons"\n')
     common = ["--broker", rabbit_url, "--job", job_id, "--config", str(job)]
-    run = [sys.executable, "-m", "cli.app"]
+    run = [sys.executable, "-m", "fedmq.cli.app"]
     agg = subprocess.Popen([*run, "aggregator", "run", *common, "--state-dir", str(tmp_path / "state")],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
     agents = [subprocess.Popen([*run, "agent", "run", *common, "--client-id", f"agent-{i}", "--device", "cpu"],

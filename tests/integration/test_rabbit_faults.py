@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from broker.transport import topology as t
-from broker.transport.base import Delivery
-from broker.transport.connect import connect
-from broker.transport.errors import BrokerError
-from broker.transport.tls import TlsOptions
+from fedmq.broker.transport import topology as t
+from fedmq.broker.transport.base import Delivery
+from fedmq.broker.transport.connect import connect
+from fedmq.broker.transport.errors import BrokerError
+from fedmq.broker.transport.tls import TlsOptions
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.isolated_node, pytest.mark.slow]
 

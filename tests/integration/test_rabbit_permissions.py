@@ -10,10 +10,10 @@ import pika
 import pika.exceptions as pe
 import pytest
 
-from broker.transport import provision as prov
-from broker.transport import topology as t
-from broker.transport.connect import connect
-from broker.transport.errors import BrokerError
+from fedmq.broker.transport import provision as prov
+from fedmq.broker.transport import topology as t
+from fedmq.broker.transport.connect import connect
+from fedmq.broker.transport.errors import BrokerError
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -193,7 +193,7 @@ def test_provision_configures_the_node_the_url_names(rabbit_node, tmp_path):
     from pathlib import Path
 
     vhost = "fedmq-port-" + uuid.uuid4().hex[:6]
-    cmd = [sys.executable, "-m", "cli.app", "broker", "provision", "--broker", rabbit_node.url, "--vhost", vhost,
+    cmd = [sys.executable, "-m", "fedmq.cli.app", "broker", "provision", "--broker", rabbit_node.url, "--vhost", vhost,
            "--job", "portjob", "--agents", "1", "--credentials-out", str(tmp_path / "creds.json"),
            "--secrets-out", str(tmp_path / "secrets")]
     root = Path(__file__).resolve().parents[2]

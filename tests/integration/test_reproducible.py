@@ -17,7 +17,7 @@ JOB = ["--clients", "4", "--fraction", "1.0", "--model", "gru-tiny", "--max-line
 
 
 def _simulate(run: Path, *extra: str) -> tuple[list[dict], dict]:
-    proc = subprocess.run([sys.executable, "-m", "cli.app", "simulate", *JOB, "--out", str(run), *extra],
+    proc = subprocess.run([sys.executable, "-m", "fedmq.cli.app", "simulate", *JOB, "--out", str(run), *extra],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aggregator.config import JobConfig
-from broker.wire import messages
-from client_agent.state import DiskStore, MemoryStore
-from client_agent.trainers import TrainerPool
+from fedmq.aggregator.config import JobConfig
+from fedmq.broker.wire import messages
+from fedmq.client_agent.state import DiskStore, MemoryStore
+from fedmq.client_agent.trainers import TrainerPool
 from fedmq.errors import CodecError
 from fedmq.tasks.lm import LanguageModelTask
 
@@ -38,7 +38,7 @@ def _cfg(job: str, **kw) -> JobConfig:
 
 
 def test_only_selected_agents_fetch_and_one_trainer_serves_all(federation, task, tmp_path, monkeypatch):
-    from broker.transport.memory import MemoryBroker
+    from fedmq.broker.transport.memory import MemoryBroker
 
     keys: list[str] = []
     publish = MemoryBroker.publish
@@ -73,7 +73,7 @@ def test_only_selected_agents_fetch_and_one_trainer_serves_all(federation, task,
 def test_delta_pushes_with_keyframes_stay_exact(federation, task, tmp_path):
     """Everyone selected every round: agents holding v−1 fetch the (exact, XOR) raw delta, except at keyframes
     (every 2nd version here), and the aggregate is still FedAvg of exactly what was sent."""
-    from client_agent.agent import Agent
+    from fedmq.client_agent.agent import Agent
 
     forms: dict[int, set[int]] = {}
 
@@ -125,10 +125,10 @@ def test_a_model_published_before_its_announced_time_is_still_found(task, monkey
     read from that time misses it, then reads the (short) stream from its start."""
     import time
 
-    from broker.transport import topology as t
-    from broker.transport.connect import connect
-    from broker.wire.encodings import EncodingSpec, encode_state
-    from client_agent import agent as agent_mod
+    from fedmq.broker.transport import topology as t
+    from fedmq.broker.transport.connect import connect
+    from fedmq.broker.wire.encodings import EncodingSpec, encode_state
+    from fedmq.client_agent import agent as agent_mod
 
     monkeypatch.setattr(agent_mod, "FIRST_TRY_S", 0.5)
     pool = TrainerPool(task, 1, 0)
@@ -151,8 +151,8 @@ def test_a_model_published_before_its_announced_time_is_still_found(task, monkey
 
 def _feedback_run(federation, task, tmp_path, name: str, **kw):
     """Three clients, every one selected every round, top-5 % deltas up, raw down; records what each agent kept."""
-    from broker.wire.encodings import decode_state
-    from client_agent.agent import Agent
+    from fedmq.broker.wire.encodings import decode_state
+    from fedmq.client_agent.agent import Agent
 
     seen: dict[str, list[dict]] = {}
 
@@ -206,7 +206,7 @@ def test_error_feedback_brings_topk_closer_to_raw_and_off_keeps_nothing(federati
 
 
 def test_error_feedback_is_a_boolean_and_only_for_sparsified_deltas():
-    from aggregator.config import JobConfigError
+    from fedmq.aggregator.config import JobConfigError
 
     with pytest.raises(JobConfigError, match="error-feedback must be true or false"):
         JobConfig(error_feedback="yes")
@@ -218,7 +218,7 @@ def test_error_feedback_is_a_boolean_and_only_for_sparsified_deltas():
 
 def test_mixed_precision_reaches_local_training_and_the_cpu_ignores_it(federation, task, tmp_path):
     """``amp`` travels in the round config to every agent's TrainConfig; on the CPU it changes no number."""
-    from client_agent.agent import Agent
+    from fedmq.client_agent.agent import Agent
 
     asked: list[bool] = []
 
@@ -239,7 +239,7 @@ def test_mixed_precision_reaches_local_training_and_the_cpu_ignores_it(federatio
 
 
 def test_mixed_precision_is_a_boolean_in_the_job_and_on_the_wire():
-    from aggregator.config import JobConfigError
+    from fedmq.aggregator.config import JobConfigError
 
     with pytest.raises(JobConfigError, match="amp must be true or false"):
         JobConfig(amp="yes")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.status_info import gather
+from fedmq.cli.status_info import gather
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB_TOML = """
@@ -38,7 +38,7 @@ max_eval_lines = 100
 
 
 def fedmq(*args: str) -> list[str]:
-    return [sys.executable, "-m", "cli.app", *args]
+    return [sys.executable, "-m", "fedmq.cli.app", *args]
 
 
 def resolved(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -19,7 +19,7 @@ TINY = ["--clients", "4", "--fraction", "0.5", "--model", "gru-tiny", "--max-lin
 
 
 def fedmq(*args: str) -> list[str]:
-    return [sys.executable, "-m", "cli.app", *args]
+    return [sys.executable, "-m", "fedmq.cli.app", *args]
 
 
 def rows(run: Path) -> list[dict]:
@@ -135,7 +135,7 @@ def _job_queues(job: str) -> list[str]:
 
 @pytest.mark.rabbitmq
 def test_simulate_keep_queues_leaves_them(tmp_path, rabbit_url):
-    from broker.transport.provision import purge
+    from fedmq.broker.transport.provision import purge
 
     proc = subprocess.run(fedmq("simulate", *TINY, "--rounds", "1", "--out", str(tmp_path / "run"), "--broker", rabbit_url,
                                 "--keep-queues"), capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -153,8 +153,8 @@ def test_simulate_keep_queues_leaves_them(tmp_path, rabbit_url):
 def test_an_agent_failure_ends_the_simulation_at_once_with_one_line(tmp_path):
     """A failing agent thread (here: its training raises) stops the run within seconds, not at the 300 s report
     deadline, and the user sees the first cause in one line (exit 1); the traceback is in the run's log."""
-    from aggregator.config import JobConfig
-    from cli.simulate import Simulation, SimulationFailed
+    from fedmq.aggregator.config import JobConfig
+    from fedmq.simulation import Simulation, SimulationFailed
     from fedmq.tasks.lm import LanguageModelTask
 
     class Broken(LanguageModelTask):
@@ -234,9 +234,9 @@ def test_a_second_run_of_the_same_job_in_one_process_starts_clean(tmp_path):
     online, selected at once, then took their goodbyes for its selected agents leaving, and closed round 1 with no
     update (every seed after the first lost a round). How many leftovers a run leaves depends on timing; what the
     fix guarantees does not: the job's queues are gone after each run, and the next run's rounds are whole."""
-    from aggregator.config import JobConfig
-    from broker.transport.connect import connect
-    from cli.simulate import Simulation
+    from fedmq.aggregator.config import JobConfig
+    from fedmq.broker.transport.connect import connect
+    from fedmq.simulation import Simulation
     from fedmq.tasks.lm import LanguageModelTask
 
     task = LanguageModelTask(data="builtin", model="gru-tiny", clients=4, max_lines=300, vocab_size=300, bptt=10)

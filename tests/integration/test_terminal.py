@@ -20,7 +20,7 @@ def test_simulate_at_an_80_column_terminal(tmp_path):
     # as a user runs it: from their own folder, into the default run folder runs/TIME-STRATEGY
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("COLUMNS", None), env.pop("LINES", None)
-    child = pexpect.spawn(sys.executable, ["-m", "cli.app", "simulate", "--rounds", "2", "--clients", "2",
+    child = pexpect.spawn(sys.executable, ["-m", "fedmq.cli.app", "simulate", "--rounds", "2", "--clients", "2",
                                            "--max-lines", "300", "--vocab-size", "500", "--max-steps", "3",
                                            "--bptt", "20", "--max-eval-lines", "50"],
                           cwd=str(tmp_path), env=env, dimensions=(24, 80), encoding="utf-8", timeout=240)

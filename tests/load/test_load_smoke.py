@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from benchmarks.load import bench_load, format_table
+from fedmq.benchmarks.load import bench_load, format_table
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
 

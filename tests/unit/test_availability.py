@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from client_agent.availability import ConfigError, parse_availability, parse_faults
+from fedmq.client_agent.availability import ConfigError, parse_availability, parse_faults
 
 
 def test_always_online():

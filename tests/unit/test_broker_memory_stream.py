@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from broker.transport.errors import BrokerError
-from broker.transport.memory import MemoryBroker
+from fedmq.broker.transport.errors import BrokerError
+from fedmq.broker.transport.memory import MemoryBroker
 
 
 def _stream(name: str, max_bytes: int) -> MemoryBroker:

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from aggregator.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
-from aggregator.strategies.errors import CheckpointError
+from fedmq.aggregator.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
+from fedmq.aggregator.strategies.errors import CheckpointError
 
 
 def save(tmp_path, r, value, **kw):
@@ -118,7 +118,7 @@ def test_kill_9_during_saves_leaves_a_loadable_checkpoint(tmp_path):
     script = (
         "import sys, torch\n"
         f"sys.path.insert(0, {str(root)!r})\n"
-        "from aggregator.checkpoint import save_checkpoint\n"
+        "from fedmq.aggregator.checkpoint import save_checkpoint\n"
         "r = 0\n"
         "while True:\n"
         "    r += 1\n"

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def fedmq(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli.app", *args], capture_output=True, text=True, timeout=timeout,
+    return subprocess.run([sys.executable, "-m", "fedmq.cli.app", *args], capture_output=True, text=True, timeout=timeout,
                           cwd=ROOT)
 
 
@@ -73,7 +73,7 @@ ALL_COMMANDS = [[], ["simulate"], ["aggregator", "run"], ["agent", "run"], ["bro
 
 
 def help80(*cmd: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "cli.app", *cmd, "--help"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "fedmq.cli.app", *cmd, "--help"], capture_output=True, text=True,
                           timeout=60, cwd=ROOT, env={**os.environ, "COLUMNS": "80", "TERMINAL_WIDTH": "80"})
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
@@ -93,8 +93,8 @@ def words(text: str) -> set[str]:
 
 
 def test_simulate_help_groups_options_and_lists_every_choice_in_full():
-    from aggregator.config import STRATEGIES
-    from broker.wire.encodings import KINDS
+    from fedmq.aggregator.config import STRATEGIES
+    from fedmq.broker.wire.encodings import KINDS
     from fedmq.tasks.lm_models import PRESETS
     from fedmq.tasks.nmt_model import CONFIGS
 
@@ -131,7 +131,7 @@ def test_model_catalog_matches_the_models():
 def fedmq_torch_probe(*args: str) -> tuple[subprocess.CompletedProcess, bool]:
     """Run the CLI in-process under a probe that reports whether torch was imported by the time it exited."""
     code = ("import atexit, sys; atexit.register(lambda: sys.__stdout__.write('TORCH=%s' % ('torch' in sys.modules)));"
-            f"sys.argv = ['fedmq', *{list(args)!r}]; from cli.app import main; main()")
+            f"sys.argv = ['fedmq', *{list(args)!r}]; from fedmq.cli.app import main; main()")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     return proc, "TORCH=True" in proc.stdout
 
@@ -248,8 +248,8 @@ def test_resume_needs_out():
 def plan(*args: str, saved: dict | None = None):
     import typer
 
-    from cli.app import app, simulate
-    from cli.simulate_options import from_context
+    from fedmq.cli.app import app, simulate
+    from fedmq.cli.simulate_options import from_context
 
     ctx = typer.main.get_command(app).commands["simulate"].make_context("simulate", list(args))
     return from_context(ctx, simulate, saved)
@@ -278,7 +278,7 @@ def test_config_file_then_flags_override_it(tmp_path):
     ("[task]\ndomains = ['news']\n", "--domains"),
 ])
 def test_bad_config_files_are_one_line(tmp_path, content, needle):
-    from cli.errors import UsageError
+    from fedmq.cli.errors import UsageError
 
     job = tmp_path / "job.toml"
     job.write_text(content)
@@ -287,7 +287,7 @@ def test_bad_config_files_are_one_line(tmp_path, content, needle):
 
 
 def test_resume_keeps_saved_options_and_refuses_different_ones():
-    from cli.errors import UsageError
+    from fedmq.cli.errors import UsageError
 
     saved = plan("-k", "4", "--lr", "10", "--model", "gru-small", "--max-lines", "300", "--rounds", "2").options
     p = plan("--rounds", "6", "--device", "auto", saved=dict(saved))  # harmless: extend the run, another device
@@ -299,7 +299,7 @@ def test_resume_keeps_saved_options_and_refuses_different_ones():
 
 
 def test_resume_of_a_run_folder_from_before_options_were_recorded():
-    from cli.simulate_options import saved_options
+    from fedmq.cli.simulate_options import saved_options
 
     legacy = {"strategy": "fedatt", "att_eps": 1.0, "clients": 4, "lr": 10.0, "task": "lm", "model": "gru-small",
               "partition": "iid", "bptt": 20, "model_config": {"tied": True, "dropout": 0.1}, "extra": {}}

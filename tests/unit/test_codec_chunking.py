@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broker.transport.reassembly import Reassembler
-from broker.wire.chunk_frames import (
+from fedmq.broker.transport.reassembly import Reassembler
+from fedmq.broker.wire.chunk_frames import (
     DEFAULT_CHUNK_LIMIT,
     FRAME_OVERHEAD,
     Chunk,
@@ -287,7 +287,7 @@ def test_reassembled_body_is_bytes_and_independent_of_frames() -> None:
 
 def test_chunk_frame_slices_like_the_encoded_frame() -> None:
     """ChunkFrame (header + view of the data, sent by the RabbitMQ backend) reads exactly as encode_chunk."""
-    from broker.wire.chunk_frames import ChunkFrame
+    from fedmq.broker.wire.chunk_frames import ChunkFrame
 
     body = os.urandom(300_000)
     for c in split(body, "m", 131_072):

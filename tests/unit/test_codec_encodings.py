@@ -12,9 +12,9 @@ import zstandard as zstd
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broker.wire.blobs import bf16_to_f32, f32_to_bf16, pack_array
-from broker.wire.encodings import EncodingSpec, decode_state, encode_state, raw_nbytes
-from broker.wire.threads import run_all
+from fedmq.broker.wire.blobs import bf16_to_f32, f32_to_bf16, pack_array
+from fedmq.broker.wire.encodings import EncodingSpec, decode_state, encode_state, raw_nbytes
+from fedmq.broker.wire.threads import run_all
 from fedmq.errors import CodecError
 from fedmq.manifest import Manifest
 
@@ -199,7 +199,7 @@ def test_tune_allocator_is_idempotent() -> None:
     import sys
     from pathlib import Path
 
-    code = "from broker.wire.malloc import tune_allocator as t; a = t(); assert t() is a; print(a)"
+    code = "from fedmq.broker.wire.malloc import tune_allocator as t; a = t(); assert t() is a; print(a)"
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -9,9 +9,9 @@ import zstandard as zstd
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broker.wire.blobs import digest
-from broker.wire.encodings import EncodingSpec, decode_state, encode_state
-from broker.wire.envelope import FLAG_ZSTD, HEADER_SIZE, SCHEMA_VERSION, Envelope, Kind, Limits, pack, unpack
+from fedmq.broker.wire.blobs import digest
+from fedmq.broker.wire.encodings import EncodingSpec, decode_state, encode_state
+from fedmq.broker.wire.envelope import FLAG_ZSTD, HEADER_SIZE, SCHEMA_VERSION, Envelope, Kind, Limits, pack, unpack
 from fedmq.errors import CodecError
 from fedmq.manifest import Manifest
 
@@ -162,7 +162,7 @@ def test_large_payload_body_is_exactly_msgpack() -> None:
     import msgpack
     import numpy as np
 
-    from broker.wire.envelope import HEADER_SIZE
+    from fedmq.broker.wire.envelope import HEADER_SIZE
 
     big = np.arange(50_000, dtype=np.float32)
     payload = {"n_samples": 3, "tensors": {"t": [{"p": [[0, big.nbytes, memoryview(big)], [1, 5, b"x" * 70_000]]},

@@ -6,8 +6,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from broker.wire.blobs import STORED, ZSTD, make_blob
-from broker.wire.encodings import EncodingSpec, decode_state, encode_state
+from fedmq.broker.wire.blobs import STORED, ZSTD, make_blob
+from fedmq.broker.wire.encodings import EncodingSpec, decode_state, encode_state
 from fedmq.errors import CodecError
 from fedmq.manifest import Manifest
 

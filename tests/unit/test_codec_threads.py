@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import zstandard as zstd
 
-from broker.wire import threads as ct
-from broker.wire.blobs import PLANE_PARAMS, ZSTD, make_blob
-from broker.wire.encodings import EncodingSpec, decode_state, encode_state
-from broker.wire.envelope import Envelope, Kind, pack, unpack
+from fedmq.broker.wire import threads as ct
+from fedmq.broker.wire.blobs import PLANE_PARAMS, ZSTD, make_blob
+from fedmq.broker.wire.encodings import EncodingSpec, decode_state, encode_state
+from fedmq.broker.wire.envelope import Envelope, Kind, pack, unpack
 from fedmq.errors import CodecError
 from fedmq.manifest import Manifest
 
@@ -139,7 +139,7 @@ def test_plane_frames_are_plain_zstd_with_content_size() -> None:
 
 
 def test_codec_benchmark_reports_table_threads_and_load(capsys, threads) -> None:
-    from benchmarks.codec import main
+    from fedmq.benchmarks.codec import main
 
     main(["--models", "gru-tied", "--encodings", "raw,delta+int8", "--repeats", "1", "--threads", "2"])
     out = capsys.readouterr().out

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from aggregator.config import JobConfig, JobConfigError
-from aggregator.guards import RoundGuard, delta_norm, first_nonfinite, lower_median
-from aggregator.strategies.base import ClientUpdate
+from fedmq.aggregator.config import JobConfig, JobConfigError
+from fedmq.aggregator.guards import RoundGuard, delta_norm, first_nonfinite, lower_median
+from fedmq.aggregator.strategies.base import ClientUpdate
 
 GLOBAL = {"w": torch.ones(4, 3), "b": torch.zeros(3)}
 

@@ -2,7 +2,7 @@ import re
 
 import pytest
 
-from aggregator.config import JobConfig, JobConfigError
+from fedmq.aggregator.config import JobConfig, JobConfigError
 
 
 def test_defaults_are_valid_and_derived_properties():

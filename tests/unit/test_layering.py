@@ -11,34 +11,47 @@ import collections
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("fedmq", "broker", "aggregator", "client_agent", "cli", "benchmarks")
-# what each layer may import besides itself: the shared bottom layer (fedmq), the transport (broker), the two
-# sides of a federation (never each other), the benchmarks, then the CLI on top (it hands the benchmarks its
-# Simulation and report: benchmarks/experiments.py)
+# where each subpackage of the one installed package lives in the repository (pyproject's package-dir)
+FOLDERS = {"fedmq": "fedmq", **tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]}
+# the layers, bottom to top, and what each may import besides itself: the shared bottom layer (fedmq's own modules:
+# errors, checks, files, tasks, the pulling rule), the transport (broker), the two sides of a federation (never
+# each other), the in-process federation that wires them (simulation), the benchmarks, then the CLI on top.
+# A module belongs to the longest prefix below that names it.
 ALLOWED = {
     "fedmq": set(),
-    "broker": {"fedmq"},
-    "aggregator": {"fedmq", "broker"},
-    "client_agent": {"fedmq", "broker"},
-    "benchmarks": {"fedmq", "broker", "aggregator", "client_agent"},
-    "cli": {"fedmq", "broker", "aggregator", "client_agent", "benchmarks"},
+    "fedmq.broker": {"fedmq"},
+    "fedmq.aggregator": {"fedmq", "fedmq.broker"},
+    "fedmq.client_agent": {"fedmq", "fedmq.broker"},
+    "fedmq.simulation": {"fedmq", "fedmq.broker", "fedmq.aggregator", "fedmq.client_agent"},
+    "fedmq.benchmarks": {"fedmq", "fedmq.broker", "fedmq.aggregator", "fedmq.client_agent", "fedmq.simulation"},
+    "fedmq.cli": {"fedmq", "fedmq.broker", "fedmq.aggregator", "fedmq.client_agent", "fedmq.simulation",
+                  "fedmq.benchmarks"},
 }
 # inside broker: the wire format (bytes in, bytes out) below the transport that carries it; every broker module
 # is in one of the two
 SUBLAYERS = {
-    "broker.wire": {"fedmq"},
-    "broker.transport": {"fedmq", "broker.wire"},
+    "fedmq.broker.wire": {"fedmq", "fedmq.broker.wire"},
+    "fedmq.broker.transport": {"fedmq", "fedmq.broker.wire", "fedmq.broker.transport"},
 }
+
+
+def _within(module: str, prefixes) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def layer(module: str) -> str:
+    return max((name for name in ALLOWED if _within(module, [name])), key=len)
 
 
 def _modules() -> dict[str, Path]:
     mods = {}
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    for package, folder in FOLDERS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            name = ".".join((package, *path.relative_to(ROOT / folder).with_suffix("").parts))
             mods[name.removesuffix(".__init__")] = path
     return mods
 
@@ -61,7 +74,7 @@ def _graph() -> dict[str, set[str]]:
             else:
                 continue
             for target in targets:
-                dep = owner(target) if target.split(".")[0] in PACKAGES else None
+                dep = owner(target) if target.split(".")[0] == "fedmq" else None
                 if dep and dep != name and not name.startswith(dep + "."):
                     graph[name].add(dep)
     return graph
@@ -104,29 +117,22 @@ def test_layers_import_one_way():
     assert len(graph) > 50, "the scan found too few modules to mean anything"
     wrong = []
     for module, deps in graph.items():
-        package = module.split(".")[0]
-        for dep in deps:
-            dep_package = dep.split(".")[0]
-            if dep_package == package:
-                continue
-            if not any(dep == a or dep.startswith(a + ".") for a in ALLOWED[package]):
-                wrong.append(f"{module} -> {dep}")
+        own = layer(module)
+        wrong += [f"{module} -> {dep}" for dep in deps if layer(dep) not in {own, *ALLOWED[own]}]
     assert wrong == []
 
 
-def _within(module: str, prefixes) -> bool:
-    return any(module == p or module.startswith(p + ".") for p in prefixes)
-
-
 def test_inside_broker_the_wire_format_sits_below_the_transport():
-    broker_modules = [m for m in _modules() if m.startswith("broker.")]
+    broker_modules = [m for m in _modules() if m.startswith("fedmq.broker.")]
     assert [m for m in broker_modules if not _within(m, SUBLAYERS)] == []
     wrong = []
     for module, deps in _graph().items():
-        layer = next((s for s in SUBLAYERS if _within(module, [s])), None)
-        if layer is None:
+        sub = next((s for s in SUBLAYERS if _within(module, [s])), None)
+        if sub is None:
             continue
-        wrong += [f"{module} -> {dep}" for dep in deps if not _within(dep, [layer, *SUBLAYERS[layer]])]
+        # the bottom layer (fedmq's own modules) is named "fedmq", a prefix of every module: compare by layer
+        wrong += [f"{module} -> {dep}" for dep in deps
+                  if not (layer(dep) == "fedmq" or _within(dep, SUBLAYERS[sub] - {"fedmq"}))]
     assert wrong == []
 
 
@@ -145,6 +151,20 @@ def test_only_pika_private_touches_pikas_private_attributes():
     assert PIKA_PRIVATES.search(PIKA_PRIVATE.read_text())
 
 
+def test_nothing_imports_a_folder_by_its_name_instead_of_its_package():
+    """``broker``, ``cli`` … are folders of the repository, not packages: code, tests and scripts import them as
+    ``fedmq.broker``, ``fedmq.cli`` …; the old names would only work from a checkout's root, if at all."""
+    folders = set(FOLDERS.values()) - {"fedmq"}
+    paths = [*_modules().values(), *(ROOT / "tests").rglob("*.py"), *(ROOT / "scripts").rglob("*.py")]
+    wrong = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            wrong += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if n.split(".")[0] in folders]
+    assert wrong == []
+
+
 def test_no_module_imports_itself_back():
     assert _cycles(_graph()) == []
 
@@ -152,13 +172,13 @@ def test_no_module_imports_itself_back():
 def test_the_scan_finds_a_cycle_and_resolves_imports_to_modules():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     graph = _graph()
-    assert "fedmq.tasks.base" in graph["aggregator.engine"]  # imports inside the package are resolved to modules
+    assert "fedmq.tasks.base" in graph["fedmq.aggregator.engine"]  # imports inside the package are resolved to modules
 
 
 def test_public_names_resolve_and_the_bottom_layer_loads_nothing_above():
     code = ("import sys, fedmq.errors, fedmq.tasks.registry, fedmq.pulling; "
-            "above = sorted(m for m in sys.modules if m.split('.')[0] in ('broker', 'aggregator', 'client_agent', "
-            "'cli', 'benchmarks')); import fedmq; "
+            "above = sorted(m for m in sys.modules if m.startswith('fedmq.') and m.split('.')[1] in ('broker', "
+            "'aggregator', 'client_agent', 'simulation', 'cli', 'benchmarks')); import fedmq; "
             "names = [getattr(fedmq, n) for n in fedmq.__all__]; print(above, len(names))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from client_agent.trainers import CohortPool
+from fedmq.client_agent.trainers import CohortPool
 from fedmq.tasks.base import TrainConfig, model_state
 from fedmq.tasks.errors import TaskError
 from fedmq.tasks.lm_data import StreamBatches

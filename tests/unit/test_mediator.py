@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from aggregator.mediator import Mediator
+from fedmq.aggregator.mediator import Mediator
 from fedmq.errors import BadParameter
 
 

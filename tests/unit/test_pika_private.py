@@ -1,4 +1,4 @@
-"""broker.transport.pika_private: the one module that touches pika's private attributes checks them at connect."""
+"""fedmq.broker.transport.pika_private: the one module that touches pika's private attributes checks them at connect."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pika
 import pytest
 
-from broker.transport import pika_private
-from broker.transport.connect import connect
-from broker.transport.errors import BrokerError
+from fedmq.broker.transport import pika_private
+from fedmq.broker.transport.connect import connect
+from fedmq.broker.transport.errors import BrokerError
 
 
 def _fake(missing: str = "") -> tuple[SimpleNamespace, SimpleNamespace]:

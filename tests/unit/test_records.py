@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from aggregator.records import MalformedRow, RoundRecord
-from aggregator.runlog import RunFolderError, RunLog, read_rounds, read_run
-from cli.errors import UsageError
-from cli.run_folder import check
+from fedmq.aggregator.records import MalformedRow, RoundRecord
+from fedmq.aggregator.runlog import RunFolderError, RunLog, read_rounds, read_run
+from fedmq.cli.errors import UsageError
+from fedmq.cli.run_folder import check
 from tests.unit.test_runlog import row
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from aggregator.records import RoundRecord
-from cli.plots import DROPPED, OFFLINE, ONLINE, REPORTED, UPLOADED, client_state, participation_grid
-from cli.report import build_report, markdown_table, run_report, score_of
-from cli.runs import ReportError, load_run
+from fedmq.aggregator.records import RoundRecord
+from fedmq.cli.plots import DROPPED, OFFLINE, ONLINE, REPORTED, UPLOADED, client_state, participation_grid
+from fedmq.cli.report import build_report, markdown_table, run_report, score_of
+from fedmq.cli.runs import ReportError, load_run
 from fedmq.errors import FedmqError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -347,7 +347,7 @@ def test_score_of_uses_rows_when_summary_lacks_fields(tmp_path: Path) -> None:
 
 
 def test_single_round_run_has_integer_round_ticks(tmp_path: Path) -> None:
-    from cli.plots import plot_bytes, plot_participation, plot_validation
+    from fedmq.cli.plots import plot_bytes, plot_participation, plot_validation
 
     run = load_run(write_run_dir(tmp_path, "one", rounds=1, complete=False))
     for fig in (plot_validation([run]), plot_bytes([run]), plot_participation(run)):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from rich.table import Table
 
-from cli.status import StatusError, render_status, render_summary, status_json, to_text
+from fedmq.cli.status import StatusError, render_status, render_summary, status_json, to_text
 from fedmq.errors import FedmqError
 
 

@@ -7,12 +7,12 @@ import dataclasses
 
 import pytest
 
-from aggregator.config import JobConfig
-from aggregator.strategies.base import RoundPlan, Strategy
-from aggregator.strategies.fedavg import FedAvg
-from aggregator.strategies.registry import STRATEGY_NAMES, strategy_class, strategy_from_config
-from broker.wire import messages
-from broker.wire.messages import RoundConfig
+from fedmq.aggregator.config import JobConfig
+from fedmq.aggregator.strategies.base import RoundPlan, Strategy
+from fedmq.aggregator.strategies.fedavg import FedAvg
+from fedmq.aggregator.strategies.registry import STRATEGY_NAMES, strategy_class, strategy_from_config
+from fedmq.broker.wire import messages
+from fedmq.broker.wire.messages import RoundConfig
 from fedmq.errors import CodecError
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from aggregator.runlog import CSV_COLUMNS, RunLog
+from fedmq.aggregator.runlog import CSV_COLUMNS, RunLog
 
 TEXT = {"strategy", "metric", "skip_reason"}  # written as they are; every other non-empty cell is JSON
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from aggregator.strategies.base import ClientUpdate
-from aggregator.strategies.buffered_async import BufferedAsync, staleness_weight
-from aggregator.strategies.errors import StaleUpdate
+from fedmq.aggregator.strategies.base import ClientUpdate
+from fedmq.aggregator.strategies.buffered_async import BufferedAsync, staleness_weight
+from fedmq.aggregator.strategies.errors import StaleUpdate
 from fedmq.errors import BadParameter, StrategyError
 
 GLOBAL = {"w": torch.tensor([1.0, 1.0])}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.aggregate import bench_aggregate, format_table, model_shapes
+from fedmq.benchmarks.aggregate import bench_aggregate, format_table, model_shapes
 
 
 @pytest.mark.parametrize("params", [25_000_000, 1_000_000, 100_000, 1000])

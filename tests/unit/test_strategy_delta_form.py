@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aggregator.strategies.base import ClientUpdate, aggregate
-from aggregator.strategies.dynamic_pull import DynamicPull
-from aggregator.strategies.fedatt import FedAtt
-from aggregator.strategies.fedavg import FedAvg
-from aggregator.strategies.registry import STRATEGY_NAMES, make_strategy
-from aggregator.strategies.robust import ClippedFedAvg
+from fedmq.aggregator.strategies.base import ClientUpdate, aggregate
+from fedmq.aggregator.strategies.dynamic_pull import DynamicPull
+from fedmq.aggregator.strategies.fedatt import FedAtt
+from fedmq.aggregator.strategies.fedavg import FedAvg
+from fedmq.aggregator.strategies.registry import STRATEGY_NAMES, make_strategy
+from fedmq.aggregator.strategies.robust import ClippedFedAvg
 
 
 def run(strategy, glob, updates):
@@ -89,7 +89,7 @@ def test_hand_worked_fedavg_and_clipping_on_deltas():
 
 
 def test_running_softmax_sum_moves_its_reference_only_past_the_margin():
-    from aggregator.strategies._common import RunningSoftmaxSum
+    from fedmq.aggregator.strategies._common import RunningSoftmaxSum
 
     scores = [0.0, 5.0, 30.0, 29.0, 100.0, -50.0, 1000.0]
     xs = [torch.full((3,), float(i + 1)) for i in range(len(scores))]

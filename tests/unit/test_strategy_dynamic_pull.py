@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aggregator.strategies.base import ClientUpdate
-from aggregator.strategies.dynamic_pull import DynamicPull
+from fedmq.aggregator.strategies.base import ClientUpdate
+from fedmq.aggregator.strategies.dynamic_pull import DynamicPull
 from fedmq.errors import StrategyError
 
 GLOBAL = {"w": torch.tensor([1.0, 1.0]), "b": torch.tensor([5.0]), "c": torch.tensor([9.0, 9.0])}

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from aggregator.strategies.base import ClientUpdate
-from aggregator.strategies.fedatt import FedAtt, tensor_distance
+from fedmq.aggregator.strategies.base import ClientUpdate
+from fedmq.aggregator.strategies.fedatt import FedAtt, tensor_distance
 from fedmq.errors import BadParameter
 
 
@@ -99,7 +99,7 @@ def test_bad_parameters(params):
 
 
 def test_chunked_distance_matches_torch_dist_on_large_tensors():
-    from aggregator.strategies._common import sq_distance
+    from fedmq.aggregator.strategies._common import sq_distance
 
     gen = torch.Generator().manual_seed(2)
     a, b = torch.randn(700_001, generator=gen), torch.randn(700_001, generator=gen)  # several chunks + a tail
@@ -108,7 +108,7 @@ def test_chunked_distance_matches_torch_dist_on_large_tensors():
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_update_is_rejected_and_changes_nothing(bad):
-    from aggregator.strategies.fedmed import FedMed
+    from fedmq.aggregator.strategies.fedmed import FedMed
     from fedmq.errors import StrategyError
 
     good = ClientUpdate("a", 1, {"w": torch.tensor([3.0, 4.0])})

@@ -7,9 +7,9 @@ import itertools
 import pytest
 import torch
 
-from aggregator.config import JobConfig
-from aggregator.strategies.base import ClientUpdate
-from aggregator.strategies.fedavg import FedAvg, FedSGD
+from fedmq.aggregator.config import JobConfig
+from fedmq.aggregator.strategies.base import ClientUpdate
+from fedmq.aggregator.strategies.fedavg import FedAvg, FedSGD
 from fedmq.errors import StrategyError
 
 GLOBAL = {"w": torch.tensor([0.0, 0.0]), "b": torch.tensor([0.0])}

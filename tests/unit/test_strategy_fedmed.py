@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aggregator.strategies.base import ClientUpdate, aggregate
-from aggregator.strategies.fedmed import FedMed, js_divergence
+from fedmq.aggregator.strategies.base import ClientUpdate, aggregate
+from fedmq.aggregator.strategies.fedmed import FedMed, js_divergence
 from fedmq.errors import StrategyError
 
 LN3 = math.log(3.0)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aggregator.strategies.base import ClientUpdate, Strategy
-from aggregator.strategies.dynamic_pull import DynamicPull
-from aggregator.strategies.fedatt import FedAtt
-from aggregator.strategies.registry import STRATEGY_NAMES, make_strategy
-from aggregator.strategies.robust import ClippedFedAvg, TrimmedMean
+from fedmq.aggregator.strategies.base import ClientUpdate, Strategy
+from fedmq.aggregator.strategies.dynamic_pull import DynamicPull
+from fedmq.aggregator.strategies.fedatt import FedAtt
+from fedmq.aggregator.strategies.registry import STRATEGY_NAMES, make_strategy
+from fedmq.aggregator.strategies.robust import ClippedFedAvg, TrimmedMean
 from fedmq.errors import BadParameter, FedmqError, StrategyError
 
 

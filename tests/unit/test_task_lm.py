@@ -318,7 +318,7 @@ def test_tail_loss_is_the_trained_models_loss_on_its_shard(corpus_dir):
 
 
 def test_fedmed_rounds_ask_for_the_tail_loss_and_others_do_not():
-    from aggregator.config import JobConfig
+    from fedmq.aggregator.config import JobConfig
     assert JobConfig(strategy="fedmed").round_config().tail_loss is True
     assert JobConfig(strategy="fedavg").round_config().tail_loss is False
 

@@ -4,7 +4,7 @@ import urllib.request
 
 import pytest
 
-from cli.telemetry import Telemetry
+from fedmq.cli.telemetry import Telemetry
 
 
 def get(port: int, path: str) -> tuple[int, str]:

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from client_agent.trainers import TrainerPool
+from fedmq.client_agent.trainers import TrainerPool
 from fedmq.tasks.registry import make_task
 
 

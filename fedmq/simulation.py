@@ -20,16 +20,16 @@ from typing import Any, Callable
 
 import structlog
 
-from aggregator.config import JobConfig
-from aggregator.engine import Engine
-from broker.transport import topology
-from broker.transport.connect import connect
-from broker.transport.memory import MemoryBroker
-from broker.transport.urls import url_user
-from client_agent.agent import Agent, AgentLog
-from client_agent.availability import parse_availability, parse_faults
-from client_agent.state import DiskStore
-from client_agent.trainers import CohortPool, TrainerPool
+from fedmq.aggregator.config import JobConfig
+from fedmq.aggregator.engine import Engine
+from fedmq.broker.transport import topology
+from fedmq.broker.transport.connect import connect
+from fedmq.broker.transport.memory import MemoryBroker
+from fedmq.broker.transport.urls import url_user
+from fedmq.client_agent.agent import Agent, AgentLog
+from fedmq.client_agent.availability import parse_availability, parse_faults
+from fedmq.client_agent.state import DiskStore
+from fedmq.client_agent.trainers import CohortPool, TrainerPool
 from fedmq.errors import FedmqError
 from fedmq.tasks.base import Task
 
@@ -169,7 +169,7 @@ class Simulation:
 
     def _delete_queues(self, agents: list[str]) -> None:
         """A simulation's job exists only for the run: leave nothing on the broker (unless keep_queues)."""
-        from broker.transport.provision import purge
+        from fedmq.broker.transport.provision import purge
         try:
             deleted = purge(self.broker_url, self.cfg.job, agents)
             log.info("deleted the job's queues", job=self.cfg.job, queues=len(deleted))
