@@ -43,7 +43,9 @@ class AsyncRounds:
             ctx.announce(stats)
             strategy = ctx.begin_strategy(stats, cfg.strategy)
             for key in sorted(spooled, key=lambda k: int(k.rsplit("-", 1)[1])):  # replay, in arrival order
-                self._fold(stats, strategy, messages.decode(spooled[key], limits=ctx.inbox.limits), spooled[key])
+                self._fold(
+                    stats, strategy, messages.decode(spooled[key], limits=ctx.inbox.limits), spooled[key]
+                )
             spooled = {}
             self._collect(stats, strategy)
             ctx.close_round(stats, strategy if stats.received else None)
@@ -78,18 +80,28 @@ class AsyncRounds:
             else:
                 self._fold(stats, strategy, env, msg.delivery.body, msg)
 
-    def _fold(self, stats: RoundStats, strategy: Strategy, env: Envelope, body: bytes,
-              msg: Received | None = None) -> None:
+    def _fold(
+        self, stats: RoundStats, strategy: Strategy, env: Envelope, body: bytes, msg: Received | None = None
+    ) -> None:
         """Fold one update (live ``msg``, or replayed from the spool when None), spool it, then ack it."""
         ctx = self.ctx
         base = self.history.get(env.model_version)
         if base is None:
             if msg is not None:
-                ctx.inbox.reject(msg.delivery, "too-stale", f"base version {env.model_version} is no longer kept")
+                ctx.inbox.reject(
+                    msg.delivery, "too-stale", f"base version {env.model_version} is no longer kept"
+                )
             return
         arrival = len(stats.received)
-        update = ctx.fold(stats, strategy, env, len(body), base=base, staleness=ctx.version - env.model_version,
-                          received=msg)
+        update = ctx.fold(
+            stats,
+            strategy,
+            env,
+            len(body),
+            base=base,
+            staleness=ctx.version - env.model_version,
+            received=msg,
+        )
         if update is None:
             return
         if msg is not None:

@@ -93,8 +93,15 @@ def save_checkpoint(
     keep: int = 3,
 ) -> Path:
     """Write one checkpoint atomically and prune all but the newest ``keep``; returns its path."""
-    if not (isinstance(round, int) and isinstance(model_version, int) and 0 <= round < 10**8 and 0 <= model_version < 10**8):
-        raise CheckpointError(f"round and model_version must be integers in [0, 1e8), got {round!r}, {model_version!r}")
+    if not (
+        isinstance(round, int)
+        and isinstance(model_version, int)
+        and 0 <= round < 10**8
+        and 0 <= model_version < 10**8
+    ):
+        raise CheckpointError(
+            f"round and model_version must be integers in [0, 1e8), got {round!r}, {model_version!r}"
+        )
     if keep < 1:
         raise CheckpointError(f"keep must be >= 1, got {keep!r}")
     directory = Path(path_dir)
@@ -120,7 +127,13 @@ def save_checkpoint(
         fh.write(payload)
     for old in _candidates(directory)[keep:]:
         old.unlink(missing_ok=True)
-    log.info("checkpoint.saved", path=str(target), round=round, model_version=model_version, bytes=len(payload) + 40)
+    log.info(
+        "checkpoint.saved",
+        path=str(target),
+        round=round,
+        model_version=model_version,
+        bytes=len(payload) + 40,
+    )
     return target
 
 

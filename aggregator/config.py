@@ -39,15 +39,23 @@ class JobConfig:
     att_norm: str = "fro"  # fro | spectral
     fedmed_js: str = "relative"  # FedMed's JS weights: each over the round's mean | standardised across the
     # round's clients | raw (the paper's)
-    noise: float = 0.0  # randomization β: client adds noise·N(0, 1) to its weights before upload (FedAtt Eq. 6)
-    pull_fraction: float = 0.5  # dynamic pulling: share of tensors sent (0.5 = median rule, 0.33 = 33 % variant)
+    noise: float = (
+        0.0  # randomization β: client adds noise·N(0, 1) to its weights before upload (FedAtt Eq. 6)
+    )
+    pull_fraction: float = (
+        0.5  # dynamic pulling: share of tensors sent (0.5 = median rule, 0.33 = 33 % variant)
+    )
     pull_by: str = "params"  # dynamic pulling: pull_fraction is a share of parameters (the paper) or of tensors ("count")
-    pull_down: bool = False  # dynamic pulling in both directions: the server pushes only the tensors its rule picks
+    pull_down: bool = (
+        False  # dynamic pulling in both directions: the server pushes only the tensors its rule picks
+    )
     # wire encodings (broker.wire.encodings.EncodingSpec syntax). Defaults: bf16, for the update as a delta against
     # the model it trained from (so its error is relative to the update, not to the weights), 2.5x smaller
     # than raw both ways at the same validation perplexity (docs/benchmarks.md "Equal quality, fewer bytes");
     # "raw" both ways is bit-exact FedAvg
-    encoding: str = "auto"  # uplink: auto = delta+bf16, or raw under pull-down (whose uploads cannot be deltas)
+    encoding: str = (
+        "auto"  # uplink: auto = delta+bf16, or raw under pull-down (whose uploads cannot be deltas)
+    )
     down_encoding: str = "bf16"  # downlink (the global model)
     keyframe_every: int = 10  # delta down-encodings: every Nth version is published full only (bounds drift)
     # sparsified uploads (delta+topk): each agent keeps what its upload left out and adds it to its next one
@@ -75,10 +83,14 @@ class JobConfig:
     max_staleness: int = 5
     server_lr: float = 1.0  # async: server step on the staleness-weighted mean delta
     eval_every: int = 1
-    keep_checkpoints: int = 3  # the newest round checkpoints kept (nmt-domains keeps every round's to pick one)
+    keep_checkpoints: int = (
+        3  # the newest round checkpoints kept (nmt-domains keeps every round's to pick one)
+    )
     seed: int = 0
     identity: str = "strict"
-    robust: str = "none"  # FedAvg guard: none | clip:NORM (norm clipping) | trimmed:FRAC | median (coordinate-wise)
+    robust: str = (
+        "none"  # FedAvg guard: none | clip:NORM (norm clipping) | trimmed:FRAC | median (coordinate-wise)
+    )
     # bounds on one client's influence (aggregator.guards; 0 = off): n_k capped at this x the round's lower-median
     # n_k, and an update whose delta norm exceeds this x the round's lower-median norm is left out
     max_samples_factor: float = 4.0
@@ -112,7 +124,9 @@ class JobConfig:
             except CodecError as exc:
                 bad(f"{name.replace('_', '-')}: {exc}")
         if self.strategy not in STRATEGIES and not is_import_path(self.strategy):
-            bad(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)} or package.module:Class")
+            bad(
+                f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)} or package.module:Class"
+            )
         if self.rounds < 1:
             bad("rounds must be at least 1")
         if self.clients < 1:
@@ -124,19 +138,32 @@ class JobConfig:
         if not 0 < self.pull_fraction < 1:
             bad(f"pull fraction {self.pull_fraction} must be in (0, 1)")
         if self.pull_by not in ("params", "count"):
-            bad(f"pull-by {self.pull_by!r}: use params (a share of the parameters, as in the paper) or count (of tensors)")
+            bad(
+                f"pull-by {self.pull_by!r}: use params (a share of the parameters, as in the paper) or count (of tensors)"
+            )
         if self.pull_down and self.pull == "all":
             bad("pull-down needs a dynamic-pulling strategy (pull-local, pull-global or pull-random)")
         if self.pull_down and (self.encoding.startswith("delta+") or self.down_encoding.startswith("delta+")):
-            bad("pull-down keeps each agent's own values for the tensors not pushed, so its uploads and the pushes "
-                "cannot be deltas; use an encoding without delta+")
+            bad(
+                "pull-down keeps each agent's own values for the tensors not pushed, so its uploads and the pushes "
+                "cannot be deltas; use an encoding without delta+"
+            )
         if self.min_clients < 1:
             bad("min-clients must be at least 1")
         for name in ("epochs", "batch_size", "async_k", "keyframe_every", "eval_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 bad(f"{name.replace('_', '-')} must be at least 1")
-        for name in ("lr", "report_deadline_s", "update_deadline_s", "join_timeout_s", "heartbeat_s", "att_eps",
-                     "server_lr", "lr_decay", "round_lr_decay"):
+        for name in (
+            "lr",
+            "report_deadline_s",
+            "update_deadline_s",
+            "join_timeout_s",
+            "heartbeat_s",
+            "att_eps",
+            "server_lr",
+            "lr_decay",
+            "round_lr_decay",
+        ):
             if not getattr(self, name) > 0:
                 bad(f"{name.replace('_', '-')} must be positive")
         for name in ("lr_decay", "round_lr_decay"):
@@ -147,8 +174,14 @@ class JobConfig:
                 bad(f"{name.replace('_', '-')} must not be negative")
         for name in ("max_samples_factor", "norm_bound_factor"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-                bad(f"{name.replace('_', '-')} must be a finite number >= 0 (0 turns the bound off), got {value!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not 0 <= value < float("inf")
+            ):
+                bad(
+                    f"{name.replace('_', '-')} must be a finite number >= 0 (0 turns the bound off), got {value!r}"
+                )
         if self.fedmed_js not in ("standardised", "relative", "raw"):
             bad(f"unknown fedmed-js {self.fedmed_js!r}; use standardised, relative or raw")
         if self.att_norm not in ("fro", "spectral"):
@@ -157,20 +190,32 @@ class JobConfig:
             bad(f"unknown optimizer {self.optimizer!r}; use sgd or adam")
         kind, _, arg = self.robust.partition(":")
         try:
-            ok = (self.robust in ("none", "median") or (kind == "clip" and float(arg) > 0)
-                  or (kind == "trimmed" and 0 <= float(arg) < 0.5))
+            ok = (
+                self.robust in ("none", "median")
+                or (kind == "clip" and float(arg) > 0)
+                or (kind == "trimmed" and 0 <= float(arg) < 0.5)
+            )
         except ValueError:
             ok = False
         if not ok:
-            bad(f"robust guard {self.robust!r}: use none, clip:NORM (NORM > 0), trimmed:FRAC (0 <= FRAC < 0.5) or median")
-        if not (self.identity == "strict" or (self.identity.startswith("shared:") and len(self.identity) > 7)):
+            bad(
+                f"robust guard {self.robust!r}: use none, clip:NORM (NORM > 0), trimmed:FRAC (0 <= FRAC < 0.5) or median"
+            )
+        if not (
+            self.identity == "strict" or (self.identity.startswith("shared:") and len(self.identity) > 7)
+        ):
             bad("identity must be strict or shared:USER")
 
     def _check_types(self) -> None:
         """Every field of the type it is declared with (a job file's JSON can hold anything): ints are ints, not
         bools; numbers are finite; ``extra`` is an object."""
-        kinds = {"int": (int, "an integer"), "float": ((int, float), "a number"), "bool": (bool, "true or false"),
-                 "str": (str, "a string"), "dict[str, Any]": (dict, "an object")}
+        kinds = {
+            "int": (int, "an integer"),
+            "float": ((int, float), "a number"),
+            "bool": (bool, "true or false"),
+            "str": (str, "a string"),
+            "dict[str, Any]": (dict, "an object"),
+        }
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             kind, words = kinds[f.type]
@@ -181,7 +226,9 @@ class JobConfig:
 
     @property
     def strategy_class(self) -> type[Strategy]:
-        from fedmq.aggregator.strategies.registry import strategy_class  # torch: the CLI checks its flags without it
+        from fedmq.aggregator.strategies.registry import (
+            strategy_class,
+        )  # torch: the CLI checks its flags without it
 
         return strategy_class(self.strategy)
 
@@ -225,20 +272,36 @@ class JobConfig:
         decayed to that round), shaped by the strategy's ``configure_train`` (FedSGD: one full-batch step;
         FedMed: report the loss at the end of training)."""
         train = RoundConfig(
-            epochs=self.epochs, full_batch=False, batch_size=self.batch_size, lr=self.round_lr(round_number),
-            optimizer=self.optimizer, momentum=float(self.momentum), lr_decay=float(self.lr_decay),
-            clip=float(self.clip), max_steps=self.max_steps, amp=self.amp, tail_loss=False, seed=self.seed,
-            encoding=self.encoding, noise=float(self.noise),
+            epochs=self.epochs,
+            full_batch=False,
+            batch_size=self.batch_size,
+            lr=self.round_lr(round_number),
+            optimizer=self.optimizer,
+            momentum=float(self.momentum),
+            lr_decay=float(self.lr_decay),
+            clip=float(self.clip),
+            max_steps=self.max_steps,
+            amp=self.amp,
+            tail_loss=False,
+            seed=self.seed,
+            encoding=self.encoding,
+            noise=float(self.noise),
             error_feedback=self.error_feedback and self.encoding.startswith("delta+topk"),
-            pull=self.pull, pull_fraction=float(self.pull_fraction), pull_by=self.pull_by, pull_down=self.pull_down,
-            grant=self.grant_phase, keep_model=self.keep_model, keep_own=self.pull != "all")
+            pull=self.pull,
+            pull_fraction=float(self.pull_fraction),
+            pull_by=self.pull_by,
+            pull_down=self.pull_down,
+            grant=self.grant_phase,
+            keep_model=self.keep_model,
+            keep_own=self.pull != "all",
+        )
         return self.strategy_class.configure_train(train)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "JobConfig":
+    def from_dict(cls, values: dict[str, Any]) -> JobConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:

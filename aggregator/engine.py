@@ -21,8 +21,9 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import structlog
 import torch
@@ -63,9 +64,18 @@ MAX_PREFETCH = 65535  # AMQP's prefetch-count is a 16-bit field
 class Engine:
     """Runs a job to completion (or until ``stop`` is set) and writes the run folder."""
 
-    def __init__(self, broker: Broker, task: Task, cfg: JobConfig, run_dir: Path, *,
-                 durable: bool = True, evaluate: bool = True, on_round: Callable[[dict], None] | None = None,
-                 device: str = "cpu") -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        task: Task,
+        cfg: JobConfig,
+        run_dir: Path,
+        *,
+        durable: bool = True,
+        evaluate: bool = True,
+        on_round: Callable[[dict], None] | None = None,
+        device: str = "cpu",
+    ) -> None:
         self.broker = broker
         self.task = task
         self.cfg = cfg
@@ -75,10 +85,14 @@ class Engine:
                 raise BadParameter(f"strategy {cfg.strategy!r}: configure_train must return a RoundConfig")
         self.run_dir = Path(run_dir)
         self.evaluate = evaluate
-        self.eval_device = resolve_device(device)  # where validation and test run (the model lives on the CPU)
+        self.eval_device = resolve_device(
+            device
+        )  # where validation and test run (the model lives on the CPU)
         self.on_round = on_round
         self.stop = threading.Event()
-        self.inbox = Inbox(broker, cfg.job, cfg.identity)  # its decoding limits are set below, from the manifest
+        self.inbox = Inbox(
+            broker, cfg.job, cfg.identity
+        )  # its decoding limits are set below, from the manifest
         self.spool = RoundSpool(self.run_dir / "spool", durable)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.runlog = RunLog(self.run_dir)
@@ -93,11 +107,17 @@ class Engine:
         self.presence: dict[str, tuple[float, int]] = {}  # client -> (last seen, version it holds)
         self.best: tuple[float, int] | None = None  # (score, round)
         self.folded: dict[int, list[str]] = {}  # round -> msg ids of the updates folded into it (the audit)
-        self._trained_from: dict[str, int] = {}  # client -> version its last folded update trained from (kept models)
-        self._published: dict[str, tuple[dict, int]] = {}  # form -> (announce entry, raw bytes) of _published_version
+        self._trained_from: dict[
+            str, int
+        ] = {}  # client -> version its last folded update trained from (kept models)
+        self._published: dict[
+            str, tuple[dict, int]
+        ] = {}  # form -> (announce entry, raw bytes) of _published_version
         self._published_version = messages.NO_VERSION
         self._status_written = 0.0
-        self._active = False  # the inbox's active consumer: only it writes status.json (a standby shares the folder)
+        self._active = (
+            False  # the inbox's active consumer: only it writes status.json (a standby shares the folder)
+        )
         self.last_row: dict[str, Any] = {}
         self.phase = "starting"
         self._consumer: str | None = None
@@ -111,13 +131,16 @@ class Engine:
     def run(self, resume: bool = True) -> dict[str, Any]:
         """Declare the topology, resume from the last checkpoint, run the rounds, write the summary."""
         self.declare()
-        self._consumer = self.inbox.subscribe(topology.q_inbox(self.cfg.job), prefetch=self._inbox_prefetch(),
-                                              reassembly=self._reassembly())
+        self._consumer = self.inbox.subscribe(
+            topology.q_inbox(self.cfg.job), prefetch=self._inbox_prefetch(), reassembly=self._reassembly()
+        )
         started = time.time()
         try:
             self.phase = "standby"
-            log.info("waiting for the first delivery (a hot standby waits here while another aggregator is active)",
-                     job=self.cfg.job)
+            log.info(
+                "waiting for the first delivery (a hot standby waits here while another aggregator is active)",
+                job=self.cfg.job,
+            )
             if not self.inbox.wait_first(self.stop):
                 return self._summary(time.time() - started)
             self._active = True
@@ -169,7 +192,9 @@ class Engine:
         leave instead of waiting for rounds that will never come. Only a job that ran all its rounds ends."""
         env = messages.end(self.cfg.job, self.version, len(self.folded))
         try:
-            self.broker.publish(topology.rk_control(self.cfg.job), messages.encode(env), message_id=env.msg_id)
+            self.broker.publish(
+                topology.rk_control(self.cfg.job), messages.encode(env), message_id=env.msg_id
+            )
         except FedmqError as exc:  # the run is complete either way; agents then stay until stopped
             log.warning("could not tell the agents the job ended", error=str(exc))
         self.presence.clear()
@@ -196,12 +221,21 @@ class Engine:
         one); all together, two more than the agents that may upload at once."""
         m = self.inbox.limits.max_message_bytes
         uploaders = self.cfg.clients if self.cfg.mode == "async" else self.cfg.selected_count()
-        return ReassemblyLimits(max_message_size=m, max_pending_bytes=(uploaders + 2) * m, max_pending_per_sender=2 * m)
+        return ReassemblyLimits(
+            max_message_size=m, max_pending_bytes=(uploaders + 2) * m, max_pending_per_sender=2 * m
+        )
 
     def status(self) -> dict[str, Any]:
-        return {"job": self.cfg.job, "round": self.round, "version": self.version, "phase": self.phase,
-                "agents_online": sorted(self.online()), "last_metrics": self.last_row,
-                "rejected": dict(self.inbox.rejected), "dropped": dict(self.inbox.dropped)}
+        return {
+            "job": self.cfg.job,
+            "round": self.round,
+            "version": self.version,
+            "phase": self.phase,
+            "agents_online": sorted(self.online()),
+            "last_metrics": self.last_row,
+            "rejected": dict(self.inbox.rejected),
+            "dropped": dict(self.inbox.dropped),
+        }
 
     # ------------------------------------------------------------------ presence
     def online(self) -> list[str]:
@@ -245,9 +279,15 @@ class Engine:
         then the small announce to each selected agent (async: to every agent). bytes_down counts the
         announces and, for each selected agent, the form it will fetch (none when it already holds it)."""
         forms = self._publish_model(stats.selected)
-        env = messages.announce(self.cfg.job, stats.round, self.version, stats.selected,
-                                self.cfg.round_config(stats.round),
-                                [entry for entry, _ in forms.values()], self.cfg.mode)
+        env = messages.announce(
+            self.cfg.job,
+            stats.round,
+            self.version,
+            stats.selected,
+            self.cfg.round_config(stats.round),
+            [entry for entry, _ in forms.values()],
+            self.cfg.mode,
+        )
         body = messages.encode(env)
         if self.cfg.mode == "sync":  # only the selected agents hear of the round: O(m) messages, not O(K)
             for client in stats.selected:
@@ -262,8 +302,14 @@ class Engine:
                 stats.bytes_down += forms[form][0]["bytes"]
                 stats.bytes_down_raw += forms[form][1]
         self.phase = "training"
-        log.info("round announced", round=stats.round, version=self.version, selected=len(stats.selected),
-                 forms=sorted(forms), bytes=len(body))
+        log.info(
+            "round announced",
+            round=stats.round,
+            version=self.version,
+            selected=len(stats.selected),
+            forms=sorted(forms),
+            bytes=len(body),
+        )
 
     _prev_state: dict[str, torch.Tensor] | None = None  # θ_{v−1}, kept for delta pushes and pull-down
 
@@ -297,13 +343,24 @@ class Engine:
         full = EncodingSpec(**{**spec.__dict__, "delta": False})
         holds = [self._holds(c) for c in selected]
         wanted: dict[str, tuple[dict[str, torch.Tensor], EncodingSpec, dict | None, int, bool]] = {
-            "full": (self.global_state, full, None, messages.NO_VERSION, False)}
-        if (spec.delta and self._prev_state is not None and self.version % cfg.keyframe_every
-                and any(h == self.version - 1 for h in holds)):
+            "full": (self.global_state, full, None, messages.NO_VERSION, False)
+        }
+        if (
+            spec.delta
+            and self._prev_state is not None
+            and self.version % cfg.keyframe_every
+            and any(h == self.version - 1 for h in holds)
+        ):
             wanted["delta"] = (self.global_state, spec, self._prev_state, self.version - 1, False)
         pushed = self._pushed_names()
         if pushed is not None and any(h >= 0 for h in holds):
-            wanted["partial"] = ({k: self.global_state[k] for k in pushed}, full, None, messages.NO_VERSION, True)
+            wanted["partial"] = (
+                {k: self.global_state[k] for k in pushed},
+                full,
+                None,
+                messages.NO_VERSION,
+                True,
+            )
         for form, (state, enc, base, base_version, partial) in wanted.items():
             if form in self._published:
                 continue
@@ -321,8 +378,15 @@ class Engine:
         cfg = self.cfg
         if not cfg.pull_down or self._prev_state is None:
             return None
-        return select_tensors(self.global_state, self._prev_state, self.task.groups(), cfg.pull,
-                              cfg.pull_fraction, random.Random(f"{cfg.seed}/push/{self.version}"), cfg.pull_by)
+        return select_tensors(
+            self.global_state,
+            self._prev_state,
+            self.task.groups(),
+            cfg.pull,
+            cfg.pull_fraction,
+            random.Random(f"{cfg.seed}/push/{self.version}"),
+            cfg.pull_by,
+        )
 
     # ------------------------------------------------------------------ folding (both modes)
     def begin_strategy(self, stats: RoundStats, choice: str, **extra: Any) -> Strategy:
@@ -333,8 +397,17 @@ class Engine:
         strategy.begin(self.global_state)
         return strategy
 
-    def fold(self, stats: RoundStats, strategy: Strategy, env: Envelope, size: int, *, base: State,
-             staleness: int = 0, received: Received | None = None) -> ClientUpdate | None:
+    def fold(
+        self,
+        stats: RoundStats,
+        strategy: Strategy,
+        env: Envelope,
+        size: int,
+        *,
+        base: State,
+        staleness: int = 0,
+        received: Received | None = None,
+    ) -> ClientUpdate | None:
         """Decode an update (its envelope is decoded already: the inbox's, or the spool's) against the manifest
         and ``base`` and fold it: the one fold path of both modes. A bad update is rejected (when live) and
         None returned; the caller spools and acks a folded one."""
@@ -347,7 +420,12 @@ class Engine:
         else:
             try:
                 strategy.fold(update)
-            except (FedmqError, ValueError, TypeError, RuntimeError) as exc:  # strategies validate before folding
+            except (
+                FedmqError,
+                ValueError,
+                TypeError,
+                RuntimeError,
+            ) as exc:  # strategies validate before folding
                 reason, detail = "rejected-by-strategy", str(exc)
             else:
                 stats.received.append(env.client)
@@ -358,12 +436,19 @@ class Engine:
             self.inbox.reject(received.delivery, reason, detail)
         return None
 
-    def _decode_update(self, env: Envelope, base: State, staleness: int = 0, n_samples: int | None = None
-                       ) -> ClientUpdate:
+    def _decode_update(
+        self, env: Envelope, base: State, staleness: int = 0, n_samples: int | None = None
+    ) -> ClientUpdate:
         tensors = decode_state(env.payload["tensors"], self.manifest, base, as_delta=True)
-        return ClientUpdate(env.client, env.payload["n_samples"] if n_samples is None else n_samples,
-                            {k: torch.from_numpy(v) for k, v in tensors.items()}, loss=env.payload["loss"],
-                            staleness=staleness, update_id=env.msg_id, delta=True)
+        return ClientUpdate(
+            env.client,
+            env.payload["n_samples"] if n_samples is None else n_samples,
+            {k: torch.from_numpy(v) for k, v in tensors.items()},
+            loss=env.payload["loss"],
+            staleness=staleness,
+            update_id=env.msg_id,
+            delta=True,
+        )
 
     def note_trained_from(self, client: str, version: int) -> None:
         """Where agents keep the model they trained from, ``client`` now holds ``version`` (see _holds)."""
@@ -388,7 +473,9 @@ class Engine:
                 self._prev_state = self.global_state
             self.global_state = new
             self.version += 1
-            self.folded[stats.round] = sorted(v for c, v in stats.update_ids.items() if c not in verdict.dropped)
+            self.folded[stats.round] = sorted(
+                v for c, v in stats.update_ids.items() if c not in verdict.dropped
+            )
         else:
             log.warning("round skipped", round=stats.round, reason=skipped)
         score = self._evaluate(stats.round) if skipped is None else None
@@ -401,11 +488,18 @@ class Engine:
         self.last_row = row = record.to_json()
         if self.on_round:
             self.on_round(row)
-        log.info("round closed", round=stats.round, strategy=stats.strategy, received=len(stats.received),
-                 score=score, skipped=skipped)
+        log.info(
+            "round closed",
+            round=stats.round,
+            strategy=stats.strategy,
+            received=len(stats.received),
+            score=score,
+            skipped=skipped,
+        )
 
-    def _finish_guarded(self, stats: RoundStats, strategy: Strategy
-                        ) -> tuple[dict[str, torch.Tensor], dict[str, float], Verdict, str | None]:
+    def _finish_guarded(
+        self, stats: RoundStats, strategy: Strategy
+    ) -> tuple[dict[str, torch.Tensor], dict[str, float], Verdict, str | None]:
         """The round's aggregate within the bounds of aggregator.guards: (state, weights, verdict, skip reason).
 
         When an update is out of bounds the round is folded again from its spool without it (or with its
@@ -413,8 +507,12 @@ class Engine:
         verdict = self.guard.verdict()
         second = strategy.second_pass(frozenset(verdict.dropped))  # weights that need the whole round first
         if verdict:
-            log.warning("updates out of bounds: the round is aggregated again without them", round=stats.round,
-                        dropped=verdict.dropped, capped=verdict.capped)
+            log.warning(
+                "updates out of bounds: the round is aggregated again without them",
+                round=stats.round,
+                dropped=verdict.dropped,
+                capped=verdict.capped,
+            )
         if verdict or second is not None:
             strategy = self._refold(stats, verdict, second or {})
         new = {k: v.float() for k, v in strategy.finish().items()}
@@ -423,7 +521,9 @@ class Engine:
         if bad is None:
             return new, weights, verdict, None
         clients = sorted(set(stats.received) - set(verdict.dropped))
-        reason = f"aggregate not finite (tensor {bad!r}): round closed without the updates of {', '.join(clients)}"
+        reason = (
+            f"aggregate not finite (tensor {bad!r}): round closed without the updates of {', '.join(clients)}"
+        )
         log.warning("non-finite aggregate discarded", round=stats.round, tensor=bad, clients=clients)
         return {}, {}, verdict, reason
 
@@ -446,7 +546,9 @@ class Engine:
             return None
         self.phase = "evaluating"
         score = self._score(self.global_state, "valid")
-        better = self.best is None or (score > self.best[0] if self.task.higher_is_better else score < self.best[0])
+        better = self.best is None or (
+            score > self.best[0] if self.task.higher_is_better else score < self.best[0]
+        )
         if better and math.isfinite(score):
             self.best = (score, rnd)
             torch.save({k: v.clone() for k, v in self.global_state.items()}, self.run_dir / "best.pt")
@@ -462,32 +564,58 @@ class Engine:
         finally:
             self.model.to("cpu")
 
-    def _record(self, stats: RoundStats, score: float | None, weights: dict[str, float], skipped: str | None,
-                verdict: Verdict) -> RoundRecord:
+    def _record(
+        self,
+        stats: RoundStats,
+        score: float | None,
+        weights: dict[str, float],
+        skipped: str | None,
+        verdict: Verdict,
+    ) -> RoundRecord:
         losses = list(stats.reported.values())
         return RoundRecord(
-            round=stats.round, time=time.time(), version=self.version, strategy=stats.strategy or None,
-            metric=self.task.metric, valid=score,
+            round=stats.round,
+            time=time.time(),
+            version=self.version,
+            strategy=stats.strategy or None,
+            metric=self.task.metric,
+            valid=score,
             mean_loss=math.fsum(losses) / len(losses) if losses else None,
-            online=tuple(stats.online), selected=tuple(stats.selected), reported=tuple(sorted(stats.reported)),
+            online=tuple(stats.online),
+            selected=tuple(stats.selected),
+            reported=tuple(sorted(stats.reported)),
             losses=dict(sorted(stats.reported.items())),
-            granted=tuple(stats.granted), received=tuple(sorted(stats.received)),
+            granted=tuple(stats.granted),
+            received=tuple(sorted(stats.received)),
             update_ids=dict(sorted(stats.update_ids.items())),
             dropped=tuple(sorted(set(stats.selected) - set(stats.received))),
-            skipped=skipped is not None, skip_reason=skipped,
-            bytes_up=stats.bytes_up, bytes_down=stats.bytes_down,
-            bytes_up_raw=stats.bytes_up_raw, bytes_down_raw=stats.bytes_down_raw,
-            wall_s=time.time() - stats.started, weights=weights,
-            rejected=dict(self.inbox.rejected), dropped_msgs=dict(self.inbox.dropped),
+            skipped=skipped is not None,
+            skip_reason=skipped,
+            bytes_up=stats.bytes_up,
+            bytes_down=stats.bytes_down,
+            bytes_up_raw=stats.bytes_up_raw,
+            bytes_down_raw=stats.bytes_down_raw,
+            wall_s=time.time() - stats.started,
+            weights=weights,
+            rejected=dict(self.inbox.rejected),
+            dropped_msgs=dict(self.inbox.dropped),
             guard=verdict.record() if verdict else None,
         )
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self) -> None:
-        save_checkpoint(self.ckpt_dir, round=self.round, model_version=self.version, global_state=self.global_state,
-                        strategy_state={}, mediator_state=self.mediator.state_dict(), rng_state=None,
-                        folded=self.folded, extra={"best": self.best, "presence_versions": {}},
-                        keep=self.cfg.keep_checkpoints)
+        save_checkpoint(
+            self.ckpt_dir,
+            round=self.round,
+            model_version=self.version,
+            global_state=self.global_state,
+            strategy_state={},
+            mediator_state=self.mediator.state_dict(),
+            rng_state=None,
+            folded=self.folded,
+            extra={"best": self.best, "presence_versions": {}},
+            keep=self.cfg.keep_checkpoints,
+        )
 
     def _restore(self) -> None:
         ckpt = load_checkpoint(self.ckpt_dir)
@@ -504,8 +632,12 @@ class Engine:
 
     # ------------------------------------------------------------------ summary
     def _config_record(self) -> dict[str, Any]:
-        return {**self.cfg.to_dict(), **self.task.describe(), "manifest_tensors": len(self.manifest),
-                "parameters": self.manifest.numel}
+        return {
+            **self.cfg.to_dict(),
+            **self.task.describe(),
+            "manifest_tensors": len(self.manifest),
+            "parameters": self.manifest.numel,
+        }
 
     def _summary(self, wall: float) -> dict[str, Any]:
         rows = self.runlog.rows()
@@ -515,12 +647,19 @@ class Engine:
             self.phase = "testing"
             test = self._score(torch.load(best_path, weights_only=True), "test")
         return {
-            "metric": self.task.metric, "higher_is_better": self.task.higher_is_better,
-            "best_round": self.best[1] if self.best else None, "best_valid": self.best[0] if self.best else None,
-            "test": test, "rounds_completed": sum(1 for r in rows if not r.skipped),
-            "rounds_skipped": sum(1 for r in rows if r.skipped), "wall_s": wall,
-            "strategy": self.cfg.strategy, "version": self.version,
-            "bytes_up": sum(r.bytes_up or 0 for r in rows), "bytes_down": sum(r.bytes_down or 0 for r in rows),
-            "rejected": dict(self.inbox.rejected), "dropped": dict(self.inbox.dropped),
+            "metric": self.task.metric,
+            "higher_is_better": self.task.higher_is_better,
+            "best_round": self.best[1] if self.best else None,
+            "best_valid": self.best[0] if self.best else None,
+            "test": test,
+            "rounds_completed": sum(1 for r in rows if not r.skipped),
+            "rounds_skipped": sum(1 for r in rows if r.skipped),
+            "wall_s": wall,
+            "strategy": self.cfg.strategy,
+            "version": self.version,
+            "bytes_up": sum(r.bytes_up or 0 for r in rows),
+            "bytes_down": sum(r.bytes_down or 0 for r in rows),
+            "rejected": dict(self.inbox.rejected),
+            "dropped": dict(self.inbox.dropped),
             "interrupted": self.stop.is_set(),
         }

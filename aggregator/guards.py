@@ -25,8 +25,8 @@ the engine folds updates as they stream in and keeps no copy, only their spooled
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import numpy as np
 import torch

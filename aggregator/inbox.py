@@ -33,7 +33,9 @@ class Inbox:
     ``limits``: size bounds for decoding (the engine derives them from the job's manifest).
     """
 
-    def __init__(self, broker: Broker, job: str, identity: str = "strict", limits: Limits | None = None) -> None:
+    def __init__(
+        self, broker: Broker, job: str, identity: str = "strict", limits: Limits | None = None
+    ) -> None:
         self.broker = broker
         self.job = job
         self.identity = identity
@@ -43,7 +45,9 @@ class Inbox:
         self._sub: Subscription | None = None
         self._head: Delivery | None = None  # a delivery taken by wait_first, handed out first by next
 
-    def subscribe(self, queue: str, *, prefetch: int | None = None, reassembly: ReassemblyLimits | None = None) -> str:
+    def subscribe(
+        self, queue: str, *, prefetch: int | None = None, reassembly: ReassemblyLimits | None = None
+    ) -> str:
         """Start consuming ``queue`` (the job's inbox); the consumer tag (Broker.cancel stops it)."""
         self._sub = self.broker.subscribe(queue, prefetch=prefetch, reassembly=reassembly)
         return self._sub.tags[0]
@@ -109,8 +113,14 @@ class Inbox:
         """A valid message that is of no use (stale round, duplicate, not granted): ack, count, log."""
         self.dropped[reason] += 1
         env = received.env
-        log.info("message dropped", reason=reason, kind=env.kind.value, client=env.client, round=env.round,
-                 msg_id=env.msg_id)
+        log.info(
+            "message dropped",
+            reason=reason,
+            kind=env.kind.value,
+            client=env.client,
+            round=env.round,
+            msg_id=env.msg_id,
+        )
         self.broker.ack(received.delivery)
 
     def ack(self, received: Received) -> None:

@@ -12,7 +12,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from fedmq.checks import check_number
 from fedmq.errors import BadParameter
@@ -25,7 +26,9 @@ def _check_loss(client: str, loss: Any) -> float:
 
 
 class Mediator:
-    def __init__(self, epsilon: float = 0.1, adaptive_name: str = "adaptive", fallback_name: str = "fedavg") -> None:
+    def __init__(
+        self, epsilon: float = 0.1, adaptive_name: str = "adaptive", fallback_name: str = "fedavg"
+    ) -> None:
         self.epsilon = check_number("epsilon", epsilon, low=0.0)
         self.adaptive_name = adaptive_name
         self.fallback_name = fallback_name
@@ -37,7 +40,9 @@ class Mediator:
         """The granted clients, lowest loss first."""
         check_number("beta", beta, low=0.0, low_open=True, high=1.0)
         checked = {str(c): _check_loss(str(c), loss) for c, loss in reports.items()}
-        k = math.ceil(beta * len(checked) - 1e-9)  # 1e-9: ceil(0.3·10) must be 3, not 4 from 3.0000000000000004
+        k = math.ceil(
+            beta * len(checked) - 1e-9
+        )  # 1e-9: ceil(0.3·10) must be 3, not 4 from 3.0000000000000004
         return [c for c, _ in sorted(checked.items(), key=lambda kv: (kv[1], kv[0]))[:k]]
 
     @staticmethod
@@ -57,7 +62,11 @@ class Mediator:
         return choice
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epsilon": self.epsilon, "previous_loss": self.previous_loss, "history": [list(h) for h in self.history]}
+        return {
+            "epsilon": self.epsilon,
+            "previous_loss": self.previous_loss,
+            "history": [list(h) for h in self.history],
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         try:

@@ -115,9 +115,25 @@ def _is_text(value: Any) -> bool:
 
 CLIENT_LISTS = ("online", "selected", "reported", "granted", "received", "dropped")  # the client-id fields
 _NUMBER, _INTEGER, _TEXT = (is_number, "a number"), (_is_int, "an integer"), (_is_text, "text")
-_SCALARS = {"time": _NUMBER, "version": _INTEGER, "strategy": _TEXT, "metric": _TEXT, "valid": _NUMBER,
-            "mean_loss": _NUMBER, "skip_reason": _TEXT, "bytes_up": _INTEGER, "bytes_down": _INTEGER,
-            "bytes_up_raw": _INTEGER, "bytes_down_raw": _INTEGER, "wall_s": _NUMBER}
-_MAPS = {"losses": (is_number, "numbers"), "update_ids": (_is_text, "text"), "weights": (is_number, "numbers"),
-         "rejected": (_is_int, "counts"), "dropped_msgs": (_is_int, "counts")}
+_SCALARS = {
+    "time": _NUMBER,
+    "version": _INTEGER,
+    "strategy": _TEXT,
+    "metric": _TEXT,
+    "valid": _NUMBER,
+    "mean_loss": _NUMBER,
+    "skip_reason": _TEXT,
+    "bytes_up": _INTEGER,
+    "bytes_down": _INTEGER,
+    "bytes_up_raw": _INTEGER,
+    "bytes_down_raw": _INTEGER,
+    "wall_s": _NUMBER,
+}
+_MAPS = {
+    "losses": (is_number, "numbers"),
+    "update_ids": (_is_text, "text"),
+    "weights": (is_number, "numbers"),
+    "rejected": (_is_int, "counts"),
+    "dropped_msgs": (_is_int, "counts"),
+}
 _KNOWN = {f.name for f in fields(RoundRecord)} - {"extra"}

@@ -65,11 +65,22 @@ class RoundContext(Protocol):
 
     def begin_strategy(self, stats: RoundStats, choice: str, **extra: object) -> Strategy: ...
 
-    def fold(self, stats: RoundStats, strategy: Strategy, env: Envelope, size: int, *, base: State,
-             staleness: int = 0, received: Received | None = None) -> ClientUpdate | None: ...
+    def fold(
+        self,
+        stats: RoundStats,
+        strategy: Strategy,
+        env: Envelope,
+        size: int,
+        *,
+        base: State,
+        staleness: int = 0,
+        received: Received | None = None,
+    ) -> ClientUpdate | None: ...
 
     def note_trained_from(self, client: str, version: int) -> None: ...
 
-    def close_round(self, stats: RoundStats, strategy: Strategy | None, skipped: str | None = None) -> None: ...
+    def close_round(
+        self, stats: RoundStats, strategy: Strategy | None, skipped: str | None = None
+    ) -> None: ...
 
     def folded_ids(self) -> set[str]: ...

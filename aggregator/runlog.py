@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import structlog
 
@@ -38,9 +39,34 @@ RUN_FILES = (CONFIG_FILE, METRICS_FILE)  # either one means the folder holds a r
 RECORD_FILES = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE)  # a finished run's record, small enough to archive
 
 # the record's keys, scalars first; any other key goes to "extra" as JSON
-CSV_COLUMNS = ("round", "time", "version", "strategy", "metric", "valid", "mean_loss", "skipped", "skip_reason",
-               "wall_s", "bytes_up", "bytes_down", "bytes_up_raw", "bytes_down_raw", "online", "selected", "reported",
-               "granted", "received", "dropped", "losses", "weights", "update_ids", "rejected", "dropped_msgs", "extra")
+CSV_COLUMNS = (
+    "round",
+    "time",
+    "version",
+    "strategy",
+    "metric",
+    "valid",
+    "mean_loss",
+    "skipped",
+    "skip_reason",
+    "wall_s",
+    "bytes_up",
+    "bytes_down",
+    "bytes_up_raw",
+    "bytes_down_raw",
+    "online",
+    "selected",
+    "reported",
+    "granted",
+    "received",
+    "dropped",
+    "losses",
+    "weights",
+    "update_ids",
+    "rejected",
+    "dropped_msgs",
+    "extra",
+)
 
 
 class RunFolderError(FedmqError):
@@ -163,8 +189,14 @@ def read_run(run_dir: Path | str) -> RunFolder:
     if not latest:
         detail = f" ({rounds.malformed} malformed line(s))" if rounds.malformed else ""
         raise RunFolderError(f"{metrics} has no valid round rows yet{detail}")
-    return RunFolder(path=path, config=config, rounds=latest, summary=summary, malformed_lines=rounds.malformed,
-                     duplicate_rounds=duplicates)
+    return RunFolder(
+        path=path,
+        config=config,
+        rounds=latest,
+        summary=summary,
+        malformed_lines=rounds.malformed,
+        duplicate_rounds=duplicates,
+    )
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
@@ -199,7 +231,7 @@ def board_scalars(record: RoundRecord) -> dict[str, float]:
     if record.mean_loss is not None:
         out["train/mean_loss"] = float(record.mean_loss)
     for key in ("bytes_up", "bytes_down", "bytes_up_raw", "bytes_down_raw"):
-        out[f"bytes/{key[len('bytes_'):]}"] = float(getattr(record, key) or 0)
+        out[f"bytes/{key[len('bytes_') :]}"] = float(getattr(record, key) or 0)
     for key in CLIENT_LISTS:  # participation: how many clients each
         out[f"participation/{key}"] = float(len(getattr(record, key)))
     out["participation/skipped"] = float(record.skipped)
@@ -275,7 +307,9 @@ class RunLog:
             if self.csv_path.is_file():
                 with open(self.csv_path, newline="") as fh:
                     table = list(csv.reader(fh))
-            if table[:1] != [list(CSV_COLUMNS)] or len(table) != len(records):  # header + the rows before ``record``
+            if table[:1] != [list(CSV_COLUMNS)] or len(table) != len(
+                records
+            ):  # header + the rows before ``record``
                 self._write_csv(records)
                 return
             self._csv_checked = True
@@ -298,6 +332,7 @@ class RunLog:
                 self._writer.add_scalar(tag, value, step, walltime=walltime)
             if record.weights:
                 import numpy as np
+
                 weights = np.asarray(list(record.weights.values()), dtype=np.float64)
                 self._writer.add_histogram("weights", weights, step, walltime=walltime)
         self._writer.flush()  # a round is rare and a crash must not lose it

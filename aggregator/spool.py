@@ -53,6 +53,7 @@ class RoundSpool:
         import io
 
         import torch
+
         buf = io.BytesIO()
         torch.save(state, buf)
         d = self.root / "bases"
@@ -62,6 +63,7 @@ class RoundSpool:
     def load_bases(self, oldest: int) -> dict[int, dict[str, Any]]:
         """The saved bases from version ``oldest`` on (older ones are deleted)."""
         import torch
+
         bases: dict[int, dict[str, Any]] = {}
         for path in sorted((self.root / "bases").glob("v*.pt")):
             version = int(path.stem[1:])

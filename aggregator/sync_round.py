@@ -34,7 +34,9 @@ class SyncRound:
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.stats = RoundStats(ctx.round)
-        self.held: dict[str, Received] = {}  # arrived ahead of their turn in the fold order, unacked until folded
+        self.held: dict[
+            str, Received
+        ] = {}  # arrived ahead of their turn in the fold order, unacked until folded
         self.gone: set[str] = set()  # selected agents that announced going offline: nothing more will come
 
     def run(self) -> None:
@@ -45,9 +47,15 @@ class SyncRound:
         else:  # resuming a round that was open when the aggregator stopped
             stats.online, stats.selected = spooled["online"], spooled["selected"]
             stats.reported = spooled["reported"]
-            log.info("resuming open round", round=stats.round, reported=len(stats.reported),
-                     spooled_updates=len(spooled_updates))
-            if stats.selected:  # the old announce (or grant) may have died with the old aggregator: send again
+            log.info(
+                "resuming open round",
+                round=stats.round,
+                reported=len(stats.reported),
+                spooled_updates=len(spooled_updates),
+            )
+            if (
+                stats.selected
+            ):  # the old announce (or grant) may have died with the old aggregator: send again
                 ctx.announce(stats)
                 if spooled.get("granted") is not None and cfg.grant_phase:
                     self._publish_grant(spooled["granted"])
@@ -82,20 +90,26 @@ class SyncRound:
         if granted is not None or not cfg.grant_phase:
             strategy = ctx.begin_strategy(stats, (spooled or {}).get("strategy") or cfg.strategy)
             stats.granted = list(granted if granted is not None else stats.selected)
-        for client in stats.granted:  # the spool holds updates folded before a restart: refold them in fold order
+        for (
+            client
+        ) in stats.granted:  # the spool holds updates folded before a restart: refold them in fold order
             if client in spooled_updates:
                 self._refold_spooled(strategy, spooled_updates[client])
         deadline = time.time() + (cfg.report_deadline_s if strategy is None else cfg.update_deadline_s)
         if strategy is not None and not cfg.grant_phase:
             deadline = time.time() + cfg.report_deadline_s + cfg.update_deadline_s
         while not ctx.stop.is_set():
-            if strategy is None and (set(stats.reported) | self.gone >= set(stats.selected) or time.time() >= deadline):
+            if strategy is None and (
+                set(stats.reported) | self.gone >= set(stats.selected) or time.time() >= deadline
+            ):
                 if len(stats.reported) < cfg.min_clients:
                     return None
                 strategy = self._mediate()
                 deadline = time.time() + cfg.update_deadline_s
-            if strategy is not None and (set(stats.received) | set(self.held) | self.gone >= set(stats.granted)
-                                         or time.time() >= deadline):
+            if strategy is not None and (
+                set(stats.received) | set(self.held) | self.gone >= set(stats.granted)
+                or time.time() >= deadline
+            ):
                 self._fold_in_order(strategy, closing=True)
                 return strategy
             msg = ctx.inbox.next(min(0.5, max(deadline - time.time(), 0.0)))
@@ -140,7 +154,9 @@ class SyncRound:
                 msg = self.held.pop(client)
                 self._fold(strategy, msg.env, msg.delivery.body, msg)
                 if client not in stats.received:
-                    stats.failed.add(client)  # rejected: later clients need not wait for it (it may try again)
+                    stats.failed.add(
+                        client
+                    )  # rejected: later clients need not wait for it (it may try again)
             elif not (closing or client in self.gone):
                 return
 
@@ -157,8 +173,11 @@ class SyncRound:
         ctx, stats = self.ctx, self.stats
         if env.model_version != ctx.version:
             if received is not None:
-                ctx.inbox.reject(received.delivery, "wrong-base",
-                                 f"trained from version {env.model_version}, current is {ctx.version}")
+                ctx.inbox.reject(
+                    received.delivery,
+                    "wrong-base",
+                    f"trained from version {env.model_version}, current is {ctx.version}",
+                )
             return
         update = ctx.fold(stats, strategy, env, len(body), base=ctx.global_state, received=received)
         if update is None:
@@ -184,7 +203,9 @@ class SyncRound:
 
     def _mediate(self) -> Strategy:
         ctx, cfg, stats = self.ctx, self.cfg, self.stats
-        stats.granted = ctx.mediator.top_k(stats.reported, cfg.beta) if cfg.beta < 1 else sorted(stats.reported)
+        stats.granted = (
+            ctx.mediator.top_k(stats.reported, cfg.beta) if cfg.beta < 1 else sorted(stats.reported)
+        )
         choice = self._choose()
         self._save(stats.granted, choice)
         self._publish_grant(stats.granted)
@@ -210,5 +231,13 @@ class SyncRound:
 
     def _save(self, granted: list[str] | None, choice: str | None) -> None:
         stats = self.stats
-        self.ctx.spool.save_state(stats.round, {"selected": stats.selected, "online": stats.online,
-                                                "reported": stats.reported, "granted": granted, "strategy": choice})
+        self.ctx.spool.save_state(
+            stats.round,
+            {
+                "selected": stats.selected,
+                "online": stats.online,
+                "reported": stats.reported,
+                "granted": granted,
+                "strategy": choice,
+            },
+        )

@@ -124,7 +124,11 @@ def _worker(method: str, count: int, params: int, seed: int) -> dict[str, Any]:
                 d = torch.tensor([sq_distance(glob[k], row) for row in st], dtype=torch.float64).sqrt()
                 w = torch.softmax(d, 0).float()
             red = w @ st
-            out[k] = red.reshape(glob[k].shape) if method == "stack-fedavg" else (glob[k] - 1.2 * (glob[k] - red.reshape(glob[k].shape)))
+            out[k] = (
+                red.reshape(glob[k].shape)
+                if method == "stack-fedavg"
+                else (glob[k] - 1.2 * (glob[k] - red.reshape(glob[k].shape)))
+            )
         t_finish = time.perf_counter() - t0
     total = sum(fold_times) + t_finish
     fold_times.sort()
@@ -146,8 +150,12 @@ def _worker(method: str, count: int, params: int, seed: int) -> dict[str, Any]:
 
 def _run_subprocess(method: str, count: int, params: int, seed: int) -> dict[str, Any]:
     arg = json.dumps({"method": method, "count": count, "params": params, "seed": seed})
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", arg],
-                          capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--worker", arg],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
         return {"method": method, "count": count, "params": params, "error": tail}
@@ -177,15 +185,25 @@ def bench_aggregate(
         base = runs.get("inplace", [])
         for method in methods:
             if method.startswith("stack") and need_gb > stack_budget_gb:
-                rows.append({"method": method, "count": count, "params": params,
-                             "skipped": f"stack needs {need_gb:.0f} GB > budget {stack_budget_gb:g} GB"})
+                rows.append(
+                    {
+                        "method": method,
+                        "count": count,
+                        "params": params,
+                        "skipped": f"stack needs {need_gb:.0f} GB > budget {stack_budget_gb:g} GB",
+                    }
+                )
                 continue
             good = [r for r in runs[method] if "gb_s" in r]
             if len(good) < len(runs[method]):
                 rows.append(next(r for r in runs[method] if "gb_s" not in r))
                 continue
-            row = {**good[0], "repeats": len(good), "peak_rss_mb": max(r["peak_rss_mb"] for r in good),
-                   "rss_over_base_models": max(r["rss_over_base_models"] for r in good)}
+            row = {
+                **good[0],
+                "repeats": len(good),
+                "peak_rss_mb": max(r["peak_rss_mb"] for r in good),
+                "rss_over_base_models": max(r["rss_over_base_models"] for r in good),
+            }
             for key in ("gb_s", "median_fold_ms", "finish_ms"):
                 row[key] = statistics.median(r[key] for r in good)
             ratios = [r["gb_s"] / b["gb_s"] for r, b in zip(good, base) if "gb_s" in b]
@@ -200,7 +218,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         if "gb_s" not in r:
-            lines.append(f"{r['method']:<13} {r['count']:>7}  {r.get('skipped') or 'error: ' + r.get('error', '?')}")
+            lines.append(
+                f"{r['method']:<13} {r['count']:>7}  {r.get('skipped') or 'error: ' + r.get('error', '?')}"
+            )
             continue
         lines.append(
             f"{r['method']:<13} {r['count']:>7} {r['gb_s']:>6.2f} {r.get('vs_inplace', float('nan')):>10.2f} "
@@ -208,8 +228,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         )
     if rows and "model_mb" in next((r for r in rows if "model_mb" in r), {}):
         r0 = next(r for r in rows if "model_mb" in r)
-        lines.append(f"model: {r0['params']:,} float32 parameters = {r0['model_mb']:.0f} MiB; base RSS (interpreter + torch) "
-                     f"≈ {r0['base_rss_mb']:.0f} MiB; the harness itself holds 2 models (θ_r and the arriving update).")
+        lines.append(
+            f"model: {r0['params']:,} float32 parameters = {r0['model_mb']:.0f} MiB; base RSS (interpreter + torch) "
+            f"≈ {r0['base_rss_mb']:.0f} MiB; the harness itself holds 2 models (θ_r and the arriving update)."
+        )
     return "\n".join(lines)
 
 
@@ -221,7 +243,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--counts", default="10,50,200")
     ap.add_argument("--params", type=int, default=25_000_000)
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--repeats", type=int, default=1, help="run the methods in turn this many times; report medians")
+    ap.add_argument(
+        "--repeats", type=int, default=1, help="run the methods in turn this many times; report medians"
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.repeats < 1:
@@ -230,8 +254,12 @@ def main(argv: list[str] | None = None) -> None:
         spec = json.loads(args.worker)
         sys.stdout.write(json.dumps(_worker(**spec)) + "\n")
         return
-    rows = bench_aggregate(tuple(int(c) for c in args.counts.split(",")), args.params, tuple(args.methods.split(",")),
-                           repeats=args.repeats)
+    rows = bench_aggregate(
+        tuple(int(c) for c in args.counts.split(",")),
+        args.params,
+        tuple(args.methods.split(",")),
+        repeats=args.repeats,
+    )
     sys.stdout.write((json.dumps(rows, indent=1) if args.json else format_table(rows)) + "\n")
 
 

@@ -72,9 +72,13 @@ def _pika_trial(url: str, job: str, body: bytes, n: int) -> Trial:
     props = pika.BasicProperties(delivery_mode=2, user_id="guest")
     c0, t0 = time.process_time(), time.perf_counter()
     for i in range(n):
-        ch.basic_publish(t.EXCHANGE, t.rk_update(job, "bench"), body,
-                         pika.BasicProperties(delivery_mode=2, user_id=props.user_id, message_id=f"m{i}"),
-                         mandatory=True)
+        ch.basic_publish(
+            t.EXCHANGE,
+            t.rk_update(job, "bench"),
+            body,
+            pika.BasicProperties(delivery_mode=2, user_id=props.user_id, message_id=f"m{i}"),
+            mandatory=True,
+        )
     t_pub, c_pub = time.perf_counter() - t0, time.process_time() - c0
     cch = conn.channel()
     cch.basic_qos(prefetch_count=64)
@@ -106,8 +110,12 @@ def _cleanup(url: str, job: str) -> None:
     conn.close()
 
 
-def bench_broker(sizes_mb: tuple[int, ...] = (1, 10, 100), repeats: int = 3, url: str = DEFAULT_URL,
-                 paths: tuple[str, ...] = ("fedmq", "fedmq-unchunked", "pika", "memory")) -> list[dict[str, Any]]:
+def bench_broker(
+    sizes_mb: tuple[int, ...] = (1, 10, 100),
+    repeats: int = 3,
+    url: str = DEFAULT_URL,
+    paths: tuple[str, ...] = ("fedmq", "fedmq-unchunked", "pika", "memory"),
+) -> list[dict[str, Any]]:
     """One row per (path, size): median MB/s, msg/s and client CPU s/GB of publishing (confirmed) and
     consuming (acked); for every path, when "pika" ran, the median over repeats of its same-repeat ratio
     to raw pika."""
@@ -122,7 +130,7 @@ def bench_broker(sizes_mb: tuple[int, ...] = (1, 10, 100), repeats: int = 3, url
             trials: dict[str, list[Trial]] = {p: [] for p in paths}
             for rep in range(repeats):
                 # interleaved (load changes on the shared machine hit every path alike), order rotated
-                for p in paths[rep % len(paths):] + paths[: rep % len(paths)]:
+                for p in paths[rep % len(paths) :] + paths[: rep % len(paths)]:
                     if p == "fedmq":
                         trials[p].append(_fedmq_trial(url, job, body, n))
                     elif p == "fedmq-unchunked":
@@ -135,11 +143,18 @@ def bench_broker(sizes_mb: tuple[int, ...] = (1, 10, 100), repeats: int = 3, url
             for p in paths:
                 tp = statistics.median(x[0] for x in trials[p])
                 tc = statistics.median(x[1] for x in trials[p])
-                row = {"path": p, "size_mb": size, "messages": n, "repeats": repeats,
-                       "publish_MBps": size * n / tp, "publish_msgps": n / tp,
-                       "consume_MBps": size * n / tc, "consume_msgps": n / tc,
-                       "publish_cpu_s_per_GB": statistics.median(x[2] for x in trials[p]) / gb,
-                       "consume_cpu_s_per_GB": statistics.median(x[3] for x in trials[p]) / gb}
+                row = {
+                    "path": p,
+                    "size_mb": size,
+                    "messages": n,
+                    "repeats": repeats,
+                    "publish_MBps": size * n / tp,
+                    "publish_msgps": n / tp,
+                    "consume_MBps": size * n / tc,
+                    "consume_msgps": n / tc,
+                    "publish_cpu_s_per_GB": statistics.median(x[2] for x in trials[p]) / gb,
+                    "consume_cpu_s_per_GB": statistics.median(x[3] for x in trials[p]) / gb,
+                }
                 if "pika" in trials:  # same-repeat ratios: time of pika / time of this path
                     pairs = list(zip(trials[p], trials["pika"]))
                     row["publish_vs_pika"] = statistics.median(ref[0] / x[0] for x, ref in pairs)
@@ -151,15 +166,19 @@ def bench_broker(sizes_mb: tuple[int, ...] = (1, 10, 100), repeats: int = 3, url
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = ("| path | size MB | msgs | publish MB/s | publish msg/s | consume MB/s | consume msg/s "
-            "| publish vs pika | consume vs pika | publish CPU s/GB | consume CPU s/GB |")
+    head = (
+        "| path | size MB | msgs | publish MB/s | publish msg/s | consume MB/s | consume msg/s "
+        "| publish vs pika | consume vs pika | publish CPU s/GB | consume CPU s/GB |"
+    )
     lines = [head, "|" + "---|" * 11]
     for r in rows:
         pv = f"{r['publish_vs_pika']:.0%}" if "publish_vs_pika" in r else "-"
         cv = f"{r['consume_vs_pika']:.0%}" if "consume_vs_pika" in r else "-"
-        lines.append(f"| {r['path']} | {r['size_mb']} | {r['messages']} | {r['publish_MBps']:.1f} | "
-                     f"{r['publish_msgps']:.1f} | {r['consume_MBps']:.1f} | {r['consume_msgps']:.1f} | {pv} | {cv} | "
-                     f"{r['publish_cpu_s_per_GB']:.2f} | {r['consume_cpu_s_per_GB']:.2f} |")
+        lines.append(
+            f"| {r['path']} | {r['size_mb']} | {r['messages']} | {r['publish_MBps']:.1f} | "
+            f"{r['publish_msgps']:.1f} | {r['consume_MBps']:.1f} | {r['consume_msgps']:.1f} | {pv} | {cv} | "
+            f"{r['publish_cpu_s_per_GB']:.2f} | {r['consume_cpu_s_per_GB']:.2f} |"
+        )
     return "\n".join(lines)
 
 

@@ -25,7 +25,7 @@ import io
 import os
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import msgpack
 import numpy as np
@@ -38,8 +38,19 @@ from fedmq.broker.wire.threads import codec_threads, set_codec_threads
 from fedmq.manifest import Manifest
 
 ENCODINGS = [
-    "raw", "raw@3", "raw,noshuffle", "fp16", "bf16", "int8", "int8-row", "topk:0.01",
-    "delta+raw", "delta+bf16", "delta+int8", "delta+int8-row", "delta+topk:0.01",
+    "raw",
+    "raw@3",
+    "raw,noshuffle",
+    "fp16",
+    "bf16",
+    "int8",
+    "int8-row",
+    "topk:0.01",
+    "delta+raw",
+    "delta+bf16",
+    "delta+int8",
+    "delta+int8-row",
+    "delta+topk:0.01",
 ]
 QUICK_ENCODINGS = ["raw", "raw@3", "bf16", "delta+int8", "topk:0.01"]
 
@@ -68,7 +79,9 @@ def gru_lm(tied: bool, vocab: int = 33278, dim: int = 300, seed: int = 0) -> dic
     return st
 
 
-def transformer_base(vocab: int = 32000, d: int = 512, ffn: int = 2048, layers: int = 6, seed: int = 0) -> dict[str, np.ndarray]:
+def transformer_base(
+    vocab: int = 32000, d: int = 512, ffn: int = 2048, layers: int = 6, seed: int = 0
+) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     st: dict[str, np.ndarray] = {"shared.embedding": _w(rng, vocab, d)}
 
@@ -86,12 +99,19 @@ def transformer_base(vocab: int = 32000, d: int = 512, ffn: int = 2048, layers: 
         st[p + ".fc2.weight"], st[p + ".fc2.bias"] = _w(rng, d, ffn), _b(rng, d)
 
     for i in range(layers):
-        attn(f"encoder.layers.{i}.self_attn"); ln(f"encoder.layers.{i}.ln1"); ff(f"encoder.layers.{i}"); ln(f"encoder.layers.{i}.ln2")
+        attn(f"encoder.layers.{i}.self_attn")
+        ln(f"encoder.layers.{i}.ln1")
+        ff(f"encoder.layers.{i}")
+        ln(f"encoder.layers.{i}.ln2")
     for i in range(layers):
-        attn(f"decoder.layers.{i}.self_attn"); ln(f"decoder.layers.{i}.ln1")
-        attn(f"decoder.layers.{i}.cross_attn"); ln(f"decoder.layers.{i}.ln2")
-        ff(f"decoder.layers.{i}"); ln(f"decoder.layers.{i}.ln3")
-    ln("encoder.ln"); ln("decoder.ln")
+        attn(f"decoder.layers.{i}.self_attn")
+        ln(f"decoder.layers.{i}.ln1")
+        attn(f"decoder.layers.{i}.cross_attn")
+        ln(f"decoder.layers.{i}.ln2")
+        ff(f"decoder.layers.{i}")
+        ln(f"decoder.layers.{i}.ln3")
+    ln("encoder.ln")
+    ln("decoder.ln")
     return st
 
 
@@ -106,22 +126,42 @@ def _median_time(fn: Callable[[], object], repeats: int) -> tuple[tuple[float, f
     return (statistics.median(walls), statistics.median(cpus)), out
 
 
-def _row(model: str, name: str, nbytes: int, wire: int, t_enc: tuple[float, float], t_dec: tuple[float, float],
-         err: float | None) -> dict:
+def _row(
+    model: str,
+    name: str,
+    nbytes: int,
+    wire: int,
+    t_enc: tuple[float, float],
+    t_dec: tuple[float, float],
+    err: float | None,
+) -> dict:
     return {
-        "model": model, "encoding": name, "raw_mb": nbytes / 1e6, "wire_mb": wire / 1e6, "ratio": nbytes / wire,
-        "enc_mbs": nbytes / t_enc[0] / 1e6, "dec_mbs": nbytes / t_dec[0] / 1e6, "max_abs_err": err,
-        "enc_cpu_mbs": nbytes / max(t_enc[1], 1e-9) / 1e6, "dec_cpu_mbs": nbytes / max(t_dec[1], 1e-9) / 1e6,
+        "model": model,
+        "encoding": name,
+        "raw_mb": nbytes / 1e6,
+        "wire_mb": wire / 1e6,
+        "ratio": nbytes / wire,
+        "enc_mbs": nbytes / t_enc[0] / 1e6,
+        "dec_mbs": nbytes / t_dec[0] / 1e6,
+        "max_abs_err": err,
+        "enc_cpu_mbs": nbytes / max(t_enc[1], 1e-9) / 1e6,
+        "dec_cpu_mbs": nbytes / max(t_dec[1], 1e-9) / 1e6,
     }
 
 
 def run(models: list[str], encodings: list[str], repeats: int = 5) -> list[dict]:
-    builders = {"gru-untied": lambda: gru_lm(False), "gru-tied": lambda: gru_lm(True), "transformer-base": transformer_base}
+    builders = {
+        "gru-untied": lambda: gru_lm(False),
+        "gru-tied": lambda: gru_lm(True),
+        "transformer-base": transformer_base,
+    }
     rows = []
     for model in models:
         state = builders[model]()
         rng = np.random.default_rng(1)
-        base = {k: v + rng.standard_normal(v.shape, dtype=np.float32) * np.float32(1e-3) for k, v in state.items()}
+        base = {
+            k: v + rng.standard_normal(v.shape, dtype=np.float32) * np.float32(1e-3) for k, v in state.items()
+        }
         manifest = Manifest.from_arrays(state)
         nbytes = raw_nbytes(state)
 
@@ -148,7 +188,14 @@ def run(models: list[str], encodings: list[str], repeats: int = 5) -> list[dict]
             b = base if spec.delta else None
 
             def enc() -> bytes:
-                env = Envelope(Kind.UPDATE, "bench", 1, "c1", 0, {"n_samples": 1, "tensors": encode_state(state, spec, b)})
+                env = Envelope(
+                    Kind.UPDATE,
+                    "bench",
+                    1,
+                    "c1",
+                    0,
+                    {"n_samples": 1, "tensors": encode_state(state, spec, b)},
+                )
                 return pack(env, level=spec.level)
 
             def dec() -> dict:
@@ -209,8 +256,11 @@ def main(argv: list[str] | None = None) -> None:
         tune_allocator()
     load0, wall0, cpu0 = os.getloadavg(), time.perf_counter(), time.process_time()
     if a.models or a.encodings:
-        rows = run(a.models.split(",") if a.models else ["gru-untied", "gru-tied", "transformer-base"],
-                   a.encodings.split(",") if a.encodings else ENCODINGS, a.repeats)
+        rows = run(
+            a.models.split(",") if a.models else ["gru-untied", "gru-tied", "transformer-base"],
+            a.encodings.split(",") if a.encodings else ENCODINGS,
+            a.repeats,
+        )
     else:
         rows = bench_codec(a.repeats, a.quick)
     print(format_table(rows))  # noqa: T201 - command-line output

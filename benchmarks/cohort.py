@@ -24,9 +24,17 @@ from fedmq.tasks.registry import make_task
 from fedmq.tasks.training import resolve_device
 
 
-def bench_cohort(data: str | Path, model: str = "gru-small", clients: int = 100, sizes: tuple[int, ...] = (10,),
-                 epochs: int = 5, max_steps: int = 0, device: str = "cpu", repeats: int = 3,
-                 threads: int = 1) -> list[dict[str, Any]]:
+def bench_cohort(
+    data: str | Path,
+    model: str = "gru-small",
+    clients: int = 100,
+    sizes: tuple[int, ...] = (10,),
+    epochs: int = 5,
+    max_steps: int = 0,
+    device: str = "cpu",
+    repeats: int = 3,
+    threads: int = 1,
+) -> list[dict[str, Any]]:
     torch.set_num_threads(threads)
     dev = resolve_device(device)
     task = make_task("lm", data=str(data), model=model, clients=clients, dropout=0.2, seed=0)
@@ -34,8 +42,19 @@ def bench_cohort(data: str | Path, model: str = "gru-small", clients: int = 100,
     rows = []
     for n in sizes:
         picked = list(range(n))
-        cfgs = [TrainConfig(epochs=epochs, batch_size=10, lr=0.5, momentum=0.5, clip=0.0, max_steps=max_steps,
-                            device=device, seed=c) for c in picked]
+        cfgs = [
+            TrainConfig(
+                epochs=epochs,
+                batch_size=10,
+                lr=0.5,
+                momentum=0.5,
+                clip=0.0,
+                max_steps=max_steps,
+                device=device,
+                seed=c,
+            )
+            for c in picked
+        ]
         alone_s, together_s, diff, tokens, peak = [], [], 0.0, 0, 0
         for r in range(repeats + 1):  # the first of each is a warm-up (CUDA kernels, caches), not timed
             alone = [copy.deepcopy(start) for _ in picked]
@@ -53,16 +72,38 @@ def bench_cohort(data: str | Path, model: str = "gru-small", clients: int = 100,
             if r:
                 alone_s.append(t1 - t0)
                 together_s.append(t3 - t2)
-            diff = max(diff, max(float((a - b).abs().max()) for x, y in zip(alone, together)
-                                 for a, b in zip(model_state(x).values(), model_state(y).values())))
+            diff = max(
+                diff,
+                max(
+                    float((a - b).abs().max())
+                    for x, y in zip(alone, together)
+                    for a, b in zip(model_state(x).values(), model_state(y).values())
+                ),
+            )
             tokens = sum(res.tokens for res in results)
             if dev.type == "cuda":
                 peak = max(peak, torch.cuda.max_memory_allocated(dev))
         a, t = statistics.median(alone_s), statistics.median(together_s)
-        rows.append({"corpus": Path(data).name, "model": model, "vocab": len(task.vocab), "clients": clients,
-                     "cohort": n, "epochs": epochs, "max_steps": max_steps, "device": str(dev), "threads": threads,
-                     "tokens": tokens, "repeats": repeats, "alone_s": a, "together_s": t, "speedup": a / t,
-                     "max_param_diff": diff, "peak_gpu_mb": peak / 2**20 if peak else None})
+        rows.append(
+            {
+                "corpus": Path(data).name,
+                "model": model,
+                "vocab": len(task.vocab),
+                "clients": clients,
+                "cohort": n,
+                "epochs": epochs,
+                "max_steps": max_steps,
+                "device": str(dev),
+                "threads": threads,
+                "tokens": tokens,
+                "repeats": repeats,
+                "alone_s": a,
+                "together_s": t,
+                "speedup": a / t,
+                "max_param_diff": diff,
+                "peak_gpu_mb": peak / 2**20 if peak else None,
+            }
+        )
     return rows
 
 
@@ -72,13 +113,17 @@ def _sync(device: torch.device) -> None:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| corpus | model | vocab | cohort | E | step cap | device | tokens | alone s (median) | together s "
-             "(median) | alone ÷ together | max param diff | peak GPU MB |",
-             "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| corpus | model | vocab | cohort | E | step cap | device | tokens | alone s (median) | together s "
+        "(median) | alone ÷ together | max param diff | peak GPU MB |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         peak = f"{r['peak_gpu_mb']:,.0f}" if r["peak_gpu_mb"] else "–"
-        lines.append(f"| {r['corpus']} | {r['model']} | {r['vocab']} | {r['cohort']} | {r['epochs']} | "
-                     f"{r['max_steps'] or '–'} | {r['device']} ({r['threads']} threads) | {r['tokens']:,} | "
-                     f"{r['alone_s']:.2f} | {r['together_s']:.2f} | {r['speedup']:.2f} | {r['max_param_diff']:.1e} | "
-                     f"{peak} |")
+        lines.append(
+            f"| {r['corpus']} | {r['model']} | {r['vocab']} | {r['cohort']} | {r['epochs']} | "
+            f"{r['max_steps'] or '–'} | {r['device']} ({r['threads']} threads) | {r['tokens']:,} | "
+            f"{r['alone_s']:.2f} | {r['together_s']:.2f} | {r['speedup']:.2f} | {r['max_param_diff']:.1e} | "
+            f"{peak} |"
+        )
     return "\n".join(lines)

@@ -41,9 +41,10 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import structlog
 import torch
@@ -51,8 +52,15 @@ import torch
 from fedmq.aggregator.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
 from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.records import RoundRecord
-from fedmq.aggregator.runlog import (CONFIG_FILE, RunLog, finished, read_config, read_rounds, read_summary,
-                               write_summary)
+from fedmq.aggregator.runlog import (
+    CONFIG_FILE,
+    RunLog,
+    finished,
+    read_config,
+    read_rounds,
+    read_summary,
+    write_summary,
+)
 from fedmq.errors import FedmqError
 from fedmq.files import write_atomic
 from fedmq.tasks.base import Task, TrainConfig, load_state, model_state
@@ -87,7 +95,9 @@ class RunSpec:
 # task options and job settings shared by the language-modelling experiments, per scale
 _LM_TASK = {
     "paper": dict(model="gru-small", vocab_size=0, max_lines=0, max_eval_lines=0, clients=100, dropout=0.1),
-    "cpu": dict(model="gru-small", vocab_size=0, max_lines=4000, max_eval_lines=1000, clients=20, dropout=0.1),
+    "cpu": dict(
+        model="gru-small", vocab_size=0, max_lines=4000, max_eval_lines=1000, clients=20, dropout=0.1
+    ),
     "smoke": dict(model="gru-tiny", vocab_size=300, max_lines=120, max_eval_lines=10, clients=4),
 }
 # SGD with momentum, no clipping (FedAtt Algorithm 2 and its reference code); cpu momentum: the sweep's pick; cpu
@@ -104,24 +114,45 @@ PAPER_LR = 0.5
 # WikiText-2: 64 and 7), which is what a latency-bound GPU client's step costs (docs/results.md, "The client regime")
 PAPER_FEDSGD_STREAMS = 100
 _LM_JOB = {
-    "paper": dict(clients=100, rounds=50, epochs=5, batch_size=10, lr=PAPER_LR, momentum=0.5, clip=0.0, max_steps=0),
-    "cpu": dict(clients=20, rounds=12, epochs=1, batch_size=10, lr=CPU_LR, momentum=CPU_MOMENTUM, clip=0.0,
-                max_steps=0, round_lr_decay=CPU_ROUND_LR_DECAY),
+    "paper": dict(
+        clients=100, rounds=50, epochs=5, batch_size=10, lr=PAPER_LR, momentum=0.5, clip=0.0, max_steps=0
+    ),
+    "cpu": dict(
+        clients=20,
+        rounds=12,
+        epochs=1,
+        batch_size=10,
+        lr=CPU_LR,
+        momentum=CPU_MOMENTUM,
+        clip=0.0,
+        max_steps=0,
+        round_lr_decay=CPU_ROUND_LR_DECAY,
+    ),
     "smoke": dict(clients=4, rounds=1, epochs=1, batch_size=4, lr=1.0, momentum=0.5, clip=0.0, max_steps=2),
 }
 _CORPORA = {"paper": ["wikitext-2", "ptb"], "cpu": ["ptb"], "smoke": ["wikitext-2"]}
 _DEADLINES = dict(report_deadline_s=120.0, update_deadline_s=120.0, join_timeout_s=60.0, heartbeat_s=1.0)
 # FedMed's model is an LSTM (300 + 2x400); at the smoke scale a tiny LSTM keeps CI fast
-_FEDMED_MODEL = {"paper": dict(model="lstm", tied=False), "cpu": dict(model="lstm", tied=False),
-                 "smoke": dict(model="lstm", tied=False, emb=16, hidden=16, layers=2)}
+_FEDMED_MODEL = {
+    "paper": dict(model="lstm", tied=False),
+    "cpu": dict(model="lstm", tied=False),
+    "smoke": dict(model="lstm", tied=False, emb=16, hidden=16, layers=2),
+}
 
 
 def _corpus(name: str) -> str:
     return str(DATA / name)
 
 
-def _lm(scale: str, name: str, labels: dict[str, Any], corpus: str | None = None, task: dict | None = None,
-        lstm: bool = False, **job: Any) -> RunSpec:
+def _lm(
+    scale: str,
+    name: str,
+    labels: dict[str, Any],
+    corpus: str | None = None,
+    task: dict | None = None,
+    lstm: bool = False,
+    **job: Any,
+) -> RunSpec:
     """An LM federation (on the scale's first corpus unless ``corpus``); ``lstm``: FedMed runs on FedMed's LSTM
     (Table 2; paper scale only: at the smaller scales every method shares one GRU so that they can be ranked)."""
     corpus = corpus or _CORPORA[scale][0]
@@ -147,14 +178,37 @@ def table2(scale: str) -> list[RunSpec]:
     runs = []
     for corpus in _CORPORA[scale]:
         streams = {"batch_size": PAPER_FEDSGD_STREAMS} if scale == "paper" else {}
-        runs.append(_lm(scale, f"{corpus}-fedsgd", {"strategy": "fedsgd", "C": 1.0}, corpus, strategy="fedsgd",
-                        fraction=1.0, **streams))
+        runs.append(
+            _lm(
+                scale,
+                f"{corpus}-fedsgd",
+                {"strategy": "fedsgd", "C": 1.0},
+                corpus,
+                strategy="fedsgd",
+                fraction=1.0,
+                **streams,
+            )
+        )
         for c in _pick(scale, [0.5], [0.1, 0.5], [0.1, 0.5]):
             for s in ("fedavg", "fedatt", "fedmed"):
-                runs.append(_lm(scale, f"{corpus}-{s}-c{c}", {"strategy": s, "C": c, "model": _model(scale, s)}, corpus,
-                                lstm=True, strategy=s, fraction=c))
-            central = _lm(scale, f"{corpus}-central-c{c}", {"strategy": "central", "C": c,
-                                                             "model": _LM_TASK[scale]["model"]}, corpus, fraction=c)
+                runs.append(
+                    _lm(
+                        scale,
+                        f"{corpus}-{s}-c{c}",
+                        {"strategy": s, "C": c, "model": _model(scale, s)},
+                        corpus,
+                        lstm=True,
+                        strategy=s,
+                        fraction=c,
+                    )
+                )
+            central = _lm(
+                scale,
+                f"{corpus}-central-c{c}",
+                {"strategy": "central", "C": c, "model": _LM_TASK[scale]["model"]},
+                corpus,
+                fraction=c,
+            )
             central.central = True
             runs.append(central)
     return runs
@@ -166,21 +220,39 @@ def sweep(scale: str) -> list[RunSpec]:
     smaller scales (the cpu lr and its decay were then chosen on the C = 0.1 cells: docs/results.md section 0);
     PTB at C = 0.1 at the paper scale, the cell whose reference lr 0.01 left the model far from trained after 50
     rounds (docs/results.md section 1) and a fifth of C = 0.5's client work."""
-    grid = _pick(scale, [(1.0, 0.5), (0.5, 0.9)],
-                 [(0.5, 0.5), (1.0, 0.5), (2.0, 0.5), (1.0, 0.0), (0.1, 0.9), (0.2, 0.9)],
-                 [(0.1, 0.5), (0.5, 0.5), (1.0, 0.5), (2.0, 0.5), (4.0, 0.5)])
+    grid = _pick(
+        scale,
+        [(1.0, 0.5), (0.5, 0.9)],
+        [(0.5, 0.5), (1.0, 0.5), (2.0, 0.5), (1.0, 0.0), (0.1, 0.9), (0.2, 0.9)],
+        [(0.1, 0.5), (0.5, 0.5), (1.0, 0.5), (2.0, 0.5), (4.0, 0.5)],
+    )
     rounds = max(1, _LM_JOB[scale]["rounds"] // 2)
     fraction, corpus = (0.1, "ptb") if scale == "paper" else (0.5, None)
-    return [_lm(scale, f"fedavg-lr{lr}-m{m}", {"strategy": "fedavg", "lr": lr, "momentum": m}, corpus,
-                strategy="fedavg", fraction=fraction, lr=lr, momentum=m, rounds=rounds, round_lr_decay=1.0)
-            for lr, m in grid]
+    return [
+        _lm(
+            scale,
+            f"fedavg-lr{lr}-m{m}",
+            {"strategy": "fedavg", "lr": lr, "momentum": m},
+            corpus,
+            strategy="fedavg",
+            fraction=fraction,
+            lr=lr,
+            momentum=m,
+            rounds=rounds,
+            round_lr_decay=1.0,
+        )
+        for lr, m in grid
+    ]
 
 
 def fraction(scale: str) -> list[RunSpec]:
     """FedAtt Fig. 2 / FedMed Fig. 4: test perplexity vs the client fraction C."""
     cs = _pick(scale, [0.5], [0.1, 0.2, 0.5, 0.7, 0.9], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
-    return [_lm(scale, f"{s}-c{c}", {"strategy": s, "C": c}, strategy=s, fraction=c)
-            for c in cs for s in ("fedavg", "fedatt", "fedmed")]
+    return [
+        _lm(scale, f"{s}-c{c}", {"strategy": s, "C": c}, strategy=s, fraction=c)
+        for c in cs
+        for s in ("fedavg", "fedatt", "fedmed")
+    ]
 
 
 def rounds_to_target(scale: str) -> list[RunSpec]:
@@ -188,53 +260,110 @@ def rounds_to_target(scale: str) -> list[RunSpec]:
     runs = []
     for e in _pick(scale, [1], [1, 2], [1, 5, 10]):
         for s in ("fedavg", "fedatt", "fedmed"):
-            runs.append(_lm(scale, f"{s}-e{e}", {"strategy": s, "E": e, "encoding": "raw"}, strategy=s, fraction=0.5,
-                            epochs=e, max_steps=_LM_JOB[scale]["max_steps"] * e))
+            runs.append(
+                _lm(
+                    scale,
+                    f"{s}-e{e}",
+                    {"strategy": s, "E": e, "encoding": "raw"},
+                    strategy=s,
+                    fraction=0.5,
+                    epochs=e,
+                    max_steps=_LM_JOB[scale]["max_steps"] * e,
+                )
+            )
     for enc in _pick(scale, ["delta+int8"], ["fp16", "delta+int8"], ["fp16", "delta+int8", "delta+topk:0.1"]):
         safe = enc.replace("+", "-").replace(":", "")
-        runs.append(_lm(scale, f"fedavg-e1-{safe}", {"strategy": "fedavg", "E": 1, "encoding": enc}, strategy="fedavg",
-                        fraction=0.5, encoding=enc))
+        runs.append(
+            _lm(
+                scale,
+                f"fedavg-e1-{safe}",
+                {"strategy": "fedavg", "E": 1, "encoding": enc},
+                strategy="fedavg",
+                fraction=0.5,
+                encoding=enc,
+            )
+        )
     return runs
 
 
 def topk(scale: str) -> list[RunSpec]:
     """FedMed Fig. 5: top-K share β of the reporting clients allowed to upload, vs upload bytes."""
-    betas = _pick(scale, [0.5, 1.0], [0.3, 0.5, 0.7, 0.8, 0.9, 1.0], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
-    return [_lm(scale, f"fedmed-beta{b}", {"strategy": "fedmed", "beta": b}, strategy="fedmed", fraction=0.5, beta=b)
-            for b in betas]
+    betas = _pick(
+        scale, [0.5, 1.0], [0.3, 0.5, 0.7, 0.8, 0.9, 1.0], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+    )
+    return [
+        _lm(
+            scale,
+            f"fedmed-beta{b}",
+            {"strategy": "fedmed", "beta": b},
+            strategy="fedmed",
+            fraction=0.5,
+            beta=b,
+        )
+        for b in betas
+    ]
 
 
 def randomization(scale: str) -> list[RunSpec]:
     """FedAtt Table III: FedAvg vs FedAtt with the clients adding noise·N(0, 1) to their weights."""
     noises = _pick(scale, [0.0, 0.01], [0.0, 0.001, 0.005, 0.01, 0.05], [0.0, 0.001, 0.005, 0.01, 0.05])
-    return [_lm(scale, f"{s}-noise{n}", {"strategy": s, "noise": n}, strategy=s, fraction=0.5, noise=n)
-            for n in noises for s in ("fedavg", "fedatt")]
+    return [
+        _lm(scale, f"{s}-noise{n}", {"strategy": s, "noise": n}, strategy=s, fraction=0.5, noise=n)
+        for n in noises
+        for s in ("fedavg", "fedatt")
+    ]
 
 
 def model_scale(scale: str) -> list[RunSpec]:
     """FedAtt Table IV: small / medium / large GRU, tied / untied, FedAvg beside FedAtt. Large only at the paper
     scale."""
     sizes = _pick(scale, ["gru-tiny"], ["gru-small", "gru-medium"], ["gru-small", "gru-medium", "gru-large"])
-    return [_lm(scale, f"{s}-{m}-{'tied' if t else 'untied'}", {"strategy": s, "model": m, "tied": t},
-                task={"model": m, "tied": t}, strategy=s, fraction=0.5)
-            for m in sizes for t in (True, False) for s in ("fedavg", "fedatt")]
+    return [
+        _lm(
+            scale,
+            f"{s}-{m}-{'tied' if t else 'untied'}",
+            {"strategy": s, "model": m, "tied": t},
+            task={"model": m, "tied": t},
+            strategy=s,
+            fraction=0.5,
+        )
+        for m in sizes
+        for t in (True, False)
+        for s in ("fedavg", "fedatt")
+    ]
 
 
 def dropout(scale: str, out: Path | None = None) -> list[RunSpec]:
     """Beyond the papers: FedAvg with clients going offline (availability models) and crashing mid-round."""
-    specs = [("always", ""), ("bernoulli:0.9", ""), ("bernoulli:0.7", ""), ("bernoulli:0.5", ""),
-             ("markov:0.8,0.5", ""), ("trace", ""), ("always", "crash-train:0.2")]
+    specs = [
+        ("always", ""),
+        ("bernoulli:0.9", ""),
+        ("bernoulli:0.7", ""),
+        ("bernoulli:0.5", ""),
+        ("markov:0.8,0.5", ""),
+        ("trace", ""),
+        ("always", "crash-train:0.2"),
+    ]
     if scale == "smoke":
         specs = [("bernoulli:0.7", "crash-train:0.2"), ("trace", "")]
     # a missing selected client costs a deadline: keep the deadlines short at the small scales, but above a round's
     # local training (cpu: the ten clients of a C = 0.5 round train one after another on one core, ~30 s)
-    deadlines = {"paper": {}, "cpu": dict(report_deadline_s=60.0, update_deadline_s=60.0),
-                 "smoke": dict(report_deadline_s=5.0, update_deadline_s=5.0)}[scale]
+    deadlines = {
+        "paper": {},
+        "cpu": dict(report_deadline_s=60.0, update_deadline_s=60.0),
+        "smoke": dict(report_deadline_s=5.0, update_deadline_s=5.0),
+    }[scale]
     runs = []
     for avail, faults in specs:
         name = avail.replace(":", "").replace(",", "-") + (f"-{faults.replace(':', '')}" if faults else "")
-        spec = _lm(scale, name, {"availability": avail, "faults": faults or "-"}, strategy="fedavg", fraction=0.5,
-                   **deadlines)
+        spec = _lm(
+            scale,
+            name,
+            {"availability": avail, "faults": faults or "-"},
+            strategy="fedavg",
+            fraction=0.5,
+            **deadlines,
+        )
         spec.availability, spec.faults = avail, faults
         runs.append(spec)
     return runs
@@ -245,7 +374,9 @@ def _trace_file(out: Path, clients: int, rounds: int) -> Path:
     spans: dict[str, list[list[int]]] = {}
     for i in range(clients):
         period, off = 3 + i % 4, 2
-        spans[f"agent-{i}"] = [[s, s + period - off] for s in range(-period + i % period, rounds + period, period)]
+        spans[f"agent-{i}"] = [
+            [s, s + period - off] for s in range(-period + i % period, rounds + period, period)
+        ]
     path = out / "availability-trace.json"
     write_atomic(path, json.dumps(spans))
     return path
@@ -263,20 +394,65 @@ def _trace_file(out: Path, clients: int, rounds: int) -> Path:
 # domain, EMEA medicine documentation (a departure, docs/results.md)
 FIVE_DOMAINS = ["news_wmt", "subtitles_opensubs", "ted_iwslt14", "software_it", "medical_emea"]
 _NMT = {
-    "paper": dict(task=dict(model="base", domains=FIVE_DOMAINS, max_lines=0, vocab_size=32000, eval_max_sentences=0),
-                  pretrain_domains=["news_wmt"], pretrain_max_lines=0, pretrain_steps=100_000,
-                  pretrain_batch=64, pretrain_lr=7e-4, pretrain_warmup=4000, lr=5e-4,
-                  rounds=5, max_steps=0, batch_size=64, per_domain_test=0, fractions=(0.5, 0.33)),
-    "cpu": dict(task=dict(model="mini", domains=FIVE_DOMAINS,
-                          max_lines=3000, vocab_size=4000, eval_max_sentences=40, max_len=64, dropout=0.0),
-                pretrain_domains=["news_wmt"], pretrain_max_lines=0, pretrain_steps=4000, pretrain_batch=32,
-                pretrain_lr=4e-3, pretrain_warmup=200, lr=5e-4,
-                rounds=5, max_steps=0, batch_size=24, per_domain_test=0, fractions=(0.5, 0.33)),
-    "smoke": dict(task=dict(model="tiny", domains=["news_wmt", "ted_iwslt14"], max_lines=60, vocab_size=300,
-                            eval_max_sentences=6),
-                  pretrain_domains=["news_wmt"], pretrain_max_lines=60, pretrain_steps=2, pretrain_batch=8,
-                  pretrain_lr=5e-4, pretrain_warmup=0, lr=5e-4,
-                  rounds=2, max_steps=1, batch_size=8, per_domain_test=3, fractions=(0.5, 0.33)),
+    "paper": dict(
+        task=dict(model="base", domains=FIVE_DOMAINS, max_lines=0, vocab_size=32000, eval_max_sentences=0),
+        pretrain_domains=["news_wmt"],
+        pretrain_max_lines=0,
+        pretrain_steps=100_000,
+        pretrain_batch=64,
+        pretrain_lr=7e-4,
+        pretrain_warmup=4000,
+        lr=5e-4,
+        rounds=5,
+        max_steps=0,
+        batch_size=64,
+        per_domain_test=0,
+        fractions=(0.5, 0.33),
+    ),
+    "cpu": dict(
+        task=dict(
+            model="mini",
+            domains=FIVE_DOMAINS,
+            max_lines=3000,
+            vocab_size=4000,
+            eval_max_sentences=40,
+            max_len=64,
+            dropout=0.0,
+        ),
+        pretrain_domains=["news_wmt"],
+        pretrain_max_lines=0,
+        pretrain_steps=4000,
+        pretrain_batch=32,
+        pretrain_lr=4e-3,
+        pretrain_warmup=200,
+        lr=5e-4,
+        rounds=5,
+        max_steps=0,
+        batch_size=24,
+        per_domain_test=0,
+        fractions=(0.5, 0.33),
+    ),
+    "smoke": dict(
+        task=dict(
+            model="tiny",
+            domains=["news_wmt", "ted_iwslt14"],
+            max_lines=60,
+            vocab_size=300,
+            eval_max_sentences=6,
+        ),
+        pretrain_domains=["news_wmt"],
+        pretrain_max_lines=60,
+        pretrain_steps=2,
+        pretrain_batch=8,
+        pretrain_lr=5e-4,
+        pretrain_warmup=0,
+        lr=5e-4,
+        rounds=2,
+        max_steps=1,
+        batch_size=8,
+        per_domain_test=3,
+        fractions=(0.5, 0.33),
+    ),
 }
 
 
@@ -312,7 +488,9 @@ def domain_pairs(task: Any, domain: str, split: str = "test", per_domain: int = 
     return pairs[:per_domain] if per_domain else pairs
 
 
-def domain_bleu(task: Any, model: torch.nn.Module, split: str = "test", per_domain: int = 0) -> dict[str, float]:
+def domain_bleu(
+    task: Any, model: torch.nn.Module, split: str = "test", per_domain: int = 0
+) -> dict[str, float]:
     """BLEU of ``model`` on each domain's ``split`` pairs (the first ``per_domain`` of each; 0 = all)."""
     from fedmq.tasks.nmt import corpus_bleu
 
@@ -324,14 +502,19 @@ def domain_bleu(task: Any, model: torch.nn.Module, split: str = "test", per_doma
     return scores
 
 
-def domain_ce(task: Any, model: torch.nn.Module, split: str = "test", per_domain: int = 0) -> dict[str, float]:
+def domain_ce(
+    task: Any, model: torch.nn.Module, split: str = "test", per_domain: int = 0
+) -> dict[str, float]:
     """Cross-entropy (nats per reference token, teacher forcing) of ``model`` on each domain's ``split`` pairs."""
-    return {domain: task.cross_entropy(model, domain_pairs(task, domain, split, per_domain))
-            for domain in task.corpus.domains}
+    return {
+        domain: task.cross_entropy(model, domain_pairs(task, domain, split, per_domain))
+        for domain in task.corpus.domains
+    }
 
 
-def _server_domain_scores(task: Any, run_dir: Path, summary: dict[str, Any], seed: int,
-                          n: int) -> tuple[dict[str, float], dict[str, float] | None]:
+def _server_domain_scores(
+    task: Any, run_dir: Path, summary: dict[str, Any], seed: int, n: int
+) -> tuple[dict[str, float], dict[str, float] | None]:
     """Per-domain test BLEU and cross-entropy of a run's best global model, kept in its summary.json
     (``test_bleu_by_domain``, ``test_ce_by_domain``) so that a run restored from its small files
     (scripts/runs_archive.py, no best.pt) keeps its row; a finished run with no BLEU and no best.pt is refused
@@ -343,8 +526,10 @@ def _server_domain_scores(task: Any, run_dir: Path, summary: dict[str, Any], see
     if not best.is_file():
         if isinstance(bleu, dict):
             return bleu, None
-        raise ExperimentError(f"run {run_dir.name} has no best.pt and no per-domain BLEU in its summary.json "
-                              f"(restored from an older archive?): delete {run_dir} to run it again")
+        raise ExperimentError(
+            f"run {run_dir.name} has no best.pt and no per-domain BLEU in its summary.json "
+            f"(restored from an older archive?): delete {run_dir} to run it again"
+        )
     server = task.build_model(seed)
     load_state(server, torch.load(best, weights_only=True))
     if not isinstance(bleu, dict):
@@ -380,16 +565,26 @@ def _ce_pick(task: Any, run_dir: Path, summary: dict[str, Any], seed: int, n: in
     else:
         load_state(server, states[best])
         bleu, ce = domain_bleu(task, server, "test", n), domain_ce(task, server, "test", n)
-    summary["ce_pick"] = pick = {"round": best, "valid_ce_by_round": {str(k): v for k, v in valid.items()},
-                                 "test_bleu_by_domain": bleu, "test_ce_by_domain": ce}
+    summary["ce_pick"] = pick = {
+        "round": best,
+        "valid_ce_by_round": {str(k): v for k, v in valid.items()},
+        "test_bleu_by_domain": bleu,
+        "test_ce_by_domain": ce,
+    }
     write_summary(run_dir, summary)
     return pick
 
 
 # ----------------------------------------------------------------------------------------------- running
 EXPERIMENTS: dict[str, Callable[..., list[RunSpec]]] = {
-    "table2": table2, "sweep": sweep, "fraction": fraction, "rounds-to-target": rounds_to_target, "topk": topk,
-    "randomization": randomization, "scale": model_scale, "dropout": dropout,
+    "table2": table2,
+    "sweep": sweep,
+    "fraction": fraction,
+    "rounds-to-target": rounds_to_target,
+    "topk": topk,
+    "randomization": randomization,
+    "scale": model_scale,
+    "dropout": dropout,
 }
 NAMES = (*EXPERIMENTS, "nmt-domains")
 
@@ -410,8 +605,12 @@ class Runner:
     simulation: Callable[..., Any]
     tasks: dict[str, Task] = field(default_factory=lambda: _TASKS)
     device: str = "cpu"  # local training: cpu | cuda | auto (the aggregator evaluates on the CPU)
-    cohort: bool = False  # train a round's selected clients together (Simulation.cohort): how, not what, it runs
-    shared: Path | None = None  # where other experiments' finished runs are looked up (``reuse``); None: nowhere
+    cohort: bool = (
+        False  # train a round's selected clients together (Simulation.cohort): how, not what, it runs
+    )
+    shared: Path | None = (
+        None  # where other experiments' finished runs are looked up (``reuse``); None: nowhere
+    )
 
     def task(self, kind: str, options: dict[str, Any]) -> Task:
         from fedmq.tasks.registry import make_task
@@ -448,14 +647,27 @@ class Runner:
         if spec.central:
             summary = self.centralize(spec, cfg, run_dir, resume=resume)
         else:
-            sim = self.simulation(cfg, task, f"memory://{job}", run_dir, availability=spec.availability,
-                                  faults=spec.faults, device=self.device, cohort=self.cohort,
-                                  resume=resume and (run_dir / CONFIG_FILE).is_file())
+            sim = self.simulation(
+                cfg,
+                task,
+                f"memory://{job}",
+                run_dir,
+                availability=spec.availability,
+                faults=spec.faults,
+                device=self.device,
+                cohort=self.cohort,
+                resume=resume and (run_dir / CONFIG_FILE).is_file(),
+            )
             summary = sim.run()
         summary["run_wall_s"] = time.time() - started
         write_summary(run_dir, summary)
         write_atomic(marker, json.dumps({"key": key, "done": True}))
-        log.info("experiment run done", run=spec.name, test=summary.get("test"), wall_s=round(summary["run_wall_s"], 1))
+        log.info(
+            "experiment run done",
+            run=spec.name,
+            test=summary.get("test"),
+            wall_s=round(summary["run_wall_s"], 1),
+        )
         return summary
 
     def reuse(self, spec: RunSpec, seed: int, run_dir: Path, cfg: JobConfig) -> Path | None:
@@ -466,7 +678,9 @@ class Runner:
         if self.shared is None or not self.shared.is_dir():
             return None
         wanted = work_key(asdict(spec), seed)
-        for marker in sorted(self.shared.rglob("spec.json")):  # run_dir has none: federate removed it or never had one
+        for marker in sorted(
+            self.shared.rglob("spec.json")
+        ):  # run_dir has none: federate removed it or never had one
             source = marker.parent
             try:
                 saved = json.loads(marker.read_text())
@@ -475,11 +689,15 @@ class Runner:
             except (OSError, ValueError, KeyError, TypeError, FedmqError):
                 continue  # not a run folder of this module's (or a damaged one): never a source
             if same and finished(source) and ran_as(source, cfg):
-                shutil.copytree(source, run_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("spec.json"))
+                shutil.copytree(
+                    source, run_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("spec.json")
+                )
                 return source
         return None
 
-    def centralize(self, spec: RunSpec, job: JobConfig, run_dir: Path, resume: bool = False) -> dict[str, Any]:
+    def centralize(
+        self, spec: RunSpec, job: JobConfig, run_dir: Path, resume: bool = False
+    ) -> dict[str, Any]:
         """The centralized baseline: one model trained on the union of every client's data, no federation, for
         the token passes of the federation it stands beside (C x K clients x E epochs of their shards a round,
         i.e. C x E epochs of the union), evaluated and kept best-on-validation round by round like a federation.
@@ -508,24 +726,50 @@ class Runner:
         runlog = RunLog(run_dir)
         runlog.truncate_after(done)  # rows of a round the checkpoint does not hold are run again
         for r in range(done + 1, job.rounds + 1):
-            cfg = TrainConfig(epochs=job.epochs + 1, batch_size=job.batch_size, lr=job.round_lr(r),
-                              momentum=job.momentum, clip=job.clip, max_steps=steps, amp=job.amp,
-                              seed=seed * 1000 + r, device=self.device)
+            cfg = TrainConfig(
+                epochs=job.epochs + 1,
+                batch_size=job.batch_size,
+                lr=job.round_lr(r),
+                momentum=job.momentum,
+                clip=job.clip,
+                max_steps=steps,
+                amp=job.amp,
+                seed=seed * 1000 + r,
+                device=self.device,
+            )
             result = union.train(model, 0, cfg)
             valid = union.evaluate(model, "valid")
             if valid < best:
                 best, best_round = valid, r
                 best_state = {k: v.detach().clone() for k, v in model_state(model).items()}
-            runlog.append(RoundRecord(round=r, valid=valid, extra={"train_loss": result.loss, "steps": steps}))
-            save_checkpoint(checkpoints, round=r, model_version=r, global_state=model_state(model), strategy_state={},
-                            mediator_state={}, rng_state=None, folded={}, keep=1,
-                            extra={"best": best, "best_round": best_round, "best_state": best_state})
+            runlog.append(
+                RoundRecord(round=r, valid=valid, extra={"train_loss": result.loss, "steps": steps})
+            )
+            save_checkpoint(
+                checkpoints,
+                round=r,
+                model_version=r,
+                global_state=model_state(model),
+                strategy_state={},
+                mediator_state={},
+                rng_state=None,
+                folded={},
+                keep=1,
+                extra={"best": best, "best_round": best_round, "best_state": best_state},
+            )
         runlog.close()
         if best_state is not None:
             load_state(model, best_state)
-        return {"test": union.evaluate(model, "test"), "best_valid": best, "best_round": best_round,
-                "rounds_completed": job.rounds, "rounds_skipped": 0, "bytes_up": 0, "bytes_down": 0,
-                "steps_per_round": steps}
+        return {
+            "test": union.evaluate(model, "test"),
+            "best_valid": best,
+            "best_round": best_round,
+            "rounds_completed": job.rounds,
+            "rounds_skipped": 0,
+            "bytes_up": 0,
+            "bytes_down": 0,
+            "steps_per_round": steps,
+        }
 
 
 def ran_as(run_dir: Path, cfg: JobConfig) -> bool:
@@ -546,7 +790,9 @@ def ran_as(run_dir: Path, cfg: JobConfig) -> bool:
         return True
     ignored = {"job", "extra", "seed", "heartbeat_s"} | (OWN_SETTINGS - set(cfg.strategy_class.own_settings))
     now, default = cfg.to_dict(), JobConfig().to_dict()
-    return all(recorded[k] == v if k in recorded else v == default[k] for k, v in now.items() if k not in ignored)
+    return all(
+        recorded[k] == v if k in recorded else v == default[k] for k, v in now.items() if k not in ignored
+    )
 
 
 def work_key(spec: dict[str, Any], seed: int) -> str:
@@ -560,21 +806,30 @@ def work_key(spec: dict[str, Any], seed: int) -> str:
 
 def _row(spec: RunSpec, summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     rows = read_rounds(run_dir).records
-    return {"run": spec.name, **spec.labels, "fraction": spec.job.get("fraction"),
-            "test": summary.get("test"), "best_valid": summary.get("best_valid"),
-            "best_round": summary.get("best_round"), "rounds_completed": summary.get("rounds_completed"),
-            "rounds_skipped": summary.get("rounds_skipped"), "bytes_up": summary.get("bytes_up"),
-            "bytes_down": summary.get("bytes_down"), "bytes_up_raw": sum(r.bytes_up_raw or 0 for r in rows),
-            "bytes_down_raw": sum(r.bytes_down_raw or 0 for r in rows),
-            "updates_received": sum(len(r.received) for r in rows),
-            "valid_curve": [r.valid for r in rows], "max_jump": max_jump([r.valid for r in rows]),
-            "wall_s": round(summary.get("run_wall_s", 0.0), 1)}
+    return {
+        "run": spec.name,
+        **spec.labels,
+        "fraction": spec.job.get("fraction"),
+        "test": summary.get("test"),
+        "best_valid": summary.get("best_valid"),
+        "best_round": summary.get("best_round"),
+        "rounds_completed": summary.get("rounds_completed"),
+        "rounds_skipped": summary.get("rounds_skipped"),
+        "bytes_up": summary.get("bytes_up"),
+        "bytes_down": summary.get("bytes_down"),
+        "bytes_up_raw": sum(r.bytes_up_raw or 0 for r in rows),
+        "bytes_down_raw": sum(r.bytes_down_raw or 0 for r in rows),
+        "updates_received": sum(len(r.received) for r in rows),
+        "valid_curve": [r.valid for r in rows],
+        "max_jump": max_jump([r.valid for r in rows]),
+        "wall_s": round(summary.get("run_wall_s", 0.0), 1),
+    }
 
 
 def max_jump(curve: list[float | None], after: int = 3) -> float | None:
     """Largest round-to-round rise of validation perplexity after round ``after`` (valid_r / valid_{r-1});
     issue #14 asks for curves that train: at most 1.5. None with fewer rounds than that."""
-    ratios = [b / a for a, b in zip(curve[after - 1:], curve[after:]) if a and b]
+    ratios = [b / a for a, b in zip(curve[after - 1 :], curve[after:]) if a and b]
     return max(ratios) if ratios else None
 
 
@@ -629,20 +884,33 @@ def select(specs: list[RunSpec], only: str | None, overrides: dict[str, Any] | N
     any other every run whose name contains it) and apply job ``overrides``."""
     wanted = [w for w in (only or "").split(",") if w]
     names = {s.name for s in specs}
-    picked = [s for s in specs if not wanted or any(w == s.name if w in names else w in s.name for w in wanted)]
+    picked = [
+        s for s in specs if not wanted or any(w == s.name if w in names else w in s.name for w in wanted)
+    ]
     if not picked:
         raise ExperimentError(f"no run name contains {only!r}; runs: {', '.join(s.name for s in specs)}")
     for spec in picked:
         spec.job.update(overrides or {})
-        if "clients" in (overrides or {}) and "clients" in spec.task_options:  # the task's shards follow the job's K
+        if (
+            "clients" in (overrides or {}) and "clients" in spec.task_options
+        ):  # the task's shards follow the job's K
             spec.task_options = {**spec.task_options, "clients": spec.job["clients"]}
         JobConfig.from_dict({"job": "check", **spec.job})  # a bad override fails here, before anything runs
     return picked
 
 
-def run_lm_experiment(name: str, scale: str, out: Path, simulation: Callable[..., Any], seed: int = 0,
-                      only: str | None = None, overrides: dict[str, Any] | None = None,
-                      device: str = "cpu", shared: Path | None = None, cohort: bool = False) -> dict[str, Any]:
+def run_lm_experiment(
+    name: str,
+    scale: str,
+    out: Path,
+    simulation: Callable[..., Any],
+    seed: int = 0,
+    only: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    device: str = "cpu",
+    shared: Path | None = None,
+    cohort: bool = False,
+) -> dict[str, Any]:
     runner = Runner(out, simulation, device=device, shared=shared, cohort=cohort)
     specs = select(EXPERIMENTS[name](scale), only, overrides)
     if name == "dropout":
@@ -666,8 +934,13 @@ def _nmt_train(s: dict[str, Any]) -> dict[str, Any]:
 
 def nmt_options(scale: str, seed: int, cache: Path) -> dict[str, Any]:
     """The translation task's options at ``scale`` (one client per domain; the vocabulary cached under ``cache``)."""
-    options = {**_NMT[scale]["task"], "data": _corpus("de-en"), "partition": "natural", "seed": seed,
-               "cache_dir": str(cache / "spm-cache")}
+    options = {
+        **_NMT[scale]["task"],
+        "data": _corpus("de-en"),
+        "partition": "natural",
+        "seed": seed,
+        "cache_dir": str(cache / "spm-cache"),
+    }
     return {k: v for k, v in options.items() if v is not None}
 
 
@@ -676,15 +949,33 @@ def nmt_specs(scale: str, options: dict[str, Any] | None = None) -> list[RunSpec
     at each of the scale's fractions."""
     s = _NMT[scale]
     options = options or {}
-    job = dict(clients=len(s["task"]["domains"]), fraction=1.0, rounds=s["rounds"], epochs=1,
-               max_steps=s["max_steps"], keep_checkpoints=s["rounds"], **_DEADLINES, **_nmt_train(s))
-    specs = [RunSpec("fedavg", "nmt", options, {**job, "strategy": "fedavg"}, {"strategy": "fedavg", "pull": 1.0})]
+    job = dict(
+        clients=len(s["task"]["domains"]),
+        fraction=1.0,
+        rounds=s["rounds"],
+        epochs=1,
+        max_steps=s["max_steps"],
+        keep_checkpoints=s["rounds"],
+        **_DEADLINES,
+        **_nmt_train(s),
+    )
+    specs = [
+        RunSpec("fedavg", "nmt", options, {**job, "strategy": "fedavg"}, {"strategy": "fedavg", "pull": 1.0})
+    ]
     for f in s["fractions"]:
-        down = f < 0.5  # Passban et al.'s 33 % variant pulls in both directions (the server pushes a third too)
+        down = (
+            f < 0.5
+        )  # Passban et al.'s 33 % variant pulls in both directions (the server pushes a third too)
         for mode in ("pull-local", "pull-global", "pull-random"):
-            specs.append(RunSpec(f"{mode}-{f}" + ("-both" if down else ""), "nmt", options,
-                                 {**job, "strategy": mode, "pull_fraction": f, "pull_down": down},
-                                 {"strategy": mode, "pull": f, "directions": "both" if down else "up"}))
+            specs.append(
+                RunSpec(
+                    f"{mode}-{f}" + ("-both" if down else ""),
+                    "nmt",
+                    options,
+                    {**job, "strategy": mode, "pull_fraction": f, "pull_down": down},
+                    {"strategy": mode, "pull": f, "directions": "both" if down else "up"},
+                )
+            )
     return specs
 
 
@@ -693,24 +984,32 @@ _PRE_SEED = 0  # phases 1-2 do not depend on the run's seed: one engine for ever
 
 def _cache_key(options: dict[str, Any], settings: dict[str, Any]) -> str:
     """What a cached phase depends on: the task's options (not the run's seed or the cache folder) and ``settings``."""
-    shared = {k: v for k, v in options.items() if k not in ("seed", "cache_dir")}  # the vocabulary does not vary
+    shared = {
+        k: v for k, v in options.items() if k not in ("seed", "cache_dir")
+    }  # the vocabulary does not vary
     return json.dumps({**shared, **settings, "seed": _PRE_SEED}, sort_keys=True)
 
 
-def _pretrained_engine(task: Any, s: dict[str, Any], options: dict[str, Any],
-                       cache: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any], float,
-                                             dict[str, Any]]:
+def _pretrained_engine(
+    task: Any, s: dict[str, Any], options: dict[str, Any], cache: Path
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any], float, dict[str, Any]]:
     """Phase 1: pre-train on the news/WMT data (not only the news client's shard; evaluated sentences excluded).
     Cached in ``cache`` (pretrained.pt + pretrain.json) keyed by the task and the pre-training settings alone, so
     that changing how the clients train does not pre-train again. Returns the state, its BLEU and cross-entropy
     rows, the seconds it took and its summary."""
-    key = _cache_key(options, {k: v for k, v in s.items()
-                               if k.startswith("pretrain_") or k in ("task", "per_domain_test")})
+    key = _cache_key(
+        options, {k: v for k, v in s.items() if k.startswith("pretrain_") or k in ("task", "per_domain_test")}
+    )
     cache_pt, cache_json = cache / "pretrained.pt", cache / "pretrain.json"
     cached = json.loads(cache_json.read_text()) if cache_json.is_file() and cache_pt.is_file() else {}
     if cached.get("key") == key:
-        return (torch.load(cache_pt, weights_only=True), cached["table"], cached["ce"], cached["pretrain_s"],
-                cached.get("pretrain", {}))
+        return (
+            torch.load(cache_pt, weights_only=True),
+            cached["table"],
+            cached["ce"],
+            cached["pretrain_s"],
+            cached.get("pretrain", {}),
+        )
     started = time.time()
     data = task.encode_pairs(pretrain_pairs(task, s["pretrain_domains"], s["pretrain_max_lines"]))
     model = task.build_model(_PRE_SEED)
@@ -720,26 +1019,41 @@ def _pretrained_engine(task: Any, s: dict[str, Any], options: dict[str, Any],
         if step % every == 0:
             log.info("pre-training", step=step, of=total, seconds=round(time.time() - started, 1))
 
-    cfg = TrainConfig(batch_size=s["pretrain_batch"], lr=s["pretrain_lr"], optimizer="adam", clip=1.0,
-                      max_steps=s["pretrain_steps"], warmup_steps=s["pretrain_warmup"], linear_decay=True,
-                      adam_betas=(0.9, 0.98), seed=_PRE_SEED)
+    cfg = TrainConfig(
+        batch_size=s["pretrain_batch"],
+        lr=s["pretrain_lr"],
+        optimizer="adam",
+        clip=1.0,
+        max_steps=s["pretrain_steps"],
+        warmup_steps=s["pretrain_warmup"],
+        linear_decay=True,
+        adam_betas=(0.9, 0.98),
+        seed=_PRE_SEED,
+    )
     result = task.pretrain(model, data, cfg, progress)
     pretrained = {k: v.detach().clone() for k, v in model_state(model).items()}
     pretrain_s = time.time() - started
-    info = {"pairs": len(data), "tokens": result.tokens, "loss": round(result.loss, 4),
-            "train_s": round(result.seconds, 1)}
+    info = {
+        "pairs": len(data),
+        "tokens": result.tokens,
+        "loss": round(result.loss, 4),
+        "train_s": round(result.seconds, 1),
+    }
     log.info("pre-training done", **info)
     label = f"pre-trained ({'+'.join(s['pretrain_domains'])})"
     table = {label: domain_bleu(task, model, "test", s["per_domain_test"])}
     ce = {label: domain_ce(task, model, "test", s["per_domain_test"])}
     torch.save(pretrained, cache_pt)
-    write_atomic(cache_json, json.dumps({"key": key, "table": table, "ce": ce, "pretrain_s": pretrain_s,
-                                        "pretrain": info}))
+    write_atomic(
+        cache_json,
+        json.dumps({"key": key, "table": table, "ce": ce, "pretrain_s": pretrain_s, "pretrain": info}),
+    )
     return pretrained, table, ce, pretrain_s, info
 
 
-def _local_only(task: Any, s: dict[str, Any], pretrained: dict[str, torch.Tensor], options: dict[str, Any],
-                cache: Path) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+def _local_only(
+    task: Any, s: dict[str, Any], pretrained: dict[str, torch.Tensor], options: dict[str, Any], cache: Path
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
     """Phase 2: each client alone -- the pre-trained engine fine-tuned on its own domain for as many epochs (or
     steps) as a federation gives it. Its BLEU and cross-entropy rows are cached in ``cache``/local-only.json,
     keyed by the pre-training and the clients' settings."""
@@ -753,16 +1067,30 @@ def _local_only(task: Any, s: dict[str, Any], pretrained: dict[str, torch.Tensor
     for i, client in enumerate(task.shard_names):
         m = task.build_model(_PRE_SEED)
         load_state(m, pretrained)
-        task.train(m, i, TrainConfig(epochs=s["rounds"] if not local_steps else 100, max_steps=local_steps,
-                                     seed=_PRE_SEED, **_nmt_train(s)))
+        task.train(
+            m,
+            i,
+            TrainConfig(
+                epochs=s["rounds"] if not local_steps else 100,
+                max_steps=local_steps,
+                seed=_PRE_SEED,
+                **_nmt_train(s),
+            ),
+        )
         table[f"client {client} (local only)"] = domain_bleu(task, m, "test", s["per_domain_test"])
         ce[f"client {client} (local only)"] = domain_ce(task, m, "test", s["per_domain_test"])
     write_atomic(path, json.dumps({"key": key, "table": table, "ce": ce}))
     return table, ce
 
 
-def run_nmt_domains(scale: str, out: Path, simulation: Callable[..., Any], seed: int = 0,
-                    cache: Path | None = None, only: str | None = None) -> dict[str, Any]:
+def run_nmt_domains(
+    scale: str,
+    out: Path,
+    simulation: Callable[..., Any],
+    seed: int = 0,
+    cache: Path | None = None,
+    only: str | None = None,
+) -> dict[str, Any]:
     """Passban et al.: pre-train on news, one client per domain, FedAvg; then DP_l / DP_g / random pulling.
 
     Phases 1-2 (pre-training, each client alone) do not depend on ``seed``: as in the paper, every federation
@@ -802,10 +1130,16 @@ def run_nmt_domains(scale: str, out: Path, simulation: Callable[..., Any], seed:
         rounds = len(read_rounds(out / spec.name).records)
         row["bytes_up_per_round"] = row["bytes_up"] / max(rounds, 1)
         results.append(row)
-    return {"runs": results, "bleu_by_domain": table, "ce_by_domain": ce, "domains": names,
-            "pretrain_s": round(pretrain_s, 1),
-            "pretrain_steps": s["pretrain_steps"], "pretrain": pretrain_info,
-            "settings": {k: v for k, v in s.items() if k != "fractions"} | {"fractions": list(s["fractions"])}}
+    return {
+        "runs": results,
+        "bleu_by_domain": table,
+        "ce_by_domain": ce,
+        "domains": names,
+        "pretrain_s": round(pretrain_s, 1),
+        "pretrain_steps": s["pretrain_steps"],
+        "pretrain": pretrain_info,
+        "settings": {k: v for k, v in s.items() if k != "fractions"} | {"fractions": list(s["fractions"])},
+    }
 
 
 def domain_markdown(table: dict[str, dict[str, float]], domains: list[str], digits: int = 2) -> str:
@@ -822,16 +1156,51 @@ _COLUMNS = {
     "table2": ["run", "corpus", "strategy", "C", "test", "best_valid", "best_round", "bytes_up", "wall_s"],
     "sweep": ["run", "lr", "momentum", "best_valid", "best_round", "max_jump", "valid_curve", "wall_s"],
     "fraction": ["run", "strategy", "C", "test", "best_valid", "best_round", "bytes_up", "wall_s"],
-    "rounds-to-target": ["run", "strategy", "E", "encoding", "test", "target", "rounds_to_target", "bytes_to_target",
-                         "bytes_up", "bytes_up_raw", "wall_s"],
+    "rounds-to-target": [
+        "run",
+        "strategy",
+        "E",
+        "encoding",
+        "test",
+        "target",
+        "rounds_to_target",
+        "bytes_to_target",
+        "bytes_up",
+        "bytes_up_raw",
+        "wall_s",
+    ],
     "topk": ["run", "beta", "test", "best_valid", "updates_received", "bytes_up", "wall_s"],
     "randomization": ["run", "strategy", "noise", "test", "best_valid", "best_round", "wall_s"],
     "scale": ["run", "model", "tied", "test", "best_valid", "best_round", "wall_s"],
-    "dropout": ["run", "availability", "faults", "test", "best_valid", "rounds_completed", "rounds_skipped",
-                "updates_received", "wall_s"],
-    "nmt-domains": ["run", "strategy", "pull", "directions", "test", "bleu_mean_domains", "ce_mean_domains",
-                    "best_round", "ce_pick_round", "bleu_ce_pick", "ce_ce_pick", "bytes_up_per_round",
-                    "bytes_up", "bytes_up_raw", "bytes_down_raw", "wall_s"],
+    "dropout": [
+        "run",
+        "availability",
+        "faults",
+        "test",
+        "best_valid",
+        "rounds_completed",
+        "rounds_skipped",
+        "updates_received",
+        "wall_s",
+    ],
+    "nmt-domains": [
+        "run",
+        "strategy",
+        "pull",
+        "directions",
+        "test",
+        "bleu_mean_domains",
+        "ce_mean_domains",
+        "best_round",
+        "ce_pick_round",
+        "bleu_ce_pick",
+        "ce_ce_pick",
+        "bytes_up_per_round",
+        "bytes_up",
+        "bytes_up_raw",
+        "bytes_down_raw",
+        "wall_s",
+    ],
 }
 
 
@@ -869,7 +1238,9 @@ def across_seeds(per_seed: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         for count in _MEAN_COUNTS:
             vals = [r[count] for r in same if r.get(count) is not None]
             row[count] = round(mean_sd(vals)[0]) if vals else None
-        for each in _EACH_SEED:  # values that differ by seed and do not average (a round; None: never reached)
+        for (
+            each
+        ) in _EACH_SEED:  # values that differ by seed and do not average (a round; None: never reached)
             if any(each in r for r in same):
                 row[each] = " / ".join(_fmt(r.get(each)) for r in same)
         jumps = [r["max_jump"] for r in same if r.get("max_jump") is not None]
@@ -880,20 +1251,48 @@ def across_seeds(per_seed: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return rows
 
 
-_PER_RUN = ("test", "best_valid", "bleu_mean_domains", "ce_mean_domains", "bleu_ce_pick", "ce_ce_pick", "best_round", "valid_curve", "max_jump",
-            "wall_s", "bytes_up",
-            "bytes_down", "bytes_up_raw", "bytes_down_raw", "bytes_up_per_round", "updates_received",
-            "rounds_completed", "rounds_skipped")
+_PER_RUN = (
+    "test",
+    "best_valid",
+    "bleu_mean_domains",
+    "ce_mean_domains",
+    "bleu_ce_pick",
+    "ce_ce_pick",
+    "best_round",
+    "valid_curve",
+    "max_jump",
+    "wall_s",
+    "bytes_up",
+    "bytes_down",
+    "bytes_up_raw",
+    "bytes_down_raw",
+    "bytes_up_per_round",
+    "updates_received",
+    "rounds_completed",
+    "rounds_skipped",
+)
 # in a several-seed row: _MEAN_SD as mean and sd over seeds, counts as their mean, _EACH_SEED listed seed by seed
 # ("3 / 5 / —")
 _MEAN_SD = ("test", "best_valid", "bleu_mean_domains", "ce_mean_domains", "bleu_ce_pick", "ce_ce_pick")
-_MEAN_COUNTS = ("bytes_up", "bytes_down", "bytes_up_raw", "bytes_down_raw", "updates_received", "rounds_completed",
-                "rounds_skipped", "bytes_up_per_round")
+_MEAN_COUNTS = (
+    "bytes_up",
+    "bytes_down",
+    "bytes_up_raw",
+    "bytes_down_raw",
+    "updates_received",
+    "rounds_completed",
+    "rounds_skipped",
+    "bytes_up_per_round",
+)
 _EACH_SEED = ("best_round", "ce_pick_round", "target", "rounds_to_target", "bytes_to_target")
 
 
-def orderings(per_seed: list[list[dict[str, Any]]], metric: str = "test", higher_is_better: bool = False,
-              digits: int = 2) -> list[str]:
+def orderings(
+    per_seed: list[list[dict[str, Any]]],
+    metric: str = "test",
+    higher_is_better: bool = False,
+    digits: int = 2,
+) -> list[str]:
     """Pairwise comparisons of ``metric`` (test perplexity; nmt-domains: the per-domain mean BLEU, higher better)
     between the runs that share a corpus and client fraction C (every pair of a C = 0.5 grid such as
     randomization's: strategy against strategy, noise against noise; every pair of nmt-domains' grid, all at C = 1),
@@ -903,10 +1302,15 @@ def orderings(per_seed: list[list[dict[str, Any]]], metric: str = "test", higher
     its sd."""
     lines = []
     runs = per_seed[0]
-    sign = -1.0 if higher_is_better else 1.0  # diffs are "how much worse the second is", so > 0 favours the first
+    sign = (
+        -1.0 if higher_is_better else 1.0
+    )  # diffs are "how much worse the second is", so > 0 favours the first
     for i, a in enumerate(runs):
-        for b in runs[i + 1:]:
-            if a.get("fraction") is None or (a.get("corpus"), a["fraction"]) != (b.get("corpus"), b.get("fraction")):
+        for b in runs[i + 1 :]:
+            if a.get("fraction") is None or (a.get("corpus"), a["fraction"]) != (
+                b.get("corpus"),
+                b.get("fraction"),
+            ):
                 continue
             diffs = []
             for seed_runs in per_seed:
@@ -923,8 +1327,10 @@ def orderings(per_seed: list[list[dict[str, Any]]], metric: str = "test", higher
             m, sd = mean_sd(diffs)
             resolved = wins == len(diffs) and len(diffs) > 1 and m > sd
             verdict = " (resolved)" if resolved else " (not resolved)"
-            lines.append(f"{better} {'>' if higher_is_better else '<'} {worse} in {wins}/{len(diffs)} seeds, "
-                         f"difference {m:.{digits}f} ± {sd:.{digits}f}{verdict}")
+            lines.append(
+                f"{better} {'>' if higher_is_better else '<'} {worse} in {wins}/{len(diffs)} seeds, "
+                f"difference {m:.{digits}f} ± {sd:.{digits}f}{verdict}"
+            )
     return lines
 
 
@@ -939,11 +1345,20 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None, seeds: Sequence[int] = (0,),
-                   threads: int = 1, *, simulation: Callable[..., Any],
-                   report: Callable[[list[Path], Path], Any] | None = None, only: str | None = None,
-                   overrides: dict[str, Any] | None = None, device: str = "cpu", cohort: bool = False
-                   ) -> dict[str, Any]:
+def run_experiment(
+    name: str,
+    scale: str = "cpu",
+    out: Path | str | None = None,
+    seeds: Sequence[int] = (0,),
+    threads: int = 1,
+    *,
+    simulation: Callable[..., Any],
+    report: Callable[[list[Path], Path], Any] | None = None,
+    only: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    device: str = "cpu",
+    cohort: bool = False,
+) -> dict[str, Any]:
     """Run experiment ``name`` at ``scale`` for each seed; results under ``out/name``; returns the results dict.
 
     ``simulation`` runs a federation (:class:`Runner`); ``report`` (cli.report.run_report; None: none) draws each
@@ -961,10 +1376,14 @@ def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None,
     if not seeds or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds):
         raise ExperimentError(f"seeds must be distinct whole numbers >= 0, got {seeds}")
     if not DATA.is_dir():
-        raise ExperimentError(f"the corpora folder {DATA} does not exist (expected ../shared/data next to the project)")
+        raise ExperimentError(
+            f"the corpora folder {DATA} does not exist (expected ../shared/data next to the project)"
+        )
     if name != "nmt-domains":
         select(EXPERIMENTS[name](scale), only, overrides)  # validate before anything is written
-    elif overrides:  # --set would change the federations but not the local-only baselines they are read against
+    elif (
+        overrides
+    ):  # --set would change the federations but not the local-only baselines they are read against
         raise ExperimentError("--set applies to the language-modelling experiments, not nmt-domains")
     elif only:
         select(nmt_specs(scale), only, None)
@@ -979,42 +1398,89 @@ def run_experiment(name: str, scale: str = "cpu", out: Path | str | None = None,
         if name == "nmt-domains":
             per_seed.append(run_nmt_domains(scale, folder, simulation, seed, cache=exp_dir, only=only))
         else:
-            per_seed.append(run_lm_experiment(name, scale, folder, simulation, seed, only, overrides, device,
-                                              shared=exp_dir.parent, cohort=cohort))
+            per_seed.append(
+                run_lm_experiment(
+                    name,
+                    scale,
+                    folder,
+                    simulation,
+                    seed,
+                    only,
+                    overrides,
+                    device,
+                    shared=exp_dir.parent,
+                    cohort=cohort,
+                )
+            )
     if len(seeds) == 1:
         results = per_seed[0]
     else:
-        results = {"runs": across_seeds([r["runs"] for r in per_seed]),
-                   "orderings": (orderings([r["runs"] for r in per_seed]) if name != "nmt-domains" else
-                                 orderings([r["runs"] for r in per_seed], "bleu_mean_domains", higher_is_better=True)),
-                   **({"orderings_ce": orderings([r["runs"] for r in per_seed], "ce_mean_domains", digits=3),
-                       "orderings_ce_pick": orderings([r["runs"] for r in per_seed], "ce_ce_pick", digits=3)}
-                      if name == "nmt-domains" else {}),
-                   "per_seed": {str(s): r for s, r in zip(seeds, per_seed)}}
-    results.update(experiment=name, scale=scale, seeds=seeds, threads=threads, only=only, overrides=overrides or {},
-                   wall_s=round(time.time() - started, 1))
+        results = {
+            "runs": across_seeds([r["runs"] for r in per_seed]),
+            "orderings": (
+                orderings([r["runs"] for r in per_seed])
+                if name != "nmt-domains"
+                else orderings([r["runs"] for r in per_seed], "bleu_mean_domains", higher_is_better=True)
+            ),
+            **(
+                {
+                    "orderings_ce": orderings([r["runs"] for r in per_seed], "ce_mean_domains", digits=3),
+                    "orderings_ce_pick": orderings([r["runs"] for r in per_seed], "ce_ce_pick", digits=3),
+                }
+                if name == "nmt-domains"
+                else {}
+            ),
+            "per_seed": {str(s): r for s, r in zip(seeds, per_seed)},
+        }
+    results.update(
+        experiment=name,
+        scale=scale,
+        seeds=seeds,
+        threads=threads,
+        only=only,
+        overrides=overrides or {},
+        wall_s=round(time.time() - started, 1),
+    )
     write_atomic(exp_dir / "results.json", json.dumps(results, indent=1, default=str))
     changed = f", overrides {overrides}" if overrides else ""
     columns = _COLUMNS[name] if len(seeds) == 1 else _seed_columns(_COLUMNS[name])
     seed_text = f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {', '.join(map(str, seeds))}, mean ± sd"
-    text = [f"# {name} ({scale} scale{changed}, {seed_text}, wall {results['wall_s']} s)", "",
-            markdown(results["runs"], columns)]
+    text = [
+        f"# {name} ({scale} scale{changed}, {seed_text}, wall {results['wall_s']} s)",
+        "",
+        markdown(results["runs"], columns),
+    ]
     if results.get("orderings"):
         what = "test perplexity" if name != "nmt-domains" else "the per-domain mean BLEU"
         text += ["", f"Orderings of {what} (paired by seed):", ""] + [f"- {o}" for o in results["orderings"]]
     if results.get("orderings_ce"):
-        text += ["", "Orderings of the per-domain mean cross-entropy, nats a token, lower is better (paired by seed):",
-                 ""] + [f"- {o}" for o in results["orderings_ce"]]
+        text += [
+            "",
+            "Orderings of the per-domain mean cross-entropy, nats a token, lower is better (paired by seed):",
+            "",
+        ] + [f"- {o}" for o in results["orderings_ce"]]
     if results.get("orderings_ce_pick"):
-        text += ["", "The same, each server read at its round of lowest validation cross-entropy (ce_pick_round):",
-                 ""] + [f"- {o}" for o in results["orderings_ce_pick"]]
+        text += [
+            "",
+            "The same, each server read at its round of lowest validation cross-entropy (ce_pick_round):",
+            "",
+        ] + [f"- {o}" for o in results["orderings_ce_pick"]]
     for seed, r in zip(seeds, per_seed):
         if "bleu_by_domain" in r:
-            text += ["", f"BLEU on each domain's test pairs (seed {seed}):", "",
-                     domain_markdown(r["bleu_by_domain"], r["domains"])]
+            text += [
+                "",
+                f"BLEU on each domain's test pairs (seed {seed}):",
+                "",
+                domain_markdown(r["bleu_by_domain"], r["domains"]),
+            ]
         if r.get("ce_by_domain"):
-            text += ["", "Cross-entropy (nats a reference token, teacher forcing) on each domain's test pairs "
-                     f"(seed {seed}):", "", domain_markdown(r["ce_by_domain"], r["domains"], digits=3)]
+            text += [
+                "",
+                "Cross-entropy (nats a reference token, teacher forcing) on each domain's test pairs "
+                f"(seed {seed}):",
+                "",
+                domain_markdown(r["ce_by_domain"], r["domains"], digits=3),
+            ]
     write_atomic(exp_dir / "results.md", "\n".join(text) + "\n")
     if report is not None:
         for folder, r in zip(folders, per_seed):

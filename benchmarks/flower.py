@@ -25,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +35,10 @@ from fedmq.aggregator.runlog import read_rounds
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_FLOWER_PYTHON = REPO / ".fedmq-cache" / "flower-venv" / "bin" / "python"
-RECOMMENDED = ("delta+int4-row", "int4-row")  # uplink, downlink: within 2 % of raw on PTB (docs/benchmarks.md)
+RECOMMENDED = (
+    "delta+int4-row",
+    "int4-row",
+)  # uplink, downlink: within 2 % of raw on PTB (docs/benchmarks.md)
 
 
 @dataclass
@@ -81,25 +83,70 @@ def _measured(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int,
         proc.wait()
         out.seek(0)
         err.seek(0)
-        return proc.returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace"), peak_tree, peak_used
+        return (
+            proc.returncode,
+            out.read().decode(errors="replace"),
+            err.read().decode(errors="replace"),
+            peak_tree,
+            peak_used,
+        )
 
 
 def _median_rows(rows: list[dict]) -> tuple[float | None, float | None]:
     later = rows[1:] or rows
     if not later:
         return None, None
-    return (statistics.median(r["wall_s"] for r in later),
-            statistics.median(r["bytes_up"] + r["bytes_down"] for r in later))
+    return (
+        statistics.median(r["wall_s"] for r in later),
+        statistics.median(r["bytes_up"] + r["bytes_down"] for r in later),
+    )
 
 
-def run_fedmq(name: str, data: str, clients: int, selected: int, rounds: int, encoding: str = "delta+bf16",
-              down_encoding: str = "bf16", timeout: float = 1800) -> Run:
+def run_fedmq(
+    name: str,
+    data: str,
+    clients: int,
+    selected: int,
+    rounds: int,
+    encoding: str = "delta+bf16",
+    down_encoding: str = "bf16",
+    timeout: float = 1800,
+) -> Run:
     with tempfile.TemporaryDirectory(prefix="fedmq-bench-") as tmp:
         out = Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "fedmq.cli.app", "simulate", "--data", data, "--model", "gru-small", "--tied",
-               "-k", str(clients), "-c", repr(selected / clients), "--max-steps", "1", "-b", "2", "--bptt", "8",
-               "-r", str(rounds), "--max-eval-lines", "1", "--encoding", encoding, "--down-encoding", down_encoding,
-               "--out", str(out), "--log-level", "warning"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "fedmq.cli.app",
+            "simulate",
+            "--data",
+            data,
+            "--model",
+            "gru-small",
+            "--tied",
+            "-k",
+            str(clients),
+            "-c",
+            repr(selected / clients),
+            "--max-steps",
+            "1",
+            "-b",
+            "2",
+            "--bptt",
+            "8",
+            "-r",
+            str(rounds),
+            "--max-eval-lines",
+            "1",
+            "--encoding",
+            encoding,
+            "--down-encoding",
+            down_encoding,
+            "--out",
+            str(out),
+            "--log-level",
+            "warning",
+        ]
         code, _, err, tree, used = _measured(cmd, dict(os.environ), timeout)
         rows = [r.to_json() for r in read_rounds(out).records]  # dicts, as Flower's rows are
     run = Run(name, peak_tree_gb=tree / 1e9, peak_used_gb=used / 1e9, rounds=len(rows), raw=rows)
@@ -109,14 +156,39 @@ def run_fedmq(name: str, data: str, clients: int, selected: int, rounds: int, en
     return run
 
 
-def run_flower(python: Path, data: str, clients: int, selected: int, rounds: int, timeout: float = 1800) -> Run:
+def run_flower(
+    python: Path, data: str, clients: int, selected: int, rounds: int, timeout: float = 1800
+) -> Run:
     if not Path(python).is_file():
-        return Run("flower 1.41", note=f"no Flower venv at {python}: see docs/benchmarks.md (pip install -e '.[bench]')")
-    task = {"task": "lm", "data": data, "model": "gru-small", "tied": True, "clients": clients, "bptt": 8,
-            "max_eval_lines": 1}
+        return Run(
+            "flower 1.41",
+            note=f"no Flower venv at {python}: see docs/benchmarks.md (pip install -e '.[bench]')",
+        )
+    task = {
+        "task": "lm",
+        "data": data,
+        "model": "gru-small",
+        "tied": True,
+        "clients": clients,
+        "bptt": 8,
+        "max_eval_lines": 1,
+    }
     train = {"epochs": 1, "batch_size": 2, "lr": 20.0, "clip": 0.25, "max_steps": 1}
-    cmd = [str(python), "-m", "fedmq.benchmarks.flower_app", "--task", json.dumps(task), "--train",
-           json.dumps(train), "--clients", str(clients), "--fraction", repr(selected / clients), "--rounds", str(rounds)]
+    cmd = [
+        str(python),
+        "-m",
+        "fedmq.benchmarks.flower_app",
+        "--task",
+        json.dumps(task),
+        "--train",
+        json.dumps(train),
+        "--clients",
+        str(clients),
+        "--fraction",
+        repr(selected / clients),
+        "--rounds",
+        str(rounds),
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     code, out, err, tree, used = _measured(cmd, env, timeout)
     rows = [json.loads(line) for line in out.splitlines() if line.startswith('{"round"')]
@@ -127,15 +199,30 @@ def run_flower(python: Path, data: str, clients: int, selected: int, rounds: int
     return run
 
 
-def bench_flower(data: str, clients: int = 100, selected: int = 10, rounds: int = 5, scale: tuple[int, ...] = (),
-                 flower_python: Path = DEFAULT_FLOWER_PYTHON, flower: bool = True) -> list[Run]:
+def bench_flower(
+    data: str,
+    clients: int = 100,
+    selected: int = 10,
+    rounds: int = 5,
+    scale: tuple[int, ...] = (),
+    flower_python: Path = DEFAULT_FLOWER_PYTHON,
+    flower: bool = True,
+) -> list[Run]:
     runs = []
     if flower:
         runs.append(run_flower(flower_python, data, clients, selected, rounds))
     runs.append(run_fedmq(f"fedmq K={clients}", data, clients, selected, rounds))
     runs.append(run_fedmq(f"fedmq K={clients} raw/raw", data, clients, selected, rounds, "raw", "raw"))
-    runs.append(run_fedmq(f"fedmq K={clients} {RECOMMENDED[0]}/{RECOMMENDED[1]}", data, clients, selected, rounds,
-                          *RECOMMENDED))
+    runs.append(
+        run_fedmq(
+            f"fedmq K={clients} {RECOMMENDED[0]}/{RECOMMENDED[1]}",
+            data,
+            clients,
+            selected,
+            rounds,
+            *RECOMMENDED,
+        )
+    )
     for k in scale:
         if k != clients:
             runs.append(run_fedmq(f"fedmq K={k}", data, k, selected, rounds))
@@ -148,12 +235,15 @@ def format_table(runs: list[Run]) -> str:
     def ratio(value: float | None, ref: float | None) -> str:
         return f"{value / ref:.2f}" if value and ref else "—"
 
-    lines = ["| run | s/round | × Flower | MB/round | × Flower | peak tree RSS GB | × Flower | peak used-memory rise GB | note |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | s/round | × Flower | MB/round | × Flower | peak tree RSS GB | × Flower | peak used-memory rise GB | note |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in runs:
         lines.append(
             f"| {r.name} | {r.s_per_round or float('nan'):.2f} | {ratio(r.s_per_round, anchor and anchor.s_per_round)} "
             f"| {(r.bytes_per_round or 0) / 1e6:.1f} | {ratio(r.bytes_per_round, anchor and anchor.bytes_per_round)} "
             f"| {r.peak_tree_gb:.2f} | {ratio(r.peak_tree_gb, anchor and anchor.peak_tree_gb)} | {r.peak_used_gb:.2f} "
-            f"| {r.note} |")
+            f"| {r.note} |"
+        )
     return "\n".join(lines)

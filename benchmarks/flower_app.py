@@ -26,11 +26,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--clients", type=int, required=True)
     ap.add_argument("--fraction", type=float, required=True)
     ap.add_argument("--rounds", type=int, required=True)
-    ap.add_argument("--cpus-per-client", type=float, default=1.0)  # two actors on 2 cores: faster than the default 2
+    ap.add_argument(
+        "--cpus-per-client", type=float, default=1.0
+    )  # two actors on 2 cores: faster than the default 2
     args = ap.parse_args(argv)
 
     from flwr.client import ClientApp, NumPyClient
-    from flwr.common import Context, ndarrays_to_parameters, parameters_to_ndarrays
+    from flwr.common import Context, ndarrays_to_parameters
     from flwr.server import ServerApp, ServerAppComponents, ServerConfig
     from flwr.server.strategy import FedAvg
     from flwr.simulation import run_simulation
@@ -74,8 +76,19 @@ def main(argv: list[str] | None = None) -> None:
             up = sum(len(t) for _, res in results for t in res.parameters.tensors)
             out = super().aggregate_fit(server_round, results, failures)
             now = time.time()
-            print(json.dumps({"round": server_round, "wall_s": now - stats["last"], "bytes_down": stats["down"],
-                              "bytes_up": up, "received": len(results), "failures": len(failures)}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "round": server_round,
+                        "wall_s": now - stats["last"],
+                        "bytes_down": stats["down"],
+                        "bytes_up": up,
+                        "received": len(results),
+                        "failures": len(failures),
+                    }
+                ),
+                flush=True,
+            )
             stats["last"] = now
             return out
 
@@ -85,16 +98,26 @@ def main(argv: list[str] | None = None) -> None:
 
     def server_fn(context: Context) -> ServerAppComponents:
         m = max(int(args.fraction * args.clients), 1)
-        strategy = Measured(fraction_fit=args.fraction, fraction_evaluate=0.0, min_fit_clients=m,
-                            min_available_clients=args.clients, evaluate_fn=evaluate,
-                            initial_parameters=ndarrays_to_parameters(to_arrays(model)))
+        strategy = Measured(
+            fraction_fit=args.fraction,
+            fraction_evaluate=0.0,
+            min_fit_clients=m,
+            min_available_clients=args.clients,
+            evaluate_fn=evaluate,
+            initial_parameters=ndarrays_to_parameters(to_arrays(model)),
+        )
         return ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=args.rounds))
 
     stats["last"] = time.time()
-    run_simulation(server_app=ServerApp(server_fn=server_fn), client_app=ClientApp(client_fn=client_fn),
-                   num_supernodes=args.clients,
-                   backend_config={"client_resources": {"num_cpus": args.cpus_per_client, "num_gpus": 0.0},
-                                   "init_args": {"num_cpus": 2, "include_dashboard": False}})
+    run_simulation(
+        server_app=ServerApp(server_fn=server_fn),
+        client_app=ClientApp(client_fn=client_fn),
+        num_supernodes=args.clients,
+        backend_config={
+            "client_resources": {"num_cpus": args.cpus_per_client, "num_gpus": 0.0},
+            "init_args": {"num_cpus": 2, "include_dashboard": False},
+        },
+    )
     print(json.dumps({"done": True}), flush=True)
 
 

@@ -29,15 +29,41 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-TINY_TASK = {"task": "lm", "data": "builtin", "model": "gru-small", "emb": 16, "hidden": 16, "vocab_size": 500,
-             "max_lines": 600, "max_eval_lines": 100, "bptt": 10, "dropout": 0.0}
+TINY_TASK = {
+    "task": "lm",
+    "data": "builtin",
+    "model": "gru-small",
+    "emb": 16,
+    "hidden": 16,
+    "vocab_size": 500,
+    "max_lines": 600,
+    "max_eval_lines": 100,
+    "bptt": 10,
+    "dropout": 0.0,
+}
 
 
 def _toml(job: dict[str, Any], task: dict[str, Any]) -> str:
     def val(v: Any) -> str:
-        return ("true" if v else "false") if isinstance(v, bool) else repr(v) if isinstance(v, (int, float)) else json.dumps(v)
-    return "\n".join([*(f"{k} = {val(v)}" for k, v in job.items()), "", "[task]",
-                      *(f"{k} = {val(v)}" for k, v in task.items())]) + "\n"
+        return (
+            ("true" if v else "false")
+            if isinstance(v, bool)
+            else repr(v)
+            if isinstance(v, (int, float))
+            else json.dumps(v)
+        )
+
+    return (
+        "\n".join(
+            [
+                *(f"{k} = {val(v)}" for k, v in job.items()),
+                "",
+                "[task]",
+                *(f"{k} = {val(v)}" for k, v in task.items()),
+            ]
+        )
+        + "\n"
+    )
 
 
 @dataclass
@@ -89,7 +115,9 @@ class Swarm:
             if time.time() - last_beat > 20:  # heartbeats keep the swarm online
                 for c in group:
                     env = messages.presence(self.job, c, "online", -1)
-                    broker.publish(topology.rk_presence(self.job, c), messages.encode(env), message_id=env.msg_id)
+                    broker.publish(
+                        topology.rk_presence(self.job, c), messages.encode(env), message_id=env.msg_id
+                    )
                 last_beat = time.time()
             for d in batch:
                 env = messages.decode(d.body)
@@ -101,9 +129,14 @@ class Swarm:
                 if not selected & set(group):
                     continue
                 full = next(e for e in env.payload["models"] if e["base_version"] < 0 and not e["partial"])
-                model = broker.fetch(topology.q_models(self.job), full["id"], offset=full["since"], timeout=60)
+                model = broker.fetch(
+                    topology.q_models(self.job), full["id"], offset=full["since"], timeout=60
+                )
                 state = decode_state(messages.decode(model.body).payload["tensors"], manifest, None)
-                upd = {k: torch.from_numpy(v) + 0.01 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+                upd = {
+                    k: torch.from_numpy(v) + 0.01 * torch.randn(v.shape, generator=gen)
+                    for k, v in state.items()
+                }
                 tensors = encode_state(upd, EncodingSpec.parse("raw"))
                 for c in group:
                     if c not in selected:
@@ -117,20 +150,27 @@ class Swarm:
         import pika
 
         from fedmq.broker.transport import topology
+
         conn = pika.BlockingConnection(pika.URLParameters(self.url))
         try:
             ch = conn.channel()
             ch.exchange_declare(topology.EXCHANGE, "topic", durable=True)
             ch.queue_declare(name, durable=False, auto_delete=False, arguments={"x-expires": 600_000})
             ch.queue_bind(name, topology.EXCHANGE, topology.rk_global(self.job))
-            ch.queue_bind(name, topology.EXCHANGE, f"job.{self.job}.announce.*")  # sync rounds announce per agent
+            ch.queue_bind(
+                name, topology.EXCHANGE, f"job.{self.job}.announce.*"
+            )  # sync rounds announce per agent
         finally:
             conn.close()
         return name
 
     def start(self) -> list[threading.Thread]:
-        groups = [self.clients[i::self.threads] for i in range(self.threads)]
-        ts = [threading.Thread(target=self.run_group, args=(g, i), daemon=True) for i, g in enumerate(groups) if g]
+        groups = [self.clients[i :: self.threads] for i in range(self.threads)]
+        ts = [
+            threading.Thread(target=self.run_group, args=(g, i), daemon=True)
+            for i, g in enumerate(groups)
+            if g
+        ]
         for t in ts:
             t.start()
         return ts
@@ -143,8 +183,13 @@ def _percentile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
-def bench_load(url: str = "amqp://guest:guest@127.0.0.1:5672/%2F", agents: tuple[int, ...] = (100, 1000),
-               rounds: int = 3, threads: int = 4, timeout_s: float = 600.0) -> list[dict[str, Any]]:
+def bench_load(
+    url: str = "amqp://guest:guest@127.0.0.1:5672/%2F",
+    agents: tuple[int, ...] = (100, 1000),
+    rounds: int = 3,
+    threads: int = 4,
+    timeout_s: float = 600.0,
+) -> list[dict[str, Any]]:
     import psutil
 
     from fedmq.aggregator.checkpoint import load_checkpoint
@@ -157,18 +202,47 @@ def bench_load(url: str = "amqp://guest:guest@127.0.0.1:5672/%2F", agents: tuple
     for n in agents:
         job = f"load-{uuid.uuid4().hex[:8]}"
         work = Path(tempfile.mkdtemp(prefix=f"fedmq-load-{n}-"))
-        cfg = {"job": job, "strategy": "fedavg", "rounds": rounds, "clients": n, "fraction": 1.0, "lr": 1.0,
-               "max_steps": 1, "heartbeat_s": 30.0, "join_timeout_s": 120.0, "report_deadline_s": 120.0,
-               "update_deadline_s": 120.0, "identity": f"shared:{url_user(url) or 'guest'}", "eval_every": rounds}
+        cfg = {
+            "job": job,
+            "strategy": "fedavg",
+            "rounds": rounds,
+            "clients": n,
+            "fraction": 1.0,
+            "lr": 1.0,
+            "max_steps": 1,
+            "heartbeat_s": 30.0,
+            "join_timeout_s": 120.0,
+            "report_deadline_s": 120.0,
+            "update_deadline_s": 120.0,
+            "identity": f"shared:{url_user(url) or 'guest'}",
+            "eval_every": rounds,
+        }
         (work / "job.toml").write_text(_toml(cfg, {**TINY_TASK, "clients": min(n, 100)}))
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         fedmq = str(Path(sys.executable).parent / "fedmq")
-        agg = subprocess.Popen([fedmq, "aggregator", "run", "--broker", url, "--config", str(work / "job.toml"),
-                                "--state-dir", str(work / "state"), "--log-level", "warning"],
-                               stdout=open(work / "agg.out", "wb"), stderr=open(work / "agg.err", "wb"), env=env)
+        agg = subprocess.Popen(
+            [
+                fedmq,
+                "aggregator",
+                "run",
+                "--broker",
+                url,
+                "--config",
+                str(work / "job.toml"),
+                "--state-dir",
+                str(work / "state"),
+                "--log-level",
+                "warning",
+            ],
+            stdout=open(work / "agg.out", "wb"),
+            stderr=open(work / "agg.err", "wb"),
+            env=env,
+        )
         proc = psutil.Process(agg.pid)
         probe = connect(url)
-        probe.declare_job(job, [])  # the inbox (idempotent: the aggregator declares the same), so presence routes
+        probe.declare_job(
+            job, []
+        )  # the inbox (idempotent: the aggregator declares the same), so presence routes
         swarm = Swarm(url, job, [f"agent-{i}" for i in range(n)], threads=threads)
         t0 = time.time()
         threads_ = swarm.start()
@@ -201,11 +275,22 @@ def bench_load(url: str = "amqp://guest:guest@127.0.0.1:5672/%2F", agents: tuple
         lat = [closed[r] - t for (r, u), t in confirmed.items() if u in folded_set and r in closed]
         first = min((t for *_, t in swarm.uploads), default=t0)
         wall = (max(closed.values()) - first) if closed else float("nan")
-        rows.append({"agents": n, "rounds": len(metrics), "updates_folded": len(folded),
-                     "updates_per_s": len(folded) / wall if wall and wall == wall else float("nan"),
-                     "p50_s": _percentile(lat, 0.5), "p99_s": _percentile(lat, 0.99),
-                     "agg_peak_rss_mb": peak_rss / 2**20, "agg_cpu_s": cpu_s, "inbox_peak_depth": peak_depth,
-                     "lost": len(lost), "duplicated": len(folded) - len(folded_set), "wall_s": wall})
+        rows.append(
+            {
+                "agents": n,
+                "rounds": len(metrics),
+                "updates_folded": len(folded),
+                "updates_per_s": len(folded) / wall if wall and wall == wall else float("nan"),
+                "p50_s": _percentile(lat, 0.5),
+                "p99_s": _percentile(lat, 0.99),
+                "agg_peak_rss_mb": peak_rss / 2**20,
+                "agg_cpu_s": cpu_s,
+                "inbox_peak_depth": peak_depth,
+                "lost": len(lost),
+                "duplicated": len(folded) - len(folded_set),
+                "wall_s": wall,
+            }
+        )
         log.info("load run", **rows[-1])
         _delete_queues(url, job, [f"fedmq.{job}.swarm.{i}" for i in range(threads)])
         probe.close()
@@ -216,6 +301,7 @@ def _delete_queues(url: str, job: str, extra: list[str]) -> None:
     import pika
 
     from fedmq.broker.transport import topology
+
     conn = pika.BlockingConnection(pika.URLParameters(url))
     try:
         ch = conn.channel()
@@ -226,9 +312,22 @@ def _delete_queues(url: str, job: str, extra: list[str]) -> None:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    cols = ["agents", "rounds", "updates_folded", "updates_per_s", "p50_s", "p99_s", "agg_peak_rss_mb", "agg_cpu_s",
-            "inbox_peak_depth", "lost", "duplicated"]
+    cols = [
+        "agents",
+        "rounds",
+        "updates_folded",
+        "updates_per_s",
+        "p50_s",
+        "p99_s",
+        "agg_peak_rss_mb",
+        "agg_cpu_s",
+        "inbox_peak_depth",
+        "lost",
+        "duplicated",
+    ]
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        out.append("| " + " | ".join(f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+        out.append(
+            "| " + " | ".join(f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |"
+        )
     return "\n".join(out)

@@ -34,19 +34,45 @@ DATA = Path(os.environ.get("FEDMQ_DATA", ROOT.parent / "shared" / "data"))
 def _cases(data: Path) -> list[dict[str, Any]]:
     lm_cfg = TrainConfig(batch_size=20, lr=20.0, clip=0.25)
     return [
-        dict(name="gru-small (tied)", corpus="wikitext-2", task="lm", cfg=lm_cfg,
-             options=dict(data=str(data / "wikitext-2"), model="gru-small", tied=True, clients=1, dropout=0.2, bptt=35)),
-        dict(name="lstm (untied)", corpus="wikitext-2", task="lm", cfg=lm_cfg,
-             options=dict(data=str(data / "wikitext-2"), model="lstm", tied=False, clients=1, dropout=0.2, bptt=35)),
-        dict(name="transformer-small", corpus="de-en/wmt_train_mix_opennmt", task="nmt",
-             cfg=TrainConfig(batch_size=32, lr=5e-4, optimizer="adam", clip=1.0),
-             options=dict(data=str(data / "de-en"), domains="wmt_train_mix_opennmt", model="small", max_lines=5000,
-                          vocab_size=8000, clients=1, partition="iid")),
+        dict(
+            name="gru-small (tied)",
+            corpus="wikitext-2",
+            task="lm",
+            cfg=lm_cfg,
+            options=dict(
+                data=str(data / "wikitext-2"), model="gru-small", tied=True, clients=1, dropout=0.2, bptt=35
+            ),
+        ),
+        dict(
+            name="lstm (untied)",
+            corpus="wikitext-2",
+            task="lm",
+            cfg=lm_cfg,
+            options=dict(
+                data=str(data / "wikitext-2"), model="lstm", tied=False, clients=1, dropout=0.2, bptt=35
+            ),
+        ),
+        dict(
+            name="transformer-small",
+            corpus="de-en/wmt_train_mix_opennmt",
+            task="nmt",
+            cfg=TrainConfig(batch_size=32, lr=5e-4, optimizer="adam", clip=1.0),
+            options=dict(
+                data=str(data / "de-en"),
+                domains="wmt_train_mix_opennmt",
+                model="small",
+                max_lines=5000,
+                vocab_size=8000,
+                clients=1,
+                partition="iid",
+            ),
+        ),
     ]
 
 
-def bench_train(quick: bool = False, repeats: int = 5, steps: int = 20, threads: int = 1,
-                data: str | Path | None = None) -> list[dict[str, Any]]:
+def bench_train(
+    quick: bool = False, repeats: int = 5, steps: int = 20, threads: int = 1, data: str | Path | None = None
+) -> list[dict[str, Any]]:
     if quick:
         repeats, steps = 2, 5
     old_threads = torch.get_num_threads()
@@ -69,24 +95,39 @@ def bench_train(quick: bool = False, repeats: int = 5, steps: int = 20, threads:
                     res = task.train(model, 0, TrainConfig(**{**vars(cfg), "max_steps": steps, "seed": r}))
                     rates.append(res.tokens / res.seconds)
                     seconds.append(res.seconds / res.steps)
-                rows.append({
-                    "model": case["name"], "corpus": case["corpus"], "params": sum(p.numel() for p in model.parameters()),
-                    "vocab": len(task.vocab), "batch": cfg.batch_size, "threads": threads, "steps": steps,
-                    "repeats": repeats, "tokens_per_s": statistics.median(rates), "min_tokens_per_s": min(rates),
-                    "max_tokens_per_s": max(rates), "s_per_step": statistics.median(seconds), "load_s": load_s,
-                })
+                rows.append(
+                    {
+                        "model": case["name"],
+                        "corpus": case["corpus"],
+                        "params": sum(p.numel() for p in model.parameters()),
+                        "vocab": len(task.vocab),
+                        "batch": cfg.batch_size,
+                        "threads": threads,
+                        "steps": steps,
+                        "repeats": repeats,
+                        "tokens_per_s": statistics.median(rates),
+                        "min_tokens_per_s": min(rates),
+                        "max_tokens_per_s": max(rates),
+                        "s_per_step": statistics.median(seconds),
+                        "load_s": load_s,
+                    }
+                )
     finally:
         torch.set_num_threads(old_threads)
     return rows
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| model | corpus | params | vocab | batch | threads | median tokens/s | min-max tokens/s | s/step |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| model | corpus | params | vocab | batch | threads | median tokens/s | min-max tokens/s | s/step |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['corpus']} | {r['params'] / 1e6:.2f}M | {r['vocab']} | {r['batch']} | "
-                     f"{r['threads']} | {r['tokens_per_s']:,.0f} | {r['min_tokens_per_s']:,.0f}-{r['max_tokens_per_s']:,.0f} "
-                     f"| {r['s_per_step']:.3f} |")
+        lines.append(
+            f"| {r['model']} | {r['corpus']} | {r['params'] / 1e6:.2f}M | {r['vocab']} | {r['batch']} | "
+            f"{r['threads']} | {r['tokens_per_s']:,.0f} | {r['min_tokens_per_s']:,.0f}-{r['max_tokens_per_s']:,.0f} "
+            f"| {r['s_per_step']:.3f} |"
+        )
     return "\n".join(lines)
 
 

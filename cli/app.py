@@ -7,8 +7,9 @@ import signal
 import sys
 import threading
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import typer
 
@@ -18,25 +19,36 @@ from fedmq.cli.help import HelpCommand, HelpGroup
 from fedmq.errors import FedmqError
 from fedmq.tasks.catalog import MODELS
 
-app = typer.Typer(cls=HelpGroup, add_completion=True, no_args_is_help=True, rich_markup_mode=None,
-                  help="fedmq: asynchronous federated learning over a message broker.")
+app = typer.Typer(
+    cls=HelpGroup,
+    add_completion=True,
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    help="fedmq: asynchronous federated learning over a message broker.",
+)
 aggregator_app = typer.Typer(cls=HelpGroup, no_args_is_help=True, help="The aggregator service.")
 agent_app = typer.Typer(cls=HelpGroup, no_args_is_help=True, help="The client agent service.")
 broker_app = typer.Typer(cls=HelpGroup, no_args_is_help=True, help="Broker topology, users and permissions.")
-bench_app = typer.Typer(cls=HelpGroup, no_args_is_help=True, help="Benchmarks (results go to docs/benchmarks.md).")
+bench_app = typer.Typer(
+    cls=HelpGroup, no_args_is_help=True, help="Benchmarks (results go to docs/benchmarks.md)."
+)
 app.add_typer(aggregator_app, name="aggregator")
 app.add_typer(agent_app, name="agent")
 app.add_typer(broker_app, name="broker")
 app.add_typer(bench_app, name="bench")
 
 LOG_LEVEL = typer.Option("info", "--log-level", help="debug | info | warning | error")
-CONSUME_TIMEOUT = typer.Option(20.0, envvar="FEDMQ_CONSUME_TIMEOUT",
-                               help="seconds RabbitMQ may take to confirm a subscription before the queue counts as "
-                                    "broken (a zombie quorum queue): the service then stops with one line")
+CONSUME_TIMEOUT = typer.Option(
+    20.0,
+    envvar="FEDMQ_CONSUME_TIMEOUT",
+    help="seconds RabbitMQ may take to confirm a subscription before the queue counts as "
+    "broken (a zombie quorum queue): the service then stops with one line",
+)
 
 
 def _setup_logs(level: str, fmt: str = "auto", file: Path | None = None) -> None:
     from fedmq.cli.logs import configure
+
     try:
         configure(level, fmt, file)
     except ValueError as exc:
@@ -46,6 +58,7 @@ def _setup_logs(level: str, fmt: str = "auto", file: Path | None = None) -> None
 def _tune_allocator() -> None:
     """Services and simulations move model-sized buffers all the time: let glibc reuse them (broker/wire/malloc.py)."""
     from fedmq.broker.wire.malloc import tune_allocator
+
     tune_allocator()
 
 
@@ -53,6 +66,7 @@ def _stop_on_signals(service: Callable[[], Any], running: Callable[[Any], bool])
     """SIGTERM / SIGINT set the service's ``stop``: a running service ends its step and leaves cleanly. While it is
     not running yet, or an agent is rejoining (connecting, declaring, subscribing: waits a broker may never answer),
     the process leaves at once."""
+
     def handler(signum: int, _frame: Any) -> None:
         svc = service()
         if svc is not None:
@@ -68,13 +82,20 @@ def _stop_on_signals(service: Callable[[], Any], running: Callable[[Any], bool])
 
 def _make_task(options: dict[str, Any]):
     from fedmq.tasks.registry import make_task
+
     opts = dict(options)
     return make_task(opts.pop("task"), **opts)
 
 
 # --------------------------------------------------------------------------------------------- simulate
-TASK, STRATEGY, TRAIN, WIRE, AVAIL, RUN = ("Task and data", "Strategy", "Local training", "Wire",
-                                           "Availability and faults", "Run")
+TASK, STRATEGY, TRAIN, WIRE, AVAIL, RUN = (
+    "Task and data",
+    "Strategy",
+    "Local training",
+    "Wire",
+    "Availability and faults",
+    "Run",
+)
 ENCODINGS = "raw, fp16, bf16, int8, int6, int5, int4 (each also -row), topk:DENSITY"  # broker.wire.encodings.EncodingSpec
 
 
@@ -85,90 +106,181 @@ def _opt(default: Any, *names: str, panel: str, metavar: str | None = None, help
 @app.command(cls=HelpCommand)
 def simulate(
     ctx: typer.Context,
-    task: str = _opt("lm", panel=TASK, metavar="TASK",
-                     help="lm (language modelling), nmt (German→English) or your own package.module:Class"),
-    data: str = _opt("builtin", panel=TASK, metavar="PATH",
-                     help="corpus folder, or builtin (Python's docs: nothing to download; lm only)"),
-    model: Optional[str] = _opt(None, panel=TASK, metavar="NAME",
-                                help=f"lm: {', '.join(MODELS['lm'])} (default gru-tiny); "
-                                     f"nmt: {', '.join(MODELS['nmt'])} (default small)"),
-    tied: Optional[bool] = _opt(None, "--tied/--untied", panel=TASK,
-                                help="tie input and output embeddings (lm; default per model)"),
+    task: str = _opt(
+        "lm",
+        panel=TASK,
+        metavar="TASK",
+        help="lm (language modelling), nmt (German→English) or your own package.module:Class",
+    ),
+    data: str = _opt(
+        "builtin",
+        panel=TASK,
+        metavar="PATH",
+        help="corpus folder, or builtin (Python's docs: nothing to download; lm only)",
+    ),
+    model: str | None = _opt(
+        None,
+        panel=TASK,
+        metavar="NAME",
+        help=f"lm: {', '.join(MODELS['lm'])} (default gru-tiny); "
+        f"nmt: {', '.join(MODELS['nmt'])} (default small)",
+    ),
+    tied: bool | None = _opt(
+        None, "--tied/--untied", panel=TASK, help="tie input and output embeddings (lm; default per model)"
+    ),
     partition: str = _opt("iid", panel=TASK, metavar="SPEC", help="iid, dirichlet:ALPHA or natural"),
     vocab_size: int = _opt(0, panel=TASK, metavar="N", help="keep the N most frequent words (0 = all)"),
     max_lines: int = _opt(0, panel=TASK, metavar="N", help="use only the first N training lines (0 = all)"),
-    max_eval_lines: int = _opt(0, panel=TASK, metavar="N",
-                               help="lm: evaluate on the first N lines of valid/test (0 = all)"),
+    max_eval_lines: int = _opt(
+        0, panel=TASK, metavar="N", help="lm: evaluate on the first N lines of valid/test (0 = all)"
+    ),
     bptt: int = _opt(35, panel=TASK, metavar="N", help="lm: BPTT length"),
     dropout: float = _opt(0.2, panel=TASK, metavar="P", help="dropout"),
-    domains: Optional[str] = _opt(None, panel=TASK, metavar="A,B,...",
-                                  help="nmt: comma-separated domain folders under --data"),
-    eval_max_sentences: Optional[int] = _opt(None, panel=TASK, metavar="N",
-                                             help="nmt: sentences per BLEU evaluation (0 = all)"),
-    beam: Optional[int] = _opt(None, panel=TASK, metavar="N", help="nmt: beam size for BLEU (1 = greedy)"),
-    clients: Optional[int] = _opt(None, "--clients", "-k", panel=STRATEGY, metavar="K",
-                                  help="number of agents (default 8; nmt natural: one per domain)"),
-    fraction: float = _opt(0.5, "--fraction", "-c", panel=STRATEGY, metavar="C",
-                           help="share of agents selected per round"),
-    rounds: int = _opt(8, "--rounds", "-r", panel=STRATEGY, metavar="N",
-                       help="communication rounds (async: global versions)"),
-    strategy: str = _opt("fedavg", panel=STRATEGY, metavar="NAME",
-                         help=", ".join(STRATEGIES) + ", or your own package.module:Class"),
+    domains: str | None = _opt(
+        None, panel=TASK, metavar="A,B,...", help="nmt: comma-separated domain folders under --data"
+    ),
+    eval_max_sentences: int | None = _opt(
+        None, panel=TASK, metavar="N", help="nmt: sentences per BLEU evaluation (0 = all)"
+    ),
+    beam: int | None = _opt(None, panel=TASK, metavar="N", help="nmt: beam size for BLEU (1 = greedy)"),
+    clients: int | None = _opt(
+        None,
+        "--clients",
+        "-k",
+        panel=STRATEGY,
+        metavar="K",
+        help="number of agents (default 8; nmt natural: one per domain)",
+    ),
+    fraction: float = _opt(
+        0.5, "--fraction", "-c", panel=STRATEGY, metavar="C", help="share of agents selected per round"
+    ),
+    rounds: int = _opt(
+        8, "--rounds", "-r", panel=STRATEGY, metavar="N", help="communication rounds (async: global versions)"
+    ),
+    strategy: str = _opt(
+        "fedavg",
+        panel=STRATEGY,
+        metavar="NAME",
+        help=", ".join(STRATEGIES) + ", or your own package.module:Class",
+    ),
     eps: float = _opt(1.2, panel=STRATEGY, metavar="EPS", help="FedAtt step size ε"),
     norm: str = _opt("fro", panel=STRATEGY, metavar="NORM", help="FedAtt distance: fro or spectral"),
     loss_eps: float = _opt(0.1, panel=STRATEGY, metavar="EPS", help="FedMed loss-switch threshold ε"),
-    beta: float = _opt(1.0, panel=STRATEGY, metavar="BETA",
-                       help="top-K share of reporting agents granted an upload (FedMed β)"),
-    noise: float = _opt(0.0, panel=STRATEGY, metavar="SIGMA",
-                        help="agents add noise·N(0,1) before upload (FedAtt randomization)"),
-    pull_fraction: float = _opt(0.5, panel=STRATEGY, metavar="F",
-                                help="dynamic pulling: share of tensors sent (0.5 or 0.33)"),
-    pull_down: bool = _opt(False, "--pull-down", panel=STRATEGY,
-                           help="dynamic pulling both ways: the server pushes only the tensors its rule picks"),
-    robust: str = _opt("none", panel=STRATEGY, metavar="GUARD",
-                       help="outlier guard: none, clip:NORM, trimmed:FRAC or median"),
+    beta: float = _opt(
+        1.0,
+        panel=STRATEGY,
+        metavar="BETA",
+        help="top-K share of reporting agents granted an upload (FedMed β)",
+    ),
+    noise: float = _opt(
+        0.0,
+        panel=STRATEGY,
+        metavar="SIGMA",
+        help="agents add noise·N(0,1) before upload (FedAtt randomization)",
+    ),
+    pull_fraction: float = _opt(
+        0.5, panel=STRATEGY, metavar="F", help="dynamic pulling: share of tensors sent (0.5 or 0.33)"
+    ),
+    pull_down: bool = _opt(
+        False,
+        "--pull-down",
+        panel=STRATEGY,
+        help="dynamic pulling both ways: the server pushes only the tensors its rule picks",
+    ),
+    robust: str = _opt(
+        "none", panel=STRATEGY, metavar="GUARD", help="outlier guard: none, clip:NORM, trimmed:FRAC or median"
+    ),
     min_clients: int = _opt(1, panel=STRATEGY, metavar="N", help="a round with fewer updates is skipped"),
     epochs: int = _opt(1, "--epochs", "-e", panel=TRAIN, metavar="E", help="local epochs"),
     batch_size: int = _opt(20, "--batch-size", "-b", panel=TRAIN, metavar="B", help="local batch size"),
     lr: float = _opt(20.0, panel=TRAIN, metavar="LR", help="client learning rate"),
     optimizer: str = _opt("sgd", panel=TRAIN, metavar="NAME", help="sgd or adam"),
     momentum: float = _opt(0.0, panel=TRAIN, metavar="M", help="SGD momentum"),
-    round_lr_decay: float = _opt(1.0, panel=TRAIN, metavar="D",
-                                 help="round r trains at lr × D^(r−1) (1 = constant; FedMed's decayed lr)"),
-    max_steps: int = _opt(0, panel=TRAIN, metavar="N", help="cap on local optimizer steps per round (0 = none)"),
-    encoding: str = _opt("auto", panel=WIRE, metavar="SPEC",
-                         help=f"uplink: auto (delta+bf16; raw with --pull-down) or one of {ENCODINGS}; "
-                              "prefix delta+, suffix @LEVEL (zstd level, default 1)"),
-    down_encoding: str = _opt("bf16", panel=WIRE, metavar="SPEC",
-                              help="downlink (the global model): raw, fp16, bf16, int8-row, int6-row, int5-row or int4-row; "
-                                   "prefix delta+"),
-    broker: str = _opt("memory://sim", panel=WIRE, metavar="URL",
-                       help="memory://NAME (in-process) or amqp://USER:PASS@HOST:5672/VHOST"),
-    availability: str = _opt("always", panel=AVAIL, metavar="SPEC",
-                             help="always, bernoulli:P, markov:A,B or trace:FILE"),
-    faults: str = _opt("", panel=AVAIL, metavar="LIST",
-                       help="comma-separated: crash-train:P, crash-grant:P, slow:P:SECONDS, cut:P"),
+    round_lr_decay: float = _opt(
+        1.0,
+        panel=TRAIN,
+        metavar="D",
+        help="round r trains at lr × D^(r−1) (1 = constant; FedMed's decayed lr)",
+    ),
+    max_steps: int = _opt(
+        0, panel=TRAIN, metavar="N", help="cap on local optimizer steps per round (0 = none)"
+    ),
+    encoding: str = _opt(
+        "auto",
+        panel=WIRE,
+        metavar="SPEC",
+        help=f"uplink: auto (delta+bf16; raw with --pull-down) or one of {ENCODINGS}; "
+        "prefix delta+, suffix @LEVEL (zstd level, default 1)",
+    ),
+    down_encoding: str = _opt(
+        "bf16",
+        panel=WIRE,
+        metavar="SPEC",
+        help="downlink (the global model): raw, fp16, bf16, int8-row, int6-row, int5-row or int4-row; "
+        "prefix delta+",
+    ),
+    broker: str = _opt(
+        "memory://sim",
+        panel=WIRE,
+        metavar="URL",
+        help="memory://NAME (in-process) or amqp://USER:PASS@HOST:5672/VHOST",
+    ),
+    availability: str = _opt(
+        "always", panel=AVAIL, metavar="SPEC", help="always, bernoulli:P, markov:A,B or trace:FILE"
+    ),
+    faults: str = _opt(
+        "",
+        panel=AVAIL,
+        metavar="LIST",
+        help="comma-separated: crash-train:P, crash-grant:P, slow:P:SECONDS, cut:P",
+    ),
     report_deadline: float = _opt(300.0, panel=AVAIL, metavar="S", help="seconds to wait for loss reports"),
-    update_deadline: float = _opt(120.0, panel=AVAIL, metavar="S", help="seconds to wait for granted uploads"),
-    config: Optional[Path] = _opt(None, panel=RUN, metavar="FILE",
-                                  help="TOML job file (JobConfig keys, a [task] table, as for aggregator run); "
-                                       "flags override it"),
-    out: Optional[Path] = _opt(None, panel=RUN, metavar="DIR",
-                               help="run folder, new or empty (default runs/TIME-STRATEGY)"),
-    resume: bool = _opt(False, "--resume", panel=RUN,
-                        help="continue the run in --out with its saved options (--rounds may extend it)"),
-    keep_queues: bool = _opt(False, "--keep-queues", panel=RUN,
-                             help="over RabbitMQ: keep the job's queues after the run (default: delete them)"),
+    update_deadline: float = _opt(
+        120.0, panel=AVAIL, metavar="S", help="seconds to wait for granted uploads"
+    ),
+    config: Path | None = _opt(
+        None,
+        panel=RUN,
+        metavar="FILE",
+        help="TOML job file (JobConfig keys, a [task] table, as for aggregator run); flags override it",
+    ),
+    out: Path | None = _opt(
+        None, panel=RUN, metavar="DIR", help="run folder, new or empty (default runs/TIME-STRATEGY)"
+    ),
+    resume: bool = _opt(
+        False,
+        "--resume",
+        panel=RUN,
+        help="continue the run in --out with its saved options (--rounds may extend it)",
+    ),
+    keep_queues: bool = _opt(
+        False,
+        "--keep-queues",
+        panel=RUN,
+        help="over RabbitMQ: keep the job's queues after the run (default: delete them)",
+    ),
     device: str = _opt("cpu", panel=RUN, metavar="DEVICE", help="auto, cpu, cuda or cuda:N"),
-    cohort: bool = _opt(False, "--cohort", panel=RUN,
-                        help="train each round's selected clients together, one batched model (LM tasks, SGD; "
-                             "for a GPU: slower than one at a time on a CPU); the report deadline is then "
-                             "per selected client"),
+    cohort: bool = _opt(
+        False,
+        "--cohort",
+        panel=RUN,
+        help="train each round's selected clients together, one batched model (LM tasks, SGD; "
+        "for a GPU: slower than one at a time on a CPU); the report deadline is then "
+        "per selected client",
+    ),
     seed: int = _opt(0, panel=RUN, metavar="N", help="one seed for sampling, dropouts, shards and init"),
-    as_json: bool = _opt(False, "--json", panel=RUN, help="machine-readable output (default when not a terminal)"),
-    log_level: str = _opt("info", "--log-level", panel=RUN, metavar="LEVEL", help="debug, info, warning or error"),
-    metrics_port: int = _opt(0, panel=RUN, metavar="PORT",
-                             help="serve /metrics, /healthz, /readyz and /status while it runs (0 = off)"),
+    as_json: bool = _opt(
+        False, "--json", panel=RUN, help="machine-readable output (default when not a terminal)"
+    ),
+    log_level: str = _opt(
+        "info", "--log-level", panel=RUN, metavar="LEVEL", help="debug, info, warning or error"
+    ),
+    metrics_port: int = _opt(
+        0,
+        panel=RUN,
+        metavar="PORT",
+        help="serve /metrics, /healthz, /readyz and /status while it runs (0 = off)",
+    ),
 ) -> None:
     """Run a whole federation on this machine and report its scores.
 
@@ -195,7 +307,9 @@ def simulate(
     run_dir = out or run_folder.default_dir(plan.options["strategy"])
     if not resume:
         run_folder.check(run_dir, False)
-    telemetry = _serve_metrics(metrics_port) if metrics_port else None  # a taken port: one line, no folder made
+    telemetry = (
+        _serve_metrics(metrics_port) if metrics_port else None
+    )  # a taken port: one line, no folder made
     discard = run_folder.create(run_dir)
     try:
         code = _simulate(plan, run_dir, resume, as_json, log_level, keep_queues, telemetry)
@@ -223,12 +337,22 @@ def _serve_metrics(port: int) -> Any:
     return telemetry
 
 
-def _simulate(plan: Any, run_dir: Path, resume: bool, as_json: bool, log_level: str, keep_queues: bool,
-              telemetry: Any = None) -> int:
+def _simulate(
+    plan: Any,
+    run_dir: Path,
+    resume: bool,
+    as_json: bool,
+    log_level: str,
+    keep_queues: bool,
+    telemetry: Any = None,
+) -> int:
     """Run the validated plan in ``run_dir``; the exit code (130: interrupted)."""
     interactive = sys.stderr.isatty() and not as_json
-    _setup_logs(log_level if not interactive else "warning", "console" if interactive else "json",
-                run_dir / "logs" / "simulate.jsonl")
+    _setup_logs(
+        log_level if not interactive else "warning",
+        "console" if interactive else "json",
+        run_dir / "logs" / "simulate.jsonl",
+    )
     _tune_allocator()
     from fedmq.tasks.training import resolve_device  # the first torch import
 
@@ -252,10 +376,21 @@ def _simulate(plan: Any, run_dir: Path, resume: bool, as_json: bool, log_level: 
         if telemetry:
             telemetry.observe_round(row)
 
-    sim = Simulation(cfg, task_obj, opts["broker"], run_dir, availability=opts["availability"], faults=opts["faults"],
-                     device=opts["device"], cohort=opts["cohort"], resume=resume, keep_queues=keep_queues,
-                     on_round=on_round,
-                     on_local_progress=progress.local, on_start=lambda: typer.echo(job_line, err=True))
+    sim = Simulation(
+        cfg,
+        task_obj,
+        opts["broker"],
+        run_dir,
+        availability=opts["availability"],
+        faults=opts["faults"],
+        device=opts["device"],
+        cohort=opts["cohort"],
+        resume=resume,
+        keep_queues=keep_queues,
+        on_round=on_round,
+        on_local_progress=progress.local,
+        on_start=lambda: typer.echo(job_line, err=True),
+    )
     if telemetry:
         telemetry.status, telemetry.ready = sim.status, lambda: sim.engine is not None
     stop = threading.Event()
@@ -271,7 +406,7 @@ def _simulate(plan: Any, run_dir: Path, resume: bool, as_json: bool, log_level: 
 
 
 # --------------------------------------------------------------------------------------------- services
-def _load_config_file(path: Optional[Path]) -> dict[str, Any]:
+def _load_config_file(path: Path | None) -> dict[str, Any]:
     if path is None:
         return {}
     if not path.is_file():
@@ -289,28 +424,41 @@ def _merge(file_values: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]
     return merged
 
 
-def _broker_url(url: str, user: Optional[str], password: Optional[str]) -> str:
+def _broker_url(url: str, user: str | None, password: str | None) -> str:
     """Combine a URL with credentials from FEDMQ_BROKER_USER / FEDMQ_BROKER_PASSWORD (Kubernetes Secrets)."""
     if not user:
         return url
     from fedmq.broker.transport.urls import with_credentials
+
     return with_credentials(url, user, password or "")
 
 
 @aggregator_app.command("run", cls=HelpCommand)
 def aggregator_run(
-    broker: str = typer.Option(..., envvar="FEDMQ_BROKER", help="amqp(s)://user:pass@host:port[,host2:port2...]/vhost (several addresses: the nodes of one cluster)"),
-    job: Optional[str] = typer.Option(None, envvar="FEDMQ_JOB", help="job id"),
-    config: Optional[Path] = typer.Option(None, envvar="FEDMQ_CONFIG", help="TOML file: job keys, [task] table"),
-    state_dir: Path = typer.Option(Path("fedmq-state"), envvar="FEDMQ_STATE_DIR", help="run folder: checkpoints, metrics"),
-    strategy: Optional[str] = typer.Option(None, envvar="FEDMQ_STRATEGY"),
-    rounds: Optional[int] = typer.Option(None, envvar="FEDMQ_ROUNDS"),
-    clients: Optional[int] = typer.Option(None, envvar="FEDMQ_CLIENTS"),
-    fraction: Optional[float] = typer.Option(None, envvar="FEDMQ_FRACTION"),
-    user: Optional[str] = typer.Option(None, envvar="FEDMQ_BROKER_USER"),
-    password: Optional[str] = typer.Option(None, envvar="FEDMQ_BROKER_PASSWORD"),
-    metrics_port: int = typer.Option(0, envvar="FEDMQ_METRICS_PORT", help="serve /metrics, /healthz, /readyz (0 = off)"),
-    chunk_limit: int = typer.Option(8 * 1024 * 1024, envvar="FEDMQ_CHUNK_LIMIT", help="split messages above this many bytes"),
+    broker: str = typer.Option(
+        ...,
+        envvar="FEDMQ_BROKER",
+        help="amqp(s)://user:pass@host:port[,host2:port2...]/vhost (several addresses: the nodes of one cluster)",
+    ),
+    job: str | None = typer.Option(None, envvar="FEDMQ_JOB", help="job id"),
+    config: Path | None = typer.Option(
+        None, envvar="FEDMQ_CONFIG", help="TOML file: job keys, [task] table"
+    ),
+    state_dir: Path = typer.Option(
+        Path("fedmq-state"), envvar="FEDMQ_STATE_DIR", help="run folder: checkpoints, metrics"
+    ),
+    strategy: str | None = typer.Option(None, envvar="FEDMQ_STRATEGY"),
+    rounds: int | None = typer.Option(None, envvar="FEDMQ_ROUNDS"),
+    clients: int | None = typer.Option(None, envvar="FEDMQ_CLIENTS"),
+    fraction: float | None = typer.Option(None, envvar="FEDMQ_FRACTION"),
+    user: str | None = typer.Option(None, envvar="FEDMQ_BROKER_USER"),
+    password: str | None = typer.Option(None, envvar="FEDMQ_BROKER_PASSWORD"),
+    metrics_port: int = typer.Option(
+        0, envvar="FEDMQ_METRICS_PORT", help="serve /metrics, /healthz, /readyz (0 = off)"
+    ),
+    chunk_limit: int = typer.Option(
+        8 * 1024 * 1024, envvar="FEDMQ_CHUNK_LIMIT", help="split messages above this many bytes"
+    ),
     heartbeat: int = typer.Option(30, envvar="FEDMQ_HEARTBEAT", help="AMQP heartbeat in seconds"),
     consume_timeout: float = CONSUME_TIMEOUT,
     log_format: str = typer.Option("json", envvar="FEDMQ_LOG_FORMAT", help="json | console"),
@@ -331,8 +479,12 @@ def aggregator_run(
 
     values = _load_config_file(config)
     task_opts = {"task": "lm", "data": "builtin", **values.pop("task", {})}
-    cfg = JobConfig.from_dict(_merge(values, {"job": job, "strategy": strategy, "rounds": rounds,
-                                              "clients": clients, "fraction": fraction}))
+    cfg = JobConfig.from_dict(
+        _merge(
+            values,
+            {"job": job, "strategy": strategy, "rounds": rounds, "clients": clients, "fraction": fraction},
+        )
+    )
     task_opts.setdefault("clients", cfg.clients)
     if print_config:
         typer.echo(json.dumps({**cfg.to_dict(), "task": task_opts}, sort_keys=True))
@@ -343,16 +495,27 @@ def aggregator_run(
     task_obj = _make_task(task_opts)
     # a chunked update whose sender went silent this long (it died mid-upload) is dropped and its chunks rejected;
     # generous, because a publisher blocked by flow control is silent too and its update must still complete
-    conn = connect(_broker_url(broker, user, password), chunk_limit=chunk_limit, heartbeat=heartbeat,
-                   consume_timeout=consume_timeout, chunk_timeout_s=max(cfg.update_deadline_s, 300.0))
+    conn = connect(
+        _broker_url(broker, user, password),
+        chunk_limit=chunk_limit,
+        heartbeat=heartbeat,
+        consume_timeout=consume_timeout,
+        chunk_timeout_s=max(cfg.update_deadline_s, 300.0),
+    )
     from fedmq.broker.transport import topology
+
     telemetry = None
     if metrics_port:
         from fedmq.cli.telemetry import Telemetry
 
         def live_status() -> dict[str, Any]:
             inbox = topology.q_inbox(cfg.job)
-            return {**engine.status(), "broker": conn.status(), "queue_depths": {inbox: conn.queue_depth(inbox)}}
+            return {
+                **engine.status(),
+                "broker": conn.status(),
+                "queue_depths": {inbox: conn.queue_depth(inbox)},
+            }
+
         telemetry = Telemetry(live_status, lambda: bool(conn.status().get("connected")))
     engine = Engine(conn, task_obj, cfg, state_dir, on_round=telemetry.observe_round if telemetry else None)
     if telemetry:
@@ -368,25 +531,40 @@ def aggregator_run(
 
 @agent_app.command("run", cls=HelpCommand)
 def agent_run(
-    broker: str = typer.Option(..., envvar="FEDMQ_BROKER", help="amqp(s)://user:pass@host:port[,host2:port2...]/vhost (several addresses: the nodes of one cluster)"),
+    broker: str = typer.Option(
+        ...,
+        envvar="FEDMQ_BROKER",
+        help="amqp(s)://user:pass@host:port[,host2:port2...]/vhost (several addresses: the nodes of one cluster)",
+    ),
     job: str = typer.Option(..., envvar="FEDMQ_JOB"),
-    client_id: Optional[str] = typer.Option(None, envvar="FEDMQ_CLIENT_ID", help="this agent's id and broker user"),
-    client_id_from_hostname: bool = typer.Option(False, help="derive the id from a StatefulSet pod name (fedmq-agent-3 → agent-3)"),
-    index: Optional[int] = typer.Option(None, envvar="FEDMQ_CLIENT_INDEX", help="shard index (default: the id's number)"),
-    config: Optional[Path] = typer.Option(None, envvar="FEDMQ_CONFIG", help="TOML file with a [task] table"),
-    data: Optional[str] = typer.Option(None, envvar="FEDMQ_DATA", help="corpus folder"),
+    client_id: str | None = typer.Option(
+        None, envvar="FEDMQ_CLIENT_ID", help="this agent's id and broker user"
+    ),
+    client_id_from_hostname: bool = typer.Option(
+        False, help="derive the id from a StatefulSet pod name (fedmq-agent-3 → agent-3)"
+    ),
+    index: int | None = typer.Option(
+        None, envvar="FEDMQ_CLIENT_INDEX", help="shard index (default: the id's number)"
+    ),
+    config: Path | None = typer.Option(None, envvar="FEDMQ_CONFIG", help="TOML file with a [task] table"),
+    data: str | None = typer.Option(None, envvar="FEDMQ_DATA", help="corpus folder"),
     device: str = typer.Option("auto", envvar="FEDMQ_DEVICE", help="auto | cpu | cuda"),
-    availability: str = typer.Option("always", envvar="FEDMQ_AVAILABILITY", help="always|bernoulli:P|markov:A,B|trace:FILE"),
+    availability: str = typer.Option(
+        "always", envvar="FEDMQ_AVAILABILITY", help="always|bernoulli:P|markov:A,B|trace:FILE"
+    ),
     faults: str = typer.Option("", envvar="FEDMQ_FAULTS"),
-    user: Optional[str] = typer.Option(None, envvar="FEDMQ_BROKER_USER"),
-    password: Optional[str] = typer.Option(None, envvar="FEDMQ_BROKER_PASSWORD"),
+    user: str | None = typer.Option(None, envvar="FEDMQ_BROKER_USER"),
+    password: str | None = typer.Option(None, envvar="FEDMQ_BROKER_PASSWORD"),
     seed: int = typer.Option(0, envvar="FEDMQ_SEED"),
     metrics_port: int = typer.Option(0, envvar="FEDMQ_METRICS_PORT"),
-    chunk_limit: int = typer.Option(8 * 1024 * 1024, envvar="FEDMQ_CHUNK_LIMIT", help="split messages above this many bytes"),
+    chunk_limit: int = typer.Option(
+        8 * 1024 * 1024, envvar="FEDMQ_CHUNK_LIMIT", help="split messages above this many bytes"
+    ),
     heartbeat: int = typer.Option(30, envvar="FEDMQ_HEARTBEAT", help="AMQP heartbeat in seconds"),
     consume_timeout: float = CONSUME_TIMEOUT,
-    audit_log: Optional[Path] = typer.Option(None, envvar="FEDMQ_AUDIT_LOG",
-                                             help="append one JSON line per broker-confirmed upload (fault audits)"),
+    audit_log: Path | None = typer.Option(
+        None, envvar="FEDMQ_AUDIT_LOG", help="append one JSON line per broker-confirmed upload (fault audits)"
+    ),
     log_format: str = typer.Option("json", envvar="FEDMQ_LOG_FORMAT"),
     log_level: str = LOG_LEVEL,
 ) -> None:
@@ -424,17 +602,31 @@ def agent_run(
     task_opts.setdefault("clients", values.get("clients", index + 1))
     task_obj = _make_task(task_opts)
     url = _broker_url(broker, user, password)
-    agent = Agent(lambda: connect(url, chunk_limit=chunk_limit, heartbeat=heartbeat, consume_timeout=consume_timeout),
-                  job, client_id, index, task_obj,
-                  availability=parse_availability(availability, seed), faults=parse_faults(faults, seed),
-                  device=device, seed=seed, audit_log=audit_log)
+    agent = Agent(
+        lambda: connect(url, chunk_limit=chunk_limit, heartbeat=heartbeat, consume_timeout=consume_timeout),
+        job,
+        client_id,
+        index,
+        task_obj,
+        availability=parse_availability(availability, seed),
+        faults=parse_faults(faults, seed),
+        device=device,
+        seed=seed,
+        audit_log=audit_log,
+    )
     telemetry = None
     if metrics_port:
         from fedmq.cli.telemetry import Telemetry
-        telemetry = Telemetry(lambda: {"client": client_id, "version": agent.version,
-                                       "rounds_trained": len(agent.log.rounds_trained),
-                                       "uploads": len(agent.log.uploads)},
-                              lambda: agent.connected)
+
+        telemetry = Telemetry(
+            lambda: {
+                "client": client_id,
+                "version": agent.version,
+                "rounds_trained": len(agent.log.rounds_trained),
+                "uploads": len(agent.log.uploads),
+            },
+            lambda: agent.connected,
+        )
         telemetry.serve(metrics_port)
     try:
         agent.run()
@@ -452,8 +644,10 @@ def broker_provision(
     vhost: str = typer.Option("fedmq", help="virtual host to create"),
     job: str = typer.Option(..., envvar="FEDMQ_JOB"),
     agents: int = typer.Option(..., help="number of agents (users agent-0 to agent-N-1)"),
-    secrets_out: Optional[str] = typer.Option(None, help="write Kubernetes Secret manifests to DIR, or - for stdout"),
-    credentials_out: Optional[Path] = typer.Option(None, help="write a JSON credentials file"),
+    secrets_out: str | None = typer.Option(
+        None, help="write Kubernetes Secret manifests to DIR, or - for stdout"
+    ),
+    credentials_out: Path | None = typer.Option(None, help="write a JSON credentials file"),
     namespace: str = typer.Option("fedmq", help="namespace of the Secrets"),
     remove_guest: bool = typer.Option(False, help="delete the guest user (production)"),
 ) -> None:
@@ -462,14 +656,23 @@ def broker_provision(
     Example: fedmq broker provision --job wt2 --agents 10 --secrets-out - | kubectl apply -f -
     """
     from fedmq.broker.transport import provision
-    provision.provision_cli(broker=broker, vhost=vhost, job=job, agents=agents, secrets_out=secrets_out,
-                            credentials_out=credentials_out, namespace=namespace, remove_guest=remove_guest)
+
+    provision.provision_cli(
+        broker=broker,
+        vhost=vhost,
+        job=job,
+        agents=agents,
+        secrets_out=secrets_out,
+        credentials_out=credentials_out,
+        namespace=namespace,
+        remove_guest=remove_guest,
+    )
 
 
 @broker_app.command("check", cls=HelpCommand)
 def broker_check(
     broker: str = typer.Option("amqp://guest:guest@127.0.0.1:5672/%2F", envvar="FEDMQ_BROKER"),
-    job: Optional[str] = typer.Option(None, envvar="FEDMQ_JOB"),
+    job: str | None = typer.Option(None, envvar="FEDMQ_JOB"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Is the broker reachable? Its version, max message size and the job's queue depths.
@@ -477,6 +680,7 @@ def broker_check(
     Example: fedmq broker check --job wt2
     """
     from fedmq.broker.transport import provision
+
     info = provision.check(broker, job)
     typer.echo(json.dumps(info, default=str) if as_json else "\n".join(f"{k}: {v}" for k, v in info.items()))
 
@@ -491,6 +695,7 @@ def broker_purge(
     Example: fedmq broker purge --job wt2
     """
     from fedmq.broker.transport import provision
+
     provision.purge(broker, job)
     typer.echo(f"purged job {job}")
 
@@ -500,7 +705,7 @@ def broker_purge(
 def status(
     broker: str = typer.Option("amqp://guest:guest@127.0.0.1:5672/%2F", envvar="FEDMQ_BROKER"),
     job: str = typer.Option(..., envvar="FEDMQ_JOB"),
-    run_dir: Optional[Path] = typer.Option(None, help="the aggregator's run folder, for round and metrics"),
+    run_dir: Path | None = typer.Option(None, help="the aggregator's run folder, for round and metrics"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """The job seen from outside: round, agents, last metrics, queue depths, standby aggregator.
@@ -508,27 +713,31 @@ def status(
     Example: fedmq status --job wt2 --run-dir /var/lib/fedmq
     """
     from fedmq.cli.status_info import gather
+
     info = gather(broker, job, run_dir)
     from fedmq.cli import status as status_view
+
     typer.echo(status_view.status_json(info) if as_json else status_view.render_status(info))
 
 
 @app.command(cls=HelpCommand)
 def report(
     run_dirs: list[Path] = typer.Argument(..., help="one or more run folders"),
-    out: Optional[Path] = typer.Option(None, help="output folder (default: RUN_DIR/report)"),
+    out: Path | None = typer.Option(None, help="output folder (default: RUN_DIR/report)"),
 ) -> None:
     """Plots and tables of one or several runs: PNG files, one self-contained HTML page, a markdown table.
 
     Example: fedmq report runs/fedavg runs/fedatt --out runs/compare
     """
     from fedmq.cli.report import run_report
+
     typer.echo(run_report(list(run_dirs), out).describe())
 
 
 # --------------------------------------------------------------------------------------------- bench
 def _bench(module: str, fn: str, **kw: Any) -> None:
     import importlib
+
     mod = importlib.import_module(f"fedmq.benchmarks.{module}")
     rows = getattr(mod, fn)(**kw)
     typer.echo(mod.format_table(rows))
@@ -553,7 +762,9 @@ def bench_broker(url: str = typer.Option("amqp://guest:guest@127.0.0.1:5672/%2F"
 
 
 @bench_app.command("aggregate", cls=HelpCommand)
-def bench_aggregate(repeats: int = typer.Option(3, min=1, help="run the methods in turn this many times; medians")) -> None:
+def bench_aggregate(
+    repeats: int = typer.Option(3, min=1, help="run the methods in turn this many times; medians"),
+) -> None:
     """Streaming aggregation GB/s and peak RSS for 10, 50, 200 updates of a 25M-parameter model.
 
     Example: fedmq bench aggregate --repeats 3
@@ -571,15 +782,17 @@ def bench_train(quick: bool = False) -> None:
 
 
 @bench_app.command("cohort", cls=HelpCommand)
-def bench_cohort(data: Path = typer.Option(Path("../shared/data/ptb"), help="corpus folder (full vocabulary)"),
-                 model: str = typer.Option("gru-small", help="LM preset"),
-                 clients: int = typer.Option(100, min=2, help="K: the corpus is split into K iid shards"),
-                 cohort: str = typer.Option("10", help="cohort sizes, comma-separated (C x K: 10 and 50 at K = 100)"),
-                 epochs: int = typer.Option(5, min=1, help="local epochs E"),
-                 max_steps: int = typer.Option(0, min=0, help="cap on a client's steps (0 = none; for a CPU)"),
-                 device: str = typer.Option("cpu", help="cpu | cuda | auto"),
-                 repeats: int = typer.Option(3, min=1, help="timed repetitions (after one warm-up); medians"),
-                 threads: int = typer.Option(1, min=1, help="torch intra-op threads")) -> None:
+def bench_cohort(
+    data: Path = typer.Option(Path("../shared/data/ptb"), help="corpus folder (full vocabulary)"),
+    model: str = typer.Option("gru-small", help="LM preset"),
+    clients: int = typer.Option(100, min=2, help="K: the corpus is split into K iid shards"),
+    cohort: str = typer.Option("10", help="cohort sizes, comma-separated (C x K: 10 and 50 at K = 100)"),
+    epochs: int = typer.Option(5, min=1, help="local epochs E"),
+    max_steps: int = typer.Option(0, min=0, help="cap on a client's steps (0 = none; for a CPU)"),
+    device: str = typer.Option("cpu", help="cpu | cuda | auto"),
+    repeats: int = typer.Option(3, min=1, help="timed repetitions (after one warm-up); medians"),
+    threads: int = typer.Option(1, min=1, help="torch intra-op threads"),
+) -> None:
     """A round's local training: the selected clients one at a time vs as one batched cohort (--cohort).
 
     Example: fedmq bench cohort --data ../shared/data/ptb --cohort 10,50 --device cuda
@@ -590,24 +803,39 @@ def bench_cohort(data: Path = typer.Option(Path("../shared/data/ptb"), help="cor
         raise UsageError(f"--cohort wants comma-separated whole numbers, got {cohort!r}") from None
     if any(not 2 <= n <= clients for n in sizes):
         raise UsageError(f"--cohort sizes must be between 2 and --clients ({clients}), got {cohort!r}")
-    _bench("cohort", "bench_cohort", data=data, model=model, clients=clients, sizes=sizes, epochs=epochs,
-           max_steps=max_steps, device=device, repeats=repeats, threads=threads)
+    _bench(
+        "cohort",
+        "bench_cohort",
+        data=data,
+        model=model,
+        clients=clients,
+        sizes=sizes,
+        epochs=epochs,
+        max_steps=max_steps,
+        device=device,
+        repeats=repeats,
+        threads=threads,
+    )
 
 
 @bench_app.command("flower", cls=HelpCommand)
-def bench_flower(data: Path = typer.Option(Path("../shared/data/wikitext-2"), help="corpus folder (full vocabulary)"),
-                 clients: int = typer.Option(100, "--clients", "-k", min=1, help="K"),
-                 selected: int = typer.Option(10, min=1, help="clients that train per round (C = selected / K)"),
-                 rounds: int = typer.Option(5, "--rounds", "-r", min=2, help="rounds; medians over rounds 2..R"),
-                 scale: str = typer.Option("", help="also fedmq at these K, comma-separated (e.g. 10,100,1000)"),
-                 flower_python: Optional[Path] = typer.Option(None, help="python of the venv with the bench extra "
-                                                                  "(default .fedmq-cache/flower-venv/bin/python)"),
-                 flower: bool = typer.Option(True, "--flower/--no-flower", help="run the Flower side")) -> None:
+def bench_flower(
+    data: Path = typer.Option(Path("../shared/data/wikitext-2"), help="corpus folder (full vocabulary)"),
+    clients: int = typer.Option(100, "--clients", "-k", min=1, help="K"),
+    selected: int = typer.Option(10, min=1, help="clients that train per round (C = selected / K)"),
+    rounds: int = typer.Option(5, "--rounds", "-r", min=2, help="rounds; medians over rounds 2..R"),
+    scale: str = typer.Option("", help="also fedmq at these K, comma-separated (e.g. 10,100,1000)"),
+    flower_python: Path | None = typer.Option(
+        None, help="python of the venv with the bench extra (default .fedmq-cache/flower-venv/bin/python)"
+    ),
+    flower: bool = typer.Option(True, "--flower/--no-flower", help="run the Flower side"),
+) -> None:
     """fedmq vs Flower 1.41 on the FedAtt setting: s/round, wire bytes/round, peak memory; fedmq's scaling in K.
 
     Example: fedmq bench flower --data ../shared/data/wikitext-2 -k 100 --selected 10 -r 5 --scale 10,1000
     """
     from fedmq.benchmarks import flower as fl
+
     if not data.is_dir():
         raise UsageError(f"--data {data} is not a folder")
     try:
@@ -616,17 +844,27 @@ def bench_flower(data: Path = typer.Option(Path("../shared/data/wikitext-2"), he
         raise UsageError(f"--scale wants comma-separated whole numbers, got {scale!r}") from None
     if selected > clients or any(k < selected for k in ks):
         raise UsageError("--selected must not exceed K")
-    runs = fl.bench_flower(str(data), clients, selected, rounds, ks, flower_python or fl.DEFAULT_FLOWER_PYTHON, flower)
+    runs = fl.bench_flower(
+        str(data), clients, selected, rounds, ks, flower_python or fl.DEFAULT_FLOWER_PYTHON, flower
+    )
     typer.echo(fl.format_table(runs))
 
 
 @app.command(cls=HelpCommand)
 def experiment(
-    name: str = typer.Argument(..., help="table2, sweep, fraction, rounds-to-target, topk, randomization, scale, "
-                                         "dropout or nmt-domains"),
-    scale: str = typer.Option("cpu", help="smoke (CI) | cpu (minutes on 2 cores) | paper (the papers' settings, GPU)"),
-    out: Path = typer.Option(Path("runs/experiments"), help="results go to OUT/NAME (run folders, results.md, report/)"),
-    seeds: str = typer.Option("0", help="seeds for sampling, shards and init, e.g. 0,1,2 (several: mean ± sd)"),
+    name: str = typer.Argument(
+        ...,
+        help="table2, sweep, fraction, rounds-to-target, topk, randomization, scale, dropout or nmt-domains",
+    ),
+    scale: str = typer.Option(
+        "cpu", help="smoke (CI) | cpu (minutes on 2 cores) | paper (the papers' settings, GPU)"
+    ),
+    out: Path = typer.Option(
+        Path("runs/experiments"), help="results go to OUT/NAME (run folders, results.md, report/)"
+    ),
+    seeds: str = typer.Option(
+        "0", help="seeds for sampling, shards and init, e.g. 0,1,2 (several: mean ± sd)"
+    ),
     threads: int = typer.Option(1, help="torch intra-op threads"),
     device: str = typer.Option("cpu", help="local training of the LM experiments: cpu | cuda | auto"),
     cohort: bool = typer.Option(False, "--cohort", help="train each round's selected clients together (GPU)"),
@@ -639,18 +877,31 @@ def experiment(
     from fedmq.benchmarks import experiments
     from fedmq.cli.report import run_report
     from fedmq.simulation import Simulation
+
     experiments.check_args(name, scale, threads, device)
     seed_list = experiments.parse_seeds(seeds)
     _setup_logs(log_level, "json", out / name / "experiment.jsonl")
-    experiments.run_experiment(name, scale, out, seed_list, threads, simulation=Simulation, report=run_report,
-                               device=device, cohort=cohort)
+    experiments.run_experiment(
+        name,
+        scale,
+        out,
+        seed_list,
+        threads,
+        simulation=Simulation,
+        report=run_report,
+        device=device,
+        cohort=cohort,
+    )
     typer.echo((out / name / "results.md").read_text())
 
 
 @bench_app.command("load", cls=HelpCommand)
-def bench_load(url: str = typer.Option("amqp://guest:guest@127.0.0.1:5672/%2F"),
-               agents: str = typer.Option("100,1000", help="comma-separated agent counts"),
-               rounds: int = 3, threads: int = typer.Option(4, help="swarm connections (agents are shared out)")) -> None:
+def bench_load(
+    url: str = typer.Option("amqp://guest:guest@127.0.0.1:5672/%2F"),
+    agents: str = typer.Option("100,1000", help="comma-separated agent counts"),
+    rounds: int = 3,
+    threads: int = typer.Option(4, help="swarm connections (agents are shared out)"),
+) -> None:
     """N lightweight agents vs a real aggregator: updates/s, upload→inclusion p50/p99, aggregator RSS/CPU, lost.
 
     Example: fedmq bench load --agents 100,1000 --rounds 3
@@ -667,6 +918,7 @@ def bench_load(url: str = typer.Option("amqp://guest:guest@127.0.0.1:5672/%2F"),
 def main() -> None:
     """Console entry point: user errors become one line on stderr, never a traceback."""
     from fedmq.cli.logs import configure
+
     configure("warning")  # commands that log (simulate, services) configure their own level and format
     try:
         code = app(standalone_mode=False)  # returns the exit code of typer.Exit instead of raising it

@@ -34,7 +34,11 @@ class HelpCommand(TyperCommand):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         for param in self.params:
-            if not isinstance(param, TyperArgument) and param.metavar is None and not getattr(param, "is_flag", False):
+            if (
+                not isinstance(param, TyperArgument)
+                and param.metavar is None
+                and not getattr(param, "is_flag", False)
+            ):
                 param.metavar = (param.name or "value").upper()
 
     def get_help(self, ctx: Any) -> str:

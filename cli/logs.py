@@ -24,15 +24,23 @@ def configure(level: str = "info", fmt: str = "auto", file: Path | None = None) 
     ]
     renderer = structlog.dev.ConsoleRenderer() if fmt == "console" else structlog.processors.JSONRenderer()
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
-    handlers[0].setFormatter(structlog.stdlib.ProcessorFormatter(processor=renderer, foreign_pre_chain=shared))
+    handlers[0].setFormatter(
+        structlog.stdlib.ProcessorFormatter(processor=renderer, foreign_pre_chain=shared)
+    )
     handlers[0].addFilter(_not_file_only)
     if file is not None:
         file.parent.mkdir(parents=True, exist_ok=True)
         fh = logging.FileHandler(file)
-        fh.setFormatter(structlog.stdlib.ProcessorFormatter(
-            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                        structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],
-            foreign_pre_chain=shared))
+        fh.setFormatter(
+            structlog.stdlib.ProcessorFormatter(
+                processors=[
+                    structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    structlog.processors.format_exc_info,
+                    structlog.processors.JSONRenderer(),
+                ],
+                foreign_pre_chain=shared,
+            )
+        )
         handlers.append(fh)
     root = logging.getLogger()
     for h in list(root.handlers):

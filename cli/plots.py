@@ -27,8 +27,14 @@ from fedmq.cli.runs import RunData
 from fedmq.files import replacing
 
 OKABE_ITO = {
-    "blue": "#0072B2", "orange": "#E69F00", "green": "#009E73", "vermillion": "#D55E00",
-    "purple": "#CC79A7", "sky": "#56B4E9", "yellow": "#F0E442", "black": "#000000",
+    "blue": "#0072B2",
+    "orange": "#E69F00",
+    "green": "#009E73",
+    "vermillion": "#D55E00",
+    "purple": "#CC79A7",
+    "sky": "#56B4E9",
+    "yellow": "#F0E442",
+    "black": "#000000",
 }
 RUN_COLORS = [OKABE_ITO[c] for c in ("blue", "orange", "green", "vermillion", "purple", "sky", "black")]
 RUN_STYLES = ["-", "--", "-.", ":"]
@@ -107,8 +113,11 @@ def plot_validation(runs: list[RunData]) -> Figure:
         members = [(i, r) for i, r in enumerate(runs) if r.metric == metric]
         all_values: list[float] = []
         for i, run in members:
-            pts = [(row.round, row.valid, row.strategy) for row in run.rows
-                   if row.valid is not None and math.isfinite(row.valid)]
+            pts = [
+                (row.round, row.valid, row.strategy)
+                for row in run.rows
+                if row.valid is not None and math.isfinite(row.valid)
+            ]
             if not pts:
                 continue
             style = _run_style(i)
@@ -117,11 +126,27 @@ def plot_validation(runs: list[RunData]) -> Figure:
             ax.plot(xs, ys, label=run.label, linewidth=1.8, **style)
             for strategy in dict.fromkeys(p[2] for p in pts):
                 sel = [(x, y) for x, y, s in pts if s == strategy]
-                ax.scatter([x for x, _ in sel], [y for _, y in sel], marker=marker_of.get(strategy, "o"),
-                           s=28, color=style["color"], zorder=3, edgecolors="white", linewidths=0.5)
+                ax.scatter(
+                    [x for x, _ in sel],
+                    [y for _, y in sel],
+                    marker=marker_of.get(strategy, "o"),
+                    s=28,
+                    color=style["color"],
+                    zorder=3,
+                    edgecolors="white",
+                    linewidths=0.5,
+                )
             best = (max if run.higher_is_better else min)(pts, key=lambda p: p[1])
-            ax.scatter([best[0]], [best[1]], marker="*", s=180, color=style["color"], edgecolors="black",
-                       linewidths=0.7, zorder=4)
+            ax.scatter(
+                [best[0]],
+                [best[1]],
+                marker="*",
+                s=180,
+                color=style["color"],
+                edgecolors="black",
+                linewidths=0.7,
+                zorder=4,
+            )
         if not all_values:
             _empty(ax, f"no {metric} values logged yet")
             continue
@@ -135,8 +160,11 @@ def plot_validation(runs: list[RunData]) -> Figure:
     ax = axes[-1]
     any_loss = False
     for i, run in enumerate(runs):
-        pts = [(row.round, row.mean_loss) for row in run.rows
-               if row.mean_loss is not None and math.isfinite(row.mean_loss)]
+        pts = [
+            (row.round, row.mean_loss)
+            for row in run.rows
+            if row.mean_loss is not None and math.isfinite(row.mean_loss)
+        ]
         if pts:
             any_loss = True
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=run.label, **_run_style(i))
@@ -149,10 +177,22 @@ def plot_validation(runs: list[RunData]) -> Figure:
     ax.set_xlabel("round")
 
     handles = [Line2D([], [], linewidth=1.8, label=r.label, **_run_style(i)) for i, r in enumerate(runs)]
-    handles += [Line2D([], [], linestyle="none", marker=marker_of[s], color="#444444", label=f"round used {s}")
-                for s in strategies]
-    handles.append(Line2D([], [], linestyle="none", marker="*", markersize=12, color="#444444",
-                          markeredgecolor="black", label="best round"))
+    handles += [
+        Line2D([], [], linestyle="none", marker=marker_of[s], color="#444444", label=f"round used {s}")
+        for s in strategies
+    ]
+    handles.append(
+        Line2D(
+            [],
+            [],
+            linestyle="none",
+            marker="*",
+            markersize=12,
+            color="#444444",
+            markeredgecolor="black",
+            label="best round",
+        )
+    )
     fig.legend(handles=handles, loc="outside right upper", fontsize=9, frameon=False)
     return fig
 
@@ -187,7 +227,12 @@ def plot_bytes(runs: list[RunData]) -> Figure:
     """Bytes on the wire per round, one panel per run: up/down compressed (solid) vs raw fp32 (dotted), MB."""
     fig = _new_figure(max(3.2, 2.9 * len(runs)))
     axes = np.atleast_1d(fig.subplots(len(runs), 1, sharex=True, squeeze=False)[:, 0])
-    values = [v / 1e6 for run in runs for key, *_ in _BYTE_SERIES for v in _finite([getattr(row, key) for row in run.rows])]
+    values = [
+        v / 1e6
+        for run in runs
+        for key, *_ in _BYTE_SERIES
+        for v in _finite([getattr(row, key) for row in run.rows])
+    ]
     log_scale = _wants_log(values, 20) if values else False
     for ax, run in zip(axes, runs):
         drawn = False
@@ -196,8 +241,15 @@ def plot_bytes(runs: list[RunData]) -> Figure:
             pts = [(rnd, v / 1e6) for rnd, v in values if v is not None and math.isfinite(v)]
             if pts:
                 drawn = True
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, linestyle=style, marker=".",
-                        linewidth=1.8 if style == "-" else 1.3, label=label)
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    color=color,
+                    linestyle=style,
+                    marker=".",
+                    linewidth=1.8 if style == "-" else 1.3,
+                    label=label,
+                )
         if not drawn:
             _empty(ax, f"{run.label}: no byte counts logged")
             continue
@@ -207,9 +259,17 @@ def plot_bytes(runs: list[RunData]) -> Figure:
             ax.set_yscale("log")
         _style(ax)
     axes[-1].set_xlabel("round")
-    handles = [Line2D([], [], color=c, linestyle=s, linewidth=1.8, label=lbl) for _, lbl, c, s in _BYTE_SERIES]
-    fig.legend(handles=handles, loc="outside right upper", fontsize=9, frameon=False,
-               title="all clients, summed", title_fontsize=9)
+    handles = [
+        Line2D([], [], color=c, linestyle=s, linewidth=1.8, label=lbl) for _, lbl, c, s in _BYTE_SERIES
+    ]
+    fig.legend(
+        handles=handles,
+        loc="outside right upper",
+        fontsize=9,
+        frameon=False,
+        title="all clients, summed",
+        title_fontsize=9,
+    )
     fig.suptitle("Bytes on the wire per round", x=0.01, ha="left", fontsize=12, fontweight="bold")
     return fig
 
@@ -261,8 +321,14 @@ def plot_participation(run: RunData) -> Figure:
     norm = BoundaryNorm(np.arange(len(STATES) + 1) - 0.5, len(STATES))
     x0, x1 = rounds[0] - 0.5, rounds[-1] + 0.5
     if clients:
-        ax_grid.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm,
-                       extent=(x0, x1, len(clients) - 0.5, -0.5))
+        ax_grid.imshow(
+            grid,
+            aspect="auto",
+            interpolation="nearest",
+            cmap=cmap,
+            norm=norm,
+            extent=(x0, x1, len(clients) - 0.5, -0.5),
+        )
         step = max(1, math.ceil(len(clients) / 40))
         ax_grid.set_yticks(range(0, len(clients), step), clients[::step], fontsize=8)
         if len(rounds) <= 60 and len(clients) <= 60:  # thin separators keep cells countable
@@ -280,13 +346,28 @@ def plot_participation(run: RunData) -> Figure:
     for state in (UPLOADED, REPORTED, DROPPED, ONLINE, OFFLINE):
         counts = (grid == state).sum(axis=0)
         if counts.any():
-            ax_bar.bar(rounds, counts, bottom=bottom, width=0.8, color=STATES[state][1],
-                       edgecolor="#888888" if state == OFFLINE else "none", linewidth=0.4)
+            ax_bar.bar(
+                rounds,
+                counts,
+                bottom=bottom,
+                width=0.8,
+                color=STATES[state][1],
+                edgecolor="#888888" if state == OFFLINE else "none",
+                linewidth=0.4,
+            )
             bottom += counts
     skipped = [row.round for row in run.rows if row.skipped]
     for rnd in skipped:
-        ax_bar.annotate("skipped", (rnd, 0), xytext=(0, 3), textcoords="offset points", ha="center",
-                        fontsize=7, rotation=90, color="#333333")
+        ax_bar.annotate(
+            "skipped",
+            (rnd, 0),
+            xytext=(0, 3),
+            textcoords="offset points",
+            ha="center",
+            fontsize=7,
+            rotation=90,
+            color="#333333",
+        )
     ax_bar.set_xlim(x0, x1)
     ax_bar.set_ylabel("clients")
     ax_bar.set_xlabel("round")
@@ -294,10 +375,14 @@ def plot_participation(run: RunData) -> Figure:
     _style(ax_bar)
     ax_bar.yaxis.set_major_locator(MaxNLocator(integer=True))
     present = set(np.unique(grid).tolist())
-    handles = [Patch(facecolor=c, edgecolor="#888888", label=name) for k, (name, c) in enumerate(STATES)
-               if k != NOT_LOGGED or k in present]
-    fig.legend(handles=handles, loc="outside right upper", fontsize=9, frameon=False, title="state",
-               title_fontsize=9)
+    handles = [
+        Patch(facecolor=c, edgecolor="#888888", label=name)
+        for k, (name, c) in enumerate(STATES)
+        if k != NOT_LOGGED or k in present
+    ]
+    fig.legend(
+        handles=handles, loc="outside right upper", fontsize=9, frameon=False, title="state", title_fontsize=9
+    )
     return fig
 
 
@@ -329,8 +414,9 @@ def plot_weights(run: RunData) -> Figure:
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#F2F2F2")
     finite = grid[np.isfinite(grid)]
     vmax = float(finite.max()) if finite.size and finite.max() > 0 else 1.0
-    image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest", cmap=cmap,
-                      vmin=0.0, vmax=vmax)
+    image = ax.imshow(
+        np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest", cmap=cmap, vmin=0.0, vmax=vmax
+    )
     ax.set_xticks(range(len(rounds)), [str(r) for r in rounds], fontsize=8)
     if len(rounds) > 30:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=20, min_n_ticks=1))
@@ -343,13 +429,24 @@ def plot_weights(run: RunData) -> Figure:
                 value = grid[i, j]
                 if np.isfinite(value):
                     dark = value / vmax < 0.55  # viridis is dark at the low end
-                    ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7,
-                            color="white" if dark else "black")
+                    ax.text(
+                        j,
+                        i,
+                        f"{value:.2f}",
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="white" if dark else "black",
+                    )
     ax.set_xlabel("round")
     ax.set_ylabel("client")
     strategies = ", ".join(dict.fromkeys(row.strategy for row in run.rows if row.strategy and row.weights))
-    ax.set_title(f"Aggregation weight per client — {run.label}" + (f" (rounds using {strategies})" if strategies
-                                                                  else ""), loc="left", fontsize=11)
+    ax.set_title(
+        f"Aggregation weight per client — {run.label}"
+        + (f" (rounds using {strategies})" if strategies else ""),
+        loc="left",
+        fontsize=11,
+    )
     bar = fig.colorbar(image, ax=ax, location="right", fraction=0.04, pad=0.01)
     bar.set_label("weight (attention / JS / n_k share); grey = none")
     return fig

@@ -16,8 +16,15 @@ class RoundProgress:
         self.console = Console(stderr=True)
         # a short bar leaves room at 80 columns for "10/10 0:01:23 perplexity 123.45" (tests/integration/
         # test_terminal.py)
-        self._progress = Progress(TextColumn("[bold]{task.fields[label]}"), BarColumn(bar_width=24), MofNCompleteColumn(), TimeElapsedColumn(),
-                                  TextColumn("{task.description}"), console=self.console, disable=not enabled)
+        self._progress = Progress(
+            TextColumn("[bold]{task.fields[label]}"),
+            BarColumn(bar_width=24),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.description}"),
+            console=self.console,
+            disable=not enabled,
+        )
         self._task = self._progress.add_task("", total=rounds, label="rounds")
         self._local = None  # a second bar for the local training that is running now
 
@@ -29,7 +36,7 @@ class RoundProgress:
             self._local = self._progress.add_task("", total=total, label="local")
         self._progress.update(self._local, completed=done, total=total, description=f"{client} training")
 
-    def __enter__(self) -> "RoundProgress":
+    def __enter__(self) -> RoundProgress:
         self._progress.__enter__()
         return self
 
@@ -38,7 +45,9 @@ class RoundProgress:
 
     def update(self, row: dict[str, Any]) -> None:
         valid = row.get("valid")
-        text = "skipped" if row.get("skipped") else (f"{self.metric} {valid:.2f}" if valid is not None else "")
+        text = (
+            "skipped" if row.get("skipped") else (f"{self.metric} {valid:.2f}" if valid is not None else "")
+        )
         self._progress.update(self._task, completed=row["round"], description=text)
 
     def print_summary(self, summary: dict[str, Any], run_dir: Path) -> None:

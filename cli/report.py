@@ -27,8 +27,20 @@ from fedmq.files import write_atomic
 log = structlog.get_logger(__name__)
 
 # Config keys shown first in the per-run summary; the rest follow alphabetically.
-_CONFIG_FIRST = ("task", "data", "corpus", "model", "strategy", "clients", "fraction", "rounds", "encoding",
-                 "down_encoding", "seed", "job")
+_CONFIG_FIRST = (
+    "task",
+    "data",
+    "corpus",
+    "model",
+    "strategy",
+    "clients",
+    "fraction",
+    "rounds",
+    "encoding",
+    "down_encoding",
+    "seed",
+    "job",
+)
 
 
 @dataclass
@@ -131,8 +143,20 @@ def fmt_bytes(value: float | None) -> str:
     return "—" if value is None else f"{value / 1e6:,.2f}"
 
 
-SCORE_HEADERS = ["run", "strategy", "metric", "best valid (round)", "final valid", "test", "rounds",
-                 "skipped", "MB up", "MB down", "wall s", "status"]
+SCORE_HEADERS = [
+    "run",
+    "strategy",
+    "metric",
+    "best valid (round)",
+    "final valid",
+    "test",
+    "rounds",
+    "skipped",
+    "MB up",
+    "MB down",
+    "wall s",
+    "status",
+]
 
 
 def score_cells(score: Score) -> list[str]:
@@ -140,9 +164,20 @@ def score_cells(score: Score) -> list[str]:
     if score.best_round is not None and score.best_valid is not None:
         best += f" ({score.best_round})"
     planned = f"/{score.rounds_planned}" if score.rounds_planned is not None else ""
-    return [score.run, score.strategy, score.metric, best, fmt_value(score.final_valid), fmt_value(score.test),
-            f"{score.rounds_completed}{planned}", str(score.rounds_skipped), fmt_bytes(score.bytes_up),
-            fmt_bytes(score.bytes_down), fmt_value(score.wall_s, 1), "complete" if score.complete else "incomplete"]
+    return [
+        score.run,
+        score.strategy,
+        score.metric,
+        best,
+        fmt_value(score.final_valid),
+        fmt_value(score.test),
+        f"{score.rounds_completed}{planned}",
+        str(score.rounds_skipped),
+        fmt_bytes(score.bytes_up),
+        fmt_bytes(score.bytes_down),
+        fmt_value(score.wall_s, 1),
+        "complete" if score.complete else "incomplete",
+    ]
 
 
 def _md_escape(text: str) -> str:
@@ -163,13 +198,17 @@ def run_notes(runs: list[RunData]) -> list[str]:
     for run in runs:
         if not run.complete:
             last = run.rows[-1].round
-            notes.append(f"{run.name}: no {SUMMARY_FILE} — the run is still going or was stopped; "
-                         f"showing {len(run.rows)} round(s) up to round {last}.")
+            notes.append(
+                f"{run.name}: no {SUMMARY_FILE} — the run is still going or was stopped; "
+                f"showing {len(run.rows)} round(s) up to round {last}."
+            )
         if run.malformed_lines:
             notes.append(f"{run.name}: skipped {run.malformed_lines} malformed line(s) in {METRICS_FILE}.")
         if run.duplicate_rounds:
-            notes.append(f"{run.name}: {run.duplicate_rounds} round(s) were logged twice (resumed run); "
-                         "the last entry of each is shown.")
+            notes.append(
+                f"{run.name}: {run.duplicate_rounds} round(s) were logged twice (resumed run); "
+                "the last entry of each is shown."
+            )
         if not run.config:
             notes.append(f"{run.name}: no {CONFIG_FILE}; configuration unknown.")
     return notes
@@ -207,7 +246,9 @@ figcaption{font-size:13px;color:#3d4652;margin-top:6px}
 """
 
 
-def _html_table(headers: list[str], rows: list[list[str]], numeric: set[int], status_col: int | None = None) -> str:
+def _html_table(
+    headers: list[str], rows: list[list[str]], numeric: set[int], status_col: int | None = None
+) -> str:
     out = ["<table><thead><tr>", *(f"<th>{html.escape(h)}</th>" for h in headers), "</tr></thead><tbody>"]
     for row in rows:
         out.append("<tr>")
@@ -221,40 +262,53 @@ def _html_table(headers: list[str], rows: list[list[str]], numeric: set[int], st
     return "".join(out)
 
 
-def render_html(runs: list[RunData], scores: list[Score], figures: list[tuple[str, str, Path]],
-                notes: list[str]) -> str:
+def render_html(
+    runs: list[RunData], scores: list[Score], figures: list[tuple[str, str, Path]], notes: list[str]
+) -> str:
     """The self-contained page: every figure is embedded as a base64 data URI and linked to its file."""
     title = "fedmq report — " + ", ".join(r.name for r in runs)
-    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-             '<meta name="viewport" content="width=device-width, initial-scale=1">',
-             f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body><main>",
-             f"<h1>{html.escape(title)}</h1>",
-             f'<p class="sub">{len(runs)} run(s): ' + "; ".join(html.escape(str(r.path)) for r in runs) + "</p>"]
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body><main>",
+        f"<h1>{html.escape(title)}</h1>",
+        f'<p class="sub">{len(runs)} run(s): ' + "; ".join(html.escape(str(r.path)) for r in runs) + "</p>",
+    ]
     if notes:
-        parts.append('<div class="notes"><ul>' + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul></div>")
+        parts.append(
+            '<div class="notes"><ul>' + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul></div>"
+        )
     parts.append("<h2>Final scores</h2>")
     numeric = {3, 4, 5, 6, 7, 8, 9, 10}
     parts.append(_html_table(SCORE_HEADERS, [score_cells(s) for s in scores], numeric, status_col=11))
-    parts.append('<p class="sub">best valid: best validation value and its round; MB = 10<sup>6</sup> bytes '
-                 "on the wire (compressed), summed over rounds.</p>")
+    parts.append(
+        '<p class="sub">best valid: best validation value and its round; MB = 10<sup>6</sup> bytes '
+        "on the wire (compressed), summed over rounds.</p>"
+    )
     for key, caption, path in figures:
         data = base64.b64encode(path.read_bytes()).decode("ascii")
-        parts.append(f'<figure id="fig-{html.escape(key)}"><img src="data:image/png;base64,{data}" '
-                     f'alt="{html.escape(caption)}" data-file="{html.escape(path.name)}">'
-                     f'<figcaption>{html.escape(caption)} — <a href="{html.escape(path.name)}">'
-                     f"{html.escape(path.name)}</a></figcaption></figure>")
-    parts.append("<h2>Configuration</h2><div class=\"configs\">")
+        parts.append(
+            f'<figure id="fig-{html.escape(key)}"><img src="data:image/png;base64,{data}" '
+            f'alt="{html.escape(caption)}" data-file="{html.escape(path.name)}">'
+            f'<figcaption>{html.escape(caption)} — <a href="{html.escape(path.name)}">'
+            f"{html.escape(path.name)}</a></figcaption></figure>"
+        )
+    parts.append('<h2>Configuration</h2><div class="configs">')
     for run in runs:
         items = config_items(run.config) or [("config", "unknown (no config.json)")]
-        parts.append(f"<table><caption>{html.escape(run.name)}</caption><tbody>"
-                     + "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in items)
-                     + "</tbody></table>")
+        parts.append(
+            f"<table><caption>{html.escape(run.name)}</caption><tbody>"
+            + "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in items)
+            + "</tbody></table>"
+        )
     parts.append("</div></main></body></html>")
     return "\n".join(parts)
 
 
-def render_markdown(runs: list[RunData], scores: list[Score], figures: list[tuple[str, str, Path]],
-                    notes: list[str]) -> str:
+def render_markdown(
+    runs: list[RunData], scores: list[Score], figures: list[tuple[str, str, Path]], notes: list[str]
+) -> str:
     lines = ["# fedmq report", "", "## Final scores", "", markdown_table(scores).rstrip(), ""]
     if notes:
         lines += ["## Notes", "", *(f"- {_md_escape(n)}" for n in notes), ""]
@@ -284,16 +338,30 @@ def build_report(run_dirs: list[Path], out_dir: Path) -> ReportResult:
     notes = run_notes(runs)
 
     drawn: list[tuple[str, str, Any]] = [
-        ("validation", "Validation metric and mean reported training loss per round", plots.plot_validation(runs)),
+        (
+            "validation",
+            "Validation metric and mean reported training loss per round",
+            plots.plot_validation(runs),
+        ),
         ("bytes", "Bytes on the wire per round (compressed vs raw fp32)", plots.plot_bytes(runs)),
     ]
     for run in runs:
-        drawn.append((f"participation-{run.slug}", f"Participation per round — {run.label}",
-                      plots.plot_participation(run)))
+        drawn.append(
+            (
+                f"participation-{run.slug}",
+                f"Participation per round — {run.label}",
+                plots.plot_participation(run),
+            )
+        )
     for run in runs:
         if plots.has_weights(run):
-            drawn.append((f"weights-{run.slug}", f"Aggregation weight per client and round — {run.label}",
-                          plots.plot_weights(run)))
+            drawn.append(
+                (
+                    f"weights-{run.slug}",
+                    f"Aggregation weight per client and round — {run.label}",
+                    plots.plot_weights(run),
+                )
+            )
     figures: list[tuple[str, str, Path]] = []
     for key, caption, fig in drawn:
         path = out_dir / f"{key}.png"
@@ -303,10 +371,15 @@ def build_report(run_dirs: list[Path], out_dir: Path) -> ReportResult:
     md_path, html_path = out_dir / "report.md", out_dir / "report.html"
     write_atomic(md_path, render_markdown(runs, scores, figures, notes))  # a reader never sees half a page
     write_atomic(html_path, render_html(runs, scores, figures, notes))
-    result = ReportResult(out_dir=out_dir, html=html_path, markdown=md_path,
-                          figures={k: p for k, _, p in figures}, scores=scores,
-                          malformed_lines={r.name: r.malformed_lines for r in runs if r.malformed_lines},
-                          notes=notes)
+    result = ReportResult(
+        out_dir=out_dir,
+        html=html_path,
+        markdown=md_path,
+        figures={k: p for k, _, p in figures},
+        scores=scores,
+        malformed_lines={r.name: r.malformed_lines for r in runs if r.malformed_lines},
+        notes=notes,
+    )
     log.info("report written", out=str(out_dir), runs=len(runs), figures=len(figures))
     return result
 

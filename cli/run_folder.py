@@ -15,15 +15,18 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from fedmq.aggregator.runlog import CONFIG_FILE, RunFolderError, holds_run, read_config
 from fedmq.cli.errors import UsageError
 
 
 def default_dir(strategy: str) -> Path:
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", strategy.rpartition(":")[2] or strategy)  # package.module:Class -> Class
+    name = re.sub(
+        r"[^A-Za-z0-9_.-]+", "-", strategy.rpartition(":")[2] or strategy
+    )  # package.module:Class -> Class
     return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
 
 
@@ -38,15 +41,18 @@ def check(run_dir: Path, resume: bool) -> dict[str, Any] | None:
         except RunFolderError as exc:
             if exc.__cause__ is None:  # JSON, but not an object; else the error that made it unreadable
                 raise UsageError(f"--resume: {path} is not a run config (a JSON object)") from None
-            raise UsageError(f"--resume: cannot read {path} ({exc.__cause__}); the run cannot be rebuilt from it"
-                             ) from None
+            raise UsageError(
+                f"--resume: cannot read {path} ({exc.__cause__}); the run cannot be rebuilt from it"
+            ) from None
         if config is None:
             raise UsageError(f"--resume needs an existing run folder; {run_dir} has no {CONFIG_FILE}")
         return config
     held = holds_run(run_dir)
     if held:
-        raise UsageError(f"--out {run_dir} already holds a run ({held[0]}); pass --resume to continue it, "
-                         "or choose another --out")
+        raise UsageError(
+            f"--out {run_dir} already holds a run ({held[0]}); pass --resume to continue it, "
+            "or choose another --out"
+        )
     _check_writable(run_dir)
     return None
 
@@ -94,10 +100,12 @@ def check_checkpoint_fits(run_dir: Path, task: Any, seed: int) -> None:
     want = {k: tuple(v.shape) for k, v in model_state(task.build_model(seed)).items()}
     have = {k: tuple(v.shape) for k, v in ckpt.global_state.items()}
     if want != have:
-        name = next((k for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k)))
-        raise UsageError(f"the checkpoint in {run_dir} does not fit the model these options build (tensor {name}: "
-                         f"checkpoint {list(have.get(name, ()))}, model {list(want.get(name, ()))}); resume with "
-                         "the run's own data and task options")
+        name = next(k for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k))
+        raise UsageError(
+            f"the checkpoint in {run_dir} does not fit the model these options build (tensor {name}: "
+            f"checkpoint {list(have.get(name, ()))}, model {list(want.get(name, ()))}); resume with "
+            "the run's own data and task options"
+        )
 
 
 def _check_writable(run_dir: Path) -> None:

@@ -85,7 +85,9 @@ class RunData:
 
 
 def _natural_key(text: str) -> list[Any]:
-    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", text) if part]
+    return [
+        (0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", text) if part
+    ]
 
 
 def load_run(run_dir: Path | str, name: str | None = None) -> RunData:
@@ -95,11 +97,22 @@ def load_run(run_dir: Path | str, name: str | None = None) -> RunData:
         folder = read_run(run_dir)
     except RunFolderError as exc:
         raise ReportError(str(exc)) from None
-    run = RunData(path=folder.path, name=name or folder.path.resolve().name, config=folder.config,
-                  rows=folder.rounds, summary=folder.summary, malformed_lines=folder.malformed_lines,
-                  duplicate_rounds=folder.duplicate_rounds)
-    log.debug("run loaded", run=str(folder.path), rounds=len(run.rows), malformed=run.malformed_lines,
-              complete=run.complete)
+    run = RunData(
+        path=folder.path,
+        name=name or folder.path.resolve().name,
+        config=folder.config,
+        rows=folder.rounds,
+        summary=folder.summary,
+        malformed_lines=folder.malformed_lines,
+        duplicate_rounds=folder.duplicate_rounds,
+    )
+    log.debug(
+        "run loaded",
+        run=str(folder.path),
+        rounds=len(run.rows),
+        malformed=run.malformed_lines,
+        complete=run.complete,
+    )
     return run
 
 
@@ -109,7 +122,9 @@ def load_runs(run_dirs: list[Path] | list[str]) -> list[RunData]:
         raise ReportError("no run folder given")
     paths = [Path(p) for p in run_dirs]
     base_names = [p.resolve().name for p in paths]
-    names = [f"{p.resolve().parent.name}/{n}" if base_names.count(n) > 1 else n for p, n in zip(paths, base_names)]
+    names = [
+        f"{p.resolve().parent.name}/{n}" if base_names.count(n) > 1 else n for p, n in zip(paths, base_names)
+    ]
     seen: set[str] = set()
     for i, name in enumerate(names):  # same folder given twice: suffix, never silently merge
         base, k = name, 2

@@ -33,25 +33,70 @@ from fedmq.tasks.catalog import LM_ONLY, MODELS, NMT_ONLY, TASKS
 
 # flag -> JobConfig field
 JOB_FLAGS = {
-    "strategy": "strategy", "rounds": "rounds", "clients": "clients", "fraction": "fraction",
-    "min_clients": "min_clients", "beta": "beta", "loss_eps": "loss_eps", "eps": "att_eps", "norm": "att_norm",
-    "noise": "noise", "pull_fraction": "pull_fraction", "pull_down": "pull_down", "encoding": "encoding",
-    "down_encoding": "down_encoding", "epochs": "epochs", "batch_size": "batch_size", "lr": "lr",
-    "optimizer": "optimizer", "momentum": "momentum",
-    "round_lr_decay": "round_lr_decay", "max_steps": "max_steps", "report_deadline": "report_deadline_s",
-    "update_deadline": "update_deadline_s", "seed": "seed", "robust": "robust",
+    "strategy": "strategy",
+    "rounds": "rounds",
+    "clients": "clients",
+    "fraction": "fraction",
+    "min_clients": "min_clients",
+    "beta": "beta",
+    "loss_eps": "loss_eps",
+    "eps": "att_eps",
+    "norm": "att_norm",
+    "noise": "noise",
+    "pull_fraction": "pull_fraction",
+    "pull_down": "pull_down",
+    "encoding": "encoding",
+    "down_encoding": "down_encoding",
+    "epochs": "epochs",
+    "batch_size": "batch_size",
+    "lr": "lr",
+    "optimizer": "optimizer",
+    "momentum": "momentum",
+    "round_lr_decay": "round_lr_decay",
+    "max_steps": "max_steps",
+    "report_deadline": "report_deadline_s",
+    "update_deadline": "update_deadline_s",
+    "seed": "seed",
+    "robust": "robust",
 }
 # flags handed to the task (clients and seed go to both)
-TASK_FLAGS = ("task", "data", "model", "tied", "clients", "partition", "vocab_size", "max_lines", "max_eval_lines",
-              "domains", "eval_max_sentences", "beam", "bptt", "dropout", "seed")
+TASK_FLAGS = (
+    "task",
+    "data",
+    "model",
+    "tied",
+    "clients",
+    "partition",
+    "vocab_size",
+    "max_lines",
+    "max_eval_lines",
+    "domains",
+    "eval_max_sentences",
+    "beam",
+    "bptt",
+    "dropout",
+    "seed",
+)
 # (availability, faults, device and broker are flags only; the command reads them from the options)
 # flags about this invocation, not the run: never recorded, never compared on --resume
 NOT_RECORDED = ("config", "out", "resume", "keep_queues", "as_json", "log_level", "metrics_port")
 RESUMABLE = ("rounds", "device", "cohort", "broker")
 # JobConfig keys without a flag (the file may set them) and the task options without one
-FILE_JOB_KEYS = tuple(f.name for f in dataclasses.fields(JobConfig)
-                      if f.name not in JOB_FLAGS.values() and f.name not in ("job", "identity", "extra"))
-FILE_TASK_KEYS = ("emb", "hidden", "layers", "label_smoothing", "max_len", "eval_batch", "cache_dir", "eval_fraction")
+FILE_JOB_KEYS = tuple(
+    f.name
+    for f in dataclasses.fields(JobConfig)
+    if f.name not in JOB_FLAGS.values() and f.name not in ("job", "identity", "extra")
+)
+FILE_TASK_KEYS = (
+    "emb",
+    "hidden",
+    "layers",
+    "label_smoothing",
+    "max_len",
+    "eval_batch",
+    "cache_dir",
+    "eval_fraction",
+)
 FILE_IGNORED = ("job", "identity")
 DEFAULT_MODEL = {"lm": "gru-tiny", "nmt": "small"}  # CPU scale; the tasks' own defaults are the papers' sizes
 DEFAULT_CLIENTS = 8
@@ -74,7 +119,9 @@ def option_name(name: str) -> str:
 
 def from_context(ctx: Any, command: Any, saved: dict[str, Any] | None = None) -> Plan:
     """``resolve`` for a parsed click/typer context: the typed flags are those not from their defaults."""
-    given = {name for name in ctx.params if ctx.get_parameter_source(name).name not in ("DEFAULT", "DEFAULT_MAP")}
+    given = {
+        name for name in ctx.params if ctx.get_parameter_source(name).name not in ("DEFAULT", "DEFAULT_MAP")
+    }
     return resolve(dict(ctx.params), given, param_types(command), ctx.params.get("config"), saved)
 
 
@@ -89,8 +136,13 @@ def param_types(fn: Any) -> dict[str, str]:
     return out
 
 
-def resolve(params: dict[str, Any], given: set[str], types: dict[str, str], config: Path | None = None,
-            saved: dict[str, Any] | None = None) -> Plan:
+def resolve(
+    params: dict[str, Any],
+    given: set[str],
+    types: dict[str, str],
+    config: Path | None = None,
+    saved: dict[str, Any] | None = None,
+) -> Plan:
     """The run's options from the command line (``params``: every flag's value; ``given``: the ones typed;
     ``types``: each flag's type name, see ``param_types``), the ``--config`` file and, on --resume, the saved
     options."""
@@ -102,10 +154,14 @@ def resolve(params: dict[str, Any], given: set[str], types: dict[str, str], conf
         base = {**defaults, **saved}
         changed = [k for k, v in explicit.items() if k not in RESUMABLE and _norm(v) != _norm(base.get(k))]
         if changed:
-            diffs = ", ".join(f"{option_name(k) if k in params else k} {_show(explicit[k])} "
-                              f"(saved: {_show(base.get(k))})" for k in sorted(changed))
-            raise UsageError(f"--resume continues the run with its saved options; these differ: {diffs}. "
-                             "Drop them, or start a new run with another --out")
+            diffs = ", ".join(
+                f"{option_name(k) if k in params else k} {_show(explicit[k])} (saved: {_show(base.get(k))})"
+                for k in sorted(changed)
+            )
+            raise UsageError(
+                f"--resume continues the run with its saved options; these differ: {diffs}. "
+                "Drop them, or start a new run with another --out"
+            )
         values = {**base, **{k: v for k, v in explicit.items() if k in RESUMABLE}}
     else:
         values = {**defaults, **explicit}
@@ -124,6 +180,7 @@ def resolve(params: dict[str, Any], given: set[str], types: dict[str, str], conf
         raise UsageError(f"{names}: {'nmt' if task == 'lm' else 'lm'} option(s), not used by --task {task}")
     check(values)
     from fedmq.cli.logs import LEVELS
+
     if params.get("log_level", "info") not in LEVELS:
         raise UsageError(f"unknown log level {params['log_level']!r}; use one of {', '.join(LEVELS)}")
     port = params.get("metrics_port") or 0
@@ -135,7 +192,9 @@ def resolve(params: dict[str, Any], given: set[str], types: dict[str, str], conf
 def read_config_file(path: Path, types: dict[str, str]) -> dict[str, Any]:
     """The file's values under simulate's option names; one line for a missing file, bad TOML, key or type."""
     if not path.is_file():
-        raise UsageError(f"config file {path} not found" if not path.exists() else f"config file {path} is not a file")
+        raise UsageError(
+            f"config file {path} not found" if not path.exists() else f"config file {path} is not a file"
+        )
     try:
         raw = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
@@ -149,7 +208,9 @@ def read_config_file(path: Path, types: dict[str, str]) -> dict[str, Any]:
     def put(name: str, value: Any, kind: str | None, where: str) -> None:
         value = _typed(value, kind, f"config file {path}: {where}")
         if name in out and _norm(out[name]) != _norm(value):
-            raise UsageError(f"config file {path}: {where} = {_show(value)} contradicts {_show(out[name])} set above")
+            raise UsageError(
+                f"config file {path}: {where} = {_show(value)} contradicts {_show(out[name])} set above"
+            )
         out[name] = value
 
     task_table = raw.pop("task", {})
@@ -158,8 +219,10 @@ def read_config_file(path: Path, types: dict[str, str]) -> dict[str, Any]:
     unknown = sorted(k for k in raw if k not in flag_of and k not in FILE_JOB_KEYS and k not in FILE_IGNORED)
     unknown += sorted(f"task.{k}" for k in task_table if k not in TASK_FLAGS and k not in FILE_TASK_KEYS)
     if unknown:
-        raise UsageError(f"config file {path}: unknown key(s) {', '.join(unknown)} (JobConfig keys at the top level, "
-                         "task options in [task])")
+        raise UsageError(
+            f"config file {path}: unknown key(s) {', '.join(unknown)} (JobConfig keys at the top level, "
+            "task options in [task])"
+        )
     for key, value in raw.items():
         if key in flag_of:
             put(flag_of[key], value, types.get(flag_of[key]), key)
@@ -206,10 +269,13 @@ def check_data(task: str, data: str) -> None:
     torch-free); anything else gets its one line here, before torch loads."""
     if data == "builtin":
         if task == "nmt":
-            raise UsageError("the nmt task needs --data PATH to a folder of X.de/X.en files or of domain folders")
+            raise UsageError(
+                "the nmt task needs --data PATH to a folder of X.de/X.en files or of domain folders"
+            )
         return
     from fedmq.tasks.corpora import resolve
     from fedmq.tasks.errors import TaskError
+
     try:
         resolve(data)
     except TaskError as exc:
@@ -278,5 +344,10 @@ def _norm(value: Any) -> Any:
 def _show(value: Any) -> str:
     if value is None:
         return "unset"
-    return repr(value) if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else str(value)
-
+    return (
+        repr(value)
+        if isinstance(value, str)
+        else str(value).lower()
+        if isinstance(value, bool)
+        else str(value)
+    )

@@ -9,8 +9,9 @@ from __future__ import annotations
 import io
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from rich import box
 from rich.console import Console
@@ -70,8 +71,14 @@ def _nonzero(counts: Any) -> str:
 def to_text(*renderables: Any, width: int = 100, color: bool = False) -> str:
     """Render rich objects to a string (plain text unless ``color``), for typer.echo or tests."""
     buf = io.StringIO()
-    console = Console(file=buf, width=width, force_terminal=color, color_system="standard" if color else None,
-                      no_color=not color, highlight=False)
+    console = Console(
+        file=buf,
+        width=width,
+        force_terminal=color,
+        color_system="standard" if color else None,
+        no_color=not color,
+        highlight=False,
+    )
     for item in renderables:
         console.print(item)
     return buf.getvalue()
@@ -98,7 +105,10 @@ def status_tables(info: dict[str, Any]) -> list[Table]:
         ("round", _num(info.get("round"))),
         ("model version", _num(info.get("version"))),
         ("aggregators", agg_text),
-        ("agents online", f"{_count(online)}: {_names(online)}" if isinstance(online, (list, tuple, set)) else DASH),
+        (
+            "agents online",
+            f"{_count(online)}: {_names(online)}" if isinstance(online, (list, tuple, set)) else DASH,
+        ),
         ("messages rejected", _nonzero(info.get("rejected")) if "rejected" in info else None),
         ("messages dropped", _nonzero(info.get("dropped")) if "dropped" in info else None),
     ):
@@ -107,21 +117,29 @@ def status_tables(info: dict[str, Any]) -> list[Table]:
     broker = info.get("broker")
     if isinstance(broker, dict):
         for key, value in sorted(broker.items()):
-            overview.add_row(f"broker {key}", value if isinstance(value, str) else json.dumps(_jsonable(value)))
+            overview.add_row(
+                f"broker {key}", value if isinstance(value, str) else json.dumps(_jsonable(value))
+            )
 
     tables = [overview]
     row = info.get("last_metrics")
     if isinstance(row, dict) and row:
-        last = Table(title=f"last round ({_num(row.get('round'))})", show_header=False, title_justify="left",
-                     min_width=60)
+        last = Table(
+            title=f"last round ({_num(row.get('round'))})",
+            show_header=False,
+            title_justify="left",
+            min_width=60,
+        )
         last.add_column("what", style="bold")
         last.add_column("value")
         metric = row.get("metric") or "valid"
         last.add_row("strategy", str(row.get("strategy") or DASH))
         last.add_row(f"validation {metric}", _num(row.get("valid")))
         last.add_row("mean client loss", _num(row.get("mean_loss"), 4))
-        last.add_row("selected / reported / received",
-                     " / ".join(_count(row.get(k)) for k in ("selected", "reported", "received")))
+        last.add_row(
+            "selected / reported / received",
+            " / ".join(_count(row.get(k)) for k in ("selected", "reported", "received")),
+        )
         last.add_row("dropped", _names(row.get("dropped")))
         last.add_row("MB up / down", f"{_mb(row.get('bytes_up'))} / {_mb(row.get('bytes_down'))}")
         last.add_row("round wall time (s)", _num(row.get("wall_s"), 1))
@@ -170,26 +188,48 @@ def status_json(info: dict[str, Any]) -> str:
 
 
 # Short headers so the table fits an 80-column terminal; the caption spells the metric out.
-SUMMARY_COLUMNS = ["round", "strategy", "valid", "loss", "online", "sel.", "recv.", "drop.", "MB up", "MB dn",
-                   "wall s"]
+SUMMARY_COLUMNS = [
+    "round",
+    "strategy",
+    "valid",
+    "loss",
+    "online",
+    "sel.",
+    "recv.",
+    "drop.",
+    "MB up",
+    "MB dn",
+    "wall s",
+]
 _SHORT_METRIC = {"perplexity": "ppl"}
 
 
 def _summary_row(row: dict[str, Any]) -> list[str]:
     valid = "skipped" if row.get("skipped") else _num(row.get("valid"))
-    return [_num(row.get("round")), str(row.get("strategy") or DASH), valid, _num(row.get("mean_loss"), 3),
-            _count(row.get("online")), _count(row.get("selected")), _count(row.get("received")),
-            _count(row.get("dropped")), _mb(row.get("bytes_up")), _mb(row.get("bytes_down")),
-            _num(row.get("wall_s"), 1)]
+    return [
+        _num(row.get("round")),
+        str(row.get("strategy") or DASH),
+        valid,
+        _num(row.get("mean_loss"), 3),
+        _count(row.get("online")),
+        _count(row.get("selected")),
+        _count(row.get("received")),
+        _count(row.get("dropped")),
+        _mb(row.get("bytes_up")),
+        _mb(row.get("bytes_down")),
+        _num(row.get("wall_s"), 1),
+    ]
 
 
 def summary_caption(summary: dict[str, Any]) -> str:
     metric = summary.get("metric") or "score"
-    parts = [f"best valid {metric} {_num(summary.get('best_valid'))} (round {_num(summary.get('best_round'))})",
-             f"test {metric} {_num(summary.get('test'))}",
-             f"{_num(summary.get('rounds_completed'))} rounds completed, {_num(summary.get('rounds_skipped'))} skipped",
-             f"{_mb(summary.get('bytes_up'))} MB up, {_mb(summary.get('bytes_down'))} MB down",
-             f"{_num(summary.get('wall_s'), 1)} s"]
+    parts = [
+        f"best valid {metric} {_num(summary.get('best_valid'))} (round {_num(summary.get('best_round'))})",
+        f"test {metric} {_num(summary.get('test'))}",
+        f"{_num(summary.get('rounds_completed'))} rounds completed, {_num(summary.get('rounds_skipped'))} skipped",
+        f"{_mb(summary.get('bytes_up'))} MB up, {_mb(summary.get('bytes_down'))} MB down",
+        f"{_num(summary.get('wall_s'), 1)} s",
+    ]
     if summary.get("interrupted"):
         parts.append("interrupted")
     return " · ".join(parts)
@@ -205,19 +245,28 @@ def render_summary(summary: dict[str, Any], rows: Iterable[dict[str, Any]], *, m
     metric = summary.get("metric") or next((r.get("metric") for r in rows if r.get("metric")), "score")
     strategy = summary.get("strategy")
     title = "fedmq run" + (f" — {strategy}" if strategy else "")
-    table = Table(title=title, caption=summary_caption({**summary, "metric": metric}), title_justify="left",
-                  caption_justify="left", box=box.SIMPLE_HEAD, padding=0, pad_edge=False,
-                  show_edge=False)
+    table = Table(
+        title=title,
+        caption=summary_caption({**summary, "metric": metric}),
+        title_justify="left",
+        caption_justify="left",
+        box=box.SIMPLE_HEAD,
+        padding=0,
+        pad_edge=False,
+        show_edge=False,
+    )
     for name in SUMMARY_COLUMNS:
         header = f"valid {_SHORT_METRIC.get(metric, metric)}" if name == "valid" else name
         table.add_column(header, justify="left" if name == "strategy" else "right", no_wrap=True)
     if max_rows > 1 and len(rows) > max_rows:
-        head, tail = rows[: max_rows // 2], rows[-(max_rows - max_rows // 2 - 1):]
+        head, tail = rows[: max_rows // 2], rows[-(max_rows - max_rows // 2 - 1) :]
         for row in head:
             table.add_row(*_summary_row(row))
         table.add_row("…", f"{len(rows) - len(head) - len(tail)} more", *[""] * (len(SUMMARY_COLUMNS) - 2))
         rows = tail
     best = summary.get("best_round")
     for row in rows:
-        table.add_row(*_summary_row(row), style="bold" if best is not None and row.get("round") == best else None)
+        table.add_row(
+            *_summary_row(row), style="bold" if best is not None and row.get("round") == best else None
+        )
     return table

@@ -30,17 +30,25 @@ def gather(broker_url: str, job: str, run_dir: Path | None) -> dict[str, Any]:
     queues = checked.get("queues", {}) or {}
     inbox = queues.get(f"fedmq.{job}.inbox")
     on_broker = isinstance(inbox, dict) and not inbox.get("missing")
-    info["queue_depths"] = {name: q.get("messages", q) if isinstance(q, dict) else q for name, q in queues.items()
-                            if not (isinstance(q, dict) and q.get("missing"))}
+    info["queue_depths"] = {
+        name: q.get("messages", q) if isinstance(q, dict) else q
+        for name, q in queues.items()
+        if not (isinstance(q, dict) and q.get("missing"))
+    }
     consumers = inbox.get("consumers", 0) if on_broker else 0
     info["standby_waiting"] = consumers > 1
     info["aggregators"] = consumers
     live = read_status(run_dir) if run_dir else {}
     records = read_rounds(run_dir).records if run_dir else ()
     if not on_broker and not live and not records:
-        where = f" and no run in {run_dir}" if run_dir else " (a finished simulation deletes its queues: --run-dir"\
-                                                             " reads its run folder)"
-        raise UnknownJob(f"no job {job!r} on {info['broker'].get('url', broker_url)}: it has no inbox queue{where}")
+        where = (
+            f" and no run in {run_dir}"
+            if run_dir
+            else " (a finished simulation deletes its queues: --run-dir reads its run folder)"
+        )
+        raise UnknownJob(
+            f"no job {job!r} on {info['broker'].get('url', broker_url)}: it has no inbox queue{where}"
+        )
     row = records[-1].to_json() if records else {}
     info["last_metrics"] = row
     info["round"] = row.get("round")

@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -28,36 +29,52 @@ class _StatusCollector:
             if isinstance(info.get(key), (int, float)):
                 yield GaugeMetricFamily(f"fedmq_{key}", f"current {key}", value=float(info[key]))
         if "agents_online" in info:
-            yield GaugeMetricFamily("fedmq_agents_online", "agents seen within 3 heartbeats",
-                                    value=len(info["agents_online"]))
+            yield GaugeMetricFamily(
+                "fedmq_agents_online", "agents seen within 3 heartbeats", value=len(info["agents_online"])
+            )
         for name in ("rejected", "dropped"):
             if name in info:
-                fam = CounterMetricFamily(f"fedmq_messages_{name}", f"messages {name}, by reason", labels=["reason"])
+                fam = CounterMetricFamily(
+                    f"fedmq_messages_{name}", f"messages {name}, by reason", labels=["reason"]
+                )
                 for reason, count in info[name].items():
                     fam.add_metric([reason], float(count))
                 yield fam
         depths = info.get("queue_depths") or {}
         if depths:
-            fam = GaugeMetricFamily("fedmq_queue_depth", "messages ready in the job's queues", labels=["queue"])
+            fam = GaugeMetricFamily(
+                "fedmq_queue_depth", "messages ready in the job's queues", labels=["queue"]
+            )
             for queue, depth in depths.items():
                 fam.add_metric([queue], float(depth))
             yield fam
         broker = info.get("broker") or {}
         if "blocked" in broker:
-            yield GaugeMetricFamily("fedmq_broker_blocked", "1 while the broker blocks publishing (flow control)",
-                                    value=float(bool(broker["blocked"])))
+            yield GaugeMetricFamily(
+                "fedmq_broker_blocked",
+                "1 while the broker blocks publishing (flow control)",
+                value=float(bool(broker["blocked"])),
+            )
 
 
 class Telemetry:
     def __init__(self, status: Status, ready: Callable[[], bool]) -> None:
         self.status, self.ready = status, ready
         self.registry = CollectorRegistry()
-        self.registry.register(_StatusCollector(lambda: self.status()))  # self.status may be set later (simulate)
+        self.registry.register(
+            _StatusCollector(lambda: self.status())
+        )  # self.status may be set later (simulate)
         self.rounds = Counter("fedmq_rounds", "closed rounds", ["outcome"], registry=self.registry)
-        self.updates = Counter("fedmq_updates_accepted", "updates folded into a global model", registry=self.registry)
+        self.updates = Counter(
+            "fedmq_updates_accepted", "updates folded into a global model", registry=self.registry
+        )
         self.wire = Counter("fedmq_wire_bytes", "bytes on the wire", ["direction"], registry=self.registry)
-        self.duration = Histogram("fedmq_round_duration_seconds", "round wall time", registry=self.registry,
-                                  buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, float("inf")))
+        self.duration = Histogram(
+            "fedmq_round_duration_seconds",
+            "round wall time",
+            registry=self.registry,
+            buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, float("inf")),
+        )
         self.gauges: dict[str, Gauge] = {}  # created on their first value: no score reads as 0 before round 1
         self.server: ThreadingHTTPServer | None = None
 
@@ -69,11 +86,13 @@ class Telemetry:
         self.duration.observe(row.get("wall_s", 0.0))
         if row.get("valid") is not None:  # fedmq_validation_perplexity or fedmq_validation_bleu
             metric = re.sub(r"[^a-z0-9_]", "_", str(row.get("metric") or "score").lower())
-            self._gauge(f"fedmq_validation_{metric}",
-                        f"validation {metric} of the global model, last evaluated round").set(row["valid"])
+            self._gauge(
+                f"fedmq_validation_{metric}", f"validation {metric} of the global model, last evaluated round"
+            ).set(row["valid"])
         if row.get("mean_loss") is not None:
-            self._gauge("fedmq_train_loss", "mean training loss the clients reported, last round with reports"
-                        ).set(row["mean_loss"])
+            self._gauge(
+                "fedmq_train_loss", "mean training loss the clients reported, last round with reports"
+            ).set(row["mean_loss"])
 
     def _gauge(self, name: str, documentation: str) -> Gauge:
         if name not in self.gauges:

@@ -19,9 +19,10 @@ import random
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import structlog
 import torch
@@ -56,12 +57,16 @@ def stable_seed(*parts: object) -> int:
 class AgentLog:
     """What the agent did, for tests and the fault-suite audit: confirmed uploads per round."""
 
-    uploads: list[tuple[int, str]] = field(default_factory=list)  # (round, update msg id), after the broker confirmed
+    uploads: list[tuple[int, str]] = field(
+        default_factory=list
+    )  # (round, update msg id), after the broker confirmed
     rounds_trained: list[int] = field(default_factory=list)
     offline_rounds: list[int] = field(default_factory=list)
     faults: list[tuple[int, str]] = field(default_factory=list)
     fetched_bytes: int = 0  # model messages read from the stream
-    sent: dict[int, tuple[int, dict]] | None = None  # round -> (n_samples, tensors sent); kept only when asked (tests)
+    sent: dict[int, tuple[int, dict]] | None = (
+        None  # round -> (n_samples, tensors sent); kept only when asked (tests)
+    )
 
 
 class Offline(Exception):
@@ -83,17 +88,33 @@ class Prepared:
 
 
 class Agent:
-    def __init__(self, connect: Connect, job: str, client: str, index: int, task: Task, *,
-                 availability: Availability | None = None, faults: Faults | None = None, device: str = "cpu",
-                 heartbeat_s: float = 5.0, rejoin_s: float = 2.0, seed: int = 0,
-                 trainers: TrainerPool | None = None, store: Any = None, audit_log: str | Path | None = None,
-                 progress: Callable[[str, int, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        connect: Connect,
+        job: str,
+        client: str,
+        index: int,
+        task: Task,
+        *,
+        availability: Availability | None = None,
+        faults: Faults | None = None,
+        device: str = "cpu",
+        heartbeat_s: float = 5.0,
+        rejoin_s: float = 2.0,
+        seed: int = 0,
+        trainers: TrainerPool | None = None,
+        store: Any = None,
+        audit_log: str | Path | None = None,
+        progress: Callable[[str, int, int], None] | None = None,
+    ) -> None:
         self.connect, self.job, self.client, self.index, self.task = connect, job, client, index, task
         self.availability = availability or Availability()
         self.faults = faults or Faults()
         self.device, self.heartbeat_s, self.rejoin_s, self.seed = device, heartbeat_s, rejoin_s, seed
         self.trainers = trainers or TrainerPool(task, 1, seed)
-        self.store = store if store is not None else MemoryStore()  # what is kept between rounds (client_agent.state)
+        self.store = (
+            store if store is not None else MemoryStore()
+        )  # what is kept between rounds (client_agent.state)
         self.progress = progress  # (client, steps done, steps total) during local training, for progress bars
         self.audit_log = Path(audit_log) if audit_log else None  # JSON lines: one per broker-confirmed upload
         self.stop = threading.Event()
@@ -155,8 +176,12 @@ class Agent:
         if broker is None:
             return
         env = messages.presence(self.job, self.client, state, self.version)
-        broker.publish(topology.rk_presence(self.job, self.client), messages.encode(env), message_id=env.msg_id,
-                       timeout=timeout)
+        broker.publish(
+            topology.rk_presence(self.job, self.client),
+            messages.encode(env),
+            message_id=env.msg_id,
+            timeout=timeout,
+        )
 
     def _heartbeats(self) -> None:
         # a seeded phase per client: agents started together would otherwise heartbeat in bursts of K
@@ -194,7 +219,9 @@ class Agent:
 
     def _serve(self) -> None:
         while not self.stop.is_set():
-            env = self._next(timeout=max(self.heartbeat_s, 0.5))  # idle agents wake rarely (simulate runs K of them)
+            env = self._next(
+                timeout=max(self.heartbeat_s, 0.5)
+            )  # idle agents wake rarely (simulate runs K of them)
             if env is not None and env.kind is Kind.ANNOUNCE:
                 self._on_announce(env)
 
@@ -235,9 +262,13 @@ class Agent:
             return kept[1]
         entries = env.payload["models"]
         own = self._kept("own") or kept
-        entry = (next((e for e in entries if kept is not None and e["base_version"] == kept[0] >= 0), None)
-                 or next((e for e in entries if e["partial"] and own is not None), None)
-                 or next((e for e in entries if e["base_version"] == messages.NO_VERSION and not e["partial"]), None))
+        entry = (
+            next((e for e in entries if kept is not None and e["base_version"] == kept[0] >= 0), None)
+            or next((e for e in entries if e["partial"] and own is not None), None)
+            or next(
+                (e for e in entries if e["base_version"] == messages.NO_VERSION and not e["partial"]), None
+            )
+        )
         broker = self._broker
         if entry is None or broker is None:
             log.warning("no form of the announced model we can apply", client=self.client, version=version)
@@ -257,7 +288,9 @@ class Agent:
             assert own is not None
             pushed = {k: pushed.get(k, own[1][k]) for k in self.manifest.names}
         elif len(pushed) < len(self.manifest):
-            log.warning("global model rejected", client=self.client, reason="partial", detail="tensors missing")
+            log.warning(
+                "global model rejected", client=self.client, reason="partial", detail="tensors missing"
+            )
             return None
         return pushed
 
@@ -270,7 +303,9 @@ class Agent:
         try:
             delivery = broker.fetch(queue, entry["id"], offset=entry["since"], timeout=FIRST_TRY_S)
         except BrokerError:
-            log.info("model not found from its publish time; reading the stream from its start", client=self.client)
+            log.info(
+                "model not found from its publish time; reading the stream from its start", client=self.client
+            )
             delivery = broker.fetch(queue, entry["id"], offset="first", timeout=FETCH_TIMEOUT_S)
         self.log.fetched_bytes += len(delivery.body)
         menv = messages.decode(delivery.body)
@@ -304,13 +339,17 @@ class Agent:
             held = self._fetch_model(env)
             if held is None:
                 return
-            result = self._train(model, self._with_private(held, cfg), cfg, rnd, crash="crash-train" in faults)
+            result = self._train(
+                model, self._with_private(held, cfg), cfg, rnd, crash="crash-train" in faults
+            )
             prepared = self._prepare(model, held, cfg, rnd, version, result)
         if "slow" in faults:
             self.log.faults.append((rnd, "slow"))
             time.sleep(self.faults.slow_seconds)
-        self._send(messages.report(self.job, rnd, self.client, version, result.reported, result.n_samples),
-                   topology.rk_report(self.job, self.client))
+        self._send(
+            messages.report(self.job, rnd, self.client, version, result.reported, result.n_samples),
+            topology.rk_report(self.job, self.client),
+        )
         if sync and cfg.grant and not self._wait_grant(rnd):
             return
         if "crash-grant" in faults:
@@ -325,13 +364,25 @@ class Agent:
         private = self._kept("private") if cfg.pull != "all" and not cfg.pull_down else None
         return held if private is None else {**held, **private[1]}
 
-    def _train(self, model: torch.nn.Module, held: State, cfg: RoundConfig, rnd: int, crash: bool) -> TrainResult:
+    def _train(
+        self, model: torch.nn.Module, held: State, cfg: RoundConfig, rnd: int, crash: bool
+    ) -> TrainResult:
         load_state(model, held)
-        tcfg = TrainConfig(epochs=cfg.epochs, batch_size=cfg.batch_size, lr=cfg.lr,
-                           optimizer=cfg.optimizer, momentum=cfg.momentum, lr_decay=cfg.lr_decay,
-                           clip=cfg.clip, max_steps=cfg.max_steps, full_batch=cfg.full_batch, device=self.device,
-                           amp=cfg.amp,
-                           tail_loss=cfg.tail_loss, seed=stable_seed(cfg.seed, self.client, rnd))
+        tcfg = TrainConfig(
+            epochs=cfg.epochs,
+            batch_size=cfg.batch_size,
+            lr=cfg.lr,
+            optimizer=cfg.optimizer,
+            momentum=cfg.momentum,
+            lr_decay=cfg.lr_decay,
+            clip=cfg.clip,
+            max_steps=cfg.max_steps,
+            full_batch=cfg.full_batch,
+            device=self.device,
+            amp=cfg.amp,
+            tail_loss=cfg.tail_loss,
+            seed=stable_seed(cfg.seed, self.client, rnd),
+        )
         if crash:
             self.log.faults.append((rnd, "crash-train"))
             raise Offline("fault: crashed during training", False)
@@ -345,8 +396,15 @@ class Agent:
         borrowed (what is kept past the round is cloned in _prepare)."""
         return model_state(model)
 
-    def _prepare(self, model: torch.nn.Module, held: State, cfg: RoundConfig, rnd: int, version: int,
-                 result: TrainResult) -> Prepared:
+    def _prepare(
+        self,
+        model: torch.nn.Module,
+        held: State,
+        cfg: RoundConfig,
+        rnd: int,
+        version: int,
+        result: TrainResult,
+    ) -> Prepared:
         """Encode the update (before the grant, so the trainer and the global model can go) and keep what
         the job's algorithm needs for our next round."""
         current = trained = self._trained_state(model)
@@ -356,9 +414,15 @@ class Agent:
         names = list(current)
         if cfg.pull != "all":
             own = self._kept("own")
-            names = select_tensors(current, own[1] if own else None, self.groups, cfg.pull,
-                                   cfg.pull_fraction, random.Random(stable_seed(cfg.seed, self.client, rnd, "pull")),
-                                   cfg.pull_by)
+            names = select_tensors(
+                current,
+                own[1] if own else None,
+                self.groups,
+                cfg.pull,
+                cfg.pull_fraction,
+                random.Random(stable_seed(cfg.seed, self.client, rnd, "pull")),
+                cfg.pull_by,
+            )
         spec = EncodingSpec.parse(cfg.encoding)
         upload = {k: current[k] for k in names}
         residual = self._kept("residual") if cfg.error_feedback else None
@@ -373,7 +437,9 @@ class Agent:
             self.store.put(self.client, "own", version, {k: v.clone() for k, v in current.items()})
         if cfg.pull != "all" and not cfg.pull_down:
             kept = set(names)
-            self.store.put(self.client, "private", version, {k: v.clone() for k, v in trained.items() if k not in kept})
+            self.store.put(
+                self.client, "private", version, {k: v.clone() for k, v in trained.items() if k not in kept}
+            )
         if cfg.keep_model:
             self.store.put(self.client, "model", version, held)
             self.version = version
@@ -382,8 +448,9 @@ class Agent:
             self.version = messages.NO_VERSION
         return Prepared(result, messages.encode(env), env.msg_id, sent)
 
-    def _keep_residual(self, upload: State, held: State, tensors: dict, version: int,
-                       residual: tuple[int, State] | None) -> None:
+    def _keep_residual(
+        self, upload: State, held: State, tensors: dict, version: int, residual: tuple[int, State] | None
+    ) -> None:
         """Error feedback for sparsified deltas (Stich et al. 2018, "Sparsified SGD with memory"; Lin et al. 2018,
         Deep Gradient Compression): keep e = (Δ + e_prev) − what the aggregator will decode, and add it to the next
         upload, so no coordinate's change is dropped for good, only delayed. e lives in parameter space, so it
@@ -421,8 +488,15 @@ class Agent:
         """Append one confirmed upload to the audit log (flushed: a kill -9 right after cannot lose it)."""
         if self.audit_log is None:
             return
-        line = json.dumps({"client": self.client, "round": rnd, "update_id": update_id, "model_version": version,
-                           "time": time.time()})
+        line = json.dumps(
+            {
+                "client": self.client,
+                "round": rnd,
+                "update_id": update_id,
+                "model_version": version,
+                "time": time.time(),
+            }
+        )
         with open(self.audit_log, "a") as fh:
             fh.write(line + "\n")
             fh.flush()

@@ -102,7 +102,9 @@ def _load_trace(path: str) -> dict[str, list[tuple[int, int]]]:
             raw = json.loads(file.read_text())
             out = {str(c): [(int(a), int(b)) for a, b in spans] for c, spans in raw.items()}
     except (ValueError, TypeError, IndexError, AttributeError) as exc:
-        raise ConfigError(f"trace file {path!r} is malformed ({exc}); see client_agent/availability.py for the format") from None
+        raise ConfigError(
+            f"trace file {path!r} is malformed ({exc}); see client_agent/availability.py for the format"
+        ) from None
     return out
 
 
@@ -116,12 +118,16 @@ def parse_availability(text: str, seed: int = 0) -> Availability:
     elif name == "markov":
         parts = arg.split(",")
         if len(parts) != 2:
-            raise ConfigError("markov needs two probabilities: markov:P_STAY_ON,P_STAY_OFF (e.g. markov:0.9,0.7)")
+            raise ConfigError(
+                "markov needs two probabilities: markov:P_STAY_ON,P_STAY_OFF (e.g. markov:0.9,0.7)"
+            )
         model = Markov(_prob(parts[0], "markov stay-on"), _prob(parts[1], "markov stay-off"), seed)
     elif name == "trace" and arg:
         model = Trace(_load_trace(arg))
     else:
-        raise ConfigError(f"unknown availability model {text!r}; use always, bernoulli:P, markov:A,B or trace:FILE")
+        raise ConfigError(
+            f"unknown availability model {text!r}; use always, bernoulli:P, markov:A,B or trace:FILE"
+        )
     model.spec = text.strip()
     return model
 
@@ -141,8 +147,12 @@ class Faults:
     def draw(self, client: str, rnd: int) -> set[str]:
         rng = _rng(self.seed, client, rnd, "faults")
         picked = set()
-        for name, p in (("crash-train", self.crash_train), ("crash-grant", self.crash_grant),
-                        ("cut", self.cut), ("slow", self.slow)):
+        for name, p in (
+            ("crash-train", self.crash_train),
+            ("crash-grant", self.crash_grant),
+            ("cut", self.cut),
+            ("slow", self.slow),
+        ):
             if rng.random() < p:
                 picked.add(name)
         return picked
@@ -162,5 +172,7 @@ def parse_faults(text: str, seed: int = 0) -> Faults:
         elif name in ("crash-train", "crash-grant", "cut"):
             setattr(faults, name.replace("-", "_"), _prob(rest, f"{name}:P"))
         else:
-            raise ConfigError(f"unknown fault {item!r}; use crash-train:P, crash-grant:P, slow:P:SECONDS or cut:P")
+            raise ConfigError(
+                f"unknown fault {item!r}; use crash-train:P, crash-grant:P, slow:P:SECONDS or cut:P"
+            )
     return faults

@@ -25,9 +25,10 @@ import contextvars
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import structlog
 import torch
@@ -38,7 +39,7 @@ from fedmq.tasks.base import Progress, Task, TrainConfig, TrainResult
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
-_PART: "contextvars.ContextVar[str | None]" = contextvars.ContextVar("taking_part", default=None)
+_PART: contextvars.ContextVar[str | None] = contextvars.ContextVar("taking_part", default=None)
 
 
 class TrainerPool:
@@ -51,12 +52,12 @@ class TrainerPool:
         first = task.build_model(seed)
         self.manifest: Manifest = task.manifest(first)
         self.groups = task.groups()
-        self._free: "queue.Queue[torch.nn.Module]" = queue.Queue()
+        self._free: queue.Queue[torch.nn.Module] = queue.Queue()
         self._free.put(first)
         self._built = 1
         self._open = True
         self._lock = threading.Lock()
-        self._workers: dict[int, "queue.Queue[tuple[Callable[[], Any], Future]]"] = {}
+        self._workers: dict[int, queue.Queue[tuple[Callable[[], Any], Future]]] = {}
 
     @contextlib.contextmanager
     def borrow(self) -> Iterator[torch.nn.Module]:
@@ -79,7 +80,9 @@ class TrainerPool:
         end of its training, however it ends. Nothing to a pool whose trainers work alone (CohortPool's)."""
         yield
 
-    def train(self, model: torch.nn.Module, client: int, cfg: TrainConfig, progress: Progress | None = None) -> TrainResult:
+    def train(
+        self, model: torch.nn.Module, client: int, cfg: TrainConfig, progress: Progress | None = None
+    ) -> TrainResult:
         """Local training of ``client`` on the borrowed ``model``, on the model's thread."""
         return self.run(model, self.task.train, model, client, cfg, progress=progress)
 
@@ -90,7 +93,9 @@ class TrainerPool:
             jobs = self._workers.get(id(model))
             if jobs is None:
                 jobs = self._workers[id(model)] = queue.Queue()
-                threading.Thread(target=_serve, args=(jobs,), name=f"trainer-{len(self._workers)}", daemon=True).start()
+                threading.Thread(
+                    target=_serve, args=(jobs,), name=f"trainer-{len(self._workers)}", daemon=True
+                ).start()
         done: Future = Future()
         context = contextvars.copy_context()
         jobs.put((lambda: context.run(fn, *args, **kwargs), done))
@@ -121,8 +126,9 @@ class CohortPool(TrainerPool):
     that never shows up (its announcement lost) is waited for ``patience_s`` of quiet at most, and not at all
     once every model of the pool is in a job. ``cohorts`` lists the sizes trained."""
 
-    def __init__(self, task: Task, size: int = 1, seed: int = 0, settle_s: float = 0.2,
-                 patience_s: float = 10.0) -> None:
+    def __init__(
+        self, task: Task, size: int = 1, seed: int = 0, settle_s: float = 0.2, patience_s: float = 10.0
+    ) -> None:
         super().__init__(task, size, seed)
         self.settle_s, self.patience_s = settle_s, patience_s
         self.cohorts: list[int] = []
@@ -170,7 +176,9 @@ class CohortPool(TrainerPool):
                 self._expected.discard(agent)  # offline, crashed or failed: the cohort does not wait for it
                 self._changed()
 
-    def train(self, model: torch.nn.Module, client: int, cfg: TrainConfig, progress: Progress | None = None) -> TrainResult:
+    def train(
+        self, model: torch.nn.Module, client: int, cfg: TrainConfig, progress: Progress | None = None
+    ) -> TrainResult:
         job = _Job(model, client, cfg, progress)
         with self._cond:
             if self._closed:
@@ -212,8 +220,12 @@ class CohortPool(TrainerPool):
             jobs = self._next_cohort()
             self.cohorts.append(len(jobs))
             try:
-                results = self.task.train_cohort([j.model for j in jobs], [j.client for j in jobs],
-                                                 [j.cfg for j in jobs], [j.progress for j in jobs])
+                results = self.task.train_cohort(
+                    [j.model for j in jobs],
+                    [j.client for j in jobs],
+                    [j.cfg for j in jobs],
+                    [j.progress for j in jobs],
+                )
             except BaseException as exc:  # every job of the cohort fails with it, as each would have alone
                 for j in jobs:
                     j.done.set_exception(exc)
@@ -223,7 +235,7 @@ class CohortPool(TrainerPool):
                 j.done.set_result(result)
 
 
-def _serve(jobs: "queue.Queue[tuple[Callable[[], Any], Future]]") -> None:
+def _serve(jobs: queue.Queue[tuple[Callable[[], Any], Future]]) -> None:
     while True:
         work, done = jobs.get()
         try:

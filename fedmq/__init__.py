@@ -27,16 +27,25 @@ from typing import Any
 
 _EXPORTS = {
     # what a task is made of (fedmq.tasks.base)
-    "Task": "fedmq.tasks.base", "TrainConfig": "fedmq.tasks.base", "TrainResult": "fedmq.tasks.base",
-    "Progress": "fedmq.tasks.base", "model_state": "fedmq.tasks.base", "load_state": "fedmq.tasks.base",
+    "Task": "fedmq.tasks.base",
+    "TrainConfig": "fedmq.tasks.base",
+    "TrainResult": "fedmq.tasks.base",
+    "Progress": "fedmq.tasks.base",
+    "model_state": "fedmq.tasks.base",
+    "load_state": "fedmq.tasks.base",
     # what a strategy is made of (the aggregator's interface)
-    "Strategy": "fedmq.aggregator.strategies.base", "ClientUpdate": "fedmq.aggregator.strategies.base",
-    "State": "fedmq.aggregator.strategies.base", "RoundPlan": "fedmq.aggregator.strategies.base",
+    "Strategy": "fedmq.aggregator.strategies.base",
+    "ClientUpdate": "fedmq.aggregator.strategies.base",
+    "State": "fedmq.aggregator.strategies.base",
+    "RoundPlan": "fedmq.aggregator.strategies.base",
     "RoundConfig": "fedmq.broker.wire.messages",
     # running a job
-    "JobConfig": "fedmq.aggregator.config", "Simulation": "fedmq.simulation",
+    "JobConfig": "fedmq.aggregator.config",
+    "Simulation": "fedmq.simulation",
     # errors: one line for the user
-    "FedmqError": "fedmq.errors", "StrategyError": "fedmq.errors", "BadParameter": "fedmq.errors",
+    "FedmqError": "fedmq.errors",
+    "StrategyError": "fedmq.errors",
+    "BadParameter": "fedmq.errors",
     "TaskError": "fedmq.tasks.errors",
 }
 __all__ = sorted(_EXPORTS)

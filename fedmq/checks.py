@@ -8,8 +8,15 @@ from typing import Any
 from fedmq.errors import BadParameter
 
 
-def check_number(name: str, value: Any, *, low: float | None = None, high: float | None = None,
-                 low_open: bool = False, high_open: bool = False) -> float:
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
     """Validate a numeric parameter; raise BadParameter with a one-line message."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise BadParameter(f"{name} must be a finite number, got {value!r}")

@@ -10,19 +10,23 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any
 
 
 @contextlib.contextmanager
-def replacing(path: str | os.PathLike, *, text: bool = False, durable: bool = False,
-              private: bool = False) -> Iterator[IO[Any]]:
+def replacing(
+    path: str | os.PathLike, *, text: bool = False, durable: bool = False, private: bool = False
+) -> Iterator[IO[Any]]:
     """A file to write ``path``'s new content to (binary, or text in UTF-8 with ``text``): it replaces ``path``
     when the block ends, and is removed instead when the block raises."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")  # a dot first: no reader's glob sees it
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o666)  # 0o666: the umask's
+        fd = os.open(
+            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o666
+        )  # 0o666: the umask's
         with os.fdopen(fd, "w", encoding="utf-8", newline="") if text else os.fdopen(fd, "wb") as fh:
             yield fh
             if durable:
@@ -36,7 +40,9 @@ def replacing(path: str | os.PathLike, *, text: bool = False, durable: bool = Fa
         fsync_dir(path.parent)
 
 
-def write_atomic(path: str | os.PathLike, data: bytes | str, *, durable: bool = False, private: bool = False) -> None:
+def write_atomic(
+    path: str | os.PathLike, data: bytes | str, *, durable: bool = False, private: bool = False
+) -> None:
     """Replace ``path`` by ``data`` (a str is written as UTF-8), whole or not at all (module docstring)."""
     with replacing(path, text=isinstance(data, str), durable=durable, private=private) as fh:
         fh.write(data)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -27,12 +27,16 @@ class Manifest:
     tensors: tuple[TensorSpec, ...]
 
     @classmethod
-    def from_arrays(cls, state: Mapping[str, "np.ndarray"], groups: Mapping[str, str] | None = None) -> "Manifest":
+    def from_arrays(
+        cls, state: Mapping[str, np.ndarray], groups: Mapping[str, str] | None = None
+    ) -> Manifest:
         """Build a manifest from a name -> array mapping (numpy arrays or torch tensors)."""
         specs = []
         for name, arr in state.items():
             dtype = str(arr.dtype).replace("torch.", "")
-            specs.append(TensorSpec(name, tuple(int(s) for s in arr.shape), dtype, (groups or {}).get(name, "model")))
+            specs.append(
+                TensorSpec(name, tuple(int(s) for s in arr.shape), dtype, (groups or {}).get(name, "model"))
+            )
         return cls(tuple(specs))
 
     def __post_init__(self) -> None:
@@ -72,8 +76,12 @@ class Manifest:
         return self.numel * 4 + (1 << 16)
 
     def to_dict(self) -> list[dict]:
-        return [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "group": t.group} for t in self.tensors]
+        return [
+            {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "group": t.group} for t in self.tensors
+        ]
 
     @classmethod
-    def from_dict(cls, rows: list[dict]) -> "Manifest":
-        return cls(tuple(TensorSpec(r["name"], tuple(r["shape"]), r["dtype"], r.get("group", "model")) for r in rows))
+    def from_dict(cls, rows: list[dict]) -> Manifest:
+        return cls(
+            tuple(TensorSpec(r["name"], tuple(r["shape"]), r["dtype"], r.get("group", "model")) for r in rows)
+        )

@@ -26,10 +26,13 @@ def load_class(path: str, base: type, what: str, error: type[Exception]) -> type
         raise error(f"cannot import {what} module {module_name!r}: {type(exc).__name__}: {exc}") from None
     cls = getattr(module, attr, None)
     if not (isinstance(cls, type) and issubclass(cls, base)):
-        found = "nothing" if cls is None else type(cls).__name__ if not isinstance(cls, type) else cls.__name__
-        raise error(f"{what} {path!r} must name a subclass of {base.__module__}.{base.__name__}; found {found}")
+        found = (
+            "nothing" if cls is None else type(cls).__name__ if not isinstance(cls, type) else cls.__name__
+        )
+        raise error(
+            f"{what} {path!r} must name a subclass of {base.__module__}.{base.__name__}; found {found}"
+        )
     if inspect.isabstract(cls):
         missing = ", ".join(sorted(getattr(cls, "__abstractmethods__", ())))
         raise error(f"{what} {path!r} does not implement {missing}")
     return cls
-

@@ -26,7 +26,8 @@ result is in the order of ``current``.
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -36,11 +37,18 @@ from fedmq.errors import BadParameter
 if TYPE_CHECKING:  # torch is imported where it is used: the round protocol reads MODES and SHARES without it
     import torch
 
-MODES = ("local", "global", "random", "all")  # the paper's DP_l, DP_g, random; aggregator.config maps strategies to them
+MODES = (
+    "local",
+    "global",
+    "random",
+    "all",
+)  # the paper's DP_l, DP_g, random; aggregator.config maps strategies to them
 SHARES = ("params", "count")  # what the fraction is a share of
 
 
-def tensor_changes(current: Mapping[str, torch.Tensor], previous: Mapping[str, torch.Tensor]) -> dict[str, float]:
+def tensor_changes(
+    current: Mapping[str, torch.Tensor], previous: Mapping[str, torch.Tensor]
+) -> dict[str, float]:
     """d_t for every tensor present in both states."""
     import torch
 
@@ -82,8 +90,14 @@ def select_tensors(
     return [name for name in current if name in chosen]
 
 
-def _by_count(names: list[str], d: dict[str, float], _sizes: dict[str, int], mode: str, f: float,
-              rng: random.Random | np.random.Generator | None) -> list[str]:
+def _by_count(
+    names: list[str],
+    d: dict[str, float],
+    _sizes: dict[str, int],
+    mode: str,
+    f: float,
+    rng: random.Random | np.random.Generator | None,
+) -> list[str]:
     import torch
 
     values = torch.tensor([d[n] for n in names], dtype=torch.float64)
@@ -95,8 +109,14 @@ def _by_count(names: list[str], d: dict[str, float], _sizes: dict[str, int], mod
     return picked if mode == "global" else _sample(sorted(names), len(picked), rng)
 
 
-def _by_params(names: list[str], d: dict[str, float], sizes: dict[str, int], mode: str, f: float,
-               rng: random.Random | np.random.Generator | None) -> list[str]:
+def _by_params(
+    names: list[str],
+    d: dict[str, float],
+    sizes: dict[str, int],
+    mode: str,
+    f: float,
+    rng: random.Random | np.random.Generator | None,
+) -> list[str]:
     budget = f * sum(sizes.values())
     if mode == "local":  # slowest first, while the parameters sent stay within the budget
         sent, total = [], 0
@@ -141,4 +161,3 @@ def _sample(names: list[str], k: int, rng: random.Random | np.random.Generator |
     if isinstance(rng, random.Random):
         return rng.sample(names, k)
     raise BadParameter(f"rng must be random.Random or numpy.random.Generator, got {type(rng).__name__}")
-

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import structlog
 
@@ -94,28 +95,51 @@ class Simulation:
         memory = shared_user is None
         limit = {"chunk_limit": IN_PROCESS_CHUNK_LIMIT} if memory else {}
         agg_broker = connect(self.broker_url, user=topology.AGGREGATOR_USER if memory else None, **limit)
-        self.engine = engine = Engine(agg_broker, self.task, cfg, self.run_dir, durable=shared_user is not None,
-                                      device=self.device,
-                                      on_round=self.on_round)
+        self.engine = engine = Engine(
+            agg_broker,
+            self.task,
+            cfg,
+            self.run_dir,
+            durable=shared_user is not None,
+            device=self.device,
+            on_round=self.on_round,
+        )
         # a cohort pool holds a model per agent training at once (built on first borrow: the selected ones)
-        self.pool = pool = CohortPool(self.task, max(self.trainers, cfg.clients), cfg.seed) if self.cohort \
+        self.pool = pool = (
+            CohortPool(self.task, max(self.trainers, cfg.clients), cfg.seed)
+            if self.cohort
             else TrainerPool(self.task, self.trainers, cfg.seed)
+        )
         store = DiskStore(self.run_dir / "clients")
         agents, threads = [], []
         for i in range(cfg.clients):
             client = f"agent-{i}"
-            agent = Agent(lambda c=client: connect(self.broker_url, user=c if memory else None, **limit), cfg.job, client, i, self.task,
-                          availability=availability, faults=faults, device=self.device,
-                          heartbeat_s=cfg.heartbeat_s, rejoin_s=self.rejoin_s, seed=cfg.seed, trainers=pool, store=store,
-                          progress=self.on_local_progress)
+            agent = Agent(
+                lambda c=client: connect(self.broker_url, user=c if memory else None, **limit),
+                cfg.job,
+                client,
+                i,
+                self.task,
+                availability=availability,
+                faults=faults,
+                device=self.device,
+                heartbeat_s=cfg.heartbeat_s,
+                rejoin_s=self.rejoin_s,
+                seed=cfg.seed,
+                trainers=pool,
+                store=store,
+                progress=self.on_local_progress,
+            )
             agents.append(agent)
             self.agent_logs[client] = agent.log
             threads.append(threading.Thread(target=self._run_agent, args=(agent,), name=client, daemon=True))
         watcher = None
         if stop is not None:
+
             def watch() -> None:
                 stop.wait()
                 engine.stop.set()
+
             watcher = threading.Thread(target=watch, daemon=True)
             watcher.start()
         started: list[threading.Thread] = []
@@ -128,7 +152,9 @@ class Simulation:
                 started.append(t)
             try:
                 summary = engine.run(resume=self.resume)
-            except Exception as exc:  # the traceback goes to the run's log; the user gets the cause in one line
+            except (
+                Exception
+            ) as exc:  # the traceback goes to the run's log; the user gets the cause in one line
                 log.error("aggregator failed", exc_info=True, file_only=True)
                 self._fail(f"aggregator: {_one_line(exc)}")
         finally:
@@ -138,7 +164,9 @@ class Simulation:
             for t in started:
                 t.join(timeout=max(deadline - time.time(), 0.1))
             pool.close()
-            if isinstance(agg_broker, MemoryBroker):  # the in-process hub outlives the run: leave nothing there
+            if isinstance(
+                agg_broker, MemoryBroker
+            ):  # the in-process hub outlives the run: leave nothing there
                 agg_broker.purge_job(cfg.job)
             agg_broker.close()
             if not memory and not self.keep_queues:
@@ -159,7 +187,9 @@ class Simulation:
             agent.run()
         except Exception as exc:
             log.error("agent failed", client=agent.client, exc_info=True, file_only=True)
-            if not agent.stop.is_set():  # once the run is over (e.g. its trainers closed under it), not a failure
+            if (
+                not agent.stop.is_set()
+            ):  # once the run is over (e.g. its trainers closed under it), not a failure
                 self._fail(f"agent {agent.client}: {_one_line(exc)}")
 
     def _fail(self, cause: str) -> None:
@@ -170,6 +200,7 @@ class Simulation:
     def _delete_queues(self, agents: list[str]) -> None:
         """A simulation's job exists only for the run: leave nothing on the broker (unless keep_queues)."""
         from fedmq.broker.transport.provision import purge
+
         try:
             deleted = purge(self.broker_url, self.cfg.job, agents)
             log.info("deleted the job's queues", job=self.cfg.job, queues=len(deleted))

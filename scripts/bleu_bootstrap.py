@@ -23,8 +23,8 @@ from sacrebleu.metrics import BLEU
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fedmq.benchmarks.experiments import _NMT, ExperimentError, domain_pairs, nmt_options, parse_seeds  # noqa: E402
-from fedmq.tasks.registry import make_task  # noqa: E402
 from fedmq.tasks.base import load_state  # noqa: E402
+from fedmq.tasks.registry import make_task  # noqa: E402
 
 _BLEU = BLEU()
 
@@ -43,7 +43,9 @@ def score(stats: np.ndarray) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("exp_dir", type=Path, help="the experiment folder (holds spm-cache/ and seed-S/RUN/best.pt)")
+    parser.add_argument(
+        "exp_dir", type=Path, help="the experiment folder (holds spm-cache/ and seed-S/RUN/best.pt)"
+    )
     parser.add_argument("run_a")
     parser.add_argument("run_b")
     parser.add_argument("--seeds", default="0,1,2")
@@ -74,13 +76,16 @@ def main() -> None:
     for i in range(args.resamples):  # one draw of the test set, applied to every seed (they share it)
         draw = [rng.integers(0, size, size) for size in sizes]
         for seed in seeds:
-            diffs[seed][i] = (np.mean([score(a[idx]) for (a, _), idx in zip(runs[seed], draw)])
-                              - np.mean([score(b[idx]) for (_, b), idx in zip(runs[seed], draw)]))
+            diffs[seed][i] = np.mean([score(a[idx]) for (a, _), idx in zip(runs[seed], draw)]) - np.mean(
+                [score(b[idx]) for (_, b), idx in zip(runs[seed], draw)]
+            )
     for seed in seeds:
         full = np.mean([score(a) - score(b) for a, b in runs[seed]])
         low, high = np.percentile(diffs[seed], [2.5, 97.5])
-        print(f"seed {seed}: {args.run_a} - {args.run_b} = {full:+.2f}, 95 % [{low:+.2f}, {high:+.2f}], "
-              f"A ahead in {np.mean(diffs[seed] > 0):.1%} of {args.resamples} resamples")
+        print(
+            f"seed {seed}: {args.run_a} - {args.run_b} = {full:+.2f}, 95 % [{low:+.2f}, {high:+.2f}], "
+            f"A ahead in {np.mean(diffs[seed] > 0):.1%} of {args.resamples} resamples"
+        )
     mean = np.mean([diffs[seed] for seed in seeds], axis=0)
     low, high = np.percentile(mean, [2.5, 97.5])
     print(f"mean over seeds: 95 % [{low:+.2f}, {high:+.2f}], A ahead in {np.mean(mean > 0):.1%} of resamples")

@@ -42,8 +42,18 @@ def kib(pid: int, field: str) -> int:
 def bomb(job: str, size: int) -> bytes:
     """An update envelope whose tensors are a bin of ``size`` zeros, zstd'ed with its size declared."""
     head = msgpack.packb(["update", job, 1, "agent-0", 0, "bomb", time.time()], use_bin_type=True)
-    prefix = (b"\x98" + head[1:] + b"\x83" + msgpack.packb("loss") + msgpack.packb(1.0) + msgpack.packb("n_samples")
-              + msgpack.packb(10) + msgpack.packb("tensors") + b"\xc6" + size.to_bytes(4, "big"))
+    prefix = (
+        b"\x98"
+        + head[1:]
+        + b"\x83"
+        + msgpack.packb("loss")
+        + msgpack.packb(1.0)
+        + msgpack.packb("n_samples")
+        + msgpack.packb(10)
+        + msgpack.packb("tensors")
+        + b"\xc6"
+        + size.to_bytes(4, "big")
+    )
     z = zstd.ZstdCompressor(level=1, write_content_size=True).compressobj(size=len(prefix) + size)
     parts, block = [z.compress(prefix)], bytes(1 << 20)
     for _ in range(size >> 20):
@@ -62,10 +72,24 @@ def main() -> None:
     body = bomb(job, args.size_mib << 20)
     tmp = Path(tempfile.mkdtemp(prefix="bomb-rss-"))
     (tmp / "job.toml").write_text('identity = "shared:guest"\nrounds = 1\nclients = 1\n')
-    cmd = [sys.executable, "-m", "fedmq.cli.app", "aggregator", "run", "--broker", args.broker, "--job", job,
-           "--config", str(tmp / "job.toml"), "--state-dir", str(tmp / "state")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            cwd=Path(__file__).resolve().parents[1])
+    cmd = [
+        sys.executable,
+        "-m",
+        "fedmq.cli.app",
+        "aggregator",
+        "run",
+        "--broker",
+        args.broker,
+        "--job",
+        job,
+        "--config",
+        str(tmp / "job.toml"),
+        "--state-dir",
+        str(tmp / "state"),
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=Path(__file__).resolve().parents[1]
+    )
     log = tmp / "state" / "logs" / "aggregator.jsonl"
     pub = connect(args.broker)
     try:
@@ -88,9 +112,18 @@ def main() -> None:
             time.sleep(0.05)
         took = time.monotonic() - t0
         peak = kib(proc.pid, "VmHWM") if proc.poll() is None else None
-        print(json.dumps({"wire_bytes": len(body), "declared_bytes": args.size_mib << 20, "reason": reason,
-                          "rss_before_mb": round(rss0 / 1024), "peak_mb": peak and round(peak / 1024),
-                          "seconds_to_reject": round(took, 2)}))
+        print(
+            json.dumps(
+                {
+                    "wire_bytes": len(body),
+                    "declared_bytes": args.size_mib << 20,
+                    "reason": reason,
+                    "rss_before_mb": round(rss0 / 1024),
+                    "peak_mb": peak and round(peak / 1024),
+                    "seconds_to_reject": round(took, 2),
+                }
+            )
+        )
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGTERM)

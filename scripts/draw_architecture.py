@@ -1,6 +1,6 @@
 """Draw docs/architecture.png: fedmq's layers (left) and one synchronous round's messages (right).
 
-    .venv/bin/python scripts/draw_architecture.py [OUT.png]
+.venv/bin/python scripts/draw_architecture.py [OUT.png]
 """
 
 from __future__ import annotations
@@ -18,31 +18,97 @@ BLUE, ORANGE, GREEN, GREY, PURPLE = "#0072B2", "#E69F00", "#009E73", "#999999", 
 
 
 def box(ax, x, y, w, h, title, body, color):
-    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.01,rounding_size=0.015", fc=color, ec="black",
-                                alpha=0.18, lw=1))
-    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.01,rounding_size=0.015", fc="none", ec="black",
-                                lw=1))
+    ax.add_patch(
+        FancyBboxPatch(
+            (x, y),
+            w,
+            h,
+            boxstyle="round,pad=0.01,rounding_size=0.015",
+            fc=color,
+            ec="black",
+            alpha=0.18,
+            lw=1,
+        )
+    )
+    ax.add_patch(
+        FancyBboxPatch(
+            (x, y), w, h, boxstyle="round,pad=0.01,rounding_size=0.015", fc="none", ec="black", lw=1
+        )
+    )
     ax.text(x + w / 2, y + h - 0.025, title, ha="center", va="top", fontsize=10, fontweight="bold")
     ax.text(x + w / 2, y + h - 0.065, body, ha="center", va="top", fontsize=7.5, linespacing=1.35)
 
 
 def layers(ax):
-    ax.set_title("Layers: each imports only those below it (aggregator and client_agent: never each other)",
-                 fontsize=10)
-    box(ax, 0.03, 0.86, 0.94, 0.12, "cli", "fedmq simulate | aggregator run | agent run | report, status, "
-        "telemetry; Simulation", GREY)
-    box(ax, 0.03, 0.71, 0.94, 0.12, "benchmarks", "fedmq bench …, fedmq experiment … (cli hands in Simulation "
-        "and report)", GREY)
-    box(ax, 0.03, 0.46, 0.44, 0.22, "aggregator", "engine, sync round, async rounds,\ninbox, spool, mediator, "
-        "strategies\n(each owns its round), checkpoints, run log", BLUE)
-    box(ax, 0.53, 0.46, 0.44, 0.22, "client_agent", "agent loop, trainer pool,\nstate store, availability "
-        "and faults", ORANGE)
-    box(ax, 0.03, 0.23, 0.94, 0.20, "broker", "transport: Broker interface, Subscription, RabbitMQ (pika) and\n"
+    ax.set_title(
+        "Layers: each imports only those below it (aggregator and client_agent: never each other)",
+        fontsize=10,
+    )
+    box(
+        ax,
+        0.03,
+        0.86,
+        0.94,
+        0.12,
+        "cli",
+        "fedmq simulate | aggregator run | agent run | report, status, telemetry; Simulation",
+        GREY,
+    )
+    box(
+        ax,
+        0.03,
+        0.71,
+        0.94,
+        0.12,
+        "benchmarks",
+        "fedmq bench …, fedmq experiment … (cli hands in Simulation and report)",
+        GREY,
+    )
+    box(
+        ax,
+        0.03,
+        0.46,
+        0.44,
+        0.22,
+        "aggregator",
+        "engine, sync round, async rounds,\ninbox, spool, mediator, "
+        "strategies\n(each owns its round), checkpoints, run log",
+        BLUE,
+    )
+    box(
+        ax,
+        0.53,
+        0.46,
+        0.44,
+        0.22,
+        "client_agent",
+        "agent loop, trainer pool,\nstate store, availability and faults",
+        ORANGE,
+    )
+    box(
+        ax,
+        0.03,
+        0.23,
+        0.94,
+        0.20,
+        "broker",
+        "transport: Broker interface, Subscription, RabbitMQ (pika) and\n"
         "in-process backends, reassembly, topology, provisioning, TLS, URLs\nwire (below it): envelope, encodings, "
-        "chunk frames, protocol messages (typed RoundConfig)", GREEN)
-    box(ax, 0.03, 0.01, 0.94, 0.19, "fedmq  (import fedmq: the public API)", "errors, checks, tensor manifest, "
+        "chunk frames, protocol messages (typed RoundConfig)",
+        GREEN,
+    )
+    box(
+        ax,
+        0.03,
+        0.01,
+        0.94,
+        0.19,
+        "fedmq  (import fedmq: the public API)",
+        "errors, checks, tensor manifest, "
         "tasks (models, data, local training),\npulling rule, plugins (package.module:Class); imports nothing "
-        "above", PURPLE)
+        "above",
+        PURPLE,
+    )
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
     ax.axis("off")
@@ -52,8 +118,16 @@ def round_flow(ax):
     ax.set_title("One synchronous round over RabbitMQ", fontsize=11)
     cols = {"aggregator": 0.12, "RabbitMQ": 0.5, "agent": 0.88}
     for name, x in cols.items():
-        ax.text(x, 0.97, name, ha="center", va="center", fontsize=10, fontweight="bold",
-                bbox=dict(boxstyle="round", fc="white", ec="black"))
+        ax.text(
+            x,
+            0.97,
+            name,
+            ha="center",
+            va="center",
+            fontsize=10,
+            fontweight="bold",
+            bbox=dict(boxstyle="round", fc="white", ec="black"),
+        )
         ax.plot([x, x], [0.02, 0.94], color="black", lw=0.8, ls=":")
     steps = [
         ("agent", "aggregator", "PRESENCE every heartbeat → inbox (quorum queue)"),
@@ -73,8 +147,15 @@ def round_flow(ax):
         y -= 0.078
         x0, x1 = cols[src], cols[dst]
         if src == dst:
-            ax.text(x0 + (0.03 if x0 < 0.5 else -0.03), y, label, ha="left" if x0 < 0.5 else "right", va="center",
-                    fontsize=7.5, bbox=dict(boxstyle="round", fc="#f4f4f4", ec="none"))
+            ax.text(
+                x0 + (0.03 if x0 < 0.5 else -0.03),
+                y,
+                label,
+                ha="left" if x0 < 0.5 else "right",
+                va="center",
+                fontsize=7.5,
+                bbox=dict(boxstyle="round", fc="#f4f4f4", ec="none"),
+            )
             continue
         ax.annotate("", xy=(x1, y), xytext=(x0, y), arrowprops=dict(arrowstyle="->", lw=1.1))
         ax.text((x0 + x1) / 2, y + 0.018, label, ha="center", va="bottom", fontsize=7.5)
@@ -94,4 +175,8 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parents[1] / "docs" / "architecture.png")
+    main(
+        Path(sys.argv[1])
+        if len(sys.argv) > 1
+        else Path(__file__).resolve().parents[1] / "docs" / "architecture.png"
+    )

@@ -30,8 +30,12 @@ from fedmq.tasks.registry import make_task  # noqa: E402
 
 def scores(task, model) -> dict:
     bleu, ce = domain_bleu(task, model, "test"), domain_ce(task, model, "test")
-    return {"bleu": {d: round(v, 2) for d, v in bleu.items()}, "bleu_mean": round(sum(bleu.values()) / len(bleu), 3),
-            "ce": {d: round(v, 3) for d, v in ce.items()}, "ce_mean": round(sum(ce.values()) / len(ce), 3)}
+    return {
+        "bleu": {d: round(v, 2) for d, v in bleu.items()},
+        "bleu_mean": round(sum(bleu.values()) / len(bleu), 3),
+        "ce": {d: round(v, 3) for d, v in ce.items()},
+        "ce_mean": round(sum(ce.values()) / len(ce), 3),
+    }
 
 
 def main() -> int:
@@ -42,8 +46,10 @@ def main() -> int:
     args = ap.parse_args()
     cache = args.out / "nmt-domains"
     if not (cache / "pretrained.pt").is_file():
-        print(f"error: {cache / 'pretrained.pt'} not found: run fedmq experiment nmt-domains --scale cpu first",
-              file=sys.stderr)
+        print(
+            f"error: {cache / 'pretrained.pt'} not found: run fedmq experiment nmt-domains --scale cpu first",
+            file=sys.stderr,
+        )
         return 2
     try:
         lrs = [float(x) for x in args.lr.split(",")]
@@ -61,7 +67,9 @@ def main() -> int:
         fedavg.begin(pretrained)
         for i, name in enumerate(task.shard_names):
             load_state(model, pretrained)
-            result = task.train(model, i, TrainConfig(epochs=1, seed=0, **{**_nmt_train(_NMT["cpu"]), "lr": lr}))
+            result = task.train(
+                model, i, TrainConfig(epochs=1, seed=0, **{**_nmt_train(_NMT["cpu"]), "lr": lr})
+            )
             print(json.dumps({"model": f"client {name}", "lr": lr, **scores(task, model)}), flush=True)
             fedavg.fold(ClientUpdate(client=name, n_samples=result.n_samples, tensors=model_state(model)))
         load_state(model, fedavg.finish())

@@ -41,9 +41,14 @@ def rabbit_unavailable() -> str | None:
     if "reason" not in _rabbit_state:
         reason = None
         if not _port_open("127.0.0.1", 5672):
-            proc = subprocess.run(["bash", str(ROOT / "scripts" / "ensure-rabbitmq.sh")], capture_output=True, text=True)
+            proc = subprocess.run(
+                ["bash", str(ROOT / "scripts" / "ensure-rabbitmq.sh")], capture_output=True, text=True
+            )
             if proc.returncode != 0 or not _port_open("127.0.0.1", 5672):
-                reason = "RabbitMQ is not reachable on 127.0.0.1:5672: " + (proc.stderr.strip().splitlines() or ["?"])[-1]
+                reason = (
+                    "RabbitMQ is not reachable on 127.0.0.1:5672: "
+                    + (proc.stderr.strip().splitlines() or ["?"])[-1]
+                )
         _rabbit_state["reason"] = reason
     return _rabbit_state["reason"]
 
@@ -126,8 +131,9 @@ def rabbit_node(tmp_path_factory):
     kill it must leave it running.
     """
     mod = _rabbit_node_module_or_skip()
-    node = mod.RabbitNode(tmp_path_factory.mktemp("rabbit-node"), max_message_size=16 * 1024 * 1024, tls=True,
-                          management=True)
+    node = mod.RabbitNode(
+        tmp_path_factory.mktemp("rabbit-node"), max_message_size=16 * 1024 * 1024, tls=True, management=True
+    )
     node.start()
     yield node
     node.stop()
@@ -152,8 +158,17 @@ def own_rabbit_node(tmp_path_factory):
     node.stop()
 
 
-def run_in_process_federation(task, cfg, url: str, run_dir: Path, *, agent_class=None, evaluate: bool = True,
-                              keep_sent: bool = False, **agent_kw):
+def run_in_process_federation(
+    task,
+    cfg,
+    url: str,
+    run_dir: Path,
+    *,
+    agent_class=None,
+    evaluate: bool = True,
+    keep_sent: bool = False,
+    **agent_kw,
+):
     """An Engine plus cfg.clients Agents (threads, one connection each) over ``url``, run to the end.
 
     ``agent_class(i)`` picks the class of agent i (e.g. a faulty one); ``keep_sent`` keeps what each agent
@@ -174,8 +189,16 @@ def run_in_process_federation(task, cfg, url: str, run_dir: Path, *, agent_class
     for i in range(cfg.clients):
         client = f"agent-{i}"
         cls = agent_class(i) if agent_class else Agent
-        agent = cls(lambda c=client: connect(url, user=c if memory else None), cfg.job, client, i, task,
-                    heartbeat_s=cfg.heartbeat_s, rejoin_s=0.2, **agent_kw)
+        agent = cls(
+            lambda c=client: connect(url, user=c if memory else None),
+            cfg.job,
+            client,
+            i,
+            task,
+            heartbeat_s=cfg.heartbeat_s,
+            rejoin_s=0.2,
+            **agent_kw,
+        )
         if keep_sent:
             agent.log.sent = {}
         agents.append(agent)

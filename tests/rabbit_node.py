@@ -99,23 +99,69 @@ def make_certs(directory: Path, client_cn: str = "guest") -> Certs:
     def ossl(*args: str) -> None:
         subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
 
-    ossl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=fedmq-test-ca",
-         "-keyout", "ca.key", "-out", "ca.pem")
+    ossl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=fedmq-test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+    )
     (d / "server.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
     (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
     for name, cn in (("server", "localhost"), ("client", client_cn)):
-        ossl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={cn}", "-keyout", f"{name}.key",
-             "-out", f"{name}.csr")
-        ossl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-             "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.pem")
+        ossl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN={cn}",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+        )
+        ossl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            f"{name}.ext",
+            "-out",
+            f"{name}.pem",
+        )
     return Certs(d / "ca.pem", d / "server.pem", d / "server.key", d / "client.pem", d / "client.key")
 
 
 class RabbitNode:
     """A private RabbitMQ node in ``base`` (a temp dir); see the module docstring."""
 
-    def __init__(self, base: Path, *, max_message_size: int | None = None, tls: bool = False,
-                 management: bool = False, start_timeout: float = 120.0, cookie: str | None = None) -> None:
+    def __init__(
+        self,
+        base: Path,
+        *,
+        max_message_size: int | None = None,
+        tls: bool = False,
+        management: bool = False,
+        start_timeout: float = 120.0,
+        cookie: str | None = None,
+    ) -> None:
         self.base = Path(base)
         self.name = f"fedmqtest-{os.getpid()}-{next(_counter)}@localhost"
         self.port = free_port()
@@ -139,18 +185,27 @@ class RabbitNode:
 
     # ---- configuration ------------------------------------------------------------------------------
     def _config_text(self) -> str:
-        lines = [f"listeners.tcp.local = 127.0.0.1:{self.port}", "loopback_users = none",
-                 "disk_free_limit.absolute = 10MB", "log.console = false", "log.file.level = warning"]
+        lines = [
+            f"listeners.tcp.local = 127.0.0.1:{self.port}",
+            "loopback_users = none",
+            "disk_free_limit.absolute = 10MB",
+            "log.console = false",
+            "log.file.level = warning",
+        ]
         if self.management_port is not None:
             lines += [f"management.tcp.port = {self.management_port}", "management.tcp.ip = 127.0.0.1"]
         if self.max_message_size is not None:
             lines.append(f"max_message_size = {self.max_message_size}")
         if self.certs is not None:
             c = self.certs
-            lines += [f"listeners.ssl.local = 127.0.0.1:{self.tls_port}",
-                      f"ssl_options.cacertfile = {c.ca}", f"ssl_options.certfile = {c.server_cert}",
-                      f"ssl_options.keyfile = {c.server_key}", "ssl_options.verify = verify_peer",
-                      "ssl_options.fail_if_no_peer_cert = true"]
+            lines += [
+                f"listeners.ssl.local = 127.0.0.1:{self.tls_port}",
+                f"ssl_options.cacertfile = {c.ca}",
+                f"ssl_options.certfile = {c.server_cert}",
+                f"ssl_options.keyfile = {c.server_key}",
+                "ssl_options.verify = verify_peer",
+                "ssl_options.fail_if_no_peer_cert = true",
+            ]
         return "\n".join(lines) + "\n"
 
     def env(self) -> dict[str, str]:
@@ -187,11 +242,17 @@ class RabbitNode:
         return f"amqps://guest:guest@localhost:{self.tls_port}/%2F"
 
     # ---- lifecycle ----------------------------------------------------------------------------------
-    def start(self) -> "RabbitNode":
+    def start(self) -> RabbitNode:
         """Start (or restart after kill9) the node and wait until it accepts AMQP connections."""
         log = open(self.base / "server.out", "ab")
-        self.proc = subprocess.Popen([str(RABBIT_BIN / "rabbitmq-server")], env=self.env(), cwd=self.base,
-                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [str(RABBIT_BIN / "rabbitmq-server")],
+            env=self.env(),
+            cwd=self.base,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.await_up()
         return self
 
@@ -210,10 +271,17 @@ class RabbitNode:
 
     def ctl(self, *args: str, timeout: float = 60.0, check: bool = True) -> str:
         """Run ``rabbitmqctl -n NODE ARGS`` against this node and return its stdout."""
-        proc = subprocess.run([str(RABBIT_BIN / "rabbitmqctl"), "-n", self.name, *args], env=self.env(),
-                              capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            [str(RABBIT_BIN / "rabbitmqctl"), "-n", self.name, *args],
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if check and proc.returncode != 0:
-            raise RuntimeError(f"rabbitmqctl {' '.join(args)} failed: {proc.stderr.strip() or proc.stdout.strip()}")
+            raise RuntimeError(
+                f"rabbitmqctl {' '.join(args)} failed: {proc.stderr.strip() or proc.stdout.strip()}"
+            )
         return proc.stdout
 
     def stop_app(self) -> None:
@@ -257,7 +325,7 @@ class RabbitNode:
             self.kill9()
         self.proc = None
 
-    def __enter__(self) -> "RabbitNode":
+    def __enter__(self) -> RabbitNode:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -269,15 +337,17 @@ class RabbitCluster:
 
     def __init__(self, base: Path, size: int = 3, start_timeout: float = 120.0) -> None:
         cookie = secrets.token_hex(16).upper()
-        self.nodes = [RabbitNode(Path(base) / f"node{i}", cookie=cookie, start_timeout=start_timeout)
-                      for i in range(size)]
+        self.nodes = [
+            RabbitNode(Path(base) / f"node{i}", cookie=cookie, start_timeout=start_timeout)
+            for i in range(size)
+        ]
 
     @property
     def url(self) -> str:
         hosts = ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
         return f"amqp://guest:guest@{hosts}/%2F"
 
-    def start(self) -> "RabbitCluster":
+    def start(self) -> RabbitCluster:
         import concurrent.futures as cf
 
         with cf.ThreadPoolExecutor(len(self.nodes)) as pool:  # boot in parallel: each takes seconds
@@ -312,7 +382,7 @@ class RabbitCluster:
             n.kill9()
             n.proc = None
 
-    def __enter__(self) -> "RabbitCluster":
+    def __enter__(self) -> RabbitCluster:
         try:
             return self.start()
         except BaseException:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -48,8 +48,12 @@ def validate_update(
     over every tensor anyway (FedAtt, FedMed) pass ``check_finite=False`` and call :func:`check_score`,
     saving one pass over the update (a NaN/inf element makes the score non-finite).
     """
-    if need_samples and (not isinstance(update.n_samples, int) or isinstance(update.n_samples, bool) or update.n_samples <= 0):
-        raise StrategyError(f"update from {update.client!r}: n_samples must be a positive integer, got {update.n_samples!r}")
+    if need_samples and (
+        not isinstance(update.n_samples, int) or isinstance(update.n_samples, bool) or update.n_samples <= 0
+    ):
+        raise StrategyError(
+            f"update from {update.client!r}: n_samples must be a positive integer, got {update.n_samples!r}"
+        )
     names = set(update.tensors)
     unknown = names - set(global_state)
     if unknown:
@@ -105,8 +109,6 @@ def _all_finite(t: torch.Tensor) -> bool:
     if bool(torch.isfinite(t.sum())):
         return True
     return bool(torch.isfinite(t).all())
-
-
 
 
 def full_tensor(update: ClientUpdate, global_state: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:

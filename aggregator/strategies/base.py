@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterable, Mapping
+from typing import Any, ClassVar
 
 import torch
 
@@ -41,8 +42,12 @@ class RoundPlan:
 
     mode: str = "sync"  # sync rounds, or "async": fold every K arrivals whatever their round (BufferedAsync)
     select_all: bool = False  # every client trains each round, whatever the fraction C (FedSGD)
-    grant_phase: bool = False  # collect every report before granting uploads, even at β = 1 (FedMed's mediator)
-    loss_switch: bool = False  # each round the mediator's loss switch picks this strategy or plain FedAvg (FedMed)
+    grant_phase: bool = (
+        False  # collect every report before granting uploads, even at β = 1 (FedMed's mediator)
+    )
+    loss_switch: bool = (
+        False  # each round the mediator's loss switch picks this strategy or plain FedAvg (FedMed)
+    )
     pull: str = "all"  # which tensors agents upload: all, or a dynamic-pulling rule (fedmq.pulling.MODES)
 
 
@@ -64,7 +69,7 @@ class Strategy(ABC):
     own_settings: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
-    def from_config(cls, cfg: Any, **extra: Any) -> "Strategy":
+    def from_config(cls, cfg: Any, **extra: Any) -> Strategy:
         """This round's strategy from the job's settings (``cfg``: an aggregator.config.JobConfig, whose
         ``extra`` holds settings of a user's own strategy); ``extra``: what ``second_pass`` asked for."""
         return cls(**extra)
@@ -95,8 +100,9 @@ class Strategy(ABC):
         return dict(self._last_weights)
 
 
-def aggregate(make: Callable[..., Strategy], global_state: Mapping[str, torch.Tensor],
-              updates: Iterable[ClientUpdate]) -> tuple[State, Strategy]:
+def aggregate(
+    make: Callable[..., Strategy], global_state: Mapping[str, torch.Tensor], updates: Iterable[ClientUpdate]
+) -> tuple[State, Strategy]:
     """One whole round in memory: ``make()`` a strategy, fold ``updates``, fold them again into ``make(**extra)``
     when the strategy asks for a second pass, finish. The engine does the same from its spool; this is for tools
     and tests that hold the updates. Returns the new model and the strategy that made it (for client_weights)."""

@@ -24,7 +24,8 @@ FedAvg's streaming fold with the client weight w_k = η_g s(τ_k) n_k.
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Mapping
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 
@@ -45,7 +46,7 @@ class BufferedAsync(FedAvg):
     own_settings: ClassVar[tuple[str, ...]] = ("async_k", "max_staleness", "server_lr")
 
     @classmethod
-    def from_config(cls, cfg: Any, **extra: Any) -> "BufferedAsync":
+    def from_config(cls, cfg: Any, **extra: Any) -> BufferedAsync:
         return cls(buffer_size=cfg.async_k, max_staleness=cfg.max_staleness, server_lr=cfg.server_lr, **extra)
 
     def __init__(self, buffer_size: int = 10, max_staleness: int = 10, server_lr: float = 1.0) -> None:
@@ -70,12 +71,16 @@ class BufferedAsync(FedAvg):
     def fold(self, update: ClientUpdate) -> None:
         tau = update.staleness
         if isinstance(tau, bool) or not isinstance(tau, int) or tau < 0:
-            raise StrategyError(f"update from {update.client!r}: staleness must be an integer >= 0, got {tau!r}")
+            raise StrategyError(
+                f"update from {update.client!r}: staleness must be an integer >= 0, got {tau!r}"
+            )
         if tau > self.max_staleness:
             self.dropped += 1
             raise StaleUpdate(tau, self.max_staleness, update.client)
         if tau > 0 and not update.delta:
-            raise StrategyError(f"update from {update.client!r}: staleness {tau} needs a delta update (θ_k − θ_base)")
+            raise StrategyError(
+                f"update from {update.client!r}: staleness {tau} needs a delta update (θ_k − θ_base)"
+            )
         super().fold(update)
         self._count += 1
 

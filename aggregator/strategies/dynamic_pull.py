@@ -7,11 +7,18 @@ pull-local, pull-global and pull-random aggregate alike; they differ in the rule
 
 from __future__ import annotations
 
-from typing import ClassVar, Mapping
+from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 
-from fedmq.aggregator.strategies._common import WeightedSum, cast_like, check_started, validate_update, zeros_like_state
+from fedmq.aggregator.strategies._common import (
+    WeightedSum,
+    cast_like,
+    check_started,
+    validate_update,
+    zeros_like_state,
+)
 from fedmq.aggregator.strategies.base import ClientUpdate, RoundPlan, State, Strategy
 
 
@@ -52,13 +59,14 @@ class DynamicPull(Strategy):
             out[name] = s.combine(ref, 1.0 / s.w) if s is not None else ref.clone()
         out = cast_like(out, g)
         # mean over all tensors of the client's share of each tensor (0 for tensors it did not send)
-        self._last_weights = {
-            c: sum(k / n[name] for name, k in sent.items()) / len(g) for c, sent in self._share.items()
-        } if g else {}
+        self._last_weights = (
+            {c: sum(k / n[name] for name, k in sent.items()) / len(g) for c, sent in self._share.items()}
+            if g
+            else {}
+        )
         self.last_samples_per_tensor = n
         self._global, self._sums = None, {}
         return out
-
 
 
 class PullLocal(DynamicPull):

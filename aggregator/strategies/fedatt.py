@@ -49,7 +49,7 @@ class FedAtt(SoftmaxWeighted):
     own_settings: ClassVar[tuple[str, ...]] = ("att_eps", "att_norm")
 
     @classmethod
-    def from_config(cls, cfg: Any, **extra: Any) -> "FedAtt":
+    def from_config(cls, cfg: Any, **extra: Any) -> FedAtt:
         return cls(epsilon=cfg.att_eps, norm=cfg.att_norm, **extra)
 
     def __init__(self, epsilon: float = 1.2, norm: str = "fro") -> None:

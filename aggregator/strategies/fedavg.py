@@ -14,11 +14,18 @@ which is plain FedAvg when w_k = n_k.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Mapping
+from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 
-from fedmq.aggregator.strategies._common import WeightedSum, cast_like, check_started, validate_update, zeros_like_state
+from fedmq.aggregator.strategies._common import (
+    WeightedSum,
+    cast_like,
+    check_started,
+    validate_update,
+    zeros_like_state,
+)
 from fedmq.aggregator.strategies.base import ClientUpdate, RoundPlan, State, Strategy
 from fedmq.broker.wire.messages import RoundConfig
 
@@ -59,7 +66,9 @@ class FedAvg(Strategy):
         if self._n == 0:
             out = {k: v.clone() for k, v in g.items()}
         else:
-            out = cast_like({k: s.combine(g[k], 1.0 / self._n, 1.0 - s.w / self._n) for k, s in self._sums.items()}, g)
+            out = cast_like(
+                {k: s.combine(g[k], 1.0 / self._n, 1.0 - s.w / self._n) for k, s in self._sums.items()}, g
+            )
         self._last_weights = {c: w / self._n for c, w in self._terms.items()} if self._n else {}
         self._global, self._sums = None, {}
         return out

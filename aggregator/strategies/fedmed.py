@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, ClassVar, Mapping
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 
@@ -74,15 +75,16 @@ class FedMed(SoftmaxWeighted):
     own_settings: ClassVar[tuple[str, ...]] = ("fedmed_js",)
 
     @classmethod
-    def from_config(cls, cfg: Any, **extra: Any) -> "FedMed":
+    def from_config(cls, cfg: Any, **extra: Any) -> FedMed:
         return cls(js=cfg.fedmed_js, **extra)
 
     @classmethod
     def configure_train(cls, train: RoundConfig) -> RoundConfig:
         return dataclasses.replace(train, tail_loss=True)
 
-    def __init__(self, eta: float = 1.0, js: str = "relative",
-                 temperatures: Mapping[str, float] | None = None) -> None:
+    def __init__(
+        self, eta: float = 1.0, js: str = "relative", temperatures: Mapping[str, float] | None = None
+    ) -> None:
         super().__init__()
         self.eta = self.step_size = check_number("eta", eta, low=0.0, low_open=True)
         if js not in JS_WEIGHTS:
@@ -109,11 +111,14 @@ class FedMed(SoftmaxWeighted):
             return None
         temps: dict[str, float] = {}
         kept = [sc for c, sc in self._scores.items() if c.rstrip("'") not in exclude]
-        for name in (kept[0] if kept else {}):
+        for name in kept[0] if kept else {}:
             values = [sc[name] for sc in kept]
             mean = math.fsum(values) / len(values)
-            temps[name] = mean if self.js == "relative" else \
-                math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
+            temps[name] = (
+                mean
+                if self.js == "relative"
+                else math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
+            )
         return {"temperatures": temps}
 
     def fold(self, update: ClientUpdate) -> None:
@@ -124,5 +129,7 @@ class FedMed(SoftmaxWeighted):
 
     def finish(self) -> State:
         if self._scoring_only and self._global is not None:
-            raise StrategyError(f"fedmed: {self.js} JS weights need the second pass (second_pass) before finish")
+            raise StrategyError(
+                f"fedmed: {self.js} JS weights need the second pass (second_pass) before finish"
+            )
         return super().finish()

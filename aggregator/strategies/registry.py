@@ -10,7 +10,8 @@ Unknown names or parameters and out-of-range values raise BadParameter (a FedmqE
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fedmq.aggregator.strategies.base import Strategy
 from fedmq.aggregator.strategies.buffered_async import BufferedAsync
@@ -22,9 +23,22 @@ from fedmq.aggregator.strategies.robust import ClippedFedAvg, Median, TrimmedMea
 from fedmq.errors import BadParameter
 from fedmq.plugins import is_import_path, load_class
 
-_CLASSES: dict[str, type[Strategy]] = {cls.name: cls for cls in (
-    FedAvg, FedSGD, FedAtt, FedMed, PullLocal, PullGlobal, PullRandom, BufferedAsync, ClippedFedAvg, TrimmedMean,
-    Median)}
+_CLASSES: dict[str, type[Strategy]] = {
+    cls.name: cls
+    for cls in (
+        FedAvg,
+        FedSGD,
+        FedAtt,
+        FedMed,
+        PullLocal,
+        PullGlobal,
+        PullRandom,
+        BufferedAsync,
+        ClippedFedAvg,
+        TrimmedMean,
+        Median,
+    )
+}
 # the job's robust guard (JobConfig.robust) replaces plain FedAvg, also where FedMed's loss switch falls back to it
 _ROBUST = {"clip": "fedavg-clip", "trimmed": "trimmed-mean", "median": "median"}
 
@@ -37,8 +51,9 @@ def strategy_class(name: str) -> type[Strategy]:
     if is_import_path(name):
         return load_class(name, Strategy, "strategy", BadParameter)
     if name not in _CLASSES:
-        raise BadParameter(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGY_NAMES)} "
-                           "or package.module:Class")
+        raise BadParameter(
+            f"unknown strategy {name!r}; choose one of {', '.join(STRATEGY_NAMES)} or package.module:Class"
+        )
     return _CLASSES[name]
 
 

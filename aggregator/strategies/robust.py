@@ -13,7 +13,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Mapping
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 
@@ -37,7 +38,7 @@ class ClippedFedAvg(FedAvg):
     name: ClassVar[str] = "fedavg-clip"
 
     @classmethod
-    def from_config(cls, cfg: Any, **extra: Any) -> "ClippedFedAvg":
+    def from_config(cls, cfg: Any, **extra: Any) -> ClippedFedAvg:
         return cls(clip_norm=float(cfg.robust.partition(":")[2]), **extra)
 
     def __init__(self, clip_norm: float = 10.0) -> None:
@@ -62,7 +63,7 @@ class TrimmedMean(Strategy):
     name: ClassVar[str] = "trimmed-mean"
 
     @classmethod
-    def from_config(cls, cfg: Any, **extra: Any) -> "TrimmedMean":
+    def from_config(cls, cfg: Any, **extra: Any) -> TrimmedMean:
         return cls(trim=float(cfg.robust.partition(":")[2]), max_updates=max(cfg.clients, 1), **extra)
 
     def __init__(self, trim: float = 0.1, max_updates: int = 64) -> None:
@@ -82,8 +83,12 @@ class TrimmedMean(Strategy):
         if len(self._kept) >= self.max_updates:
             raise StrategyError(f"{self.name}: more than max_updates={self.max_updates} updates in one round")
         # full_tensor of a delta update is already a new tensor: copy only when it is the caller's
-        self._kept.append({k: full_tensor(update, g, k).detach().to(acc_dtype(g[k]), copy=not update.delta)
-                           for k in update.tensors})
+        self._kept.append(
+            {
+                k: full_tensor(update, g, k).detach().to(acc_dtype(g[k]), copy=not update.delta)
+                for k in update.tensors
+            }
+        )
         self._clients.append(update.client)
 
     def finish(self) -> State:
@@ -117,5 +122,5 @@ class Median(TrimmedMean):
         super().__init__(trim=0.5, max_updates=max_updates)
 
     @classmethod
-    def from_config(cls, cfg: Any, **extra: Any) -> "Median":
+    def from_config(cls, cfg: Any, **extra: Any) -> Median:
         return cls(max_updates=max(cfg.clients, 1), **extra)

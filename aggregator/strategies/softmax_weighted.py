@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

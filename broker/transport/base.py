@@ -6,8 +6,9 @@ from __future__ import annotations
 import collections
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from fedmq.broker.transport.errors import BrokerError
 
@@ -50,8 +51,9 @@ class Broker(ABC):
     user: str
 
     @abstractmethod
-    def declare_job(self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True,
-                    model_bytes: int = 0) -> None:
+    def declare_job(
+        self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True, model_bytes: int = 0
+    ) -> None:
         """Idempotently declare the job's exchange, the aggregator inbox (if ``inbox``) and each agent's queues.
 
         With ``inbox`` it also declares the job's model stream, whose retention ``model_bytes`` (an upper bound
@@ -76,8 +78,16 @@ class Broker(ABC):
         """
 
     @abstractmethod
-    def consume(self, queue: str, handler: Handler, *, prefetch: int | None = None, offset: Any = None,
-                only_message: str | None = None, reassembly: ReassemblyLimits | None = None) -> str:
+    def consume(
+        self,
+        queue: str,
+        handler: Handler,
+        *,
+        prefetch: int | None = None,
+        offset: Any = None,
+        only_message: str | None = None,
+        reassembly: ReassemblyLimits | None = None,
+    ) -> str:
         """Start consuming ``queue``; returns a consumer tag. The handler must ack or reject every delivery.
 
         ``offset`` (stream queues only, RabbitMQ's ``x-stream-offset``): an int, "first", "last", "next" or a
@@ -87,14 +97,23 @@ class Broker(ABC):
         max_message_size per message, 4 GiB in all).
         """
 
-    def subscribe(self, queue: str, *, prefetch: int | None = None, offset: Any = None,
-                  only_message: str | None = None, reassembly: ReassemblyLimits | None = None) -> "Subscription":
+    def subscribe(
+        self,
+        queue: str,
+        *,
+        prefetch: int | None = None,
+        offset: Any = None,
+        only_message: str | None = None,
+        reassembly: ReassemblyLimits | None = None,
+    ) -> Subscription:
         """Consume ``queue`` (arguments as for consume) into a Subscription to take deliveries from."""
         sub = Subscription(self)
         sub.add(queue, prefetch=prefetch, offset=offset, only_message=only_message, reassembly=reassembly)
         return sub
 
-    def fetch(self, queue: str, message_id: str, *, offset: Any, timeout: float, prefetch: int = 64) -> Delivery:
+    def fetch(
+        self, queue: str, message_id: str, *, offset: Any, timeout: float, prefetch: int = 64
+    ) -> Delivery:
         """Read the one message ``message_id`` from the stream ``queue``, starting at ``offset``; BrokerError if
         it has not arrived whole within ``timeout``. The delivery comes back acked (on a stream an ack only
         returns flow-control credit) and the consumer cancelled."""
@@ -127,7 +146,7 @@ class Broker(ABC):
     def close(self) -> None:
         """Close the connection; unacked deliveries are redelivered to other consumers."""
 
-    def __enter__(self) -> "Broker":
+    def __enter__(self) -> Broker:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -149,11 +168,24 @@ class Subscription:
         self._cv = threading.Condition()
         self._closed = False
 
-    def add(self, queue: str, *, prefetch: int | None = None, offset: Any = None, only_message: str | None = None,
-            reassembly: ReassemblyLimits | None = None) -> str:
+    def add(
+        self,
+        queue: str,
+        *,
+        prefetch: int | None = None,
+        offset: Any = None,
+        only_message: str | None = None,
+        reassembly: ReassemblyLimits | None = None,
+    ) -> str:
         """Consume ``queue`` too (arguments as for Broker.consume), into the same buffer; its consumer tag."""
-        tag = self.broker.consume(queue, self._put, prefetch=prefetch, offset=offset, only_message=only_message,
-                                  reassembly=reassembly)
+        tag = self.broker.consume(
+            queue,
+            self._put,
+            prefetch=prefetch,
+            offset=offset,
+            only_message=only_message,
+            reassembly=reassembly,
+        )
         self.tags.append(tag)
         return tag
 
@@ -192,7 +224,7 @@ class Subscription:
         for tag in self.tags:
             self.broker.cancel(tag)
 
-    def __enter__(self) -> "Subscription":
+    def __enter__(self) -> Subscription:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import bisect
 import itertools
 import queue as queue_mod
-import time
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -67,8 +67,8 @@ class _Msg:
 @dataclass
 class _Consumer:
     tag: str
-    queue: "_Queue"
-    conn: "MemoryBroker"
+    queue: _Queue
+    conn: MemoryBroker
     handler: Handler
     prefetch: int
     gate: ChunkGate
@@ -92,7 +92,11 @@ class _Queue:
         if limit is not None:
             while len(self.ready) > int(limit):
                 dropped = self.ready.pop(0)
-                log.debug("max-length queue dropped its oldest message", queue=self.name, message_id=dropped.message_id)
+                log.debug(
+                    "max-length queue dropped its oldest message",
+                    queue=self.name,
+                    message_id=dropped.message_id,
+                )
 
     def requeue(self, msgs: list[_Msg]) -> list[_Msg]:
         """Give ``msgs`` back; those returned more than the queue's ``x-delivery-limit`` times are not requeued
@@ -176,7 +180,9 @@ class _Hub:
                 self.queues[name] = kind(name, dict(arguments))
                 self._routes.clear()
             elif q.arguments != arguments:
-                raise BrokerError(f"queue {name} exists with different arguments {q.arguments} (wanted {arguments})")
+                raise BrokerError(
+                    f"queue {name} exists with different arguments {q.arguments} (wanted {arguments})"
+                )
             for b in bindings:
                 if (b, name) not in self.bindings:
                     self.bindings.append((b, name))
@@ -231,9 +237,16 @@ class _Hub:
             msg = q.ready.pop(0)
             did = next(self.delivery_ids)
             chosen.unacked[did] = msg
-            d = Delivery(body=msg.body, routing_key=msg.routing_key, queue=q.name, message_id=msg.message_id,
-                         user_id=msg.user_id, headers=dict(msg.headers), redelivered=msg.redelivered,
-                         tag=(chosen, did))
+            d = Delivery(
+                body=msg.body,
+                routing_key=msg.routing_key,
+                queue=q.name,
+                message_id=msg.message_id,
+                user_id=msg.user_id,
+                headers=dict(msg.headers),
+                redelivered=msg.redelivered,
+                tag=(chosen, did),
+            )
             chosen.conn._inbox.put((chosen, d))
 
     def _pump_stream(self, q: _Stream) -> None:
@@ -246,8 +259,15 @@ class _Hub:
                 c.cursor = off + 1
                 did = next(self.delivery_ids)
                 c.unacked[did] = msg
-                d = Delivery(body=msg.body, routing_key=msg.routing_key, queue=q.name, message_id=msg.message_id,
-                             user_id=msg.user_id, headers={**msg.headers, "x-stream-offset": off}, tag=(c, did))
+                d = Delivery(
+                    body=msg.body,
+                    routing_key=msg.routing_key,
+                    queue=q.name,
+                    message_id=msg.message_id,
+                    user_id=msg.user_id,
+                    headers={**msg.headers, "x-stream-offset": off},
+                    tag=(c, did),
+                )
                 c.conn._inbox.put((c, d))
 
 
@@ -266,20 +286,31 @@ def hub(name: str) -> _Hub:
 class MemoryBroker(GatedDispatch, Broker):
     """One connection to the in-process hub ``name`` (see module docstring)."""
 
-    def __init__(self, name: str, *, user: str = "guest", prefetch: int = 64,
-                 chunk_limit: int = DEFAULT_CHUNK_LIMIT, max_message_size: int = 4 * 1024**3,
-                 chunk_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        user: str = "guest",
+        prefetch: int = 64,
+        chunk_limit: int = DEFAULT_CHUNK_LIMIT,
+        max_message_size: int = 4 * 1024**3,
+        chunk_timeout_s: float = 600.0,
+    ) -> None:
         self.url = f"memory://{user}@{name}"
         self.user = user
         self.prefetch = prefetch
         self.chunk_limit = chunk_limit
         self.max_message_size = max_message_size
-        self.chunk_timeout_s = chunk_timeout_s  # an incomplete chunked message is dropped this long after its last chunk
+        self.chunk_timeout_s = (
+            chunk_timeout_s  # an incomplete chunked message is dropped this long after its last chunk
+        )
         self._hub = hub(name)
         self._consumers: dict[str, _Consumer] = {}
         self._closed = False
         self._inbox: queue_mod.Queue = queue_mod.Queue()
-        self._thread = threading.Thread(target=self._dispatch_loop, name=f"fedmq-memory-dispatch-{name}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._dispatch_loop, name=f"fedmq-memory-dispatch-{name}", daemon=True
+        )
         self._thread.start()
 
     def purge_job(self, job: str) -> list[str]:
@@ -289,20 +320,32 @@ class MemoryBroker(GatedDispatch, Broker):
         return self._hub.delete_queues(f"fedmq.{job}.")
 
     # ---- publishing ---------------------------------------------------------------------------------
-    def declare_job(self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True,
-                    model_bytes: int = 0) -> None:
+    def declare_job(
+        self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True, model_bytes: int = 0
+    ) -> None:
         self._check_open()
         for spec in job_queues(job, agents, inbox=inbox, model_bytes=model_bytes):
             self._hub.declare(spec.name, spec.arguments, spec.bindings)
 
-    def publish(self, routing_key: str, body: bytes, *, message_id: str | None = None,
-                headers: dict[str, Any] | None = None, timeout: float | None = None) -> None:
+    def publish(
+        self,
+        routing_key: str,
+        body: bytes,
+        *,
+        message_id: str | None = None,
+        headers: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> None:
         self._check_open()
         check_publish_args(routing_key, body)
         message_id = message_id or uuid.uuid4().hex
         base_headers = dict(headers or {})
         frames = chunk_messages(bytes(body), message_id, self.chunk_limit)
-        parts = [(bytes(body), base_headers)] if frames is None else [(f, {**base_headers, CHUNK_HEADER: 1}) for f in frames]
+        parts = (
+            [(bytes(body), base_headers)]
+            if frames is None
+            else [(f, {**base_headers, CHUNK_HEADER: 1}) for f in frames]
+        )
         with self._hub.lock:
             targets = self._hub.route(routing_key)
             if not targets:
@@ -315,12 +358,23 @@ class MemoryBroker(GatedDispatch, Broker):
                 self._hub.pump(q)
 
     # ---- consuming ----------------------------------------------------------------------------------
-    def consume(self, queue: str, handler: Handler, *, prefetch: int | None = None, offset: Any = None,
-                only_message: str | None = None, reassembly: ReassemblyLimits | None = None) -> str:
+    def consume(
+        self,
+        queue: str,
+        handler: Handler,
+        *,
+        prefetch: int | None = None,
+        offset: Any = None,
+        only_message: str | None = None,
+        reassembly: ReassemblyLimits | None = None,
+    ) -> str:
         self._check_open()
         window = prefetch or self.prefetch
-        gate = ChunkGate.of(window, reassembly or ReassemblyLimits(max_message_size=self.max_message_size),
-                            self.chunk_timeout_s)
+        gate = ChunkGate.of(
+            window,
+            reassembly or ReassemblyLimits(max_message_size=self.max_message_size),
+            self.chunk_timeout_s,
+        )
         with self._hub.lock:
             q = self._hub.queues.get(queue)
             if q is None:
@@ -384,8 +438,15 @@ class MemoryBroker(GatedDispatch, Broker):
             return len(q.ready) if q is not None else 0
 
     def status(self) -> dict[str, Any]:
-        return {"url": self.url, "user": self.user, "connected": not self._closed, "blocked": False,
-                "reconnects": 0, "unconfirmed": 0, "consumers": len(self._consumers)}
+        return {
+            "url": self.url,
+            "user": self.user,
+            "connected": not self._closed,
+            "blocked": False,
+            "reconnects": 0,
+            "unconfirmed": 0,
+            "consumers": len(self._consumers),
+        }
 
     def close(self) -> None:
         if self._closed:
@@ -400,4 +461,3 @@ class MemoryBroker(GatedDispatch, Broker):
     def _check_open(self) -> None:
         if self._closed:
             raise BrokerError("the broker connection is closed")
-

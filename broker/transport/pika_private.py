@@ -20,7 +20,8 @@ a pika that moved any of these fails at connect with one line naming its version
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pika
 
@@ -60,23 +61,30 @@ def check(conn: Any, ch: Any = None) -> None:
                 break
             obj = getattr(obj, name)
     if missing:
-        raise BrokerError(f"pika {pika.__version__} lacks what fedmq's RabbitMQ backend relies on: "
-                          f"{', '.join(missing)} (fedmq supports pika 1.x)", permanent=True)
+        raise BrokerError(
+            f"pika {pika.__version__} lacks what fedmq's RabbitMQ backend relies on: "
+            f"{', '.join(missing)} (fedmq supports pika 1.x)",
+            permanent=True,
+        )
 
 
-def widen_reads(conn: "pika.BlockingConnection") -> None:
+def widen_reads(conn: pika.BlockingConnection) -> None:
     """Read the socket RECV_BYTES at a time instead of pika's 4 KiB: consuming model-sized messages spends most of
     its CPU in recv calls otherwise."""
     conn._impl._transport._MAX_RECV_BYTES = RECV_BYTES
 
 
-def server_properties(conn: "pika.BlockingConnection") -> dict[str, Any]:
+def server_properties(conn: pika.BlockingConnection) -> dict[str, Any]:
     """What the broker said about itself when the connection opened (``version``, ``product``, ...)."""
     return conn._impl.server_properties or {}
 
 
-def enable_confirms(ch: Any, on_confirm: Callable[[Any], None], on_ready: Callable[[Any], None],
-                    on_return: Callable[[Any, Any, Any, bytes], None]) -> None:
+def enable_confirms(
+    ch: Any,
+    on_confirm: Callable[[Any], None],
+    on_ready: Callable[[Any], None],
+    on_return: Callable[[Any, Any, Any, bytes], None],
+) -> None:
     """Confirm mode on the channel underneath ``ch``: ``on_confirm(frame)`` for every ack or nack,
     ``on_return(channel, method, properties, body)`` for every returned message, each as it arrives;
     ``on_ready(frame)`` once the broker turned confirms on."""
@@ -95,8 +103,9 @@ def publish_frame(ch: Any, exchange: str, routing_key: str, frame: Any, props: p
     body, each copied once into a 128 KiB AMQP frame, so a chunk is sent straight from the message body."""
     impl = ch._impl
     impl._raise_if_not_open()
-    impl._send_method(pika.spec.Basic.Publish(exchange=exchange, routing_key=routing_key, mandatory=True),
-                      (props, frame))
+    impl._send_method(
+        pika.spec.Basic.Publish(exchange=exchange, routing_key=routing_key, mandatory=True), (props, frame)
+    )
 
 
 def close_now(ch: Any) -> None:

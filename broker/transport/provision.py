@@ -66,18 +66,26 @@ def agent_permissions(job: str, client: str) -> Permissions:
     own = rf"fedmq\.{j}\.agent\.{c}\.(latest|control)"
     models = rf"fedmq\.{j}\.models"  # the model stream: read only (consuming a stream removes nothing)
     ex = re.escape(t.EXCHANGE)
-    return Permissions(configure=rf"^{own}$", write=rf"^({ex}|{own})$", read=rf"^({ex}|{own}|{models})$",
-                       topic_write=rf"^job\.{j}\.(report|update|presence)\.{c}$",
-                       topic_read=rf"^job\.{j}\.((global|control)|(announce|grant)\.{c})$")
+    return Permissions(
+        configure=rf"^{own}$",
+        write=rf"^({ex}|{own})$",
+        read=rf"^({ex}|{own}|{models})$",
+        topic_write=rf"^job\.{j}\.(report|update|presence)\.{c}$",
+        topic_read=rf"^job\.{j}\.((global|control)|(announce|grant)\.{c})$",
+    )
 
 
 def aggregator_permissions(job: str) -> Permissions:
     """The aggregator of one job: the exchange and every queue and routing key of that job, nothing of another."""
     j, ex = re.escape(t.check_name("job id", job)), re.escape(t.EXCHANGE)
     mine = rf"^({ex}|{ex}\.{j}\..*)$"  # the exchange is named fedmq, the job's queues fedmq.<job>.*
-    return Permissions(configure=mine, write=mine, read=mine,
-                       topic_write=rf"^job\.{j}\.(global|control|model|(announce|grant)\.[^.]+)$",
-                       topic_read=rf"^job\.{j}\..*$")
+    return Permissions(
+        configure=mine,
+        write=mine,
+        read=mine,
+        topic_write=rf"^job\.{j}\.(global|control|model|(announce|grant)\.[^.]+)$",
+        topic_read=rf"^job\.{j}\..*$",
+    )
 
 
 class Admin(Protocol):
@@ -91,7 +99,9 @@ class Admin(Protocol):
 class CtlAdmin:
     """rabbitmqctl on this machine (optionally ``-n NODE``)."""
 
-    def __init__(self, node: str | None = None, ctl: str = RABBITMQCTL, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, node: str | None = None, ctl: str = RABBITMQCTL, env: dict[str, str] | None = None
+    ) -> None:
         self.node, self.ctl, self.env = node, ctl, env
         if shutil.which(ctl) is None and not Path(ctl).is_file():
             raise BrokerError(f"{ctl} not found: run on the broker's machine or use the management API")
@@ -129,8 +139,11 @@ class CtlAdmin:
 
     def amqp_ports(self) -> list[int]:
         """The AMQP ports the node listens on (plain and TLS)."""
-        out = self.run("eval", "[P || {listener, _, Proto, _, _, P, _} <- rabbit_networking:active_listeners(), "
-                               "lists:member(Proto, [amqp, 'amqp/ssl'])].")
+        out = self.run(
+            "eval",
+            "[P || {listener, _, Proto, _, _, P, _} <- rabbit_networking:active_listeners(), "
+            "lists:member(Proto, [amqp, 'amqp/ssl'])].",
+        )
         return sorted({int(p) for p in re.findall(r"\d+", out)})
 
     def environment(self, key: str) -> str | None:
@@ -150,9 +163,12 @@ class HttpAdmin:
         self.auth = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
 
     def call(self, method: str, path: str, body: Any = None, ok: tuple[int, ...] = (200, 201, 204)) -> Any:
-        req = urllib.request.Request(self.base + path, method=method,
-                                     data=None if body is None else json.dumps(body).encode(),
-                                     headers={"authorization": self.auth, "content-type": "application/json"})
+        req = urllib.request.Request(
+            self.base + path,
+            method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"authorization": self.auth, "content-type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=30, context=self.context) as resp:
                 data = resp.read()
@@ -160,7 +176,9 @@ class HttpAdmin:
         except urllib.error.HTTPError as exc:
             if exc.code in ok:
                 return None
-            raise BrokerError(f"management API {method} {path} failed: HTTP {exc.code} {exc.reason}") from None
+            raise BrokerError(
+                f"management API {method} {path} failed: HTTP {exc.code} {exc.reason}"
+            ) from None
         except (urllib.error.URLError, OSError) as exc:
             raise BrokerError(f"management API at {self.base} unreachable: {exc}") from None
 
@@ -175,9 +193,14 @@ class HttpAdmin:
 
     def set_permissions(self, vhost: str, user: str, p: Permissions) -> None:
         v, u = quote(vhost, safe=""), quote(user, safe="")
-        self.call("PUT", f"/api/permissions/{v}/{u}", {"configure": p.configure, "write": p.write, "read": p.read})
-        self.call("PUT", f"/api/topic-permissions/{v}/{u}",
-                  {"exchange": t.EXCHANGE, "write": p.topic_write, "read": p.topic_read})
+        self.call(
+            "PUT", f"/api/permissions/{v}/{u}", {"configure": p.configure, "write": p.write, "read": p.read}
+        )
+        self.call(
+            "PUT",
+            f"/api/topic-permissions/{v}/{u}",
+            {"exchange": t.EXCHANGE, "write": p.topic_write, "read": p.topic_read},
+        )
 
     def delete_vhost(self, vhost: str) -> None:
         self.call("DELETE", f"/api/vhosts/{quote(vhost, safe='')}", ok=(404,))
@@ -196,11 +219,15 @@ def admin_for(url: str) -> Admin:
         ports = admin.amqp_ports()
         if port not in ports:
             node = admin.node or "rabbitmqctl's default node"
-            raise BrokerError(f"{node} listens on port(s) {', '.join(map(str, ports)) or 'none'}, not {port}: "
-                              f"name the node of port {port} with FEDMQ_RABBITMQ_NODE")
+            raise BrokerError(
+                f"{node} listens on port(s) {', '.join(map(str, ports)) or 'none'}, not {port}: "
+                f"name the node of port {port} with FEDMQ_RABBITMQ_NODE"
+            )
         return admin
     user = os.environ.get("FEDMQ_BROKER_USER") or (unquote(parts.username) if parts.username else "guest")
-    password = os.environ.get("FEDMQ_BROKER_PASSWORD") or (unquote(parts.password) if parts.password else "guest")
+    password = os.environ.get("FEDMQ_BROKER_PASSWORD") or (
+        unquote(parts.password) if parts.password else "guest"
+    )
     tls = parts.scheme == "amqps"
     port = os.environ.get("FEDMQ_MANAGEMENT_PORT") or ("15671" if tls else "15672")
     base = f"{'https' if tls else 'http'}://{parts.hostname}:{port}"
@@ -212,7 +239,9 @@ def _split(url: str):
     to one node."""
     parts = urlsplit(addresses(url)[0])
     if parts.scheme not in ("amqp", "amqps"):
-        raise BrokerError(f"provisioning needs an amqp:// or amqps:// broker URL, got {url.split('://')[0]!r}")
+        raise BrokerError(
+            f"provisioning needs an amqp:// or amqps:// broker URL, got {url.split('://')[0]!r}"
+        )
     return parts
 
 
@@ -222,9 +251,17 @@ def user_url(url: str, vhost: str, user: str, password: str) -> str:
     return with_credentials(url, user, password, vhost)
 
 
-def provision(url: str, *, vhost: str, job: str, agents: list[str], admin: Admin | None = None,
-              remove_guest: bool = False, passwords: dict[str, str] | None = None,
-              aggregator_user: str | None = None) -> dict[str, Any]:
+def provision(
+    url: str,
+    *,
+    vhost: str,
+    job: str,
+    agents: list[str],
+    admin: Admin | None = None,
+    remove_guest: bool = False,
+    passwords: dict[str, str] | None = None,
+    aggregator_user: str | None = None,
+) -> dict[str, Any]:
     """Create the vhost and the job's users with their permissions; returns the credentials.
 
     ``{"vhost", "job", "aggregator": {"username", "password", "url"}, "agents": {client id: {...}}}``. Users are
@@ -240,8 +277,10 @@ def provision(url: str, *, vhost: str, job: str, agents: list[str], admin: Admin
     except ValueError as exc:
         raise BrokerError(str(exc)) from None
     aggregator_user = aggregator_user or t.aggregator_user(job)
-    users = [(None, aggregator_user, aggregator_permissions(job)),
-             *[(a, t.agent_user(job, a), agent_permissions(job, a)) for a in agents]]
+    users = [
+        (None, aggregator_user, aggregator_permissions(job)),
+        *[(a, t.agent_user(job, a), agent_permissions(job, a)) for a in agents],
+    ]
     if len({u for _, u, _ in users}) != len(users):
         raise BrokerError("agent ids must be unique and differ from the aggregator user")
     admin = admin or admin_for(url)
@@ -249,7 +288,9 @@ def provision(url: str, *, vhost: str, job: str, agents: list[str], admin: Admin
     admin.add_vhost(vhost)
     creds: dict[str, Any] = {"vhost": vhost, "job": job, "aggregator": None, "agents": {}}
     for client, user, perms in users:
-        password = passwords.get(user) or secrets.token_hex(24)  # hex: a password starting with "-" would read as an option to rabbitmqctl
+        password = passwords.get(user) or secrets.token_hex(
+            24
+        )  # hex: a password starting with "-" would read as an option to rabbitmqctl
         admin.put_user(user, password)
         admin.set_permissions(vhost, user, perms)
         entry = {"username": user, "password": password, "url": user_url(url, vhost, user, password)}
@@ -266,16 +307,29 @@ def provision(url: str, *, vhost: str, job: str, agents: list[str], admin: Admin
 def secret_manifests(creds: dict[str, Any], namespace: str = "fedmq") -> str:
     """Kubernetes Secrets (one per agent, ``fedmq-agent-<id>``, plus ``fedmq-aggregator``) as multi-doc YAML."""
     docs = []
-    entries = [("fedmq-aggregator", creds["aggregator"])] + [(f"fedmq-agent-{a}", e) for a, e in creds["agents"].items()]
+    entries = [("fedmq-aggregator", creds["aggregator"])] + [
+        (f"fedmq-agent-{a}", e) for a, e in creds["agents"].items()
+    ]
     for name, e in entries:
         data = "\n".join(f"  {k}: {json.dumps(e[k])}" for k in ("username", "password", "url"))
-        docs.append(f"apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}\n  namespace: {namespace}\n"
-                    f"  labels:\n    app.kubernetes.io/part-of: fedmq\ntype: Opaque\nstringData:\n{data}\n")
+        docs.append(
+            f"apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}\n  namespace: {namespace}\n"
+            f"  labels:\n    app.kubernetes.io/part-of: fedmq\ntype: Opaque\nstringData:\n{data}\n"
+        )
     return "---\n".join(docs)
 
 
-def provision_cli(*, broker: str, vhost: str, job: str, agents: int, secrets_out: str | None,
-                  credentials_out: Path | None, namespace: str, remove_guest: bool) -> None:
+def provision_cli(
+    *,
+    broker: str,
+    vhost: str,
+    job: str,
+    agents: int,
+    secrets_out: str | None,
+    credentials_out: Path | None,
+    namespace: str,
+    remove_guest: bool,
+) -> None:
     """The `fedmq broker provision` command: agents are named agent-0 … agent-N-1."""
     import sys
 
@@ -294,8 +348,14 @@ def provision_cli(*, broker: str, vhost: str, job: str, agents: int, secrets_out
                     old[e["username"]] = e["password"]
         except (OSError, ValueError, AttributeError):
             raise BrokerError(f"existing credentials file {credentials_out} is not valid JSON") from None
-    creds = provision(broker, vhost=vhost, job=job, agents=[f"agent-{i}" for i in range(agents)],
-                      remove_guest=remove_guest, passwords=old)
+    creds = provision(
+        broker,
+        vhost=vhost,
+        job=job,
+        agents=[f"agent-{i}" for i in range(agents)],
+        remove_guest=remove_guest,
+        passwords=old,
+    )
     if credentials_out is not None:
         write_atomic(Path(credentials_out), json.dumps(creds, indent=2) + "\n", private=True)
     if secrets_out == "-":
@@ -320,7 +380,9 @@ def check(url: str, job: str | None = None) -> dict[str, Any]:
         with connect(url) as b:
             info.update(reachable=True, version="in-process", max_message_size=None)
             if job:
-                info["queues"] = {s.name: {"messages": b.queue_depth(s.name)} for s in job_queues(job, inbox=True)}
+                info["queues"] = {
+                    s.name: {"messages": b.queue_depth(s.name)} for s in job_queues(job, inbox=True)
+                }
         return info
     params = pika.URLParameters(addresses(url)[0])
     params.socket_timeout = params.stack_timeout = 5
@@ -348,7 +410,10 @@ def check(url: str, job: str | None = None) -> dict[str, Any]:
                 ch = conn.channel()
                 try:
                     ok = ch.queue_declare(s.name, passive=True)
-                    queues[s.name] = {"messages": ok.method.message_count, "consumers": ok.method.consumer_count}
+                    queues[s.name] = {
+                        "messages": ok.method.message_count,
+                        "consumers": ok.method.consumer_count,
+                    }
                     ch.close()
                 except pe.ChannelClosedByBroker:
                     queues[s.name] = {"messages": 0, "consumers": 0, "missing": True}

@@ -17,14 +17,25 @@ from fedmq.broker.transport.errors import BrokerError
 QUORUM: dict[str, Any] = {"x-queue-type": "quorum"}
 INBOX_ARGS: dict[str, Any] = {**QUORUM, "x-single-active-consumer": True}
 DELIVERY_LIMIT = 5  # deliveries of one inbox message beyond the first before RabbitMQ dead-letters it
-DEAD_ARGS: dict[str, Any] = {**QUORUM, "x-max-length": 10_000, "x-max-length-bytes": 1 << 30, "x-overflow": "drop-head"}
+DEAD_ARGS: dict[str, Any] = {
+    **QUORUM,
+    "x-max-length": 10_000,
+    "x-max-length-bytes": 1 << 30,
+    "x-overflow": "drop-head",
+}
 
 
 def inbox_args(job: str) -> dict[str, Any]:
     """The inbox's arguments: a message returned more than DELIVERY_LIMIT times (its consumer died holding it,
     e.g. killed by it) or rejected goes to the job's dead-letter queue instead of coming back forever."""
-    return {**INBOX_ARGS, "x-delivery-limit": DELIVERY_LIMIT, "x-dead-letter-exchange": t.EXCHANGE,
-            "x-dead-letter-routing-key": t.rk_dead(job)}
+    return {
+        **INBOX_ARGS,
+        "x-delivery-limit": DELIVERY_LIMIT,
+        "x-dead-letter-exchange": t.EXCHANGE,
+        "x-dead-letter-routing-key": t.rk_dead(job),
+    }
+
+
 LATEST_ARGS: dict[str, Any] = {**QUORUM, "x-max-length": 1, "x-overflow": "drop-head"}
 CONTROL_ARGS: dict[str, Any] = dict(QUORUM)
 STREAM_VERSIONS = 4  # model messages (a version can have a full and a delta/partial form) the stream retains
@@ -39,8 +50,11 @@ def model_stream_args(model_bytes: int) -> dict[str, Any]:
     A selected agent reads its version within the round it was announced for, long before it ages out.
     """
     segment = max(int(model_bytes), MIN_SEGMENT)
-    return {"x-queue-type": "stream", "x-max-length-bytes": STREAM_VERSIONS * segment,
-            "x-stream-max-segment-size-bytes": segment}
+    return {
+        "x-queue-type": "stream",
+        "x-max-length-bytes": STREAM_VERSIONS * segment,
+        "x-stream-max-segment-size-bytes": segment,
+    }
 
 
 @dataclass(frozen=True)
@@ -61,8 +75,9 @@ def message_chunks(model_bytes: int, chunk_limit: int) -> int:
     return math.ceil(model_bytes * 1.05 / chunk_limit) + 1
 
 
-def job_queues(job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True,
-               model_bytes: int = 0) -> list[QueueSpec]:
+def job_queues(
+    job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True, model_bytes: int = 0
+) -> list[QueueSpec]:
     """Specs of the inbox and, given ``model_bytes`` (which sizes its retention), the model stream (if ``inbox``:
     the aggregator's side) and each agent's latest/control queues; BrokerError on a bad id."""
     try:
@@ -73,13 +88,19 @@ def job_queues(job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: boo
         raise BrokerError(str(exc)) from None
     specs = []
     if inbox:
-        specs.append(QueueSpec(t.q_dead(job), dict(DEAD_ARGS), (t.rk_dead(job),)))  # before the inbox that feeds it
+        specs.append(
+            QueueSpec(t.q_dead(job), dict(DEAD_ARGS), (t.rk_dead(job),))
+        )  # before the inbox that feeds it
         specs.append(QueueSpec(t.q_inbox(job), inbox_args(job), tuple(t.inbox_bindings(job))))
         if model_bytes > 0:  # the aggregator's declaration: it knows the model's size
             specs.append(QueueSpec(t.q_models(job), model_stream_args(model_bytes), (t.rk_model(job),)))
     for a in agents:
-        specs.append(QueueSpec(t.q_latest(job, a), dict(LATEST_ARGS), (t.rk_global(job), t.rk_announce(job, a))))
-        specs.append(QueueSpec(t.q_control(job, a), dict(CONTROL_ARGS), (t.rk_control(job), t.rk_grant(job, a))))
+        specs.append(
+            QueueSpec(t.q_latest(job, a), dict(LATEST_ARGS), (t.rk_global(job), t.rk_announce(job, a)))
+        )
+        specs.append(
+            QueueSpec(t.q_control(job, a), dict(CONTROL_ARGS), (t.rk_control(job), t.rk_grant(job, a)))
+        )
     return specs
 
 

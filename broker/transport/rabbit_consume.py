@@ -14,8 +14,9 @@ import datetime
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import pika.exceptions as pe
 import structlog
@@ -66,19 +67,30 @@ class RabbitConsuming:
         self._consumers: dict[str, _Consumer] = {}
         self._dispatch_q: collections.deque = collections.deque()
         self._dispatch_cv = threading.Condition()
-        self._dispatcher = threading.Thread(target=self._dispatch_loop, name="fedmq-rabbit-dispatch", daemon=True)
+        self._dispatcher = threading.Thread(
+            target=self._dispatch_loop, name="fedmq-rabbit-dispatch", daemon=True
+        )
 
     def _subscribe(self, c: _Consumer) -> None:
         assert self._conn is not None
         ch = self._conn.channel()
         ch.basic_qos(prefetch_count=c.prefetch)
         self._subscriptions += 1
-        gen = self._subscriptions  # deliveries of an earlier subscription (or connection) can no longer be settled
+        gen = (
+            self._subscriptions
+        )  # deliveries of an earlier subscription (or connection) can no longer be settled
 
         def on_message(_ch: Any, method: Any, props: Any, body: bytes) -> None:
-            d = Delivery(body=body, routing_key=method.routing_key, queue=c.queue, message_id=props.message_id,
-                         user_id=props.user_id, headers=dict(props.headers or {}), redelivered=method.redelivered,
-                         tag=(gen, c.tag, method.delivery_tag))
+            d = Delivery(
+                body=body,
+                routing_key=method.routing_key,
+                queue=c.queue,
+                message_id=props.message_id,
+                user_id=props.user_id,
+                headers=dict(props.headers or {}),
+                redelivered=method.redelivered,
+                tag=(gen, c.tag, method.delivery_tag),
+            )
             with self._dispatch_cv:
                 self._dispatch_q.append((c, d))
                 self._dispatch_cv.notify()
@@ -88,7 +100,7 @@ class RabbitConsuming:
         if c.offset is not None:  # a timestamp travels as an AMQP timestamp, which pika writes for a datetime
             off = c.offset
             if isinstance(off, float):
-                off = datetime.datetime.fromtimestamp(int(off), tz=datetime.timezone.utc)
+                off = datetime.datetime.fromtimestamp(int(off), tz=datetime.UTC)
             args = {"x-stream-offset": off}
         try:
             ch.basic_consume(c.queue, on_message, auto_ack=False, consumer_tag=c.tag, arguments=args)
@@ -122,28 +134,50 @@ class RabbitConsuming:
         if conn is not None:
             conn.call_later(delay, again)
 
-    def consume(self, queue: str, handler: Handler, *, prefetch: int | None = None, offset: Any = None,
-                only_message: str | None = None, reassembly: ReassemblyLimits | None = None) -> str:
+    def consume(
+        self,
+        queue: str,
+        handler: Handler,
+        *,
+        prefetch: int | None = None,
+        offset: Any = None,
+        only_message: str | None = None,
+        reassembly: ReassemblyLimits | None = None,
+    ) -> str:
         window = prefetch or self.prefetch
         if offset is not None and not isinstance(offset, (int, float, str)) or isinstance(offset, bool):
             raise BrokerError(f"bad stream offset {offset!r}: use an int, first, last, next or a timestamp")
-        c = _Consumer(f"fedmq-{uuid.uuid4().hex[:12]}", queue, handler, window,
-                      ChunkGate.of(window, reassembly or ReassemblyLimits(max_message_size=self.max_message_size),
-                                   self.chunk_timeout_s), offset=offset, only=only_message)
+        c = _Consumer(
+            f"fedmq-{uuid.uuid4().hex[:12]}",
+            queue,
+            handler,
+            window,
+            ChunkGate.of(
+                window,
+                reassembly or ReassemblyLimits(max_message_size=self.max_message_size),
+                self.chunk_timeout_s,
+            ),
+            offset=offset,
+            only=only_message,
+        )
 
-        def run(b: "RabbitConsuming") -> str:
+        def run(b: RabbitConsuming) -> str:
             b._subscribe(c)
             b._consumers[c.tag] = c
             return c.tag
 
         # RabbitMQ 3.10 answers a consume at once, or never: a quorum queue whose node was killed within about a
         # second of declaring it comes back as a zombie (declarable, 0 messages, no consume or get ever answered)
-        zombie = (f"probably a zombie quorum queue (its node was killed within seconds of declaring it; its "
-                  f"messages are lost); delete it (rabbitmqctl delete_queue {queue}) and start again")
-        return self._submit(run, self.publish_timeout, f"consuming {queue!r}", stuck=(self.consume_timeout, zombie))
+        zombie = (
+            f"probably a zombie quorum queue (its node was killed within seconds of declaring it; its "
+            f"messages are lost); delete it (rabbitmqctl delete_queue {queue}) and start again"
+        )
+        return self._submit(
+            run, self.publish_timeout, f"consuming {queue!r}", stuck=(self.consume_timeout, zombie)
+        )
 
     def cancel(self, consumer_tag: str) -> None:
-        def run(b: "RabbitConsuming") -> None:
+        def run(b: RabbitConsuming) -> None:
             c = b._consumers.pop(consumer_tag, None)
             if c is not None and c.channel is not None and c.channel.is_open:
                 c.channel.close()  # closing the channel requeues its unacked deliveries
@@ -153,7 +187,7 @@ class RabbitConsuming:
     def _settle_raw(self, raw: tuple[int, str, int], requeue: bool | None) -> None:
         gen, tag, delivery_tag = raw
 
-        def run(b: "RabbitConsuming") -> None:
+        def run(b: RabbitConsuming) -> None:
             c = b._consumers.get(tag)
             if c is None or gen != c.gen or c.channel is None or not c.channel.is_open:
                 log.debug("ack/reject of a delivery from a previous connection ignored (it was requeued)")

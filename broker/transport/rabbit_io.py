@@ -13,10 +13,11 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import pika
 import structlog
@@ -59,7 +60,9 @@ class RabbitIo:
         self._blocked = False
         self._reconnects = 0
         self._last_error: str | None = None
-        self._refused = False  # the broker refused these credentials or this virtual host (not worth retrying)
+        self._refused = (
+            False  # the broker refused these credentials or this virtual host (not worth retrying)
+        )
         self._wedged = False  # the I/O thread is stuck in a call the broker never answers (see consume)
         self._first = threading.Event()
         self._io = threading.Thread(target=self._io_loop, name="fedmq-rabbit-io", daemon=True)
@@ -118,7 +121,9 @@ class RabbitIo:
     def _lost(self, exc: BaseException) -> None:
         self._failed(exc)
         node = self._reconnection.node
-        log.warning("RabbitMQ connection lost; reconnecting", error=self._last_error, node=f"{node.host}:{node.port}")
+        log.warning(
+            "RabbitMQ connection lost; reconnecting", error=self._last_error, node=f"{node.host}:{node.port}"
+        )
         self._reconnection.lost()
         self._drop_connection()
         self._pub_ch = None
@@ -132,8 +137,14 @@ class RabbitIo:
         self._conn = None
 
     def _reconnect(self) -> None:
-        if self._reconnection.retry(self._open, self._restore, stopping=lambda: self._stopping, sleep=self._sleep,
-                                    failed=self._failed, lost=self._lost):
+        if self._reconnection.retry(
+            self._open,
+            self._restore,
+            stopping=lambda: self._stopping,
+            sleep=self._sleep,
+            failed=self._failed,
+            lost=self._lost,
+        ):
             log.info("reconnected to RabbitMQ", reconnects=self._reconnects)
 
     def _sleep(self, seconds: float) -> None:
@@ -185,8 +196,13 @@ class RabbitIo:
         except Exception:
             pass  # closed: the I/O loop drains after reconnecting
 
-    def _submit(self, fn: Callable[[Any], Any], timeout: float | None, what: str,
-                stuck: tuple[float, str] | None = None) -> Any:
+    def _submit(
+        self,
+        fn: Callable[[Any], Any],
+        timeout: float | None,
+        what: str,
+        stuck: tuple[float, str] | None = None,
+    ) -> Any:
         """Run ``fn(broker)`` on the I/O thread and wait for it, at most ``timeout`` s in all; with ``stuck`` =
         (s, why), at most s once the I/O thread has started it on a live connection, and at most 3 connections lost
         while running it, else a permanent BrokerError that ends with ``why``.
@@ -208,16 +224,21 @@ class RabbitIo:
                 now = time.monotonic()
                 if stuck is not None and cmd.started is not None and now - cmd.started > stuck[0]:
                     cmd.cancelled = self._wedged = True  # the I/O thread waits inside pika for an answer
-                    raise BrokerError(f"RabbitMQ did not confirm {what} within {stuck[0]:.0f} s: {stuck[1]}",
-                                      permanent=True) from None
+                    raise BrokerError(
+                        f"RabbitMQ did not confirm {what} within {stuck[0]:.0f} s: {stuck[1]}", permanent=True
+                    ) from None
                 if stuck is not None and cmd.losses >= 3:
                     cmd.cancelled = True
-                    raise BrokerError(f"RabbitMQ closed the connection {cmd.losses} times while {what} "
-                                      f"(last: {self._last_error}): {stuck[1]}", permanent=True) from None
+                    raise BrokerError(
+                        f"RabbitMQ closed the connection {cmd.losses} times while {what} "
+                        f"(last: {self._last_error}): {stuck[1]}",
+                        permanent=True,
+                    ) from None
                 if deadline is not None and now >= deadline:
                     cmd.cancelled = True
-                    raise BrokerError(f"{what} not confirmed within {timeout:.0f} s "
-                                      f"(connected: {self._conn is not None})") from None
+                    raise BrokerError(
+                        f"{what} not confirmed within {timeout:.0f} s (connected: {self._conn is not None})"
+                    ) from None
 
     def _post(self, fn: Callable[[Any], Any]) -> None:
         """Queue a command without waiting (acks and rejects)."""

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import pika
 import pika.exceptions as pe
@@ -66,16 +67,28 @@ class RabbitPublishing:
         self._pub_seq = 0
         self._pub_pending: dict[int, tuple[_Publish, int]] = {}  # delivery tag -> (publish, part)
 
-    def publish(self, routing_key: str, body: bytes, *, message_id: str | None = None,
-                headers: dict[str, Any] | None = None, timeout: float | None = None) -> None:
+    def publish(
+        self,
+        routing_key: str,
+        body: bytes,
+        *,
+        message_id: str | None = None,
+        headers: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> None:
         check_publish_args(routing_key, body)
         message_id = message_id or uuid.uuid4().hex
         frames = chunk_parts(body if isinstance(body, bytes) else bytes(body), message_id, self.chunk_limit)
         base = dict(headers or {})
 
         def props(h: dict[str, Any]) -> pika.BasicProperties:
-            return pika.BasicProperties(delivery_mode=2, message_id=message_id, user_id=self.user,
-                                        headers=h or None, timestamp=int(time.time()))
+            return pika.BasicProperties(
+                delivery_mode=2,
+                message_id=message_id,
+                user_id=self.user,
+                headers=h or None,
+                timestamp=int(time.time()),
+            )
 
         if frames is None:
             parts = [(body, props(base))]
@@ -91,8 +104,12 @@ class RabbitPublishing:
         ch = self._conn.channel()
         pika_private.check(self._conn, ch)
         ready: list[bool] = []
-        pika_private.enable_confirms(ch, on_confirm=lambda f: self._on_confirm(f),  # looked up per confirm
-                                     on_ready=lambda _f: ready.append(True), on_return=self._on_return)
+        pika_private.enable_confirms(
+            ch,
+            on_confirm=lambda f: self._on_confirm(f),  # looked up per confirm
+            on_ready=lambda _f: ready.append(True),
+            on_return=self._on_return,
+        )
         deadline = time.monotonic() + self.connect_timeout * 2
         while not ready:
             if time.monotonic() > deadline or not ch.is_open:
@@ -131,7 +148,11 @@ class RabbitPublishing:
             todo = [i for i in range(len(job.parts)) if i not in job.confirmed]
             if not todo:
                 return
-            ch = self._pub_ch if self._pub_ch is not None and self._pub_ch.is_open else self._open_pub_channel()
+            ch = (
+                self._pub_ch
+                if self._pub_ch is not None and self._pub_ch.is_open
+                else self._open_pub_channel()
+            )
             job.nacked.clear()
             assert self._conn is not None
             progress, done = time.monotonic(), len(job.confirmed)
@@ -149,7 +170,9 @@ class RabbitPublishing:
                             pika_private.publish(ch, EXCHANGE, job.routing_key, data, props)
                     except pe.ChannelWrongStateError:
                         pass  # the channel was closed by the broker: reported below
-                    if len(job.parts) > 1:  # write this chunk now, so the broker works on it while we encode the next
+                    if (
+                        len(job.parts) > 1
+                    ):  # write this chunk now, so the broker works on it while we encode the next
                         self._conn.process_data_events(time_limit=0)
                     continue
                 if job.returned and inflight == 0:
@@ -159,14 +182,18 @@ class RabbitPublishing:
                     self._pub_ch = None
                     self._forget(job)
                     code = getattr(reason, "reply_code", "")
-                    raise BrokerError(f"publish to {job.routing_key!r} refused by the broker: {code} "
-                                      f"{getattr(reason, 'reply_text', reason)}".replace("  ", " "))
+                    raise BrokerError(
+                        f"publish to {job.routing_key!r} refused by the broker: {code} "
+                        f"{getattr(reason, 'reply_text', reason)}".replace("  ", " ")
+                    )
                 if time.monotonic() > job.deadline:
                     self._forget(job)
                     raise BrokerError(f"publish to {job.routing_key!r} not confirmed in time")
                 if len(job.confirmed) > done:
                     progress, done = time.monotonic(), len(job.confirmed)
-                elif time.monotonic() - progress > self.confirm_stall_s and not self._blocked:  # blocked: held
+                elif (
+                    time.monotonic() - progress > self.confirm_stall_s and not self._blocked
+                ):  # blocked: held
                     self._abandon_pub_channel(job)
                     break
                 self._conn.process_data_events(time_limit=0.05)
@@ -179,8 +206,11 @@ class RabbitPublishing:
                 # moved (seen in the 3-node test for over a minute), while a new one reaches the new leader
                 if time.monotonic() + 0.5 >= job.deadline:
                     raise BrokerError(f"the broker refused (nacked) the message to {job.routing_key!r}")
-                log.info("publish nacked; retrying on a new channel", routing_key=job.routing_key,
-                         parts=len(job.nacked))
+                log.info(
+                    "publish nacked; retrying on a new channel",
+                    routing_key=job.routing_key,
+                    parts=len(job.nacked),
+                )
                 self._drop_pub_channel()
                 self._conn.sleep(0.5)
 
@@ -189,8 +219,12 @@ class RabbitPublishing:
         would otherwise hold the I/O thread (and every command behind this one) until the publish deadline.
         The unconfirmed parts go out again on a new channel: at least once, and receivers drop duplicates by
         message id (chunks by message id and index)."""
-        log.warning("publish not confirmed; publishing again on a new channel", routing_key=job.routing_key,
-                    unconfirmed=len(job.parts) - len(job.confirmed), after_s=self.confirm_stall_s)
+        log.warning(
+            "publish not confirmed; publishing again on a new channel",
+            routing_key=job.routing_key,
+            unconfirmed=len(job.parts) - len(job.confirmed),
+            after_s=self.confirm_stall_s,
+        )
         self._forget(job)
         self._drop_pub_channel()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import socket
-from typing import Callable
+from collections.abc import Callable
 
 import pika
 import pika.exceptions as pe
@@ -21,15 +21,22 @@ from fedmq.broker.transport.errors import BrokerError
 
 log = structlog.get_logger(__name__)
 
-CONNECTION_ERRORS = (pe.AMQPConnectionError, pe.ConnectionClosed, pe.StreamLostError, pe.ConnectionWrongStateError,
-                     OSError)
+CONNECTION_ERRORS = (
+    pe.AMQPConnectionError,
+    pe.ConnectionClosed,
+    pe.StreamLostError,
+    pe.ConnectionWrongStateError,
+    OSError,
+)
 FIRST_DELAY = 0.2
 
 
 def refused(exc: BaseException | None) -> bool:
     """Did the broker refuse the credentials or the virtual host (pika wraps the cause in connector errors)?"""
     while exc is not None:
-        if isinstance(exc, (pe.ProbableAuthenticationError, pe.AuthenticationError, pe.ProbableAccessDeniedError)):
+        if isinstance(
+            exc, (pe.ProbableAuthenticationError, pe.AuthenticationError, pe.ProbableAccessDeniedError)
+        ):
             return True
         inner = getattr(exc, "exception", None)
         if inner is None and isinstance(exc, pe.AMQPConnectionError) and exc.args:
@@ -58,8 +65,11 @@ def describe(exc: BaseException, node: pika.URLParameters, user: str) -> str:
     if isinstance(exc, TimeoutError) or type(exc).__name__ == "AMQPConnectorStackTimeout":
         return f"no answer from {where} (timed out)"
     if isinstance(exc, OSError) and exc.strerror:
-        return f"{exc.strerror.lower()} by {where}" if isinstance(exc, ConnectionRefusedError) else \
-            f"{exc.strerror.lower()} ({where})"
+        return (
+            f"{exc.strerror.lower()} by {where}"
+            if isinstance(exc, ConnectionRefusedError)
+            else f"{exc.strerror.lower()} ({where})"
+        )
     return str(exc) or type(exc).__name__
 
 
@@ -96,9 +106,16 @@ class Reconnection:
         """The connection to ``node`` is gone: try the cluster's other nodes first (this one may be down)."""
         self._at = (self._at + 1) % len(self.nodes)
 
-    def retry(self, open_: Callable[[], None], restore: Callable[[], None], *, stopping: Callable[[], bool],
-              sleep: Callable[[float], None], failed: Callable[[BaseException], str],
-              lost: Callable[[BaseException], None]) -> bool:
+    def retry(
+        self,
+        open_: Callable[[], None],
+        restore: Callable[[], None],
+        *,
+        stopping: Callable[[], bool],
+        sleep: Callable[[float], None],
+        failed: Callable[[BaseException], str],
+        lost: Callable[[BaseException], None],
+    ) -> bool:
         """Open a connection and restore what lived on the old one, backing off between attempts, until both
         succeed (True) or ``stopping()`` (False). ``failed(exc)`` records why an attempt failed and says it in
         words; ``lost(exc)`` drops a connection whose restore failed (e.g. a quorum queue still electing its
@@ -117,7 +134,9 @@ class Reconnection:
             try:
                 restore()
             except (BrokerError, *CONNECTION_ERRORS) as exc:
-                log.warning("could not restore topology or consumers after reconnect; retrying", error=str(exc))
+                log.warning(
+                    "could not restore topology or consumers after reconnect; retrying", error=str(exc)
+                )
                 lost(exc)
                 sleep(min(self.max_backoff, delay))
                 delay *= 2

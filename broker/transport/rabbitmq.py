@@ -32,13 +32,30 @@ from fedmq.broker.wire.chunk_frames import DEFAULT_CHUNK_LIMIT
 class RabbitBroker(RabbitConsuming, RabbitPublishing, RabbitIo, GatedDispatch, Broker):
     """One RabbitMQ connection owned by an I/O thread (see module docstring)."""
 
-    def __init__(self, url: str, *, user: str | None = None, prefetch: int = 64, heartbeat: int = 30,
-                 chunk_limit: int = DEFAULT_CHUNK_LIMIT, tls: TlsOptions | None = None, connect_timeout: float = 5.0,
-                 publish_timeout: float = 300.0, max_backoff: float = 5.0, max_message_size: int = 4 * 1024**3,
-                 chunk_timeout_s: float = 600.0, consume_timeout: float = 20.0, confirm_stall_s: float = 15.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        user: str | None = None,
+        prefetch: int = 64,
+        heartbeat: int = 30,
+        chunk_limit: int = DEFAULT_CHUNK_LIMIT,
+        tls: TlsOptions | None = None,
+        connect_timeout: float = 5.0,
+        publish_timeout: float = 300.0,
+        max_backoff: float = 5.0,
+        max_message_size: int = 4 * 1024**3,
+        chunk_timeout_s: float = 600.0,
+        consume_timeout: float = 20.0,
+        confirm_stall_s: float = 15.0,
+    ) -> None:
         self.consume_timeout = consume_timeout  # a subscription the broker has not confirmed by then is stuck
-        self.confirm_stall_s = confirm_stall_s  # no confirm for this long: publish the rest again on a new channel
-        self.chunk_timeout_s = chunk_timeout_s  # an incomplete chunked message is dropped this long after its last chunk
+        self.confirm_stall_s = (
+            confirm_stall_s  # no confirm for this long: publish the rest again on a new channel
+        )
+        self.chunk_timeout_s = (
+            chunk_timeout_s  # an incomplete chunked message is dropped this long after its last chunk
+        )
         self.url = url
         nodes = [self._parameters(a, tls, user, heartbeat, connect_timeout) for a in addresses(url)]
         self._reconnection = Reconnection(nodes, max_backoff)
@@ -58,20 +75,24 @@ class RabbitBroker(RabbitConsuming, RabbitPublishing, RabbitIo, GatedDispatch, B
         if self._conn is None:
             self._stopping = True
             self._io.join(timeout=5)
-            raise BrokerError(f"cannot connect to {redact(url)}: {self._last_error or 'timed out'}",
-                              permanent=self._refused)
+            raise BrokerError(
+                f"cannot connect to {redact(url)}: {self._last_error or 'timed out'}", permanent=self._refused
+            )
         self._dispatcher.start()
 
     @staticmethod
-    def _parameters(url: str, tls: TlsOptions | None, user: str | None, heartbeat: int,
-                    connect_timeout: float) -> pika.URLParameters:
+    def _parameters(
+        url: str, tls: TlsOptions | None, user: str | None, heartbeat: int, connect_timeout: float
+    ) -> pika.URLParameters:
         try:
             params = pika.URLParameters(url)
         except Exception as exc:  # pika raises assorted errors on malformed URLs
             raise BrokerError(f"bad broker URL {redact(url)!r}: {exc}", permanent=True) from None
         url_user = params.credentials.username
         if user and user != url_user and "@" in url:
-            raise BrokerError(f"user {user!r} conflicts with the user {url_user!r} in the broker URL", permanent=True)
+            raise BrokerError(
+                f"user {user!r} conflicts with the user {url_user!r} in the broker URL", permanent=True
+            )
         if url.lower().startswith("amqps://"):
             params.ssl_options = ssl_options(tls, params.host)
         elif tls is not None:
@@ -105,8 +126,10 @@ class RabbitBroker(RabbitConsuming, RabbitPublishing, RabbitIo, GatedDispatch, B
                 try:
                     ch.exchange_declare(EXCHANGE, exchange_type="topic", durable=True)
                 except pe.ChannelClosedByBroker as exc:
-                    raise BrokerError(f"exchange {EXCHANGE!r} does not exist and user {self.user!r} may not create "
-                                      f"it ({exc.reply_code}): start the aggregator first") from None
+                    raise BrokerError(
+                        f"exchange {EXCHANGE!r} does not exist and user {self.user!r} may not create "
+                        f"it ({exc.reply_code}): start the aggregator first"
+                    ) from None
         try:
             if inbox:
                 ch.exchange_declare(EXCHANGE, exchange_type="topic", durable=True)
@@ -115,17 +138,20 @@ class RabbitBroker(RabbitConsuming, RabbitPublishing, RabbitIo, GatedDispatch, B
                 for b in s.bindings:
                     ch.queue_bind(s.name, EXCHANGE, routing_key=b)
         except pe.ChannelClosedByBroker as exc:
-            raise BrokerError(f"declaring job {job!r} refused by the broker: {exc.reply_code} {exc.reply_text}") from None
+            raise BrokerError(
+                f"declaring job {job!r} refused by the broker: {exc.reply_code} {exc.reply_text}"
+            ) from None
         if ch.is_open:
             ch.close()
 
-    def declare_job(self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True,
-                    model_bytes: int = 0) -> None:
+    def declare_job(
+        self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True, model_bytes: int = 0
+    ) -> None:
         agents_t = tuple(agents)
         size = int(model_bytes)
         job_queues(job, agents_t, inbox=inbox)  # validate ids in the caller's thread
 
-        def run(b: "RabbitBroker") -> None:
+        def run(b: RabbitBroker) -> None:
             b._declare_now(job, agents_t, inbox, size)
             if (job, agents_t, inbox, size) not in b._jobs:
                 b._jobs.append((job, agents_t, inbox, size))
@@ -134,7 +160,7 @@ class RabbitBroker(RabbitConsuming, RabbitPublishing, RabbitIo, GatedDispatch, B
 
     # ---- facts and lifecycle ------------------------------------------------------------------------
     def queue_depth(self, queue: str) -> int:
-        def run(b: "RabbitBroker") -> int:
+        def run(b: RabbitBroker) -> int:
             assert b._conn is not None
             ch = b._conn.channel()
             try:
@@ -142,7 +168,9 @@ class RabbitBroker(RabbitConsuming, RabbitPublishing, RabbitIo, GatedDispatch, B
             except pe.ChannelClosedByBroker as exc:
                 if exc.reply_code == 404:
                     return 0
-                raise BrokerError(f"cannot read depth of {queue!r}: {exc.reply_code} {exc.reply_text}") from None
+                raise BrokerError(
+                    f"cannot read depth of {queue!r}: {exc.reply_code} {exc.reply_text}"
+                ) from None
             ch.close()
             return int(ok.method.message_count)
 
@@ -151,9 +179,16 @@ class RabbitBroker(RabbitConsuming, RabbitPublishing, RabbitIo, GatedDispatch, B
     def status(self) -> dict[str, Any]:
         with self._lock:
             unconfirmed = sum(1 for c in self._cmds if not c.cancelled and not c.future.done())
-        return {"url": redact(self.url), "user": self.user, "connected": self._conn is not None and not self._stopping,
-                "blocked": self._blocked, "reconnects": self._reconnects, "unconfirmed": unconfirmed,
-                "consumers": len(self._consumers), "last_error": self._last_error}
+        return {
+            "url": redact(self.url),
+            "user": self.user,
+            "connected": self._conn is not None and not self._stopping,
+            "blocked": self._blocked,
+            "reconnects": self._reconnects,
+            "unconfirmed": unconfirmed,
+            "consumers": len(self._consumers),
+            "last_error": self._last_error,
+        }
 
     def close(self) -> None:
         if self._stopping:

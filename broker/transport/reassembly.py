@@ -91,12 +91,19 @@ class Reassembler:
             if p is None:
                 p = self._start(chunk, now, sender)
                 if p is None:
-                    return self._finish(chunk.msg_id, byte_view(chunk.data).tobytes()
-                                        if not isinstance(chunk.data, bytes) else chunk.data, chunk.digest, now)
+                    return self._finish(
+                        chunk.msg_id,
+                        byte_view(chunk.data).tobytes() if not isinstance(chunk.data, bytes) else chunk.data,
+                        chunk.digest,
+                        now,
+                    )
             else:
                 if (chunk.total, chunk.total_size, chunk.digest) != (p.total, p.total_size, p.digest):
                     self._fail(chunk.msg_id, now)
-                    raise CodecError("inconsistent-chunk", f"chunk {chunk.index} of {chunk.msg_id} disagrees with earlier chunks")
+                    raise CodecError(
+                        "inconsistent-chunk",
+                        f"chunk {chunk.index} of {chunk.msg_id} disagrees with earlier chunks",
+                    )
                 if chunk.index in p.parts:
                     p.last_seen = now
                     return None
@@ -104,7 +111,10 @@ class Reassembler:
             data = chunk.data if isinstance(chunk.data, bytes) else byte_view(chunk.data)
             if len(data) != expected:
                 self._fail(chunk.msg_id, now)
-                raise CodecError("inconsistent-chunk", f"chunk {chunk.index} of {chunk.msg_id} has {len(data)} bytes, want {expected}")
+                raise CodecError(
+                    "inconsistent-chunk",
+                    f"chunk {chunk.index} of {chunk.msg_id} has {len(data)} bytes, want {expected}",
+                )
             p.parts[chunk.index] = data
             p.last_seen = now
             if len(p.parts) < p.total:
@@ -116,7 +126,10 @@ class Reassembler:
         """Check limits for a new message; None when it is a single chunk (no buffer needed)."""
         if chunk.total_size > self.max_message_size:
             self._remember(chunk.msg_id, now, False)
-            raise CodecError("too-large", f"message {chunk.msg_id} of {chunk.total_size} bytes exceeds {self.max_message_size}")
+            raise CodecError(
+                "too-large",
+                f"message {chunk.msg_id} of {chunk.total_size} bytes exceeds {self.max_message_size}",
+            )
         try:
             cs = chunk_size(chunk)
         except CodecError:
@@ -126,11 +139,17 @@ class Reassembler:
             return None
         if self._bytes + chunk.total_size > self.max_pending_bytes:
             # not remembered as failed: the sender may retry once memory frees up
-            raise CodecError("reassembly-full", f"{self._bytes} bytes pending; {chunk.total_size} more exceeds {self.max_pending_bytes}")
+            raise CodecError(
+                "reassembly-full",
+                f"{self._bytes} bytes pending; {chunk.total_size} more exceeds {self.max_pending_bytes}",
+            )
         mine = self._by_sender.get(sender, 0)
         if self.max_pending_per_sender is not None and mine + chunk.total_size > self.max_pending_per_sender:
-            raise CodecError("reassembly-full", f"{mine} bytes pending from {sender}; {chunk.total_size} more exceeds "
-                                                f"{self.max_pending_per_sender} per sender")
+            raise CodecError(
+                "reassembly-full",
+                f"{mine} bytes pending from {sender}; {chunk.total_size} more exceeds "
+                f"{self.max_pending_per_sender} per sender",
+            )
         p = _Pending(chunk.total, chunk.total_size, chunk.digest, cs, {}, now, sender)
         self._pending[chunk.msg_id] = p
         self._bytes += chunk.total_size
@@ -214,7 +233,7 @@ class Tag:
     """The handle of a whole delivery: the backend's raw tags of every message it was made of."""
 
     raw: list[Any]
-    gate: "ChunkGate"
+    gate: ChunkGate
     gen: int
     settled: bool = False
 
@@ -229,15 +248,25 @@ class Outcome:
     reason: str | None = None
 
 
-
 class ChunkGate:
     """Per-consumer reassembly and prefetch-window bookkeeping (see module docstring). Thread-safe."""
 
-    def __init__(self, window: int, *, max_message_size: int = 4 * 1024**3, max_pending_bytes: int = 4 * 1024**3,
-                 timeout_s: float = 600.0, max_pending_per_sender: int | None = None) -> None:
+    def __init__(
+        self,
+        window: int,
+        *,
+        max_message_size: int = 4 * 1024**3,
+        max_pending_bytes: int = 4 * 1024**3,
+        timeout_s: float = 600.0,
+        max_pending_per_sender: int | None = None,
+    ) -> None:
         self.window = max(1, window)
-        self.reassembler = Reassembler(timeout_s=timeout_s, max_pending_bytes=max_pending_bytes,
-                                       max_message_size=max_message_size, max_pending_per_sender=max_pending_per_sender)
+        self.reassembler = Reassembler(
+            timeout_s=timeout_s,
+            max_pending_bytes=max_pending_bytes,
+            max_message_size=max_message_size,
+            max_pending_per_sender=max_pending_per_sender,
+        )
         self._lock = threading.Lock()
         self._held: dict[str, list[Any]] = {}  # msg_id -> raw tags of its chunks still unacked
         self._unsettled = 0  # raw deliveries received and not yet acked/rejected
@@ -246,9 +275,14 @@ class ChunkGate:
         self.early_acked = 0
 
     @classmethod
-    def of(cls, window: int, limits: ReassemblyLimits, timeout_s: float) -> "ChunkGate":
-        return cls(window, max_message_size=limits.max_message_size, max_pending_bytes=limits.max_pending_bytes,
-                   timeout_s=timeout_s, max_pending_per_sender=limits.max_pending_per_sender)
+    def of(cls, window: int, limits: ReassemblyLimits, timeout_s: float) -> ChunkGate:
+        return cls(
+            window,
+            max_message_size=limits.max_message_size,
+            max_pending_bytes=limits.max_pending_bytes,
+            timeout_s=timeout_s,
+            max_pending_per_sender=limits.max_pending_per_sender,
+        )
 
     def expire(self) -> list[Any]:
         """Raw tags of the held chunks of messages that stayed incomplete past the timeout (their sender died
@@ -298,7 +332,13 @@ class ChunkGate:
             except CodecError as exc:
                 self._unsettled -= 1
                 self.rejected += 1
-                log.warning("chunk rejected", queue=d.queue, message_id=d.message_id, reason=exc.reason, detail=str(exc))
+                log.warning(
+                    "chunk rejected",
+                    queue=d.queue,
+                    message_id=d.message_id,
+                    reason=exc.reason,
+                    detail=str(exc),
+                )
                 return Outcome(reject=[raw], reason=exc.reason)
             if dup:
                 self._unsettled -= 1
@@ -309,8 +349,9 @@ class ChunkGate:
             if body is not None:
                 del self._held[chunk.msg_id]
                 headers = {k: v for k, v in d.headers.items() if k != CHUNK_HEADER}
-                whole = replace(d, body=body, headers=headers, message_id=chunk.msg_id,
-                                tag=Tag(tags, self, self.gen))
+                whole = replace(
+                    d, body=body, headers=headers, message_id=chunk.msg_id, tag=Tag(tags, self, self.gen)
+                )
                 return Outcome(deliver=whole)
             if self._unsettled >= self.window:
                 early = [t for ts in self._held.values() for t in ts]
@@ -318,8 +359,12 @@ class ChunkGate:
                     ts.clear()
                 self._unsettled -= len(early)
                 self.early_acked += len(early)
-                log.info("prefetch window full of chunks: acking held chunks early", queue=d.queue,
-                         chunks=len(early), window=self.window)
+                log.info(
+                    "prefetch window full of chunks: acking held chunks early",
+                    queue=d.queue,
+                    chunks=len(early),
+                    window=self.window,
+                )
                 return Outcome(ack=early)
             return Outcome()
 
@@ -378,13 +423,17 @@ class GatedDispatch:
         return now
 
 
-def run_handler(broker: "Broker", handler: Handler, d: Delivery) -> None:
+def run_handler(broker: Broker, handler: Handler, d: Delivery) -> None:
     """Run a handler; if it raises, log and reject (no requeue) unless it already settled the delivery."""
     try:
         handler(d)
     except Exception as exc:  # a handler bug must not kill the dispatcher thread
-        log.error("message handler failed; message rejected", queue=d.queue, message_id=d.message_id,
-                  error=f"{type(exc).__name__}: {exc}")
+        log.error(
+            "message handler failed; message rejected",
+            queue=d.queue,
+            message_id=d.message_id,
+            error=f"{type(exc).__name__}: {exc}",
+        )
         tag = d.tag
         if isinstance(tag, Tag) and not tag.settled:
             try:

@@ -28,7 +28,11 @@ class TlsOptions:
 def ssl_options(tls: TlsOptions | None, host: str) -> pika.SSLOptions:
     """An SSLContext for ``tls`` (system CAs when no CA file is given); BrokerError on unreadable files."""
     tls = tls or TlsOptions()
-    for label, path in (("CA file", tls.ca_file), ("client certificate", tls.cert_file), ("client key", tls.key_file)):
+    for label, path in (
+        ("CA file", tls.ca_file),
+        ("client certificate", tls.cert_file),
+        ("client key", tls.key_file),
+    ):
         if path is not None and not Path(path).is_file():
             raise BrokerError(f"TLS {label} {str(path)!r} does not exist")
     if (tls.cert_file is None) != (tls.key_file is None):

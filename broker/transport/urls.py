@@ -19,8 +19,11 @@ def check_url(url: str) -> str:
         raise BrokerError(f"bad broker URL {url!r}: want amqp://, amqps:// or memory://", permanent=True)
     scheme = url.split("://", 1)[0].lower()
     if scheme not in ("memory", "amqp", "amqps"):
-        raise BrokerError(f"unsupported broker URL scheme {scheme!r} in {redact(url)!r}: "
-                          "use amqp://, amqps:// or memory://", permanent=True)
+        raise BrokerError(
+            f"unsupported broker URL scheme {scheme!r} in {redact(url)!r}: "
+            "use amqp://, amqps:// or memory://",
+            permanent=True,
+        )
     return scheme
 
 
@@ -30,8 +33,11 @@ _NETLOC = re.compile(r"^(?P<scheme>[A-Za-z]+)://(?:(?P<userinfo>[^@/?#]*)@)?(?P<
 def _parts(url: str) -> re.Match:
     m = _NETLOC.match(url) if isinstance(url, str) else None
     if m is None:
-        raise BrokerError(f"bad broker URL {redact(str(url))!r}: want SCHEME://[USER:PASS@]HOST[:PORT][,HOST[:PORT]...]"
-                          "/VHOST", permanent=True)
+        raise BrokerError(
+            f"bad broker URL {redact(str(url))!r}: want SCHEME://[USER:PASS@]HOST[:PORT][,HOST[:PORT]...]"
+            "/VHOST",
+            permanent=True,
+        )
     return m
 
 
@@ -43,7 +49,9 @@ def addresses(url: str) -> list[str]:
     m = _parts(url)
     hosts = m["hosts"].split(",")
     if len(hosts) > 1 and not all(h.strip() for h in hosts):
-        raise BrokerError(f"bad broker URL {redact(url)!r}: an empty address in the host list", permanent=True)
+        raise BrokerError(
+            f"bad broker URL {redact(url)!r}: an empty address in the host list", permanent=True
+        )
     auth = f"{m['userinfo']}@" if m["userinfo"] is not None else ""
     return [f"{m['scheme']}://{auth}{h.strip()}{m['rest']}" for h in hosts]
 

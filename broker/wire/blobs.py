@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import numpy as np
 import xxhash
@@ -39,8 +39,15 @@ STORED, ZSTD = 0, 1
 _SAMPLE = 128 * 1024
 _MIN_GAIN = 0.95  # compress a plane only if its sample shrinks below this fraction
 _BLOCK = 1 << 18  # elements per un-shuffle task: keeps the working set in L2
-PLANE_PARAMS = dict(window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7, target_length=0,
-                    strategy=zstd.STRATEGY_FAST)
+PLANE_PARAMS = dict(
+    window_log=17,
+    hash_log=6,
+    chain_log=6,
+    search_log=1,
+    min_match=7,
+    target_length=0,
+    strategy=zstd.STRATEGY_FAST,
+)
 _local = threading.local()
 _LITTLE = sys.byteorder == "little"  # the low byte group is the low-order end of an item
 
@@ -154,7 +161,9 @@ def _group_view(buf: np.ndarray, n: int, w: int, off: int, g: int) -> np.ndarray
     return np.ndarray((n,), dtype=dt, buffer=buf, offset=off, strides=(w,))
 
 
-def _group_blob(blobs: list, k: int, arr: np.ndarray, xor: np.ndarray | None, off: int, g: int, level: int) -> None:
+def _group_blob(
+    blobs: list, k: int, arr: np.ndarray, xor: np.ndarray | None, off: int, g: int, level: int
+) -> None:
     n, w = arr.size, arr.dtype.itemsize
     src = _group_view(arr.view(np.uint8), n, w, off, g)
     plane = np.empty(n, src.dtype)
@@ -179,8 +188,14 @@ def _whole_blob(blobs: list, arr: np.ndarray, xor: np.ndarray | None, level: int
     blobs[0] = make_blob(memoryview(arr).cast("B"), level, owned)
 
 
-def pack_array(arr: np.ndarray, level: int, shuffle: bool, tasks: list[Task], owned: bool = False,
-               xor: np.ndarray | None = None) -> list:
+def pack_array(
+    arr: np.ndarray,
+    level: int,
+    shuffle: bool,
+    tasks: list[Task],
+    owned: bool = False,
+    xor: np.ndarray | None = None,
+) -> list:
     """Blobs of a contiguous 1-D array (XOR ``xor`` if given): byte-shuffled into byte groups when asked and useful.
 
     The returned list is filled in by the tasks appended to ``tasks`` (run them with
@@ -196,11 +211,17 @@ def pack_array(arr: np.ndarray, level: int, shuffle: bool, tasks: list[Task], ow
     groups = [2] + [1] * (w - 2) if w == 4 and _low_pair_incompressible(arr, xor, level) else [1] * w
     blobs = [None] * len(groups)
     off = w
-    for k in reversed(range(len(groups))):  # the top (sign/exponent) plane is the one that compresses: start it first
+    for k in reversed(
+        range(len(groups))
+    ):  # the top (sign/exponent) plane is the one that compresses: start it first
         g = groups[k]
         off -= g
-        tasks.append((n * g * (2 if k == len(groups) - 1 else 1),
-                      partial(_group_blob, blobs, k, arr, xor, off, g, level if g == 1 else 0)))
+        tasks.append(
+            (
+                n * g * (2 if k == len(groups) - 1 else 1),
+                partial(_group_blob, blobs, k, arr, xor, off, g, level if g == 1 else 0),
+            )
+        )
     return blobs
 
 
@@ -247,8 +268,16 @@ def _inflate_into(slots: list, k: int, data: bytes | memoryview, n: int, ready: 
         ready.done()
 
 
-def _assemble_block(out: np.ndarray, typed: np.ndarray, planes: list, groups: list[tuple[int, np.ndarray]], i: int,
-                    j: int, post: Post | None, ready: _Ready) -> None:
+def _assemble_block(
+    out: np.ndarray,
+    typed: np.ndarray,
+    planes: list,
+    groups: list[tuple[int, np.ndarray]],
+    i: int,
+    j: int,
+    post: Post | None,
+    ready: _Ready,
+) -> None:
     ready.event.wait()
     for p, (g, dst) in zip(planes, groups):
         if dst.itemsize == g:
@@ -259,7 +288,9 @@ def _assemble_block(out: np.ndarray, typed: np.ndarray, planes: list, groups: li
         post(typed, i, j)
 
 
-def _assemble_whole(res: list, slots: list, dtype: np.dtype, writeable: bool, post: Post | None, ready: _Ready) -> None:
+def _assemble_whole(
+    res: list, slots: list, dtype: np.dtype, writeable: bool, post: Post | None, ready: _Ready
+) -> None:
     ready.event.wait()
     a = np.frombuffer(slots[0], dtype)
     if writeable:  # always a copy: the blob may be the sender's buffer (in-process decode) and post may write
@@ -269,8 +300,15 @@ def _assemble_whole(res: list, slots: list, dtype: np.dtype, writeable: bool, po
     res[0] = a
 
 
-def unpack_array(blobs: object, dtype: np.dtype, n: int, work: Unpacking, *, writeable: bool = False,
-                 post: Post | None = None) -> Callable[[], np.ndarray]:
+def unpack_array(
+    blobs: object,
+    dtype: np.dtype,
+    n: int,
+    work: Unpacking,
+    *,
+    writeable: bool = False,
+    post: Post | None = None,
+) -> Callable[[], np.ndarray]:
     """Plan the decoding of ``n`` items of ``dtype`` held by ``blobs`` (as written by pack_array).
 
     Checks the blob list now (CodecError), appends the work to ``work`` and returns a getter for the 1-D
@@ -291,12 +329,16 @@ def unpack_array(blobs: object, dtype: np.dtype, n: int, work: Unpacking, *, wri
         else:
             ready.event.set()
         res: list = [None]
-        work.assemble.append((ready.left * n * w, (n * w, partial(_assemble_whole, res, slots, dtype, writeable, post, ready))))
+        work.assemble.append(
+            (ready.left * n * w, (n * w, partial(_assemble_whole, res, slots, dtype, writeable, post, ready)))
+        )
         return lambda: res[0]
     # byte groups, low to high: blob k holds bytes [off, off + g) of every element, g = its size / n
     sizes = [b[1] if isinstance(b, list) and len(b) == 3 else None for b in blobs]
     if any(type(sz) is not int or sz <= 0 or sz % max(n, 1) for sz in sizes) or sum(sizes) != n * w:  # type: ignore[misc]
-        raise CodecError("bad-tensor", f"blob sizes {sizes!r} do not split {n} {dtype.name} items into byte groups")
+        raise CodecError(
+            "bad-tensor", f"blob sizes {sizes!r} do not split {n} {dtype.name} items into byte groups"
+        )
     out = np.empty((n, w), np.uint8)
     typed = out.view(dtype).reshape(n)
     planes: list = [None] * len(blobs)
@@ -322,7 +364,9 @@ def unpack_array(blobs: object, dtype: np.dtype, n: int, work: Unpacking, *, wri
     wait = sum(c for c, _ in inflates)
     for i in range(0, n, _BLOCK):
         j = min(n, i + _BLOCK)
-        work.assemble.append((wait, ((j - i) * w, partial(_assemble_block, out, typed, planes, groups, i, j, post, ready))))
+        work.assemble.append(
+            (wait, ((j - i) * w, partial(_assemble_block, out, typed, planes, groups, i, j, post, ready)))
+        )
     return lambda: typed
 
 

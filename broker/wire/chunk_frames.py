@@ -47,7 +47,9 @@ MAX_TOTAL = 1 << 20  # chunks per message
 FRAME_OVERHEAD = 256  # upper bound on frame bytes beyond the chunk data
 _CHUNK_SEED = 0x666564_6D71  # "fedmq": per-chunk digests differ from whole-message ones
 _MAGIC_PREFIX = msgpack.packb([MAGIC])[1:]  # the packed magic string, right after the array header
-_HEADER_MAX = 1024  # a valid frame's fields before the data fit in this many bytes (msg_id <= 512 UTF-8 bytes)
+_HEADER_MAX = (
+    1024  # a valid frame's fields before the data fit in this many bytes (msg_id <= 512 UTF-8 bytes)
+)
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,9 @@ class Chunk:
     data: bytes | memoryview  # a view of the body (split) or of the frame (decode_chunk); 1-D, bytes
 
 
-def _chunk_digest(msg_id: str, index: int, total: int, total_size: int, whole: bytes, data: bytes | memoryview) -> bytes:
+def _chunk_digest(
+    msg_id: str, index: int, total: int, total_size: int, whole: bytes, data: bytes | memoryview
+) -> bytes:
     h = xxhash.xxh3_128(seed=_CHUNK_SEED)
     h.update(msgpack.packb([msg_id, index, total, total_size, whole]))
     h.update(data)
@@ -78,7 +82,9 @@ def split(body: bytes, msg_id: str, limit: int = DEFAULT_CHUNK_LIMIT) -> list[Ch
     size = byte_view(body).nbytes
     total = max(1, math.ceil(size / limit))
     if total > MAX_TOTAL:
-        raise CodecError("too-many-chunks", f"{size} bytes at {limit} bytes per chunk needs {total} > {MAX_TOTAL} chunks")
+        raise CodecError(
+            "too-many-chunks", f"{size} bytes at {limit} bytes per chunk needs {total} > {MAX_TOTAL} chunks"
+        )
     whole = digest(body)
     view = byte_view(body)
     return [Chunk(msg_id, i, total, size, whole, view[i * limit : (i + 1) * limit]) for i in range(total)]
@@ -132,7 +138,11 @@ def byte_view(data: object) -> memoryview:
 
 def is_chunk_frame(data: bytes) -> bool:
     """Cheap sniff: does ``data`` start like a chunk frame? (No validation; use decode_chunk for that.)"""
-    return len(data) > 1 + len(_MAGIC_PREFIX) and data[0] == 0x99 and data[1 : 1 + len(_MAGIC_PREFIX)] == _MAGIC_PREFIX
+    return (
+        len(data) > 1 + len(_MAGIC_PREFIX)
+        and data[0] == 0x99
+        and data[1 : 1 + len(_MAGIC_PREFIX)] == _MAGIC_PREFIX
+    )
 
 
 def decode_chunk(data: bytes) -> Chunk:
@@ -171,7 +181,9 @@ def decode_chunk(data: bytes) -> Chunk:
     if magic != MAGIC:
         raise CodecError("bad-chunk", "not a fedmq chunk frame")
     if type(version) is not int or version != FRAME_VERSION:
-        raise CodecError("unknown-version", f"chunk frame version {version!r} is not supported (want {FRAME_VERSION})")
+        raise CodecError(
+            "unknown-version", f"chunk frame version {version!r} is not supported (want {FRAME_VERSION})"
+        )
     payload = _bin_at(data, view, pos)
     _check_fields(msg_id, index, total, total_size, whole, payload)
     if not isinstance(cd, bytes) or len(cd) != DIGEST_SIZE:
@@ -195,7 +207,9 @@ def _bin_at(data: object, view: memoryview, pos: int) -> bytes | memoryview:
         raise CodecError("bad-chunk", "malformed chunk frame (truncated data header)")
     size = int.from_bytes(view[pos + 1 : start], "big")
     if start + size != n:
-        raise CodecError("bad-chunk", f"malformed chunk frame ({'truncated' if start + size > n else 'trailing bytes'})")
+        raise CodecError(
+            "bad-chunk", f"malformed chunk frame ({'truncated' if start + size > n else 'trailing bytes'})"
+        )
     payload = view[start:n]
     return payload.toreadonly() if isinstance(data, bytes) else payload.tobytes()
 
@@ -205,7 +219,9 @@ def _check_msg_id(msg_id: object) -> None:
         raise CodecError("bad-chunk", f"msg_id must be a non-empty str of at most {MAX_MSG_ID_LEN} chars")
 
 
-def _check_fields(msg_id: object, index: object, total: object, total_size: object, whole: object, payload: object) -> None:
+def _check_fields(
+    msg_id: object, index: object, total: object, total_size: object, whole: object, payload: object
+) -> None:
     _check_msg_id(msg_id)
     for name, v in (("index", index), ("total", total), ("total_size", total_size)):
         if type(v) is not int:
@@ -235,7 +251,9 @@ def chunk_size(chunk: Chunk) -> int:
     else:
         rest = size - n
         if rest <= 0 or rest % (total - 1):
-            raise CodecError("bad-chunk", f"last chunk size {n} does not fit {total} chunks of a {size}-byte message")
+            raise CodecError(
+                "bad-chunk", f"last chunk size {n} does not fit {total} chunks of a {size}-byte message"
+            )
         cs = rest // (total - 1)
     if cs < 1 or not (cs * (total - 1) < size <= cs * total):
         raise CodecError("bad-chunk", f"chunk size {cs} does not fit {total} chunks of a {size}-byte message")

@@ -30,13 +30,20 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 
 from fedmq.broker.wire.blobs import (
-    Unpacking, bf16_to_f32, f32_to_bf16, make_blob, pack_array, read_blob, unpack_array,
+    Unpacking,
+    bf16_to_f32,
+    f32_to_bf16,
+    make_blob,
+    pack_array,
+    read_blob,
+    unpack_array,
 )
 from fedmq.broker.wire.threads import Task, run_all
 from fedmq.errors import CodecError
@@ -48,8 +55,12 @@ KINDS = ("raw", "fp16", "bf16", "int8", "int6", "int5", "int4", "topk")
 _LEVELS = {"int8": 255, "int6": 63, "int5": 31, "int4": 15}  # the affine kinds: top quantization level
 DEFAULT_MAX_BYTES = 4 << 30  # decoded float32 bytes of one state
 _FP16_MAX = 65504.0
-DEFAULT_LEVEL = 1  # measured: faster than level 3 and as small or smaller for every encoding (docs/benchmarks.md)
-_SPEC_RE = re.compile(r"^(?:(delta)\+)?(raw|fp16|bf16|int[8654](?:-row)?|topk)(?::([^@]+))?(?:@(-?\d+))?(?:,(noshuffle))?$")
+DEFAULT_LEVEL = (
+    1  # measured: faster than level 3 and as small or smaller for every encoding (docs/benchmarks.md)
+)
+_SPEC_RE = re.compile(
+    r"^(?:(delta)\+)?(raw|fp16|bf16|int[8654](?:-row)?|topk)(?::([^@]+))?(?:@(-?\d+))?(?:,(noshuffle))?$"
+)
 _KIND_LIST = "raw, fp16, bf16, int8, int6, int5, int4 (each also -row), topk"
 
 
@@ -64,7 +75,9 @@ class EncodingSpec:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise CodecError("bad-encoding", f"unknown encoding kind {self.kind!r}; use one of {', '.join(KINDS)}")
+            raise CodecError(
+                "bad-encoding", f"unknown encoding kind {self.kind!r}; use one of {', '.join(KINDS)}"
+            )
         if not (isinstance(self.density, (int, float)) and 0.0 < self.density <= 1.0):
             raise CodecError("bad-encoding", f"topk density must be in (0, 1], got {self.density!r}")
         if type(self.level) is not int or not -7 <= self.level <= 22:
@@ -73,7 +86,7 @@ class EncodingSpec:
             raise CodecError("bad-encoding", "per_row applies to int8, int6, int5 and int4 only")
 
     @classmethod
-    def parse(cls, text: str) -> "EncodingSpec":
+    def parse(cls, text: str) -> EncodingSpec:
         """Parse the CLI syntax ``[delta+]KIND[:DENSITY][@LEVEL][,noshuffle]``.
 
         KIND is raw, fp16, bf16, int8, int6, int5, int4 (each also -row, one scale per row) or topk; e.g. "bf16", "int8-row", "topk:0.01", "delta+int8",
@@ -126,7 +139,9 @@ def _as_f32(t: Any, name: str) -> tuple[np.ndarray, str]:
         dt = t.dtype.name
         arr = np.asarray(t, dtype=np.float32, order="C")
     else:
-        raise CodecError("bad-tensor", f"tensor {name!r} is a {type(t).__name__}, not a numpy array or torch tensor")
+        raise CodecError(
+            "bad-tensor", f"tensor {name!r} is a {type(t).__name__}, not a numpy array or torch tensor"
+        )
     return arr, dt
 
 
@@ -153,7 +168,9 @@ def _rows(shape: tuple[int, ...], n: int) -> int:
     return shape[0] if len(shape) >= 2 and shape[0] > 0 else 1
 
 
-def _encode_one(name: str, x: np.ndarray, dt: str, spec: EncodingSpec, b: np.ndarray | None, tasks: list[Task]) -> dict:
+def _encode_one(
+    name: str, x: np.ndarray, dt: str, spec: EncodingSpec, b: np.ndarray | None, tasks: list[Task]
+) -> dict:
     flat = x.reshape(-1)
     n = flat.size
     rec: dict[str, Any] = {"n": name, "s": list(x.shape), "dt": dt, "e": spec.kind, "x": b is not None}
@@ -250,7 +267,9 @@ _KEYS = {
 _COMMON = {"n", "s", "dt", "e", "x"}
 
 
-def _raw_post(b: np.ndarray | None, xor: bool, shift: int, bad: list, reject: bool) -> Callable[[np.ndarray, int, int], None]:
+def _raw_post(
+    b: np.ndarray | None, xor: bool, shift: int, bad: list, reject: bool
+) -> Callable[[np.ndarray, int, int], None]:
     """Per assembled block of a raw tensor (while in cache): undo the XOR delta, check for NaN/Inf, then
     subtract the base when a delta is wanted (``shift`` −1)."""
     b32 = None if b is None else b.view(np.uint32)
@@ -268,8 +287,16 @@ def _raw_post(b: np.ndarray | None, xor: bool, shift: int, bad: list, reject: bo
     return post
 
 
-def _decode_one(rec: dict, name: str, n: int, shape: tuple[int, ...], b: np.ndarray | None, work: Unpacking,
-                reject: bool, as_delta: bool) -> Task:
+def _decode_one(
+    rec: dict,
+    name: str,
+    n: int,
+    shape: tuple[int, ...],
+    b: np.ndarray | None,
+    work: Unpacking,
+    reject: bool,
+    as_delta: bool,
+) -> Task:
     """Check ``rec`` and plan its decoding into ``work``; returns the task that finishes the float32 array.
 
     ``b`` is the flat float32 base tensor when the record is a delta or ``as_delta`` is set. The result is
@@ -286,8 +313,14 @@ def _decode_one(rec: dict, name: str, n: int, shape: tuple[int, ...], b: np.ndar
 
     if kind == "raw":  # its delta is a bit-pattern XOR: undone, it yields θ either way
         xor = rec["x"]
-        get = unpack_array(rec["p"], np.uint32 if xor else np.float32, n, work, writeable=True,
-                           post=_raw_post(b, xor, -1 if as_delta else 0, bad, reject))
+        get = unpack_array(
+            rec["p"],
+            np.uint32 if xor else np.float32,
+            n,
+            work,
+            writeable=True,
+            post=_raw_post(b, xor, -1 if as_delta else 0, bad, reject),
+        )
         return 0, lambda: finite(get().view(np.float32))
     if kind == "fp16":
         get16 = unpack_array(rec["p"], np.float16, n, work)
@@ -380,13 +413,21 @@ def decode_state(
 
 
 def _decode_state(
-    obj: Any, manifest: Manifest, base: Mapping[str, Any] | None, reject_nonfinite: bool, max_bytes: int, max_tensors: int,
+    obj: Any,
+    manifest: Manifest,
+    base: Mapping[str, Any] | None,
+    reject_nonfinite: bool,
+    max_bytes: int,
+    max_tensors: int,
     as_delta: bool,
 ) -> dict[str, np.ndarray]:
     if not isinstance(obj, dict) or set(obj) != {"fmt", "enc", "t"}:
         raise CodecError("malformed", "tensor payload must be a map with keys fmt, enc, t")
     if type(obj["fmt"]) is not int or obj["fmt"] not in READS_FORMATS:
-        raise CodecError("unknown-version", f"tensor format {obj['fmt']!r} is not supported (this build reads {READS_FORMATS})")
+        raise CodecError(
+            "unknown-version",
+            f"tensor format {obj['fmt']!r} is not supported (this build reads {READS_FORMATS})",
+        )
     records = obj["t"]
     if not isinstance(records, list):
         raise CodecError("malformed", "tensor list must be an array")
@@ -414,10 +455,18 @@ def _decode_state(
         seen.add(name)
         spec = specs[name]
         shape = rec["s"]
-        if not isinstance(shape, list) or any(type(s) is not int for s in shape) or tuple(shape) != spec.shape:
-            raise CodecError("shape-mismatch", f"tensor {name!r} has shape {shape!r}, the manifest says {list(spec.shape)}")
+        if (
+            not isinstance(shape, list)
+            or any(type(s) is not int for s in shape)
+            or tuple(shape) != spec.shape
+        ):
+            raise CodecError(
+                "shape-mismatch", f"tensor {name!r} has shape {shape!r}, the manifest says {list(spec.shape)}"
+            )
         if rec["dt"] != spec.dtype:
-            raise CodecError("dtype-mismatch", f"tensor {name!r} has dtype {rec['dt']!r}, the manifest says {spec.dtype}")
+            raise CodecError(
+                "dtype-mismatch", f"tensor {name!r} has dtype {rec['dt']!r}, the manifest says {spec.dtype}"
+            )
         if type(rec["x"]) is not bool:
             raise CodecError("malformed", f"tensor {name!r} delta flag must be a bool")
         total += 4 * spec.numel
@@ -429,12 +478,16 @@ def _decode_state(
                 raise CodecError("missing-base", f"the base model lacks tensor {name!r}")
             b, _ = _as_f32(base[name], name)
             if b.shape != spec.shape:
-                raise CodecError("bad-base", f"base {name!r} has shape {b.shape}, the manifest says {spec.shape}")
+                raise CodecError(
+                    "bad-base", f"base {name!r} has shape {b.shape}, the manifest says {spec.shape}"
+                )
             b = b.reshape(-1)
         plan.append((rec, name, spec, b))
     work = Unpacking()  # every record is checked before any decompression starts
-    finish = [_decode_one(rec, name, spec.numel, spec.shape, b, work, reject_nonfinite, as_delta)
-              for rec, name, spec, b in plan]
+    finish = [
+        _decode_one(rec, name, spec.numel, spec.shape, b, work, reject_nonfinite, as_delta)
+        for rec, name, spec, b in plan
+    ]
     run_all(work.tasks(), ordered=True)
     arrays = run_all(finish)
     return {name: arr.reshape(spec.shape) for (_, name, spec, _), arr in zip(plan, arrays)}

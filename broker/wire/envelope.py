@@ -74,22 +74,35 @@ class Limits:
     max_str_len: int = 1 << 20
 
     @classmethod
-    def for_model(cls, message_bound: int) -> "Limits":
+    def for_model(cls, message_bound: int) -> Limits:
         """Limits for messages of a job whose model message is at most ``message_bound`` bytes (its manifest's
         ``message_bound``): a message may carry the model at most twice (e.g. top-k values plus indices), plus
         1 MiB of framing; nothing decompresses past COMPRESS_MAX."""
         return cls(max_message_bytes=2 * int(message_bound) + COMPRESS_MAX)
 
 
-def _check_fields(kind: object, job: object, rnd: object, client: object, mv: object, msg_id: object, sent_at: object, payload: object) -> Kind:
+def _check_fields(
+    kind: object,
+    job: object,
+    rnd: object,
+    client: object,
+    mv: object,
+    msg_id: object,
+    sent_at: object,
+    payload: object,
+) -> Kind:
     try:
         k = Kind(kind)
     except ValueError:
-        raise CodecError("unknown-kind", f"message kind {kind!r} is not one of {', '.join(k.value for k in Kind)}") from None
+        raise CodecError(
+            "unknown-kind", f"message kind {kind!r} is not one of {', '.join(k.value for k in Kind)}"
+        ) from None
     if not isinstance(job, str) or not _NAME.match(job):
         raise CodecError("bad-envelope", f"job {job!r} must be 1-64 letters, digits, '-' or '_'")
     if not isinstance(client, str) or (client and not _NAME.match(client)):
-        raise CodecError("bad-envelope", f"client {client!r} must be empty or 1-64 letters, digits, '-' or '_'")
+        raise CodecError(
+            "bad-envelope", f"client {client!r} must be empty or 1-64 letters, digits, '-' or '_'"
+        )
     for name, v in (("round", rnd), ("model_version", mv)):
         if type(v) is not int or not -1 <= v <= _INT_MAX:
             raise CodecError("bad-envelope", f"{name} must be an int >= -1, got {v!r}")
@@ -105,12 +118,26 @@ def _check_fields(kind: object, job: object, rnd: object, client: object, mv: ob
 def pack(env: Envelope, *, level: int = 3) -> bytes:
     """Serialize ``env``; CodecError if a field is invalid or the payload is not msgpack-able."""
     if env.version != SCHEMA_VERSION:
-        raise CodecError("unknown-version", f"cannot write schema version {env.version} (this build writes {SCHEMA_VERSION})")
-    kind = _check_fields(env.kind, env.job, env.round, env.client, env.model_version, env.msg_id, env.sent_at, env.payload)
+        raise CodecError(
+            "unknown-version",
+            f"cannot write schema version {env.version} (this build writes {SCHEMA_VERSION})",
+        )
+    kind = _check_fields(
+        env.kind, env.job, env.round, env.client, env.model_version, env.msg_id, env.sent_at, env.payload
+    )
     # The body is written as segments: msgpack-packed pieces plus the payload's large binary leaves by
     # reference (as bin32, exactly the bytes msgpack would write), digested piece by piece and copied once,
     # into the returned message. Tensor bytes are therefore copied once on the way out.
-    fields = [kind.value, env.job, env.round, env.client, env.model_version, env.msg_id, float(env.sent_at), env.payload]
+    fields = [
+        kind.value,
+        env.job,
+        env.round,
+        env.client,
+        env.model_version,
+        env.msg_id,
+        float(env.sent_at),
+        env.payload,
+    ]
     packer = msgpack.Packer(use_bin_type=True)
     try:
         if not _has_big_bin(env.payload, 0):
@@ -181,7 +208,10 @@ def unpack(data: bytes, *, limits: Limits = Limits()) -> Envelope:
         raise CodecError("malformed", "not a fedmq message (bad magic or too short)")
     version, flags = view[3], view[4]
     if version != SCHEMA_VERSION:
-        raise CodecError("unknown-version", f"schema version {version} is not supported (this build reads {SCHEMA_VERSION})")
+        raise CodecError(
+            "unknown-version",
+            f"schema version {version} is not supported (this build reads {SCHEMA_VERSION})",
+        )
     if flags & ~FLAG_ZSTD:
         raise CodecError("malformed", f"unknown flags {flags:#x}")
     body = view[HEADER_SIZE:]
@@ -193,7 +223,9 @@ def unpack(data: bytes, *, limits: Limits = Limits()) -> Envelope:
         except zstd.ZstdError:
             raise CodecError("bad-compression", "body is not a zstd frame") from None
         if size == zstd.CONTENTSIZE_UNKNOWN or size < 0 or size > limits.max_decompressed_bytes:
-            raise CodecError("bomb", f"compressed body declares {size} bytes (limit {limits.max_decompressed_bytes})")
+            raise CodecError(
+                "bomb", f"compressed body declares {size} bytes (limit {limits.max_decompressed_bytes})"
+            )
         try:
             body = memoryview(zstd.ZstdDecompressor().decompress(body, max_output_size=size))
         except zstd.ZstdError as exc:

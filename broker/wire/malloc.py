@@ -31,8 +31,11 @@ def tune_allocator() -> bool:
         return _done
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok = (bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
-              and bool(libc.mallopt(_M_ARENA_MAX, 1)))
+        ok = (
+            bool(libc.mallopt(_M_MMAP_MAX, 0))
+            and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+            and bool(libc.mallopt(_M_ARENA_MAX, 1))
+        )
     except (OSError, AttributeError):
         ok = False
     _done = ok

@@ -84,12 +84,14 @@ class RoundConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_payload(cls, payload: Any) -> "RoundConfig":
+    def from_payload(cls, payload: Any) -> RoundConfig:
         """The round config an announce carries; CodecError("bad-payload") unless every field is there, of its
         type and in its range, and nothing else is."""
         names = [f.name for f in dataclasses.fields(cls)]
         if not isinstance(payload, dict) or set(payload) != set(names):
-            raise CodecError("bad-payload", f"announce config must have exactly the fields {', '.join(names)}")
+            raise CodecError(
+                "bad-payload", f"announce config must have exactly the fields {', '.join(names)}"
+            )
         for f in dataclasses.fields(cls):
             value = payload[f.name]
             kind = {"int": int, "bool": bool, "str": str, "float": (int, float)}[f.type]
@@ -99,10 +101,18 @@ class RoundConfig:
                 raise CodecError("bad-payload", f"announce config: {f.name} is not finite")
         p = payload
         checks = {
-            "epochs": p["epochs"] >= 1, "batch_size": p["batch_size"] >= 1, "max_steps": p["max_steps"] >= 0,
-            "lr": p["lr"] > 0, "momentum": p["momentum"] >= 0, "lr_decay": p["lr_decay"] > 0, "clip": p["clip"] >= 0,
-            "noise": p["noise"] >= 0, "optimizer": p["optimizer"] in ("sgd", "adam"), "pull": p["pull"] in MODES,
-            "pull_fraction": 0 < p["pull_fraction"] < 1, "pull_by": p["pull_by"] in SHARES,
+            "epochs": p["epochs"] >= 1,
+            "batch_size": p["batch_size"] >= 1,
+            "max_steps": p["max_steps"] >= 0,
+            "lr": p["lr"] > 0,
+            "momentum": p["momentum"] >= 0,
+            "lr_decay": p["lr_decay"] > 0,
+            "clip": p["clip"] >= 0,
+            "noise": p["noise"] >= 0,
+            "optimizer": p["optimizer"] in ("sgd", "adam"),
+            "pull": p["pull"] in MODES,
+            "pull_fraction": 0 < p["pull_fraction"] < 1,
+            "pull_by": p["pull_by"] in SHARES,
         }
         for name, ok in checks.items():
             if not ok:
@@ -111,8 +121,12 @@ class RoundConfig:
             EncodingSpec.parse(p["encoding"])
         except CodecError as exc:
             raise CodecError("bad-payload", f"announce config: encoding: {exc}") from None
-        return cls(**{name: float(p[name]) if f_type == "float" else p[name]
-                      for name, f_type in ((f.name, f.type) for f in dataclasses.fields(cls))})
+        return cls(
+            **{
+                name: float(p[name]) if f_type == "float" else p[name]
+                for name, f_type in ((f.name, f.type) for f in dataclasses.fields(cls))
+            }
+        )
 
 
 def check_payload(env: Envelope) -> Envelope:
@@ -140,17 +154,26 @@ def check_payload(env: Envelope) -> Envelope:
         RoundConfig.from_payload(payload["config"])
         for entry in payload["models"]:
             if not _model_entry_ok(entry):
-                raise CodecError("bad-payload", "announce models must be {id, base_version, partial, since, bytes}")
+                raise CodecError(
+                    "bad-payload", "announce models must be {id, base_version, partial, since, bytes}"
+                )
     return env
 
 
 def _model_entry_ok(entry: object) -> bool:
     if not isinstance(entry, dict) or set(entry) != {"id", "base_version", "partial", "since", "bytes"}:
         return False
-    return (isinstance(entry["id"], str) and 0 < len(entry["id"]) <= 128
-            and type(entry["base_version"]) is int and entry["base_version"] >= -1
-            and type(entry["partial"]) is bool and type(entry["since"]) in (int, float)
-            and math.isfinite(entry["since"]) and type(entry["bytes"]) is int and entry["bytes"] >= 0)
+    return (
+        isinstance(entry["id"], str)
+        and 0 < len(entry["id"]) <= 128
+        and type(entry["base_version"]) is int
+        and entry["base_version"] >= -1
+        and type(entry["partial"]) is bool
+        and type(entry["since"]) in (int, float)
+        and math.isfinite(entry["since"])
+        and type(entry["bytes"]) is int
+        and entry["bytes"] >= 0
+    )
 
 
 def decode(body: bytes, *, limits: Limits | None = None) -> Envelope:
@@ -167,7 +190,9 @@ def presence(job: str, client: str, state: str, holds: int) -> Envelope:
     return Envelope(Kind.PRESENCE, job, NO_VERSION, client, holds, {"state": state, "holds": holds})
 
 
-def model(job: str, version: int, tensors: dict, base_version: int = NO_VERSION, partial: bool = False) -> Envelope:
+def model(
+    job: str, version: int, tensors: dict, base_version: int = NO_VERSION, partial: bool = False
+) -> Envelope:
     payload = {"tensors": tensors, "base_version": base_version, "partial": partial}
     return Envelope(Kind.MODEL, job, NO_VERSION, "aggregator", version, payload)
 
@@ -175,25 +200,41 @@ def model(job: str, version: int, tensors: dict, base_version: int = NO_VERSION,
 def model_entry(env: Envelope, since: float, nbytes: int) -> dict[str, Any]:
     """What an announce says of one published model message (see the module docstring)."""
     p = env.payload
-    return {"id": env.msg_id, "base_version": p["base_version"], "partial": p["partial"], "since": float(since),
-            "bytes": int(nbytes)}
+    return {
+        "id": env.msg_id,
+        "base_version": p["base_version"],
+        "partial": p["partial"],
+        "since": float(since),
+        "bytes": int(nbytes),
+    }
 
 
-def announce(job: str, rnd: int, version: int, selected: list[str], config: RoundConfig,
-             models: list[dict[str, Any]], mode: str = "sync") -> Envelope:
+def announce(
+    job: str,
+    rnd: int,
+    version: int,
+    selected: list[str],
+    config: RoundConfig,
+    models: list[dict[str, Any]],
+    mode: str = "sync",
+) -> Envelope:
     payload = {"selected": selected, "config": config.to_payload(), "models": models, "mode": mode}
     return Envelope(Kind.ANNOUNCE, job, rnd, "aggregator", version, payload)
 
 
 def report(job: str, rnd: int, client: str, version: int, loss: float, n_samples: int) -> Envelope:
-    return Envelope(Kind.REPORT, job, rnd, client, version, {"loss": float(loss), "n_samples": int(n_samples)})
+    return Envelope(
+        Kind.REPORT, job, rnd, client, version, {"loss": float(loss), "n_samples": int(n_samples)}
+    )
 
 
 def grant(job: str, rnd: int, version: int, granted: list[str]) -> Envelope:
     return Envelope(Kind.GRANT, job, rnd, "aggregator", version, {"granted": granted})
 
 
-def update(job: str, rnd: int, client: str, version: int, loss: float, n_samples: int, tensors: dict) -> Envelope:
+def update(
+    job: str, rnd: int, client: str, version: int, loss: float, n_samples: int, tensors: dict
+) -> Envelope:
     payload = {"loss": float(loss), "n_samples": int(n_samples), "tensors": tensors}
     return Envelope(Kind.UPDATE, job, rnd, client, version, payload)
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any, Callable, Sequence
+from typing import Any
 
 INLINE_BELOW = 1 << 20  # total task cost (bytes) under which a batch runs in the calling thread
 _MAX_DEFAULT = 4
@@ -59,7 +60,9 @@ def _get_pool() -> ThreadPoolExecutor:
     global _pool
     with _lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(codec_threads(), thread_name_prefix="fedmq-codec", initializer=_mark_worker)
+            _pool = ThreadPoolExecutor(
+                codec_threads(), thread_name_prefix="fedmq-codec", initializer=_mark_worker
+            )
         return _pool
 
 
@@ -80,7 +83,12 @@ def run_all(tasks: Sequence[Task], ordered: bool = False) -> list[Any]:
     """
     if not tasks:
         return []
-    if len(tasks) == 1 or codec_threads() == 1 or getattr(_local, "worker", False) or sum(c for c, _ in tasks) < INLINE_BELOW:
+    if (
+        len(tasks) == 1
+        or codec_threads() == 1
+        or getattr(_local, "worker", False)
+        or sum(c for c, _ in tasks) < INLINE_BELOW
+    ):
         return [fn() for _, fn in tasks]
     pool = _get_pool()
     order = range(len(tasks)) if ordered else sorted(range(len(tasks)), key=lambda i: -tasks[i][0])

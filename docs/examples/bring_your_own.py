@@ -24,8 +24,8 @@ import dataclasses
 import math
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import torch
 
@@ -63,8 +63,13 @@ class TwoMoons(fedmq.Task):
     def num_clients(self) -> int:
         return len(self.shards)
 
-    def train(self, model: torch.nn.Module, client: int, cfg: fedmq.TrainConfig,
-              progress: fedmq.Progress | None = None) -> fedmq.TrainResult:
+    def train(
+        self,
+        model: torch.nn.Module,
+        client: int,
+        cfg: fedmq.TrainConfig,
+        progress: fedmq.Progress | None = None,
+    ) -> fedmq.TrainResult:
         """Plain SGD on this client's shard with the job's lr, batch size, epochs and step cap."""
         x, y = self.shards[client]
         opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
@@ -79,8 +84,13 @@ class TwoMoons(fedmq.Task):
                 steps, total = steps + 1, total + loss.item()
                 if cfg.max_steps and steps >= cfg.max_steps:
                     break
-        return fedmq.TrainResult(loss=total / max(steps, 1), n_samples=len(x), steps=steps, tokens=len(x),
-                                 seconds=time.perf_counter() - t0)
+        return fedmq.TrainResult(
+            loss=total / max(steps, 1),
+            n_samples=len(x),
+            steps=steps,
+            tokens=len(x),
+            seconds=time.perf_counter() - t0,
+        )
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, split: str = "valid") -> float:
@@ -117,16 +127,27 @@ class UniformMean(fedmq.Strategy):
 
     def finish(self) -> fedmq.State:
         self._last_weights = {c: 1 / len(self.clients) for c in self.clients}
-        return {k: (self.sums[k] / self.counts[k]).to(v.dtype) if self.counts[k] else v.clone()
-                for k, v in self.base.items()}
+        return {
+            k: (self.sums[k] / self.counts[k]).to(v.dtype) if self.counts[k] else v.clone()
+            for k, v in self.base.items()
+        }
 
 
 def main(run_dir: Path) -> dict:
-    cfg = fedmq.JobConfig(job="byo", strategy=f"{__name__}:UniformMean", rounds=5, clients=8, fraction=0.25,
-                          lr=0.5, batch_size=16)
+    cfg = fedmq.JobConfig(
+        job="byo",
+        strategy=f"{__name__}:UniformMean",
+        rounds=5,
+        clients=8,
+        fraction=0.25,
+        lr=0.5,
+        batch_size=16,
+    )
     summary = fedmq.Simulation(cfg, TwoMoons(clients=8), run_dir=run_dir).run()
-    print(f"accuracy after {summary['rounds_completed']} rounds: valid {summary['best_valid']:.3f} "
-          f"(round {summary['best_round']}), test {summary['test']:.3f}; the run is in {run_dir}")
+    print(
+        f"accuracy after {summary['rounds_completed']} rounds: valid {summary['best_valid']:.3f} "
+        f"(round {summary['best_round']}), test {summary['test']:.3f}; the run is in {run_dir}"
+    )
     return summary
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -26,7 +27,9 @@ class TrainConfig:
     linear_decay: bool = False  # after warm-up, lr falls linearly to 0 at the run's last step
     adam_betas: tuple[float, float] = (0.9, 0.999)
     max_steps: int = 0  # cap on optimizer steps per local run (0 = no cap); the CPU scale uses it
-    full_batch: bool = False  # FedSGD (McMahan et al., B = ∞): one step on the gradient of the whole shard per epoch
+    full_batch: bool = (
+        False  # FedSGD (McMahan et al., B = ∞): one step on the gradient of the whole shard per epoch
+    )
     tail_loss: bool = False  # also measure the trained model's loss on its shard (FedMed's top-K ranks by it)
     device: str = "cpu"  # "auto" | "cpu" | "cuda"
     amp: bool = False  # mixed precision on CUDA
@@ -40,7 +43,9 @@ class TrainResult:
     steps: int
     tokens: int
     seconds: float
-    tail_loss: float | None = None  # the trained model's loss on the shard it trained on (cfg.tail_loss), no dropout
+    tail_loss: float | None = (
+        None  # the trained model's loss on the shard it trained on (cfg.tail_loss), no dropout
+    )
 
     @property
     def reported(self) -> float:
@@ -84,11 +89,18 @@ class Task(ABC):
     def num_clients(self) -> int: ...
 
     @abstractmethod
-    def train(self, model: torch.nn.Module, client: int, cfg: TrainConfig, progress: Progress | None = None) -> TrainResult:
+    def train(
+        self, model: torch.nn.Module, client: int, cfg: TrainConfig, progress: Progress | None = None
+    ) -> TrainResult:
         """Train ``model`` in place on client ``client``'s shard (0-based) for cfg.epochs local epochs."""
 
-    def train_cohort(self, models: list[torch.nn.Module], clients: list[int], cfgs: list[TrainConfig],
-                     progress: list[Progress | None]) -> list[TrainResult]:
+    def train_cohort(
+        self,
+        models: list[torch.nn.Module],
+        clients: list[int],
+        cfgs: list[TrainConfig],
+        progress: list[Progress | None],
+    ) -> list[TrainResult]:
         """Train ``models[i]`` on client ``clients[i]`` for each i: the clients a round selected, handed over
         together (client_agent.trainers.CohortPool). A task that can batch them overrides this; by default they
         train one after the other, each exactly as ``train`` would."""

@@ -3,9 +3,20 @@ it loads torch, and the registry uses the same lists (tests/unit/test_cli.py kee
 lm_models.PRESETS and nmt_model.CONFIGS)."""
 
 TASKS = ("lm", "nmt")
-MODELS = {"lm": ("gru-tiny", "gru-small", "gru-medium", "gru-large", "lstm"), "nmt": ("tiny", "mini", "small", "base")}
+MODELS = {
+    "lm": ("gru-tiny", "gru-small", "gru-medium", "gru-large", "lstm"),
+    "nmt": ("tiny", "mini", "small", "base"),
+}
 # CLI flags shared by both tasks that only mean something for one of them (the registry ignores them for the other;
 # the CLI refuses them when a user gives them for the other task)
 LM_ONLY = ("tied", "bptt", "max_eval_lines", "emb", "hidden", "layers")
-NMT_ONLY = ("domains", "label_smoothing", "max_len", "eval_max_sentences", "beam", "eval_batch", "cache_dir",
-            "eval_fraction")
+NMT_ONLY = (
+    "domains",
+    "label_smoothing",
+    "max_len",
+    "eval_max_sentences",
+    "beam",
+    "eval_batch",
+    "cache_dir",
+    "eval_fraction",
+)

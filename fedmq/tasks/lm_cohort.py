@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,6 @@ from fedmq.tasks.errors import TaskError
 from fedmq.tasks.lm_data import StreamBatches
 from fedmq.tasks.lm_models import detach_hidden
 from fedmq.tasks.training import TAIL_EPOCH, check_config, epoch_seed, resolve_device
-
 
 # the activations a cohort may hold at once: the logits of a window, their log-softmax, its gradient and the
 # loss's (4 x bptt x B x vocabulary floats a client) -- WikiText-2 at B = 10: 186 MB a client, so all of a C = 0.5
@@ -48,8 +48,13 @@ def can_train_together(cfgs: list[TrainConfig]) -> bool:
     """Whether these clients' runs can be one batched run: the same settings (seeds aside) and a regime the
     batched loop implements."""
     first = dataclasses.replace(cfgs[0], seed=0)
-    return (all(dataclasses.replace(c, seed=0) == first for c in cfgs) and first.optimizer == "sgd"
-            and not first.amp and not first.warmup_steps and not first.linear_decay)
+    return (
+        all(dataclasses.replace(c, seed=0) == first for c in cfgs)
+        and first.optimizer == "sgd"
+        and not first.amp
+        and not first.warmup_steps
+        and not first.linear_decay
+    )
 
 
 class _Stacked:
@@ -59,8 +64,10 @@ class _Stacked:
         self.cfg = models[0].cfg
         self.names = [name for name, _ in models[0].named_parameters()]
         per_model = [dict(m.named_parameters()) for m in models]
-        self.params = {name: torch.stack([p[name].detach() for p in per_model]).to(device).requires_grad_()
-                       for name in self.names}
+        self.params = {
+            name: torch.stack([p[name].detach() for p in per_model]).to(device).requires_grad_()
+            for name in self.names
+        }
 
     def write_back(self, models: list[nn.Module]) -> None:
         with torch.no_grad():
@@ -72,8 +79,9 @@ class _Stacked:
         z = lambda: torch.zeros(clients, batch, self.cfg.hidden, device=device)  # noqa: E731
         return [(z(), z()) if self.cfg.cell == "lstm" else z() for _ in range(self.cfg.layers)]
 
-    def forward(self, x: torch.Tensor, hidden: list, drop: Callable[[torch.Tensor], torch.Tensor]
-                ) -> tuple[torch.Tensor, list]:
+    def forward(
+        self, x: torch.Tensor, hidden: list, drop: Callable[[torch.Tensor], torch.Tensor]
+    ) -> tuple[torch.Tensor, list]:
         """x: [C, T, B] token ids -> logits [C, T, B, V] and the new hidden state; ``drop`` is the dropout,
         applied where RNNLanguageModel applies it (after the embedding and after every layer)."""
         p = self.params
@@ -88,18 +96,29 @@ class _Stacked:
             new_hidden.append(h)
         c, t, b, d = out.shape
         decoder = p["encoder.weight"] if self.cfg.tied else p["decoder.weight"]
-        logits = torch.baddbmm(p["decoder.bias"][:, None, :], out.reshape(c, t * b, d), decoder.transpose(1, 2))
+        logits = torch.baddbmm(
+            p["decoder.bias"][:, None, :], out.reshape(c, t * b, d), decoder.transpose(1, 2)
+        )
         return logits.view(c, t, b, -1), new_hidden
 
 
-def _layer(x: torch.Tensor, h, w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: torch.Tensor, b_hh: torch.Tensor,
-           step: Callable) -> tuple[torch.Tensor, object]:
+def _layer(
+    x: torch.Tensor,
+    h,
+    w_ih: torch.Tensor,
+    w_hh: torch.Tensor,
+    b_ih: torch.Tensor,
+    b_hh: torch.Tensor,
+    step: Callable,
+) -> tuple[torch.Tensor, object]:
     """One recurrent layer over [C, T, B, I]: the input projection of every time step at once, then the cell."""
     c, t, b, i = x.shape
     gates_x = torch.baddbmm(b_ih[:, None, :], x.reshape(c, t * b, i), w_ih.transpose(1, 2)).view(c, t, b, -1)
     w_hh_t, b_hh = w_hh.transpose(1, 2), b_hh[:, None, :]
     outs = []
-    for gx in gates_x.unbind(1):  # not gates_x[:, s]: each such slice's backward would fill a whole-window tensor
+    for gx in gates_x.unbind(
+        1
+    ):  # not gates_x[:, s]: each such slice's backward would fill a whole-window tensor
         h_prev = h[0] if isinstance(h, tuple) else h
         h = step(gx, torch.baddbmm(b_hh, h_prev, w_hh_t), h)
         outs.append(h[0] if isinstance(h, tuple) else h)
@@ -118,8 +137,9 @@ def _gru_step(gx: torch.Tensor, gh: torch.Tensor, h: torch.Tensor) -> torch.Tens
     return torch.addcmul(n, h - n, z)
 
 
-def _lstm_step(gx: torch.Tensor, gh: torch.Tensor, hc: tuple[torch.Tensor, torch.Tensor]
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def _lstm_step(
+    gx: torch.Tensor, gh: torch.Tensor, hc: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch's LSTM (i, f, g, o gates in that order): c' = σ(f) * c + σ(i) * tanh(g), h' = σ(o) * tanh(c')."""
     hidden = hc[0].size(-1)
     i_f, g, o = (gh + gx).split([2 * hidden, hidden, hidden], -1)
@@ -158,8 +178,10 @@ class _Shards:
         streams = [StreamBatches.build(task.client_ids(c), cols, task.vocab.eos) for c in clients]
         self.n_samples = [b.n_targets for b in streams]
         self.counts = [b.window_targets(bptt) for b in streams]  # real targets of each window
-        self.lengths = [[min(bptt, b.inputs.size(0) - w * bptt) for w in range(len(n))]  # its time steps
-                        for b, n in zip(streams, self.counts)]
+        self.lengths = [
+            [min(bptt, b.inputs.size(0) - w * bptt) for w in range(len(n))]  # its time steps
+            for b, n in zip(streams, self.counts)
+        ]
         rows = max(len(n) for n in self.counts) * bptt
 
         def layout(part: str) -> torch.Tensor:
@@ -185,8 +207,14 @@ class _Plan:
     taking: torch.Tensor  # [C, W] 1.0 where a client takes part (``on`` on the device)
 
     @classmethod
-    def build(cls, shards: _Shards, gens: list[torch.Generator], capped: bool, budget: list[int],
-              device: torch.device) -> "_Plan":
+    def build(
+        cls,
+        shards: _Shards,
+        gens: list[torch.Generator],
+        capped: bool,
+        budget: list[int],
+        device: torch.device,
+    ) -> _Plan:
         """``budget``: how many windows each client takes this pass. With the step cap on, a client starts at a
         seeded window (LanguageModelTask.train: the epoch generator's first draw) and wraps to its shard's start."""
         order = []
@@ -198,11 +226,19 @@ class _Plan:
         on = [[w < min(len(o), b) for o, b in zip(order, budget)] for w in range(slots)]
         idx = torch.tensor([o + [0] * (slots - len(o)) for o in order], device=device)
         taking = torch.tensor(on, device=device).t().contiguous()  # [C, W]
-        counts = [[shards.counts[c][o[w]] if on[w][c] else 0 for w in range(slots)] for c, o in enumerate(order)]
+        counts = [
+            [shards.counts[c][o[w]] if on[w][c] else 0 for w in range(slots)] for c, o in enumerate(order)
+        ]
         rows = torch.arange(len(order), device=device)[:, None]
-        return cls(order, on, shards.inputs[rows, idx], shards.targets[rows, idx],
-                   shards.mask[rows, idx] & taking[:, :, None, None],
-                   torch.tensor(counts, dtype=torch.float32, device=device), taking.float())
+        return cls(
+            order,
+            on,
+            shards.inputs[rows, idx],
+            shards.targets[rows, idx],
+            shards.mask[rows, idx] & taking[:, :, None, None],
+            torch.tensor(counts, dtype=torch.float32, device=device),
+            taking.float(),
+        )
 
     def lengths(self, shards: _Shards, w: int) -> list[int]:
         """Each client's time steps in slot ``w`` (0: not taking part)."""
@@ -213,8 +249,13 @@ class _Plan:
         return [w > 0 and self.on[w][c] and o[w] == 0 for c, o in enumerate(self.order)]
 
 
-def train_cohort(task: Any, models: list[nn.Module], clients: list[int], cfgs: list[TrainConfig],
-                 progress: list[Progress | None]) -> list[TrainResult]:
+def train_cohort(
+    task: Any,
+    models: list[nn.Module],
+    clients: list[int],
+    cfgs: list[TrainConfig],
+    progress: list[Progress | None],
+) -> list[TrainResult]:
     """Train ``models[i]`` in place on client ``clients[i]``'s shard of ``task`` (a LanguageModelTask), all at once
     (``can_train_together``)."""
     cfg = cfgs[0]
@@ -228,8 +269,17 @@ def train_cohort(task: Any, models: list[nn.Module], clients: list[int], cfgs: l
     total = [e * cfg.epochs for e in per_epoch]
     if cfg.max_steps:
         total = [min(t, cfg.max_steps) for t in total]
-    run = _Run(_Stacked(models, device), shards, cfg, clients, [c.seed for c in cfgs], total, progress,
-               task.model_cfg.dropout, device)
+    run = _Run(
+        _Stacked(models, device),
+        shards,
+        cfg,
+        clients,
+        [c.seed for c in cfgs],
+        total,
+        progress,
+        task.model_cfg.dropout,
+        device,
+    )
     for epoch in range(cfg.epochs):
         if all(s >= t for s, t in zip(run.steps, total)):
             break
@@ -237,17 +287,44 @@ def train_cohort(task: Any, models: list[nn.Module], clients: list[int], cfgs: l
     tails = run.tail_losses() if cfg.tail_loss else [None] * len(clients)
     run.net.write_back(models)
     seconds = time.perf_counter() - t0
-    return [TrainResult(loss=loss / tokens if tokens else float("nan"), n_samples=n, steps=steps, tokens=tokens,
-                        seconds=seconds, tail_loss=tail)
-            for loss, n, steps, tokens, tail in zip(run.loss_sum.tolist(), shards.n_samples, run.steps, run.tokens, tails)]
+    return [
+        TrainResult(
+            loss=loss / tokens if tokens else float("nan"),
+            n_samples=n,
+            steps=steps,
+            tokens=tokens,
+            seconds=seconds,
+            tail_loss=tail,
+        )
+        for loss, n, steps, tokens, tail in zip(
+            run.loss_sum.tolist(), shards.n_samples, run.steps, run.tokens, tails
+        )
+    ]
 
 
 class _Run:
     """The cohort's training state: parameters, momentum, step and token counts, summed losses."""
 
-    def __init__(self, net: _Stacked, shards: _Shards, cfg: TrainConfig, clients: list[int], seeds: list[int],
-                 total: list[int], progress: list[Progress | None], p_drop: float, device: torch.device) -> None:
-        self.net, self.shards, self.cfg, self.clients, self.seeds, self.total = net, shards, cfg, clients, seeds, total
+    def __init__(
+        self,
+        net: _Stacked,
+        shards: _Shards,
+        cfg: TrainConfig,
+        clients: list[int],
+        seeds: list[int],
+        total: list[int],
+        progress: list[Progress | None],
+        p_drop: float,
+        device: torch.device,
+    ) -> None:
+        self.net, self.shards, self.cfg, self.clients, self.seeds, self.total = (
+            net,
+            shards,
+            cfg,
+            clients,
+            seeds,
+            total,
+        )
         self.progress, self.p_drop, self.device = progress, p_drop, device
         self.steps = [0] * len(clients)
         self.tokens = [0] * len(clients)
@@ -258,8 +335,11 @@ class _Run:
         cfg, shards = self.cfg, self.shards
         seeds = [epoch_seed(seed, client, epoch) for seed, client in zip(self.seeds, self.clients)]
         gens = [torch.Generator().manual_seed(s) for s in seeds]
-        drop_gens = [torch.Generator(device=self.device).manual_seed(s) for s in seeds] \
-            if self.device.type == "cuda" else gens
+        drop_gens = (
+            [torch.Generator(device=self.device).manual_seed(s) for s in seeds]
+            if self.device.type == "cuda"
+            else gens
+        )
         left = [max(t - s, 0) for s, t in zip(self.steps, self.total)]  # steps each client has still to take
         budget = [shards.windows(c) if n else 0 for c, n in enumerate(left)] if cfg.full_batch else left
         plan = _Plan.build(shards, gens, bool(cfg.max_steps), budget, self.device)
@@ -267,7 +347,9 @@ class _Run:
             n = plan.counts[:, w]
             mean = sums / n.clamp(min=1)
             self.loss_sum += mean.detach().double() * n.double()
-            (sums if cfg.full_batch else mean).sum().backward()  # FedSGD: divided by the shard's targets below
+            (
+                sums if cfg.full_batch else mean
+            ).sum().backward()  # FedSGD: divided by the shard's targets below
             for c, on in enumerate(plan.on[w]):
                 if on:
                     self.tokens[c] += shards.counts[c][plan.order[c][w]]
@@ -280,8 +362,9 @@ class _Run:
                 p.grad.div_(seen.view(-1, *[1] * (p.dim() - 1)))
             self._step(lr, took, plan.taking.amax(1))
 
-    def _slots(self, plan: _Plan, drop: Callable[[list[int]], Callable[[torch.Tensor], torch.Tensor]]
-               ) -> Iterator[tuple[int, torch.Tensor]]:
+    def _slots(
+        self, plan: _Plan, drop: Callable[[list[int]], Callable[[torch.Tensor], torch.Tensor]]
+    ) -> Iterator[tuple[int, torch.Tensor]]:
         """Each slot ``w`` of ``plan`` in turn with every client's summed NLL of its window [C]; the hidden state is
         carried from slot to slot (detached: truncated BPTT) and zeroed for a client that wrapped to its shard's
         start. ``drop(lengths)``: the slot's dropout, given each client's time steps."""
@@ -292,8 +375,14 @@ class _Run:
             lengths = plan.lengths(self.shards, w)
             hidden = _reset(detach_hidden(hidden), plan.wrapped(w), self.device)
             t = max(lengths)
-            sums, hidden = _nll(self.net, plan.inputs[:, w, :t], plan.targets[:, w, :t], plan.mask[:, w, :t],
-                                hidden, drop(lengths))
+            sums, hidden = _nll(
+                self.net,
+                plan.inputs[:, w, :t],
+                plan.targets[:, w, :t],
+                plan.mask[:, w, :t],
+                hidden,
+                drop(lengths),
+            )
             yield w, sums
 
     def _step(self, lr: float, on: list[bool], active: torch.Tensor) -> None:
@@ -308,9 +397,13 @@ class _Run:
         """FedMed's tail loss of each trained client (training.py ``_tail_loss``): no dropout, no gradients, as
         many windows as one epoch (full batch) or as the run took."""
         cfg, shards = self.cfg, self.shards
-        gens = [torch.Generator().manual_seed(epoch_seed(s, c, TAIL_EPOCH))
-                for s, c in zip(self.seeds, self.clients)]
-        budget = [max(shards.windows(c) if cfg.full_batch else self.steps[c], 1) for c in range(len(self.clients))]
+        gens = [
+            torch.Generator().manual_seed(epoch_seed(s, c, TAIL_EPOCH))
+            for s, c in zip(self.seeds, self.clients)
+        ]
+        budget = [
+            max(shards.windows(c) if cfg.full_batch else self.steps[c], 1) for c in range(len(self.clients))
+        ]
         plan = _Plan.build(shards, gens, bool(cfg.max_steps), budget, self.device)
         total = torch.zeros(len(self.clients), dtype=torch.float64, device=self.device)
         with torch.no_grad():
@@ -321,8 +414,9 @@ class _Run:
         return [t / n if n else float("nan") for t, n in zip(total.tolist(), count)]
 
 
-def _nll(net: _Stacked, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, hidden: list, drop
-         ) -> tuple[torch.Tensor, list]:
+def _nll(
+    net: _Stacked, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, hidden: list, drop
+) -> tuple[torch.Tensor, list]:
     """Summed NLL of each client's real targets [C] and the new hidden state."""
     logits, hidden = net.forward(x, hidden, drop)
     c = x.size(0)

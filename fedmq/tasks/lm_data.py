@@ -58,7 +58,7 @@ class Vocabulary:
         self.eos = self.stoi[EOS]
 
     @classmethod
-    def build(cls, lines: list[list[str]], max_size: int | None = None) -> "Vocabulary":
+    def build(cls, lines: list[list[str]], max_size: int | None = None) -> Vocabulary:
         counts: Counter[str] = Counter()
         for line in lines:
             counts.update(line)
@@ -68,7 +68,9 @@ class Vocabulary:
         words = [EOS, UNK] + order
         if max_size is not None:
             if max_size < 3:
-                raise TaskError(f"--vocab-size must be at least 3 (<eos>, <unk> and one word), got {max_size}")
+                raise TaskError(
+                    f"--vocab-size must be at least 3 (<eos>, <unk> and one word), got {max_size}"
+                )
             words = words[:max_size]
         return cls(words)
 
@@ -85,7 +87,9 @@ class Vocabulary:
         return torch.tensor(ids, dtype=torch.long)
 
 
-def load_corpus(data: str | Path, max_lines: int | None = None, max_eval_lines: int | None = None) -> LMCorpus:
+def load_corpus(
+    data: str | Path, max_lines: int | None = None, max_eval_lines: int | None = None
+) -> LMCorpus:
     """Read a corpus folder (or ``"builtin"``); ``max_lines`` caps the training split, ``max_eval_lines`` valid/test."""
     if str(data) == "builtin":
         corpus = builtin_corpus()
@@ -144,7 +148,9 @@ def _categories(folder: Path, layout: str, train: list[list[str]]) -> tuple[list
         with open(docid, encoding="utf-8") as f:
             ids = [line.strip() for line in f]
         if len(ids) != len(train):
-            raise TaskError(f"{str(docid)!r} has {len(ids)} lines but the training split has {len(train)}: one id per line")
+            raise TaskError(
+                f"{str(docid)!r} has {len(ids)} lines but the training split has {len(train)}: one id per line"
+            )
         return ids, True
     if layout == "wikitext":
         cats, article = [], 0
@@ -187,7 +193,7 @@ class StreamBatches:
     n_targets: int
 
     @classmethod
-    def build(cls, ids: torch.Tensor, cols: int, eos: int) -> "StreamBatches":
+    def build(cls, ids: torch.Tensor, cols: int, eos: int) -> StreamBatches:
         n = int(ids.numel())
         cols = max(1, min(cols, n))
         length = -(-n // cols)
@@ -197,12 +203,19 @@ class StreamBatches:
         inputs = torch.cat([stream[:-1], torch.full((pad,), eos, dtype=torch.long)])
         mask = torch.cat([torch.ones(n, dtype=torch.bool), torch.zeros(pad, dtype=torch.bool)])
         shape = (cols, length)
-        return cls(inputs.view(shape).t().contiguous(), targets.view(shape).t().contiguous(), mask.view(shape).t().contiguous(), n)
+        return cls(
+            inputs.view(shape).t().contiguous(),
+            targets.view(shape).t().contiguous(),
+            mask.view(shape).t().contiguous(),
+            n,
+        )
 
-    def to(self, device: torch.device) -> "StreamBatches":
+    def to(self, device: torch.device) -> StreamBatches:
         """The same batches on ``device``: moved once, so a training or evaluation pass copies nothing per step
         (a GPU step that waits for its own input copy cannot overlap the next one)."""
-        return StreamBatches(self.inputs.to(device), self.targets.to(device), self.mask.to(device), self.n_targets)
+        return StreamBatches(
+            self.inputs.to(device), self.targets.to(device), self.mask.to(device), self.n_targets
+        )
 
     def window_targets(self, bptt: int) -> list[int]:
         """The number of real (unmasked) targets in each window, counted once on the CPU."""

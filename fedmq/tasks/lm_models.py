@@ -37,18 +37,28 @@ PRESETS: dict[str, tuple[str, int, int, int, bool]] = {
 }
 
 
-def rnn_config(model: str, tied: bool | None = None, dropout: float = 0.2, emb: int | None = None,
-               hidden: int | None = None, layers: int | None = None) -> RNNConfig:
+def rnn_config(
+    model: str,
+    tied: bool | None = None,
+    dropout: float = 0.2,
+    emb: int | None = None,
+    hidden: int | None = None,
+    layers: int | None = None,
+) -> RNNConfig:
     if model not in PRESETS:
         raise TaskError(f"unknown LM model {model!r}: use one of {', '.join(PRESETS)}")
     cell, e, h, n, tied_default = PRESETS[model]
     cfg = RNNConfig(cell, emb or e, hidden or h, layers or n, tied_default if tied is None else tied, dropout)
     if min(cfg.emb, cfg.hidden, cfg.layers) < 1:
-        raise TaskError(f"model sizes must be positive, got embedding {cfg.emb}, hidden {cfg.hidden}, layers {cfg.layers}")
+        raise TaskError(
+            f"model sizes must be positive, got embedding {cfg.emb}, hidden {cfg.hidden}, layers {cfg.layers}"
+        )
     if not 0.0 <= dropout < 1.0:
         raise TaskError(f"--dropout must be in [0, 1), got {dropout}")
     if cfg.tied and cfg.emb != cfg.hidden:
-        raise TaskError(f"--tied needs embedding size == hidden size; {model} has {cfg.emb} and {cfg.hidden}: use --untied")
+        raise TaskError(
+            f"--tied needs embedding size == hidden size; {model} has {cfg.emb} and {cfg.hidden}: use --untied"
+        )
     return cfg
 
 

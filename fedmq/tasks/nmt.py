@@ -10,9 +10,10 @@ BLEU: sacrebleu ``corpus_bleu`` on the sentencepiece-decoded hypotheses against 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import sacrebleu
@@ -22,7 +23,16 @@ from torch import nn
 
 from fedmq.tasks.base import Progress, Task, TrainConfig, TrainResult
 from fedmq.tasks.errors import TaskError
-from fedmq.tasks.nmt_data import PAD, EncodedPairs, Pair, SubwordVocab, batches_by_length, collate, load_parallel, pad
+from fedmq.tasks.nmt_data import (
+    PAD,
+    EncodedPairs,
+    Pair,
+    SubwordVocab,
+    batches_by_length,
+    collate,
+    load_parallel,
+    pad,
+)
 from fedmq.tasks.nmt_decode import beam_search, greedy
 from fedmq.tasks.nmt_model import TransformerNMT, transformer_config
 from fedmq.tasks.partition import PartitionSpec, dirichlet_shards, iid_shards, natural_shards
@@ -34,11 +44,25 @@ class TranslationTask(Task):
     metric = "bleu"
     higher_is_better = True
 
-    def __init__(self, data: str | Path, model: str = "small", clients: int | None = None, partition: str = "natural",
-                 domains: list[str] | None = None, vocab_size: int = 8000, max_lines: int | None = None,
-                 dropout: float | None = None, label_smoothing: float = 0.1, max_len: int = 128,
-                 eval_max_sentences: int = 200, beam: int = 1, eval_batch: int = 50, seed: int = 0,
-                 cache_dir: str | Path | None = None, eval_fraction: float = 0.05) -> None:
+    def __init__(
+        self,
+        data: str | Path,
+        model: str = "small",
+        clients: int | None = None,
+        partition: str = "natural",
+        domains: list[str] | None = None,
+        vocab_size: int = 8000,
+        max_lines: int | None = None,
+        dropout: float | None = None,
+        label_smoothing: float = 0.1,
+        max_len: int = 128,
+        eval_max_sentences: int = 200,
+        beam: int = 1,
+        eval_batch: int = 50,
+        seed: int = 0,
+        cache_dir: str | Path | None = None,
+        eval_fraction: float = 0.05,
+    ) -> None:
         if not 0.0 <= label_smoothing < 1.0:
             raise TaskError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
         if eval_max_sentences < 0 or beam < 1 or eval_batch < 1:
@@ -48,7 +72,9 @@ class TranslationTask(Task):
         self.max_len = max_len
         self.corpus = load_parallel(data, domains, max_lines, eval_fraction)
         train = self.corpus.splits["train"]
-        self.vocab = SubwordVocab.train_or_load([p.src for p in train] + [p.tgt for p in train], vocab_size, cache_dir)
+        self.vocab = SubwordVocab.train_or_load(
+            [p.src for p in train] + [p.tgt for p in train], vocab_size, cache_dir
+        )
         self.label_smoothing = label_smoothing
         self.eval_max_sentences = eval_max_sentences
         self.beam = beam
@@ -67,8 +93,10 @@ class TranslationTask(Task):
         if kind == "natural":
             shards, names = natural_shards(cats)
             if clients is not None and clients != len(shards):
-                raise TaskError(f"--partition natural gives one client per {'domain' if multi else 'document'} "
-                                f"({len(shards)} here) but --clients is {clients}: drop --clients or use iid")
+                raise TaskError(
+                    f"--partition natural gives one client per {'domain' if multi else 'document'} "
+                    f"({len(shards)} here) but --clients is {clients}: drop --clients or use iid"
+                )
             return shards, names
         k = clients if clients is not None else max(1, len(self.corpus.domains))
         if kind == "iid":
@@ -93,7 +121,9 @@ class TranslationTask(Task):
 
     def client_data(self, client: int) -> EncodedPairs:
         if not 0 <= client < len(self.shards):
-            raise TaskError(f"client {client} does not exist: this task has clients 0..{len(self.shards) - 1}")
+            raise TaskError(
+                f"client {client} does not exist: this task has clients 0..{len(self.shards) - 1}"
+            )
         if client not in self._encoded:
             train = self.corpus.splits["train"]
             self._encoded[client] = self._encode_truncated([train[i] for i in self.shards[client]])
@@ -101,43 +131,65 @@ class TranslationTask(Task):
 
     def _encode_truncated(self, pairs: list[Pair]) -> EncodedPairs:
         """Both sides encoded with the task's vocabulary, each cut at ``max_len`` subwords."""
-        return EncodedPairs(self.vocab.encode([p.src for p in pairs], self.max_len),
-                            self.vocab.encode([p.tgt for p in pairs], self.max_len))
+        return EncodedPairs(
+            self.vocab.encode([p.src for p in pairs], self.max_len),
+            self.vocab.encode([p.tgt for p in pairs], self.max_len),
+        )
 
-    def train(self, model: nn.Module, client: int, cfg: TrainConfig, progress: Progress | None = None) -> TrainResult:
+    def train(
+        self, model: nn.Module, client: int, cfg: TrainConfig, progress: Progress | None = None
+    ) -> TrainResult:
         data = self.client_data(client)
         steps = -(-len(data) // cfg.batch_size) if cfg.batch_size > 0 else 0
-        return run_training(model, self._epoch_fn(data, cfg.batch_size), steps, cfg, client, len(data), progress)
+        return run_training(
+            model, self._epoch_fn(data, cfg.batch_size), steps, cfg, client, len(data), progress
+        )
 
     def _epoch_fn(self, data: EncodedPairs, batch_size: int):
         """One epoch over ``data`` in length-bucketed batches, for :func:`run_training`."""
 
-        def epoch(m: nn.Module, gen: torch.Generator, device: torch.device) -> Iterator[tuple[torch.Tensor, int]]:
+        def epoch(
+            m: nn.Module, gen: torch.Generator, device: torch.device
+        ) -> Iterator[tuple[torch.Tensor, int]]:
             for idx in batches_by_length(data, batch_size, gen):
                 yield self._loss(m, data, idx, device)
 
         return epoch
 
-    def _loss(self, m: nn.Module, data: EncodedPairs, idx: list[int], device: torch.device,
-              smoothing: float | None = None, reduction: str = "mean") -> tuple[torch.Tensor, int]:
+    def _loss(
+        self,
+        m: nn.Module,
+        data: EncodedPairs,
+        idx: list[int],
+        device: torch.device,
+        smoothing: float | None = None,
+        reduction: str = "mean",
+    ) -> tuple[torch.Tensor, int]:
         """Cross-entropy over the batch's target tokens (label-smoothed by the task's ``label_smoothing`` unless
         ``smoothing`` is given; their mean, or with ``reduction`` "sum" their sum), and their number."""
         src, tin, tout = (t.to(device) for t in collate(data, idx))
         logits = m(src, tin)
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), tout.reshape(-1), ignore_index=PAD,
-                               label_smoothing=self.label_smoothing if smoothing is None else smoothing,
-                               reduction=reduction)
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)).float(),
+            tout.reshape(-1),
+            ignore_index=PAD,
+            label_smoothing=self.label_smoothing if smoothing is None else smoothing,
+            reduction=reduction,
+        )
         return loss, int((tout != PAD).sum())
 
     def encode_pairs(self, pairs: list[Pair]) -> EncodedPairs:
         """Encode pairs with the task's vocabulary, skipping those longer than ``max_len - 1`` subwords on either
         side (not truncating them: a truncated source and target no longer translate each other)."""
         src, tgt = self.vocab.sp.encode([p.src for p in pairs]), self.vocab.sp.encode([p.tgt for p in pairs])
-        keep = [i for i in range(len(pairs)) if 0 < len(src[i]) < self.max_len and 0 < len(tgt[i]) < self.max_len]
+        keep = [
+            i for i in range(len(pairs)) if 0 < len(src[i]) < self.max_len and 0 < len(tgt[i]) < self.max_len
+        ]
         return EncodedPairs([src[i] for i in keep], [tgt[i] for i in keep])
 
-    def pretrain(self, model: nn.Module, data: EncodedPairs, cfg: TrainConfig,
-                 progress: Progress | None = None) -> TrainResult:
+    def pretrain(
+        self, model: nn.Module, data: EncodedPairs, cfg: TrainConfig, progress: Progress | None = None
+    ) -> TrainResult:
         """Train ``model`` on ``data`` -- e.g. a pre-training corpus outside the clients' shards -- for exactly
         ``cfg.max_steps`` steps (as many epochs as that takes), with the shared loop and batching of ``train``."""
         if cfg.max_steps < 1:
@@ -146,8 +198,15 @@ class TranslationTask(Task):
             raise TaskError(f"no pre-training pairs of at most {self.max_len - 1} subwords per side")
         steps = -(-len(data) // cfg.batch_size) if cfg.batch_size > 0 else 0
         epochs = -(-cfg.max_steps // steps) if steps else 1
-        return run_training(model, self._epoch_fn(data, cfg.batch_size), steps, replace(cfg, epochs=epochs), 0,
-                            len(data), progress)
+        return run_training(
+            model,
+            self._epoch_fn(data, cfg.batch_size),
+            steps,
+            replace(cfg, epochs=epochs),
+            0,
+            len(data),
+            progress,
+        )
 
     def eval_pairs(self, split: str) -> list[Pair]:
         if split not in ("valid", "test"):

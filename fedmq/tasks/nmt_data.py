@@ -48,14 +48,24 @@ class ParallelCorpus:
     extra: dict[str, object] = field(default_factory=dict)
 
 
-def load_parallel(data: str | Path, domains: list[str] | None = None, max_lines: int | None = None,
-                  eval_fraction: float = 0.05, eval_max_pairs: int = 500, src_lang: str = "de",
-                  tgt_lang: str = "en") -> ParallelCorpus:
+def load_parallel(
+    data: str | Path,
+    domains: list[str] | None = None,
+    max_lines: int | None = None,
+    eval_fraction: float = 0.05,
+    eval_max_pairs: int = 500,
+    src_lang: str = "de",
+    tgt_lang: str = "en",
+) -> ParallelCorpus:
     if str(data) == "builtin":
-        raise TaskError(f"translation needs --data: a folder of X.{src_lang}/X.{tgt_lang} files or of domain folders")
+        raise TaskError(
+            f"translation needs --data: a folder of X.{src_lang}/X.{tgt_lang} files or of domain folders"
+        )
     folder = Path(resolve(data))
     if max_lines is not None and max_lines < 3:
-        raise TaskError(f"--max-lines must be at least 3 for translation (train, valid and test pairs), got {max_lines}")
+        raise TaskError(
+            f"--max-lines must be at least 3 for translation (train, valid and test pairs), got {max_lines}"
+        )
     if not 0 < eval_fraction < 0.5:
         raise TaskError(f"eval_fraction must be in (0, 0.5), got {eval_fraction}")
     if _stems(folder, src_lang, tgt_lang):
@@ -63,11 +73,15 @@ def load_parallel(data: str | Path, domains: list[str] | None = None, max_lines:
     else:
         found = {d.name: d for d in sorted(folder.iterdir()) if d.is_dir() and _stems(d, src_lang, tgt_lang)}
     if not found:
-        raise TaskError(f"{str(folder)!r} has no parallel files: expected X.{src_lang} + X.{tgt_lang} pairs in it or in its subfolders")
+        raise TaskError(
+            f"{str(folder)!r} has no parallel files: expected X.{src_lang} + X.{tgt_lang} pairs in it or in its subfolders"
+        )
     if domains:
         missing = [d for d in domains if d not in found]
         if missing:
-            raise TaskError(f"unknown domain(s) {', '.join(missing)} in {str(folder)!r}: available {', '.join(found)}")
+            raise TaskError(
+                f"unknown domain(s) {', '.join(missing)} in {str(folder)!r}: available {', '.join(found)}"
+            )
         found = {d: found[d] for d in domains}
     splits: dict[str, list[Pair]] = {"train": [], "valid": [], "test": []}
     for name, path in found.items():
@@ -101,12 +115,22 @@ def _read_domain(name: str, folder: Path, src: str, tgt: str) -> list[Pair]:
     for stem in _stems(folder, src, tgt):
         s, t = _read(folder / f"{stem}.{src}"), _read(folder / f"{stem}.{tgt}")
         if len(s) != len(t):
-            raise TaskError(f"{str(folder / stem)}.{src} has {len(s)} lines but .{tgt} has {len(t)}: the files must be line-aligned")
+            raise TaskError(
+                f"{str(folder / stem)}.{src} has {len(s)} lines but .{tgt} has {len(t)}: the files must be line-aligned"
+            )
         docfile = folder / f"{stem}.docid"
-        docs = _read(docfile) if docfile.is_file() else [name] * len(s)  # no docid: the domain is the document
+        docs = (
+            _read(docfile) if docfile.is_file() else [name] * len(s)
+        )  # no docid: the domain is the document
         if len(docs) != len(s):
-            raise TaskError(f"{str(docfile)!r} has {len(docs)} lines but the pairs have {len(s)}: one id per pair")
-        pairs.extend(Pair(a.strip(), b.strip(), name, d.strip()) for a, b, d in zip(s, t, docs) if a.strip() and b.strip())
+            raise TaskError(
+                f"{str(docfile)!r} has {len(docs)} lines but the pairs have {len(s)}: one id per pair"
+            )
+        pairs.extend(
+            Pair(a.strip(), b.strip(), name, d.strip())
+            for a, b, d in zip(s, t, docs)
+            if a.strip() and b.strip()
+        )
     return pairs
 
 
@@ -123,7 +147,9 @@ class SubwordVocab:
         self.sp = spm.SentencePieceProcessor(model_proto=model_bytes)
 
     @classmethod
-    def train_or_load(cls, texts: list[str], vocab_size: int, cache_dir: str | Path | None = None) -> "SubwordVocab":
+    def train_or_load(
+        cls, texts: list[str], vocab_size: int, cache_dir: str | Path | None = None
+    ) -> SubwordVocab:
         import sentencepiece as spm
 
         if vocab_size < 16:
@@ -138,9 +164,20 @@ class SubwordVocab:
             return cls(path.read_bytes())
         out = io.BytesIO()
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(texts), model_writer=out, vocab_size=vocab_size, model_type="bpe",
-            character_coverage=1.0, pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS, hard_vocab_limit=False,
-            input_sentence_size=400_000, shuffle_input_sentence=True, num_threads=1, minloglevel=2,
+            sentence_iterator=iter(texts),
+            model_writer=out,
+            vocab_size=vocab_size,
+            model_type="bpe",
+            character_coverage=1.0,
+            pad_id=PAD,
+            unk_id=UNK,
+            bos_id=BOS,
+            eos_id=EOS,
+            hard_vocab_limit=False,
+            input_sentence_size=400_000,
+            shuffle_input_sentence=True,
+            num_threads=1,
+            minloglevel=2,
         )
         model = out.getvalue()
         try:

@@ -8,7 +8,9 @@ from fedmq.tasks.nmt_data import BOS, EOS, PAD
 from fedmq.tasks.nmt_model import TransformerNMT
 
 
-def _next_logits(model: TransformerNMT, seqs: torch.Tensor, mem: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _next_logits(
+    model: TransformerNMT, seqs: torch.Tensor, mem: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """Last-position logits with PAD and BOS forbidden (never valid outputs)."""
     logits = model.decode(seqs, mem, mask)[:, -1].float()
     logits[:, PAD] = float("-inf")
@@ -39,7 +41,9 @@ def greedy(model: TransformerNMT, src: torch.Tensor) -> list[list[int]]:
 
 
 @torch.no_grad()
-def beam_search(model: TransformerNMT, src: torch.Tensor, beam: int = 4, length_penalty: float = 1.0) -> list[list[int]]:
+def beam_search(
+    model: TransformerNMT, src: torch.Tensor, beam: int = 4, length_penalty: float = 1.0
+) -> list[list[int]]:
     """Batched beam search; hypotheses ranked by log-prob / length**length_penalty."""
     if beam <= 1:
         return greedy(model, src)

@@ -100,7 +100,9 @@ class DecoderLayer(nn.Module):
         self.norm3, self.ff = nn.LayerNorm(c.d_model), FeedForward(c.d_model, c.ffn)
         self.drop = SeededDropout(c.dropout)
 
-    def forward(self, x: torch.Tensor, mem: torch.Tensor, self_mask: torch.Tensor, mem_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, mem: torch.Tensor, self_mask: torch.Tensor, mem_mask: torch.Tensor
+    ) -> torch.Tensor:
         y = self.norm1(x)
         x = x + self.drop(self.self_attn(y, y, self_mask))
         x = x + self.drop(self.cross_attn(self.norm2(x), mem, mem_mask))

@@ -10,8 +10,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -24,7 +24,7 @@ class PartitionSpec:
     alpha: float = 0.0
 
     @classmethod
-    def parse(cls, text: str) -> "PartitionSpec":
+    def parse(cls, text: str) -> PartitionSpec:
         t = text.strip().lower()
         if t in ("iid", "natural"):
             return cls(t)
@@ -33,11 +33,17 @@ class PartitionSpec:
             try:
                 alpha = float(a) if a else 0.5
             except ValueError:
-                raise TaskError(f"bad partition {text!r}: use dirichlet:ALPHA with ALPHA a positive number, e.g. dirichlet:0.5") from None
+                raise TaskError(
+                    f"bad partition {text!r}: use dirichlet:ALPHA with ALPHA a positive number, e.g. dirichlet:0.5"
+                ) from None
             if not alpha > 0 or not np.isfinite(alpha):
-                raise TaskError(f"bad partition {text!r}: the Dirichlet alpha must be a positive number, e.g. dirichlet:0.5")
+                raise TaskError(
+                    f"bad partition {text!r}: the Dirichlet alpha must be a positive number, e.g. dirichlet:0.5"
+                )
             return cls("dirichlet", alpha)
-        raise TaskError(f"unknown partition {text!r}: use iid, dirichlet:ALPHA (e.g. dirichlet:0.5) or natural")
+        raise TaskError(
+            f"unknown partition {text!r}: use iid, dirichlet:ALPHA (e.g. dirichlet:0.5) or natural"
+        )
 
     def __str__(self) -> str:
         return f"dirichlet:{self.alpha:g}" if self.kind == "dirichlet" else self.kind
@@ -50,7 +56,9 @@ def iid_shards(n_items: int, k: int, seed: int) -> list[np.ndarray]:
     return [np.sort(p) for p in np.array_split(perm, k)]
 
 
-def dirichlet_shards(categories: Sequence[object], k: int, alpha: float, seed: int, max_tries: int = 200) -> list[np.ndarray]:
+def dirichlet_shards(
+    categories: Sequence[object], k: int, alpha: float, seed: int, max_tries: int = 200
+) -> list[np.ndarray]:
     """Deal each category's items to k clients in Dir(alpha) proportions; every client gets >= 1 item."""
     n = len(categories)
     _check_k(n, k)
@@ -94,4 +102,6 @@ def _check_k(n_items: int, k: int) -> None:
     if k < 1:
         raise TaskError(f"--clients must be at least 1, got {k}")
     if n_items < k:
-        raise TaskError(f"cannot split {n_items} items into {k} client shards: lower --clients or use more data")
+        raise TaskError(
+            f"cannot split {n_items} items into {k} client shards: lower --clients or use more data"
+        )

@@ -41,7 +41,9 @@ def make_task(name: str, **options: Any) -> Task:
     if unknown:
         raise TaskError(f"task {name!r} has no option {', '.join(unknown)}: use {', '.join(sorted(allowed))}")
     if name == "nmt" and options.get("data") in (None, "builtin"):
-        raise TaskError("the nmt task needs --data PATH to a folder of X.de/X.en files (e.g. ../shared/data/de-en)")
+        raise TaskError(
+            "the nmt task needs --data PATH to a folder of X.de/X.en files (e.g. ../shared/data/de-en)"
+        )
     for key in ("clients", "vocab_size", "max_lines", "max_eval_lines", "bptt", "seed"):
         value = options.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import structlog
 import torch
@@ -32,7 +32,9 @@ def resolve_device(device: str) -> torch.device:
         return torch.device("cpu")
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise TaskError(f"--device {device}: CUDA is not available on this machine; use --device cpu or auto")
+            raise TaskError(
+                f"--device {device}: CUDA is not available on this machine; use --device cpu or auto"
+            )
         return torch.device(device)
     raise TaskError(f"unknown --device {device!r}: use auto, cpu or cuda")
 
@@ -66,8 +68,15 @@ def check_config(cfg: TrainConfig) -> None:
         raise TaskError(f"--lr-decay must be in (0, 1], got {cfg.lr_decay}")
 
 
-def run_training(model: nn.Module, epoch_fn: EpochFn, steps_per_epoch: int, cfg: TrainConfig, client: int,
-                 n_samples: int, progress: Progress | None = None) -> TrainResult:
+def run_training(
+    model: nn.Module,
+    epoch_fn: EpochFn,
+    steps_per_epoch: int,
+    cfg: TrainConfig,
+    client: int,
+    n_samples: int,
+    progress: Progress | None = None,
+) -> TrainResult:
     """Train ``model`` in place; it is moved to the training device and back to where it was."""
     check_config(cfg)
     device = resolve_device(cfg.device)
@@ -89,13 +98,16 @@ def run_training(model: nn.Module, epoch_fn: EpochFn, steps_per_epoch: int, cfg:
                 break
             seed = epoch_seed(cfg.seed, client, epoch)
             gen = torch.Generator().manual_seed(seed)
-            set_dropout_generator(model, torch.Generator(device=device).manual_seed(seed) if device.type == "cuda" else gen)
+            set_dropout_generator(
+                model, torch.Generator(device=device).manual_seed(seed) if device.type == "cuda" else gen
+            )
             epoch_lr = cfg.lr * cfg.lr_decay**epoch
             for g in opt.param_groups:
                 g["lr"] = epoch_lr
             if cfg.full_batch:
-                steps, tokens, loss_sum = _full_batch_step(model, opt, scaler, epoch_fn(model, gen, device), use_amp,
-                                                           cfg, steps, tokens, loss_sum)
+                steps, tokens, loss_sum = _full_batch_step(
+                    model, opt, scaler, epoch_fn(model, gen, device), use_amp, cfg, steps, tokens, loss_sum
+                )
                 if progress is not None:
                     progress(steps, total)
                 continue
@@ -117,19 +129,32 @@ def run_training(model: nn.Module, epoch_fn: EpochFn, steps_per_epoch: int, cfg:
                     progress(steps, total)
                 if steps >= total:
                     break
-        tail = _tail_loss(model, epoch_fn, device, cfg, client, steps_per_epoch if cfg.full_batch else steps) \
-            if cfg.tail_loss else None
+        tail = (
+            _tail_loss(model, epoch_fn, device, cfg, client, steps_per_epoch if cfg.full_batch else steps)
+            if cfg.tail_loss
+            else None
+        )
     finally:
         set_dropout_generator(model, None)
         model.to(home)
     seconds = time.perf_counter() - t0
     mean = float(loss_sum) / tokens if tokens else float("nan")
-    log.debug("local training done", client=client, steps=steps, tokens=tokens, loss=round(mean, 4), seconds=round(seconds, 2))
-    return TrainResult(loss=mean, n_samples=n_samples, steps=steps, tokens=tokens, seconds=seconds, tail_loss=tail)
+    log.debug(
+        "local training done",
+        client=client,
+        steps=steps,
+        tokens=tokens,
+        loss=round(mean, 4),
+        seconds=round(seconds, 2),
+    )
+    return TrainResult(
+        loss=mean, n_samples=n_samples, steps=steps, tokens=tokens, seconds=seconds, tail_loss=tail
+    )
 
 
-def _tail_loss(model: nn.Module, epoch_fn: EpochFn, device: torch.device, cfg: TrainConfig, client: int,
-               batches: int) -> float:
+def _tail_loss(
+    model: nn.Module, epoch_fn: EpochFn, device: torch.device, cfg: TrainConfig, client: int, batches: int
+) -> float:
     """FedMed §3.4: "the loss on the dataset of each worker is computed at the tail of local training". The trained
     model (eval mode: no dropout, no gradients) over its own shard, as many batches as one epoch — or as the run
     took, when --max-steps cut it shorter (the CPU scale), so the extra pass never costs more than the training."""
@@ -159,9 +184,17 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, scaler, cfg: TrainConfig
         opt.step()
 
 
-def _full_batch_step(model: nn.Module, opt: torch.optim.Optimizer, scaler, batches: Iterator[tuple[torch.Tensor, int]],
-                     use_amp: bool, cfg: TrainConfig, steps: int, tokens: int,
-                     loss_sum: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+def _full_batch_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    scaler,
+    batches: Iterator[tuple[torch.Tensor, int]],
+    use_amp: bool,
+    cfg: TrainConfig,
+    steps: int,
+    tokens: int,
+    loss_sum: torch.Tensor,
+) -> tuple[int, int, torch.Tensor]:
     """One optimizer step on the mean loss over every target of the shard: the batches' gradients, each weighted
     by its token count, are summed in place (no more memory than one batch), then divided by the shard's tokens."""
     opt.zero_grad(set_to_none=True)

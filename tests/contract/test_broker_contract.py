@@ -39,7 +39,9 @@ class Inbox:
 
     def wait(self, n: int, timeout: float = 10.0) -> list[Delivery]:
         with self.cv:
-            assert self.cv.wait_for(lambda: len(self.items) >= n, timeout), f"got {len(self.items)} of {n} deliveries"
+            assert self.cv.wait_for(lambda: len(self.items) >= n, timeout), (
+                f"got {len(self.items)} of {n} deliveries"
+            )
             return list(self.items)
 
     def settle(self, quiet: float = 0.3) -> list[Delivery]:
@@ -106,8 +108,11 @@ def test_topic_routing_reaches_the_right_queues(make, job_id):
     got = Inbox(b)
     b.consume(t.q_inbox(job_id), got)
     assert [d.body for d in got.wait(3)] == [b"u", b"r", b"p"]
-    assert [d.routing_key for d in got.items] == [t.rk_update(job_id, "a1"), t.rk_report(job_id, "a2"),
-                                                  t.rk_presence(job_id, "a2")]
+    assert [d.routing_key for d in got.items] == [
+        t.rk_update(job_id, "a1"),
+        t.rk_report(job_id, "a2"),
+        t.rk_presence(job_id, "a2"),
+    ]
     assert all(d.user_id == b.user for d in got.items)
     assert _depth(b, t.q_inbox(job_id), 0) == 0
 
@@ -335,12 +340,20 @@ def test_topic_matching_wildcards():
     assert topic_matches("#.a", "job.j.update.a")
     assert topic_matches("#", "")
     assert not topic_matches("job.*", "job")
-    assert topic_matches("a.#.z", "a.z") and topic_matches("a.#.z", "a.b.c.z") and not topic_matches("a.#.z", "a.b")
+    assert (
+        topic_matches("a.#.z", "a.z")
+        and topic_matches("a.#.z", "a.b.c.z")
+        and not topic_matches("a.#.z", "a.b")
+    )
 
 
 def test_bad_urls_raise_one_line_errors():
-    for url, msg in [("nope", "bad broker URL"), ("http://x", "unsupported broker URL scheme"),
-                     ("memory://a/b", "bad memory broker URL"), ("memory://bad name", "bad memory broker name")]:
+    for url, msg in [
+        ("nope", "bad broker URL"),
+        ("http://x", "unsupported broker URL scheme"),
+        ("memory://a/b", "bad memory broker URL"),
+        ("memory://bad name", "bad memory broker name"),
+    ]:
         with pytest.raises(BrokerError, match=msg) as exc:
             connect(url)
         assert "\n" not in str(exc.value)

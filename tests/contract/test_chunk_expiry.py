@@ -8,8 +8,7 @@ import time
 
 from fedmq.broker.transport import topology as t
 from fedmq.broker.transport.connect import connect
-from fedmq.broker.wire.chunk_frames import CHUNK_HEADER
-from fedmq.broker.wire.chunk_frames import encode_chunk, split
+from fedmq.broker.wire.chunk_frames import CHUNK_HEADER, encode_chunk, split
 
 
 def test_partial_chunked_message_expires_and_is_not_redelivered(url, job_id):

@@ -12,8 +12,14 @@ LIMIT = 1024
 
 
 def raw(body: bytes, tag: int, chunk: bool = True) -> Delivery:
-    return Delivery(body=body, routing_key="rk", queue="q", message_id="m", headers={CHUNK_HEADER: 1} if chunk else {},
-                    tag=tag)
+    return Delivery(
+        body=body,
+        routing_key="rk",
+        queue="q",
+        message_id="m",
+        headers={CHUNK_HEADER: 1} if chunk else {},
+        tag=tag,
+    )
 
 
 def test_chunks_are_held_until_the_message_is_whole_then_settled_together():
@@ -24,7 +30,12 @@ def test_chunks_are_held_until_the_message_is_whole_then_settled_together():
     outs = [gate.feed(raw(f, tag)) for tag, f in enumerate(frames)]
     assert all(o.deliver is None and not o.ack and not o.reject for o in outs[:-1])
     whole = outs[-1].deliver
-    assert whole is not None and whole.body == body and whole.message_id == "m1" and CHUNK_HEADER not in whole.headers
+    assert (
+        whole is not None
+        and whole.body == body
+        and whole.message_id == "m1"
+        and CHUNK_HEADER not in whole.headers
+    )
     assert gate.settle(whole.tag) == [0, 1, 2, 3, 4]
     assert gate.settle(whole.tag) == []  # settling twice yields nothing the second time
     assert chunk_messages(b"x" * LIMIT, "small", LIMIT) is None  # fits: sent as one plain message

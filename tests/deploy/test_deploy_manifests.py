@@ -8,8 +8,9 @@ import os
 import re
 import subprocess
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import jsonschema
 import kubernetes_validate
@@ -76,16 +77,25 @@ def validate_object(obj: Obj) -> None:
 
 # --- rendering and schemas ---------------------------------------------------------------------------------
 
+
 def test_every_overlay_renders_the_whole_federation(rendered: dict[str, list[Obj]]) -> None:
     for name, objs in rendered.items():
         kinds = {(o["kind"], o["metadata"]["name"]) for o in objs}
-        for must in [("Namespace", "fedmq"), ("Job", "fedmq-provision"), ("Deployment", "fedmq-aggregator"),
-                     ("StatefulSet", "fedmq-agent"), ("NetworkPolicy", "default-deny-all"),
-                     ("PersistentVolumeClaim", "fedmq-checkpoints"), ("Role", "fedmq-provision")]:
+        for must in [
+            ("Namespace", "fedmq"),
+            ("Job", "fedmq-provision"),
+            ("Deployment", "fedmq-aggregator"),
+            ("StatefulSet", "fedmq-agent"),
+            ("NetworkPolicy", "default-deny-all"),
+            ("PersistentVolumeClaim", "fedmq-checkpoints"),
+            ("Role", "fedmq-provision"),
+        ]:
             assert must in kinds, f"{name}: {must} missing"
         for o in objs:
             if o["kind"] != "Namespace":
-                assert o["metadata"].get("namespace") == "fedmq", f"{name}: {o['kind']}/{o['metadata']['name']}"
+                assert o["metadata"].get("namespace") == "fedmq", (
+                    f"{name}: {o['kind']}/{o['metadata']['name']}"
+                )
             assert o["metadata"]["labels"]["app.kubernetes.io/part-of"] == "fedmq"
 
 
@@ -96,7 +106,9 @@ def test_every_object_validates_against_the_kubernetes_schemas(rendered: dict[st
             try:
                 validate_object(obj)
             except (kubernetes_validate.ValidationError, jsonschema.ValidationError) as exc:
-                pytest.fail(f"{name}: {obj['kind']}/{obj['metadata']['name']}: {'.'.join(map(str, exc.path))}: {exc.message}")
+                pytest.fail(
+                    f"{name}: {obj['kind']}/{obj['metadata']['name']}: {'.'.join(map(str, exc.path))}: {exc.message}"
+                )
             checked += 1
     assert checked >= 3 * 20
 
@@ -119,6 +131,7 @@ def test_the_validators_reject_broken_objects(rendered: dict[str, list[Obj]]) ->
 
 # --- RabbitMQ ----------------------------------------------------------------------------------------------
 
+
 def conf_values(text: str) -> dict[str, str]:
     """rabbitmq.conf (sysctl format) -> key: value, comments dropped."""
     out = {}
@@ -137,14 +150,19 @@ def assert_fedmq_broker_settings(conf: dict[str, str]) -> None:
     assert conf["heartbeat"] == "30"
 
 
-def test_operator_cluster_has_three_persistent_tls_replicas_and_fedmq_config(rendered: dict[str, list[Obj]]) -> None:
+def test_operator_cluster_has_three_persistent_tls_replicas_and_fedmq_config(
+    rendered: dict[str, list[Obj]],
+) -> None:
     for name in ("gpu", "chaos"):
         spec = find(rendered[name], "RabbitmqCluster", "fedmq-rabbitmq")["spec"]
         assert spec["replicas"] == 3
         assert re.fullmatch(r"rabbitmq:\d+\.\d+\.\d+-management", spec["image"])
         assert spec["persistence"]["storage"].endswith("Gi")
-        assert spec["tls"] == {"secretName": "fedmq-rabbitmq-tls", "caSecretName": "fedmq-rabbitmq-ca",
-                               "disableNonTLSListeners": True}
+        assert spec["tls"] == {
+            "secretName": "fedmq-rabbitmq-tls",
+            "caSecretName": "fedmq-rabbitmq-ca",
+            "disableNonTLSListeners": True,
+        }
         assert_fedmq_broker_settings(conf_values(spec["rabbitmq"]["additionalConfig"]))
 
 
@@ -152,7 +170,9 @@ def test_plain_statefulset_broker_replaces_the_operator_in_dev(rendered: dict[st
     objs = rendered["dev"]
     assert not [o for o in objs if o["kind"] == "RabbitmqCluster"]
     sts = find(objs, "StatefulSet", "fedmq-rabbitmq")
-    assert sts["spec"]["replicas"] == 1 and sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    assert (
+        sts["spec"]["replicas"] == 1 and sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    )
     conf = conf_values(find_prefix(objs, "ConfigMap", "fedmq-rabbitmq-config")["data"]["rabbitmq.conf"])
     assert_fedmq_broker_settings(conf)
     assert conf["listeners.tcp"] == "none" and conf["listeners.ssl.default"] == "5671"
@@ -161,12 +181,17 @@ def test_plain_statefulset_broker_replaces_the_operator_in_dev(rendered: dict[st
     # the component offers the operator's names, so nothing else in the federation changes
     assert service["spec"]["selector"] == {"app.kubernetes.io/name": "fedmq-rabbitmq"}
     # the component at its full size is still 3 nodes (dev scales it down)
-    assert "replicas: 3" in (ROOT / "k8s" / "components" / "rabbitmq-statefulset" / "rabbitmq.yaml").read_text()
+    assert (
+        "replicas: 3" in (ROOT / "k8s" / "components" / "rabbitmq-statefulset" / "rabbitmq.yaml").read_text()
+    )
 
 
 # --- workloads ---------------------------------------------------------------------------------------------
 
-def test_every_pod_runs_non_root_read_only_without_privilege_escalation(rendered: dict[str, list[Obj]]) -> None:
+
+def test_every_pod_runs_non_root_read_only_without_privilege_escalation(
+    rendered: dict[str, list[Obj]],
+) -> None:
     for name, objs in rendered.items():
         for obj in (o for o in objs if o["kind"] in WORKLOADS):
             where = f"{name}: {obj['kind']}/{obj['metadata']['name']}"
@@ -180,7 +205,9 @@ def test_every_pod_runs_non_root_read_only_without_privilege_escalation(rendered
                 assert sc["capabilities"]["drop"] == ["ALL"], f"{where}/{c['name']}"
                 assert sc.get("privileged", False) is False
                 res = c["resources"]
-                assert {"cpu", "memory"} <= set(res["requests"]) and {"cpu", "memory"} <= set(res["limits"]), f"{where}/{c['name']}"
+                assert {"cpu", "memory"} <= set(res["requests"]) and {"cpu", "memory"} <= set(
+                    res["limits"]
+                ), f"{where}/{c['name']}"
 
 
 def test_fedmq_pods_have_no_api_token_and_no_secrets_in_env(rendered: dict[str, list[Obj]]) -> None:
@@ -191,12 +218,17 @@ def test_fedmq_pods_have_no_api_token_and_no_secrets_in_env(rendered: dict[str, 
             assert pod_spec(obj)["automountServiceAccountToken"] is False
             for c in containers(obj):
                 for e in c.get("env", []):
-                    assert "secretKeyRef" not in e.get("valueFrom", {}), f"{name}: {c['name']} has {e['name']} from a Secret"
+                    assert "secretKeyRef" not in e.get("valueFrom", {}), (
+                        f"{name}: {c['name']} has {e['name']} from a Secret"
+                    )
 
 
 def test_probes_use_the_metrics_server(rendered: dict[str, list[Obj]]) -> None:
     for name, objs in rendered.items():
-        for kind, obj_name, cname in [("Deployment", "fedmq-aggregator", "aggregator"), ("StatefulSet", "fedmq-agent", "agent")]:
+        for kind, obj_name, cname in [
+            ("Deployment", "fedmq-aggregator", "aggregator"),
+            ("StatefulSet", "fedmq-agent", "agent"),
+        ]:
             c = container(find(objs, kind, obj_name), cname)
             port = int(flag(c["args"], "--metrics-port"))
             assert c["ports"] == [{"name": "metrics", "containerPort": port}]
@@ -205,13 +237,17 @@ def test_probes_use_the_metrics_server(rendered: dict[str, list[Obj]]) -> None:
             assert flag(c["args"], "--log-format") == "json"
 
 
-def test_aggregator_is_an_active_and_a_hot_standby_on_one_checkpoint_volume(rendered: dict[str, list[Obj]]) -> None:
+def test_aggregator_is_an_active_and_a_hot_standby_on_one_checkpoint_volume(
+    rendered: dict[str, list[Obj]],
+) -> None:
     for name in ("gpu", "chaos"):
         objs = rendered[name]
         dep = find(objs, "Deployment", "fedmq-aggregator")
         assert dep["spec"]["replicas"] == 2
         assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
-        assert find(objs, "PersistentVolumeClaim", "fedmq-checkpoints")["spec"]["accessModes"] == ["ReadWriteMany"]
+        assert find(objs, "PersistentVolumeClaim", "fedmq-checkpoints")["spec"]["accessModes"] == [
+            "ReadWriteMany"
+        ]
         assert find(objs, "PodDisruptionBudget", "fedmq-aggregator")["spec"]["minAvailable"] == 1
     dev = find(rendered["dev"], "Deployment", "fedmq-aggregator")
     assert dev["spec"]["replicas"] == 1 and dev["spec"]["strategy"] == {"type": "Recreate"}
@@ -237,7 +273,9 @@ def test_job_config_is_a_valid_fedmq_job(rendered: dict[str, list[Obj]]) -> None
         assert cfg.clients == find(objs, "StatefulSet", "fedmq-agent")["spec"]["replicas"]
 
 
-def test_one_secret_per_agent_and_each_agent_container_sees_only_its_own(rendered: dict[str, list[Obj]]) -> None:
+def test_one_secret_per_agent_and_each_agent_container_sees_only_its_own(
+    rendered: dict[str, list[Obj]],
+) -> None:
     for name, objs in rendered.items():
         sts = find(objs, "StatefulSet", "fedmq-agent")
         n = sts["spec"]["replicas"]
@@ -246,8 +284,10 @@ def test_one_secret_per_agent_and_each_agent_container_sees_only_its_own(rendere
         sources = vols["all-credentials"]["projected"]["sources"]
         assert [s["secret"]["name"] for s in sources] == expected, name
         for i, s in enumerate(sources):
-            assert s["secret"]["items"] == [{"key": "username", "path": f"agent-{i}/username"},
-                                            {"key": "password", "path": f"agent-{i}/password"}]
+            assert s["secret"]["items"] == [
+                {"key": "username", "path": f"agent-{i}/username"},
+                {"key": "password", "path": f"agent-{i}/password"},
+            ]
         assert vols["credentials"]["emptyDir"]["medium"] == "Memory"
         # only the init container mounts every agent's Secret; the agent mounts its own copy read-only
         init = container(sts, "credentials")
@@ -266,8 +306,13 @@ def test_one_secret_per_agent_and_each_agent_container_sees_only_its_own(rendere
         assert [r["resources"] for r in rules] == [["secrets"]] * len(rules)
         assert sorted(named[0]["resourceNames"]) == sorted(["fedmq-aggregator", *expected])
         # the kubectl step is the only container with the ServiceAccount token
-        token_mounts = [c["name"] for c in containers(job)
-                        if any(m["mountPath"] == "/var/run/secrets/kubernetes.io/serviceaccount" for m in c["volumeMounts"])]
+        token_mounts = [
+            c["name"]
+            for c in containers(job)
+            if any(
+                m["mountPath"] == "/var/run/secrets/kubernetes.io/serviceaccount" for m in c["volumeMounts"]
+            )
+        ]
         assert token_mounts == ["apply"]
 
 
@@ -276,7 +321,9 @@ def shell_of(c: Obj) -> str:
     return c["command"][2] if len(c["command"]) > 2 else c["args"][0]
 
 
-def test_credential_scripts_give_the_pod_its_own_identity(rendered: dict[str, list[Obj]], tmp_path: Path) -> None:
+def test_credential_scripts_give_the_pod_its_own_identity(
+    rendered: dict[str, list[Obj]], tmp_path: Path
+) -> None:
     """Run the init container's and the agent's shell snippets for pod fedmq-agent-1 against a fake fedmq."""
     sts = find(rendered["chaos"], "StatefulSet", "fedmq-agent")
     root = tmp_path / "run"
@@ -287,8 +334,12 @@ def test_credential_scripts_give_the_pod_its_own_identity(rendered: dict[str, li
         (d / "password").write_text(f"secret-{i}")
     (root / "fedmq" / "credentials").mkdir()
     init = shell_of(container(sts, "credentials")).replace("/run/", f"{root}/")
-    proc = subprocess.run(["/bin/sh", "-c", init], env={"HOSTNAME": "fedmq-agent-1", "PATH": os.environ["PATH"]},
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["/bin/sh", "-c", init],
+        env={"HOSTNAME": "fedmq-agent-1", "PATH": os.environ["PATH"]},
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     copied = root / "fedmq" / "credentials"
     assert sorted(p.name for p in copied.iterdir()) == ["password", "username"]
@@ -296,20 +347,30 @@ def test_credential_scripts_give_the_pod_its_own_identity(rendered: dict[str, li
 
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "fedmq").write_text('#!/bin/sh\nprintf "%s|%s|%s\\n" "$FEDMQ_BROKER_USER" "$FEDMQ_BROKER_PASSWORD" "$*"\n')
+    (fake / "fedmq").write_text(
+        '#!/bin/sh\nprintf "%s|%s|%s\\n" "$FEDMQ_BROKER_USER" "$FEDMQ_BROKER_PASSWORD" "$*"\n'
+    )
     (fake / "fedmq").chmod(0o755)
     agent = container(sts, "agent")
     script = agent["command"][2].replace("/run/", f"{root}/")
-    proc = subprocess.run(["/bin/sh", "-c", script, *agent["command"][3:], *agent["args"]],
-                          env={"PATH": f"{fake}:{os.environ['PATH']}"}, capture_output=True, text=True)
+    proc = subprocess.run(
+        ["/bin/sh", "-c", script, *agent["command"][3:], *agent["args"]],
+        env={"PATH": f"{fake}:{os.environ['PATH']}"},
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     user, password, argv = proc.stdout.strip().split("|")
     assert (user, password) == ("agent-1", "secret-1")
     assert argv == " ".join(agent["args"])
 
     # a pod whose Secret is missing stops in its init container instead of starting without an identity
-    proc = subprocess.run(["/bin/sh", "-c", init], env={"HOSTNAME": "fedmq-agent-7", "PATH": os.environ["PATH"]},
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["/bin/sh", "-c", init],
+        env={"HOSTNAME": "fedmq-agent-7", "PATH": os.environ["PATH"]},
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode != 0
 
 
@@ -331,17 +392,24 @@ def test_gpu_overlay_gives_each_agent_one_gpu_and_cuda(rendered: dict[str, list[
         assert "nvidia.com/gpu" not in a["resources"]["limits"] and "tolerations" not in pod_spec(other)
         assert env(a)["FEDMQ_DEVICE"] == "cpu" and a["image"].endswith(":0.1.0-cpu")
     # only the agents get GPUs
-    for obj in (o for o in rendered["gpu"] if o["kind"] in WORKLOADS and o["metadata"]["name"] != "fedmq-agent"):
+    for obj in (
+        o for o in rendered["gpu"] if o["kind"] in WORKLOADS and o["metadata"]["name"] != "fedmq-agent"
+    ):
         for c in containers(obj):
             assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
 
 
 def test_chaos_overlay_runs_agents_with_a_markov_availability_model(rendered: dict[str, list[Obj]]) -> None:
-    spec = env(container(find(rendered["chaos"], "StatefulSet", "fedmq-agent"), "agent"))["FEDMQ_AVAILABILITY"]
+    spec = env(container(find(rendered["chaos"], "StatefulSet", "fedmq-agent"), "agent"))[
+        "FEDMQ_AVAILABILITY"
+    ]
     assert spec == "markov:0.9,0.7"
     assert isinstance(parse_availability(spec), Markov)  # the agent's own parser accepts it
     for name in ("dev", "gpu"):
-        assert env(container(find(rendered[name], "StatefulSet", "fedmq-agent"), "agent"))["FEDMQ_AVAILABILITY"] == "always"
+        assert (
+            env(container(find(rendered[name], "StatefulSet", "fedmq-agent"), "agent"))["FEDMQ_AVAILABILITY"]
+            == "always"
+        )
 
 
 def test_network_policies_let_agents_reach_only_the_broker(rendered: dict[str, list[Obj]]) -> None:
@@ -351,12 +419,21 @@ def test_network_policies_let_agents_reach_only_the_broker(rendered: dict[str, l
         for who in ("fedmq-agent", "fedmq-aggregator"):
             pol = find(objs, "NetworkPolicy", who)["spec"]
             assert pol["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": who}}
-            assert pol["egress"] == [{"to": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "fedmq-rabbitmq"}}}],
-                                      "ports": [{"protocol": "TCP", "port": 5671}]}]
+            assert pol["egress"] == [
+                {
+                    "to": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "fedmq-rabbitmq"}}}],
+                    "ports": [{"protocol": "TCP", "port": 5671}],
+                }
+            ]
         dns = find(objs, "NetworkPolicy", "allow-dns")["spec"]
         assert {p["port"] for p in dns["egress"][0]["ports"]} == {53}
         assert all("ipBlock" not in peer for rule in dns["egress"] for peer in rule["to"])
         # the broker's pods carry the label the policies select, whichever way RabbitMQ is deployed
-        broker_urls = {flag(container(find(objs, k, n), c)["args"], "--broker")
-                       for k, n, c in [("Deployment", "fedmq-aggregator", "aggregator"), ("StatefulSet", "fedmq-agent", "agent")]}
+        broker_urls = {
+            flag(container(find(objs, k, n), c)["args"], "--broker")
+            for k, n, c in [
+                ("Deployment", "fedmq-aggregator", "aggregator"),
+                ("StatefulSet", "fedmq-agent", "agent"),
+            ]
+        }
         assert broker_urls == {"amqps://fedmq-rabbitmq.fedmq.svc:5671/fedmq"}

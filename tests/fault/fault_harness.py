@@ -18,9 +18,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from fedmq.aggregator.runlog import read_rounds
 
@@ -28,8 +29,18 @@ ROOT = Path(__file__).resolve().parents[2]
 FEDMQ = str(Path(sys.executable).parent / "fedmq")
 
 # the tiny language model of tests/integration/test_federation.py: a round takes well under a second
-TINY_TASK = {"task": "lm", "data": "builtin", "model": "gru-small", "emb": 16, "hidden": 16, "vocab_size": 500,
-             "max_lines": 600, "max_eval_lines": 100, "bptt": 10, "dropout": 0.0}
+TINY_TASK = {
+    "task": "lm",
+    "data": "builtin",
+    "model": "gru-small",
+    "emb": 16,
+    "hidden": 16,
+    "vocab_size": 500,
+    "max_lines": 600,
+    "max_eval_lines": 100,
+    "bptt": 10,
+    "dropout": 0.0,
+}
 
 
 def read_jsonl(path: Path) -> list[Any]:
@@ -74,6 +85,7 @@ def delete_job_queues(url: str, job: str, clients: int) -> None:
     import pika
 
     from fedmq.broker.transport import topology as t
+
     try:
         conn = pika.BlockingConnection(pika.URLParameters(url))
     except Exception:  # the broker may be down in a failed test; nothing to clean then
@@ -81,7 +93,9 @@ def delete_job_queues(url: str, job: str, clients: int) -> None:
     try:
         ch = conn.channel()
         names = [t.q_inbox(job), t.q_dead(job), t.q_models(job)]
-        names += [q for i in range(clients) for q in (t.q_latest(job, f"agent-{i}"), t.q_control(job, f"agent-{i}"))]
+        names += [
+            q for i in range(clients) for q in (t.q_latest(job, f"agent-{i}"), t.q_control(job, f"agent-{i}"))
+        ]
         for name in names:
             ch.queue_delete(name)
     finally:
@@ -122,7 +136,9 @@ class Federation:
     job_options: dict[str, Any] = field(default_factory=dict)
     agent_faults: dict[int, str] = field(default_factory=dict)
     agent_url: Callable[[int], str] | None = None  # per-agent broker URL (e.g. through a TCP proxy)
-    agent_env: dict[str, str] = field(default_factory=dict)  # e.g. FEDMQ_CHUNK_LIMIT / FEDMQ_HEARTBEAT for agents
+    agent_env: dict[str, str] = field(
+        default_factory=dict
+    )  # e.g. FEDMQ_CHUNK_LIMIT / FEDMQ_HEARTBEAT for agents
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     restarts: int = 0
 
@@ -133,17 +149,31 @@ class Federation:
         self.logs = self.base / "logs"
         for d in (self.audit_dir, self.logs):
             d.mkdir(exist_ok=True)
-        job = {"job": self.job, "strategy": "fedavg", "rounds": self.rounds, "clients": self.clients,
-               "fraction": 1.0, "lr": 5.0, "max_steps": 3, "batch_size": 4, "heartbeat_s": 2.0,
-               "join_timeout_s": 90.0, "report_deadline_s": 20.0, "update_deadline_s": 20.0,
-               "identity": f"shared:{self._url_user()}",
-               # raw: the kill-mid-upload faults need updates of several socket writes
-               "encoding": "raw", "down_encoding": "raw", **self.job_options}
+        job = {
+            "job": self.job,
+            "strategy": "fedavg",
+            "rounds": self.rounds,
+            "clients": self.clients,
+            "fraction": 1.0,
+            "lr": 5.0,
+            "max_steps": 3,
+            "batch_size": 4,
+            "heartbeat_s": 2.0,
+            "join_timeout_s": 90.0,
+            "report_deadline_s": 20.0,
+            "update_deadline_s": 20.0,
+            "identity": f"shared:{self._url_user()}",
+            # raw: the kill-mid-upload faults need updates of several socket writes
+            "encoding": "raw",
+            "down_encoding": "raw",
+            **self.job_options,
+        }
         self.cfg = job
         self.config = write_config(self.base / "job.toml", job, {**TINY_TASK, "clients": self.clients})
 
     def _url_user(self) -> str:
         from urllib.parse import urlsplit
+
         return urlsplit(self.url).username or "guest"
 
     @staticmethod
@@ -153,8 +183,14 @@ class Federation:
     def _spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
         out = open(self.logs / f"{name}.out", "ab")
         err = open(self.logs / f"{name}.err", "ab")
-        proc = subprocess.Popen([FEDMQ, *args], stdout=out, stderr=err, env={**self._env(), **(extra_env or {})},
-                                cwd=self.base, start_new_session=True)
+        proc = subprocess.Popen(
+            [FEDMQ, *args],
+            stdout=out,
+            stderr=err,
+            env={**self._env(), **(extra_env or {})},
+            cwd=self.base,
+            start_new_session=True,
+        )
         self.procs[name] = proc
         return proc
 
@@ -162,19 +198,48 @@ class Federation:
         # the same chunk limit as the agents (the aggregator sizes its prefetch from it: every chunk of the round)
         # and the same consume timeout
         env = {k: v for k, v in self.agent_env.items() if k in ("FEDMQ_CHUNK_LIMIT", "FEDMQ_CONSUME_TIMEOUT")}
-        return self._spawn(name, ["aggregator", "run", "--broker", self.url, "--config", str(self.config),
-                                  "--state-dir", str(self.state), "--log-level", "info"], env)
+        return self._spawn(
+            name,
+            [
+                "aggregator",
+                "run",
+                "--broker",
+                self.url,
+                "--config",
+                str(self.config),
+                "--state-dir",
+                str(self.state),
+                "--log-level",
+                "info",
+            ],
+            env,
+        )
 
     def start_agent(self, i: int) -> subprocess.Popen:
         url = self.agent_url(i) if self.agent_url else self.url
-        args = ["agent", "run", "--broker", url, "--job", self.job, "--client-id", f"agent-{i}",
-                "--config", str(self.config), "--device", "cpu", "--audit-log", str(self.audit_dir / f"agent-{i}.jsonl"),
-                "--log-level", "info"]
+        args = [
+            "agent",
+            "run",
+            "--broker",
+            url,
+            "--job",
+            self.job,
+            "--client-id",
+            f"agent-{i}",
+            "--config",
+            str(self.config),
+            "--device",
+            "cpu",
+            "--audit-log",
+            str(self.audit_dir / f"agent-{i}.jsonl"),
+            "--log-level",
+            "info",
+        ]
         if self.agent_faults.get(i):
             args += ["--faults", self.agent_faults[i]]
         return self._spawn(f"agent-{i}", args, self.agent_env)
 
-    def start(self) -> "Federation":
+    def start(self) -> Federation:
         self.start_aggregator()
         for i in range(self.clients):
             self.start_agent(i)
@@ -194,7 +259,9 @@ class Federation:
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise TimeoutError(f"aggregator {name} did not finish in {timeout:.0f}s; logs in {self.logs}") from None
+            raise TimeoutError(
+                f"aggregator {name} did not finish in {timeout:.0f}s; logs in {self.logs}"
+            ) from None
         out = (self.logs / f"{name}.out").read_text().strip().splitlines()
         if proc.returncode != 0 or not out:
             err = (self.logs / f"{name}.err").read_text()[-3000:]
@@ -238,8 +305,11 @@ class Federation:
 
     def agent_events(self, i: int, event: str, rnd: int | None = None) -> list[dict[str, Any]]:
         """JSON log lines of agent-i (its stderr, all its incarnations) with this event (and round)."""
-        return [r for r in read_jsonl(self.logs / f"agent-{i}.err")
-                if r.get("event") == event and (rnd is None or r.get("round") == rnd)]
+        return [
+            r
+            for r in read_jsonl(self.logs / f"agent-{i}.err")
+            if r.get("event") == event and (rnd is None or r.get("round") == rnd)
+        ]
 
     def agg_events(self, event: str) -> list[dict[str, Any]]:
         return [r for r in read_jsonl(self.state / "logs" / "aggregator.jsonl") if r.get("event") == event]
@@ -271,9 +341,13 @@ class Federation:
         # a redelivery of an update already folded (the aggregator died between spooling it and acking it) is
         # dropped as a duplicate: that is the guarantee working, not a drop
         folded_ids = set(ids)
-        dropped = [(e.get("round", -1), e["msg_id"], e["reason"]) for e in self.agg_events("message dropped")
-                   if e.get("kind") == "update" and e.get("msg_id")
-                   and not (e["reason"] == "duplicate" and e["msg_id"] in folded_ids)]
+        dropped = [
+            (e.get("round", -1), e["msg_id"], e["reason"])
+            for e in self.agg_events("message dropped")
+            if e.get("kind") == "update"
+            and e.get("msg_id")
+            and not (e["reason"] == "duplicate" and e["msg_id"] in folded_ids)
+        ]
         dropped_ids = {m for _, m, _ in dropped}
         lost = sorted(c for c in confirmed if c not in folded_set and c[1] not in dropped_ids)
         unconfirmed = sorted(p for p in folded_set if p not in confirmed)
@@ -284,8 +358,12 @@ class Federation:
         return Audit(
             rounds_completed=sum(1 for r in rows if not r["skipped"]),
             rounds_skipped=sum(1 for r in rows if r["skipped"]),
-            confirmed=len(confirmed), folded=len(ids), lost=lost, duplicated=duplicated,
-            unconfirmed_folded=unconfirmed, dropped=[d for d in dropped if d[1] in {c[1] for c in confirmed}],
+            confirmed=len(confirmed),
+            folded=len(ids),
+            lost=lost,
+            duplicated=duplicated,
+            unconfirmed_folded=unconfirmed,
+            dropped=[d for d in dropped if d[1] in {c[1] for c in confirmed}],
             max_round_s=max((r["wall_s"] for r in rows), default=0.0),
             finite=all(bool(torch.isfinite(v).all()) for v in state.values()),
             shapes_ok={k: tuple(v.shape) for k, v in state.items()} == shapes,
@@ -363,6 +441,7 @@ class TcpProxy:
     def cut(self) -> None:
         """Reset every open connection (the peers see a dead TCP connection)."""
         import struct
+
         with self._lock:
             conns, self._conns = self._conns, []
         for s in conns:

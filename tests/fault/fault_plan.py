@@ -28,8 +28,16 @@ AGG_PHASES = ("before-agg", "during-agg", "after-agg")
 ROUND_PHASES = ("announced", "reports", "granted", "updates")
 
 # every fault kind the runner knows; CI runs all of them once for one seed (see test_fault_scenarios.py)
-KINDS = ("broker-restart", "agent-kill9", "agent-kill9", "broker-kill9", "stall", "aggregator-kill9", "cut",
-         "memory-alarm")
+KINDS = (
+    "broker-restart",
+    "agent-kill9",
+    "agent-kill9",
+    "broker-kill9",
+    "stall",
+    "aggregator-kill9",
+    "cut",
+    "memory-alarm",
+)
 
 
 @dataclass(frozen=True)
@@ -48,7 +56,9 @@ class Fault:
         return f"r{self.round} {self.kind}{who} @{self.phase}{extra}"
 
 
-def make_plan(seed: int, clients: int = 3, kinds: tuple[str, ...] = KINDS, first_mid_upload: bool = False) -> list[Fault]:
+def make_plan(
+    seed: int, clients: int = 3, kinds: tuple[str, ...] = KINDS, first_mid_upload: bool = False
+) -> list[Fault]:
     """One fault per round from round 2 on, in a seeded order; the broker's graceful restart always comes first.
 
     The graceful restart (stop_app/start_app) must precede a kill -9 of the node: RabbitMQ 3.10 persists a new
@@ -65,13 +75,28 @@ def make_plan(seed: int, clients: int = 3, kinds: tuple[str, ...] = KINDS, first
         if kind == "agent-kill9":
             phase = "mid-upload" if first_mid_upload and agent_kills == 0 else rng.choice(AGENT_PHASES)
             agent_kills += 1
-            plan.append(Fault(kind, rnd, phase, target=rng.randrange(clients), seconds=round(rng.uniform(0, 2), 1),
-                              frac=round(rng.uniform(0.2, 0.6), 2)))
+            plan.append(
+                Fault(
+                    kind,
+                    rnd,
+                    phase,
+                    target=rng.randrange(clients),
+                    seconds=round(rng.uniform(0, 2), 1),
+                    frac=round(rng.uniform(0.2, 0.6), 2),
+                )
+            )
         elif kind == "aggregator-kill9":
             plan.append(Fault(kind, rnd, rng.choice(AGG_PHASES)))
         elif kind in ("stall", "cut"):
-            plan.append(Fault(kind, rnd, rng.choice(ROUND_PHASES[:3]), target=rng.randrange(clients),
-                              seconds=round(rng.uniform(9, 12), 1) if kind == "stall" else 0.0))
+            plan.append(
+                Fault(
+                    kind,
+                    rnd,
+                    rng.choice(ROUND_PHASES[:3]),
+                    target=rng.randrange(clients),
+                    seconds=round(rng.uniform(9, 12), 1) if kind == "stall" else 0.0,
+                )
+            )
         elif kind == "memory-alarm":
             plan.append(Fault(kind, rnd, rng.choice(ROUND_PHASES), seconds=round(rng.uniform(2, 4), 1)))
         else:
@@ -81,4 +106,6 @@ def make_plan(seed: int, clients: int = 3, kinds: tuple[str, ...] = KINDS, first
 
 def training_victims(plan: list[Fault]) -> set[int]:
     """Agents killed in their training phase: they run with a slow fault so the phase lasts long enough to hit."""
-    return {f.target for f in plan if f.kind == "agent-kill9" and f.phase == "training" and f.target is not None}
+    return {
+        f.target for f in plan if f.kind == "agent-kill9" and f.phase == "training" and f.target is not None
+    }

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from fault_harness import Federation, delete_job_queues, wait_for
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
@@ -14,14 +13,18 @@ def _assert_clean(fed: Federation, rounds: int) -> None:
     assert audit.rounds_completed == rounds and audit.rounds_skipped == 0, audit
     assert audit.lost == [] and audit.duplicated == [], audit
     # nobody was killed but the aggregator and the deadlines are generous: every confirmed upload was folded once
-    assert audit.confirmed == audit.folded > 0 and audit.unconfirmed_folded == [] and audit.dropped == [], audit
+    assert audit.confirmed == audit.folded > 0 and audit.unconfirmed_folded == [] and audit.dropped == [], (
+        audit
+    )
     assert audit.finite and audit.shapes_ok
     assert audit.max_round_s < fed.round_limit_s(), audit
 
 
 @pytest.fixture
 def federation(tmp_path, rabbit_url, job_id):
-    fed = Federation(tmp_path / "fed", rabbit_url, job_id, clients=3, rounds=4, agent_faults={2: "slow:1.0:2"})
+    fed = Federation(
+        tmp_path / "fed", rabbit_url, job_id, clients=3, rounds=4, agent_faults={2: "slow:1.0:2"}
+    )
     yield fed
     fed.stop_all()
     delete_job_queues(rabbit_url, job_id, fed.clients)
@@ -47,8 +50,11 @@ def test_hot_standby_takes_over_from_the_checkpoint_and_spool(federation):
         fed.start_agent(i)
     wait_for(lambda: (fed.state / "config.json").is_file(), 60, "the first aggregator to become active")
     fed.start_aggregator("standby")
-    wait_for(lambda: "waiting for the first delivery" in (fed.logs / "standby.err").read_text(), 60,
-             "the standby to wait on the inbox")
+    wait_for(
+        lambda: "waiting for the first delivery" in (fed.logs / "standby.err").read_text(),
+        60,
+        "the standby to wait on the inbox",
+    )
     wait_for(lambda: fed.round_open(3) and fed.spooled_updates(3) >= 1, 90, "an update spooled in round 3")
     fed.kill9("agg")
     summary = fed.wait_aggregator("standby", timeout=120)
@@ -64,8 +70,15 @@ def test_async_kill9_mid_round_replays_the_spool(tmp_path, rabbit_url, job_id):
     from fedmq.broker.transport.connect import connect
     from fedmq.broker.wire import messages
 
-    fed = Federation(tmp_path / "fed", rabbit_url, job_id, clients=3, rounds=5, agent_faults={2: "slow:1.0:2"},
-                     job_options={"strategy": "async", "async_k": 3, "max_staleness": 5})
+    fed = Federation(
+        tmp_path / "fed",
+        rabbit_url,
+        job_id,
+        clients=3,
+        rounds=5,
+        agent_faults={2: "slow:1.0:2"},
+        job_options={"strategy": "async", "async_k": 3, "max_staleness": 5},
+    )
     try:
         fed.start()
         wait_for(lambda: fed.spooled_updates(2) >= 1, 90, "an update spooled in async round 2")
@@ -79,9 +92,12 @@ def test_async_kill9_mid_round_replays_the_spool(tmp_path, rabbit_url, job_id):
         assert fed.agg_events("resuming open round"), "the restart did not replay the async spool"
         for i in range(fed.clients):
             fed.kill9(f"agent-{i}")
-        audit = fed.audit()  # its (round, id) matching is for synchronous rounds; async is matched by id below
+        audit = (
+            fed.audit()
+        )  # its (round, id) matching is for synchronous rounds; async is matched by id below
         assert audit.duplicated == [] and audit.finite and audit.shapes_ok, audit
         from fedmq.aggregator.checkpoint import load_checkpoint
+
         folded = {u for ids in load_checkpoint(fed.state / "checkpoints").folded.values() for u in ids}
         confirmed = {u for _, u in fed.confirmed()}
         assert folded <= confirmed, "folded an update no agent had confirmed"

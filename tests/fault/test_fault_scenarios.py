@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
-
 from fault_harness import Federation, TcpProxy, wait_for
 from fault_plan import Fault, make_plan, training_victims
 
@@ -66,8 +65,12 @@ class Run:
             if f.phase == "during-agg":
                 return fed.spooled_updates(rnd) >= 1
             return fed.round_closed(rnd)
-        return {"announced": bool(st), "reports": bool(st.get("reported")),
-                "granted": st.get("granted") is not None, "updates": fed.spooled_updates(rnd) >= 1}[f.phase]
+        return {
+            "announced": bool(st),
+            "reports": bool(st.get("reported")),
+            "granted": st.get("granted") is not None,
+            "updates": fed.spooled_updates(rnd) >= 1,
+        }[f.phase]
 
     def await_phase(self, f: Fault, timeout: float = 150.0) -> int:
         """The round in which ``f``'s phase was reached: its own, or a later one if that round closed first."""
@@ -98,7 +101,9 @@ class Run:
             if f.phase == "mid-upload":
                 up = fed.agent_events(f.target, "uploading update", rnd)[-1]
                 start = proxy.upstream_bytes
-                wait_for(lambda: proxy.upstream_bytes - start >= f.frac * up["bytes"], 30, "part of the upload")
+                wait_for(
+                    lambda: proxy.upstream_bytes - start >= f.frac * up["bytes"], 30, "part of the upload"
+                )
                 fed.kill9(f"agent-{f.target}")
                 last = -1
                 while proxy.upstream_bytes != last:  # what the dead process had written still drains through
@@ -106,8 +111,10 @@ class Run:
                     time.sleep(0.7)
                 sent = proxy.upstream_bytes - start
                 self.partial_ids.append(up["msg_id"])
-                self.evidence.append(f"r{rnd} agent-{f.target} killed after {sent} of {up['bytes']} update bytes "
-                                     f"({up['msg_id'][:8]}…)")
+                self.evidence.append(
+                    f"r{rnd} agent-{f.target} killed after {sent} of {up['bytes']} update bytes "
+                    f"({up['msg_id'][:8]}…)"
+                )
                 assert 0 < sent < up["bytes"], (sent, up)
             else:
                 fed.kill9(f"agent-{f.target}")
@@ -118,9 +125,13 @@ class Run:
             fed.kill9(self.agg)
             self.agg = f"agg{rnd}"
             fed.start_aggregator(self.agg)
-            self.extra_s[rnd] = self.extra_s.get(rnd, 0.0) + 15.0  # the new process's start (imports, restore)
+            self.extra_s[rnd] = (
+                self.extra_s.get(rnd, 0.0) + 15.0
+            )  # the new process's start (imports, restore)
         elif f.kind == "broker-restart":
-            self.broker_down.append(rnd)  # a graceful restart is an outage too: reconnect backoff may outlast a deadline
+            self.broker_down.append(
+                rnd
+            )  # a graceful restart is an outage too: reconnect backoff may outlast a deadline
             node.stop_app()
             time.sleep(1.0)
             node.start_app()
@@ -135,7 +146,9 @@ class Run:
             before = lost()
             proxy.stalled.set()
             try:
-                wait_for(lambda: lost() > before, 30, f"agent-{f.target} to declare its stalled connection dead")
+                wait_for(
+                    lambda: lost() > before, 30, f"agent-{f.target} to declare its stalled connection dead"
+                )
                 noticed = time.monotonic() - t0
                 time.sleep(max(f.seconds - noticed, 0.0))
             finally:
@@ -157,13 +170,19 @@ def _run_plan(node, tmp_path, job_id, seed: int, first_mid_upload: bool) -> None
     rounds = plan[-1].round + 3  # one spare round in case a phase was reached only in the next round
     proxies = [TcpProxy(node.port) for _ in range(CLIENTS)]
     slow = training_victims(plan)
-    fed = Federation(tmp_path / "fed", node.url, job_id, clients=CLIENTS, rounds=rounds,
-                     job_options={"report_deadline_s": DEADLINE_S, "update_deadline_s": DEADLINE_S, "beta": 0.99},
-                     # staggered pauses between training and report: each phase of a round lasts long enough to
-                     # be observed (a round of the tiny model would otherwise take ~0.3 s); training victims longer
-                     agent_faults={i: f"slow:1.0:{(2.5 if i in slow else 1.0) + 0.6 * i:.1f}" for i in range(CLIENTS)},
-                     agent_url=lambda i: node.url.replace(f":{node.port}/", f":{proxies[i].port}/"),
-                     agent_env={"FEDMQ_CHUNK_LIMIT": str(CHUNK_LIMIT), "FEDMQ_HEARTBEAT": str(AGENT_HEARTBEAT)})
+    fed = Federation(
+        tmp_path / "fed",
+        node.url,
+        job_id,
+        clients=CLIENTS,
+        rounds=rounds,
+        job_options={"report_deadline_s": DEADLINE_S, "update_deadline_s": DEADLINE_S, "beta": 0.99},
+        # staggered pauses between training and report: each phase of a round lasts long enough to
+        # be observed (a round of the tiny model would otherwise take ~0.3 s); training victims longer
+        agent_faults={i: f"slow:1.0:{(2.5 if i in slow else 1.0) + 0.6 * i:.1f}" for i in range(CLIENTS)},
+        agent_url=lambda i: node.url.replace(f":{node.port}/", f":{proxies[i].port}/"),
+        agent_env={"FEDMQ_CHUNK_LIMIT": str(CHUNK_LIMIT), "FEDMQ_HEARTBEAT": str(AGENT_HEARTBEAT)},
+    )
     run = Run(fed, proxies, node)
     replay = f"FEDMQ_FAULT_SEED={seed} pytest tests/fault/test_fault_scenarios.py"
     context = f"seed {seed} (replay: {replay}); plan: {[f.describe() for f in plan]}; logs in {fed.logs}"
@@ -179,13 +198,19 @@ def _run_plan(node, tmp_path, job_id, seed: int, first_mid_upload: bool) -> None
         audit = fed.audit()
         rows = fed.rows()
         walls = {r["round"]: r["wall_s"] for r in rows}
-        over = {r: w for r, w in walls.items()
-                if w > fed.round_limit_s(SLACK_S) + run.extra_s.get(r, 0.0)}
+        over = {r: w for r, w in walls.items() if w > fed.round_limit_s(SLACK_S) + run.extra_s.get(r, 0.0)}
         from fedmq.aggregator.checkpoint import load_checkpoint
+
         folded = {u for ids in load_checkpoint(fed.state / "checkpoints").folded.values() for u in ids}
-        report = {"seed": seed, "partial_folded": sorted(set(run.partial_ids) & folded), "wall_s": round(time.monotonic() - t_start, 1), **audit.as_dict(),
-                  "round_walls": walls, "extra_s": {r: round(s, 1) for r, s in run.extra_s.items()},
-                  "evidence": run.evidence}
+        report = {
+            "seed": seed,
+            "partial_folded": sorted(set(run.partial_ids) & folded),
+            "wall_s": round(time.monotonic() - t_start, 1),
+            **audit.as_dict(),
+            "round_walls": walls,
+            "extra_s": {r: round(s, 1) for r, s in run.extra_s.items()},
+            "evidence": run.evidence,
+        }
         print("fault run:", json.dumps(report))
         with open(tmp_path.parent / "fault-runs.jsonl", "a") as fh:
             fh.write(json.dumps(report) + "\n")
@@ -197,8 +222,10 @@ def _run_plan(node, tmp_path, job_id, seed: int, first_mid_upload: bool) -> None
         # Every other round completes.
         excused = {1} | {r + k for r in run.broker_down for k in (0, 1, 2)}
         skipped = {r["round"] for r in rows if r["skipped"]}
-        assert skipped <= excused, (f"skipped rounds {sorted(skipped)} outside round 1 and broker outages "
-                                    f"{sorted(excused)}", context)
+        assert skipped <= excused, (
+            f"skipped rounds {sorted(skipped)} outside round 1 and broker outages {sorted(excused)}",
+            context,
+        )
         assert audit.lost == [] and audit.duplicated == [], (audit, context)
         assert audit.finite and audit.shapes_ok, context
         assert not over, (f"rounds past deadline + slack: {over}", context)

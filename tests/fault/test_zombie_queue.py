@@ -10,12 +10,12 @@ import time
 
 import pika
 import pytest
+from fault_harness import Federation, wait_for
 
 from fedmq.broker.transport import topology as t
 from fedmq.broker.transport.connect import connect
 from fedmq.broker.transport.errors import BrokerError
 from fedmq.broker.transport.queues import job_queues
-from fault_harness import Federation, wait_for
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.isolated_node, pytest.mark.slow]
 CONSUME_TIMEOUT_S = 6
@@ -37,7 +37,9 @@ def _answers_a_consume(url: str, queue: str, within: float) -> bool:
     return answered.wait(within)
 
 
-def test_zombie_quorum_queues_are_reported_in_one_line_and_sigterm_ends_startup(own_rabbit_node, tmp_path, job_id):
+def test_zombie_quorum_queues_are_reported_in_one_line_and_sigterm_ends_startup(
+    own_rabbit_node, tmp_path, job_id
+):
     node = own_rabbit_node
     # the recipe, one queue per crash: declare, publish 6 confirmed messages, kill -9 at once (within
     # ~0.2 s here: the queue declared just before the last one survives). The agent's queue first, then the inbox.
@@ -55,16 +57,25 @@ def test_zombie_quorum_queues_are_reported_in_one_line_and_sigterm_ends_startup(
     for queue in (latest, inbox):
         assert not _answers_a_consume(node.url, queue, 3.0), f"premise: {queue} did not come back a zombie"
 
-    fed = Federation(tmp_path / "fed", node.url, job_id, clients=1, rounds=1,
-                     agent_env={"FEDMQ_CONSUME_TIMEOUT": str(CONSUME_TIMEOUT_S)})  # 20 s by default
+    fed = Federation(
+        tmp_path / "fed",
+        node.url,
+        job_id,
+        clients=1,
+        rounds=1,
+        agent_env={"FEDMQ_CONSUME_TIMEOUT": str(CONSUME_TIMEOUT_S)},
+    )  # 20 s by default
     try:
         started = time.monotonic()
         fed.start_aggregator("agg")
         fed.start_agent(0)
         fed.start_aggregator("agg-term")
         # SIGTERM while agg-term waits on its consume (connected, the zombie not yet diagnosed)
-        wait_for(lambda: "connected to RabbitMQ" in (fed.logs / "agg-term.err").read_text(), 60,
-                 "agg-term connected")
+        wait_for(
+            lambda: "connected to RabbitMQ" in (fed.logs / "agg-term.err").read_text(),
+            60,
+            "agg-term connected",
+        )
         time.sleep(1.0)
         term = fed.procs["agg-term"]
         t_term = time.monotonic()
@@ -75,8 +86,13 @@ def test_zombie_quorum_queues_are_reported_in_one_line_and_sigterm_ends_startup(
             fed.procs[name].wait(timeout=90)
         took = time.monotonic() - started
         agg_err, agent_err = (fed.logs / "agg.err").read_text(), (fed.logs / "agent-0.err").read_text()
-        print(f"zombie: aggregator and agent stopped {took:.1f} s after start; SIGTERM honoured in {term_s:.2f} s")
-        assert fed.procs["agg"].returncode not in (0, None) and fed.procs["agent-0"].returncode not in (0, None)
+        print(
+            f"zombie: aggregator and agent stopped {took:.1f} s after start; SIGTERM honoured in {term_s:.2f} s"
+        )
+        assert fed.procs["agg"].returncode not in (0, None) and fed.procs["agent-0"].returncode not in (
+            0,
+            None,
+        )
         for err, queue in ((agg_err, inbox), (agent_err, latest)):
             assert "Traceback" not in err
             line = _last_line_of(err)
@@ -84,7 +100,10 @@ def test_zombie_quorum_queues_are_reported_in_one_line_and_sigterm_ends_startup(
             assert line.startswith(want), line
             assert "zombie quorum queue" in line and f"rabbitmqctl delete_queue {queue}" in line, line
         assert term.returncode == 143, term.returncode
-        assert _last_line_of((fed.logs / "agg-term.err").read_text()) == "error: stopped by SIGTERM while connecting"
+        assert (
+            _last_line_of((fed.logs / "agg-term.err").read_text())
+            == "error: stopped by SIGTERM while connecting"
+        )
         assert term_s < 5.0, term_s
 
         # the remedy the line gives works: deleted and declared again, the job runs

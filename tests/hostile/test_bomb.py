@@ -25,8 +25,7 @@ from fedmq.broker.transport.connect import connect
 from fedmq.broker.transport.provision import purge
 from fedmq.broker.wire import messages
 from fedmq.broker.wire.blobs import digest
-from fedmq.broker.wire.chunk_frames import CHUNK_HEADER
-from fedmq.broker.wire.chunk_frames import encode_chunk, split
+from fedmq.broker.wire.chunk_frames import CHUNK_HEADER, encode_chunk, split
 from fedmq.broker.wire.encodings import EncodingSpec, encode_state
 from fedmq.broker.wire.envelope import FLAG_ZSTD, MAGIC, SCHEMA_VERSION
 from fedmq.client_agent.agent import Agent
@@ -35,10 +34,21 @@ from fedmq.tasks.lm import LanguageModelTask
 
 pytestmark = pytest.mark.rabbitmq
 
-TINY = dict(data="builtin", model="gru-small", emb=16, hidden=16, vocab_size=500, max_lines=600,
-            max_eval_lines=100, bptt=10, dropout=0.0)
+TINY = dict(
+    data="builtin",
+    model="gru-small",
+    emb=16,
+    hidden=16,
+    vocab_size=500,
+    max_lines=600,
+    max_eval_lines=100,
+    bptt=10,
+    dropout=0.0,
+)
 AGENTS = ("agent-0", "agent-1")
-INFLATED = 256 << 20  # what each bomb expands to; today's 2 GiB limit let the envelope's body inflate this far
+INFLATED = (
+    256 << 20
+)  # what each bomb expands to; today's 2 GiB limit let the envelope's body inflate this far
 SLACK = 32 << 20  # interpreter and allocator noise allowed on top of one model
 
 
@@ -69,8 +79,17 @@ def _update_prefix(job: str, client: str) -> bytes:
     """An update envelope's msgpack up to its tensors value, which is then a bin of INFLATED bytes."""
     head = msgpack.packb(["update", job, 1, client, 0, "bomb-" + client, time.time()], use_bin_type=True)
     head = b"\x98" + head[1:]  # an 8-element array: the payload map follows
-    return head + b"\x83" + msgpack.packb("loss") + msgpack.packb(1.0) + msgpack.packb("n_samples") + \
-        msgpack.packb(10) + msgpack.packb("tensors") + b"\xc6" + INFLATED.to_bytes(4, "big")
+    return (
+        head
+        + b"\x83"
+        + msgpack.packb("loss")
+        + msgpack.packb(1.0)
+        + msgpack.packb("n_samples")
+        + msgpack.packb(10)
+        + msgpack.packb("tensors")
+        + b"\xc6"
+        + INFLATED.to_bytes(4, "big")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +98,23 @@ def task():
 
 
 def test_bombs_cost_less_than_a_model_and_the_round_goes_on(rabbit_url, job_id, task, tmp_path):
-    cfg = JobConfig(job=job_id, strategy="fedavg", rounds=1, clients=2, fraction=1.0, lr=5.0, max_steps=2,
-                    batch_size=4, heartbeat_s=60, join_timeout_s=60, report_deadline_s=60, update_deadline_s=60,
-                    identity="shared:guest", encoding="raw", down_encoding="raw")
+    cfg = JobConfig(
+        job=job_id,
+        strategy="fedavg",
+        rounds=1,
+        clients=2,
+        fraction=1.0,
+        lr=5.0,
+        max_steps=2,
+        batch_size=4,
+        heartbeat_s=60,
+        join_timeout_s=60,
+        report_deadline_s=60,
+        update_deadline_s=60,
+        identity="shared:guest",
+        encoding="raw",
+        down_encoding="raw",
+    )
     pub = connect(rabbit_url)
     pub.declare_job(job_id, list(AGENTS))  # the agents' queues, so round 1's announces are routable
     engine = Engine(connect(rabbit_url), task, cfg, tmp_path / "run", durable=False, evaluate=False)
@@ -107,10 +140,12 @@ def test_bombs_cost_less_than_a_model_and_the_round_goes_on(rabbit_url, job_id, 
         # update waits, unacked and undecoded, for its turn (engine._fold_in_order), which costs no memory either
         blob_bomb = messages.encode(messages.update(job_id, 1, "agent-0", 0, 1.0, 10, tensors), level=0)
         bombs = {
-            "envelope declaring 256 MiB": _wire(_zeros_frame(_update_prefix(job_id, "agent-0"), INFLATED,
-                                                             declare=True), FLAG_ZSTD),
-            "envelope of unknown size": _wire(_zeros_frame(_update_prefix(job_id, "agent-0"), INFLATED,
-                                                           declare=False), FLAG_ZSTD),
+            "envelope declaring 256 MiB": _wire(
+                _zeros_frame(_update_prefix(job_id, "agent-0"), INFLATED, declare=True), FLAG_ZSTD
+            ),
+            "envelope of unknown size": _wire(
+                _zeros_frame(_update_prefix(job_id, "agent-0"), INFLATED, declare=False), FLAG_ZSTD
+            ),
             "tensor plane declaring 256 MiB": blob_bomb,
         }
         model_bytes = engine.manifest.message_bound
@@ -138,7 +173,9 @@ def test_bombs_cost_less_than_a_model_and_the_round_goes_on(rabbit_url, job_id, 
 
         # the round goes on: the real agents train and upload, and exactly their two updates are folded
         for i, a in enumerate(AGENTS):
-            agents.append(Agent(lambda: connect(rabbit_url), job_id, a, i, task, heartbeat_s=60, rejoin_s=0.2))
+            agents.append(
+                Agent(lambda: connect(rabbit_url), job_id, a, i, task, heartbeat_s=60, rejoin_s=0.2)
+            )
         threads = [threading.Thread(target=ag.run, daemon=True) for ag in agents]
         for t in threads:
             t.start()
@@ -161,8 +198,15 @@ def test_incomplete_chunked_updates_are_bounded_by_the_manifest(rabbit_url, job_
     """One sender leaves chunked messages incomplete (all chunks but the last): the aggregator holds at most two
     update-sized messages of that sender, refuses a message larger than an update at its first chunk, and the
     refused chunks wait in the dead-letter queue. (Before: up to 4 GiB per consumer, for 300 s.)"""
-    cfg = JobConfig(job=job_id, rounds=1, clients=2, fraction=1.0, heartbeat_s=60, join_timeout_s=60,
-                    identity="shared:guest")
+    cfg = JobConfig(
+        job=job_id,
+        rounds=1,
+        clients=2,
+        fraction=1.0,
+        heartbeat_s=60,
+        join_timeout_s=60,
+        identity="shared:guest",
+    )
     pub = connect(rabbit_url)
     pub.declare_job(job_id, list(AGENTS))
     engine = Engine(connect(rabbit_url), task, cfg, tmp_path / "run", durable=False, evaluate=False)
@@ -182,7 +226,9 @@ def test_incomplete_chunked_updates_are_bounded_by_the_manifest(rabbit_url, job_
                 pub.publish(rk, encode_chunk(c), headers={CHUNK_HEADER: 1})
                 sent += 1
         huge = split(os.urandom(1 << 20), "huge", 64 << 10)[0]  # first chunk of a message declaring 64 MiB
-        pub.publish(rk, encode_chunk(replace(huge, total=1024, total_size=64 << 20)), headers={CHUNK_HEADER: 1})
+        pub.publish(
+            rk, encode_chunk(replace(huge, total=1024, total_size=64 << 20)), headers={CHUNK_HEADER: 1}
+        )
         refused = len(parts) - 1 + 1  # every chunk of the third message, and the huge one
         deadline = time.monotonic() + 10
         while gate.rejected < refused and time.monotonic() < deadline:

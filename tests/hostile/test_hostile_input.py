@@ -30,8 +30,7 @@ from fedmq.broker.transport import topology
 from fedmq.broker.transport.connect import connect
 from fedmq.broker.wire import messages
 from fedmq.broker.wire.blobs import digest
-from fedmq.broker.wire.chunk_frames import CHUNK_HEADER
-from fedmq.broker.wire.chunk_frames import encode_chunk, split
+from fedmq.broker.wire.chunk_frames import CHUNK_HEADER, encode_chunk, split
 from fedmq.broker.wire.encodings import EncodingSpec, encode_state
 from fedmq.broker.wire.envelope import MAGIC, SCHEMA_VERSION
 from fedmq.client_agent.agent import Agent
@@ -40,8 +39,17 @@ from fedmq.tasks.lm import LanguageModelTask
 
 pytestmark = [pytest.mark.isolated_node, pytest.mark.slow]
 
-TINY = dict(data="builtin", model="gru-small", emb=16, hidden=16, vocab_size=500, max_lines=600,
-            max_eval_lines=100, bptt=10, dropout=0.0)
+TINY = dict(
+    data="builtin",
+    model="gru-small",
+    emb=16,
+    hidden=16,
+    vocab_size=500,
+    max_lines=600,
+    max_eval_lines=100,
+    bptt=10,
+    dropout=0.0,
+)
 AGENTS = ("agent-0", "agent-1")
 MALLORY = "mallory"  # an authenticated user that is not part of the federation
 
@@ -89,9 +97,23 @@ def test_hostile_messages_are_rejected_and_change_nothing(rabbit_node, job_id, t
     for user in (*AGENTS, MALLORY):
         node.ctl("add_user", user, f"pw-{user}", check=False)
         node.ctl("set_permissions", "-p", "/", user, ".*", ".*", ".*")
-    cfg = JobConfig(job=job_id, strategy="fedavg", rounds=1, clients=2, fraction=1.0, lr=5.0, max_steps=3,
-                    batch_size=4, heartbeat_s=60, join_timeout_s=60, report_deadline_s=600, update_deadline_s=60,
-                    identity="strict", encoding="raw", down_encoding="raw")  # raw: the aggregate is checked exactly
+    cfg = JobConfig(
+        job=job_id,
+        strategy="fedavg",
+        rounds=1,
+        clients=2,
+        fraction=1.0,
+        lr=5.0,
+        max_steps=3,
+        batch_size=4,
+        heartbeat_s=60,
+        join_timeout_s=60,
+        report_deadline_s=600,
+        update_deadline_s=60,
+        identity="strict",
+        encoding="raw",
+        down_encoding="raw",
+    )  # raw: the aggregate is checked exactly
     admin = connect(node.url)
     admin.declare_job(job_id, list(AGENTS))
     engine = Engine(connect(node.url), task, cfg, tmp_path / "run", durable=False, evaluate=False)
@@ -116,7 +138,9 @@ def test_hostile_messages_are_rejected_and_change_nothing(rabbit_node, job_id, t
         def send(who: str, body: bytes, rk_client: str | None = None, kind: str = "update") -> None:
             nonlocal sent
             client = rk_client or who
-            rk = topology.rk_update(job_id, client) if kind == "update" else topology.rk_report(job_id, client)
+            rk = (
+                topology.rk_update(job_id, client) if kind == "update" else topology.rk_report(job_id, client)
+            )
             pubs[who].publish(rk, body)
             sent += 1
 
@@ -131,18 +155,29 @@ def test_hostile_messages_are_rejected_and_change_nothing(rabbit_node, job_id, t
         valid = update_env("agent-0")
         name0 = next(iter(state))
         wrong_name = encode_state({("x" + k): v for k, v in state.items()}, EncodingSpec.parse("raw"))
-        wrong_shape = encode_state({k: torch.zeros(3, 7) if k == name0 else v for k, v in state.items()},
-                                   EncodingSpec.parse("raw"))
-        nan = encode_state({k: torch.full_like(v, math.nan) if k == name0 else v for k, v in state.items()},
-                           EncodingSpec.parse("raw"))
-        inf = encode_state({k: torch.full_like(v, math.inf) if k == name0 else v for k, v in state.items()},
-                           EncodingSpec.parse("raw"))
-        wrong_dtype = encode_state({k: v.double() if k == name0 else v for k, v in state.items()},
-                                   EncodingSpec.parse("raw"))
+        wrong_shape = encode_state(
+            {k: torch.zeros(3, 7) if k == name0 else v for k, v in state.items()}, EncodingSpec.parse("raw")
+        )
+        nan = encode_state(
+            {k: torch.full_like(v, math.nan) if k == name0 else v for k, v in state.items()},
+            EncodingSpec.parse("raw"),
+        )
+        inf = encode_state(
+            {k: torch.full_like(v, math.inf) if k == name0 else v for k, v in state.items()},
+            EncodingSpec.parse("raw"),
+        )
+        wrong_dtype = encode_state(
+            {k: v.double() if k == name0 else v for k, v in state.items()}, EncodingSpec.parse("raw")
+        )
         unzstd = zstd.ZstdCompressor(write_content_size=False).compressobj()
         zbomb_body = unzstd.compress(b"\0" * (8 << 20)) + unzstd.flush()  # no declared size: refused unread
         attacks = [
-            ("random bytes", MALLORY, bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)), None),
+            (
+                "random bytes",
+                MALLORY,
+                bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)),
+                None,
+            ),
             ("empty", MALLORY, b"", None),
             ("truncated", "agent-0", valid[: len(valid) // 2], None),
             ("bit flip", "agent-0", valid[:40] + bytes([valid[40] ^ 0x10]) + valid[41:], None),
@@ -161,8 +196,12 @@ def test_hostile_messages_are_rejected_and_change_nothing(rabbit_node, job_id, t
             ("claims another client", MALLORY, update_env("agent-0"), "agent-0"),
             ("claims another client (own key)", "agent-1", update_env("agent-0"), None),
             ("not selected", MALLORY, update_env(MALLORY), None),
-            ("other job", "agent-0", messages.encode(messages.update("otherjob", 1, "agent-0", 0, 1.0, 10,
-                                                                     good_tensors)), None),
+            (
+                "other job",
+                "agent-0",
+                messages.encode(messages.update("otherjob", 1, "agent-0", 0, 1.0, 10, good_tensors)),
+                None,
+            ),
             ("aggregator kind", MALLORY, messages.encode(messages.grant(job_id, 1, 0, [MALLORY])), None),
         ]
         for name, who, body, rk_client in attacks:
@@ -177,7 +216,10 @@ def test_hostile_messages_are_rejected_and_change_nothing(rabbit_node, job_id, t
         reasons = dict(engine.inbox.rejected)
         assert reasons.get("identity-mismatch", 0) == 2 and reasons.get("wrong-job", 0) == 1, reasons
         assert reasons.get("rejected-by-strategy", 0) + reasons.get("non-finite", 0) >= 3, reasons
-        assert engine.inbox.dropped.get("stale-round", 0) == 1 and engine.inbox.dropped.get("future-round", 0) == 1
+        assert (
+            engine.inbox.dropped.get("stale-round", 0) == 1
+            and engine.inbox.dropped.get("future-round", 0) == 1
+        )
         assert engine.inbox.dropped.get("not-selected", 0) == 1
 
         # ---------------------------------------------------------------- forged AMQP user_id: RabbitMQ refuses
@@ -186,8 +228,13 @@ def test_hostile_messages_are_rejected_and_change_nothing(rabbit_node, job_id, t
         ch = conn.channel()
         ch.confirm_delivery()
         with pytest.raises(pika.exceptions.ChannelClosedByBroker) as refused:
-            ch.basic_publish(topology.EXCHANGE, topology.rk_update(job_id, "agent-0"), valid,
-                             pika.BasicProperties(user_id="agent-0", delivery_mode=2), mandatory=True)
+            ch.basic_publish(
+                topology.EXCHANGE,
+                topology.rk_update(job_id, "agent-0"),
+                valid,
+                pika.BasicProperties(user_id="agent-0", delivery_mode=2),
+                mandatory=True,
+            )
         assert refused.value.reply_code == 406
         conn.close()
 
@@ -199,7 +246,9 @@ def test_hostile_messages_are_rejected_and_change_nothing(rabbit_node, job_id, t
         chunks = split(update_env(MALLORY), "m-incomplete", 1024)
         assert len(chunks) > 3
         for _ in range(3):  # duplicate first chunks of a message that never completes
-            cch.basic_publish(topology.EXCHANGE, topology.rk_update(job_id, MALLORY), encode_chunk(chunks[0]), hdr)
+            cch.basic_publish(
+                topology.EXCHANGE, topology.rk_update(job_id, MALLORY), encode_chunk(chunks[0]), hdr
+            )
         cch.basic_publish(topology.EXCHANGE, topology.rk_update(job_id, MALLORY), b"\x99garbage-chunk", hdr)
         for i in range(100):  # many messages that never complete: the prefetch window must not fill up
             c = split(update_env(MALLORY), f"m-open-{i}", 1024)[0]
@@ -208,36 +257,81 @@ def test_hostile_messages_are_rejected_and_change_nothing(rabbit_node, job_id, t
 
         # ---------------------------------------------------------------- hypothesis: thousands of generated messages
         ids = st.sampled_from(["agent-0", "agent-1", MALLORY, "x", "", "../etc", "a" * 70])
-        kinds = st.sampled_from(["presence", "announce", "report", "grant", "update", "model", "bogus", 3, None])
-        scalars = st.one_of(st.integers(-2**63, 2**64 - 1), st.floats(allow_nan=True), st.text(max_size=8),
-                            st.binary(max_size=16), st.none(), st.booleans())
-        tensor_rec = st.fixed_dictionaries({"n": st.sampled_from([name0, "bogus"]), "s": st.lists(
-            st.integers(-1, 40), max_size=3), "dt": st.sampled_from(["f32", "f16", "x"]),
-            "e": st.sampled_from(["raw", "int8", "int4", "topk"]), "x": st.binary(max_size=64)})
+        kinds = st.sampled_from(
+            ["presence", "announce", "report", "grant", "update", "model", "bogus", 3, None]
+        )
+        scalars = st.one_of(
+            st.integers(-(2**63), 2**64 - 1),
+            st.floats(allow_nan=True),
+            st.text(max_size=8),
+            st.binary(max_size=16),
+            st.none(),
+            st.booleans(),
+        )
+        tensor_rec = st.fixed_dictionaries(
+            {
+                "n": st.sampled_from([name0, "bogus"]),
+                "s": st.lists(st.integers(-1, 40), max_size=3),
+                "dt": st.sampled_from(["f32", "f16", "x"]),
+                "e": st.sampled_from(["raw", "int8", "int4", "topk"]),
+                "x": st.binary(max_size=64),
+            }
+        )
         payloads = st.one_of(
             st.dictionaries(st.text(max_size=8), scalars, max_size=4),
-            st.fixed_dictionaries({"loss": st.one_of(st.floats(), st.integers(-2**63, 2**63 - 1)), "n_samples": st.integers(-5, 2**60),
-                                   "tensors": st.one_of(scalars, st.fixed_dictionaries(
-                                       {"fmt": scalars, "enc": scalars, "t": st.lists(tensor_rec, max_size=3)}))}),
+            st.fixed_dictionaries(
+                {
+                    "loss": st.one_of(st.floats(), st.integers(-(2**63), 2**63 - 1)),
+                    "n_samples": st.integers(-5, 2**60),
+                    "tensors": st.one_of(
+                        scalars,
+                        st.fixed_dictionaries(
+                            {"fmt": scalars, "enc": scalars, "t": st.lists(tensor_rec, max_size=3)}
+                        ),
+                    ),
+                }
+            ),
             st.fixed_dictionaries({"state": st.sampled_from(["online", "offline", "zzz"]), "holds": scalars}),
         )
-        envelopes = st.tuples(kinds, st.sampled_from([job_id, "otherjob", "", 5]), st.integers(-3, 3), ids,
-                              st.integers(-3, 3), st.text(min_size=0, max_size=10), st.floats(), payloads)
+        envelopes = st.tuples(
+            kinds,
+            st.sampled_from([job_id, "otherjob", "", 5]),
+            st.integers(-3, 3),
+            ids,
+            st.integers(-3, 3),
+            st.text(min_size=0, max_size=10),
+            st.floats(),
+            payloads,
+        )
         message = st.one_of(
             st.binary(max_size=300),
             st.builds(lambda e, z: frame(list(e), z), envelopes, st.booleans()),
             st.builds(lambda e, cut: frame(list(e))[:cut], envelopes, st.integers(0, 60)),
-            st.builds(lambda e, pos, bit: (lambda b: b[:pos % len(b)] + bytes([b[pos % len(b)] ^ (1 << bit)])
-                                           + b[pos % len(b) + 1:])(frame(list(e))), envelopes,
-                      st.integers(0, 10_000), st.integers(0, 7)),
+            st.builds(
+                lambda e, pos, bit: (
+                    lambda b: (
+                        b[: pos % len(b)] + bytes([b[pos % len(b)] ^ (1 << bit)]) + b[pos % len(b) + 1 :]
+                    )
+                )(frame(list(e))),
+                envelopes,
+                st.integers(0, 10_000),
+                st.integers(0, 7),
+            ),
         )
         presence_ok = 0
 
-        @settings(max_examples=1500, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=1500,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(body=message)
         def one(body: bytes) -> None:
-            who = MALLORY  # valid-identity attacks are the hand-written ones above (a valid report would count)
+            who = (
+                MALLORY  # valid-identity attacks are the hand-written ones above (a valid report would count)
+            )
             nonlocal presence_ok
             # the oracle: a valid presence from its own user is the only message the aggregator may accept
             try:
@@ -263,13 +357,17 @@ def test_hostile_messages_are_rejected_and_change_nothing(rabbit_node, job_id, t
         assert runner.is_alive() and engine.version == 0 and engine.round == 1
         for k, v in before.items():
             assert torch.equal(engine.global_state[k], v)
-        print(f"hostile: {sent} messages in total, {fuzz_s:.1f}s of fuzzing; rejected={dict(engine.inbox.rejected)} "
-              f"dropped={dict(engine.inbox.dropped)} presence accepted={presence_ok}")
+        print(
+            f"hostile: {sent} messages in total, {fuzz_s:.1f}s of fuzzing; rejected={dict(engine.inbox.rejected)} "
+            f"dropped={dict(engine.inbox.dropped)} presence accepted={presence_ok}"
+        )
 
         # ---------------------------------------------------------------- the real agents finish round 1
         agents = []
         for i, a in enumerate(AGENTS):
-            agent = Agent(lambda u=a: connect(_user_url(node, u)), job_id, a, i, task, heartbeat_s=60, rejoin_s=0.2)
+            agent = Agent(
+                lambda u=a: connect(_user_url(node, u)), job_id, a, i, task, heartbeat_s=60, rejoin_s=0.2
+            )
             agent.log.sent = {}
             agents.append(agent)
         threads = [threading.Thread(target=ag.run, daemon=True) for ag in agents]

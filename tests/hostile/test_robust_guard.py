@@ -9,8 +9,17 @@ from fedmq.aggregator.config import JobConfig, JobConfigError
 from fedmq.client_agent.agent import Agent
 from fedmq.tasks.lm import LanguageModelTask
 
-TINY = dict(data="builtin", model="gru-small", emb=16, hidden=16, vocab_size=500, max_lines=600,
-            max_eval_lines=100, bptt=10, dropout=0.0)
+TINY = dict(
+    data="builtin",
+    model="gru-small",
+    emb=16,
+    hidden=16,
+    vocab_size=500,
+    max_lines=600,
+    max_eval_lines=100,
+    bptt=10,
+    dropout=0.0,
+)
 
 
 class PoisonAgent(Agent):
@@ -27,19 +36,44 @@ def task():
 
 def run(federation, task, tmp_path, robust: str, folded: int = 3, **bounds) -> float:
     name = f"robust-{robust.replace(':', '-').replace('.', '_')}-{len(bounds)}"
-    cfg = JobConfig(job=name, rounds=1, clients=3, fraction=1.0, lr=5.0, max_steps=2, batch_size=4, heartbeat_s=0.5,
-                    join_timeout_s=20, report_deadline_s=30, update_deadline_s=30, robust=robust, **bounds)
-    engine, _, summary = federation(task, cfg, f"memory://{name}", tmp_path / name, evaluate=False,
-                                    agent_class=lambda i: PoisonAgent if i == 2 else Agent)
+    cfg = JobConfig(
+        job=name,
+        rounds=1,
+        clients=3,
+        fraction=1.0,
+        lr=5.0,
+        max_steps=2,
+        batch_size=4,
+        heartbeat_s=0.5,
+        join_timeout_s=20,
+        report_deadline_s=30,
+        update_deadline_s=30,
+        robust=robust,
+        **bounds,
+    )
+    engine, _, summary = federation(
+        task,
+        cfg,
+        f"memory://{name}",
+        tmp_path / name,
+        evaluate=False,
+        agent_class=lambda i: PoisonAgent if i == 2 else Agent,
+    )
     assert summary["rounds_completed"] == 1 and len(engine.folded[1]) == folded
     return max(float(v.abs().max()) for v in engine.global_state.values())
 
 
 def test_median_and_clipping_keep_a_poisoned_update_out(federation, task, tmp_path):
-    assert run(federation, task, tmp_path, "none", norm_bound_factor=0) > 3000  # plain FedAvg: a third of 1e4 gets in
-    assert run(federation, task, tmp_path, "none", folded=2) < 50  # the default norm bound (aggregator.guards) drops it
+    assert (
+        run(federation, task, tmp_path, "none", norm_bound_factor=0) > 3000
+    )  # plain FedAvg: a third of 1e4 gets in
+    assert (
+        run(federation, task, tmp_path, "none", folded=2) < 50
+    )  # the default norm bound (aggregator.guards) drops it
     off = dict(norm_bound_factor=0)  # the robust strategies keep it out on their own
-    assert run(federation, task, tmp_path, "median", **off) < 50  # coordinate-wise median of three ignores the outlier
+    assert (
+        run(federation, task, tmp_path, "median", **off) < 50
+    )  # coordinate-wise median of three ignores the outlier
     assert run(federation, task, tmp_path, "clip:1.0", **off) < 50  # the outlier's delta is clipped to norm 1
 
 

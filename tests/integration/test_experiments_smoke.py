@@ -16,11 +16,13 @@ import pytest
 
 from fedmq.benchmarks import experiments
 from fedmq.benchmarks.experiments import ExperimentError
-from fedmq.simulation import Simulation
 from fedmq.errors import FedmqError
+from fedmq.simulation import Simulation
 
 ROOT = experiments.ROOT
-run_experiment = partial(experiments.run_experiment, simulation=Simulation)  # the report: test_cli_topk_with_report
+run_experiment = partial(
+    experiments.run_experiment, simulation=Simulation
+)  # the report: test_cli_topk_with_report
 
 
 def _check_common(results: dict, out, name: str, seed: str | None = None) -> dict[str, dict]:
@@ -51,8 +53,12 @@ def test_lm_grid_runs(name, tmp_path):
     if name == "table2":  # FedSGD uses every client, the others C*K
         assert runs["wikitext-2-fedsgd"]["updates_received"] == 4
         assert runs["wikitext-2-fedavg-c0.5"]["updates_received"] == 2
-        central = runs["wikitext-2-central-c0.5"]  # no federation: nothing on the wire, one model on the union
-        assert central["strategy"] == "central" and central["bytes_up"] == 0 and central["updates_received"] == 0
+        central = runs[
+            "wikitext-2-central-c0.5"
+        ]  # no federation: nothing on the wire, one model on the union
+        assert (
+            central["strategy"] == "central" and central["bytes_up"] == 0 and central["updates_received"] == 0
+        )
     if name == "randomization":  # noise changes the uploaded weights, hence the model
         assert runs["fedavg-noise0.0"]["test"] != runs["fedavg-noise0.01"]["test"]
 
@@ -98,43 +104,76 @@ def test_nmt_domains(tmp_path, monkeypatch):
     pick = json.loads((exp / "seed-0" / "fedavg" / "summary.json").read_text())["ce_pick"]
     by_round = pick["valid_ce_by_round"]
     assert set(by_round) == {"1", "2"} and str(pick["round"]) == min(by_round, key=by_round.get)
-    assert table["server fedavg, CE pick"] == pick["test_bleu_by_domain"] and ce["server fedavg, CE pick"] == pick[
-        "test_ce_by_domain"]
+    assert (
+        table["server fedavg, CE pick"] == pick["test_bleu_by_domain"]
+        and ce["server fedavg, CE pick"] == pick["test_ce_by_domain"]
+    )
     seed0 = {r["run"]: r for r in results["per_seed"]["0"]["runs"]}
     assert seed0["fedavg"]["ce_pick_round"] == pick["round"]
     assert seed0["fedavg"]["ce_ce_pick"] == pytest.approx(sum(pick["test_ce_by_domain"].values()) / 2)
     assert len(results["orderings_ce_pick"]) == 21
-    assert "each server read at its round of lowest validation cross-entropy" in (exp / "results.md").read_text()
+    assert (
+        "each server read at its round of lowest validation cross-entropy" in (exp / "results.md").read_text()
+    )
     # round 2 of dynamic pulling sends about half of the tensors: fewer raw bytes up than FedAvg
     assert runs["pull-local-0.5"]["bytes_up_raw"] < runs["fedavg"]["bytes_up_raw"]
     assert runs["pull-global-0.5"]["bytes_up_raw"] < runs["fedavg"]["bytes_up_raw"]
     # the 33 % variant pulls in both directions: round 2's push is a third of the tensors too
-    assert runs["pull-global-0.33-both"]["directions"] == "both" and runs["pull-global-0.5"]["directions"] == "up"
+    assert (
+        runs["pull-global-0.33-both"]["directions"] == "both"
+        and runs["pull-global-0.5"]["directions"] == "up"
+    )
     assert runs["pull-global-0.33-both"]["bytes_down_raw"] < runs["fedavg"]["bytes_down_raw"]
     assert runs["pull-global-0.5"]["bytes_down_raw"] == runs["fedavg"]["bytes_down_raw"]
     # orderings of the per-domain mean BLEU, paired by seed, the higher one first: one line per pair of the 7 runs
     mean = {s: {r["run"]: r["bleu_mean_domains"] for r in results["per_seed"][s]["runs"]} for s in ("0", "1")}
     assert len(results["orderings"]) == 21
-    line = next(o for o in results["orderings"] if "fedavg" in o.split(" in ")[0] and "pull-local-0.5 " in o + " ")
+    line = next(
+        o for o in results["orderings"] if "fedavg" in o.split(" in ")[0] and "pull-local-0.5 " in o + " "
+    )
     diffs = [mean[s]["fedavg"] - mean[s]["pull-local-0.5"] for s in ("0", "1")]
     first, second = ("fedavg", "pull-local-0.5") if sum(diffs) >= 0 else ("pull-local-0.5", "fedavg")
     wins = sum(d > 0 for d in diffs) if first == "fedavg" else sum(d < 0 for d in diffs)
     assert line.startswith(f"{first} > {second} in {wins}/2 seeds, difference {abs(sum(diffs)) / 2:.2f}")
-    assert line in (exp / "results.md").read_text() and "Orderings of the per-domain mean BLEU" in (
-        exp / "results.md").read_text()
+    assert (
+        line in (exp / "results.md").read_text()
+        and "Orderings of the per-domain mean BLEU" in (exp / "results.md").read_text()
+    )
+
     # scripts/bleu_bootstrap.py rescores each server from its sentences' statistics: the same per-domain mean BLEU
     # as the experiment's, and a server against itself differs by exactly 0 in every resample
     def bootstrap(a, b):
-        proc = subprocess.run([sys.executable, "scripts/bleu_bootstrap.py", str(exp), a, b, "--seeds", "0,1",
-                               "--scale", "smoke", "--resamples", "20"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=120)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "scripts/bleu_bootstrap.py",
+                str(exp),
+                a,
+                b,
+                "--seeds",
+                "0,1",
+                "--scale",
+                "smoke",
+                "--resamples",
+                "20",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         return proc.stdout.splitlines()
+
     lines = bootstrap("fedavg", "pull-local-0.5")
     for s, text in zip(("0", "1"), lines):
-        assert text.startswith(f"seed {s}: fedavg - pull-local-0.5 = {mean[s]['fedavg'] - mean[s]['pull-local-0.5']:+.2f}, ")
+        assert text.startswith(
+            f"seed {s}: fedavg - pull-local-0.5 = {mean[s]['fedavg'] - mean[s]['pull-local-0.5']:+.2f}, "
+        )
     assert lines[2].startswith("mean over seeds: 95 % [")
-    assert all("= +0.00, 95 % [+0.00, +0.00], A ahead in 0.0% of 20" in t for t in bootstrap("fedavg", "fedavg")[:2])
+    assert all(
+        "= +0.00, 95 % [+0.00, +0.00], A ahead in 0.0% of 20" in t for t in bootstrap("fedavg", "fedavg")[:2]
+    )
     # --only runs a subset of the grid (two processes can share a grid), reusing the finished runs; --set is refused
     # (it would change the federations but not the local-only baselines they are read against)
     subset = run_experiment("nmt-domains", "smoke", tmp_path, seeds=(0, 1), only="fedavg,pull-local-0.5")
@@ -177,9 +216,25 @@ def test_nmt_domains(tmp_path, monkeypatch):
 
 def test_cli_topk_with_report(tmp_path):
     """`fedmq experiment topk --scale smoke`: top-K β=0.5 grants half the uploads; the report has its figures."""
-    proc = subprocess.run([sys.executable, "-m", "fedmq.cli.app", "experiment", "topk", "--scale", "smoke", "--out",
-                           str(tmp_path), "--log-level", "warning"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=150)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedmq.cli.app",
+            "experiment",
+            "topk",
+            "--scale",
+            "smoke",
+            "--out",
+            str(tmp_path),
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "fedmed-beta0.5" in proc.stdout
     results = json.loads((tmp_path / "topk" / "results.json").read_text())
@@ -198,7 +253,9 @@ def test_central_baseline_matches_the_federations_token_passes(tmp_path):
     runner = Runner(tmp_path, Simulation)
     summary = runner.federate(spec, seed=0)
     union = runner.task("lm", {**spec.task_options, "clients": 1})
-    windows = StreamBatches.build(union.client_ids(0), spec.job["batch_size"], union.vocab.eos).num_windows(union.bptt)
+    windows = StreamBatches.build(union.client_ids(0), spec.job["batch_size"], union.vocab.eos).num_windows(
+        union.bptt
+    )
     assert summary["steps_per_round"] == math.ceil(spec.job["fraction"] * spec.job["epochs"] * windows)
     rows = [json.loads(line) for line in (tmp_path / spec.name / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == list(range(1, spec.job["rounds"] + 1))
@@ -253,13 +310,22 @@ def test_a_run_made_under_an_older_default_is_run_again(tmp_path):
         assert recorded["fedmed_js"] == "relative" and recorded["amp"] is False
         del recorded["amp"]  # as if run before the setting existed
         config.write_text(json.dumps({**recorded, "fedmed_js": "standardised"}))
-    stamp = {name: (tmp_path / name / "metrics.jsonl").stat().st_mtime_ns
-             for name in ("wikitext-2-fedavg-c0.5", "wikitext-2-fedmed-c0.5")}
+    stamp = {
+        name: (tmp_path / name / "metrics.jsonl").stat().st_mtime_ns
+        for name in ("wikitext-2-fedavg-c0.5", "wikitext-2-fedmed-c0.5")
+    }
     for name in stamp:
         runner.federate(specs[name], seed=0)
-    assert (tmp_path / "wikitext-2-fedavg-c0.5" / "metrics.jsonl").stat().st_mtime_ns == stamp["wikitext-2-fedavg-c0.5"]
-    assert (tmp_path / "wikitext-2-fedmed-c0.5" / "metrics.jsonl").stat().st_mtime_ns != stamp["wikitext-2-fedmed-c0.5"]
-    assert json.loads((tmp_path / "wikitext-2-fedmed-c0.5" / "config.json").read_text())["fedmed_js"] == "relative"
+    assert (tmp_path / "wikitext-2-fedavg-c0.5" / "metrics.jsonl").stat().st_mtime_ns == stamp[
+        "wikitext-2-fedavg-c0.5"
+    ]
+    assert (tmp_path / "wikitext-2-fedmed-c0.5" / "metrics.jsonl").stat().st_mtime_ns != stamp[
+        "wikitext-2-fedmed-c0.5"
+    ]
+    assert (
+        json.loads((tmp_path / "wikitext-2-fedmed-c0.5" / "config.json").read_text())["fedmed_js"]
+        == "relative"
+    )
 
 
 def test_a_finished_run_of_many_clients_is_kept_on_rerun(tmp_path):
@@ -290,15 +356,23 @@ def test_seeds_give_mean_and_sd_and_a_rerun_resumes(tmp_path):
     runs = {r["run"]: r for r in results["runs"]}
     assert set(runs) == {"wikitext-2-fedavg-c0.5", "wikitext-2-central-c0.5"}
     # config.json records the run's seed; the task's (its shards are drawn with seed 0 in every seed) beside it
-    recorded = json.loads((tmp_path / "table2" / "seed-1" / "wikitext-2-fedavg-c0.5" / "config.json").read_text())
+    recorded = json.loads(
+        (tmp_path / "table2" / "seed-1" / "wikitext-2-fedavg-c0.5" / "config.json").read_text()
+    )
     assert (recorded["seed"], recorded["shard_seed"]) == (1, 0)
     for name, row in runs.items():
-        tests = [results["per_seed"][s]["runs"][i]["test"] for s in ("0", "1")
-                 for i, r in enumerate(results["per_seed"][s]["runs"]) if r["run"] == name]
+        tests = [
+            results["per_seed"][s]["runs"][i]["test"]
+            for s in ("0", "1")
+            for i, r in enumerate(results["per_seed"][s]["runs"])
+            if r["run"] == name
+        ]
         assert row["seeds"] == 2 and row["test"] == pytest.approx(sum(tests) / 2)
         assert row["test_sd"] == pytest.approx(abs(tests[0] - tests[1]) / math.sqrt(2))
         each = [next(r for r in results["per_seed"][s]["runs"] if r["run"] == name) for s in ("0", "1")]
-        assert row["best_round"] == f"{each[0]['best_round']} / {each[1]['best_round']}"  # rounds are not averaged
+        assert (
+            row["best_round"] == f"{each[0]['best_round']} / {each[1]['best_round']}"
+        )  # rounds are not averaged
         assert row["bytes_up"] == round((each[0]["bytes_up"] + each[1]["bytes_up"]) / 2)
         assert (tmp_path / "table2" / "seed-1" / name / "summary.json").is_file()
     assert tests[0] != tests[1]  # the seed changes shards, init and sampling
@@ -308,7 +382,9 @@ def test_seeds_give_mean_and_sd_and_a_rerun_resumes(tmp_path):
     if sum(diffs) < 0:
         low, high, diffs = high, low, [-d for d in diffs]
     [line] = results["orderings"]
-    assert line.startswith(f"{low} < {high} in {sum(d > 0 for d in diffs)}/2 seeds, difference {sum(diffs) / 2:.2f}")
+    assert line.startswith(
+        f"{low} < {high} in {sum(d > 0 for d in diffs)}/2 seeds, difference {sum(diffs) / 2:.2f}"
+    )
     md = (tmp_path / "table2" / "results.md").read_text()
     assert "seeds 0, 1, mean ± sd" in md and "test_sd" in md and line in md
     # the same command again: every run is already done, nothing is retrained
@@ -323,7 +399,9 @@ def test_seeds_give_mean_and_sd_and_a_rerun_resumes(tmp_path):
     # --set clients=K changes the task's shards too (else agents beyond the task's clients would find none)
     k3 = run_experiment("table2", "smoke", tmp_path / "k3", only="fedavg-c0.5", overrides={"clients": 3})
     config = json.loads((tmp_path / "k3" / "table2" / "wikitext-2-fedavg-c0.5" / "config.json").read_text())
-    assert config["clients"] == 3  # the task's shard count (config.json holds the job's settings, then the task's)
+    assert (
+        config["clients"] == 3
+    )  # the task's shard count (config.json holds the job's settings, then the task's)
     assert all(r["rounds_completed"] == 1 for r in k3["runs"])  # the smoke scale runs one round
 
 
@@ -349,11 +427,18 @@ def test_bad_arguments_are_one_line_and_write_nothing(tmp_path):
     for bad in ("0,x", "1,1", "-1"):
         with pytest.raises(ExperimentError, match="--seeds wants"):
             experiments.parse_seeds(bad)
-    for args, message in ((["nope"], "unknown experiment 'nope'"),
-                          (["table2", "--seeds", "1,1"], "--seeds wants distinct"),
-                          (["table2", "--device", "tpu"], "unknown --device 'tpu'")):
-        proc = subprocess.run([sys.executable, "-m", "fedmq.cli.app", "experiment", *args, "--out", str(tmp_path)],
-                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+    for args, message in (
+        (["nope"], "unknown experiment 'nope'"),
+        (["table2", "--seeds", "1,1"], "--seeds wants distinct"),
+        (["table2", "--device", "tpu"], "unknown --device 'tpu'"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "fedmq.cli.app", "experiment", *args, "--out", str(tmp_path)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert proc.returncode == 2, args
         assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and message in proc.stderr
     assert list(tmp_path.iterdir()) == []
@@ -361,8 +446,13 @@ def test_bad_arguments_are_one_line_and_write_nothing(tmp_path):
 
 def test_reproduce_script_reports_a_bad_name_in_one_line():
     """scripts/reproduce.py (docs/results.md) runs outside the CLI: it imports cli and benchmarks side by side."""
-    proc = subprocess.run([sys.executable, "scripts/reproduce.py", "tabel2", "--scale", "smoke"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "scripts/reproduce.py", "tabel2", "--scale", "smoke"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "tabel2" in proc.stderr
 
 
@@ -386,20 +476,29 @@ def test_a_configuration_shared_by_experiments_is_trained_once(tmp_path):
     marker = json.loads((tmp_path / "fraction" / "fedavg-c0.5" / "spec.json").read_text())
     assert marker["done"] and marker["reused"] == str(tmp_path / "randomization" / "fedavg-noise0.0")
     assert (tmp_path / "fraction" / "fedavg-c0.5" / "metrics.jsonl").read_bytes() == (
-        tmp_path / "randomization" / "fedavg-noise0.0" / "metrics.jsonl").read_bytes()
-    experiments.run_experiment("fraction", "smoke", tmp_path, simulation=counting, only="fedavg",
-                               overrides={"lr": 0.5})
-    experiments.run_experiment("fraction", "smoke", tmp_path / "other", simulation=counting, seeds=[1],
-                               only="fedavg")
+        tmp_path / "randomization" / "fedavg-noise0.0" / "metrics.jsonl"
+    ).read_bytes()
+    experiments.run_experiment(
+        "fraction", "smoke", tmp_path, simulation=counting, only="fedavg", overrides={"lr": 0.5}
+    )
+    experiments.run_experiment(
+        "fraction", "smoke", tmp_path / "other", simulation=counting, seeds=[1], only="fedavg"
+    )
     assert calls == ["exp-fedavg-noise0_0", "exp-fedavg-noise0_01", "exp-fedavg-c0_5", "exp-fedavg-c0_5"]
 
 
 def test_only_picks_a_whole_name_exactly_and_otherwise_by_containment():
     grid = experiments.EXPERIMENTS["rounds-to-target"]("cpu")
     assert [s.name for s in experiments.select(grid, "fedavg-e1", None)] == ["fedavg-e1"]
-    assert [s.name for s in experiments.select(grid, "fedavg-e1,fp16", None)] == ["fedavg-e1", "fedavg-e1-fp16"]
+    assert [s.name for s in experiments.select(grid, "fedavg-e1,fp16", None)] == [
+        "fedavg-e1",
+        "fedavg-e1-fp16",
+    ]
     assert [s.name for s in experiments.select(grid, "avg-e1", None)] == [
-        "fedavg-e1", "fedavg-e1-fp16", "fedavg-e1-delta-int8"]
+        "fedavg-e1",
+        "fedavg-e1-fp16",
+        "fedavg-e1-delta-int8",
+    ]
 
 
 def test_paper_fedsgd_cuts_a_shard_into_more_streams_and_nothing_else_changes_b():
@@ -420,9 +519,12 @@ def test_cohort_reaches_each_federation_of_an_experiment(tmp_path):
         sims.append(Simulation(*args, **kwargs))
         return sims[-1]
 
-    together = experiments.run_experiment("table2", "smoke", tmp_path / "together", simulation=keeping,
-                                          only="fedmed-c0.5", cohort=True)
-    alone = experiments.run_experiment("table2", "smoke", tmp_path / "alone", simulation=Simulation, only="fedmed-c0.5")
+    together = experiments.run_experiment(
+        "table2", "smoke", tmp_path / "together", simulation=keeping, only="fedmed-c0.5", cohort=True
+    )
+    alone = experiments.run_experiment(
+        "table2", "smoke", tmp_path / "alone", simulation=Simulation, only="fedmed-c0.5"
+    )
     assert [s.cohort for s in sims] == [True] and sims[0].pool.cohorts == [2]  # C = 0.5 of K = 4, one round
     [t], [a] = together["runs"], alone["runs"]
     assert t["test"] == pytest.approx(a["test"], rel=1e-4)

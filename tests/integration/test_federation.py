@@ -10,8 +10,17 @@ import torch
 from fedmq.aggregator.config import JobConfig
 from fedmq.tasks.lm import LanguageModelTask
 
-TINY = dict(data="builtin", model="gru-small", emb=16, hidden=16, vocab_size=500, max_lines=600,
-            max_eval_lines=100, bptt=10, dropout=0.0)
+TINY = dict(
+    data="builtin",
+    model="gru-small",
+    emb=16,
+    hidden=16,
+    vocab_size=500,
+    max_lines=600,
+    max_eval_lines=100,
+    bptt=10,
+    dropout=0.0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +35,11 @@ def fedavg_of(sent):
 
 
 def check_last_round_is_fedavg(engine, agents, rnd):
-    sent = [a.log.sent[rnd] for a in agents if rnd in a.log.sent and any((rnd, u) in a.log.uploads for u in engine.folded[rnd])]
+    sent = [
+        a.log.sent[rnd]
+        for a in agents
+        if rnd in a.log.sent and any((rnd, u) in a.log.uploads for u in engine.folded[rnd])
+    ]
     assert len(sent) == len(engine.folded[rnd]) > 0
     expected = fedavg_of(sent)
     for name, value in expected.items():
@@ -34,8 +47,22 @@ def check_last_round_is_fedavg(engine, agents, rnd):
 
 
 def test_fedavg_rounds_in_memory(federation, task, tmp_path):
-    cfg = JobConfig(encoding="raw", down_encoding="raw", job="e2e", strategy="fedavg", rounds=3, clients=4, fraction=0.5, lr=5.0, max_steps=5,
-                    batch_size=4, heartbeat_s=0.5, join_timeout_s=20, report_deadline_s=60, update_deadline_s=30)
+    cfg = JobConfig(
+        encoding="raw",
+        down_encoding="raw",
+        job="e2e",
+        strategy="fedavg",
+        rounds=3,
+        clients=4,
+        fraction=0.5,
+        lr=5.0,
+        max_steps=5,
+        batch_size=4,
+        heartbeat_s=0.5,
+        join_timeout_s=20,
+        report_deadline_s=60,
+        update_deadline_s=30,
+    )
     engine, agents, summary = federation(task, cfg, "memory://e2e-fedavg", tmp_path / "run", keep_sent=True)
     assert summary["rounds_completed"] == 3 and summary["rounds_skipped"] == 0
     assert engine.version == 3
@@ -49,9 +76,23 @@ def test_fedavg_rounds_in_memory(federation, task, tmp_path):
 
 
 def test_fedmed_topk_grants_lowest_losses(federation, task, tmp_path):
-    cfg = JobConfig(encoding="raw", down_encoding="raw", job="e2emed", strategy="fedmed", rounds=2, clients=4, fraction=1.0, beta=0.5, lr=5.0,
-                    max_steps=3, batch_size=4, heartbeat_s=0.5, join_timeout_s=20, report_deadline_s=60,
-                    update_deadline_s=30)
+    cfg = JobConfig(
+        encoding="raw",
+        down_encoding="raw",
+        job="e2emed",
+        strategy="fedmed",
+        rounds=2,
+        clients=4,
+        fraction=1.0,
+        beta=0.5,
+        lr=5.0,
+        max_steps=3,
+        batch_size=4,
+        heartbeat_s=0.5,
+        join_timeout_s=20,
+        report_deadline_s=60,
+        update_deadline_s=30,
+    )
     engine, agents, summary = federation(task, cfg, "memory://e2e-fedmed", tmp_path / "run", keep_sent=True)
     rows = engine.runlog.rows()
     assert summary["rounds_completed"] == 2
@@ -66,11 +107,32 @@ def test_fedmed_topk_grants_lowest_losses(federation, task, tmp_path):
 def test_dead_agents_do_not_hang_a_round(federation, task, tmp_path):
     """Agents that crash during training: the round closes at its deadline, as skipped when below the minimum."""
     from fedmq.client_agent.availability import parse_faults
-    cfg = JobConfig(encoding="raw", down_encoding="raw", job="e2edead", strategy="fedavg", rounds=1, clients=2, fraction=1.0, min_clients=1, lr=5.0,
-                    max_steps=2, batch_size=4, heartbeat_s=0.5, join_timeout_s=20, report_deadline_s=3,
-                    update_deadline_s=2)
-    engine, agents, summary = federation(task, cfg, "memory://e2e-dead", tmp_path / "run", keep_sent=True,
-                                             faults=parse_faults("crash-train:1.0"))
+
+    cfg = JobConfig(
+        encoding="raw",
+        down_encoding="raw",
+        job="e2edead",
+        strategy="fedavg",
+        rounds=1,
+        clients=2,
+        fraction=1.0,
+        min_clients=1,
+        lr=5.0,
+        max_steps=2,
+        batch_size=4,
+        heartbeat_s=0.5,
+        join_timeout_s=20,
+        report_deadline_s=3,
+        update_deadline_s=2,
+    )
+    engine, agents, summary = federation(
+        task,
+        cfg,
+        "memory://e2e-dead",
+        tmp_path / "run",
+        keep_sent=True,
+        faults=parse_faults("crash-train:1.0"),
+    )
     row = engine.runlog.rows()[0]
     assert row.skipped and row.received == () and row.wall_s < 10
     assert engine.version == 0
@@ -78,23 +140,59 @@ def test_dead_agents_do_not_hang_a_round(federation, task, tmp_path):
 
 @pytest.mark.rabbitmq
 def test_fedavg_rounds_over_rabbitmq(federation, task, tmp_path, rabbit_url, job_id):
-    cfg = JobConfig(encoding="raw", down_encoding="raw", job=job_id, strategy="fedavg", rounds=2, clients=3, fraction=1.0, lr=5.0, max_steps=3,
-                    batch_size=4, heartbeat_s=0.5, join_timeout_s=30, report_deadline_s=60, update_deadline_s=30,
-                    identity="shared:guest")
+    cfg = JobConfig(
+        encoding="raw",
+        down_encoding="raw",
+        job=job_id,
+        strategy="fedavg",
+        rounds=2,
+        clients=3,
+        fraction=1.0,
+        lr=5.0,
+        max_steps=3,
+        batch_size=4,
+        heartbeat_s=0.5,
+        join_timeout_s=30,
+        report_deadline_s=60,
+        update_deadline_s=30,
+        identity="shared:guest",
+    )
     engine, agents, summary = federation(task, cfg, rabbit_url, tmp_path / "run", keep_sent=True)
     assert summary["rounds_completed"] == 2
     check_last_round_is_fedavg(engine, agents, 2)
     from fedmq.broker.transport import provision
+
     provision.purge(rabbit_url, job_id)
 
 
 def test_round_closes_early_when_selected_agents_go_offline(federation, task, tmp_path):
     """An agent that leaves (availability model) says so; the round does not wait for its deadline."""
     from fedmq.client_agent.availability import parse_availability
-    cfg = JobConfig(encoding="raw", down_encoding="raw", job="e2eoff", strategy="fedavg", rounds=2, clients=4, fraction=1.0, lr=5.0, max_steps=2,
-                    batch_size=4, heartbeat_s=0.5, join_timeout_s=20, report_deadline_s=60, update_deadline_s=60)
-    engine, agents, summary = federation(task, cfg, "memory://e2e-off", tmp_path / "run", keep_sent=True,
-                                             availability=parse_availability("bernoulli:0.5", seed=3))
+
+    cfg = JobConfig(
+        encoding="raw",
+        down_encoding="raw",
+        job="e2eoff",
+        strategy="fedavg",
+        rounds=2,
+        clients=4,
+        fraction=1.0,
+        lr=5.0,
+        max_steps=2,
+        batch_size=4,
+        heartbeat_s=0.5,
+        join_timeout_s=20,
+        report_deadline_s=60,
+        update_deadline_s=60,
+    )
+    engine, agents, summary = federation(
+        task,
+        cfg,
+        "memory://e2e-off",
+        tmp_path / "run",
+        keep_sent=True,
+        availability=parse_availability("bernoulli:0.5", seed=3),
+    )
     rows = engine.runlog.rows()
     assert summary["rounds_completed"] + summary["rounds_skipped"] == 2
     assert any(r.dropped for r in rows)  # someone was selected and left
@@ -119,19 +217,40 @@ def test_dynamic_pulling_in_both_directions(federation, task, tmp_path):
             own = None if kept is None else {k: v.clone() for k, v in kept[1].items()}
             out = super()._fetch_model(env)
             if out is not None:
-                seen.setdefault(self.client, []).append((env.round, self.names, own, {k: v.clone() for k, v in out.items()}))
+                seen.setdefault(self.client, []).append(
+                    (env.round, self.names, own, {k: v.clone() for k, v in out.items()})
+                )
             return out
 
-    cfg = JobConfig(encoding="raw", down_encoding="raw", job="e2epush", strategy="pull-global", pull_fraction=0.5, pull_down=True, rounds=3, clients=3,
-                    fraction=1.0, lr=5.0, max_steps=2, batch_size=4, heartbeat_s=0.5, join_timeout_s=20,
-                    report_deadline_s=60, update_deadline_s=30)
-    engine, agents, summary = federation(task, cfg, "memory://e2e-push", tmp_path / "run", agent_class=lambda i: Recording)
+    cfg = JobConfig(
+        encoding="raw",
+        down_encoding="raw",
+        job="e2epush",
+        strategy="pull-global",
+        pull_fraction=0.5,
+        pull_down=True,
+        rounds=3,
+        clients=3,
+        fraction=1.0,
+        lr=5.0,
+        max_steps=2,
+        batch_size=4,
+        heartbeat_s=0.5,
+        join_timeout_s=20,
+        report_deadline_s=60,
+        update_deadline_s=30,
+    )
+    engine, agents, summary = federation(
+        task, cfg, "memory://e2e-push", tmp_path / "run", agent_class=lambda i: Recording
+    )
     assert summary["rounds_completed"] == 3
     rows = engine.runlog.rows()
     assert rows[1].bytes_down_raw < rows[0].bytes_down_raw and rows[2].bytes_down_raw < rows[0].bytes_down_raw
     every = set(engine.manifest.names)
     for rnd in (2, 3):
-        pushes = [(names, own, held) for records in seen.values() for r, names, own, held in records if r == rnd]
+        pushes = [
+            (names, own, held) for records in seen.values() for r, names, own, held in records if r == rnd
+        ]
         assert len(pushes) == 3
         names = pushes[0][0]
         assert 0 < len(names) < len(every) and all(p[0] == names for p in pushes)  # one push, a strict subset
@@ -159,7 +278,9 @@ def test_selection_counts_every_queued_heartbeat(task, tmp_path):
     from fedmq.broker.wire import messages
 
     url = "memory://e2e-presence"
-    cfg = JobConfig(encoding="raw", down_encoding="raw", job="e2epres", clients=10, fraction=0.2, heartbeat_s=0.5)
+    cfg = JobConfig(
+        encoding="raw", down_encoding="raw", job="e2epres", clients=10, fraction=0.2, heartbeat_s=0.5
+    )
     broker = connect(url, user=topology.AGGREGATOR_USER)
     engine = Engine(broker, task, cfg, tmp_path / "run", durable=False, evaluate=False)
     broker.declare_job(cfg.job, [])
@@ -167,7 +288,9 @@ def test_selection_counts_every_queued_heartbeat(task, tmp_path):
     for i in range(10):
         agent = connect(url, user=f"agent-{i}")
         env = messages.presence(cfg.job, f"agent-{i}", "online", 0)
-        agent.publish(topology.rk_presence(cfg.job, f"agent-{i}"), messages.encode(env), message_id=env.msg_id)
+        agent.publish(
+            topology.rk_presence(cfg.job, f"agent-{i}"), messages.encode(env), message_id=env.msg_id
+        )
     deadline = time.time() + 10
     while engine.inbox.backlog() < 10 and time.time() < deadline:  # all ten queued, none read yet
         time.sleep(0.05)
@@ -196,14 +319,30 @@ def test_upload_only_pulling_keeps_unsent_tensors_private(federation, task, tmp_
         def _train(self, model, held, cfg, rnd, crash):
             starts.setdefault(self.client, {})[rnd] = {k: v.clone() for k, v in held.items()}
             result = super()._train(model, held, cfg, rnd, crash)
-            trained.setdefault(self.client, {})[rnd] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            trained.setdefault(self.client, {})[rnd] = {
+                k: v.detach().clone() for k, v in model.state_dict().items()
+            }
             return result
 
-    cfg = JobConfig(encoding="raw", down_encoding="raw", job="e2eprivate", strategy="pull-local", rounds=3, clients=2,
-                    fraction=1.0, lr=5.0, max_steps=2, batch_size=4, heartbeat_s=0.5, join_timeout_s=20,
-                    report_deadline_s=60, update_deadline_s=30)
-    engine, agents, summary = federation(task, cfg, "memory://e2e-private", tmp_path / "run", keep_sent=True,
-                                         agent_class=lambda i: Recording)
+    cfg = JobConfig(
+        encoding="raw",
+        down_encoding="raw",
+        job="e2eprivate",
+        strategy="pull-local",
+        rounds=3,
+        clients=2,
+        fraction=1.0,
+        lr=5.0,
+        max_steps=2,
+        batch_size=4,
+        heartbeat_s=0.5,
+        join_timeout_s=20,
+        report_deadline_s=60,
+        update_deadline_s=30,
+    )
+    engine, agents, summary = federation(
+        task, cfg, "memory://e2e-private", tmp_path / "run", keep_sent=True, agent_class=lambda i: Recording
+    )
     assert summary["rounds_completed"] == 3
     for agent in agents:
         sent_r1 = set(agent.log.sent[2][1])

@@ -15,14 +15,23 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "docs" / "examples"
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES), os.environ.get("PYTHONPATH", "")]),
-       "OMP_NUM_THREADS": "1"}
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join([str(EXAMPLES), os.environ.get("PYTHONPATH", "")]),
+    "OMP_NUM_THREADS": "1",
+}
 OWN = ["--task", "bring_your_own:TwoMoons", "--strategy", "bring_your_own:UniformMean"]
 
 
 def fedmq(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fedmq.cli.app", *args], capture_output=True, text=True, cwd=ROOT,
-                          env=ENV, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "fedmq.cli.app", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=ENV,
+        timeout=timeout,
+    )
 
 
 def test_the_example_runs_from_python_and_learns(tmp_path):
@@ -35,18 +44,36 @@ def test_the_example_runs_from_python_and_learns(tmp_path):
         summary = example.main(tmp_path / "run")
     finally:
         del sys.modules["bring_your_own"]
-    assert summary["rounds_completed"] == 5 and summary["metric"] == "accuracy" and summary["higher_is_better"]
+    assert (
+        summary["rounds_completed"] == 5 and summary["metric"] == "accuracy" and summary["higher_is_better"]
+    )
     assert summary["strategy"] == "bring_your_own:UniformMean"
     assert summary["best_valid"] > max(0.75, chance + 0.15), (chance, summary["best_valid"])
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 5 and all(len(r["received"]) == 8 for r in rows)  # its plan: all 8, not C = 0.25 of them
+    assert len(rows) == 5 and all(
+        len(r["received"]) == 8 for r in rows
+    )  # its plan: all 8, not C = 0.25 of them
     assert all(set(r["weights"].values()) == {1 / 8} for r in rows)  # the strategy's own weights: uniform
 
 
 def test_simulate_takes_a_task_and_a_strategy_by_import_path(tmp_path):
     out = tmp_path / "run"
-    done = fedmq("simulate", *OWN, "-k", "4", "-r", "2", "--lr", "0.5", "-b", "16", "--out", str(out),
-                 "--log-level", "warning")
+    done = fedmq(
+        "simulate",
+        *OWN,
+        "-k",
+        "4",
+        "-r",
+        "2",
+        "--lr",
+        "0.5",
+        "-b",
+        "16",
+        "--out",
+        str(out),
+        "--log-level",
+        "warning",
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     config = json.loads((out / "config.json").read_text())
@@ -54,14 +81,31 @@ def test_simulate_takes_a_task_and_a_strategy_by_import_path(tmp_path):
     assert config["strategy"] == "bring_your_own:UniformMean" and config["task"] == "two-moons"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--task", "no_such_module:Task"], "cannot import task module 'no_such_module': ModuleNotFoundError"),
-    (["--task", "bring_your_own:UniformMean"], "must name a subclass of fedmq.tasks.base.Task; found UniformMean"),
-    (["--task", "bring_your_own:Nothing"], "must name a subclass of fedmq.tasks.base.Task; found nothing"),
-    (["--task", "bring_your_own:TwoMoons", "--strategy", "bring_your_own:TwoMoons"],
-     "must name a subclass of fedmq.aggregator.strategies.base.Strategy; found TwoMoons"),
-    (["--task", "bring_your_own:TwoMoons", "--strategy", "bring_your_own"], "unknown strategy 'bring_your_own'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--task", "no_such_module:Task"],
+            "cannot import task module 'no_such_module': ModuleNotFoundError",
+        ),
+        (
+            ["--task", "bring_your_own:UniformMean"],
+            "must name a subclass of fedmq.tasks.base.Task; found UniformMean",
+        ),
+        (
+            ["--task", "bring_your_own:Nothing"],
+            "must name a subclass of fedmq.tasks.base.Task; found nothing",
+        ),
+        (
+            ["--task", "bring_your_own:TwoMoons", "--strategy", "bring_your_own:TwoMoons"],
+            "must name a subclass of fedmq.aggregator.strategies.base.Strategy; found TwoMoons",
+        ),
+        (
+            ["--task", "bring_your_own:TwoMoons", "--strategy", "bring_your_own"],
+            "unknown strategy 'bring_your_own'",
+        ),
+    ],
+)
 def test_a_class_that_cannot_be_used_is_one_line_and_leaves_nothing(tmp_path, args, message):
     out = tmp_path / "run"
     done = fedmq("simulate", *args, "-k", "2", "-r", "1", "--out", str(out))
@@ -74,16 +118,32 @@ def test_a_class_that_cannot_be_used_is_one_line_and_leaves_nothing(tmp_path, ar
 @pytest.mark.rabbitmq
 def test_own_task_and_strategy_as_services(tmp_path, rabbit_url, job_id):
     job = tmp_path / "job.toml"
-    job.write_text('rounds = 2\nclients = 2\nfraction = 1.0\nheartbeat_s = 1.0\njoin_timeout_s = 60.0\nlr = 0.5\n'
-                   'batch_size = 16\nidentity = "shared:guest"\nstrategy = "bring_your_own:UniformMean"\n\n'
-                   '[task]\ntask = "bring_your_own:TwoMoons"\n')
+    job.write_text(
+        "rounds = 2\nclients = 2\nfraction = 1.0\nheartbeat_s = 1.0\njoin_timeout_s = 60.0\nlr = 0.5\n"
+        'batch_size = 16\nidentity = "shared:guest"\nstrategy = "bring_your_own:UniformMean"\n\n'
+        '[task]\ntask = "bring_your_own:TwoMoons"\n'
+    )
     common = ["--broker", rabbit_url, "--job", job_id, "--config", str(job)]
     run = [sys.executable, "-m", "fedmq.cli.app"]
-    agg = subprocess.Popen([*run, "aggregator", "run", *common, "--state-dir", str(tmp_path / "state")],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
-    agents = [subprocess.Popen([*run, "agent", "run", *common, "--client-id", f"agent-{i}", "--device", "cpu"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
-              for i in range(2)]
+    agg = subprocess.Popen(
+        [*run, "aggregator", "run", *common, "--state-dir", str(tmp_path / "state")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=ENV,
+    )
+    agents = [
+        subprocess.Popen(
+            [*run, "agent", "run", *common, "--client-id", f"agent-{i}", "--device", "cpu"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=ENV,
+        )
+        for i in range(2)
+    ]
     try:
         _, err = agg.communicate(timeout=120)
         assert agg.returncode == 0, err[-2000:]

@@ -78,7 +78,11 @@ def _stream_through_fault(node, job_id: str, fault) -> None:
         assert got.unique() == set(confirmed)
         assert len(confirmed) == 120
         # on a loaded machine the stream can end before the node goes down: both sides then reconnect after it
-        _wait(lambda: agent.status()["reconnects"] >= 1 and agg.status()["reconnects"] >= 1, 60, "both sides reconnected")
+        _wait(
+            lambda: agent.status()["reconnects"] >= 1 and agg.status()["reconnects"] >= 1,
+            60,
+            "both sides reconnected",
+        )
         _wait(lambda: agent.status()["connected"], 60, "the agent connected again")
         assert agent.status()["unconfirmed"] == 0
         _wait(lambda: agg.queue_depth(t.q_inbox(job_id)) == 0, 30, "an empty inbox")
@@ -181,7 +185,9 @@ def test_a_nacked_publish_is_retried_on_a_new_channel(rabbit_node, job_id):
             if agent._pub_ch not in channels:
                 channels.append(agent._pub_ch)
             if agent._pub_ch is channels[0]:
-                frame = pika.frame.Method(frame.channel_number, pika.spec.Basic.Nack(frame.method.delivery_tag))
+                frame = pika.frame.Method(
+                    frame.channel_number, pika.spec.Basic.Nack(frame.method.delivery_tag)
+                )
             on_confirm(frame)
 
         agent._on_confirm = nack_first_channel
@@ -205,9 +211,14 @@ def test_300mb_update_crosses_a_broker_with_16mib_max_message_size(rabbit_node, 
     got: list[tuple[bytes, str | None]] = []
     done = threading.Event()
     with connect(rabbit_node.url) as agg, connect(rabbit_node.url) as agent:
-        agg.consume(t.q_inbox(job_id),
-                    lambda d: (got.append((hashlib.blake2b(d.body, digest_size=16).digest(), d.message_id)),
-                               agg.ack(d), done.set()))
+        agg.consume(
+            t.q_inbox(job_id),
+            lambda d: (
+                got.append((hashlib.blake2b(d.body, digest_size=16).digest(), d.message_id)),
+                agg.ack(d),
+                done.set(),
+            ),
+        )
         agent.publish(t.rk_update(job_id, "a1"), body, message_id="huge")
         del body
         assert done.wait(180)
@@ -270,10 +281,14 @@ def test_flow_control_blocking_is_surfaced_in_status(rabbit_node, job_id):
     with connect(rabbit_node.url) as b:
         b.declare_job(job_id, ["a1"])
         b.publish(t.rk_global(job_id), b"before")
-        rabbit_node.ctl("set_vm_memory_high_watermark", "0.000001")  # raise a memory alarm on the private node
+        rabbit_node.ctl(
+            "set_vm_memory_high_watermark", "0.000001"
+        )  # raise a memory alarm on the private node
         try:
             result: list[object] = []
-            th = threading.Thread(target=lambda: result.append(b.publish(t.rk_global(job_id), b"during", timeout=60)))
+            th = threading.Thread(
+                target=lambda: result.append(b.publish(t.rk_global(job_id), b"during", timeout=60))
+            )
             th.start()
             _wait(lambda: b.status()["blocked"], 20, "the connection.blocked notification")
             assert th.is_alive()  # the publish waits while the broker blocks us

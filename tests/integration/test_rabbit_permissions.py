@@ -55,7 +55,10 @@ def test_provisioned_users_are_confined(fed, job_id):
         agg.consume(t.q_inbox(job_id), lambda d: (got.append(d), agg.ack(d), done.set()))
         agent.publish(t.rk_update(job_id, a1), b"mine", message_id="u1")
         assert done.wait(10)
-        assert (got[0].body, got[0].user_id) == (b"mine", t.agent_user(job_id, a1))  # RabbitMQ-validated identity
+        assert (got[0].body, got[0].user_id) == (
+            b"mine",
+            t.agent_user(job_id, a1),
+        )  # RabbitMQ-validated identity
 
         # publishing another agent's routing key is refused
         with pytest.raises(BrokerError, match="403|ACCESS_REFUSED"):
@@ -67,7 +70,9 @@ def test_provisioned_users_are_confined(fed, job_id):
             agent.consume(t.q_inbox(job_id), lambda d: None)
         with pytest.raises(BrokerError, match="403|ACCESS_REFUSED"):
             agent.consume(t.q_latest(job_id, a2), lambda d: None)
-        with pytest.raises(BrokerError, match="403|ACCESS_REFUSED"):  # nor the dead letters (only the operator's)
+        with pytest.raises(
+            BrokerError, match="403|ACCESS_REFUSED"
+        ):  # nor the dead letters (only the operator's)
             agent.consume(t.q_dead(job_id), lambda d: None)
         assert agg.queue_depth(t.q_dead(job_id)) == 0  # the aggregator declared it, and may read it
         with pytest.raises(BrokerError, match="403|ACCESS_REFUSED"):
@@ -83,8 +88,9 @@ def test_provisioned_users_are_confined(fed, job_id):
     conn, ch = _channel(a1_url)
     ch.confirm_delivery()
     with pytest.raises(pe.ChannelClosedByBroker) as exc:
-        ch.basic_publish(t.EXCHANGE, t.rk_update(job_id, a1), b"x",
-                         pika.BasicProperties(user_id=t.agent_user(job_id, a2)))
+        ch.basic_publish(
+            t.EXCHANGE, t.rk_update(job_id, a1), b"x", pika.BasicProperties(user_id=t.agent_user(job_id, a2))
+        )
     assert exc.value.reply_code == 406
     # binding its own queue to another agent's updates (to eavesdrop) is refused by topic permissions
     ch = conn.channel()
@@ -108,14 +114,25 @@ def test_provision_is_idempotent_and_writes_secrets(rabbit_url, tmp_path, job_id
     vhost, agg, agents = f"fedmqt-{tag}", f"agg-{tag}", [f"x-{tag}"]
     admin = prov.CtlAdmin()
     try:
-        first = prov.provision(rabbit_url, vhost=vhost, job=job_id, agents=agents, admin=admin, aggregator_user=agg)
+        first = prov.provision(
+            rabbit_url, vhost=vhost, job=job_id, agents=agents, admin=admin, aggregator_user=agg
+        )
         keep = {e["username"]: e["password"] for e in [first["aggregator"], *first["agents"].values()]}
-        again = prov.provision(rabbit_url, vhost=vhost, job=job_id, agents=agents, admin=admin, aggregator_user=agg,
-                               passwords=keep)
+        again = prov.provision(
+            rabbit_url,
+            vhost=vhost,
+            job=job_id,
+            agents=agents,
+            admin=admin,
+            aggregator_user=agg,
+            passwords=keep,
+        )
         assert again == first
         with connect(again["agents"][agents[0]]["url"]) as b:
             assert b.user == t.agent_user(job_id, agents[0])
-        rotated = prov.provision(rabbit_url, vhost=vhost, job=job_id, agents=agents, admin=admin, aggregator_user=agg)
+        rotated = prov.provision(
+            rabbit_url, vhost=vhost, job=job_id, agents=agents, admin=admin, aggregator_user=agg
+        )
         assert rotated["agents"][agents[0]]["password"] != first["agents"][agents[0]]["password"]
         with pytest.raises(BrokerError, match="cannot connect.*authentication refused"):
             connect(first["agents"][agents[0]]["url"])
@@ -155,8 +172,12 @@ def test_provision_through_the_management_api(rabbit_node, job_id):
     creds = prov.provision(rabbit_node.url, vhost="fedmq-http", job=job_id, agents=agents, admin=admin)
     try:
         keep = {e["username"]: e["password"] for e in [creds["aggregator"], *creds["agents"].values()]}
-        assert prov.provision(rabbit_node.url, vhost="fedmq-http", job=job_id, agents=agents, admin=admin,
-                              passwords=keep) == creds
+        assert (
+            prov.provision(
+                rabbit_node.url, vhost="fedmq-http", job=job_id, agents=agents, admin=admin, passwords=keep
+            )
+            == creds
+        )
         with connect(creds["aggregator"]["url"]) as agg, connect(creds["agents"]["h1"]["url"]) as a1:
             assert agg.user == t.aggregator_user(job_id)
             agg.declare_job(job_id, agents)
@@ -193,18 +214,39 @@ def test_provision_configures_the_node_the_url_names(rabbit_node, tmp_path):
     from pathlib import Path
 
     vhost = "fedmq-port-" + uuid.uuid4().hex[:6]
-    cmd = [sys.executable, "-m", "fedmq.cli.app", "broker", "provision", "--broker", rabbit_node.url, "--vhost", vhost,
-           "--job", "portjob", "--agents", "1", "--credentials-out", str(tmp_path / "creds.json"),
-           "--secrets-out", str(tmp_path / "secrets")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fedmq.cli.app",
+        "broker",
+        "provision",
+        "--broker",
+        rabbit_node.url,
+        "--vhost",
+        vhost,
+        "--job",
+        "portjob",
+        "--agents",
+        "1",
+        "--credentials-out",
+        str(tmp_path / "creds.json"),
+        "--secrets-out",
+        str(tmp_path / "secrets"),
+    ]
     root = Path(__file__).resolve().parents[2]
     wrong = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=root)
     assert wrong.returncode == 2, wrong.stderr
-    assert wrong.stderr.strip() == (f"error: rabbitmqctl's default node listens on port(s) 5672, not {rabbit_node.port}:"
-                                    f" name the node of port {rabbit_node.port} with FEDMQ_RABBITMQ_NODE")
+    assert wrong.stderr.strip() == (
+        f"error: rabbitmqctl's default node listens on port(s) 5672, not {rabbit_node.port}:"
+        f" name the node of port {rabbit_node.port} with FEDMQ_RABBITMQ_NODE"
+    )
     assert not (tmp_path / "creds.json").exists()
     assert vhost not in prov.CtlAdmin().run("list_vhosts", "--quiet")  # the shared broker was not touched
-    env = {**rabbit_node.env(), "FEDMQ_RABBITMQ_NODE": rabbit_node.name,
-           "FEDMQ_RABBITMQCTL": str(Path("/usr/lib/rabbitmq/bin/rabbitmqctl"))}
+    env = {
+        **rabbit_node.env(),
+        "FEDMQ_RABBITMQ_NODE": rabbit_node.name,
+        "FEDMQ_RABBITMQCTL": str(Path("/usr/lib/rabbitmq/bin/rabbitmqctl")),
+    }
     right = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=root, env=env)
     try:
         assert right.returncode == 0, right.stderr[-2000:]
@@ -230,8 +272,12 @@ def test_two_jobs_in_one_vhost_are_isolated(rabbit_url):
     b = prov.provision(rabbit_url, vhost=vhost, job=job_b, agents=agents, admin=admin)
     try:
         assert a["agents"]["agent-0"]["username"] != b["agents"]["agent-0"]["username"]
-        with connect(a["aggregator"]["url"]) as agg_a, connect(a["agents"]["agent-0"]["url"]) as a0, \
-                connect(b["aggregator"]["url"]) as agg_b, connect(b["agents"]["agent-0"]["url"]) as b0:
+        with (
+            connect(a["aggregator"]["url"]) as agg_a,
+            connect(a["agents"]["agent-0"]["url"]) as a0,
+            connect(b["aggregator"]["url"]) as agg_b,
+            connect(b["agents"]["agent-0"]["url"]) as b0,
+        ):
             agg_a.declare_job(job_a, agents, model_bytes=1000)  # A's credentials still work: nothing rotated
             agg_b.declare_job(job_b, agents, model_bytes=1000)
             a0.declare_job(job_a, agents, inbox=False)

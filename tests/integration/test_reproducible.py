@@ -12,13 +12,38 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 # every client trains and is folded each round, so the order in which four updates arrive is free to vary
-JOB = ["--clients", "4", "--fraction", "1.0", "--model", "gru-tiny", "--max-lines", "800", "--vocab-size", "1000",
-       "--max-steps", "6", "--bptt", "16", "--lr", "10", "--rounds", "3", "--seed", "7"]
+JOB = [
+    "--clients",
+    "4",
+    "--fraction",
+    "1.0",
+    "--model",
+    "gru-tiny",
+    "--max-lines",
+    "800",
+    "--vocab-size",
+    "1000",
+    "--max-steps",
+    "6",
+    "--bptt",
+    "16",
+    "--lr",
+    "10",
+    "--rounds",
+    "3",
+    "--seed",
+    "7",
+]
 
 
 def _simulate(run: Path, *extra: str) -> tuple[list[dict], dict]:
-    proc = subprocess.run([sys.executable, "-m", "fedmq.cli.app", "simulate", *JOB, "--out", str(run), *extra],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedmq.cli.app", "simulate", *JOB, "--out", str(run), *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return rows, json.loads(proc.stdout.strip().splitlines()[-1])
@@ -39,7 +64,9 @@ def test_same_seed_same_numbers_in_process_slowed_and_over_rabbitmq(tmp_path, ra
     assert _numbers(slow_rows) == _numbers(plain_rows)
     assert _numbers(rabbit_rows) == _numbers(plain_rows)
     assert slow["test"] == plain["test"] == rabbit["test"]
-    final = [torch.load(tmp_path / name / "best.pt", weights_only=True) for name in ("plain", "slow", "rabbit")]
+    final = [
+        torch.load(tmp_path / name / "best.pt", weights_only=True) for name in ("plain", "slow", "rabbit")
+    ]
     for other in final[1:]:
         assert other.keys() == final[0].keys()
         assert all(torch.equal(other[k], final[0][k]) for k in final[0])

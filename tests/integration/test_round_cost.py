@@ -14,8 +14,17 @@ from fedmq.client_agent.trainers import TrainerPool
 from fedmq.errors import CodecError
 from fedmq.tasks.lm import LanguageModelTask
 
-TINY = dict(data="builtin", model="gru-small", emb=16, hidden=16, vocab_size=500, max_lines=600,
-            max_eval_lines=100, bptt=10, dropout=0.0)
+TINY = dict(
+    data="builtin",
+    model="gru-small",
+    emb=16,
+    hidden=16,
+    vocab_size=500,
+    max_lines=600,
+    max_eval_lines=100,
+    bptt=10,
+    dropout=0.0,
+)
 
 
 class CountingTask(LanguageModelTask):
@@ -32,8 +41,22 @@ def task():
 
 
 def _cfg(job: str, **kw) -> JobConfig:
-    base = dict(job=job, encoding="raw", down_encoding="raw", strategy="fedavg", rounds=3, clients=8, fraction=0.25, lr=5.0, max_steps=2, batch_size=4,
-                heartbeat_s=0.5, join_timeout_s=20, report_deadline_s=60, update_deadline_s=30)
+    base = dict(
+        job=job,
+        encoding="raw",
+        down_encoding="raw",
+        strategy="fedavg",
+        rounds=3,
+        clients=8,
+        fraction=0.25,
+        lr=5.0,
+        max_steps=2,
+        batch_size=4,
+        heartbeat_s=0.5,
+        join_timeout_s=20,
+        report_deadline_s=60,
+        update_deadline_s=30,
+    )
     return JobConfig(**{**base, **kw})
 
 
@@ -50,8 +73,9 @@ def test_only_selected_agents_fetch_and_one_trainer_serves_all(federation, task,
     monkeypatch.setattr(MemoryBroker, "publish", spy)
     CountingTask.built = 0
     pool = TrainerPool(task, 1, 0)
-    engine, agents, summary = federation(task, _cfg("cost"), "memory://cost", tmp_path / "run", trainers=pool,
-                                         keep_sent=True)
+    engine, agents, summary = federation(
+        task, _cfg("cost"), "memory://cost", tmp_path / "run", trainers=pool, keep_sent=True
+    )
     announced = sorted(k.rsplit(".", 1)[1] for k in keys if k.startswith("job.cost.announce."))
     assert announced == sorted(c for r in engine.runlog.rows() for c in r.selected)  # to the selected only
     assert "job.cost.global" not in keys and keys.count("job.cost.model") == 3  # one model message a version
@@ -84,8 +108,9 @@ def test_delta_pushes_with_keyframes_stay_exact(federation, task, tmp_path):
             return menv
 
     cfg = _cfg("delta", clients=3, fraction=1.0, rounds=4, down_encoding="delta+raw", keyframe_every=2)
-    engine, agents, summary = federation(task, cfg, "memory://delta", tmp_path / "run", keep_sent=True,
-                                         agent_class=lambda i: Recording)
+    engine, agents, summary = federation(
+        task, cfg, "memory://delta", tmp_path / "run", keep_sent=True, agent_class=lambda i: Recording
+    )
     assert summary["rounds_completed"] == 4
     assert forms == {0: {-1}, 1: {0}, 2: {-1}, 3: {2}}
     sent = [a.log.sent[4] for a in agents]
@@ -96,12 +121,21 @@ def test_delta_pushes_with_keyframes_stay_exact(federation, task, tmp_path):
 
 
 def test_announce_model_entries_are_validated():
-    env = messages.announce("j", 1, 0, ["a"], JobConfig().round_config(), [{"id": "m", "base_version": -1, "partial": False, "since": 1.0,
-                                                   "bytes": 10}])
+    env = messages.announce(
+        "j",
+        1,
+        0,
+        ["a"],
+        JobConfig().round_config(),
+        [{"id": "m", "base_version": -1, "partial": False, "since": 1.0, "bytes": 10}],
+    )
     assert messages.decode(messages.encode(env)).payload["models"][0]["id"] == "m"
-    for bad in ({"id": "m"}, {"id": 3, "base_version": -1, "partial": False, "since": 1.0, "bytes": 1},
-                {"id": "m", "base_version": -1, "partial": 1, "since": 1.0, "bytes": 1},
-                {"id": "m", "base_version": -1, "partial": False, "since": float("nan"), "bytes": 1}):
+    for bad in (
+        {"id": "m"},
+        {"id": 3, "base_version": -1, "partial": False, "since": 1.0, "bytes": 1},
+        {"id": "m", "base_version": -1, "partial": 1, "since": 1.0, "bytes": 1},
+        {"id": "m", "base_version": -1, "partial": False, "since": float("nan"), "bytes": 1},
+    ):
         with pytest.raises(CodecError, match="announce models"):
             messages.encode(messages.announce("j", 1, 0, ["a"], JobConfig().round_config(), [bad]))
 
@@ -138,7 +172,9 @@ def test_a_model_published_before_its_announced_time_is_still_found(task, monkey
     env = messages.model("skew", 0, encode_state(state, EncodingSpec()))
     body = messages.encode(env)
     agg.publish(t.rk_model("skew"), body, message_id=env.msg_id)
-    a = agent_mod.Agent(lambda: connect("memory://skew", user="agent-0"), "skew", "agent-0", 0, task, trainers=pool)
+    a = agent_mod.Agent(
+        lambda: connect("memory://skew", user="agent-0"), "skew", "agent-0", 0, task, trainers=pool
+    )
     b = connect("memory://skew", user="agent-0")
     try:
         entry = messages.model_entry(env, time.time() + 3600, len(body))  # "published" an hour from now
@@ -159,16 +195,22 @@ def _feedback_run(federation, task, tmp_path, name: str, **kw):
     class Recording(Agent):
         def _keep_residual(self, upload, held, tensors, version, residual):
             super()._keep_residual(upload, held, tensors, version, residual)
-            seen.setdefault(self.client, []).append({
-                "upload_delta": {k: (v - held[k]).clone() for k, v in upload.items()},
-                "before": None if residual is None else {k: t.clone() for k, t in residual[1].items()},
-                "after": {k: t.clone() for k, t in self.store.get(self.client, "residual")[1].items()},
-                "sent": {k: torch.from_numpy(v) for k, v in
-                         decode_state(tensors, self.manifest, held, as_delta=True).items()}})
+            seen.setdefault(self.client, []).append(
+                {
+                    "upload_delta": {k: (v - held[k]).clone() for k, v in upload.items()},
+                    "before": None if residual is None else {k: t.clone() for k, t in residual[1].items()},
+                    "after": {k: t.clone() for k, t in self.store.get(self.client, "residual")[1].items()},
+                    "sent": {
+                        k: torch.from_numpy(v)
+                        for k, v in decode_state(tensors, self.manifest, held, as_delta=True).items()
+                    },
+                }
+            )
 
     cfg = _cfg(name, clients=3, fraction=1.0, rounds=4, encoding="delta+topk:0.05", **kw)
-    engine, agents, summary = federation(task, cfg, f"memory://{name}", tmp_path / name,
-                                         agent_class=lambda i: Recording)
+    engine, agents, summary = federation(
+        task, cfg, f"memory://{name}", tmp_path / name, agent_class=lambda i: Recording
+    )
     assert summary["rounds_completed"] == 4
     return engine, agents, seen
 
@@ -192,15 +234,23 @@ def test_error_feedback_delays_what_topk_leaves_out_and_loses_nothing(federation
 
 
 def test_error_feedback_brings_topk_closer_to_raw_and_off_keeps_nothing(federation, task, tmp_path):
-    raw_engine, _, _ = federation(task, _cfg("efraw", clients=3, fraction=1.0, rounds=4), "memory://efraw",
-                                  tmp_path / "raw")
+    raw_engine, _, _ = federation(
+        task, _cfg("efraw", clients=3, fraction=1.0, rounds=4), "memory://efraw", tmp_path / "raw"
+    )
     on_engine, _, _ = _feedback_run(federation, task, tmp_path, "efon")
-    off_engine, off_agents, off_seen = _feedback_run(federation, task, tmp_path, "efoff", error_feedback=False)
+    off_engine, off_agents, off_seen = _feedback_run(
+        federation, task, tmp_path, "efoff", error_feedback=False
+    )
     assert off_seen == {} and all(a.store.get(a.client, "residual") is None for a in off_agents)
 
     def gap(engine) -> float:
-        return sum(float((engine.global_state[k] - raw_engine.global_state[k]).double().norm() ** 2)
-                   for k in raw_engine.global_state) ** 0.5
+        return (
+            sum(
+                float((engine.global_state[k] - raw_engine.global_state[k]).double().norm() ** 2)
+                for k in raw_engine.global_state
+            )
+            ** 0.5
+        )
 
     assert gap(on_engine) < gap(off_engine)
 
@@ -212,7 +262,9 @@ def test_error_feedback_is_a_boolean_and_only_for_sparsified_deltas():
         JobConfig(error_feedback="yes")
     assert JobConfig(encoding="delta+topk:0.05").round_config().error_feedback is True
     assert JobConfig(encoding="delta+topk:0.05", error_feedback=False).round_config().error_feedback is False
-    assert JobConfig(encoding="delta+int8").round_config().error_feedback is False  # quantised, not sparsified
+    assert (
+        JobConfig(encoding="delta+int8").round_config().error_feedback is False
+    )  # quantised, not sparsified
     assert JobConfig(encoding="topk:0.05").round_config().error_feedback is False  # weights, not a change
 
 
@@ -230,8 +282,9 @@ def test_mixed_precision_reaches_local_training_and_the_cpu_ignores_it(federatio
     runs = {}
     for amp in (False, True):
         cfg = _cfg(f"amp{int(amp)}", clients=3, fraction=1.0, rounds=2, amp=amp)
-        runs[amp], _, _ = federation(task, cfg, f"memory://amp{int(amp)}", tmp_path / str(amp),
-                                     agent_class=lambda i: Recording)
+        runs[amp], _, _ = federation(
+            task, cfg, f"memory://amp{int(amp)}", tmp_path / str(amp), agent_class=lambda i: Recording
+        )
     assert asked == [False] * 6 + [True] * 6
     assert JobConfig(amp=True).round_config().amp and not JobConfig().round_config().amp
     for k, v in runs[False].global_state.items():

@@ -24,8 +24,17 @@ def test_agents_train_at_the_rounds_decayed_learning_rate(tmp_path):
                 seen.append((client, cfg.lr))
                 return super().train(model, client, cfg, progress)
 
-        cfg = fedmq.JobConfig(job="lrdecay", strategy="fedavg", rounds=3, clients=2, fraction=1.0, lr=0.8,
-                              round_lr_decay=0.5, batch_size=16, heartbeat_s=1.0)
+        cfg = fedmq.JobConfig(
+            job="lrdecay",
+            strategy="fedavg",
+            rounds=3,
+            clients=2,
+            fraction=1.0,
+            lr=0.8,
+            round_lr_decay=0.5,
+            batch_size=16,
+            heartbeat_s=1.0,
+        )
         summary = fedmq.Simulation(cfg, Recording(clients=2), run_dir=tmp_path / "run").run()
     finally:
         del sys.modules["byo_lr_decay"]

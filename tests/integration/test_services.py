@@ -42,9 +42,25 @@ def fedmq(*args: str) -> list[str]:
 
 
 def resolved(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(fedmq("aggregator", "run", "--broker", "amqp://127.0.0.1", "--job", "j1",
-                                "--config", str(tmp_path / "job.toml"), "--print-config", *args),
-                          capture_output=True, text=True, timeout=60, cwd=ROOT, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        fedmq(
+            "aggregator",
+            "run",
+            "--broker",
+            "amqp://127.0.0.1",
+            "--job",
+            "j1",
+            "--config",
+            str(tmp_path / "job.toml"),
+            "--print-config",
+            *args,
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_config_precedence_flags_env_file(tmp_path):
@@ -58,7 +74,9 @@ def test_config_precedence_flags_env_file(tmp_path):
     assert bad.returncode == 2 and bad.stderr.strip() == "error: rounds must be at least 1"
     (tmp_path / "job.toml").write_text("rounds = [")
     bad = resolved(tmp_path)
-    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "not valid TOML" in bad.stderr
+    assert (
+        bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "not valid TOML" in bad.stderr
+    )
 
 
 @pytest.mark.rabbitmq
@@ -67,17 +85,40 @@ def test_aggregator_and_agents_as_services(tmp_path, rabbit_url, job_id, free_po
     state = tmp_path / "state"
     port = free_port
     common = ["--broker", rabbit_url, "--job", job_id, "--config", str(tmp_path / "job.toml")]
-    agg = subprocess.Popen(fedmq("aggregator", "run", *common, "--rounds", "3", "--state-dir", str(state),
-                                 "--metrics-port", str(port)),
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    agents = [subprocess.Popen(fedmq("agent", "run", *common, "--client-id", f"agent-{i}", "--device", "cpu"),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-              for i in range(2)]
+    agg = subprocess.Popen(
+        fedmq(
+            "aggregator",
+            "run",
+            *common,
+            "--rounds",
+            "3",
+            "--state-dir",
+            str(state),
+            "--metrics-port",
+            str(port),
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    agents = [
+        subprocess.Popen(
+            fedmq("agent", "run", *common, "--client-id", f"agent-{i}", "--device", "cpu"),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        for i in range(2)
+    ]
     try:
         # live: the aggregator's own view (phase, agents online), not "—" and "agents online 0"
         live, deadline = {}, time.time() + 120
-        while time.time() < deadline and not (live.get("agents_online") == ["agent-0", "agent-1"]
-                                              and live.get("phase") in ("training", "uploading")):
+        while time.time() < deadline and not (
+            live.get("agents_online") == ["agent-0", "agent-1"]
+            and live.get("phase") in ("training", "uploading")
+        ):
             time.sleep(0.1)
             live = gather(rabbit_url, job_id, state) if (state / "status.json").is_file() else {}
         assert live.get("phase") in ("training", "uploading") and live["aggregators"] == 1, live
@@ -88,14 +129,21 @@ def test_aggregator_and_agents_as_services(tmp_path, rabbit_url, job_id, free_po
         while time.time() < deadline and not completed.search(metrics):
             time.sleep(0.5)
             try:
-                metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+                metrics = (
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+                )
             except OSError:
                 continue
         assert completed.search(metrics), metrics
         assert re.search(r'fedmq_queue_depth\{queue="fedmq\.%s\.inbox"\} \d' % job_id, metrics)
         assert urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5).status == 200
-        status = subprocess.run(fedmq("status", "--broker", rabbit_url, "--job", job_id, "--run-dir", str(state),
-                                      "--json"), capture_output=True, text=True, timeout=60, cwd=ROOT)
+        status = subprocess.run(
+            fedmq("status", "--broker", rabbit_url, "--job", job_id, "--run-dir", str(state), "--json"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
         assert status.returncode == 0, status.stderr
         info = json.loads(status.stdout)
         assert info["round"] >= 1 and f"fedmq.{job_id}.inbox" in info["queue_depths"]
@@ -107,13 +155,25 @@ def test_aggregator_and_agents_as_services(tmp_path, rabbit_url, job_id, free_po
         for i, p in enumerate(agents):
             assert p.wait(timeout=30) == 0
             assert f"job {job_id} finished: agent agent-{i} left" in p.stderr.read()
-        after = subprocess.run(fedmq("status", "--broker", rabbit_url, "--job", job_id, "--run-dir", str(state),
-                                     "--json"), capture_output=True, text=True, timeout=60, cwd=ROOT)
+        after = subprocess.run(
+            fedmq("status", "--broker", rabbit_url, "--job", job_id, "--run-dir", str(state), "--json"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
         assert after.returncode == 0, after.stderr
         done = json.loads(after.stdout)
-        assert done["phase"] == "finished" and done["agents_online"] == [] and done["round"] == 3, done  # the last round
-        unknown = subprocess.run(fedmq("status", "--broker", rabbit_url, "--job", job_id + "x"),
-                                 capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert done["phase"] == "finished" and done["agents_online"] == [] and done["round"] == 3, (
+            done
+        )  # the last round
+        unknown = subprocess.run(
+            fedmq("status", "--broker", rabbit_url, "--job", job_id + "x"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
         assert unknown.returncode == 1 and unknown.stdout == "", unknown
         assert unknown.stderr.count("\n") == 1 and f"no job '{job_id}x' on" in unknown.stderr, unknown.stderr
     finally:
@@ -128,19 +188,39 @@ def test_aggregator_and_agents_as_services(tmp_path, rabbit_url, job_id, free_po
 
 
 @pytest.mark.rabbitmq
-@pytest.mark.parametrize("url, says", [
-    ("amqp://guest:wrong-password@127.0.0.1:5672/%2F", "authentication refused for user 'guest'"),
-    ("amqp://guest:guest@127.0.0.1:5672/no-such-vhost", "access to virtual host 'no-such-vhost' refused"),
-    ("amqp://guest:guest@127.0.0.1:notaport/%2F", "bad broker URL"),
-])
+@pytest.mark.parametrize(
+    "url, says",
+    [
+        ("amqp://guest:wrong-password@127.0.0.1:5672/%2F", "authentication refused for user 'guest'"),
+        ("amqp://guest:guest@127.0.0.1:5672/no-such-vhost", "access to virtual host 'no-such-vhost' refused"),
+        ("amqp://guest:guest@127.0.0.1:notaport/%2F", "bad broker URL"),
+    ],
+)
 def test_an_agent_gives_up_on_permanent_broker_errors_in_one_line(tmp_path, rabbit_url, job_id, url, says):
     """Refused credentials, a missing virtual host or a malformed URL: retrying cannot help, so the agent says
     so once and exits instead of retrying every 10 s forever."""
     (tmp_path / "job.toml").write_text(JOB_TOML)
     started = time.monotonic()
-    proc = subprocess.run(fedmq("agent", "run", "--broker", url, "--job", job_id, "--config", str(tmp_path / "job.toml"),
-                                "--client-id", "agent-0", "--device", "cpu"),
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        fedmq(
+            "agent",
+            "run",
+            "--broker",
+            url,
+            "--job",
+            job_id,
+            "--config",
+            str(tmp_path / "job.toml"),
+            "--client-id",
+            "agent-0",
+            "--device",
+            "cpu",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and says in lines[0], proc.stderr[-2000:]

@@ -14,8 +14,24 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["--clients", "4", "--fraction", "0.5", "--model", "gru-tiny", "--max-lines", "1500", "--vocab-size", "2000",
-        "--max-steps", "15", "--bptt", "20", "--lr", "10"]
+TINY = [
+    "--clients",
+    "4",
+    "--fraction",
+    "0.5",
+    "--model",
+    "gru-tiny",
+    "--max-lines",
+    "1500",
+    "--vocab-size",
+    "2000",
+    "--max-steps",
+    "15",
+    "--bptt",
+    "20",
+    "--lr",
+    "10",
+]
 
 
 def fedmq(*args: str) -> list[str]:
@@ -29,8 +45,13 @@ def rows(run: Path) -> list[dict]:
 
 def test_simulate_writes_the_run_folder_and_learns(tmp_path):
     run = tmp_path / "run"
-    proc = subprocess.run(fedmq("simulate", *TINY, "--rounds", "3", "--out", str(run)), capture_output=True,
-                          text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(
+        fedmq("simulate", *TINY, "--rounds", "3", "--out", str(run)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])  # not a TTY: machine-readable summary
     assert summary["rounds_completed"] == 3 and summary["test"] > 1
@@ -46,8 +67,13 @@ def test_simulate_writes_the_run_folder_and_learns(tmp_path):
 
 def test_ctrl_c_checkpoints_and_resume_continues(tmp_path):
     run = tmp_path / "run"
-    proc = subprocess.Popen(fedmq("simulate", *TINY, "--rounds", "5", "--out", str(run)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        fedmq("simulate", *TINY, "--rounds", "5", "--out", str(run)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     deadline = time.time() + 240
     while len(rows(run)) < 2 and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
@@ -58,13 +84,21 @@ def test_ctrl_c_checkpoints_and_resume_continues(tmp_path):
     assert json.loads(out.strip().splitlines()[-1])["interrupted"] is True
     done = len(rows(run))
     assert 2 <= done < 5
-    proc = subprocess.run(fedmq("simulate", *TINY, "--rounds", "5", "--out", str(run), "--resume"),
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(
+        fedmq("simulate", *TINY, "--rounds", "5", "--out", str(run), "--resume"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [r["round"] for r in rows(run)] == [1, 2, 3, 4, 5]  # no round lost, none run twice
     assert [r["version"] for r in rows(run)] == [1, 2, 3, 4, 5]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    with open(run / "metrics.csv", newline="") as fh:  # the same CSV and event files, appended to, no round twice
+
+    with open(
+        run / "metrics.csv", newline=""
+    ) as fh:  # the same CSV and event files, appended to, no round twice
         assert [float(r["valid"]) for r in csv.DictReader(fh)] == [r["valid"] for r in rows(run)]
     board = EventAccumulator(str(run / "tb"))
     board.Reload()
@@ -78,8 +112,13 @@ def test_simulate_metrics_port_serves_score_and_loss_and_the_run_has_csv_and_ten
 
     port = free_port
     run = tmp_path / "run"
-    proc = subprocess.Popen(fedmq("simulate", *TINY, "--rounds", "2", "--out", str(run), "--metrics-port", str(port)),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        fedmq("simulate", *TINY, "--rounds", "2", "--out", str(run), "--metrics-port", str(port)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     scraped, deadline = "", time.time() + 120
     while "fedmq_validation_perplexity" not in scraped and time.time() < deadline and proc.poll() is None:
         try:
@@ -96,8 +135,9 @@ def test_simulate_metrics_port_serves_score_and_loss_and_the_run_has_csv_and_ten
     assert float(metrics["fedmq_train_loss"]) == rows(run)[done - 1]["mean_loss"]
     with open(run / "metrics.csv", newline="") as fh:
         table = list(csv.DictReader(fh))
-    assert [(int(r["round"]), float(r["valid"]), json.loads(r["weights"])) for r in table] == \
-        [(r["round"], r["valid"], r["weights"]) for r in rows(run)]
+    assert [(int(r["round"]), float(r["valid"]), json.loads(r["weights"])) for r in table] == [
+        (r["round"], r["valid"], r["weights"]) for r in rows(run)
+    ]
     board = EventAccumulator(str(run / "tb"))
     board.Reload()
     tags = set(board.Tags()["scalars"])
@@ -107,16 +147,26 @@ def test_simulate_metrics_port_serves_score_and_loss_and_the_run_has_csv_and_ten
 
 
 def test_resume_without_a_run_folder_is_one_line(tmp_path):
-    proc = subprocess.run(fedmq("simulate", "--out", str(tmp_path / "none"), "--resume"), capture_output=True,
-                          text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        fedmq("simulate", "--out", str(tmp_path / "none"), "--resume"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "--resume" in proc.stderr
 
 
 @pytest.mark.rabbitmq
 def test_simulate_over_rabbitmq(tmp_path, rabbit_url):
     run = tmp_path / "run"
-    proc = subprocess.run(fedmq("simulate", *TINY, "--rounds", "2", "--out", str(run), "--broker", rabbit_url),
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(
+        fedmq("simulate", *TINY, "--rounds", "2", "--out", str(run), "--broker", rabbit_url),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["rounds_completed"] == 2 and summary["rejected"] == {}
@@ -128,8 +178,13 @@ def test_simulate_over_rabbitmq(tmp_path, rabbit_url):
 
 
 def _job_queues(job: str) -> list[str]:
-    out = subprocess.run(["rabbitmqctl", "list_queues", "name", "--quiet", "--no-table-headers"], capture_output=True,
-                         text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        ["rabbitmqctl", "list_queues", "name", "--quiet", "--no-table-headers"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     return [q.strip() for q in out.splitlines() if q.strip().startswith(f"fedmq.{job}.")]
 
 
@@ -137,8 +192,23 @@ def _job_queues(job: str) -> list[str]:
 def test_simulate_keep_queues_leaves_them(tmp_path, rabbit_url):
     from fedmq.broker.transport.provision import purge
 
-    proc = subprocess.run(fedmq("simulate", *TINY, "--rounds", "1", "--out", str(tmp_path / "run"), "--broker", rabbit_url,
-                                "--keep-queues"), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(
+        fedmq(
+            "simulate",
+            *TINY,
+            "--rounds",
+            "1",
+            "--out",
+            str(tmp_path / "run"),
+            "--broker",
+            rabbit_url,
+            "--keep-queues",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     job = json.loads(proc.stdout.strip().splitlines()[-1])["job"]
     try:
@@ -162,8 +232,18 @@ def test_an_agent_failure_ends_the_simulation_at_once_with_one_line(tmp_path):
             raise RuntimeError(f"out of memory on client {client}\nsecond line")
 
     task = Broken(data="builtin", model="gru-tiny", clients=3, max_lines=300, vocab_size=300, bptt=10)
-    cfg = JobConfig(job="sim", rounds=2, clients=3, fraction=1.0, heartbeat_s=0.5, join_timeout_s=20,
-                    report_deadline_s=300, update_deadline_s=300, encoding="raw", down_encoding="raw")
+    cfg = JobConfig(
+        job="sim",
+        rounds=2,
+        clients=3,
+        fraction=1.0,
+        heartbeat_s=0.5,
+        join_timeout_s=20,
+        report_deadline_s=300,
+        update_deadline_s=300,
+        encoding="raw",
+        down_encoding="raw",
+    )
     started = time.monotonic()
     with pytest.raises(SimulationFailed) as info:
         Simulation(cfg, task, "memory://sim-broken", tmp_path / "run").run()
@@ -193,27 +273,48 @@ bptt = 20
 def test_config_file_run_then_resume_from_the_saved_options_alone(tmp_path):
     job, run = tmp_path / "job.toml", tmp_path / "run"
     job.write_text(JOB_TOML)
-    proc = subprocess.run(fedmq("simulate", "--config", str(job), "--rounds", "1", "--out", str(run)),
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(
+        fedmq("simulate", "--config", str(job), "--rounds", "1", "--out", str(run)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     config = json.loads((run / "config.json").read_text())
-    assert (config["strategy"], config["rounds"], config["clients"], config["train_lines"]) == ("fedatt", 1, 3, 1200)
+    assert (config["strategy"], config["rounds"], config["clients"], config["train_lines"]) == (
+        "fedatt",
+        1,
+        3,
+        1200,
+    )
     assert config["job"] == "sim" and config["extra"]["cli"]["vocab_size"] == 1500
 
     # no option repeated: the run's own config, not the defaults (8 agents, all words, fedavg)
-    proc = subprocess.run(fedmq("simulate", "--out", str(run), "--resume", "--rounds", "2"), capture_output=True,
-                          text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(
+        fedmq("simulate", "--out", str(run), "--resume", "--rounds", "2"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [r["round"] for r in rows(run)] == [1, 2]
     resumed = json.loads((run / "config.json").read_text())
-    assert {k: resumed[k] for k in ("strategy", "clients", "vocab_size", "parameters", "lr")} == \
-        {k: config[k] for k in ("strategy", "clients", "vocab_size", "parameters", "lr")}
+    assert {k: resumed[k] for k in ("strategy", "clients", "vocab_size", "parameters", "lr")} == {
+        k: config[k] for k in ("strategy", "clients", "vocab_size", "parameters", "lr")
+    }
     assert resumed["rounds"] == 2
 
     # different options are refused in one line, and nothing in the folder changes
     before = {p: p.read_bytes() for p in (run / "config.json", run / "metrics.jsonl")}
-    proc = subprocess.run(fedmq("simulate", "--out", str(run), "--resume", "--model", "gru-small", "-k", "8"),
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    proc = subprocess.run(
+        fedmq("simulate", "--out", str(run), "--resume", "--model", "gru-small", "-k", "8"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "--clients 8 (saved: 3)" in proc.stderr and "--model 'gru-small'" in proc.stderr
     assert {p: p.read_bytes() for p in before} == before
@@ -221,8 +322,13 @@ def test_config_file_run_then_resume_from_the_saved_options_alone(tmp_path):
     # a checkpoint that no longer fits (the corpus or the recorded options changed) is one line, not a hang
     changed = {**resumed, "extra": {"cli": {**resumed["extra"]["cli"], "vocab_size": 1000}}}
     (run / "config.json").write_text(json.dumps(changed))
-    proc = subprocess.run(fedmq("simulate", "--out", str(run), "--resume", "--rounds", "3"), capture_output=True,
-                          text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        fedmq("simulate", "--out", str(run), "--resume", "--rounds", "3"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "does not fit" in proc.stderr and [r["round"] for r in rows(run)] == [1, 2]
 
@@ -239,10 +345,21 @@ def test_a_second_run_of_the_same_job_in_one_process_starts_clean(tmp_path):
     from fedmq.simulation import Simulation
     from fedmq.tasks.lm import LanguageModelTask
 
-    task = LanguageModelTask(data="builtin", model="gru-tiny", clients=4, max_lines=300, vocab_size=300, bptt=10)
+    task = LanguageModelTask(
+        data="builtin", model="gru-tiny", clients=4, max_lines=300, vocab_size=300, bptt=10
+    )
     for seed in (0, 1):
-        cfg = JobConfig(job="same", rounds=2, clients=4, fraction=0.5, join_timeout_s=20, seed=seed,
-                        encoding="raw", down_encoding="raw", max_steps=2)
+        cfg = JobConfig(
+            job="same",
+            rounds=2,
+            clients=4,
+            fraction=0.5,
+            join_timeout_s=20,
+            seed=seed,
+            encoding="raw",
+            down_encoding="raw",
+            max_steps=2,
+        )
         Simulation(cfg, task, "memory://same-hub", tmp_path / f"seed-{seed}").run()
         first = rows(tmp_path / f"seed-{seed}")[0]
         assert not first["skipped"] and len(first["received"]) == 2, first

@@ -20,8 +20,20 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.mark.parametrize("corpus,max_lines", [("wikitext-2", 1200), ("ptb", 2500)])
 def test_lm_training_lowers_validation_perplexity(data_dir, corpus, max_lines):
-    task = make_task("lm", data=str(data_dir / corpus), model="gru-small", emb=64, hidden=64, clients=2,
-                     vocab_size=5000, max_lines=max_lines, max_eval_lines=300, bptt=20, dropout=0.0, seed=0)
+    task = make_task(
+        "lm",
+        data=str(data_dir / corpus),
+        model="gru-small",
+        emb=64,
+        hidden=64,
+        clients=2,
+        vocab_size=5000,
+        max_lines=max_lines,
+        max_eval_lines=300,
+        bptt=20,
+        dropout=0.0,
+        seed=0,
+    )
     model = task.build_model(0)
     before = task.evaluate(model, "valid")
     assert 0.8 * 5000 < before < 1.2 * 5000  # untrained: about uniform over the capped vocabulary
@@ -36,8 +48,17 @@ def test_lm_training_lowers_validation_perplexity(data_dir, corpus, max_lines):
 
 
 def test_nmt_training_raises_bleu(data_dir, tmp_path):
-    task = make_task("nmt", data=str(data_dir / "de-en"), domains="captions_multi30k", model="tiny", max_lines=2500,
-                     vocab_size=2000, eval_max_sentences=100, cache_dir=str(tmp_path / "cache"), seed=0)
+    task = make_task(
+        "nmt",
+        data=str(data_dir / "de-en"),
+        domains="captions_multi30k",
+        model="tiny",
+        max_lines=2500,
+        vocab_size=2000,
+        eval_max_sentences=100,
+        cache_dir=str(tmp_path / "cache"),
+        seed=0,
+    )
     model = task.build_model(0)
     before = task.evaluate(model, "valid")
     cfg = TrainConfig(epochs=4, batch_size=32, lr=3e-3, optimizer="adam", clip=1.0, seed=0)

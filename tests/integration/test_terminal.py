@@ -20,10 +20,33 @@ def test_simulate_at_an_80_column_terminal(tmp_path):
     # as a user runs it: from their own folder, into the default run folder runs/TIME-STRATEGY
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("COLUMNS", None), env.pop("LINES", None)
-    child = pexpect.spawn(sys.executable, ["-m", "fedmq.cli.app", "simulate", "--rounds", "2", "--clients", "2",
-                                           "--max-lines", "300", "--vocab-size", "500", "--max-steps", "3",
-                                           "--bptt", "20", "--max-eval-lines", "50"],
-                          cwd=str(tmp_path), env=env, dimensions=(24, 80), encoding="utf-8", timeout=240)
+    child = pexpect.spawn(
+        sys.executable,
+        [
+            "-m",
+            "fedmq.cli.app",
+            "simulate",
+            "--rounds",
+            "2",
+            "--clients",
+            "2",
+            "--max-lines",
+            "300",
+            "--vocab-size",
+            "500",
+            "--max-steps",
+            "3",
+            "--bptt",
+            "20",
+            "--max-eval-lines",
+            "50",
+        ],
+        cwd=str(tmp_path),
+        env=env,
+        dimensions=(24, 80),
+        encoding="utf-8",
+        timeout=240,
+    )
     screen = child.read()
     child.close()
     assert child.exitstatus == 0, screen[-2000:]
@@ -31,11 +54,15 @@ def test_simulate_at_an_80_column_terminal(tmp_path):
     lines = [line for line in re.split(r"\r\n|\r|\n", ANSI.sub("", screen)) if line.strip()]
     too_wide = [line for line in lines if cell_len(line) > 80]
     assert not too_wide, too_wide
-    assert "Traceback" not in screen and not any(line.lstrip().startswith("{") for line in lines)  # no JSON logs
+    assert "Traceback" not in screen and not any(
+        line.lstrip().startswith("{") for line in lines
+    )  # no JSON logs
     progress = [line for line in lines if line.startswith("rounds ━")]
     assert progress and re.search(r"2/2 .*perplexity \d+\.\d\d", progress[-1]), progress[-3:]
     score = next(line for line in lines if line.startswith("best valid perplexity"))
-    assert re.search(r"best valid perplexity \d+\.\d\d \(round \d\) · test perplexity \d+\.\d\d", score), score
+    assert re.search(r"best valid perplexity \d+\.\d\d \(round \d\) · test perplexity \d+\.\d\d", score), (
+        score
+    )
     (run,) = (tmp_path / "runs").iterdir()
     assert f"run folder: runs/{run.name}" in lines and f"plots:      fedmq report runs/{run.name}" in lines
     assert run.name.endswith("-fedavg") and (run / "summary.json").is_file()

@@ -37,7 +37,16 @@ def test_trace_json_and_csv(tmp_path):
     js = tmp_path / "t.json"
     js.write_text(json.dumps({"agent-0": [[0, 2], [5, 7]]}))
     model = parse_availability(f"trace:{js}")
-    assert [model.online("agent-0", r) for r in range(8)] == [True, True, False, False, False, True, True, False]
+    assert [model.online("agent-0", r) for r in range(8)] == [
+        True,
+        True,
+        False,
+        False,
+        False,
+        True,
+        True,
+        False,
+    ]
     assert model.online("agent-9", 3)  # absent from the trace: always online
     cs = tmp_path / "t.csv"
     cs.write_text("client,start,end\nagent-1,1,3\n")
@@ -45,7 +54,9 @@ def test_trace_json_and_csv(tmp_path):
     assert [model.online("agent-1", r) for r in range(4)] == [False, True, True, False]
 
 
-@pytest.mark.parametrize("bad", ["sometimes", "bernoulli:x", "bernoulli:1.5", "markov:0.5", "trace:/nonexistent.json", ""])
+@pytest.mark.parametrize(
+    "bad", ["sometimes", "bernoulli:x", "bernoulli:1.5", "markov:0.5", "trace:/nonexistent.json", ""]
+)
 def test_bad_availability_is_one_clear_error(bad):
     with pytest.raises(ConfigError) as err:
         parse_availability(bad)
@@ -54,9 +65,13 @@ def test_bad_availability_is_one_clear_error(bad):
 
 def test_faults_parse_and_draw_reproducible():
     faults = parse_faults("crash-train:0.5,slow:0.25:1.5,cut:0.1", seed=2)
-    assert faults.crash_train == 0.5 and faults.slow == 0.25 and faults.slow_seconds == 1.5 and faults.cut == 0.1
+    assert (
+        faults.crash_train == 0.5 and faults.slow == 0.25 and faults.slow_seconds == 1.5 and faults.cut == 0.1
+    )
     draws = [faults.draw("agent-0", r) for r in range(400)]
-    assert draws == [parse_faults("crash-train:0.5,slow:0.25:1.5,cut:0.1", seed=2).draw("agent-0", r) for r in range(400)]
+    assert draws == [
+        parse_faults("crash-train:0.5,slow:0.25:1.5,cut:0.1", seed=2).draw("agent-0", r) for r in range(400)
+    ]
     crash_rate = sum("crash-train" in d for d in draws) / len(draws)
     assert 0.42 < crash_rate < 0.58
     with pytest.raises(ConfigError):

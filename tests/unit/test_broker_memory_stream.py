@@ -25,6 +25,7 @@ def _read(b: MemoryBroker, offset, n: int) -> list[tuple[bytes, int]]:
         b.ack(d)
         if len(got) == n:
             done.set()
+
     tag = b.consume("s", take, prefetch=2, offset=offset)
     assert done.wait(5)
     b.cancel(tag)
@@ -38,7 +39,11 @@ def test_offsets_and_retention():
             b.publish("k", bytes([i]) * 10)  # 10 bytes each: the stream keeps the newest three
         assert [o for _, o in _read(b, "first", 3)] == [2, 3, 4]
         assert _read(b, "last", 1) == [(bytes([4]) * 10, 4)]
-        assert [o for _, o in _read(b, 0, 3)] == [2, 3, 4]  # an offset that aged out starts at the oldest kept
+        assert [o for _, o in _read(b, 0, 3)] == [
+            2,
+            3,
+            4,
+        ]  # an offset that aged out starts at the oldest kept
         assert [o for _, o in _read(b, 3, 2)] == [3, 4]
         assert b.queue_depth("s") == 0  # nothing is "ready": reading never removes
         with pytest.raises(BrokerError, match="stream offset"):

@@ -45,7 +45,9 @@ def test_round_trip_restores_everything(tmp_path):
     assert gen.random() == np.random.default_rng(1).random()
     g = torch.Generator()
     g.set_state(ck.strategy_state["generator"])
-    assert torch.equal(torch.randn(3, generator=g), torch.randn(3, generator=torch.Generator().manual_seed(1)))
+    assert torch.equal(
+        torch.randn(3, generator=g), torch.randn(3, generator=torch.Generator().manual_seed(1))
+    )
 
 
 def test_truncated_latest_is_ignored_and_previous_loads(tmp_path):
@@ -99,8 +101,17 @@ def test_empty_or_missing_directory_gives_none(tmp_path):
 
 def test_unsupported_state_is_a_typed_error_and_writes_nothing(tmp_path):
     with pytest.raises(CheckpointError, match="cannot checkpoint a value of type set"):
-        save_checkpoint(tmp_path, round=1, model_version=1, global_state={}, strategy_state={"s": {1, 2}},
-                        mediator_state={}, rng_state=None, folded={}, extra={})
+        save_checkpoint(
+            tmp_path,
+            round=1,
+            model_version=1,
+            global_state={},
+            strategy_state={"s": {1, 2}},
+            mediator_state={},
+            rng_state=None,
+            folded={},
+            extra={},
+        )
     assert list(tmp_path.iterdir()) == []
 
 

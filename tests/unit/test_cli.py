@@ -14,14 +14,37 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def fedmq(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fedmq.cli.app", *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "fedmq.cli.app", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
 
 
-@pytest.mark.parametrize("cmd", [[], ["simulate"], ["aggregator", "run"], ["agent", "run"], ["broker", "provision"],
-                                 ["broker", "check"], ["broker", "purge"], ["status"], ["report"], ["bench", "codec"],
-                                 ["bench", "broker"], ["bench", "aggregate"], ["bench", "train"], ["bench", "load"], ["bench", "flower"],
-                                 ["bench", "cohort"], ["experiment"]])
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        [],
+        ["simulate"],
+        ["aggregator", "run"],
+        ["agent", "run"],
+        ["broker", "provision"],
+        ["broker", "check"],
+        ["broker", "purge"],
+        ["status"],
+        ["report"],
+        ["bench", "codec"],
+        ["bench", "broker"],
+        ["bench", "aggregate"],
+        ["bench", "train"],
+        ["bench", "load"],
+        ["bench", "flower"],
+        ["bench", "cohort"],
+        ["experiment"],
+    ],
+)
 def test_help_everywhere(cmd):
     proc = fedmq(*cmd, "--help")
     assert proc.returncode == 0, proc.stderr
@@ -30,32 +53,62 @@ def test_help_everywhere(cmd):
         assert "Example" in proc.stdout
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["simulate", "--strategy", "fedfoo"], "unknown strategy"),
-    (["simulate", "--data", "/nonexistent/corpus"], "/nonexistent/corpus"),
-    (["simulate", "--broker", "nats://x"], "unsupported broker URL scheme"),
-    (["simulate", "--broker", "amqp://guest:guest@127.0.0.1:1/%2F", "--rounds", "1"], "127.0.0.1"),
-    (["simulate", "--encoding", "zip9"], "encoding"),
-    (["simulate", "--availability", "sometimes"], "availability"),
-    (["simulate", "--fraction", "2"], "fraction"),
-    (["simulate", "--log-level", "loud"], "log level"),
-    (["simulate", "--robust", "clip:-1"], "robust"),
-    (["simulate", "--down-encoding", "int9"], "encoding"),
-    (["report", "/nonexistent/run"], "/nonexistent/run"),
-    (["bench", "flower", "--data", "/nonexistent/corpus"], "/nonexistent/corpus"),
-    (["bench", "flower", "--data", ".", "-k", "5", "--selected", "10"], "--selected"),
-    (["bench", "flower", "--data", ".", "--scale", "ten"], "--scale"),
-    (["bench", "cohort", "--cohort", "ten"], "--cohort"),
-    (["bench", "cohort", "--cohort", "1"], "between 2"),
-    (["bench", "cohort", "--data", "/nonexistent/corpus", "--cohort", "2"], "/nonexistent/corpus"),
-    (["broker", "check", "--broker", "amqp://guest:guest@127.0.0.1:1/%2F"], "cannot connect"),
-    (["status", "--job", "j", "--broker", "amqp://guest:guest@127.0.0.1:1/%2F"], "cannot connect"),
-    (["agent", "run", "--broker", "amqp://127.0.0.1:1/", "--job", "j"], "--client-id"),
-    (["agent", "run", "--broker", "amqp://127.0.0.1:1/", "--job", "j", "--client-id", "agent-0",
-      "--availability", "markov:2,1"], "markov"),
-    (["aggregator", "run", "--broker", "amqp://127.0.0.1:1/", "--config", "/nonexistent/job.toml"], "not found"),
-    (["aggregator", "run", "--broker", "amqp://127.0.0.1:1/", "--strategy", "fedfoo", "--print-config"], "unknown strategy"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["simulate", "--strategy", "fedfoo"], "unknown strategy"),
+        (["simulate", "--data", "/nonexistent/corpus"], "/nonexistent/corpus"),
+        (["simulate", "--broker", "nats://x"], "unsupported broker URL scheme"),
+        (["simulate", "--broker", "amqp://guest:guest@127.0.0.1:1/%2F", "--rounds", "1"], "127.0.0.1"),
+        (["simulate", "--encoding", "zip9"], "encoding"),
+        (["simulate", "--availability", "sometimes"], "availability"),
+        (["simulate", "--fraction", "2"], "fraction"),
+        (["simulate", "--log-level", "loud"], "log level"),
+        (["simulate", "--robust", "clip:-1"], "robust"),
+        (["simulate", "--down-encoding", "int9"], "encoding"),
+        (["report", "/nonexistent/run"], "/nonexistent/run"),
+        (["bench", "flower", "--data", "/nonexistent/corpus"], "/nonexistent/corpus"),
+        (["bench", "flower", "--data", ".", "-k", "5", "--selected", "10"], "--selected"),
+        (["bench", "flower", "--data", ".", "--scale", "ten"], "--scale"),
+        (["bench", "cohort", "--cohort", "ten"], "--cohort"),
+        (["bench", "cohort", "--cohort", "1"], "between 2"),
+        (["bench", "cohort", "--data", "/nonexistent/corpus", "--cohort", "2"], "/nonexistent/corpus"),
+        (["broker", "check", "--broker", "amqp://guest:guest@127.0.0.1:1/%2F"], "cannot connect"),
+        (["status", "--job", "j", "--broker", "amqp://guest:guest@127.0.0.1:1/%2F"], "cannot connect"),
+        (["agent", "run", "--broker", "amqp://127.0.0.1:1/", "--job", "j"], "--client-id"),
+        (
+            [
+                "agent",
+                "run",
+                "--broker",
+                "amqp://127.0.0.1:1/",
+                "--job",
+                "j",
+                "--client-id",
+                "agent-0",
+                "--availability",
+                "markov:2,1",
+            ],
+            "markov",
+        ),
+        (
+            ["aggregator", "run", "--broker", "amqp://127.0.0.1:1/", "--config", "/nonexistent/job.toml"],
+            "not found",
+        ),
+        (
+            [
+                "aggregator",
+                "run",
+                "--broker",
+                "amqp://127.0.0.1:1/",
+                "--strategy",
+                "fedfoo",
+                "--print-config",
+            ],
+            "unknown strategy",
+        ),
+    ],
+)
 def test_user_errors_are_one_line(args, needle, tmp_path):
     proc = fedmq(*args, "--out", str(tmp_path / "run")) if args[0] == "simulate" else fedmq(*args)
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
@@ -66,15 +119,36 @@ def test_user_errors_are_one_line(args, needle, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------- help at 80 columns
-ALL_COMMANDS = [[], ["simulate"], ["aggregator", "run"], ["agent", "run"], ["broker", "provision"], ["broker", "check"],
-                ["broker", "purge"], ["status"], ["report"], ["bench", "codec"], ["bench", "broker"],
-                ["bench", "aggregate"], ["bench", "train"], ["bench", "load"], ["bench", "flower"], ["bench", "cohort"],
-                ["experiment"]]
+ALL_COMMANDS = [
+    [],
+    ["simulate"],
+    ["aggregator", "run"],
+    ["agent", "run"],
+    ["broker", "provision"],
+    ["broker", "check"],
+    ["broker", "purge"],
+    ["status"],
+    ["report"],
+    ["bench", "codec"],
+    ["bench", "broker"],
+    ["bench", "aggregate"],
+    ["bench", "train"],
+    ["bench", "load"],
+    ["bench", "flower"],
+    ["bench", "cohort"],
+    ["experiment"],
+]
 
 
 def help80(*cmd: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "fedmq.cli.app", *cmd, "--help"], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT, env={**os.environ, "COLUMNS": "80", "TERMINAL_WIDTH": "80"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedmq.cli.app", *cmd, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "COLUMNS": "80", "TERMINAL_WIDTH": "80"},
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -84,7 +158,9 @@ def test_help_fits_80_columns_and_reads_like_argparse(cmd):
     text = help80(*cmd)
     assert max(len(line) for line in text.splitlines()) <= 80, text
     assert "…" not in text  # nothing truncated
-    assert not [line for line in text.splitlines()[1:] if line.endswith("...")], text  # command summaries in full
+    assert not [line for line in text.splitlines()[1:] if line.endswith("...")], (
+        text
+    )  # command summaries in full
     assert not re.search(r"<(str|int|float|bool|path|list\[)", text, re.I), text  # readable metavars
 
 
@@ -99,12 +175,33 @@ def test_simulate_help_groups_options_and_lists_every_choice_in_full():
     from fedmq.tasks.nmt_model import CONFIGS
 
     text = help80("simulate")
-    for panel in ("Task and data:", "Strategy:", "Local training:", "Wire:", "Availability and faults:", "Run:"):
+    for panel in (
+        "Task and data:",
+        "Strategy:",
+        "Local training:",
+        "Wire:",
+        "Availability and faults:",
+        "Run:",
+    ):
         assert f"\n{panel}\n" in text, panel
     names = words(text)
     encodings = set(KINDS) - {"topk"} | {"int8-row", "int4-row", "topk:DENSITY"}
-    for name in [*STRATEGIES, *encodings, *PRESETS, *CONFIGS, "iid", "dirichlet:ALPHA", "natural", "bernoulli:P",
-                 "markov:A,B".split(",")[0], "trace:FILE", "crash-train:P", "crash-grant:P", "slow:P:SECONDS", "cut:P"]:
+    for name in [
+        *STRATEGIES,
+        *encodings,
+        *PRESETS,
+        *CONFIGS,
+        "iid",
+        "dirichlet:ALPHA",
+        "natural",
+        "bernoulli:P",
+        "markov:A,B".split(",")[0],
+        "trace:FILE",
+        "crash-train:P",
+        "crash-grant:P",
+        "slow:P:SECONDS",
+        "cut:P",
+    ]:
         assert name in names, name
     assert "--config FILE" in text and "--tied / --untied" in text and "-k, --clients K" in text
     assert "--metrics-port PORT" in text
@@ -113,8 +210,14 @@ def test_simulate_help_groups_options_and_lists_every_choice_in_full():
 
 def test_agent_run_help_shows_option_names_and_brackets():
     text = help80("agent", "run")
-    for name in ("--client-id-from-hostname", "--no-client-id-from-hostname", "--audit-log AUDIT_LOG",
-                 "--chunk-limit CHUNK_LIMIT", "--metrics-port METRICS_PORT", "--availability AVAILABILITY"):
+    for name in (
+        "--client-id-from-hostname",
+        "--no-client-id-from-hostname",
+        "--audit-log AUDIT_LOG",
+        "--chunk-limit CHUNK_LIMIT",
+        "--metrics-port METRICS_PORT",
+        "--availability AVAILABILITY",
+    ):
         assert name in text, name
     assert "[task] table" in text  # not eaten as markup
 
@@ -130,39 +233,44 @@ def test_model_catalog_matches_the_models():
 # --------------------------------------------------------------------------------------------- fast, torch-free checks
 def fedmq_torch_probe(*args: str) -> tuple[subprocess.CompletedProcess, bool]:
     """Run the CLI in-process under a probe that reports whether torch was imported by the time it exited."""
-    code = ("import atexit, sys; atexit.register(lambda: sys.__stdout__.write('TORCH=%s' % ('torch' in sys.modules)));"
-            f"sys.argv = ['fedmq', *{list(args)!r}]; from fedmq.cli.app import main; main()")
+    code = (
+        "import atexit, sys; atexit.register(lambda: sys.__stdout__.write('TORCH=%s' % ('torch' in sys.modules)));"
+        f"sys.argv = ['fedmq', *{list(args)!r}]; from fedmq.cli.app import main; main()"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     return proc, "TORCH=True" in proc.stdout
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--strategy", "nope"], "unknown strategy"),
-    (["--model", "gru-huge"], "gru-tiny, gru-small"),
-    (["--encoding", "zip9"], "encoding"),
-    (["--down-encoding", "int9"], "encoding"),
-    (["--availability", "markov:2,1"], "markov"),
-    (["--faults", "boom:1"], "unknown fault"),
-    (["--partition", "dirichlet:x"], "partition"),
-    (["--device", "tpu"], "--device"),
-    (["--broker", "nats://x"], "unsupported broker URL scheme"),
-    (["--fraction", "2"], "fraction"),
-    (["--robust", "clip:-1"], "robust"),
-    (["--log-level", "loud"], "log level"),
-    (["--rounds", "x"], "--rounds"),
-    (["--no-such-flag"], "--no-such-flag"),
-    (["--data", "/etc/hostname"], "is a file"),
-    (["--data", "/nonexistent/corpus"], "no such folder"),
-    (["--task", "lm", "--domains", "news"], "--domains"),
-    (["--beam", "4"], "--beam"),
-    (["--task", "nmt", "--data", ".", "--bptt", "20"], "--bptt"),
-    (["--task", "nmt", "--data", ".", "--tied"], "--tied"),
-    (["--task", "nmt"], "needs --data"),
-    (["--vocab-size", "-1"], "--vocab-size"),
-    (["--metrics-port", "70000"], "--metrics-port"),
-    (["--metrics-port", "-1"], "--metrics-port"),
-    (["--metrics-port", "http"], "--metrics-port"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--strategy", "nope"], "unknown strategy"),
+        (["--model", "gru-huge"], "gru-tiny, gru-small"),
+        (["--encoding", "zip9"], "encoding"),
+        (["--down-encoding", "int9"], "encoding"),
+        (["--availability", "markov:2,1"], "markov"),
+        (["--faults", "boom:1"], "unknown fault"),
+        (["--partition", "dirichlet:x"], "partition"),
+        (["--device", "tpu"], "--device"),
+        (["--broker", "nats://x"], "unsupported broker URL scheme"),
+        (["--fraction", "2"], "fraction"),
+        (["--robust", "clip:-1"], "robust"),
+        (["--log-level", "loud"], "log level"),
+        (["--rounds", "x"], "--rounds"),
+        (["--no-such-flag"], "--no-such-flag"),
+        (["--data", "/etc/hostname"], "is a file"),
+        (["--data", "/nonexistent/corpus"], "no such folder"),
+        (["--task", "lm", "--domains", "news"], "--domains"),
+        (["--beam", "4"], "--beam"),
+        (["--task", "nmt", "--data", ".", "--bptt", "20"], "--bptt"),
+        (["--task", "nmt", "--data", ".", "--tied"], "--tied"),
+        (["--task", "nmt"], "needs --data"),
+        (["--vocab-size", "-1"], "--vocab-size"),
+        (["--metrics-port", "70000"], "--metrics-port"),
+        (["--metrics-port", "-1"], "--metrics-port"),
+        (["--metrics-port", "http"], "--metrics-port"),
+    ],
+)
 def test_bad_simulate_flags_are_one_line_before_torch_and_leave_no_folder(args, needle, tmp_path):
     out = tmp_path / "run"
     proc, torch_loaded = fedmq_torch_probe("simulate", *args, "--out", str(out))
@@ -199,8 +307,15 @@ def test_device_cuda_without_a_gpu_is_one_line_before_any_agent(tmp_path):
 
 
 def test_connection_errors_read_as_words_not_exception_classes(tmp_path):
-    proc = fedmq("simulate", "--broker", "amqp://guest:guest@127.0.0.1:1/%2F", "--max-lines", "200",
-                 "--out", str(tmp_path / "run"))
+    proc = fedmq(
+        "simulate",
+        "--broker",
+        "amqp://guest:guest@127.0.0.1:1/%2F",
+        "--max-lines",
+        "200",
+        "--out",
+        str(tmp_path / "run"),
+    )
     assert proc.returncode == 2 and "connection refused" in proc.stderr, proc.stderr
     assert not re.search(r"[A-Z]\w*(Error|Exception)\b", proc.stderr), proc.stderr
     assert not (tmp_path / "run").exists()  # created once the flags were valid, removed again on the failure
@@ -235,7 +350,9 @@ def test_out_holding_a_run_is_refused_without_resume_and_left_untouched(tmp_path
 def test_a_failed_run_leaves_an_existing_empty_folder_empty(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    proc = fedmq("simulate", "--broker", "amqp://guest:guest@127.0.0.1:1/%2F", "--max-lines", "200", "--out", str(run))
+    proc = fedmq(
+        "simulate", "--broker", "amqp://guest:guest@127.0.0.1:1/%2F", "--max-lines", "200", "--out", str(run)
+    )
     one_line_error(proc, "cannot connect")
     assert run.is_dir() and not list(run.iterdir())
 
@@ -257,26 +374,37 @@ def plan(*args: str, saved: dict | None = None):
 
 def test_config_file_then_flags_override_it(tmp_path):
     job = tmp_path / "job.toml"
-    job.write_text('job = "wt2"\nidentity = "strict"\nstrategy = "fedatt"\nrounds = 3\natt_eps = 1.0\nlr = 10\n'
-                   'keyframe_every = 4\n[task]\nmodel = "gru-small"\nclients = 6\nmax_lines = 500\nemb = 64\n')
+    job.write_text(
+        'job = "wt2"\nidentity = "strict"\nstrategy = "fedatt"\nrounds = 3\natt_eps = 1.0\nlr = 10\n'
+        'keyframe_every = 4\n[task]\nmodel = "gru-small"\nclients = 6\nmax_lines = 500\nemb = 64\n'
+    )
     p = plan("--config", str(job), "--rounds", "5", "--lr", "5")
-    assert (p.job.strategy, p.job.rounds, p.job.att_eps, p.job.lr, p.job.keyframe_every) == ("fedatt", 5, 1.0, 5.0, 4)
+    assert (p.job.strategy, p.job.rounds, p.job.att_eps, p.job.lr, p.job.keyframe_every) == (
+        "fedatt",
+        5,
+        1.0,
+        5.0,
+        4,
+    )
     assert p.job.job == "sim"  # simulate names its own job; the services' job id in the file is ignored
     assert p.task == {**p.task, "model": "gru-small", "clients": 6, "max_lines": 500, "emb": 64}
     assert p.job.extra["cli"]["rounds"] == 5 and p.job.extra["cli"]["keyframe_every"] == 4
     assert plan().job.strategy == "fedavg" and plan().task["model"] == "gru-tiny"
 
 
-@pytest.mark.parametrize("content,needle", [
-    ("rounds = 'ten'\n", "rounds must be a whole number"),
-    ("fraction = true\n", "fraction must be a number"),
-    ("roundz = 3\n", "unknown key(s) roundz"),
-    ("[task]\nfoo = 1\n", "task.foo"),
-    ("clients = 2\n[task]\nclients = 3\n", "contradicts"),
-    ("task = 3\n", "[task] table"),
-    ("rounds =\n", "not valid TOML"),
-    ("[task]\ndomains = ['news']\n", "--domains"),
-])
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        ("rounds = 'ten'\n", "rounds must be a whole number"),
+        ("fraction = true\n", "fraction must be a number"),
+        ("roundz = 3\n", "unknown key(s) roundz"),
+        ("[task]\nfoo = 1\n", "task.foo"),
+        ("clients = 2\n[task]\nclients = 3\n", "contradicts"),
+        ("task = 3\n", "[task] table"),
+        ("rounds =\n", "not valid TOML"),
+        ("[task]\ndomains = ['news']\n", "--domains"),
+    ],
+)
 def test_bad_config_files_are_one_line(tmp_path, content, needle):
     from fedmq.cli.errors import UsageError
 
@@ -289,34 +417,59 @@ def test_bad_config_files_are_one_line(tmp_path, content, needle):
 def test_resume_keeps_saved_options_and_refuses_different_ones():
     from fedmq.cli.errors import UsageError
 
-    saved = plan("-k", "4", "--lr", "10", "--model", "gru-small", "--max-lines", "300", "--rounds", "2").options
-    p = plan("--rounds", "6", "--device", "auto", saved=dict(saved))  # harmless: extend the run, another device
+    saved = plan(
+        "-k", "4", "--lr", "10", "--model", "gru-small", "--max-lines", "300", "--rounds", "2"
+    ).options
+    p = plan(
+        "--rounds", "6", "--device", "auto", saved=dict(saved)
+    )  # harmless: extend the run, another device
     assert (p.job.clients, p.job.lr, p.job.rounds) == (4, 10.0, 6)
     assert (p.task["model"], p.task["max_lines"]) == ("gru-small", 300)
     assert plan("--lr", "10", "-k", "4", saved=dict(saved)).job.lr == 10.0  # the saved values, repeated: fine
-    with pytest.raises(UsageError, match=r"--clients 8 \(saved: 4\), --model 'gru-tiny' \(saved: 'gru-small'\)"):
+    with pytest.raises(
+        UsageError, match=r"--clients 8 \(saved: 4\), --model 'gru-tiny' \(saved: 'gru-small'\)"
+    ):
         plan("-k", "8", "--model", "gru-tiny", saved=dict(saved))
 
 
 def test_resume_of_a_run_folder_from_before_options_were_recorded():
     from fedmq.cli.simulate_options import saved_options
 
-    legacy = {"strategy": "fedatt", "att_eps": 1.0, "clients": 4, "lr": 10.0, "task": "lm", "model": "gru-small",
-              "partition": "iid", "bptt": 20, "model_config": {"tied": True, "dropout": 0.1}, "extra": {}}
+    legacy = {
+        "strategy": "fedatt",
+        "att_eps": 1.0,
+        "clients": 4,
+        "lr": 10.0,
+        "task": "lm",
+        "model": "gru-small",
+        "partition": "iid",
+        "bptt": 20,
+        "model_config": {"tied": True, "dropout": 0.1},
+        "extra": {},
+    }
     p = plan(saved=saved_options(legacy))
-    assert (p.job.strategy, p.job.att_eps, p.job.clients, p.task["model"], p.task["bptt"], p.task["tied"]) == \
-        ("fedatt", 1.0, 4, "gru-small", 20, True)
+    assert (
+        p.job.strategy,
+        p.job.att_eps,
+        p.job.clients,
+        p.task["model"],
+        p.task["bptt"],
+        p.task["tied"],
+    ) == ("fedatt", 1.0, 4, "gru-small", 20, True)
 
 
 # --------------------------------------------------------------------------------------------- set-up
 def make_setup_commands(target: str) -> str:
     """What `make TARGET` would install: its setup lines, run by scripts/setup.sh with --dry-run."""
-    lines = subprocess.run(["make", "-n", target], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    lines = subprocess.run(
+        ["make", "-n", target], capture_output=True, text=True, cwd=ROOT, check=True
+    ).stdout
     out = ""
     for line in lines.splitlines():
         if "scripts/setup.sh" in line:
-            out += subprocess.run([*line.split(), "--dry-run"], capture_output=True, text=True, cwd=ROOT,
-                                  check=True).stdout
+            out += subprocess.run(
+                [*line.split(), "--dry-run"], capture_output=True, text=True, cwd=ROOT, check=True
+            ).stdout
     return out
 
 

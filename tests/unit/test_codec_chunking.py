@@ -81,7 +81,7 @@ def test_interleaved_messages() -> None:
     fa, fb = _frames(a, "a"), _frames(b, "b")
     r = Reassembler()
     got = {}
-    for f in [x for pair in zip(fa, fb) for x in pair] + fb[len(fa):]:
+    for f in [x for pair in zip(fa, fb) for x in pair] + fb[len(fa) :]:
         c = decode_chunk(f)
         out = r.add(c, now=0.0)
         if out is not None:
@@ -235,7 +235,9 @@ def test_fuzz_decode_chunk(data: st.DataObject) -> None:
     else:  # structurally plausible frames with wrong field values
         parts = msgpack.unpackb(frame)
         i = data.draw(st.integers(0, 8))
-        parts[i] = data.draw(st.one_of(st.integers(-(2**40), 2**40), st.binary(max_size=20), st.text(max_size=5), st.none()))
+        parts[i] = data.draw(
+            st.one_of(st.integers(-(2**40), 2**40), st.binary(max_size=20), st.text(max_size=5), st.none())
+        )
         blob = msgpack.packb(parts)
     try:
         c = decode_chunk(blob)
@@ -294,7 +296,15 @@ def test_chunk_frame_slices_like_the_encoded_frame() -> None:
         f, e = ChunkFrame(c), encode_chunk(c)
         assert len(f) == len(e) and bytes(f) == e
         head = len(f.head)
-        for a, z in ((0, 131_072), (0, 3), (head - 1, head + 1), (head, head + 7), (5, 10**9), (len(e), len(e) + 5), (9, 2)):
+        for a, z in (
+            (0, 131_072),
+            (0, 3),
+            (head - 1, head + 1),
+            (head, head + 7),
+            (5, 10**9),
+            (len(e), len(e) + 5),
+            (9, 2),
+        ):
             assert f[a:z] == e[a:z]
         with pytest.raises((TypeError, ValueError)):
             f[::2]

@@ -22,7 +22,9 @@ from fedmq.manifest import Manifest
 def _state(seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {
-        "emb.weight": (rng.standard_normal((300, 64)) * 0.05 * rng.uniform(0.5, 2, (300, 1))).astype(np.float32),
+        "emb.weight": (rng.standard_normal((300, 64)) * 0.05 * rng.uniform(0.5, 2, (300, 1))).astype(
+            np.float32
+        ),
         "rnn.weight": (rng.standard_normal((96, 32)) * 0.1).astype(np.float32),
         "rnn.bias": rng.standard_normal(96).astype(np.float32),
         "scalar": np.array(1.25, np.float32),
@@ -31,7 +33,10 @@ def _state(seed: int = 0) -> dict[str, np.ndarray]:
 
 
 STATE = _state()
-BASE = {k: (v - (np.random.default_rng(1).standard_normal(v.shape) * 1e-3)).astype(np.float32) for k, v in STATE.items()}
+BASE = {
+    k: (v - (np.random.default_rng(1).standard_normal(v.shape) * 1e-3)).astype(np.float32)
+    for k, v in STATE.items()
+}
 MANIFEST = Manifest.from_arrays(STATE)
 
 
@@ -42,7 +47,21 @@ def _roundtrip(spec: EncodingSpec, state=STATE, base=None, manifest=MANIFEST) ->
 
 @pytest.mark.parametrize(
     "text",
-    ["raw", "fp16", "bf16", "int8", "int8-row", "topk:0.01", "delta+raw", "delta+int8", "delta+topk:0.05", "raw@3", "raw@0", "bf16,noshuffle", "delta+fp16@-1"],
+    [
+        "raw",
+        "fp16",
+        "bf16",
+        "int8",
+        "int8-row",
+        "topk:0.01",
+        "delta+raw",
+        "delta+int8",
+        "delta+topk:0.05",
+        "raw@3",
+        "raw@0",
+        "bf16,noshuffle",
+        "delta+fp16@-1",
+    ],
 )
 def test_parse_str_roundtrip(text: str) -> None:
     spec = EncodingSpec.parse(text)
@@ -55,7 +74,9 @@ def test_parse_fields() -> None:
     assert EncodingSpec.parse("int8-row").per_row and EncodingSpec.parse("raw@0").level == 0
 
 
-@pytest.mark.parametrize("text", ["", "zip", "topk:abc", "topk:0", "topk:1.5", "int8:0.1", "raw@99", "delta+", "raw+delta", 5])
+@pytest.mark.parametrize(
+    "text", ["", "zip", "topk:abc", "topk:0", "topk:1.5", "int8:0.1", "raw@99", "delta+", "raw+delta", 5]
+)
 def test_parse_rejects(text) -> None:
     with pytest.raises(CodecError) as e:
         EncodingSpec.parse(text)
@@ -63,7 +84,12 @@ def test_parse_rejects(text) -> None:
 
 
 def test_raw_bit_exact_also_as_delta_and_for_torch() -> None:
-    for spec in (EncodingSpec(), EncodingSpec(level=0), EncodingSpec(shuffle=False), EncodingSpec(delta=True)):
+    for spec in (
+        EncodingSpec(),
+        EncodingSpec(level=0),
+        EncodingSpec(shuffle=False),
+        EncodingSpec(delta=True),
+    ):
         out, _ = _roundtrip(spec, base=BASE if spec.delta else None)
         assert set(out) == set(STATE)
         for k, v in STATE.items():
@@ -92,8 +118,12 @@ def test_fp16_bound() -> None:
 
 def test_bf16_matches_torch_and_bound() -> None:
     rng = np.random.default_rng(5)
-    x = np.concatenate([rng.standard_normal(10000).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 10000),
-                        np.array([0.0, -0.0, np.inf, -np.inf, 3.4e38, 1e-45], np.float32)]).astype(np.float32)
+    x = np.concatenate(
+        [
+            rng.standard_normal(10000).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 10000),
+            np.array([0.0, -0.0, np.inf, -np.inf, 3.4e38, 1e-45], np.float32),
+        ]
+    ).astype(np.float32)
     ours = f32_to_bf16(x)
     ref = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     assert np.array_equal(ours, ref)
@@ -125,7 +155,11 @@ def test_affine_bound(kind: str, levels: int, per_row: bool, delta: bool) -> Non
 
 
 def test_int4_odd_sizes_and_text_form() -> None:
-    s = {"odd": np.arange(7, dtype=np.float32), "one": np.ones(1, np.float32), "none": np.zeros(0, np.float32)}
+    s = {
+        "odd": np.arange(7, dtype=np.float32),
+        "one": np.ones(1, np.float32),
+        "none": np.zeros(0, np.float32),
+    }
     out, _ = _roundtrip(EncodingSpec.parse("int4-row"), s, manifest=Manifest.from_arrays(s))
     assert np.allclose(out["odd"], s["odd"], atol=7 / 15 / 2 + 1e-6) and out["none"].shape == (0,)
     assert str(EncodingSpec.parse("delta+int4-row")) == "delta+int4-row"
@@ -143,7 +177,10 @@ def test_int5_and_int6_refuse_values_above_their_top_level() -> None:
         run_all(tasks)
         with pytest.raises(CodecError, match="above its top level"):
             decode_state(msgpack.unpackb(msgpack.packb(obj)), man)
-    assert str(EncodingSpec.parse("delta+int5-row")) == "delta+int5-row" and str(EncodingSpec.parse("int6")) == "int6"
+    assert (
+        str(EncodingSpec.parse("delta+int5-row")) == "delta+int5-row"
+        and str(EncodingSpec.parse("int6")) == "int6"
+    )
 
 
 def test_int8_constant_tensor() -> None:
@@ -180,7 +217,9 @@ def test_topk_fp32_fallback_for_large_values() -> None:
     assert out["w"].tolist() == [1e6, 0.0, 2e5, 0.0]
 
 
-@pytest.mark.parametrize("text", ["raw", "raw@0", "raw,noshuffle", "bf16", "delta+raw", "int8-row", "topk:0.1"])
+@pytest.mark.parametrize(
+    "text", ["raw", "raw@0", "raw,noshuffle", "bf16", "delta+raw", "int8-row", "topk:0.1"]
+)
 def test_direct_decode_without_msgpack_and_no_aliasing(text: str) -> None:
     """encode_state's dict decodes as is (in-process); later changes to the source do not leak into it."""
     spec = EncodingSpec.parse(text)
@@ -312,13 +351,30 @@ def test_decode_is_all_or_nothing() -> None:
         decode_state(obj, MANIFEST)
 
 
-SMALL = {"a": (np.random.default_rng(9).standard_normal((40, 30)) * 0.05).astype(np.float32), "b": np.linspace(-1, 1, 7, dtype=np.float32)}
+SMALL = {
+    "a": (np.random.default_rng(9).standard_normal((40, 30)) * 0.05).astype(np.float32),
+    "b": np.linspace(-1, 1, 7, dtype=np.float32),
+}
 SMALL_BASE = {k: v * 0.99 for k, v in SMALL.items()}
 SMALL_MAN = Manifest.from_arrays(SMALL)
 SMALL_WIRES = [
     msgpack.packb(encode_state(SMALL, EncodingSpec.parse(t), SMALL_BASE))
-    for t in ("raw", "fp16", "bf16", "int8-row", "int6-row", "int5-row", "int4-row", "topk:0.1", "delta+raw",
-              "delta+int8", "delta+int5", "delta+int4", "delta+topk:0.2", "raw@0")
+    for t in (
+        "raw",
+        "fp16",
+        "bf16",
+        "int8-row",
+        "int6-row",
+        "int5-row",
+        "int4-row",
+        "topk:0.1",
+        "delta+raw",
+        "delta+int8",
+        "delta+int5",
+        "delta+int4",
+        "delta+topk:0.2",
+        "raw@0",
+    )
 ]
 
 
@@ -346,9 +402,13 @@ def test_fuzz_decode_state(data: st.DataObject) -> None:
     try:
         obj = msgpack.unpackb(wire, raw=False, strict_map_key=False, max_ext_len=0)
     except Exception:
-        obj = data.draw(st.recursive(st.none() | st.integers() | st.binary(max_size=8) | st.text(max_size=4),
-                                     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=3), c, max_size=4),
-                                     max_leaves=12))
+        obj = data.draw(
+            st.recursive(
+                st.none() | st.integers() | st.binary(max_size=8) | st.text(max_size=4),
+                lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=3), c, max_size=4),
+                max_leaves=12,
+            )
+        )
     try:
         out = decode_state(obj, SMALL_MAN, SMALL_BASE)
     except CodecError as e:
@@ -358,9 +418,22 @@ def test_fuzz_decode_state(data: st.DataObject) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["raw", "delta+raw", "fp16", "delta+fp16", "bf16", "delta+bf16", "int8-row", "delta+int8", "int4-row",
-             "delta+int4", "topk:0.05",
-             "delta+topk:0.05", "raw,noshuffle"],
+    "text",
+    [
+        "raw",
+        "delta+raw",
+        "fp16",
+        "delta+fp16",
+        "bf16",
+        "delta+bf16",
+        "int8-row",
+        "delta+int8",
+        "int4-row",
+        "delta+int4",
+        "topk:0.05",
+        "delta+topk:0.05",
+        "raw,noshuffle",
+    ],
 )
 def test_as_delta_is_decoded_minus_base(text: str) -> None:
     """What the aggregator folds: θ − base in one pass, equal to decoding θ and subtracting the base."""
@@ -369,8 +442,12 @@ def test_as_delta_is_decoded_minus_base(text: str) -> None:
     deltas = decode_state(obj, MANIFEST, BASE, as_delta=True)
     assert list(deltas) == list(full)
     for name, d in deltas.items():
-        np.testing.assert_allclose(d, full[name] - BASE[name], rtol=0, atol=1e-6 * max(1.0, float(np.abs(full[name]).max(initial=0))))
-    if text == "delta+raw":  # the raw XOR delta yields θ bit-exactly, so θ − base is exactly float32 subtraction
+        np.testing.assert_allclose(
+            d, full[name] - BASE[name], rtol=0, atol=1e-6 * max(1.0, float(np.abs(full[name]).max(initial=0)))
+        )
+    if (
+        text == "delta+raw"
+    ):  # the raw XOR delta yields θ bit-exactly, so θ − base is exactly float32 subtraction
         for name, d in deltas.items():
             assert np.array_equal(d, STATE[name] - BASE[name])
 

@@ -11,11 +11,23 @@ from hypothesis import strategies as st
 
 from fedmq.broker.wire.blobs import digest
 from fedmq.broker.wire.encodings import EncodingSpec, decode_state, encode_state
-from fedmq.broker.wire.envelope import FLAG_ZSTD, HEADER_SIZE, SCHEMA_VERSION, Envelope, Kind, Limits, pack, unpack
+from fedmq.broker.wire.envelope import (
+    FLAG_ZSTD,
+    HEADER_SIZE,
+    SCHEMA_VERSION,
+    Envelope,
+    Kind,
+    Limits,
+    pack,
+    unpack,
+)
 from fedmq.errors import CodecError
 from fedmq.manifest import Manifest
 
-STATE = {"w": (np.random.default_rng(0).standard_normal((64, 48)) * 0.05).astype(np.float32), "b": np.ones(48, np.float32)}
+STATE = {
+    "w": (np.random.default_rng(0).standard_normal((64, 48)) * 0.05).astype(np.float32),
+    "b": np.ones(48, np.float32),
+}
 MAN = Manifest.from_arrays(STATE)
 
 
@@ -24,7 +36,16 @@ def _frame(body: bytes, flags: int = 0, version: int = SCHEMA_VERSION) -> bytes:
 
 
 def _body(**over) -> list:
-    fields = {"kind": "report", "job": "j1", "round": 1, "client": "c1", "mv": 0, "id": "abc", "at": 1.0, "payload": {"loss": 0.5}}
+    fields = {
+        "kind": "report",
+        "job": "j1",
+        "round": 1,
+        "client": "c1",
+        "mv": 0,
+        "id": "abc",
+        "at": 1.0,
+        "payload": {"loss": 0.5},
+    }
     fields.update(over)
     return list(fields.values())
 
@@ -38,13 +59,27 @@ def _reason(data: bytes, **kw) -> str:
 @pytest.mark.parametrize("kind", list(Kind))
 @pytest.mark.parametrize("level", [0, 3])
 def test_roundtrip_every_kind(kind: Kind, level: int) -> None:
-    env = Envelope(kind, "job-1", 7, "client_3", 6, {"n_samples": 10, "loss": 1.5, "ok": True, "blob": b"\x00" * 500, "xs": [1, 2]})
+    env = Envelope(
+        kind,
+        "job-1",
+        7,
+        "client_3",
+        6,
+        {"n_samples": 10, "loss": 1.5, "ok": True, "blob": b"\x00" * 500, "xs": [1, 2]},
+    )
     out = unpack(pack(env, level=level))
     assert out == env and isinstance(out.kind, Kind)
 
 
 def test_tensor_payload_end_to_end() -> None:
-    env = Envelope(Kind.UPDATE, "j", 2, "c", 1, {"n_samples": 3, "tensors": encode_state(STATE, EncodingSpec.parse("bf16"))})
+    env = Envelope(
+        Kind.UPDATE,
+        "j",
+        2,
+        "c",
+        1,
+        {"n_samples": 3, "tensors": encode_state(STATE, EncodingSpec.parse("bf16"))},
+    )
     out = decode_state(unpack(pack(env)).payload["tensors"], MAN)
     assert np.all(np.abs(out["w"] - STATE["w"]) <= np.abs(STATE["w"]) * 2.0**-8)
 
@@ -75,7 +110,9 @@ def test_bombs() -> None:
     huge = zstd.ZstdCompressor(level=19).compress(bytes(64 << 20))  # ~2 KiB declaring 64 MiB
     assert len(huge) < 10_000
     assert _reason(_frame(huge, FLAG_ZSTD), limits=Limits(max_decompressed_bytes=1 << 20)) == "bomb"
-    assert _reason(_frame(huge, FLAG_ZSTD)) == "bomb"  # by default: pack never zstd's a body over COMPRESS_MAX
+    assert (
+        _reason(_frame(huge, FLAG_ZSTD)) == "bomb"
+    )  # by default: pack never zstd's a body over COMPRESS_MAX
     unknown = zstd.ZstdCompressor(write_content_size=False).compress(msgpack.packb(_body()))
     assert _reason(_frame(unknown, FLAG_ZSTD)) == "bomb"
     # a msgpack map claiming 2^31 entries, and an array claiming 2^32-1
@@ -88,8 +125,16 @@ def test_rejects_ext_types_and_bad_fields() -> None:
     assert _reason(_frame(msgpack.packb(_body(payload={"t": msgpack.ExtType(1, b"x")})))) == "malformed"
     assert _reason(_frame(msgpack.packb(_body(payload={"t": msgpack.Timestamp(1, 0)})))) == "malformed"
     bad_fields = [
-        {"job": "a.b"}, {"job": ""}, {"client": "x y"}, {"round": "1"}, {"round": True}, {"mv": -5},
-        {"id": ""}, {"at": "now"}, {"payload": [1]}, {"payload": {1: 2}},
+        {"job": "a.b"},
+        {"job": ""},
+        {"client": "x y"},
+        {"round": "1"},
+        {"round": True},
+        {"mv": -5},
+        {"id": ""},
+        {"at": "now"},
+        {"payload": [1]},
+        {"payload": {1: 2}},
     ]
     for over in bad_fields:
         with pytest.raises(CodecError) as e:
@@ -113,7 +158,17 @@ def test_pack_rejects_bad_envelopes() -> None:
 
 
 VALID = [
-    pack(Envelope(Kind.UPDATE, "j", 3, "c9", 2, {"n_samples": 4, "tensors": encode_state(STATE, EncodingSpec.parse("int8"))}), level=0),
+    pack(
+        Envelope(
+            Kind.UPDATE,
+            "j",
+            3,
+            "c9",
+            2,
+            {"n_samples": 4, "tensors": encode_state(STATE, EncodingSpec.parse("int8"))},
+        ),
+        level=0,
+    ),
     pack(Envelope(Kind.REPORT, "j", 3, "c9", 2, {"loss": 0.25, "n": 4}), level=3),
 ]
 
@@ -165,9 +220,17 @@ def test_large_payload_body_is_exactly_msgpack() -> None:
     from fedmq.broker.wire.envelope import HEADER_SIZE
 
     big = np.arange(50_000, dtype=np.float32)
-    payload = {"n_samples": 3, "tensors": {"t": [{"p": [[0, big.nbytes, memoryview(big)], [1, 5, b"x" * 70_000]]},
-                                                   {"q": (bytearray(b"y" * 65_536), b"small", 1.5, None)}]},
-               "deep": [[[[[[[[[[b"z" * 80_000]]]]]]]]]], "text": "é" * 10}
+    payload = {
+        "n_samples": 3,
+        "tensors": {
+            "t": [
+                {"p": [[0, big.nbytes, memoryview(big)], [1, 5, b"x" * 70_000]]},
+                {"q": (bytearray(b"y" * 65_536), b"small", 1.5, None)},
+            ]
+        },
+        "deep": [[[[[[[[[[b"z" * 80_000]]]]]]]]]],
+        "text": "é" * 10,
+    }
     env = Envelope(Kind.UPDATE, "j", 1, "c", 0, payload, msg_id="m", sent_at=2.0)
     wire = pack(env, level=0)
     want = msgpack.packb(["update", "j", 1, "c", 0, "m", 2.0, payload], use_bin_type=True)

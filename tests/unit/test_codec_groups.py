@@ -11,7 +11,7 @@ from fedmq.broker.wire.encodings import EncodingSpec, decode_state, encode_state
 from fedmq.errors import CodecError
 from fedmq.manifest import Manifest
 
-W = (np.random.default_rng(5).standard_normal((200, 50), dtype=np.float32) * np.float32(0.05))
+W = np.random.default_rng(5).standard_normal((200, 50), dtype=np.float32) * np.float32(0.05)
 STATE = {"w": W}
 MAN = Manifest.from_arrays(STATE)
 N = W.size
@@ -22,9 +22,13 @@ def _layout(widths: list[int], level: int = 1) -> dict:
     u8 = W.reshape(-1).view(np.uint8).reshape(N, 4)
     blobs, off = [], 0
     for g in widths:
-        blobs.append(make_blob(np.ascontiguousarray(u8[:, off:off + g]).reshape(-1), level, owned=True))
+        blobs.append(make_blob(np.ascontiguousarray(u8[:, off : off + g]).reshape(-1), level, owned=True))
         off += g
-    return {"fmt": 1, "enc": "raw", "t": [{"n": "w", "s": [200, 50], "dt": "float32", "e": "raw", "x": False, "p": blobs}]}
+    return {
+        "fmt": 1,
+        "enc": "raw",
+        "t": [{"n": "w", "s": [200, 50], "dt": "float32", "e": "raw", "x": False, "p": blobs}],
+    }
 
 
 def test_encoder_groups_the_two_random_low_bytes() -> None:
@@ -45,7 +49,9 @@ def test_every_byte_group_layout_decodes_bit_exact(widths: list[int]) -> None:
     assert out["w"].tobytes() == W.tobytes()
 
 
-@pytest.mark.parametrize("sizes", [[N, N, N], [2 * N, N, N, N], [N + 1, N - 1, N, N], [0, 2 * N, N, N], [4 * N, 0]])
+@pytest.mark.parametrize(
+    "sizes", [[N, N, N], [2 * N, N, N, N], [N + 1, N - 1, N, N], [0, 2 * N, N, N], [4 * N, 0]]
+)
 def test_group_sizes_that_do_not_split_the_items_are_rejected(sizes: list[int]) -> None:
     obj = _layout([1, 1, 1, 1], level=0)
     obj["t"][0]["p"] = [[STORED, sz, bytes(sz)] for sz in sizes]

@@ -42,12 +42,22 @@ def threads():
 
 
 def _wire(text: str, base=None) -> bytes:
-    env = Envelope(Kind.UPDATE, "j", 1, "c", 0, {"tensors": encode_state(BIG, EncodingSpec.parse(text), base)},
-                   msg_id="m", sent_at=1.0)
+    env = Envelope(
+        Kind.UPDATE,
+        "j",
+        1,
+        "c",
+        0,
+        {"tensors": encode_state(BIG, EncodingSpec.parse(text), base)},
+        msg_id="m",
+        sent_at=1.0,
+    )
     return pack(env)
 
 
-@pytest.mark.parametrize("text", ["raw", "delta+raw", "bf16", "int8-row", "delta+topk:0.01", "raw,noshuffle", "raw@3"])
+@pytest.mark.parametrize(
+    "text", ["raw", "delta+raw", "bf16", "int8-row", "delta+topk:0.01", "raw,noshuffle", "raw@3"]
+)
 def test_threaded_codec_is_identical_to_single_threaded(text: str, threads) -> None:
     base = BIG_BASE if text.startswith("delta") else None
     threads(1)
@@ -91,6 +101,7 @@ def test_run_all_order_and_first_error(threads) -> None:
             if i in (2, 4):
                 raise ValueError(f"task {i}")
             return i * i
+
         return fn
 
     assert ct.run_all([(big, task(i)) for i in (0, 1, 3)]) == [0, 1, 9]
@@ -157,7 +168,9 @@ def test_concurrent_callers_share_the_pool(threads) -> None:
     results: list = [None] * 4
 
     def work(i: int) -> None:
-        wire = pack(Envelope(Kind.UPDATE, "j", 1, "c", 0, {"tensors": encode_state(states[i], EncodingSpec())}))
+        wire = pack(
+            Envelope(Kind.UPDATE, "j", 1, "c", 0, {"tensors": encode_state(states[i], EncodingSpec())})
+        )
         results[i] = decode_state(unpack(wire).payload["tensors"], BIG_MAN)
 
     ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]

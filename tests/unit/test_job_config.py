@@ -15,17 +15,34 @@ def test_defaults_are_valid_and_derived_properties():
     assert JobConfig(strategy="fedsgd", epochs=5).round_config().epochs == 1
     assert JobConfig(strategy="pull-global").pull == "global"
     # the first names (dp-*) read as differential privacy: still accepted, stored under the new ones
-    assert JobConfig(strategy="dp-l").strategy == "pull-local" and JobConfig(strategy="dp-random").pull == "random"
+    assert (
+        JobConfig(strategy="dp-l").strategy == "pull-local"
+        and JobConfig(strategy="dp-random").pull == "random"
+    )
     assert JobConfig(strategy="async").mode == "async"
     assert JobConfig(fraction=0.01, clients=10).selected_count() == 1
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"strategy": "fedfoo"}, {"rounds": 0}, {"fraction": 0}, {"fraction": 1.5}, {"beta": 0}, {"lr": -1},
-    {"att_norm": "l7"}, {"optimizer": "rmsprop"}, {"identity": "shared:"}, {"pull_fraction": 1.0}, {"epochs": 0},
-    {"encoding": "no-such-encoding"}, {"down_encoding": "int9"}, {"keyframe_every": 0},
-    {"strategy": "pull-global", "pull_down": True, "encoding": "delta+bf16"},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"strategy": "fedfoo"},
+        {"rounds": 0},
+        {"fraction": 0},
+        {"fraction": 1.5},
+        {"beta": 0},
+        {"lr": -1},
+        {"att_norm": "l7"},
+        {"optimizer": "rmsprop"},
+        {"identity": "shared:"},
+        {"pull_fraction": 1.0},
+        {"epochs": 0},
+        {"encoding": "no-such-encoding"},
+        {"down_encoding": "int9"},
+        {"keyframe_every": 0},
+        {"strategy": "pull-global", "pull_down": True, "encoding": "delta+bf16"},
+    ],
+)
 def test_bad_values_rejected_with_one_line(kwargs):
     with pytest.raises(JobConfigError) as err:
         JobConfig(**kwargs)
@@ -40,10 +57,14 @@ def test_from_dict_rejects_unknown_keys():
 
 def test_default_encodings_and_auto():
     assert (JobConfig().encoding, JobConfig().down_encoding) == ("delta+bf16", "bf16")
-    assert JobConfig(strategy="pull-global", pull_down=True).encoding == "raw"  # pull-down uploads cannot be deltas
+    assert (
+        JobConfig(strategy="pull-global", pull_down=True).encoding == "raw"
+    )  # pull-down uploads cannot be deltas
     assert JobConfig.from_dict(JobConfig().to_dict()).encoding == "delta+bf16"
     cfg = JobConfig(pull_down=False, down_encoding="delta+bf16", strategy="pull-local")
-    assert cfg.round_config().keep_model and cfg.round_config().keep_own  # a delta base, the pulling rule's input
+    assert (
+        cfg.round_config().keep_model and cfg.round_config().keep_own
+    )  # a delta base, the pulling rule's input
     assert not JobConfig().round_config().keep_model and not JobConfig().round_config().keep_own
 
 
@@ -61,20 +82,23 @@ def test_fedsgd_is_one_full_batch_step_on_every_client():
     assert not JobConfig(strategy="fedavg", epochs=5).round_config().full_batch
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"rounds": "5"}, "rounds must be an integer, got '5'"),
-    ({"clients": True}, "clients must be an integer, got True"),
-    ({"lr": float("inf")}, "lr must be finite"),
-    ({"lr": "fast"}, "lr must be a number"),
-    ({"strategy": ["fedavg"]}, "strategy must be a string"),
-    ({"error_feedback": 1}, "error-feedback must be true or false"),
-    ({"extra": []}, "extra must be an object"),
-    ({"job": "a b"}, "bad job id 'a b'"),
-    ({"momentum": -0.5}, "momentum must not be negative"),
-    ({"eval_every": 0}, "eval-every must be at least 1"),
-    ({"server_lr": 0.0}, "server-lr must be positive"),
-    ({"encoding": "no-such-encoding"}, "encoding"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"rounds": "5"}, "rounds must be an integer, got '5'"),
+        ({"clients": True}, "clients must be an integer, got True"),
+        ({"lr": float("inf")}, "lr must be finite"),
+        ({"lr": "fast"}, "lr must be a number"),
+        ({"strategy": ["fedavg"]}, "strategy must be a string"),
+        ({"error_feedback": 1}, "error-feedback must be true or false"),
+        ({"extra": []}, "extra must be an object"),
+        ({"job": "a b"}, "bad job id 'a b'"),
+        ({"momentum": -0.5}, "momentum must not be negative"),
+        ({"eval_every": 0}, "eval-every must be at least 1"),
+        ({"server_lr": 0.0}, "server-lr must be positive"),
+        ({"encoding": "no-such-encoding"}, "encoding"),
+    ],
+)
 def test_job_config_validates_everything_it_holds(values, message):
     """A job file's JSON can hold anything: every field is checked for its type and range, one line each."""
     with pytest.raises(JobConfigError, match=re.escape(message)):
@@ -89,11 +113,14 @@ def test_round_lr_decay_sets_each_rounds_learning_rate():
     assert JobConfig(lr=1.0, round_lr_decay=0.5).round_config(5000).lr > 0  # underflow never sends lr = 0
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"round_lr_decay": 0.0}, "round-lr-decay must be positive"),
-    ({"round_lr_decay": 1.5}, "round-lr-decay must be in (0, 1], got 1.5"),
-    ({"lr_decay": 2.0}, "lr-decay must be in (0, 1], got 2.0"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"round_lr_decay": 0.0}, "round-lr-decay must be positive"),
+        ({"round_lr_decay": 1.5}, "round-lr-decay must be in (0, 1], got 1.5"),
+        ({"lr_decay": 2.0}, "lr-decay must be in (0, 1], got 2.0"),
+    ],
+)
 def test_learning_rate_decays_are_checked(values, message):
     with pytest.raises(JobConfigError, match=re.escape(message)):
         JobConfig.from_dict(values)

@@ -16,7 +16,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # where each subpackage of the one installed package lives in the repository (pyproject's package-dir)
-FOLDERS = {"fedmq": "fedmq", **tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]}
+FOLDERS = {
+    "fedmq": "fedmq",
+    **tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"],
+}
 # the layers, bottom to top, and what each may import besides itself: the shared bottom layer (fedmq's own modules:
 # errors, checks, files, tasks, the pulling rule), the transport (broker), the two sides of a federation (never
 # each other), the in-process federation that wires them (simulation), the benchmarks, then the CLI on top.
@@ -27,9 +30,21 @@ ALLOWED = {
     "fedmq.aggregator": {"fedmq", "fedmq.broker"},
     "fedmq.client_agent": {"fedmq", "fedmq.broker"},
     "fedmq.simulation": {"fedmq", "fedmq.broker", "fedmq.aggregator", "fedmq.client_agent"},
-    "fedmq.benchmarks": {"fedmq", "fedmq.broker", "fedmq.aggregator", "fedmq.client_agent", "fedmq.simulation"},
-    "fedmq.cli": {"fedmq", "fedmq.broker", "fedmq.aggregator", "fedmq.client_agent", "fedmq.simulation",
-                  "fedmq.benchmarks"},
+    "fedmq.benchmarks": {
+        "fedmq",
+        "fedmq.broker",
+        "fedmq.aggregator",
+        "fedmq.client_agent",
+        "fedmq.simulation",
+    },
+    "fedmq.cli": {
+        "fedmq",
+        "fedmq.broker",
+        "fedmq.aggregator",
+        "fedmq.client_agent",
+        "fedmq.simulation",
+        "fedmq.benchmarks",
+    },
 }
 # inside broker: the wire format (bytes in, bytes out) below the transport that carries it; every broker module
 # is in one of the two
@@ -131,22 +146,32 @@ def test_inside_broker_the_wire_format_sits_below_the_transport():
         if sub is None:
             continue
         # the bottom layer (fedmq's own modules) is named "fedmq", a prefix of every module: compare by layer
-        wrong += [f"{module} -> {dep}" for dep in deps
-                  if not (layer(dep) == "fedmq" or _within(dep, SUBLAYERS[sub] - {"fedmq"}))]
+        wrong += [
+            f"{module} -> {dep}"
+            for dep in deps
+            if not (layer(dep) == "fedmq" or _within(dep, SUBLAYERS[sub] - {"fedmq"}))
+        ]
     assert wrong == []
 
 
 PIKA_PRIVATE = ROOT / "broker" / "transport" / "pika_private.py"
 # pika's private attributes the RabbitMQ backend uses (and _adapter, another way in); only PIKA_PRIVATE names them
-PIKA_PRIVATES = re.compile(r"\._impl\b|\._transport\b|\._adapter|_MAX_RECV_BYTES|_closing_reason|_raise_if_not_open"
-                           r"|_send_method")
+PIKA_PRIVATES = re.compile(
+    r"\._impl\b|\._transport\b|\._adapter|_MAX_RECV_BYTES|_closing_reason|_raise_if_not_open"
+    r"|_send_method"
+)
 
 
 def test_only_pika_private_touches_pikas_private_attributes():
     paths = [*_modules().values(), *(ROOT / "scripts").rglob("*.py")]
     assert PIKA_PRIVATE in paths
-    hits = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}" for path in paths if path != PIKA_PRIVATE
-            for n, line in enumerate(path.read_text().splitlines(), 1) if PIKA_PRIVATES.search(line)]
+    hits = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in paths
+        if path != PIKA_PRIVATE
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if PIKA_PRIVATES.search(line)
+    ]
     assert hits == []
     assert PIKA_PRIVATES.search(PIKA_PRIVATE.read_text())
 
@@ -159,9 +184,16 @@ def test_nothing_imports_a_folder_by_its_name_instead_of_its_package():
     wrong = []
     for path in paths:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
-                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
-            wrong += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if n.split(".")[0] in folders]
+            names = (
+                [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                else [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
+            wrong += [
+                f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if n.split(".")[0] in folders
+            ]
     assert wrong == []
 
 
@@ -172,18 +204,29 @@ def test_no_module_imports_itself_back():
 def test_the_scan_finds_a_cycle_and_resolves_imports_to_modules():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     graph = _graph()
-    assert "fedmq.tasks.base" in graph["fedmq.aggregator.engine"]  # imports inside the package are resolved to modules
+    assert (
+        "fedmq.tasks.base" in graph["fedmq.aggregator.engine"]
+    )  # imports inside the package are resolved to modules
 
 
 def test_public_names_resolve_and_the_bottom_layer_loads_nothing_above():
-    code = ("import sys, fedmq.errors, fedmq.tasks.registry, fedmq.pulling; "
-            "above = sorted(m for m in sys.modules if m.startswith('fedmq.') and m.split('.')[1] in ('broker', "
-            "'aggregator', 'client_agent', 'simulation', 'cli', 'benchmarks')); import fedmq; "
-            "names = [getattr(fedmq, n) for n in fedmq.__all__]; print(above, len(names))")
+    code = (
+        "import sys, fedmq.errors, fedmq.tasks.registry, fedmq.pulling; "
+        "above = sorted(m for m in sys.modules if m.startswith('fedmq.') and m.split('.')[1] in ('broker', "
+        "'aggregator', 'client_agent', 'simulation', 'cli', 'benchmarks')); import fedmq; "
+        "names = [getattr(fedmq, n) for n in fedmq.__all__]; print(above, len(names))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
     import fedmq
 
     assert done.stdout.split() == ["[]", str(len(fedmq.__all__))]
-    assert {"Task", "Strategy", "ClientUpdate", "TrainConfig", "TrainResult", "JobConfig", "Simulation"} <= set(
-        fedmq.__all__)
+    assert {
+        "Task",
+        "Strategy",
+        "ClientUpdate",
+        "TrainConfig",
+        "TrainResult",
+        "JobConfig",
+        "Simulation",
+    } <= set(fedmq.__all__)

@@ -21,8 +21,19 @@ REGIME = dict(epochs=2, batch_size=4, lr=0.5, momentum=0.5, lr_decay=0.9, clip=0
 
 
 def _task(model: str = "gru-tiny", **kw):
-    return make_task("lm", data="builtin", model=model, emb=24, hidden=24, clients=40, vocab_size=500,
-                     max_lines=2000, dropout=0.2, seed=0, **kw)
+    return make_task(
+        "lm",
+        data="builtin",
+        model=model,
+        emb=24,
+        hidden=24,
+        clients=40,
+        vocab_size=500,
+        max_lines=2000,
+        dropout=0.2,
+        seed=0,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -46,21 +57,30 @@ def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
 
 
 def test_the_chosen_clients_differ_in_windows(gru):
-    windows = [StreamBatches.build(gru.client_ids(c), 4, gru.vocab.eos).num_windows(gru.bptt) for c in CLIENTS]
-    lengths = [StreamBatches.build(gru.client_ids(c), 4, gru.vocab.eos).inputs.size(0) % gru.bptt for c in CLIENTS]
+    windows = [
+        StreamBatches.build(gru.client_ids(c), 4, gru.vocab.eos).num_windows(gru.bptt) for c in CLIENTS
+    ]
+    lengths = [
+        StreamBatches.build(gru.client_ids(c), 4, gru.vocab.eos).inputs.size(0) % gru.bptt for c in CLIENTS
+    ]
     assert len(set(windows)) > 1 and len(set(lengths)) > 1
 
 
-@pytest.mark.parametrize("regime", [
-    {},  # the papers' client: SGD momentum, per-epoch lr decay, dropout, two epochs
-    {"momentum": 0.0},
-    {"clip": 0.05},  # clipping by each client's own gradient norm
-    {"max_steps": 9},  # a step cap: a seeded start window, wrapping to the shard's start with a fresh hidden state
-    {"max_steps": 30},  # the cap falls in the second epoch
-    {"full_batch": True},  # FedSGD: one step on the whole shard's gradient an epoch
-    {"tail_loss": True},  # FedMed: the trained model's loss on its shard
-    {"tail_loss": True, "max_steps": 7},
-])
+@pytest.mark.parametrize(
+    "regime",
+    [
+        {},  # the papers' client: SGD momentum, per-epoch lr decay, dropout, two epochs
+        {"momentum": 0.0},
+        {"clip": 0.05},  # clipping by each client's own gradient norm
+        {
+            "max_steps": 9
+        },  # a step cap: a seeded start window, wrapping to the shard's start with a fresh hidden state
+        {"max_steps": 30},  # the cap falls in the second epoch
+        {"full_batch": True},  # FedSGD: one step on the whole shard's gradient an epoch
+        {"tail_loss": True},  # FedMed: the trained model's loss on its shard
+        {"tail_loss": True, "max_steps": 7},
+    ],
+)
 def test_together_equals_alone(gru, regime):
     (alone, ra), (together, rt), start = _both(gru, regime)
     for a, t, x, y in zip(alone, together, ra, rt):
@@ -222,8 +242,18 @@ def test_a_failing_cohort_fails_each_of_its_jobs_and_the_pool_goes_on(gru):
 
 
 def test_a_shard_shorter_than_the_batch_trains_one_after_the_other():
-    task = make_task("lm", data="builtin", model="gru-tiny", emb=16, hidden=16, clients=400, vocab_size=300,
-                     max_lines=400, dropout=0.2, seed=0)
+    task = make_task(
+        "lm",
+        data="builtin",
+        model="gru-tiny",
+        emb=16,
+        hidden=16,
+        clients=400,
+        vocab_size=300,
+        max_lines=400,
+        dropout=0.2,
+        seed=0,
+    )
     tiny = min(range(400), key=lambda c: task.client_ids(c).numel())
     cols = task.client_ids(tiny).numel() + 1  # more columns than the shortest shard has tokens
     (alone, ra), (together, rt), _ = _both(task, {"batch_size": cols, "epochs": 1}, clients=[tiny, 0])
@@ -238,8 +268,10 @@ def test_a_cohort_larger_than_the_activation_budget_trains_in_parts(gru, monkeyp
     monkeypatch.setattr(lm_cohort, "ACTIVATION_BUDGET", 2 * per_client + 1)
     calls: list[int] = []
     real = lm_cohort.train_cohort
-    monkeypatch.setattr("fedmq.tasks.lm.train_cohort", lambda task, models, *a: calls.append(len(models)) or
-                        real(task, models, *a))
+    monkeypatch.setattr(
+        "fedmq.tasks.lm.train_cohort",
+        lambda task, models, *a: calls.append(len(models)) or real(task, models, *a),
+    )
     (alone, ra), (together, rt), _ = _both(gru, {"max_steps": 6})
     assert calls == [2]
     assert all(_max_diff(a, t) < 2e-5 for a, t in zip(alone, together))

@@ -35,16 +35,37 @@ def test_the_wheel_installs_one_top_level_package(tmp_path):
         shutil.copy(ROOT / name, src / name)
     for folder in FOLDERS.values():
         shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "records"))
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                           "--disable-pip-version-check", "-w", str(tmp_path / "dist"), str(src)],
-                          capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "--disable-pip-version-check",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     (wheel,) = (tmp_path / "dist").glob("fedmq-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"fedmq", wheel.name.split("-py")[0] + ".dist-info"}
     # the layers are inside it, under their installed names; the entry point names the installed CLI
-    for module in ("fedmq/broker/wire/envelope.py", "fedmq/aggregator/engine.py", "fedmq/client_agent/agent.py",
-                   "fedmq/cli/app.py", "fedmq/simulation.py", "fedmq/tasks/lm.py"):
+    for module in (
+        "fedmq/broker/wire/envelope.py",
+        "fedmq/aggregator/engine.py",
+        "fedmq/client_agent/agent.py",
+        "fedmq/cli/app.py",
+        "fedmq/simulation.py",
+        "fedmq/tasks/lm.py",
+    ):
         assert module in names
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "fedmq = fedmq.cli.app:main" in zipfile.ZipFile(wheel).read(entry).decode()

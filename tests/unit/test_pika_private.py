@@ -14,13 +14,25 @@ from fedmq.broker.transport.errors import BrokerError
 
 def _fake(missing: str = "") -> tuple[SimpleNamespace, SimpleNamespace]:
     """A connection and a channel shaped like pika's, each private attribute there unless it is ``missing``."""
+
     def ns(path: str, **attrs: object) -> SimpleNamespace:
         return SimpleNamespace(**{k: v for k, v in attrs.items() if f"{path}.{k}" != missing})
 
     transport = ns("BlockingConnection._impl._transport", _MAX_RECV_BYTES=4096)
-    conn = ns("BlockingConnection", _impl=ns("BlockingConnection._impl", server_properties={}, _transport=transport))
-    methods = {m: print for m in ("confirm_delivery", "add_on_return_callback", "basic_publish", "close",
-                                  "_raise_if_not_open", "_send_method")}
+    conn = ns(
+        "BlockingConnection", _impl=ns("BlockingConnection._impl", server_properties={}, _transport=transport)
+    )
+    methods = {
+        m: print
+        for m in (
+            "confirm_delivery",
+            "add_on_return_callback",
+            "basic_publish",
+            "close",
+            "_raise_if_not_open",
+            "_send_method",
+        )
+    }
     ch = ns("BlockingChannel", _closing_reason=None, _impl=ns("BlockingChannel._impl", **methods))
     return conn, ch
 
@@ -33,8 +45,14 @@ def test_the_check_passes_on_the_installed_pika(rabbit_url):
         conn.close()
 
 
-@pytest.mark.parametrize("missing", ["BlockingChannel._impl._send_method", "BlockingChannel._closing_reason",
-                                     "BlockingConnection._impl._transport"])
+@pytest.mark.parametrize(
+    "missing",
+    [
+        "BlockingChannel._impl._send_method",
+        "BlockingChannel._closing_reason",
+        "BlockingConnection._impl._transport",
+    ],
+)
 def test_a_missing_attribute_is_one_permanent_line_naming_pika_and_it(missing):
     pika_private.check(*_fake())
     with pytest.raises(BrokerError) as err:
@@ -56,4 +74,6 @@ def test_connecting_with_a_pika_that_moved_an_attribute_fails_at_once(rabbit_url
     with pytest.raises(BrokerError) as err:
         connect(rabbit_url, connect_timeout=2.0)
     assert err.value.permanent and len(str(err.value).splitlines()) == 1
-    assert "BlockingChannel._impl.confirm_delivery" in str(err.value) and f"pika {pika.__version__}" in str(err.value)
+    assert "BlockingChannel._impl.confirm_delivery" in str(err.value) and f"pika {pika.__version__}" in str(
+        err.value
+    )

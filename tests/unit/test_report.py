@@ -24,10 +24,22 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MODEL_RAW = 4 * 250_000  # fp32 bytes of a 250k-parameter model
 
 
-def write_run_dir(root: Path, name: str, *, strategy: str = "fedatt", clients: int = 10, rounds: int = 6,
-                  fraction: float = 0.5, top_k: float = 1.0, seed: int = 0, complete: bool = True,
-                  metric: str = "perplexity", encoding: str = "bf16", garbage: list[str] = (),
-                  decay: float = 0.8) -> Path:
+def write_run_dir(
+    root: Path,
+    name: str,
+    *,
+    strategy: str = "fedatt",
+    clients: int = 10,
+    rounds: int = 6,
+    fraction: float = 0.5,
+    top_k: float = 1.0,
+    seed: int = 0,
+    complete: bool = True,
+    metric: str = "perplexity",
+    encoding: str = "bf16",
+    garbage: list[str] = (),
+    decay: float = 0.8,
+) -> Path:
     """Write a run folder the way the aggregator does: config.json, metrics.jsonl and (if complete) summary.json.
 
     Clients come and go (15 % offline per round), some selected clients drop, FedMed-like runs grant only
@@ -38,9 +50,20 @@ def write_run_dir(root: Path, name: str, *, strategy: str = "fedatt", clients: i
     run = root / name
     run.mkdir(parents=True)
     agents = [f"agent-{i}" for i in range(clients)]
-    config = {"task": "lm" if metric == "perplexity" else "mt", "data": "ptb", "model": "gru-small",
-              "strategy": strategy, "clients": clients, "fraction": fraction, "rounds": rounds,
-              "encoding": encoding, "seed": seed, "job": f"job-{name}", "epsilon": 1.2, "top_k": top_k}
+    config = {
+        "task": "lm" if metric == "perplexity" else "mt",
+        "data": "ptb",
+        "model": "gru-small",
+        "strategy": strategy,
+        "clients": clients,
+        "fraction": fraction,
+        "rounds": rounds,
+        "encoding": encoding,
+        "seed": seed,
+        "job": f"job-{name}",
+        "epsilon": 1.2,
+        "top_k": top_k,
+    }
     (run / "config.json").write_text(json.dumps(config))
     ratio = {"bf16": 2.0, "fp32": 1.0, "int8": 3.9}[encoding]
     rows: list[dict[str, Any]] = []
@@ -48,8 +71,9 @@ def write_run_dir(root: Path, name: str, *, strategy: str = "fedatt", clients: i
     loss_prev = None
     for rnd in range(1, rounds + 1):
         online = [a for a in agents if rng.random() > 0.15]
-        selected = sorted(rng.sample(online, max(1, int(fraction * clients))) if len(online) else [],
-                          key=agents.index)
+        selected = sorted(
+            rng.sample(online, max(1, int(fraction * clients))) if len(online) else [], key=agents.index
+        )
         reported = [a for a in selected if rng.random() > 0.12]
         # top-K grants; without a grant phase (top_k = 1) the engine logs granted = selected
         granted = reported[: max(1, math.ceil(top_k * len(reported)))] if top_k < 1 else list(selected)
@@ -65,28 +89,49 @@ def write_run_dir(root: Path, name: str, *, strategy: str = "fedatt", clients: i
             valid = valid * decay + rng.uniform(-5, 5) if metric == "perplexity" else valid + 2.1
         raw_w = {a: rng.uniform(0.5, 1.5) for a in received}
         total = sum(raw_w.values())
-        rows.append({
-            "round": rnd, "time": 1763700000.0 + 12.5 * rnd, "strategy": applied, "metric": metric,
-            "valid": None if skipped or rnd == 2 else round(valid, 3), "mean_loss": round(mean_loss, 4),
-            "online": online, "selected": selected, "reported": reported, "granted": granted,
-            "received": received, "dropped": dropped, "skipped": skipped,
-            "bytes_up": int(len(received) * MODEL_RAW / ratio), "bytes_down": int(len(online) * MODEL_RAW / ratio),
-            "bytes_up_raw": len(received) * MODEL_RAW, "bytes_down_raw": len(online) * MODEL_RAW,
-            "wall_s": 12.5, "weights": {a: round(w / total, 4) for a, w in raw_w.items()},
-            "rejected": {"stale": rnd % 2, "bad-digest": 0},
-        })
+        rows.append(
+            {
+                "round": rnd,
+                "time": 1763700000.0 + 12.5 * rnd,
+                "strategy": applied,
+                "metric": metric,
+                "valid": None if skipped or rnd == 2 else round(valid, 3),
+                "mean_loss": round(mean_loss, 4),
+                "online": online,
+                "selected": selected,
+                "reported": reported,
+                "granted": granted,
+                "received": received,
+                "dropped": dropped,
+                "skipped": skipped,
+                "bytes_up": int(len(received) * MODEL_RAW / ratio),
+                "bytes_down": int(len(online) * MODEL_RAW / ratio),
+                "bytes_up_raw": len(received) * MODEL_RAW,
+                "bytes_down_raw": len(online) * MODEL_RAW,
+                "wall_s": 12.5,
+                "weights": {a: round(w / total, 4) for a, w in raw_w.items()},
+                "rejected": {"stale": rnd % 2, "bad-digest": 0},
+            }
+        )
     lines = [json.dumps(r) for r in rows] + list(garbage)
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     if complete:
         higher = metric != "perplexity"
         evaluated = [(r["round"], r["valid"]) for r in rows if r["valid"] is not None]
         best_round, best_valid = (max if higher else min)(evaluated, key=lambda rv: rv[1])
-        summary = {"metric": metric, "higher_is_better": higher, "best_round": best_round,
-                   "best_valid": best_valid, "test": round(best_valid * (1.03 if not higher else 0.97), 3),
-                   "rounds_completed": sum(not r["skipped"] for r in rows),
-                   "rounds_skipped": sum(r["skipped"] for r in rows), "wall_s": 12.5 * rounds,
-                   "strategy": strategy, "bytes_up": sum(r["bytes_up"] for r in rows),
-                   "bytes_down": sum(r["bytes_down"] for r in rows)}
+        summary = {
+            "metric": metric,
+            "higher_is_better": higher,
+            "best_round": best_round,
+            "best_valid": best_valid,
+            "test": round(best_valid * (1.03 if not higher else 0.97), 3),
+            "rounds_completed": sum(not r["skipped"] for r in rows),
+            "rounds_skipped": sum(r["skipped"] for r in rows),
+            "wall_s": 12.5 * rounds,
+            "strategy": strategy,
+            "bytes_up": sum(r["bytes_up"] for r in rows),
+            "bytes_down": sum(r["bytes_down"] for r in rows),
+        }
         (run / "summary.json").write_text(json.dumps(summary))
     return run
 
@@ -107,8 +152,11 @@ def _assert_png(path: Path) -> tuple[int, int]:
 
 
 def _read_rows(run: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
-            if line.startswith("{") and line.endswith("}")]
+    return [
+        json.loads(line)
+        for line in (run / "metrics.jsonl").read_text().splitlines()
+        if line.startswith("{") and line.endswith("}")
+    ]
 
 
 # ------------------------------------------------------------------------------------------- outputs
@@ -138,7 +186,7 @@ def test_single_run_writes_valid_pngs_html_and_markdown(tmp_path: Path) -> None:
     for line in table.splitlines():  # the same scores appear in the HTML table
         cells = [c.strip() for c in line.strip("|").split("|")]
         if cells[0] == "ptb-fedatt":
-            assert all(f"<td" in html and f">{c}</td>" in html for c in cells)
+            assert all("<td" in html and f">{c}</td>" in html for c in cells)
     assert "gru-small" in html and "<caption>ptb-fedatt</caption>" in html  # config summary
     assert result.describe().startswith(f"report written to {result.html}")
 
@@ -164,9 +212,11 @@ def test_markdown_scores_match_summary(tmp_path: Path) -> None:
 
 
 def test_several_runs_side_by_side(tmp_path: Path) -> None:
-    runs = [write_run_dir(tmp_path, "fedatt", strategy="fedatt", seed=1),
-            write_run_dir(tmp_path, "fedmed", strategy="fedmed", top_k=0.5, seed=2),
-            write_run_dir(tmp_path, "fedavg", strategy="fedavg", seed=4, encoding="fp32")]
+    runs = [
+        write_run_dir(tmp_path, "fedatt", strategy="fedatt", seed=1),
+        write_run_dir(tmp_path, "fedmed", strategy="fedmed", top_k=0.5, seed=2),
+        write_run_dir(tmp_path, "fedavg", strategy="fedavg", seed=4, encoding="fp32"),
+    ]
     result = build_report(runs, tmp_path / "cmp")
     assert [s.run for s in result.scores] == ["fedatt", "fedmed", "fedavg"]
     assert {f"participation-{n}" for n in ("fedatt", "fedmed", "fedavg")} <= set(result.figures)
@@ -195,8 +245,9 @@ def test_bleu_and_perplexity_runs_get_separate_panels(tmp_path: Path) -> None:
 
 
 def test_incomplete_run_is_reported_as_such(tmp_path: Path) -> None:
-    run = write_run_dir(tmp_path, "killed", complete=False, rounds=4,
-                        garbage=['{"round": 5, "time": 17637000'])  # torn last line of a killed run
+    run = write_run_dir(
+        tmp_path, "killed", complete=False, rounds=4, garbage=['{"round": 5, "time": 17637000']
+    )  # torn last line of a killed run
     result = build_report([run], tmp_path / "out")
     score = result.scores[0]
     rows = _read_rows(run)
@@ -213,9 +264,18 @@ def test_incomplete_run_is_reported_as_such(tmp_path: Path) -> None:
 
 
 def test_malformed_lines_are_counted_not_fatal(tmp_path: Path) -> None:
-    garbage = ["not json", "[1, 2]", '{"round": "three"}', '{"round": 9, "online": "agent-0"}',
-               '{"round": 10, "valid": "low"}', '{"round": -1}', '{"round": true}', '{"no_round": 1}',
-               '{"round": 11, "weights": {"agent-0": "x"}}', "\x00\x01\x02"]
+    garbage = [
+        "not json",
+        "[1, 2]",
+        '{"round": "three"}',
+        '{"round": 9, "online": "agent-0"}',
+        '{"round": 10, "valid": "low"}',
+        '{"round": -1}',
+        '{"round": true}',
+        '{"no_round": 1}',
+        '{"round": 11, "weights": {"agent-0": "x"}}',
+        "\x00\x01\x02",
+    ]
     run = write_run_dir(tmp_path, "noisy", rounds=5, garbage=garbage)
     loaded = load_run(run)
     assert loaded.malformed_lines == len(garbage)
@@ -240,8 +300,12 @@ def test_duplicate_rounds_keep_the_last_entry(tmp_path: Path) -> None:
 def test_missing_optional_fields_and_no_weights(tmp_path: Path) -> None:
     run = tmp_path / "minimal"
     run.mkdir()
-    (run / "metrics.jsonl").write_text("\n".join(json.dumps({"round": r, "valid": 500.0 - 50 * r, "online": ["a", "b"],
-                                                            "received": ["a"]}) for r in range(1, 4)))
+    (run / "metrics.jsonl").write_text(
+        "\n".join(
+            json.dumps({"round": r, "valid": 500.0 - 50 * r, "online": ["a", "b"], "received": ["a"]})
+            for r in range(1, 4)
+        )
+    )
     result = build_report([run], tmp_path / "out")
     assert set(result.figures) == {"validation", "bytes", "participation-minimal"}  # no weights -> no heatmap
     for path in result.figures.values():
@@ -262,16 +326,32 @@ def test_default_output_folder(tmp_path: Path) -> None:
 
 def test_client_state_precedence() -> None:
     # b selected, silent; c reported but not granted; d uploaded; e granted, never uploaded; f logged dropped
-    row = RoundRecord(1, online=tuple("abcdef"), selected=tuple("bcdef"), reported=tuple("cde"), granted=tuple("de"),
-                      received=("d",), dropped=tuple("bcef"))
-    assert [client_state(row, c) for c in "abcdefg"] == [ONLINE, DROPPED, REPORTED, UPLOADED, DROPPED, DROPPED,
-                                                        OFFLINE]
+    row = RoundRecord(
+        1,
+        online=tuple("abcdef"),
+        selected=tuple("bcdef"),
+        reported=tuple("cde"),
+        granted=tuple("de"),
+        received=("d",),
+        dropped=tuple("bcef"),
+    )
+    assert [client_state(row, c) for c in "abcdefg"] == [
+        ONLINE,
+        DROPPED,
+        REPORTED,
+        UPLOADED,
+        DROPPED,
+        DROPPED,
+        OFFLINE,
+    ]
 
 
 def test_participation_grid_counts_match_rows(tmp_path: Path) -> None:
     run = load_run(write_run_dir(tmp_path, "grid", rounds=6, seed=7))
     clients, rounds, grid = participation_grid(run)
-    assert clients == [f"agent-{i}" for i in range(10)] or clients == sorted(clients, key=lambda c: int(c[6:]))
+    assert clients == [f"agent-{i}" for i in range(10)] or clients == sorted(
+        clients, key=lambda c: int(c[6:])
+    )
     for j, row in enumerate(run.rows):
         assert (grid[:, j] == UPLOADED).sum() == len(row.received)
         assert (grid[:, j] != OFFLINE).sum() == len(row.online)
@@ -280,15 +360,18 @@ def test_participation_grid_counts_match_rows(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("case, message", [
-    ("missing", "run folder not found: {p}"),
-    ("file", "not a fedmq run folder: {p} is not a folder"),
-    ("empty", "not a fedmq run folder: {p} has no metrics.jsonl"),
-    ("bad-config", "{p}/config.json is not valid JSON (line 1: Expecting value)"),
-    ("list-summary", "{p}/summary.json must hold a JSON object, not list"),
-    ("all-garbage", "{p}/metrics.jsonl has no valid round rows yet (2 malformed line(s))"),
-    ("no-rows", "{p}/metrics.jsonl has no valid round rows yet"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing", "run folder not found: {p}"),
+        ("file", "not a fedmq run folder: {p} is not a folder"),
+        ("empty", "not a fedmq run folder: {p} has no metrics.jsonl"),
+        ("bad-config", "{p}/config.json is not valid JSON (line 1: Expecting value)"),
+        ("list-summary", "{p}/summary.json must hold a JSON object, not list"),
+        ("all-garbage", "{p}/metrics.jsonl has no valid round rows yet (2 malformed line(s))"),
+        ("no-rows", "{p}/metrics.jsonl has no valid round rows yet"),
+    ],
+)
 def test_bad_run_folders_raise_one_clear_line(tmp_path: Path, case: str, message: str) -> None:
     p = tmp_path / case
     if case == "file":

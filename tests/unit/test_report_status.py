@@ -14,17 +14,34 @@ from fedmq.errors import FedmqError
 
 
 def _row(rnd: int, **kw) -> dict:
-    row = {"round": rnd, "strategy": "fedatt", "metric": "perplexity", "valid": 500.0 - 40 * rnd,
-           "mean_loss": 6.0 - 0.2 * rnd, "online": ["agent-0", "agent-1", "agent-2", "agent-3"],
-           "selected": ["agent-0", "agent-2"], "reported": ["agent-0", "agent-2"], "granted": ["agent-0", "agent-2"],
-           "received": ["agent-0"], "dropped": ["agent-2"], "skipped": False, "bytes_up": 1_500_000,
-           "bytes_down": 4_250_000, "wall_s": 12.25}
+    row = {
+        "round": rnd,
+        "strategy": "fedatt",
+        "metric": "perplexity",
+        "valid": 500.0 - 40 * rnd,
+        "mean_loss": 6.0 - 0.2 * rnd,
+        "online": ["agent-0", "agent-1", "agent-2", "agent-3"],
+        "selected": ["agent-0", "agent-2"],
+        "reported": ["agent-0", "agent-2"],
+        "granted": ["agent-0", "agent-2"],
+        "received": ["agent-0"],
+        "dropped": ["agent-2"],
+        "skipped": False,
+        "bytes_up": 1_500_000,
+        "bytes_down": 4_250_000,
+        "wall_s": 12.25,
+    }
     row.update(kw)
     return row
 
 
 INFO = {
-    "job": "wt2", "phase": "uploading", "round": 7, "version": 6, "aggregators": 2, "standby_waiting": True,
+    "job": "wt2",
+    "phase": "uploading",
+    "round": 7,
+    "version": 6,
+    "aggregators": 2,
+    "standby_waiting": True,
     "agents_online": ["agent-3", "agent-1", "agent-0"],
     "last_metrics": _row(6, dropped=["agent-2"], valid=260.5),
     "queue_depths": {"fedmq.wt2.inbox": 3, "fedmq.wt2.agent-0.global": 1, "fedmq.wt2.agent-1.control": 0},
@@ -65,8 +82,12 @@ def test_render_status_of_a_half_started_job() -> None:
 
 
 def test_status_json_is_strict_and_complete() -> None:
-    info = {**INFO, "agents_online": {"b", "a"}, "run_dir": Path("/tmp/run"),
-            "last_metrics": _row(6, valid=math.inf, mean_loss=math.nan)}
+    info = {
+        **INFO,
+        "agents_online": {"b", "a"},
+        "run_dir": Path("/tmp/run"),
+        "last_metrics": _row(6, valid=math.inf, mean_loss=math.nan),
+    }
     text = status_json(info)
     assert "\n" not in text
     back = json.loads(text)
@@ -84,9 +105,19 @@ def test_status_rejects_non_mappings(bad) -> None:
         assert isinstance(info.value, FedmqError)
 
 
-SUMMARY = {"metric": "perplexity", "higher_is_better": False, "best_round": 4, "best_valid": 340.0, "test": 352.25,
-           "rounds_completed": 4, "rounds_skipped": 1, "wall_s": 80.3, "strategy": "fedatt", "bytes_up": 7_500_000,
-           "bytes_down": 21_250_000}
+SUMMARY = {
+    "metric": "perplexity",
+    "higher_is_better": False,
+    "best_round": 4,
+    "best_valid": 340.0,
+    "test": 352.25,
+    "rounds_completed": 4,
+    "rounds_skipped": 1,
+    "wall_s": 80.3,
+    "strategy": "fedatt",
+    "bytes_up": 7_500_000,
+    "bytes_down": 21_250_000,
+}
 
 
 def test_render_summary_table() -> None:

@@ -28,20 +28,23 @@ def test_round_config_round_trips_through_an_announce():
     assert RoundConfig.from_payload(env.payload["config"]) == cfg
 
 
-@pytest.mark.parametrize("change, match", [
-    (lambda c: c.pop("lr"), "exactly the fields"),
-    (lambda c: c.update(extra=1), "exactly the fields"),
-    (lambda c: c.update(epochs="3"), "epochs must be a int"),
-    (lambda c: c.update(grant=1), "grant must be a bool"),
-    (lambda c: c.update(epochs=True), "epochs must be a int"),
-    (lambda c: c.update(lr=float("nan")), "lr is not finite"),
-    (lambda c: c.update(lr=0.0), "lr=0.0 is out of range"),
-    (lambda c: c.update(epochs=0), "epochs=0 is out of range"),
-    (lambda c: c.update(pull="half"), "pull='half' is out of range"),
-    (lambda c: c.update(pull_fraction=1.0), "pull_fraction=1.0 is out of range"),
-    (lambda c: c.update(optimizer="lbfgs"), "optimizer='lbfgs' is out of range"),
-    (lambda c: c.update(encoding="no-such-encoding"), "encoding"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda c: c.pop("lr"), "exactly the fields"),
+        (lambda c: c.update(extra=1), "exactly the fields"),
+        (lambda c: c.update(epochs="3"), "epochs must be a int"),
+        (lambda c: c.update(grant=1), "grant must be a bool"),
+        (lambda c: c.update(epochs=True), "epochs must be a int"),
+        (lambda c: c.update(lr=float("nan")), "lr is not finite"),
+        (lambda c: c.update(lr=0.0), "lr=0.0 is out of range"),
+        (lambda c: c.update(epochs=0), "epochs=0 is out of range"),
+        (lambda c: c.update(pull="half"), "pull='half' is out of range"),
+        (lambda c: c.update(pull_fraction=1.0), "pull_fraction=1.0 is out of range"),
+        (lambda c: c.update(optimizer="lbfgs"), "optimizer='lbfgs' is out of range"),
+        (lambda c: c.update(encoding="no-such-encoding"), "encoding"),
+    ],
+)
 def test_a_bad_round_config_is_a_bad_payload(change, match):
     config = JobConfig().round_config().to_payload()
     change(config)

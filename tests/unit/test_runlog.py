@@ -15,15 +15,33 @@ TEXT = {"strategy", "metric", "skip_reason"}  # written as they are; every other
 def row(rnd: int, valid: float | None = None, skipped: bool = False) -> dict:
     """A round as aggregator.engine.Engine._row writes it."""
     received = [] if skipped else ["agent-0", "agent-2"]
-    return {"round": rnd, "time": 1_700_000_000.5 + rnd, "version": rnd, "strategy": "fedavg", "metric": "perplexity",
-            "valid": None if skipped else (valid or 100.0 / rnd), "mean_loss": None if skipped else 5.25 - rnd / 3,
-            "online": ["agent-0", "agent-1", "agent-2"], "selected": ["agent-0", "agent-1", "agent-2"],
-            "reported": received, "losses": {c: 5.0 for c in received}, "granted": received, "received": received,
-            "update_ids": {c: f"id-{rnd}-{c}" for c in received}, "dropped": ["agent-1"], "skipped": skipped,
-            "skip_reason": "0 update(s) < min 1" if skipped else None, "bytes_up": 1000 * rnd, "bytes_down": 3000,
-            "bytes_up_raw": 4000 * rnd, "bytes_down_raw": 6000, "wall_s": 0.125 * rnd,
-            "weights": {} if skipped else {"agent-0": 0.25, "agent-2": 0.75}, "rejected": {"bad-digest": 1},
-            "dropped_msgs": {}}
+    return {
+        "round": rnd,
+        "time": 1_700_000_000.5 + rnd,
+        "version": rnd,
+        "strategy": "fedavg",
+        "metric": "perplexity",
+        "valid": None if skipped else (valid or 100.0 / rnd),
+        "mean_loss": None if skipped else 5.25 - rnd / 3,
+        "online": ["agent-0", "agent-1", "agent-2"],
+        "selected": ["agent-0", "agent-1", "agent-2"],
+        "reported": received,
+        "losses": {c: 5.0 for c in received},
+        "granted": received,
+        "received": received,
+        "update_ids": {c: f"id-{rnd}-{c}" for c in received},
+        "dropped": ["agent-1"],
+        "skipped": skipped,
+        "skip_reason": "0 update(s) < min 1" if skipped else None,
+        "bytes_up": 1000 * rnd,
+        "bytes_down": 3000,
+        "bytes_up_raw": 4000 * rnd,
+        "bytes_down_raw": 6000,
+        "wall_s": 0.125 * rnd,
+        "weights": {} if skipped else {"agent-0": 0.25, "agent-2": 0.75},
+        "rejected": {"bad-digest": 1},
+        "dropped_msgs": {},
+    }
 
 
 def csv_rows(path) -> list[dict]:
@@ -33,8 +51,10 @@ def csv_rows(path) -> list[dict]:
     assert table[0] == list(CSV_COLUMNS)
     out = []
     for cells in table[1:]:
-        rec = {name: (None if cell == "" else cell if name in TEXT else json.loads(cell))
-               for name, cell in zip(table[0], cells)}
+        rec = {
+            name: (None if cell == "" else cell if name in TEXT else json.loads(cell))
+            for name, cell in zip(table[0], cells)
+        }
         rec.update(rec.pop("extra") or {})
         out.append(rec)
     return out
@@ -42,6 +62,7 @@ def csv_rows(path) -> list[dict]:
 
 def board(tb_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0, "histograms": 0})
     acc.Reload()
     return acc
@@ -53,7 +74,11 @@ def steps(acc, tag: str) -> list[tuple[int, float]]:
 
 def test_csv_rows_equal_the_json_lines(tmp_path):
     log = RunLog(tmp_path)
-    rows = [row(1), row(2, skipped=True), {**row(3), "fold_order": ["agent-2", "agent-0"]}]  # a key CSV_COLUMNS lacks
+    rows = [
+        row(1),
+        row(2, skipped=True),
+        {**row(3), "fold_order": ["agent-2", "agent-0"]},
+    ]  # a key CSV_COLUMNS lacks
     for r in rows:
         log.append(r)
     log.write_summary({})
@@ -68,10 +93,26 @@ def test_tensorboard_has_score_loss_bytes_participation_and_weights_per_round(tm
     log.write_summary({})
     acc = board(tmp_path / "tb")
     tags = set(acc.Tags()["scalars"])
-    assert {"valid/perplexity", "train/mean_loss", "bytes/up", "bytes/down", "bytes/up_raw", "bytes/down_raw",
-            "participation/online", "participation/selected", "participation/received", "participation/dropped",
-            "participation/skipped", "round/wall_s", "weights/agent-0", "weights/agent-2"} <= tags
-    assert steps(acc, "valid/perplexity") == [(1, 100.0), (3, pytest.approx(100.0 / 3))]  # skipped: no score (float32)
+    assert {
+        "valid/perplexity",
+        "train/mean_loss",
+        "bytes/up",
+        "bytes/down",
+        "bytes/up_raw",
+        "bytes/down_raw",
+        "participation/online",
+        "participation/selected",
+        "participation/received",
+        "participation/dropped",
+        "participation/skipped",
+        "round/wall_s",
+        "weights/agent-0",
+        "weights/agent-2",
+    } <= tags
+    assert steps(acc, "valid/perplexity") == [
+        (1, 100.0),
+        (3, pytest.approx(100.0 / 3)),
+    ]  # skipped: no score (float32)
     assert steps(acc, "bytes/up") == [(1, 1000.0), (2, 2000.0), (3, 3000.0)]
     assert steps(acc, "participation/received") == [(1, 2.0), (2, 0.0), (3, 2.0)]
     assert steps(acc, "weights/agent-2") == [(1, 0.75), (3, 0.75)]
@@ -91,7 +132,9 @@ def test_resume_appends_to_the_same_csv_and_tensorboard_without_duplicate_rounds
         resumed.append(r)
     resumed.write_summary({})
     expected = [row(1), row(2), row(3, valid=7.0), row(4)]
-    assert [r.to_json() for r in resumed.rows()] == expected and csv_rows(tmp_path / "metrics.csv") == expected
+    assert [r.to_json() for r in resumed.rows()] == expected and csv_rows(
+        tmp_path / "metrics.csv"
+    ) == expected
     assert steps(board(tmp_path / "tb"), "valid/perplexity") == [(1, 100.0), (2, 50.0), (3, 7.0), (4, 25.0)]
 
 

@@ -25,7 +25,11 @@ def test_save_then_restore_keeps_finished_runs_only(tmp_path: Path) -> None:
     _run(runs / "seed-0" / "a", done=True)
     _run(runs / "seed-0" / "b", done=False)
     assert runs_archive.main(["save", str(runs), str(kept)]) == 0
-    assert sorted(p.name for p in (kept / "seed-0" / "a").iterdir()) == ["metrics.jsonl", "spec.json", "summary.json"]
+    assert sorted(p.name for p in (kept / "seed-0" / "a").iterdir()) == [
+        "metrics.jsonl",
+        "spec.json",
+        "summary.json",
+    ]
     assert not (kept / "seed-0" / "b").exists()
     assert runs_archive.main(["restore", str(kept), str(back)]) == 0
     assert json.loads((back / "seed-0" / "a" / "spec.json").read_text())["done"] is True

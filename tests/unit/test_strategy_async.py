@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -66,7 +64,9 @@ def test_stale_update_without_delta_and_bad_staleness_are_rejected():
     assert s.pending == 0
 
 
-@pytest.mark.parametrize("params", [{"buffer_size": 0}, {"max_staleness": -1}, {"server_lr": 0.0}, {"buffer_size": 2.5}])
+@pytest.mark.parametrize(
+    "params", [{"buffer_size": 0}, {"max_staleness": -1}, {"server_lr": 0.0}, {"buffer_size": 2.5}]
+)
 def test_bad_parameters(params):
     with pytest.raises(BadParameter):
         BufferedAsync(**params)

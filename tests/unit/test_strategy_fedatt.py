@@ -22,8 +22,14 @@ def run(strategy, glob, updates):
 
 def test_equal_distances_give_equal_attention():
     # s_a = ‖[3,4]‖ = 5, s_b = ‖[0,5]‖ = 5 → α = (1/2, 1/2); θ' = 0 − 1.2·(0 − [1.5, 4.5]) = [1.8, 5.4]
-    out = run(FedAtt(), {"w": torch.zeros(2)},
-              [ClientUpdate("a", 1, {"w": torch.tensor([3.0, 4.0])}), ClientUpdate("b", 9, {"w": torch.tensor([0.0, 5.0])})])
+    out = run(
+        FedAtt(),
+        {"w": torch.zeros(2)},
+        [
+            ClientUpdate("a", 1, {"w": torch.tensor([3.0, 4.0])}),
+            ClientUpdate("b", 9, {"w": torch.tensor([0.0, 5.0])}),
+        ],
+    )
     torch.testing.assert_close(out["w"], torch.tensor([1.8, 5.4]))
 
 
@@ -31,8 +37,14 @@ def test_hand_worked_attention_prefers_the_farther_client():
     # s_a = 5, s_b = ‖[6,8]‖ = 10 → α_a = 1/(1+e^5) = 0.0066928509, α_b = 0.9933071491
     # θ' = 1.2·(α_a·[3,4] + α_b·[6,8]) = [7.1759057, 9.5678743]
     s = FedAtt()
-    out = run(s, {"w": torch.zeros(2)},
-              [ClientUpdate("a", 1, {"w": torch.tensor([3.0, 4.0])}), ClientUpdate("b", 1, {"w": torch.tensor([6.0, 8.0])})])
+    out = run(
+        s,
+        {"w": torch.zeros(2)},
+        [
+            ClientUpdate("a", 1, {"w": torch.tensor([3.0, 4.0])}),
+            ClientUpdate("b", 1, {"w": torch.tensor([6.0, 8.0])}),
+        ],
+    )
     torch.testing.assert_close(out["w"], torch.tensor([7.1759057, 9.5678743]))
     w = s.client_weights()
     assert w["a"] == pytest.approx(0.0066928509) and w["b"] == pytest.approx(0.9933071491)
@@ -66,9 +78,13 @@ def batch_fedatt(glob, updates, eps):
     """Reference: all distances at once, softmax, θ − ε Σ α_k (θ − θ_k)."""
     out = {}
     for name, g in glob.items():
-        s = torch.tensor([float(torch.dist(g.double(), u.tensors[name].double())) for u in updates], dtype=torch.float64)
+        s = torch.tensor(
+            [float(torch.dist(g.double(), u.tensors[name].double())) for u in updates], dtype=torch.float64
+        )
         alpha = torch.softmax(s, 0)
-        out[name] = g.double() - eps * sum(a * (g.double() - u.tensors[name].double()) for a, u in zip(alpha, updates))
+        out[name] = g.double() - eps * sum(
+            a * (g.double() - u.tensors[name].double()) for a, u in zip(alpha, updates)
+        )
     return out
 
 
@@ -76,7 +92,12 @@ def test_streaming_equals_batch_in_any_order():
     gen = torch.Generator().manual_seed(3)
     glob = {"e": torch.randn(30, 4, generator=gen), "b": torch.randn(4, generator=gen)}
     # distances differ by tens: the running max changes mid-stream and the rescaling is exercised
-    ups = [ClientUpdate(str(i), 1, {k: v + (i + 1) * torch.randn(v.shape, generator=gen) for k, v in glob.items()}) for i in range(6)]
+    ups = [
+        ClientUpdate(
+            str(i), 1, {k: v + (i + 1) * torch.randn(v.shape, generator=gen) for k, v in glob.items()}
+        )
+        for i in range(6)
+    ]
     ref = batch_fedatt(glob, ups, 1.2)
     orders = [ups, ups[::-1]] + [random.Random(i).sample(ups, len(ups)) for i in range(3)]
     for order in orders:
@@ -87,12 +108,17 @@ def test_streaming_equals_batch_in_any_order():
 
 def test_large_distances_do_not_overflow():
     glob = {"w": torch.zeros(2)}
-    ups = [ClientUpdate("a", 1, {"w": torch.tensor([1000.0, 0.0])}), ClientUpdate("b", 1, {"w": torch.tensor([0.0, 2000.0])})]
+    ups = [
+        ClientUpdate("a", 1, {"w": torch.tensor([1000.0, 0.0])}),
+        ClientUpdate("b", 1, {"w": torch.tensor([0.0, 2000.0])}),
+    ]
     out = run(FedAtt(epsilon=1.0), glob, ups)["w"]  # e^1000 overflows a naive softmax; α_b = 1
     torch.testing.assert_close(out, torch.tensor([0.0, 2000.0]))
 
 
-@pytest.mark.parametrize("params", [{"epsilon": 0}, {"epsilon": float("nan")}, {"norm": "l1"}, {"norm": None}])
+@pytest.mark.parametrize(
+    "params", [{"epsilon": 0}, {"epsilon": float("nan")}, {"norm": "l1"}, {"norm": None}]
+)
 def test_bad_parameters(params):
     with pytest.raises(BadParameter):
         FedAtt(**params)

@@ -70,10 +70,16 @@ def test_no_update_returns_global_unchanged_and_does_not_alias():
     "bad, message",
     [
         (ClientUpdate("x", 1, {"w": torch.tensor([1.0, 1.0])}), "missing tensor 'b'"),
-        (ClientUpdate("x", 1, {"w": torch.ones(2), "b": torch.ones(1), "z": torch.ones(1)}), "unknown tensor 'z'"),
+        (
+            ClientUpdate("x", 1, {"w": torch.ones(2), "b": torch.ones(1), "z": torch.ones(1)}),
+            "unknown tensor 'z'",
+        ),
         (ClientUpdate("x", 1, {"w": torch.ones(3), "b": torch.ones(1)}), "has shape (3,), expected (2,)"),
         (ClientUpdate("x", 1, {"w": torch.tensor([1.0, float("nan")]), "b": torch.ones(1)}), "non-finite"),
-        (ClientUpdate("x", 0, {"w": torch.ones(2), "b": torch.ones(1)}), "n_samples must be a positive integer"),
+        (
+            ClientUpdate("x", 0, {"w": torch.ones(2), "b": torch.ones(1)}),
+            "n_samples must be a positive integer",
+        ),
     ],
 )
 def test_bad_update_is_rejected_and_changes_nothing(bad, message):

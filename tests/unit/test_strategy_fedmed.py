@@ -29,7 +29,9 @@ def test_js_divergence_hand_worked():
     assert js_divergence(torch.zeros(2), torch.tensor([LN3, 0.0])) == pytest.approx(0.0338221, abs=1e-6)
     assert js_divergence(torch.zeros(5), torch.zeros(5)) == 0.0
     # bounded by ln 2 for disjoint-looking distributions
-    assert js_divergence(torch.tensor([100.0, 0.0]), torch.tensor([0.0, 100.0])) == pytest.approx(math.log(2), abs=1e-9)
+    assert js_divergence(torch.tensor([100.0, 0.0]), torch.tensor([0.0, 100.0])) == pytest.approx(
+        math.log(2), abs=1e-9
+    )
 
 
 def test_chunked_js_matches_direct_formula_on_a_large_tensor():
@@ -45,33 +47,42 @@ def test_adaptive_hand_worked():  # the paper's literal γ = softmax(JS)
     # client a equals the global model: JS_a = 0; client b: JS_b = 0.0338221 (above)
     # γ_b = 1/(1 + e^-0.0338221) = 0.5084547, γ_a = 0.4915453; η = 1: θ' = γ_a·[0,0] + γ_b·[ln3, 0] = [0.5585946, 0]
     s = FedMed(js="raw")
-    out = run(s, {"w": torch.zeros(2)},
-              [ClientUpdate("a", 5, {"w": torch.zeros(2)}), ClientUpdate("b", 1, {"w": torch.tensor([LN3, 0.0])})])
+    out = run(
+        s,
+        {"w": torch.zeros(2)},
+        [ClientUpdate("a", 5, {"w": torch.zeros(2)}), ClientUpdate("b", 1, {"w": torch.tensor([LN3, 0.0])})],
+    )
     torch.testing.assert_close(out["w"], torch.tensor([0.5585946, 0.0]))
     assert s.client_weights()["b"] == pytest.approx(0.5084547, abs=1e-6)
 
 
 def test_eta_scales_the_step():
     # η = 0.5: θ' = θ − ½ Σ γ_k (θ − θ_k) = ½·[0.5585946, 0]
-    out = run(FedMed(eta=0.5, js="raw"), {"w": torch.zeros(2)},
-              [ClientUpdate("a", 1, {"w": torch.zeros(2)}), ClientUpdate("b", 1, {"w": torch.tensor([LN3, 0.0])})])
+    out = run(
+        FedMed(eta=0.5, js="raw"),
+        {"w": torch.zeros(2)},
+        [ClientUpdate("a", 1, {"w": torch.zeros(2)}), ClientUpdate("b", 1, {"w": torch.tensor([LN3, 0.0])})],
+    )
     torch.testing.assert_close(out["w"], torch.tensor([0.2792973, 0.0]))
-
 
 
 def test_streaming_equals_batch_in_any_order():
     gen = torch.Generator().manual_seed(1)
     glob = {"w": torch.randn(20, 3, generator=gen), "b": torch.randn(3, generator=gen)}
-    ups = [ClientUpdate(str(i), 1, {k: v + 2 * torch.randn(v.shape, generator=gen) for k, v in glob.items()}) for i in range(5)]
+    ups = [
+        ClientUpdate(str(i), 1, {k: v + 2 * torch.randn(v.shape, generator=gen) for k, v in glob.items()})
+        for i in range(5)
+    ]
     ref = {}
     for k, g in glob.items():
-        gamma = torch.softmax(torch.tensor([js_divergence(g, u.tensors[k]) for u in ups], dtype=torch.float64), 0)
+        gamma = torch.softmax(
+            torch.tensor([js_divergence(g, u.tensors[k]) for u in ups], dtype=torch.float64), 0
+        )
         ref[k] = sum(float(c) * u.tensors[k].double() for c, u in zip(gamma, ups))
     for order in (ups, ups[::-1], ups[2:] + ups[:2]):
         out = run(FedMed(js="raw"), glob, order)
         for k in glob:
             torch.testing.assert_close(out[k].double(), ref[k], rtol=1e-5, atol=1e-6)
-
 
 
 def _two_pass(glob, updates, **kw):
@@ -93,14 +104,18 @@ def test_standardised_js_is_a_softmax_of_z_scores_over_two_passes():
     d = torch.tensor([js_divergence(glob["w"], x) for x in xs], dtype=torch.float64)
     gamma = torch.softmax((d - d.mean()) / d.std(unbiased=False), 0)
     out, s = _two_pass(glob, ups, js="standardised")
-    torch.testing.assert_close(out["w"].double(), sum(g * x.double() for g, x in zip(gamma, xs)), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        out["w"].double(), sum(g * x.double() for g, x in zip(gamma, xs)), rtol=1e-6, atol=1e-7
+    )
     assert s.client_weights() == pytest.approx(dict(zip("abc", gamma.tolist())), abs=1e-9)
     # one pass is enough for the raw formula and for FedAvg mode
     raw = FedMed(js="raw")
     raw.begin(glob)
     assert raw.second_pass() is None
     # equal divergences (or one client): equal weights, no division by zero
-    same, s = _two_pass(glob, [ClientUpdate("a", 1, {"w": xs[1]}), ClientUpdate("b", 1, {"w": xs[1]})], js="standardised")
+    same, s = _two_pass(
+        glob, [ClientUpdate("a", 1, {"w": xs[1]}), ClientUpdate("b", 1, {"w": xs[1]})], js="standardised"
+    )
     assert s.client_weights() == {"a": 0.5, "b": 0.5}
 
 
@@ -110,8 +125,19 @@ def test_standardised_weights_differ_between_clients_on_real_updates():
     from fedmq.tasks.base import TrainConfig, model_state
     from fedmq.tasks.lm import LanguageModelTask
 
-    task = LanguageModelTask(clients=4, seed=0, data="builtin", model="gru-small", emb=16, hidden=16,
-                             vocab_size=500, max_lines=600, max_eval_lines=50, bptt=10, dropout=0.0)
+    task = LanguageModelTask(
+        clients=4,
+        seed=0,
+        data="builtin",
+        model="gru-small",
+        emb=16,
+        hidden=16,
+        vocab_size=500,
+        max_lines=600,
+        max_eval_lines=50,
+        bptt=10,
+        dropout=0.0,
+    )
     torch.manual_seed(0)
     glob = {k: v.clone() for k, v in model_state(task.build_model(0)).items()}
     ups = []
@@ -140,12 +166,20 @@ def test_relative_js_divides_by_the_rounds_mean_and_is_not_degenerate_at_two_cli
     d = torch.tensor([js_divergence(glob["w"], x) for x in xs], dtype=torch.float64)
     gamma = torch.softmax(d / d.mean(), 0)
     out, s = _two_pass(glob, ups, js="relative")
-    torch.testing.assert_close(out["w"].double(), sum(g * x.double() for g, x in zip(gamma, xs)), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        out["w"].double(), sum(g * x.double() for g, x in zip(gamma, xs)), rtol=1e-6, atol=1e-7
+    )
     assert s.client_weights() == pytest.approx(dict(zip("abc", gamma.tolist())), abs=1e-9)
     # two clients: standardised weights are 0.881 / 0.119 whether the divergences are close or far apart;
     # relative ones follow the ratio, and equal divergences give equal weights
-    near = [ClientUpdate("a", 1, {"w": torch.tensor([1.0, 0.0])}), ClientUpdate("b", 1, {"w": torch.tensor([1.01, 0.0])})]
-    far = [ClientUpdate("a", 1, {"w": torch.tensor([1.0, 0.0])}), ClientUpdate("b", 1, {"w": torch.tensor([3.0, 0.0])})]
+    near = [
+        ClientUpdate("a", 1, {"w": torch.tensor([1.0, 0.0])}),
+        ClientUpdate("b", 1, {"w": torch.tensor([1.01, 0.0])}),
+    ]
+    far = [
+        ClientUpdate("a", 1, {"w": torch.tensor([1.0, 0.0])}),
+        ClientUpdate("b", 1, {"w": torch.tensor([3.0, 0.0])}),
+    ]
     for pair in (near, far):
         _, std = _two_pass(glob, pair, js="standardised")
         assert sorted(std.client_weights().values()) == pytest.approx([0.1192, 0.8808], abs=1e-4)

@@ -64,8 +64,16 @@ def sized(changes: dict[str, tuple[float, int]]):
 def test_fraction_is_a_share_of_parameters_as_in_the_paper():
     """A GRU LM's few big matrices move most: by count "50 %" ships them all (DP_g) or none (DP_l); by
     parameters each side gets about half the parameters (Passban et al.: 22,863,104 of 45,724,160)."""
-    cur, prev = sized({"emb": (9.0, 1000), "w_ih": (8.0, 600), "w_hh": (7.0, 400), "b_ih": (1.0, 10),
-                       "b_hh": (2.0, 10), "dec_b": (3.0, 980)})
+    cur, prev = sized(
+        {
+            "emb": (9.0, 1000),
+            "w_ih": (8.0, 600),
+            "w_hh": (7.0, 400),
+            "b_ih": (1.0, 10),
+            "b_hh": (2.0, 10),
+            "dec_b": (3.0, 980),
+        }
+    )
     groups = {k: "model" for k in cur}
     numel = {k: v.numel() for k, v in cur.items()}
     total = sum(numel.values())
@@ -80,7 +88,10 @@ def test_fraction_is_a_share_of_parameters_as_in_the_paper():
     for seed in range(10):  # random matches global's parameter budget (first fit), not its tensor count
         picked = select_tensors(cur, prev, groups, "random", rng=random.Random(seed))
         sent = sum(numel[n] for n in picked)
-        assert sent <= budget and all(sent + numel[n] > budget for n in set(cur) - set(picked)), (seed, picked)
+        assert sent <= budget and all(sent + numel[n] > budget for n in set(cur) - set(picked)), (
+            seed,
+            picked,
+        )
 
 
 def test_random_never_overshoots_by_a_big_tensor():
@@ -91,8 +102,10 @@ def test_random_never_overshoots_by_a_big_tensor():
     glob = select_tensors(cur, prev, groups, "global")
     budget = sum(cur[n].numel() for n in glob)
     assert glob == [f"w{i}" for i in range(2, 10)] and budget == 8000  # 7,500 needed: eight 1,000s
-    sends = [sum(cur[n].numel() for n in select_tensors(cur, prev, groups, "random", rng=random.Random(s)))
-             for s in range(30)]
+    sends = [
+        sum(cur[n].numel() for n in select_tensors(cur, prev, groups, "random", rng=random.Random(s)))
+        for s in range(30)
+    ]
     assert max(sends) <= budget and min(sends) >= budget - 1000, sends
 
 
@@ -117,7 +130,16 @@ def test_first_round_new_tensors_and_all():
     assert select_tensors(cur, prev, groups, "local") == ["a", "new"]
 
 
-@pytest.mark.parametrize("kwargs", [{"mode": "dp-l"}, {"mode": "local", "by": "bytes"}, {"mode": "local", "fraction": 0.0}, {"mode": "local", "fraction": 1.5}, {"mode": "random"}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"mode": "dp-l"},
+        {"mode": "local", "by": "bytes"},
+        {"mode": "local", "fraction": 0.0},
+        {"mode": "local", "fraction": 1.5},
+        {"mode": "random"},
+    ],
+)
 def test_bad_arguments(kwargs):
     cur, prev = states({"a": 1.0})
     with pytest.raises(BadParameter):

@@ -45,7 +45,11 @@ def test_vocabulary_from_train_only_with_cap(corpus_dir):
     capped = Vocabulary.build(corpus.lines["train"], max_size=5)
     assert len(capped) == 5
     ids = capped.encode_lines([["the", "zebra", "bird"]])
-    assert ids.tolist()[0] == capped.stoi["the"] and ids.tolist()[1] == capped.unk and ids.tolist()[-1] == capped.eos
+    assert (
+        ids.tolist()[0] == capped.stoi["the"]
+        and ids.tolist()[1] == capped.unk
+        and ids.tolist()[-1] == capped.eos
+    )
 
 
 def test_stream_batches_cover_every_token_once():
@@ -62,7 +66,11 @@ def test_stream_batches_cover_every_token_once():
 
 def test_presets_shapes_and_tied_weights():
     v = 50
-    for name, emb, hid, layers in [("gru-small", 300, 300, 1), ("gru-medium", 650, 650, 1), ("lstm", 300, 400, 2)]:
+    for name, emb, hid, layers in [
+        ("gru-small", 300, 300, 1),
+        ("gru-medium", 650, 650, 1),
+        ("lstm", 300, 400, 2),
+    ]:
         cfg = rnn_config(name, tied=None)
         assert (cfg.emb, cfg.hidden, cfg.layers) == (emb, hid, layers)
     cfg = rnn_config("gru-large")
@@ -78,7 +86,8 @@ def test_presets_shapes_and_tied_weights():
     s = model_state(untied)
     assert s["decoder.weight"].shape == (v, 400) and s["encoder.weight"].shape == (v, 300)
     assert sorted(k for k in s if k.startswith("rnn.")) == sorted(
-        f"rnn.{i}.{w}_{t}_l0" for i in (0, 1) for w in ("weight", "bias") for t in ("ih", "hh"))
+        f"rnn.{i}.{w}_{t}_l0" for i in (0, 1) for w in ("weight", "bias") for t in ("ih", "hh")
+    )
     assert s["rnn.1.weight_ih_l0"].shape == (4 * 400, 400)
     logits, hidden = untied(torch.zeros(4, 2, dtype=torch.long), untied.init_hidden(2))
     assert logits.shape == (4, 2, v) and len(hidden) == 2 and hidden[1][0].shape == (1, 2, 400)
@@ -113,7 +122,9 @@ def test_perplexity_of_a_fixed_distribution_by_hand(corpus_dir):
     v = len(task.vocab)
     p = torch.arange(1, v + 1, dtype=torch.float64)
     p = (p / p.sum()).float()
-    ids = task.vocab.encode_lines(task.corpus.lines["valid"])  # 23 lines, every token incl. each <eos> is a target
+    ids = task.vocab.encode_lines(
+        task.corpus.lines["valid"]
+    )  # 23 lines, every token incl. each <eos> is a target
     counts = Counter(ids.tolist())
     expected = math.exp(-sum(c * math.log(float(p[t])) for t, c in counts.items()) / len(ids))
     got = task.evaluate(FixedDistribution(p), "valid")
@@ -129,7 +140,9 @@ def test_a_diverged_model_scores_infinite_perplexity(corpus_dir):
     v = len(task.vocab)
     model = FixedDistribution(torch.full((v,), 1.0 / v, dtype=torch.float64))
     with torch.no_grad():
-        model.logits[1:] = -2000.0  # every token but the first at log-probability ≈ -2000: far past exp's range
+        model.logits[
+            1:
+        ] = -2000.0  # every token but the first at log-probability ≈ -2000: far past exp's range
     assert task.mean_nll(model, "valid") > 710 and task.evaluate(model, "valid") == math.inf
 
 
@@ -146,7 +159,9 @@ def test_client_shards_and_n_samples(corpus_dir):
 
 def test_training_deterministic_for_a_seed_and_lowers_loss(corpus_dir):
     task = LanguageModelTask(corpus_dir, model="gru-small", clients=1, emb=16, hidden=16, dropout=0.3, bptt=8)
-    cfg = TrainConfig(epochs=2, batch_size=5, lr=2.0, momentum=0.5, optimizer="sgd", lr_decay=0.5, clip=0.5, seed=7)
+    cfg = TrainConfig(
+        epochs=2, batch_size=5, lr=2.0, momentum=0.5, optimizer="sgd", lr_decay=0.5, clip=0.5, seed=7
+    )
     a, b, c = task.build_model(3), task.build_model(3), task.build_model(3)
     before = task.mean_nll(a, "train")
     calls = []
@@ -155,14 +170,18 @@ def test_training_deterministic_for_a_seed_and_lowers_loss(corpus_dir):
     rc = task.train(c, 0, TrainConfig(**{**vars(cfg), "seed": 8}))
     assert ra.loss == rb.loss and ra.steps == rb.steps
     assert all(torch.equal(x, y) for x, y in zip(model_state(a).values(), model_state(b).values()))
-    assert not all(torch.equal(x, y) for x, y in zip(model_state(a).values(), model_state(c).values()))  # dropout masks
+    assert not all(
+        torch.equal(x, y) for x, y in zip(model_state(a).values(), model_state(c).values())
+    )  # dropout masks
     assert calls[-1] == (ra.steps, ra.steps) and len(calls) == ra.steps
     # random word salad: the entropy floor is close to log(16) = 2.77, so the gain is small but certain
     assert task.mean_nll(a, "train") < before - 0.2
 
 
 def test_adam_and_max_steps(corpus_dir):
-    task = LanguageModelTask(corpus_dir, model="lstm", tied=False, clients=1, emb=8, hidden=12, dropout=0.1, bptt=8)
+    task = LanguageModelTask(
+        corpus_dir, model="lstm", tied=False, clients=1, emb=8, hidden=12, dropout=0.1, bptt=8
+    )
     model = task.build_model(0)
     res = task.train(model, 0, TrainConfig(epochs=5, batch_size=4, lr=0.01, optimizer="adam", max_steps=4))
     assert res.steps == 4 and math.isfinite(res.loss)
@@ -174,7 +193,9 @@ def test_capped_runs_start_at_a_seeded_window(corpus_dir):
     task = LanguageModelTask(corpus_dir, model="gru-small", clients=1, **TINY)
 
     def loss(seed: int, max_steps: int) -> float:
-        return task.train(task.build_model(0), 0, TrainConfig(batch_size=4, lr=1.0, seed=seed, max_steps=max_steps)).loss
+        return task.train(
+            task.build_model(0), 0, TrainConfig(batch_size=4, lr=1.0, seed=seed, max_steps=max_steps)
+        ).loss
 
     assert loss(1, 0) == loss(2, 0)
     capped = {loss(seed, 1) for seed in range(1, 6)}
@@ -183,8 +204,18 @@ def test_capped_runs_start_at_a_seeded_window(corpus_dir):
 
 
 def test_builtin_corpus_works_without_files():
-    task = make_task("lm", data="builtin", model="gru-small", emb=8, hidden=8, clients=10, vocab_size=1000,
-                     max_lines=2000, max_eval_lines=100, bptt=10)
+    task = make_task(
+        "lm",
+        data="builtin",
+        model="gru-small",
+        emb=8,
+        hidden=8,
+        clients=10,
+        vocab_size=1000,
+        max_lines=2000,
+        max_eval_lines=100,
+        bptt=10,
+    )
     d = task.describe()
     assert d["corpus"] == "builtin" and d["vocab_size"] == 1000 and d["train_lines"] == 2000
     full = load_corpus("builtin")
@@ -198,24 +229,29 @@ def test_builtin_corpus_works_without_files():
 def test_natural_partition_by_docid(corpus_dir):
     (corpus_dir / "train.docid").write_text("".join(f"doc{i % 3}\n" for i in range(200)))
     task = LanguageModelTask(corpus_dir, model="gru-small", partition="natural", **TINY)
-    assert task.num_clients == 3 and all(set(s.tolist()) == set(range(k, 200, 3)) for k, s in enumerate(task.shards))
+    assert task.num_clients == 3 and all(
+        set(s.tolist()) == set(range(k, 200, 3)) for k, s in enumerate(task.shards)
+    )
     (corpus_dir / "train.docid").write_text("doc\n")
     with pytest.raises(TaskError, match="one id per line"):
         LanguageModelTask(corpus_dir, model="gru-small", partition="natural", **TINY)
 
 
-@pytest.mark.parametrize("options,match", [
-    (dict(model="gru-huge"), "unknown LM model"),
-    (dict(model="lstm", tied=True, hidden=24), "use --untied"),
-    (dict(data="/does/not/exist"), "no such folder"),
-    (dict(dropout=1.5), "dropout"),
-    (dict(bptt=0), "bptt"),
-    (dict(vocab_size=2), "vocab-size"),
-    (dict(partition="natural"), "needs documents"),
-    (dict(clients=1000), "lower --clients"),
-    (dict(clients="8"), "whole number"),
-    (dict(colour="red"), "no option colour"),
-])
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        (dict(model="gru-huge"), "unknown LM model"),
+        (dict(model="lstm", tied=True, hidden=24), "use --untied"),
+        (dict(data="/does/not/exist"), "no such folder"),
+        (dict(dropout=1.5), "dropout"),
+        (dict(bptt=0), "bptt"),
+        (dict(vocab_size=2), "vocab-size"),
+        (dict(partition="natural"), "needs documents"),
+        (dict(clients=1000), "lower --clients"),
+        (dict(clients="8"), "whole number"),
+        (dict(colour="red"), "no option colour"),
+    ],
+)
 def test_bad_options_raise_one_line_task_errors(corpus_dir, options, match):
     opts = dict(data=str(corpus_dir), model="gru-small", clients=2, **TINY)
     opts.update(options)
@@ -236,8 +272,12 @@ def test_bad_train_config(corpus_dir):
     task = LanguageModelTask(corpus_dir, model="gru-small", clients=1, **TINY)
     model = task.build_model(0)
     before = [t.clone() for t in model_state(model).values()]
-    for cfg, match in [(TrainConfig(optimizer="rmsprop"), "optimizer"), (TrainConfig(device="tpu"), "device"),
-                       (TrainConfig(epochs=0), "epochs"), (TrainConfig(lr=-1), "lr")]:
+    for cfg, match in [
+        (TrainConfig(optimizer="rmsprop"), "optimizer"),
+        (TrainConfig(device="tpu"), "device"),
+        (TrainConfig(epochs=0), "epochs"),
+        (TrainConfig(lr=-1), "lr"),
+    ]:
         with pytest.raises(TaskError, match=match):
             task.train(model, 0, cfg)
     with pytest.raises(TaskError, match="does not exist"):
@@ -248,8 +288,11 @@ def test_bad_train_config(corpus_dir):
 def test_data_names_a_cached_corpus_or_says_where_to_put_it(tmp_path, monkeypatch, corpus_dir):
     """`--data wikitext-2` reads $FEDMQ_DATA_DIR/wikitext-2; a missing corpus or a file gets one line saying what to do."""
     from fedmq.tasks.corpora import resolve
+
     monkeypatch.setenv("FEDMQ_DATA_DIR", str(tmp_path / "cache"))
-    with pytest.raises(TaskError, match=r"corpus 'ptb' is not on this machine: put its folder .* at .*cache/ptb") as info:
+    with pytest.raises(
+        TaskError, match=r"corpus 'ptb' is not on this machine: put its folder .* at .*cache/ptb"
+    ) as info:
         make_task("lm", data="ptb", clients=2, **TINY)
     assert "\n" not in str(info.value)
     cached = tmp_path / "cache" / "ptb"
@@ -287,7 +330,9 @@ def test_full_batch_is_one_step_on_the_whole_shard_gradient(corpus_dir):
     for x, y, mask in batches.windows(4):
         hidden = detach_hidden(hidden)
         logits, hidden = manual(x, hidden)
-        nll = nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
+        nll = nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none"
+        )
         manual.zero_grad()
         (nll * mask.reshape(-1)).sum().backward()
         for n, p in manual.named_parameters():
@@ -319,6 +364,7 @@ def test_tail_loss_is_the_trained_models_loss_on_its_shard(corpus_dir):
 
 def test_fedmed_rounds_ask_for_the_tail_loss_and_others_do_not():
     from fedmq.aggregator.config import JobConfig
+
     assert JobConfig(strategy="fedmed").round_config().tail_loss is True
     assert JobConfig(strategy="fedavg").round_config().tail_loss is False
 

@@ -46,7 +46,9 @@ def de_en(tmp_path):
 
 
 def _task(de_en, tmp_path, **kw):
-    opts = dict(model="tiny", vocab_size=60, cache_dir=tmp_path / "cache", eval_fraction=0.1, eval_max_sentences=0)
+    opts = dict(
+        model="tiny", vocab_size=60, cache_dir=tmp_path / "cache", eval_fraction=0.1, eval_max_sentences=0
+    )
     opts.update(kw)
     return TranslationTask(de_en, **opts)
 
@@ -55,9 +57,13 @@ def test_bleu_through_sacrebleu_on_known_strings():
     assert corpus_bleu(["The cat sat on the mat."], ["The cat sat on the mat."]) == pytest.approx(100.0)
     # one substituted word in six: precisions 5/6, 4/5, 3/4, 2/3, no brevity penalty
     expected = 100 * (5 / 6 * 4 / 5 * 3 / 4 * 2 / 3) ** 0.25
-    assert corpus_bleu(["the cat sat on the rug"], ["the cat sat on the mat"]) == pytest.approx(expected, rel=1e-6)
+    assert corpus_bleu(["the cat sat on the rug"], ["the cat sat on the mat"]) == pytest.approx(
+        expected, rel=1e-6
+    )
     # a hypothesis half as long: brevity penalty exp(1 - 6/3) on perfect precisions
-    assert corpus_bleu(["the cat sat on"], ["the cat sat on the mat all day"]) == pytest.approx(100 * math.exp(-1), rel=1e-6)
+    assert corpus_bleu(["the cat sat on"], ["the cat sat on the mat all day"]) == pytest.approx(
+        100 * math.exp(-1), rel=1e-6
+    )
     assert corpus_bleu(["xyz"], ["the cat sat on the mat"]) == pytest.approx(0.0)
 
 
@@ -68,7 +74,9 @@ def test_splits_domains_and_natural_partition(de_en, tmp_path):
     assert (d["train_pairs"], d["valid_pairs"], d["test_pairs"]) == (96 + 72, 12 + 9, 12 + 9)
     # splits are disjoint (as pair positions) and fixed whatever the run seed
     other = _task(de_en, tmp_path, seed=5)
-    assert [(p.src, p.domain) for p in task.corpus.splits["test"]] == [(p.src, p.domain) for p in other.corpus.splits["test"]]
+    assert [(p.src, p.domain) for p in task.corpus.splits["test"]] == [
+        (p.src, p.domain) for p in other.corpus.splits["test"]
+    ]
     assert {p.domain for i in task.shards[0] for p in [task.corpus.splits["train"][i]]} == {"news"}
     iid = _task(de_en, tmp_path, partition="iid", clients=4)
     assert iid.num_clients == 4 and sorted(i for s in iid.shards for i in s.tolist()) == list(range(168))
@@ -159,7 +167,9 @@ def test_training_deterministic_and_bleu_rises(de_en, tmp_path):
     assert ra.n_samples == 168 and rb.steps == 11
     c = task.build_model(0)
     rc = task.train(c, 0, TrainConfig(**{**vars(cfg), "max_steps": 11}))
-    assert rb.loss == rc.loss and all(torch.equal(x, y) for x, y in zip(model_state(b).values(), model_state(c).values()))
+    assert rb.loss == rc.loss and all(
+        torch.equal(x, y) for x, y in zip(model_state(b).values(), model_state(c).values())
+    )
     bleu = task.evaluate(a, "valid")
     assert bleu0 < 5 and bleu > 50, (bleu0, bleu)  # a toy language is learnt almost perfectly
     assert task.translate(a, ["der mann schläft ."]) == ["The man sleeps."]
@@ -168,7 +178,9 @@ def test_training_deterministic_and_bleu_rises(de_en, tmp_path):
     pairs = task.eval_pairs("valid")
     ce0, ce = task.cross_entropy(task.build_model(0), pairs), task.cross_entropy(a, pairs)
     assert ce < 0.5 < 2.0 < ce0 < 2 * math.log(len(task.vocab)), (ce0, ce)
-    single = [(task.cross_entropy(a, [p]), len(task.vocab.encode([p.tgt], task.max_len)[0]) + 1) for p in pairs]
+    single = [
+        (task.cross_entropy(a, [p]), len(task.vocab.encode([p.tgt], task.max_len)[0]) + 1) for p in pairs
+    ]
     assert ce == pytest.approx(sum(v * n for v, n in single) / sum(n for _, n in single), rel=1e-5)
 
 

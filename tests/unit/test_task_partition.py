@@ -62,8 +62,15 @@ def test_natural_one_shard_per_category():
     assert [s.tolist() for s in shards] == [[1, 4], [0, 2], [3]]
 
 
-@pytest.mark.parametrize("text,kind,alpha", [("iid", "iid", 0.0), ("natural", "natural", 0.0),
-                                             ("dirichlet:0.3", "dirichlet", 0.3), ("dirichlet", "dirichlet", 0.5)])
+@pytest.mark.parametrize(
+    "text,kind,alpha",
+    [
+        ("iid", "iid", 0.0),
+        ("natural", "natural", 0.0),
+        ("dirichlet:0.3", "dirichlet", 0.3),
+        ("dirichlet", "dirichlet", 0.5),
+    ],
+)
 def test_parse(text, kind, alpha):
     spec = PartitionSpec.parse(text)
     assert (spec.kind, spec.alpha) == (kind, alpha)

@@ -19,8 +19,10 @@ def test_work_runs_on_the_trainers_own_thread(pool):
     callers = [threading.Thread(target=lambda: None) for _ in range(3)]
     seen: list[str] = []
     with pool.borrow() as model:
+
         def record() -> None:
             seen.append(pool.run(model, lambda: threading.current_thread().name))
+
         for t in callers:
             t.run = record  # three different agent threads, one model
             t.start()
