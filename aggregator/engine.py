@@ -2,7 +2,7 @@
 fold path, closing a round (guards, evaluation, the run log, checkpoints).
 
 One engine thread owns all state; the broker's dispatcher thread only queues deliveries (aggregator.inbox).
-The rounds themselves run in aggregator.sync_round (DESIGN.md's synchronous round) and aggregator.async_rounds
+The rounds themselves run in aggregator.sync_round (the synchronous round) and aggregator.async_rounds
 (fold every K arrivals with a staleness weight), through the engine's RoundContext (aggregator.rounds).
 Crash safety: see aggregator/spool.py (ack after spooling) and aggregator/checkpoint.py (after every round).
 
@@ -206,7 +206,7 @@ class Engine:
         self.broker.declare_job(self.cfg.job, [], model_bytes=self.manifest.message_bound)
 
     def _inbox_prefetch(self) -> int:
-        """Prefetch sized to the round (DESIGN.md): every chunk of every selected agent's update can be in flight.
+        """Prefetch sized to the round: every chunk of every selected agent's update can be in flight.
 
         A smaller window would make the broker layer ack chunks before their message is complete (to avoid a
         deadlock), and a crash of this process would then lose those partially received, confirmed updates.

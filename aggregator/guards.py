@@ -1,4 +1,4 @@
-"""Bounds on one client's influence over a synchronous round, and the never-non-finite rule (issue 16.2).
+"""Bounds on one client's influence over a synchronous round, and the never-non-finite rule.
 
 An authenticated agent can send finite but huge weights (3e38) with a huge ``n_samples`` (2**52): the NaN/Inf
 checks pass, the weighted sum overflows and the global model becomes Inf/NaN. Or it sends all zeros with the

@@ -1,4 +1,4 @@
-"""One synchronous round (DESIGN.md): select m agents, announce, collect reports, mediate and grant (when the
+"""One synchronous round: select m agents, announce, collect reports, mediate and grant (when the
 job has a grant phase), fold the granted updates in a fixed order, close.
 
 Crash safety: the round's state (selected, reports, grants, the mediator's choice) and every folded update

@@ -6,7 +6,7 @@ CPU). For each cohort size n, clients 0..n-1 train from the same model, first al
 simulation with one trainer does) and then together (``Task.train_cohort``); each is timed ``repeats`` times
 and the medians are reported with their ratio, the largest parameter difference between the two results (the
 float summation order: it should stay near 1e-5) and, on CUDA, the peak GPU memory of the cohort.
-Run: ``fedmq bench cohort --data ../shared/data/ptb --cohort 10,50 --device cuda``.
+Run: ``fedmq bench cohort --data ptb --cohort 10,50 --device cuda``.
 """
 
 from __future__ import annotations

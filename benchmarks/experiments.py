@@ -1,4 +1,4 @@
-"""Named reproductions of the seed papers' experiments (issue 8): ``fedmq experiment NAME --scale S --out DIR``.
+"""Named reproductions of the seed papers' experiments: ``fedmq experiment NAME --scale S --out DIR``.
 
 Papers: FedAtt (Ji et al. 2019), FedMed (Wu et al. 2020), dynamic pulling (Passban et al. 2022).
 Every experiment is a grid of federations run one after the other with :class:`fedmq.simulation.Simulation` over
@@ -775,8 +775,8 @@ class Runner:
 def ran_as(run_dir: Path, cfg: JobConfig) -> bool:
     """The run in ``run_dir`` ran with ``cfg``'s settings, as far as its strategy reads them: every JobConfig key
     its config.json records has ``cfg``'s value (a key the run predates must be at its default in ``cfg``), but
-    the job's name, the seed (the spec key holds it; until 2026-11-24 config.json recorded the task's seed under
-    "seed", now under "shard_seed", so an archived run's "seed" may not be its own), ``heartbeat_s`` (presence
+    the job's name, the seed (the spec key holds it; config.json records the task's seed under "shard_seed", and
+    older run folders under "seed", so an archived run's "seed" may not be its own), ``heartbeat_s`` (presence
     timing, not a result: fedmq.simulation raises it with K, so a K = 100 run records 2.0 where its spec says 1.0
     and, before this was ignored, was deleted and started again on every rerun) and the settings only
     other strategies read (``Strategy.own_settings``: FedAvg does not depend on FedMed's JS weighting). A spec
@@ -828,7 +828,7 @@ def _row(spec: RunSpec, summary: dict[str, Any], run_dir: Path) -> dict[str, Any
 
 def max_jump(curve: list[float | None], after: int = 3) -> float | None:
     """Largest round-to-round rise of validation perplexity after round ``after`` (valid_r / valid_{r-1});
-    issue #14 asks for curves that train: at most 1.5. None with fewer rounds than that."""
+    a curve that trains keeps it at most 1.5. None with fewer rounds than that."""
     ratios = [b / a for a, b in zip(curve[after - 1 :], curve[after:]) if a and b]
     return max(ratios) if ratios else None
 

@@ -64,7 +64,7 @@ class Simulation:
     device: str = "cpu"
     resume: bool = False
     rejoin_s: float = 1.0
-    trainers: int = 1  # models local training runs on (2 cores: one at a time keeps each one fast)
+    trainers: int = 1  # models that train at once; 1: clients train in turn, each with all torch's threads
     cohort: bool = False  # train a round's selected clients together (client_agent.trainers.CohortPool)
     keep_queues: bool = False  # over RabbitMQ: leave the job's queues on the broker after the run
     on_round: Callable[[dict], None] | None = None

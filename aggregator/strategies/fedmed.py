@@ -13,7 +13,7 @@ the plan's ``loss_switch`` has the engine run a FedAvg round when it says so (ag
 
 ``js = "relative"`` (the default) and ``"standardised"`` depart from the paper's literal γ_k = softmax_k(JS_k):
 with a softmax of each flattened layer, JS between a client and the global model is ~1e-6 nats and varies between clients by less
-than that, so γ stays within 0.3 % of uniform and "adaptive" aggregation is equal-weight FedAvg (issue #14).
+than that, so γ stays within 0.3 % of uniform and "adaptive" aggregation is equal-weight FedAvg.
 Standardised, each layer's JS is taken relative to the round's spread: γ_k = softmax_k((JS_k − mean)/sd); the mean
 cancels in a softmax, so this is a per-layer temperature sd_l. sd_l is only known once every update of the round
 has been scored, so the round is folded twice (``second_pass``: the engine refolds it from its spool with the

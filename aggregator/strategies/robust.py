@@ -1,4 +1,4 @@
-"""Guards against outlier or malicious updates (issue 9).
+"""Guards against outlier or malicious updates.
 
 * :class:`ClippedFedAvg` — streaming. Δ_k = θ_k − θ; if the global L2 norm ‖Δ_k‖ (over all tensors) exceeds
   ``clip_norm`` the delta is scaled to that norm; θ ← θ + Σ n_k Δ̃_k / Σ n_k. One model-sized buffer.
