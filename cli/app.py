@@ -735,6 +735,13 @@ def report(
 
 
 # --------------------------------------------------------------------------------------------- bench
+def _corpus(data: str) -> str:
+    """A bench's ``--data``: a corpus folder or the name of one in the local cache (fedmq.tasks.corpora)."""
+    from fedmq.tasks.corpora import resolve
+
+    return resolve(data)
+
+
 def _bench(module: str, fn: str, **kw: Any) -> None:
     import importlib
 
@@ -783,7 +790,7 @@ def bench_train(quick: bool = False) -> None:
 
 @bench_app.command("cohort", cls=HelpCommand)
 def bench_cohort(
-    data: Path = typer.Option(Path("../shared/data/ptb"), help="corpus folder (full vocabulary)"),
+    data: str = typer.Option("ptb", help="corpus folder, or a corpus name kept under $FEDMQ_DATA_DIR"),
     model: str = typer.Option("gru-small", help="LM preset"),
     clients: int = typer.Option(100, min=2, help="K: the corpus is split into K iid shards"),
     cohort: str = typer.Option("10", help="cohort sizes, comma-separated (C x K: 10 and 50 at K = 100)"),
@@ -795,7 +802,7 @@ def bench_cohort(
 ) -> None:
     """A round's local training: the selected clients one at a time vs as one batched cohort (--cohort).
 
-    Example: fedmq bench cohort --data ../shared/data/ptb --cohort 10,50 --device cuda
+    Example: fedmq bench cohort --data ptb --cohort 10,50 --device cuda
     """
     try:
         sizes = tuple(int(n) for n in cohort.split(","))
@@ -806,7 +813,7 @@ def bench_cohort(
     _bench(
         "cohort",
         "bench_cohort",
-        data=data,
+        data=_corpus(data),
         model=model,
         clients=clients,
         sizes=sizes,
@@ -820,7 +827,7 @@ def bench_cohort(
 
 @bench_app.command("flower", cls=HelpCommand)
 def bench_flower(
-    data: Path = typer.Option(Path("../shared/data/wikitext-2"), help="corpus folder (full vocabulary)"),
+    data: str = typer.Option("wikitext-2", help="corpus folder, or a corpus name kept under $FEDMQ_DATA_DIR"),
     clients: int = typer.Option(100, "--clients", "-k", min=1, help="K"),
     selected: int = typer.Option(10, min=1, help="clients that train per round (C = selected / K)"),
     rounds: int = typer.Option(5, "--rounds", "-r", min=2, help="rounds; medians over rounds 2..R"),
@@ -832,12 +839,11 @@ def bench_flower(
 ) -> None:
     """fedmq vs Flower 1.41 on the FedAtt setting: s/round, wire bytes/round, peak memory; fedmq's scaling in K.
 
-    Example: fedmq bench flower --data ../shared/data/wikitext-2 -k 100 --selected 10 -r 5 --scale 10,1000
+    Example: fedmq bench flower --data wikitext-2 -k 100 --selected 10 -r 5 --scale 10,1000
     """
     from fedmq.benchmarks import flower as fl
 
-    if not data.is_dir():
-        raise UsageError(f"--data {data} is not a folder")
+    data = _corpus(data)
     try:
         ks = tuple(int(k) for k in scale.split(",") if k.strip())
     except ValueError:
@@ -845,7 +851,7 @@ def bench_flower(
     if selected > clients or any(k < selected for k in ks):
         raise UsageError("--selected must not exceed K")
     runs = fl.bench_flower(
-        str(data), clients, selected, rounds, ks, flower_python or fl.DEFAULT_FLOWER_PYTHON, flower
+        data, clients, selected, rounds, ks, flower_python or fl.DEFAULT_FLOWER_PYTHON, flower
     )
     typer.echo(fl.format_table(runs))
 
@@ -857,7 +863,7 @@ def experiment(
         help="table2, sweep, fraction, rounds-to-target, topk, randomization, scale, dropout or nmt-domains",
     ),
     scale: str = typer.Option(
-        "cpu", help="smoke (CI) | cpu (minutes on 2 cores) | paper (the papers' settings, GPU)"
+        "cpu", help="smoke (CI, seconds) | cpu (minutes a run on a CPU) | paper (the papers' settings, GPU)"
     ),
     out: Path = typer.Option(
         Path("runs/experiments"), help="results go to OUT/NAME (run folders, results.md, report/)"
