@@ -72,7 +72,8 @@ def job_id() -> str:
 
 @pytest.fixture
 def one_torch_thread():
-    """Training tests run torch on one thread: faster on a busy 2-core machine, and the same every run."""
+    """Training tests run torch on one thread: faster when test workers share a few cores, and the same
+    every run."""
     import torch
 
     n = torch.get_num_threads()

@@ -1,4 +1,4 @@
-"""Issue 16.2 on real RabbitMQ: one authenticated agent among three cannot poison the model into Inf/NaN or
+"""On real RabbitMQ: one authenticated agent among three cannot poison the model into Inf/NaN or
 wipe it. It trains honestly, then claims n_samples = 2**52 and uploads either finite weights of 3e38 (the FedAvg
 sum overflows) or all zeros (the average becomes ~0). Both pass the NaN/Inf checks; before aggregator.guards
 the first made every later round fail and the second wiped the model in one round."""

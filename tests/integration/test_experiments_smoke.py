@@ -1,4 +1,4 @@
-"""CI smoke of every named experiment (issue 8): each config runs end to end at the ``smoke`` scale.
+"""CI smoke of every named experiment: each config runs end to end at the ``smoke`` scale.
 
 Tiny slices of the real corpora, one or two rounds, in-process broker (the same engine/agent/codec path as
 RabbitMQ). Beyond "it runs", each test checks the property the experiment is about on the smoke numbers.
@@ -331,7 +331,7 @@ def test_a_run_made_under_an_older_default_is_run_again(tmp_path):
 def test_a_finished_run_of_many_clients_is_kept_on_rerun(tmp_path):
     """The simulation raises heartbeat_s with K (presence traffic), so config.json records more than the spec
     asks; that is timing, not a setting the result depends on. Before it was ignored, every K = 100 paper-scale
-    run was deleted and started again by the same command (2026-11-24, on the GPU machine)."""
+    run was deleted and started again by the same command."""
     from dataclasses import replace
 
     from fedmq.benchmarks.experiments import Runner
