@@ -8,14 +8,29 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fedmq.broker.wire.messages import RoundConfig
-from fedmq.errors import FedmqError
+from fedmq.errors import BadParameter, FedmqError
+from fedmq.params import check_values
 from fedmq.plugins import is_import_path
 
 if TYPE_CHECKING:
     from fedmq.aggregator.strategies.base import RoundPlan, Strategy
 
 # what --strategy offers (the registry also holds the robust guards, chosen with --robust)
-STRATEGIES = ("fedavg", "fedsgd", "fedatt", "fedmed", "pull-local", "pull-global", "pull-random", "async")
+STRATEGIES = (
+    "fedavg",
+    "fedsgd",
+    "fedatt",
+    "fedmed",
+    "pull-local",
+    "pull-global",
+    "pull-random",
+    "async",
+    "fedavgm",
+    "fedadagrad",
+    "fedadam",
+    "fedyogi",
+    "fedprox",
+)
 # dynamic pulling (Passban et al.: DP_l, DP_g, random) was first named dp-*, which reads as differential privacy;
 # the old names stay accepted (configs, run folders) and are stored under the new ones
 STRATEGY_ALIASES = {"dp-l": "pull-local", "dp-g": "pull-global", "dp-random": "pull-random"}
@@ -23,6 +38,23 @@ STRATEGY_ALIASES = {"dp-l": "pull-local", "dp-g": "pull-global", "dp-random": "p
 
 class JobConfigError(FedmqError):
     pass
+
+
+def split_strategy_table(values: dict[str, Any]) -> dict[str, Any]:
+    """A job file's ``[strategy]`` table (``name = "fedadam"`` and the strategy's parameters) as the
+    JobConfig keys ``strategy`` and ``strategy_args``; a plain ``strategy = "name"`` is left as it is."""
+    table = values.get("strategy")
+    if not isinstance(table, dict):
+        return values
+    args = dict(table)
+    name = args.pop("name", None)
+    if not isinstance(name, str):
+        raise JobConfigError('the [strategy] table needs name = "STRATEGY" (e.g. name = "fedadam")')
+    if "strategy_args" in values:
+        raise JobConfigError(
+            "give a strategy's parameters in the [strategy] table or as strategy_args, not both"
+        )
+    return {**values, "strategy": name, "strategy_args": args}
 
 
 @dataclass
@@ -95,6 +127,9 @@ class JobConfig:
     # n_k, and an update whose delta norm exceeds this x the round's lower-median norm is left out
     max_samples_factor: float = 4.0
     norm_bound_factor: float = 10.0
+    # the strategy's own parameters: its constructor's keyword arguments (the job file's [strategy] table,
+    # --strategy-arg KEY=VALUE), checked against its signature when the strategy is built
+    strategy_args: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -113,6 +148,10 @@ class JobConfig:
         from fedmq.errors import CodecError
 
         self._check_types()
+        try:
+            check_values(self.strategy_args, "strategy-args")
+        except BadParameter as exc:
+            bad(str(exc))
         try:
             check_name("job id", self.job)
         except ValueError as exc:
@@ -302,6 +341,8 @@ class JobConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> JobConfig:
+        """A job file's or config.json's keys; ``strategy`` may be a table: its ``name`` and parameters."""
+        values = split_strategy_table(values)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:

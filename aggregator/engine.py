@@ -39,7 +39,7 @@ from fedmq.aggregator.rounds import RoundStats
 from fedmq.aggregator.runlog import RunLog
 from fedmq.aggregator.spool import RoundSpool
 from fedmq.aggregator.strategies.base import ClientUpdate, State, Strategy
-from fedmq.aggregator.strategies.registry import strategy_from_config
+from fedmq.aggregator.strategies.registry import client_map, strategy_from_config
 from fedmq.aggregator.sync_round import SyncRound
 from fedmq.broker.transport import topology
 from fedmq.broker.transport.base import Broker, ReassemblyLimits
@@ -79,10 +79,11 @@ class Engine:
         self.broker = broker
         self.task = task
         self.cfg = cfg
-        if is_import_path(cfg.strategy):  # a user's strategy fails here, not at the first announce or close
-            strategy_from_config(cfg.strategy, cfg)
-            if not isinstance(cfg.round_config(), RoundConfig):
-                raise BadParameter(f"strategy {cfg.strategy!r}: configure_train must return a RoundConfig")
+        # a strategy that cannot be built (its parameters, a user's class) fails here, not at the first close
+        strategy_from_config(cfg.strategy, cfg)
+        if is_import_path(cfg.strategy) and not isinstance(cfg.round_config(), RoundConfig):
+            raise BadParameter(f"strategy {cfg.strategy!r}: configure_train must return a RoundConfig")
+        self.client = client_map(cfg)  # the strategy's client side, as every announcement names it
         self.run_dir = Path(run_dir)
         self.evaluate = evaluate
         self.eval_device = resolve_device(
@@ -107,6 +108,8 @@ class Engine:
         self.presence: dict[str, tuple[float, int]] = {}  # client -> (last seen, version it holds)
         self.best: tuple[float, int] | None = None  # (score, round)
         self.folded: dict[int, list[str]] = {}  # round -> msg ids of the updates folded into it (the audit)
+        # what the job's strategy carries from round to round (Strategy.state_dict), by strategy name
+        self.strategy_state: dict[str, dict[str, Any]] = {}
         self._trained_from: dict[
             str, int
         ] = {}  # client -> version its last folded update trained from (kept models)
@@ -287,6 +290,7 @@ class Engine:
             self.cfg.round_config(stats.round),
             [entry for entry, _ in forms.values()],
             self.cfg.mode,
+            client=self.client,
         )
         body = messages.encode(env)
         if self.cfg.mode == "sync":  # only the selected agents hear of the round: O(m) messages, not O(K)
@@ -393,6 +397,7 @@ class Engine:
         """The round's strategy ``choice`` built from the job's settings and begun with the global model;
         ``extra`` from a first pass (second_pass)."""
         stats.strategy, strategy = strategy_from_config(choice, self.cfg, **extra)
+        strategy.load_state_dict(self.strategy_state.get(stats.strategy, {}))
         self.guard.begin()
         strategy.begin(self.global_state)
         return strategy
@@ -466,9 +471,12 @@ class Engine:
             skipped = f"{len(stats.received)} update(s) < min {cfg.min_clients}"
         weights: dict[str, float] = {}
         verdict = Verdict()
+        state: dict[str, Any] = {}
         if skipped is None:
-            new, weights, verdict, skipped = self._finish_guarded(stats, strategy)
+            new, weights, verdict, skipped, state = self._finish_guarded(stats, strategy)
         if skipped is None:
+            if state:
+                self.strategy_state[stats.strategy] = state
             if EncodingSpec.parse(cfg.down_encoding).delta or cfg.pull_down:
                 self._prev_state = self.global_state
             self.global_state = new
@@ -499,7 +507,7 @@ class Engine:
 
     def _finish_guarded(
         self, stats: RoundStats, strategy: Strategy
-    ) -> tuple[dict[str, torch.Tensor], dict[str, float], Verdict, str | None]:
+    ) -> tuple[dict[str, torch.Tensor], dict[str, float], Verdict, str | None, dict[str, Any]]:
         """The round's aggregate within the bounds of aggregator.guards: (state, weights, verdict, skip reason).
 
         When an update is out of bounds the round is folded again from its spool without it (or with its
@@ -519,13 +527,13 @@ class Engine:
         weights = strategy.client_weights()
         bad = first_nonfinite(new)
         if bad is None:
-            return new, weights, verdict, None
+            return new, weights, verdict, None, strategy.state_dict()
         clients = sorted(set(stats.received) - set(verdict.dropped))
         reason = (
             f"aggregate not finite (tensor {bad!r}): round closed without the updates of {', '.join(clients)}"
         )
         log.warning("non-finite aggregate discarded", round=stats.round, tensor=bad, clients=clients)
-        return {}, {}, verdict, reason
+        return {}, {}, verdict, reason, {}
 
     def _refold(self, stats: RoundStats, verdict: Verdict, params: dict[str, Any]) -> Strategy:
         """Fold the round's spooled updates again (the same strategy, in the fold order of _fold_in_order),
@@ -609,7 +617,7 @@ class Engine:
             round=self.round,
             model_version=self.version,
             global_state=self.global_state,
-            strategy_state={},
+            strategy_state=self.strategy_state,
             mediator_state=self.mediator.state_dict(),
             rng_state=None,
             folded=self.folded,
@@ -624,6 +632,7 @@ class Engine:
         self.round, self.version = ckpt.round, ckpt.model_version
         self.global_state = {k: v.float() for k, v in ckpt.global_state.items()}
         self.mediator.load_state_dict(ckpt.mediator_state)
+        self.strategy_state = dict(ckpt.strategy_state or {})
         self.folded = {int(k): v for k, v in ckpt.folded.items()}
         best = ckpt.extra.get("best")
         self.best = tuple(best) if best else None

@@ -13,7 +13,7 @@ from typing import Any
 
 import typer
 
-from fedmq.aggregator.config import STRATEGIES
+from fedmq.aggregator.config import STRATEGIES, split_strategy_table
 from fedmq.cli.errors import Stopped, UsageError
 from fedmq.cli.help import HelpCommand, HelpGroup
 from fedmq.errors import FedmqError
@@ -116,7 +116,8 @@ def simulate(
         "builtin",
         panel=TASK,
         metavar="PATH",
-        help="corpus folder, or builtin (Python's docs: nothing to download; lm only)",
+        help="corpus folder, a corpus name in $FEDMQ_DATA_DIR (default ~/.cache/fedmq/data), "
+        "or builtin (Python's docs: nothing to download; lm only)",
     ),
     model: str | None = _opt(
         None,
@@ -441,9 +442,7 @@ def aggregator_run(
         help="amqp(s)://user:pass@host:port[,host2:port2...]/vhost (several addresses: the nodes of one cluster)",
     ),
     job: str | None = typer.Option(None, envvar="FEDMQ_JOB", help="job id"),
-    config: Path | None = typer.Option(
-        None, envvar="FEDMQ_CONFIG", help="TOML file: job keys, [task] table"
-    ),
+    config: Path | None = typer.Option(None, envvar="FEDMQ_CONFIG", help="TOML file: job keys, [task] table"),
     state_dir: Path = typer.Option(
         Path("fedmq-state"), envvar="FEDMQ_STATE_DIR", help="run folder: checkpoints, metrics"
     ),
@@ -547,7 +546,7 @@ def agent_run(
         None, envvar="FEDMQ_CLIENT_INDEX", help="shard index (default: the id's number)"
     ),
     config: Path | None = typer.Option(None, envvar="FEDMQ_CONFIG", help="TOML file with a [task] table"),
-    data: str | None = typer.Option(None, envvar="FEDMQ_DATA", help="corpus folder"),
+    data: str | None = typer.Option(None, help="corpus folder, or a corpus name in $FEDMQ_DATA_DIR"),
     device: str = typer.Option("auto", envvar="FEDMQ_DEVICE", help="auto | cpu | cuda"),
     availability: str = typer.Option(
         "always", envvar="FEDMQ_AVAILABILITY", help="always|bernoulli:P|markov:A,B|trace:FILE"
@@ -613,6 +612,7 @@ def agent_run(
         device=device,
         seed=seed,
         audit_log=audit_log,
+        strategy=str(split_strategy_table(values).get("strategy", "")),
     )
     telemetry = None
     if metrics_port:
@@ -886,6 +886,7 @@ def experiment(
 
     experiments.check_args(name, scale, threads, device)
     seed_list = experiments.parse_seeds(seeds)
+    experiments.check_corpora(name, scale)  # a missing corpus is one line, and nothing is written
     _setup_logs(log_level, "json", out / name / "experiment.jsonl")
     experiments.run_experiment(
         name,

@@ -37,7 +37,10 @@ from fedmq.broker.wire.messages import RoundConfig
 from fedmq.client_agent.availability import Availability, Faults
 from fedmq.client_agent.state import MemoryStore, State
 from fedmq.client_agent.trainers import TrainerPool
-from fedmq.errors import CodecError
+from fedmq.errors import CodecError, FedmqError
+from fedmq.hooks import PROTOCOL, ClientHook, Kept, install_gradient_terms
+from fedmq.params import bind
+from fedmq.plugins import is_import_path, load_class
 from fedmq.pulling import select_tensors
 from fedmq.tasks.base import Task, TrainConfig, TrainResult, load_state, model_state
 
@@ -67,6 +70,10 @@ class AgentLog:
     sent: dict[int, tuple[int, dict]] | None = (
         None  # round -> (n_samples, tensors sent); kept only when asked (tests)
     )
+
+
+class ClientHookError(FedmqError):
+    """The job's strategy needs a client side this agent cannot run: the agent leaves the job (one line)."""
 
 
 class Offline(Exception):
@@ -106,6 +113,7 @@ class Agent:
         store: Any = None,
         audit_log: str | Path | None = None,
         progress: Callable[[str, int, int], None] | None = None,
+        strategy: str = "",
     ) -> None:
         self.connect, self.job, self.client, self.index, self.task = connect, job, client, index, task
         self.availability = availability or Availability()
@@ -124,6 +132,10 @@ class Agent:
         self.version = messages.NO_VERSION  # the version of the global model kept (NO_VERSION: none)
         self.last_round = 0
         self.log = AgentLog()
+        # client hooks this agent may import when an announcement names one: fedmq's own, and those in the
+        # module of the job's strategy as this agent was told it (a package.module:Class strategy)
+        self.hook_modules = ("fedmq.", *([strategy.partition(":")[0]] if is_import_path(strategy) else []))
+        self._hooks: dict[str, type[ClientHook]] = {}
         self._events: Subscription | None = None  # announcements and grants of the current connection
         self._broker: Broker | None = None
 
@@ -202,6 +214,9 @@ class Agent:
             try:
                 self._join()
                 self._serve()
+            except ClientHookError:  # the job needs what this agent cannot run: say so and leave the job
+                self._leave(True)
+                raise
             except Offline as off:
                 self._leave(off.graceful)
                 if not self.stop.is_set():
@@ -329,6 +344,7 @@ class Agent:
             raise Offline(f"availability model: offline in slot {rnd}", True)
         self.last_round = rnd
         cfg = RoundConfig.from_payload(payload["config"])
+        hook = self._client_hook(payload.get("client"))
         faults = self.faults.draw(self.client, rnd)
         log.info("round training", client=self.client, round=rnd, version=env.model_version)
         if "cut" in faults:
@@ -339,10 +355,20 @@ class Agent:
             held = self._fetch_model(env)
             if held is None:
                 return
-            result = self._train(
-                model, self._with_private(held, cfg), cfg, rnd, crash="crash-train" in faults
+            kept = (
+                Kept(self.store, self.client, f"hook.{hook.name or type(hook).__name__}", version)
+                if hook
+                else None
             )
-            prepared = self._prepare(model, held, cfg, rnd, version, result)
+            result = self._train(
+                model,
+                self._with_private(held, cfg),
+                cfg,
+                rnd,
+                crash="crash-train" in faults,
+                hook=(hook, kept),
+            )
+            prepared = self._prepare(model, held, cfg, rnd, version, result, hook=(hook, kept))
         if "slow" in faults:
             self.log.faults.append((rnd, "slow"))
             time.sleep(self.faults.slow_seconds)
@@ -357,6 +383,35 @@ class Agent:
             raise Offline("fault: crashed after the grant", False)
         self._upload(rnd, version, prepared)
 
+    def _client_hook(self, spec: Any) -> ClientHook | None:
+        """The round's client hook (fedmq.hooks), built from the announcement's client map; None when the
+        strategy has no client side. ClientHookError (one line) when this agent cannot run it."""
+        if not spec:
+            return None
+        path = spec["hook"]
+        if spec["version"] > PROTOCOL:
+            raise ClientHookError(
+                f"the job's rounds need client-map version {spec['version']}; this agent reads up to {PROTOCOL}: "
+                "upgrade fedmq on the agents"
+            )
+        if not path.startswith(self.hook_modules):
+            raise ClientHookError(
+                f"the job's strategy needs client hook {path!r}, which this agent may not import: start the agent "
+                "with the job's --config (its strategy's module is then allowed)"
+            )
+        cls = self._hooks.get(path) or load_class(path, ClientHook, "client hook", ClientHookError)
+        self._hooks[path] = cls
+        if spec["hook_version"] != cls.version:
+            raise ClientHookError(
+                f"client hook {path!r}: the job runs version {spec['hook_version']}, this agent has {cls.version}"
+            )
+        try:
+            return cls(**bind(cls, spec["args"], f"client hook {path!r}"))
+        except ClientHookError:
+            raise
+        except Exception as exc:  # BadParameter, or the hook's own check of its arguments
+            raise ClientHookError(f"client hook {path!r} could not be built: {exc}") from None
+
     def _with_private(self, held: State, cfg: RoundConfig) -> State:
         """Dynamic pulling upwards only: the tensors we did not send last time stay ours, "protected from
         external updates and only modified using local data" (Passban et al.); the rest is the global model.
@@ -365,7 +420,13 @@ class Agent:
         return held if private is None else {**held, **private[1]}
 
     def _train(
-        self, model: torch.nn.Module, held: State, cfg: RoundConfig, rnd: int, crash: bool
+        self,
+        model: torch.nn.Module,
+        held: State,
+        cfg: RoundConfig,
+        rnd: int,
+        crash: bool,
+        hook: tuple[ClientHook | None, Kept | None] = (None, None),
     ) -> TrainResult:
         load_state(model, held)
         tcfg = TrainConfig(
@@ -387,7 +448,16 @@ class Agent:
             self.log.faults.append((rnd, "crash-train"))
             raise Offline("fault: crashed during training", False)
         report = (lambda done, total: self.progress(self.client, done, total)) if self.progress else None
-        result = self.trainers.train(model, self.index, tcfg, report)
+        client_hook, kept = hook
+        if client_hook is None or kept is None:
+            result = self.trainers.train(model, self.index, tcfg, report)
+        else:
+            client_hook.begin(held, tcfg, kept)
+            remove = install_gradient_terms(model, client_hook)
+            try:
+                result = self.trainers.train(model, self.index, tcfg, report)
+            finally:
+                remove()
         self.log.rounds_trained.append(rnd)
         return result
 
@@ -404,10 +474,14 @@ class Agent:
         rnd: int,
         version: int,
         result: TrainResult,
+        hook: tuple[ClientHook | None, Kept | None] = (None, None),
     ) -> Prepared:
         """Encode the update (before the grant, so the trainer and the global model can go) and keep what
         the job's algorithm needs for our next round."""
         current = trained = self._trained_state(model)
+        client_hook, kept = hook
+        if client_hook is not None and kept is not None:  # the strategy's client side says what goes up
+            current = client_hook.finish(trained, result, kept)
         if cfg.noise > 0:  # FedAtt Eq. 6 randomization, seeded per (client, round)
             gen = torch.Generator().manual_seed(stable_seed(cfg.seed, self.client, rnd, "noise"))
             current = {k: v + cfg.noise * torch.randn(v.shape, generator=gen) for k, v in current.items()}

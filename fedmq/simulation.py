@@ -23,6 +23,7 @@ import structlog
 
 from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.engine import Engine
+from fedmq.aggregator.strategies.registry import client_map
 from fedmq.broker.transport import topology
 from fedmq.broker.transport.connect import connect
 from fedmq.broker.transport.memory import MemoryBroker
@@ -31,7 +32,7 @@ from fedmq.client_agent.agent import Agent, AgentLog
 from fedmq.client_agent.availability import parse_availability, parse_faults
 from fedmq.client_agent.state import DiskStore
 from fedmq.client_agent.trainers import CohortPool, TrainerPool
-from fedmq.errors import FedmqError
+from fedmq.errors import BadParameter, FedmqError
 from fedmq.tasks.base import Task
 
 log = structlog.get_logger(__name__)
@@ -88,6 +89,11 @@ class Simulation:
         shared_user = self._url_user()
         if shared_user:  # every agent shares the URL's account: check the user, not per-agent identity
             cfg.identity = f"shared:{shared_user}"
+        if self.cohort and client_map(cfg):
+            raise BadParameter(
+                f"--cohort trains a round's clients as one batched model, which cannot run strategy "
+                f"{cfg.strategy!r}'s client hook; run it without --cohort"
+            )
         if self.cohort:  # the module docstring says why
             cfg = replace(cfg, report_deadline_s=cfg.report_deadline_s * cfg.selected_count())
         availability = parse_availability(self.availability, cfg.seed)
@@ -129,6 +135,7 @@ class Simulation:
                 trainers=pool,
                 store=store,
                 progress=self.on_local_progress,
+                strategy=cfg.strategy,
             )
             agents.append(agent)
             self.agent_logs[client] = agent.log

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from typing import Any, ClassVar
 import torch
 
 from fedmq.broker.wire.messages import RoundConfig
+from fedmq.hooks import ClientHook
 
 State = dict[str, torch.Tensor]
 
@@ -55,24 +57,54 @@ class Strategy(ABC):
     """A federated algorithm's server side: what it asks of a round, and its aggregation.
 
     The round: ``plan`` (who is selected, grant phase, pulling rule, sync or async), ``configure_train`` (the
-    local training the agents run) and ``from_config`` (the strategy built from the job's settings each round).
+    local training the agents run), ``client_hook`` (the algorithm's client side, if it has one) and
+    ``from_config`` (the strategy built from the job's settings each round).
     The aggregation streams: ``begin`` with θ_r, ``fold`` each update as it arrives, ``finish`` -> θ_{r+1}.
     Memory is a small fixed number of model-sized buffers, whatever the number of folded updates.
-    ``finish`` with no folded update returns θ_r unchanged. A strategy is built afresh for every round
-    (``from_config``) and keeps nothing between rounds: what must outlive one (FedMed's loss switch) is the
-    engine's, in its checkpoint.
+    ``finish`` with no folded update returns θ_r unchanged.
+
+    Parameters are the constructor's keyword arguments, given the same way from Python
+    (``JobConfig(strategy_args={...})``), the job file (a ``[strategy]`` table) and the command line
+    (``--strategy-arg KEY=VALUE``); ``from_config`` checks them against the constructor's signature and type
+    hints. A strategy is built afresh for every round; what must outlive a round (a server optimizer's moments,
+    control variates) it returns from ``state_dict`` after ``finish``, and the engine hands it to the next
+    round's strategy with ``load_state_dict`` before ``begin`` -- keeping it in every round's checkpoint, so a
+    restarted aggregator resumes it exactly.
     """
 
     name: ClassVar[str]
     plan: ClassVar[RoundPlan] = RoundPlan()
     # the JobConfig keys only this strategy reads (from_config): a run of another strategy does not depend on them
     own_settings: ClassVar[tuple[str, ...]] = ()
+    # the algorithm's client side, run by every selected agent around its local training (fedmq.hooks.ClientHook)
+    client_hook: ClassVar[type[ClientHook] | None] = None
 
     @classmethod
     def from_config(cls, cfg: Any, **extra: Any) -> Strategy:
-        """This round's strategy from the job's settings (``cfg``: an aggregator.config.JobConfig, whose
-        ``extra`` holds settings of a user's own strategy); ``extra``: what ``second_pass`` asked for."""
-        return cls(**extra)
+        """This round's strategy from the job's settings (``cfg``: an aggregator.config.JobConfig): the
+        constructor called with the job's ``strategy_args``, checked (one line naming the key when one is
+        unknown or of the wrong type); ``extra``: what ``second_pass`` asked for."""
+        from fedmq.params import bind
+
+        return cls(**bind(cls, cfg.strategy_args), **extra)
+
+    @classmethod
+    def client_args(cls, args: Mapping[str, Any]) -> dict[str, Any]:
+        """The arguments the client hook is built with in every agent, from the strategy's own (checked)
+        arguments: by default those the hook's constructor names. They travel in the round announcement."""
+        if cls.client_hook is None:
+            return {}
+        names = set(inspect.signature(cls.client_hook).parameters)
+        return {k: v for k, v in args.items() if k in names}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What this strategy carries into the next round, read after ``finish``: tensors, numbers, strings,
+        and lists or dicts of them. Default: nothing."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """The previous round's ``state_dict`` (empty in the first round), given before ``begin``."""
+        return None
 
     @classmethod
     def configure_train(cls, train: RoundConfig) -> RoundConfig:

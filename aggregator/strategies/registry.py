@@ -1,7 +1,7 @@
 """The one place names become Strategy classes and objects.
 
-Names: fedavg, fedsgd, fedatt, fedmed, pull-local, pull-global, pull-random, async, fedavg-clip, trimmed-mean,
-median; or a Strategy the user brings, as ``package.module:Class`` (its ``plan`` says what its rounds are like;
+Names: fedavg, fedsgd, fedatt, fedmed, pull-local, pull-global, pull-random, async, fedavgm, fedadagrad,
+fedadam, fedyogi, fedprox, fedavg-clip, trimmed-mean, median; or a Strategy the user brings, as ``package.module:Class`` (its ``plan`` says what its rounds are like;
 the default is FedAvg's synchronous round). ``strategy_class`` looks a name up, ``strategy_from_config`` builds
 a round's strategy from the job's settings, ``make_strategy`` from explicit parameters (tools and tests).
 Unknown names or parameters and out-of-range values raise BadParameter (a FedmqError) with one line.
@@ -9,7 +9,7 @@ Unknown names or parameters and out-of-range values raise BadParameter (a FedmqE
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -18,9 +18,14 @@ from fedmq.aggregator.strategies.buffered_async import BufferedAsync
 from fedmq.aggregator.strategies.dynamic_pull import PullGlobal, PullLocal, PullRandom
 from fedmq.aggregator.strategies.fedatt import FedAtt
 from fedmq.aggregator.strategies.fedavg import FedAvg, FedSGD
+from fedmq.aggregator.strategies.fedavgm import FedAvgM
 from fedmq.aggregator.strategies.fedmed import FedMed
+from fedmq.aggregator.strategies.fedopt import FedAdagrad, FedAdam, FedYogi
+from fedmq.aggregator.strategies.fedprox import FedProx
 from fedmq.aggregator.strategies.robust import ClippedFedAvg, Median, TrimmedMean
 from fedmq.errors import BadParameter
+from fedmq.hooks import describe
+from fedmq.params import bind
 from fedmq.plugins import is_import_path, load_class
 
 _CLASSES: dict[str, type[Strategy]] = {
@@ -34,6 +39,11 @@ _CLASSES: dict[str, type[Strategy]] = {
         PullGlobal,
         PullRandom,
         BufferedAsync,
+        FedAvgM,
+        FedAdagrad,
+        FedAdam,
+        FedYogi,
+        FedProx,
         ClippedFedAvg,
         TrimmedMean,
         Median,
@@ -63,19 +73,26 @@ def strategy_from_config(name: str, cfg: Any, **extra: Any) -> tuple[str, Strate
     if name == FedAvg.name and cfg.robust != "none":
         name = _ROBUST[cfg.robust.partition(":")[0]]
     cls = strategy_class(name)
+    if (
+        name != cfg.strategy and cfg.strategy_args
+    ):  # the job's parameters are its strategy's (FedMed's fallback)
+        cfg = dataclasses.replace(cfg, strategy_args={})
     return name, _built(name, lambda: cls.from_config(cfg, **extra))
 
 
+def client_map(cfg: Any) -> dict[str, Any]:
+    """What every round's announcement says of the job's client side (fedmq.hooks.describe); {} for none."""
+    cls = strategy_class(cfg.strategy)
+    if cls.client_hook is None:
+        return {}
+    return describe(cls.client_hook, cls.client_args(bind(cls, cfg.strategy_args)))
+
+
 def make_strategy(name: str, **params: Any) -> Strategy:
+    """The strategy ``name`` with explicit parameters (tools and tests), checked like a job's."""
     cls = strategy_class(name)
-    if is_import_path(name):
-        return _built(name, lambda: cls(**params))
-    allowed = set(inspect.signature(cls).parameters)
-    unknown = sorted(set(params) - allowed)
-    if unknown:
-        hint = f"; it accepts {', '.join(sorted(allowed))}" if allowed else "; it takes no parameters"
-        raise BadParameter(f"strategy {name!r} has no parameter {unknown[0]!r}{hint}")
-    return cls(**params)
+    bound = bind(cls, params, f"strategy {name!r}")
+    return _built(name, lambda: cls(**bound))
 
 
 def _built(name: str, build: Callable[[], Strategy]) -> Strategy:

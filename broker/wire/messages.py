@@ -10,9 +10,11 @@ Every message is an Envelope (broker/wire/envelope.py); this module fixes the pa
             carries no tensors
             {"selected": [ids], "config": RoundConfig (below; exactly its fields), "mode": "sync"|"async",
              "models": [{"id": model message id, "base_version": int, "partial": bool, "since": POSIX time it
-             was published (where a reader starts in the stream), "bytes": its size}]}: the forms of the
-             announced version (envelope.model_version) a selected agent can fetch; it takes the smallest it
-             can apply and fetches nothing when it already holds that version
+             was published (where a reader starts in the stream), "bytes": its size}], and, when the strategy
+             has a client side, "client": {"version": 1, "hook": package.module:Class, "hook_version": int,
+             "args": {...}} (fedmq.hooks)}. "models" are the forms of the announced version
+             (envelope.model_version) a selected agent can fetch; it takes the smallest it can apply and
+             fetches nothing when it already holds that version. Keys an agent does not know it ignores
 - report    agent -> inbox   {"loss": float, "n_samples": int}
 - grant     aggregator -> each selected agent's control queue   {"granted": [ids]}
 - update    agent -> inbox   {"loss": float, "n_samples": int, "tensors": encoded state}
@@ -32,6 +34,7 @@ from typing import Any
 from fedmq.broker.wire.encodings import EncodingSpec
 from fedmq.broker.wire.envelope import Envelope, Kind, Limits, pack, unpack
 from fedmq.errors import CodecError
+from fedmq.plugins import is_import_path
 from fedmq.pulling import MODES, SHARES
 
 NO_VERSION = -1
@@ -160,6 +163,21 @@ def check_payload(env: Envelope) -> Envelope:
     return env
 
 
+def _client_map_ok(entry: object) -> bool:
+    """The announcement's client side (fedmq.hooks.describe): its shape only; an agent that cannot run it says
+    so itself (a newer ``version`` of the map, or a hook it does not have)."""
+    if not isinstance(entry, dict) or not {"version", "hook", "hook_version", "args"} <= set(entry):
+        return False
+    return (
+        type(entry["version"]) is int
+        and isinstance(entry["hook"], str)
+        and is_import_path(entry["hook"])
+        and type(entry["hook_version"]) is int
+        and isinstance(entry["args"], dict)
+        and all(isinstance(k, str) for k in entry["args"])
+    )
+
+
 def _model_entry_ok(entry: object) -> bool:
     if not isinstance(entry, dict) or set(entry) != {"id", "base_version", "partial", "since", "bytes"}:
         return False
@@ -217,8 +235,11 @@ def announce(
     config: RoundConfig,
     models: list[dict[str, Any]],
     mode: str = "sync",
+    client: dict[str, Any] | None = None,
 ) -> Envelope:
     payload = {"selected": selected, "config": config.to_payload(), "models": models, "mode": mode}
+    if client:
+        payload["client"] = client
     return Envelope(Kind.ANNOUNCE, job, rnd, "aggregator", version, payload)
 
 

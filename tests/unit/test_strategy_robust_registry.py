@@ -74,12 +74,14 @@ def test_registry_builds_every_name():
 @pytest.mark.parametrize(
     "name, params, message",
     [
-        ("fedprox", {}, "unknown strategy 'fedprox'"),
+        ("fedfoo", {}, "unknown strategy 'fedfoo'"),
         ("fedavg", {"epsilon": 1}, "has no parameter 'epsilon'; it takes no parameters"),
-        ("fedatt", {"eps": 1}, "has no parameter 'eps'; it accepts"),
+        ("fedatt", {"eps": 1}, "has no parameter 'eps'; it takes epsilon, norm"),
         ("pull-local", {"rule": "global"}, "has no parameter 'rule'"),
         ("fedatt", {"epsilon": -1}, "epsilon must be > 0.0"),
-        ("async", {"buffer_size": "ten"}, "buffer_size must be an integer >= 1"),
+        ("async", {"buffer_size": "ten"}, "buffer_size must be a whole number, got 'ten'"),
+        ("fedadam", {"tau": 0}, "tau=0.0 is out of range"),
+        ("fedprox", {"mu": "big"}, "mu must be a number, got 'big'"),
     ],
 )
 def test_registry_rejects_bad_input_with_one_line(name, params, message):

@@ -1,0 +1,53 @@
+"""FedAvgM: FedAvg with server momentum (Hsu, Qi and Brown 2019, "Measuring the Effects of Non-Identical Data
+Distribution for Federated Visual Classification").
+
+Each round the server averages the clients' models as FedAvg does (n_k-weighted) and treats the change
+Δ_t = θ̄_t − θ_t as a step: m_t = β·m_{t−1} + Δ_t, θ_{t+1} = θ_t + η·m_t (m_{−1} = 0). With β = 0 and η = 1
+it is FedAvg. The momentum buffer m is the strategy's state: checkpointed every round, restored after a crash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from fedmq.aggregator.strategies.base import State
+from fedmq.aggregator.strategies.fedavg import FedAvg
+from fedmq.errors import BadParameter
+
+
+class FedAvgM(FedAvg):
+    name: ClassVar[str] = "fedavgm"
+
+    def __init__(self, server_lr: float = 1.0, momentum: float = 0.9) -> None:
+        super().__init__()
+        if not server_lr > 0:
+            raise BadParameter(f"strategy 'fedavgm': server_lr must be positive, got {server_lr}")
+        if not 0 <= momentum < 1:
+            raise BadParameter(f"strategy 'fedavgm': momentum must be in [0, 1), got {momentum}")
+        self.server_lr, self.momentum = server_lr, momentum
+        self._m: State = {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._m = dict(state.get("m", {}))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"m": self._m}
+
+    def begin(self, global_state: Mapping[str, torch.Tensor]) -> None:
+        super().begin(global_state)
+        self._base = global_state
+
+    def finish(self) -> State:
+        base, folded = self._base, self._n > 0
+        average = super().finish()
+        if not folded:
+            return average
+        out = {}
+        for k, theta in base.items():
+            m = average[k] - theta if k not in self._m else self.momentum * self._m[k] + (average[k] - theta)
+            self._m[k] = m
+            out[k] = theta + self.server_lr * m
+        return out

@@ -1,0 +1,105 @@
+"""Adaptive server optimizers: FedAdagrad, FedAdam and FedYogi (Reddi et al. 2021, "Adaptive Federated
+Optimization", Algorithm 2).
+
+Each round the server averages the clients' models as FedAvg does and takes Δ_t = θ̄_t − θ_t as a
+pseudo-gradient for one step of an adaptive optimizer, per coordinate:
+
+    m_t = β1·m_{t−1} + (1 − β1)·Δ_t
+    v_t = v_{t−1} + Δ_t²                                   FedAdagrad
+    v_t = v_{t−1} − (1 − β2)·Δ_t²·sign(v_{t−1} − Δ_t²)      FedYogi
+    v_t = β2·v_{t−1} + (1 − β2)·Δ_t²                        FedAdam
+    θ_{t+1} = θ_t + η·m_t / (√v_t + τ)
+
+with m_{−1} = 0 and v_{−1} = τ² (the paper asks v_{−1} ≥ τ²), and no bias correction, as in the paper. Our
+Δ_t is FedAvg's n_k-weighted mean of the clients' changes; Algorithm 2 writes the unweighted mean, which is
+the same when the clients' shards are equal. m and v are the strategy's state: checkpointed every round and
+restored after a crash, so a resumed job takes exactly the steps it would have taken.
+
+Parameters (``--strategy-arg``): ``server_lr`` η (default 0.1), ``beta1`` (0.9), ``beta2`` (0.99; FedAdagrad
+has none), ``tau`` τ, the adaptivity (1e-3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from fedmq.aggregator.strategies.base import State
+from fedmq.aggregator.strategies.fedavg import FedAvg
+from fedmq.errors import BadParameter
+
+
+class FedOpt(FedAvg):
+    """The common step; subclasses say how v_t moves (``second_moment``)."""
+
+    name: ClassVar[str] = "fedopt"
+
+    def __init__(
+        self, server_lr: float = 0.1, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3
+    ) -> None:
+        super().__init__()
+        for key, value, ok in (
+            ("server_lr", server_lr, server_lr > 0),
+            ("beta1", beta1, 0 <= beta1 < 1),
+            ("beta2", beta2, 0 <= beta2 < 1),
+            ("tau", tau, tau > 0),
+        ):
+            if not ok:
+                raise BadParameter(f"strategy {self.name!r}: {key}={value} is out of range")
+        self.server_lr, self.beta1, self.beta2, self.tau = server_lr, beta1, beta2, tau
+        self._m: State = {}
+        self._v: State = {}
+
+    def second_moment(self, v: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._m, self._v = dict(state.get("m", {})), dict(state.get("v", {}))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"m": self._m, "v": self._v}
+
+    def begin(self, global_state: Mapping[str, torch.Tensor]) -> None:
+        super().begin(global_state)
+        self._base = global_state
+
+    def finish(self) -> State:
+        base, folded = self._base, self._n > 0
+        average = super().finish()
+        if not folded:
+            return average
+        out = {}
+        for k, theta in base.items():
+            d = average[k] - theta
+            m = (1 - self.beta1) * d if k not in self._m else self.beta1 * self._m[k] + (1 - self.beta1) * d
+            v0 = self._v[k] if k in self._v else torch.full_like(d, self.tau**2)
+            v = self.second_moment(v0, d * d)
+            self._m[k], self._v[k] = m, v
+            out[k] = theta + self.server_lr * m / (v.sqrt() + self.tau)
+        return out
+
+
+class FedAdagrad(FedOpt):
+    name: ClassVar[str] = "fedadagrad"
+
+    def __init__(self, server_lr: float = 0.1, beta1: float = 0.9, tau: float = 1e-3) -> None:
+        super().__init__(server_lr=server_lr, beta1=beta1, tau=tau)
+
+    def second_moment(self, v: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
+        return v + d2
+
+
+class FedAdam(FedOpt):
+    name: ClassVar[str] = "fedadam"
+
+    def second_moment(self, v: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
+        return self.beta2 * v + (1 - self.beta2) * d2
+
+
+class FedYogi(FedOpt):
+    name: ClassVar[str] = "fedyogi"
+
+    def second_moment(self, v: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
+        return v - (1 - self.beta2) * d2 * torch.sign(v - d2)
