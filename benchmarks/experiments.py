@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
 import time
@@ -64,12 +63,13 @@ from fedmq.aggregator.runlog import (
 from fedmq.errors import FedmqError
 from fedmq.files import write_atomic
 from fedmq.tasks.base import Task, TrainConfig, load_state, model_state
+from fedmq.tasks.corpora import corpus_dir, find
+from fedmq.tasks.errors import TaskError
 from fedmq.tasks.training import resolve_device
 
 log = structlog.get_logger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(os.environ.get("FEDMQ_DATA", ROOT.parent / "shared" / "data"))
 SCALES = ("smoke", "cpu", "paper")
 
 
@@ -141,7 +141,9 @@ _FEDMED_MODEL = {
 
 
 def _corpus(name: str) -> str:
-    return str(DATA / name)
+    """The folder of a corpus in the data folder ($FEDMQ_DATA_DIR, fedmq.tasks.corpora); ``check_corpora``
+    checks that it is there."""
+    return str(corpus_dir(name))
 
 
 def _lm(
@@ -1217,6 +1219,24 @@ def check_args(name: str, scale: str, threads: int = 1, device: str = "cpu") -> 
     resolve_device(device)  # --device cuda without a GPU
 
 
+def corpora_needed(name: str, scale: str, only: str | None = None) -> list[str]:
+    """The corpora experiment ``name`` reads at ``scale`` (the runs ``only`` picks: ``select``): names in the
+    data folder (fedmq.tasks.corpora)."""
+    if name == "nmt-domains":
+        return ["de-en"]
+    return sorted({spec.labels["corpus"] for spec in select(EXPERIMENTS[name](scale), only, None)})
+
+
+def check_corpora(name: str, scale: str, only: str | None = None) -> None:
+    """One error line naming the folder looked in when a corpus the experiment reads is not on this machine
+    (before anything is written)."""
+    for corpus in corpora_needed(name, scale, only):
+        try:
+            find(corpus)
+        except TaskError as exc:
+            raise ExperimentError(str(exc)) from None
+
+
 def mean_sd(values: list[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (0 for one value)."""
     m = math.fsum(values) / len(values)
@@ -1375,10 +1395,6 @@ def run_experiment(
     seeds = list(seeds)
     if not seeds or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds):
         raise ExperimentError(f"seeds must be distinct whole numbers >= 0, got {seeds}")
-    if not DATA.is_dir():
-        raise ExperimentError(
-            f"the corpora folder {DATA} does not exist (expected ../shared/data next to the project)"
-        )
     if name != "nmt-domains":
         select(EXPERIMENTS[name](scale), only, overrides)  # validate before anything is written
     elif (
@@ -1387,6 +1403,7 @@ def run_experiment(
         raise ExperimentError("--set applies to the language-modelling experiments, not nmt-domains")
     elif only:
         select(nmt_specs(scale), only, None)
+    check_corpora(name, scale, only)
     exp_dir = Path(out or "runs/experiments") / name
     exp_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(threads)

@@ -15,7 +15,6 @@ Run: ``python -m fedmq.benchmarks.train [--quick] [--threads N]``.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -25,13 +24,17 @@ from typing import Any
 import torch
 
 from fedmq.tasks.base import TrainConfig
+from fedmq.tasks.corpora import find
 from fedmq.tasks.registry import make_task
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(os.environ.get("FEDMQ_DATA", ROOT.parent / "shared" / "data"))
 
+def _cases(data: Path | None) -> list[dict[str, Any]]:
+    """The timed cases; ``data``: the folder that holds wikitext-2/ and de-en/ (None: the data folder,
+    $FEDMQ_DATA_DIR; a corpus missing there is one line saying where to put it)."""
 
-def _cases(data: Path) -> list[dict[str, Any]]:
+    def corpus(name: str) -> str:
+        return str(data / name if data else find(name))
+
     lm_cfg = TrainConfig(batch_size=20, lr=20.0, clip=0.25)
     return [
         dict(
@@ -40,7 +43,7 @@ def _cases(data: Path) -> list[dict[str, Any]]:
             task="lm",
             cfg=lm_cfg,
             options=dict(
-                data=str(data / "wikitext-2"), model="gru-small", tied=True, clients=1, dropout=0.2, bptt=35
+                data=corpus("wikitext-2"), model="gru-small", tied=True, clients=1, dropout=0.2, bptt=35
             ),
         ),
         dict(
@@ -49,7 +52,7 @@ def _cases(data: Path) -> list[dict[str, Any]]:
             task="lm",
             cfg=lm_cfg,
             options=dict(
-                data=str(data / "wikitext-2"), model="lstm", tied=False, clients=1, dropout=0.2, bptt=35
+                data=corpus("wikitext-2"), model="lstm", tied=False, clients=1, dropout=0.2, bptt=35
             ),
         ),
         dict(
@@ -58,7 +61,7 @@ def _cases(data: Path) -> list[dict[str, Any]]:
             task="nmt",
             cfg=TrainConfig(batch_size=32, lr=5e-4, optimizer="adam", clip=1.0),
             options=dict(
-                data=str(data / "de-en"),
+                data=corpus("de-en"),
                 domains="wmt_train_mix_opennmt",
                 model="small",
                 max_lines=5000,
@@ -80,7 +83,7 @@ def bench_train(
     rows = []
     try:
         with tempfile.TemporaryDirectory() as cache:
-            for case in _cases(Path(data) if data else DATA):
+            for case in _cases(Path(data) if data else None):
                 opts = dict(case["options"])
                 if case["task"] == "nmt":
                     opts["cache_dir"] = cache

@@ -22,7 +22,14 @@ from sacrebleu.metrics import BLEU
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fedmq.benchmarks.experiments import _NMT, ExperimentError, domain_pairs, nmt_options, parse_seeds  # noqa: E402
+from fedmq.benchmarks.experiments import (  # noqa: E402
+    _NMT,
+    ExperimentError,
+    check_corpora,
+    domain_pairs,
+    nmt_options,
+    parse_seeds,
+)
 from fedmq.tasks.base import load_state  # noqa: E402
 from fedmq.tasks.registry import make_task  # noqa: E402
 
@@ -54,6 +61,7 @@ def main() -> None:
     args = parser.parse_args()
     try:
         seeds = parse_seeds(args.seeds)
+        check_corpora("nmt-domains", args.scale)  # de-en in the data folder ($FEDMQ_DATA_DIR)
     except ExperimentError as exc:
         sys.exit(f"error: {exc}")
     if args.resamples < 1:

@@ -23,7 +23,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fedmq.aggregator.strategies.base import ClientUpdate  # noqa: E402
 from fedmq.aggregator.strategies.fedavg import FedAvg  # noqa: E402
-from fedmq.benchmarks.experiments import _NMT, _nmt_train, domain_bleu, domain_ce, nmt_options  # noqa: E402
+from fedmq.benchmarks.experiments import (  # noqa: E402
+    _NMT,
+    ExperimentError,
+    _nmt_train,
+    check_corpora,
+    domain_bleu,
+    domain_ce,
+    nmt_options,
+)
 from fedmq.tasks.base import TrainConfig, load_state, model_state  # noqa: E402
 from fedmq.tasks.registry import make_task  # noqa: E402
 
@@ -55,6 +63,11 @@ def main() -> int:
         lrs = [float(x) for x in args.lr.split(",")]
     except ValueError:
         print(f"error: --lr wants comma-separated numbers, got {args.lr!r}", file=sys.stderr)
+        return 2
+    try:
+        check_corpora("nmt-domains", "cpu")  # de-en in the data folder ($FEDMQ_DATA_DIR)
+    except ExperimentError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
     task = make_task("nmt", **nmt_options("cpu", 0, cache))

@@ -1,4 +1,5 @@
-"""Shared fixtures: the real RabbitMQ on 127.0.0.1:5672 and the shared corpora in ../shared/data."""
+"""Shared fixtures: the real RabbitMQ on 127.0.0.1:5672 and the real corpora in the data folder
+($FEDMQ_DATA_DIR, fedmq.tasks.corpora); tests that need a corpus that is not there are skipped."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(os.environ.get("FEDMQ_DATA", ROOT.parent / "shared" / "data"))
+# corpora kept in a folder beside the checkout (as on CI) serve the tests that read real corpora, unless
+# FEDMQ_DATA_DIR names another data folder; subprocesses inherit it
+_BESIDE = ROOT.parent / "shared" / "data"
+if not os.environ.get("FEDMQ_DATA_DIR") and _BESIDE.is_dir():
+    os.environ["FEDMQ_DATA_DIR"] = str(_BESIDE)
+FIXTURE_CORPORA = ROOT / "tests" / "fixtures" / "corpora"  # slices of the real corpora, in the repository
 RABBIT_URL = os.environ.get("FEDMQ_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672/%2F")
 IN_CI = bool(os.environ.get("CI"))
 
@@ -83,12 +89,29 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="session")
-def data_dir() -> Path:
-    if not DATA.is_dir():
-        if IN_CI:
-            pytest.fail(f"shared corpora not found at {DATA}")
-        pytest.skip(f"shared corpora not found at {DATA}")
-    return DATA
+def real_corpus():
+    """``real_corpus(name)``: the folder of a real corpus (ptb, wikitext-2, de-en) found the way fedmq finds
+    it (fedmq.tasks.corpora.find: $FEDMQ_DATA_DIR, default ~/.cache/fedmq/data); the test is skipped when the
+    corpus is not there."""
+    from fedmq.tasks.corpora import find
+    from fedmq.tasks.errors import TaskError
+
+    def locate(name: str) -> Path:
+        try:
+            return find(name)
+        except TaskError:
+            pytest.skip(f"needs the {name} corpus in $FEDMQ_DATA_DIR")
+
+    return locate
+
+
+@pytest.fixture
+def fixture_corpora(monkeypatch) -> Path:
+    """FEDMQ_DATA_DIR pointed at tests/fixtures/corpora (this test and its subprocesses): the first lines of
+    WikiText-2 and of the de-en domains news_wmt and ted_iwslt14, all the smoke scale of ``fedmq experiment``
+    reads."""
+    monkeypatch.setenv("FEDMQ_DATA_DIR", str(FIXTURE_CORPORA))
+    return FIXTURE_CORPORA
 
 
 def load_rabbit_node_module():

@@ -1,9 +1,15 @@
-"""Where a ``--data`` value points: a folder, ``builtin``, or the name of a well-known corpus kept in a local cache.
+"""Where a ``--data`` value points: a folder, ``builtin``, or the name of a corpus kept in the data folder.
 
 fedmq never downloads data (it runs where the internet may not be reachable, and corpora carry their own
-licences). A user who keeps WikiText-2, Penn Treebank or the German→English domains in one place names them
-(``--data wikitext-2``) instead of typing paths: the name is looked up under ``$FEDMQ_DATA_DIR``, default
-``~/.cache/fedmq/data``. Torch-free, so the CLI can check ``--data`` before it loads torch.
+licences). Every command, benchmark and experiment finds corpora the same way, here:
+
+* the data folder is ``$FEDMQ_DATA_DIR``, default ``~/.cache/fedmq/data`` (``data_home``);
+* a value with a path separator, or starting with ``.`` or ``~``, is a path and is used as one;
+* a bare name (``ptb``, ``wikitext-2``, ``de-en``) is that folder in the data folder; a bare name that is not
+  there but is a folder in the working directory is that folder.
+
+A corpus that is missing is one TaskError line naming the folder looked in and how to set it. Torch-free, so
+the CLI can check ``--data`` before it loads torch.
 """
 
 from __future__ import annotations
@@ -12,6 +18,9 @@ import os
 from pathlib import Path
 
 from fedmq.tasks.errors import TaskError
+
+ENV = "FEDMQ_DATA_DIR"
+DEFAULT_HOME = "~/.cache/fedmq/data"
 
 # name -> (the file that shows the folder is right, where to get it)
 KNOWN = {
@@ -25,29 +34,54 @@ KNOWN = {
 
 
 def data_home() -> Path:
-    return Path(os.environ.get("FEDMQ_DATA_DIR") or "~/.cache/fedmq/data").expanduser()
+    """The data folder: ``$FEDMQ_DATA_DIR``, default ``~/.cache/fedmq/data`` (absolute, not checked)."""
+    return Path(os.environ.get(ENV) or DEFAULT_HOME).expanduser().absolute()
+
+
+def is_name(data: str | Path) -> bool:
+    """``data`` is a bare corpus name (looked up in the data folder), not a path."""
+    text = str(data)
+    return bool(text) and os.sep not in text and "/" not in text and not text.startswith((".", "~"))
+
+
+def corpus_dir(name: str) -> Path:
+    """Where the corpus ``name`` belongs in the data folder (not checked: see ``find``)."""
+    return data_home() / name
+
+
+def find(name: str, hint: str = "") -> Path:
+    """The folder of the corpus ``name`` in the data folder; else one TaskError line saying where it was
+    looked for and how to put it there (``hint``: another way out the caller offers, e.g. "or pass --data
+    PATH")."""
+    folder = corpus_dir(name)
+    marker, origin = KNOWN.get(name, ("", ""))
+    if folder.is_dir() and (not marker or (folder / marker).is_file()):
+        return folder
+    what = f" ({origin})" if origin else ""
+    looked = f"no {marker} in it" if folder.is_dir() else "no such folder"
+    raise TaskError(
+        f"corpus {name!r} is not on this machine: put its folder{what} at {folder} (looked there: {looked}), "
+        f"or set {ENV} to the folder that holds {name}/ (default {DEFAULT_HOME}){hint}; "
+        "fedmq downloads nothing"
+    )
 
 
 def resolve(data: str | Path) -> str:
-    """The folder ``data`` names (or ``"builtin"``); one TaskError line saying what to do when there is none."""
+    """The folder ``data`` names (or ``"builtin"``); one TaskError line saying what to do when there is
+    none."""
     text = str(data)
     if text == "builtin":
         return text
     path = Path(text).expanduser()
-    if path.is_dir():
-        return str(path)
-    if path.exists():
+    if is_name(text) and corpus_dir(text).is_dir():
+        return str(find(text, hint=", or pass --data PATH"))
+    if path.is_file():
         raise TaskError(f"--data {text} is a file; pass the folder that holds the corpus ({path.parent})")
-    if text in KNOWN:
-        cached = data_home() / text
-        marker, origin = KNOWN[text]
-        if cached.is_dir() and (not marker or (cached / marker).is_file()):
-            return str(cached)
-        raise TaskError(
-            f"corpus {text!r} is not on this machine: put its folder ({origin}) at {cached} "
-            f"(or set FEDMQ_DATA_DIR), or pass --data PATH; fedmq downloads nothing"
-        )
+    if path.is_dir():
+        return str(path)  # a path, or a bare name that is a folder here and none in the data folder
+    if is_name(text):
+        return str(find(text, hint=", or pass --data PATH"))
     raise TaskError(
-        f"--data {text}: no such folder; pass a corpus folder, one of {', '.join(KNOWN)} "
-        f"(kept under {data_home()}), or builtin"
+        f"--data {text}: no such folder; pass a corpus folder, the name of one in {data_home()} "
+        f"({ENV}; e.g. {', '.join(KNOWN)}), or builtin"
     )

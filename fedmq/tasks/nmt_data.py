@@ -1,10 +1,11 @@
 """Parallel German->English data: domains of ``X.de``/``X.en`` files, held-out splits, the shared subword model.
 
-``data`` is either one domain folder (files ``X.de`` + ``X.en``, line i of one translating line i of the other,
-optionally ``X.docid`` naming each pair's document) or a folder of such domain folders (``../shared/data/de-en``).
-All pairs of a domain are pooled (files in sorted order) and split with a fixed seed (independent of the run
-seed, so every run evaluates on the same pairs): ``eval_fraction`` of the pairs (at least 1, at most
-``eval_max_pairs``) go to valid, as many to test, the rest to train.
+``data`` is either one domain folder (files ``X.de`` + ``X.en``, line i of one translating line i of the
+other, optionally ``X.docid`` naming each pair's document) or a folder of such domain folders
+(``--data de-en``: ``$FEDMQ_DATA_DIR/de-en``, fedmq.tasks.corpora). All pairs of a domain are pooled (files
+in sorted order) and split with a fixed seed (independent of the run seed, so every run evaluates on the same
+pairs): ``eval_fraction`` of the pairs (at least 1, at most ``eval_max_pairs``) go to valid, as many to test,
+the rest to train.
 
 The subword vocabulary is a sentencepiece BPE model shared by source and target, trained locally on the training
 split of both languages and cached under ``cache_dir`` keyed by a digest of its input; nothing is downloaded.

@@ -8,6 +8,7 @@ from typing import Any
 from fedmq.plugins import is_import_path, load_class
 from fedmq.tasks.base import Task
 from fedmq.tasks.catalog import LM_ONLY, NMT_ONLY
+from fedmq.tasks.corpora import ENV, corpus_dir
 from fedmq.tasks.errors import TaskError
 from fedmq.tasks.lm import LanguageModelTask
 from fedmq.tasks.nmt import TranslationTask
@@ -42,7 +43,8 @@ def make_task(name: str, **options: Any) -> Task:
         raise TaskError(f"task {name!r} has no option {', '.join(unknown)}: use {', '.join(sorted(allowed))}")
     if name == "nmt" and options.get("data") in (None, "builtin"):
         raise TaskError(
-            "the nmt task needs --data PATH to a folder of X.de/X.en files (e.g. ../shared/data/de-en)"
+            "the nmt task needs --data: a folder of X.de/X.en files or of domain folders, or a name in the "
+            f"data folder ${ENV} (--data de-en: {corpus_dir('de-en')})"
         )
     for key in ("clients", "vocab_size", "max_lines", "max_eval_lines", "bptt", "seed"):
         value = options.get(key)

@@ -1,13 +1,15 @@
 """CI smoke of every named experiment: each config runs end to end at the ``smoke`` scale.
 
-Tiny slices of the real corpora, one or two rounds, in-process broker (the same engine/agent/codec path as
-RabbitMQ). Beyond "it runs", each test checks the property the experiment is about on the smoke numbers.
+The first lines of the real corpora (tests/fixtures/corpora, the data folder of every test here: none needs
+the full corpora), one or two rounds, in-process broker (the same engine/agent/codec path as RabbitMQ).
+Beyond "it runs", each test checks the property the experiment is about on the smoke numbers.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from functools import partial
@@ -20,6 +22,7 @@ from fedmq.errors import FedmqError
 from fedmq.simulation import Simulation
 
 ROOT = experiments.ROOT
+pytestmark = pytest.mark.usefixtures("fixture_corpora")
 run_experiment = partial(
     experiments.run_experiment, simulation=Simulation
 )  # the report: test_cli_topk_with_report
@@ -442,6 +445,33 @@ def test_bad_arguments_are_one_line_and_write_nothing(tmp_path):
         assert proc.returncode == 2, args
         assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and message in proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_corpus_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
+    """Without the corpus the grid reads, the error names the folder looked in and FEDMQ_DATA_DIR; no
+    experiment folder (not even its log) is written."""
+    empty = tmp_path / "data"
+    empty.mkdir()
+    monkeypatch.setenv("FEDMQ_DATA_DIR", str(empty))
+    where = re.escape(f"at {empty / 'wikitext-2'} (looked there: no such folder), or set FEDMQ_DATA_DIR")
+    with pytest.raises(ExperimentError, match=f"corpus 'wikitext-2' is not on this machine: put .* {where}"):
+        run_experiment("table2", "smoke", tmp_path / "out")
+    with pytest.raises(ExperimentError, match="corpus 'de-en' is not on this machine"):
+        run_experiment("nmt-domains", "smoke", tmp_path / "out")
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedmq.cli.app", "experiment", "table2", "--scale", "smoke"]
+        + ["--seeds", "0", "--out", str(tmp_path / "out")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert (
+        proc.stderr.startswith("error: corpus 'wikitext-2' is not on this machine")
+        and str(empty) in proc.stderr
+    )
+    assert not (tmp_path / "out").exists()
 
 
 def test_reproduce_script_reports_a_bad_name_in_one_line():

@@ -1,4 +1,5 @@
-"""Small real-data runs on ../shared/data: local training lowers validation perplexity and raises BLEU.
+"""Small runs on the real corpora in $FEDMQ_DATA_DIR (skipped without them): local training lowers
+validation perplexity and raises BLEU.
 
 First few thousand lines, tiny models, one thread; each case stays well under a minute on a busy 2-core machine.
 """
@@ -19,10 +20,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize("corpus,max_lines", [("wikitext-2", 1200), ("ptb", 2500)])
-def test_lm_training_lowers_validation_perplexity(data_dir, corpus, max_lines):
+def test_lm_training_lowers_validation_perplexity(real_corpus, corpus, max_lines):
     task = make_task(
         "lm",
-        data=str(data_dir / corpus),
+        data=str(real_corpus(corpus)),
         model="gru-small",
         emb=64,
         hidden=64,
@@ -47,10 +48,10 @@ def test_lm_training_lowers_validation_perplexity(data_dir, corpus, max_lines):
     assert losses[1] < losses[0]
 
 
-def test_nmt_training_raises_bleu(data_dir, tmp_path):
+def test_nmt_training_raises_bleu(real_corpus, tmp_path):
     task = make_task(
         "nmt",
-        data=str(data_dir / "de-en"),
+        data=str(real_corpus("de-en")),
         domains="captions_multi30k",
         model="tiny",
         max_lines=2500,
