@@ -164,6 +164,13 @@ def simulate(
         metavar="NAME",
         help=", ".join(STRATEGIES) + ", or your own package.module:Class",
     ),
+    strategy_arg: list[str] | None = _opt(
+        None,
+        "--strategy-arg",
+        panel=STRATEGY,
+        metavar="KEY=VALUE",
+        help="a parameter of the strategy, repeatable: --strategy-arg mu=0.01 (the job file's [strategy] table)",
+    ),
     eps: float = _opt(1.2, panel=STRATEGY, metavar="EPS", help="FedAtt step size ε"),
     norm: str = _opt("fro", panel=STRATEGY, metavar="NORM", help="FedAtt distance: fro or spectral"),
     loss_eps: float = _opt(0.1, panel=STRATEGY, metavar="EPS", help="FedMed loss-switch threshold ε"),
@@ -450,6 +457,12 @@ def aggregator_run(
     rounds: int | None = typer.Option(None, envvar="FEDMQ_ROUNDS"),
     clients: int | None = typer.Option(None, envvar="FEDMQ_CLIENTS"),
     fraction: float | None = typer.Option(None, envvar="FEDMQ_FRACTION"),
+    strategy_arg: list[str] | None = typer.Option(
+        None,
+        "--strategy-arg",
+        metavar="KEY=VALUE",
+        help="a parameter of the strategy, repeatable: --strategy-arg mu=0.01 (overrides the [strategy] table)",
+    ),
     user: str | None = typer.Option(None, envvar="FEDMQ_BROKER_USER"),
     password: str | None = typer.Option(None, envvar="FEDMQ_BROKER_PASSWORD"),
     metrics_port: int = typer.Option(
@@ -472,12 +485,15 @@ def aggregator_run(
     """
     from fedmq.aggregator.config import JobConfig
     from fedmq.aggregator.engine import Engine
+    from fedmq.params import parse_assignments
 
     _tune_allocator()
     from fedmq.broker.transport.connect import connect
 
-    values = _load_config_file(config)
+    values = split_strategy_table(_load_config_file(config))
     task_opts = {"task": "lm", "data": "builtin", **values.pop("task", {})}
+    if strategy_arg:
+        values["strategy_args"] = {**values.get("strategy_args", {}), **parse_assignments(strategy_arg)}
     cfg = JobConfig.from_dict(
         _merge(
             values,

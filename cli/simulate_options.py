@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedmq.aggregator.config import JobConfig
+from fedmq.aggregator.config import JobConfig, JobConfigError, split_strategy_table
 from fedmq.cli.errors import UsageError
+from fedmq.params import parse_assignments
 from fedmq.plugins import is_import_path
 from fedmq.tasks.catalog import LM_ONLY, MODELS, NMT_ONLY, TASKS
 
@@ -80,6 +81,8 @@ TASK_FLAGS = (
 # (availability, faults, device and broker are flags only; the command reads them from the options)
 # flags about this invocation, not the run: never recorded, never compared on --resume
 NOT_RECORDED = ("config", "out", "resume", "keep_queues", "as_json", "log_level", "metrics_port")
+# --strategy-arg KEY=VALUE, over the file's [strategy] table (JobConfig.strategy_args)
+STRATEGY_ARG = "strategy_arg"
 RESUMABLE = ("rounds", "device", "cohort", "broker")
 # JobConfig keys without a flag (the file may set them) and the task options without one
 FILE_JOB_KEYS = tuple(
@@ -196,11 +199,13 @@ def read_config_file(path: Path, types: dict[str, str]) -> dict[str, Any]:
             f"config file {path} not found" if not path.exists() else f"config file {path} is not a file"
         )
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = split_strategy_table(tomllib.loads(path.read_text()))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise UsageError(f"config file {path} is not valid TOML: {exc}") from None
     except OSError as exc:
         raise UsageError(f"cannot read config file {path}: {exc.strerror}") from None
+    except JobConfigError as exc:
+        raise UsageError(f"config file {path}: {exc}") from None
     flag_of = {field: flag for flag, field in JOB_FLAGS.items()}
     field_kind = {f.name: type(f.default).__name__ for f in dataclasses.fields(JobConfig)}
     out: dict[str, Any] = {}
@@ -303,6 +308,8 @@ def _job_config(values: dict[str, Any]) -> JobConfig:
     fields["clients"] = values["clients"] or 1  # nmt natural: one per domain, set once the task is built
     fields.update({k: values.get(k, v) for k, v in SIM_JOB_DEFAULTS.items()})
     fields.update({k: values[k] for k in FILE_JOB_KEYS if k in values})
+    flags = parse_assignments(values.get(STRATEGY_ARG) or [])
+    fields["strategy_args"] = {**(values.get("strategy_args") or {}), **flags}
     try:
         return JobConfig(job=job, extra={"cli": values}, **fields)
     except TypeError as exc:  # a value of the wrong type that slipped past the checks

@@ -1,4 +1,5 @@
-"""The fault suite: makes tests/fault/fault_harness.py importable (the project runs pytest in importlib mode)."""
+"""The fault suite: makes tests/fault/fault_harness.py importable
+(the project runs pytest in importlib mode)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """A real federation in separate processes (`fedmq aggregator run`, `fedmq agent run`), faults, and the audit.
 
 Used by the fault suite (tests/fault); docs/reliability.md has the commands for repeated (full) runs.
-Every agent runs with ``--audit-log`` (one JSON line per broker-confirmed upload); the audit compares them with
-what the aggregator folded (the newest checkpoint's ``folded``: round -> update ids) and with the updates it
-dropped on purpose (logged with their msg id), so an update can be: folded once (good), folded twice
+Every agent runs with ``--audit-log`` (one JSON line per broker-confirmed upload); the audit compares them
+with what the aggregator folded (the newest checkpoint's ``folded``: round -> update ids) and with the updates
+it dropped on purpose (logged with their msg id), so an update can be: folded once (good), folded twice
 (duplicated), confirmed but neither folded nor dropped (lost), or folded but never confirmed (an agent killed
 between the broker's confirm and its log line: harmless, reported as ``unconfirmed_folded``).
 """
@@ -44,7 +44,8 @@ TINY_TASK = {
 
 
 def read_jsonl(path: Path) -> list[Any]:
-    """The JSON values of a JSON-lines log (missing file: none); a line that is not JSON (a traceback) is skipped."""
+    """The JSON values of a JSON-lines log (missing file: none); a line that is not JSON
+    (a traceback) is skipped."""
     if not path.is_file():
         return []
     out = []
@@ -65,8 +66,11 @@ def _toml_value(v: Any) -> str:
 
 
 def write_config(path: Path, job: dict[str, Any], task: dict[str, Any]) -> Path:
-    lines = [f"{k} = {_toml_value(v)}" for k, v in job.items()] + ["", "[task]"]
-    lines += [f"{k} = {_toml_value(v)}" for k, v in task.items()]
+    """A job file: JobConfig keys at the top, a table for each dict among them (``strategy``), then [task]."""
+    tables = {k: v for k, v in job.items() if isinstance(v, dict)}
+    lines = [f"{k} = {_toml_value(v)}" for k, v in job.items() if k not in tables]
+    for name, table in {**tables, "task": task}.items():
+        lines += ["", f"[{name}]", *(f"{k} = {_toml_value(v)}" for k, v in table.items())]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -139,6 +143,7 @@ class Federation:
     agent_env: dict[str, str] = field(
         default_factory=dict
     )  # e.g. FEDMQ_CHUNK_LIMIT / FEDMQ_HEARTBEAT for agents
+    task: dict[str, Any] = field(default_factory=lambda: dict(TINY_TASK))  # the job file's [task] table
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     restarts: int = 0
 
@@ -169,7 +174,7 @@ class Federation:
             **self.job_options,
         }
         self.cfg = job
-        self.config = write_config(self.base / "job.toml", job, {**TINY_TASK, "clients": self.clients})
+        self.config = write_config(self.base / "job.toml", job, {**self.task, "clients": self.clients})
 
     def _url_user(self) -> str:
         from urllib.parse import urlsplit
@@ -195,8 +200,8 @@ class Federation:
         return proc
 
     def start_aggregator(self, name: str = "agg") -> subprocess.Popen:
-        # the same chunk limit as the agents (the aggregator sizes its prefetch from it: every chunk of the round)
-        # and the same consume timeout
+        # the same chunk limit as the agents (the aggregator sizes its prefetch from it: every chunk of the
+        # round) and the same consume timeout
         env = {k: v for k, v in self.agent_env.items() if k in ("FEDMQ_CHUNK_LIMIT", "FEDMQ_CONSUME_TIMEOUT")}
         return self._spawn(
             name,
@@ -269,7 +274,7 @@ class Federation:
         return json.loads(out[-1])
 
     def stop_all(self) -> None:
-        for name, proc in self.procs.items():
+        for proc in self.procs.values():
             if proc.poll() is None:
                 try:
                     os.killpg(proc.pid, signal.SIGTERM)
@@ -294,7 +299,8 @@ class Federation:
         return (self.state / "spool" / f"r{rnd:06d}" / "round.json").is_file()
 
     def round_state(self, rnd: int) -> dict[str, Any]:
-        """The open round's facts in the spool (selected, reported, granted); {} before it opens or after it closed."""
+        """The open round's facts in the spool (selected, reported, granted);
+        {} before it opens or after it closed."""
         try:
             return json.loads((self.state / "spool" / f"r{rnd:06d}" / "round.json").read_text())
         except (OSError, ValueError):
@@ -375,7 +381,8 @@ class Federation:
 
 
 class TcpProxy:
-    """A TCP proxy between agents and the broker that can cut (RST), stall or throttle every connection through it."""
+    """A TCP proxy between agents and the broker that can cut (RST),
+    stall or throttle every connection through it."""
 
     def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
         self.target = (target_host, target_port)

@@ -2,17 +2,18 @@
 
 A plan is a pure function of its seed (``make_plan``), so a failing run is reproduced with the seed printed in
 its failure message (``FEDMQ_FAULT_SEED=N``). The *moments* are phases of a round, observed from outside the
-processes: the aggregator's spool (``round.json``: reported, granted; spooled updates), its metrics rows (round
-closed), the agents' JSON logs ("round training", "uploading update") and the bytes a TCP proxy forwarded.
+processes: the aggregator's spool (``round.json``: reported, granted; spooled updates), its metrics rows
+(round closed), the agents' JSON logs ("round training", "uploading update") and the bytes a TCP proxy
+forwarded.
 
 Phases
   agent-kill9      training    after the agent logged "round training" for the round, before its report
                                 (the victim runs with ``slow:1.0:S`` so this window is S seconds wide)
                    after-grant as soon as the grant of the round is in the aggregator's spool (the victim's
                                 throttled upload has at most begun)
-                   mid-upload  after the agent logged "uploading update" and its proxy forwarded ``frac`` of the
-                                update's bytes (updates span ~35 chunks at FEDMQ_CHUNK_LIMIT=1024): a partial
-                                chunked message is in the broker
+                   mid-upload  after the agent logged "uploading update" and its proxy forwarded
+                                ``frac`` of the update's bytes (updates span ~35 chunks at
+                                FEDMQ_CHUNK_LIMIT=1024): a partial chunked message is in the broker
   aggregator-kill9 before-agg  a report is in, no update yet;  during-agg  an update is spooled (folded);
                    after-agg   the round's metrics row is written (the checkpoint may or may not be)
   broker-*, stall, cut, memory-alarm:  announced | reports | granted | updates
@@ -59,11 +60,13 @@ class Fault:
 def make_plan(
     seed: int, clients: int = 3, kinds: tuple[str, ...] = KINDS, first_mid_upload: bool = False
 ) -> list[Fault]:
-    """One fault per round from round 2 on, in a seeded order; the broker's graceful restart always comes first.
+    """One fault per round from round 2 on, in a seeded order;
+    the broker's graceful restart always comes first.
 
     The graceful restart (stop_app/start_app) must precede a kill -9 of the node: RabbitMQ 3.10 persists a new
-    quorum queue's registration only every few minutes or on a graceful stop, and a kill -9 before that loses the
-    aggregator's inbox itself. ``first_mid_upload`` makes the first agent kill a mid-upload one (the CI subset).
+    quorum queue's registration only every few minutes or on a graceful stop, and a kill -9 before that loses
+    the aggregator's inbox itself. ``first_mid_upload`` makes the first agent kill a mid-upload one
+    (the CI subset).
     """
     rng = random.Random(seed)
     rest = [k for k in kinds if k != "broker-restart"]
@@ -105,7 +108,8 @@ def make_plan(
 
 
 def training_victims(plan: list[Fault]) -> set[int]:
-    """Agents killed in their training phase: they run with a slow fault so the phase lasts long enough to hit."""
+    """Agents killed in their training phase: they run with a slow fault so the phase lasts long enough to
+    hit."""
     return {
         f.target for f in plan if f.kind == "agent-kill9" and f.phase == "training" and f.target is not None
     }

@@ -12,7 +12,8 @@ def _assert_clean(fed: Federation, rounds: int) -> None:
     audit = fed.audit()
     assert audit.rounds_completed == rounds and audit.rounds_skipped == 0, audit
     assert audit.lost == [] and audit.duplicated == [], audit
-    # nobody was killed but the aggregator and the deadlines are generous: every confirmed upload was folded once
+    # nobody was killed but the aggregator and the deadlines are generous:
+    # every confirmed upload was folded once
     assert audit.confirmed == audit.folded > 0 and audit.unconfirmed_folded == [] and audit.dropped == [], (
         audit
     )
@@ -66,7 +67,8 @@ def test_hot_standby_takes_over_from_the_checkpoint_and_spool(federation):
 
 
 def test_async_kill9_mid_round_replays_the_spool(tmp_path, rabbit_url, job_id):
-    """Async (FedBuff) mode: updates acked into the spool before a kill -9 are folded after the restart, once."""
+    """Async (FedBuff) mode: updates acked into the spool before a kill -9 are folded after the restart,
+    once."""
     from fedmq.broker.transport.connect import connect
     from fedmq.broker.wire import messages
 

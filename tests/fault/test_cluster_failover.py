@@ -29,8 +29,8 @@ def test_killing_the_inbox_leader_mid_round_loses_no_confirmed_update(rabbit_clu
         agent_faults={i: f"slow:1.0:{1.0 + 0.5 * i:.1f}" for i in range(3)},
     )
     try:
-        # the inbox's leader is looked up before any agent starts: rabbitmqctl takes seconds on a busy machine,
-        # and the rounds (2 s each) must not run past round 3 meanwhile
+        # the inbox's leader is looked up before any agent starts: rabbitmqctl takes seconds on a busy
+        # machine, and the rounds (2 s each) must not run past round 3 meanwhile
         fed.start_aggregator()
         wait_for(
             lambda: fed.agg_events(
@@ -40,7 +40,8 @@ def test_killing_the_inbox_leader_mid_round_loses_no_confirmed_update(rabbit_clu
             "the aggregator declared the job",
         )
         victim = cluster.leader_of(t.q_inbox(job_id))
-        # every client connected to the first address that answered: node 0, where the aggregator declared the inbox
+        # every client connected to the first address that answered: node 0,
+        # where the aggregator declared the inbox
         assert victim is cluster.nodes[0], victim.name
         for i in range(fed.clients):
             fed.start_agent(i)

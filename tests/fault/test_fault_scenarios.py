@@ -1,17 +1,17 @@
-"""The fault suite on an isolated RabbitMQ node: one federation (aggregator and 3 agents as processes), faults at
-seeded moments (tests/fault/fault_plan.py), one per round: a graceful broker restart, kill -9 of agents (during
-training, after the grant, in the middle of a chunked upload) and their restart, kill -9 of the RabbitMQ node and
-its restart, a stalled agent connection (heartbeats time out, the agent reconnects), a reset agent connection,
-kill -9 of the aggregator and its restart, and a memory alarm (blocked publishers).
+"""The fault suite on an isolated RabbitMQ node: one federation (aggregator and 3 agents as processes), faults
+at seeded moments (tests/fault/fault_plan.py), one per round: a graceful broker restart, kill -9 of agents
+(during training, after the grant, in the middle of a chunked upload) and their restart, kill -9 of the
+RabbitMQ node and its restart, a stalled agent connection (heartbeats time out, the agent reconnects), a reset
+agent connection, kill -9 of the aggregator and its restart, and a memory alarm (blocked publishers).
 
 Afterwards every round finished, the audit is clean (no confirmed upload lost, none folded twice), the global
-model is finite with the manifest's shapes, a partial chunked upload was never folded, and no round ran past its
-deadlines plus the documented slack (15 s, plus the broker's measured downtime in a round where it was down, plus
-the aggregator's restart in a round where it was killed).
+model is finite with the manifest's shapes, a partial chunked upload was never folded, and no round ran past
+its deadlines plus the documented slack (15 s, plus the broker's measured downtime in a round where it was
+down, plus the aggregator's restart in a round where it was killed).
 
-CI runs one seed with every fault kind (the first agent kill is mid-upload). ``FEDMQ_FAULT_SEED=N`` picks another
-seed; ``FEDMQ_FAULT_FULL=1`` runs ``FEDMQ_FAULT_SEEDS`` (default 5) seeds from it, every phase drawn from the seed.
-A failure message names its seed and the command that replays it.
+CI runs one seed with every fault kind (the first agent kill is mid-upload). ``FEDMQ_FAULT_SEED=N`` picks
+another seed; ``FEDMQ_FAULT_FULL=1`` runs ``FEDMQ_FAULT_SEEDS`` (default 5) seeds from it, every phase drawn
+from the seed. A failure message names its seed and the command that replays it.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ FULL = os.environ.get("FEDMQ_FAULT_FULL") == "1"
 SEEDS = [BASE_SEED + i for i in range(int(os.environ.get("FEDMQ_FAULT_SEEDS", "5")))] if FULL else [BASE_SEED]
 CLIENTS = 3
 CHUNK_LIMIT = 1024  # an update of the tiny model (~35 KB) spans ~35 chunks; 8 are in flight at a time, so a
-# kill -9 mid-upload leaves chunks the process never wrote (bytes already in its socket still reach the broker)
+# kill -9 mid-upload leaves chunks the process never wrote
+# (bytes already in its socket still reach the broker)
 AGENT_HEARTBEAT = 2  # s: a stalled connection is declared dead within seconds
 THROTTLE = 16_000  # bytes/s through a victim's proxy while it is killed mid-upload (an update takes ~2.5 s)
 DEADLINE_S = 8.0
@@ -73,7 +74,8 @@ class Run:
         }[f.phase]
 
     def await_phase(self, f: Fault, timeout: float = 150.0) -> int:
-        """The round in which ``f``'s phase was reached: its own, or a later one if that round closed first."""
+        """The round in which ``f``'s phase was reached: its own,
+        or a later one if that round closed first."""
         deadline, rnd = time.monotonic() + timeout, f.round
         while time.monotonic() < deadline:
             if f.target is not None and f.kind == "agent-kill9":
@@ -140,7 +142,8 @@ class Run:
             node.kill9()
             node.start()
         elif f.kind == "stall":
-            # a black hole: nothing passes either way, not even a close; the agent's heartbeat check must notice
+            # a black hole: nothing passes either way, not even a close;
+            # the agent's heartbeat check must notice
             proxy, log = self.proxies[f.target], fed.logs / f"agent-{f.target}.err"
             lost = lambda: log.read_text(errors="replace").count("RabbitMQ connection lost")  # noqa: E731
             before = lost()
@@ -215,11 +218,11 @@ def _run_plan(node, tmp_path, job_id, seed: int, first_mid_upload: bool) -> None
         with open(tmp_path.parent / "fault-runs.jsonl", "a") as fh:
             fh.write(json.dumps(report) + "\n")
         assert summary["rounds_completed"] + summary["rounds_skipped"] == rounds, (summary, context)
-        # a round in which the broker was down longer than its deadlines closes as skipped (its deadline held);
-        # the next two may too while agents reconnect (their join backoff doubles up to 10 s, longer than a round
-        # that closes with nobody online). Round 1 (no fault) may too: the agents' first training step is cold,
-        # and on a loaded machine three cold processes can all miss its 8 s report deadline (seen in CI).
-        # Every other round completes.
+        # a round in which the broker was down longer than its deadlines closes as skipped (its deadline
+        # held); the next two may too while agents reconnect (their join backoff doubles up to 10 s, longer
+        # than a round that closes with nobody online). Round 1 (no fault) may too: the agents' first training
+        # step is cold, and on a loaded machine three cold processes can all miss its 8 s report deadline
+        # (seen in CI). Every other round completes.
         excused = {1} | {r + k for r in run.broker_down for k in (0, 1, 2)}
         skipped = {r["round"] for r in rows if r["skipped"]}
         assert skipped <= excused, (
@@ -229,11 +232,12 @@ def _run_plan(node, tmp_path, job_id, seed: int, first_mid_upload: bool) -> None
         assert audit.lost == [] and audit.duplicated == [], (audit, context)
         assert audit.finite and audit.shapes_ok, context
         assert not over, (f"rounds past deadline + slack: {over}", context)
-        # A killed upload that was folded all the same had reached the broker whole before the process died (bytes
-        # already in its socket buffers drain through; the proxy's byte count cannot place the kill exactly):
-        # only complete messages can be folded (whole-message digest, tests/unit/test_codec_chunking.py), and a
-        # truly partial one is dropped after the chunk timeout (tests/contract/test_chunk_expiry.py). The audit
-        # above already checks that nothing confirmed was lost and nothing was folded twice.
+        # A killed upload that was folded all the same had reached the broker whole before the process died
+        # (bytes already in its socket buffers drain through; the proxy's byte count cannot place the kill
+        # exactly): only complete messages can be folded (whole-message digest,
+        # tests/unit/test_codec_chunking.py), and a truly partial one is dropped after the chunk timeout
+        # (tests/contract/test_chunk_expiry.py). The audit above already checks that nothing confirmed was
+        # lost and nothing was folded twice.
         assert audit.confirmed > 0 and audit.folded >= audit.confirmed - len(audit.dropped), (audit, context)
     finally:
         node.ctl("set_vm_memory_high_watermark", "0.4", check=False)

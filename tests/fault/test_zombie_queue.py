@@ -1,6 +1,7 @@
-"""A RabbitMQ 3.10 node killed within about a second of declaring a quorum queue brings it back as a zombie: it
-can be declared, holds 0 messages (the confirmed ones are lost) and never answers a consume or a get. fedmq's
-services must say so in one line and stop, not hang for minutes, and must honour SIGTERM while they start."""
+"""A RabbitMQ 3.10 node killed within about a second of declaring a quorum queue brings it back as a zombie:
+it can be declared, holds 0 messages (the confirmed ones are lost) and never answers a consume or a get.
+fedmq's services must say so in one line and stop, not hang for minutes,
+and must honour SIGTERM while they start."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ CONSUME_TIMEOUT_S = 6
 
 
 def _answers_a_consume(url: str, queue: str, within: float) -> bool:
-    """Whether ``basic_consume`` on the queue gets any answer within ``within`` seconds (a zombie never answers)."""
+    """Whether ``basic_consume`` on the queue gets any answer within ``within`` seconds
+    (a zombie never answers)."""
     conn = pika.BlockingConnection(pika.URLParameters(url))
     answered = threading.Event()
 
@@ -42,7 +44,8 @@ def test_zombie_quorum_queues_are_reported_in_one_line_and_sigterm_ends_startup(
 ):
     node = own_rabbit_node
     # the issue's recipe, one queue per crash: declare, publish 6 confirmed messages, kill -9 at once (within
-    # ~0.2 s here: the queue declared just before the last one survives). The agent's queue first, then the inbox.
+    # ~0.2 s here: the queue declared just before the last one survives). The agent's queue first,
+    # then the inbox.
     specs = {q.name: q for q in job_queues(job_id, ["agent-0"], inbox=True, model_bytes=1 << 20)}
     inbox, latest = t.q_inbox(job_id), t.q_latest(job_id, "agent-0")
     for queue in (latest, inbox):
@@ -87,7 +90,8 @@ def test_zombie_quorum_queues_are_reported_in_one_line_and_sigterm_ends_startup(
         took = time.monotonic() - started
         agg_err, agent_err = (fed.logs / "agg.err").read_text(), (fed.logs / "agent-0.err").read_text()
         print(
-            f"zombie: aggregator and agent stopped {took:.1f} s after start; SIGTERM honoured in {term_s:.2f} s"
+            f"zombie: aggregator and agent stopped {took:.1f} s after start; "
+            f"SIGTERM honoured in {term_s:.2f} s"
         )
         assert fed.procs["agg"].returncode not in (0, None) and fed.procs["agent-0"].returncode not in (
             0,

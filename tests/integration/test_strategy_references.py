@@ -36,27 +36,27 @@ def _local(theta: np.ndarray, x: np.ndarray, y: np.ndarray, mu: float = 0.0) -> 
     return w
 
 
-def _rounds(server_step, mu: float = 0.0) -> np.ndarray:
-    task = logreg.LogReg(clients=CLIENTS, seed=SEED)
+def _rounds(server_step, mu: float = 0.0, clients: int = CLIENTS, rounds: int = ROUNDS) -> np.ndarray:
+    task = logreg.LogReg(clients=clients, seed=SEED)
     model = task.build_model(SEED)
     theta = np.concatenate([model.weight.detach().double().numpy()[0], model.bias.detach().double().numpy()])
     n = np.array([len(x) for x, _ in task.shards], dtype=np.float64)
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         local = [_local(theta, x, y, mu) for x, y in task.shards]
         average = sum(nk * w for nk, w in zip(n, local)) / n.sum()
         theta = server_step(theta, average - theta)
     return theta
 
 
-def fedavg_ref() -> np.ndarray:
-    return _rounds(lambda theta, delta: theta + delta)
+def fedavg_ref(**shape) -> np.ndarray:
+    return _rounds(lambda theta, delta: theta + delta, **shape)
 
 
-def fedprox_ref(mu: float) -> np.ndarray:
-    return _rounds(lambda theta, delta: theta + delta, mu)
+def fedprox_ref(mu: float, **shape) -> np.ndarray:
+    return _rounds(lambda theta, delta: theta + delta, mu, **shape)
 
 
-def fedavgm_ref(server_lr: float, momentum: float) -> np.ndarray:
+def fedavgm_ref(server_lr: float, momentum: float, **shape) -> np.ndarray:
     m = None
 
     def step(theta, delta):
@@ -64,10 +64,10 @@ def fedavgm_ref(server_lr: float, momentum: float) -> np.ndarray:
         m = delta if m is None else momentum * m + delta
         return theta + server_lr * m
 
-    return _rounds(step)
+    return _rounds(step, **shape)
 
 
-def fedopt_ref(kind: str, server_lr: float, beta1: float, beta2: float, tau: float) -> np.ndarray:
+def fedopt_ref(kind: str, server_lr: float, beta1: float, beta2: float, tau: float, **shape) -> np.ndarray:
     """Reddi et al. 2021, Algorithm 2, with m_{-1} = 0 and v_{-1} = τ²."""
     state = {}
 
@@ -84,7 +84,7 @@ def fedopt_ref(kind: str, server_lr: float, beta1: float, beta2: float, tau: flo
         state.update(m=m, v=v)
         return theta + server_lr * m / (np.sqrt(v) + tau)
 
-    return _rounds(step)
+    return _rounds(step, **shape)
 
 
 # ------------------------------------------------------------------------------------------ fedmq
@@ -108,24 +108,25 @@ def run_fedmq(tmp_path: Path, strategy: str, **args) -> np.ndarray:
     return np.concatenate([state["weight"].double().numpy()[0], state["bias"].double().numpy()])
 
 
+# (strategy, its parameters, its reference given the federation's shape: clients=, rounds=)
 CASES = [
     ("fedavg", {}, fedavg_ref),
-    ("fedprox", {"mu": 0.5}, lambda: fedprox_ref(0.5)),
-    ("fedavgm", {"server_lr": 1.0, "momentum": 0.9}, lambda: fedavgm_ref(1.0, 0.9)),
+    ("fedprox", {"mu": 0.5}, lambda **s: fedprox_ref(0.5, **s)),
+    ("fedavgm", {"server_lr": 1.0, "momentum": 0.9}, lambda **s: fedavgm_ref(1.0, 0.9, **s)),
     (
         "fedadagrad",
         {"server_lr": 0.1, "beta1": 0.9, "tau": 1e-2},
-        lambda: fedopt_ref("adagrad", 0.1, 0.9, 0.0, 1e-2),
+        lambda **s: fedopt_ref("adagrad", 0.1, 0.9, 0, 1e-2, **s),
     ),
     (
         "fedadam",
         {"server_lr": 0.1, "beta1": 0.9, "beta2": 0.99, "tau": 1e-2},
-        lambda: fedopt_ref("adam", 0.1, 0.9, 0.99, 1e-2),
+        lambda **s: fedopt_ref("adam", 0.1, 0.9, 0.99, 1e-2, **s),
     ),
     (
         "fedyogi",
         {"server_lr": 0.1, "beta1": 0.9, "beta2": 0.99, "tau": 1e-2},
-        lambda: fedopt_ref("yogi", 0.1, 0.9, 0.99, 1e-2),
+        lambda **s: fedopt_ref("yogi", 0.1, 0.9, 0.99, 1e-2, **s),
     ),
 ]
 
