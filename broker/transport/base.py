@@ -54,10 +54,11 @@ class Broker(ABC):
     def declare_job(
         self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True, model_bytes: int = 0
     ) -> None:
-        """Idempotently declare the job's exchange, the aggregator inbox (if ``inbox``) and each agent's queues.
+        """Idempotently declare the job's exchange, the aggregator inbox
+        (if ``inbox``) and each agent's queues.
 
-        With ``inbox`` it also declares the job's model stream, whose retention ``model_bytes`` (an upper bound
-        on a global-model message) sizes (broker.transport.queues.model_stream_args).
+        With ``inbox`` it also declares the job's model stream, whose retention ``model_bytes`` (an upper
+        bound on a global-model message) sizes (broker.transport.queues.model_stream_args).
         """
 
     @abstractmethod
@@ -91,8 +92,8 @@ class Broker(ABC):
         """Start consuming ``queue``; returns a consumer tag. The handler must ack or reject every delivery.
 
         ``offset`` (stream queues only, RabbitMQ's ``x-stream-offset``): an int, "first", "last", "next" or a
-        POSIX timestamp (float seconds). ``only_message``: hand over only the message with this id; every other
-        delivery is acked without being reassembled or handed over (reading one model from a stream).
+        POSIX timestamp (float seconds). ``only_message``: hand over only the message with this id; every
+        other delivery is acked without being reassembled or handed over (reading one model from a stream).
         ``reassembly``: bounds on this consumer's incomplete chunked messages (default: the connection's
         max_message_size per message, 4 GiB in all).
         """
@@ -114,8 +115,8 @@ class Broker(ABC):
     def fetch(
         self, queue: str, message_id: str, *, offset: Any, timeout: float, prefetch: int = 64
     ) -> Delivery:
-        """Read the one message ``message_id`` from the stream ``queue``, starting at ``offset``; BrokerError if
-        it has not arrived whole within ``timeout``. The delivery comes back acked (on a stream an ack only
+        """Read the one message ``message_id`` from the stream ``queue``, starting at ``offset``; BrokerError
+        if it has not arrived whole within ``timeout``. The delivery comes back acked (on a stream an ack only
         returns flow-control credit) and the consumer cancelled."""
         with self.subscribe(queue, prefetch=prefetch, offset=offset, only_message=message_id) as sub:
             d = sub.next(timeout)
@@ -154,11 +155,13 @@ class Broker(ABC):
 
 
 class Subscription:
-    """Pull-style consuming: the deliveries of one or more queues of a Broker, taken in arrival order with next().
+    """Pull-style consuming: the deliveries of one or more queues of a Broker,
+    taken in arrival order with next().
 
-    Built on Broker.consume with a handler that only buffers, so the prefetch window of each queue still bounds
-    what is held here unsettled. Ack or reject every delivery taken. close() (or leaving a ``with`` block) cancels
-    the consumers: their unsettled deliveries, those still buffered included, go back to their queues.
+    Built on Broker.consume with a handler that only buffers, so the prefetch window of each queue still
+    bounds what is held here unsettled. Ack or reject every delivery taken. close() (or leaving a ``with``
+    block) cancels the consumers: their unsettled deliveries, those still buffered included,
+    go back to their queues.
     """
 
     def __init__(self, broker: Broker) -> None:

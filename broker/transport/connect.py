@@ -29,11 +29,11 @@ def connect(
     """One connection to the broker at ``url``; BrokerError (one line) on a bad URL or unreachable broker.
 
     ``memory://NAME`` or ``memory://USER@NAME`` shares the in-process hub NAME with every connect() of the
-    process. ``amqp://USER:PASS@HOST:PORT/VHOST`` (``amqps://`` with ``tls``): RabbitMQ; the user is the URL's.
-    ``amqp://USER:PASS@H1:P1,H2:P2,H3:P3/VHOST``: the nodes of one cluster, tried in turn (see addresses()).
-    ``heartbeat`` and ``consume_timeout`` (how long RabbitMQ may take to confirm a subscription before the queue
-    counts as broken) only apply to RabbitMQ. Extra keywords go to the backend (e.g. ``connect_timeout``,
-    ``publish_timeout``, ``max_message_size``).
+    process. ``amqp://USER:PASS@HOST:PORT/VHOST`` (``amqps://`` with ``tls``): RabbitMQ; the user is the
+    URL's. ``amqp://USER:PASS@H1:P1,H2:P2,H3:P3/VHOST``: the nodes of one cluster, tried in turn (see
+    addresses()). ``heartbeat`` and ``consume_timeout`` (how long RabbitMQ may take to confirm a subscription
+    before the queue counts as broken) only apply to RabbitMQ. Extra keywords go to the backend (e.g.
+    ``connect_timeout``, ``publish_timeout``, ``max_message_size``).
     """
     scheme = check_url(url)
     if not isinstance(prefetch, int) or prefetch < 1:

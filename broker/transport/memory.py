@@ -8,10 +8,10 @@ stream queues (``x-queue-type: stream``): an append-only log that consumers read
 number, "first", "last", "next" or a POSIX timestamp) without removing anything, every delivery carrying its
 ``x-stream-offset`` header, retention by ``x-max-length-bytes`` (whole messages, oldest first; RabbitMQ drops
 whole segments, so it keeps at least as much), and a quorum queue's ``x-delivery-limit`` with
-``x-dead-letter-exchange``/``-routing-key`` (a message returned more than the limit, or rejected without requeue,
-is routed to the dead-letter key; no ``x-death`` header).
-Every ``connect("memory://NAME")`` in the process shares the hub NAME; each is one "connection" with its own
-dispatcher thread that runs the handlers, so a slow handler blocks only its own connection's consumers.
+``x-dead-letter-exchange``/``-routing-key`` (a message returned more than the limit, or rejected without
+requeue, is routed to the dead-letter key; no ``x-death`` header). Every ``connect("memory://NAME")`` in the
+process shares the hub NAME; each is one "connection" with its own dispatcher thread that runs the handlers,
+so a slow handler blocks only its own connection's consumers.
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ class _Queue:
                 )
 
     def requeue(self, msgs: list[_Msg]) -> list[_Msg]:
-        """Give ``msgs`` back; those returned more than the queue's ``x-delivery-limit`` times are not requeued
-        but returned (to be dead-lettered), as a RabbitMQ quorum queue does."""
+        """Give ``msgs`` back; those returned more than the queue's ``x-delivery-limit`` times are not
+        requeued but returned (to be dead-lettered), as a RabbitMQ quorum queue does."""
         limit = self.arguments.get("x-delivery-limit")
         over = []
         for m in msgs:
@@ -207,8 +207,8 @@ class _Hub:
         return [self.queues[q] for q in names if q in self.queues]
 
     def dead_letter(self, q: _Queue, msgs: list[_Msg]) -> None:
-        """Route ``msgs`` (rejected, or over the delivery limit) to ``q``'s dead-letter routing key, if it has one;
-        else they are dropped (caller holds the lock)."""
+        """Route ``msgs`` (rejected, or over the delivery limit) to ``q``'s dead-letter routing key, if it has
+        one; else they are dropped (caller holds the lock)."""
         rk = q.arguments.get("x-dead-letter-routing-key")
         if rk is None or "x-dead-letter-exchange" not in q.arguments:
             return
@@ -314,9 +314,10 @@ class MemoryBroker(GatedDispatch, Broker):
         self._thread.start()
 
     def purge_job(self, job: str) -> list[str]:
-        """Delete the job's queues from this hub (provision.purge's counterpart); the names deleted. The hub lives
-        as long as the process: a simulation purges its job at the end, so a later run of the same job does not
-        read this one's leftovers (its agents' goodbyes would look like the new run's selected agents leaving)."""
+        """Delete the job's queues from this hub (provision.purge's counterpart); the names deleted. The hub
+        lives as long as the process: a simulation purges its job at the end, so a later run of the same job
+        does not read this one's leftovers (its agents' goodbyes would look like the new run's selected agents
+        leaving)."""
         return self._hub.delete_queues(f"fedmq.{job}.")
 
     # ---- publishing ---------------------------------------------------------------------------------
@@ -414,8 +415,8 @@ class MemoryBroker(GatedDispatch, Broker):
             self._hub.pump(c.queue)
 
     def _dispatch_loop(self) -> None:
-        """Runs the handlers. It wakes for expiry checks only while some consumer holds chunks of an incomplete
-        message: a simulation has a connection per agent, and idle ones must cost no CPU."""
+        """Runs the handlers. It wakes for expiry checks only while some consumer holds chunks of an
+        incomplete message: a simulation has a connection per agent, and idle ones must cost no CPU."""
         last_expiry = time.monotonic()
         while True:
             last_expiry = self._expire_due(last_expiry)

@@ -4,8 +4,8 @@ Everything else goes through pika's public API. What cannot, and why:
 
 - Publisher confirms and returns on the channel underneath a BlockingChannel (``BlockingChannel._impl``):
   BlockingChannel.confirm_delivery makes every publish wait for its confirm, so chunks could not be pipelined,
-  and BlockingChannel.add_on_return_callback defers a return to the next event dispatch, after the confirm that
-  follows it on the wire has already marked the message delivered.
+  and BlockingChannel.add_on_return_callback defers a return to the next event dispatch, after the confirm
+  that follows it on the wire has already marked the message delivered.
 - Publishing on that channel without BlockingChannel.basic_publish's flush of the output (which would stop the
   I/O thread until the frame is written and raise mid-pipeline on a closed channel), and a chunk frame sent
   from views of the message body instead of one joined bytes (``_raise_if_not_open``, ``_send_method``).
@@ -14,8 +14,8 @@ Everything else goes through pika's public API. What cannot, and why:
 - The server's properties (its version) and the socket read size (the transport's ``_MAX_RECV_BYTES``), on the
   connection underneath a BlockingConnection.
 
-:func:`check` runs whenever the RabbitMQ backend opens its publishing channel (and in ``fedmq broker check``), so
-a pika that moved any of these fails at connect with one line naming its version and what is missing.
+:func:`check` runs whenever the RabbitMQ backend opens its publishing channel (and in ``fedmq broker check``),
+so a pika that moved any of these fails at connect with one line naming its version and what is missing.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ _REQUIRED = (
 
 
 def check(conn: Any, ch: Any = None) -> None:
-    """BrokerError (permanent, one line) unless every attribute this module uses is on ``conn`` and ``ch`` (those
-    of a channel only when one is given)."""
+    """BrokerError (permanent, one line) unless every attribute this module uses is on ``conn`` and ``ch``
+    (those of a channel only when one is given)."""
     roots = {"BlockingConnection": conn, "BlockingChannel": ch}
     missing: list[str] = []
     for path in _REQUIRED:
@@ -69,8 +69,8 @@ def check(conn: Any, ch: Any = None) -> None:
 
 
 def widen_reads(conn: pika.BlockingConnection) -> None:
-    """Read the socket RECV_BYTES at a time instead of pika's 4 KiB: consuming model-sized messages spends most of
-    its CPU in recv calls otherwise."""
+    """Read the socket RECV_BYTES at a time instead of pika's 4 KiB: consuming model-sized messages spends
+    most of its CPU in recv calls otherwise."""
     conn._impl._transport._MAX_RECV_BYTES = RECV_BYTES
 
 

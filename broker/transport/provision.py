@@ -1,16 +1,16 @@
 """`fedmq broker provision | check | purge`: users, permissions and queues of a job on RabbitMQ.
 
-Provisioning creates (idempotently) a vhost and, for one job, the aggregator user ``fedmq-aggregator.<job>`` and
-one user ``<job>.<client>`` per agent (per job, so provisioning a second job in the same vhost never rotates or
-widens the first job's users), each with least-privilege permissions scoped to the job:
+Provisioning creates (idempotently) a vhost and, for one job, the aggregator user ``fedmq-aggregator.<job>``
+and one user ``<job>.<client>`` per agent (per job, so provisioning a second job in the same vhost never
+rotates or widens the first job's users), each with least-privilege permissions scoped to the job:
 
 * agent X may configure, write and read only its own queues ``fedmq.<job>.agent.X.(latest|control)``, read
   (not write) the job's model stream ``fedmq.<job>.models``, write
   to (publish on) and read (bind to) the exchange; topic permissions on the exchange let it publish only
   ``job.<job>.(report|update|presence).X`` and bind only ``job.<job>.(global|control)`` and its own
   ``job.<job>.(announce|grant).X``;
-* the aggregator may configure, write and read the exchange and the job's ``fedmq.<job>.*`` queues, publish the
-  job's ``global``/``control``/``model``/``announce``/``grant`` keys and bind only the job's keys.
+* the aggregator may configure, write and read the exchange and the job's ``fedmq.<job>.*`` queues, publish
+  the job's ``global``/``control``/``model``/``announce``/``grant`` keys and bind only the job's keys.
 
 How it talks to RabbitMQ: ``rabbitmqctl`` when the broker runs on this machine (no plugin needed; the
 management plugin is off on a stock install and enabling it reconfigures the broker), otherwise the
@@ -76,7 +76,8 @@ def agent_permissions(job: str, client: str) -> Permissions:
 
 
 def aggregator_permissions(job: str) -> Permissions:
-    """The aggregator of one job: the exchange and every queue and routing key of that job, nothing of another."""
+    """The aggregator of one job: the exchange and every queue and routing key of that job,
+    nothing of another."""
     j, ex = re.escape(t.check_name("job id", job)), re.escape(t.EXCHANGE)
     mine = rf"^({ex}|{ex}\.{j}\..*)$"  # the exchange is named fedmq, the job's queues fedmq.<job>.*
     return Permissions(
@@ -264,10 +265,10 @@ def provision(
 ) -> dict[str, Any]:
     """Create the vhost and the job's users with their permissions; returns the credentials.
 
-    ``{"vhost", "job", "aggregator": {"username", "password", "url"}, "agents": {client id: {...}}}``. Users are
-    per job (``topology.agent_user``/``aggregator_user``) and so are their permissions: provisioning one job
-    never touches another job's users, and no user of one job can read, write or delete anything of another.
-    ``passwords`` (user -> password) keeps existing passwords instead of generating new ones.
+    ``{"vhost", "job", "aggregator": {"username", "password", "url"}, "agents": {client id: {...}}}``. Users
+    are per job (``topology.agent_user``/``aggregator_user``) and so are their permissions: provisioning one
+    job never touches another job's users, and no user of one job can read, write or delete anything of
+    another. ``passwords`` (user -> password) keeps existing passwords instead of generating new ones.
     """
     try:
         t.check_name("vhost", vhost)
@@ -305,7 +306,8 @@ def provision(
 
 
 def secret_manifests(creds: dict[str, Any], namespace: str = "fedmq") -> str:
-    """Kubernetes Secrets (one per agent, ``fedmq-agent-<id>``, plus ``fedmq-aggregator``) as multi-doc YAML."""
+    """Kubernetes Secrets (one per agent, ``fedmq-agent-<id>``,
+    plus ``fedmq-aggregator``) as multi-doc YAML."""
     docs = []
     entries = [("fedmq-aggregator", creds["aggregator"])] + [
         (f"fedmq-agent-{a}", e) for a, e in creds["agents"].items()

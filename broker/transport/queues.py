@@ -1,8 +1,8 @@
 """The queues a job declares: names from broker.transport.topology, arguments and bindings per its docstrings.
 
-Every queue is a quorum queue (or, for models, a stream): on a RabbitMQ cluster each is replicated, so the loss
-of a minority of nodes loses no queue and no confirmed message; a client that reconnects to another node finds
-its queues there. On a single node they behave like durable classic queues.
+Every queue is a quorum queue (or, for models, a stream): on a RabbitMQ cluster each is replicated, so the
+loss of a minority of nodes loses no queue and no confirmed message; a client that reconnects to another node
+finds its queues there. On a single node they behave like durable classic queues.
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ MIN_SEGMENT = 1 << 20
 def model_stream_args(model_bytes: int) -> dict[str, Any]:
     """Arguments of the job's model stream: retention of about STREAM_VERSIONS model messages.
 
-    RabbitMQ deletes a stream's oldest *segment* once the stream is over ``x-max-length-bytes``, so the segment
-    size is one model message: retention then keeps between STREAM_VERSIONS - 1 and STREAM_VERSIONS of them.
-    A selected agent reads its version within the round it was announced for, long before it ages out.
+    RabbitMQ deletes a stream's oldest *segment* once the stream is over ``x-max-length-bytes``, so the
+    segment size is one model message: retention then keeps between STREAM_VERSIONS - 1 and STREAM_VERSIONS of
+    them. A selected agent reads its version within the round it was announced for, long before it ages out.
     """
     segment = max(int(model_bytes), MIN_SEGMENT)
     return {
@@ -78,8 +78,8 @@ def message_chunks(model_bytes: int, chunk_limit: int) -> int:
 def job_queues(
     job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True, model_bytes: int = 0
 ) -> list[QueueSpec]:
-    """Specs of the inbox and, given ``model_bytes`` (which sizes its retention), the model stream (if ``inbox``:
-    the aggregator's side) and each agent's latest/control queues; BrokerError on a bad id."""
+    """Specs of the inbox and, given ``model_bytes`` (which sizes its retention), the model stream (if
+    ``inbox``: the aggregator's side) and each agent's latest/control queues; BrokerError on a bad id."""
     try:
         t.check_name("job id", job)
         for a in agents:

@@ -1,8 +1,8 @@
 """Consuming of the RabbitMQ backend: one channel per consumer, deliveries handed to a dispatcher thread.
 
-The I/O thread (broker.transport.rabbit_io) only queues each delivery; the dispatcher thread reassembles chunks
-(broker.transport.reassembly) and runs the handlers, so neither a long handler nor a long training step on
-another thread can stop heartbeats. Deliveries from an earlier connection or subscription can no longer be
+The I/O thread (broker.transport.rabbit_io) only queues each delivery; the dispatcher thread reassembles
+chunks (broker.transport.reassembly) and runs the handlers, so neither a long handler nor a long training step
+on another thread can stop heartbeats. Deliveries from an earlier connection or subscription can no longer be
 settled (the broker requeued them): acking them is a logged no-op. A consumer the broker cancels (its queue's
 replica went down with a node) is subscribed again, with backoff.
 """
@@ -109,8 +109,8 @@ class RabbitConsuming:
         c.channel, c.gen = ch, gen
 
     def _on_cancelled(self, c: _Consumer, ch: Any) -> None:
-        """The broker cancelled a consumer (its queue's member on a lost node, a deleted queue): subscribe again,
-        with backoff, for as long as the consumer is wanted."""
+        """The broker cancelled a consumer (its queue's member on a lost node, a deleted queue): subscribe
+        again, with backoff, for as long as the consumer is wanted."""
         if self._consumers.get(c.tag) is not c or c.channel is not ch:
             return
         log.warning("the broker cancelled a consumer; subscribing again", queue=c.queue)
@@ -166,8 +166,9 @@ class RabbitConsuming:
             b._consumers[c.tag] = c
             return c.tag
 
-        # RabbitMQ 3.10 answers a consume at once, or never: a quorum queue whose node was killed within about a
-        # second of declaring it comes back as a zombie (declarable, 0 messages, no consume or get ever answered)
+        # RabbitMQ 3.10 answers a consume at once, or never: a quorum queue whose node was killed within about
+        # a second of declaring it comes back as a zombie (declarable, 0 messages,
+        # no consume or get ever answered)
         zombie = (
             f"probably a zombie quorum queue (its node was killed within seconds of declaring it; its "
             f"messages are lost); delete it (rabbitmqctl delete_queue {queue}) and start again"

@@ -2,10 +2,10 @@
 
 BlockingConnection is not thread-safe, so one I/O thread owns it. It loops on ``process_data_events``
 (heartbeats, consumer deliveries, confirms) and runs the commands other threads queue (publish, ack, reject,
-declare, consume, cancel, queue depth); a queued command wakes it through ``add_callback_threadsafe``. Callers of
-publish/declare/consume block on a future (:meth:`RabbitIo._submit`); ack/reject do not wait (``_post``). A command
-interrupted by a lost connection stays at the head of the queue and runs again once the connection is back
-(broker.transport.rabbit_reconnect says where and when to connect).
+declare, consume, cancel, queue depth); a queued command wakes it through ``add_callback_threadsafe``. Callers
+of publish/declare/consume block on a future (:meth:`RabbitIo._submit`); ack/reject do not wait (``_post``). A
+command interrupted by a lost connection stays at the head of the queue and runs again once the connection is
+back (broker.transport.rabbit_reconnect says where and when to connect).
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ class _Cmd:
 class RabbitIo:
     """The connection, the I/O thread that owns it and the command queue, for RabbitBroker.
 
-    The broker provides ``url``, ``user``, ``_reconnection``, ``_open_pub_channel()`` (a confirm-mode channel on
-    the new connection, broker.transport.rabbit_publish) and ``_restore()`` (topology and consumers again)."""
+    The broker provides ``url``, ``user``, ``_reconnection``, ``_open_pub_channel()`` (a confirm-mode channel
+    on the new connection, broker.transport.rabbit_publish) and ``_restore()``
+    (topology and consumers again)."""
 
     url: str
     user: str
@@ -74,7 +75,8 @@ class RabbitIo:
         self._conn, self._pub_ch = conn, None
         self._blocked = False
         try:
-            self._open_pub_channel()  # checks pika's private attributes (pika_private.check) before using them
+            # checks pika's private attributes (pika_private.check) before using them
+            self._open_pub_channel()
             pika_private.widen_reads(conn)
         except Exception:
             self._conn = None
@@ -203,9 +205,9 @@ class RabbitIo:
         what: str,
         stuck: tuple[float, str] | None = None,
     ) -> Any:
-        """Run ``fn(broker)`` on the I/O thread and wait for it, at most ``timeout`` s in all; with ``stuck`` =
-        (s, why), at most s once the I/O thread has started it on a live connection, and at most 3 connections lost
-        while running it, else a permanent BrokerError that ends with ``why``.
+        """Run ``fn(broker)`` on the I/O thread and wait for it, at most ``timeout`` s in all; with ``stuck``
+        = (s, why), at most s once the I/O thread has started it on a live connection, and at most 3
+        connections lost while running it, else a permanent BrokerError that ends with ``why``.
 
         The wait is sliced, so a signal handler in the calling (main) thread runs within half a second."""
         if self._stopping:

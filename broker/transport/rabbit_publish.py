@@ -1,9 +1,9 @@
-"""Publishing of the RabbitMQ backend: a channel in confirm mode, ``mandatory``, persistent, ``user_id`` = this
-connection's user.
+"""Publishing of the RabbitMQ backend: a channel in confirm mode, ``mandatory``, persistent,
+``user_id`` = this connection's user.
 
 The chunks of one message are pipelined (up to PIPELINE in flight; each frame is encoded only when sent, from
-views of the body, see pika_private.publish_frame) and their acks, nacks and returns tracked per delivery tag; a
-publish stays at the head of the command queue until every part is confirmed, so after a lost connection the
+views of the body, see pika_private.publish_frame) and their acks, nacks and returns tracked per delivery tag;
+a publish stays at the head of the command queue until every part is confirmed, so after a lost connection the
 unconfirmed parts are republished (a duplicate is possible and harmless: chunks are deduplicated by the
 reassembler, updates by their id in the aggregator). A nacked publish is retried on a new channel until its
 deadline; a publish with no confirm for ``confirm_stall_s`` goes out again on a new channel.
@@ -48,10 +48,11 @@ class _Publish:
 
 
 class RabbitPublishing:
-    """publish() and the publishing channel, for RabbitBroker (runs on its I/O thread, broker.transport.rabbit_io).
+    """publish() and the publishing channel, for RabbitBroker
+    (runs on its I/O thread, broker.transport.rabbit_io).
 
-    The broker provides ``user``, ``chunk_limit``, ``publish_timeout``, ``connect_timeout``, ``confirm_stall_s``,
-    and from RabbitIo ``_conn``, ``_blocked`` and ``_submit``."""
+    The broker provides ``user``, ``chunk_limit``, ``publish_timeout``, ``connect_timeout``,
+    ``confirm_stall_s``, and from RabbitIo ``_conn``, ``_blocked`` and ``_submit``."""
 
     user: str
     chunk_limit: int
@@ -143,7 +144,8 @@ class RabbitPublishing:
         self._poke()
 
     def _publish_now(self, job: _Publish) -> None:
-        """Publish every unconfirmed part of ``job`` (up to PIPELINE parts in flight) and await their confirms."""
+        """Publish every unconfirmed part of ``job`` (up to PIPELINE parts in flight) and await their
+        confirms."""
         while True:
             todo = [i for i in range(len(job.parts)) if i not in job.confirmed]
             if not todo:
@@ -201,9 +203,10 @@ class RabbitPublishing:
                 self._forget(job)
                 raise BrokerError(f"message to {job.routing_key!r} is unroutable: no queue is bound to it")
             if job.nacked:
-                # transient right after a restart (queue leader not elected yet): retry until the deadline, on a
-                # new channel: after a failover a channel can nack every publish to a quorum queue whose leader
-                # moved (seen in the 3-node test for over a minute), while a new one reaches the new leader
+                # transient right after a restart (queue leader not elected yet): retry until the deadline, on
+                # a new channel: after a failover a channel can nack every publish to a quorum queue whose
+                # leader moved (seen in the 3-node test for over a minute),
+                # while a new one reaches the new leader
                 if time.monotonic() + 0.5 >= job.deadline:
                     raise BrokerError(f"the broker refused (nacked) the message to {job.routing_key!r}")
                 log.info(
@@ -215,10 +218,10 @@ class RabbitPublishing:
                 self._conn.sleep(0.5)
 
     def _abandon_pub_channel(self, job: _Publish) -> None:
-        """No confirm for confirm_stall_s on a live connection: a confirm lost in a quorum queue's leader change
-        would otherwise hold the I/O thread (and every command behind this one) until the publish deadline.
-        The unconfirmed parts go out again on a new channel: at least once, and receivers drop duplicates by
-        message id (chunks by message id and index)."""
+        """No confirm for confirm_stall_s on a live connection: a confirm lost in a quorum queue's leader
+        change would otherwise hold the I/O thread (and every command behind this one) until the publish
+        deadline. The unconfirmed parts go out again on a new channel: at least once, and receivers drop
+        duplicates by message id (chunks by message id and index)."""
         log.warning(
             "publish not confirmed; publishing again on a new channel",
             routing_key=job.routing_key,
@@ -229,8 +232,9 @@ class RabbitPublishing:
         self._drop_pub_channel()
 
     def _drop_pub_channel(self) -> None:
-        """Close the publishing channel without waiting for close-ok (the broker's side may be the stuck part);
-        the next publish opens a new one. Confirms still arriving on it are ignored (see _on_confirm)."""
+        """Close the publishing channel without waiting for close-ok (the broker's side may be the stuck
+        part); the next publish opens a new one. Confirms still arriving on it are ignored
+        (see _on_confirm)."""
         ch, self._pub_ch = self._pub_ch, None
         if ch is None:
             return

@@ -1,10 +1,10 @@
 """Reconnection of the RabbitMQ backend: which node to try, how long to wait between tries, and why it failed.
 
 The I/O thread (broker.transport.rabbit_io) connects through :meth:`Reconnection.connect` and, after any
-connection loss (including 320 CONNECTION_FORCED on a broker restart), calls :meth:`Reconnection.retry`: attempts
-back off exponentially (0.2 s doubling, capped at ``max_backoff``, with jitter) until one connects and what lived
-on the old connection (declared topology, consumers) is restored. A URL with several addresses (the nodes of one
-cluster) is tried address by address, starting after the node just lost.
+connection loss (including 320 CONNECTION_FORCED on a broker restart), calls :meth:`Reconnection.retry`:
+attempts back off exponentially (0.2 s doubling, capped at ``max_backoff``, with jitter) until one connects
+and what lived on the old connection (declared topology, consumers) is restored. A URL with several addresses
+(the nodes of one cluster) is tried address by address, starting after the node just lost.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ FIRST_DELAY = 0.2
 
 
 def refused(exc: BaseException | None) -> bool:
-    """Did the broker refuse the credentials or the virtual host (pika wraps the cause in connector errors)?"""
+    """Did the broker refuse the credentials or the virtual host
+    (pika wraps the cause in connector errors)?"""
     while exc is not None:
         if isinstance(
             exc, (pe.ProbableAuthenticationError, pe.AuthenticationError, pe.ProbableAccessDeniedError)
@@ -83,8 +84,8 @@ class Reconnection:
         self._at = 0  # the node tried first: the one last connected to, the next one after losing it
 
     def connect(self) -> pika.BlockingConnection:
-        """A connection to the first node that answers, starting at the one to try first; the last error if none
-        does, and at once if the broker refused the credentials (the same users live on every node)."""
+        """A connection to the first node that answers, starting at the one to try first; the last error if
+        none does, and at once if the broker refused the credentials (the same users live on every node)."""
         error: BaseException | None = None
         n = len(self.nodes)
         for i in range(n):

@@ -1,10 +1,10 @@
 """The RabbitMQ backend (``amqp://``, ``amqps://``) on pika's BlockingConnection.
 
-RabbitBroker is made of its responsibilities, each in its own module: the I/O thread that owns the connection and
-runs the commands other threads queue (broker.transport.rabbit_io), reconnection and failover across the nodes of
-the URL (rabbit_reconnect), publishing with confirms (rabbit_publish), consuming and the dispatcher thread
-(rabbit_consume), and pika's private attributes (pika_private, checked at connect). This module puts them together
-and holds the job's topology, which is declared again after a reconnect with the consumers.
+RabbitBroker is made of its responsibilities, each in its own module: the I/O thread that owns the connection
+and runs the commands other threads queue (broker.transport.rabbit_io), reconnection and failover across the
+nodes of the URL (rabbit_reconnect), publishing with confirms (rabbit_publish), consuming and the dispatcher
+thread (rabbit_consume), and pika's private attributes (pika_private, checked at connect). This module puts
+them together and holds the job's topology, which is declared again after a reconnect with the consumers.
 """
 
 from __future__ import annotations
@@ -105,7 +105,8 @@ class RabbitBroker(RabbitConsuming, RabbitPublishing, RabbitIo, GatedDispatch, B
         return params
 
     def _restore(self) -> None:
-        """After a reconnect: the declared topology again, then every consumer (its gate's raw tags are void)."""
+        """After a reconnect: the declared topology again, then every consumer
+        (its gate's raw tags are void)."""
         self._reconnects += 1
         for job, agents, inbox, size in list(self._jobs):
             self._declare_now(job, agents, inbox, size)

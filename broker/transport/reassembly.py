@@ -49,12 +49,12 @@ class Reassembler:
 
     Memory: ``total_size`` bytes are reserved per incomplete message once the limits are checked
     (``pending_bytes`` is their sum); its chunks' data are kept as they came (views of the frames) and
-    joined into the body, the one copy on this side, when the last one arrives. An incomplete message is dropped ``timeout_s`` after its most
-    recent chunk (checked on every ``add`` and by ``expire``). Ids of finished messages (completed or
-    rejected) are remembered for ``timeout_s`` so late duplicates do not start a new partial message.
-    ``max_pending_per_sender`` (optional) bounds the reserved bytes of one ``sender`` (the aggregator passes
-    each delivery's routing key, which names the agent), so one sender cannot take the whole budget.
-    Thread-safe.
+    joined into the body, the one copy on this side, when the last one arrives. An incomplete message is
+    dropped ``timeout_s`` after its most recent chunk (checked on every ``add`` and by ``expire``). Ids of
+    finished messages (completed or rejected) are remembered for ``timeout_s`` so late duplicates do not start
+    a new partial message. ``max_pending_per_sender`` (optional) bounds the reserved bytes of one ``sender``
+    (the aggregator passes each delivery's routing key, which names the agent),
+    so one sender cannot take the whole budget. Thread-safe.
     """
 
     def __init__(
@@ -196,8 +196,8 @@ class Reassembler:
         dropped = [mid for mid, p in self._pending.items() if p.last_seen < cutoff]
         for mid in dropped:
             p = self._release(mid)
-            # not remembered as failed: after a reconnect the broker redelivers every chunk of a confirmed message
-            # (the held ones were unacked), and they must be able to complete it
+            # not remembered as failed: after a reconnect the broker redelivers every chunk of a confirmed
+            # message (the held ones were unacked), and they must be able to complete it
             log.warning("chunked message expired", msg_id=mid, received=len(p.parts), total=p.total)
         while self._finished:
             mid, (when, _) = next(iter(self._finished.items()))
@@ -286,7 +286,8 @@ class ChunkGate:
 
     def expire(self) -> list[Any]:
         """Raw tags of the held chunks of messages that stayed incomplete past the timeout (their sender died
-        mid-upload): the reassembler forgets them and the backend rejects these tags, so nothing stays unacked."""
+        mid-upload): the reassembler forgets them and the backend rejects these tags,
+        so nothing stays unacked."""
         with self._lock:
             self.reassembler.expire()
             pending = self.reassembler.pending_ids()
@@ -301,14 +302,16 @@ class ChunkGate:
             return bool(self._held) or bool(self.reassembler.pending_ids())
 
     def reset(self) -> None:
-        """The connection was lost: every raw tag is void (the broker requeued them); keep reassembled data."""
+        """The connection was lost: every raw tag is void (the broker requeued them);
+        keep reassembled data."""
         with self._lock:
             self._held.clear()
             self._unsettled = 0
             self.gen += 1
 
     def settle(self, tag: Tag) -> list[Any]:
-        """Mark a whole delivery as acked/rejected; its raw tags (empty if already settled or from an old connection)."""
+        """Mark a whole delivery as acked/rejected; its raw tags
+        (empty if already settled or from an old connection)."""
         with self._lock:
             if tag.settled:
                 return []

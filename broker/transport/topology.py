@@ -22,7 +22,8 @@ def check_name(kind: str, value: str) -> str:
 # routing keys (topic exchange)
 def agent_user(job: str, client: str) -> str:
     """The broker user `fedmq broker provision` makes for one client of one job: users are per job, so
-    provisioning one job never touches another's (client and job ids hold no '.', so the name is unambiguous)."""
+    provisioning one job never touches another's (client and job ids hold no '.',
+    so the name is unambiguous)."""
     return f"{check_name('job id', job)}.{check_name('client id', client)}"
 
 
@@ -66,7 +67,8 @@ def rk_presence(job: str, client: str) -> str:
 
 
 def rk_dead(job: str) -> str:
-    """Where the inbox dead-letters (no agent may publish it: its topic permissions stop at report/update/presence)."""
+    """Where the inbox dead-letters (no agent may publish it:
+    its topic permissions stop at report/update/presence)."""
     return f"job.{job}.dead"
 
 
@@ -77,13 +79,14 @@ def q_inbox(job: str) -> str:
 
 
 def q_dead(job: str) -> str:
-    """The inbox's dead-letter queue: what the aggregator rejected, and messages delivered more than the inbox's
-    delivery limit (a message that kills its consumer each time). Kept for an operator to inspect."""
+    """The inbox's dead-letter queue: what the aggregator rejected, and messages delivered more than the
+    inbox's delivery limit (a message that kills its consumer each time). Kept for an operator to inspect."""
     return f"fedmq.{job}.dead"
 
 
 def q_models(job: str) -> str:
-    """The job's model stream (x-queue-type stream): every global model once; selected agents read it by offset."""
+    """The job's model stream (x-queue-type stream): every global model once;
+    selected agents read it by offset."""
     return f"fedmq.{job}.models"
 
 

@@ -14,7 +14,8 @@ def redact(url: str) -> str:
 
 
 def check_url(url: str) -> str:
-    """The URL's scheme (amqp, amqps or memory); BrokerError (one line) for anything else. Connects to nothing."""
+    """The URL's scheme (amqp, amqps or memory); BrokerError (one line) for anything else.
+    Connects to nothing."""
     if not isinstance(url, str) or "://" not in url:
         raise BrokerError(f"bad broker URL {url!r}: want amqp://, amqps:// or memory://", permanent=True)
     scheme = url.split("://", 1)[0].lower()

@@ -12,12 +12,13 @@ of two. A plane is zstd'ed only when a sample of it shrinks by at least 5 %, els
 Speed (see docs/benchmarks.md "## Codec"): the work is split into tasks run on the codec threads
 (broker.wire.threads): on encode one task per byte group (gather it from every element, XOR it with
 the base's for a raw delta, then compress or store it); on decode one task per compressed blob, then one
-per block of elements (interleave the groups back into a preallocated array, plus the caller's per-block step, e.g. the XOR of a raw delta and the
-NaN/Inf check, while the block is in cache). At level 1 (the default) blobs are compressed with
-``PLANE_PARAMS``, a zstd level-1 variant for byte planes: fast strategy, 64-entry hash table, matches of
-7+ bytes, 128 KiB window. Sign/exponent planes have few long repeats, so zstd's time goes to match search
-that finds nothing; these parameters leave it to the Huffman literal coder, measured ~3x faster than stock
-level 1 and smaller (2.77x vs 2.62x on a 10M-entry weight matrix). Frames are ordinary zstd frames.
+per block of elements (interleave the groups back into a preallocated array, plus the caller's per-block step,
+e.g. the XOR of a raw delta and the NaN/Inf check, while the block is in cache). At level 1 (the default)
+blobs are compressed with ``PLANE_PARAMS``, a zstd level-1 variant for byte planes: fast strategy, 64-entry
+hash table, matches of 7+ bytes, 128 KiB window. Sign/exponent planes have few long repeats, so zstd's time
+goes to match search that finds nothing; these parameters leave it to the Huffman literal coder, measured ~3x
+faster than stock level 1 and smaller (2.77x vs 2.62x on a 10M-entry weight matrix).
+Frames are ordinary zstd frames.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ _LITTLE = sys.byteorder == "little"  # the low byte group is the low-order end o
 
 
 def digest(data: bytes | bytearray | memoryview) -> bytes:
-    """xxh3-128 of ``data``: an integrity check against corruption (authenticity comes from AMQP user_id/TLS)."""
+    """xxh3-128 of ``data``: an integrity check against corruption
+    (authenticity comes from AMQP user_id/TLS)."""
     return xxhash.xxh3_128_digest(data)
 
 
@@ -91,7 +93,8 @@ def make_blob(data: memoryview | bytes | np.ndarray, level: int, owned: bool = F
     """A stored or zstd blob of ``data``, whichever the sample says is worth it.
 
     ``owned``: ``data`` is a private buffer, so a stored blob may reference it (msgpack packs memoryviews
-    as bin) instead of copying; otherwise it is copied, so later changes to the caller's tensor cannot leak in.
+    as bin) instead of copying; otherwise it is copied,
+    so later changes to the caller's tensor cannot leak in.
     """
     buf = memoryview(data).cast("B") if not isinstance(data, bytes) else data
     n = len(buf)
@@ -196,7 +199,8 @@ def pack_array(
     owned: bool = False,
     xor: np.ndarray | None = None,
 ) -> list:
-    """Blobs of a contiguous 1-D array (XOR ``xor`` if given): byte-shuffled into byte groups when asked and useful.
+    """Blobs of a contiguous 1-D array (XOR ``xor`` if given):
+    byte-shuffled into byte groups when asked and useful.
 
     The returned list is filled in by the tasks appended to ``tasks`` (run them with
     broker.wire.threads.run_all before using it). ``owned``: ``arr`` is a private temporary (not the
@@ -282,7 +286,8 @@ def _assemble_block(
     for p, (g, dst) in zip(planes, groups):
         if dst.itemsize == g:
             dst[i:j] = np.frombuffer(p, dst.dtype, j - i, i * g)
-        else:  # the lowest group, widened into whole items (a vectorised cast; later groups overwrite the zeros)
+        else:
+            # the lowest group, widened into whole items (a vectorised cast; later groups overwrite the zeros)
             np.copyto(dst[i:j], np.frombuffer(p, f"u{g}", j - i, i * g), casting="unsafe")
     if post is not None:
         post(typed, i, j)

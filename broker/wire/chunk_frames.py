@@ -23,8 +23,8 @@ frame header and the data in one ``join`` (byte-identical to ``msgpack.packb`` o
 itself (the RabbitMQ backend: no copy of ours on publish);
 :func:`decode_chunk` parses the small header with msgpack and returns the data as a read-only view of the
 frame (a copy only when the frame is not ``bytes``); the reassembler (broker.transport.reassembly) keeps the
-views until the last chunk arrives and joins them into the body. Each side hashes every byte twice with xxh3 (chunk digest,
-then whole-message digest), which costs a fraction of one copy.
+views until the last chunk arrives and joins them into the body. Each side hashes every byte twice with xxh3
+(chunk digest, then whole-message digest), which costs a fraction of one copy.
 """
 
 from __future__ import annotations
@@ -194,7 +194,8 @@ def decode_chunk(data: bytes) -> Chunk:
 
 
 def _bin_at(data: object, view: memoryview, pos: int) -> bytes | memoryview:
-    """The msgpack bin at ``pos`` that must end the frame exactly: a view if ``data`` is bytes, else a copy."""
+    """The msgpack bin at ``pos`` that must end the frame exactly: a view if ``data`` is bytes,
+    else a copy."""
     n = view.nbytes
     if pos >= n:
         raise CodecError("bad-chunk", "malformed chunk frame (truncated before the data)")

@@ -1,4 +1,5 @@
-"""Tensor encodings of the wire format: raw, fp16, bf16, int8/6/5/4 (affine), top-k sparse, optionally as deltas.
+"""Tensor encodings of the wire format: raw, fp16, bf16, int8/6/5/4 (affine), top-k sparse,
+optionally as deltas.
 
 ``encode_state`` turns a name -> tensor mapping into a msgpack-able dict::
 
@@ -17,8 +18,8 @@ the kind's fields (byte blobs, see broker.wire.blobs). Choices where the spec is
   downlink that must be small for clients that hold no recent version (docs/benchmarks.md "Round cost").
 * ``int6`` / ``int5``: 64 / 32 levels, one value a byte, left to zstd to pack: a model's quantized values fill
   their levels almost evenly, so zstd's entropy stage stores them in about 6 / 5 bits (measured on the trained
-  GRU-small: 0.748 / 0.623 bytes per value; at zstd level 0 they take a whole byte). The decoder refuses a value
-  above the top level.
+  GRU-small: 0.748 / 0.623 bytes per value; at zstd level 0 they take a whole byte).
+  The decoder refuses a value above the top level.
 * ``topk``: keeps k = ceil(density · numel) largest-|x| entries; indices ascending, delta-coded as uint32
   (first absolute), byte-shuffled and zstd'ed; values fp16 (2^-11 relative error) unless one exceeds the
   fp16 range, then fp32. Dropped entries decode as 0 (or as the base value for a delta).
@@ -89,15 +90,16 @@ class EncodingSpec:
     def parse(cls, text: str) -> EncodingSpec:
         """Parse the CLI syntax ``[delta+]KIND[:DENSITY][@LEVEL][,noshuffle]``.
 
-        KIND is raw, fp16, bf16, int8, int6, int5, int4 (each also -row, one scale per row) or topk; e.g. "bf16", "int8-row", "topk:0.01", "delta+int8",
-        "delta+topk:0.05", "raw@3" (zstd level 3), "raw@0" (no compression); the default level is 1.
+        KIND is raw, fp16, bf16, int8, int6, int5, int4 (each also -row, one scale per row) or topk; e.g.
+        "bf16", "int8-row", "topk:0.01", "delta+int8", "delta+topk:0.05", "raw@3" (zstd level 3), "raw@0" (no
+        compression); the default level is 1.
         """
         m = _SPEC_RE.match(text.strip().lower()) if isinstance(text, str) else None
         if not m:
             raise CodecError(
                 "bad-encoding",
-                f"cannot parse encoding {text!r}; use [delta+]KIND[:DENSITY][@LEVEL][,noshuffle] with KIND one of "
-                f"{_KIND_LIST} (e.g. bf16, int8-row, topk:0.01, delta+int8)",
+                f"cannot parse encoding {text!r}; use [delta+]KIND[:DENSITY][@LEVEL][,noshuffle] "
+                f"with KIND one of {_KIND_LIST} (e.g. bf16, int8-row, topk:0.01, delta+int8)",
             )
         delta, kind, arg, level, noshuffle = m.groups()
         kw: dict[str, Any] = {"delta": bool(delta), "shuffle": not noshuffle}
@@ -151,7 +153,8 @@ def raw_nbytes(tensors: Mapping[str, Any]) -> int:
 
 
 def _pack_nibbles(q: np.ndarray) -> np.ndarray:
-    """Values 0..15, two a byte: element 2i in the low nibble, 2i+1 in the high one (a zero pads an odd count)."""
+    """Values 0..15, two a byte: element 2i in the low nibble, 2i+1 in the high one
+    (a zero pads an odd count)."""
     if q.size % 2:
         q = np.concatenate([q, np.zeros(1, np.uint8)])
     return q[0::2] | (q[1::2] << 4)
@@ -230,7 +233,8 @@ def encode_state(
     spec: EncodingSpec,
     base: Mapping[str, Any] | None = None,
 ) -> dict:
-    """Encode ``tensors`` (any subset of the model) as a msgpack-able dict; ``base`` is required for a delta."""
+    """Encode ``tensors`` (any subset of the model) as a msgpack-able dict;
+    ``base`` is required for a delta."""
     if not isinstance(spec, EncodingSpec):
         raise CodecError("bad-encoding", f"spec must be an EncodingSpec, got {type(spec).__name__}")
     if spec.delta and base is None:
@@ -324,10 +328,16 @@ def _decode_one(
         return 0, lambda: finite(get().view(np.float32))
     if kind == "fp16":
         get16 = unpack_array(rec["p"], np.float16, n, work)
-        fin: Callable[[], np.ndarray] = lambda: get16().astype(np.float32)
+
+        def fin() -> np.ndarray:
+            return get16().astype(np.float32)
+
     elif kind == "bf16":
         getb = unpack_array(rec["p"], np.uint16, n, work)
-        fin = lambda: bf16_to_f32(getb())
+
+        def fin() -> np.ndarray:
+            return bf16_to_f32(getb())
+
     elif kind in _LEVELS:
         per_row = rec["r"]
         if type(per_row) is not bool:

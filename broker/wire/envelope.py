@@ -18,7 +18,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 import msgpack
 import zstandard as zstd
@@ -38,7 +38,7 @@ _MAX_ID = 128
 _INT_MAX = 1 << 62
 
 
-class Kind(str, Enum):
+class Kind(StrEnum):
     PRESENCE = "presence"
     ANNOUNCE = "announce"
     REPORT = "report"
@@ -65,7 +65,8 @@ class Envelope:
 class Limits:
     """Bounds on one message. ``max_decompressed_bytes`` caps the zstd'ed body: ``pack`` compresses bodies of
     at most COMPRESS_MAX bytes only, so no valid message inflates further, and a frame declaring more (or no
-    size) is refused before anything is decompressed. ``for_model`` bounds a whole message by a job's manifest."""
+    size) is refused before anything is decompressed. ``for_model`` bounds a whole message by a job's
+    manifest."""
 
     max_message_bytes: int = 1 << 30
     max_decompressed_bytes: int = COMPRESS_MAX
