@@ -5,8 +5,8 @@ File ``ckpt-<round:08d>-<version:08d>.fmq`` = magic ``FMQCKPT1`` + 32-byte SHA-2
 the payload being ``torch.save({"tensors": [...], "meta": <json str>})``. Everything that is not a tensor
 (strategy and mediator state, RNG state, folded update ids, extra) is JSON; tensors nested anywhere in it
 are swapped for ``{"__tensor__": i}`` and tuples for ``{"__tuple__": [...]}``. Loading checks the digest and
-uses ``torch.load(weights_only=True)`` only — nothing is ever unpickled. A truncated or corrupt file is skipped
-with a logged reason and the previous one is used; the newest ``keep`` checkpoints are kept.
+uses ``torch.load(weights_only=True)`` only — nothing is ever unpickled. A truncated or corrupt file is
+skipped with a logged reason and the previous one is used; the newest ``keep`` checkpoints are kept.
 """
 
 from __future__ import annotations

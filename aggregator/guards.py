@@ -4,8 +4,8 @@ An authenticated agent can send finite but huge weights (3e38) with a huge ``n_s
 checks pass, the weighted sum overflows and the global model becomes Inf/NaN. Or it sends all zeros with the
 same ``n_samples`` and wipes the model. The engine therefore
 
-* notes, for every folded update, its ``n_samples`` and the L2 norm of its delta ‖Δ_k‖ (:meth:`RoundGuard.note`,
-  one read of the update; float64 where float32 would overflow);
+* notes, for every folded update, its ``n_samples`` and the L2 norm of its delta ‖Δ_k‖
+  (:meth:`RoundGuard.note`, one read of the update; float64 where float32 would overflow);
 * at the close asks :meth:`RoundGuard.verdict` for the updates out of bounds, judged against the round's own
   lower median (with K updates, the ⌈K/2⌉-th smallest: with K ≥ 3 one hostile client cannot move it, and with
   K = 2 it is the smaller of the two):

@@ -58,7 +58,8 @@ class Inbox:
         return self._sub
 
     def wait_first(self, stop: threading.Event, poll: float = 0.5) -> bool:
-        """Block until a delivery is waiting (we are the active consumer) or ``stop`` is set; True if one is."""
+        """Block until a delivery is waiting (we are the active consumer) or ``stop`` is set;
+        True if one is."""
         while not stop.is_set():
             if self._head is None:
                 self._head = self._subscription().next(poll)

@@ -1,15 +1,15 @@
-"""One round of a run: :class:`RoundRecord`, a line of the run folder's metrics.jsonl (aggregator.runlog writes
-and reads them; nothing else parses the line).
+"""One round of a run: :class:`RoundRecord`, a line of the run folder's metrics.jsonl (aggregator.runlog
+writes and reads them; nothing else parses the line).
 
-``to_json`` is the line as the engine has always written it (``guard`` only when the round's guard acted), so new
-lines are byte-identical to older ones and ``from_json(to_json())`` gives the record back.
+``to_json`` is the line as the engine has always written it (``guard`` only when the round's guard acted), so
+new lines are byte-identical to older ones and ``from_json(to_json())`` gives the record back.
 
-``from_json`` is lenient about absence and strict about type: a key an older writer did not write gets its neutral
-value (empty list or map, None, False; only ``round`` is required), but a key of the wrong type makes the whole
-line malformed (:class:`MalformedRow`), since a half-trusted row would draw a wrong picture. Keys the record does
-not know (another writer's, e.g. the centralized baseline's ``train_loss``) are tolerated: they are kept in
-``extra`` and written back as they were, so rewriting a line (resume) loses nothing. Numbers are kept as JSON gave
-them (an integral ``valid`` stays an int) for the same reason.
+``from_json`` is lenient about absence and strict about type: a key an older writer did not write gets its
+neutral value (empty list or map, None, False; only ``round`` is required), but a key of the wrong type makes
+the whole line malformed (:class:`MalformedRow`), since a half-trusted row would draw a wrong picture. Keys
+the record does not know (another writer's, e.g. the centralized baseline's ``train_loss``) are tolerated:
+they are kept in ``extra`` and written back as they were, so rewriting a line (resume) loses nothing. Numbers
+are kept as JSON gave them (an integral ``valid`` stays an int) for the same reason.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def _is_int(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class RoundRecord:
-    """What one round did (aggregator.engine.Engine._row). Client lists are tuples; the maps are plain dicts."""
+    """What one round did (aggregator.engine.Engine._row). Client lists are tuples;
+    the maps are plain dicts."""
 
     round: int
     time: float | None = None  # when the round closed (Unix seconds)
@@ -73,7 +74,8 @@ class RoundRecord:
 
     @classmethod
     def from_json(cls, raw: Any) -> RoundRecord:
-        """The record of a parsed metrics line; :class:`MalformedRow` if it is not one (see the module docstring)."""
+        """The record of a parsed metrics line; :class:`MalformedRow` if it is not one
+        (see the module docstring)."""
         if not isinstance(raw, dict):
             raise MalformedRow(f"a metrics row must be a JSON object, not {type(raw).__name__}")
         rnd = raw.get("round")

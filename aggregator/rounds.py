@@ -1,7 +1,8 @@
 """What the round runners (aggregator.sync_round, aggregator.async_rounds) share with the engine that drives
 them: the record of one round (:class:`RoundStats`) and what a runner may use of the engine
-(:class:`RoundContext`, which aggregator.engine.Engine implements). The runners hold a round's logic; the engine
-holds the job's lifecycle and state (presence, the global model and its versions, checkpoints, the run log)."""
+(:class:`RoundContext`, which aggregator.engine.Engine implements). The runners hold a round's logic; the
+engine holds the job's lifecycle and state (presence, the global model and its versions, checkpoints,
+the run log)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,15 @@
 """The run folder: the only module that reads or writes its files (their names are spelled here alone).
 
-A run folder holds the resolved config (``config.json``), one :class:`~aggregator.records.RoundRecord` per round
-(``metrics.jsonl``), the final summary (``summary.json``) and the live status (``status.json``). Each round's record
-is written three ways: ``metrics.jsonl`` (the record every fedmq command reads), ``metrics.csv`` (the same rows, one
-per round, columns in ``CSV_COLUMNS`` order) and TensorBoard event files under ``tb/`` (scalars per round: score,
-loss, bytes, participation, aggregation weights). The CSV is always rewritten from the JSON lines when they change
-under it (resume), so the two never disagree.
+A run folder holds the resolved config (``config.json``), one :class:`~aggregator.records.RoundRecord` per
+round (``metrics.jsonl``), the final summary (``summary.json``) and the live status (``status.json``). Each
+round's record is written three ways: ``metrics.jsonl`` (the record every fedmq command reads),
+``metrics.csv`` (the same rows, one per round, columns in ``CSV_COLUMNS`` order) and TensorBoard event files
+under ``tb/`` (scalars per round: score, loss, bytes, participation, aggregation weights). The CSV is always
+rewritten from the JSON lines when they change under it (resume), so the two never disagree.
 
-Reading is tolerant where a run may be caught mid-write: a malformed or torn line of metrics.jsonl is skipped and
-counted (:func:`read_rounds`), never fatal on its own. :func:`read_run` validates a whole folder for the report and
-the benchmarks and raises :class:`RunFolderError` with one line when it is unusable.
+Reading is tolerant where a run may be caught mid-write: a malformed or torn line of metrics.jsonl is skipped
+and counted (:func:`read_rounds`), never fatal on its own. :func:`read_run` validates a whole folder for the
+report and the benchmarks and raises :class:`RunFolderError` with one line when it is unusable.
 """
 
 from __future__ import annotations
@@ -160,7 +160,8 @@ def finished(run_dir: Path) -> bool:
 
 
 def read_status(run_dir: Path) -> dict[str, Any]:
-    """The live status the active aggregator keeps (empty when missing or unreadable: it is rewritten often)."""
+    """The live status the active aggregator keeps (empty when missing or unreadable:
+    it is rewritten often)."""
     try:
         return _read_json(Path(run_dir) / STATUS_FILE)
     except RunFolderError:
@@ -259,8 +260,8 @@ class RunLog:
         _write_json(self.dir / CONFIG_FILE, config)
 
     def append(self, row: RoundRecord | Mapping[str, Any]) -> None:
-        """Append a round: its record, or the record's JSON (the engine's row, checked here: :class:`MalformedRow`
-        if it would not read back)."""
+        """Append a round: its record, or the record's JSON (the engine's row, checked here:
+        :class:`MalformedRow` if it would not read back)."""
         record = row if isinstance(row, RoundRecord) else RoundRecord.from_json(dict(row))
         with open(self.metrics_path, "a") as fh:
             fh.write(json.dumps(record.to_json(), sort_keys=True) + "\n")
@@ -277,7 +278,8 @@ class RunLog:
         kept stay byte for byte, malformed lines go.
 
         TensorBoard's rows of those rounds are hidden by a purge from ``rnd + 1`` on (TensorBoard drops the
-        steps a restarted writer declares purged); a run folder without event files gets its kept rows in new ones."""
+        steps a restarted writer declares purged); a run folder without event files gets its kept rows in new
+        ones."""
         kept = [(line, r) for line, r in _lines(self.dir) if r is not None and r.round <= rnd]
         write_atomic(self.metrics_path, "".join(line + "\n" for line, _ in kept))
         records = [r for _, r in kept]
@@ -300,8 +302,9 @@ class RunLog:
 
     def _append_csv(self, record: RoundRecord) -> None:
         if not self._csv_checked:
-            # once per process: a CSV that is missing, has other columns or lacks a row (a folder from before the
-            # CSV, a kill between the two writes) is rebuilt from the JSON lines, which already hold ``record``
+            # once per process: a CSV that is missing, has other columns or lacks a row (a folder from before
+            # the CSV, a kill between the two writes) is rebuilt from the JSON lines,
+            # which already hold ``record``
             records = self.rows()
             table = []
             if self.csv_path.is_file():
@@ -338,7 +341,8 @@ class RunLog:
         self._writer.flush()  # a round is rare and a crash must not lose it
 
     def _board(self) -> Any:
-        """The TensorBoard writer, opened on first use (importing it costs a second; status and report never do)."""
+        """The TensorBoard writer, opened on first use (importing it costs a second;
+        status and report never do)."""
         if self._writer is None and not self._no_board:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -351,5 +355,6 @@ class RunLog:
         return self._writer
 
     def write_status(self, status: dict[str, Any]) -> None:
-        """The live status (phase, round, agents online), rewritten as it changes: see Engine._write_status."""
+        """The live status (phase, round, agents online), rewritten as it changes:
+        see Engine._write_status."""
         _write_json(self.dir / STATUS_FILE, status)

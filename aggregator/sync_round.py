@@ -83,7 +83,8 @@ class SyncRound:
             ctx.announce(stats)
 
     def _collect(self, spooled: dict | None, spooled_updates: dict[str, bytes]) -> Strategy | None:
-        """Reports, mediation, grants and updates of one round; returns the strategy holding the folded updates."""
+        """Reports, mediation, grants and updates of one round;
+        returns the strategy holding the folded updates."""
         ctx, cfg, stats = self.ctx, self.cfg, self.stats
         strategy: Strategy | None = None
         granted: list[str] | None = spooled.get("granted") if spooled else None
@@ -141,10 +142,10 @@ class SyncRound:
     def _fold_in_order(self, strategy: Strategy, closing: bool = False) -> None:
         """Fold held updates in the order of ``stats.granted``, never in arrival order.
 
-        Float sums depend on the order of their terms, so folding in a fixed order is what makes the same seed and
-        config give the same model bit for bit whatever the broker and whoever trains fastest (the spool replays
-        in the same order after a restart). An update waits, unacked (the inbox prefetch fits the whole round),
-        until every client before it has been folded, has gone offline, or the round is closing.
+        Float sums depend on the order of their terms, so folding in a fixed order is what makes the same seed
+        and config give the same model bit for bit whatever the broker and whoever trains fastest (the spool
+        replays in the same order after a restart). An update waits, unacked (the inbox prefetch fits the
+        whole round), until every client before it has been folded, has gone offline, or the round is closing.
         """
         stats = self.stats
         for client in stats.granted:
@@ -213,7 +214,8 @@ class SyncRound:
         return ctx.begin_strategy(stats, choice)
 
     def _choose(self) -> str:
-        """The round's strategy: the job's, or plain FedAvg where its plan has the loss switch say so (FedMed)."""
+        """The round's strategy: the job's, or plain FedAvg where its plan has the loss switch say so
+        (FedMed)."""
         if not self.cfg.plan.loss_switch:
             return self.cfg.strategy
         losses = self.stats.reported.values()

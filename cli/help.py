@@ -1,9 +1,9 @@
 """Help that reads well at an 80-column terminal, like the ML tools fedmq's users know (argparse, Lightning).
 
 Plain text, not rich's option table: click's formatter wraps but never truncates (rich cut option names and
-choice lists to "…" at 80 columns) and has no markup to eat ``[task]``. Options are grouped in sections by their
-``rich_help_panel=`` and show argparse-style metavars (``--batch-size N``; ``--job JOB`` where none is given)
-instead of ``<int>``/``<bool>``.
+choice lists to "…" at 80 columns) and has no markup to eat ``[task]``. Options are grouped in sections by
+their ``rich_help_panel=`` and show argparse-style metavars (``--batch-size N``; ``--job JOB`` where none is
+given) instead of ``<int>``/``<bool>``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ _NB_HYPHEN = "\u2011"
 
 
 class _Formatter(HelpFormatter):
-    """Wraps at spaces only: never inside --option-names, gru-small, int8-row or dp-random (hyphens are swapped
-    for non-breaking ones while wrapping and back on output)."""
+    """Wraps at spaces only: never inside --option-names, gru-small, int8-row or dp-random (hyphens are
+    swapped for non-breaking ones while wrapping and back on output)."""
 
     def write(self, string: str) -> None:
         super().write(string.replace(_NB_HYPHEN, "-"))

@@ -406,7 +406,8 @@ def weight_grid(run: RunData) -> tuple[list[str], list[int], np.ndarray]:
 
 
 def plot_weights(run: RunData) -> Figure:
-    """Per-client aggregation weight (attention / JS / n_k share) per round as a heatmap; blank = no weight."""
+    """Per-client aggregation weight (attention / JS / n_k share) per round as a heatmap;
+    blank = no weight."""
     clients, rounds, grid = weight_grid(run)
     height = min(12.0, max(2.0, 0.28 * len(clients))) + 1.2
     fig = _new_figure(height)

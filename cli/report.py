@@ -229,16 +229,19 @@ def config_items(config: dict[str, Any], limit: int = 80) -> list[tuple[str, str
 
 
 _CSS = """
-body{font-family:-apple-system,"Segoe UI",Roboto,"DejaVu Sans",Arial,sans-serif;margin:0;background:#f6f7f9;color:#1d232b}
+body{font-family:-apple-system,"Segoe UI",Roboto,"DejaVu Sans",Arial,sans-serif;\
+margin:0;background:#f6f7f9;color:#1d232b}
 main{max-width:1200px;margin:0 auto;padding:20px 28px 40px}
-h1{font-size:24px;margin:4px 0 2px}h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #d5d9e0;padding-bottom:4px}
+h1{font-size:24px;margin:4px 0 2px}\
+h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #d5d9e0;padding-bottom:4px}
 .sub{color:#5b6573;font-size:13px;margin:0 0 12px}
 table{border-collapse:collapse;font-size:13px;background:#fff;margin:4px 0 8px}
 th,td{border:1px solid #d5d9e0;padding:4px 8px;text-align:left;vertical-align:top}
 th{background:#eef1f5}td.num{text-align:right;font-variant-numeric:tabular-nums}
 .notes{background:#fff8e1;border-left:4px solid #e69f00;padding:8px 14px;margin:12px 0;font-size:13px}
 .notes li{margin:2px 0}
-.configs{display:flex;flex-wrap:wrap;gap:14px}.configs table{min-width:260px}.configs caption{text-align:left;font-weight:600;padding:2px 0}
+.configs{display:flex;flex-wrap:wrap;gap:14px}.configs table{min-width:260px}\
+.configs caption{text-align:left;font-weight:600;padding:2px 0}
 figure{background:#fff;border:1px solid #d5d9e0;margin:10px 0 18px;padding:10px}
 figure img{max-width:100%;height:auto;display:block;margin:0 auto}
 figcaption{font-size:13px;color:#3d4652;margin-top:6px}

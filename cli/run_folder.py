@@ -1,12 +1,13 @@
-"""`fedmq simulate`'s run folder: one run per folder, created only once the flags are valid, gone again when the
-command fails before its first round.
+"""`fedmq simulate`'s run folder: one run per folder, created only once the flags are valid, gone again when
+the command fails before its first round.
 
 - ``--out`` holding a run (config.json or metrics.jsonl) without ``--resume`` is refused in one line naming
   ``--resume`` (as Lightning and NVFlare users expect): no silently mixed metrics, checkpoints or summaries.
 - ``--out`` that is a file, sits under a file, or cannot be created is one line, not a traceback.
 - Nothing is created until every flag is checked; what the command created (the folder, or new entries in an
   existing empty one) is removed again when it fails or is interrupted before the engine wrote config.json (it
-  does so right before the first round): a typo, a refused option or an unreachable broker leaves nothing behind.
+  does so right before the first round): a typo, a refused option or an unreachable broker leaves nothing
+  behind.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def default_dir(strategy: str) -> Path:
 
 
 def check(run_dir: Path, resume: bool) -> dict[str, Any] | None:
-    """Check ``run_dir`` for this command (nothing is created): on --resume its saved config.json, else None."""
+    """Check ``run_dir`` for this command (nothing is created): on --resume its saved config.json,
+    else None."""
     if run_dir.exists() and not run_dir.is_dir():
         raise UsageError(f"--out {run_dir} is a file; give a folder for the run")
     if resume:
@@ -58,8 +60,8 @@ def check(run_dir: Path, resume: bool) -> dict[str, Any] | None:
 
 
 def create(run_dir: Path) -> Callable[[], None]:
-    """Create ``run_dir``; returns ``discard``: it removes what this command made there (the folders it created,
-    or, in a folder that existed, the entries that were not there before) unless a round started."""
+    """Create ``run_dir``; returns ``discard``: it removes what this command made there (the folders it
+    created, or, in a folder that existed, the entries that were not there before) unless a round started."""
     first_new = None
     for folder in (run_dir, *run_dir.parents):
         if folder.exists():

@@ -1,7 +1,8 @@
 """Run folders as the report shows them: :class:`RunData`, read and validated by aggregator.runlog.read_run.
 
 Loading validates everything, so a bad run folder raises one :class:`ReportError`. Malformed lines in
-metrics.jsonl are skipped and counted (a run killed mid-write leaves a torn last line), never fatal on their own.
+metrics.jsonl are skipped and counted (a run killed mid-write leaves a torn last line),
+never fatal on their own.
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ def _natural_key(text: str) -> list[Any]:
 
 
 def load_run(run_dir: Path | str, name: str | None = None) -> RunData:
-    """Load and validate one run folder (aggregator.runlog.read_run); raises :class:`ReportError` with one line
-    if it is unusable."""
+    """Load and validate one run folder (aggregator.runlog.read_run);
+    raises :class:`ReportError` with one line if it is unusable."""
     try:
         folder = read_run(run_dir)
     except RunFolderError as exc:

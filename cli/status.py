@@ -1,4 +1,5 @@
-"""Terminal views: `fedmq status` (rich tables or JSON) and the per-round table printed at the end of a simulation.
+"""Terminal views: `fedmq status` (rich tables or JSON) and the per-round table printed at the end of a
+simulation.
 
 The status ``info`` dict comes from cli.status_info.gather or the aggregator engine's ``status()``; every
 key is optional, since a status probe must still say something useful about a half-started job.
@@ -184,7 +185,7 @@ def status_json(info: dict[str, Any]) -> str:
     return json.dumps(_jsonable(_require_dict(info, "status info")), sort_keys=True, allow_nan=False)
 
 
-# ---------------------------------------------------------------------------------------------- simulate summary
+# ------------------------------------------------------------------------------------------- simulate summary
 
 
 # Short headers so the table fits an 80-column terminal; the caption spells the metric out.
@@ -226,7 +227,8 @@ def summary_caption(summary: dict[str, Any]) -> str:
     parts = [
         f"best valid {metric} {_num(summary.get('best_valid'))} (round {_num(summary.get('best_round'))})",
         f"test {metric} {_num(summary.get('test'))}",
-        f"{_num(summary.get('rounds_completed'))} rounds completed, {_num(summary.get('rounds_skipped'))} skipped",
+        f"{_num(summary.get('rounds_completed'))} rounds completed, "
+        f"{_num(summary.get('rounds_skipped'))} skipped",
         f"{_mb(summary.get('bytes_up'))} MB up, {_mb(summary.get('bytes_down'))} MB down",
         f"{_num(summary.get('wall_s'), 1)} s",
     ]

@@ -1,5 +1,5 @@
-"""Collect what `fedmq status` shows: the broker's view (queues, consumers) and the run folder's (the live status
-the active aggregator keeps in status.json, the last metrics row)."""
+"""Collect what `fedmq status` shows: the broker's view (queues, consumers) and the run folder's (the live
+status the active aggregator keeps in status.json, the last metrics row)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ Text syntax (CLI ``--availability``):
                              (starts online; the stationary online share is (1-B)/(2-A-B))
 - ``trace:FILE``             explicit on-line intervals per client, FedScale client_behave_trace style:
                              JSON ``{"agent-0": [[0, 5], [8, 20]], ...}`` or CSV lines ``client,start,end``
-                             (half-open slot intervals ``[start, end)``; a client absent from the trace is always online)
+                             (half-open slot intervals ``[start, end)``;
+                             a client absent from the trace is always online)
 
 Fault syntax (CLI ``--faults``), comma separated, each drawn per selected round with its probability:
 ``crash-train:P`` (vanish during local training), ``crash-grant:P`` (vanish after the grant, before upload),

@@ -2,9 +2,9 @@
 
 Only what the job's algorithm needs is kept (the round config says which: ``keep_model``, ``keep_own``,
 ``error_feedback``): the global model it trained from (the base of a delta push; under pull-down the values it
-keeps for tensors not pushed), its own model after local training (the dynamic-pulling rule compares against it)
-and what its sparsified uploads left out (error feedback). A service agent keeps them in memory; `fedmq simulate`
-keeps them on disk, so K simulated clients cost no memory for it.
+keeps for tensors not pushed), its own model after local training (the dynamic-pulling rule compares against
+it) and what its sparsified uploads left out (error feedback). A service agent keeps them in memory;
+`fedmq simulate` keeps them on disk, so K simulated clients cost no memory for it.
 """
 
 from __future__ import annotations

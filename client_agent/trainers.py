@@ -1,12 +1,13 @@
-"""Trainers: the models local training runs on, shared by the agents of a process (Flower's ``client_fn`` idea).
+"""Trainers: the models local training runs on, shared by the agents of a process
+(Flower's ``client_fn`` idea).
 
 An agent owns no model between rounds. When it is selected it borrows a trainer, loads the global model into
 it, trains, encodes its update and gives the trainer back, so a process that simulates K clients holds
 ``size`` models, not K. A service agent (`fedmq agent run`) has a pool of one.
 
 Each trainer's work runs on a thread of its own (``TrainerPool.run``): CUDA keeps state per thread (cuBLAS and
-cuDNN handles and their workspaces, tens of MB each), so K agent threads that each trained on the GPU would hold
-K sets of them — on an H100, eleven 100-client simulations ran out of its 80 GB by round 12.
+cuDNN handles and their workspaces, tens of MB each), so K agent threads that each trained on the GPU would
+hold K sets of them — on an H100, eleven 100-client simulations ran out of its 80 GB by round 12.
 
 A ``CohortPool`` (``fedmq simulate --cohort``) trains its borrowers together: the agents a round selected each
 hand in their job, and once every selected agent has handed in its job or dropped out of the round, one
@@ -76,8 +77,9 @@ class TrainerPool:
 
     @contextlib.contextmanager
     def taking_part(self, round_number: int, selected: Sequence[str], agent: str) -> Iterator[None]:
-        """``agent``'s part in round ``round_number``, which selected ``selected``: from its announcement to the
-        end of its training, however it ends. Nothing to a pool whose trainers work alone (CohortPool's)."""
+        """``agent``'s part in round ``round_number``, which selected ``selected``: from its announcement to
+        the end of its training, however it ends. Nothing to a pool whose trainers work alone
+        (CohortPool's)."""
         yield
 
     def train(
@@ -102,9 +104,9 @@ class TrainerPool:
         return done.result()
 
     def close(self) -> None:
-        """Let go of the pool's models once its run is over (a process that runs many federations must not keep
-        every run's). The threads stay parked: ending a thread that ran torch made the process abort at exit
-        ("terminate called without an active exception") in 4 of 10 runs of `fedmq simulate`."""
+        """Let go of the pool's models once its run is over (a process that runs many federations must not
+        keep every run's). The threads stay parked: ending a thread that ran torch made the process abort at
+        exit ("terminate called without an active exception") in 4 of 10 runs of `fedmq simulate`."""
         with self._lock:
             self._open = False
             self._free = queue.Queue()
@@ -122,9 +124,9 @@ class _Job:
 class CohortPool(TrainerPool):
     """A pool whose borrowers train together (module docstring). Jobs wait until every agent the newest round
     selected has handed in its job or left the round (``taking_part``), every borrowed model's job is in, and
-    nothing has happened for ``settle_s``; then they go to ``Task.train_cohort`` on one thread. A selected agent
-    that never shows up (its announcement lost) is waited for ``patience_s`` of quiet at most, and not at all
-    once every model of the pool is in a job. ``cohorts`` lists the sizes trained."""
+    nothing has happened for ``settle_s``; then they go to ``Task.train_cohort`` on one thread. A selected
+    agent that never shows up (its announcement lost) is waited for ``patience_s`` of quiet at most, and not
+    at all once every model of the pool is in a job. ``cohorts`` lists the sizes trained."""
 
     def __init__(
         self, task: Task, size: int = 1, seed: int = 0, settle_s: float = 0.2, patience_s: float = 10.0
@@ -143,7 +145,8 @@ class CohortPool(TrainerPool):
         self._thread.start()
 
     def _changed(self) -> None:
-        """Under ``self._cond``: something happened, so the quiet period starts again and the gatherer looks."""
+        """Under ``self._cond``: something happened, so the quiet period starts again and the gatherer
+        looks."""
         self._last = time.monotonic()
         self._cond.notify_all()
 
@@ -189,8 +192,8 @@ class CohortPool(TrainerPool):
         return job.done.result()
 
     def close(self) -> None:
-        """Let go of the models and park the gathering thread (TrainerPool.close); jobs waiting or handed in after
-        (an agent still training when its run ended) fail."""
+        """Let go of the models and park the gathering thread (TrainerPool.close); jobs waiting or handed in
+        after (an agent still training when its run ended) fail."""
         super().close()
         with self._cond:
             self._closed = True
@@ -207,7 +210,8 @@ class CohortPool(TrainerPool):
                     self._cond.wait()
                     continue
                 ready = bool(self._jobs) and len(self._jobs) >= self._borrowed
-                # with every model handed in, an agent still to come could not borrow one until this cohort trains
+                # with every model handed in, an agent still to come could not borrow one until this cohort
+                # trains
                 coming = self._expected if self._borrowed < self.size else ()
                 wait = (self.patience_s if coming else self.settle_s) - (time.monotonic() - self._last)
                 if ready and wait <= 0:

@@ -15,9 +15,9 @@ or from the command line, with the module on the Python path of every process th
     fedmq simulate --task mypkg.mine:MyTask --strategy mypkg.mine:MyStrategy
     fedmq aggregator run ... / fedmq agent run ...  (job.toml: strategy = "...", [task] task = "...")
 
-The package itself is fedmq's shared bottom layer (errors, checks, the tensor manifest, tasks, the pulling rule),
-which imports nothing else of the project; the names below are resolved on first use, so importing a module of
-it (as the broker, the aggregator and the agent do) never loads the layers above.
+The package itself is fedmq's shared bottom layer (errors, checks, the tensor manifest, tasks, the pulling
+rule), which imports nothing else of the project; the names below are resolved on first use, so importing a
+module of it (as the broker, the aggregator and the agent do) never loads the layers above.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Writing a file whole or not at all: the new content goes to a temporary file beside it, which then replaces it
-(``os.replace``), so that a reader, or a process restarted after a crash, finds the old file or the new one, never
-half of one. Each write has a temporary of its own, so two processes writing one file (two experiment processes
-sharing a grid) do not mix. ``durable`` also fsyncs the file and its folder before returning, so that the new
-file survives a power cut (checkpoints, the round spool); ``private`` makes it readable by its owner only from the
-moment it exists (credentials)."""
+"""Writing a file whole or not at all: the new content goes to a temporary file beside it, which then replaces
+it (``os.replace``), so that a reader, or a process restarted after a crash, finds the old file or the new
+one, never half of one. Each write has a temporary of its own, so two processes writing one file (two
+experiment processes sharing a grid) do not mix. ``durable`` also fsyncs the file and its folder before
+returning, so that the new file survives a power cut (checkpoints, the round spool); ``private`` makes it
+readable by its owner only from the moment it exists (credentials)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from typing import IO, Any
 def replacing(
     path: str | os.PathLike, *, text: bool = False, durable: bool = False, private: bool = False
 ) -> Iterator[IO[Any]]:
-    """A file to write ``path``'s new content to (binary, or text in UTF-8 with ``text``): it replaces ``path``
-    when the block ends, and is removed instead when the block raises."""
+    """A file to write ``path``'s new content to (binary, or text in UTF-8 with ``text``): it replaces
+    ``path`` when the block ends, and is removed instead when the block raises."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")  # a dot first: no reader's glob sees it
     try:

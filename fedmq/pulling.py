@@ -133,7 +133,8 @@ def _by_params(
 
 
 def _prefix(order: list[str], sizes: dict[str, int], budget: float) -> list[str]:
-    """The first tensors of ``order`` until they hold at least ``budget`` parameters (the crossing one included)."""
+    """The first tensors of ``order`` until they hold at least ``budget`` parameters
+    (the crossing one included)."""
     sent, total = [], 0
     for n in order:
         if total >= budget:
@@ -144,9 +145,9 @@ def _prefix(order: list[str], sizes: dict[str, int], budget: float) -> list[str]
 
 
 def _fill(order: list[str], sizes: dict[str, int], budget: float) -> list[str]:
-    """Tensors taken in ``order`` when they still fit in ``budget`` (first fit): never over it, and short of it
-    by less than any tensor left out. Stopping at the tensor that crosses the line instead would overshoot by
-    up to the largest tensor -- in the cpu-scale NMT model an embedding, 42 % of its group's parameters."""
+    """Tensors taken in ``order`` when they still fit in ``budget`` (first fit): never over it, and short of
+    it by less than any tensor left out. Stopping at the tensor that crosses the line instead would overshoot
+    by up to the largest tensor -- in the cpu-scale NMT model an embedding, 42 % of its group's parameters."""
     sent, total = [], 0
     for n in order:
         if total + sizes[n] <= budget:

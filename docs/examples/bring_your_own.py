@@ -118,8 +118,8 @@ class UniformMean(fedmq.Strategy):
         self.clients: list[str] = []
 
     def fold(self, update: fedmq.ClientUpdate) -> None:
-        # an update holds the client's weights, or (update.delta) their change from the global model it started
-        # from; under dynamic pulling only some tensors
+        # an update holds the client's weights, or (update.delta) their change from the global model it
+        # started from; under dynamic pulling only some tensors
         for name, t in update.tensors.items():
             self.sums[name] += t.float() + (self.base[name].float() if update.delta else 0)
             self.counts[name] += 1

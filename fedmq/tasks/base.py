@@ -102,8 +102,8 @@ class Task(ABC):
         progress: list[Progress | None],
     ) -> list[TrainResult]:
         """Train ``models[i]`` on client ``clients[i]`` for each i: the clients a round selected, handed over
-        together (client_agent.trainers.CohortPool). A task that can batch them overrides this; by default they
-        train one after the other, each exactly as ``train`` would."""
+        together (client_agent.trainers.CohortPool). A task that can batch them overrides this; by default
+        they train one after the other, each exactly as ``train`` would."""
         return [self.train(m, c, cfg, p) for m, c, cfg, p in zip(models, clients, cfgs, progress)]
 
     @abstractmethod

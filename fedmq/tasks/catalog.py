@@ -1,14 +1,14 @@
-"""What the tasks accept, by name, without importing torch: `fedmq simulate` checks its flags against this before
-it loads torch, and the registry uses the same lists (tests/unit/test_cli.py keeps the model names in step with
-lm_models.PRESETS and nmt_model.CONFIGS)."""
+"""What the tasks accept, by name, without importing torch: `fedmq simulate` checks its flags against this
+before it loads torch, and the registry uses the same lists (tests/unit/test_cli.py keeps the model names in
+step with lm_models.PRESETS and nmt_model.CONFIGS)."""
 
 TASKS = ("lm", "nmt")
 MODELS = {
     "lm": ("gru-tiny", "gru-small", "gru-medium", "gru-large", "lstm"),
     "nmt": ("tiny", "mini", "small", "base"),
 }
-# CLI flags shared by both tasks that only mean something for one of them (the registry ignores them for the other;
-# the CLI refuses them when a user gives them for the other task)
+# CLI flags shared by both tasks that only mean something for one of them (the registry ignores them for the
+# other; the CLI refuses them when a user gives them for the other task)
 LM_ONLY = ("tied", "bptt", "max_eval_lines", "emb", "hidden", "layers")
 NMT_ONLY = (
     "domains",

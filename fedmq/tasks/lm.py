@@ -2,9 +2,9 @@
 
 Client shards: the training *lines* are partitioned (``iid``: seeded shuffle, K contiguous equal parts; see
 ``partition``); a client's lines, kept in corpus order, with ``<eos>`` after each, form its token stream, laid
-out in ``batch_size`` columns and cut into ``bptt``-step windows (the hidden state is carried across windows and
-reset every epoch). Every token of the shard is a training target once per epoch; n_samples = that token count.
-Perplexity = exp(total NLL / total target tokens) over the full split, the last partial batch included.
+out in ``batch_size`` columns and cut into ``bptt``-step windows (the hidden state is carried across windows
+and reset every epoch). Every token of the shard is a training target once per epoch; n_samples = that token
+count. Perplexity = exp(total NLL / total target tokens) over the full split, the last partial batch included.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ class LanguageModelTask(Task):
             return dirichlet_shards(self.corpus.categories, clients, p.alpha, self.seed)
         if not self.corpus.natural_categories:
             raise TaskError(
-                f"--partition natural needs documents; {self.corpus.name} has none (add train.docid): use iid or dirichlet:ALPHA"
+                f"--partition natural needs documents; {self.corpus.name} has none (add train.docid): "
+                "use iid or dirichlet:ALPHA"
             )
         shards, _ = natural_shards(self.corpus.categories)
         return shards
@@ -124,8 +125,9 @@ class LanguageModelTask(Task):
             if device not in on_device:
                 on_device[device] = batches.to(device)
             windows = list(zip(on_device[device].windows(bptt), counts))
-            # a run capped by max_steps covers only part of the shard: start it at a seeded window (the agent's
-            # seed differs per round) so successive rounds see the whole shard, not always its beginning
+            # a run capped by max_steps covers only part of the shard: start it at a seeded window (the
+            # agent's seed differs per round) so successive rounds see the whole shard,
+            # not always its beginning
             start = int(torch.randint(n_windows, (1,), generator=gen)) if cfg.max_steps and n_windows else 0
             for i, ((x, y, mask), n) in enumerate(windows[start:] + windows[:start]):
                 if start and i == n_windows - start:
@@ -146,9 +148,9 @@ class LanguageModelTask(Task):
         cfgs: list[TrainConfig],
         progress: list[Progress | None],
     ) -> list[TrainResult]:
-        """Batched runs (fedmq.tasks.lm_cohort) of as many clients as ``cohort_size`` lets the device hold, when
-        their settings allow it and every shard fills the batch's columns (a shorter one has fewer: its windows
-        would not stack); otherwise one after the other."""
+        """Batched runs (fedmq.tasks.lm_cohort) of as many clients as ``cohort_size`` lets the device hold,
+        when their settings allow it and every shard fills the batch's columns (a shorter one has fewer: its
+        windows would not stack); otherwise one after the other."""
         if not (
             can_train_together(cfgs)
             and all(self.client_ids(c).numel() >= cfgs[0].batch_size for c in clients)

@@ -1,18 +1,18 @@
 """Local training of several LM clients at once: one batched copy of the RNN per client (a "cohort").
 
 A GRU client's step (batch 10, 300 units) is far too small to keep a GPU busy, so at the paper scale a round
-of 10-50 clients trained one after the other costs 10-50 latency-bound passes. Here the clients' parameters are
-stacked along a leading client axis and every matrix product is a batched one (``bmm``): one pass trains them
-all. Each client still trains exactly as ``LanguageModelTask.train`` would train it alone — its own shard and
-windows, its own dropout masks drawn from its own generator in the same order, its own SGD-momentum buffer,
-clipping norm and step count (a client whose shard has fewer windows simply stops stepping) — so the result
-equals the sequential one up to float summation order (tests/unit/test_lm_cohort.py checks it).
+of 10-50 clients trained one after the other costs 10-50 latency-bound passes. Here the clients' parameters
+are stacked along a leading client axis and every matrix product is a batched one (``bmm``): one pass trains
+them all. Each client still trains exactly as ``LanguageModelTask.train`` would train it alone — its own shard
+and windows, its own dropout masks drawn from its own generator in the same order, its own SGD-momentum
+buffer, clipping norm and step count (a client whose shard has fewer windows simply stops stepping) — so the
+result equals the sequential one up to float summation order (tests/unit/test_lm_cohort.py checks it).
 
 The recurrences are written out (PyTorch's GRU and LSTM equations, weight layouts and gate order), since
 ``nn.GRU`` has no batched-weights form; time steps run in a Python loop, one batched cell step each.
 Supported: SGD with or without momentum, per-epoch lr decay, clipping, a step cap with a seeded start window,
-FedSGD's full-batch step and FedMed's tail loss. Anything else (Adam, warm-up, AMP) is trained one client after
-the other by the caller.
+FedSGD's full-batch step and FedMed's tail loss. Anything else (Adam, warm-up, AMP) is trained one client
+after the other by the caller.
 """
 
 from __future__ import annotations
@@ -34,9 +34,11 @@ from fedmq.tasks.lm_models import detach_hidden
 from fedmq.tasks.training import TAIL_EPOCH, check_config, epoch_seed, resolve_device
 
 # the activations a cohort may hold at once: the logits of a window, their log-softmax, its gradient and the
-# loss's (4 x bptt x B x vocabulary floats a client) -- WikiText-2 at B = 10: 186 MB a client, so all of a C = 0.5
-# round's 50 in 16 GiB; FedSGD's B = 100: 8 at a time
+# loss's (4 x bptt x B x vocabulary floats a client) -- WikiText-2 at B = 10: 186 MB a client, so all of a
+# C = 0.5 round's 50 in 16 GiB; FedSGD's B = 100: 8 at a time
 ACTIVATION_BUDGET = 16 * 2**30
+# the parameters of layer i, a one-layer nn.GRU/nn.LSTM of its own: rnn.{i}.{name}_l0
+_RNN_WEIGHTS = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
 
 
 def cohort_size(vocab: int, bptt: int, cols: int) -> int:
@@ -89,9 +91,9 @@ class _Stacked:
         out = drop(p["encoder.weight"][clients, x])  # each client's own embedding
         new_hidden = []
         for i, h in enumerate(hidden):
-            w = lambda kind: p[f"rnn.{i}.{kind}_l0"]  # noqa: E731
+            w_ih, w_hh, b_ih, b_hh = (p[f"rnn.{i}.{kind}_l0"] for kind in _RNN_WEIGHTS)
             step = _gru_step if self.cfg.cell == "gru" else _lstm_step
-            out, h = _layer(out, h, w("weight_ih"), w("weight_hh"), w("bias_ih"), w("bias_hh"), step)
+            out, h = _layer(out, h, w_ih, w_hh, b_ih, b_hh, step)
             out = drop(out)
             new_hidden.append(h)
         c, t, b, d = out.shape
@@ -111,7 +113,8 @@ def _layer(
     b_hh: torch.Tensor,
     step: Callable,
 ) -> tuple[torch.Tensor, object]:
-    """One recurrent layer over [C, T, B, I]: the input projection of every time step at once, then the cell."""
+    """One recurrent layer over [C, T, B, I]: the input projection of every time step at once,
+    then the cell."""
     c, t, b, i = x.shape
     gates_x = torch.baddbmm(b_ih[:, None, :], x.reshape(c, t * b, i), w_ih.transpose(1, 2)).view(c, t, b, -1)
     w_hh_t, b_hh = w_hh.transpose(1, 2), b_hh[:, None, :]
@@ -140,7 +143,8 @@ def _gru_step(gx: torch.Tensor, gh: torch.Tensor, h: torch.Tensor) -> torch.Tens
 def _lstm_step(
     gx: torch.Tensor, gh: torch.Tensor, hc: tuple[torch.Tensor, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch's LSTM (i, f, g, o gates in that order): c' = σ(f) * c + σ(i) * tanh(g), h' = σ(o) * tanh(c')."""
+    """PyTorch's LSTM (i, f, g, o gates in that order): c' = σ(f) * c + σ(i) * tanh(g),
+    h' = σ(o) * tanh(c')."""
     hidden = hc[0].size(-1)
     i_f, g, o = (gh + gx).split([2 * hidden, hidden, hidden], -1)
     i, f = torch.sigmoid(i_f).chunk(2, -1)
@@ -170,8 +174,9 @@ def _no_dropout(x: torch.Tensor) -> torch.Tensor:
 
 
 class _Shards:
-    """Every client's training stream cut into windows, padded into one ``[C, W, bptt, B]`` layout on the device
-    once per cohort (a window is then a slice, not a copy); lengths and target counts stay on the host."""
+    """Every client's training stream cut into windows, padded into one ``[C, W, bptt, B]`` layout on the
+    device once per cohort (a window is then a slice, not a copy);
+    lengths and target counts stay on the host."""
 
     def __init__(self, task: Any, clients: list[int], cols: int, device: torch.device) -> None:
         bptt = task.bptt
@@ -215,8 +220,9 @@ class _Plan:
         budget: list[int],
         device: torch.device,
     ) -> _Plan:
-        """``budget``: how many windows each client takes this pass. With the step cap on, a client starts at a
-        seeded window (LanguageModelTask.train: the epoch generator's first draw) and wraps to its shard's start."""
+        """``budget``: how many windows each client takes this pass. With the step cap on, a client starts at
+        a seeded window (LanguageModelTask.train: the epoch generator's first draw) and wraps to its shard's
+        start."""
         order = []
         for c, gen in enumerate(gens):
             n = shards.windows(c)
@@ -245,7 +251,8 @@ class _Plan:
         return [shards.lengths[c][o[w]] if self.on[w][c] else 0 for c, o in enumerate(self.order)]
 
     def wrapped(self, w: int) -> list[bool]:
-        """Clients whose slot ``w`` wrapped to their shard's first window: they start it with a fresh hidden state."""
+        """Clients whose slot ``w`` wrapped to their shard's first window:
+        they start it with a fresh hidden state."""
         return [w > 0 and self.on[w][c] and o[w] == 0 for c, o in enumerate(self.order)]
 
 
@@ -256,8 +263,8 @@ def train_cohort(
     cfgs: list[TrainConfig],
     progress: list[Progress | None],
 ) -> list[TrainResult]:
-    """Train ``models[i]`` in place on client ``clients[i]``'s shard of ``task`` (a LanguageModelTask), all at once
-    (``can_train_together``)."""
+    """Train ``models[i]`` in place on client ``clients[i]``'s shard of ``task`` (a LanguageModelTask), all at
+    once (``can_train_together``)."""
     cfg = cfgs[0]
     check_config(cfg)
     if cfg.lr <= 0:
@@ -365,9 +372,9 @@ class _Run:
     def _slots(
         self, plan: _Plan, drop: Callable[[list[int]], Callable[[torch.Tensor], torch.Tensor]]
     ) -> Iterator[tuple[int, torch.Tensor]]:
-        """Each slot ``w`` of ``plan`` in turn with every client's summed NLL of its window [C]; the hidden state is
-        carried from slot to slot (detached: truncated BPTT) and zeroed for a client that wrapped to its shard's
-        start. ``drop(lengths)``: the slot's dropout, given each client's time steps."""
+        """Each slot ``w`` of ``plan`` in turn with every client's summed NLL of its window [C]; the hidden
+        state is carried from slot to slot (detached: truncated BPTT) and zeroed for a client that wrapped to
+        its shard's start. ``drop(lengths)``: the slot's dropout, given each client's time steps."""
         hidden = self.net.init_hidden(len(self.clients), self.cfg.batch_size, self.device)
         for w in range(len(plan.on)):
             if not any(plan.on[w]):
@@ -394,8 +401,8 @@ class _Run:
                     self.progress[c](self.steps[c], self.total[c])
 
     def tail_losses(self) -> list[float]:
-        """FedMed's tail loss of each trained client (training.py ``_tail_loss``): no dropout, no gradients, as
-        many windows as one epoch (full batch) or as the run took."""
+        """FedMed's tail loss of each trained client (training.py ``_tail_loss``): no dropout, no gradients,
+        as many windows as one epoch (full batch) or as the run took."""
         cfg, shards = self.cfg, self.shards
         gens = [
             torch.Generator().manual_seed(epoch_seed(s, c, TAIL_EPOCH))
@@ -433,8 +440,9 @@ def _reset(hidden: list, fresh: list[bool], device: torch.device) -> list:
 
 
 def _sgd_step(net: _Stacked, buffers: dict, lr: float, cfg: TrainConfig, active: torch.Tensor | None) -> None:
-    """torch.optim.SGD (momentum, no dampening) for the clients where ``active`` [C] is 1 (None: all of them); the
-    others keep their parameters and momentum. Clipping, when on, scales each client's gradient by its own norm."""
+    """torch.optim.SGD (momentum, no dampening) for the clients where ``active`` [C] is 1 (None: all of them);
+    the others keep their parameters and momentum. Clipping, when on,
+    scales each client's gradient by its own norm."""
     everyone = active is None
     with torch.no_grad():
         grads = {name: p.grad for name, p in net.params.items()}

@@ -1,4 +1,5 @@
-"""Language-modelling corpora: reading, vocabulary, and the token-stream batching used for training and evaluation.
+"""Language-modelling corpora: reading, vocabulary, and the token-stream batching used for training and
+evaluation.
 
 Layouts (detected from the folder's files):
 - WikiText-2: ``wiki.{train,valid,test}.tokens``; articles start with a `` = Title = `` line (their category).
@@ -49,7 +50,8 @@ class LMCorpus:
 
 
 class Vocabulary:
-    """Word <-> id. ``<eos>`` = 0, ``<unk>`` = 1, then words by decreasing training frequency (ties: first seen)."""
+    """Word <-> id. ``<eos>`` = 0, ``<unk>`` = 1, then words by decreasing training frequency (ties:
+    first seen)."""
 
     def __init__(self, words: list[str]) -> None:
         self.itos = words
@@ -90,7 +92,8 @@ class Vocabulary:
 def load_corpus(
     data: str | Path, max_lines: int | None = None, max_eval_lines: int | None = None
 ) -> LMCorpus:
-    """Read a corpus folder (or ``"builtin"``); ``max_lines`` caps the training split, ``max_eval_lines`` valid/test."""
+    """Read a corpus folder (or ``"builtin"``); ``max_lines`` caps the training split,
+    ``max_eval_lines`` valid/test."""
     if str(data) == "builtin":
         corpus = builtin_corpus()
     else:
@@ -149,7 +152,8 @@ def _categories(folder: Path, layout: str, train: list[list[str]]) -> tuple[list
             ids = [line.strip() for line in f]
         if len(ids) != len(train):
             raise TaskError(
-                f"{str(docid)!r} has {len(ids)} lines but the training split has {len(train)}: one id per line"
+                f"{str(docid)!r} has {len(ids)} lines but the training split has {len(train)}: "
+                "one id per line"
             )
         return ids, True
     if layout == "wikitext":
@@ -181,7 +185,8 @@ def _capped(corpus: LMCorpus, max_lines: int | None, max_eval_lines: int | None)
 
 @dataclass
 class StreamBatches:
-    """A token stream laid out in ``cols`` columns with a padding mask, so every token is a target exactly once.
+    """A token stream laid out in ``cols`` columns with a padding mask,
+    so every token is a target exactly once.
 
     The stream is preceded by one ``<eos>`` (context for the first token); column j predicts the tokens
     [j*L, (j+1)*L) of the stream; the last column(s) are padded and masked. Nothing is dropped.
@@ -211,8 +216,8 @@ class StreamBatches:
         )
 
     def to(self, device: torch.device) -> StreamBatches:
-        """The same batches on ``device``: moved once, so a training or evaluation pass copies nothing per step
-        (a GPU step that waits for its own input copy cannot overlap the next one)."""
+        """The same batches on ``device``: moved once, so a training or evaluation pass copies nothing per
+        step (a GPU step that waits for its own input copy cannot overlap the next one)."""
         return StreamBatches(
             self.inputs.to(device), self.targets.to(device), self.mask.to(device), self.n_targets
         )

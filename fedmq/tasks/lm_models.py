@@ -2,7 +2,8 @@
 
 Layers are stacked single-layer RNNs with ``SeededDropout`` between them (dropout after the embedding, between
 layers and before the decoder, as in pytorch/examples), so dropout is reproducible per seed. Tied weights make
-``decoder.weight`` the same Parameter as ``encoder.weight``: the federated state holds it once (``encoder.weight``).
+``decoder.weight`` the same Parameter as ``encoder.weight``:
+the federated state holds it once (``encoder.weight``).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def rnn_config(
         raise TaskError(f"--dropout must be in [0, 1), got {dropout}")
     if cfg.tied and cfg.emb != cfg.hidden:
         raise TaskError(
-            f"--tied needs embedding size == hidden size; {model} has {cfg.emb} and {cfg.hidden}: use --untied"
+            f"--tied needs embedding size == hidden size; {model} has {cfg.emb} and {cfg.hidden}: "
+            "use --untied"
         )
     return cfg
 

@@ -1,11 +1,12 @@
 """German->English translation task (Passban et al. setting): Transformer, shared BPE, BLEU by sacrebleu.
 
 Clients: ``natural`` = one domain per client (or, for a single domain with ``X.docid`` files, one document per
-client); ``iid`` / ``dirichlet:ALPHA`` over the pooled training pairs (Dirichlet categories = domains, or docids
-for a single domain). n_samples = the client's sentence pairs. Training: teacher forcing, cross-entropy with
-label smoothing over target tokens (padding ignored); batch_size = sentence pairs per batch, batched by length.
-BLEU: sacrebleu ``corpus_bleu`` on the sentencepiece-decoded hypotheses against the raw references, on the first
-``eval_max_sentences`` pairs of the split (round-robin over domains; default 200, 0 = the full split).
+client); ``iid`` / ``dirichlet:ALPHA`` over the pooled training pairs (Dirichlet categories = domains, or
+docids for a single domain). n_samples = the client's sentence pairs. Training: teacher forcing, cross-entropy
+with label smoothing over target tokens (padding ignored); batch_size = sentence pairs per batch, batched by
+length. BLEU: sacrebleu ``corpus_bleu`` on the sentencepiece-decoded hypotheses against the raw references, on
+the first ``eval_max_sentences`` pairs of the split (round-robin over domains; default 200,
+0 = the full split).
 """
 
 from __future__ import annotations
@@ -165,8 +166,9 @@ class TranslationTask(Task):
         smoothing: float | None = None,
         reduction: str = "mean",
     ) -> tuple[torch.Tensor, int]:
-        """Cross-entropy over the batch's target tokens (label-smoothed by the task's ``label_smoothing`` unless
-        ``smoothing`` is given; their mean, or with ``reduction`` "sum" their sum), and their number."""
+        """Cross-entropy over the batch's target tokens (label-smoothed by the task's ``label_smoothing``
+        unless ``smoothing`` is given; their mean, or with ``reduction`` "sum" their sum),
+        and their number."""
         src, tin, tout = (t.to(device) for t in collate(data, idx))
         logits = m(src, tin)
         loss = F.cross_entropy(
@@ -179,8 +181,8 @@ class TranslationTask(Task):
         return loss, int((tout != PAD).sum())
 
     def encode_pairs(self, pairs: list[Pair]) -> EncodedPairs:
-        """Encode pairs with the task's vocabulary, skipping those longer than ``max_len - 1`` subwords on either
-        side (not truncating them: a truncated source and target no longer translate each other)."""
+        """Encode pairs with the task's vocabulary, skipping those longer than ``max_len - 1`` subwords on
+        either side (not truncating them: a truncated source and target no longer translate each other)."""
         src, tgt = self.vocab.sp.encode([p.src for p in pairs]), self.vocab.sp.encode([p.tgt for p in pairs])
         keep = [
             i for i in range(len(pairs)) if 0 < len(src[i]) < self.max_len and 0 < len(tgt[i]) < self.max_len
@@ -190,8 +192,9 @@ class TranslationTask(Task):
     def pretrain(
         self, model: nn.Module, data: EncodedPairs, cfg: TrainConfig, progress: Progress | None = None
     ) -> TrainResult:
-        """Train ``model`` on ``data`` -- e.g. a pre-training corpus outside the clients' shards -- for exactly
-        ``cfg.max_steps`` steps (as many epochs as that takes), with the shared loop and batching of ``train``."""
+        """Train ``model`` on ``data`` -- e.g. a pre-training corpus outside the clients' shards -- for
+        exactly ``cfg.max_steps`` steps (as many epochs as that takes),
+        with the shared loop and batching of ``train``."""
         if cfg.max_steps < 1:
             raise TaskError(f"pre-training needs max_steps >= 1, got {cfg.max_steps}")
         if len(data) == 0:
@@ -243,9 +246,10 @@ class TranslationTask(Task):
 
     @torch.no_grad()
     def cross_entropy(self, model: nn.Module, pairs: list[Pair]) -> float:
-        """Mean cross-entropy (nats) per reference target token of ``pairs`` under teacher forcing, without label
-        smoothing; exp() of it is the perplexity. Unlike BLEU of greedy output it does not depend on decoding, so
-        it still ranks models whose translations are too poor for BLEU to (docs/results.md, section 8)."""
+        """Mean cross-entropy (nats) per reference target token of ``pairs`` under teacher forcing, without
+        label smoothing; exp() of it is the perplexity. Unlike BLEU of greedy output it does not depend on
+        decoding, so it still ranks models whose translations are too poor for BLEU to
+        (docs/results.md, section 8)."""
         device = next(model.parameters()).device
         was_training = model.training
         model.eval()

@@ -1,4 +1,5 @@
-"""Greedy and beam-search decoding for ``TransformerNMT`` (the decoder is re-run over the prefix each step)."""
+"""Greedy and beam-search decoding for ``TransformerNMT``
+(the decoder is re-run over the prefix each step)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
-"""Client partitions of a list of items (lines, sentence pairs); every scheme is seeded and covers each item once.
+"""Client partitions of a list of items (lines, sentence pairs);
+every scheme is seeded and covers each item once.
 
-- ``iid``: shuffle the item indices with ``seed``, split into K contiguous parts whose sizes differ by at most one
-  (the papers' "shuffle, split into K equal client shards").
-- ``dirichlet:ALPHA``: label/topic skew. Items carry a category (domain, docid, or a block of consecutive lines);
-  for each category c draw q_c ~ Dir(ALPHA·1_K) and deal the category's items to the clients in those proportions.
-  Resampled (same RNG stream) until every client holds at least one item.
+- ``iid``: shuffle the item indices with ``seed``, split into K contiguous parts whose sizes differ by at most
+  one (the papers' "shuffle, split into K equal client shards").
+- ``dirichlet:ALPHA``: label/topic skew. Items carry a category (domain, docid, or a block of consecutive
+  lines); for each category c draw q_c ~ Dir(ALPHA·1_K) and deal the category's items to the clients in those
+  proportions. Resampled (same RNG stream) until every client holds at least one item.
 - ``natural``: one category per client, in sorted category order (K = number of categories).
 """
 
@@ -34,11 +35,13 @@ class PartitionSpec:
                 alpha = float(a) if a else 0.5
             except ValueError:
                 raise TaskError(
-                    f"bad partition {text!r}: use dirichlet:ALPHA with ALPHA a positive number, e.g. dirichlet:0.5"
+                    f"bad partition {text!r}: use dirichlet:ALPHA with ALPHA a positive number, "
+                    "e.g. dirichlet:0.5"
                 ) from None
             if not alpha > 0 or not np.isfinite(alpha):
                 raise TaskError(
-                    f"bad partition {text!r}: the Dirichlet alpha must be a positive number, e.g. dirichlet:0.5"
+                    f"bad partition {text!r}: the Dirichlet alpha must be a positive number, "
+                    "e.g. dirichlet:0.5"
                 )
             return cls("dirichlet", alpha)
         raise TaskError(
@@ -77,8 +80,8 @@ def dirichlet_shards(
         if min(len(s) for s in shards) > 0:
             return shards
     raise TaskError(
-        f"dirichlet:{alpha:g} left a client with no data after {max_tries} draws for {k} clients and {n} items: "
-        "raise alpha or lower --clients"
+        f"dirichlet:{alpha:g} left a client with no data after {max_tries} draws "
+        f"for {k} clients and {n} items: raise alpha or lower --clients"
     )
 
 

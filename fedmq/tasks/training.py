@@ -1,4 +1,5 @@
-"""The local training loop shared by every task: optimizer, per-epoch lr decay, clipping, step cap, device, AMP.
+"""The local training loop shared by every task: optimizer, per-epoch lr decay, clipping, step cap,
+device, AMP.
 
 A task supplies an ``epoch(model, generator)`` iterator that yields, for each batch, the mean loss over the
 batch's target tokens (a tensor with grad) and the number of those tokens; the loop does the backward pass and
@@ -155,9 +156,10 @@ def run_training(
 def _tail_loss(
     model: nn.Module, epoch_fn: EpochFn, device: torch.device, cfg: TrainConfig, client: int, batches: int
 ) -> float:
-    """FedMed §3.4: "the loss on the dataset of each worker is computed at the tail of local training". The trained
-    model (eval mode: no dropout, no gradients) over its own shard, as many batches as one epoch — or as the run
-    took, when --max-steps cut it shorter (the CPU scale), so the extra pass never costs more than the training."""
+    """FedMed §3.4: "the loss on the dataset of each worker is computed at the tail of local training". The
+    trained model (eval mode: no dropout, no gradients) over its own shard, as many batches as one epoch — or
+    as the run took, when --max-steps cut it shorter (the CPU scale),
+    so the extra pass never costs more than the training."""
     gen = torch.Generator().manual_seed(epoch_seed(cfg.seed, client, TAIL_EPOCH))
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -195,8 +197,9 @@ def _full_batch_step(
     tokens: int,
     loss_sum: torch.Tensor,
 ) -> tuple[int, int, torch.Tensor]:
-    """One optimizer step on the mean loss over every target of the shard: the batches' gradients, each weighted
-    by its token count, are summed in place (no more memory than one batch), then divided by the shard's tokens."""
+    """One optimizer step on the mean loss over every target of the shard: the batches' gradients, each
+    weighted by its token count, are summed in place (no more memory than one batch),
+    then divided by the shard's tokens."""
     opt.zero_grad(set_to_none=True)
     seen = 0
     for loss, n in _autocast(use_amp, batches):
@@ -216,7 +219,8 @@ def _full_batch_step(
 
 
 def _schedule(cfg: TrainConfig, step: int, total: int) -> float:
-    """lr multiplier of 0-based ``step`` of ``total``: linear warm-up, then (with linear_decay) linear fall to 0."""
+    """lr multiplier of 0-based ``step`` of ``total``: linear warm-up, then
+    (with linear_decay) linear fall to 0."""
     rise = (step + 1) / cfg.warmup_steps if cfg.warmup_steps else 1.0
     fall = (total - step) / max(1, total - cfg.warmup_steps) if cfg.linear_decay else 1.0
     return min(rise, fall, 1.0)
