@@ -11,7 +11,8 @@ memory and time measure the aggregator, not a pile of pre-made updates. Methods:
 * ``fedavg-full``, ``fedatt-full``  the same strategies given full weights θ_k (FedAtt's distance ‖θ − θ_k‖
                     then reads θ as well as θ_k)
 * ``stack-fedavg``  copy every update into a [K, numel] stack per tensor, then one weighted reduction
-* ``stack-fedatt``  the same stack, all distances (same chunked kernel as FedAtt), softmax, one weighted reduction
+* ``stack-fedatt``  the same stack, all distances (same chunked kernel as FedAtt), softmax, one weighted
+                    reduction
 
 The yardstick sums tensors of the same size as every method folds (the deltas' or the weights' values do
 not change its cost).
@@ -214,7 +215,10 @@ def bench_aggregate(
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = f"{'method':<13} {'updates':>7} {'GB/s':>6} {'vs inplace':>10} {'fold ms (med)':>13} {'finish ms':>9} {'peak RSS MB':>11} {'(RSS-base)/model':>16}"
+    head = (
+        f"{'method':<13} {'updates':>7} {'GB/s':>6} {'vs inplace':>10} {'fold ms (med)':>13} "
+        f"{'finish ms':>9} {'peak RSS MB':>11} {'(RSS-base)/model':>16}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         if "gb_s" not in r:
@@ -224,13 +228,15 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             continue
         lines.append(
             f"{r['method']:<13} {r['count']:>7} {r['gb_s']:>6.2f} {r.get('vs_inplace', float('nan')):>10.2f} "
-            f"{r['median_fold_ms']:>13.1f} {r['finish_ms']:>9.1f} {r['peak_rss_mb']:>11.0f} {r['rss_over_base_models']:>16.2f}"
+            f"{r['median_fold_ms']:>13.1f} {r['finish_ms']:>9.1f} {r['peak_rss_mb']:>11.0f} "
+            f"{r['rss_over_base_models']:>16.2f}"
         )
     if rows and "model_mb" in next((r for r in rows if "model_mb" in r), {}):
         r0 = next(r for r in rows if "model_mb" in r)
         lines.append(
-            f"model: {r0['params']:,} float32 parameters = {r0['model_mb']:.0f} MiB; base RSS (interpreter + torch) "
-            f"≈ {r0['base_rss_mb']:.0f} MiB; the harness itself holds 2 models (θ_r and the arriving update)."
+            f"model: {r0['params']:,} float32 parameters = {r0['model_mb']:.0f} MiB; "
+            f"base RSS (interpreter + torch) ≈ {r0['base_rss_mb']:.0f} MiB; "
+            "the harness itself holds 2 models (θ_r and the arriving update)."
         )
     return "\n".join(lines)
 

@@ -11,11 +11,11 @@ differs by N(0, 1e-3) per entry, like one round of local SGD.
 Encode = encode_state + envelope pack; decode = unpack + decode_state (with digest, bounds, manifest and
 NaN/Inf checks), i.e. exactly what goes over the wire. Baselines measured in the same run: torch.save /
 torch.load(weights_only=True) of the state dict, and plain msgpack of each tensor's raw bytes.
-Run: ``python -m fedmq.benchmarks.codec [--repeats N] [--quick] [--threads N] [--no-malloc-tune]``. By default the
-allocator is tuned as a service would do at start (broker.wire.malloc.tune_allocator: freed buffers are
+Run: ``python -m fedmq.benchmarks.codec [--repeats N] [--quick] [--threads N] [--no-malloc-tune]``. By default
+the allocator is tuned as a service would do at start (broker.wire.malloc.tune_allocator: freed buffers are
 reused instead of page-faulted afresh); --no-malloc-tune measures glibc's defaults. --threads sets the codec's
-worker threads (default: one per core, at most 4). The machine's load average before and after the run
-and the process's CPU time are printed under the table: speeds on a shared machine depend on them.
+worker threads (default: one per core, at most 4). The machine's load average before and after the run and the
+process's CPU time are printed under the table: speeds on a shared machine depend on them.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import msgpack
 import numpy as np
@@ -126,6 +127,37 @@ def _median_time(fn: Callable[[], object], repeats: int) -> tuple[tuple[float, f
     return (statistics.median(walls), statistics.median(cpus)), out
 
 
+def _torch_save(tstate: dict[str, torch.Tensor]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(tstate, buf)
+    return buf.getvalue()
+
+
+def _torch_load(blob: bytes) -> dict[str, torch.Tensor]:
+    return torch.load(io.BytesIO(blob), weights_only=True)
+
+
+def _msgpack_pack(state: dict[str, np.ndarray]) -> bytes:
+    return msgpack.packb({k: v.tobytes() for k, v in state.items()})
+
+
+def _msgpack_unpack(blob: bytes) -> dict[str, np.ndarray]:
+    return {k: np.frombuffer(v, np.float32) for k, v in msgpack.unpackb(blob).items()}
+
+
+def _encode(state: dict[str, np.ndarray], spec: EncodingSpec, base: dict[str, np.ndarray] | None) -> bytes:
+    """What goes over the wire: encode_state and the envelope around it."""
+    env = Envelope(
+        Kind.UPDATE, "bench", 1, "c1", 0, {"n_samples": 1, "tensors": encode_state(state, spec, base)}
+    )
+    return pack(env, level=spec.level)
+
+
+def _decode(wire: bytes, manifest: Manifest, base: dict[str, np.ndarray] | None) -> dict:
+    """What the receiver does: unpack (digest, bounds) and decode_state (manifest, NaN/Inf checks)."""
+    return decode_state(unpack(wire).payload["tensors"], manifest, base)
+
+
 def _row(
     model: str,
     name: str,
@@ -167,42 +199,19 @@ def run(models: list[str], encodings: list[str], repeats: int = 5) -> list[dict]
 
         # baselines
         tstate = {k: torch.from_numpy(v) for k, v in state.items()}
-
-        def tsave() -> bytes:
-            buf = io.BytesIO()
-            torch.save(tstate, buf)
-            return buf.getvalue()
-
-        t_enc, blob = _median_time(tsave, repeats)
-        t_dec, _ = _median_time(lambda: torch.load(io.BytesIO(blob), weights_only=True), repeats)
+        t_enc, blob = _median_time(partial(_torch_save, tstate), repeats)
+        t_dec, _ = _median_time(partial(_torch_load, blob), repeats)
         rows.append(_row(model, "torch.save", nbytes, len(blob), t_enc, t_dec, 0.0))
-        t_enc, blob = _median_time(lambda: msgpack.packb({k: v.tobytes() for k, v in state.items()}), repeats)
-        t_dec, _ = _median_time(
-            lambda: {k: np.frombuffer(v, np.float32) for k, v in msgpack.unpackb(blob).items()}, repeats
-        )
+        t_enc, blob = _median_time(partial(_msgpack_pack, state), repeats)
+        t_dec, _ = _median_time(partial(_msgpack_unpack, blob), repeats)
         rows.append(_row(model, "msgpack raw bytes", nbytes, len(blob), t_enc, t_dec, 0.0))
         del blob, tstate
 
         for text in encodings:
             spec = EncodingSpec.parse(text)
             b = base if spec.delta else None
-
-            def enc() -> bytes:
-                env = Envelope(
-                    Kind.UPDATE,
-                    "bench",
-                    1,
-                    "c1",
-                    0,
-                    {"n_samples": 1, "tensors": encode_state(state, spec, b)},
-                )
-                return pack(env, level=spec.level)
-
-            def dec() -> dict:
-                return decode_state(unpack(enc_wire).payload["tensors"], manifest, b)
-
-            t_enc, enc_wire = _median_time(enc, repeats)
-            t_dec, out = _median_time(dec, repeats)
+            t_enc, enc_wire = _median_time(partial(_encode, state, spec, b), repeats)
+            t_dec, out = _median_time(partial(_decode, enc_wire, manifest, b), repeats)
             err = max(float(np.abs(out[k] - v).max()) for k, v in state.items())
             rows.append(_row(model, text, nbytes, len(enc_wire), t_enc, t_dec, err))
             del enc_wire, out
@@ -233,7 +242,8 @@ def format_table(rows: list[dict]) -> str:
         err = "0 (exact)" if r["max_abs_err"] == 0 else f"{r['max_abs_err']:.2e}"
         out.append(
             f"| {r['model']} | {r['encoding']} | {r['raw_mb']:.1f} | {r['wire_mb']:.2f} | {r['ratio']:.2f}× "
-            f"| {r['enc_mbs']:.0f} | {r['dec_mbs']:.0f} | {err} | {r['enc_cpu_mbs']:.0f} | {r['dec_cpu_mbs']:.0f} |"
+            f"| {r['enc_mbs']:.0f} | {r['dec_mbs']:.0f} | {err} "
+            f"| {r['enc_cpu_mbs']:.0f} | {r['dec_cpu_mbs']:.0f} |"
         )
     return "\n".join(out)
 
@@ -266,7 +276,8 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(rows))  # noqa: T201 - command-line output
     load1 = os.getloadavg()
     print(  # noqa: T201
-        f"\ncodec threads {codec_threads()}; load average (1/5/15 min) before {load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f}, "
+        f"\ncodec threads {codec_threads()}; "
+        f"load average (1/5/15 min) before {load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f}, "
         f"after {load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f}; wall {time.perf_counter() - wall0:.0f} s, "
         f"process CPU {time.process_time() - cpu0:.0f} s"
     )

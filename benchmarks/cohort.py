@@ -1,12 +1,13 @@
-"""``fedmq bench cohort``: a round's local training, the selected clients one after the other vs as one cohort.
+"""``fedmq bench cohort``: a round's local training,
+the selected clients one after the other vs as one cohort.
 
 The paper scale's client: the corpus with its full vocabulary split into K iid shards, GRU-small tied (or any
 preset), SGD momentum 0.5, B = 10, BPTT 35, dropout 0.2, E epochs (``max_steps`` caps a client's steps, for a
-CPU). For each cohort size n, clients 0..n-1 train from the same model, first alone (``Task.train`` each, what a
-simulation with one trainer does) and then together (``Task.train_cohort``); each is timed ``repeats`` times
+CPU). For each cohort size n, clients 0..n-1 train from the same model, first alone (``Task.train`` each, what
+a simulation with one trainer does) and then together (``Task.train_cohort``); each is timed ``repeats`` times
 and the medians are reported with their ratio, the largest parameter difference between the two results (the
-float summation order: it should stay near 1e-5) and, on CUDA, the peak GPU memory of the cohort.
-Run: ``fedmq bench cohort --data ptb --cohort 10,50 --device cuda``.
+float summation order: it should stay near 1e-5) and, on CUDA, the peak GPU memory of the cohort. Run: ``fedmq
+bench cohort --data ptb --cohort 10,50 --device cuda``.
 """
 
 from __future__ import annotations

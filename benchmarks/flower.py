@@ -10,11 +10,12 @@ BPTT 8, validation on one line, R rounds. Each system runs as its own process, o
 * the scaling curve: fedmq at K ∈ ``scale`` with ``selected`` clients per round.
 
 Reported per run: s/round (median of rounds 2..R), wire bytes/round (median; parameters sent to and received
-from the training clients: Flower's serialized ``Parameters``, fedmq's metrics.jsonl ``bytes_up + bytes_down``,
-which counts each model message once per client that reads it, and the announcements to every agent), and peak
-memory: the summed RSS of the run's whole process tree (Ray's raylet, GCS and workers included), sampled every
-0.2 s, which over-counts pages shared between processes; and the rise of the machine's used memory over
-what it was before the run, which does not (but sees everything else on the machine).
+from the training clients: Flower's serialized ``Parameters``, fedmq's metrics.jsonl
+``bytes_up + bytes_down``, which counts each model message once per client that reads it, and the
+announcements to every agent), and peak memory: the summed RSS of the run's whole process tree (Ray's raylet,
+GCS and workers included), sampled every 0.2 s, which over-counts pages shared between processes; and the rise
+of the machine's used memory over what it was before the run, which does not
+(but sees everything else on the machine).
 """
 
 from __future__ import annotations
@@ -236,14 +237,17 @@ def format_table(runs: list[Run]) -> str:
         return f"{value / ref:.2f}" if value and ref else "—"
 
     lines = [
-        "| run | s/round | × Flower | MB/round | × Flower | peak tree RSS GB | × Flower | peak used-memory rise GB | note |",
+        "| run | s/round | × Flower | MB/round | × Flower | peak tree RSS GB | × Flower "
+        "| peak used-memory rise GB | note |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         lines.append(
-            f"| {r.name} | {r.s_per_round or float('nan'):.2f} | {ratio(r.s_per_round, anchor and anchor.s_per_round)} "
-            f"| {(r.bytes_per_round or 0) / 1e6:.1f} | {ratio(r.bytes_per_round, anchor and anchor.bytes_per_round)} "
-            f"| {r.peak_tree_gb:.2f} | {ratio(r.peak_tree_gb, anchor and anchor.peak_tree_gb)} | {r.peak_used_gb:.2f} "
-            f"| {r.note} |"
+            f"| {r.name} | {r.s_per_round or float('nan'):.2f} "
+            f"| {ratio(r.s_per_round, anchor and anchor.s_per_round)} "
+            f"| {(r.bytes_per_round or 0) / 1e6:.1f} "
+            f"| {ratio(r.bytes_per_round, anchor and anchor.bytes_per_round)} "
+            f"| {r.peak_tree_gb:.2f} | {ratio(r.peak_tree_gb, anchor and anchor.peak_tree_gb)} "
+            f"| {r.peak_used_gb:.2f} | {r.note} |"
         )
     return "\n".join(lines)

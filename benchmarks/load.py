@@ -1,9 +1,10 @@
 """`fedmq bench load`: N lightweight agents over RabbitMQ against a real `fedmq aggregator run` process.
 
-The aggregator is the real service (a subprocess, tiny GRU language model, FedAvg, C = 1: every agent is selected
-every round). The agents are a *swarm* in this process: a few pika connections, each speaking for N/threads
-client ids. A swarm agent does not train: on each announce it uploads the announced global plus a little seeded
-noise (a synthetic update with the manifest's names and shapes), so the load is the protocol's, not the CPU's.
+The aggregator is the real service (a subprocess, tiny GRU language model, FedAvg, C = 1: every agent is
+selected every round). The agents are a *swarm* in this process: a few pika connections, each speaking for
+N/threads client ids. A swarm agent does not train: on each announce it uploads the announced global plus a
+little seeded noise (a synthetic update with the manifest's names and shapes),
+so the load is the protocol's, not the CPU's.
 
 Measured: folded updates per second (over the rounds' wall time), p50/p99 from an agent's broker-confirmed
 upload to the aggregator's round close (the moment the new global model that includes it exists), the
@@ -68,7 +69,8 @@ def _toml(job: dict[str, Any], task: dict[str, Any]) -> str:
 
 @dataclass
 class Swarm:
-    """``clients`` agents sharing ``threads`` connections; records confirmed uploads (client, round, id, time)."""
+    """``clients`` agents sharing ``threads`` connections; records confirmed uploads (client, round,
+    id, time)."""
 
     url: str
     job: str
@@ -93,7 +95,8 @@ class Swarm:
         inbox: list = []
         cond = threading.Condition()
         queue_name = f"fedmq.{self.job}.swarm.{seed}"
-        # one queue for the whole group: the global model is fanned out once per connection, not once per agent
+        # one queue for the whole group: the global model is fanned out once per connection,
+        # not once per agent
         ch_queue = self._declare_swarm_queue(queue_name)
 
         def on_announce(d) -> None:

@@ -1,12 +1,13 @@
 """Paired bootstrap (Koehn 2004) of two `nmt-domains` servers' per-domain mean BLEU, on the test pairs the
 experiment scores (``per_domain_test`` of each domain), seed by seed.
 
-    python scripts/bleu_bootstrap.py runs/exp15/nmt-domains pull-local-0.33-both pull-global-0.33-both --seeds 0,1,2
+    python scripts/bleu_bootstrap.py runs/exp15/nmt-domains \\
+        pull-local-0.33-both pull-global-0.33-both --seeds 0,1,2
 
 Each resample draws every domain's test sentences with replacement (the same draw for both servers) and scores
-sacreBLEU (13a, exponential smoothing, as ``corpus_bleu``) per domain from the sentences' summed statistics. It
-prints, per seed and for the mean over seeds, A − B with its 95 % interval and the share of resamples where A
-wins: how much of a difference between seeds' means the test set's own sampling could explain, which the
+sacreBLEU (13a, exponential smoothing, as ``corpus_bleu``) per domain from the sentences' summed statistics.
+It prints, per seed and for the mean over seeds, A − B with its 95 % interval and the share of resamples where
+A wins: how much of a difference between seeds' means the test set's own sampling could explain, which the
 experiment's sd over seeds does not include (one test set serves every seed).
 """
 

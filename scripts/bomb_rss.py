@@ -2,8 +2,8 @@
 
 Starts the aggregator (default task, identity shared:guest) on a fresh job, waits until it consumes its inbox,
 resets its peak RSS (/proc/PID/clear_refs), publishes one small update whose zstd body declares SIZE bytes of
-zeros, waits for the rejection in its log and prints its VmRSS before and VmHWM after. Then stops it and deletes
-the job's queues.
+zeros, waits for the rejection in its log and prints its VmRSS before and VmHWM after.
+Then stops it and deletes the job's queues.
 
     python scripts/bomb_rss.py [--broker URL] [--size-mib 2048]
 """

@@ -93,8 +93,8 @@ def layers(ax):
         0.20,
         "broker",
         "transport: Broker interface, Subscription, RabbitMQ (pika) and\n"
-        "in-process backends, reassembly, topology, provisioning, TLS, URLs\nwire (below it): envelope, encodings, "
-        "chunk frames, protocol messages (typed RoundConfig)",
+        "in-process backends, reassembly, topology, provisioning, TLS, URLs\n"
+        "wire (below it): envelope, encodings, chunk frames, protocol messages (typed RoundConfig)",
         GREEN,
     )
     box(
@@ -104,9 +104,8 @@ def layers(ax):
         0.94,
         0.19,
         "fedmq  (import fedmq: the public API)",
-        "errors, checks, tensor manifest, "
-        "tasks (models, data, local training),\npulling rule, plugins (package.module:Class); imports nothing "
-        "above",
+        "errors, checks, tensor manifest, tasks (models, data, local training),\n"
+        "pulling rule, plugins (package.module:Class); imports nothing above",
         PURPLE,
     )
     ax.set_xlim(0, 1)

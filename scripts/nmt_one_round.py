@@ -1,11 +1,11 @@
 """One FedAvg round of `nmt-domains` by hand, to see what averaging does to the clients' gains.
 
 From the experiment's cached pre-trained engine (OUT/nmt-domains/pretrained.pt, written by
-``fedmq experiment nmt-domains``), each client fine-tunes for one local epoch at each given learning rate, the five
-models are averaged by the engine's FedAvg strategy (n_k weights), and the pre-trained engine, each client and the
-average are scored on every domain's test pairs: sacreBLEU of greedy output and cross-entropy (nats a token,
-teacher forcing). Prints one JSON line a model. An investigation (docs/results.md, section 8), not part of the
-experiment:
+``fedmq experiment nmt-domains``), each client fine-tunes for one local epoch at each given learning rate, the
+five models are averaged by the engine's FedAvg strategy (n_k weights), and the pre-trained engine, each
+client and the average are scored on every domain's test pairs: sacreBLEU of greedy output and cross-entropy
+(nats a token, teacher forcing). Prints one JSON line a model. An investigation (docs/results.md,
+section 8), not part of the experiment:
 
     python scripts/nmt_one_round.py runs/exp16 --lr 5e-4,1e-4 [--threads 1]
 """
