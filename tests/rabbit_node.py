@@ -60,8 +60,8 @@ def free_port() -> int:
 
     A node that a test restarts must bind its ports again. The kernel draws the local port of every outgoing
     connection on the machine from the ephemeral range, so a port picked there (bind to port 0) can be held by
-    some client's connection at the moment of the restart: the listener then fails with eaddrinuse (it happened
-    to the management listener after ``stop_app``) and every later test on the node fails with it."""
+    some client's connection at the moment of the restart: the listener then fails with eaddrinuse (it
+    happened to the management listener after ``stop_app``) and every later test on the node fails with it."""
     rng, high = random.SystemRandom(), max(_ephemeral_low() - 1, 10001)
     for _ in range(500):
         port = rng.randint(10000, high)

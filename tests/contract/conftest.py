@@ -12,7 +12,8 @@ from fedmq.broker.transport.queues import job_queues
 
 @pytest.fixture(params=["memory", "rabbitmq"])
 def url(request, job_id):
-    """A broker URL of each backend; on RabbitMQ the job's queues (agent ``agent-0``) are deleted afterwards."""
+    """A broker URL of each backend; on RabbitMQ the job's queues
+    (agent ``agent-0``) are deleted afterwards."""
     if request.param == "memory":
         yield f"memory://contract-{uuid.uuid4().hex[:8]}"
         return

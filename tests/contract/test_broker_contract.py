@@ -66,7 +66,8 @@ AGENTS = ("a1", "a2")
 
 @pytest.fixture(params=["memory", "rabbitmq"])
 def make(request: pytest.FixtureRequest, job_id: str) -> Iterator[Callable[..., Broker]]:
-    """make(**kw) -> a new connection to the backend under test; all closed (and the job deleted) at teardown."""
+    """make(**kw) -> a new connection to the backend under test; all closed
+    (and the job deleted) at teardown."""
     if request.param == "memory":
         url = f"memory://contract-{uuid.uuid4().hex[:8]}"
     else:

@@ -1,5 +1,6 @@
 """A chunked message whose sender died mid-upload is dropped after the chunk timeout on both backends: its
-held chunks are rejected (nothing stays unacked, so nothing is redelivered later), and so is a straggler chunk."""
+held chunks are rejected (nothing stays unacked, so nothing is redelivered later),
+and so is a straggler chunk."""
 
 from __future__ import annotations
 

@@ -63,7 +63,8 @@ def test_a_chunked_model_is_read_whole_by_id_by_every_reader(url, job_id):
 
 
 def test_a_model_a_reader_cannot_see_is_one_clear_error(url, job_id):
-    """Not in the stream at all, or published before the reader's start: BrokerError, and the reader still works."""
+    """Not in the stream at all, or published before the reader's start: BrokerError,
+    and the reader still works."""
     agg, readers = _pair(url, job_id)
     try:
         agg.publish(t.rk_model(job_id), b"m", message_id="present")

@@ -107,7 +107,8 @@ def test_every_object_validates_against_the_kubernetes_schemas(rendered: dict[st
                 validate_object(obj)
             except (kubernetes_validate.ValidationError, jsonschema.ValidationError) as exc:
                 pytest.fail(
-                    f"{name}: {obj['kind']}/{obj['metadata']['name']}: {'.'.join(map(str, exc.path))}: {exc.message}"
+                    f"{name}: {obj['kind']}/{obj['metadata']['name']}: "
+                    f"{'.'.join(map(str, exc.path))}: {exc.message}"
                 )
             checked += 1
     assert checked >= 3 * 20
@@ -224,7 +225,7 @@ def test_fedmq_pods_have_no_api_token_and_no_secrets_in_env(rendered: dict[str, 
 
 
 def test_probes_use_the_metrics_server(rendered: dict[str, list[Obj]]) -> None:
-    for name, objs in rendered.items():
+    for objs in rendered.values():
         for kind, obj_name, cname in [
             ("Deployment", "fedmq-aggregator", "aggregator"),
             ("StatefulSet", "fedmq-agent", "agent"),
@@ -251,7 +252,7 @@ def test_aggregator_is_an_active_and_a_hot_standby_on_one_checkpoint_volume(
         assert find(objs, "PodDisruptionBudget", "fedmq-aggregator")["spec"]["minAvailable"] == 1
     dev = find(rendered["dev"], "Deployment", "fedmq-aggregator")
     assert dev["spec"]["replicas"] == 1 and dev["spec"]["strategy"] == {"type": "Recreate"}
-    for name, objs in rendered.items():
+    for objs in rendered.values():
         dep = find(objs, "Deployment", "fedmq-aggregator")
         c = container(dep, "aggregator")
         assert c["args"][:2] == ["aggregator", "run"]
@@ -265,7 +266,7 @@ def test_aggregator_is_an_active_and_a_hot_standby_on_one_checkpoint_volume(
 
 
 def test_job_config_is_a_valid_fedmq_job(rendered: dict[str, list[Obj]]) -> None:
-    for name, objs in rendered.items():
+    for objs in rendered.values():
         text = find_prefix(objs, "ConfigMap", "fedmq-job")["data"]["job.toml"]
         cfg = JobConfig.from_dict(tomllib.loads(text))
         agg = container(find(objs, "Deployment", "fedmq-aggregator"), "aggregator")
@@ -413,7 +414,7 @@ def test_chaos_overlay_runs_agents_with_a_markov_availability_model(rendered: di
 
 
 def test_network_policies_let_agents_reach_only_the_broker(rendered: dict[str, list[Obj]]) -> None:
-    for name, objs in rendered.items():
+    for objs in rendered.values():
         deny = find(objs, "NetworkPolicy", "default-deny-all")["spec"]
         assert deny == {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}
         for who in ("fedmq-agent", "fedmq-aggregator"):

@@ -1,6 +1,7 @@
-"""Decompression bombs against a running aggregator on the shared RabbitMQ: each is rejected with reason "bomb"
-while the aggregator's peak memory grows by less than one model's worth (plus interpreter slack), the rejected
-messages wait in the job's dead-letter queue, and the round then completes with the real agents' updates.
+"""Decompression bombs against a running aggregator on the shared RabbitMQ: each is rejected with reason
+"bomb" while the aggregator's peak memory grows by less than one model's worth (plus interpreter slack), the
+rejected messages wait in the job's dead-letter queue,
+and the round then completes with the real agents' updates.
 
 Peak memory is this process's VmHWM (the engine runs in-process), reset before each bomb through
 /proc/self/clear_refs, so it measures what handling that one message cost.
@@ -136,8 +137,9 @@ def test_bombs_cost_less_than_a_model_and_the_round_goes_on(rabbit_url, job_id, 
         tensors = encode_state(state, EncodingSpec.parse("raw"))
         plane = tensors["t"][0]["p"][0]  # [codec, size, data]: swap in a frame declaring INFLATED bytes
         tensors["t"][0]["p"][0] = [1, plane[1], _zeros_frame(b"", INFLATED, declare=True)]
-        # from agent-0, the first in the round's fold order: it is decoded (and rejected) at once; a later client's
-        # update waits, unacked and undecoded, for its turn (engine._fold_in_order), which costs no memory either
+        # from agent-0, the first in the round's fold order: it is decoded (and rejected) at once; a later
+        # client's update waits, unacked and undecoded, for its turn (engine._fold_in_order),
+        # which costs no memory either
         blob_bomb = messages.encode(messages.update(job_id, 1, "agent-0", 0, 1.0, 10, tensors), level=0)
         bombs = {
             "envelope declaring 256 MiB": _wire(
@@ -195,9 +197,9 @@ def test_bombs_cost_less_than_a_model_and_the_round_goes_on(rabbit_url, job_id, 
 
 
 def test_incomplete_chunked_updates_are_bounded_by_the_manifest(rabbit_url, job_id, task, tmp_path):
-    """One sender leaves chunked messages incomplete (all chunks but the last): the aggregator holds at most two
-    update-sized messages of that sender, refuses a message larger than an update at its first chunk, and the
-    refused chunks wait in the dead-letter queue. (Before: up to 4 GiB per consumer, for 300 s.)"""
+    """One sender leaves chunked messages incomplete (all chunks but the last): the aggregator holds at most
+    two update-sized messages of that sender, refuses a message larger than an update at its first chunk, and
+    the refused chunks wait in the dead-letter queue. (Before: up to 4 GiB per consumer, for 300 s.)"""
     cfg = JobConfig(
         job=job_id,
         rounds=1,

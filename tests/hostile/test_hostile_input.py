@@ -1,12 +1,13 @@
 """Hostile input over a real broker (an isolated RabbitMQ node with one user per agent, strict identity).
 
-While round 1 is open (the legitimate agents are selected but have not trained yet), the test sends, with valid
-and forged identities: random bytes, truncated and bit-flipped envelopes, zstd and msgpack bombs, tensors with
-wrong names / shapes / dtypes, NaN and Inf, updates for closed and future rounds, replays, a client id that
-differs from the AMQP user, a forged AMQP user_id (refused by RabbitMQ itself), bad, duplicate and never-completed
-chunks, and then ~1500 hypothesis-generated messages. Every message must be rejected or dropped with a reason and
-a counter (predicted per message), the aggregator keeps running, and the global model stays unchanged. Then the
-real agents run round 1: the global model is exactly FedAvg of their updates, and nothing else was folded.
+While round 1 is open (the legitimate agents are selected but have not trained yet), the test sends, with
+valid and forged identities: random bytes, truncated and bit-flipped envelopes, zstd and msgpack bombs,
+tensors with wrong names / shapes / dtypes, NaN and Inf, updates for closed and future rounds, replays, a
+client id that differs from the AMQP user, a forged AMQP user_id (refused by RabbitMQ itself), bad, duplicate
+and never-completed chunks, and then ~1500 hypothesis-generated messages. Every message must be rejected or
+dropped with a reason and a counter (predicted per message), the aggregator keeps running, and the global
+model stays unchanged. Then the real agents run round 1: the global model is exactly FedAvg of their updates,
+and nothing else was folded.
 """
 
 from __future__ import annotations
@@ -131,7 +132,6 @@ def test_hostile_messages_are_rejected_and_change_nothing(rabbit_node, job_id, t
             time.sleep(0.05)
         assert engine.phase == "training" and engine.round == 1
         before = {k: v.clone() for k, v in engine.global_state.items()}
-        expected_rejects: dict[str, int] = {}
 
         sent = 0
 
@@ -222,7 +222,7 @@ def test_hostile_messages_are_rejected_and_change_nothing(rabbit_node, job_id, t
         )
         assert engine.inbox.dropped.get("not-selected", 0) == 1
 
-        # ---------------------------------------------------------------- forged AMQP user_id: RabbitMQ refuses
+        # -------------------------------------------------------------- forged AMQP user_id: RabbitMQ refuses
         params = pika.URLParameters(_user_url(node, MALLORY))
         conn = pika.BlockingConnection(params)
         ch = conn.channel()
@@ -238,7 +238,7 @@ def test_hostile_messages_are_rejected_and_change_nothing(rabbit_node, job_id, t
         assert refused.value.reply_code == 406
         conn.close()
 
-        # ---------------------------------------------------------------- chunks: bad, duplicate, never complete
+        # ------------------------------------------------------------- chunks: bad, duplicate, never complete
         ch_conn = pika.BlockingConnection(pika.URLParameters(_user_url(node, MALLORY)))
         cch = ch_conn.channel()
         cch.confirm_delivery()
@@ -255,7 +255,7 @@ def test_hostile_messages_are_rejected_and_change_nothing(rabbit_node, job_id, t
             cch.basic_publish(topology.EXCHANGE, topology.rk_update(job_id, MALLORY), encode_chunk(c), hdr)
         ch_conn.close()
 
-        # ---------------------------------------------------------------- hypothesis: thousands of generated messages
+        # -------------------------------------------------------- hypothesis: thousands of generated messages
         ids = st.sampled_from(["agent-0", "agent-1", MALLORY, "x", "", "../etc", "a" * 70])
         kinds = st.sampled_from(
             ["presence", "announce", "report", "grant", "update", "model", "bogus", 3, None]
@@ -358,8 +358,9 @@ def test_hostile_messages_are_rejected_and_change_nothing(rabbit_node, job_id, t
         for k, v in before.items():
             assert torch.equal(engine.global_state[k], v)
         print(
-            f"hostile: {sent} messages in total, {fuzz_s:.1f}s of fuzzing; rejected={dict(engine.inbox.rejected)} "
-            f"dropped={dict(engine.inbox.dropped)} presence accepted={presence_ok}"
+            f"hostile: {sent} messages in total, {fuzz_s:.1f}s of fuzzing; "
+            f"rejected={dict(engine.inbox.rejected)} dropped={dict(engine.inbox.dropped)} "
+            f"presence accepted={presence_ok}"
         )
 
         # ---------------------------------------------------------------- the real agents finish round 1

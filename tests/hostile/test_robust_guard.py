@@ -1,4 +1,5 @@
-"""The optional robust guard (JobConfig.robust) against an authenticated but faulty agent, in-process broker."""
+"""The optional robust guard (JobConfig.robust) against an authenticated but faulty agent,
+in-process broker."""
 
 from __future__ import annotations
 

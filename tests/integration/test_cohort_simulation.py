@@ -1,5 +1,5 @@
-"""`fedmq simulate --cohort`: a round's selected agents train as one batched model, and the federation ends where
-the one-at-a-time run ends (up to float summation order)."""
+"""`fedmq simulate --cohort`: a round's selected agents train as one batched model, and the federation ends
+where the one-at-a-time run ends (up to float summation order)."""
 
 from __future__ import annotations
 

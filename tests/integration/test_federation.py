@@ -1,4 +1,5 @@
-"""End-to-end rounds over the in-process broker and over real RabbitMQ with several agents and a tiny model."""
+"""End-to-end rounds over the in-process broker and over real RabbitMQ with several agents and a tiny
+model."""
 
 from __future__ import annotations
 
@@ -105,7 +106,8 @@ def test_fedmed_topk_grants_lowest_losses(federation, task, tmp_path):
 
 
 def test_dead_agents_do_not_hang_a_round(federation, task, tmp_path):
-    """Agents that crash during training: the round closes at its deadline, as skipped when below the minimum."""
+    """Agents that crash during training: the round closes at its deadline,
+    as skipped when below the minimum."""
     from fedmq.client_agent.availability import parse_faults
 
     cfg = JobConfig(
@@ -200,8 +202,8 @@ def test_round_closes_early_when_selected_agents_go_offline(federation, task, tm
 
 
 def test_dynamic_pulling_in_both_directions(federation, task, tmp_path):
-    """--pull-down: after the first round the server pushes only the tensors its rule picks (by their change since
-    the previous global), and each agent trains from those plus its own values for the rest."""
+    """--pull-down: after the first round the server pushes only the tensors its rule picks (by their change
+    since the previous global), and each agent trains from those plus its own values for the rest."""
     from fedmq.client_agent.agent import Agent
 
     seen: dict[str, list] = {}
@@ -270,8 +272,8 @@ def test_pull_down_config_errors():
 
 
 def test_selection_counts_every_queued_heartbeat(task, tmp_path):
-    """Heartbeats that queued while the aggregator was busy all count: selection samples from every live agent,
-    not from the first few read (which made the seeded sampling a no-op in the experiments)."""
+    """Heartbeats that queued while the aggregator was busy all count: selection samples from every live
+    agent, not from the first few read (which made the seeded sampling a no-op in the experiments)."""
     from fedmq.aggregator.engine import Engine
     from fedmq.broker.transport import topology
     from fedmq.broker.transport.connect import connect
@@ -300,9 +302,10 @@ def test_selection_counts_every_queued_heartbeat(task, tmp_path):
 
 
 def test_upload_only_pulling_keeps_unsent_tensors_private(federation, task, tmp_path):
-    """Dynamic pulling upwards only (Passban et al.: unsent tensors are "protected from external updates and only
-    modified using local data"): a DP_l client starts round 3 from the global model for the tensors it sent in
-    round 2 and from its own trained values for the rest (in round 1, with no previous model, it sends all)."""
+    """Dynamic pulling upwards only (Passban et al.: unsent tensors are "protected from external updates and
+    only modified using local data"): a DP_l client starts round 3 from the global model for the tensors it
+    sent in round 2 and from its own trained values for the rest (in round 1, with no previous model,
+    it sends all)."""
     from fedmq.client_agent.agent import Agent
 
     starts: dict[str, dict[int, dict]] = {}

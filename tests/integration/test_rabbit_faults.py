@@ -1,4 +1,5 @@
-"""RabbitMQ backend under faults, on a private node: restarts, forced closes, big messages, TLS, heartbeats."""
+"""RabbitMQ backend under faults, on a private node: restarts, forced closes, big messages,
+TLS, heartbeats."""
 
 from __future__ import annotations
 
@@ -102,7 +103,8 @@ def test_broker_restart_via_stop_app_loses_no_confirmed_update(rabbit_node, job_
 
 def test_broker_kill9_loses_no_confirmed_update(rabbit_node, job_id):
     # RabbitMQ 3.10 records a new quorum queue's Ra registration in a DETS table it syncs every few minutes;
-    # a kill -9 before that loses the queue itself. A graceful restart persists it, as time would in production.
+    # a kill -9 before that loses the queue itself. A graceful restart persists it,
+    # as time would in production.
     with connect(rabbit_node.url) as b:
         b.declare_job(job_id, ["a1"])
     rabbit_node.stop_app()
@@ -130,8 +132,8 @@ def test_connection_closed_by_broker_recovers_on_its_own(rabbit_node, job_id):
 
 
 def test_a_lost_confirm_is_published_again_on_a_new_channel(rabbit_node, job_id):
-    """Confirms that never come (lost in a quorum queue's leader change) hold the publisher only confirm_stall_s,
-    not the publish deadline: the unconfirmed parts go out again on a new channel, once."""
+    """Confirms that never come (lost in a quorum queue's leader change) hold the publisher only
+    confirm_stall_s, not the publish deadline: the unconfirmed parts go out again on a new channel, once."""
     agg = connect(rabbit_node.url)
     agent = connect(rabbit_node.url, chunk_limit=64 * 1024, confirm_stall_s=1.0, publish_timeout=60)
     try:
@@ -169,8 +171,8 @@ def test_a_lost_confirm_is_published_again_on_a_new_channel(rabbit_node, job_id)
 
 
 def test_a_nacked_publish_is_retried_on_a_new_channel(rabbit_node, job_id):
-    """A channel that nacks (after a failover, one may nack every publish to a quorum queue whose leader moved)
-    is given up: the retry goes out on a new channel and the message arrives once."""
+    """A channel that nacks (after a failover, one may nack every publish to a quorum queue whose leader
+    moved) is given up: the retry goes out on a new channel and the message arrives once."""
     import pika
 
     agg = connect(rabbit_node.url)

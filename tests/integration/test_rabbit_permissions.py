@@ -208,7 +208,8 @@ def test_admin_choice_by_broker_location(monkeypatch):
 
 def test_provision_configures_the_node_the_url_names(rabbit_node, tmp_path):
     """A local URL's port decides the broker: rabbitmqctl's default node listening elsewhere is one line and
-    nothing is configured anywhere; FEDMQ_RABBITMQ_NODE names the node of that port, which then gets the users."""
+    nothing is configured anywhere; FEDMQ_RABBITMQ_NODE names the node of that port,
+    which then gets the users."""
     import subprocess
     import sys
     from pathlib import Path
@@ -263,8 +264,8 @@ def test_provision_configures_the_node_the_url_names(rabbit_node, tmp_path):
 
 
 def test_two_jobs_in_one_vhost_are_isolated(rabbit_url):
-    """Provisioning job B (same client ids, same vhost) leaves job A's users as they were, and no user of B can
-    read, write, bind to or delete anything of A."""
+    """Provisioning job B (same client ids, same vhost) leaves job A's users as they were, and no user of B
+    can read, write, bind to or delete anything of A."""
     tag = uuid.uuid4().hex[:8]
     vhost, job_a, job_b, agents = f"fedmqt-{tag}", f"ja{tag}", f"jb{tag}", ["agent-0"]
     admin = prov.CtlAdmin()

@@ -186,7 +186,8 @@ def test_a_model_published_before_its_announced_time_is_still_found(task, monkey
 
 
 def _feedback_run(federation, task, tmp_path, name: str, **kw):
-    """Three clients, every one selected every round, top-5 % deltas up, raw down; records what each agent kept."""
+    """Three clients, every one selected every round, top-5 % deltas up, raw down;
+    records what each agent kept."""
     from fedmq.broker.wire.encodings import decode_state
     from fedmq.client_agent.agent import Agent
 
@@ -218,10 +219,11 @@ def _feedback_run(federation, task, tmp_path, name: str, **kw):
 def test_error_feedback_delays_what_topk_leaves_out_and_loses_nothing(federation, task, tmp_path):
     engine, agents, seen = _feedback_run(federation, task, tmp_path, "ef")
     assert set(seen) == {a.client for a in agents} and all(len(v) == 4 for v in seen.values())
-    for client, rounds in seen.items():
+    for rounds in seen.values():
         for i, r in enumerate(rounds):
             for k, up in r["upload_delta"].items():
-                # nothing is lost: what the aggregator decodes plus what is kept is exactly what was to be sent
+                # nothing is lost: what the aggregator decodes plus what is kept is exactly what was to be
+                # sent
                 torch.testing.assert_close(r["sent"][k] + r["after"][k], up, rtol=0, atol=1e-6)
                 # top-k keeps 5 %: most of the change waits in the residual
                 assert int((r["sent"][k] != 0).sum()) <= max(1, int(0.05 * up.numel()) + 1)

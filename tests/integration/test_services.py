@@ -1,4 +1,5 @@
-"""`fedmq aggregator run` and `fedmq agent run` as separate processes over RabbitMQ, with metrics and status."""
+"""`fedmq aggregator run` and `fedmq agent run` as separate processes over RabbitMQ,
+with metrics and status."""
 
 from __future__ import annotations
 
@@ -135,7 +136,7 @@ def test_aggregator_and_agents_as_services(tmp_path, rabbit_url, job_id, free_po
             except OSError:
                 continue
         assert completed.search(metrics), metrics
-        assert re.search(r'fedmq_queue_depth\{queue="fedmq\.%s\.inbox"\} \d' % job_id, metrics)
+        assert re.search(rf'fedmq_queue_depth\{{queue="fedmq\.{job_id}\.inbox"\}} \d', metrics)
         assert urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5).status == 200
         status = subprocess.run(
             fedmq("status", "--broker", rabbit_url, "--job", job_id, "--run-dir", str(state), "--json"),

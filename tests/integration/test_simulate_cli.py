@@ -221,8 +221,9 @@ def test_simulate_keep_queues_leaves_them(tmp_path, rabbit_url):
 
 
 def test_an_agent_failure_ends_the_simulation_at_once_with_one_line(tmp_path):
-    """A failing agent thread (here: its training raises) stops the run within seconds, not at the 300 s report
-    deadline, and the user sees the first cause in one line (exit 1); the traceback is in the run's log."""
+    """A failing agent thread (here: its training raises) stops the run within seconds, not at the 300 s
+    report deadline, and the user sees the first cause in one line (exit 1);
+    the traceback is in the run's log."""
     from fedmq.aggregator.config import JobConfig
     from fedmq.simulation import Simulation, SimulationFailed
     from fedmq.tasks.lm import LanguageModelTask
@@ -334,12 +335,13 @@ def test_config_file_run_then_resume_from_the_saved_options_alone(tmp_path):
 
 
 def test_a_second_run_of_the_same_job_in_one_process_starts_clean(tmp_path):
-    """The in-process hub lives as long as the process: a run of the same job after another (the experiments' seeds)
-    must not read the first run's leftovers. Before the purge, in `scripts/reproduce.py table2 --seeds 0,1` (K = 20)
-    the first run's last heartbeats and goodbyes were still in the inbox: the second run counted the old agents
-    online, selected at once, then took their goodbyes for its selected agents leaving, and closed round 1 with no
-    update (every seed after the first lost a round). How many leftovers a run leaves depends on timing; what the
-    fix guarantees does not: the job's queues are gone after each run, and the next run's rounds are whole."""
+    """The in-process hub lives as long as the process: a run of the same job after another (the experiments'
+    seeds) must not read the first run's leftovers. Before the purge, in
+    `scripts/reproduce.py table2 --seeds 0,1` (K = 20) the first run's last heartbeats and goodbyes were still
+    in the inbox: the second run counted the old agents online, selected at once, then took their goodbyes for
+    its selected agents leaving, and closed round 1 with no update (every seed after the first lost a round).
+    How many leftovers a run leaves depends on timing; what the fix guarantees does not: the job's queues are
+    gone after each run, and the next run's rounds are whole."""
     from fedmq.aggregator.config import JobConfig
     from fedmq.broker.transport.connect import connect
     from fedmq.simulation import Simulation

@@ -1,7 +1,8 @@
 """Small runs on the real corpora in $FEDMQ_DATA_DIR (skipped without them): local training lowers
 validation perplexity and raises BLEU.
 
-First few thousand lines, tiny models, one thread; each case stays well under a minute on a busy 2-core machine.
+First few thousand lines, tiny models, one thread; each case stays well under a minute on a busy 2-core
+machine.
 """
 
 from __future__ import annotations

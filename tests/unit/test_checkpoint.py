@@ -133,8 +133,10 @@ def test_kill_9_during_saves_leaves_a_loadable_checkpoint(tmp_path):
         "r = 0\n"
         "while True:\n"
         "    r += 1\n"
-        f"    save_checkpoint({str(tmp_path)!r}, round=r, model_version=r, global_state={{'w': torch.full((1_000_000,), float(r))}},\n"
-        "                    strategy_state={}, mediator_state={}, rng_state=None, folded={r: ['u']}, extra={})\n"
+        f"    save_checkpoint({str(tmp_path)!r}, round=r, model_version=r, "
+        "global_state={'w': torch.full((1_000_000,), float(r))},\n"
+        "                    strategy_state={}, mediator_state={}, rng_state=None, folded={r: ['u']}, "
+        "extra={})\n"
         "    print(r, flush=True)\n"
     )
     for delay in (0.05, 0.3, 0.7):

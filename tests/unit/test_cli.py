@@ -1,4 +1,5 @@
-"""The fedmq CLI: help on every command, and every documented user error is one line, exit code 2, no traceback."""
+"""The fedmq CLI: help on every command, and every documented user error is one line, exit code 2,
+no traceback."""
 
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ def test_user_errors_are_one_line(args, needle, tmp_path):
     assert needle.lower() in err.lower()
 
 
-# --------------------------------------------------------------------------------------------- help at 80 columns
+# ----------------------------------------------------------------------------------------- help at 80 columns
 ALL_COMMANDS = [
     [],
     ["simulate"],
@@ -230,11 +231,12 @@ def test_model_catalog_matches_the_models():
     assert MODELS == {"lm": tuple(PRESETS), "nmt": tuple(CONFIGS)}
 
 
-# --------------------------------------------------------------------------------------------- fast, torch-free checks
+# ------------------------------------------------------------------------------------ fast, torch-free checks
 def fedmq_torch_probe(*args: str) -> tuple[subprocess.CompletedProcess, bool]:
     """Run the CLI in-process under a probe that reports whether torch was imported by the time it exited."""
     code = (
-        "import atexit, sys; atexit.register(lambda: sys.__stdout__.write('TORCH=%s' % ('torch' in sys.modules)));"
+        "import atexit, sys; "
+        "atexit.register(lambda: sys.__stdout__.write('TORCH=%s' % ('torch' in sys.modules)));"
         f"sys.argv = ['fedmq', *{list(args)!r}]; from fedmq.cli.app import main; main()"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
@@ -321,7 +323,7 @@ def test_connection_errors_read_as_words_not_exception_classes(tmp_path):
     assert not (tmp_path / "run").exists()  # created once the flags were valid, removed again on the failure
 
 
-# --------------------------------------------------------------------------------------------- run folder mistakes
+# ---------------------------------------------------------------------------------------- run folder mistakes
 def one_line_error(proc: subprocess.CompletedProcess, needle: str) -> None:
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     err = proc.stderr.strip()
@@ -361,7 +363,7 @@ def test_resume_needs_out():
     one_line_error(fedmq("simulate", "--resume"), "--out")
 
 
-# --------------------------------------------------------------------------------------------- option resolution
+# ------------------------------------------------------------------------------------------ option resolution
 def plan(*args: str, saved: dict | None = None):
     import typer
 

@@ -248,7 +248,8 @@ def test_fuzz_decode_chunk(data: st.DataObject) -> None:
 
 
 def test_frames_are_plain_msgpack_and_decode_without_copying() -> None:
-    """encode_chunk writes the bytes msgpack.packb would (wire-compatible); decode_chunk views a bytes frame."""
+    """encode_chunk writes the bytes msgpack.packb would (wire-compatible);
+    decode_chunk views a bytes frame."""
     for size, limit in ((300, 100), (70_000, 66_000), (5, 100), (0, 100)):
         body = os.urandom(size)
         for c in split(body, "\U0001f600" * 128, limit):  # the longest msg_id, 4 UTF-8 bytes per char

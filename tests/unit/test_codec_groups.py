@@ -1,4 +1,5 @@
-"""Byte-group layouts of shuffled arrays: what the encoder writes, every valid layout decodes, lies rejected."""
+"""Byte-group layouts of shuffled arrays: what the encoder writes, every valid layout decodes,
+lies rejected."""
 
 from __future__ import annotations
 

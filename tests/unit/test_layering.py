@@ -1,8 +1,9 @@
-"""The import graph of fedmq's packages (every import statement, also inside functions and TYPE_CHECKING blocks):
-layers import one way and no module imports itself back through others (README "Layout").
+"""The import graph of fedmq's packages (every import statement, also inside functions and TYPE_CHECKING
+blocks): layers import one way and no module imports itself back through others (README "Layout").
 
-The public names of ``import fedmq`` (fedmq/__init__.py) are resolved by name on first use, so that importing the
-bottom layer never loads the layers above: test_public_names_resolve_and_the_bottom_layer_loads_nothing_above."""
+The public names of ``import fedmq`` (fedmq/__init__.py) are resolved by name on first use, so that importing
+the bottom layer never loads the layers above:
+test_public_names_resolve_and_the_bottom_layer_loads_nothing_above."""
 
 from __future__ import annotations
 
@@ -20,10 +21,10 @@ FOLDERS = {
     "fedmq": "fedmq",
     **tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"],
 }
-# the layers, bottom to top, and what each may import besides itself: the shared bottom layer (fedmq's own modules:
-# errors, checks, files, tasks, the pulling rule), the transport (broker), the two sides of a federation (never
-# each other), the in-process federation that wires them (simulation), the benchmarks, then the CLI on top.
-# A module belongs to the longest prefix below that names it.
+# the layers, bottom to top, and what each may import besides itself: the shared bottom layer (fedmq's own
+# modules: errors, checks, files, tasks, the pulling rule), the transport (broker), the two sides of a
+# federation (never each other), the in-process federation that wires them (simulation), the benchmarks, then
+# the CLI on top. A module belongs to the longest prefix below that names it.
 ALLOWED = {
     "fedmq": set(),
     "fedmq.broker": {"fedmq"},
@@ -46,8 +47,8 @@ ALLOWED = {
         "fedmq.benchmarks",
     },
 }
-# inside broker: the wire format (bytes in, bytes out) below the transport that carries it; every broker module
-# is in one of the two
+# inside broker: the wire format (bytes in, bytes out) below the transport that carries it;
+# every broker module is in one of the two
 SUBLAYERS = {
     "fedmq.broker.wire": {"fedmq", "fedmq.broker.wire"},
     "fedmq.broker.transport": {"fedmq", "fedmq.broker.wire", "fedmq.broker.transport"},
@@ -155,7 +156,8 @@ def test_inside_broker_the_wire_format_sits_below_the_transport():
 
 
 PIKA_PRIVATE = ROOT / "broker" / "transport" / "pika_private.py"
-# pika's private attributes the RabbitMQ backend uses (and _adapter, another way in); only PIKA_PRIVATE names them
+# pika's private attributes the RabbitMQ backend uses (and _adapter, another way in);
+# only PIKA_PRIVATE names them
 PIKA_PRIVATES = re.compile(
     r"\._impl\b|\._transport\b|\._adapter|_MAX_RECV_BYTES|_closing_reason|_raise_if_not_open"
     r"|_send_method"
@@ -177,8 +179,8 @@ def test_only_pika_private_touches_pikas_private_attributes():
 
 
 def test_nothing_imports_a_folder_by_its_name_instead_of_its_package():
-    """``broker``, ``cli`` … are folders of the repository, not packages: code, tests and scripts import them as
-    ``fedmq.broker``, ``fedmq.cli`` …; the old names would only work from a checkout's root, if at all."""
+    """``broker``, ``cli`` … are folders of the repository, not packages: code, tests and scripts import them
+    as ``fedmq.broker``, ``fedmq.cli`` …; the old names would only work from a checkout's root, if at all."""
     folders = set(FOLDERS.values()) - {"fedmq"}
     paths = [*_modules().values(), *(ROOT / "tests").rglob("*.py"), *(ROOT / "scripts").rglob("*.py")]
     wrong = []

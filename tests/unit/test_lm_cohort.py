@@ -1,5 +1,6 @@
-"""Training a round's clients together (fedmq.tasks.lm_cohort, client_agent.trainers.CohortPool): each client ends
-where training it alone would have left it, up to float summation order, in every regime the batched loop takes."""
+"""Training a round's clients together (fedmq.tasks.lm_cohort, client_agent.trainers.CohortPool): each client
+ends where training it alone would have left it, up to float summation order,
+in every regime the batched loop takes."""
 
 from __future__ import annotations
 
@@ -131,8 +132,8 @@ def test_progress_is_reported_per_client(gru):
 
 
 def test_the_pool_trains_its_borrowers_together(gru):
-    """Three agents borrow, load, hand in their jobs at different moments: one cohort trains them, and each gets
-    the result of its own client."""
+    """Three agents borrow, load, hand in their jobs at different moments: one cohort trains them, and each
+    gets the result of its own client."""
     pool = CohortPool(gru, size=3, seed=0, settle_s=0.1)
     start = gru.build_model(0)
     results: dict[int, object] = {}
@@ -173,8 +174,8 @@ class _SlowBuild:
 
 
 def _round_of(pool: CohortPool, agents: dict[str, int | None], selected: list[str]) -> float:
-    """Round 1 on ``pool``: each agent named in ``agents`` hears the announcement of ``selected`` and trains its
-    client, or (client None) drops out of the round; returns the seconds until every agent is done."""
+    """Round 1 on ``pool``: each agent named in ``agents`` hears the announcement of ``selected`` and trains
+    its client, or (client None) drops out of the round; returns the seconds until every agent is done."""
     cfg = TrainConfig(**REGIME, max_steps=2)
 
     def agent(name: str, client: int | None) -> None:
@@ -194,8 +195,8 @@ def _round_of(pool: CohortPool, agents: dict[str, int | None], selected: list[st
 
 
 def test_the_pool_waits_for_every_selected_agent_not_for_the_first_borrowers(gru):
-    """Models that take longer to build than the settle time: the first agent's job is in long before the others
-    have a model to borrow, and still the round's three train as one cohort."""
+    """Models that take longer to build than the settle time: the first agent's job is in long before the
+    others have a model to borrow, and still the round's three train as one cohort."""
     pool = CohortPool(_SlowBuild(gru, 0.4), size=3, seed=0, settle_s=0.1)
     names = ["a", "b", "c"]
     _round_of(pool, dict(zip(names, CLIENTS)), names)
@@ -212,8 +213,8 @@ def test_a_selected_agent_that_drops_out_or_never_comes_is_not_waited_for_long(g
 
 
 def test_a_pool_smaller_than_the_round_trains_what_it_holds_without_waiting(gru):
-    """Two models, three selected agents: the third cannot borrow until the first cohort trains, so the pool does
-    not wait for it (patience 30 s) and it trains alone after."""
+    """Two models, three selected agents: the third cannot borrow until the first cohort trains, so the pool
+    does not wait for it (patience 30 s) and it trains alone after."""
     pool = CohortPool(gru, size=2, seed=0, settle_s=0.05, patience_s=30.0)
     seconds = _round_of(pool, {"a": 0, "b": 3, "c": 7}, ["a", "b", "c"])
     assert pool.cohorts == [2, 1] and seconds < 15.0

@@ -1,5 +1,5 @@
-"""What `pip install fedmq` puts into site-packages: one top-level package, ``fedmq``, built from the repository's
-layer folders by pyproject's package-dir mapping (README "Layout")."""
+"""What `pip install fedmq` puts into site-packages: one top-level package, ``fedmq``, built from the
+repository's layer folders by pyproject's package-dir mapping (README "Layout")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""fedmq.broker.transport.pika_private: the one module that touches pika's private attributes checks them at connect."""
+"""fedmq.broker.transport.pika_private: the one module that touches pika's private attributes checks them at
+connect."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from fedmq.broker.transport.errors import BrokerError
 
 
 def _fake(missing: str = "") -> tuple[SimpleNamespace, SimpleNamespace]:
-    """A connection and a channel shaped like pika's, each private attribute there unless it is ``missing``."""
+    """A connection and a channel shaped like pika's,
+    each private attribute there unless it is ``missing``."""
 
     def ns(path: str, **attrs: object) -> SimpleNamespace:
         return SimpleNamespace(**{k: v for k, v in attrs.items() if f"{path}.{k}" != missing})

@@ -40,7 +40,8 @@ def write_run_dir(
     garbage: list[str] = (),
     decay: float = 0.8,
 ) -> Path:
-    """Write a run folder the way the aggregator does: config.json, metrics.jsonl and (if complete) summary.json.
+    """Write a run folder the way the aggregator does: config.json, metrics.jsonl and
+    (if complete) summary.json.
 
     Clients come and go (15 % offline per round), some selected clients drop, FedMed-like runs grant only
     the top-K reporters and fall back to FedAvg when the loss barely moves. ``garbage`` lines are appended
@@ -197,7 +198,7 @@ def test_markdown_scores_match_summary(tmp_path: Path) -> None:
     rows = _read_rows(run)
     result = build_report([run], tmp_path / "out")
     md = result.markdown.read_text()
-    line = next(l for l in md.splitlines() if l.startswith("| a |"))
+    line = next(ln for ln in md.splitlines() if ln.startswith("| a |"))
     cells = [c.strip() for c in line.strip("|").split("|")]
     final = [r["valid"] for r in rows if r["valid"] is not None][-1]
     assert cells[:3] == ["a", "fedatt", "perplexity"]

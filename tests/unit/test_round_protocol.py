@@ -1,5 +1,6 @@
 """The typed round config (broker.wire.messages.RoundConfig) and the strategies that shape it (RoundPlan,
-configure_train, from_config): what the agents are told each round comes from the strategy, not from its name."""
+configure_train, from_config): what the agents are told each round comes from the strategy,
+not from its name."""
 
 from __future__ import annotations
 

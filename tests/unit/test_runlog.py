@@ -1,4 +1,5 @@
-"""The run folder's per-round records: metrics.csv equal to metrics.jsonl, TensorBoard scalars, and a resume."""
+"""The run folder's per-round records: metrics.csv equal to metrics.jsonl, TensorBoard scalars,
+and a resume."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def row(rnd: int, valid: float | None = None, skipped: bool = False) -> dict:
 
 
 def csv_rows(path) -> list[dict]:
-    """metrics.csv read back independently of the writer: empty is None, text columns as they are, else JSON."""
+    """metrics.csv read back independently of the writer: empty is None, text columns as they are,
+    else JSON."""
     with open(path, newline="") as fh:
         table = list(csv.reader(fh))
     assert table[0] == list(CSV_COLUMNS)

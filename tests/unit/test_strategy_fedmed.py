@@ -45,7 +45,8 @@ def test_chunked_js_matches_direct_formula_on_a_large_tensor():
 
 def test_adaptive_hand_worked():  # the paper's literal γ = softmax(JS)
     # client a equals the global model: JS_a = 0; client b: JS_b = 0.0338221 (above)
-    # γ_b = 1/(1 + e^-0.0338221) = 0.5084547, γ_a = 0.4915453; η = 1: θ' = γ_a·[0,0] + γ_b·[ln3, 0] = [0.5585946, 0]
+    # γ_b = 1/(1 + e^-0.0338221) = 0.5084547, γ_a = 0.4915453; η = 1:
+    # θ' = γ_a·[0,0] + γ_b·[ln3, 0] = [0.5585946, 0]
     s = FedMed(js="raw")
     out = run(
         s,

@@ -49,7 +49,8 @@ def test_one_third_variant():
     # by count: quantile(1..6, 0.33) = 2.65 → local sends 1, 2; quantile(0.67) = 4.35 → global sends 5, 6
     assert select_tensors(cur, prev, groups, "local", fraction=0.33, by="count") == ["t1", "t2"]
     assert select_tensors(cur, prev, groups, "global", fraction=0.33, by="count") == ["t5", "t6"]
-    # by parameters (six tensors of 2): 33 % of 12 = 3.96 → local stays within it (one tensor), global reaches it
+    # by parameters (six tensors of 2): 33 % of 12 = 3.96 → local stays within it (one tensor),
+    # global reaches it
     assert select_tensors(cur, prev, groups, "local", fraction=0.33) == ["t1"]
     assert select_tensors(cur, prev, groups, "global", fraction=0.33) == ["t5", "t6"]
 

@@ -134,8 +134,8 @@ def test_perplexity_of_a_fixed_distribution_by_hand(corpus_dir):
 
 
 def test_a_diverged_model_scores_infinite_perplexity(corpus_dir):
-    """A mean NLL past exp's range (a federation whose lr diverged) is perplexity inf, not an OverflowError that
-    stops the aggregator (seen at lr 4 on the GPU)."""
+    """A mean NLL past exp's range (a federation whose lr diverged) is perplexity inf, not an OverflowError
+    that stops the aggregator (seen at lr 4 on the GPU)."""
     task = LanguageModelTask(corpus_dir, model="gru-small", clients=2, **TINY)
     v = len(task.vocab)
     model = FixedDistribution(torch.full((v,), 1.0 / v, dtype=torch.float64))
@@ -167,7 +167,7 @@ def test_training_deterministic_for_a_seed_and_lowers_loss(corpus_dir):
     calls = []
     ra = task.train(a, 0, cfg, progress=lambda d, t: calls.append((d, t)))
     rb = task.train(b, 0, cfg)
-    rc = task.train(c, 0, TrainConfig(**{**vars(cfg), "seed": 8}))
+    task.train(c, 0, TrainConfig(**{**vars(cfg), "seed": 8}))
     assert ra.loss == rb.loss and ra.steps == rb.steps
     assert all(torch.equal(x, y) for x, y in zip(model_state(a).values(), model_state(b).values()))
     assert not all(
@@ -286,7 +286,8 @@ def test_bad_train_config(corpus_dir):
 
 
 def test_data_names_a_cached_corpus_or_says_where_to_put_it(tmp_path, monkeypatch, corpus_dir):
-    """`--data wikitext-2` reads $FEDMQ_DATA_DIR/wikitext-2; a missing corpus or a file gets one line saying what to do."""
+    """`--data wikitext-2` reads $FEDMQ_DATA_DIR/wikitext-2;
+    a missing corpus or a file gets one line saying what to do."""
     from fedmq.tasks.corpora import resolve
 
     monkeypatch.setenv("FEDMQ_DATA_DIR", str(tmp_path / "cache"))
@@ -370,8 +371,9 @@ def test_fedmed_rounds_ask_for_the_tail_loss_and_others_do_not():
 
 
 def test_full_batch_step_covers_the_same_targets_whatever_the_stream_count(corpus_dir):
-    """The paper scale's FedSGD cuts a shard into more streams (benchmarks PAPER_FEDSGD_STREAMS): still one step on
-    every target of the shard, and the mean loss differs only where a stream's hidden state starts at zero."""
+    """The paper scale's FedSGD cuts a shard into more streams (benchmarks PAPER_FEDSGD_STREAMS): still one
+    step on every target of the shard, and the mean loss differs only where a stream's hidden state starts at
+    zero."""
     task = LanguageModelTask(corpus_dir, model="gru-small", clients=2, **{**TINY, "bptt": 4})
     cfg = dict(lr=0.5, clip=0.0, seed=3, full_batch=True)
     few = task.train(task.build_model(0), 0, TrainConfig(**cfg, batch_size=2))

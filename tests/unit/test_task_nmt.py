@@ -1,4 +1,5 @@
-"""Translation task: parallel data, shared BPE, Transformer shapes/groups, decoding, BLEU via sacrebleu, errors."""
+"""Translation task: parallel data, shared BPE, Transformer shapes/groups, decoding,
+BLEU via sacrebleu, errors."""
 
 from __future__ import annotations
 
@@ -135,7 +136,8 @@ def test_groups_follow_encoder_decoder(de_en, tmp_path):
 
 @torch.no_grad()
 def _seq_logprob(model, src, hyp):
-    """Log-probability of ``hyp`` + eos under the decoder's distribution with PAD/BOS excluded (as decoding does)."""
+    """Log-probability of ``hyp`` + eos under the decoder's distribution with PAD/BOS excluded
+    (as decoding does)."""
     tin = torch.tensor([[BOS] + hyp])
     tout = hyp + [EOS]
     mem, mask = model.encode(src)
@@ -173,8 +175,8 @@ def test_training_deterministic_and_bleu_rises(de_en, tmp_path):
     bleu = task.evaluate(a, "valid")
     assert bleu0 < 5 and bleu > 50, (bleu0, bleu)  # a toy language is learnt almost perfectly
     assert task.translate(a, ["der mann schläft ."]) == ["The man sleeps."]
-    # cross-entropy under teacher forcing: near log(vocab) untrained, near 0 on a language the model has learnt;
-    # batched with padding it equals the per-pair sums (padding counts no token)
+    # cross-entropy under teacher forcing: near log(vocab) untrained, near 0 on a language the model has
+    # learnt; batched with padding it equals the per-pair sums (padding counts no token)
     pairs = task.eval_pairs("valid")
     ce0, ce = task.cross_entropy(task.build_model(0), pairs), task.cross_entropy(a, pairs)
     assert ce < 0.5 < 2.0 < ce0 < 2 * math.log(len(task.vocab)), (ce0, ce)

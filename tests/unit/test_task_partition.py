@@ -1,4 +1,5 @@
-"""Client partitions: IID shards cover the data exactly once; Dirichlet is reproducible; natural follows categories."""
+"""Client partitions: IID shards cover the data exactly once; Dirichlet is reproducible;
+natural follows categories."""
 
 from __future__ import annotations
 
