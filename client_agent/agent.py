@@ -134,7 +134,7 @@ class Agent:
         self.log = AgentLog()
         # client hooks this agent may import when an announcement names one: fedmq's own, and those in the
         # module of the job's strategy as this agent was told it (a package.module:Class strategy)
-        self.hook_modules = ("fedmq.", *([strategy.partition(":")[0]] if is_import_path(strategy) else []))
+        self.hook_modules = {strategy.partition(":")[0]} if is_import_path(strategy) else set()
         self._hooks: dict[str, type[ClientHook]] = {}
         self._events: Subscription | None = None  # announcements and grants of the current connection
         self._broker: Broker | None = None
@@ -394,7 +394,8 @@ class Agent:
                 f"the job's rounds need client-map version {spec['version']}; this agent reads up to {PROTOCOL}: "
                 "upgrade fedmq on the agents"
             )
-        if not path.startswith(self.hook_modules):
+        module = path.partition(":")[0]
+        if not (module.startswith("fedmq.") or module in self.hook_modules):
             raise ClientHookError(
                 f"the job's strategy needs client hook {path!r}, which this agent may not import: start the agent "
                 "with the job's --config (its strategy's module is then allowed)"

@@ -38,6 +38,10 @@ _EXPORTS = {
     "ClientUpdate": "fedmq.aggregator.strategies.base",
     "State": "fedmq.aggregator.strategies.base",
     "RoundPlan": "fedmq.aggregator.strategies.base",
+    "FedAvg": "fedmq.aggregator.strategies.fedavg",
+    # a strategy's client side (fedmq.hooks)
+    "ClientHook": "fedmq.hooks",
+    "Kept": "fedmq.hooks",
     "RoundConfig": "fedmq.broker.wire.messages",
     # running a job
     "JobConfig": "fedmq.aggregator.config",

@@ -73,10 +73,10 @@ def strategy_from_config(name: str, cfg: Any, **extra: Any) -> tuple[str, Strate
     if name == FedAvg.name and cfg.robust != "none":
         name = _ROBUST[cfg.robust.partition(":")[0]]
     cls = strategy_class(name)
-    if (
-        name != cfg.strategy and cfg.strategy_args
-    ):  # the job's parameters are its strategy's (FedMed's fallback)
+    # the job's parameters are its strategy's, not those of FedMed's FedAvg fallback
+    if name != cfg.strategy and cfg.strategy_args:
         cfg = dataclasses.replace(cfg, strategy_args={})
+    bind(cls, cfg.strategy_args, f"strategy {name!r}")  # a mistake names the strategy as the job does
     return name, _built(name, lambda: cls.from_config(cfg, **extra))
 
 
@@ -85,7 +85,9 @@ def client_map(cfg: Any) -> dict[str, Any]:
     cls = strategy_class(cfg.strategy)
     if cls.client_hook is None:
         return {}
-    return describe(cls.client_hook, cls.client_args(bind(cls, cfg.strategy_args)))
+    return describe(
+        cls.client_hook, cls.client_args(bind(cls, cfg.strategy_args, f"strategy {cfg.strategy!r}"))
+    )
 
 
 def make_strategy(name: str, **params: Any) -> Strategy:

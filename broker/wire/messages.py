@@ -160,6 +160,8 @@ def check_payload(env: Envelope) -> Envelope:
                 raise CodecError(
                     "bad-payload", "announce models must be {id, base_version, partial, since, bytes}"
                 )
+        if "client" in payload and not _client_map_ok(payload["client"]):
+            raise CodecError("bad-payload", "announce client must be {version, hook, hook_version, args}")
     return env
 
 
