@@ -12,6 +12,8 @@
 #       --out OUT/EXP/seed-SEED/CELL [--set KEY=VALUE ...] [--cohort]
 #
 # with its log in OUT/EXP/seed-SEED/CELL/log.txt; a job's own folder keeps its results.md apart from the others'.
+# At the end the finished jobs' results files (benchmarks/results_file.py) are merged into OUT/EXP/EXP.SCALE.json,
+# the file kept in git (under benchmarks/results/), with this command (less --out) as the command that made it.
 # Every round is checkpointed, so the same command run again resumes the unfinished jobs from their last round
 # (finished ones are kept). Ctrl-C, SIGTERM or --time-limit stop every job with SIGINT: a stop loses at most the
 # round in flight.
@@ -34,6 +36,11 @@ cd "$(dirname "$0")/.."
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//' >&2; exit 2; }
 exp=table2 scale=paper device=cuda out=runs/cells limit=0 cohort=() mps=0
+command=(scripts/run_cells.sh)  # as given, less --out: the results file's command
+skip=0
+for arg in "$@"; do
+  if [ "$skip" = 1 ]; then skip=0; elif [ "$arg" = --out ]; then skip=1; else command+=("$arg"); fi
+done
 sets=()
 jobs=()
 while [ $# -gt 0 ]; do
@@ -131,4 +138,13 @@ for i in "${!dirs[@]}"; do
   fi
   echo "${dir#"$out/$exp/"}: $rounds rounds, $state"
 done
+
+kept=()
+for dir in "${dirs[@]}"; do
+  [ -f "$dir/$exp/$exp.$scale.json" ] && kept+=("$dir/$exp/$exp.$scale.json")
+done
+if [ ${#kept[@]} -gt 0 ]; then
+  "$py" -m fedmq.benchmarks.results_file merge --command "${command[*]}" "$out/$exp/$exp.$scale.json" "${kept[@]}" \
+    && echo "results file: $out/$exp/$exp.$scale.json (${#kept[@]} of ${#dirs[@]} jobs)"
+fi
 exit "$rc"

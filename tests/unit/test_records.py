@@ -15,7 +15,7 @@ from fedmq.cli.run_folder import check
 from tests.unit.test_runlog import row
 
 ROOT = Path(__file__).resolve().parents[2]
-EXP14 = ROOT / "benchmarks" / "records" / "exp14-lr1.0" / "table2" / "seed-0"
+OLD_RUNS = ROOT / "tests" / "fixtures" / "run-folders"  # written before RoundRecord existed (README.md there)
 
 
 def test_an_engine_row_round_trips_exactly():
@@ -115,8 +115,8 @@ def test_a_resume_keeps_the_kept_lines_byte_for_byte(tmp_path):
 
 @pytest.mark.parametrize("run", ["ptb-fedmed-c0.5", "ptb-central-c0.5"])
 def test_an_archived_run_folder_loads(run):
-    """benchmarks/records/exp14-lr1.0 was written before RoundRecord existed: every line reads back to its own bytes."""
-    folder = read_run(EXP14 / run)
+    """A run folder written before RoundRecord existed: every line reads back to its own bytes."""
+    folder = read_run(OLD_RUNS / run)
     assert [r.round for r in folder.rounds] == list(range(1, 13))
     assert folder.malformed_lines == 0 and folder.duplicate_rounds == 0
     assert (
@@ -124,7 +124,7 @@ def test_an_archived_run_folder_loads(run):
     )  # central: no config
     best = min(folder.rounds, key=lambda r: r.valid)
     assert (best.round, best.valid) == (folder.summary["best_round"], folder.summary["best_valid"])
-    lines = (EXP14 / run / "metrics.jsonl").read_text().splitlines()
+    lines = (OLD_RUNS / run / "metrics.jsonl").read_text().splitlines()
     if run == "ptb-fedmed-c0.5":  # the engine's rows: written again, the same bytes
         assert lines == [json.dumps(r.to_json(), sort_keys=True) for r in folder.rounds]
         assert {r.strategy for r in folder.rounds} <= {"fedmed", "fedavg"} and all(
