@@ -36,7 +36,6 @@ SUMMARY_FILE = "summary.json"
 STATUS_FILE = "status.json"
 BOARD_DIR = "tb"
 RUN_FILES = (CONFIG_FILE, METRICS_FILE)  # either one means the folder holds a run
-RECORD_FILES = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE)  # a finished run's record, small enough to archive
 
 # the record's keys, scalars first; any other key goes to "extra" as JSON
 CSV_COLUMNS = (

@@ -34,7 +34,7 @@ def test_the_wheel_installs_one_top_level_package(tmp_path):
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
     for folder in FOLDERS.values():
-        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "records"))
+        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
     done = subprocess.run(
         [
             sys.executable,
