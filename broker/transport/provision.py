@@ -34,7 +34,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import SplitResult, quote, unquote, urlsplit
 
 import structlog
 
@@ -230,12 +230,12 @@ def admin_for(url: str) -> Admin:
         unquote(parts.password) if parts.password else "guest"
     )
     tls = parts.scheme == "amqps"
-    port = os.environ.get("FEDMQ_MANAGEMENT_PORT") or ("15671" if tls else "15672")
-    base = f"{'https' if tls else 'http'}://{parts.hostname}:{port}"
+    api_port = os.environ.get("FEDMQ_MANAGEMENT_PORT") or ("15671" if tls else "15672")
+    base = f"{'https' if tls else 'http'}://{parts.hostname}:{api_port}"
     return HttpAdmin(base, user, password, ssl.create_default_context() if tls else None)
 
 
-def _split(url: str):
+def _split(url: str) -> SplitResult:
     """The first address of ``url``, split: users, vhosts and queues are cluster-wide, so administration talks
     to one node."""
     parts = urlsplit(addresses(url)[0])

@@ -91,6 +91,7 @@ class RabbitPublishing:
                 timestamp=int(time.time()),
             )
 
+        parts: list[tuple[bytes | Chunk, pika.BasicProperties]]
         if frames is None:
             parts = [(body, props(base))]
         else:

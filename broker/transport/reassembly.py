@@ -193,9 +193,9 @@ class Reassembler:
 
     def _expire_locked(self, now: float) -> list[str]:
         cutoff = now - self.timeout_s
-        dropped = [mid for mid, p in self._pending.items() if p.last_seen < cutoff]
-        for mid in dropped:
-            p = self._release(mid)
+        expired = [(mid, p) for mid, p in self._pending.items() if p.last_seen < cutoff]
+        for mid, p in expired:
+            self._release(mid)
             # not remembered as failed: after a reconnect the broker redelivers every chunk of a confirmed
             # message (the held ones were unacked), and they must be able to complete it
             log.warning("chunked message expired", msg_id=mid, received=len(p.parts), total=p.total)
@@ -204,7 +204,7 @@ class Reassembler:
             if when >= cutoff:
                 break
             self._finished.popitem(last=False)
-        return dropped
+        return [mid for mid, _ in expired]
 
     def pending_bytes(self) -> int:
         with self._lock:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from functools import partial
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 import zstandard as zstd
 
@@ -96,7 +97,8 @@ def make_blob(data: memoryview | bytes | np.ndarray, level: int, owned: bool = F
     as bin) instead of copying; otherwise it is copied,
     so later changes to the caller's tensor cannot leak in.
     """
-    buf = memoryview(data).cast("B") if not isinstance(data, bytes) else data
+    # ndarray.data: the array's memoryview (numpy's stubs make ndarray a Buffer only from Python 3.12)
+    buf = data if isinstance(data, bytes) else (data.data if isinstance(data, np.ndarray) else data).cast("B")
     n = len(buf)
 
     def stored() -> list:
@@ -182,13 +184,13 @@ def _low_pair_incompressible(arr: np.ndarray, xor: np.ndarray | None, level: int
     m = min(arr.size, _SAMPLE)
     head = arr[:m] if xor is None else arr[:m] ^ xor[:m]
     sample = np.ascontiguousarray(head.view(np.uint8).reshape(m, arr.dtype.itemsize)[:, 1])
-    return len(_compressor(level).compress(sample)) > _MIN_GAIN * m
+    return len(_compressor(level).compress(sample.data)) > _MIN_GAIN * m
 
 
 def _whole_blob(blobs: list, arr: np.ndarray, xor: np.ndarray | None, level: int, owned: bool) -> None:
     if xor is not None:
         arr, owned = arr ^ xor, True
-    blobs[0] = make_blob(memoryview(arr).cast("B"), level, owned)
+    blobs[0] = make_blob(arr.data.cast("B"), level, owned)
 
 
 def pack_array(
@@ -307,7 +309,7 @@ def _assemble_whole(
 
 def unpack_array(
     blobs: object,
-    dtype: np.dtype,
+    dtype: npt.DTypeLike,
     n: int,
     work: Unpacking,
     *,
@@ -339,10 +341,11 @@ def unpack_array(
         )
         return lambda: res[0]
     # byte groups, low to high: blob k holds bytes [off, off + g) of every element, g = its size / n
-    sizes = [b[1] if isinstance(b, list) and len(b) == 3 else None for b in blobs]
-    if any(type(sz) is not int or sz <= 0 or sz % max(n, 1) for sz in sizes) or sum(sizes) != n * w:  # type: ignore[misc]
+    claimed = [b[1] if isinstance(b, list) and len(b) == 3 else None for b in blobs]
+    sizes = [sz for sz in claimed if type(sz) is int and sz > 0 and sz % max(n, 1) == 0]
+    if len(sizes) != len(claimed) or sum(sizes) != n * w:
         raise CodecError(
-            "bad-tensor", f"blob sizes {sizes!r} do not split {n} {dtype.name} items into byte groups"
+            "bad-tensor", f"blob sizes {claimed!r} do not split {n} {dtype.name} items into byte groups"
         )
     out = np.empty((n, w), np.uint8)
     typed = out.view(dtype).reshape(n)

@@ -374,13 +374,17 @@ def _decode_one(
             idx = np.cumsum(diffs, dtype=np.int64)
             if k and ((diffs[1:] == 0).any() or idx[-1] >= n):
                 raise CodecError("bad-tensor", "topk indices are not strictly increasing within the tensor")
+            d = np.zeros(n, np.float32)
+            if shift == 0:
+                d[idx] = vals
+                return finite(d)
+            assert b is not None  # a delta record, or as_delta: the caller passes the base
             if shift > 0:
-                out = b.copy()  # type: ignore[union-attr]
+                out = b.copy()
                 out[idx] += vals.astype(np.float32)
                 return finite(out)
-            d = np.zeros(n, np.float32)
             d[idx] = vals
-            return finite(d - b if shift < 0 else d)
+            return finite(d - b)
 
         return 4 * n, topk
 

@@ -48,6 +48,9 @@ class Kind(StrEnum):
     END = "end"
 
 
+_KINDS = tuple(k.value for k in Kind)
+
+
 @dataclass(frozen=True)
 class Envelope:
     kind: Kind
@@ -92,12 +95,9 @@ def _check_fields(
     sent_at: object,
     payload: object,
 ) -> Kind:
-    try:
-        k = Kind(kind)
-    except ValueError:
-        raise CodecError(
-            "unknown-kind", f"message kind {kind!r} is not one of {', '.join(k.value for k in Kind)}"
-        ) from None
+    if not isinstance(kind, str) or kind not in _KINDS:
+        raise CodecError("unknown-kind", f"message kind {kind!r} is not one of {', '.join(_KINDS)}")
+    k = Kind(kind)
     if not isinstance(job, str) or not _NAME.match(job):
         raise CodecError("bad-envelope", f"job {job!r} must be 1-64 letters, digits, '-' or '_'")
     if not isinstance(client, str) or (client and not _NAME.match(client)):
