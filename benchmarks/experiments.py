@@ -26,10 +26,10 @@ Local training follows FedAtt's Algorithm 2 ("z ← βz + ∇L(θ); θ ← θ �
 reference code (shaoxiongji/fed-att: momentum 0.5, E = 5, B = 10, no gradient clipping) at the paper scale, with
 lr 0.5 where the reference has 0.01: the papers give no learning rate, and ``sweep --scale paper`` (FedAvg, PTB,
 C = 0.1, 25 rounds on a GPU) found 0.01 far from trained, 0.5 best, 1.0 flat from round 16 and 2.0 divergent in
-its first rounds (docs/results.md section 1). At the cpu scale, where a client takes ~12 steps a round, momentum comes
+its first rounds (docs/results/paper-scale.md). At the cpu scale, where a client takes ~12 steps a round, momentum comes
 from the validation sweep ``fedmq experiment sweep --scale cpu`` and lr (0.5) with FedMed's "decayed learning
 rate" (x 0.9 a round) from a second sweep on the C = 0.1 cells whose validation curves spiked at lr 1.0
-(docs/results.md section 0). Every method shares this one client regime, so that only the aggregation differs.
+(docs/results/method.md). Every method shares this one client regime, so that only the aggregation differs.
 The score is the test perplexity of the best-on-validation global model (as both LM papers report).
 """
 
@@ -102,7 +102,7 @@ _LM_TASK = {
 }
 # SGD with momentum, no clipping (FedAtt Algorithm 2 and its reference code); cpu momentum: the sweep's pick; cpu
 # lr and its decay across rounds (FedMed: "decayed learning rate"): chosen on validation curves at C = 0.1, where
-# lr 1.0 without decay spiked (docs/results.md section 0)
+# lr 1.0 without decay spiked (docs/results/method.md)
 CPU_LR, CPU_MOMENTUM, CPU_ROUND_LR_DECAY = 0.5, 0.5, 0.9
 # paper lr: the paper-scale sweep's pick (the reference code's 0.01 left the model at 4.7-5.4x the papers'
 # perplexities after 50 rounds); momentum, E, B and no clipping are the reference code's
@@ -111,7 +111,7 @@ PAPER_LR = 0.5
 # a stream-batched LM the batch size only sets how many streams the shard is cut into (each starts from a zero
 # hidden state). At the paper scale a shard is cut into 100 streams instead of 10: the same targets and mean loss
 # in a ninth of the sequential forward/backward passes (a PTB shard: 28 windows of 10 x 35 tokens, 3 of 100 x 35;
-# WikiText-2: 64 and 7), which is what a latency-bound GPU client's step costs (docs/results.md, "The client regime")
+# WikiText-2: 64 and 7), which is what a latency-bound GPU client's step costs (docs/results/method.md)
 PAPER_FEDSGD_STREAMS = 100
 _LM_JOB = {
     "paper": dict(
@@ -219,9 +219,9 @@ def table2(scale: str) -> list[RunSpec]:
 def sweep(scale: str) -> list[RunSpec]:
     """The validation sweep behind a scale's lr and momentum (the papers give no lr): FedAvg, half the rounds,
     lr x momentum at a constant lr; pick the best validation perplexity whose curve does not jump. C = 0.5 at the
-    smaller scales (the cpu lr and its decay were then chosen on the C = 0.1 cells: docs/results.md section 0);
+    smaller scales (the cpu lr and its decay were then chosen on the C = 0.1 cells: docs/results/method.md);
     PTB at C = 0.1 at the paper scale, the cell whose reference lr 0.01 left the model far from trained after 50
-    rounds (docs/results.md section 1) and a fifth of C = 0.5's client work."""
+    rounds (docs/results/paper-scale.md) and a fifth of C = 0.5's client work."""
     grid = _pick(
         scale,
         [(1.0, 0.5), (0.5, 0.9)],
@@ -393,7 +393,7 @@ def _trace_file(out: Path, clients: int, rounds: int) -> Path:
 # pairs of each domain.
 # Passban et al.'s five clients are WMT, OpenSubtitles, TED, PHP and Ubuntu; the corpora here have one software
 # domain (GNOME/KDE/PHP/Ubuntu strings, not split by source), so the fifth client is another small technical
-# domain, EMEA medicine documentation (a departure, docs/results.md)
+# domain, EMEA medicine documentation (a departure, docs/results/nmt-domains.md)
 FIVE_DOMAINS = ["news_wmt", "subtitles_opensubs", "ted_iwslt14", "software_it", "medical_emea"]
 _NMT = {
     "paper": dict(
@@ -1388,7 +1388,7 @@ def run_experiment(
     results table gives mean ± sd over seeds, plus the paired orderings (``orderings``). Rerunning the same
     command skips finished runs and resumes unfinished ones (``Runner.federate``).
     ``only``: run a subset of the grid (several processes can share one grid this way); ``overrides`` (LM
-    experiments only): with changed job settings, for the investigations in docs/results.md (e.g. more rounds);
+    experiments only): with changed job settings, for the investigations in docs/results/ (e.g. more rounds);
     the results record them. ``cohort``: train each round's selected clients together (``Simulation.cohort``).
     """
     check_args(name, scale, threads, device)

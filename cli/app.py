@@ -892,7 +892,7 @@ def experiment(
     cohort: bool = typer.Option(False, "--cohort", help="train each round's selected clients together (GPU)"),
     log_level: str = LOG_LEVEL,
 ) -> None:
-    """Reproduce a seed paper's experiment (docs/results.md).
+    """Reproduce a seed paper's experiment (docs/results/).
 
     Example: fedmq experiment table2 --scale cpu --seeds 0,1,2   (rerun the same command to resume)
     """

@@ -4,8 +4,8 @@ From the experiment's cached pre-trained engine (OUT/nmt-domains/pretrained.pt, 
 ``fedmq experiment nmt-domains``), each client fine-tunes for one local epoch at each given learning rate, the
 five models are averaged by the engine's FedAvg strategy (n_k weights), and the pre-trained engine, each
 client and the average are scored on every domain's test pairs: sacreBLEU of greedy output and cross-entropy
-(nats a token, teacher forcing). Prints one JSON line a model. An investigation (docs/results.md,
-section 8), not part of the experiment:
+(nats a token, teacher forcing). Prints one JSON line a model. An investigation (docs/results/nmt-domains.md),
+not part of the experiment:
 
     python scripts/nmt_one_round.py runs/exp16 --lr 5e-4,1e-4 [--threads 1]
 """

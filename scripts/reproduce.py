@@ -1,7 +1,7 @@
 """Reproduce the seed papers' experiments: ``python scripts/reproduce.py NAME|all [--scale S]``.
 
 Same as ``fedmq experiment NAME``; ``all`` runs every experiment one after the other, ``--only``/``--set`` run
-a subset with changed settings (see docs/results.md). A script above both cli and benchmarks: it hands the
+a subset with changed settings (see docs/results/method.md). A script above both cli and benchmarks: it hands the
 CLI's Simulation and report to benchmarks.experiments, which cannot import cli (its docstring says why).
 """
 

@@ -23,7 +23,7 @@ Standardised weights are degenerate at two clients a round: any two different va
 0.881 / 0.119 however close the divergences are. ``js = "relative"`` divides each layer's JS by the round's mean
 instead, γ_k = softmax_k(JS_k / mean_j JS_j): scale-free like the standardised form (JS ~1e-6 nats does not
 matter), equal divergences give equal weights at any m, and the weights move smoothly with the ratios (two clients
-at 1.15 : 0.93 of the mean get 0.55 / 0.45). Chosen on validation over standardised (docs/results.md, Investigations).
+at 1.15 : 0.93 of the mean get 0.55 / 0.45). Chosen on validation over standardised (docs/results/method.md).
 """
 
 from __future__ import annotations

@@ -249,7 +249,7 @@ class TranslationTask(Task):
         """Mean cross-entropy (nats) per reference target token of ``pairs`` under teacher forcing, without
         label smoothing; exp() of it is the perplexity. Unlike BLEU of greedy output it does not depend on
         decoding, so it still ranks models whose translations are too poor for BLEU to
-        (docs/results.md, section 8)."""
+        (docs/results/nmt-domains.md)."""
         device = next(model.parameters()).device
         was_training = model.training
         model.eval()

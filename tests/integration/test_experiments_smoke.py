@@ -475,7 +475,7 @@ def test_a_missing_corpus_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
 
 
 def test_reproduce_script_reports_a_bad_name_in_one_line():
-    """scripts/reproduce.py (docs/results.md) runs outside the CLI: it imports cli and benchmarks side by side."""
+    """scripts/reproduce.py (docs/results/method.md) runs outside the CLI: it imports cli and benchmarks side by side."""
     proc = subprocess.run(
         [sys.executable, "scripts/reproduce.py", "tabel2", "--scale", "smoke"],
         cwd=ROOT,
