@@ -39,6 +39,13 @@ from fedmq.pulling import MODES, SHARES
 
 NO_VERSION = -1
 
+# the types a RoundConfig field of each annotation may arrive as (a float field also takes an int)
+_CONFIG_TYPES: dict[str, type | tuple[type, ...]] = {
+    "int": int,
+    "bool": bool,
+    "str": str,
+    "float": (int, float),
+}
 _FIELDS: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.PRESENCE: {"state": (str,), "holds": (int,)},
     Kind.ANNOUNCE: {"selected": (list,), "config": (dict,), "models": (list,), "mode": (str,)},
@@ -97,10 +104,10 @@ class RoundConfig:
             )
         for f in dataclasses.fields(cls):
             value = payload[f.name]
-            kind = {"int": int, "bool": bool, "str": str, "float": (int, float)}[f.type]
+            kind = _CONFIG_TYPES[str(f.type)]  # the annotation's text: this module postpones annotations
             if (isinstance(value, bool) and f.type != "bool") or not isinstance(value, kind):
                 raise CodecError("bad-payload", f"announce config: {f.name} must be a {f.type}")
-            if f.type == "float" and not math.isfinite(value):
+            if isinstance(value, float) and not math.isfinite(value):  # an int is finite
                 raise CodecError("bad-payload", f"announce config: {f.name} is not finite")
         p = payload
         checks = {
@@ -124,12 +131,10 @@ class RoundConfig:
             EncodingSpec.parse(p["encoding"])
         except CodecError as exc:
             raise CodecError("bad-payload", f"announce config: encoding: {exc}") from None
-        return cls(
-            **{
-                name: float(p[name]) if f_type == "float" else p[name]
-                for name, f_type in ((f.name, f.type) for f in dataclasses.fields(cls))
-            }
-        )
+        fields: dict[str, Any] = {
+            f.name: float(p[f.name]) if f.type == "float" else p[f.name] for f in dataclasses.fields(cls)
+        }
+        return cls(**fields)
 
 
 def check_payload(env: Envelope) -> Envelope:
