@@ -30,6 +30,7 @@ STRATEGIES = (
     "fedadam",
     "fedyogi",
     "fedprox",
+    "scaffold",
 )
 # dynamic pulling (Passban et al.: DP_l, DP_g, random) was first named dp-*, which reads as differential privacy;
 # the old names stay accepted (configs, run folders) and are stored under the new ones

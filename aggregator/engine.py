@@ -39,7 +39,7 @@ from fedmq.aggregator.rounds import RoundStats
 from fedmq.aggregator.runlog import RunLog
 from fedmq.aggregator.spool import RoundSpool
 from fedmq.aggregator.strategies.base import ClientUpdate, State, Strategy
-from fedmq.aggregator.strategies.registry import client_map, strategy_from_config
+from fedmq.aggregator.strategies.registry import client_map, strategy_class, strategy_from_config
 from fedmq.aggregator.sync_round import SyncRound
 from fedmq.broker.transport import topology
 from fedmq.broker.transport.base import Broker, ReassemblyLimits
@@ -101,7 +101,13 @@ class Engine:
         self.guard = RoundGuard(cfg.max_samples_factor, cfg.norm_bound_factor)
         self.model = task.build_model(cfg.seed)
         self.global_state = {k: v.detach().clone().float() for k, v in model_state(self.model).items()}
-        self.manifest: Manifest = task.manifest(self.model)
+        self.model_names = set(self.global_state)  # the task's tensors; the rest are the strategy's (extras)
+        hook = strategy_class(cfg.strategy).client_hook
+        extras = hook.extra_tensors(list(self.global_state)) if hook is not None else {}
+        self.global_state.update(
+            {name: torch.zeros_like(self.global_state[like]) for name, like in extras.items()}
+        )
+        self.manifest: Manifest = task.manifest(self.model).extended(extras)
         self.inbox.limits = Limits.for_model(self.manifest.message_bound)
         self.version = 0
         self.round = 1
@@ -559,13 +565,14 @@ class Engine:
         )
         if better and math.isfinite(score):
             self.best = (score, rnd)
-            torch.save({k: v.clone() for k, v in self.global_state.items()}, self.run_dir / "best.pt")
+            best = {k: v.clone() for k, v in self.global_state.items() if k in self.model_names}
+            torch.save(best, self.run_dir / "best.pt")
         return score
 
     def _score(self, state: State, split: str) -> float:
         """The task's metric of ``state`` on ``split``, computed on the run's device (a GPU run's full-split
         perplexity on the CPU would cost more than the round)."""
-        load_state(self.model, state)
+        load_state(self.model, {k: v for k, v in state.items() if k in self.model_names})
         self.model.to(self.eval_device)
         try:
             return float(self.task.evaluate(self.model, split))

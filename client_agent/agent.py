@@ -39,6 +39,7 @@ from fedmq.client_agent.state import MemoryStore, State
 from fedmq.client_agent.trainers import TrainerPool
 from fedmq.errors import CodecError, FedmqError
 from fedmq.hooks import PROTOCOL, ClientHook, Kept, install_gradient_terms
+from fedmq.manifest import Manifest
 from fedmq.params import bind
 from fedmq.plugins import is_import_path, load_class
 from fedmq.pulling import select_tensors
@@ -268,9 +269,11 @@ class Agent:
     def _kept(self, name: str) -> tuple[int, State] | None:
         return self.store.get(self.client, name)
 
-    def _fetch_model(self, env: Envelope) -> State | None:
-        """The announced version, from what we keep or from the model stream (the smallest form we can apply).
-        None when it cannot be had (logged): we sit this round out."""
+    def _fetch_model(self, env: Envelope, manifest: Manifest | None = None) -> State | None:
+        """The announced version, from what we keep or from the model stream (the smallest form we can apply),
+        with the strategy's extra tensors when ``manifest`` names them. None when it cannot be had (logged):
+        we sit this round out."""
+        manifest = manifest or self.manifest
         version = env.model_version
         kept = self._kept("model")
         if kept is not None and kept[0] == version:
@@ -291,7 +294,7 @@ class Agent:
         try:
             menv = self._read_model(broker, entry, version)
             base = kept[1] if menv.payload["base_version"] >= 0 else None
-            state = decode_state(menv.payload["tensors"], self.manifest, base)
+            state = decode_state(menv.payload["tensors"], manifest, base)
         except CodecError as exc:
             log.warning("global model rejected", client=self.client, reason=exc.reason, detail=str(exc))
             return None
@@ -301,8 +304,8 @@ class Agent:
         pushed = {k: torch.from_numpy(v) for k, v in state.items()}
         if menv.payload["partial"]:  # dynamic pulling downwards: keep our own values for the rest
             assert own is not None
-            pushed = {k: pushed.get(k, own[1][k]) for k in self.manifest.names}
-        elif len(pushed) < len(self.manifest):
+            pushed = {k: pushed.get(k, own[1][k]) for k in manifest.names}
+        elif len(pushed) < len(manifest):
             log.warning(
                 "global model rejected", client=self.client, reason="partial", detail="tensors missing"
             )
@@ -352,7 +355,7 @@ class Agent:
             raise Offline("fault: connection cut", False)
         version = env.model_version
         with self.trainers.borrow() as model:
-            held = self._fetch_model(env)
+            held = self._fetch_model(env, self._manifest_for(hook))
             if held is None:
                 return
             kept = (
@@ -413,6 +416,11 @@ class Agent:
         except Exception as exc:  # BadParameter, or the hook's own check of its arguments
             raise ClientHookError(f"client hook {path!r} could not be built: {exc}") from None
 
+    def _manifest_for(self, hook: ClientHook | None) -> Manifest:
+        """The model's manifest and the tensors the strategy keeps beside it (ClientHook.extra_tensors)."""
+        extras = type(hook).extra_tensors(self.manifest.names) if hook is not None else {}
+        return self.manifest.extended(extras)
+
     def _with_private(self, held: State, cfg: RoundConfig) -> State:
         """Dynamic pulling upwards only: the tensors we did not send last time stay ours, "protected from
         external updates and only modified using local data" (Passban et al.); the rest is the global model.
@@ -429,7 +437,9 @@ class Agent:
         crash: bool,
         hook: tuple[ClientHook | None, Kept | None] = (None, None),
     ) -> TrainResult:
-        load_state(model, held)
+        load_state(
+            model, {k: v for k, v in held.items() if k in self.manifest.names}
+        )  # not a strategy's extras
         tcfg = TrainConfig(
             epochs=cfg.epochs,
             batch_size=cfg.batch_size,

@@ -18,7 +18,7 @@ started with (``--config``'s strategy), so an announcement can never make an age
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -61,6 +61,15 @@ class ClientHook:
 
     name: ClassVar[str] = ""
     version: ClassVar[int] = 1
+
+    @classmethod
+    def extra_tensors(cls, names: Sequence[str]) -> dict[str, str]:
+        """Tensors the strategy keeps beside the model, each shaped like a model tensor: {its name: the model
+        tensor's name}. They start at zero, travel in the global model to every selected client (``begin``
+        finds them in ``global_state``), come back in the client's upload (``finish`` returns them: the
+        strategy folds their change), and are checkpointed with the model. SCAFFOLD's control variate c is one
+        per parameter. Default: none."""
+        return {}
 
     def begin(self, global_state: Mapping[str, torch.Tensor], train: TrainConfig, kept: Kept) -> None:
         """Before local training."""

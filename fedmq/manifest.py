@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +44,7 @@ class Manifest:
         if len(set(names)) != len(names):
             raise ValueError("manifest has duplicate tensor names")
 
-    def __iter__(self) -> Iterable[TensorSpec]:
+    def __iter__(self) -> Iterator[TensorSpec]:
         return iter(self.tensors)
 
     def __len__(self) -> int:
@@ -74,6 +74,17 @@ class Manifest:
     def message_bound(self) -> int:
         """Upper bound of one message carrying the whole model (raw fp32 plus framing), for queue sizing."""
         return self.numel * 4 + (1 << 16)
+
+    def extended(self, extra: Mapping[str, str]) -> Manifest:
+        """This manifest and, after it, a tensor for each ``extra`` name shaped like the model tensor it maps
+        to (a strategy's tensors beside the model: fedmq.hooks.ClientHook.extra_tensors)."""
+        if not extra:
+            return self
+        more = [
+            TensorSpec(name, self.spec(like).shape, self.spec(like).dtype, "strategy")
+            for name, like in extra.items()
+        ]
+        return Manifest((*self.tensors, *more))
 
     def to_dict(self) -> list[dict]:
         return [

@@ -69,7 +69,8 @@ def validate_update(
             raise StrategyError(f"update from {update.client!r}: tensor {name!r} is not a torch.Tensor")
         if tuple(t.shape) != tuple(global_state[name].shape):
             raise StrategyError(
-                f"update from {update.client!r}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(global_state[name].shape)}"
+                f"update from {update.client!r}: tensor {name!r} has shape {tuple(t.shape)}, "
+                f"expected {tuple(global_state[name].shape)}"
             )
         if check_finite and t.is_floating_point() and not _all_finite(t):
             raise StrategyError(f"update from {update.client!r}: tensor {name!r} has non-finite values")
@@ -105,7 +106,8 @@ def sq_distance(a: torch.Tensor, b: torch.Tensor, tmp: torch.Tensor | None = Non
 
 
 def _all_finite(t: torch.Tensor) -> bool:
-    """One read-only pass: a NaN/inf makes the sum non-finite; only then (or on overflow) look element-wise."""
+    """One read-only pass: a NaN/inf makes the sum non-finite; only then
+    (or on overflow) look element-wise."""
     if bool(torch.isfinite(t.sum())):
         return True
     return bool(torch.isfinite(t).all())

@@ -1,5 +1,6 @@
-"""The interface every aggregation strategy implements: what it asks of a round (``plan``, ``configure_train``,
-``from_config``; Flower's configure_train), then fold updates one at a time and finish (its aggregate_train)."""
+"""The interface every aggregation strategy implements: what it asks of a round (``plan``,
+``configure_train``, ``from_config``; Flower's configure_train),
+then fold updates one at a time and finish (its aggregate_train)."""
 
 from __future__ import annotations
 
@@ -66,17 +67,19 @@ class Strategy(ABC):
     Parameters are the constructor's keyword arguments, given the same way from Python
     (``JobConfig(strategy_args={...})``), the job file (a ``[strategy]`` table) and the command line
     (``--strategy-arg KEY=VALUE``); ``from_config`` checks them against the constructor's signature and type
-    hints. A strategy is built afresh for every round; what must outlive a round (a server optimizer's moments,
-    control variates) it returns from ``state_dict`` after ``finish``, and the engine hands it to the next
-    round's strategy with ``load_state_dict`` before ``begin`` -- keeping it in every round's checkpoint, so a
-    restarted aggregator resumes it exactly.
+    hints. A strategy is built afresh for every round; what must outlive a round (a server optimizer's
+    moments, control variates) it returns from ``state_dict`` after ``finish``, and the engine hands it to the
+    next round's strategy with ``load_state_dict`` before ``begin`` -- keeping it in every round's checkpoint,
+    so a restarted aggregator resumes it exactly.
     """
 
     name: ClassVar[str]
     plan: ClassVar[RoundPlan] = RoundPlan()
-    # the JobConfig keys only this strategy reads (from_config): a run of another strategy does not depend on them
+    # the JobConfig keys only this strategy reads (from_config):
+    # a run of another strategy does not depend on them
     own_settings: ClassVar[tuple[str, ...]] = ()
-    # the algorithm's client side, run by every selected agent around its local training (fedmq.hooks.ClientHook)
+    # the algorithm's client side, run by every selected agent around its local training
+    # (fedmq.hooks.ClientHook)
     client_hook: ClassVar[type[ClientHook] | None] = None
 
     @classmethod
@@ -108,7 +111,8 @@ class Strategy(ABC):
 
     @classmethod
     def configure_train(cls, train: RoundConfig) -> RoundConfig:
-        """The round config the selected agents get, from the one the job's settings give; default unchanged."""
+        """The round config the selected agents get, from the one the job's settings give;
+        default unchanged."""
         return train
 
     @abstractmethod
@@ -123,8 +127,9 @@ class Strategy(ABC):
     _last_weights: dict[str, float] = {}  # finish() sets the instance's own
 
     def second_pass(self, exclude: frozenset[str] = frozenset()) -> dict | None:
-        """Parameters for folding the same updates again (leaving out ``exclude``), when the weights depend on the
-        whole round and so cannot be known while streaming (FedMed's standardised JS); None: one pass is all."""
+        """Parameters for folding the same updates again (leaving out ``exclude``), when the weights depend on
+        the whole round and so cannot be known while streaming (FedMed's standardised JS); None:
+        one pass is all."""
         return None
 
     def client_weights(self) -> dict[str, float]:
@@ -135,9 +140,10 @@ class Strategy(ABC):
 def aggregate(
     make: Callable[..., Strategy], global_state: Mapping[str, torch.Tensor], updates: Iterable[ClientUpdate]
 ) -> tuple[State, Strategy]:
-    """One whole round in memory: ``make()`` a strategy, fold ``updates``, fold them again into ``make(**extra)``
-    when the strategy asks for a second pass, finish. The engine does the same from its spool; this is for tools
-    and tests that hold the updates. Returns the new model and the strategy that made it (for client_weights)."""
+    """One whole round in memory: ``make()`` a strategy, fold ``updates``, fold them again into
+    ``make(**extra)`` when the strategy asks for a second pass, finish. The engine does the same from its
+    spool; this is for tools and tests that hold the updates. Returns the new model and the strategy that made
+    it (for client_weights)."""
     updates = list(updates)
     strategy = make()
     strategy.begin(global_state)

@@ -2,7 +2,8 @@
 
 Each client sends only the tensors its pulling rule selected (fedmq.pulling.select_tensors). For
 tensor t: θ_t ← Σ_{k sent t} n_k θ_{k,t} / Σ_{k sent t} n_k; a tensor nobody sent keeps the server's value.
-pull-local, pull-global and pull-random aggregate alike; they differ in the rule their ``plan`` gives the agents.
+pull-local, pull-global and pull-random aggregate alike;
+they differ in the rule their ``plan`` gives the agents.
 """
 
 from __future__ import annotations

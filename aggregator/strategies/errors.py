@@ -6,7 +6,8 @@ from fedmq.errors import FedmqError, StrategyError
 
 
 class StaleUpdate(StrategyError):
-    """Asynchronous mode: the update's staleness exceeds ``max_staleness``; it was dropped, nothing changed."""
+    """Asynchronous mode: the update's staleness exceeds ``max_staleness``; it was dropped,
+    nothing changed."""
 
     def __init__(self, staleness: int, max_staleness: int, client: str = "") -> None:
         self.staleness = staleness

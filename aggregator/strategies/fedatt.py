@@ -8,9 +8,10 @@ Per tensor l: s_k = ‖θ^l − θ_k^l‖ ('fro': Frobenius/vector 2-norm; 'spec
 
 (see :mod:`softmax_weighted`). For an update that arrives as a delta, s_k = ‖Δ_k^l‖ reads the update once.
 
-The paper's randomization (its Eq. 6, β ξ_k with ξ_k ~ N(0, σ²)) is "added in before the clients send the updated
-parameters to the server, but it is written in the form of server optimization for simplicity": here it is the
-clients' (``JobConfig.noise``, added in client_agent.agent before an update is encoded), for every strategy.
+The paper's randomization (its Eq. 6, β ξ_k with ξ_k ~ N(0, σ²)) is "added in before the clients send the
+updated parameters to the server, but it is written in the form of server optimization for simplicity": here
+it is the clients' (``JobConfig.noise``, added in client_agent.agent before an update is encoded),
+for every strategy.
 """
 
 from __future__ import annotations

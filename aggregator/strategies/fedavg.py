@@ -1,7 +1,8 @@
 """FedAvg (θ = Σ n_k/n · θ_k) and FedSGD (the same average; the round config asks for one local pass).
 
 FedSGD aggregates exactly like FedAvg; what makes it FedSGD is its round (every client selected, one step on
-the gradient of the whole shard: McMahan et al.'s B = ∞, E = 1), which its ``plan`` and ``configure_train`` set.
+the gradient of the whole shard: McMahan et al.'s B = ∞, E = 1),
+which its ``plan`` and ``configure_train`` set.
 
 :class:`FedAvg` is also the streaming core of the strategies that only change a client's weight
 (clipping, staleness): with w_k = ``weight(update)`` and n = Σ n_k,

@@ -1,7 +1,7 @@
 """The one place names become Strategy classes and objects.
 
 Names: fedavg, fedsgd, fedatt, fedmed, pull-local, pull-global, pull-random, async, fedavgm, fedadagrad,
-fedadam, fedyogi, fedprox, fedavg-clip, trimmed-mean, median; or a Strategy the user brings, as ``package.module:Class`` (its ``plan`` says what its rounds are like;
+fedadam, fedyogi, fedprox, scaffold, fedavg-clip, trimmed-mean, median; or a Strategy the user brings, as ``package.module:Class`` (its ``plan`` says what its rounds are like;
 the default is FedAvg's synchronous round). ``strategy_class`` looks a name up, ``strategy_from_config`` builds
 a round's strategy from the job's settings, ``make_strategy`` from explicit parameters (tools and tests).
 Unknown names or parameters and out-of-range values raise BadParameter (a FedmqError) with one line.
@@ -23,6 +23,7 @@ from fedmq.aggregator.strategies.fedmed import FedMed
 from fedmq.aggregator.strategies.fedopt import FedAdagrad, FedAdam, FedYogi
 from fedmq.aggregator.strategies.fedprox import FedProx
 from fedmq.aggregator.strategies.robust import ClippedFedAvg, Median, TrimmedMean
+from fedmq.aggregator.strategies.scaffold import Scaffold
 from fedmq.errors import BadParameter
 from fedmq.hooks import describe
 from fedmq.params import bind
@@ -44,6 +45,7 @@ _CLASSES: dict[str, type[Strategy]] = {
         FedAdam,
         FedYogi,
         FedProx,
+        Scaffold,
         ClippedFedAvg,
         TrimmedMean,
         Median,

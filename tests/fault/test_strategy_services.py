@@ -1,4 +1,4 @@
-"""Strategies with server state and client hooks as services over real RabbitMQ (`fedmq aggregator run`,
+"""Strategies with server state, client hooks and tensors beside the model (SCAFFOLD) as services over real RabbitMQ (`fedmq aggregator run`,
 `fedmq agent run` processes): each ends where its numpy reference does, and FedAdam's moments survive a kill -9
 of the aggregator: the resumed job's model equals an uninterrupted run's bit for bit."""
 
@@ -68,7 +68,7 @@ def _flat(state: dict[str, torch.Tensor]) -> np.ndarray:
     return np.concatenate([state["weight"].double().numpy()[0], state["bias"].double().numpy()])
 
 
-@pytest.mark.parametrize("strategy", ["fedprox", "fedavgm", "fedadagrad", "fedadam", "fedyogi"])
+@pytest.mark.parametrize("strategy", ["fedprox", "scaffold", "fedavgm", "fedadagrad", "fedadam", "fedyogi"])
 def test_strategy_runs_as_services_and_matches_its_reference(
     tmp_path, rabbit_url, job_id, references, strategy
 ):
@@ -122,5 +122,5 @@ def test_fedadam_resumes_bit_for_bit_after_kill9_of_the_aggregator(tmp_path, rab
     for moment in ("m", "v"):
         sa, sb = a.strategy_state["fedadam"][moment], b.strategy_state["fedadam"][moment]
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
-    theirs = references.CASES[4][2](clients=CLIENTS, rounds=ROUNDS)
+    theirs = next(c for c in references.CASES if c[0] == "fedadam")[2](clients=CLIENTS, rounds=ROUNDS)
     assert np.abs(_flat(b.global_state) - theirs).max() < 1e-6

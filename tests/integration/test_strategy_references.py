@@ -5,6 +5,8 @@ global model equals the reference's to 1e-6."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -87,6 +89,28 @@ def fedopt_ref(kind: str, server_lr: float, beta1: float, beta2: float, tau: flo
     return _rounds(step, **shape)
 
 
+def scaffold_ref(server_lr: float, clients: int = CLIENTS, rounds: int = ROUNDS) -> np.ndarray:
+    """Karimireddy et al. 2020, Algorithm 1, option II; every client every round (|S| = N)."""
+    task = logreg.LogReg(clients=clients, seed=SEED)
+    model = task.build_model(SEED)
+    theta = np.concatenate([model.weight.detach().double().numpy()[0], model.bias.detach().double().numpy()])
+    c, c_i = np.zeros_like(theta), [np.zeros_like(theta) for _ in range(clients)]
+    for _ in range(rounds):
+        dy, dc = [], []
+        for i, (x, y) in enumerate(task.shards):
+            x1 = np.hstack([x.astype(np.float64), np.ones((len(x), 1))])
+            w = theta.copy()
+            for _ in range(STEPS):
+                w = w - LR * (x1.T @ (_sigmoid(x1 @ w) - y) / len(x) - c_i[i] + c)
+            new = c_i[i] - c + (theta - w) / (STEPS * LR)
+            dy.append(w - theta)
+            dc.append(new - c_i[i])
+            c_i[i] = new
+        theta = theta + server_lr * np.mean(dy, axis=0)
+        c = c + np.sum(dc, axis=0) / clients
+    return theta
+
+
 # ------------------------------------------------------------------------------------------ fedmq
 def run_fedmq(tmp_path: Path, strategy: str, **args) -> np.ndarray:
     cfg = fedmq.JobConfig(
@@ -111,6 +135,7 @@ def run_fedmq(tmp_path: Path, strategy: str, **args) -> np.ndarray:
 # (strategy, its parameters, its reference given the federation's shape: clients=, rounds=)
 CASES = [
     ("fedavg", {}, fedavg_ref),
+    ("scaffold", {"server_lr": 1.0}, lambda **s: scaffold_ref(1.0, **s)),
     ("fedprox", {"mu": 0.5}, lambda **s: fedprox_ref(0.5, **s)),
     ("fedavgm", {"server_lr": 1.0, "momentum": 0.9}, lambda **s: fedavgm_ref(1.0, 0.9, **s)),
     (
@@ -138,3 +163,44 @@ def test_strategy_matches_its_numpy_reference(tmp_path, strategy, args, referenc
     # the strategy's parameters matter: the reference of plain FedAvg is elsewhere
     if strategy != "fedavg":
         assert np.abs(theirs - fedavg_ref()).max() > 1e-3
+
+
+@pytest.mark.parametrize(("strategy", "args", "reference"), CASES[1:], ids=[c[0] for c in CASES[1:]])
+def test_strategy_runs_from_the_command_line(tmp_path, strategy, args, reference):
+    """`fedmq simulate --strategy NAME --strategy-arg KEY=VALUE ...`: the same numbers as from Python."""
+    rounds = 2
+    flags = [f for k, v in args.items() for f in ("--strategy-arg", f"{k}={v}")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fedmq.cli.app",
+        "simulate",
+        "--task",
+        "logreg:LogReg",
+        "--strategy",
+        strategy,
+        *flags,
+        "-k",
+        str(CLIENTS),
+        "-c",
+        "1",
+        "-r",
+        str(rounds),
+        "--lr",
+        str(LR),
+        "--max-steps",
+        str(STEPS),
+        "--encoding",
+        "raw",
+        "--down-encoding",
+        "raw",
+        "--out",
+        str(tmp_path / "run"),
+        "--json",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLES), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    state = load_checkpoint(tmp_path / "run" / "checkpoints").global_state
+    ours = np.concatenate([state["weight"].double().numpy()[0], state["bias"].double().numpy()])
+    assert np.abs(ours - reference(rounds=rounds)).max() < 1e-6

@@ -1,0 +1,110 @@
+"""SCAFFOLD (Karimireddy et al. 2020, "SCAFFOLD: Stochastic Controlled Averaging for Federated Learning",
+Algorithm 1 with option II): control variates correct each client's drift.
+
+The server keeps a control variate c beside the model x; each client i keeps its own c_i (zero at first).
+In a round every selected client starts from y_i = x and takes K local steps
+
+    y_i ← y_i − η_l · (g_i(y_i) − c_i + c)
+
+then sets c_i⁺ = c_i − c + (x − y_i) / (K·η_l) (option II) and uploads Δy_i = y_i − x and Δc_i = c_i⁺ − c_i.
+The server, with S the round's clients and N the population:
+
+    x ← x + η_g · (1/|S|) Σ Δy_i,        c ← c + (1/N) Σ Δc_i      (= (|S|/N) · mean Δc_i)
+
+Both sums are unweighted, as in the paper. c travels with the model as one extra tensor per parameter
+(``scaffold.c:NAME``, ClientHook.extra_tensors): published to the clients each round, checkpointed with x. K is
+the number of steps the client took (TrainResult.steps) and η_l the round's learning rate; option II assumes
+plain SGD steps (no momentum, no lr decay within the round, no clipping).
+
+Parameter (``--strategy-arg server_lr=1.0``): ``server_lr`` η_g (default 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from fedmq.aggregator.strategies._common import check_started, validate_update
+from fedmq.aggregator.strategies.base import ClientUpdate, State, Strategy
+from fedmq.errors import BadParameter
+from fedmq.hooks import ClientHook, Kept
+from fedmq.tasks.base import TrainConfig, TrainResult
+
+PREFIX = "scaffold.c:"
+
+
+class ScaffoldHook(ClientHook):
+    """The client side: the drift correction c − c_i on every local step, and option II's new c_i."""
+
+    name: ClassVar[str] = "scaffold"
+
+    @classmethod
+    def extra_tensors(cls, names: Sequence[str]) -> dict[str, str]:
+        return {PREFIX + n: n for n in names}
+
+    def begin(self, global_state: Mapping[str, torch.Tensor], train: TrainConfig, kept: Kept) -> None:
+        self.x = {k: v.detach().clone() for k, v in global_state.items() if not k.startswith(PREFIX)}
+        self.c = {k: global_state[PREFIX + k].detach().clone() for k in self.x}
+        self.c_i = kept.get("c") or {k: torch.zeros_like(v) for k, v in self.c.items()}
+        self.correction = {k: self.c[k] - self.c_i[k] for k in self.x}
+        self.lr = train.lr
+
+    def gradient(self, name: str, param: torch.Tensor) -> torch.Tensor | None:
+        term = self.correction[name]
+        if term.device != param.device:
+            term = self.correction[name] = term.to(param.device)
+        return term
+
+    def finish(self, trained: State, result: TrainResult, kept: Kept) -> State:
+        steps = max(result.steps, 1)
+        c_new = {
+            k: self.c_i[k] - self.c[k] + (self.x[k] - trained[k].detach()) / (steps * self.lr) for k in self.x
+        }
+        kept.put("c", c_new)
+        # the upload: y_i, and c + Δc_i, so that its difference from the global state is Δc_i
+        return {**trained, **{PREFIX + k: self.c[k] + (c_new[k] - self.c_i[k]) for k in self.x}}
+
+
+class Scaffold(Strategy):
+    name: ClassVar[str] = "scaffold"
+    client_hook: ClassVar[type[ClientHook] | None] = ScaffoldHook
+
+    def __init__(self, server_lr: float = 1.0) -> None:
+        if not server_lr > 0:
+            raise BadParameter(f"strategy 'scaffold': server_lr must be positive, got {server_lr}")
+        self.server_lr = server_lr
+        self.population = 0  # N, the job's clients (from_config)
+        self._global: Mapping[str, torch.Tensor] | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Any, **extra: Any) -> Strategy:
+        strategy = super().from_config(cfg, **extra)
+        strategy.population = cfg.clients  # type: ignore[attr-defined]
+        return strategy
+
+    def begin(self, global_state: Mapping[str, torch.Tensor]) -> None:
+        self._global = global_state
+        self._sums = {k: torch.zeros(v.shape, dtype=torch.float64) for k, v in global_state.items()}
+        self._clients: list[str] = []
+
+    def fold(self, update: ClientUpdate) -> None:
+        g = check_started(self._global, self.name)
+        validate_update(update, g)
+        for k, t in update.tensors.items():
+            self._sums[k] += (t if update.delta else t - g[k]).double()
+        self._clients.append(update.client)
+
+    def finish(self) -> State:
+        g = check_started(self._global, self.name)
+        m = len(self._clients)
+        self._last_weights = {c: 1 / m for c in self._clients} if m else {}
+        if not m:
+            return {k: v.clone() for k, v in g.items()}
+        population = max(self.population, m)
+        out = {}
+        for k, v in g.items():
+            step = self._sums[k] / population if k.startswith(PREFIX) else self.server_lr * self._sums[k] / m
+            out[k] = (v.double() + step).to(v.dtype)
+        return out
