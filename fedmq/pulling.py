@@ -17,7 +17,8 @@ tensors sorted by d (ties by name),
 ``by="count"`` is the first version's rule, kept as an option: f is a share of the group's *tensors*, with
 ``torch.quantile`` thresholds (linear interpolation, float64): local sends d_t < quantile(d, f), global
 d_t >= quantile(d, 1 − f), random as many tensors as global. By count, "50 %" of a GRU language model is
-0.4 % (local) or 99.6 % (global) of its bytes, because the few large matrices move most (docs/results/nmt-domains.md).
+0.4 % (local) or 99.6 % (global) of its bytes, because the few large matrices move most
+(docs/results/nmt-domains.md).
 Edge cases (both rules): a group of one tensor is sent by global and never by local; tensors with no previous
 value (new tensors) are always sent; with no previous state at all (first round) everything is sent. The
 result is in the order of ``current``.

@@ -1,8 +1,8 @@
 """Reproduce the seed papers' experiments: ``python scripts/reproduce.py NAME|all [--scale S]``.
 
 Same as ``fedmq experiment NAME``; ``all`` runs every experiment one after the other, ``--only``/``--set`` run
-a subset with changed settings (see docs/results/method.md). A script above both cli and benchmarks: it hands the
-CLI's Simulation and report to benchmarks.experiments, which cannot import cli (its docstring says why).
+a subset with changed settings (see docs/results/method.md). A script above both cli and benchmarks: it hands
+the CLI's Simulation and report to benchmarks.experiments, which cannot import cli (its docstring says why).
 """
 
 from __future__ import annotations
