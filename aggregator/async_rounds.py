@@ -1,4 +1,5 @@
-"""Asynchronous mode (FedBuff-style): fold every K arrivals with a staleness weight, publish a new version each time.
+"""Asynchronous mode (FedBuff-style): fold every K arrivals with a staleness weight,
+publish a new version each time.
 
 Crash safety as in synchronous rounds: an update is acked once spooled; a restart replays the open round's
 spool in arrival order against the versions the updates trained from (kept in the spool,

@@ -128,7 +128,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['corpus']} | {r['params'] / 1e6:.2f}M | {r['vocab']} | {r['batch']} | "
-            f"{r['threads']} | {r['tokens_per_s']:,.0f} | {r['min_tokens_per_s']:,.0f}-{r['max_tokens_per_s']:,.0f} "
+            f"{r['threads']} | {r['tokens_per_s']:,.0f} "
+            f"| {r['min_tokens_per_s']:,.0f}-{r['max_tokens_per_s']:,.0f} "
             f"| {r['s_per_step']:.3f} |"
         )
     return "\n".join(lines)

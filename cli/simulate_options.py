@@ -1,16 +1,17 @@
 """`fedmq simulate`'s options, resolved and checked before anything imports torch.
 
-Resolution, lowest to highest: the flags' defaults < the ``--config`` TOML file < the flags a user typed (click's
-parameter source tells them apart from defaults). The file is the one the services read (`aggregator run
---config`): JobConfig keys at the top level, task options in a ``[task]`` table; ``job`` and ``identity`` in it are
-ignored (simulate names its own job and checks identity by broker URL). Availability, faults, device and broker
-are flags only.
+Resolution, lowest to highest: the flags' defaults < the ``--config`` TOML file < the flags a user typed
+(click's parameter source tells them apart from defaults). The file is the one the services read
+(`aggregator run --config`): JobConfig keys at the top level, task options in a ``[task]`` table; ``job`` and
+``identity`` in it are ignored (simulate names its own job and checks identity by broker URL). Availability,
+faults, device and broker are flags only.
 
-``--resume`` rebuilds the run from the options it recorded in its ``config.json`` (``extra.cli``): an option given
-again (as a flag or in ``--config``) must have its saved value, except those that only say where or how long it
-runs (``RESUMABLE``: ``--rounds`` extends a run, ``--device``, ``--cohort``, ``--broker``); any other difference is refused in
-one line. A run folder written before options were recorded is resumed from its JobConfig keys and the task facts
-it kept (task, model, partition, bptt, tied, dropout); the checkpoint check in cli/run_folder.py catches the rest.
+``--resume`` rebuilds the run from the options it recorded in its ``config.json`` (``extra.cli``): an option
+given again (as a flag or in ``--config``) must have its saved value, except those that only say where or how
+long it runs (``RESUMABLE``: ``--rounds`` extends a run, ``--device``, ``--cohort``, ``--broker``); any other
+difference is refused in one line. A run folder written before options were recorded is resumed from its
+JobConfig keys and the task facts it kept (task, model, partition, bptt, tied, dropout); the checkpoint check
+in cli/run_folder.py catches the rest.
 
 Everything here is torch-free (aggregator.config, client_agent.availability, fedmq.tasks.catalog and
 .partition, broker.transport.connect's URL check), so a bad flag is rejected in well under a second.
@@ -129,7 +130,8 @@ def from_context(ctx: Any, command: Any, saved: dict[str, Any] | None = None) ->
 
 
 def param_types(fn: Any) -> dict[str, str]:
-    """Each parameter's type name (int, float, str, bool), Optional unwrapped: how --config values are checked."""
+    """Each parameter's type name (int, float, str, bool), Optional unwrapped:
+    how --config values are checked."""
     import typing
 
     out = {}

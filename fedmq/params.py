@@ -1,8 +1,8 @@
 """A plug-in's parameters: keyword arguments of its constructor, checked against its signature and type hints.
 
-Strategies and client hooks take their parameters this way, from Python, the job file's ``[strategy]`` table or
-``--strategy-arg KEY=VALUE``; ``parse_assignments`` reads the command line's form. Every mistake is one line
-that names the key (BadParameter).
+Strategies and client hooks take their parameters this way, from Python, the job file's ``[strategy]`` table
+or ``--strategy-arg KEY=VALUE``; ``parse_assignments`` reads the command line's form. Every mistake is one
+line that names the key (BadParameter).
 """
 
 from __future__ import annotations

@@ -4,10 +4,11 @@ Simulated clients are light: every agent is a real broker client (its own connec
 the models they train on come from one TrainerPool of ``trainers`` models, and what an algorithm keeps per
 client between rounds lives on disk under the run folder (client_agent.state.DiskStore). Memory is then
 O(trainers × model + selected clients' encoded updates), not O(K × model). With ``cohort`` the pool trains a
-round's selected clients together (a model each, O(selected × model); one batched run on the device). A cohort's
-agents report when the last of them has trained, so the round's report deadline -- set for one client's local
-training -- is given to each of the m selected clients, as if they trained in turn (m × report_deadline_s: the
-cohort's worst case, a CPU or a cohort trained in parts); without faults a round never waits for a deadline.
+round's selected clients together (a model each, O(selected × model); one batched run on the device). A
+cohort's agents report when the last of them has trained, so the round's report deadline -- set for one
+client's local training -- is given to each of the m selected clients, as if they trained in turn
+(m × report_deadline_s: the cohort's worst case, a CPU or a cohort trained in parts); without faults a round
+never waits for a deadline.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ class Simulation:
 
     def run(self, stop: threading.Event | None = None) -> dict[str, Any]:
         cfg = self.cfg
-        # presence costs every simulated agent a message per heartbeat: at most PRESENCE_PER_S of them a second
-        # in all (K = 1,000: one heartbeat per agent every 20 s; absences are then noticed within 60 s)
+        # presence costs every simulated agent a message per heartbeat: at most PRESENCE_PER_S of them a
+        # second in all (K = 1,000: one heartbeat per agent every 20 s; absences are then noticed within 60 s)
         cfg.heartbeat_s = max(cfg.heartbeat_s, cfg.clients / PRESENCE_PER_S)
         shared_user = self._url_user()
         if shared_user:  # every agent shares the URL's account: check the user, not per-agent identity
@@ -189,7 +190,8 @@ class Simulation:
         return self.engine.status() if self.engine is not None else {"phase": "starting"}
 
     def _run_agent(self, agent: Agent) -> None:
-        """Agent.run, but a failure ends the whole simulation at once (the first cause is what the user sees)."""
+        """Agent.run, but a failure ends the whole simulation at once
+        (the first cause is what the user sees)."""
         try:
             agent.run()
         except Exception as exc:

@@ -136,7 +136,8 @@ def free_port() -> int:
 
 
 def _rabbit_node_module_or_skip():
-    """tests/rabbit_node.py when private nodes can start here; else the test fails in CI and is skipped elsewhere."""
+    """tests/rabbit_node.py when private nodes can start here;
+    else the test fails in CI and is skipped elsewhere."""
     mod = load_rabbit_node_module()
     reason = mod.rabbit_node_unavailable()
     if reason:
@@ -165,7 +166,8 @@ def rabbit_node(tmp_path_factory):
 
 @pytest.fixture
 def rabbit_cluster(tmp_path_factory):
-    """Three private RabbitMQ nodes on loopback joined into one cluster (tests/rabbit_node.py: RabbitCluster)."""
+    """Three private RabbitMQ nodes on loopback joined into one cluster
+    (tests/rabbit_node.py: RabbitCluster)."""
     mod = _rabbit_node_module_or_skip()
     with mod.RabbitCluster(tmp_path_factory.mktemp("rabbit-cluster"), size=3) as cluster:
         yield cluster

@@ -1,8 +1,8 @@
 """A small convex task: logistic regression on synthetic data, each client a shard of its own size and skew.
 
-Local training is full-batch gradient descent (``cfg.max_steps`` steps, or ``cfg.epochs``, at ``cfg.lr``), so a
-round is deterministic and easy to write again in a few lines of numpy: the strategy guide and the tests use it
-to check server optimizers and client hooks against independent reference implementations.
+Local training is full-batch gradient descent (``cfg.max_steps`` steps, or ``cfg.epochs``, at ``cfg.lr``), so
+a round is deterministic and easy to write again in a few lines of numpy: the strategy guide and the tests use
+it to check server optimizers and client hooks against independent reference implementations.
 
     PYTHONPATH=docs/examples fedmq simulate --task logreg:LogReg --strategy fedprox --strategy-arg mu=0.1 \\
         -k 4 -c 1 -r 5 --lr 0.5 --max-steps 5 --encoding raw --down-encoding raw

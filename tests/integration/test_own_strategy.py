@@ -143,5 +143,6 @@ def test_from_the_command_line(tmp_path, own_module):
     )
     assert bad.returncode != 0
     assert bad.stderr.strip().splitlines()[-1] == (
-        "error: strategy 'my_fl_strategy:DecayingFedAvg' has no parameter 'maxnorm'; it takes max_norm, server_lr"
+        "error: strategy 'my_fl_strategy:DecayingFedAvg' has no parameter 'maxnorm'; "
+        "it takes max_norm, server_lr"
     )

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from fedmq.broker.wire import messages
-from fedmq.client_agent.agent import Agent, ClientHookError
 from fedmq.broker.wire.envelope import pack
+from fedmq.client_agent.agent import Agent, ClientHookError
 from fedmq.errors import CodecError
 from fedmq.hooks import PROTOCOL, ClientHook, install_gradient_terms
 
@@ -59,7 +59,8 @@ def test_what_an_agent_cannot_run_is_one_line(spec, strategy, words):
 
 def test_the_strategys_own_module_may_provide_the_hook(tmp_path, monkeypatch):
     (tmp_path / "mine.py").write_text(
-        "import fedmq\nclass Hook(fedmq.ClientHook):\n    def __init__(self, mu: float = 0.0):\n        self.mu = mu\n"
+        "import fedmq\nclass Hook(fedmq.ClientHook):\n"
+        "    def __init__(self, mu: float = 0.0):\n        self.mu = mu\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     assert _agent("mine:Strategy")._client_hook(_map("mine:Hook")).mu == 0.1
@@ -103,8 +104,6 @@ def test_announcements_carry_a_checked_client_map_that_old_agents_can_ignore():
 
 
 def _pack(env):
-    from fedmq.broker.wire.envelope import pack
-
     return pack(env)
 
 
