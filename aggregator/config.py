@@ -32,8 +32,8 @@ STRATEGIES = (
     "fedprox",
     "scaffold",
 )
-# dynamic pulling (Passban et al.: DP_l, DP_g, random) was first named dp-*, which reads as differential privacy;
-# the old names stay accepted (configs, run folders) and are stored under the new ones
+# dynamic pulling (Passban et al.: DP_l, DP_g, random) was first named dp-*, which reads as differential
+# privacy; the old names stay accepted (configs, run folders) and are stored under the new ones
 STRATEGY_ALIASES = {"dp-l": "pull-local", "dp-g": "pull-global", "dp-random": "pull-random"}
 
 
@@ -78,14 +78,15 @@ class JobConfig:
     pull_fraction: float = (
         0.5  # dynamic pulling: share of tensors sent (0.5 = median rule, 0.33 = 33 % variant)
     )
-    pull_by: str = "params"  # dynamic pulling: pull_fraction is a share of parameters (the paper) or of tensors ("count")
+    # dynamic pulling: pull_fraction is a share of parameters (the paper) or of tensors ("count")
+    pull_by: str = "params"
     pull_down: bool = (
         False  # dynamic pulling in both directions: the server pushes only the tensors its rule picks
     )
-    # wire encodings (broker.wire.encodings.EncodingSpec syntax). Defaults: bf16, for the update as a delta against
-    # the model it trained from (so its error is relative to the update, not to the weights), 2.5x smaller
-    # than raw both ways at the same validation perplexity (docs/benchmarks.md "Equal quality, fewer bytes");
-    # "raw" both ways is bit-exact FedAvg
+    # wire encodings (broker.wire.encodings.EncodingSpec syntax). Defaults: bf16, for the update as a delta
+    # against the model it trained from (so its error is relative to the update, not to the weights), 2.5x
+    # smaller than raw both ways at the same validation perplexity (docs/benchmarks.md "Equal quality, fewer
+    # bytes"); "raw" both ways is bit-exact FedAvg
     encoding: str = (
         "auto"  # uplink: auto = delta+bf16, or raw under pull-down (whose uploads cannot be deltas)
     )
@@ -100,13 +101,13 @@ class JobConfig:
     optimizer: str = "sgd"
     momentum: float = 0.0
     lr_decay: float = 1.0  # local: lr × this after every local epoch
-    # across rounds: round r's clients train at lr × round_lr_decay^(r−1) (FedMed: "worker models are tuned with
-    # decayed learning rate"); stateless, so a resumed run continues the schedule where it stopped
+    # across rounds: round r's clients train at lr × round_lr_decay^(r−1) (FedMed: "worker models are tuned
+    # with decayed learning rate"); stateless, so a resumed run continues the schedule where it stopped
     round_lr_decay: float = 1.0
     clip: float = 0.25
     max_steps: int = 0
-    # mixed precision for local training on a GPU (CUDA autocast to fp16 with a gradient scaler); an agent that
-    # trains on the CPU ignores it. Off by default: the reproductions compare methods in fp32
+    # mixed precision for local training on a GPU (CUDA autocast to fp16 with a gradient scaler); an agent
+    # that trains on the CPU ignores it. Off by default: the reproductions compare methods in fp32
     amp: bool = False
     report_deadline_s: float = 300.0
     update_deadline_s: float = 120.0
@@ -124,8 +125,9 @@ class JobConfig:
     robust: str = (
         "none"  # FedAvg guard: none | clip:NORM (norm clipping) | trimmed:FRAC | median (coordinate-wise)
     )
-    # bounds on one client's influence (aggregator.guards; 0 = off): n_k capped at this x the round's lower-median
-    # n_k, and an update whose delta norm exceeds this x the round's lower-median norm is left out
+    # bounds on one client's influence (aggregator.guards; 0 = off): n_k capped at this x the round's
+    # lower-median n_k, and an update whose delta norm exceeds this x the round's lower-median norm is left
+    # out
     max_samples_factor: float = 4.0
     norm_bound_factor: float = 10.0
     # the strategy's own parameters: its constructor's keyword arguments (the job file's [strategy] table,
@@ -165,7 +167,8 @@ class JobConfig:
                 bad(f"{name.replace('_', '-')}: {exc}")
         if self.strategy not in STRATEGIES and not is_import_path(self.strategy):
             bad(
-                f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)} or package.module:Class"
+                f"unknown strategy {self.strategy!r}; "
+                f"choose one of {', '.join(STRATEGIES)} or package.module:Class"
             )
         if self.rounds < 1:
             bad("rounds must be at least 1")
@@ -179,14 +182,15 @@ class JobConfig:
             bad(f"pull fraction {self.pull_fraction} must be in (0, 1)")
         if self.pull_by not in ("params", "count"):
             bad(
-                f"pull-by {self.pull_by!r}: use params (a share of the parameters, as in the paper) or count (of tensors)"
+                f"pull-by {self.pull_by!r}: use params (a share of the parameters, as in the paper) "
+                "or count (of tensors)"
             )
         if self.pull_down and self.pull == "all":
             bad("pull-down needs a dynamic-pulling strategy (pull-local, pull-global or pull-random)")
         if self.pull_down and (self.encoding.startswith("delta+") or self.down_encoding.startswith("delta+")):
             bad(
-                "pull-down keeps each agent's own values for the tensors not pushed, so its uploads and the pushes "
-                "cannot be deltas; use an encoding without delta+"
+                "pull-down keeps each agent's own values for the tensors not pushed, "
+                "so its uploads and the pushes cannot be deltas; use an encoding without delta+"
             )
         if self.min_clients < 1:
             bad("min-clients must be at least 1")
@@ -220,7 +224,8 @@ class JobConfig:
                 or not 0 <= value < float("inf")
             ):
                 bad(
-                    f"{name.replace('_', '-')} must be a finite number >= 0 (0 turns the bound off), got {value!r}"
+                    f"{name.replace('_', '-')} must be a finite number >= 0 (0 turns the bound off), "
+                    f"got {value!r}"
                 )
         if self.fedmed_js not in ("standardised", "relative", "raw"):
             bad(f"unknown fedmed-js {self.fedmed_js!r}; use standardised, relative or raw")
@@ -239,7 +244,8 @@ class JobConfig:
             ok = False
         if not ok:
             bad(
-                f"robust guard {self.robust!r}: use none, clip:NORM (NORM > 0), trimmed:FRAC (0 <= FRAC < 0.5) or median"
+                f"robust guard {self.robust!r}: use none, clip:NORM (NORM > 0), "
+                "trimmed:FRAC (0 <= FRAC < 0.5) or median"
             )
         if not (
             self.identity == "strict" or (self.identity.startswith("shared:") and len(self.identity) > 7)
@@ -247,8 +253,8 @@ class JobConfig:
             bad("identity must be strict or shared:USER")
 
     def _check_types(self) -> None:
-        """Every field of the type it is declared with (a job file's JSON can hold anything): ints are ints, not
-        bools; numbers are finite; ``extra`` is an object."""
+        """Every field of the type it is declared with (a job file's JSON can hold anything): ints are ints,
+        not bools; numbers are finite; ``extra`` is an object."""
         kinds = {
             "int": (int, "an integer"),
             "float": ((int, float), "a number"),

@@ -147,7 +147,8 @@ class Engine:
         try:
             self.phase = "standby"
             log.info(
-                "waiting for the first delivery (a hot standby waits here while another aggregator is active)",
+                "waiting for the first delivery "
+                "(a hot standby waits here while another aggregator is active)",
                 job=self.cfg.job,
             )
             if not self.inbox.wait_first(self.stop):
@@ -211,7 +212,8 @@ class Engine:
         log.info("job finished: agents told to leave", job=self.cfg.job, version=self.version)
 
     def declare(self) -> None:
-        """Declare the job's exchange, inbox and model stream (idempotent; agents need the exchange to join)."""
+        """Declare the job's exchange, inbox and model stream (idempotent;
+        agents need the exchange to join)."""
         self.broker.declare_job(self.cfg.job, [], model_bytes=self.manifest.message_bound)
 
     def _inbox_prefetch(self) -> int:
@@ -225,9 +227,9 @@ class Engine:
         return min(MAX_PREFETCH, max(64, self.cfg.selected_count() * per_update + 16))
 
     def _reassembly(self) -> ReassemblyLimits:
-        """Bounds on incomplete chunked updates, from the manifest: one is at most one update message; a sender
-        (routing key, i.e. agent) may have two pending (a restarted agent's new upload beside its dead partial
-        one); all together, two more than the agents that may upload at once."""
+        """Bounds on incomplete chunked updates, from the manifest: one is at most one update message; a
+        sender (routing key, i.e. agent) may have two pending (a restarted agent's new upload beside its dead
+        partial one); all together, two more than the agents that may upload at once."""
         m = self.inbox.limits.max_message_bytes
         uploaders = self.cfg.clients if self.cfg.mode == "async" else self.cfg.selected_count()
         return ReassemblyLimits(
@@ -262,10 +264,11 @@ class Engine:
 
     def wait_for_agents(self, needed: int, timeout: float) -> None:
         """Handle presence (nothing else can arrive before an announce) until enough agents are online and
-        every heartbeat queued when the wait began is counted. Draining matters: heartbeats that queued up while
-        the aggregator was busy (evaluation, checkpoint) would otherwise look stale, and selection would sample
-        from just the first ``needed`` agents read instead of from every live one. Only that backlog: with
-        many agents heartbeats keep arriving, and waiting for an empty inbox could take the whole timeout."""
+        every heartbeat queued when the wait began is counted. Draining matters: heartbeats that queued up
+        while the aggregator was busy (evaluation, checkpoint) would otherwise look stale, and selection would
+        sample from just the first ``needed`` agents read instead of from every live one. Only that backlog:
+        with many agents heartbeats keep arriving, and waiting for an empty inbox could take the whole
+        timeout."""
         deadline = time.time() + timeout
         backlog = self.inbox.backlog()
         while time.time() < deadline and not self.stop.is_set():
@@ -324,8 +327,9 @@ class Engine:
     _prev_state: dict[str, torch.Tensor] | None = None  # θ_{v−1}, kept for delta pushes and pull-down
 
     def _holds(self, client: str) -> int:
-        """The version ``client`` holds: what its presence says or, when the job has agents keep the model they
-        trained from, the version of its last folded update if newer (its heartbeat may not have said so yet)."""
+        """The version ``client`` holds: what its presence says or, when the job has agents keep the model
+        they trained from, the version of its last folded update if newer
+        (its heartbeat may not have said so yet)."""
         said = self.presence.get(client, (0.0, messages.NO_VERSION))[1]
         return max(said, self._trained_from.get(client, messages.NO_VERSION))
 
@@ -382,9 +386,9 @@ class Engine:
         return dict(self._published)
 
     def _pushed_names(self) -> list[str] | None:
-        """Dynamic pulling in both directions (Passban et al.): the tensors of θ_v the job's rule picks by their
-        change since θ_{v−1}; agents keep their own values for the rest. None when the job does not pull down
-        or for the first version (agents that hold no model take the full form)."""
+        """Dynamic pulling in both directions (Passban et al.): the tensors of θ_v the job's rule picks by
+        their change since θ_{v−1}; agents keep their own values for the rest. None when the job does not pull
+        down or for the first version (agents that hold no model take the full form)."""
         cfg = self.cfg
         if not cfg.pull_down or self._prev_state is None:
             return None
@@ -419,9 +423,9 @@ class Engine:
         staleness: int = 0,
         received: Received | None = None,
     ) -> ClientUpdate | None:
-        """Decode an update (its envelope is decoded already: the inbox's, or the spool's) against the manifest
-        and ``base`` and fold it: the one fold path of both modes. A bad update is rejected (when live) and
-        None returned; the caller spools and acks a folded one."""
+        """Decode an update (its envelope is decoded already: the inbox's, or the spool's) against the
+        manifest and ``base`` and fold it: the one fold path of both modes. A bad update is rejected (when
+        live) and None returned; the caller spools and acks a folded one."""
         try:
             update = self._decode_update(env, base, staleness)
         except CodecError as exc:
@@ -514,7 +518,8 @@ class Engine:
     def _finish_guarded(
         self, stats: RoundStats, strategy: Strategy
     ) -> tuple[dict[str, torch.Tensor], dict[str, float], Verdict, str | None, dict[str, Any]]:
-        """The round's aggregate within the bounds of aggregator.guards: (state, weights, verdict, skip reason).
+        """The round's aggregate within the bounds of aggregator.guards: (state, weights, verdict,
+        skip reason).
 
         When an update is out of bounds the round is folded again from its spool without it (or with its
         weight capped); an aggregate that still holds a NaN/Inf is never used: the round is skipped."""
@@ -543,7 +548,8 @@ class Engine:
 
     def _refold(self, stats: RoundStats, verdict: Verdict, params: dict[str, Any]) -> Strategy:
         """Fold the round's spooled updates again (the same strategy, in the fold order of _fold_in_order),
-        leaving out the dropped ones and capping n_samples; they were all folded once, so they decode again."""
+        leaving out the dropped ones and capping n_samples; they were all folded once,
+        so they decode again."""
         state, bodies = self.spool.load(stats.round)
         strategy = self.begin_strategy(stats, (state or {}).get("strategy") or self.cfg.strategy, **params)
         for client in stats.granted:

@@ -56,16 +56,17 @@ def _setup_logs(level: str, fmt: str = "auto", file: Path | None = None) -> None
 
 
 def _tune_allocator() -> None:
-    """Services and simulations move model-sized buffers all the time: let glibc reuse them (broker/wire/malloc.py)."""
+    """Services and simulations move model-sized buffers all the time:
+    let glibc reuse them (broker/wire/malloc.py)."""
     from fedmq.broker.wire.malloc import tune_allocator
 
     tune_allocator()
 
 
 def _stop_on_signals(service: Callable[[], Any], running: Callable[[Any], bool]) -> None:
-    """SIGTERM / SIGINT set the service's ``stop``: a running service ends its step and leaves cleanly. While it is
-    not running yet, or an agent is rejoining (connecting, declaring, subscribing: waits a broker may never answer),
-    the process leaves at once."""
+    """SIGTERM / SIGINT set the service's ``stop``: a running service ends its step and leaves cleanly. While
+    it is not running yet, or an agent is rejoining (connecting, declaring, subscribing: waits a broker may
+    never answer), the process leaves at once."""
 
     def handler(signum: int, _frame: Any) -> None:
         svc = service()
@@ -96,7 +97,8 @@ TASK, STRATEGY, TRAIN, WIRE, AVAIL, RUN = (
     "Availability and faults",
     "Run",
 )
-ENCODINGS = "raw, fp16, bf16, int8, int6, int5, int4 (each also -row), topk:DENSITY"  # broker.wire.encodings.EncodingSpec
+# broker.wire.encodings.EncodingSpec
+ENCODINGS = "raw, fp16, bf16, int8, int6, int5, int4 (each also -row), topk:DENSITY"
 
 
 def _opt(default: Any, *names: str, panel: str, metavar: str | None = None, help: str = "") -> Any:
@@ -169,7 +171,8 @@ def simulate(
         "--strategy-arg",
         panel=STRATEGY,
         metavar="KEY=VALUE",
-        help="a parameter of the strategy, repeatable: --strategy-arg mu=0.01 (the job file's [strategy] table)",
+        help="a parameter of the strategy, repeatable: --strategy-arg mu=0.01 "
+        "(the job file's [strategy] table)",
     ),
     eps: float = _opt(1.2, panel=STRATEGY, metavar="EPS", help="FedAtt step size ε"),
     norm: str = _opt("fro", panel=STRATEGY, metavar="NORM", help="FedAtt distance: fro or spectral"),
@@ -333,8 +336,8 @@ def simulate(
 
 
 def _serve_metrics(port: int) -> Any:
-    """`simulate --metrics-port`: the endpoint `aggregator run --metrics-port` serves; it reports "starting" (not
-    ready) until ``_simulate`` points it at the simulation."""
+    """`simulate --metrics-port`: the endpoint `aggregator run --metrics-port` serves; it reports "starting"
+    (not ready) until ``_simulate`` points it at the simulation."""
     from fedmq.cli.telemetry import Telemetry
 
     telemetry = Telemetry(lambda: {"phase": "starting"}, lambda: False)
@@ -446,7 +449,8 @@ def aggregator_run(
     broker: str = typer.Option(
         ...,
         envvar="FEDMQ_BROKER",
-        help="amqp(s)://user:pass@host:port[,host2:port2...]/vhost (several addresses: the nodes of one cluster)",
+        help="amqp(s)://user:pass@host:port[,host2:port2...]/vhost "
+        "(several addresses: the nodes of one cluster)",
     ),
     job: str | None = typer.Option(None, envvar="FEDMQ_JOB", help="job id"),
     config: Path | None = typer.Option(None, envvar="FEDMQ_CONFIG", help="TOML file: job keys, [task] table"),
@@ -461,7 +465,8 @@ def aggregator_run(
         None,
         "--strategy-arg",
         metavar="KEY=VALUE",
-        help="a parameter of the strategy, repeatable: --strategy-arg mu=0.01 (overrides the [strategy] table)",
+        help="a parameter of the strategy, repeatable: --strategy-arg mu=0.01 "
+        "(overrides the [strategy] table)",
     ),
     user: str | None = typer.Option(None, envvar="FEDMQ_BROKER_USER"),
     password: str | None = typer.Option(None, envvar="FEDMQ_BROKER_PASSWORD"),
@@ -481,7 +486,8 @@ def aggregator_run(
 
     Precedence: flags > FEDMQ_* environment variables > the --config file > defaults.
 
-    Example: fedmq aggregator run --broker amqps://rabbit:5671/fedmq --job wt2 --config job.toml --state-dir /var/lib/fedmq
+    Example: fedmq aggregator run --broker amqps://rabbit:5671/fedmq --job wt2 --config job.toml
+    --state-dir /var/lib/fedmq
     """
     from fedmq.aggregator.config import JobConfig
     from fedmq.aggregator.engine import Engine
@@ -508,8 +514,9 @@ def aggregator_run(
     engine = None
     _stop_on_signals(lambda: engine, lambda e: e.started)
     task_obj = _make_task(task_opts)
-    # a chunked update whose sender went silent this long (it died mid-upload) is dropped and its chunks rejected;
-    # generous, because a publisher blocked by flow control is silent too and its update must still complete
+    # a chunked update whose sender went silent this long (it died mid-upload) is dropped and its chunks
+    # rejected; generous, because a publisher blocked by flow control is silent too and its update must still
+    # complete
     conn = connect(
         _broker_url(broker, user, password),
         chunk_limit=chunk_limit,
@@ -549,7 +556,8 @@ def agent_run(
     broker: str = typer.Option(
         ...,
         envvar="FEDMQ_BROKER",
-        help="amqp(s)://user:pass@host:port[,host2:port2...]/vhost (several addresses: the nodes of one cluster)",
+        help="amqp(s)://user:pass@host:port[,host2:port2...]/vhost "
+        "(several addresses: the nodes of one cluster)",
     ),
     job: str = typer.Option(..., envvar="FEDMQ_JOB"),
     client_id: str | None = typer.Option(
@@ -585,7 +593,8 @@ def agent_run(
 ) -> None:
     """Run one client agent: join the job, train on its shard, upload when granted, repeat.
 
-    Example: fedmq agent run --broker amqps://rabbit:5671/fedmq --job wt2 --client-id agent-3 --data /data --device cuda
+    Example: fedmq agent run --broker amqps://rabbit:5671/fedmq --job wt2 --client-id agent-3
+    --data /data --device cuda
     """
     import socket
 
@@ -667,7 +676,8 @@ def broker_provision(
     namespace: str = typer.Option("fedmq", help="namespace of the Secrets"),
     remove_guest: bool = typer.Option(False, help="delete the guest user (production)"),
 ) -> None:
-    """Create (idempotently) the vhost, the aggregator user and one user per agent with least-privilege permissions.
+    """Create (idempotently) the vhost, the aggregator user and one user per agent with least-privilege
+    permissions.
 
     Example: fedmq broker provision --job wt2 --agents 10 --secrets-out - | kubectl apply -f -
     """
@@ -853,7 +863,8 @@ def bench_flower(
     ),
     flower: bool = typer.Option(True, "--flower/--no-flower", help="run the Flower side"),
 ) -> None:
-    """fedmq vs Flower 1.41 on the FedAtt setting: s/round, wire bytes/round, peak memory; fedmq's scaling in K.
+    """fedmq vs Flower 1.41 on the FedAtt setting: s/round, wire bytes/round, peak memory;
+    fedmq's scaling in K.
 
     Example: fedmq bench flower --data wikitext-2 -k 100 --selected 10 -r 5 --scale 10,1000
     """
@@ -925,7 +936,8 @@ def bench_load(
     rounds: int = 3,
     threads: int = typer.Option(4, help="swarm connections (agents are shared out)"),
 ) -> None:
-    """N lightweight agents vs a real aggregator: updates/s, upload→inclusion p50/p99, aggregator RSS/CPU, lost.
+    """N lightweight agents vs a real aggregator: updates/s, upload→inclusion p50/p99,
+    aggregator RSS/CPU, lost.
 
     Example: fedmq bench load --agents 100,1000 --rounds 3
     """

@@ -4,7 +4,8 @@ when granted, repeat.
 An agent that is not selected does nothing but stay present: round announcements are small, and only a
 selected agent reads the announced version from the job's model stream (the form it can apply: a delta
 against the version it holds, the pull-down subset, or the full model). It owns no model between rounds: it
-borrows one from a TrainerPool for the round, and keeps only what the job's algorithm needs (client_agent.state).
+borrows one from a TrainerPool for the round, and keeps only what the job's algorithm needs
+(client_agent.state).
 
 Threads: the broker's own I/O thread keeps the connection (and its heartbeats) alive; the broker's dispatcher
 thread only queues deliveries here; the agent thread trains; a presence thread announces the agent while it
@@ -162,7 +163,8 @@ class Agent:
             except BrokerError as exc:
                 if exc.permanent:  # a bad URL or refused credentials: retrying cannot help
                     raise
-                # close the half-joined connection: its consumers would otherwise take (and lose) our deliveries
+                # close the half-joined connection: its consumers would otherwise take
+                # (and lose) our deliveries
                 if broker is not None:
                     try:
                         broker.close()
@@ -202,7 +204,8 @@ class Agent:
         if self.stop.wait(phase):
             return
         while not self.stop.wait(self.heartbeat_s):
-            try:  # a beat is worth nothing once the aggregator's horizon (3 beats) has passed: never wait longer
+            # a beat is worth nothing once the aggregator's horizon (3 beats) has passed: never wait longer
+            try:
                 self._presence("online", timeout=3 * self.heartbeat_s)
             except (BrokerError, AttributeError):
                 pass
@@ -394,20 +397,21 @@ class Agent:
         path = spec["hook"]
         if spec["version"] > PROTOCOL:
             raise ClientHookError(
-                f"the job's rounds need client-map version {spec['version']}; this agent reads up to {PROTOCOL}: "
-                "upgrade fedmq on the agents"
+                f"the job's rounds need client-map version {spec['version']}; "
+                f"this agent reads up to {PROTOCOL}: upgrade fedmq on the agents"
             )
         module = path.partition(":")[0]
         if not (module.startswith("fedmq.") or module in self.hook_modules):
             raise ClientHookError(
-                f"the job's strategy needs client hook {path!r}, which this agent may not import: start the agent "
-                "with the job's --config (its strategy's module is then allowed)"
+                f"the job's strategy needs client hook {path!r}, which this agent may not import: "
+                "start the agent with the job's --config (its strategy's module is then allowed)"
             )
         cls = self._hooks.get(path) or load_class(path, ClientHook, "client hook", ClientHookError)
         self._hooks[path] = cls
         if spec["hook_version"] != cls.version:
             raise ClientHookError(
-                f"client hook {path!r}: the job runs version {spec['hook_version']}, this agent has {cls.version}"
+                f"client hook {path!r}: the job runs version {spec['hook_version']}, "
+                f"this agent has {cls.version}"
             )
         try:
             return cls(**bind(cls, spec["args"], f"client hook {path!r}"))
@@ -424,7 +428,8 @@ class Agent:
     def _with_private(self, held: State, cfg: RoundConfig) -> State:
         """Dynamic pulling upwards only: the tensors we did not send last time stay ours, "protected from
         external updates and only modified using local data" (Passban et al.); the rest is the global model.
-        (Under pull-down the server pushes only its pick and we keep our values for the rest: _fetch_model.)"""
+        (Under pull-down the server pushes only its pick and we keep our values for the rest:
+        _fetch_model.)"""
         private = self._kept("private") if cfg.pull != "all" and not cfg.pull_down else None
         return held if private is None else {**held, **private[1]}
 
@@ -536,11 +541,12 @@ class Agent:
     def _keep_residual(
         self, upload: State, held: State, tensors: dict, version: int, residual: tuple[int, State] | None
     ) -> None:
-        """Error feedback for sparsified deltas (Stich et al. 2018, "Sparsified SGD with memory"; Lin et al. 2018,
-        Deep Gradient Compression): keep e = (Δ + e_prev) − what the aggregator will decode, and add it to the next
-        upload, so no coordinate's change is dropped for good, only delayed. e lives in parameter space, so it
-        still applies when the next round starts from a newer global model; lost with the agent (a restart only
-        loses the correction). Kept in the agent's store: memory for a service, disk for `fedmq simulate`."""
+        """Error feedback for sparsified deltas (Stich et al. 2018, "Sparsified SGD with memory"; Lin et al.
+        2018, Deep Gradient Compression): keep e = (Δ + e_prev) − what the aggregator will decode, and add it
+        to the next upload, so no coordinate's change is dropped for good, only delayed. e lives in parameter
+        space, so it still applies when the next round starts from a newer global model; lost with the agent
+        (a restart only loses the correction). Kept in the agent's store: memory for a service,
+        disk for `fedmq simulate`."""
         sent = decode_state(tensors, self.manifest, held, as_delta=True)
         left = {k: (v - held[k]) - torch.from_numpy(sent[k]) for k, v in upload.items()}
         self.store.put(self.client, "residual", version, {**(residual[1] if residual else {}), **left})

@@ -1,19 +1,22 @@
 """A strategy's client side: what every selected agent does around its local training (Flower's client mods).
 
 A strategy names its hook (``Strategy.client_hook``); each round's announcement carries the hook's name, its
-version and its arguments (``Strategy.client_args``), and every selected agent builds the hook and calls, in order:
+version and its arguments (``Strategy.client_args``), and every selected agent builds the hook and calls,
+in order:
 
 - ``begin(global_state, train, kept)``: before training; ``global_state`` is the model the client trains from,
   ``train`` the local training settings (lr, steps …), ``kept`` the client's own state from earlier rounds;
-- ``gradient(name, param)``, at every local step, for every parameter: a term added to the parameter's gradient
-  before the optimizer step, i.e. the gradient of a term added to the training loss (FedProx's proximal term
-  μ/2·‖w − w_t‖² has gradient μ(w − w_t)); None adds nothing. It works with any task's training loop;
-- ``finish(trained, result, kept)``: after training; returns the state to upload (default: ``trained``) and keeps
-  what the client needs next time (``kept.put``).
+- ``gradient(name, param)``, at every local step, for every parameter: a term added to the parameter's
+  gradient before the optimizer step, i.e. the gradient of a term added to the training loss (FedProx's
+  proximal term μ/2·‖w − w_t‖² has gradient μ(w − w_t)); None adds nothing.
+  It works with any task's training loop;
+- ``finish(trained, result, kept)``: after training; returns the state to upload (default: ``trained``) and
+  keeps what the client needs next time (``kept.put``).
 
-``kept`` lives in the agent's state store (memory for a service, files under the run folder for `fedmq simulate`),
-one namespace per hook. The agent only imports hooks from fedmq itself or from the module of the strategy it was
-started with (``--config``'s strategy), so an announcement can never make an agent import arbitrary code.
+``kept`` lives in the agent's state store (memory for a service, files under the run folder for
+`fedmq simulate`), one namespace per hook. The agent only imports hooks from fedmq itself or from the module
+of the strategy it was started with (``--config``'s strategy),
+so an announcement can never make an agent import arbitrary code.
 """
 
 from __future__ import annotations

@@ -11,19 +11,21 @@ combination of the client models, the same scale as the FedAvg rounds the loss s
 The mediator's loss switch (aggregator.mediator) picks, each round, this adaptive aggregation or plain FedAvg:
 the plan's ``loss_switch`` has the engine run a FedAvg round when it says so (aggregator.sync_round).
 
-``js = "relative"`` (the default) and ``"standardised"`` depart from the paper's literal γ_k = softmax_k(JS_k):
-with a softmax of each flattened layer, JS between a client and the global model is ~1e-6 nats and varies between clients by less
-than that, so γ stays within 0.3 % of uniform and "adaptive" aggregation is equal-weight FedAvg.
-Standardised, each layer's JS is taken relative to the round's spread: γ_k = softmax_k((JS_k − mean)/sd); the mean
-cancels in a softmax, so this is a per-layer temperature sd_l. sd_l is only known once every update of the round
-has been scored, so the round is folded twice (``second_pass``: the engine refolds it from its spool with the
-temperatures, ``temperatures=``). ``js = "raw"`` is the paper's literal formula.
+``js = "relative"`` (the default) and ``"standardised"`` depart from the paper's literal
+γ_k = softmax_k(JS_k): with a softmax of each flattened layer, JS between a client and the global model is
+~1e-6 nats and varies between clients by less than that, so γ stays within 0.3 % of uniform and "adaptive"
+aggregation is equal-weight FedAvg. Standardised, each layer's JS is taken relative to the round's spread: γ_k
+= softmax_k((JS_k − mean)/sd); the mean cancels in a softmax, so this is a per-layer temperature sd_l. sd_l is
+only known once every update of the round has been scored, so the round is folded twice (``second_pass``: the
+engine refolds it from its spool with the temperatures, ``temperatures=``).
+``js = "raw"`` is the paper's literal formula.
 
-Standardised weights are degenerate at two clients a round: any two different values standardise to ±1, so γ is
-0.881 / 0.119 however close the divergences are. ``js = "relative"`` divides each layer's JS by the round's mean
-instead, γ_k = softmax_k(JS_k / mean_j JS_j): scale-free like the standardised form (JS ~1e-6 nats does not
-matter), equal divergences give equal weights at any m, and the weights move smoothly with the ratios (two clients
-at 1.15 : 0.93 of the mean get 0.55 / 0.45). Chosen on validation over standardised (docs/results/method.md).
+Standardised weights are degenerate at two clients a round: any two different values standardise to ±1, so γ
+is 0.881 / 0.119 however close the divergences are. ``js = "relative"`` divides each layer's JS by the round's
+mean instead, γ_k = softmax_k(JS_k / mean_j JS_j): scale-free like the standardised form (JS ~1e-6 nats does
+not matter), equal divergences give equal weights at any m, and the weights move smoothly with the ratios (two
+clients at 1.15 : 0.93 of the mean get 0.55 / 0.45). Chosen on validation over standardised
+(docs/results/method.md).
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ _LN2 = math.log(2.0)
 
 
 def js_divergence(a: torch.Tensor, b: torch.Tensor) -> float:
-    """JS(softmax(a.flatten()) ‖ softmax(b.flatten())) in nats, computed in float64 chunks (bounded memory)."""
+    """JS(softmax(a.flatten()) ‖ softmax(b.flatten())) in nats, computed in float64 chunks
+    (bounded memory)."""
     x, y = a.reshape(-1), b.reshape(-1)
     lse_a = float(torch.logsumexp(x.double(), 0)) if x.numel() <= _CHUNK else _chunked_lse(x)
     lse_b = float(torch.logsumexp(y.double(), 0)) if y.numel() <= _CHUNK else _chunked_lse(y)
@@ -69,8 +72,8 @@ def _chunked_lse(x: torch.Tensor) -> float:
 
 class FedMed(SoftmaxWeighted):
     name: ClassVar[str] = "fedmed"
-    # the mediator (FedMed §3.4) needs every report first: top-K ranks the losses at the end of local training,
-    # and the loss switch picks FedMed's adaptive aggregation or FedAvg from their mean
+    # the mediator (FedMed §3.4) needs every report first: top-K ranks the losses at the end of local
+    # training, and the loss switch picks FedMed's adaptive aggregation or FedAvg from their mean
     plan: ClassVar[RoundPlan] = RoundPlan(grant_phase=True, loss_switch=True)
     own_settings: ClassVar[tuple[str, ...]] = ("fedmed_js",)
 

@@ -1,10 +1,11 @@
 """The one place names become Strategy classes and objects.
 
 Names: fedavg, fedsgd, fedatt, fedmed, pull-local, pull-global, pull-random, async, fedavgm, fedadagrad,
-fedadam, fedyogi, fedprox, scaffold, fedavg-clip, trimmed-mean, median; or a Strategy the user brings, as ``package.module:Class`` (its ``plan`` says what its rounds are like;
-the default is FedAvg's synchronous round). ``strategy_class`` looks a name up, ``strategy_from_config`` builds
-a round's strategy from the job's settings, ``make_strategy`` from explicit parameters (tools and tests).
-Unknown names or parameters and out-of-range values raise BadParameter (a FedmqError) with one line.
+fedadam, fedyogi, fedprox, scaffold, fedavg-clip, trimmed-mean, median; or a Strategy the user brings, as
+``package.module:Class`` (its ``plan`` says what its rounds are like; the default is FedAvg's synchronous
+round). ``strategy_class`` looks a name up, ``strategy_from_config`` builds a round's strategy from the job's
+settings, ``make_strategy`` from explicit parameters (tools and tests). Unknown names or parameters and
+out-of-range values raise BadParameter (a FedmqError) with one line.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ _CLASSES: dict[str, type[Strategy]] = {
         Median,
     )
 }
-# the job's robust guard (JobConfig.robust) replaces plain FedAvg, also where FedMed's loss switch falls back to it
+# the job's robust guard (JobConfig.robust) replaces plain FedAvg,
+# also where FedMed's loss switch falls back to it
 _ROBUST = {"clip": "fedavg-clip", "trimmed": "trimmed-mean", "median": "median"}
 
 STRATEGY_NAMES: tuple[str, ...] = tuple(_CLASSES)
@@ -70,8 +72,9 @@ def strategy_class(name: str) -> type[Strategy]:
 
 
 def strategy_from_config(name: str, cfg: Any, **extra: Any) -> tuple[str, Strategy]:
-    """The strategy ``name`` built from the job's settings ``cfg`` (a JobConfig) for one round, and the name it
-    runs under (a robust guard's where one replaces FedAvg); ``extra``: what a first pass asked for (second_pass)."""
+    """The strategy ``name`` built from the job's settings ``cfg`` (a JobConfig) for one round, and the name
+    it runs under (a robust guard's where one replaces FedAvg); ``extra``:
+    what a first pass asked for (second_pass)."""
     if name == FedAvg.name and cfg.robust != "none":
         name = _ROBUST[cfg.robust.partition(":")[0]]
     cls = strategy_class(name)

@@ -12,9 +12,9 @@ The server, with S the round's clients and N the population:
     x ← x + η_g · (1/|S|) Σ Δy_i,        c ← c + (1/N) Σ Δc_i      (= (|S|/N) · mean Δc_i)
 
 Both sums are unweighted, as in the paper. c travels with the model as one extra tensor per parameter
-(``scaffold.c:NAME``, ClientHook.extra_tensors): published to the clients each round, checkpointed with x. K is
-the number of steps the client took (TrainResult.steps) and η_l the round's learning rate; option II assumes
-plain SGD steps (no momentum, no lr decay within the round, no clipping).
+(``scaffold.c:NAME``, ClientHook.extra_tensors): published to the clients each round, checkpointed with x. K
+is the number of steps the client took (TrainResult.steps) and η_l the round's learning rate; option II
+assumes plain SGD steps (no momentum, no lr decay within the round, no clipping).
 
 Parameter (``--strategy-arg server_lr=1.0``): ``server_lr`` η_g (default 1).
 """

@@ -1,6 +1,7 @@
-"""Strategies with server state, client hooks and tensors beside the model (SCAFFOLD) as services over real RabbitMQ (`fedmq aggregator run`,
-`fedmq agent run` processes): each ends where its numpy reference does, and FedAdam's moments survive a kill -9
-of the aggregator: the resumed job's model equals an uninterrupted run's bit for bit."""
+"""Strategies with server state, client hooks and tensors beside the model (SCAFFOLD) as services over real
+RabbitMQ (`fedmq aggregator run`, `fedmq agent run` processes): each ends where its numpy reference does, and
+FedAdam's moments survive a kill -9 of the aggregator: the resumed job's model equals an uninterrupted run's
+bit for bit."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Server optimizers and client hooks against independent numpy implementations of the papers' algorithms, on a
-small convex problem (docs/examples/logreg.py: logistic regression, full-batch local gradient descent): a real
-in-process federation of 4 clients, every client every round, raw encodings both ways, 5 rounds; the final
-global model equals the reference's to 1e-6."""
+"""Server optimizers and client hooks against independent numpy implementations of the papers' algorithms, on
+a small convex problem (docs/examples/logreg.py: logistic regression, full-batch local gradient descent): a
+real in-process federation of 4 clients, every client every round, raw encodings both ways, 5 rounds; the
+final global model equals the reference's to 1e-6."""
 
 from __future__ import annotations
 
