@@ -1,4 +1,5 @@
-"""``make_task(name, **options)``: the CLI's entry point to the tasks (``--task lm|nmt|package.module:Class``)."""
+"""``make_task(name, **options)``: the CLI's entry point to the tasks
+(``--task lm|nmt|package.module:Class``)."""
 
 from __future__ import annotations
 
@@ -21,13 +22,13 @@ _ZERO_IS_NONE = ("vocab_size", "max_lines", "max_eval_lines")
 def make_task(name: str, **options: Any) -> Task:
     """Build a task; options are the task class's keyword arguments (None values mean "the default").
 
-    Options that only apply to the other task (e.g. ``tied``/``bptt`` for nmt) are ignored, and 0 means "no cap"
-    for vocab_size, max_lines and max_eval_lines, so the CLI can pass all its flags to either task.
+    Options that only apply to the other task (e.g. ``tied``/``bptt`` for nmt) are ignored, and 0 means "no
+    cap" for vocab_size, max_lines and max_eval_lines, so the CLI can pass all its flags to either task.
 
-    lm: data ("builtin" or a folder), model (gru-tiny|gru-small|gru-medium|gru-large|lstm), tied, dropout, clients,
-    partition (iid|dirichlet:ALPHA|natural), vocab_size, max_lines, max_eval_lines, bptt, seed, emb, hidden, layers.
-    nmt: data, model (tiny|small|base), clients, partition, domains, vocab_size, max_lines, dropout, label_smoothing,
-    max_len, eval_max_sentences, beam, eval_batch, seed, cache_dir, eval_fraction.
+    lm: data ("builtin" or a folder), model (gru-tiny|gru-small|gru-medium|gru-large|lstm), tied, dropout,
+    clients, partition (iid|dirichlet:ALPHA|natural), vocab_size, max_lines, max_eval_lines, bptt, seed, emb,
+    hidden, layers. nmt: data, model (tiny|small|base), clients, partition, domains, vocab_size, max_lines,
+    dropout, label_smoothing, max_len, eval_max_sentences, beam, eval_batch, seed, cache_dir, eval_fraction.
     """
     if is_import_path(name):
         return _make_own_task(name, options)

@@ -1,7 +1,7 @@
 """On real RabbitMQ: one authenticated agent among three cannot poison the model into Inf/NaN or
-wipe it. It trains honestly, then claims n_samples = 2**52 and uploads either finite weights of 3e38 (the FedAvg
-sum overflows) or all zeros (the average becomes ~0). Both pass the NaN/Inf checks; before aggregator.guards
-the first made every later round fail and the second wiped the model in one round."""
+wipe it. It trains honestly, then claims n_samples = 2**52 and uploads either finite weights of 3e38 (the
+FedAvg sum overflows) or all zeros (the average becomes ~0). Both pass the NaN/Inf checks; before
+aggregator.guards the first made every later round fail and the second wiped the model in one round."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ HOSTILE = "agent-2"
 
 def poison_agent(fill: float | None):
     class Poison(Agent):
-        """Claims 2**52 samples and uploads weights of ``fill`` everywhere (finite, right names and shapes), or
-        its honestly trained weights when ``fill`` is None."""
+        """Claims 2**52 samples and uploads weights of ``fill`` everywhere (finite, right names and shapes),
+        or its honestly trained weights when ``fill`` is None."""
 
         def _trained_state(self, model):
             state = super()._trained_state(model)
