@@ -1,4 +1,5 @@
-"""Parallel German->English data: domains of ``X.de``/``X.en`` files, held-out splits, the shared subword model.
+"""Parallel German->English data: domains of ``X.de``/``X.en`` files, held-out splits,
+the shared subword model.
 
 ``data`` is either one domain folder (files ``X.de`` + ``X.en``, line i of one translating line i of the
 other, optionally ``X.docid`` naming each pair's document) or a folder of such domain folders
@@ -7,8 +8,9 @@ in sorted order) and split with a fixed seed (independent of the run seed, so ev
 pairs): ``eval_fraction`` of the pairs (at least 1, at most ``eval_max_pairs``) go to valid, as many to test,
 the rest to train.
 
-The subword vocabulary is a sentencepiece BPE model shared by source and target, trained locally on the training
-split of both languages and cached under ``cache_dir`` keyed by a digest of its input; nothing is downloaded.
+The subword vocabulary is a sentencepiece BPE model shared by source and target, trained locally on the
+training split of both languages and cached under ``cache_dir`` keyed by a digest of its input;
+nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ def load_parallel(
         found = {d.name: d for d in sorted(folder.iterdir()) if d.is_dir() and _stems(d, src_lang, tgt_lang)}
     if not found:
         raise TaskError(
-            f"{str(folder)!r} has no parallel files: expected X.{src_lang} + X.{tgt_lang} pairs in it or in its subfolders"
+            f"{str(folder)!r} has no parallel files: "
+            f"expected X.{src_lang} + X.{tgt_lang} pairs in it or in its subfolders"
         )
     if domains:
         missing = [d for d in domains if d not in found]
@@ -117,7 +120,8 @@ def _read_domain(name: str, folder: Path, src: str, tgt: str) -> list[Pair]:
         s, t = _read(folder / f"{stem}.{src}"), _read(folder / f"{stem}.{tgt}")
         if len(s) != len(t):
             raise TaskError(
-                f"{str(folder / stem)}.{src} has {len(s)} lines but .{tgt} has {len(t)}: the files must be line-aligned"
+                f"{str(folder / stem)}.{src} has {len(s)} lines but .{tgt} has {len(t)}: "
+                "the files must be line-aligned"
             )
         docfile = folder / f"{stem}.docid"
         docs = (
