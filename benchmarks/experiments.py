@@ -4,8 +4,10 @@ Papers: FedAtt (Ji et al. 2019), FedMed (Wu et al. 2020), dynamic pulling (Passb
 Every experiment is a grid of federations run one after the other with :class:`fedmq.simulation.Simulation` over
 the in-process broker (``memory://``, the same engine/agent/codec code path as RabbitMQ). Each federation
 writes a normal run folder ``OUT/NAME/<run>/`` (aggregator.runlog: config, metrics, summary); the experiment
-writes ``OUT/NAME/results.json`` + ``results.md`` (one row per run) and ``OUT/NAME/report/`` (``fedmq report``
-of all its runs). Reruns into the same folder replace that experiment's run folders.
+writes ``OUT/NAME/results.json`` + ``results.md`` (one row per run), ``OUT/NAME/report/`` (``fedmq report``
+of all its runs) and ``OUT/NAME/NAME.SCALE.json``, the small results file that is kept in git under
+benchmarks/results/ (benchmarks/results_file.py: the final numbers of each run and seed, the command and the
+commit). Reruns into the same folder replace that experiment's run folders.
 
 The caller hands in the Simulation class and the report function (``run_experiment(simulation=, report=)``):
 the CLI (``fedmq experiment``), scripts/reproduce.py and the tests. This package sits below cli, which imports it
@@ -60,6 +62,7 @@ from fedmq.aggregator.runlog import (
     read_summary,
     write_summary,
 )
+from fedmq.benchmarks import results_file
 from fedmq.errors import FedmqError
 from fedmq.files import write_atomic
 from fedmq.tasks.base import Task, TrainConfig, load_state, model_state
@@ -518,8 +521,8 @@ def _server_domain_scores(
     task: Any, run_dir: Path, summary: dict[str, Any], seed: int, n: int
 ) -> tuple[dict[str, float], dict[str, float] | None]:
     """Per-domain test BLEU and cross-entropy of a run's best global model, kept in its summary.json
-    (``test_bleu_by_domain``, ``test_ce_by_domain``) so that a run restored from its small files
-    (scripts/runs_archive.py, no best.pt) keeps its row; a finished run with no BLEU and no best.pt is refused
+    (``test_bleu_by_domain``, ``test_ce_by_domain``) so that a run folder kept without its weights (no
+    best.pt) keeps its row; a finished run with no BLEU and no best.pt is refused
     rather than scored on another model. Cross-entropy is None for a restored run from before it was measured."""
     bleu, ce = summary.get("test_bleu_by_domain"), summary.get("test_ce_by_domain")
     if isinstance(bleu, dict) and isinstance(ce, dict):
@@ -1499,10 +1502,46 @@ def run_experiment(
                 domain_markdown(r["ce_by_domain"], r["domains"], digits=3),
             ]
     write_atomic(exp_dir / "results.md", "\n".join(text) + "\n")
+    write_results_file(
+        exp_dir, name, scale, seeds, folders, per_seed, threads, only, overrides, device, cohort
+    )
     if report is not None:
         for folder, r in zip(folders, per_seed):
             report([folder / row["run"] for row in r["runs"]], folder / "report")
     return results
+
+
+def write_results_file(
+    exp_dir: Path,
+    name: str,
+    scale: str,
+    seeds: list[int],
+    folders: list[Path],
+    per_seed: list[dict[str, Any]],
+    threads: int = 1,
+    only: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    device: str = "cpu",
+    cohort: bool = False,
+) -> Path:
+    """Write ``exp_dir/NAME.SCALE.json``, the results file kept in git (benchmarks/results_file.py): each
+    run's final numbers by seed, the command that reruns them and the commit. Its path."""
+    rows = [
+        results_file.run_row(row, folder / row["run"], seed)
+        for seed, folder, seed_results in zip(seeds, folders, per_seed)
+        for row in seed_results["runs"]
+    ]
+    first = per_seed[0]
+    models = pretrain = None
+    if "bleu_by_domain" in first:  # nmt-domains: the pre-trained engine and the clients alone
+        models = results_file.nmt_models(first["bleu_by_domain"], first.get("ce_by_domain") or {})
+        pretrain = {**first.get("pretrain", {}), "wall_s": first.get("pretrain_s")}
+    commit, dirty = results_file.git_commit(ROOT)
+    command = results_file.command_line(name, scale, seeds, threads, only, overrides, device, cohort)
+    path = exp_dir / results_file.file_name(name, scale)
+    doc = results_file.document(name, scale, rows, command, overrides, commit, dirty, models, pretrain)
+    results_file.write(path, doc)
+    return path
 
 
 def _seed_columns(columns: list[str]) -> list[str]:

@@ -16,7 +16,7 @@ from functools import partial
 
 import pytest
 
-from fedmq.benchmarks import experiments
+from fedmq.benchmarks import experiments, results_file
 from fedmq.benchmarks.experiments import ExperimentError
 from fedmq.errors import FedmqError
 from fedmq.simulation import Simulation
@@ -30,7 +30,7 @@ run_experiment = partial(
 
 def _check_common(results: dict, out, name: str, seed: str | None = None) -> dict[str, dict]:
     """The runs of ``results`` (with ``seed``: that seed's, of a several-seed experiment) are in the experiment's
-    tables and have their run folders."""
+    tables, have their run folders and their rows in the results file kept in git (NAME.SCALE.json)."""
     runs = {r["run"]: r for r in (results if seed is None else results["per_seed"][seed])["runs"]}
     assert runs, "an experiment must run at least one federation"
     md = (out / name / "results.md").read_text()
@@ -44,6 +44,13 @@ def _check_common(results: dict, out, name: str, seed: str | None = None) -> dic
         assert r["rounds_completed"] + r["rounds_skipped"] >= 1
         if r["rounds_completed"]:
             assert r["test"] is not None and math.isfinite(r["test"]), run
+    kept = results_file.read(out / name / results_file.file_name(name, results["scale"]))
+    rows = {r["run"]: r for r in kept["runs"] if seed is None or r["seed"] == int(seed)}
+    assert list(rows) == list(runs) and kept["command"].split()[:3] in (
+        ["fedmq", "experiment", name],
+        ["python", "scripts/reproduce.py", name],
+    )
+    assert all(rows[run]["test"] == r["test"] and rows[run]["valid_curve"] for run, r in runs.items())
     return runs
 
 
