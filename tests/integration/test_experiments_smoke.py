@@ -193,7 +193,7 @@ def test_nmt_domains(tmp_path, monkeypatch):
         run_experiment("nmt-domains", "smoke", tmp_path, seeds=(0, 1), only="zzz")
     with pytest.raises(ExperimentError, match="--set applies to the language-modelling experiments"):
         run_experiment("nmt-domains", "smoke", tmp_path, seeds=(0, 1), overrides={"lr": 0.1})
-    # a run restored from its small files (no best.pt; scripts/runs_archive.py) keeps its per-domain BLEU row
+    # a run folder kept without its weights (no best.pt) keeps its per-domain BLEU row
     fedavg = exp / "seed-0" / "fedavg"
     assert json.loads((fedavg / "summary.json").read_text())["test_bleu_by_domain"] == table["server fedavg"]
     (fedavg / "best.pt").unlink()
