@@ -1,38 +1,40 @@
 """Named reproductions of the seed papers' experiments: ``fedmq experiment NAME --scale S --out DIR``.
 
 Papers: FedAtt (Ji et al. 2019), FedMed (Wu et al. 2020), dynamic pulling (Passban et al. 2022).
-Every experiment is a grid of federations run one after the other with :class:`fedmq.simulation.Simulation` over
-the in-process broker (``memory://``, the same engine/agent/codec code path as RabbitMQ). Each federation
+Every experiment is a grid of federations run one after the other with :class:`fedmq.simulation.Simulation`
+over the in-process broker (``memory://``, the same engine/agent/codec code path as RabbitMQ). Each federation
 writes a normal run folder ``OUT/NAME/<run>/`` (aggregator.runlog: config, metrics, summary); the experiment
-writes ``OUT/NAME/results.json`` + ``results.md`` (one row per run), ``OUT/NAME/report/`` (``fedmq report``
-of all its runs) and ``OUT/NAME/NAME.SCALE.json``, the small results file that is kept in git under
+writes ``OUT/NAME/results.json`` + ``results.md`` (one row per run), ``OUT/NAME/report/`` (``fedmq report`` of
+all its runs) and ``OUT/NAME/NAME.SCALE.json``, the small results file that is kept in git under
 benchmarks/results/ (benchmarks/results_file.py: the final numbers of each run and seed, the command and the
 commit). Reruns into the same folder replace that experiment's run folders.
 
 The caller hands in the Simulation class and the report function (``run_experiment(simulation=, report=)``):
-the CLI (``fedmq experiment``), scripts/reproduce.py and the tests. This package sits below cli, which imports it
-for ``fedmq bench`` and ``fedmq experiment``; importing them back would make the two packages a cycle
+the CLI (``fedmq experiment``), scripts/reproduce.py and the tests. This package sits below cli, which imports
+it for ``fedmq bench`` and ``fedmq experiment``; importing them back would make the two packages a cycle
 (tests/unit/test_layering.py), and both live in cli for good reasons (``fedmq simulate``, ``fedmq report``).
 
 Scales (same code path, only numbers differ):
 
 * ``paper``: the papers' settings (100 IID clients, 50 rounds, GRU-300 / LSTM 2x400, full vocabulary, full
   validation and test splits; Transformer-base for translation). Meant for a GPU machine.
-* ``cpu``: what finishes on 2 shared CPU cores: Penn Treebank (the 6,645 words of its first 4,000 training lines),
-  20 clients (so C = 0.1 selects 2), those 4,000 lines (~85k words, ~4.2k a client), 12 rounds of E = 1 epoch, every
-  method on the same GRU-small tied, validation/test on the first 1,000 lines (~21k words each) -- absolute
-  perplexities are far from the papers' (a fraction of an epoch of PTB), only the ordering of methods is read.
+* ``cpu``: what finishes on 2 shared CPU cores: Penn Treebank (the 6,645 words of its first 4,000 training
+  lines), 20 clients (so C = 0.1 selects 2), those 4,000 lines (~85k words, ~4.2k a client), 12 rounds of
+  E = 1 epoch, every method on the same GRU-small tied, validation/test on the first 1,000 lines (~21k words
+  each) -- absolute perplexities are far from the papers' (a fraction of an epoch of PTB),
+  only the ordering of methods is read.
 * ``smoke``: CI; a reduced grid, one or two rounds, tiny slices, tiny models.
 
 Local training follows FedAtt's Algorithm 2 ("z ← βz + ∇L(θ); θ ← θ − ηz": SGD with momentum) and its
-reference code (shaoxiongji/fed-att: momentum 0.5, E = 5, B = 10, no gradient clipping) at the paper scale, with
-lr 0.5 where the reference has 0.01: the papers give no learning rate, and ``sweep --scale paper`` (FedAvg, PTB,
-C = 0.1, 25 rounds on a GPU) found 0.01 far from trained, 0.5 best, 1.0 flat from round 16 and 2.0 divergent in
-its first rounds (docs/results/paper-scale.md). At the cpu scale, where a client takes ~12 steps a round, momentum comes
-from the validation sweep ``fedmq experiment sweep --scale cpu`` and lr (0.5) with FedMed's "decayed learning
-rate" (x 0.9 a round) from a second sweep on the C = 0.1 cells whose validation curves spiked at lr 1.0
-(docs/results/method.md). Every method shares this one client regime, so that only the aggregation differs.
-The score is the test perplexity of the best-on-validation global model (as both LM papers report).
+reference code (shaoxiongji/fed-att: momentum 0.5, E = 5, B = 10, no gradient clipping) at the paper scale,
+with lr 0.5 where the reference has 0.01: the papers give no learning rate, and ``sweep --scale paper``
+(FedAvg, PTB, C = 0.1, 25 rounds on a GPU) found 0.01 far from trained, 0.5 best, 1.0 flat from round 16 and
+2.0 divergent in its first rounds (docs/results/paper-scale.md). At the cpu scale, where a client takes ~12
+steps a round, momentum comes from the validation sweep ``fedmq experiment sweep --scale cpu`` and lr (0.5)
+with FedMed's "decayed learning rate" (x 0.9 a round) from a second sweep on the C = 0.1 cells whose
+validation curves spiked at lr 1.0 (docs/results/method.md). Every method shares this one client regime, so
+that only the aggregation differs. The score is the test perplexity of the best-on-validation global model
+(as both LM papers report).
 """
 
 from __future__ import annotations
@@ -103,18 +105,19 @@ _LM_TASK = {
     ),
     "smoke": dict(model="gru-tiny", vocab_size=300, max_lines=120, max_eval_lines=10, clients=4),
 }
-# SGD with momentum, no clipping (FedAtt Algorithm 2 and its reference code); cpu momentum: the sweep's pick; cpu
-# lr and its decay across rounds (FedMed: "decayed learning rate"): chosen on validation curves at C = 0.1, where
-# lr 1.0 without decay spiked (docs/results/method.md)
+# SGD with momentum, no clipping (FedAtt Algorithm 2 and its reference code); cpu momentum: the sweep's pick;
+# cpu lr and its decay across rounds (FedMed: "decayed learning rate"): chosen on validation curves at
+# C = 0.1, where lr 1.0 without decay spiked (docs/results/method.md)
 CPU_LR, CPU_MOMENTUM, CPU_ROUND_LR_DECAY = 0.5, 0.5, 0.9
 # paper lr: the paper-scale sweep's pick (the reference code's 0.01 left the model at 4.7-5.4x the papers'
 # perplexities after 50 rounds); momentum, E, B and no clipping are the reference code's
 PAPER_LR = 0.5
-# FedSGD's one step a round is on the gradient of the mean loss over the whole shard, whatever the batch size; for
-# a stream-batched LM the batch size only sets how many streams the shard is cut into (each starts from a zero
-# hidden state). At the paper scale a shard is cut into 100 streams instead of 10: the same targets and mean loss
-# in a ninth of the sequential forward/backward passes (a PTB shard: 28 windows of 10 x 35 tokens, 3 of 100 x 35;
-# WikiText-2: 64 and 7), which is what a latency-bound GPU client's step costs (docs/results/method.md)
+# FedSGD's one step a round is on the gradient of the mean loss over the whole shard, whatever the batch size;
+# for a stream-batched LM the batch size only sets how many streams the shard is cut into (each starts from a
+# zero hidden state). At the paper scale a shard is cut into 100 streams instead of 10: the same targets and
+# mean loss in a ninth of the sequential forward/backward passes (a PTB shard: 28 windows of 10 x 35 tokens, 3
+# of 100 x 35; WikiText-2: 64 and 7), which is what a latency-bound GPU client's step costs
+# (docs/results/method.md)
 PAPER_FEDSGD_STREAMS = 100
 _LM_JOB = {
     "paper": dict(
@@ -158,8 +161,9 @@ def _lm(
     lstm: bool = False,
     **job: Any,
 ) -> RunSpec:
-    """An LM federation (on the scale's first corpus unless ``corpus``); ``lstm``: FedMed runs on FedMed's LSTM
-    (Table 2; paper scale only: at the smaller scales every method shares one GRU so that they can be ranked)."""
+    """An LM federation (on the scale's first corpus unless ``corpus``); ``lstm``: FedMed runs on FedMed's
+    LSTM (Table 2; paper scale only: at the smaller scales every method shares one GRU so that they can be
+    ranked)."""
     corpus = corpus or _CORPORA[scale][0]
     options = {**_LM_TASK[scale], "data": _corpus(corpus), "tied": True, **(task or {})}
     settings = {**_LM_JOB[scale], **_DEADLINES, **job}
@@ -178,8 +182,8 @@ def _pick(scale: str, smoke: list, cpu: list, paper: list) -> list:
 
 
 def table2(scale: str) -> list[RunSpec]:
-    """FedAtt Table II + FedMed Table 2: FedSGD, FedAvg, FedAtt (GRU), FedMed (LSTM at the paper scale) at C = 0.1
-    and 0.5, each C beside a centralized baseline with the same token passes (``central-cC``)."""
+    """FedAtt Table II + FedMed Table 2: FedSGD, FedAvg, FedAtt (GRU), FedMed (LSTM at the paper scale) at
+    C = 0.1 and 0.5, each C beside a centralized baseline with the same token passes (``central-cC``)."""
     runs = []
     for corpus in _CORPORA[scale]:
         streams = {"batch_size": PAPER_FEDSGD_STREAMS} if scale == "paper" else {}
@@ -221,10 +225,11 @@ def table2(scale: str) -> list[RunSpec]:
 
 def sweep(scale: str) -> list[RunSpec]:
     """The validation sweep behind a scale's lr and momentum (the papers give no lr): FedAvg, half the rounds,
-    lr x momentum at a constant lr; pick the best validation perplexity whose curve does not jump. C = 0.5 at the
-    smaller scales (the cpu lr and its decay were then chosen on the C = 0.1 cells: docs/results/method.md);
-    PTB at C = 0.1 at the paper scale, the cell whose reference lr 0.01 left the model far from trained after 50
-    rounds (docs/results/paper-scale.md) and a fifth of C = 0.5's client work."""
+    lr x momentum at a constant lr; pick the best validation perplexity whose curve does not jump. C = 0.5 at
+    the smaller scales (the cpu lr and its decay were then chosen on the C = 0.1 cells:
+    docs/results/method.md); PTB at C = 0.1 at the paper scale, the cell whose reference lr 0.01 left the
+    model far from trained after 50 rounds (docs/results/paper-scale.md) and a fifth of C = 0.5's client
+    work."""
     grid = _pick(
         scale,
         [(1.0, 0.5), (0.5, 0.9)],
@@ -320,8 +325,8 @@ def randomization(scale: str) -> list[RunSpec]:
 
 
 def model_scale(scale: str) -> list[RunSpec]:
-    """FedAtt Table IV: small / medium / large GRU, tied / untied, FedAvg beside FedAtt. Large only at the paper
-    scale."""
+    """FedAtt Table IV: small / medium / large GRU, tied / untied, FedAvg beside FedAtt.
+    Large only at the paper scale."""
     sizes = _pick(scale, ["gru-tiny"], ["gru-small", "gru-medium"], ["gru-small", "gru-medium", "gru-large"])
     return [
         _lm(
@@ -351,8 +356,9 @@ def dropout(scale: str, out: Path | None = None) -> list[RunSpec]:
     ]
     if scale == "smoke":
         specs = [("bernoulli:0.7", "crash-train:0.2"), ("trace", "")]
-    # a missing selected client costs a deadline: keep the deadlines short at the small scales, but above a round's
-    # local training (cpu: the ten clients of a C = 0.5 round train one after another on one core, ~30 s)
+    # a missing selected client costs a deadline: keep the deadlines short at the small scales, but above a
+    # round's local training (cpu: the ten clients of a C = 0.5 round train one after another on one core,
+    # ~30 s)
     deadlines = {
         "paper": {},
         "cpu": dict(report_deadline_s=60.0, update_deadline_s=60.0),
@@ -389,14 +395,14 @@ def _trace_file(out: Path, clients: int, rounds: int) -> Path:
 
 # ----------------------------------------------------------------------------------------------- NMT
 # task: TranslationTask options. pretrain_*: phase 1, Adam on the pairs of ``pretrain_domains`` (the first
-# ``pretrain_max_lines`` of each, 0 = all; minus every pair whose source is in a valid/test split; pairs longer
-# than max_len subwords skipped) for ``pretrain_steps`` steps of ``pretrain_batch`` pairs, lr warm-up over
-# ``pretrain_warmup`` steps to ``pretrain_lr`` then linear decay to 0. lr: the clients' Adam lr (local only and
-# federated); rounds x max_steps local steps of batch_size pairs; per_domain_test: BLEU on the first N test
-# pairs of each domain.
-# Passban et al.'s five clients are WMT, OpenSubtitles, TED, PHP and Ubuntu; the corpora here have one software
-# domain (GNOME/KDE/PHP/Ubuntu strings, not split by source), so the fifth client is another small technical
-# domain, EMEA medicine documentation (a departure, docs/results/nmt-domains.md)
+# ``pretrain_max_lines`` of each, 0 = all; minus every pair whose source is in a valid/test split; pairs
+# longer than max_len subwords skipped) for ``pretrain_steps`` steps of ``pretrain_batch`` pairs, lr warm-up
+# over ``pretrain_warmup`` steps to ``pretrain_lr`` then linear decay to 0. lr: the clients' Adam lr (local
+# only and federated); rounds x max_steps local steps of batch_size pairs; per_domain_test: BLEU on the first
+# N test pairs of each domain.
+# Passban et al.'s five clients are WMT, OpenSubtitles, TED, PHP and Ubuntu; the corpora here have one
+# software domain (GNOME/KDE/PHP/Ubuntu strings, not split by source), so the fifth client is another small
+# technical domain, EMEA medicine documentation (a departure, docs/results/nmt-domains.md)
 FIVE_DOMAINS = ["news_wmt", "subtitles_opensubs", "ted_iwslt14", "software_it", "medical_emea"]
 _NMT = {
     "paper": dict(
@@ -462,8 +468,9 @@ _NMT = {
 
 
 def pretrain_pairs(task: Any, domains: list[str], max_lines: int) -> list[Any]:
-    """The pre-training pairs: every pair of ``domains`` (the first ``max_lines`` lines of each, 0 = all) whose
-    source sentence is not in any valid or test split of ``task`` (so no evaluated sentence is trained on)."""
+    """The pre-training pairs: every pair of ``domains`` (the first ``max_lines`` lines of each, 0 = all)
+    whose source sentence is not in any valid or test split of ``task``
+    (so no evaluated sentence is trained on)."""
     from fedmq.tasks.nmt_data import load_parallel
 
     held = {p.src for split in ("valid", "test") for p in task.corpus.splits[split]}
@@ -510,7 +517,8 @@ def domain_bleu(
 def domain_ce(
     task: Any, model: torch.nn.Module, split: str = "test", per_domain: int = 0
 ) -> dict[str, float]:
-    """Cross-entropy (nats per reference token, teacher forcing) of ``model`` on each domain's ``split`` pairs."""
+    """Cross-entropy (nats per reference token, teacher forcing) of ``model`` on each domain's ``split``
+    pairs."""
     return {
         domain: task.cross_entropy(model, domain_pairs(task, domain, split, per_domain))
         for domain in task.corpus.domains
@@ -523,7 +531,8 @@ def _server_domain_scores(
     """Per-domain test BLEU and cross-entropy of a run's best global model, kept in its summary.json
     (``test_bleu_by_domain``, ``test_ce_by_domain``) so that a run folder kept without its weights (no
     best.pt) keeps its row; a finished run with no BLEU and no best.pt is refused
-    rather than scored on another model. Cross-entropy is None for a restored run from before it was measured."""
+    rather than scored on another model. Cross-entropy is None for a restored run from before it was
+    measured."""
     bleu, ce = summary.get("test_bleu_by_domain"), summary.get("test_ce_by_domain")
     if isinstance(bleu, dict) and isinstance(ce, dict):
         return bleu, ce
@@ -547,9 +556,9 @@ def _server_domain_scores(
 def _ce_pick(task: Any, run_dir: Path, summary: dict[str, Any], seed: int, n: int) -> dict[str, Any] | None:
     """The server read at the round whose global model has the lowest validation cross-entropy (the mean over
     domains of each domain's, on all its validation pairs) rather than the engine's pick by BLEU on a few
-    validation pairs: that round, every round's validation cross-entropy, and the chosen model's per-domain test
-    BLEU and cross-entropy. Kept in summary.json (``ce_pick``); None for a run without every round's checkpoint
-    (one from before they were kept, or restored from its small files)."""
+    validation pairs: that round, every round's validation cross-entropy, and the chosen model's per-domain
+    test BLEU and cross-entropy. Kept in summary.json (``ce_pick``); None for a run without every round's
+    checkpoint (one from before they were kept, or restored from its small files)."""
     if isinstance(summary.get("ce_pick"), dict):
         return summary["ce_pick"]
     states = {}
@@ -603,8 +612,8 @@ _TASKS: dict[str, Task] = {}  # built tasks by options, shared by the experiment
 class Runner:
     """Runs the federations of an experiment one after the other; tasks with equal options are built once.
 
-    ``simulation``: fedmq.simulation.Simulation (module docstring), called as ``simulation(cfg, task, url, run_dir,
-    availability=, faults=, device=, cohort=, resume=)``; its ``run()`` returns the run's summary."""
+    ``simulation``: fedmq.simulation.Simulation (module docstring), called as ``simulation(cfg, task, url,
+    run_dir, availability=, faults=, device=, cohort=, resume=)``; its ``run()`` returns the run's summary."""
 
     out: Path
     simulation: Callable[..., Any]
@@ -626,8 +635,8 @@ class Runner:
         return self.tasks[key]
 
     def federate(self, spec: RunSpec, task: Any = None, seed: int = 0) -> dict[str, Any]:
-        """Run ``spec`` into OUT/<run>. A run folder this spec and seed already finished is kept (its summary is
-        returned); one they started and did not finish resumes from its last checkpoint; anything else is
+        """Run ``spec`` into OUT/<run>. A run folder this spec and seed already finished is kept (its summary
+        is returned); one they started and did not finish resumes from its last checkpoint; anything else is
         replaced. So an interrupted grid is rerun with the same command and loses at most a round per run."""
         run_dir = self.out / spec.name
         key = json.dumps({"spec": asdict(spec), "seed": seed}, sort_keys=True, default=str)
@@ -705,15 +714,17 @@ class Runner:
     ) -> dict[str, Any]:
         """The centralized baseline: one model trained on the union of every client's data, no federation, for
         the token passes of the federation it stands beside (C x K clients x E epochs of their shards a round,
-        i.e. C x E epochs of the union), evaluated and kept best-on-validation round by round like a federation.
-        As on a client, the optimizer (and its momentum) starts afresh each round, at the round's learning rate
-        (``round_lr_decay``), and a round's training seed is fixed by (``job.seed``, round): every round is
-        checkpointed (the aggregator's atomic format) and ``resume`` continues from the last one to the same
-        numbers as an uninterrupted run. ``job``: the run's settings as the federation beside it would run them."""
+        i.e. C x E epochs of the union), evaluated and kept best-on-validation round by round like a
+        federation. As on a client, the optimizer (and its momentum) starts afresh each round, at the round's
+        learning rate (``round_lr_decay``), and a round's training seed is fixed by (``job.seed``, round):
+        every round is checkpointed (the aggregator's atomic format) and ``resume`` continues from the last
+        one to the same numbers as an uninterrupted run. ``job``:
+        the run's settings as the federation beside it would run them."""
         seed = job.seed
         union = self.task(spec.task, {**spec.task_options, "clients": 1})
         # the model lives on the run's device: training returns it to where it was, and a GPU run's full-split
-        # evaluation on one CPU thread took 60-70 s a round where its training took 10-20 s (WikiText-2, 2026-11-24)
+        # evaluation on one CPU thread took 60-70 s a round where its training took 10-20 s
+        # (WikiText-2, 2026-11-24)
         model = union.build_model(seed).to(resolve_device(self.device))
         from fedmq.tasks.lm_data import StreamBatches
 
@@ -778,16 +789,16 @@ class Runner:
 
 
 def ran_as(run_dir: Path, cfg: JobConfig) -> bool:
-    """The run in ``run_dir`` ran with ``cfg``'s settings, as far as its strategy reads them: every JobConfig key
-    its config.json records has ``cfg``'s value (a key the run predates must be at its default in ``cfg``), but
-    the job's name, the seed (the spec key holds it; config.json records the task's seed under "shard_seed", and
-    older run folders under "seed", so an archived run's "seed" may not be its own), ``heartbeat_s`` (presence
-    timing, not a result: fedmq.simulation raises it with K, so a K = 100 run records 2.0 where its spec says 1.0
-    and, before this was ignored, was deleted and started again on every rerun) and the settings only
-    other strategies read (``Strategy.own_settings``: FedAvg does not depend on FedMed's JS weighting). A spec
-    names only the settings it changes, so without this a changed default (FedMed's JS weighting, 2026-11-24)
-    would leave the runs made under the old one counted as done. A folder without config.json (the centralized
-    baseline, whose spec names every setting it uses) passes."""
+    """The run in ``run_dir`` ran with ``cfg``'s settings, as far as its strategy reads them: every JobConfig
+    key its config.json records has ``cfg``'s value (a key the run predates must be at its default in
+    ``cfg``), but the job's name, the seed (the spec key holds it; config.json records the task's seed under
+    "shard_seed", and older run folders under "seed", so an archived run's "seed" may not be its own),
+    ``heartbeat_s`` (presence timing, not a result: fedmq.simulation raises it with K, so a K = 100 run
+    records 2.0 where its spec says 1.0 and, before this was ignored, was deleted and started again on every
+    rerun) and the settings only other strategies read (``Strategy.own_settings``: FedAvg does not depend on
+    FedMed's JS weighting). A spec names only the settings it changes, so without this a changed default
+    (FedMed's JS weighting, 2026-11-24) would leave the runs made under the old one counted as done. A folder
+    without config.json (the centralized baseline, whose spec names every setting it uses) passes."""
     from fedmq.aggregator.strategies.registry import OWN_SETTINGS
 
     recorded = read_config(run_dir)
@@ -801,8 +812,9 @@ def ran_as(run_dir: Path, cfg: JobConfig) -> bool:
 
 
 def work_key(spec: dict[str, Any], seed: int) -> str:
-    """What a federation computes: its spec (``asdict(RunSpec)``) without the run's name and table labels, its job
-    settings as the JobConfig they make (a setting given at its default equals one left out), and the seed."""
+    """What a federation computes: its spec (``asdict(RunSpec)``) without the run's name and table labels, its
+    job settings as the JobConfig they make (a setting given at its default equals one left out),
+    and the seed."""
     job = JobConfig.from_dict({"job": "-", **_LOSSLESS, **spec["job"]}).to_dict()
     job.pop("job")
     work = {k: v for k, v in spec.items() if k not in ("name", "labels", "job")}
@@ -839,7 +851,8 @@ def max_jump(curve: list[float | None], after: int = 3) -> float | None:
 
 
 def rounds_to(rows: Sequence[RoundRecord], target: float) -> tuple[int | None, int | None]:
-    """(first round whose validation perplexity <= target, cumulative bytes up+down until then) or (None, None)."""
+    """(first round whose validation perplexity <= target, cumulative bytes up+down until then) or
+    (None, None)."""
     total = 0
     for r in rows:
         total += (r.bytes_up or 0) + (r.bytes_down or 0)
@@ -885,8 +898,8 @@ def markdown(results: list[dict[str, Any]], columns: list[str] | None = None) ->
 
 
 def select(specs: list[RunSpec], only: str | None, overrides: dict[str, Any] | None) -> list[RunSpec]:
-    """Keep the runs ``only`` names (comma-separated alternatives; one that is a run's whole name picks that run,
-    any other every run whose name contains it) and apply job ``overrides``."""
+    """Keep the runs ``only`` names (comma-separated alternatives; one that is a run's whole name picks that
+    run, any other every run whose name contains it) and apply job ``overrides``."""
     wanted = [w for w in (only or "").split(",") if w]
     names = {s.name for s in specs}
     picked = [
@@ -938,7 +951,8 @@ def _nmt_train(s: dict[str, Any]) -> dict[str, Any]:
 
 
 def nmt_options(scale: str, seed: int, cache: Path) -> dict[str, Any]:
-    """The translation task's options at ``scale`` (one client per domain; the vocabulary cached under ``cache``)."""
+    """The translation task's options at ``scale`` (one client per domain;
+    the vocabulary cached under ``cache``)."""
     options = {
         **_NMT[scale]["task"],
         "data": _corpus("de-en"),
@@ -950,8 +964,8 @@ def nmt_options(scale: str, seed: int, cache: Path) -> dict[str, Any]:
 
 
 def nmt_specs(scale: str, options: dict[str, Any] | None = None) -> list[RunSpec]:
-    """The federations of ``nmt-domains`` (one client per domain, C = 1): FedAvg, then DP_l / DP_g / random pulling
-    at each of the scale's fractions."""
+    """The federations of ``nmt-domains`` (one client per domain, C = 1): FedAvg, then DP_l / DP_g / random
+    pulling at each of the scale's fractions."""
     s = _NMT[scale]
     options = options or {}
     job = dict(
@@ -988,7 +1002,8 @@ _PRE_SEED = 0  # phases 1-2 do not depend on the run's seed: one engine for ever
 
 
 def _cache_key(options: dict[str, Any], settings: dict[str, Any]) -> str:
-    """What a cached phase depends on: the task's options (not the run's seed or the cache folder) and ``settings``."""
+    """What a cached phase depends on: the task's options
+    (not the run's seed or the cache folder) and ``settings``."""
     shared = {
         k: v for k, v in options.items() if k not in ("seed", "cache_dir")
     }  # the vocabulary does not vary
@@ -998,10 +1013,10 @@ def _cache_key(options: dict[str, Any], settings: dict[str, Any]) -> str:
 def _pretrained_engine(
     task: Any, s: dict[str, Any], options: dict[str, Any], cache: Path
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any], float, dict[str, Any]]:
-    """Phase 1: pre-train on the news/WMT data (not only the news client's shard; evaluated sentences excluded).
-    Cached in ``cache`` (pretrained.pt + pretrain.json) keyed by the task and the pre-training settings alone, so
-    that changing how the clients train does not pre-train again. Returns the state, its BLEU and cross-entropy
-    rows, the seconds it took and its summary."""
+    """Phase 1: pre-train on the news/WMT data (not only the news client's shard; evaluated sentences
+    excluded). Cached in ``cache`` (pretrained.pt + pretrain.json) keyed by the task and the pre-training
+    settings alone, so that changing how the clients train does not pre-train again. Returns the state, its
+    BLEU and cross-entropy rows, the seconds it took and its summary."""
     key = _cache_key(
         options, {k: v for k, v in s.items() if k.startswith("pretrain_") or k in ("task", "per_domain_test")}
     )
@@ -1059,9 +1074,9 @@ def _pretrained_engine(
 def _local_only(
     task: Any, s: dict[str, Any], pretrained: dict[str, torch.Tensor], options: dict[str, Any], cache: Path
 ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
-    """Phase 2: each client alone -- the pre-trained engine fine-tuned on its own domain for as many epochs (or
-    steps) as a federation gives it. Its BLEU and cross-entropy rows are cached in ``cache``/local-only.json,
-    keyed by the pre-training and the clients' settings."""
+    """Phase 2: each client alone -- the pre-trained engine fine-tuned on its own domain for as many epochs
+    (or steps) as a federation gives it. Its BLEU and cross-entropy rows are cached in
+    ``cache``/local-only.json, keyed by the pre-training and the clients' settings."""
     key = _cache_key(options, {k: v for k, v in s.items() if k != "fractions"})
     path = cache / "local-only.json"
     cached = json.loads(path.read_text()) if path.is_file() else {}
@@ -1099,9 +1114,9 @@ def run_nmt_domains(
     """Passban et al.: pre-train on news, one client per domain, FedAvg; then DP_l / DP_g / random pulling.
 
     Phases 1-2 (pre-training, each client alone) do not depend on ``seed``: as in the paper, every federation
-    starts from one pre-trained engine ("we initialize all the clients with WMT parameters"), so the seeds vary
-    the federations (batch order, pull-random's draws), and the pre-trained model is built once (seed 0) and
-    cached in ``cache`` (default ``out``) for every seed."""
+    starts from one pre-trained engine ("we initialize all the clients with WMT parameters"), so the seeds
+    vary the federations (batch order, pull-random's draws), and the pre-trained model is built once (seed 0)
+    and cached in ``cache`` (default ``out``) for every seed."""
     s = _NMT[scale]
     runner = Runner(out, simulation)
     cache = cache or out
@@ -1148,7 +1163,8 @@ def run_nmt_domains(
 
 
 def domain_markdown(table: dict[str, dict[str, float]], domains: list[str], digits: int = 2) -> str:
-    """A model x domain table (BLEU, or cross-entropy with ``digits`` 3) with each model's mean over domains."""
+    """A model x domain table (BLEU, or cross-entropy with ``digits`` 3) with each model's mean over
+    domains."""
     lines = ["| model | " + " | ".join(domains) + " | mean |", "|" + "---|" * (len(domains) + 2)]
     for name, scores in table.items():
         vals = [scores[d] for d in domains]
@@ -1210,7 +1226,8 @@ _COLUMNS = {
 
 
 def check_args(name: str, scale: str, threads: int = 1, device: str = "cpu") -> None:
-    """One clear error line for a bad experiment name, scale, thread count or device (before anything is written)."""
+    """One clear error line for a bad experiment name, scale, thread count or device
+    (before anything is written)."""
     from fedmq.tasks.training import resolve_device
 
     if name not in NAMES:
@@ -1248,7 +1265,8 @@ def mean_sd(values: list[float]) -> tuple[float, float]:
 
 
 def across_seeds(per_seed: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One row per run of the grid: its labels, and test / best-validation perplexity as mean ± sd over seeds."""
+    """One row per run of the grid: its labels, and test / best-validation perplexity as mean ± sd over
+    seeds."""
     rows = []
     for first in per_seed[0]:
         same = [r for runs in per_seed for r in runs if r["run"] == first["run"]]
@@ -1294,8 +1312,8 @@ _PER_RUN = (
     "rounds_completed",
     "rounds_skipped",
 )
-# in a several-seed row: _MEAN_SD as mean and sd over seeds, counts as their mean, _EACH_SEED listed seed by seed
-# ("3 / 5 / —")
+# in a several-seed row: _MEAN_SD as mean and sd over seeds, counts as their mean,
+# _EACH_SEED listed seed by seed ("3 / 5 / —")
 _MEAN_SD = ("test", "best_valid", "bleu_mean_domains", "ce_mean_domains", "bleu_ce_pick", "ce_ce_pick")
 _MEAN_COUNTS = (
     "bytes_up",
@@ -1316,13 +1334,13 @@ def orderings(
     higher_is_better: bool = False,
     digits: int = 2,
 ) -> list[str]:
-    """Pairwise comparisons of ``metric`` (test perplexity; nmt-domains: the per-domain mean BLEU, higher better)
-    between the runs that share a corpus and client fraction C (every pair of a C = 0.5 grid such as
-    randomization's: strategy against strategy, noise against noise; every pair of nmt-domains' grid, all at C = 1),
-    paired by seed (a seed fixes the initial model, the client sampling and local batch order; the LM tasks' IID
-    shards are seed 0's in every seed): "A < B in k/n seeds, difference mean ± sd" (A is the better one: ">" when
-    higher is better). An ordering is called resolved when it holds in every seed and the mean difference exceeds
-    its sd."""
+    """Pairwise comparisons of ``metric`` (test perplexity; nmt-domains: the per-domain mean BLEU, higher
+    better) between the runs that share a corpus and client fraction C (every pair of a C = 0.5 grid such as
+    randomization's: strategy against strategy, noise against noise; every pair of nmt-domains' grid, all at
+    C = 1), paired by seed (a seed fixes the initial model, the client sampling and local batch order; the LM
+    tasks' IID shards are seed 0's in every seed): "A < B in k/n seeds, difference mean ± sd" (A is the better
+    one: ">" when higher is better). An ordering is called resolved when it holds in every seed and the mean
+    difference exceeds its sd."""
     lines = []
     runs = per_seed[0]
     sign = (
@@ -1382,10 +1400,11 @@ def run_experiment(
     device: str = "cpu",
     cohort: bool = False,
 ) -> dict[str, Any]:
-    """Run experiment ``name`` at ``scale`` for each seed; results under ``out/name``; returns the results dict.
+    """Run experiment ``name`` at ``scale`` for each seed; results under ``out/name``;
+    returns the results dict.
 
-    ``simulation`` runs a federation (:class:`Runner`); ``report`` (cli.report.run_report; None: none) draws each
-    results folder's report from its run folders (module docstring).
+    ``simulation`` runs a federation (:class:`Runner`); ``report`` (cli.report.run_report; None: none) draws
+    each results folder's report from its run folders (module docstring).
 
     One seed writes its run folders to ``out/name/<run>``; several write ``out/name/seed-<s>/<run>`` and the
     results table gives mean ± sd over seeds, plus the paired orderings (``orderings``). Rerunning the same

@@ -29,8 +29,9 @@ run_experiment = partial(
 
 
 def _check_common(results: dict, out, name: str, seed: str | None = None) -> dict[str, dict]:
-    """The runs of ``results`` (with ``seed``: that seed's, of a several-seed experiment) are in the experiment's
-    tables, have their run folders and their rows in the results file kept in git (NAME.SCALE.json)."""
+    """The runs of ``results`` (with ``seed``: that seed's, of a several-seed experiment) are in the
+    experiment's tables, have their run folders and their rows in the results file kept in git
+    (NAME.SCALE.json)."""
     runs = {r["run"]: r for r in (results if seed is None else results["per_seed"][seed])["runs"]}
     assert runs, "an experiment must run at least one federation"
     md = (out / name / "results.md").read_text()
@@ -103,7 +104,8 @@ def test_nmt_domains(tmp_path, monkeypatch):
     table = tables[0]
     assert set(table["pre-trained (news_wmt)"]) == {"news_wmt", "ted_iwslt14"}
     assert "server fedavg" in table and "client ted_iwslt14 (local only)" in table
-    # cross-entropy beside BLEU for every model, a mean per server row, and its own orderings (lower is better)
+    # cross-entropy beside BLEU for every model, a mean per server row, and its own orderings
+    # (lower is better)
     ce = results["per_seed"]["0"]["ce_by_domain"]
     assert set(ce) == set(table) and all(0 < v < 10 for row in ce.values() for v in row.values())
     assert all(r["ce_mean_domains"] > 0 and r["ce_mean_domains_sd"] is not None for r in results["runs"])
@@ -135,7 +137,8 @@ def test_nmt_domains(tmp_path, monkeypatch):
     )
     assert runs["pull-global-0.33-both"]["bytes_down_raw"] < runs["fedavg"]["bytes_down_raw"]
     assert runs["pull-global-0.5"]["bytes_down_raw"] == runs["fedavg"]["bytes_down_raw"]
-    # orderings of the per-domain mean BLEU, paired by seed, the higher one first: one line per pair of the 7 runs
+    # orderings of the per-domain mean BLEU, paired by seed, the higher one first:
+    # one line per pair of the 7 runs
     mean = {s: {r["run"]: r["bleu_mean_domains"] for r in results["per_seed"][s]["runs"]} for s in ("0", "1")}
     assert len(results["orderings"]) == 21
     line = next(
@@ -150,8 +153,8 @@ def test_nmt_domains(tmp_path, monkeypatch):
         and "Orderings of the per-domain mean BLEU" in (exp / "results.md").read_text()
     )
 
-    # scripts/bleu_bootstrap.py rescores each server from its sentences' statistics: the same per-domain mean BLEU
-    # as the experiment's, and a server against itself differs by exactly 0 in every resample
+    # scripts/bleu_bootstrap.py rescores each server from its sentences' statistics: the same per-domain mean
+    # BLEU as the experiment's, and a server against itself differs by exactly 0 in every resample
     def bootstrap(a, b):
         proc = subprocess.run(
             [
@@ -184,8 +187,8 @@ def test_nmt_domains(tmp_path, monkeypatch):
     assert all(
         "= +0.00, 95 % [+0.00, +0.00], A ahead in 0.0% of 20" in t for t in bootstrap("fedavg", "fedavg")[:2]
     )
-    # --only runs a subset of the grid (two processes can share a grid), reusing the finished runs; --set is refused
-    # (it would change the federations but not the local-only baselines they are read against)
+    # --only runs a subset of the grid (two processes can share a grid), reusing the finished runs; --set is
+    # refused (it would change the federations but not the local-only baselines they are read against)
     subset = run_experiment("nmt-domains", "smoke", tmp_path, seeds=(0, 1), only="fedavg,pull-local-0.5")
     assert [r["run"] for r in subset["runs"]] == ["fedavg", "pull-local-0.5"]
     assert subset["per_seed"]["0"]["bleu_by_domain"]["server fedavg"] == table["server fedavg"]
@@ -225,7 +228,8 @@ def test_nmt_domains(tmp_path, monkeypatch):
 
 
 def test_cli_topk_with_report(tmp_path):
-    """`fedmq experiment topk --scale smoke`: top-K β=0.5 grants half the uploads; the report has its figures."""
+    """`fedmq experiment topk --scale smoke`: top-K β=0.5 grants half the uploads;
+    the report has its figures."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -273,8 +277,8 @@ def test_central_baseline_matches_the_federations_token_passes(tmp_path):
 
 
 def test_central_baseline_resumes_from_its_checkpoint(tmp_path, monkeypatch):
-    """Stopped in round 3 of 3, the centralized baseline's rerun trains round 3 only and ends with the numbers of
-    an uninterrupted run (a round's seed is fixed by the run's seed and the round)."""
+    """Stopped in round 3 of 3, the centralized baseline's rerun trains round 3 only and ends with the numbers
+    of an uninterrupted run (a round's seed is fixed by the run's seed and the round)."""
     from dataclasses import replace
 
     from fedmq.benchmarks.experiments import Runner
@@ -340,8 +344,8 @@ def test_a_run_made_under_an_older_default_is_run_again(tmp_path):
 
 def test_a_finished_run_of_many_clients_is_kept_on_rerun(tmp_path):
     """The simulation raises heartbeat_s with K (presence traffic), so config.json records more than the spec
-    asks; that is timing, not a setting the result depends on. Before it was ignored, every K = 100 paper-scale
-    run was deleted and started again by the same command."""
+    asks; that is timing, not a setting the result depends on. Before it was ignored, every K = 100
+    paper-scale run was deleted and started again by the same command."""
     from dataclasses import replace
 
     from fedmq.benchmarks.experiments import Runner
@@ -365,7 +369,8 @@ def test_seeds_give_mean_and_sd_and_a_rerun_resumes(tmp_path):
     results = run_experiment("table2", "smoke", tmp_path, seeds=[0, 1], only="fedavg,central")
     runs = {r["run"]: r for r in results["runs"]}
     assert set(runs) == {"wikitext-2-fedavg-c0.5", "wikitext-2-central-c0.5"}
-    # config.json records the run's seed; the task's (its shards are drawn with seed 0 in every seed) beside it
+    # config.json records the run's seed; the task's
+    # (its shards are drawn with seed 0 in every seed) beside it
     recorded = json.loads(
         (tmp_path / "table2" / "seed-1" / "wikitext-2-fedavg-c0.5" / "config.json").read_text()
     )
@@ -482,7 +487,8 @@ def test_a_missing_corpus_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
 
 
 def test_reproduce_script_reports_a_bad_name_in_one_line():
-    """scripts/reproduce.py (docs/results/method.md) runs outside the CLI: it imports cli and benchmarks side by side."""
+    """scripts/reproduce.py (docs/results/method.md) runs outside the CLI:
+    it imports cli and benchmarks side by side."""
     proc = subprocess.run(
         [sys.executable, "scripts/reproduce.py", "tabel2", "--scale", "smoke"],
         cwd=ROOT,
@@ -494,8 +500,8 @@ def test_reproduce_script_reports_a_bad_name_in_one_line():
 
 
 def test_a_configuration_shared_by_experiments_is_trained_once(tmp_path):
-    """FedAvg at C = 0.5 is a cell of randomization (noise 0) and of fraction: the second experiment copies the
-    first one's finished run instead of training it again; a changed setting, or another seed, trains."""
+    """FedAvg at C = 0.5 is a cell of randomization (noise 0) and of fraction: the second experiment copies
+    the first one's finished run instead of training it again; a changed setting, or another seed, trains."""
     calls = []
 
     def counting(cfg, *args, **kwargs):
@@ -539,8 +545,8 @@ def test_only_picks_a_whole_name_exactly_and_otherwise_by_containment():
 
 
 def test_paper_fedsgd_cuts_a_shard_into_more_streams_and_nothing_else_changes_b():
-    """Only the paper scale's FedSGD cells (one full-batch step) take PAPER_FEDSGD_STREAMS; every minibatch cell keeps
-    the reference code's B = 10, and the smaller scales keep theirs."""
+    """Only the paper scale's FedSGD cells (one full-batch step) take PAPER_FEDSGD_STREAMS; every minibatch
+    cell keeps the reference code's B = 10, and the smaller scales keep theirs."""
     paper = {s.name: s.job["batch_size"] for s in experiments.table2("paper")}
     assert {n: b for n, b in paper.items() if "fedsgd" in n} == {"wikitext-2-fedsgd": 100, "ptb-fedsgd": 100}
     assert {b for n, b in paper.items() if "fedsgd" not in n} == {10}
@@ -548,8 +554,9 @@ def test_paper_fedsgd_cuts_a_shard_into_more_streams_and_nothing_else_changes_b(
 
 
 def test_cohort_reaches_each_federation_of_an_experiment(tmp_path):
-    """--cohort is how the runs train, not what they are: every federation of the grid gets it, trains its rounds'
-    clients together, and the FedMed cell (its LSTM, tail losses) scores as it does one client at a time."""
+    """--cohort is how the runs train, not what they are: every federation of the grid gets it, trains its
+    rounds' clients together, and the FedMed cell (its LSTM, tail losses) scores as it does one client at a
+    time."""
     sims: list[Simulation] = []
 
     def keeping(*args, **kwargs):
