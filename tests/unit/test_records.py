@@ -1,5 +1,6 @@
-"""RoundRecord (aggregator/records.py) and the run folder's readers (aggregator/runlog.py): the JSON round trip is
-byte-exact, malformed rows are refused with a clear message, older rows and archived run folders still load."""
+"""RoundRecord (aggregator/records.py) and the run folder's readers (aggregator/runlog.py): the JSON round
+trip is byte-exact, malformed rows are refused with a clear message,
+older rows and archived run folders still load."""
 
 from __future__ import annotations
 
