@@ -164,15 +164,14 @@ def simulate(
         "fedavg",
         panel=STRATEGY,
         metavar="NAME",
-        help=", ".join(STRATEGIES) + ", or your own package.module:Class",
+        help=", ".join(STRATEGIES) + " or package.module:Class",
     ),
     strategy_arg: list[str] | None = _opt(
         None,
         "--strategy-arg",
         panel=STRATEGY,
         metavar="KEY=VALUE",
-        help="a parameter of the strategy, repeatable: --strategy-arg mu=0.01 "
-        "(the job file's [strategy] table)",
+        help="a strategy parameter, repeatable: mu=0.01",
     ),
     eps: float = _opt(1.2, panel=STRATEGY, metavar="EPS", help="FedAtt step size ε"),
     norm: str = _opt("fro", panel=STRATEGY, metavar="NORM", help="FedAtt distance: fro or spectral"),

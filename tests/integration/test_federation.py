@@ -214,10 +214,10 @@ def test_dynamic_pulling_in_both_directions(federation, task, tmp_path):
             self.names = [rec["n"] for rec in menv.payload["tensors"]["t"]]
             return menv
 
-        def _fetch_model(self, env):
+        def _fetch_model(self, env, manifest=None):
             kept = self._kept("own")
             own = None if kept is None else {k: v.clone() for k, v in kept[1].items()}
-            out = super()._fetch_model(env)
+            out = super()._fetch_model(env, manifest)
             if out is not None:
                 seen.setdefault(self.client, []).append(
                     (env.round, self.names, own, {k: v.clone() for k, v in out.items()})
@@ -313,15 +313,15 @@ def test_upload_only_pulling_keeps_unsent_tensors_private(federation, task, tmp_
     fetched: dict[str, dict[int, dict]] = {}
 
     class Recording(Agent):
-        def _fetch_model(self, env):
-            out = super()._fetch_model(env)
+        def _fetch_model(self, env, manifest=None):
+            out = super()._fetch_model(env, manifest)
             if out is not None:
                 fetched.setdefault(self.client, {})[env.round] = {k: v.clone() for k, v in out.items()}
             return out
 
-        def _train(self, model, held, cfg, rnd, crash):
+        def _train(self, model, held, cfg, rnd, crash, **hook):
             starts.setdefault(self.client, {})[rnd] = {k: v.clone() for k, v in held.items()}
-            result = super()._train(model, held, cfg, rnd, crash)
+            result = super()._train(model, held, cfg, rnd, crash, **hook)
             trained.setdefault(self.client, {})[rnd] = {
                 k: v.detach().clone() for k, v in model.state_dict().items()
             }

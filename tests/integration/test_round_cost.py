@@ -277,9 +277,9 @@ def test_mixed_precision_reaches_local_training_and_the_cpu_ignores_it(federatio
     asked: list[bool] = []
 
     class Recording(Agent):
-        def _train(self, model, held, cfg, rnd, crash):
+        def _train(self, model, held, cfg, rnd, crash, **hook):
             asked.append(cfg.amp)
-            return super()._train(model, held, cfg, rnd, crash)
+            return super()._train(model, held, cfg, rnd, crash, **hook)
 
     runs = {}
     for amp in (False, True):
