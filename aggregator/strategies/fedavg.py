@@ -84,3 +84,22 @@ class FedSGD(FedAvg):
     @classmethod
     def configure_train(cls, train: RoundConfig) -> RoundConfig:
         return dataclasses.replace(train, epochs=1, full_batch=True, max_steps=0)
+
+
+class ServerStep(FedAvg):
+    """FedAvg's mean change Δ_t = θ̄_t − θ_t taken as a pseudo-gradient for a server optimizer's step
+    (FedAvgM, FedAdam …): ``step`` returns θ_{t+1} for one tensor; nothing is folded, nothing moves."""
+
+    def begin(self, global_state: Mapping[str, torch.Tensor]) -> None:
+        super().begin(global_state)
+        self._base = global_state
+
+    def step(self, name: str, theta: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def finish(self) -> State:
+        base, folded = self._base, self._n > 0
+        average = super().finish()
+        if not folded:
+            return average
+        return {k: self.step(k, theta, average[k] - theta) for k, theta in base.items()}

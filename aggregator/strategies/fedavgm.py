@@ -14,11 +14,11 @@ from typing import Any, ClassVar
 import torch
 
 from fedmq.aggregator.strategies.base import State
-from fedmq.aggregator.strategies.fedavg import FedAvg
+from fedmq.aggregator.strategies.fedavg import ServerStep
 from fedmq.errors import BadParameter
 
 
-class FedAvgM(FedAvg):
+class FedAvgM(ServerStep):
     name: ClassVar[str] = "fedavgm"
 
     def __init__(self, server_lr: float = 1.0, momentum: float = 0.9) -> None:
@@ -36,18 +36,7 @@ class FedAvgM(FedAvg):
     def state_dict(self) -> dict[str, Any]:
         return {"m": self._m}
 
-    def begin(self, global_state: Mapping[str, torch.Tensor]) -> None:
-        super().begin(global_state)
-        self._base = global_state
-
-    def finish(self) -> State:
-        base, folded = self._base, self._n > 0
-        average = super().finish()
-        if not folded:
-            return average
-        out = {}
-        for k, theta in base.items():
-            m = average[k] - theta if k not in self._m else self.momentum * self._m[k] + (average[k] - theta)
-            self._m[k] = m
-            out[k] = theta + self.server_lr * m
-        return out
+    def step(self, name: str, theta: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        m = delta if name not in self._m else self.momentum * self._m[name] + delta
+        self._m[name] = m
+        return theta + self.server_lr * m

@@ -27,11 +27,11 @@ from typing import Any, ClassVar
 import torch
 
 from fedmq.aggregator.strategies.base import State
-from fedmq.aggregator.strategies.fedavg import FedAvg
+from fedmq.aggregator.strategies.fedavg import ServerStep
 from fedmq.errors import BadParameter
 
 
-class FedOpt(FedAvg):
+class FedOpt(ServerStep):
     """The common step; subclasses say how v_t moves (``second_moment``)."""
 
     name: ClassVar[str] = "fedopt"
@@ -61,24 +61,12 @@ class FedOpt(FedAvg):
     def state_dict(self) -> dict[str, Any]:
         return {"m": self._m, "v": self._v}
 
-    def begin(self, global_state: Mapping[str, torch.Tensor]) -> None:
-        super().begin(global_state)
-        self._base = global_state
-
-    def finish(self) -> State:
-        base, folded = self._base, self._n > 0
-        average = super().finish()
-        if not folded:
-            return average
-        out = {}
-        for k, theta in base.items():
-            d = average[k] - theta
-            m = (1 - self.beta1) * d if k not in self._m else self.beta1 * self._m[k] + (1 - self.beta1) * d
-            v0 = self._v[k] if k in self._v else torch.full_like(d, self.tau**2)
-            v = self.second_moment(v0, d * d)
-            self._m[k], self._v[k] = m, v
-            out[k] = theta + self.server_lr * m / (v.sqrt() + self.tau)
-        return out
+    def step(self, name: str, theta: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        m = (1 - self.beta1) * delta + (self.beta1 * self._m[name] if name in self._m else 0)
+        v0 = self._v[name] if name in self._v else torch.full_like(delta, self.tau**2)
+        v = self.second_moment(v0, delta * delta)
+        self._m[name], self._v[name] = m, v
+        return theta + self.server_lr * m / (v.sqrt() + self.tau)
 
 
 class FedAdagrad(FedOpt):
