@@ -58,8 +58,11 @@ def split_strategy_table(values: dict[str, Any]) -> dict[str, Any]:
     return {**values, "strategy": name, "strategy_args": args}
 
 
-@dataclass
+@dataclass(frozen=True)
 class JobConfig:
+    """A job's settings, validated when built and frozen after: a variant is
+    ``dataclasses.replace(cfg, ...)``, which validates again."""
+
     job: str = "demo"
     strategy: str = "fedavg"
     rounds: int = 5  # sync: rounds; async: global versions to publish
@@ -137,9 +140,9 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.strategy, str):  # validate() names a strategy of any other type
-            self.strategy = STRATEGY_ALIASES.get(self.strategy, self.strategy)
+            object.__setattr__(self, "strategy", STRATEGY_ALIASES.get(self.strategy, self.strategy))
         if self.encoding == "auto":
-            self.encoding = "raw" if self.pull_down else "delta+bf16"
+            object.__setattr__(self, "encoding", "raw" if self.pull_down else "delta+bf16")
         self.validate()
 
     def validate(self) -> None:

@@ -86,10 +86,10 @@ class Simulation:
         cfg = self.cfg
         # presence costs every simulated agent a message per heartbeat: at most PRESENCE_PER_S of them a
         # second in all (K = 1,000: one heartbeat per agent every 20 s; absences are then noticed within 60 s)
-        cfg.heartbeat_s = max(cfg.heartbeat_s, cfg.clients / PRESENCE_PER_S)
+        cfg = replace(cfg, heartbeat_s=max(cfg.heartbeat_s, cfg.clients / PRESENCE_PER_S))
         shared_user = self._url_user()
         if shared_user:  # every agent shares the URL's account: check the user, not per-agent identity
-            cfg.identity = f"shared:{shared_user}"
+            cfg = replace(cfg, identity=f"shared:{shared_user}")
         if self.cohort and client_map(cfg):
             raise BadParameter(
                 f"--cohort trains a round's clients as one batched model, which cannot run strategy "
