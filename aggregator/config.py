@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from fedmq import defaults
 from fedmq.broker.wire.messages import RoundConfig
 from fedmq.errors import BadParameter, FedmqError
 from fedmq.params import check_values
@@ -98,16 +99,16 @@ class JobConfig:
     # sparsified uploads (delta+topk): each agent keeps what its upload left out and adds it to its next one
     # (error feedback, client_agent/agent.py); false sends each round's top-k alone, the rest is lost
     error_feedback: bool = True
-    epochs: int = 1
-    batch_size: int = 20
-    lr: float = 20.0
-    optimizer: str = "sgd"
-    momentum: float = 0.0
-    lr_decay: float = 1.0  # local: lr × this after every local epoch
+    epochs: int = defaults.EPOCHS
+    batch_size: int = defaults.BATCH_SIZE
+    lr: float = defaults.LR
+    optimizer: str = defaults.OPTIMIZER
+    momentum: float = defaults.MOMENTUM
+    lr_decay: float = defaults.LR_DECAY  # local: lr × this after every local epoch
     # across rounds: round r's clients train at lr × round_lr_decay^(r−1) (FedMed: "worker models are tuned
     # with decayed learning rate"); stateless, so a resumed run continues the schedule where it stopped
     round_lr_decay: float = 1.0
-    clip: float = 0.25
+    clip: float = defaults.CLIP
     max_steps: int = 0
     # mixed precision for local training on a GPU (CUDA autocast to fp16 with a gradient scaler); an agent
     # that trains on the CPU ignores it. Off by default: the reproductions compare methods in fp32

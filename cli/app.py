@@ -14,7 +14,7 @@ from typing import Any
 
 import typer
 
-from fedmq.aggregator.config import STRATEGIES, split_strategy_table
+from fedmq.aggregator.config import STRATEGIES, JobConfig, split_strategy_table
 from fedmq.cli.errors import Stopped, UsageError
 from fedmq.cli.help import HelpCommand, HelpGroup
 from fedmq.errors import FedmqError
@@ -38,6 +38,7 @@ app.add_typer(agent_app, name="agent")
 app.add_typer(broker_app, name="broker")
 app.add_typer(bench_app, name="bench")
 
+JOB = JobConfig()  # a job's defaults: the flags that set JobConfig fields take theirs from it
 LOG_LEVEL = typer.Option("info", "--log-level", help="debug | info | warning | error")
 CONSUME_TIMEOUT = typer.Option(
     20.0,
@@ -156,7 +157,12 @@ def simulate(
         help="number of agents (default 8; nmt natural: one per domain)",
     ),
     fraction: float = _opt(
-        0.5, "--fraction", "-c", panel=STRATEGY, metavar="C", help="share of agents selected per round"
+        JOB.fraction,
+        "--fraction",
+        "-c",
+        panel=STRATEGY,
+        metavar="C",
+        help="share of agents selected per round",
     ),
     rounds: int = _opt(
         8, "--rounds", "-r", panel=STRATEGY, metavar="N", help="communication rounds (async: global versions)"
@@ -174,47 +180,59 @@ def simulate(
         metavar="KEY=VALUE",
         help="a strategy parameter, repeatable: mu=0.01",
     ),
-    eps: float = _opt(1.2, panel=STRATEGY, metavar="EPS", help="FedAtt step size ε"),
-    norm: str = _opt("fro", panel=STRATEGY, metavar="NORM", help="FedAtt distance: fro or spectral"),
-    loss_eps: float = _opt(0.1, panel=STRATEGY, metavar="EPS", help="FedMed loss-switch threshold ε"),
+    eps: float = _opt(JOB.att_eps, panel=STRATEGY, metavar="EPS", help="FedAtt step size ε"),
+    norm: str = _opt(JOB.att_norm, panel=STRATEGY, metavar="NORM", help="FedAtt distance: fro or spectral"),
+    loss_eps: float = _opt(
+        JOB.loss_eps, panel=STRATEGY, metavar="EPS", help="FedMed loss-switch threshold ε"
+    ),
     beta: float = _opt(
-        1.0,
+        JOB.beta,
         panel=STRATEGY,
         metavar="BETA",
         help="top-K share of reporting agents granted an upload (FedMed β)",
     ),
     noise: float = _opt(
-        0.0,
+        JOB.noise,
         panel=STRATEGY,
         metavar="SIGMA",
         help="agents add noise·N(0,1) before upload (FedAtt randomization)",
     ),
     pull_fraction: float = _opt(
-        0.5, panel=STRATEGY, metavar="F", help="dynamic pulling: share of tensors sent (0.5 or 0.33)"
+        JOB.pull_fraction,
+        panel=STRATEGY,
+        metavar="F",
+        help="dynamic pulling: share of tensors sent (0.5 or 0.33)",
     ),
     pull_down: bool = _opt(
-        False,
+        JOB.pull_down,
         "--pull-down",
         panel=STRATEGY,
         help="dynamic pulling both ways: the server pushes only the tensors its rule picks",
     ),
     robust: str = _opt(
-        "none", panel=STRATEGY, metavar="GUARD", help="outlier guard: none, clip:NORM, trimmed:FRAC or median"
+        JOB.robust,
+        panel=STRATEGY,
+        metavar="GUARD",
+        help="outlier guard: none, clip:NORM, trimmed:FRAC or median",
     ),
-    min_clients: int = _opt(1, panel=STRATEGY, metavar="N", help="a round with fewer updates is skipped"),
-    epochs: int = _opt(1, "--epochs", "-e", panel=TRAIN, metavar="E", help="local epochs"),
-    batch_size: int = _opt(20, "--batch-size", "-b", panel=TRAIN, metavar="B", help="local batch size"),
-    lr: float = _opt(20.0, panel=TRAIN, metavar="LR", help="client learning rate"),
-    optimizer: str = _opt("sgd", panel=TRAIN, metavar="NAME", help="sgd or adam"),
-    momentum: float = _opt(0.0, panel=TRAIN, metavar="M", help="SGD momentum"),
+    min_clients: int = _opt(
+        JOB.min_clients, panel=STRATEGY, metavar="N", help="a round with fewer updates is skipped"
+    ),
+    epochs: int = _opt(JOB.epochs, "--epochs", "-e", panel=TRAIN, metavar="E", help="local epochs"),
+    batch_size: int = _opt(
+        JOB.batch_size, "--batch-size", "-b", panel=TRAIN, metavar="B", help="local batch size"
+    ),
+    lr: float = _opt(JOB.lr, panel=TRAIN, metavar="LR", help="client learning rate"),
+    optimizer: str = _opt(JOB.optimizer, panel=TRAIN, metavar="NAME", help="sgd or adam"),
+    momentum: float = _opt(JOB.momentum, panel=TRAIN, metavar="M", help="SGD momentum"),
     round_lr_decay: float = _opt(
-        1.0,
+        JOB.round_lr_decay,
         panel=TRAIN,
         metavar="D",
         help="round r trains at lr × D^(r−1) (1 = constant; FedMed's decayed lr)",
     ),
     max_steps: int = _opt(
-        0, panel=TRAIN, metavar="N", help="cap on local optimizer steps per round (0 = none)"
+        JOB.max_steps, panel=TRAIN, metavar="N", help="cap on local optimizer steps per round (0 = none)"
     ),
     encoding: str = _opt(
         "auto",
@@ -224,7 +242,7 @@ def simulate(
         "prefix delta+, suffix @LEVEL (zstd level, default 1)",
     ),
     down_encoding: str = _opt(
-        "bf16",
+        JOB.down_encoding,
         panel=WIRE,
         metavar="SPEC",
         help="downlink (the global model): raw, fp16, bf16, int8-row, int6-row, int5-row or int4-row; "
@@ -245,9 +263,11 @@ def simulate(
         metavar="LIST",
         help="comma-separated: crash-train:P, crash-grant:P, slow:P:SECONDS, cut:P",
     ),
-    report_deadline: float = _opt(300.0, panel=AVAIL, metavar="S", help="seconds to wait for loss reports"),
+    report_deadline: float = _opt(
+        JOB.report_deadline_s, panel=AVAIL, metavar="S", help="seconds to wait for loss reports"
+    ),
     update_deadline: float = _opt(
-        120.0, panel=AVAIL, metavar="S", help="seconds to wait for granted uploads"
+        JOB.update_deadline_s, panel=AVAIL, metavar="S", help="seconds to wait for granted uploads"
     ),
     config: Path | None = _opt(
         None,
@@ -279,7 +299,9 @@ def simulate(
         "for a GPU: slower than one at a time on a CPU); the report deadline is then "
         "per selected client",
     ),
-    seed: int = _opt(0, panel=RUN, metavar="N", help="one seed for sampling, dropouts, shards and init"),
+    seed: int = _opt(
+        JOB.seed, panel=RUN, metavar="N", help="one seed for sampling, dropouts, shards and init"
+    ),
     as_json: bool = _opt(
         False, "--json", panel=RUN, help="machine-readable output (default when not a terminal)"
     ),

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from fedmq import defaults
 from fedmq.manifest import Manifest
 
 Progress = Callable[[int, int], None]  # (steps done, steps total)
@@ -16,13 +17,13 @@ Progress = Callable[[int, int], None]  # (steps done, steps total)
 
 @dataclass
 class TrainConfig:
-    epochs: int = 1
-    batch_size: int = 20
-    lr: float = 20.0
-    optimizer: str = "sgd"  # "sgd" | "adam"
-    momentum: float = 0.0
-    lr_decay: float = 1.0  # multiply lr by this after every local epoch
-    clip: float = 0.25  # gradient-norm clipping (0 = off)
+    epochs: int = defaults.EPOCHS
+    batch_size: int = defaults.BATCH_SIZE
+    lr: float = defaults.LR
+    optimizer: str = defaults.OPTIMIZER  # "sgd" | "adam"
+    momentum: float = defaults.MOMENTUM
+    lr_decay: float = defaults.LR_DECAY  # multiply lr by this after every local epoch
+    clip: float = defaults.CLIP  # gradient-norm clipping (0 = off)
     warmup_steps: int = 0  # lr rises linearly from lr/warmup_steps to lr over the first steps (0 = off)
     linear_decay: bool = False  # after warm-up, lr falls linearly to 0 at the run's last step
     adam_betas: tuple[float, float] = (0.9, 0.999)
