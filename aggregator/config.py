@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import tomllib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedmq import defaults
@@ -359,3 +361,59 @@ class JobConfig:
         if unknown:
             raise JobConfigError(f"unknown config key(s): {', '.join(unknown)}")
         return cls(**values)
+
+
+@dataclass(frozen=True)
+class JobFile:
+    """A job file as every command reads it (`fedmq simulate --config`, `aggregator run`, `agent run`):
+    JobConfig keys at the top level (the strategy also as a ``[strategy]`` table: its name and parameters),
+    the task's options in a ``[task]`` table."""
+
+    path: Path
+    job: dict[str, Any]
+    task: dict[str, Any]
+
+
+_KINDS = {
+    "int": ((int,), "a whole number"),
+    "float": ((int, float), "a number"),
+    "bool": ((bool,), "true or false"),
+    "str": ((str,), "a string"),
+    "dict[str, Any]": ((dict,), "a table"),
+}
+
+
+def read_job_file(path: Path) -> JobFile:
+    """The one reader of job files; a missing file, bad TOML, an unknown key or a value of the wrong type is
+    one line that names the file and the key."""
+    if not path.is_file():
+        raise JobConfigError(
+            f"config file {path} not found" if not path.exists() else f"config file {path} is not a file"
+        )
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise JobConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise JobConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    task = raw.pop("task", {})
+    if not isinstance(task, dict):
+        raise JobConfigError(f"config file {path}: task must be a [task] table")
+    try:
+        raw = split_strategy_table(raw)
+    except JobConfigError as exc:
+        raise JobConfigError(f"config file {path}: {exc}") from None
+    kinds = {f.name: f.type for f in dataclasses.fields(JobConfig)}
+    unknown = sorted(k for k in raw if k not in kinds)
+    if unknown:
+        raise JobConfigError(
+            f"config file {path}: unknown key(s) {', '.join(unknown)} (JobConfig keys at the top level, "
+            "task options in [task])"
+        )
+    job = {}
+    for key, value in raw.items():
+        types, words = _KINDS[str(kinds[key])]
+        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+            raise JobConfigError(f"config file {path}: {key} must be {words}, got {value!r}")
+        job[key] = float(value) if kinds[key] == "float" else value
+    return JobFile(path, job, task)

@@ -7,14 +7,13 @@ import json
 import signal
 import sys
 import threading
-import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import typer
 
-from fedmq.aggregator.config import STRATEGIES, JobConfig, split_strategy_table
+from fedmq.aggregator.config import STRATEGIES, JobConfig, JobFile, read_job_file
 from fedmq.cli.errors import Stopped, UsageError
 from fedmq.cli.help import HelpCommand, HelpGroup
 from fedmq.errors import FedmqError
@@ -438,15 +437,9 @@ def _simulate(
 
 
 # --------------------------------------------------------------------------------------------- services
-def _load_config_file(path: Path | None) -> dict[str, Any]:
-    if path is None:
-        return {}
-    if not path.is_file():
-        raise UsageError(f"config file {path} not found")
-    try:
-        return tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise UsageError(f"config file {path} is not valid TOML: {exc}") from None
+def _job_file(path: Path | None) -> JobFile:
+    """The --config job file (aggregator.config.read_job_file), or an empty one."""
+    return read_job_file(path) if path is not None else JobFile(Path(), {}, {})
 
 
 def _merge(file_values: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
@@ -517,8 +510,8 @@ def aggregator_run(
     _tune_allocator()
     from fedmq.broker.transport.connect import connect
 
-    values = split_strategy_table(_load_config_file(config))
-    task_opts = {"task": "lm", "data": "builtin", **values.pop("task", {})}
+    jobfile = _job_file(config)
+    values, task_opts = dict(jobfile.job), {"task": "lm", "data": "builtin", **jobfile.task}
     if strategy_arg:
         values["strategy_args"] = {**values.get("strategy_args", {}), **parse_assignments(strategy_arg)}
     cfg = JobConfig.from_dict(
@@ -640,8 +633,9 @@ def agent_run(
         if not tail.isdigit():
             raise UsageError(f"cannot derive a shard index from {client_id!r}; give --index")
         index = int(tail)
-    values = _load_config_file(config)
-    task_opts = {"task": "lm", "data": "builtin", "seed": seed, **values.get("task", {})}
+    jobfile = _job_file(config)
+    values = jobfile.job
+    task_opts = {"task": "lm", "data": "builtin", "seed": seed, **jobfile.task}
     if data:
         task_opts["data"] = data
     task_opts.setdefault("clients", values.get("clients", index + 1))
@@ -658,7 +652,7 @@ def agent_run(
         device=device,
         seed=seed,
         audit_log=audit_log,
-        strategy=str(split_strategy_table(values).get("strategy", "")),
+        strategy=str(values.get("strategy", "")),
     )
     telemetry = None
     if metrics_port:

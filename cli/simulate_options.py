@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import tomllib
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedmq.aggregator.config import JobConfig, JobConfigError, split_strategy_table
+from fedmq.aggregator.config import JobConfig, JobConfigError, read_job_file
 from fedmq.cli.errors import UsageError
 from fedmq.params import parse_assignments
 from fedmq.plugins import is_import_path
@@ -195,21 +194,13 @@ def resolve(
 
 
 def read_config_file(path: Path, types: dict[str, str]) -> dict[str, Any]:
-    """The file's values under simulate's option names; one line for a missing file, bad TOML, key or type."""
-    if not path.is_file():
-        raise UsageError(
-            f"config file {path} not found" if not path.exists() else f"config file {path} is not a file"
-        )
+    """The file's values under simulate's option names (read by aggregator.config.read_job_file, as every
+    command reads it); one line for a task option simulate does not know, or two values that contradict."""
     try:
-        raw = split_strategy_table(tomllib.loads(path.read_text()))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise UsageError(f"config file {path} is not valid TOML: {exc}") from None
-    except OSError as exc:
-        raise UsageError(f"cannot read config file {path}: {exc.strerror}") from None
+        jobfile = read_job_file(path)
     except JobConfigError as exc:
-        raise UsageError(f"config file {path}: {exc}") from None
+        raise UsageError(str(exc)) from None
     flag_of = {field: flag for flag, field in JOB_FLAGS.items()}
-    field_kind = {f.name: type(f.default).__name__ for f in dataclasses.fields(JobConfig)}
     out: dict[str, Any] = {}
 
     def put(name: str, value: Any, kind: str | None, where: str) -> None:
@@ -220,22 +211,16 @@ def read_config_file(path: Path, types: dict[str, str]) -> dict[str, Any]:
             )
         out[name] = value
 
-    task_table = raw.pop("task", {})
-    if not isinstance(task_table, dict):
-        raise UsageError(f"config file {path}: task must be a [task] table")
-    unknown = sorted(k for k in raw if k not in flag_of and k not in FILE_JOB_KEYS and k not in FILE_IGNORED)
-    unknown += sorted(f"task.{k}" for k in task_table if k not in TASK_FLAGS and k not in FILE_TASK_KEYS)
+    unknown = sorted(f"task.{k}" for k in jobfile.task if k not in TASK_FLAGS and k not in FILE_TASK_KEYS)
     if unknown:
         raise UsageError(
             f"config file {path}: unknown key(s) {', '.join(unknown)} (JobConfig keys at the top level, "
             "task options in [task])"
         )
-    for key, value in raw.items():
-        if key in flag_of:
-            put(flag_of[key], value, types.get(flag_of[key]), key)
-        elif key in FILE_JOB_KEYS:
-            put(key, value, field_kind[key], key)
-    for key, value in task_table.items():
+    for key, value in jobfile.job.items():
+        if key not in FILE_IGNORED:
+            put(flag_of.get(key, key), value, None, key)
+    for key, value in jobfile.task.items():
         if key == "domains" and isinstance(value, list):
             value = ",".join(map(str, value))
         put(key, value, types.get(key) if key in TASK_FLAGS else None, f"task.{key}")

@@ -482,3 +482,30 @@ def test_make_demo_installs_only_the_runtime_and_make_test_everything():
     assert "torch==2.13.0" in test and "-e .[test]" in test and "checkov==" in test
     makefile = (ROOT / "Makefile").read_text()
     assert "torch" not in makefile  # scripts/setup.sh is the one place that pins it
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ("roundz = 3\n", "unknown key(s) roundz"),
+        ("rounds = 'ten'\n", "rounds must be a whole number, got 'ten'"),
+        ("[strategy]\nmu = 0.1\n", 'the [strategy] table needs name = "STRATEGY"'),
+        ("task = 3\n", "task must be a [task] table"),
+    ],
+)
+def test_every_command_reads_a_job_file_the_same_way(tmp_path, content, needle):
+    """One reader of job files (aggregator.config.read_job_file) for simulate, aggregator run and agent run:
+    the same mistake is the same line from each, before anything connects."""
+    job = tmp_path / "job.toml"
+    job.write_text(content)
+    url = "amqp://guest:guest@127.0.0.1:1/%2F"  # never reached
+    commands = [
+        ["simulate", "--config", str(job)],
+        ["aggregator", "run", "--broker", url, "--config", str(job), "--state-dir", str(tmp_path / "s")],
+        ["agent", "run", "--broker", url, "--job", "j", "--client-id", "agent-0", "--config", str(job)],
+    ]
+    for cmd in commands:
+        done = fedmq(*cmd)
+        assert done.returncode != 0 and "Traceback" not in done.stderr, (cmd, done.stderr)
+        last = done.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"error: config file {job}") and needle in last, (cmd, last)
