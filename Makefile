@@ -10,7 +10,7 @@ setup-test:
 demo: setup
 	.venv/bin/fedmq simulate
 
-# ruff (lint and format) over the whole tree, mypy over the bottom layers ([tool.mypy] in pyproject.toml)
+# ruff (lint and format) over the whole tree, mypy over the bottom layers and the strategies ([tool.mypy] in pyproject.toml)
 lint: setup-test
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .

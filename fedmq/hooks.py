@@ -105,7 +105,12 @@ def install_gradient_terms(model: torch.nn.Module, hook: ClientHook) -> Callable
                 return grad if extra is None else grad + extra.to(grad.dtype)
 
             handles.append(param.register_hook(term))
-    return lambda: [h.remove() for h in handles] and None
+
+    def remove() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return remove
 
 
 def describe(cls: type[ClientHook] | None, args: Mapping[str, Any]) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -27,9 +28,7 @@ class Manifest:
     tensors: tuple[TensorSpec, ...]
 
     @classmethod
-    def from_arrays(
-        cls, state: Mapping[str, np.ndarray], groups: Mapping[str, str] | None = None
-    ) -> Manifest:
+    def from_arrays(cls, state: Mapping[str, Any], groups: Mapping[str, str] | None = None) -> Manifest:
         """Build a manifest from a name -> array mapping (numpy arrays or torch tensors)."""
         specs = []
         for name, arr in state.items():

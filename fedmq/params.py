@@ -77,7 +77,7 @@ def check_values(args: Any, where: str) -> dict[str, Any]:
 
 def _hints(cls: type) -> dict[str, Any]:
     try:
-        return typing.get_type_hints(cls.__init__)
+        return typing.get_type_hints(cls.__init__)  # type: ignore[misc]  # a class's own constructor
     except Exception:  # unresolvable annotations: values are passed as they are
         return {}
 

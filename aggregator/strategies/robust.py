@@ -51,8 +51,8 @@ class ClippedFedAvg(FedAvg):
         self.clipped = []
 
     def weight(self, update: ClientUpdate) -> float:
-        g = self._global
-        norm = math.sqrt(sum(update_sq_norm(update, g, k) for k in update.tensors))  # type: ignore[arg-type]
+        g = check_started(self._global, self.name)
+        norm = math.sqrt(sum(update_sq_norm(update, g, k) for k in update.tensors))
         if norm <= self.clip_norm:
             return float(update.n_samples)
         self.clipped.append(update.client)
