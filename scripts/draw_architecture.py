@@ -35,6 +35,10 @@ def box(ax, x, y, w, h, title, body, color):
             (x, y), w, h, boxstyle="round,pad=0.01,rounding_size=0.015", fc="none", ec="black", lw=1
         )
     )
+    if h < 0.09:  # a one-line layer: its name, then its body, inside the box
+        ax.text(x + w / 2, y + h, title, ha="center", va="top", fontsize=10, fontweight="bold")
+        ax.text(x + w / 2, y, body, ha="center", va="bottom", fontsize=7.5)
+        return
     ax.text(x + w / 2, y + h - 0.025, title, ha="center", va="top", fontsize=10, fontweight="bold")
     ax.text(x + w / 2, y + h - 0.065, body, ha="center", va="top", fontsize=7.5, linespacing=1.35)
 
@@ -47,40 +51,50 @@ def layers(ax):
     box(
         ax,
         0.03,
-        0.86,
+        0.895,
         0.94,
-        0.12,
-        "cli",
-        "fedmq simulate | aggregator run | agent run | report, status, telemetry; Simulation",
+        0.075,
+        "fedmq.cli",
+        "fedmq simulate | aggregator run | agent run | report, status, telemetry",
         GREY,
     )
     box(
         ax,
         0.03,
-        0.71,
+        0.80,
         0.94,
-        0.12,
-        "benchmarks",
-        "fedmq bench …, fedmq experiment … (cli hands in Simulation and report)",
+        0.065,
+        "fedmq.benchmarks",
+        "fedmq bench …, fedmq experiment …",
         GREY,
     )
     box(
         ax,
         0.03,
-        0.46,
+        0.705,
+        0.94,
+        0.065,
+        "fedmq.simulation",
+        "Simulation: an aggregator and K agents in one process, over a broker",
+        GREY,
+    )
+    box(
+        ax,
+        0.03,
+        0.45,
         0.44,
-        0.22,
+        0.2,
         "aggregator",
         "engine, sync round, async rounds,\ninbox, spool, mediator, "
-        "strategies\n(each owns its round), checkpoints, run log",
+        "strategies\n(each owns its round and state), checkpoints, run log",
         BLUE,
     )
     box(
         ax,
         0.53,
-        0.46,
+        0.45,
         0.44,
-        0.22,
+        0.2,
         "client_agent",
         "agent loop, trainer pool,\nstate store, availability and faults",
         ORANGE,
@@ -105,7 +119,7 @@ def layers(ax):
         0.19,
         "fedmq  (import fedmq: the public API)",
         "errors, checks, tensor manifest, tasks (models, data, local training),\n"
-        "pulling rule, plugins (package.module:Class); imports nothing above",
+        "pulling rule, client hooks, plugins (package.module:Class); imports nothing above",
         PURPLE,
     )
     ax.set_xlim(0, 1)
