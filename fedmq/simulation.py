@@ -92,8 +92,8 @@ class Simulation:
             cfg = replace(cfg, identity=f"shared:{shared_user}")
         if self.cohort and client_map(cfg):
             raise BadParameter(
-                f"--cohort trains a round's clients as one batched model, which cannot run strategy "
-                f"{cfg.strategy!r}'s client hook; run it without --cohort"
+                f"--cohort trains a round's clients as one batched model, which cannot run the client hook "
+                f"of strategy {cfg.strategy!r}; run it without --cohort"
             )
         if self.cohort:  # the module docstring says why
             cfg = replace(cfg, report_deadline_s=cfg.report_deadline_s * cfg.selected_count())

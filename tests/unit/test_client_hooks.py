@@ -132,3 +132,12 @@ def test_gradient_terms_are_added_at_every_step_and_removed_after():
     assert all(torch.allclose(p.grad, g) for p, g in zip(model.parameters(), plain))
     # a hook without gradient terms registers nothing
     assert install_gradient_terms(model, ClientHook())() is None
+
+
+def test_cohort_training_refuses_a_strategy_with_a_client_hook(tmp_path):
+    import fedmq
+
+    cfg = fedmq.JobConfig(job="c", strategy="fedprox", rounds=1, clients=2, fraction=1.0, lr=0.5, max_steps=1)
+    sim = fedmq.Simulation(cfg, LogReg(clients=2), run_dir=tmp_path / "run", cohort=True)
+    with pytest.raises(fedmq.BadParameter, match="cannot run the client hook of strategy 'fedprox'"):
+        sim.run()
