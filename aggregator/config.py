@@ -44,6 +44,42 @@ class JobConfigError(FedmqError):
     pass
 
 
+# the JobConfig fields `fedmq simulate` has a flag for, and the flag: a mistake names both the key (what
+# Python and job files say) and the flag (cli/simulate_options.py takes its flag-to-field map from here)
+FLAGS = {
+    "strategy": "--strategy",
+    "rounds": "--rounds",
+    "clients": "--clients",
+    "fraction": "--fraction",
+    "min_clients": "--min-clients",
+    "beta": "--beta",
+    "loss_eps": "--loss-eps",
+    "att_eps": "--eps",
+    "att_norm": "--norm",
+    "noise": "--noise",
+    "pull_fraction": "--pull-fraction",
+    "pull_down": "--pull-down",
+    "encoding": "--encoding",
+    "down_encoding": "--down-encoding",
+    "epochs": "--epochs",
+    "batch_size": "--batch-size",
+    "lr": "--lr",
+    "optimizer": "--optimizer",
+    "momentum": "--momentum",
+    "round_lr_decay": "--round-lr-decay",
+    "max_steps": "--max-steps",
+    "report_deadline_s": "--report-deadline",
+    "update_deadline_s": "--update-deadline",
+    "seed": "--seed",
+    "robust": "--robust",
+}
+
+
+def key(name: str) -> str:
+    """A JobConfig field as an error message names it: the key, and its flag where it has one."""
+    return f"{name} ({FLAGS[name]})" if name in FLAGS else name
+
+
 def split_strategy_table(values: dict[str, Any]) -> dict[str, Any]:
     """A job file's ``[strategy]`` table (``name = "fedadam"`` and the strategy's parameters) as the
     JobConfig keys ``strategy`` and ``strategy_args``; a plain ``strategy = "name"`` is left as it is."""
@@ -170,39 +206,42 @@ class JobConfig:
             try:
                 EncodingSpec.parse(getattr(self, name))
             except CodecError as exc:
-                bad(f"{name.replace('_', '-')}: {exc}")
+                bad(f"{key(name)}: {exc}")
         if self.strategy not in STRATEGIES and not is_import_path(self.strategy):
             bad(
                 f"unknown strategy {self.strategy!r}; "
                 f"choose one of {', '.join(STRATEGIES)} or package.module:Class"
             )
         if self.rounds < 1:
-            bad("rounds must be at least 1")
+            bad(f"{key('rounds')} must be at least 1")
         if self.clients < 1:
-            bad("clients must be at least 1")
+            bad(f"{key('clients')} must be at least 1")
         if not 0 < self.fraction <= 1:
-            bad(f"fraction C={self.fraction} must be in (0, 1]")
+            bad(f"{key('fraction')} C={self.fraction} must be in (0, 1]")
         if not 0 < self.beta <= 1:
-            bad(f"beta={self.beta} must be in (0, 1]")
+            bad(f"{key('beta')} β={self.beta} must be in (0, 1]")
         if not 0 < self.pull_fraction < 1:
-            bad(f"pull fraction {self.pull_fraction} must be in (0, 1)")
+            bad(f"{key('pull_fraction')} {self.pull_fraction} must be in (0, 1)")
         if self.pull_by not in ("params", "count"):
             bad(
-                f"pull-by {self.pull_by!r}: use params (a share of the parameters, as in the paper) "
+                f"{key('pull_by')} {self.pull_by!r}: use params (a share of the parameters, as in the paper) "
                 "or count (of tensors)"
             )
         if self.pull_down and self.pull == "all":
-            bad("pull-down needs a dynamic-pulling strategy (pull-local, pull-global or pull-random)")
+            bad(
+                f"{key('pull_down')} needs a dynamic-pulling strategy "
+                "(pull-local, pull-global or pull-random)"
+            )
         if self.pull_down and (self.encoding.startswith("delta+") or self.down_encoding.startswith("delta+")):
             bad(
                 "pull-down keeps each agent's own values for the tensors not pushed, "
                 "so its uploads and the pushes cannot be deltas; use an encoding without delta+"
             )
         if self.min_clients < 1:
-            bad("min-clients must be at least 1")
+            bad(f"{key('min_clients')} must be at least 1")
         for name in ("epochs", "batch_size", "async_k", "keyframe_every", "eval_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
-                bad(f"{name.replace('_', '-')} must be at least 1")
+                bad(f"{key(name)} must be at least 1")
         for name in (
             "lr",
             "report_deadline_s",
@@ -215,13 +254,13 @@ class JobConfig:
             "round_lr_decay",
         ):
             if not getattr(self, name) > 0:
-                bad(f"{name.replace('_', '-')} must be positive")
+                bad(f"{key(name)} must be positive")
         for name in ("lr_decay", "round_lr_decay"):
             if getattr(self, name) > 1:
-                bad(f"{name.replace('_', '-')} must be in (0, 1], got {getattr(self, name)}")
+                bad(f"{key(name)} must be in (0, 1], got {getattr(self, name)}")
         for name in ("noise", "loss_eps", "max_staleness", "momentum", "clip", "max_steps", "seed"):
             if getattr(self, name) < 0:
-                bad(f"{name.replace('_', '-')} must not be negative")
+                bad(f"{key(name)} must not be negative")
         for name in ("max_samples_factor", "norm_bound_factor"):
             value = getattr(self, name)
             if (
@@ -229,16 +268,13 @@ class JobConfig:
                 or not isinstance(value, (int, float))
                 or not 0 <= value < float("inf")
             ):
-                bad(
-                    f"{name.replace('_', '-')} must be a finite number >= 0 (0 turns the bound off), "
-                    f"got {value!r}"
-                )
+                bad(f"{key(name)} must be a finite number >= 0 (0 turns the bound off), got {value!r}")
         if self.fedmed_js not in ("standardised", "relative", "raw"):
-            bad(f"unknown fedmed-js {self.fedmed_js!r}; use standardised, relative or raw")
+            bad(f"unknown {key('fedmed_js')} {self.fedmed_js!r}; use standardised, relative or raw")
         if self.att_norm not in ("fro", "spectral"):
-            bad(f"unknown norm {self.att_norm!r}; use fro or spectral")
+            bad(f"unknown {key('att_norm')} {self.att_norm!r}; use fro or spectral")
         if self.optimizer not in ("sgd", "adam"):
-            bad(f"unknown optimizer {self.optimizer!r}; use sgd or adam")
+            bad(f"unknown {key('optimizer')} {self.optimizer!r}; use sgd or adam")
         kind, _, arg = self.robust.partition(":")
         try:
             ok = (
@@ -250,13 +286,13 @@ class JobConfig:
             ok = False
         if not ok:
             bad(
-                f"robust guard {self.robust!r}: use none, clip:NORM (NORM > 0), "
+                f"{key('robust')} {self.robust!r}: use none, clip:NORM (NORM > 0), "
                 "trimmed:FRAC (0 <= FRAC < 0.5) or median"
             )
         if not (
             self.identity == "strict" or (self.identity.startswith("shared:") and len(self.identity) > 7)
         ):
-            bad("identity must be strict or shared:USER")
+            bad(f"{key('identity')} must be strict or shared:USER")
 
     def _check_types(self) -> None:
         """Every field of the type it is declared with (a job file's JSON can hold anything): ints are ints,
@@ -272,9 +308,9 @@ class JobConfig:
             value = getattr(self, f.name)
             kind, words = kinds[f.type]
             if (isinstance(value, bool) and f.type != "bool") or not isinstance(value, kind):
-                raise JobConfigError(f"{f.name.replace('_', '-')} must be {words}, got {value!r}")
+                raise JobConfigError(f"{key(f.name)} must be {words}, got {value!r}")
             if f.type == "float" and not math.isfinite(value):
-                raise JobConfigError(f"{f.name.replace('_', '-')} must be finite, got {value!r}")
+                raise JobConfigError(f"{key(f.name)} must be finite, got {value!r}")
 
     @property
     def strategy_class(self) -> type[Strategy]:

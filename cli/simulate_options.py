@@ -26,40 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedmq.aggregator.config import JobConfig, JobConfigError, read_job_file
+from fedmq.aggregator.config import FLAGS, JobConfig, JobConfigError, read_job_file
 from fedmq.cli.errors import UsageError
 from fedmq.params import parse_assignments
 from fedmq.plugins import is_import_path
 from fedmq.tasks.catalog import LM_ONLY, MODELS, NMT_ONLY, TASKS
 
-# flag -> JobConfig field
-JOB_FLAGS = {
-    "strategy": "strategy",
-    "rounds": "rounds",
-    "clients": "clients",
-    "fraction": "fraction",
-    "min_clients": "min_clients",
-    "beta": "beta",
-    "loss_eps": "loss_eps",
-    "eps": "att_eps",
-    "norm": "att_norm",
-    "noise": "noise",
-    "pull_fraction": "pull_fraction",
-    "pull_down": "pull_down",
-    "encoding": "encoding",
-    "down_encoding": "down_encoding",
-    "epochs": "epochs",
-    "batch_size": "batch_size",
-    "lr": "lr",
-    "optimizer": "optimizer",
-    "momentum": "momentum",
-    "round_lr_decay": "round_lr_decay",
-    "max_steps": "max_steps",
-    "report_deadline": "report_deadline_s",
-    "update_deadline": "update_deadline_s",
-    "seed": "seed",
-    "robust": "robust",
-}
+# flag -> JobConfig field (aggregator.config.FLAGS, the one list of them)
+JOB_FLAGS = {flag.removeprefix("--").replace("-", "_"): field for field, flag in FLAGS.items()}
 # flags handed to the task (clients and seed go to both)
 TASK_FLAGS = (
     "task",

@@ -71,7 +71,7 @@ def test_default_encodings_and_auto():
 def test_pull_share_is_of_parameters_by_default_and_validated():
     assert JobConfig(strategy="pull-local").round_config().pull_by == "params"
     assert JobConfig(strategy="pull-local", pull_by="count").round_config().pull_by == "count"
-    with pytest.raises(JobConfigError, match="pull-by 'bytes'"):
+    with pytest.raises(JobConfigError, match="pull_by 'bytes'"):
         JobConfig(strategy="pull-local", pull_by="bytes")
 
 
@@ -85,17 +85,17 @@ def test_fedsgd_is_one_full_batch_step_on_every_client():
 @pytest.mark.parametrize(
     "values, message",
     [
-        ({"rounds": "5"}, "rounds must be an integer, got '5'"),
-        ({"clients": True}, "clients must be an integer, got True"),
-        ({"lr": float("inf")}, "lr must be finite"),
-        ({"lr": "fast"}, "lr must be a number"),
-        ({"strategy": ["fedavg"]}, "strategy must be a string"),
-        ({"error_feedback": 1}, "error-feedback must be true or false"),
+        ({"rounds": "5"}, "rounds (--rounds) must be an integer, got '5'"),
+        ({"clients": True}, "clients (--clients) must be an integer, got True"),
+        ({"lr": float("inf")}, "lr (--lr) must be finite"),
+        ({"lr": "fast"}, "lr (--lr) must be a number"),
+        ({"strategy": ["fedavg"]}, "strategy (--strategy) must be a string"),
+        ({"error_feedback": 1}, "error_feedback must be true or false"),
         ({"extra": []}, "extra must be an object"),
         ({"job": "a b"}, "bad job id 'a b'"),
-        ({"momentum": -0.5}, "momentum must not be negative"),
-        ({"eval_every": 0}, "eval-every must be at least 1"),
-        ({"server_lr": 0.0}, "server-lr must be positive"),
+        ({"momentum": -0.5}, "momentum (--momentum) must not be negative"),
+        ({"eval_every": 0}, "eval_every must be at least 1"),
+        ({"server_lr": 0.0}, "server_lr must be positive"),
         ({"encoding": "no-such-encoding"}, "encoding"),
     ],
 )
@@ -116,9 +116,9 @@ def test_round_lr_decay_sets_each_rounds_learning_rate():
 @pytest.mark.parametrize(
     "values, message",
     [
-        ({"round_lr_decay": 0.0}, "round-lr-decay must be positive"),
-        ({"round_lr_decay": 1.5}, "round-lr-decay must be in (0, 1], got 1.5"),
-        ({"lr_decay": 2.0}, "lr-decay must be in (0, 1], got 2.0"),
+        ({"round_lr_decay": 0.0}, "round_lr_decay (--round-lr-decay) must be positive"),
+        ({"round_lr_decay": 1.5}, "round_lr_decay (--round-lr-decay) must be in (0, 1], got 1.5"),
+        ({"lr_decay": 2.0}, "lr_decay must be in (0, 1], got 2.0"),
     ],
 )
 def test_learning_rate_decays_are_checked(values, message):
