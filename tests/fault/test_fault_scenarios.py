@@ -59,7 +59,10 @@ class Run:
                 return bool(fed.agent_events(f.target, "round training", rnd))
             if f.phase == "after-grant":
                 return st.get("granted") is not None
-            return bool(fed.agent_events(f.target, "uploading update", rnd))
+            # mid-upload: an upload still in flight; one already confirmed (it ended before the throttle
+            # took hold, e.g. while an earlier fault was being injected) is missed: the next round's is taken
+            started = fed.agent_events(f.target, "uploading update", rnd)
+            return len(started) > len(fed.agent_events(f.target, "update confirmed", rnd))
         if f.kind == "aggregator-kill9":
             if f.phase == "before-agg":
                 return bool(st.get("reported"))
