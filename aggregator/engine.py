@@ -43,6 +43,7 @@ from fedmq.aggregator.strategies.registry import client_map, strategy_class, str
 from fedmq.aggregator.sync_round import SyncRound
 from fedmq.broker.transport import topology
 from fedmq.broker.transport.base import Broker, ReassemblyLimits
+from fedmq.broker.transport.errors import Undeliverable
 from fedmq.broker.transport.queues import message_chunks
 from fedmq.broker.wire import messages
 from fedmq.broker.wire.chunk_frames import DEFAULT_CHUNK_LIMIT
@@ -303,11 +304,19 @@ class Engine:
         )
         body = messages.encode(env)
         if self.cfg.mode == "sync":  # only the selected agents hear of the round: O(m) messages, not O(K)
-            for client in stats.selected:
-                self.broker.publish(topology.rk_announce(self.cfg.job, client), body, message_id=env.msg_id)
+            for client in list(stats.selected):
+                try:
+                    self.broker.publish(
+                        topology.rk_announce(self.cfg.job, client), body, message_id=env.msg_id
+                    )
+                except Undeliverable as exc:  # its queue is gone: the agent loses its place, not the job
+                    self.leave_out(stats, client, f"announce undeliverable: {exc}")
             stats.bytes_down += len(body) * len(stats.selected)
         else:  # asynchronous: every online agent trains on the newest version
-            self.broker.publish(topology.rk_global(self.cfg.job), body, message_id=env.msg_id)
+            try:
+                self.broker.publish(topology.rk_global(self.cfg.job), body, message_id=env.msg_id)
+            except Undeliverable as exc:  # no agent queue bound: nobody hears of this version
+                log.warning("announce undeliverable: no agent can hear of this version", error=str(exc))
             stats.bytes_down += len(body) * max(len(stats.online), len(stats.selected))
         for client in stats.selected:
             form = self._form_for(client, forms)
@@ -323,6 +332,14 @@ class Engine:
             forms=sorted(forms),
             bytes=len(body),
         )
+
+    def leave_out(self, stats: RoundStats, client: str, why: str) -> None:
+        """``client`` cannot be delivered to (its queue deleted, by accident or on purpose): it loses its
+        place in the round, named with the reason in the round's record; the round goes on without it."""
+        log.warning("agent unreachable: left out of the round", round=stats.round, client=client, reason=why)
+        stats.unreachable[client] = why
+        stats.selected = [c for c in stats.selected if c != client]
+        stats.granted = [c for c in stats.granted if c != client]
 
     _prev_state: dict[str, torch.Tensor] | None = None  # θ_{v−1}, kept for delta pushes and pull-down
 
@@ -621,6 +638,7 @@ class Engine:
             rejected=dict(self.inbox.rejected),
             dropped_msgs=dict(self.inbox.dropped),
             guard=verdict.record() if verdict else None,
+            unreachable=dict(sorted(stats.unreachable.items())) or None,
         )
 
     # ------------------------------------------------------------------ checkpoints

@@ -61,15 +61,19 @@ class RoundRecord:
     rejected: dict[str, int] = field(default_factory=dict)  # reason -> messages rejected so far
     dropped_msgs: dict[str, int] = field(default_factory=dict)  # reason -> messages dropped so far
     guard: dict[str, Any] | None = None  # aggregator.guards.Verdict.record(), when the round's guard acted
+    # selected clients left out because the broker could not deliver to them: client -> why (only when any)
+    unreachable: dict[str, str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # keys of other writers, kept as they are
 
     def to_json(self) -> dict[str, Any]:
         """The metrics.jsonl object (json.dumps it with sort_keys, as the run log does)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("guard", "extra")}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _ONLY_WHEN_SET}
         for name in CLIENT_LISTS:
             out[name] = list(out[name])
         if self.guard is not None:
             out["guard"] = self.guard
+        if self.unreachable is not None:
+            out["unreachable"] = self.unreachable
         return {**out, **self.extra}
 
     @classmethod
@@ -103,8 +107,13 @@ class RoundRecord:
         guard = raw.get("guard")
         if guard is not None and not isinstance(guard, dict):
             _wrong("guard", "an object", guard)
+        unreachable = raw.get("unreachable")
+        if unreachable is not None and not (
+            isinstance(unreachable, dict) and all(isinstance(v, str) for v in unreachable.values())
+        ):
+            _wrong("unreachable", "a map of text", unreachable)
         extra = {k: v for k, v in raw.items() if k not in _KNOWN}
-        return cls(**values, skipped=skipped, guard=guard, extra=extra)
+        return cls(**values, skipped=skipped, guard=guard, unreachable=unreachable, extra=extra)
 
 
 def _wrong(key: str, kind: str, value: Any) -> None:
@@ -139,3 +148,4 @@ _MAPS = {
     "dropped_msgs": (_is_int, "counts"),
 }
 _KNOWN = {f.name for f in fields(RoundRecord)} - {"extra"}
+_ONLY_WHEN_SET = ("guard", "unreachable", "extra")  # keys written only when the round has them

@@ -33,6 +33,8 @@ class RoundStats:
     granted: list[str] = field(default_factory=list)
     received: list[str] = field(default_factory=list)
     failed: set[str] = field(default_factory=set)  # granted clients whose update was rejected
+    # selected clients left out because the broker could not deliver to them (queue deleted): client -> why
+    unreachable: dict[str, str] = field(default_factory=dict)
     update_ids: dict[str, str] = field(default_factory=dict)  # client -> msg id of the update folded
     bytes_up: int = 0
     bytes_down: int = 0
@@ -63,6 +65,8 @@ class RoundContext(Protocol):
     def note_presence(self, msg: Received) -> None: ...
 
     def announce(self, stats: RoundStats) -> None: ...
+
+    def leave_out(self, stats: RoundStats, client: str, why: str) -> None: ...
 
     def begin_strategy(self, stats: RoundStats, choice: str, **extra: object) -> Strategy: ...
 

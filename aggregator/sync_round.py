@@ -20,6 +20,7 @@ from fedmq.aggregator.rounds import RoundContext, RoundStats
 from fedmq.aggregator.strategies.base import Strategy
 from fedmq.aggregator.strategies.fedavg import FedAvg
 from fedmq.broker.transport import topology
+from fedmq.broker.transport.errors import Undeliverable
 from fedmq.broker.wire import messages
 from fedmq.broker.wire.envelope import Envelope, Kind
 from fedmq.errors import CodecError
@@ -47,6 +48,7 @@ class SyncRound:
         else:  # resuming a round that was open when the aggregator stopped
             stats.online, stats.selected = spooled["online"], spooled["selected"]
             stats.reported = spooled["reported"]
+            stats.unreachable = dict(spooled.get("unreachable") or {})
             log.info(
                 "resuming open round",
                 round=stats.round,
@@ -55,12 +57,19 @@ class SyncRound:
             )
             if (
                 stats.selected
-            ):  # the old announce (or grant) may have died with the old aggregator: send again
+            ):  # the old announce (or grant) may have died with the old aggregator: send again, and so
+                # find again who can be reached (an agent whose queue is gone is left out of the round)
                 ctx.announce(stats)
                 if spooled.get("granted") is not None and cfg.grant_phase:
                     self._publish_grant(spooled["granted"])
+                if stats.unreachable != (spooled.get("unreachable") or {}):
+                    granted = spooled.get("granted")
+                    self._save(
+                        None if granted is None else [c for c in granted if c in stats.selected],
+                        spooled.get("strategy"),
+                    )
         if not stats.selected:
-            ctx.close_round(stats, None, skipped="nobody online")
+            ctx.close_round(stats, None, skipped="nobody reachable" if stats.unreachable else "nobody online")
             return
         strategy = self._collect(spooled, spooled_updates)
         if ctx.stop.is_set():  # interrupted (Ctrl-C, SIGTERM): the round stays open in the spool for --resume
@@ -81,6 +90,8 @@ class SyncRound:
         self._save(None, None)
         if stats.selected:
             ctx.announce(stats)
+            if stats.unreachable:  # the spool must not list as selected an agent that was left out
+                self._save(None, None)
 
     def _collect(self, spooled: dict | None, spooled_updates: dict[str, bytes]) -> Strategy | None:
         """Reports, mediation, grants and updates of one round;
@@ -90,7 +101,9 @@ class SyncRound:
         granted: list[str] | None = spooled.get("granted") if spooled else None
         if granted is not None or not cfg.grant_phase:
             strategy = ctx.begin_strategy(stats, (spooled or {}).get("strategy") or cfg.strategy)
-            stats.granted = list(granted if granted is not None else stats.selected)
+            stats.granted = [
+                c for c in (granted if granted is not None else stats.selected) if c in stats.selected
+            ]
         for (
             client
         ) in stats.granted:  # the spool holds updates folded before a restart: refold them in fold order
@@ -209,7 +222,8 @@ class SyncRound:
         )
         choice = self._choose()
         self._save(stats.granted, choice)
-        self._publish_grant(stats.granted)
+        if self._publish_grant(stats.granted):
+            self._save(stats.granted, choice)
         log.info("uploads granted", round=stats.round, granted=len(stats.granted), strategy=choice)
         return ctx.begin_strategy(stats, choice)
 
@@ -222,14 +236,21 @@ class SyncRound:
         mean_loss = math.fsum(losses) / len(losses)  # fsum: exact, so order-free
         return self.cfg.strategy if self.ctx.mediator.choose(mean_loss) == "adaptive" else FedAvg.name
 
-    def _publish_grant(self, granted: list[str]) -> None:
+    def _publish_grant(self, granted: list[str]) -> bool:
+        """Publish the grant to every selected agent; True when one could not be reached (it is left out)."""
         ctx, stats = self.ctx, self.stats
         env = messages.grant(self.cfg.job, stats.round, ctx.version, granted)
         body = messages.encode(env)
-        for client in stats.selected:  # granted or not, a selected agent waits for the word
-            ctx.broker.publish(topology.rk_grant(self.cfg.job, client), body, message_id=env.msg_id)
+        left_out = False
+        for client in list(stats.selected):  # granted or not, a selected agent waits for the word
+            try:
+                ctx.broker.publish(topology.rk_grant(self.cfg.job, client), body, message_id=env.msg_id)
+            except Undeliverable as exc:  # its control queue is gone: it loses its place, not the job
+                ctx.leave_out(stats, client, f"grant undeliverable: {exc}")
+                left_out = True
         stats.bytes_down += len(body) * len(stats.selected)
         ctx.phase = "uploading"
+        return left_out
 
     def _save(self, granted: list[str] | None, choice: str | None) -> None:
         stats = self.stats
@@ -237,6 +258,7 @@ class SyncRound:
             stats.round,
             {
                 "selected": stats.selected,
+                "unreachable": stats.unreachable,
                 "online": stats.online,
                 "reported": stats.reported,
                 "granted": granted,

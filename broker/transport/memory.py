@@ -28,7 +28,7 @@ from typing import Any
 import structlog
 
 from fedmq.broker.transport.base import Broker, Delivery, Handler, ReassemblyLimits
-from fedmq.broker.transport.errors import BrokerError
+from fedmq.broker.transport.errors import BrokerError, Undeliverable
 from fedmq.broker.transport.queues import check_publish_args, job_queues
 from fedmq.broker.transport.reassembly import EXPIRY_CHECK_S, ChunkGate, GatedDispatch
 from fedmq.broker.wire.chunk_frames import CHUNK_HEADER, DEFAULT_CHUNK_LIMIT, chunk_messages
@@ -350,7 +350,7 @@ class MemoryBroker(GatedDispatch, Broker):
         with self._hub.lock:
             targets = self._hub.route(routing_key)
             if not targets:
-                raise BrokerError(f"message to {routing_key!r} is unroutable: no queue is bound to it")
+                raise Undeliverable(f"message to {routing_key!r} is unroutable: no queue is bound to it")
             for data, hdrs in parts:
                 seq = next(self._hub.seq)
                 for q in targets:

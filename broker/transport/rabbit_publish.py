@@ -22,7 +22,7 @@ import pika.exceptions as pe
 import structlog
 
 from fedmq.broker.transport import pika_private
-from fedmq.broker.transport.errors import BrokerError
+from fedmq.broker.transport.errors import BrokerError, Undeliverable
 from fedmq.broker.transport.queues import check_publish_args
 from fedmq.broker.transport.topology import EXCHANGE
 from fedmq.broker.wire.chunk_frames import CHUNK_HEADER, Chunk, ChunkFrame, chunk_parts
@@ -202,14 +202,14 @@ class RabbitPublishing:
                 self._conn.process_data_events(time_limit=0.05)
             if job.returned:
                 self._forget(job)
-                raise BrokerError(f"message to {job.routing_key!r} is unroutable: no queue is bound to it")
+                raise Undeliverable(f"message to {job.routing_key!r} is unroutable: no queue is bound to it")
             if job.nacked:
                 # transient right after a restart (queue leader not elected yet): retry until the deadline, on
                 # a new channel: after a failover a channel can nack every publish to a quorum queue whose
                 # leader moved (seen in the 3-node test for over a minute),
                 # while a new one reaches the new leader
                 if time.monotonic() + 0.5 >= job.deadline:
-                    raise BrokerError(f"the broker refused (nacked) the message to {job.routing_key!r}")
+                    raise Undeliverable(f"the broker refused (nacked) the message to {job.routing_key!r}")
                 log.info(
                     "publish nacked; retrying on a new channel",
                     routing_key=job.routing_key,
