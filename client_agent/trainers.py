@@ -41,6 +41,12 @@ log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
 _PART: contextvars.ContextVar[str | None] = contextvars.ContextVar("taking_part", default=None)
+CLOSED = "the run is over: its trainers are closed"
+
+
+class PoolClosed(RuntimeError):
+    """The pool's run is over: borrowing, training or work queued on a trainer thread ends with this (an agent
+    still at work when its run ended). Local training that is running stops at its next step."""
 
 
 class TrainerPool:
@@ -57,23 +63,33 @@ class TrainerPool:
         self._free.put(first)
         self._built = 1
         self._open = True
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # guards the models, the workers and _busy; told of every change
+        self._busy = 0  # work handed to the trainer threads (or a cohort's) and not finished
         self._workers: dict[int, queue.Queue[tuple[Callable[[], Any], Future]]] = {}
 
     @contextlib.contextmanager
     def borrow(self) -> Iterator[torch.nn.Module]:
-        """A model to train on, exclusively until the block ends (waits while all are borrowed)."""
+        """A model to train on, exclusively until the block ends (waits while all are borrowed).
+        PoolClosed once the pool is closed, also to a borrower still waiting then."""
         with self._lock:
-            if self._free.empty() and self._built < self.size:
-                self._free.put(self.task.build_model(self.seed))
-                self._built += 1
-        model = self._free.get()
+            while True:
+                if not self._open:
+                    raise PoolClosed(CLOSED)
+                if not self._free.empty():
+                    model = self._free.get_nowait()
+                    break
+                if self._built < self.size:
+                    model = self.task.build_model(self.seed)
+                    self._built += 1
+                    break
+                self._lock.wait()
         try:
             yield model
         finally:
             with self._lock:
                 if self._open:  # a model given back after close (its agent outlived the run) is let go too
                     self._free.put(model)
+                    self._lock.notify()
 
     @contextlib.contextmanager
     def taking_part(self, round_number: int, selected: Sequence[str], agent: str) -> Iterator[None]:
@@ -85,31 +101,71 @@ class TrainerPool:
     def train(
         self, model: torch.nn.Module, client: int, cfg: TrainConfig, progress: Progress | None = None
     ) -> TrainResult:
-        """Local training of ``client`` on the borrowed ``model``, on the model's thread."""
-        return self.run(model, self.task.train, model, client, cfg, progress=progress)
+        """Local training of ``client`` on the borrowed ``model``, on the model's thread; it stops at its next
+        step (PoolClosed) when the pool is closed."""
+        return self.run(model, self.task.train, model, client, cfg, progress=self._checked(progress))
+
+    def _checked(self, progress: Progress | None) -> Progress:
+        """``progress`` that first ends the training (PoolClosed) once the pool is closed."""
+
+        def report(done: int, total: int) -> None:
+            if not self._open:
+                raise PoolClosed(CLOSED)
+            if progress is not None:
+                progress(done, total)
+
+        return report
 
     def run(self, model: torch.nn.Module, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` on the thread of the borrowed ``model`` (in the caller's logging context);
-        returns its result or raises its exception."""
+        returns its result or raises its exception (PoolClosed if the pool was closed before it started)."""
         with self._lock:
+            if not self._open:
+                raise PoolClosed(CLOSED)
             jobs = self._workers.get(id(model))
             if jobs is None:
                 jobs = self._workers[id(model)] = queue.Queue()
                 threading.Thread(
                     target=_serve, args=(jobs,), name=f"trainer-{len(self._workers)}", daemon=True
                 ).start()
+            self._busy += 1
         done: Future = Future()
         context = contextvars.copy_context()
-        jobs.put((lambda: context.run(fn, *args, **kwargs), done))
+
+        def work() -> T:
+            try:
+                if not self._open:  # queued behind work that was running when the run ended
+                    raise PoolClosed(CLOSED)
+                return context.run(fn, *args, **kwargs)
+            finally:
+                self._finished()
+
+        jobs.put((work, done))
         return done.result()
+
+    def _finished(self) -> None:
+        with self._lock:
+            self._busy -= 1
+            self._lock.notify_all()
 
     def close(self) -> None:
         """Let go of the pool's models once its run is over (a process that runs many federations must not
-        keep every run's). The threads stay parked: ending a thread that ran torch made the process abort at
-        exit ("terminate called without an active exception") in 4 of 10 runs of `fedmq simulate`."""
+        keep every run's); work still to start is refused and training that runs stops at its next step
+        (PoolClosed). The threads stay parked (ending a thread that ran torch made the process abort at
+        exit in 4 of 10 runs of `fedmq simulate`); ``wait_idle`` waits until none of them is in torch."""
         with self._lock:
             self._open = False
             self._free = queue.Queue()
+            self._lock.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no work runs on the pool's threads; False if some still did after ``timeout`` seconds.
+
+        A daemon thread still inside torch when the interpreter exits aborts the process ("terminate called
+        without an active exception", exit code 134: Python ends the thread as it takes the GIL back, in a C++
+        frame that may not unwind), so a run waits for this after ``close`` before it returns."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self._busy == 0, timeout)
 
 
 @dataclass
@@ -182,10 +238,10 @@ class CohortPool(TrainerPool):
     def train(
         self, model: torch.nn.Module, client: int, cfg: TrainConfig, progress: Progress | None = None
     ) -> TrainResult:
-        job = _Job(model, client, cfg, progress)
+        job = _Job(model, client, cfg, self._checked(progress))
         with self._cond:
             if self._closed:
-                raise RuntimeError("the run is over: its trainers are closed")
+                raise PoolClosed(CLOSED)
             self._jobs.append(job)
             self._expected.discard(_PART.get() or "")
             self._changed()
@@ -198,7 +254,7 @@ class CohortPool(TrainerPool):
         with self._cond:
             self._closed = True
             for job in self._jobs:
-                job.done.set_exception(RuntimeError("the run is over: its trainers are closed"))
+                job.done.set_exception(PoolClosed(CLOSED))
             self._jobs = []
             self._cond.notify_all()
 
@@ -216,6 +272,8 @@ class CohortPool(TrainerPool):
                 wait = (self.patience_s if coming else self.settle_s) - (time.monotonic() - self._last)
                 if ready and wait <= 0:
                     jobs, self._jobs = self._jobs, []
+                    with self._lock:  # busy from here, so that wait_idle never misses a cohort starting
+                        self._busy += 1
                     return jobs
                 self._cond.wait(timeout=wait if ready else None)
 
@@ -234,6 +292,8 @@ class CohortPool(TrainerPool):
                 for j in jobs:
                     j.done.set_exception(exc)
                 continue
+            finally:
+                self._finished()
             log.debug("cohort trained", clients=len(jobs), seconds=round(results[0].seconds, 2))
             for j, result in zip(jobs, results):
                 j.done.set_result(result)
@@ -246,3 +306,4 @@ def _serve(jobs: queue.Queue[tuple[Callable[[], Any], Future]]) -> None:
             done.set_result(work())
         except BaseException as exc:  # handed to the caller, which raises it
             done.set_exception(exc)
+        del work, done  # parked, the thread holds nothing of its last job (its model)

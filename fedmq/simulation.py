@@ -41,6 +41,7 @@ log = structlog.get_logger(__name__)
 # requires) would only copy it twice. Chunking is covered by the contract suite on both backends.
 IN_PROCESS_CHUNK_LIMIT = 1 << 31
 PRESENCE_PER_S = 50.0
+STOP_WAIT_S = 60.0  # how long a run that ends waits for its agents and their local training to stop
 
 
 class SimulationFailed(FedmqError):
@@ -168,10 +169,16 @@ class Simulation:
         finally:
             for agent in agents:
                 agent.stop.set()
-            deadline = time.time() + 10
+            # nothing may be left inside torch when the run returns: a daemon thread that is makes the process
+            # abort at exit (TrainerPool.wait_idle). Closing the pool first stops local training at its next
+            # step and turns away agents still waiting for a model (async agents always have a round going).
+            pool.close()
+            deadline = time.time() + STOP_WAIT_S
             for t in started:
                 t.join(timeout=max(deadline - time.time(), 0.1))
-            pool.close()
+            late = [t.name for t in started if t.is_alive()]
+            if late or not pool.wait_idle(max(deadline - time.time(), 0.1)):
+                log.warning("agents still at work after the run", agents=late, seconds=STOP_WAIT_S)
             if isinstance(
                 agg_broker, MemoryBroker
             ):  # the in-process hub outlives the run: leave nothing there
@@ -195,11 +202,11 @@ class Simulation:
         try:
             agent.run()
         except Exception as exc:
+            if agent.stop.is_set():  # the run is over (its trainers closed under it): not a failure
+                log.debug("agent stopped with the run", client=agent.client, reason=_one_line(exc))
+                return
             log.error("agent failed", client=agent.client, exc_info=True, file_only=True)
-            if (
-                not agent.stop.is_set()
-            ):  # once the run is over (e.g. its trainers closed under it), not a failure
-                self._fail(f"agent {agent.client}: {_one_line(exc)}")
+            self._fail(f"agent {agent.client}: {_one_line(exc)}")
 
     def _fail(self, cause: str) -> None:
         self.failures.append(cause)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
-from fedmq.client_agent.trainers import TrainerPool
+from fedmq.client_agent.trainers import PoolClosed, TrainerPool
+from fedmq.tasks.base import TrainConfig
 from fedmq.tasks.registry import make_task
 
 
@@ -53,3 +55,39 @@ def test_a_model_given_back_after_close_is_let_go():
     with pool.borrow():
         pool.close()  # the run ends while an agent still holds its model
     assert pool._free.empty()
+
+
+def test_close_stops_training_at_its_next_step_and_turns_away_waiting_borrowers():
+    """A run that ends must leave no thread inside torch (a daemon thread still there at exit aborts the
+    process): close stops the training under way, refuses a borrower still waiting, and wait_idle says when
+    the trainer threads are idle."""
+    pool = TrainerPool(make_task("lm", data="builtin", model="gru-tiny", clients=2, seed=0), size=1, seed=0)
+    training, outcome = threading.Event(), {}
+
+    def agent() -> None:
+        with pool.borrow() as model:
+            try:
+                pool.train(model, 0, TrainConfig(epochs=100), lambda done, total: training.set())
+            except PoolClosed as exc:
+                outcome["trainer"] = exc
+
+    def waiting() -> None:
+        try:
+            with pool.borrow():
+                outcome["waiter"] = "borrowed after close"
+        except PoolClosed as exc:
+            outcome["waiter"] = exc
+
+    threads = [threading.Thread(target=agent), threading.Thread(target=waiting)]
+    threads[0].start()
+    assert training.wait(30)
+    threads[1].start()
+    time.sleep(0.1)
+    assert not pool.wait_idle(0.01)  # training under way
+    pool.close()
+    for t in threads:
+        t.join(10)
+    assert isinstance(outcome["trainer"], PoolClosed) and isinstance(outcome["waiter"], PoolClosed)
+    assert pool.wait_idle(10)
+    with pytest.raises(PoolClosed, match="closed"):
+        pool.run(pool.task.build_model(0), lambda: "work after the run")
