@@ -46,6 +46,7 @@ _EXPORTS = {
     # running a job
     "JobConfig": "fedmq.aggregator.config",
     "Simulation": "fedmq.simulation",
+    "RunFolderInUse": "fedmq.simulation",
     # errors: one line for the user
     "FedmqError": "fedmq.errors",
     "StrategyError": "fedmq.errors",

@@ -24,6 +24,7 @@ import structlog
 
 from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.engine import Engine
+from fedmq.aggregator.runlog import CONFIG_FILE, holds_run
 from fedmq.aggregator.strategies.registry import client_map
 from fedmq.broker.transport import topology
 from fedmq.broker.transport.connect import connect
@@ -42,6 +43,14 @@ log = structlog.get_logger(__name__)
 IN_PROCESS_CHUNK_LIMIT = 1 << 31
 PRESENCE_PER_S = 50.0
 STOP_WAIT_S = 60.0  # how long a run that ends waits for its agents and their local training to stop
+
+
+class RunFolderInUse(FedmqError):
+    """``run_dir`` already holds a run (config.json or metrics.jsonl) and ``resume`` was not asked for, or
+    ``resume`` was asked for and there is no run to continue: one run per folder, as `fedmq simulate --out`
+    (cli/run_folder.py), so two runs' metrics, checkpoints and TensorBoard steps never mix."""
+
+    exit_code = 2
 
 
 class SimulationFailed(FedmqError):
@@ -65,7 +74,7 @@ class Simulation:
     availability: str = "always"
     faults: str = ""
     device: str = "cpu"
-    resume: bool = False
+    resume: bool = False  # continue the run in run_dir; without it a run_dir that holds a run is refused
     rejoin_s: float = 1.0
     trainers: int = 1  # models that train at once; 1: clients train in turn, each with all torch's threads
     cohort: bool = False  # train a round's selected clients together (client_agent.trainers.CohortPool)
@@ -84,6 +93,7 @@ class Simulation:
         return url_user(self.broker_url) or "guest"
 
     def run(self, stop: threading.Event | None = None) -> dict[str, Any]:
+        self._check_run_dir()
         cfg = self.cfg
         # presence costs every simulated agent a message per heartbeat: at most PRESENCE_PER_S of them a
         # second in all (K = 1,000: one heartbeat per agent every 20 s; absences are then noticed within 60 s)
@@ -191,6 +201,20 @@ class Simulation:
         summary["uploads_confirmed"] = sum(len(a.uploads) for a in self.agent_logs.values())
         summary["job"] = cfg.job
         return summary
+
+    def _check_run_dir(self) -> None:
+        """One run per folder: a folder that holds a run is continued only with ``resume=True``."""
+        run_dir = Path(self.run_dir)
+        if run_dir.exists() and not run_dir.is_dir():
+            raise RunFolderInUse(f"run_dir {run_dir} is a file; give a folder for the run")
+        held = holds_run(run_dir)
+        if self.resume and CONFIG_FILE not in held:
+            raise RunFolderInUse(f"resume=True needs a run to continue; {run_dir} has no {CONFIG_FILE}")
+        if held and not self.resume:
+            raise RunFolderInUse(
+                f"run_dir {run_dir} already holds a run ({held[0]}); pass resume=True to continue it, "
+                "or choose another run_dir"
+            )
 
     def status(self) -> dict[str, Any]:
         """The aggregator's live status (`simulate --metrics-port`); "starting" until its engine exists."""

@@ -8,6 +8,8 @@ Run it (an aggregator and 8 agents in one process, over the in-process broker; a
 
     python docs/examples/bring_your_own.py [RUN_DIR]
 
+(a RUN_DIR that holds a run already is refused: ``Simulation(..., resume=True)`` continues one)
+
 or from the command line, with this folder on the Python path (every process that runs the job needs it)::
 
     PYTHONPATH=docs/examples fedmq simulate --task bring_your_own:TwoMoons \\
@@ -152,4 +154,8 @@ def main(run_dir: Path) -> dict:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("runs/bring-your-own"))
+    try:
+        main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("runs/bring-your-own"))
+    except fedmq.FedmqError as exc:  # e.g. the run folder holds a run already (fedmq.RunFolderInUse)
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

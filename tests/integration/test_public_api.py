@@ -156,3 +156,40 @@ def test_own_task_and_strategy_as_services(tmp_path, rabbit_url, job_id):
     summary = json.loads((tmp_path / "state" / "summary.json").read_text())
     assert summary["rounds_completed"] == 2 and summary["metric"] == "accuracy"
     assert summary["strategy"] == "bring_your_own:UniformMean"
+
+
+def test_the_python_api_refuses_a_run_folder_that_holds_a_run_unless_resumed(tmp_path):
+    """One run per folder, as `fedmq simulate --out`: rerunning the example into its folder is one line (exit
+    code 2) and leaves the run as it was; ``resume=True`` continues it with no round logged twice."""
+    run = tmp_path / "run"
+    script = [sys.executable, str(EXAMPLES / "bring_your_own.py"), str(run)]
+    first = subprocess.run(script, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=120)
+    assert first.returncode == 0, first.stderr[-2000:]
+    metrics = (run / "metrics.jsonl").read_text()
+    again = subprocess.run(script, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=120)
+    assert again.returncode == 2 and again.stdout == ""
+    assert again.stderr.strip().splitlines() == [
+        f"error: run_dir {run} already holds a run (config.json); pass resume=True to continue it, "
+        "or choose another run_dir"
+    ]
+    assert (run / "metrics.jsonl").read_text() == metrics
+
+    import fedmq
+
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from bring_your_own import TwoMoons
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    cfg = fedmq.JobConfig(job="byo-resume", rounds=2, clients=4, lr=0.5, batch_size=16)
+    fresh = tmp_path / "fresh"
+    with pytest.raises(fedmq.RunFolderInUse, match="needs a run to continue"):
+        fedmq.Simulation(cfg, TwoMoons(clients=4), run_dir=fresh, resume=True).run()
+    assert not fresh.exists()
+    fedmq.Simulation(cfg, TwoMoons(clients=4), run_dir=fresh).run()
+    with pytest.raises(fedmq.RunFolderInUse, match="already holds a run"):
+        fedmq.Simulation(cfg, TwoMoons(clients=4), run_dir=fresh).run()
+    longer = fedmq.JobConfig(job="byo-resume", rounds=3, clients=4, lr=0.5, batch_size=16)
+    summary = fedmq.Simulation(longer, TwoMoons(clients=4), run_dir=fresh, resume=True).run()
+    rows = [json.loads(line) for line in (fresh / "metrics.jsonl").read_text().splitlines()]
+    assert summary["rounds_completed"] == 3 and [r["round"] for r in rows] == [1, 2, 3]
