@@ -102,6 +102,7 @@ class AsyncRounds:
             base=base,
             staleness=ctx.version - env.model_version,
             received=msg,
+            screen=True,
         )
         if update is None:
             return

@@ -62,6 +62,10 @@ log = structlog.get_logger(__name__)
 MAX_PREFETCH = 65535  # AMQP's prefetch-count is a 16-bit field
 
 
+class _OutOfBounds(Exception):
+    """An asynchronous update the guard refused before folding (aggregator.guards.RoundGuard.screen)."""
+
+
 class Engine:
     """Runs a job to completion (or until ``stop`` is set) and writes the run folder."""
 
@@ -439,10 +443,12 @@ class Engine:
         base: State,
         staleness: int = 0,
         received: Received | None = None,
+        screen: bool = False,
     ) -> ClientUpdate | None:
         """Decode an update (its envelope is decoded already: the inbox's, or the spool's) against the
         manifest and ``base`` and fold it: the one fold path of both modes. A bad update is rejected (when
-        live) and None returned; the caller spools and acks a folded one."""
+        live) and None returned; the caller spools and acks a folded one. ``screen`` (asynchronous mode):
+        the guard judges the update before it is folded (RoundGuard.screen)."""
         try:
             update = self._decode_update(env, base, staleness)
         except CodecError as exc:
@@ -450,8 +456,14 @@ class Engine:
         except Exception as exc:  # never let a hostile update crash the engine
             reason, detail = "undecodable", f"{type(exc).__name__}: {exc}"
         else:
+            why = self.guard.screen(update, base) if screen else None
             try:
+                if why is not None:
+                    raise _OutOfBounds(why)
                 strategy.fold(update)
+            except _OutOfBounds as exc:
+                log.warning("update out of bounds: rejected", client=env.client, reason=str(exc))
+                reason, detail = "out-of-bounds", str(exc)
             except (
                 FedmqError,
                 ValueError,
@@ -553,6 +565,8 @@ class Engine:
             strategy = self._refold(stats, verdict, second or {})
         new = {k: v.float() for k, v in strategy.finish().items()}
         weights = strategy.client_weights()
+        if self.guard.screened:  # asynchronous: judged before folding, nothing to fold again
+            verdict = self.guard.screened
         bad = first_nonfinite(new)
         if bad is None:
             return new, weights, verdict, None, strategy.state_dict()
@@ -652,7 +666,7 @@ class Engine:
             mediator_state=self.mediator.state_dict(),
             rng_state=None,
             folded=self.folded,
-            extra={"best": self.best, "presence_versions": {}},
+            extra={"best": self.best, "presence_versions": {}, "guard": self.guard.state_dict()},
             keep=self.cfg.keep_checkpoints,
         )
 
@@ -667,6 +681,7 @@ class Engine:
         self.folded = {int(k): v for k, v in ckpt.folded.items()}
         best = ckpt.extra.get("best")
         self.best = tuple(best) if best else None
+        self.guard.load_state_dict(ckpt.extra.get("guard"))
         self.runlog.truncate_after(self.round - 1)
         log.info("resumed from checkpoint", round=self.round, version=self.version)
 

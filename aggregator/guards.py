@@ -1,4 +1,5 @@
-"""Bounds on one client's influence over a synchronous round, and the never-non-finite rule.
+"""Bounds on one client's influence over a round (synchronous) or a buffer (asynchronous), and the
+never-non-finite rule.
 
 An authenticated agent can send finite but huge weights (3e38) with a huge ``n_samples`` (2**52): the NaN/Inf
 checks pass, the weighted sum overflows and the global model becomes Inf/NaN. Or it sends all zeros with the
@@ -6,9 +7,12 @@ same ``n_samples`` and wipes the model. The engine therefore
 
 * notes, for every folded update, its ``n_samples`` and the L2 norm of its delta ‖Δ_k‖
   (:meth:`RoundGuard.note`, one read of the update; float64 where float32 would overflow);
-* at the close asks :meth:`RoundGuard.verdict` for the updates out of bounds, judged against the round's own
-  lower median (with K updates, the ⌈K/2⌉-th smallest: with K ≥ 3 one hostile client cannot move it, and with
-  K = 2 it is the smaller of the two):
+* at the close asks :meth:`RoundGuard.verdict` for the updates out of bounds, judged against a reference one
+  hostile client cannot move: with K ≥ 3 updates the round's own lower median (the ⌈K/2⌉-th smallest); with
+  K ≤ 2 the *history*, the median of the references of the last HISTORY rounds that had K ≥ 3 updates (with
+  two updates the lower median is the smaller one, and an attacker sending a near-zero update would make the
+  honest one look huge). Without history a round of two updates drops nothing, and caps n only at
+  ``samples_factor`` × the smaller n (the round's lower median), as before:
 
   - ‖Δ_k‖ > ``norm_factor`` × median ‖Δ‖: the update is **dropped** (not clipped: with its weight still up to
     ``samples_factor`` × the median, a clipped −θ would still shrink the model by several honest steps);
@@ -16,6 +20,13 @@ same ``n_samples`` and wipes the model. The engine therefore
 
 * and when something is out of bounds, aggregates the round again from its spool without / with the capped
   weights (a second pass only then: an honest round is folded once and its maths is unchanged).
+
+Asynchronous mode folds each update as it arrives, so :meth:`RoundGuard.screen` judges it *before* folding,
+against the newest accepted (n, ‖Δ‖) of every *other* client (one vote per client, so an agent sending many
+updates cannot fill the reference, and never its own), by their upper median (with two others, the larger:
+a near-zero update cannot pull it down): ‖Δ_k‖ > ``norm_factor`` × that reference (needs two other clients)
+rejects the update; n_k > ``samples_factor`` × that reference (needs one) caps its weight. An update whose
+‖Δ‖ is not a float32 number (3e38 × any n overflows the weighted sum) is rejected whatever the history.
 
 Whatever the bounds, an aggregate with a NaN/Inf is never published or checkpointed (:func:`first_nonfinite`):
 the round closes without an update. Needing the whole round (a median) is why the verdict waits for the close:
@@ -25,13 +36,19 @@ the engine folds updates as they stream in and keeps no copy, only their spooled
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from fedmq.aggregator.strategies.base import ClientUpdate
+
+HISTORY = 10  # rounds whose reference (n, ‖Δ‖) the synchronous guard remembers
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def delta_norm(update: ClientUpdate, global_state: Mapping[str, torch.Tensor]) -> float:
@@ -53,6 +70,12 @@ def lower_median(values: list[float]) -> float:
     """The ⌈K/2⌉-th smallest value: one outlier among K ≥ 3 cannot move it, and it is the smaller of two."""
     ordered = sorted(values)
     return ordered[(len(ordered) - 1) // 2]
+
+
+def upper_median(values: list[float]) -> float:
+    """The ⌊K/2⌋+1-th smallest value: one outlier among K ≥ 3 cannot move it, and it is the larger of two."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
 
 
 def first_nonfinite(state: Mapping[str, torch.Tensor]) -> str | None:
@@ -78,37 +101,105 @@ class Verdict:
 
 
 class RoundGuard:
-    """Collects (n_k, ‖Δ_k‖) of a round's folded updates and judges them at the close (module docstring).
+    """Collects (n_k, ‖Δ_k‖) of a round's folded updates and judges them at the close (module docstring); in
+    asynchronous mode judges each update before it is folded (:meth:`screen`).
 
-    A factor of 0 turns its bound off. Both bounds need at least two updates: a lone update has no peer to
-    be compared with (the non-finite rule still applies to it).
+    A factor of 0 turns its bound off. A round's own reference needs three updates; with fewer, the history
+    of earlier rounds is the reference, and without history a lone update is never judged (the non-finite
+    rule still applies to it).
     """
 
     def __init__(self, samples_factor: float, norm_factor: float) -> None:
         self.samples_factor = samples_factor
         self.norm_factor = norm_factor
         self.facts: dict[str, tuple[int, float]] = {}  # client -> (n_samples, ‖Δ‖)
+        # references (round lower medians) of the last HISTORY rounds with three updates or more
+        self.history_n: deque[float] = deque(maxlen=HISTORY)
+        self.history_norm: deque[float] = deque(maxlen=HISTORY)
+        self.latest: dict[str, tuple[int, float]] = {}  # async: client -> its newest accepted (n, ‖Δ‖)
+        self.screened = Verdict()  # async: this buffer's updates rejected or capped before folding
 
     def begin(self) -> None:
         self.facts = {}
+        self.screened = Verdict()
 
     def note(self, update: ClientUpdate, global_state: Mapping[str, torch.Tensor]) -> None:
         norm = delta_norm(update, global_state) if self.norm_factor > 0 else 0.0
         self.facts[update.client] = (int(update.n_samples), norm)
 
     def verdict(self) -> Verdict:
+        """The round's verdict; a round of three updates or more also becomes part of the history."""
         out = Verdict()
-        if len(self.facts) < 2:
+        k = len(self.facts)
+        if k == 0:
             return out
+        norms = [norm for _, norm in self.facts.values()]
+        ns = [float(n) for n, _ in self.facts.values()]
         if self.norm_factor > 0:
-            ref = lower_median([norm for _, norm in self.facts.values()])
-            bound = self.norm_factor * ref
+            ref, what = self._reference(norms, self.history_norm)
             for client, (_, norm) in sorted(self.facts.items()):
-                if ref > 0 and norm > bound:
-                    out.dropped[client] = f"update norm {norm:.3g} > {self.norm_factor:g} x median {ref:.3g}"
-        if self.samples_factor > 0:
-            cap = max(1, int(self.samples_factor * lower_median([n for n, _ in self.facts.values()])))
+                if ref is not None and ref > 0 and norm > self.norm_factor * ref:
+                    out.dropped[client] = f"update norm {norm:.3g} > {self.norm_factor:g} x {what} {ref:.3g}"
+        if self.samples_factor > 0 and k >= 2:
+            ref_n, _ = self._reference(ns, self.history_n)
+            if k == 2:  # never below what the round itself says: a claim of n = 1 cannot shrink the other
+                ref_n = max(lower_median(ns), ref_n or 0.0)
+            cap = max(1, int(self.samples_factor * (ref_n or 0.0)))
             for client, (n, _) in sorted(self.facts.items()):
                 if n > cap and client not in out.dropped:
                     out.capped[client] = cap
+        if k >= 3:
+            self.history_norm.append(lower_median(norms))
+            self.history_n.append(lower_median(ns))
         return out
+
+    @staticmethod
+    def _reference(values: list[float], history: deque[float]) -> tuple[float | None, str]:
+        if len(values) >= 3:
+            return lower_median(values), "median"
+        if history:
+            return statistics.median(history), "median of earlier rounds"
+        return None, ""
+
+    def screen(self, update: ClientUpdate, base: Mapping[str, torch.Tensor]) -> str | None:
+        """Asynchronous mode: judge one update before it is folded (module docstring). Returns why it is
+        rejected, or None; a claimed n over the bound is capped in ``update`` itself."""
+        norm = delta_norm(update, base)
+        if not norm <= FLOAT32_MAX:
+            why = f"update norm {norm:.3g} is beyond float32"
+            self.screened.dropped[update.client] = why
+            return why
+        others = [v for c, v in self.latest.items() if c != update.client]
+        if self.norm_factor > 0 and len(others) >= 2:
+            ref = upper_median([nm for _, nm in others])
+            if ref > 0 and norm > self.norm_factor * ref:
+                why = f"update norm {norm:.3g} > {self.norm_factor:g} x other clients' median {ref:.3g}"
+                self.screened.dropped[update.client] = why
+                return why
+        n = int(update.n_samples)
+        if self.samples_factor > 0 and others:
+            cap = max(1, int(self.samples_factor * upper_median([float(m) for m, _ in others])))
+            if n > cap:
+                update.n_samples = n = cap
+                self.screened.capped[update.client] = cap
+        self.latest[update.client] = (n, norm)
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a restarted aggregator needs to judge as this one would (kept in the checkpoint)."""
+        return {
+            "history_n": list(self.history_n),
+            "history_norm": list(self.history_norm),
+            "latest": {c: list(v) for c, v in self.latest.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        state = state or {}
+        try:
+            self.history_n = deque((float(x) for x in state.get("history_n", [])), maxlen=HISTORY)
+            self.history_norm = deque((float(x) for x in state.get("history_norm", [])), maxlen=HISTORY)
+            self.latest = {str(c): (int(v[0]), float(v[1])) for c, v in state.get("latest", {}).items()}
+        except (TypeError, ValueError, IndexError, AttributeError):  # an unreadable history: start afresh
+            self.history_n.clear()
+            self.history_norm.clear()
+            self.latest = {}

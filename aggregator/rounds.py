@@ -80,6 +80,7 @@ class RoundContext(Protocol):
         base: State,
         staleness: int = 0,
         received: Received | None = None,
+        screen: bool = False,
     ) -> ClientUpdate | None: ...
 
     def note_trained_from(self, client: str, version: int) -> None: ...

@@ -81,3 +81,45 @@ def test_bad_bound_setting_is_one_clear_error(field, value):
 def test_bounds_are_on_by_default():
     cfg = JobConfig()
     assert cfg.max_samples_factor > 0 and cfg.norm_bound_factor > 0
+
+
+def test_a_near_zero_update_in_a_round_of_two_cannot_get_the_other_dropped():
+    verdict = judge(delta("honest", 100, 0.1), delta("evil", 1, 1e-7))
+    assert verdict.dropped == {}  # no history: a round of two drops nothing
+    assert verdict.capped == {"honest": 4}  # the cap is still 4 x the smaller claim (documented limit)
+
+
+def test_a_round_of_two_is_judged_against_earlier_rounds_of_three():
+    guard = RoundGuard(4.0, 10.0)
+    guard.begin()
+    for u in (delta("a", 100, 0.1), delta("b", 120, 0.1), delta("c", 110, 0.1)):
+        guard.note(u, GLOBAL)
+    assert not guard.verdict()
+    guard.begin()
+    guard.note(delta("a", 100, 0.1), GLOBAL)
+    guard.note(delta("evil", 1, 1e-7), GLOBAL)
+    assert not guard.verdict()  # against history: the honest update is in bounds, and n = 1 caps nothing
+    guard.begin()
+    guard.note(delta("a", 100, 0.1), GLOBAL)
+    guard.note(delta("evil", 2**52, 5.0), GLOBAL)
+    verdict = guard.verdict()
+    assert list(verdict.dropped) == ["evil"] and "earlier rounds" in verdict.dropped["evil"]
+    restored = RoundGuard(4.0, 10.0)
+    restored.load_state_dict(guard.state_dict())
+    assert list(restored.history_norm) == list(guard.history_norm) and len(restored.history_n) == 1
+
+
+def test_async_screen_judges_against_the_other_clients():
+    guard = RoundGuard(4.0, 10.0)
+    guard.begin()
+    assert guard.screen(delta("evil", 2**52, 3e38), GLOBAL) is not None  # beyond float32 with no history
+    first = delta("evil", 2**52, 0.0)
+    assert guard.screen(first, GLOBAL) is None and first.n_samples == 2**52  # no other client yet
+    assert guard.screen(delta("a", 100, 0.1), GLOBAL) is None
+    capped = delta("evil", 2**52, 0.1)
+    assert guard.screen(capped, GLOBAL) is None and capped.n_samples == 400  # 4 x the one other client
+    assert guard.screen(delta("b", 120, 0.1), GLOBAL) is None
+    assert guard.screen(delta("evil", 100, 5.0), GLOBAL) is not None  # 50 x the others' median norm
+    honest = delta("a", 100, 0.1)
+    assert guard.screen(honest, GLOBAL) is None and honest.n_samples == 100  # evil's n=400 is not a vote
+    assert list(guard.screened.dropped) == ["evil"] and guard.screened.capped == {"evil": 400}
