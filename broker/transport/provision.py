@@ -89,6 +89,23 @@ def aggregator_permissions(job: str) -> Permissions:
     )
 
 
+_CLIENT_LIKE = re.compile(r"^agent-\d+$")  # the client ids `fedmq broker provision` gives agents
+
+
+def check_job_id(job: str) -> str:
+    """Refuse job ids whose users would be another job's: user names are ``<job>.<client>`` and
+    ``fedmq-aggregator.<job>``, so job ``fedmq-aggregator``'s agent ``agent-0`` would be job ``agent-0``'s
+    aggregator (provisioning one would rotate the other's password and give it the other's permissions)."""
+    if job == t.AGGREGATOR_USER or _CLIENT_LIKE.match(job):
+        other = "agent-0" if job == t.AGGREGATOR_USER else t.AGGREGATOR_USER
+        raise BrokerError(
+            f"job id {job!r} is refused: its users would collide with those of job {other!r} "
+            f"({t.AGGREGATOR_USER}.<job> is each job's aggregator, <job>.agent-<i> its agents): "
+            "choose another"
+        )
+    return job
+
+
 class Admin(Protocol):
     def add_vhost(self, vhost: str) -> None: ...
     def put_user(self, user: str, password: str) -> None: ...
@@ -214,17 +231,9 @@ def admin_for(url: str) -> Admin:
     rabbitmqctl's default) must be the one listening on the URL's port, or this is one error line — never
     users and permissions silently set up on another broker than the one the URL points at."""
     parts = _split(url)
-    if (parts.hostname or "") in _LOCAL and (shutil.which(RABBITMQCTL) or Path(RABBITMQCTL).is_file()):
-        admin = CtlAdmin(os.environ.get("FEDMQ_RABBITMQ_NODE") or None)
-        port = parts.port or (5671 if parts.scheme == "amqps" else 5672)
-        ports = admin.amqp_ports()
-        if port not in ports:
-            node = admin.node or "rabbitmqctl's default node"
-            raise BrokerError(
-                f"{node} listens on port(s) {', '.join(map(str, ports)) or 'none'}, not {port}: "
-                f"name the node of port {port} with FEDMQ_RABBITMQ_NODE"
-            )
-        return admin
+    local = local_ctl(url)
+    if local is not None:
+        return local
     user = os.environ.get("FEDMQ_BROKER_USER") or (unquote(parts.username) if parts.username else "guest")
     password = os.environ.get("FEDMQ_BROKER_PASSWORD") or (
         unquote(parts.password) if parts.password else "guest"
@@ -233,6 +242,25 @@ def admin_for(url: str) -> Admin:
     api_port = os.environ.get("FEDMQ_MANAGEMENT_PORT") or ("15671" if tls else "15672")
     base = f"{'https' if tls else 'http'}://{parts.hostname}:{api_port}"
     return HttpAdmin(base, user, password, ssl.create_default_context() if tls else None)
+
+
+def local_ctl(url: str) -> CtlAdmin | None:
+    """rabbitmqctl for the node of a local ``url`` (``FEDMQ_RABBITMQ_NODE``, else rabbitmqctl's default node),
+    checked to listen on the URL's port; None when the URL is not local or there is no rabbitmqctl. A node on
+    another port is one error line: provision, check and purge never talk to another broker than the URL's."""
+    parts = _split(url)
+    if (parts.hostname or "") not in _LOCAL or not (shutil.which(RABBITMQCTL) or Path(RABBITMQCTL).is_file()):
+        return None
+    admin = CtlAdmin(os.environ.get("FEDMQ_RABBITMQ_NODE") or None)
+    port = parts.port or (5671 if parts.scheme == "amqps" else 5672)
+    ports = admin.amqp_ports()
+    if port not in ports:
+        node = admin.node or "rabbitmqctl's default node"
+        raise BrokerError(
+            f"{node} listens on port(s) {', '.join(map(str, ports)) or 'none'}, not {port}: "
+            f"name the node of port {port} with FEDMQ_RABBITMQ_NODE"
+        )
+    return admin
 
 
 def _split(url: str) -> SplitResult:
@@ -277,6 +305,7 @@ def provision(
             t.check_name("client id", a)
     except ValueError as exc:
         raise BrokerError(str(exc)) from None
+    check_job_id(job)
     aggregator_user = aggregator_user or t.aggregator_user(job)
     users = [
         (None, aggregator_user, aggregator_permissions(job)),
@@ -339,6 +368,7 @@ def provision_cli(
         t.check_name("job id", job)
     except ValueError as exc:
         raise BrokerError(str(exc)) from None
+    check_job_id(job)
     if agents < 1:
         raise BrokerError(f"--agents must be at least 1, got {agents}")
     old: dict[str, str] = {}
@@ -398,13 +428,8 @@ def check(url: str, job: str | None = None) -> dict[str, Any]:
         props = pika_private.server_properties(conn)
         version = props.get("version")
         info.update(reachable=True, version=version.decode() if isinstance(version, bytes) else version)
-        mms = None
-        parts = _split(url)
-        if (parts.hostname or "") in _LOCAL and shutil.which(RABBITMQCTL):
-            try:
-                mms = CtlAdmin().environment("max_message_size")
-            except BrokerError:
-                mms = None
+        ctl = local_ctl(url)  # the URL's node, or one error line
+        mms = ctl.environment("max_message_size") if ctl is not None else None
         info["max_message_size"] = int(mms) if mms else None
         if job:
             queues: dict[str, Any] = {}
@@ -433,12 +458,10 @@ def purge(url: str, job: str, agents: list[str] | tuple[str, ...] = ()) -> list[
     specs = job_queues(job, tuple(agents), inbox=True, model_bytes=1)  # (any size: the names are what count)
     names = [s.name for s in specs]
     parts = _split(url)
-    if (parts.hostname or "") in _LOCAL and shutil.which(RABBITMQCTL):
-        try:  # also every agent queue of the job, when we can list them
-            vhost = unquote(parts.path[1:]) if len(parts.path) > 1 else "/"
-            names += [q for q in CtlAdmin().queues(vhost, f"fedmq.{job}.") if q not in names]
-        except BrokerError:
-            pass
+    ctl = local_ctl(url)  # the URL's node, or one error line (never "purged" with the agents' queues left)
+    if ctl is not None:  # also every agent queue of the job
+        vhost = unquote(parts.path[1:]) if len(parts.path) > 1 else "/"
+        names += [q for q in ctl.queues(vhost, f"fedmq.{job}.") if q not in names]
     try:
         conn = pika.BlockingConnection(pika.URLParameters(addresses(url)[0]))
     except Exception as exc:
