@@ -708,6 +708,61 @@ def broker_provision(
         namespace=namespace,
         remove_guest=remove_guest,
     )
+    # what was set up, on stderr when stdout carries the Secrets (| kubectl apply -f -)
+    for line in _provisioned(vhost, job, agents, credentials_out, secrets_out, remove_guest):
+        typer.echo(line, err=secrets_out == "-")
+
+
+def _provisioned(
+    vhost: str,
+    job: str,
+    agents: int,
+    credentials_out: Path | None,
+    secrets_out: str | None,
+    remove_guest: bool,
+) -> list[str]:
+    """`broker provision`'s summary: the vhost, the users with their permissions, where the passwords went."""
+    from fedmq.broker.transport import topology
+
+    first, last = (topology.agent_user(job, f"agent-{i}") for i in (0, agents - 1))
+    lines = [
+        f"vhost {vhost}: ready",
+        f"user {topology.aggregator_user(job)}: aggregator of job {job}, permissions on the job's queues",
+        f"users {first if agents == 1 else f'{first} … {last}'}: {agents} agent(s) of job {job}, "
+        "each confined to its own queues",
+    ]
+    if remove_guest:
+        lines.append("user guest: deleted")
+    saved = [str(p) for p in (credentials_out, secrets_out if secrets_out != "-" else None) if p]
+    if saved:
+        lines.append(f"passwords: in {' and '.join(saved)} (readable by you only)")
+    elif secrets_out == "-":
+        lines.append("passwords: in the Secrets on stdout")
+    else:
+        lines.append(
+            "passwords: not saved (pass --credentials-out FILE or --secrets-out; rerunning rotates them)"
+        )
+    return lines
+
+
+@broker_app.command("deprovision", cls=HelpCommand)
+def broker_deprovision(
+    broker: str = typer.Option(
+        "amqp://guest:guest@127.0.0.1:5672/%2F",
+        envvar="FEDMQ_BROKER",
+        help="an administrator's URL (rabbitmqctl on this machine, else the management API)",
+    ),
+    vhost: str = typer.Option("fedmq", help="the virtual host the job was provisioned in"),
+    job: str = typer.Option(..., envvar="FEDMQ_JOB", help="job id"),
+) -> None:
+    """Undo provision for one job: delete its users, its queues and the vhost (kept while another job
+    lives there). Running it again does nothing.
+
+    Example: fedmq broker deprovision --job wt2 --vhost fedmq
+    """
+    from fedmq.broker.transport.deprovision import deprovision
+
+    typer.echo(deprovision(broker, vhost=vhost, job=job).line())
 
 
 @broker_app.command("check", cls=HelpCommand)

@@ -47,7 +47,8 @@ def gather(broker_url: str, job: str, run_dir: Path | None) -> dict[str, Any]:
             else " (a finished simulation deletes its queues: --run-dir reads its run folder)"
         )
         raise UnknownJob(
-            f"no job {job!r} on {info['broker'].get('url', broker_url)}: it has no inbox queue{where}"
+            f"no job {job!r} in vhost {_vhost(broker_url)!r} on {info['broker'].get('url', broker_url)}: "
+            f"it has no inbox queue{where}{_other_vhost_hint(broker_url)}"
         )
     row = records[-1].to_json() if records else {}
     info["last_metrics"] = row
@@ -68,3 +69,25 @@ def gather(broker_url: str, job: str, run_dir: Path | None) -> dict[str, Any]:
         info["agents_online"] = []  # nobody tracks presence once the aggregator is gone
     info.setdefault("agents_online", row.get("online", []) if row else [])
     return info
+
+
+def _vhost(url: str) -> str:
+    """The virtual host a broker URL names ('/' when it names none)."""
+    from urllib.parse import unquote, urlsplit
+
+    from fedmq.broker.transport.urls import addresses
+
+    if url.startswith("memory://"):
+        return "/"
+    path = urlsplit(addresses(url)[0]).path
+    return unquote(path[1:]) if len(path) > 1 else "/"
+
+
+def _other_vhost_hint(url: str) -> str:
+    """Where else to look: a provisioned job lives in its own vhost (`fedmq broker provision --vhost`)."""
+    if url.startswith("memory://") or _vhost(url) != "/":
+        return ""
+    return (
+        "; a job provisioned in another vhost is seen with --broker amqp://USER:PASS@HOST:PORT/VHOST "
+        "(e.g. its aggregator's URL from the credentials file)"
+    )

@@ -422,7 +422,7 @@ def check(url: str, job: str | None = None) -> dict[str, Any]:
     try:
         conn = pika.BlockingConnection(params)
     except Exception as exc:
-        raise BrokerError(f"cannot connect to {redact(url)}: {type(exc).__name__} {exc}".strip()) from None
+        raise BrokerError(f"cannot connect to {redact(url)}: {connect_error(exc, params)}") from None
     try:
         pika_private.check(conn)
         props = pika_private.server_properties(conn)
@@ -462,10 +462,11 @@ def purge(url: str, job: str, agents: list[str] | tuple[str, ...] = ()) -> list[
     if ctl is not None:  # also every agent queue of the job
         vhost = unquote(parts.path[1:]) if len(parts.path) > 1 else "/"
         names += [q for q in ctl.queues(vhost, f"fedmq.{job}.") if q not in names]
+    params = pika.URLParameters(addresses(url)[0])
     try:
-        conn = pika.BlockingConnection(pika.URLParameters(addresses(url)[0]))
+        conn = pika.BlockingConnection(params)
     except Exception as exc:
-        raise BrokerError(f"cannot connect to {redact(url)}: {type(exc).__name__}") from None
+        raise BrokerError(f"cannot connect to {redact(url)}: {connect_error(exc, params)}") from None
     deleted = []
     try:
         for name in names:
@@ -479,3 +480,18 @@ def purge(url: str, job: str, agents: list[str] | tuple[str, ...] = ()) -> list[
     finally:
         conn.close()
     return deleted
+
+
+def connect_error(exc: BaseException, params: Any) -> str:
+    """Why connecting with ``params`` (pika.URLParameters) failed, in words; a vhost the user may not enter
+    names the way in (provisioned vhosts admit only their jobs' users)."""
+    from fedmq.broker.transport.rabbit_reconnect import describe, refused
+
+    user = params.credentials.username
+    why = describe(exc, params, user)
+    if refused(exc) and "virtual host" in why:
+        why += (
+            " (a provisioned vhost admits only its jobs' users: use a URL from the credentials file, "
+            "e.g. the job's aggregator URL)"
+        )
+    return why

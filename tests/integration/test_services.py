@@ -176,7 +176,9 @@ def test_aggregator_and_agents_as_services(tmp_path, rabbit_url, job_id, free_po
             cwd=ROOT,
         )
         assert unknown.returncode == 1 and unknown.stdout == "", unknown
-        assert unknown.stderr.count("\n") == 1 and f"no job '{job_id}x' on" in unknown.stderr, unknown.stderr
+        assert unknown.stderr.count("\n") == 1 and f"no job '{job_id}x' in vhost '/' on" in unknown.stderr, (
+            unknown.stderr
+        )
     finally:
         for p in [agg, *agents]:
             if p.poll() is None:

@@ -1,0 +1,163 @@
+"""`fedmq broker deprovision`: undo `fedmq broker provision` for one job.
+
+It deletes the job's users (``fedmq-aggregator.<job>`` and every ``<job>.<client>``: topology.aggregator_user,
+topology.agent_user), the job's queues (``fedmq.<job>.*``) in the vhost, and then the vhost itself unless
+another job still lives there (its queues, or its provisioned users' permissions: several jobs may share one
+vhost, and deprovisioning one never touches another). Running it again finds nothing and says so: it is
+idempotent. Like provisioning it talks to RabbitMQ with ``rabbitmqctl`` on the broker's machine, else the
+management HTTP API (provision.admin_for).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Protocol
+from urllib.parse import quote
+
+from fedmq.broker.transport import topology as t
+from fedmq.broker.transport.errors import BrokerError
+from fedmq.broker.transport.provision import Admin, CtlAdmin, HttpAdmin, admin_for
+
+_QUEUE_PREFIX = "fedmq."
+
+
+class Inventory(Protocol):
+    """What deprovisioning needs to see and delete beyond provision.Admin."""
+
+    def users(self) -> list[str]: ...
+    def vhost_exists(self, vhost: str) -> bool: ...
+    def vhost_users(self, vhost: str) -> list[str]: ...
+    def vhost_queues(self, vhost: str) -> list[str]: ...
+    def delete_queue(self, vhost: str, name: str) -> None: ...
+
+
+class CtlInventory:
+    def __init__(self, admin: CtlAdmin) -> None:
+        self.admin = admin
+
+    def _rows(self, *args: str) -> list[list[str]]:
+        out = self.admin.run(*args, "--quiet", "--no-table-headers")
+        return [line.split("\t") for line in out.splitlines() if line.strip()]
+
+    def users(self) -> list[str]:
+        return [row[0] for row in self._rows("list_users")]
+
+    def vhost_exists(self, vhost: str) -> bool:
+        return vhost in (row[0] for row in self._rows("list_vhosts", "name"))
+
+    def vhost_users(self, vhost: str) -> list[str]:
+        return [row[0] for row in self._rows("list_permissions", "-p", vhost)]
+
+    def vhost_queues(self, vhost: str) -> list[str]:
+        return [row[0] for row in self._rows("list_queues", "-p", vhost, "name")]
+
+    def delete_queue(self, vhost: str, name: str) -> None:
+        self.admin.run("delete_queue", "-p", vhost, name, ok_text="not found")
+
+
+class HttpInventory:
+    def __init__(self, admin: HttpAdmin) -> None:
+        self.admin = admin
+
+    def _names(self, path: str, key: str) -> list[str]:
+        rows = self.admin.call("GET", path, ok=(404,)) or []
+        return [str(row[key]) for row in rows if isinstance(row, dict) and key in row]
+
+    def users(self) -> list[str]:
+        return self._names("/api/users", "name")
+
+    def vhost_exists(self, vhost: str) -> bool:
+        return self.admin.call("GET", f"/api/vhosts/{quote(vhost, safe='')}", ok=(404,)) is not None
+
+    def vhost_users(self, vhost: str) -> list[str]:
+        return self._names(f"/api/vhosts/{quote(vhost, safe='')}/permissions", "user")
+
+    def vhost_queues(self, vhost: str) -> list[str]:
+        return self._names(f"/api/queues/{quote(vhost, safe='')}", "name")
+
+    def delete_queue(self, vhost: str, name: str) -> None:
+        self.admin.call("DELETE", f"/api/queues/{quote(vhost, safe='')}/{quote(name, safe='')}", ok=(404,))
+
+
+def inventory_for(admin: Admin) -> Inventory:
+    if isinstance(admin, CtlAdmin):
+        return CtlInventory(admin)
+    if isinstance(admin, HttpAdmin):
+        return HttpInventory(admin)
+    if all(
+        hasattr(admin, m) for m in ("users", "vhost_exists", "vhost_users", "vhost_queues", "delete_queue")
+    ):
+        return admin  # type: ignore[return-value]  # an admin that lists for itself (tests' doubles)
+    raise BrokerError(f"cannot list users and queues with {type(admin).__name__}")
+
+
+def job_users(users: list[str], job: str) -> list[str]:
+    """The users `fedmq broker provision --job job` makes (ids hold no '.', so the prefix is the job's)."""
+    aggregator = t.aggregator_user(job)
+    return sorted(u for u in users if u == aggregator or u.startswith(f"{job}."))
+
+
+def _other_job(name: str, job: str) -> str | None:
+    """The job a provisioned user or a queue belongs to, if not ``job``; None for anything else."""
+    m = re.match(rf"^(?:{re.escape(t.AGGREGATOR_USER)}\.|{re.escape(_QUEUE_PREFIX)})([A-Za-z0-9_-]+)", name)
+    if m and m.group(1) != job:
+        return m.group(1)
+    return None
+
+
+@dataclass
+class Deprovisioned:
+    job: str
+    vhost: str
+    users: list[str] = field(default_factory=list)
+    queues: list[str] = field(default_factory=list)
+    vhost_deleted: bool = False
+    vhost_kept_for: list[str] = field(default_factory=list)  # other jobs still in the vhost
+    vhost_missing: bool = False
+
+    def line(self) -> str:
+        """What was done, in one line."""
+        if not (self.users or self.queues or self.vhost_deleted):
+            where = "no vhost " + repr(self.vhost) if self.vhost_missing else f"vhost {self.vhost!r}"
+            kept = (
+                f" (kept: job(s) {', '.join(self.vhost_kept_for)} live there)" if self.vhost_kept_for else ""
+            )
+            return f"job {self.job}: nothing to deprovision ({where}: no users or queues of the job){kept}"
+        done = [f"{len(self.users)} user(s)", f"{len(self.queues)} queue(s)"]
+        if self.vhost_deleted:
+            done.append(f"vhost {self.vhost!r}")
+        text = f"deprovisioned job {self.job}: deleted {', '.join(done)}"
+        if self.vhost_kept_for:
+            text += f"; kept vhost {self.vhost!r}: job(s) {', '.join(self.vhost_kept_for)} still live there"
+        return text
+
+
+def deprovision(url: str, *, vhost: str, job: str, admin: Admin | None = None) -> Deprovisioned:
+    """Delete ``job``'s users and queues and, unless another job lives there, ``vhost`` (module docstring)."""
+    try:
+        t.check_name("vhost", vhost)
+        t.check_name("job id", job)
+    except ValueError as exc:
+        raise BrokerError(str(exc)) from None
+    admin = admin or admin_for(url)
+    inv = inventory_for(admin)
+    result = Deprovisioned(job, vhost)
+    exists = inv.vhost_exists(vhost)
+    result.vhost_missing = not exists
+    if exists:
+        prefix = f"{_QUEUE_PREFIX}{job}."
+        queues = inv.vhost_queues(vhost)
+        for name in sorted(q for q in queues if q.startswith(prefix)):
+            inv.delete_queue(vhost, name)
+            result.queues.append(name)
+    for user in job_users(inv.users(), job):
+        admin.delete_user(user)
+        result.users.append(user)
+    if exists:
+        others = {_other_job(n, job) for n in [*inv.vhost_queues(vhost), *inv.vhost_users(vhost)]}
+        result.vhost_kept_for = sorted(o for o in others if o)
+        if not result.vhost_kept_for:
+            admin.delete_vhost(vhost)
+            result.vhost_deleted = True
+    return result
