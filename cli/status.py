@@ -202,14 +202,14 @@ SUMMARY_COLUMNS = [
     "MB dn",
     "wall s",
 ]
-_SHORT_METRIC = {"perplexity": "ppl"}
+_SHORT_METRIC = {"perplexity": "ppl", "accuracy": "acc"}
 
 
 def _summary_row(row: dict[str, Any]) -> list[str]:
     valid = "skipped" if row.get("skipped") else _num(row.get("valid"))
     return [
         _num(row.get("round")),
-        str(row.get("strategy") or DASH),
+        _short_strategy(row.get("strategy")),
         valid,
         _num(row.get("mean_loss"), 3),
         _count(row.get("online")),
@@ -220,6 +220,12 @@ def _summary_row(row: dict[str, Any]) -> list[str]:
         _mb(row.get("bytes_down")),
         _num(row.get("wall_s"), 1),
     ]
+
+
+def _short_strategy(name: Any) -> str:
+    """A strategy named by import path (package.module:Class) shows as its class; the title has it in full."""
+    text = str(name or DASH)
+    return text.rpartition(":")[2] or text
 
 
 def summary_caption(summary: dict[str, Any]) -> str:
@@ -259,7 +265,10 @@ def render_summary(summary: dict[str, Any], rows: Iterable[dict[str, Any]], *, m
     )
     for name in SUMMARY_COLUMNS:
         header = f"valid {_SHORT_METRIC.get(metric, metric)}" if name == "valid" else name
-        table.add_column(header, justify="left" if name == "strategy" else "right", no_wrap=True)
+        if name == "strategy":  # the one column that gives way at 80 columns: it wraps, the numbers never do
+            table.add_column(header, justify="left", overflow="fold", min_width=6)
+        else:
+            table.add_column(header, justify="right", no_wrap=True)
     if max_rows > 1 and len(rows) > max_rows:
         head, tail = rows[: max_rows // 2], rows[-(max_rows - max_rows // 2 - 1) :]
         for row in head:

@@ -140,6 +140,22 @@ def test_render_summary_table() -> None:
     assert "80.3 s" in caption
 
 
+@pytest.mark.parametrize(
+    "strategy", ["bring_your_own:UniformMean", "some.package.module:AVeryLongStrategyName"]
+)
+def test_a_long_strategy_name_gives_way_and_the_numbers_stay_whole_at_80_columns(strategy) -> None:
+    """The README's bring-your-own command: at 80 columns every number of the final table stays whole (the
+    strategy column shows the class and wraps; the title names it in full)."""
+    rows = [
+        _row(r, strategy=strategy, metric="accuracy", valid=0.8 + r / 100, mean_loss=0.41234) for r in (1, 2)
+    ]
+    text = to_text(render_summary({**SUMMARY, "metric": "accuracy", "strategy": strategy}, rows), width=80)
+    assert "…" not in text and strategy in text.splitlines()[0]
+    for cells in (["0.81", "0.412", "4", "2", "1", "1", "1.50", "4.25", "12.2"], ["0.82", "0.412"]):
+        assert _lines_with(text, *cells), text
+    assert _lines_with(text, strategy.rpartition(":")[2][:12], "0.81")  # the class, wrapped if need be
+
+
 def test_render_summary_elides_long_runs_and_handles_no_summary_fields() -> None:
     rows = [_row(r) for r in range(1, 101)]
     table = render_summary({}, rows, max_rows=10)
