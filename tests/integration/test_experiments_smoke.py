@@ -437,7 +437,7 @@ def test_bad_arguments_are_one_line_and_write_nothing(tmp_path):
         run_experiment("table2", "smoke", tmp_path, only="zzz")
     with pytest.raises(FedmqError, match="unknown config key"):
         run_experiment("table2", "smoke", tmp_path, overrides={"roundz": 3})
-    with pytest.raises(FedmqError, match="rounds must be at least 1"):
+    with pytest.raises(FedmqError, match=r"rounds \(--rounds\) must be at least 1"):
         run_experiment("topk", "smoke", tmp_path, overrides={"rounds": 0})
     for bad in ("0,x", "1,1", "-1"):
         with pytest.raises(ExperimentError, match="--seeds wants"):

@@ -265,7 +265,7 @@ def test_dynamic_pulling_in_both_directions(federation, task, tmp_path):
 
 
 def test_pull_down_config_errors():
-    with pytest.raises(Exception, match="pull-down needs a dynamic-pulling strategy"):
+    with pytest.raises(Exception, match="needs a dynamic-pulling strategy"):
         JobConfig(strategy="fedavg", pull_down=True)
     with pytest.raises(Exception, match="cannot be deltas"):
         JobConfig(strategy="pull-local", pull_down=True, encoding="delta+int8")

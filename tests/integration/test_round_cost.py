@@ -260,7 +260,7 @@ def test_error_feedback_brings_topk_closer_to_raw_and_off_keeps_nothing(federati
 def test_error_feedback_is_a_boolean_and_only_for_sparsified_deltas():
     from fedmq.aggregator.config import JobConfigError
 
-    with pytest.raises(JobConfigError, match="error-feedback must be true or false"):
+    with pytest.raises(JobConfigError, match="error_feedback must be true or false"):
         JobConfig(error_feedback="yes")
     assert JobConfig(encoding="delta+topk:0.05").round_config().error_feedback is True
     assert JobConfig(encoding="delta+topk:0.05", error_feedback=False).round_config().error_feedback is False
