@@ -640,7 +640,7 @@ class Engine:
             granted=tuple(stats.granted),
             received=tuple(sorted(stats.received)),
             update_ids=dict(sorted(stats.update_ids.items())),
-            dropped=tuple(sorted(set(stats.selected) - set(stats.received))),
+            dropped=() if self.cfg.mode == "async" else tuple(stats.dropped()),  # async expects no one
             skipped=skipped is not None,
             skip_reason=skipped,
             bytes_up=stats.bytes_up,

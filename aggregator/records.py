@@ -47,7 +47,7 @@ class RoundRecord:
     reported: tuple[str, ...] = ()
     granted: tuple[str, ...] = ()
     received: tuple[str, ...] = ()
-    dropped: tuple[str, ...] = ()  # selected but no update received
+    dropped: tuple[str, ...] = ()  # expected to deliver and did not (RoundStats.dropped; none in async)
     losses: dict[str, float] = field(default_factory=dict)  # client -> reported loss
     update_ids: dict[str, str] = field(default_factory=dict)  # client -> message id of the update folded
     skipped: bool = False

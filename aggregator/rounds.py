@@ -42,6 +42,13 @@ class RoundStats:
     bytes_down_raw: int = 0
     started: float = field(default_factory=time.time)
 
+    def dropped(self) -> list[str]:
+        """The clients that did not deliver what the round expected of them (its row's ``dropped``): selected
+        ones with neither a report nor an update, and granted ones with no update. A client that reported and
+        was not granted an upload (FedMed's top-K) was not expected to upload, so it is not one."""
+        got = set(self.received)
+        return sorted((set(self.selected) - set(self.reported) - got) | (set(self.granted) - got))
+
 
 class RoundContext(Protocol):
     """The engine as a round runner sees it."""
