@@ -153,7 +153,7 @@ def simulate(
         "-k",
         panel=STRATEGY,
         metavar="K",
-        help="number of agents (default 8; nmt natural: one per domain)",
+        help="number of agents (default 8; --partition natural: one per domain or document)",
     ),
     fraction: float = _opt(
         JOB.fraction,

@@ -149,7 +149,7 @@ def resolve(
     if task not in TASKS and not own:
         raise UsageError(f"unknown task {task!r}: use one of {', '.join(TASKS)} or package.module:Class")
     values["model"] = values.get("model") or (None if own else DEFAULT_MODEL[task])
-    if values.get("clients") is None and not (task == "nmt" and values["partition"] == "natural"):
+    if values.get("clients") is None and values["partition"] != "natural":  # natural: one per category
         values["clients"] = DEFAULT_CLIENTS
     other = () if own else NMT_ONLY if task == "lm" else LM_ONLY
     foreign = sorted(k for k in explicit if k in other)

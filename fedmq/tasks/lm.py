@@ -41,7 +41,7 @@ class LanguageModelTask(Task):
         model: str = "gru-small",
         tied: bool | None = None,
         dropout: float = 0.2,
-        clients: int = 100,
+        clients: int | None = None,  # iid and dirichlet: 100 unless given; natural: one per document
         partition: str = "iid",
         vocab_size: int | None = None,
         max_lines: int | None = None,
@@ -66,19 +66,24 @@ class LanguageModelTask(Task):
         self._train_ids: dict[int, torch.Tensor] = {}
         self._eval: dict[str, StreamBatches] = {}
 
-    def _partition(self, clients: int) -> list[np.ndarray]:
+    def _partition(self, clients: int | None) -> list[np.ndarray]:
         n = len(self.corpus.lines["train"])
         p = self.partition
         if p.kind == "iid":
-            return iid_shards(n, clients, self.seed)
+            return iid_shards(n, clients or 100, self.seed)
         if p.kind == "dirichlet":
-            return dirichlet_shards(self.corpus.categories, clients, p.alpha, self.seed)
+            return dirichlet_shards(self.corpus.categories, clients or 100, p.alpha, self.seed)
         if not self.corpus.natural_categories:
             raise TaskError(
                 f"--partition natural needs documents; {self.corpus.name} has none (add train.docid): "
                 "use iid or dirichlet:ALPHA"
             )
         shards, _ = natural_shards(self.corpus.categories)
+        if clients is not None and clients != len(shards):
+            raise TaskError(
+                f"--partition natural gives one client per document ({len(shards)} here) but --clients is "
+                f"{clients}: drop --clients or use iid"
+            )
         return shards
 
     # --- Task interface -------------------------------------------------------------------------------------

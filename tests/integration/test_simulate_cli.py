@@ -370,3 +370,16 @@ def test_a_second_run_of_the_same_job_in_one_process_starts_clean(tmp_path):
         assert probe.purge_job("same") == []  # nothing of the job left behind
     finally:
         probe.close()
+
+
+def test_clients_that_natural_partition_would_not_honour_are_one_line(tmp_path):
+    """--partition natural gives one client per document (3 in the first 300 lines of the builtin corpus): a
+    different -k is refused in one line and leaves nothing, never silently replaced."""
+    out = tmp_path / "run"
+    args = ["simulate", "--partition", "natural", "--max-lines", "300", "-r", "1", "--out", str(out)]
+    proc = subprocess.run(fedmq(*args, "-k", "5"), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and not out.exists()
+    assert proc.stderr.strip().splitlines() == [
+        "error: --partition natural gives one client per document (3 here) but --clients is 5: "
+        "drop --clients or use iid"
+    ]

@@ -381,3 +381,11 @@ def test_full_batch_step_covers_the_same_targets_whatever_the_stream_count(corpu
     assert few.steps == many.steps == 1
     assert few.tokens == many.tokens == few.n_samples == many.n_samples == len(task.client_ids(0))
     assert many.loss == pytest.approx(few.loss, rel=0.02) and many.loss != few.loss
+
+
+def test_natural_partition_refuses_a_client_count_it_would_not_honour(corpus_dir):
+    """--partition natural makes one client per document: a different --clients is one line, never ignored."""
+    (corpus_dir / "train.docid").write_text("".join(f"doc{i % 3}\n" for i in range(200)))
+    assert LanguageModelTask(corpus_dir, partition="natural", clients=3, **TINY).num_clients == 3
+    with pytest.raises(TaskError, match=r"one client per document \(3 here\) but --clients is 8"):
+        LanguageModelTask(corpus_dir, partition="natural", clients=8, **TINY)
