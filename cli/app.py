@@ -47,11 +47,13 @@ CONSUME_TIMEOUT = typer.Option(
 )
 
 
-def _setup_logs(level: str, fmt: str = "auto", file: Path | None = None) -> None:
+def _setup_logs(
+    level: str, fmt: str = "auto", file: Path | None = None, console_level: str | None = None
+) -> None:
     from fedmq.cli.logs import configure
 
     try:
-        configure(level, fmt, file)
+        configure(level, fmt, file, console_level)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -380,10 +382,11 @@ def _simulate(
 ) -> int:
     """Run the validated plan in ``run_dir``; the exit code (130: interrupted)."""
     interactive = sys.stderr.isatty() and not as_json
-    _setup_logs(
-        log_level if not interactive else "warning",
+    _setup_logs(  # at a terminal the progress bars replace the info lines; the run's log file keeps them
+        log_level,
         "console" if interactive else "json",
         run_dir / "logs" / "simulate.jsonl",
+        console_level="warning" if interactive else None,
     )
     _tune_allocator()
     from fedmq.tasks.training import resolve_device  # the first torch import

@@ -11,10 +11,16 @@ import structlog
 LEVELS = ("debug", "info", "warning", "error")
 
 
-def configure(level: str = "info", fmt: str = "auto", file: Path | None = None) -> None:
-    """fmt: "json" | "console" | "auto" (console on a TTY). ``file`` also receives JSON lines."""
-    if level not in LEVELS:
-        raise ValueError(f"unknown log level {level!r}; use one of {', '.join(LEVELS)}")
+def configure(
+    level: str = "info", fmt: str = "auto", file: Path | None = None, console_level: str | None = None
+) -> None:
+    """fmt: "json" | "console" | "auto" (console on a TTY). ``file`` also receives JSON lines, at ``level``;
+    ``console_level`` (default ``level``) is the terminal's: a progress display keeps it to warnings while the
+    run's log file still gets every event."""
+    console_level = console_level or level
+    for name in (level, console_level):
+        if name not in LEVELS:
+            raise ValueError(f"unknown log level {name!r}; use one of {', '.join(LEVELS)}")
     if fmt == "auto":
         fmt = "console" if sys.stderr.isatty() else "json"
     shared = [
@@ -28,6 +34,7 @@ def configure(level: str = "info", fmt: str = "auto", file: Path | None = None) 
         structlog.stdlib.ProcessorFormatter(processor=renderer, foreign_pre_chain=shared)
     )
     handlers[0].addFilter(_not_file_only)
+    handlers[0].setLevel(console_level.upper())
     if file is not None:
         file.parent.mkdir(parents=True, exist_ok=True)
         fh = logging.FileHandler(file)
@@ -47,9 +54,11 @@ def configure(level: str = "info", fmt: str = "auto", file: Path | None = None) 
         root.removeHandler(h)
     for h in handlers:
         root.addHandler(h)
-    root.setLevel(level.upper())
+    root.setLevel(min(logging.getLevelName(level.upper()), logging.getLevelName(console_level.upper())))
     # pika logs every failed connection attempt at ERROR with a traceback; fedmq logs its own one-line summary
-    logging.getLogger("pika").setLevel(logging.DEBUG if level == "debug" else logging.CRITICAL)
+    logging.getLogger("pika").setLevel(
+        logging.DEBUG if "debug" in (level, console_level) else logging.CRITICAL
+    )
     structlog.configure(
         processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         logger_factory=structlog.stdlib.LoggerFactory(),

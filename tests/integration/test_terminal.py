@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -66,3 +67,8 @@ def test_simulate_at_an_80_column_terminal(tmp_path):
     (run,) = (tmp_path / "runs").iterdir()
     assert f"run folder: runs/{run.name}" in lines and f"plots:      fedmq report runs/{run.name}" in lines
     assert run.name.endswith("-fedavg") and (run / "summary.json").is_file()
+    # the terminal shows warnings only; the run's log file keeps every event at the run's --log-level (info)
+    events = [
+        json.loads(line)["event"] for line in (run / "logs" / "simulate.jsonl").read_text().splitlines()
+    ]
+    assert "round closed" in events and "round announced" in events, events[:20]
