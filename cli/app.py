@@ -474,10 +474,16 @@ def aggregator_run(
     state_dir: Path = typer.Option(
         Path("fedmq-state"), envvar="FEDMQ_STATE_DIR", help="run folder: checkpoints, metrics"
     ),
-    strategy: str | None = typer.Option(None, envvar="FEDMQ_STRATEGY"),
-    rounds: int | None = typer.Option(None, envvar="FEDMQ_ROUNDS"),
-    clients: int | None = typer.Option(None, envvar="FEDMQ_CLIENTS"),
-    fraction: float | None = typer.Option(None, envvar="FEDMQ_FRACTION"),
+    strategy: str | None = typer.Option(
+        None, envvar="FEDMQ_STRATEGY", help=", ".join(STRATEGIES) + " or package.module:Class"
+    ),
+    rounds: int | None = typer.Option(
+        None, envvar="FEDMQ_ROUNDS", help="communication rounds (async: global versions)"
+    ),
+    clients: int | None = typer.Option(None, envvar="FEDMQ_CLIENTS", help="K: the agents of the job"),
+    fraction: float | None = typer.Option(
+        None, envvar="FEDMQ_FRACTION", help="C: the share of online agents selected each round"
+    ),
     strategy_arg: list[str] | None = typer.Option(
         None,
         "--strategy-arg",
@@ -485,8 +491,12 @@ def aggregator_run(
         help="a parameter of the strategy, repeatable: --strategy-arg mu=0.01 "
         "(overrides the [strategy] table)",
     ),
-    user: str | None = typer.Option(None, envvar="FEDMQ_BROKER_USER"),
-    password: str | None = typer.Option(None, envvar="FEDMQ_BROKER_PASSWORD"),
+    user: str | None = typer.Option(
+        None, envvar="FEDMQ_BROKER_USER", help="broker user (instead of the one in --broker)"
+    ),
+    password: str | None = typer.Option(
+        None, envvar="FEDMQ_BROKER_PASSWORD", help="the broker user's password"
+    ),
     metrics_port: int = typer.Option(
         0, envvar="FEDMQ_METRICS_PORT", help="serve /metrics, /healthz, /readyz (0 = off)"
     ),
@@ -576,7 +586,7 @@ def agent_run(
         help="amqp(s)://user:pass@host:port[,host2:port2...]/vhost "
         "(several addresses: the nodes of one cluster)",
     ),
-    job: str = typer.Option(..., envvar="FEDMQ_JOB"),
+    job: str = typer.Option(..., envvar="FEDMQ_JOB", help="job id (the aggregator's --job)"),
     client_id: str | None = typer.Option(
         None, envvar="FEDMQ_CLIENT_ID", help="this agent's id and broker user"
     ),
@@ -592,11 +602,23 @@ def agent_run(
     availability: str = typer.Option(
         "always", envvar="FEDMQ_AVAILABILITY", help="always|bernoulli:P|markov:A,B|trace:FILE"
     ),
-    faults: str = typer.Option("", envvar="FEDMQ_FAULTS"),
-    user: str | None = typer.Option(None, envvar="FEDMQ_BROKER_USER"),
-    password: str | None = typer.Option(None, envvar="FEDMQ_BROKER_PASSWORD"),
-    seed: int = typer.Option(0, envvar="FEDMQ_SEED"),
-    metrics_port: int = typer.Option(0, envvar="FEDMQ_METRICS_PORT"),
+    faults: str = typer.Option(
+        "",
+        envvar="FEDMQ_FAULTS",
+        help="injected faults, comma-separated: crash-train:P, crash-grant:P, slow:P:SECONDS, cut:P",
+    ),
+    user: str | None = typer.Option(
+        None, envvar="FEDMQ_BROKER_USER", help="broker user (instead of the one in --broker)"
+    ),
+    password: str | None = typer.Option(
+        None, envvar="FEDMQ_BROKER_PASSWORD", help="the broker user's password"
+    ),
+    seed: int = typer.Option(
+        0, envvar="FEDMQ_SEED", help="seed of the shards, availability and faults (the job's seed)"
+    ),
+    metrics_port: int = typer.Option(
+        0, envvar="FEDMQ_METRICS_PORT", help="serve /metrics, /healthz, /readyz (0 = off)"
+    ),
     chunk_limit: int = typer.Option(
         8 * 1024 * 1024, envvar="FEDMQ_CHUNK_LIMIT", help="split messages above this many bytes"
     ),
@@ -605,7 +627,7 @@ def agent_run(
     audit_log: Path | None = typer.Option(
         None, envvar="FEDMQ_AUDIT_LOG", help="append one JSON line per broker-confirmed upload (fault audits)"
     ),
-    log_format: str = typer.Option("json", envvar="FEDMQ_LOG_FORMAT"),
+    log_format: str = typer.Option("json", envvar="FEDMQ_LOG_FORMAT", help="json | console"),
     log_level: str = LOG_LEVEL,
 ) -> None:
     """Run one client agent: join the job, train on its shard, upload when granted, repeat.

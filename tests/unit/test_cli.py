@@ -509,3 +509,16 @@ def test_every_command_reads_a_job_file_the_same_way(tmp_path, content, needle):
         assert done.returncode != 0 and "Traceback" not in done.stderr, (cmd, done.stderr)
         last = done.stderr.strip().splitlines()[-1]
         assert last.startswith(f"error: config file {job}") and needle in last, (cmd, last)
+
+
+def test_every_option_of_the_services_says_what_it_is():
+    """`aggregator run --help` and `agent run --help`: no option without a line of help."""
+    import typer
+
+    from fedmq.cli.app import app
+
+    root = typer.main.get_command(app)
+    for group in ("aggregator", "agent"):
+        command = root.commands[group].commands["run"]
+        bare = [p.name for p in command.params if p.param_type_name == "option" and not p.help]
+        assert bare == [], (group, bare)
