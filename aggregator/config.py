@@ -72,6 +72,7 @@ FLAGS = {
     "update_deadline_s": "--update-deadline",
     "seed": "--seed",
     "robust": "--robust",
+    "max_samples_factor": "--max-samples-factor",
 }
 
 

@@ -34,7 +34,7 @@ from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.guards import RoundGuard, Verdict, first_nonfinite
 from fedmq.aggregator.inbox import Inbox, Received
 from fedmq.aggregator.mediator import Mediator
-from fedmq.aggregator.records import RoundRecord
+from fedmq.aggregator.records import RoundRecord, guard_summary
 from fedmq.aggregator.rounds import RoundStats
 from fedmq.aggregator.runlog import RunLog
 from fedmq.aggregator.spool import RoundSpool
@@ -716,5 +716,7 @@ class Engine:
             "bytes_down": sum(r.bytes_down or 0 for r in rows),
             "rejected": dict(self.inbox.rejected),
             "dropped": dict(self.inbox.dropped),
+            # the influence guard (aggregator.guards): rounds it acted in, updates capped and left out
+            "guard": guard_summary(rows),
             "interrupted": self.stop.is_set(),
         }

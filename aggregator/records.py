@@ -14,6 +14,7 @@ are kept as JSON gave them (an integral ``valid`` stays an int) for the same rea
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -149,3 +150,15 @@ _MAPS = {
 }
 _KNOWN = {f.name for f in fields(RoundRecord)} - {"extra"}
 _ONLY_WHEN_SET = ("guard", "unreachable", "extra")  # keys written only when the round has them
+
+
+def guard_summary(rows: Iterable[RoundRecord]) -> dict[str, int]:
+    """How often the influence guard (aggregator.guards) acted over a run: the rounds it acted in, the updates
+    whose weight it capped and the updates it left out (the run's summary: a departure from textbook FedAvg
+    is said, not silent)."""
+    acted = [r.guard for r in rows if r.guard]
+    return {
+        "rounds": len(acted),
+        "capped": sum(len(g.get("capped") or {}) for g in acted),
+        "dropped": sum(len(g.get("dropped") or {}) for g in acted),
+    }

@@ -135,7 +135,7 @@ def simulate(
         None, "--tied/--untied", panel=TASK, help="tie input and output embeddings (lm; default per model)"
     ),
     partition: str = _opt("iid", panel=TASK, metavar="SPEC", help="iid, dirichlet:ALPHA or natural"),
-    vocab_size: int = _opt(0, panel=TASK, metavar="N", help="keep the N most frequent words (0 = all)"),
+    vocab_size: int = _opt(0, panel=TASK, metavar="N", help="keep the N commonest words (0 = all)"),
     max_lines: int = _opt(0, panel=TASK, metavar="N", help="use only the first N training lines (0 = all)"),
     max_eval_lines: int = _opt(
         0, panel=TASK, metavar="N", help="lm: evaluate on the first N lines of valid/test (0 = all)"
@@ -217,7 +217,13 @@ def simulate(
         help="outlier guard: none, clip:NORM, trimmed:FRAC or median",
     ),
     min_clients: int = _opt(
-        JOB.min_clients, panel=STRATEGY, metavar="N", help="a round with fewer updates is skipped"
+        JOB.min_clients, panel=STRATEGY, metavar="N", help="skip a round with fewer updates"
+    ),
+    max_samples_factor: float = _opt(
+        JOB.max_samples_factor,
+        panel=STRATEGY,
+        metavar="F",
+        help="influence guard: weight n_k ≤ F × the round's median n_k (0 = off)",
     ),
     epochs: int = _opt(JOB.epochs, "--epochs", "-e", panel=TRAIN, metavar="E", help="local epochs"),
     batch_size: int = _opt(

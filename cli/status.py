@@ -238,6 +238,14 @@ def summary_caption(summary: dict[str, Any]) -> str:
         f"{_mb(summary.get('bytes_up'))} MB up, {_mb(summary.get('bytes_down'))} MB down",
         f"{_num(summary.get('wall_s'), 1)} s",
     ]
+    guard = summary.get("guard")
+    if isinstance(guard, dict) and guard.get("rounds"):  # a departure from textbook FedAvg: said, not silent
+        acted = [f"capped {guard.get('capped', 0)} update(s)"] if guard.get("capped") else []
+        acted += [f"left out {guard.get('dropped', 0)} update(s)"] if guard.get("dropped") else []
+        parts.append(
+            f"influence guard {' and '.join(acted) or 'acted'} in {guard['rounds']} round(s) "
+            "(--max-samples-factor 0 turns the cap off)"
+        )
     if summary.get("interrupted"):
         parts.append("interrupted")
     return " · ".join(parts)
