@@ -72,7 +72,7 @@ def test_config_precedence_flags_env_file(tmp_path):
     assert json.loads(out)["rounds"] == 4  # flag beats env
     (tmp_path / "job.toml").write_text(JOB_TOML.replace("rounds = 2", "rounds = 0"))
     bad = resolved(tmp_path)
-    assert bad.returncode == 2 and bad.stderr.strip() == "error: rounds must be at least 1"
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: rounds (--rounds) must be at least 1"
     (tmp_path / "job.toml").write_text("rounds = [")
     bad = resolved(tmp_path)
     assert (
