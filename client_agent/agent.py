@@ -130,6 +130,7 @@ class Agent:
         self.stop = threading.Event()
         self.finished = False  # set when the aggregator said the job is over
         self.manifest = self.trainers.manifest
+        self.model_names = frozenset(self.manifest.names)
         self.groups = self.trainers.groups
         self.version = messages.NO_VERSION  # the version of the global model kept (NO_VERSION: none)
         self.last_round = 0
@@ -361,20 +362,16 @@ class Agent:
             held = self._fetch_model(env, self._manifest_for(hook))
             if held is None:
                 return
-            kept = (
-                Kept(self.store, self.client, f"hook.{hook.name or type(hook).__name__}", version)
-                if hook
-                else None
-            )
+            side = None  # the strategy's client side: its hook and the client's state kept for it
+            if hook is not None:
+                side = (
+                    hook,
+                    Kept(self.store, self.client, f"hook.{hook.name or type(hook).__name__}", version),
+                )
             result = self._train(
-                model,
-                self._with_private(held, cfg),
-                cfg,
-                rnd,
-                crash="crash-train" in faults,
-                hook=(hook, kept),
+                model, self._with_private(held, cfg), cfg, rnd, crash="crash-train" in faults, hook=side
             )
-            prepared = self._prepare(model, held, cfg, rnd, version, result, hook=(hook, kept))
+            prepared = self._prepare(model, held, cfg, rnd, version, result, hook=side)
         if "slow" in faults:
             self.log.faults.append((rnd, "slow"))
             time.sleep(self.faults.slow_seconds)
@@ -440,11 +437,10 @@ class Agent:
         cfg: RoundConfig,
         rnd: int,
         crash: bool,
-        hook: tuple[ClientHook | None, Kept | None] = (None, None),
+        hook: tuple[ClientHook, Kept] | None = None,
     ) -> TrainResult:
-        load_state(
-            model, {k: v for k, v in held.items() if k in self.manifest.names}
-        )  # not a strategy's extras
+        # the model's own tensors: not those a strategy keeps beside it (ClientHook.extra_tensors)
+        load_state(model, {k: v for k, v in held.items() if k in self.model_names})
         tcfg = TrainConfig(
             epochs=cfg.epochs,
             batch_size=cfg.batch_size,
@@ -464,10 +460,10 @@ class Agent:
             self.log.faults.append((rnd, "crash-train"))
             raise Offline("fault: crashed during training", False)
         report = (lambda done, total: self.progress(self.client, done, total)) if self.progress else None
-        client_hook, kept = hook
-        if client_hook is None or kept is None:
+        if hook is None:
             result = self.trainers.train(model, self.index, tcfg, report)
         else:
+            client_hook, kept = hook
             client_hook.begin(held, tcfg, kept)
             remove = install_gradient_terms(model, client_hook)
             try:
@@ -490,13 +486,13 @@ class Agent:
         rnd: int,
         version: int,
         result: TrainResult,
-        hook: tuple[ClientHook | None, Kept | None] = (None, None),
+        hook: tuple[ClientHook, Kept] | None = None,
     ) -> Prepared:
         """Encode the update (before the grant, so the trainer and the global model can go) and keep what
         the job's algorithm needs for our next round."""
         current = trained = self._trained_state(model)
-        client_hook, kept = hook
-        if client_hook is not None and kept is not None:  # the strategy's client side says what goes up
+        if hook is not None:  # the strategy's client side says what goes up
+            client_hook, kept = hook
             current = client_hook.finish(trained, result, kept)
         if cfg.noise > 0:  # FedAtt Eq. 6 randomization, seeded per (client, round)
             gen = torch.Generator().manual_seed(stable_seed(cfg.seed, self.client, rnd, "noise"))

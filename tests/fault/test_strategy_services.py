@@ -61,14 +61,6 @@ def _federation(base: Path, url: str, job: str, strategy: str, args: dict, refs,
     )
 
 
-def _final(fed: Federation) -> dict[str, torch.Tensor]:
-    return load_checkpoint(fed.state / "checkpoints").global_state
-
-
-def _flat(state: dict[str, torch.Tensor]) -> np.ndarray:
-    return np.concatenate([state["weight"].double().numpy()[0], state["bias"].double().numpy()])
-
-
 @pytest.mark.parametrize("strategy", ["fedprox", "scaffold", "fedavgm", "fedadagrad", "fedadam", "fedyogi"])
 def test_strategy_runs_as_services_and_matches_its_reference(
     tmp_path, rabbit_url, job_id, references, strategy
@@ -81,7 +73,7 @@ def test_strategy_runs_as_services_and_matches_its_reference(
         fed.stop_all()
         delete_job_queues(rabbit_url, job_id, CLIENTS)
     assert summary["rounds_completed"] == ROUNDS and summary["strategy"] == strategy
-    ours, theirs = _flat(_final(fed)), reference(clients=CLIENTS, rounds=ROUNDS)
+    ours, theirs = references.final_model(fed.state), reference(clients=CLIENTS, rounds=ROUNDS)
     assert np.abs(ours - theirs).max() < 1e-6, (ours, theirs)
 
 
@@ -124,4 +116,4 @@ def test_fedadam_resumes_bit_for_bit_after_kill9_of_the_aggregator(tmp_path, rab
         sa, sb = a.strategy_state["fedadam"][moment], b.strategy_state["fedadam"][moment]
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
     theirs = next(c for c in references.CASES if c[0] == "fedadam")[2](clients=CLIENTS, rounds=ROUNDS)
-    assert np.abs(_flat(b.global_state) - theirs).max() < 1e-6
+    assert np.abs(references.flat(b.global_state) - theirs).max() < 1e-6

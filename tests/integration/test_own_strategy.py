@@ -28,9 +28,7 @@ SERVER_LR, MAX_NORM = 1.0, 0.05
 
 def reference() -> np.ndarray:
     """Clip each client's change to MAX_NORM, FedAvg's n_k-weighted mean, step η_t = SERVER_LR / √(t + 1)."""
-    task = refs.logreg.LogReg(clients=refs.CLIENTS, seed=refs.SEED)
-    model = task.build_model(refs.SEED)
-    theta = np.concatenate([model.weight.detach().double().numpy()[0], model.bias.detach().double().numpy()])
+    task, theta = refs.start(refs.CLIENTS)
     n = np.array([len(x) for x, _ in task.shards], dtype=np.float64)
     for t in range(refs.ROUNDS):
         deltas = [refs._local(theta, x, y) - theta for x, y in task.shards]
@@ -51,9 +49,9 @@ def own_module(tmp_path, monkeypatch):
 
 
 def _final(run: Path) -> tuple[np.ndarray, dict]:
+    """The final global model and the strategy state kept beside it."""
     ckpt = load_checkpoint(run / "checkpoints")
-    s = ckpt.global_state
-    return np.concatenate([s["weight"].double().numpy()[0], s["bias"].double().numpy()]), ckpt.strategy_state
+    return refs.flat(ckpt.global_state), ckpt.strategy_state
 
 
 def test_from_python(tmp_path, own_module):

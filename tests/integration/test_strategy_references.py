@@ -38,10 +38,26 @@ def _local(theta: np.ndarray, x: np.ndarray, y: np.ndarray, mu: float = 0.0) -> 
     return w
 
 
-def _rounds(server_step, mu: float = 0.0, clients: int = CLIENTS, rounds: int = ROUNDS) -> np.ndarray:
+def flat(state) -> np.ndarray:
+    """A logistic-regression model as one float64 vector θ = [weights, bias]."""
+    return np.concatenate(
+        [state["weight"].detach().double().numpy()[0], state["bias"].detach().double().numpy()]
+    )
+
+
+def start(clients: int) -> tuple[logreg.LogReg, np.ndarray]:
+    """The federation's task and the initial global model θ_0 (the task's model for the job's seed)."""
     task = logreg.LogReg(clients=clients, seed=SEED)
-    model = task.build_model(SEED)
-    theta = np.concatenate([model.weight.detach().double().numpy()[0], model.bias.detach().double().numpy()])
+    return task, flat(task.build_model(SEED).state_dict())
+
+
+def final_model(run: Path) -> np.ndarray:
+    """The global model in a run folder's newest checkpoint."""
+    return flat(load_checkpoint(run / "checkpoints").global_state)
+
+
+def _rounds(server_step, mu: float = 0.0, clients: int = CLIENTS, rounds: int = ROUNDS) -> np.ndarray:
+    task, theta = start(clients)
     n = np.array([len(x) for x, _ in task.shards], dtype=np.float64)
     for _ in range(rounds):
         local = [_local(theta, x, y, mu) for x, y in task.shards]
@@ -91,9 +107,7 @@ def fedopt_ref(kind: str, server_lr: float, beta1: float, beta2: float, tau: flo
 
 def scaffold_ref(server_lr: float, clients: int = CLIENTS, rounds: int = ROUNDS) -> np.ndarray:
     """Karimireddy et al. 2020, Algorithm 1, option II; every client every round (|S| = N)."""
-    task = logreg.LogReg(clients=clients, seed=SEED)
-    model = task.build_model(SEED)
-    theta = np.concatenate([model.weight.detach().double().numpy()[0], model.bias.detach().double().numpy()])
+    task, theta = start(clients)
     c, c_i = np.zeros_like(theta), [np.zeros_like(theta) for _ in range(clients)]
     for _ in range(rounds):
         dy, dc = [], []
@@ -128,8 +142,7 @@ def run_fedmq(tmp_path: Path, strategy: str, **args) -> np.ndarray:
     )
     summary = fedmq.Simulation(cfg, logreg.LogReg(clients=CLIENTS, seed=SEED), run_dir=tmp_path / "run").run()
     assert summary["rounds_completed"] == ROUNDS
-    state = load_checkpoint(tmp_path / "run" / "checkpoints").global_state
-    return np.concatenate([state["weight"].double().numpy()[0], state["bias"].double().numpy()])
+    return final_model(tmp_path / "run")
 
 
 # (strategy, its parameters, its reference given the federation's shape: clients=, rounds=)
@@ -201,6 +214,4 @@ def test_strategy_runs_from_the_command_line(tmp_path, strategy, args, reference
     env = {**os.environ, "PYTHONPATH": str(EXAMPLES), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
-    state = load_checkpoint(tmp_path / "run" / "checkpoints").global_state
-    ours = np.concatenate([state["weight"].double().numpy()[0], state["bias"].double().numpy()])
-    assert np.abs(ours - reference(rounds=rounds)).max() < 1e-6
+    assert np.abs(final_model(tmp_path / "run") - reference(rounds=rounds)).max() < 1e-6
