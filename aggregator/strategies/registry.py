@@ -1,11 +1,12 @@
 """The one place names become Strategy classes and objects.
 
-Names: fedavg, fedsgd, fedatt, fedmed, pull-local, pull-global, pull-random, async, fedavgm, fedadagrad,
-fedadam, fedyogi, fedprox, scaffold, fedavg-clip, trimmed-mean, median; or a Strategy the user brings, as
-``package.module:Class`` (its ``plan`` says what its rounds are like; the default is FedAvg's synchronous
-round). ``strategy_class`` looks a name up, ``strategy_from_config`` builds a round's strategy from the job's
-settings, ``make_strategy`` from explicit parameters (tools and tests). Unknown names or parameters and
-out-of-range values raise BadParameter (a FedmqError) with one line.
+Names: fedavg, fedsgd, fedatt, fedmed (the paper's JS weights), fedmed-relative and fedmed-standardised
+(FedMed's variants: aggregator/strategies/fedmed.py), pull-local, pull-global, pull-random, async, fedavgm,
+fedadagrad, fedadam, fedyogi, fedprox, scaffold, fedavg-clip, trimmed-mean, median; or a Strategy the user
+brings, as ``package.module:Class`` (its ``plan`` says what its rounds are like; the default is FedAvg's
+synchronous round). ``strategy_class`` looks a name up, ``strategy_from_config`` builds a round's strategy
+from the job's settings, ``make_strategy`` from explicit parameters (tools and tests). Unknown names or
+parameters and out-of-range values raise BadParameter (a FedmqError) with one line.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from fedmq.aggregator.strategies.dynamic_pull import PullGlobal, PullLocal, Pull
 from fedmq.aggregator.strategies.fedatt import FedAtt
 from fedmq.aggregator.strategies.fedavg import FedAvg, FedSGD
 from fedmq.aggregator.strategies.fedavgm import FedAvgM
-from fedmq.aggregator.strategies.fedmed import FedMed
+from fedmq.aggregator.strategies.fedmed import FedMed, FedMedRelative, FedMedStandardised
 from fedmq.aggregator.strategies.fedopt import FedAdagrad, FedAdam, FedYogi
 from fedmq.aggregator.strategies.fedprox import FedProx
 from fedmq.aggregator.strategies.robust import ClippedFedAvg, Median, TrimmedMean
@@ -37,6 +38,8 @@ _CLASSES: dict[str, type[Strategy]] = {
         FedSGD,
         FedAtt,
         FedMed,
+        FedMedRelative,
+        FedMedStandardised,
         PullLocal,
         PullGlobal,
         PullRandom,

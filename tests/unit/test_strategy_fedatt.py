@@ -134,19 +134,20 @@ def test_chunked_distance_matches_torch_dist_on_large_tensors():
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_update_is_rejected_and_changes_nothing(bad):
-    from fedmq.aggregator.strategies.fedmed import FedMed
+    from fedmq.aggregator.strategies.fedmed import FedMed, FedMedRelative, FedMedStandardised
     from fedmq.errors import StrategyError
 
     good = ClientUpdate("a", 1, {"w": torch.tensor([3.0, 4.0])})
-    for make in (FedAtt, FedMed, lambda: FedMed(js="raw")):
+    for make in (FedAtt, FedMed, FedMedRelative, FedMedStandardised):
         strategy = make()
         strategy.begin({"w": torch.zeros(2)})
         strategy.fold(good)
         with pytest.raises(StrategyError, match="non-finite"):
             strategy.fold(ClientUpdate("x", 1, {"w": torch.tensor([bad, 0.0])}))
-        extra = strategy.second_pass(frozenset({"x"}))  # FedMed's standardised JS: refold what was kept
+        # FedMed's variants weigh JS over the round: refold what was kept
+        extra = strategy.second_pass(frozenset({"x"}))
         if extra is not None:
-            strategy = FedMed(**extra)
+            strategy = make(**extra)
             strategy.begin({"w": torch.zeros(2)})
             strategy.fold(good)
         out = strategy.finish()["w"]

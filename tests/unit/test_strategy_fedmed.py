@@ -1,16 +1,21 @@
-"""FedMed adaptive aggregation: hand-worked JS weighting, streaming == batch, the fedavg mode."""
+"""FedMed's adaptive aggregation: the name ``fedmed`` is the paper's formula (hand-worked, and against an
+independent numpy computation of Eqs. (2), (3), (5)); its variants ``fedmed-relative`` and
+``fedmed-standardised`` (two passes) are reached by their own names."""
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from fedmq.aggregator.strategies.base import ClientUpdate, aggregate
-from fedmq.aggregator.strategies.fedmed import FedMed, js_divergence
-from fedmq.errors import StrategyError
+from fedmq.aggregator.strategies.fedmed import FedMed, FedMedRelative, FedMedStandardised, js_divergence
+from fedmq.aggregator.strategies.registry import make_strategy, strategy_class
+from fedmq.errors import BadParameter, StrategyError
 
 LN3 = math.log(3.0)
 
@@ -47,7 +52,7 @@ def test_adaptive_hand_worked():  # the paper's literal γ = softmax(JS)
     # client a equals the global model: JS_a = 0; client b: JS_b = 0.0338221 (above)
     # γ_b = 1/(1 + e^-0.0338221) = 0.5084547, γ_a = 0.4915453; η = 1:
     # θ' = γ_a·[0,0] + γ_b·[ln3, 0] = [0.5585946, 0]
-    s = FedMed(js="raw")
+    s = FedMed()
     out = run(
         s,
         {"w": torch.zeros(2)},
@@ -60,7 +65,7 @@ def test_adaptive_hand_worked():  # the paper's literal γ = softmax(JS)
 def test_eta_scales_the_step():
     # η = 0.5: θ' = θ − ½ Σ γ_k (θ − θ_k) = ½·[0.5585946, 0]
     out = run(
-        FedMed(eta=0.5, js="raw"),
+        FedMed(eta=0.5),
         {"w": torch.zeros(2)},
         [ClientUpdate("a", 1, {"w": torch.zeros(2)}), ClientUpdate("b", 1, {"w": torch.tensor([LN3, 0.0])})],
     )
@@ -81,19 +86,23 @@ def test_streaming_equals_batch_in_any_order():
         )
         ref[k] = sum(float(c) * u.tensors[k].double() for c, u in zip(gamma, ups))
     for order in (ups, ups[::-1], ups[2:] + ups[:2]):
-        out = run(FedMed(js="raw"), glob, order)
+        out = run(FedMed(), glob, order)
         for k in glob:
             torch.testing.assert_close(out[k].double(), ref[k], rtol=1e-5, atol=1e-6)
 
 
-def _two_pass(glob, updates, **kw):
-    first = FedMed(**kw)
+VARIANTS = {"standardised": FedMedStandardised, "relative": FedMedRelative}
+
+
+def _two_pass(glob, updates, js):
+    cls = VARIANTS[js]
+    first = cls()
     first.begin(glob)
     for u in updates:
         first.fold(u)
     with pytest.raises(StrategyError, match="second pass"):
         first.finish()
-    out, second = aggregate(lambda **extra: FedMed(**kw, **extra), glob, updates)
+    out, second = aggregate(lambda **extra: cls(**extra), glob, updates)
     assert second.temperatures == first.second_pass()["temperatures"]
     return out, second
 
@@ -110,7 +119,7 @@ def test_standardised_js_is_a_softmax_of_z_scores_over_two_passes():
     )
     assert s.client_weights() == pytest.approx(dict(zip("abc", gamma.tolist())), abs=1e-9)
     # one pass is enough for the raw formula and for FedAvg mode
-    raw = FedMed(js="raw")
+    raw = FedMed()
     raw.begin(glob)
     assert raw.second_pass() is None
     # equal divergences (or one client): equal weights, no division by zero
@@ -146,7 +155,7 @@ def test_standardised_weights_differ_between_clients_on_real_updates():
         m = task.build_model(0)
         task.train(m, c, TrainConfig(batch_size=4, lr=5.0, max_steps=5, seed=c))
         ups.append(ClientUpdate(f"agent-{c}", 1, {k: v.clone() for k, v in model_state(m).items()}))
-    raw = FedMed(js="raw")
+    raw = FedMed()
     run(raw, glob, ups)
     w_raw = raw.client_weights()
     assert max(w_raw.values()) / min(w_raw.values()) < 1.01  # inert: the issue's finding
@@ -190,3 +199,80 @@ def test_relative_js_divides_by_the_rounds_mean_and_is_not_degenerate_at_two_cli
     assert rel_far.client_weights()["b"] > 0.7
     _, same = _two_pass(glob, [near[0], ClientUpdate("b", 1, {"w": torch.tensor([1.0, 0.0])})], js="relative")
     assert same.client_weights() == pytest.approx({"a": 0.5, "b": 0.5})
+
+
+# ------------------------------------------------------------------------------- the paper's formula, by name
+def _softmax(v: np.ndarray) -> np.ndarray:
+    e = np.exp(v - v.max())
+    return e / e.sum()
+
+
+def _paper_fedmed(glob: dict, clients: list[dict], eta: float = 1.0) -> tuple[dict, dict]:
+    """FedMed §3.2 in numpy: per layer l, d_k = JS(w^l ‖ w_k^l) = KL(w ‖ (w + w_k)/2)/2
+    + KL(w_k ‖ (w + w_k)/2)/2 (Eq. 2) of the layers' softmax distributions, γ_k = e^{d_k} / Σ_k e^{d_k}
+    (Eq. 3), and w ← w − η Σ_k γ_k (w − w_k) (Eq. 5). Returns the new layers and each layer's γ."""
+    out, gammas = {}, {}
+    for name, g in glob.items():
+        w = np.asarray(g, dtype=np.float64)
+        p = _softmax(w.ravel())
+        d = []
+        for c in clients:
+            q = _softmax(np.asarray(c[name], dtype=np.float64).ravel())
+            m = (p + q) / 2
+            d.append(np.sum(p * np.log(p / m)) / 2 + np.sum(q * np.log(q / m)) / 2)
+        gamma = np.exp(d) / np.sum(np.exp(d))
+        out[name] = w - eta * sum(
+            gk * (w - np.asarray(c[name], dtype=np.float64)) for gk, c in zip(gamma, clients)
+        )
+        gammas[name] = gamma
+    return out, gammas
+
+
+def _three_updates():
+    glob = {"w": np.zeros((2, 3)), "b": np.array([0.0, 0.0])}
+    clients = [
+        {"w": np.array([[6.0, 0.0, 0.0], [0.0, 0.0, 0.0]]), "b": np.array([0.5, -0.4])},
+        {"w": np.array([[0.2, 0.1, 0.0], [0.0, -0.1, 0.0]]), "b": np.array([6.0, -6.0])},
+        {"w": np.array([[-1.0, 2.0, -3.0], [1.0, 0.5, 0.0]]), "b": np.array([0.1, 0.0])},
+    ]
+    return glob, clients
+
+
+def _torch(state: dict) -> dict:
+    return {k: torch.tensor(v, dtype=torch.float32) for k, v in state.items()}
+
+
+def test_the_name_fedmed_is_the_papers_formula_against_numpy():
+    from fedmq.aggregator.config import JobConfig
+    from fedmq.aggregator.strategies.registry import strategy_from_config
+
+    glob, clients = _three_updates()
+    ref, gammas = _paper_fedmed(glob, clients, eta=0.7)
+    # the reference is not an unweighted mean: the formula's weights matter on these updates
+    assert all(g.max() / g.min() > 1.15 for g in gammas.values()), gammas
+    ups = [ClientUpdate(f"c{i}", 1 + i, _torch(c)) for i, c in enumerate(clients)]
+    # by name from Python, and as a job builds it (the job's other settings do not change it)
+    _, job = strategy_from_config("fedmed", JobConfig(strategy="fedmed", strategy_args={"eta": 0.7}))
+    for s in (make_strategy("fedmed", eta=0.7), job):
+        assert type(s) is FedMed and s.second_pass() is None  # one pass: no temperature
+        out = run(s, _torch(glob), ups)
+        for name in glob:
+            np.testing.assert_allclose(out[name].double().numpy(), ref[name], rtol=1e-5, atol=1e-6)
+    # the variants give other weights on the same round
+    for variant in ("fedmed-relative", "fedmed-standardised"):
+        other, _ = aggregate(partial(make_strategy, variant, eta=0.7), _torch(glob), ups)
+        assert max(float(np.abs(other[n].double().numpy() - ref[n]).max()) for n in glob) > 1e-2, variant
+
+
+def test_each_weighting_has_its_own_name_and_no_js_knob():
+    assert strategy_class("fedmed") is FedMed and FedMed.js == "raw"
+    assert strategy_class("fedmed-relative") is FedMedRelative and FedMedRelative.js == "relative"
+    assert (
+        strategy_class("fedmed-standardised") is FedMedStandardised
+        and FedMedStandardised.js == "standardised"
+    )
+    for name in ("fedmed", "fedmed-relative", "fedmed-standardised"):
+        cls = strategy_class(name)
+        assert issubclass(cls, FedMed) and cls.plan == FedMed.plan and cls.own_settings == ()
+        with pytest.raises(BadParameter, match="has no parameter 'js'"):
+            make_strategy(name, js="raw")
