@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedmq import defaults
+from fedmq import defaults, train_config
 from fedmq.broker.wire.messages import RoundConfig
 from fedmq.errors import BadParameter, FedmqError
 from fedmq.params import check_values
 from fedmq.plugins import is_import_path
+from fedmq.train_config import TrainConfig
 
 if TYPE_CHECKING:
     from fedmq.aggregator.strategies.base import RoundPlan, Strategy
@@ -270,6 +271,11 @@ class JobConfig:
                 or not 0 <= value < float("inf")
             ):
                 bad(f"{key(name)} must be a finite number >= 0 (0 turns the bound off), got {value!r}")
+        for name in (*TRAIN_SETTINGS, "lr"):
+            value = getattr(self, name)
+            why = train_config.out_of_range(name, value) if not isinstance(value, (bool, str)) else None
+            if why:
+                bad(f"{key(name)} {why}")
         if self.fedmed_js not in ("standardised", "relative", "raw"):
             bad(f"unknown {key('fedmed_js')} {self.fedmed_js!r}; use standardised, relative or raw")
         if self.att_norm not in ("fro", "spectral"):
@@ -356,35 +362,23 @@ class JobConfig:
         lr = float(self.lr) * float(self.round_lr_decay) ** max(round_number - 1, 0)
         return max(lr, math.ulp(0.0))  # a long run's product may underflow; the announce needs lr > 0
 
+    def train_config(self, round_number: int = 1) -> TrainConfig:
+        """The local training of round ``round_number``: the job's settings of every TrainConfig field it has
+        (the learning rate decayed to that round), shaped by the strategy's ``configure_train`` (FedSGD: one
+        full-batch step; FedMed: report the loss at the end of training)."""
+        own = {name: kind(getattr(self, name)) for name, kind in TRAIN_SETTINGS.items()}
+        train = TrainConfig(**own, lr=self.round_lr(round_number))
+        return self.strategy_class.configure_train(train)
+
     def round_config(self, round_number: int = 1) -> RoundConfig:
-        """What the selected agents are told in round ``round_number``: the job's settings (the learning rate
-        decayed to that round), shaped by the strategy's ``configure_train`` (FedSGD: one full-batch step;
-        FedMed: report the loss at the end of training)."""
-        train = RoundConfig(
-            epochs=self.epochs,
-            full_batch=False,
-            batch_size=self.batch_size,
-            lr=self.round_lr(round_number),
-            optimizer=self.optimizer,
-            momentum=float(self.momentum),
-            lr_decay=float(self.lr_decay),
-            clip=float(self.clip),
-            max_steps=self.max_steps,
-            amp=self.amp,
-            tail_loss=False,
-            seed=self.seed,
+        """What the selected agents are told in round ``round_number``: its local training, the upload's
+        encoding, and the round's shape."""
+        return RoundConfig(
+            train=self.train_config(round_number),
             encoding=self.encoding,
-            noise=float(self.noise),
-            error_feedback=self.error_feedback and self.encoding.startswith("delta+topk"),
-            pull=self.pull,
-            pull_fraction=float(self.pull_fraction),
-            pull_by=self.pull_by,
-            pull_down=self.pull_down,
             grant=self.grant_phase,
             keep_model=self.keep_model,
-            keep_own=self.pull != "all",
         )
-        return self.strategy_class.configure_train(train)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -398,6 +392,15 @@ class JobConfig:
         if unknown:
             raise JobConfigError(f"unknown config key(s): {', '.join(unknown)}")
         return cls(**values)
+
+
+# the JobConfig fields that are local-training settings (fedmq.train_config.TrainConfig), each with its
+# type; the learning rate is announced decayed to the round (JobConfig.round_lr)
+TRAIN_SETTINGS = {
+    f.name: {"int": int, "float": float, "bool": bool, "str": str}[str(f.type)]
+    for f in dataclasses.fields(JobConfig)
+    if f.name in train_config.ANNOUNCED and f.name != "lr"
+}
 
 
 @dataclass(frozen=True)

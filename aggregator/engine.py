@@ -49,13 +49,13 @@ from fedmq.broker.wire import messages
 from fedmq.broker.wire.chunk_frames import DEFAULT_CHUNK_LIMIT
 from fedmq.broker.wire.encodings import EncodingSpec, decode_state, encode_state, raw_nbytes
 from fedmq.broker.wire.envelope import Envelope, Kind, Limits
-from fedmq.broker.wire.messages import RoundConfig
 from fedmq.errors import BadParameter, CodecError, FedmqError
 from fedmq.manifest import Manifest
 from fedmq.plugins import is_import_path
 from fedmq.pulling import select_tensors
 from fedmq.tasks.base import Task, load_state, model_state
 from fedmq.tasks.training import resolve_device
+from fedmq.train_config import TrainConfig
 
 log = structlog.get_logger(__name__)
 
@@ -86,8 +86,8 @@ class Engine:
         self.cfg = cfg
         # a strategy that cannot be built (its parameters, a user's class) fails here, not at the first close
         strategy_from_config(cfg.strategy, cfg)
-        if is_import_path(cfg.strategy) and not isinstance(cfg.round_config(), RoundConfig):
-            raise BadParameter(f"strategy {cfg.strategy!r}: configure_train must return a RoundConfig")
+        if is_import_path(cfg.strategy) and not isinstance(cfg.train_config(), TrainConfig):
+            raise BadParameter(f"strategy {cfg.strategy!r}: configure_train must return a TrainConfig")
         self.client = client_map(cfg)  # the strategy's client side, as every announcement names it
         self.run_dir = Path(run_dir)
         self.evaluate = evaluate

@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import threading
 import time
-import zlib
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,23 +37,17 @@ from fedmq.client_agent.availability import Availability, Faults
 from fedmq.client_agent.state import MemoryStore, State
 from fedmq.client_agent.trainers import TrainerPool
 from fedmq.errors import CodecError, FedmqError
-from fedmq.hooks import PROTOCOL, ClientHook, Kept, install_gradient_terms
+from fedmq.hooks import PROTOCOL, ClientContext, ClientHook, Kept, install_gradient_terms, stable_seed
 from fedmq.manifest import Manifest
 from fedmq.params import bind
 from fedmq.plugins import is_import_path, load_class
-from fedmq.pulling import select_tensors
-from fedmq.tasks.base import Task, TrainConfig, TrainResult, load_state, model_state
+from fedmq.tasks.base import Task, TrainResult, load_state, model_state
 
 log = structlog.get_logger(__name__)
 
 Connect = Callable[[], Broker]
 FETCH_TIMEOUT_S = 60.0  # the announced model is in the stream before the announce is sent: this is generous
 FIRST_TRY_S = 15.0  # reading from the publish time; then from the stream's start (see _read_model)
-
-
-def stable_seed(*parts: object) -> int:
-    """A seed derived from values, identical in every process (unlike hash() of strings)."""
-    return zlib.crc32("/".join(map(str, parts)).encode())
 
 
 @dataclass
@@ -273,17 +265,21 @@ class Agent:
     def _kept(self, name: str) -> tuple[int, State] | None:
         return self.store.get(self.client, name)
 
-    def _fetch_model(self, env: Envelope, manifest: Manifest | None = None) -> State | None:
+    def _fetch_model(
+        self, env: Envelope, manifest: Manifest | None = None, own: State | None = None
+    ) -> State | None:
         """The announced version, from what we keep or from the model stream (the smallest form we can apply),
-        with the strategy's extra tensors when ``manifest`` names them. None when it cannot be had (logged):
-        we sit this round out."""
+        with the strategy's extra tensors when ``manifest`` names them; a partial push is laid over ``own``
+        (the client's own values, ClientHook.own_state) or else the model we keep. None when it cannot be had
+        (logged): we sit this round out."""
         manifest = manifest or self.manifest
         version = env.model_version
         kept = self._kept("model")
         if kept is not None and kept[0] == version:
             return kept[1]
         entries = env.payload["models"]
-        own = self._kept("own") or kept
+        if own is None and kept is not None:
+            own = kept[1]
         entry = (
             next((e for e in entries if kept is not None and e["base_version"] == kept[0] >= 0), None)
             or next((e for e in entries if e["partial"] and own is not None), None)
@@ -308,7 +304,7 @@ class Agent:
         pushed = {k: torch.from_numpy(v) for k, v in state.items()}
         if menv.payload["partial"]:  # dynamic pulling downwards: keep our own values for the rest
             assert own is not None
-            pushed = {k: pushed.get(k, own[1][k]) for k in manifest.names}
+            pushed = {k: pushed.get(k, own[k]) for k in manifest.names}
         elif len(pushed) < len(manifest):
             log.warning(
                 "global model rejected", client=self.client, reason="partial", detail="tensors missing"
@@ -351,27 +347,27 @@ class Agent:
             raise Offline(f"availability model: offline in slot {rnd}", True)
         self.last_round = rnd
         cfg = RoundConfig.from_payload(payload["config"])
-        hook = self._client_hook(payload.get("client"))
+        version = env.model_version
+        hooks = self._client_hooks(payload.get("client"), version)
         faults = self.faults.draw(self.client, rnd)
-        log.info("round training", client=self.client, round=rnd, version=env.model_version)
+        log.info("round training", client=self.client, round=rnd, version=version)
         if "cut" in faults:
             self.log.faults.append((rnd, "cut"))
             raise Offline("fault: connection cut", False)
-        version = env.model_version
+        context = ClientContext(self.client, rnd, version, cfg.train.seed, self.groups)
+        for hook, _ in hooks:
+            hook.context = context
+        own = next((s for hook, kept in hooks if (s := hook.own_state(kept)) is not None), None)
         with self.trainers.borrow() as model:
-            held = self._fetch_model(env, self._manifest_for(hook))
+            held = self._fetch_model(env, self._manifest_for(hooks), own)
             if held is None:
                 return
-            side = None  # the strategy's client side: its hook and the client's state kept for it
-            if hook is not None:
-                side = (
-                    hook,
-                    Kept(self.store, self.client, f"hook.{hook.name or type(hook).__name__}", version),
-                )
-            result = self._train(
-                model, self._with_private(held, cfg), cfg, rnd, crash="crash-train" in faults, hook=side
-            )
-            prepared = self._prepare(model, held, cfg, rnd, version, result, hook=side)
+            context.held = held
+            start = held
+            for hook, kept in hooks:
+                start = hook.start(start, kept)
+            result = self._train(model, start, cfg, rnd, crash="crash-train" in faults, hooks=hooks)
+            prepared = self._prepare(model, held, cfg, rnd, version, result, hooks=hooks)
         if "slow" in faults:
             self.log.faults.append((rnd, "slow"))
             time.sleep(self.faults.slow_seconds)
@@ -386,17 +382,27 @@ class Agent:
             raise Offline("fault: crashed after the grant", False)
         self._upload(rnd, version, prepared)
 
-    def _client_hook(self, spec: Any) -> ClientHook | None:
-        """The round's client hook (fedmq.hooks), built from the announcement's client map; None when the
-        strategy has no client side. ClientHookError (one line) when this agent cannot run it."""
+    def _client_hooks(self, spec: Any, version: int) -> list[tuple[ClientHook, Kept]]:
+        """The round's client hooks (fedmq.hooks), built from the announcement's client map, each with the
+        client's state kept for it; none when the job has no client side. ClientHookError (one line) when this
+        agent cannot run one."""
         if not spec:
-            return None
-        path = spec["hook"]
+            return []
         if spec["version"] > PROTOCOL:
             raise ClientHookError(
                 f"the job's rounds need client-map version {spec['version']}; "
                 f"this agent reads up to {PROTOCOL}: upgrade fedmq on the agents"
             )
+        hooks = []
+        for entry in [spec] if "hook" in spec else spec["hooks"]:
+            hook = self._client_hook(entry)
+            namespace = f"hook.{hook.name or type(hook).__name__}"
+            hooks.append((hook, Kept(self.store, self.client, namespace, version)))
+        return hooks
+
+    def _client_hook(self, entry: dict[str, Any]) -> ClientHook:
+        """One hook of the client map: imported only from fedmq or the job's strategy's module."""
+        path = entry["hook"]
         module = path.partition(":")[0]
         if not (module.startswith("fedmq.") or module in self.hook_modules):
             raise ClientHookError(
@@ -405,30 +411,24 @@ class Agent:
             )
         cls = self._hooks.get(path) or load_class(path, ClientHook, "client hook", ClientHookError)
         self._hooks[path] = cls
-        if spec["hook_version"] != cls.version:
+        if entry["hook_version"] != cls.version:
             raise ClientHookError(
-                f"client hook {path!r}: the job runs version {spec['hook_version']}, "
+                f"client hook {path!r}: the job runs version {entry['hook_version']}, "
                 f"this agent has {cls.version}"
             )
         try:
-            return cls(**bind(cls, spec["args"], f"client hook {path!r}"))
+            return cls(**bind(cls, entry["args"], f"client hook {path!r}"))
         except ClientHookError:
             raise
         except Exception as exc:  # BadParameter, or the hook's own check of its arguments
             raise ClientHookError(f"client hook {path!r} could not be built: {exc}") from None
 
-    def _manifest_for(self, hook: ClientHook | None) -> Manifest:
+    def _manifest_for(self, hooks: Sequence[tuple[ClientHook, Kept]]) -> Manifest:
         """The model's manifest and the tensors the strategy keeps beside it (ClientHook.extra_tensors)."""
-        extras = type(hook).extra_tensors(self.manifest.names) if hook is not None else {}
+        extras: dict[str, str] = {}
+        for hook, _ in hooks:
+            extras.update(type(hook).extra_tensors(self.manifest.names))
         return self.manifest.extended(extras)
-
-    def _with_private(self, held: State, cfg: RoundConfig) -> State:
-        """Dynamic pulling upwards only: the tensors we did not send last time stay ours, "protected from
-        external updates and only modified using local data" (Passban et al.); the rest is the global model.
-        (Under pull-down the server pushes only its pick and we keep our values for the rest:
-        _fetch_model.)"""
-        private = self._kept("private") if cfg.pull != "all" and not cfg.pull_down else None
-        return held if private is None else {**held, **private[1]}
 
     def _train(
         self,
@@ -437,38 +437,22 @@ class Agent:
         cfg: RoundConfig,
         rnd: int,
         crash: bool,
-        hook: tuple[ClientHook, Kept] | None = None,
+        hooks: Sequence[tuple[ClientHook, Kept]] = (),
     ) -> TrainResult:
         # the model's own tensors: not those a strategy keeps beside it (ClientHook.extra_tensors)
         load_state(model, {k: v for k, v in held.items() if k in self.model_names})
-        tcfg = TrainConfig(
-            epochs=cfg.epochs,
-            batch_size=cfg.batch_size,
-            lr=cfg.lr,
-            optimizer=cfg.optimizer,
-            momentum=cfg.momentum,
-            lr_decay=cfg.lr_decay,
-            clip=cfg.clip,
-            max_steps=cfg.max_steps,
-            full_batch=cfg.full_batch,
-            device=self.device,
-            amp=cfg.amp,
-            tail_loss=cfg.tail_loss,
-            seed=stable_seed(cfg.seed, self.client, rnd),
-        )
+        train = replace(cfg.train, device=self.device, seed=stable_seed(cfg.train.seed, self.client, rnd))
         if crash:
             self.log.faults.append((rnd, "crash-train"))
             raise Offline("fault: crashed during training", False)
         report = (lambda done, total: self.progress(self.client, done, total)) if self.progress else None
-        if hook is None:
-            result = self.trainers.train(model, self.index, tcfg, report)
-        else:
-            client_hook, kept = hook
-            client_hook.begin(held, tcfg, kept)
-            remove = install_gradient_terms(model, client_hook)
-            try:
-                result = self.trainers.train(model, self.index, tcfg, report)
-            finally:
+        for hook, kept in hooks:
+            hook.begin(held, train, kept)
+        removers = [install_gradient_terms(model, hook) for hook, _ in hooks]
+        try:
+            result = self.trainers.train(model, self.index, train, report)
+        finally:
+            for remove in removers:
                 remove()
         self.log.rounds_trained.append(rnd)
         return result
@@ -486,46 +470,31 @@ class Agent:
         rnd: int,
         version: int,
         result: TrainResult,
-        hook: tuple[ClientHook, Kept] | None = None,
+        hooks: Sequence[tuple[ClientHook, Kept]] = (),
     ) -> Prepared:
         """Encode the update (before the grant, so the trainer and the global model can go) and keep what
         the job's algorithm needs for our next round."""
-        current = trained = self._trained_state(model)
-        if hook is not None:  # the strategy's client side says what goes up
-            client_hook, kept = hook
-            current = client_hook.finish(trained, result, kept)
-        if cfg.noise > 0:  # FedAtt Eq. 6 randomization, seeded per (client, round)
-            gen = torch.Generator().manual_seed(stable_seed(cfg.seed, self.client, rnd, "noise"))
-            current = {k: v + cfg.noise * torch.randn(v.shape, generator=gen) for k, v in current.items()}
-        names = list(current)
-        if cfg.pull != "all":
-            own = self._kept("own")
-            names = select_tensors(
-                current,
-                own[1] if own else None,
-                self.groups,
-                cfg.pull,
-                cfg.pull_fraction,
-                random.Random(stable_seed(cfg.seed, self.client, rnd, "pull")),
-                cfg.pull_by,
+        upload = trained = self._trained_state(model)
+        for hook, kept in hooks:
+            hook.context.trained = trained
+            upload = hook.finish(upload, result, kept)
+        unknown = set(upload) - set(held)
+        if not upload or unknown:
+            raise ClientHookError(
+                f"the client hooks left {'nothing' if not upload else 'unknown tensors'} to upload"
+                + (f": {', '.join(sorted(unknown)[:3])}" if unknown else "")
             )
         spec = EncodingSpec.parse(cfg.encoding)
-        upload = {k: current[k] for k in names}
-        residual = self._kept("residual") if cfg.error_feedback else None
-        if residual is not None:  # what earlier sparsified uploads left out rides on this one
-            upload = {k: v + residual[1][k] for k, v in upload.items()}
         tensors = encode_state(upload, spec, held if spec.delta else None)
-        if cfg.error_feedback:
-            self._keep_residual(upload, held, tensors, version, residual)
+        readers = [(hook, kept) for hook, kept in hooks if type(hook).reads_what_is_sent()]
+        if readers:
+            manifest = self._manifest_for(hooks)
+            decoded = decode_state(tensors, manifest, held if spec.delta else None, as_delta=spec.delta)
+            update = {k: torch.from_numpy(v) for k, v in decoded.items()}
+            for hook, kept in readers:
+                hook.sent(update, kept)
         env = messages.update(self.job, rnd, self.client, version, result.reported, result.n_samples, tensors)
-        sent = {k: current[k].clone() for k in names} if self.log.sent is not None else None
-        if cfg.keep_own:
-            self.store.put(self.client, "own", version, {k: v.clone() for k, v in current.items()})
-        if cfg.pull != "all" and not cfg.pull_down:
-            kept = set(names)
-            self.store.put(
-                self.client, "private", version, {k: v.clone() for k, v in trained.items() if k not in kept}
-            )
+        sent = {k: v.clone() for k, v in upload.items()} if self.log.sent is not None else None
         if cfg.keep_model:
             self.store.put(self.client, "model", version, held)
             self.version = version
@@ -533,19 +502,6 @@ class Agent:
             self.store.drop(self.client, "model")
             self.version = messages.NO_VERSION
         return Prepared(result, messages.encode(env), env.msg_id, sent)
-
-    def _keep_residual(
-        self, upload: State, held: State, tensors: dict, version: int, residual: tuple[int, State] | None
-    ) -> None:
-        """Error feedback for sparsified deltas (Stich et al. 2018, "Sparsified SGD with memory"; Lin et al.
-        2018, Deep Gradient Compression): keep e = (Δ + e_prev) − what the aggregator will decode, and add it
-        to the next upload, so no coordinate's change is dropped for good, only delayed. e lives in parameter
-        space, so it still applies when the next round starts from a newer global model; lost with the agent
-        (a restart only loses the correction). Kept in the agent's store: memory for a service,
-        disk for `fedmq simulate`."""
-        sent = decode_state(tensors, self.manifest, held, as_delta=True)
-        left = {k: (v - held[k]) - torch.from_numpy(sent[k]) for k, v in upload.items()}
-        self.store.put(self.client, "residual", version, {**(residual[1] if residual else {}), **left})
 
     def _wait_grant(self, rnd: int) -> bool:
         """Wait for this round's grant; a newer announce means the round closed without us."""

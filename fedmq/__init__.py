@@ -28,7 +28,7 @@ from typing import Any
 _EXPORTS = {
     # what a task is made of (fedmq.tasks.base)
     "Task": "fedmq.tasks.base",
-    "TrainConfig": "fedmq.tasks.base",
+    "TrainConfig": "fedmq.train_config",
     "TrainResult": "fedmq.tasks.base",
     "Progress": "fedmq.tasks.base",
     "model_state": "fedmq.tasks.base",

@@ -1,17 +1,25 @@
 """A strategy's client side: what every selected agent does around its local training (Flower's client mods).
 
-A strategy names its hook (``Strategy.client_hook``); each round's announcement carries the hook's name, its
-version and its arguments (``Strategy.client_args``), and every selected agent builds the hook and calls,
-in order:
+A round's announcement lists client hooks, each with its name, version and arguments: the strategy's own
+(``Strategy.client_hook`` with ``Strategy.client_args``), then fedmq's upload hooks the job asks for
+(fedmq.upload_hooks: FedAtt's randomization, dynamic pulling, error feedback). Every selected agent builds
+them, gives each the round's ``context`` (ClientContext) and calls, hook by hook in that order:
 
+- ``own_state(kept)``: the client's own values for the tensors a partial push (pull-down) leaves out; the
+  first hook that has them answers (default: none: the agent's kept copy of the global model);
+- ``start(global_state, kept)``: the state local training starts from (default: ``global_state``), each
+  hook given the previous one's;
 - ``begin(global_state, train, kept)``: before training; ``global_state`` is the model the client trains from,
   ``train`` the local training settings (lr, steps …), ``kept`` the client's own state from earlier rounds;
 - ``gradient(name, param)``, at every local step, for every parameter: a term added to the parameter's
   gradient before the optimizer step, i.e. the gradient of a term added to the training loss (FedProx's
   proximal term μ/2·‖w − w_t‖² has gradient μ(w − w_t)); None adds nothing.
   It works with any task's training loop;
-- ``finish(trained, result, kept)``: after training; returns the state to upload (default: ``trained``) and
-  keeps what the client needs next time (``kept.put``).
+- ``finish(trained, result, kept)``: after training; returns the state to upload (default: ``trained``), each
+  hook given the previous one's, and keeps what the client needs next time (``kept.put``). Returning a
+  subset of the tensors uploads only those;
+- ``sent(update, kept)``: after encoding, only for a hook that overrides it: ``update`` is what the
+  aggregator will decode (for a delta encoding, the change from the global model).
 
 ``kept`` lives in the agent's state store (memory for a service, files under the run folder for
 `fedmq simulate`), one namespace per hook. The agent only imports hooks from fedmq itself or from the module
@@ -21,7 +29,9 @@ so an announcement can never make an agent import arbitrary code.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -29,8 +39,27 @@ import torch
 from fedmq.tasks.base import TrainConfig, TrainResult
 
 State = dict[str, torch.Tensor]
-# the announcement's client map: {"version": PROTOCOL, "hook": "package.module:Class", "args": {...}}
-PROTOCOL = 1
+# the announcement's client map: {"version": PROTOCOL, "hooks": [{"hook": "package.module:Class",
+# "hook_version": int, "args": {...}}, ...]}; version 1 was one hook's entry at the top
+PROTOCOL = 2
+
+
+def stable_seed(*parts: object) -> int:
+    """A seed derived from values, identical in every process (unlike hash() of strings)."""
+    return zlib.crc32("/".join(map(str, parts)).encode())
+
+
+@dataclass
+class ClientContext:
+    """What a hook knows of the round it runs in (set by the agent as ``hook.context``)."""
+
+    client: str
+    round: int
+    version: int  # the global model's version the client trains from
+    seed: int  # the job's seed: ``stable_seed(seed, client, round, …)`` draws the same numbers in every run
+    groups: Mapping[str, str] = field(default_factory=dict)  # tensor name -> its group (fedmq.pulling)
+    held: State = field(default_factory=dict)  # the global model as fetched (the base of delta uploads)
+    trained: State = field(default_factory=dict)  # the model after local training, before any ``finish``
 
 
 class Store(Protocol):
@@ -64,6 +93,7 @@ class ClientHook:
 
     name: ClassVar[str] = ""
     version: ClassVar[int] = 1
+    context: ClientContext  # the round's, set by the agent before any call
 
     @classmethod
     def extra_tensors(cls, names: Sequence[str]) -> dict[str, str]:
@@ -73,6 +103,14 @@ class ClientHook:
         strategy folds their change), and are checkpointed with the model. SCAFFOLD's control variate c is one
         per parameter. Default: none."""
         return {}
+
+    def own_state(self, kept: Kept) -> State | None:
+        """The client's own values for the tensors a partial push leaves out (None: not this hook's)."""
+        return None
+
+    def start(self, global_state: State, kept: Kept) -> State:
+        """The state local training starts from."""
+        return global_state
 
     def begin(self, global_state: Mapping[str, torch.Tensor], train: TrainConfig, kept: Kept) -> None:
         """Before local training."""
@@ -84,6 +122,19 @@ class ClientHook:
     def finish(self, trained: State, result: TrainResult, kept: Kept) -> State:
         """After local training: the state to upload."""
         return trained
+
+    def sent(self, update: Mapping[str, torch.Tensor], kept: Kept) -> None:
+        """After encoding: ``update`` as the aggregator will decode it."""
+
+    @classmethod
+    def changes_training(cls) -> bool:
+        """Whether the hook acts inside local training (``gradient``): a batched cohort cannot run it."""
+        return cls.gradient is not ClientHook.gradient
+
+    @classmethod
+    def reads_what_is_sent(cls) -> bool:
+        """Whether the agent must decode its own upload for ``sent``."""
+        return cls.sent is not ClientHook.sent
 
 
 def hook_path(cls: type[ClientHook]) -> str:
@@ -113,8 +164,14 @@ def install_gradient_terms(model: torch.nn.Module, hook: ClientHook) -> Callable
     return remove
 
 
-def describe(cls: type[ClientHook] | None, args: Mapping[str, Any]) -> dict[str, Any]:
-    """The announcement's client map for a strategy's hook (empty when it has none)."""
-    if cls is None:
+def describe(hooks: Sequence[tuple[type[ClientHook], Mapping[str, Any]]]) -> dict[str, Any]:
+    """The announcement's client map for these hooks and their arguments, in the order they run (empty for
+    none)."""
+    if not hooks:
         return {}
-    return {"version": PROTOCOL, "hook": hook_path(cls), "hook_version": cls.version, "args": dict(args)}
+    return {
+        "version": PROTOCOL,
+        "hooks": [
+            {"hook": hook_path(cls), "hook_version": cls.version, "args": dict(args)} for cls, args in hooks
+        ],
+    }

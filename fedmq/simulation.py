@@ -25,7 +25,7 @@ import structlog
 from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.engine import Engine
 from fedmq.aggregator.runlog import CONFIG_FILE, holds_run
-from fedmq.aggregator.strategies.registry import client_map
+from fedmq.aggregator.strategies.registry import client_hooks
 from fedmq.broker.transport import topology
 from fedmq.broker.transport.connect import connect
 from fedmq.broker.transport.memory import MemoryBroker
@@ -101,7 +101,7 @@ class Simulation:
         shared_user = self._url_user()
         if shared_user:  # every agent shares the URL's account: check the user, not per-agent identity
             cfg = replace(cfg, identity=f"shared:{shared_user}")
-        if self.cohort and client_map(cfg):
+        if self.cohort and any(hook.changes_training() for hook, _ in client_hooks(cfg)):
             raise BadParameter(
                 f"--cohort trains a round's clients as one batched model, which cannot run the client hook "
                 f"of strategy {cfg.strategy!r}; run it without --cohort"

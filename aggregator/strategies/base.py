@@ -12,8 +12,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from fedmq.broker.wire.messages import RoundConfig
 from fedmq.hooks import ClientHook
+from fedmq.train_config import TrainConfig
 
 State = dict[str, torch.Tensor]
 
@@ -110,9 +110,9 @@ class Strategy(ABC):
         return None
 
     @classmethod
-    def configure_train(cls, train: RoundConfig) -> RoundConfig:
-        """The round config the selected agents get, from the one the job's settings give;
-        default unchanged."""
+    def configure_train(cls, train: TrainConfig) -> TrainConfig:
+        """The local training the selected agents run (Flower's configure_train), from the one the job's
+        settings give; default unchanged."""
         return train
 
     @abstractmethod

@@ -28,7 +28,7 @@ from fedmq.aggregator.strategies._common import (
     zeros_like_state,
 )
 from fedmq.aggregator.strategies.base import ClientUpdate, RoundPlan, State, Strategy
-from fedmq.broker.wire.messages import RoundConfig
+from fedmq.train_config import TrainConfig
 
 
 class FedAvg(Strategy):
@@ -82,7 +82,7 @@ class FedSGD(FedAvg):
     plan: ClassVar[RoundPlan] = RoundPlan(select_all=True)
 
     @classmethod
-    def configure_train(cls, train: RoundConfig) -> RoundConfig:
+    def configure_train(cls, train: TrainConfig) -> TrainConfig:
         return dataclasses.replace(train, epochs=1, full_batch=True, max_steps=0)
 
 

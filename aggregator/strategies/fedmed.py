@@ -67,9 +67,9 @@ import torch
 from fedmq.aggregator.strategies._common import full_tensor
 from fedmq.aggregator.strategies.base import ClientUpdate, RoundPlan, State
 from fedmq.aggregator.strategies.softmax_weighted import SoftmaxWeighted
-from fedmq.broker.wire.messages import RoundConfig
 from fedmq.checks import check_number
 from fedmq.errors import BadParameter, StrategyError
+from fedmq.train_config import TrainConfig
 
 # how d_k^l becomes γ_k^l: the paper's softmax of JS, or a variant's softmax of JS over a per-layer
 # temperature
@@ -109,7 +109,7 @@ class FedMed(SoftmaxWeighted):
     js: ClassVar[str] = "raw"
 
     @classmethod
-    def configure_train(cls, train: RoundConfig) -> RoundConfig:
+    def configure_train(cls, train: TrainConfig) -> TrainConfig:
         return dataclasses.replace(train, tail_loss=True)
 
     def __init__(self, eta: float = 1.0, temperatures: Mapping[str, float] | None = None) -> None:

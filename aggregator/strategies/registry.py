@@ -27,9 +27,10 @@ from fedmq.aggregator.strategies.fedprox import FedProx
 from fedmq.aggregator.strategies.robust import ClippedFedAvg, Median, TrimmedMean
 from fedmq.aggregator.strategies.scaffold import Scaffold
 from fedmq.errors import BadParameter
-from fedmq.hooks import describe
+from fedmq.hooks import ClientHook, describe
 from fedmq.params import bind
 from fedmq.plugins import is_import_path, load_class
+from fedmq.upload_hooks import DynamicPulling, ErrorFeedback, Randomization
 
 _CLASSES: dict[str, type[Strategy]] = {
     cls.name: cls
@@ -88,14 +89,32 @@ def strategy_from_config(name: str, cfg: Any, **extra: Any) -> tuple[str, Strate
     return name, _built(name, lambda: cls.from_config(cfg, **extra))
 
 
+def client_hooks(cfg: Any) -> list[tuple[type[ClientHook], dict[str, Any]]]:
+    """The job's client side, in the order every selected agent runs it: the strategy's own hook, then the
+    upload hooks the job's settings ask for (fedmq.upload_hooks)."""
+    cls = strategy_class(cfg.strategy)
+    hooks: list[tuple[type[ClientHook], dict[str, Any]]] = []
+    if cls.client_hook is not None:
+        args = cls.client_args(bind(cls, cfg.strategy_args, f"strategy {cfg.strategy!r}"))
+        hooks.append((cls.client_hook, args))
+    if cfg.noise > 0:
+        hooks.append((Randomization, {"sigma": float(cfg.noise)}))
+    if cfg.pull != "all":
+        pulling = {
+            "mode": cfg.pull,
+            "fraction": float(cfg.pull_fraction),
+            "by": cfg.pull_by,
+            "down": cfg.pull_down,
+        }
+        hooks.append((DynamicPulling, pulling))
+    if cfg.error_feedback and cfg.encoding.startswith("delta+topk"):
+        hooks.append((ErrorFeedback, {}))
+    return hooks
+
+
 def client_map(cfg: Any) -> dict[str, Any]:
     """What every round's announcement says of the job's client side (fedmq.hooks.describe); {} for none."""
-    cls = strategy_class(cfg.strategy)
-    if cls.client_hook is None:
-        return {}
-    return describe(
-        cls.client_hook, cls.client_args(bind(cls, cfg.strategy_args, f"strategy {cfg.strategy!r}"))
-    )
+    return describe(client_hooks(cfg))
 
 
 def make_strategy(name: str, **params: Any) -> Strategy:

@@ -8,13 +8,14 @@ Every message is an Envelope (broker/wire/envelope.py); this module fixes the pa
              weights, "partial": true when the tensors are a subset the agent lays over its own values}
 - announce  aggregator -> each selected agent's latest queue (async mode: global, every agent's), small: it
             carries no tensors
-            {"selected": [ids], "config": RoundConfig (below; exactly its fields), "mode": "sync"|"async",
+            {"selected": [ids], "config": RoundConfig (below), "mode": "sync"|"async",
              "models": [{"id": model message id, "base_version": int, "partial": bool, "since": POSIX time it
              was published (where a reader starts in the stream), "bytes": its size}], and, when the strategy
-             has a client side, "client": {"version": 1, "hook": package.module:Class, "hook_version": int,
-             "args": {...}} (fedmq.hooks)}. "models" are the forms of the announced version
-             (envelope.model_version) a selected agent can fetch; it takes the smallest it can apply and
-             fetches nothing when it already holds that version. Keys an agent does not know it ignores
+             has a client side, "client": {"version": 2, "hooks": [{"hook": package.module:Class,
+             "hook_version": int, "args": {...}}, ...]} (fedmq.hooks)}. "models" are the forms of the
+             announced version (envelope.model_version) a selected agent can fetch; it takes the smallest it
+             can apply and fetches nothing when it already holds that version. Keys an agent does not know it
+             ignores
 - report    agent -> inbox   {"loss": float, "n_samples": int}
 - grant     aggregator -> each selected agent's control queue   {"granted": [ids]}
 - update    agent -> inbox   {"loss": float, "n_samples": int, "tensors": encoded state}
@@ -26,26 +27,19 @@ Every message is an Envelope (broker/wire/envelope.py); this module fixes the pa
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
+from fedmq import train_config
 from fedmq.broker.wire.encodings import EncodingSpec
 from fedmq.broker.wire.envelope import Envelope, Kind, Limits, pack, unpack
 from fedmq.errors import CodecError
 from fedmq.plugins import is_import_path
-from fedmq.pulling import MODES, SHARES
+from fedmq.train_config import TrainConfig
 
 NO_VERSION = -1
 
-# the types a RoundConfig field of each annotation may arrive as (a float field also takes an int)
-_CONFIG_TYPES: dict[str, type | tuple[type, ...]] = {
-    "int": int,
-    "bool": bool,
-    "str": str,
-    "float": (int, float),
-}
 _FIELDS: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.PRESENCE: {"state": (str,), "holds": (int,)},
     Kind.ANNOUNCE: {"selected": (list,), "config": (dict,), "models": (list,), "mode": (str,)},
@@ -60,81 +54,44 @@ _FIELDS: dict[Kind, dict[str, tuple[type, ...]]] = {
 @dataclass(frozen=True)
 class RoundConfig:
     """What a selected agent is told to do in a round: the announce's "config". The aggregator builds it
-    (aggregator.config.JobConfig.round_config, shaped by the strategy's configure_train); the agent reads it
-    after ``from_payload`` has checked every field, so a forged or damaged announce is rejected as bad-payload
-    instead of failing half-way through a round."""
+    (aggregator.config.JobConfig.round_config; the local training shaped by the strategy's configure_train);
+    the agent reads it after ``from_payload`` has checked every field, so a forged or damaged announce is
+    rejected as bad-payload instead of failing half-way through a round (or training for 10⁹ epochs). Keys it
+    does not know are ignored: an older agent keeps working with a newer aggregator's additions."""
 
-    # local training (fedmq.tasks.TrainConfig; the agent adds its device and a per-(client, round) seed)
-    epochs: int
-    full_batch: bool  # FedSGD: one step on the whole shard's gradient per epoch
-    batch_size: int
-    lr: float
-    optimizer: str
-    momentum: float
-    lr_decay: float
-    clip: float
-    max_steps: int
-    amp: bool  # mixed precision when the agent trains on a GPU (ignored on the CPU)
-    tail_loss: bool  # also report the loss at the end of local training (FedMed's top-K ranks by it)
-    seed: int
-    # the upload
-    encoding: str  # broker.wire.encodings.EncodingSpec syntax
-    noise: float  # FedAtt Eq. 6: noise·N(0, 1) added to the weights before upload
-    error_feedback: bool  # sparsified deltas: keep what the upload left out for the next one
-    pull: str  # which tensors go up: all, or a dynamic-pulling rule (fedmq.pulling.MODES)
-    pull_fraction: float
-    pull_by: str
-    pull_down: bool  # the server pushes only its rule's pick; the agent keeps its own values for the rest
-    # the round's shape and what the agent keeps until its next round
+    # local training: the task's TrainConfig, whole (the agent sets its device and derives its seed from the
+    # announced one, its id and the round)
+    train: TrainConfig
+    encoding: str  # the upload's encoding (broker.wire.encodings.EncodingSpec syntax)
     grant: bool  # wait for a grant after reporting before uploading
-    keep_model: bool  # the model trained from: the base of delta pushes, and pull-down's values
-    keep_own: bool  # its own trained model: the dynamic-pulling rule's previous state
+    keep_model: bool  # keep the model trained from: the base of delta pushes, and pull-down's values
 
     def to_payload(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {
+            "train": train_config.to_payload(self.train),
+            "encoding": self.encoding,
+            "grant": self.grant,
+            "keep_model": self.keep_model,
+        }
 
     @classmethod
     def from_payload(cls, payload: Any) -> RoundConfig:
         """The round config an announce carries; CodecError("bad-payload") unless every field is there, of its
-        type and in its range, and nothing else is."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        if not isinstance(payload, dict) or set(payload) != set(names):
-            raise CodecError(
-                "bad-payload", f"announce config must have exactly the fields {', '.join(names)}"
-            )
-        for f in dataclasses.fields(cls):
-            value = payload[f.name]
-            kind = _CONFIG_TYPES[str(f.type)]  # the annotation's text: this module postpones annotations
-            if (isinstance(value, bool) and f.type != "bool") or not isinstance(value, kind):
-                raise CodecError("bad-payload", f"announce config: {f.name} must be a {f.type}")
-            if isinstance(value, float) and not math.isfinite(value):  # an int is finite
-                raise CodecError("bad-payload", f"announce config: {f.name} is not finite")
-        p = payload
-        checks = {
-            "epochs": p["epochs"] >= 1,
-            "batch_size": p["batch_size"] >= 1,
-            "max_steps": p["max_steps"] >= 0,
-            "lr": p["lr"] > 0,
-            "momentum": p["momentum"] >= 0,
-            "lr_decay": p["lr_decay"] > 0,
-            "clip": p["clip"] >= 0,
-            "noise": p["noise"] >= 0,
-            "optimizer": p["optimizer"] in ("sgd", "adam"),
-            "pull": p["pull"] in MODES,
-            "pull_fraction": 0 < p["pull_fraction"] < 1,
-            "pull_by": p["pull_by"] in SHARES,
-        }
-        for name, ok in checks.items():
-            if not ok:
-                raise CodecError("bad-payload", f"announce config: {name}={p[name]!r} is out of range")
+        type and in its range."""
+        if not isinstance(payload, dict) or not {"train", "encoding", "grant", "keep_model"} <= set(payload):
+            raise CodecError("bad-payload", "announce config must have train, encoding, grant and keep_model")
         try:
-            EncodingSpec.parse(p["encoding"])
-        except CodecError as exc:
+            train = train_config.from_payload(payload["train"])
+        except ValueError as exc:
+            raise CodecError("bad-payload", f"announce config: {exc}") from None
+        for name in ("grant", "keep_model"):
+            if type(payload[name]) is not bool:
+                raise CodecError("bad-payload", f"announce config: {name} must be true or false")
+        try:
+            EncodingSpec.parse(payload["encoding"])
+        except (CodecError, TypeError, AttributeError) as exc:
             raise CodecError("bad-payload", f"announce config: encoding: {exc}") from None
-        fields: dict[str, Any] = {
-            f.name: float(p[f.name]) if f.type == "float" else p[f.name] for f in dataclasses.fields(cls)
-        }
-        return cls(**fields)
+        return cls(train, payload["encoding"], payload["grant"], payload["keep_model"])
 
 
 def check_payload(env: Envelope) -> Envelope:
@@ -166,18 +123,29 @@ def check_payload(env: Envelope) -> Envelope:
                     "bad-payload", "announce models must be {id, base_version, partial, since, bytes}"
                 )
         if "client" in payload and not _client_map_ok(payload["client"]):
-            raise CodecError("bad-payload", "announce client must be {version, hook, hook_version, args}")
+            raise CodecError(
+                "bad-payload", "announce client must be {version, hooks: [{hook, hook_version, args}]}"
+            )
     return env
 
 
 def _client_map_ok(entry: object) -> bool:
     """The announcement's client side (fedmq.hooks.describe): its shape only; an agent that cannot run it says
-    so itself (a newer ``version`` of the map, or a hook it does not have)."""
-    if not isinstance(entry, dict) or not {"version", "hook", "hook_version", "args"} <= set(entry):
+    so itself (a newer ``version`` of the map, or a hook it does not have). Version 2 lists its hooks in
+    ``hooks``; version 1 was one hook's entry at the top."""
+    if not isinstance(entry, dict) or type(entry.get("version")) is not int:
+        return False
+    hooks = entry.get("hooks", [])
+    if "hook" in entry:
+        hooks = [entry]
+    return isinstance(hooks, list) and all(_hook_entry_ok(h) for h in hooks)
+
+
+def _hook_entry_ok(entry: object) -> bool:
+    if not isinstance(entry, dict) or not {"hook", "hook_version", "args"} <= set(entry):
         return False
     return (
-        type(entry["version"]) is int
-        and isinstance(entry["hook"], str)
+        isinstance(entry["hook"], str)
         and is_import_path(entry["hook"])
         and type(entry["hook_version"]) is int
         and isinstance(entry["args"], dict)

@@ -110,7 +110,7 @@ class UniformMean(fedmq.Strategy):
     plan = fedmq.RoundPlan(select_all=True)
 
     @classmethod
-    def configure_train(cls, train: fedmq.RoundConfig) -> fedmq.RoundConfig:
+    def configure_train(cls, train: fedmq.TrainConfig) -> fedmq.TrainConfig:
         return dataclasses.replace(train, epochs=2)
 
     def begin(self, global_state: Mapping[str, torch.Tensor]) -> None:

@@ -9,32 +9,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from fedmq import defaults
 from fedmq.manifest import Manifest
+from fedmq.train_config import TrainConfig
 
 Progress = Callable[[int, int], None]  # (steps done, steps total)
-
-
-@dataclass
-class TrainConfig:
-    epochs: int = defaults.EPOCHS
-    batch_size: int = defaults.BATCH_SIZE
-    lr: float = defaults.LR
-    optimizer: str = defaults.OPTIMIZER  # "sgd" | "adam"
-    momentum: float = defaults.MOMENTUM
-    lr_decay: float = defaults.LR_DECAY  # multiply lr by this after every local epoch
-    clip: float = defaults.CLIP  # gradient-norm clipping (0 = off)
-    warmup_steps: int = 0  # lr rises linearly from lr/warmup_steps to lr over the first steps (0 = off)
-    linear_decay: bool = False  # after warm-up, lr falls linearly to 0 at the run's last step
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    max_steps: int = 0  # cap on optimizer steps per local run (0 = no cap); the CPU scale uses it
-    full_batch: bool = (
-        False  # FedSGD (McMahan et al., B = ∞): one step on the gradient of the whole shard per epoch
-    )
-    tail_loss: bool = False  # also measure the trained model's loss on its shard (FedMed's top-K ranks by it)
-    device: str = "cpu"  # "auto" | "cpu" | "cuda"
-    amp: bool = False  # mixed precision on CUDA
-    seed: int = 0
 
 
 @dataclass

@@ -214,10 +214,9 @@ def test_dynamic_pulling_in_both_directions(federation, task, tmp_path):
             self.names = [rec["n"] for rec in menv.payload["tensors"]["t"]]
             return menv
 
-        def _fetch_model(self, env, manifest=None):
-            kept = self._kept("own")
-            own = None if kept is None else {k: v.clone() for k, v in kept[1].items()}
-            out = super()._fetch_model(env, manifest)
+        def _fetch_model(self, env, manifest=None, own=None):
+            out = super()._fetch_model(env, manifest, own)
+            own = None if own is None else {k: v.clone() for k, v in own.items()}
             if out is not None:
                 seen.setdefault(self.client, []).append(
                     (env.round, self.names, own, {k: v.clone() for k, v in out.items()})
@@ -313,8 +312,8 @@ def test_upload_only_pulling_keeps_unsent_tensors_private(federation, task, tmp_
     fetched: dict[str, dict[int, dict]] = {}
 
     class Recording(Agent):
-        def _fetch_model(self, env, manifest=None):
-            out = super()._fetch_model(env, manifest)
+        def _fetch_model(self, env, manifest=None, own=None):
+            out = super()._fetch_model(env, manifest, own)
             if out is not None:
                 fetched.setdefault(self.client, {})[env.round] = {k: v.clone() for k, v in out.items()}
             return out

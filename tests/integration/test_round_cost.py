@@ -188,25 +188,33 @@ def test_a_model_published_before_its_announced_time_is_still_found(task, monkey
 def _feedback_run(federation, task, tmp_path, name: str, **kw):
     """Three clients, every one selected every round, top-5 % deltas up, raw down;
     records what each agent kept."""
-    from fedmq.broker.wire.encodings import decode_state
     from fedmq.client_agent.agent import Agent
+    from fedmq.upload_hooks import ErrorFeedback
 
     seen: dict[str, list[dict]] = {}
 
     class Recording(Agent):
-        def _keep_residual(self, upload, held, tensors, version, residual):
-            super()._keep_residual(upload, held, tensors, version, residual)
-            seen.setdefault(self.client, []).append(
-                {
-                    "upload_delta": {k: (v - held[k]).clone() for k, v in upload.items()},
-                    "before": None if residual is None else {k: t.clone() for k, t in residual[1].items()},
-                    "after": {k: t.clone() for k, t in self.store.get(self.client, "residual")[1].items()},
-                    "sent": {
-                        k: torch.from_numpy(v)
-                        for k, v in decode_state(tensors, self.manifest, held, as_delta=True).items()
-                    },
-                }
-            )
+        def _client_hooks(self, spec, version):
+            hooks = super()._client_hooks(spec, version)
+            for hook, _ in hooks:
+                if isinstance(hook, ErrorFeedback):
+                    hook.sent = self._recorded(hook, hook.sent)
+            return hooks
+
+        def _recorded(self, hook, plain):
+            def sent(update, kept):
+                held, before = hook.context.held, hook._residual
+                plain(update, kept)
+                seen.setdefault(self.client, []).append(
+                    {
+                        "upload_delta": {k: (v - held[k]).clone() for k, v in hook._upload.items()},
+                        "before": None if before is None else {k: t.clone() for k, t in before.items()},
+                        "after": {k: t.clone() for k, t in kept.get("residual").items()},
+                        "sent": {k: v.clone() for k, v in update.items()},
+                    }
+                )
+
+            return sent
 
     cfg = _cfg(name, clients=3, fraction=1.0, rounds=4, encoding="delta+topk:0.05", **kw)
     engine, agents, summary = federation(
@@ -243,7 +251,9 @@ def test_error_feedback_brings_topk_closer_to_raw_and_off_keeps_nothing(federati
     off_engine, off_agents, off_seen = _feedback_run(
         federation, task, tmp_path, "efoff", error_feedback=False
     )
-    assert off_seen == {} and all(a.store.get(a.client, "residual") is None for a in off_agents)
+    assert off_seen == {} and all(
+        a.store.get(a.client, "hook.error-feedback.residual") is None for a in off_agents
+    )
 
     def gap(engine) -> float:
         return (
@@ -262,12 +272,16 @@ def test_error_feedback_is_a_boolean_and_only_for_sparsified_deltas():
 
     with pytest.raises(JobConfigError, match="error_feedback must be true or false"):
         JobConfig(error_feedback="yes")
-    assert JobConfig(encoding="delta+topk:0.05").round_config().error_feedback is True
-    assert JobConfig(encoding="delta+topk:0.05", error_feedback=False).round_config().error_feedback is False
-    assert (
-        JobConfig(encoding="delta+int8").round_config().error_feedback is False
-    )  # quantised, not sparsified
-    assert JobConfig(encoding="topk:0.05").round_config().error_feedback is False  # weights, not a change
+    from fedmq.aggregator.strategies.registry import client_hooks
+    from fedmq.upload_hooks import ErrorFeedback
+
+    def feedback(**settings) -> bool:
+        return (ErrorFeedback, {}) in client_hooks(JobConfig(**settings))
+
+    assert feedback(encoding="delta+topk:0.05")
+    assert not feedback(encoding="delta+topk:0.05", error_feedback=False)
+    # quantised, not sparsified; and topk of the weights, not of a change
+    assert not feedback(encoding="delta+int8") and not feedback(encoding="topk:0.05")
 
 
 def test_mixed_precision_reaches_local_training_and_the_cpu_ignores_it(federation, task, tmp_path):
@@ -278,7 +292,7 @@ def test_mixed_precision_reaches_local_training_and_the_cpu_ignores_it(federatio
 
     class Recording(Agent):
         def _train(self, model, held, cfg, rnd, crash, **hook):
-            asked.append(cfg.amp)
+            asked.append(cfg.train.amp)
             return super()._train(model, held, cfg, rnd, crash, **hook)
 
     runs = {}
@@ -288,7 +302,7 @@ def test_mixed_precision_reaches_local_training_and_the_cpu_ignores_it(federatio
             task, cfg, f"memory://amp{int(amp)}", tmp_path / str(amp), agent_class=lambda i: Recording
         )
     assert asked == [False] * 6 + [True] * 6
-    assert JobConfig(amp=True).round_config().amp and not JobConfig().round_config().amp
+    assert JobConfig(amp=True).train_config().amp and not JobConfig().train_config().amp
     for k, v in runs[False].global_state.items():
         assert torch.equal(v, runs[True].global_state[k])
 
@@ -298,6 +312,7 @@ def test_mixed_precision_is_a_boolean_in_the_job_and_on_the_wire():
 
     with pytest.raises(JobConfigError, match="amp must be true or false"):
         JobConfig(amp="yes")
-    payload = {**JobConfig().round_config().to_payload(), "amp": 1}
-    with pytest.raises(CodecError, match="amp must be a bool"):
+    payload = JobConfig().round_config().to_payload()
+    payload["train"]["amp"] = 1
+    with pytest.raises(CodecError, match="train amp must be bool"):
         messages.RoundConfig.from_payload(payload)

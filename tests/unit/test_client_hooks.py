@@ -14,6 +14,7 @@ from fedmq.broker.wire.envelope import pack
 from fedmq.client_agent.agent import Agent, ClientHookError
 from fedmq.errors import CodecError
 from fedmq.hooks import PROTOCOL, ClientHook, install_gradient_terms
+from fedmq.train_config import TrainConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "docs" / "examples"))
 from logreg import LogReg  # noqa: E402
@@ -25,14 +26,18 @@ def _agent(strategy: str = "fedprox") -> Agent:
     return Agent(lambda: None, "job", "agent-0", 0, LogReg(clients=2), strategy=strategy)
 
 
-def _map(hook: str = PROX, **over) -> dict:
-    return {"version": PROTOCOL, "hook": hook, "hook_version": 1, "args": {"mu": 0.1}, **over}
+def _map(hook: str = PROX, version: int = PROTOCOL, **over) -> dict:
+    entry = {"hook": hook, "hook_version": 1, "args": {"mu": 0.1}, **over}
+    return {"version": version, "hooks": [entry]}
 
 
 def test_an_agent_builds_fedmqs_own_hook_with_the_announced_arguments():
-    hook = _agent()._client_hook(_map())
+    [(hook, kept)] = _agent()._client_hooks(_map(), 3)
     assert type(hook).__name__ == "ProxHook" and hook.mu == 0.1
-    assert _agent()._client_hook(None) is None and _agent()._client_hook({}) is None
+    assert _agent()._client_hooks(None, 3) == [] and _agent()._client_hooks({}, 3) == []
+    # the first version of the map named one hook at its top; an agent still reads it
+    [(old, _)] = _agent()._client_hooks({"version": 1, **_map()["hooks"][0]}, 3)
+    assert old.mu == 0.1
 
 
 @pytest.mark.parametrize(
@@ -53,7 +58,7 @@ def test_an_agent_builds_fedmqs_own_hook_with_the_announced_arguments():
 )
 def test_what_an_agent_cannot_run_is_one_line(spec, strategy, words):
     with pytest.raises(ClientHookError, match=words.replace("(", r"\(").replace(")", r"\)")) as err:
-        _agent(strategy)._client_hook(spec)
+        _agent(strategy)._client_hooks(spec, 3)
     assert "\n" not in str(err.value)
 
 
@@ -63,44 +68,73 @@ def test_the_strategys_own_module_may_provide_the_hook(tmp_path, monkeypatch):
         "    def __init__(self, mu: float = 0.0):\n        self.mu = mu\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert _agent("mine:Strategy")._client_hook(_map("mine:Hook")).mu == 0.1
+    assert _agent("mine:Strategy")._client_hooks(_map("mine:Hook"), 3)[0][0].mu == 0.1
+
+
+def _round_config(**train) -> messages.RoundConfig:
+    settings = {"epochs": 1, "batch_size": 4, "lr": 0.1, "clip": 0.0, "max_steps": 1, **train}
+    return messages.RoundConfig(TrainConfig(**settings), encoding="raw", grant=False, keep_model=False)
 
 
 def test_announcements_carry_a_checked_client_map_that_old_agents_can_ignore():
-    cfg = messages.RoundConfig(
-        epochs=1,
-        full_batch=False,
-        batch_size=4,
-        lr=0.1,
-        optimizer="sgd",
-        momentum=0.0,
-        lr_decay=1.0,
-        clip=0.0,
-        max_steps=1,
-        amp=False,
-        tail_loss=False,
-        seed=0,
-        encoding="raw",
-        noise=0.0,
-        error_feedback=False,
-        pull="all",
-        pull_fraction=0.5,
-        pull_by="params",
-        pull_down=False,
-        grant=False,
-        keep_model=False,
-        keep_own=False,
-    )
+    cfg = _round_config()
     env = messages.announce("job", 1, 0, ["agent-0"], cfg, [], client={**_map(), "future": {"x": 1}})
-    assert messages.decode(messages.encode(env)).payload["client"]["hook"] == PROX
+    assert messages.decode(messages.encode(env)).payload["client"]["hooks"][0]["hook"] == PROX
     assert "client" not in messages.announce("job", 1, 0, ["agent-0"], cfg, []).payload
-    for bad in ({"version": 1}, _map(hook="not a path"), _map(args=[1]), _map(version="1")):
+    bad_maps = (
+        {"hooks": []},
+        _map(hook="not a path"),
+        _map(args=[1]),
+        {"version": "1", "hooks": []},
+        {"version": 2, "hooks": {"hook": PROX}},
+    )
+    for bad in bad_maps:
         env = messages.announce("job", 1, 0, ["agent-0"], cfg, [])
         env.payload["client"] = bad
         with pytest.raises(CodecError, match="announce client must be"):
-            messages.decode(
-                messages.pack_unchecked(env) if hasattr(messages, "pack_unchecked") else _pack(env)
-            )
+            messages.decode(_pack(env))
+    # a newer map's shape is the agent's to refuse, in words (above), not a damaged message
+    env = messages.announce("job", 1, 0, ["agent-0"], cfg, [], client={"version": PROTOCOL + 1, "plan": 1})
+    assert messages.decode(messages.encode(env)).payload["client"]["version"] == PROTOCOL + 1
+
+
+def test_the_training_settings_travel_whole_and_within_bounds():
+    cfg = _round_config(warmup_steps=5, adam_betas=(0.8, 0.99), optimizer="adam")
+    payload = cfg.to_payload()
+    assert "device" not in payload["train"]
+    assert messages.RoundConfig.from_payload(payload) == cfg
+    # keys a newer aggregator adds are ignored, in the config and in its training settings
+    newer = {**payload, "later": 1, "train": {**payload["train"], "later": True}}
+    assert messages.RoundConfig.from_payload(newer) == cfg
+    for field, value in [
+        ("epochs", 10**9),
+        ("lr", 1e300),
+        ("batch_size", 2**40),
+        ("max_steps", -1),
+        ("lr", 0.0),
+        ("momentum", float("nan")),
+        ("adam_betas", [0.9, 1.5]),
+        ("epochs", 2.0),
+        ("optimizer", "lbfgs"),
+    ]:
+        forged = {**payload, "train": {**payload["train"], field: value}}
+        with pytest.raises(CodecError, match=f"announce config: train {field}"):
+            messages.RoundConfig.from_payload(forged)
+    lacking = {**payload, "train": {k: v for k, v in payload["train"].items() if k != "lr"}}
+    with pytest.raises(CodecError, match="train lacks lr"):
+        messages.RoundConfig.from_payload(lacking)
+
+
+def test_a_job_asking_for_more_than_an_agent_trains_with_is_refused_at_once():
+    from fedmq.aggregator.config import JobConfig, JobConfigError
+
+    for field, value, words in [
+        ("epochs", 5_000, r"epochs \(--epochs\) must be in \[1, 1000\]"),
+        ("lr", 1e5, r"lr \(--lr\) must be in \(0, 10000\]"),
+        ("batch_size", 2**20, r"batch_size \(--batch-size\) must be in"),
+    ]:
+        with pytest.raises(JobConfigError, match=words):
+            JobConfig(**{field: value})
 
 
 def _pack(env):
@@ -141,3 +175,31 @@ def test_cohort_training_refuses_a_strategy_with_a_client_hook(tmp_path):
     sim = fedmq.Simulation(cfg, LogReg(clients=2), run_dir=tmp_path / "run", cohort=True)
     with pytest.raises(fedmq.BadParameter, match="cannot run the client hook of strategy 'fedprox'"):
         sim.run()
+
+
+def test_the_jobs_settings_choose_fedmqs_upload_hooks_after_the_strategys():
+    from fedmq.aggregator.config import JobConfig
+    from fedmq.aggregator.strategies.fedprox import ProxHook
+    from fedmq.aggregator.strategies.registry import client_hooks, client_map
+    from fedmq.upload_hooks import DynamicPulling, ErrorFeedback, Randomization
+
+    assert client_hooks(JobConfig()) == [] and client_map(JobConfig()) == {}
+    assert client_hooks(JobConfig(strategy="fedprox", noise=0.01, strategy_args={"mu": 0.2})) == [
+        (ProxHook, {"mu": 0.2}),
+        (Randomization, {"sigma": 0.01}),
+    ]
+    pulled = client_hooks(JobConfig(strategy="pull-global", pull_down=True, pull_fraction=0.33))
+    assert pulled == [(DynamicPulling, {"mode": "global", "fraction": 0.33, "by": "params", "down": True})]
+    assert client_hooks(JobConfig(encoding="delta+topk:0.05")) == [(ErrorFeedback, {})]
+    assert client_hooks(JobConfig(encoding="delta+topk:0.05", error_feedback=False)) == []
+    # each is announced by its import path, which every agent may import (it is fedmq's)
+    spec = client_map(JobConfig(strategy="pull-local", noise=0.1))
+    assert [h["hook"] for h in spec["hooks"]] == [
+        "fedmq.upload_hooks:Randomization",
+        "fedmq.upload_hooks:DynamicPulling",
+    ]
+    built = _agent()._client_hooks(spec, 1)
+    assert [type(h).__name__ for h, _ in built] == ["Randomization", "DynamicPulling"]
+    # only a hook that acts inside training keeps a job from batched cohort training
+    assert ProxHook.changes_training() and not Randomization.changes_training()
+    assert not DynamicPulling.changes_training() and ErrorFeedback.reads_what_is_sent()

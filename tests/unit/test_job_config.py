@@ -12,7 +12,7 @@ def test_defaults_are_valid_and_derived_properties():
     assert JobConfig(strategy="fedmed").grant_phase  # the mediator needs every report first
     assert JobConfig(beta=0.5).grant_phase
     assert JobConfig(strategy="fedsgd").selected_count() == 10
-    assert JobConfig(strategy="fedsgd", epochs=5).round_config().epochs == 1
+    assert JobConfig(strategy="fedsgd", epochs=5).train_config().epochs == 1
     assert JobConfig(strategy="pull-global").pull == "global"
     # the first names (dp-*) read as differential privacy: still accepted, stored under the new ones
     assert (
@@ -62,24 +62,25 @@ def test_default_encodings_and_auto():
     )  # pull-down uploads cannot be deltas
     assert JobConfig.from_dict(JobConfig().to_dict()).encoding == "delta+bf16"
     cfg = JobConfig(pull_down=False, down_encoding="delta+bf16", strategy="pull-local")
-    assert (
-        cfg.round_config().keep_model and cfg.round_config().keep_own
-    )  # a delta base, the pulling rule's input
-    assert not JobConfig().round_config().keep_model and not JobConfig().round_config().keep_own
+    # a delta base; the pulling rule's input is the pulling hook's (fedmq.upload_hooks)
+    assert cfg.round_config().keep_model and cfg.pull == "local"
+    assert not JobConfig().round_config().keep_model
 
 
 def test_pull_share_is_of_parameters_by_default_and_validated():
-    assert JobConfig(strategy="pull-local").round_config().pull_by == "params"
-    assert JobConfig(strategy="pull-local", pull_by="count").round_config().pull_by == "count"
+    from fedmq.aggregator.strategies.registry import client_hooks
+
+    assert client_hooks(JobConfig(strategy="pull-local"))[0][1]["by"] == "params"
+    assert client_hooks(JobConfig(strategy="pull-local", pull_by="count"))[0][1]["by"] == "count"
     with pytest.raises(JobConfigError, match="pull_by 'bytes'"):
         JobConfig(strategy="pull-local", pull_by="bytes")
 
 
 def test_fedsgd_is_one_full_batch_step_on_every_client():
-    cfg = JobConfig(strategy="fedsgd", clients=7, fraction=0.1, epochs=5, max_steps=30).round_config()
+    cfg = JobConfig(strategy="fedsgd", clients=7, fraction=0.1, epochs=5, max_steps=30).train_config()
     assert cfg.full_batch and cfg.epochs == 1 and cfg.max_steps == 0
     assert JobConfig(strategy="fedsgd", clients=7, fraction=0.1).selected_count() == 7
-    assert not JobConfig(strategy="fedavg", epochs=5).round_config().full_batch
+    assert not JobConfig(strategy="fedavg", epochs=5).train_config().full_batch
 
 
 @pytest.mark.parametrize(
@@ -108,9 +109,9 @@ def test_job_config_validates_everything_it_holds(values, message):
 def test_round_lr_decay_sets_each_rounds_learning_rate():
     """Round r's announce carries lr × round_lr_decay^(r−1); 1 (the default) keeps it constant."""
     cfg = JobConfig(lr=2.0, round_lr_decay=0.5)
-    assert [cfg.round_config(r).lr for r in (1, 2, 3)] == [2.0, 1.0, 0.5]
-    assert JobConfig(lr=2.0).round_config(7).lr == 2.0
-    assert JobConfig(lr=1.0, round_lr_decay=0.5).round_config(5000).lr > 0  # underflow never sends lr = 0
+    assert [cfg.train_config(r).lr for r in (1, 2, 3)] == [2.0, 1.0, 0.5]
+    assert JobConfig(lr=2.0).train_config(7).lr == 2.0
+    assert JobConfig(lr=1.0, round_lr_decay=0.5).train_config(5000).lr > 0  # underflow never sends lr = 0
 
 
 @pytest.mark.parametrize(

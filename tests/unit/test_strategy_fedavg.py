@@ -44,7 +44,7 @@ def test_fedavg_client_weights_are_sample_shares():
 def test_fedsgd_aggregates_like_fedavg_after_one_full_batch_step_of_every_client():
     assert torch.equal(run(FedSGD(), UPDATES)["w"], torch.tensor([3.0, 3.0]))
     cfg = JobConfig(job="j", strategy="fedsgd", clients=7, fraction=0.1, epochs=3, max_steps=5)
-    train = cfg.round_config()
+    train = cfg.train_config()
     assert cfg.selected_count() == 7 and train.full_batch and train.epochs == 1 and train.max_steps == 0
 
 

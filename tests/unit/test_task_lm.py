@@ -366,8 +366,8 @@ def test_tail_loss_is_the_trained_models_loss_on_its_shard(corpus_dir):
 def test_fedmed_rounds_ask_for_the_tail_loss_and_others_do_not():
     from fedmq.aggregator.config import JobConfig
 
-    assert JobConfig(strategy="fedmed").round_config().tail_loss is True
-    assert JobConfig(strategy="fedavg").round_config().tail_loss is False
+    assert JobConfig(strategy="fedmed").train_config().tail_loss is True
+    assert JobConfig(strategy="fedavg").train_config().tail_loss is False
 
 
 def test_full_batch_step_covers_the_same_targets_whatever_the_stream_count(corpus_dir):
