@@ -146,6 +146,13 @@ _FEDMED_MODEL = {
 }
 
 
+# FedMed's forms (aggregator/strategies/fedmed.py): "fedmed", the paper's JS weights, is a cell of every grid
+# that has FedMed; its variants are cells of the same grids (``grid``) that run only where --only names them
+# (``select``), so that the results made with them (benchmarks/results/) keep their own names
+FEDMED_VARIANTS = ("fedmed-relative", "fedmed-standardised")
+FEDMED_FORMS = ("fedmed", *FEDMED_VARIANTS)
+
+
 def _corpus(name: str) -> str:
     """The folder of a corpus in the data folder ($FEDMQ_DATA_DIR, fedmq.tasks.corpora); ``check_corpora``
     checks that it is there."""
@@ -168,22 +175,23 @@ def _lm(
     options = {**_LM_TASK[scale], "data": _corpus(corpus), "tied": True, **(task or {})}
     settings = {**_LM_JOB[scale], **_DEADLINES, **job}
     options["clients"] = settings["clients"]
-    if settings.get("strategy") == "fedmed" and lstm and scale == "paper":
+    if settings.get("strategy") in FEDMED_FORMS and lstm and scale == "paper":
         options.update(_FEDMED_MODEL[scale])
     return RunSpec(name, "lm", options, settings, {"corpus": corpus, **labels})
 
 
 def _model(scale: str, strategy: str) -> str:
-    return (_FEDMED_MODEL if strategy == "fedmed" and scale == "paper" else _LM_TASK)[scale]["model"]
+    return (_FEDMED_MODEL if strategy in FEDMED_FORMS and scale == "paper" else _LM_TASK)[scale]["model"]
 
 
 def _pick(scale: str, smoke: list, cpu: list, paper: list) -> list:
     return {"smoke": smoke, "cpu": cpu, "paper": paper}[scale]
 
 
-def table2(scale: str) -> list[RunSpec]:
+def table2(scale: str, fedmed: Sequence[str] = ("fedmed",)) -> list[RunSpec]:
     """FedAtt Table II + FedMed Table 2: FedSGD, FedAvg, FedAtt (GRU), FedMed (LSTM at the paper scale) at
-    C = 0.1 and 0.5, each C beside a centralized baseline with the same token passes (``central-cC``)."""
+    C = 0.1 and 0.5, each C beside a centralized baseline with the same token passes (``central-cC``);
+    ``fedmed``: the FedMed forms in the grid (FEDMED_FORMS)."""
     runs = []
     for corpus in _CORPORA[scale]:
         streams = {"batch_size": PAPER_FEDSGD_STREAMS} if scale == "paper" else {}
@@ -199,7 +207,7 @@ def table2(scale: str) -> list[RunSpec]:
             )
         )
         for c in _pick(scale, [0.5], [0.1, 0.5], [0.1, 0.5]):
-            for s in ("fedavg", "fedatt", "fedmed"):
+            for s in ("fedavg", "fedatt", *fedmed):
                 runs.append(
                     _lm(
                         scale,
@@ -255,21 +263,21 @@ def sweep(scale: str) -> list[RunSpec]:
     ]
 
 
-def fraction(scale: str) -> list[RunSpec]:
+def fraction(scale: str, fedmed: Sequence[str] = ("fedmed",)) -> list[RunSpec]:
     """FedAtt Fig. 2 / FedMed Fig. 4: test perplexity vs the client fraction C."""
     cs = _pick(scale, [0.5], [0.1, 0.2, 0.5, 0.7, 0.9], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
     return [
         _lm(scale, f"{s}-c{c}", {"strategy": s, "C": c}, strategy=s, fraction=c)
         for c in cs
-        for s in ("fedavg", "fedatt", "fedmed")
+        for s in ("fedavg", "fedatt", *fedmed)
     ]
 
 
-def rounds_to_target(scale: str) -> list[RunSpec]:
+def rounds_to_target(scale: str, fedmed: Sequence[str] = ("fedmed",)) -> list[RunSpec]:
     """FedAtt Fig. 3 / FedMed Fig. 6: rounds (and bytes) until validation perplexity reaches a target."""
     runs = []
     for e in _pick(scale, [1], [1, 2], [1, 5, 10]):
-        for s in ("fedavg", "fedatt", "fedmed"):
+        for s in ("fedavg", "fedatt", *fedmed):
             runs.append(
                 _lm(
                     scale,
@@ -296,20 +304,14 @@ def rounds_to_target(scale: str) -> list[RunSpec]:
     return runs
 
 
-def topk(scale: str) -> list[RunSpec]:
+def topk(scale: str, fedmed: Sequence[str] = ("fedmed",)) -> list[RunSpec]:
     """FedMed Fig. 5: top-K share β of the reporting clients allowed to upload, vs upload bytes."""
     betas = _pick(
         scale, [0.5, 1.0], [0.3, 0.5, 0.7, 0.8, 0.9, 1.0], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
     )
     return [
-        _lm(
-            scale,
-            f"fedmed-beta{b}",
-            {"strategy": "fedmed", "beta": b},
-            strategy="fedmed",
-            fraction=0.5,
-            beta=b,
-        )
+        _lm(scale, f"{s}-beta{b}", {"strategy": s, "beta": b}, strategy=s, fraction=0.5, beta=b)
+        for s in fedmed
         for b in betas
     ]
 
@@ -603,6 +605,16 @@ EXPERIMENTS: dict[str, Callable[..., list[RunSpec]]] = {
 NAMES = (*EXPERIMENTS, "nmt-domains")
 
 
+def grid(name: str, scale: str) -> list[RunSpec]:
+    """Every cell of experiment ``name``'s grid at ``scale``: what ``EXPERIMENTS[name]`` runs, then its FedMed
+    cells in each variant of FedMed (FEDMED_VARIANTS; ``select`` runs them only where --only names them)."""
+    specs = EXPERIMENTS[name](scale)
+    if any(s.job.get("strategy") == "fedmed" for s in specs):
+        variants = EXPERIMENTS[name](scale, fedmed=FEDMED_VARIANTS)
+        specs += [s for s in variants if s.job.get("strategy") in FEDMED_VARIANTS]
+    return specs
+
+
 # a federation's wire unless its spec says otherwise: the reproductions compare algorithms, not encodings
 _LOSSLESS = {"encoding": "raw", "down_encoding": "raw"}
 _TASKS: dict[str, Task] = {}  # built tasks by options, shared by the experiments of one process
@@ -796,19 +808,34 @@ def ran_as(run_dir: Path, cfg: JobConfig) -> bool:
     ``heartbeat_s`` (presence timing, not a result: fedmq.simulation raises it with K, so a K = 100 run
     records 2.0 where its spec says 1.0 and, before this was ignored, was deleted and started again on every
     rerun) and the settings only other strategies read (``Strategy.own_settings``: FedAvg does not depend on
-    FedMed's JS weighting). A spec names only the settings it changes, so without this a changed default
-    (FedMed's JS weighting, 2026-11-24) would leave the runs made under the old one counted as done. A folder
-    without config.json (the centralized baseline, whose spec names every setting it uses) passes."""
+    FedAtt's ε). A spec names only the settings it changes, so without this a changed default would leave the
+    runs made under the old one counted as done. A folder without config.json (the centralized baseline,
+    whose spec names every setting it uses) passes. A run recorded as ``fedmed`` with JS weights other than
+    the paper's (``fedmed_js``, the setting FedMed's variants were before they had names) ran as that
+    variant (``ran_strategy``)."""
     from fedmq.aggregator.strategies.registry import OWN_SETTINGS
 
     recorded = read_config(run_dir)
     if recorded is None:
         return True
-    ignored = {"job", "extra", "seed", "heartbeat_s"} | (OWN_SETTINGS - set(cfg.strategy_class.own_settings))
+    recorded = {k: v for k, v in recorded.items() if k != "fedmed_js"} | {"strategy": ran_strategy(recorded)}
+    ignored = {"job", "extra", "seed", "heartbeat_s", "fedmed_js"}
+    ignored |= OWN_SETTINGS - set(cfg.strategy_class.own_settings)
     now, default = cfg.to_dict(), JobConfig().to_dict()
     return all(
         recorded[k] == v if k in recorded else v == default[k] for k, v in now.items() if k not in ignored
     )
+
+
+def ran_strategy(recorded: dict[str, Any]) -> Any:
+    """The strategy a run folder's config.json says the run ran: its ``strategy``, but a ``fedmed`` run that
+    records ``fedmed_js`` (JS weights as a job setting, before FedMed's variants had names) ran as the variant
+    of that weighting. Where JobConfig still has the setting, its default is what every run records, and a
+    ``fedmed`` run recording it is taken as FedMed."""
+    strategy, js = recorded.get("strategy"), recorded.get("fedmed_js")
+    if strategy != "fedmed" or js in (None, "raw", getattr(JobConfig(), "fedmed_js", None)):
+        return strategy
+    return f"fedmed-{js}"
 
 
 def work_key(spec: dict[str, Any], seed: int) -> str:
@@ -897,14 +924,26 @@ def markdown(results: list[dict[str, Any]], columns: list[str] | None = None) ->
     return "\n".join(lines)
 
 
+def _default_cell(spec: RunSpec) -> bool:
+    """Whether ``spec`` runs when --only names nothing: every cell but a FedMed variant's."""
+    return spec.job.get("strategy") not in FEDMED_VARIANTS
+
+
+def _picks(wanted: str, spec: RunSpec, names: set[str]) -> bool:
+    """Whether the --only alternative ``wanted`` picks ``spec`` (``select``); ``names``: the grid's."""
+    variant = None if _default_cell(spec) else spec.job["strategy"]
+    hit = wanted == spec.name if wanted in names else wanted in spec.name
+    return hit and (variant is None or variant in wanted)
+
+
 def select(specs: list[RunSpec], only: str | None, overrides: dict[str, Any] | None) -> list[RunSpec]:
     """Keep the runs ``only`` names (comma-separated alternatives; one that is a run's whole name picks that
-    run, any other every run whose name contains it) and apply job ``overrides``."""
+    run, any other every run whose name contains it) and apply job ``overrides``. A cell of a FedMed variant
+    (FEDMED_VARIANTS) runs only where an alternative names the variant (``fedmed-relative``,
+    ``ptb-fedmed-relative-c0.1``): ``fedmed`` or ``c0.1`` alone leave it out."""
     wanted = [w for w in (only or "").split(",") if w]
     names = {s.name for s in specs}
-    picked = [
-        s for s in specs if not wanted or any(w == s.name if w in names else w in s.name for w in wanted)
-    ]
+    picked = [s for s in specs if (any(_picks(w, s, names) for w in wanted) if wanted else _default_cell(s))]
     if not picked:
         raise ExperimentError(f"no run name contains {only!r}; runs: {', '.join(s.name for s in specs)}")
     for spec in picked:
@@ -930,7 +969,7 @@ def run_lm_experiment(
     cohort: bool = False,
 ) -> dict[str, Any]:
     runner = Runner(out, simulation, device=device, shared=shared, cohort=cohort)
-    specs = select(EXPERIMENTS[name](scale), only, overrides)
+    specs = select(grid(name, scale), only, overrides)
     if name == "dropout":
         for spec in specs:
             if spec.availability == "trace":
@@ -1244,7 +1283,7 @@ def corpora_needed(name: str, scale: str, only: str | None = None) -> list[str]:
     data folder (fedmq.tasks.corpora)."""
     if name == "nmt-domains":
         return ["de-en"]
-    return sorted({spec.labels["corpus"] for spec in select(EXPERIMENTS[name](scale), only, None)})
+    return sorted({spec.labels["corpus"] for spec in select(grid(name, scale), only, None)})
 
 
 def check_corpora(name: str, scale: str, only: str | None = None) -> None:
@@ -1418,7 +1457,7 @@ def run_experiment(
     if not seeds or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds):
         raise ExperimentError(f"seeds must be distinct whole numbers >= 0, got {seeds}")
     if name != "nmt-domains":
-        select(EXPERIMENTS[name](scale), only, overrides)  # validate before anything is written
+        select(grid(name, scale), only, overrides)  # validate before anything is written
     elif (
         overrides
     ):  # --set would change the federations but not the local-only baselines they are read against

@@ -310,10 +310,11 @@ def test_central_baseline_resumes_from_its_checkpoint(tmp_path, monkeypatch):
 
 
 def test_a_run_made_under_an_older_default_is_run_again(tmp_path):
-    """A finished run whose config.json records another value of a setting its strategy reads (FedMed's JS
-    weighting before 2026-11-24) is replaced; one that differs only in another strategy's setting, or predates
-    a setting now at its default, is kept."""
-    from fedmq.benchmarks.experiments import Runner
+    """A finished run whose config.json says it ran otherwise than its cell is replaced: a ``fedmed`` run that
+    records JS weights other than the paper's (``fedmed_js``, the setting FedMed's variants were before they
+    had names) ran as that variant, not as FedMed. One that differs only in a setting its strategy does not
+    read, or predates a setting now at its default, is kept."""
+    from fedmq.benchmarks.experiments import Runner, ran_strategy
 
     specs = {s.name: s for s in experiments.table2("smoke")}
     runner = Runner(tmp_path, Simulation)
@@ -321,9 +322,12 @@ def test_a_run_made_under_an_older_default_is_run_again(tmp_path):
         runner.federate(specs[name], seed=0)
         config = tmp_path / name / "config.json"
         recorded = json.loads(config.read_text())
-        assert recorded["fedmed_js"] == "relative" and recorded["amp"] is False
+        assert recorded["amp"] is False and ran_strategy(recorded) == specs[name].job["strategy"]
         del recorded["amp"]  # as if run before the setting existed
         config.write_text(json.dumps({**recorded, "fedmed_js": "standardised"}))
+        assert ran_strategy(json.loads(config.read_text())) == specs[name].job["strategy"].replace(
+            "fedmed", "fedmed-standardised"
+        )
     stamp = {
         name: (tmp_path / name / "metrics.jsonl").stat().st_mtime_ns
         for name in ("wikitext-2-fedavg-c0.5", "wikitext-2-fedmed-c0.5")
@@ -336,10 +340,8 @@ def test_a_run_made_under_an_older_default_is_run_again(tmp_path):
     assert (tmp_path / "wikitext-2-fedmed-c0.5" / "metrics.jsonl").stat().st_mtime_ns != stamp[
         "wikitext-2-fedmed-c0.5"
     ]
-    assert (
-        json.loads((tmp_path / "wikitext-2-fedmed-c0.5" / "config.json").read_text())["fedmed_js"]
-        == "relative"
-    )
+    again = json.loads((tmp_path / "wikitext-2-fedmed-c0.5" / "config.json").read_text())
+    assert again["strategy"] == "fedmed" and ran_strategy(again) == "fedmed"
 
 
 def test_a_finished_run_of_many_clients_is_kept_on_rerun(tmp_path):
