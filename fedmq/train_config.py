@@ -111,3 +111,13 @@ def from_payload(payload: Any) -> TrainConfig:
     if values["optimizer"] not in OPTIMIZERS:
         raise ValueError(f"train optimizer must be one of {', '.join(OPTIMIZERS)}")
     return TrainConfig(**values)
+
+
+def check(cfg: TrainConfig) -> None:
+    """ValueError naming the first setting of ``cfg`` outside ``RANGES`` or of an unknown optimizer."""
+    for name in RANGES:
+        why = out_of_range(name, getattr(cfg, name))
+        if why:
+            raise ValueError(f"{name} {why}")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {cfg.optimizer!r}")

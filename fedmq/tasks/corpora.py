@@ -76,12 +76,14 @@ def resolve(data: str | Path) -> str:
     if is_name(text) and corpus_dir(text).is_dir():
         return str(find(text, hint=", or pass --data PATH"))
     if path.is_file():
-        raise TaskError(f"--data {text} is a file; pass the folder that holds the corpus ({path.parent})")
+        raise TaskError(
+            f"data (--data) {text} is a file; pass the folder that holds the corpus ({path.parent})"
+        )
     if path.is_dir():
         return str(path)  # a path, or a bare name that is a folder here and none in the data folder
     if is_name(text):
         return str(find(text, hint=", or pass --data PATH"))
     raise TaskError(
-        f"--data {text}: no such folder; pass a corpus folder, the name of one in {data_home()} "
+        f"data (--data) {text}: no such folder; pass a corpus folder, the name of one in {data_home()} "
         f"({ENV}; e.g. {', '.join(KNOWN)}), or builtin"
     )

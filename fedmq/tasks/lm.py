@@ -54,7 +54,7 @@ class LanguageModelTask(Task):
         corpus: LMCorpus | None = None,
     ) -> None:
         if bptt < 1:
-            raise TaskError(f"--bptt must be at least 1, got {bptt}")
+            raise TaskError(f"bptt (--bptt) must be at least 1, got {bptt}")
         self.model_name = model
         self.model_cfg = rnn_config(model, tied, dropout, emb, hidden, layers)
         self.corpus = corpus if corpus is not None else load_corpus(data, max_lines, max_eval_lines)
@@ -75,14 +75,14 @@ class LanguageModelTask(Task):
             return dirichlet_shards(self.corpus.categories, clients or 100, p.alpha, self.seed)
         if not self.corpus.natural_categories:
             raise TaskError(
-                f"--partition natural needs documents; {self.corpus.name} has none (add train.docid): "
-                "use iid or dirichlet:ALPHA"
+                f"partition natural (--partition) needs documents; {self.corpus.name} has none "
+                "(add train.docid): use iid or dirichlet:ALPHA"
             )
         shards, _ = natural_shards(self.corpus.categories)
         if clients is not None and clients != len(shards):
             raise TaskError(
-                f"--partition natural gives one client per document ({len(shards)} here) but --clients is "
-                f"{clients}: drop --clients or use iid"
+                f"partition natural (--partition) gives one client per document ({len(shards)} here) but "
+                f"clients (--clients) is {clients}: drop clients or use iid"
             )
         return shards
 

@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedmq.tasks.base import Progress, TrainConfig, TrainResult
-from fedmq.tasks.errors import TaskError
 from fedmq.tasks.lm_data import StreamBatches
 from fedmq.tasks.lm_models import detach_hidden
 from fedmq.tasks.training import TAIL_EPOCH, check_config, epoch_seed, resolve_device
@@ -267,8 +266,6 @@ def train_cohort(
     once (``can_train_together``)."""
     cfg = cfgs[0]
     check_config(cfg)
-    if cfg.lr <= 0:
-        raise TaskError(f"--lr must be positive, got {cfg.lr}")
     device = resolve_device(cfg.device)
     t0 = time.perf_counter()
     shards = _Shards(task, clients, cfg.batch_size, device)

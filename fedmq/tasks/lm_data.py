@@ -71,7 +71,8 @@ class Vocabulary:
         if max_size is not None:
             if max_size < 3:
                 raise TaskError(
-                    f"--vocab-size must be at least 3 (<eos>, <unk> and one word), got {max_size}"
+                    "vocab_size (--vocab-size) must be at least 3 (<eos>, <unk> and one word), "
+                    f"got {max_size}"
                 )
             words = words[:max_size]
         return cls(words)

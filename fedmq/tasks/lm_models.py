@@ -55,10 +55,10 @@ def rnn_config(
             f"model sizes must be positive, got embedding {cfg.emb}, hidden {cfg.hidden}, layers {cfg.layers}"
         )
     if not 0.0 <= dropout < 1.0:
-        raise TaskError(f"--dropout must be in [0, 1), got {dropout}")
+        raise TaskError(f"dropout (--dropout) must be in [0, 1), got {dropout}")
     if cfg.tied and cfg.emb != cfg.hidden:
         raise TaskError(
-            f"--tied needs embedding size == hidden size; {model} has {cfg.emb} and {cfg.hidden}: "
+            f"tied (--tied) needs embedding size == hidden size; {model} has {cfg.emb} and {cfg.hidden}: "
             "use --untied"
         )
     return cfg

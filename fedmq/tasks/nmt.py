@@ -95,8 +95,9 @@ class TranslationTask(Task):
             shards, names = natural_shards(cats)
             if clients is not None and clients != len(shards):
                 raise TaskError(
-                    f"--partition natural gives one client per {'domain' if multi else 'document'} "
-                    f"({len(shards)} here) but --clients is {clients}: drop --clients or use iid"
+                    "partition natural (--partition) gives one client per "
+                    f"{'domain' if multi else 'document'} ({len(shards)} here) but clients (--clients) is "
+                    f"{clients}: drop clients or use iid"
                 )
             return shards, names
         k = clients if clients is not None else max(1, len(self.corpus.domains))

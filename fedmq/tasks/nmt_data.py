@@ -67,7 +67,8 @@ def load_parallel(
     folder = Path(resolve(data))
     if max_lines is not None and max_lines < 3:
         raise TaskError(
-            f"--max-lines must be at least 3 for translation (train, valid and test pairs), got {max_lines}"
+            "max_lines (--max-lines) must be at least 3 for translation (train, valid and test pairs), "
+            f"got {max_lines}"
         )
     if not 0 < eval_fraction < 0.5:
         raise TaskError(f"eval_fraction must be in (0, 0.5), got {eval_fraction}")
@@ -158,7 +159,9 @@ class SubwordVocab:
         import sentencepiece as spm
 
         if vocab_size < 16:
-            raise TaskError(f"--vocab-size must be at least 16 for a subword vocabulary, got {vocab_size}")
+            raise TaskError(
+                f"vocab_size (--vocab-size) must be at least 16 for a subword vocabulary, got {vocab_size}"
+            )
         digest = hashlib.sha256()
         digest.update(f"bpe-v1|{vocab_size}|".encode())
         for t in texts:

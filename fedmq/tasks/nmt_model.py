@@ -45,7 +45,7 @@ def transformer_config(name: str, dropout: float | None = None, max_len: int = 2
     c = CONFIGS[name]
     d = c.dropout if dropout is None else dropout
     if not 0.0 <= d < 1.0:
-        raise TaskError(f"--dropout must be in [0, 1), got {d}")
+        raise TaskError(f"dropout (--dropout) must be in [0, 1), got {d}")
     if max_len < 4:
         raise TaskError(f"max_len must be at least 4, got {max_len}")
     return TransformerConfig(c.layers_enc, c.layers_dec, c.d_model, c.heads, c.ffn, d, max_len)

@@ -103,8 +103,8 @@ def _category_ids(categories: Sequence[object]) -> np.ndarray:
 
 def _check_k(n_items: int, k: int) -> None:
     if k < 1:
-        raise TaskError(f"--clients must be at least 1, got {k}")
+        raise TaskError(f"clients (--clients) must be at least 1, got {k}")
     if n_items < k:
         raise TaskError(
-            f"cannot split {n_items} items into {k} client shards: lower --clients or use more data"
+            f"cannot split {n_items} items into {k} client shards: lower clients (--clients) or use more data"
         )

@@ -17,6 +17,7 @@ import structlog
 import torch
 from torch import nn
 
+from fedmq import train_config
 from fedmq.tasks.base import Progress, TrainConfig, TrainResult
 from fedmq.tasks.dropout import set_dropout_generator
 from fedmq.tasks.errors import TaskError
@@ -34,10 +35,10 @@ def resolve_device(device: str) -> torch.device:
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise TaskError(
-                f"--device {device}: CUDA is not available on this machine; use --device cpu or auto"
+                f"device (--device) {device}: CUDA is not available on this machine; use cpu or auto"
             )
         return torch.device(device)
-    raise TaskError(f"unknown --device {device!r}: use auto, cpu or cuda")
+    raise TaskError(f"unknown device (--device) {device!r}: use auto, cpu or cuda")
 
 
 TAIL_EPOCH = 999_983  # the tail-loss pass draws from its own generator, as if it were this epoch
@@ -49,8 +50,7 @@ def epoch_seed(seed: int, client: int, epoch: int) -> int:
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    if cfg.lr <= 0:
-        raise TaskError(f"--lr must be positive, got {cfg.lr}")
+    check_config(cfg)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     if cfg.optimizer == "adam":
@@ -59,14 +59,11 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
 
 
 def check_config(cfg: TrainConfig) -> None:
-    if cfg.epochs < 1:
-        raise TaskError(f"--epochs must be at least 1, got {cfg.epochs}")
-    if cfg.batch_size < 1:
-        raise TaskError(f"--batch-size must be at least 1, got {cfg.batch_size}")
-    if cfg.max_steps < 0 or cfg.clip < 0 or cfg.warmup_steps < 0:
-        raise TaskError("--max-steps, --clip and warm-up steps must not be negative")
-    if not 0 < cfg.lr_decay <= 1.0:
-        raise TaskError(f"--lr-decay must be in (0, 1], got {cfg.lr_decay}")
+    """TaskError naming the first TrainConfig setting out of its range (fedmq.train_config.RANGES)."""
+    try:
+        train_config.check(cfg)
+    except ValueError as exc:
+        raise TaskError(f"TrainConfig {exc}") from None
 
 
 def run_training(

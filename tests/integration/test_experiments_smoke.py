@@ -447,7 +447,7 @@ def test_bad_arguments_are_one_line_and_write_nothing(tmp_path):
     for args, message in (
         (["nope"], "unknown experiment 'nope'"),
         (["table2", "--seeds", "1,1"], "--seeds wants distinct"),
-        (["table2", "--device", "tpu"], "unknown --device 'tpu'"),
+        (["table2", "--device", "tpu"], "unknown device (--device) 'tpu'"),
     ):
         proc = subprocess.run(
             [sys.executable, "-m", "fedmq.cli.app", "experiment", *args, "--out", str(tmp_path)],

@@ -57,7 +57,7 @@ def test_a_missing_corpus_is_one_line_naming_the_folder_looked_in(tmp_path, monk
     (tmp_path / "data" / "ptb").mkdir(parents=True)  # a folder without the corpus's files
     with pytest.raises(TaskError, match=r"looked there: no ptb\.train\.txt in it"):
         find("ptb")
-    with pytest.raises(TaskError, match="--data ./nope: no such folder"):
+    with pytest.raises(TaskError, match=r"data \(--data\) ./nope: no such folder"):
         resolve("./nope")
     (tmp_path / "a-file").write_text("x")
     with pytest.raises(TaskError, match="is a file"):

@@ -119,7 +119,7 @@ def test_settings_the_batched_loop_does_not_take_train_one_after_the_other(gru):
 
 def test_a_bad_setting_is_one_task_error(gru):
     models = [gru.build_model(0), gru.build_model(0)]
-    with pytest.raises(TaskError, match="--lr must be positive"):
+    with pytest.raises(TaskError, match=r"TrainConfig lr must be in \(0, "):
         gru.train_cohort(models, [0, 1], [TrainConfig(**{**REGIME, "lr": 0.0})] * 2, [None, None])
 
 
@@ -236,7 +236,7 @@ def test_a_failing_cohort_fails_each_of_its_jobs_and_the_pool_goes_on(gru):
         t.start()
     for t in threads:
         t.join(timeout=60)
-    assert len(errors) == 2 and all("--lr must be positive" in e for e in errors)
+    assert len(errors) == 2 and all("TrainConfig lr must be in (0, " in e for e in errors)
     with pool.borrow() as model:
         assert pool.train(model, 0, TrainConfig(**REGIME, max_steps=2)).steps == 2
     assert pool.cohorts == [2, 1]

@@ -247,7 +247,7 @@ def test_natural_partition_by_docid(corpus_dir):
         (dict(bptt=0), "bptt"),
         (dict(vocab_size=2), "vocab-size"),
         (dict(partition="natural"), "needs documents"),
-        (dict(clients=1000), "lower --clients"),
+        (dict(clients=1000), r"lower clients \(--clients\)"),
         (dict(clients="8"), "whole number"),
         (dict(colour="red"), "no option colour"),
     ],
@@ -387,5 +387,5 @@ def test_natural_partition_refuses_a_client_count_it_would_not_honour(corpus_dir
     """--partition natural makes one client per document: a different --clients is one line, never ignored."""
     (corpus_dir / "train.docid").write_text("".join(f"doc{i % 3}\n" for i in range(200)))
     assert LanguageModelTask(corpus_dir, partition="natural", clients=3, **TINY).num_clients == 3
-    with pytest.raises(TaskError, match=r"one client per document \(3 here\) but --clients is 8"):
+    with pytest.raises(TaskError, match=r"one client per document \(3 here\) but clients \(--clients\) is 8"):
         LanguageModelTask(corpus_dir, partition="natural", clients=8, **TINY)

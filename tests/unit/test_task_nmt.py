@@ -90,7 +90,7 @@ def test_natural_partition_by_docid_in_one_domain(de_en, tmp_path):
     assert task.shard_names == ["movie0", "movie1", "movie2"]
     for k, shard in enumerate(task.shards):
         assert {task.corpus.splits["train"][i].docid for i in shard} == {f"movie{k}"}
-    with pytest.raises(TaskError, match="drop --clients"):
+    with pytest.raises(TaskError, match="drop clients"):
         _task(de_en / "subs", tmp_path, clients=5)
 
 

@@ -84,7 +84,7 @@ def test_parse_errors(text):
 
 
 def test_more_clients_than_items():
-    with pytest.raises(TaskError, match="lower --clients"):
+    with pytest.raises(TaskError, match=r"lower clients \(--clients\)"):
         iid_shards(3, 4, 0)
     with pytest.raises(TaskError, match="at least 1"):
         iid_shards(3, 0, 0)
