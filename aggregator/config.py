@@ -25,6 +25,8 @@ STRATEGIES = (
     "fedsgd",
     "fedatt",
     "fedmed",
+    "fedmed-relative",
+    "fedmed-standardised",
     "pull-local",
     "pull-global",
     "pull-random",
@@ -39,6 +41,9 @@ STRATEGIES = (
 # dynamic pulling (Passban et al.: DP_l, DP_g, random) was first named dp-*, which reads as differential
 # privacy; the old names stay accepted (configs, run folders) and are stored under the new ones
 STRATEGY_ALIASES = {"dp-l": "pull-local", "dp-g": "pull-global", "dp-random": "pull-random"}
+# FedMed's JS weights were a job setting, fedmed_js, before its variants had names
+# (aggregator/strategies/fedmed.py): a job file or run folder that has it is read as the strategy it ran
+FEDMED_JS = {"raw": "fedmed", "relative": "fedmed-relative", "standardised": "fedmed-standardised"}
 
 
 class JobConfigError(FedmqError):
@@ -68,6 +73,7 @@ FLAGS = {
     "optimizer": "--optimizer",
     "momentum": "--momentum",
     "round_lr_decay": "--round-lr-decay",
+    "lr_anneal": "--lr-anneal",
     "max_steps": "--max-steps",
     "report_deadline_s": "--report-deadline",
     "update_deadline_s": "--update-deadline",
@@ -99,6 +105,22 @@ def split_strategy_table(values: dict[str, Any]) -> dict[str, Any]:
     return {**values, "strategy": name, "strategy_args": args}
 
 
+def named_fedmed_variant(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` without the former ``fedmed_js`` key: a ``fedmed`` job that set it to other JS weights than
+    the paper's is the variant of that name (FEDMED_JS); any other strategy never read it."""
+    if "fedmed_js" not in values:
+        return values
+    values = dict(values)
+    js = values.pop("fedmed_js")
+    if values.get("strategy") == "fedmed":
+        if js not in FEDMED_JS:
+            raise JobConfigError(
+                f"unknown fedmed_js {js!r}; use the strategy fedmed-relative or fedmed-standardised"
+            )
+        values["strategy"] = FEDMED_JS[js]
+    return values
+
+
 @dataclass(frozen=True)
 class JobConfig:
     """A job's settings, validated when built and frozen after: a variant is
@@ -114,8 +136,6 @@ class JobConfig:
     loss_eps: float = 0.1  # FedMed loss switch threshold
     att_eps: float = 1.2  # FedAtt step size
     att_norm: str = "fro"  # fro | spectral
-    fedmed_js: str = "relative"  # FedMed's JS weights: each over the round's mean | standardised across the
-    # round's clients | raw (the paper's)
     noise: float = (
         0.0  # randomization β: client adds noise·N(0, 1) to its weights before upload (FedAtt Eq. 6)
     )
@@ -148,6 +168,10 @@ class JobConfig:
     # across rounds: round r's clients train at lr × round_lr_decay^(r−1) (FedMed: "worker models are tuned
     # with decayed learning rate"); stateless, so a resumed run continues the schedule where it stopped
     round_lr_decay: float = 1.0
+    # annealing on validation (pytorch/examples' word language model): whenever the global model's validation
+    # score does not improve, the clients' lr is divided by this from the next round on (1 = off); kept in the
+    # checkpoint, so a resumed run continues where it stopped
+    lr_anneal: float = 1.0
     clip: float = defaults.CLIP
     max_steps: int = 0
     # mixed precision for local training on a GPU (CUDA autocast to fp16 with a gradient scaler); an agent
@@ -260,6 +284,8 @@ class JobConfig:
         for name in ("lr_decay", "round_lr_decay"):
             if getattr(self, name) > 1:
                 bad(f"{key(name)} must be in (0, 1], got {getattr(self, name)}")
+        if not 1 <= self.lr_anneal <= 1000:
+            bad(f"{key('lr_anneal')} must be in [1, 1000] (1 = off), got {self.lr_anneal}")
         for name in ("noise", "loss_eps", "max_staleness", "momentum", "clip", "max_steps", "seed"):
             if getattr(self, name) < 0:
                 bad(f"{key(name)} must not be negative")
@@ -276,8 +302,6 @@ class JobConfig:
             why = train_config.out_of_range(name, value) if not isinstance(value, (bool, str)) else None
             if why:
                 bad(f"{key(name)} {why}")
-        if self.fedmed_js not in ("standardised", "relative", "raw"):
-            bad(f"unknown {key('fedmed_js')} {self.fedmed_js!r}; use standardised, relative or raw")
         if self.att_norm not in ("fro", "spectral"):
             bad(f"unknown {key('att_norm')} {self.att_norm!r}; use fro or spectral")
         if self.optimizer not in ("sgd", "adam"):
@@ -357,24 +381,25 @@ class JobConfig:
         """m, the agents selected per round: max(C·K, 1), or all K when the strategy's plan selects all."""
         return self.clients if self.plan.select_all else max(int(self.fraction * self.clients), 1)
 
-    def round_lr(self, round_number: int) -> float:
-        """The clients' learning rate in round ``round_number`` (1-based): lr × round_lr_decay^(round − 1)."""
-        lr = float(self.lr) * float(self.round_lr_decay) ** max(round_number - 1, 0)
+    def round_lr(self, round_number: int, scale: float = 1.0) -> float:
+        """The clients' learning rate in round ``round_number`` (1-based): lr × round_lr_decay^(round − 1),
+        × ``scale`` (what annealing on validation left: the engine's, see ``lr_anneal``)."""
+        lr = float(self.lr) * float(self.round_lr_decay) ** max(round_number - 1, 0) * scale
         return max(lr, math.ulp(0.0))  # a long run's product may underflow; the announce needs lr > 0
 
-    def train_config(self, round_number: int = 1) -> TrainConfig:
+    def train_config(self, round_number: int = 1, lr_scale: float = 1.0) -> TrainConfig:
         """The local training of round ``round_number``: the job's settings of every TrainConfig field it has
         (the learning rate decayed to that round), shaped by the strategy's ``configure_train`` (FedSGD: one
         full-batch step; FedMed: report the loss at the end of training)."""
         own = {name: kind(getattr(self, name)) for name, kind in TRAIN_SETTINGS.items()}
-        train = TrainConfig(**own, lr=self.round_lr(round_number))
+        train = TrainConfig(**own, lr=self.round_lr(round_number, lr_scale))
         return self.strategy_class.configure_train(train)
 
-    def round_config(self, round_number: int = 1) -> RoundConfig:
+    def round_config(self, round_number: int = 1, lr_scale: float = 1.0) -> RoundConfig:
         """What the selected agents are told in round ``round_number``: its local training, the upload's
         encoding, and the round's shape."""
         return RoundConfig(
-            train=self.train_config(round_number),
+            train=self.train_config(round_number, lr_scale),
             encoding=self.encoding,
             grant=self.grant_phase,
             keep_model=self.keep_model,
@@ -386,7 +411,7 @@ class JobConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> JobConfig:
         """A job file's or config.json's keys; ``strategy`` may be a table: its ``name`` and parameters."""
-        values = split_strategy_table(values)
+        values = named_fedmed_variant(split_strategy_table(values))
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -440,7 +465,7 @@ def read_job_file(path: Path) -> JobFile:
     if not isinstance(task, dict):
         raise JobConfigError(f"config file {path}: task must be a [task] table")
     try:
-        raw = split_strategy_table(raw)
+        raw = named_fedmed_variant(split_strategy_table(raw))
     except JobConfigError as exc:
         raise JobConfigError(f"config file {path}: {exc}") from None
     kinds = {f.name: f.type for f in dataclasses.fields(JobConfig)}

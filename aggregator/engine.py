@@ -118,6 +118,7 @@ class Engine:
         self.round = 1
         self.presence: dict[str, tuple[float, int]] = {}  # client -> (last seen, version it holds)
         self.best: tuple[float, int] | None = None  # (score, round)
+        self.lr_scale = 1.0  # the clients' lr × this: ÷ cfg.lr_anneal each time validation did not improve
         self.folded: dict[int, list[str]] = {}  # round -> msg ids of the updates folded into it (the audit)
         # what the job's strategy carries from round to round (Strategy.state_dict), by strategy name
         self.strategy_state: dict[str, dict[str, Any]] = {}
@@ -301,7 +302,7 @@ class Engine:
             stats.round,
             self.version,
             stats.selected,
-            self.cfg.round_config(stats.round),
+            self.cfg.round_config(stats.round, self.lr_scale),
             [entry for entry, _ in forms.values()],
             self.cfg.mode,
             client=self.client,
@@ -600,6 +601,10 @@ class Engine:
         better = self.best is None or (
             score > self.best[0] if self.task.higher_is_better else score < self.best[0]
         )
+        if not better and self.cfg.lr_anneal > 1:
+            # the classic word-language-model schedule: the clients' lr ÷ lr_anneal when validation stalls
+            self.lr_scale /= self.cfg.lr_anneal
+            log.info("validation did not improve: clients' lr annealed", round=rnd, lr_scale=self.lr_scale)
         if better and math.isfinite(score):
             self.best = (score, rnd)
             best = {k: v.clone() for k, v in self.global_state.items() if k in self.model_names}
@@ -666,7 +671,12 @@ class Engine:
             mediator_state=self.mediator.state_dict(),
             rng_state=None,
             folded=self.folded,
-            extra={"best": self.best, "presence_versions": {}, "guard": self.guard.state_dict()},
+            extra={
+                "best": self.best,
+                "presence_versions": {},
+                "guard": self.guard.state_dict(),
+                "lr_scale": self.lr_scale,
+            },
             keep=self.cfg.keep_checkpoints,
         )
 
@@ -681,6 +691,7 @@ class Engine:
         self.folded = {int(k): v for k, v in ckpt.folded.items()}
         best = ckpt.extra.get("best")
         self.best = tuple(best) if best else None
+        self.lr_scale = float(ckpt.extra.get("lr_scale", 1.0))
         self.guard.load_state_dict(ckpt.extra.get("guard"))
         self.runlog.truncate_after(self.round - 1)
         log.info("resumed from checkpoint", round=self.round, version=self.version)

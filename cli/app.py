@@ -121,8 +121,8 @@ def simulate(
         "builtin",
         panel=TASK,
         metavar="PATH",
-        help="corpus folder, a corpus name in $FEDMQ_DATA_DIR (default ~/.cache/fedmq/data), "
-        "or builtin (Python's docs: nothing to download; lm only)",
+        help="corpus folder, a corpus name in $FEDMQ_DATA_DIR (~/.cache/fedmq/data), "
+        "or builtin (Python's docs; lm only)",
     ),
     model: str | None = _opt(
         None,
@@ -236,7 +236,13 @@ def simulate(
         JOB.round_lr_decay,
         panel=TRAIN,
         metavar="D",
-        help="round r trains at lr × D^(r−1) (1 = constant; FedMed's decayed lr)",
+        help="lr × D^(r−1) in round r (1 = constant)",
+    ),
+    lr_anneal: float = _opt(
+        JOB.lr_anneal,
+        panel=TRAIN,
+        metavar="F",
+        help="lr ÷ F after a round that did not improve validation (1 = off)",
     ),
     max_steps: int = _opt(
         JOB.max_steps, panel=TRAIN, metavar="N", help="cap on local optimizer steps per round (0 = none)"
@@ -302,9 +308,8 @@ def simulate(
         False,
         "--cohort",
         panel=RUN,
-        help="train each round's selected clients together, one batched model (LM tasks, SGD; "
-        "for a GPU: slower than one at a time on a CPU); the report deadline is then "
-        "per selected client",
+        help="train a round's clients as one batched model (LM, SGD; for a GPU); "
+        "the report deadline is then per client",
     ),
     seed: int = _opt(
         JOB.seed, panel=RUN, metavar="N", help="one seed for sampling, dropouts, shards and init"

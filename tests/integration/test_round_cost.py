@@ -316,3 +316,35 @@ def test_mixed_precision_is_a_boolean_in_the_job_and_on_the_wire():
     payload["train"]["amp"] = 1
     with pytest.raises(CodecError, match="train amp must be bool"):
         messages.RoundConfig.from_payload(payload)
+
+
+def test_annealing_divides_the_clients_lr_after_each_round_that_did_not_improve(federation, task, tmp_path):
+    """``lr_anneal``: the lr announced for round r+1 is round r's ÷ lr_anneal exactly when round r's
+    validation was no better than the best before it, and the factor survives a restart (checkpoint)."""
+    from fedmq.aggregator.checkpoint import load_checkpoint
+    from fedmq.client_agent.agent import Agent
+
+    lrs: dict[int, float] = {}
+
+    class Recording(Agent):
+        def _train(self, model, held, cfg, rnd, crash, **hook):
+            lrs[rnd] = cfg.train.lr
+            return super()._train(model, held, cfg, rnd, crash, **hook)
+
+    # lr 200 without clipping overshoots after the first round: validation stops improving
+    cfg = _cfg("anneal", clients=2, fraction=1.0, rounds=4, lr=200.0, clip=0.0, lr_anneal=4.0)
+    engine, _, summary = federation(
+        task, cfg, "memory://anneal", tmp_path / "run", agent_class=lambda i: Recording
+    )
+    assert summary["rounds_completed"] == 4
+    valid = [row.valid for row in engine.runlog.rows()]
+    expected, best = [200.0], None
+    for score in valid[:2]:
+        improved = best is None or score < best
+        expected.append(expected[-1] if improved else expected[-1] / 4)
+        best = score if improved else best
+    assert [lrs[r] for r in (1, 2, 3)] == expected and expected[-1] < 200.0
+    saved = load_checkpoint(tmp_path / "run" / "checkpoints")
+    assert saved.extra["lr_scale"] == engine.lr_scale < 1.0
+    with pytest.raises(Exception, match=r"lr_anneal \(--lr-anneal\) must be in \[1, 1000\]"):
+        JobConfig(lr_anneal=0.5)
