@@ -83,6 +83,16 @@ FLAGS = {
 }
 
 
+# a JobConfig field's declared type: what a value may be (an int is never a bool) and how a mistake names it
+KINDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "int": ((int,), "a whole number"),
+    "float": ((int, float), "a number"),
+    "bool": ((bool,), "true or false"),
+    "str": ((str,), "a string"),
+    "dict[str, Any]": ((dict,), "a table"),
+}
+
+
 def key(name: str) -> str:
     """A JobConfig field as an error message names it: the key, and its flag where it has one."""
     return f"{name} ({FLAGS[name]})" if name in FLAGS else name
@@ -327,17 +337,10 @@ class JobConfig:
 
     def _check_types(self) -> None:
         """Every field of the type it is declared with (a job file's JSON can hold anything): ints are ints,
-        not bools; numbers are finite; ``extra`` is an object."""
-        kinds = {
-            "int": (int, "an integer"),
-            "float": ((int, float), "a number"),
-            "bool": (bool, "true or false"),
-            "str": (str, "a string"),
-            "dict[str, Any]": (dict, "an object"),
-        }
+        not bools; numbers are finite; ``extra`` is a table (a dict)."""
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            kind, words = kinds[f.type]
+            kind, words = KINDS[str(f.type)]
             if (isinstance(value, bool) and f.type != "bool") or not isinstance(value, kind):
                 raise JobConfigError(f"{key(f.name)} must be {words}, got {value!r}")
             if f.type == "float" and not math.isfinite(value):
@@ -439,15 +442,6 @@ class JobFile:
     task: dict[str, Any]
 
 
-_KINDS = {
-    "int": ((int,), "a whole number"),
-    "float": ((int, float), "a number"),
-    "bool": ((bool,), "true or false"),
-    "str": ((str,), "a string"),
-    "dict[str, Any]": ((dict,), "a table"),
-}
-
-
 def read_job_file(path: Path) -> JobFile:
     """The one reader of job files; a missing file, bad TOML, an unknown key or a value of the wrong type is
     one line that names the file and the key."""
@@ -477,7 +471,7 @@ def read_job_file(path: Path) -> JobFile:
         )
     job = {}
     for key, value in raw.items():
-        types, words = _KINDS[str(kinds[key])]
+        types, words = KINDS[str(kinds[key])]
         if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
             raise JobConfigError(f"config file {path}: {key} must be {words}, got {value!r}")
         job[key] = float(value) if kinds[key] == "float" else value

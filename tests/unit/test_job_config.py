@@ -86,13 +86,13 @@ def test_fedsgd_is_one_full_batch_step_on_every_client():
 @pytest.mark.parametrize(
     "values, message",
     [
-        ({"rounds": "5"}, "rounds (--rounds) must be an integer, got '5'"),
-        ({"clients": True}, "clients (--clients) must be an integer, got True"),
+        ({"rounds": "5"}, "rounds (--rounds) must be a whole number, got '5'"),
+        ({"clients": True}, "clients (--clients) must be a whole number, got True"),
         ({"lr": float("inf")}, "lr (--lr) must be finite"),
         ({"lr": "fast"}, "lr (--lr) must be a number"),
         ({"strategy": ["fedavg"]}, "strategy (--strategy) must be a string"),
         ({"error_feedback": 1}, "error_feedback must be true or false"),
-        ({"extra": []}, "extra must be an object"),
+        ({"extra": []}, "extra must be a table"),
         ({"job": "a b"}, "bad job id 'a b'"),
         ({"momentum": -0.5}, "momentum (--momentum) must not be negative"),
         ({"eval_every": 0}, "eval_every must be at least 1"),
