@@ -146,24 +146,20 @@ class JobConfig:
     loss_eps: float = 0.1  # FedMed loss switch threshold
     att_eps: float = 1.2  # FedAtt step size
     att_norm: str = "fro"  # fro | spectral
-    noise: float = (
-        0.0  # randomization β: client adds noise·N(0, 1) to its weights before upload (FedAtt Eq. 6)
-    )
-    pull_fraction: float = (
-        0.5  # dynamic pulling: share of tensors sent (0.5 = median rule, 0.33 = 33 % variant)
-    )
+    # randomization β: client adds noise·N(0, 1) to its weights before upload (FedAtt Eq. 6)
+    noise: float = 0.0
+    # dynamic pulling: share of tensors sent (0.5 = median rule, 0.33 = 33 % variant)
+    pull_fraction: float = 0.5
     # dynamic pulling: pull_fraction is a share of parameters (the paper) or of tensors ("count")
     pull_by: str = "params"
-    pull_down: bool = (
-        False  # dynamic pulling in both directions: the server pushes only the tensors its rule picks
-    )
+    # dynamic pulling in both directions: the server pushes only the tensors its rule picks
+    pull_down: bool = False
     # wire encodings (broker.wire.encodings.EncodingSpec syntax). Defaults: bf16, for the update as a delta
     # against the model it trained from (so its error is relative to the update, not to the weights), 2.5x
     # smaller than raw both ways at the same validation perplexity (docs/benchmarks.md "Equal quality, fewer
     # bytes"); "raw" both ways is bit-exact FedAvg
-    encoding: str = (
-        "auto"  # uplink: auto = delta+bf16, or raw under pull-down (whose uploads cannot be deltas)
-    )
+    # uplink: auto = delta+bf16, or raw under pull-down (whose uploads cannot be deltas)
+    encoding: str = "auto"
     down_encoding: str = "bf16"  # downlink (the global model)
     keyframe_every: int = 10  # delta down-encodings: every Nth version is published full only (bounds drift)
     # sparsified uploads (delta+topk): each agent keeps what its upload left out and adds it to its next one
@@ -195,14 +191,12 @@ class JobConfig:
     max_staleness: int = 5
     server_lr: float = 1.0  # async: server step on the staleness-weighted mean delta
     eval_every: int = 1
-    keep_checkpoints: int = (
-        3  # the newest round checkpoints kept (nmt-domains keeps every round's to pick one)
-    )
+    # the newest round checkpoints kept (nmt-domains keeps every round's to pick one)
+    keep_checkpoints: int = 3
     seed: int = 0
     identity: str = "strict"
-    robust: str = (
-        "none"  # FedAvg guard: none | clip:NORM (norm clipping) | trimmed:FRAC | median (coordinate-wise)
-    )
+    # FedAvg guard: none | clip:NORM (norm clipping) | trimmed:FRAC | median (coordinate-wise)
+    robust: str = "none"
     # bounds on one client's influence (aggregator.guards; 0 = off): n_k capped at this x the round's
     # lower-median n_k, and an update whose delta norm exceeds this x the round's lower-median norm is left
     # out
@@ -348,9 +342,8 @@ class JobConfig:
 
     @property
     def strategy_class(self) -> type[Strategy]:
-        from fedmq.aggregator.strategies.registry import (
-            strategy_class,
-        )  # torch: the CLI checks its flags without it
+        # torch: the CLI checks its flags without it
+        from fedmq.aggregator.strategies.registry import strategy_class
 
         return strategy_class(self.strategy)
 

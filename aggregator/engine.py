@@ -91,14 +91,12 @@ class Engine:
         self.client = client_map(cfg)  # the strategy's client side, as every announcement names it
         self.run_dir = Path(run_dir)
         self.evaluate = evaluate
-        self.eval_device = resolve_device(
-            device
-        )  # where validation and test run (the model lives on the CPU)
+        # where validation and test run (the model lives on the CPU)
+        self.eval_device = resolve_device(device)
         self.on_round = on_round
         self.stop = threading.Event()
-        self.inbox = Inbox(
-            broker, cfg.job, cfg.identity
-        )  # its decoding limits are set below, from the manifest
+        # its decoding limits are set below, from the manifest
+        self.inbox = Inbox(broker, cfg.job, cfg.identity)
         self.spool = RoundSpool(self.run_dir / "spool", durable)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.runlog = RunLog(self.run_dir)
@@ -122,17 +120,14 @@ class Engine:
         self.folded: dict[int, list[str]] = {}  # round -> msg ids of the updates folded into it (the audit)
         # what the job's strategy carries from round to round (Strategy.state_dict), by strategy name
         self.strategy_state: dict[str, dict[str, Any]] = {}
-        self._trained_from: dict[
-            str, int
-        ] = {}  # client -> version its last folded update trained from (kept models)
-        self._published: dict[
-            str, tuple[dict, int]
-        ] = {}  # form -> (announce entry, raw bytes) of _published_version
+        # client -> version its last folded update trained from (kept models)
+        self._trained_from: dict[str, int] = {}
+        # form -> (announce entry, raw bytes) of _published_version
+        self._published: dict[str, tuple[dict, int]] = {}
         self._published_version = messages.NO_VERSION
         self._status_written = 0.0
-        self._active = (
-            False  # the inbox's active consumer: only it writes status.json (a standby shares the folder)
-        )
+        # the inbox's active consumer: only it writes status.json (a standby shares the folder)
+        self._active = False
         self.last_row: dict[str, Any] = {}
         self.phase = "starting"
         self._consumer: str | None = None

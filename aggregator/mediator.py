@@ -40,9 +40,8 @@ class Mediator:
         """The granted clients, lowest loss first."""
         check_number("beta", beta, low=0.0, low_open=True, high=1.0)
         checked = {str(c): _check_loss(str(c), loss) for c, loss in reports.items()}
-        k = math.ceil(
-            beta * len(checked) - 1e-9
-        )  # 1e-9: ceil(0.3·10) must be 3, not 4 from 3.0000000000000004
+        # 1e-9: ceil(0.3·10) must be 3, not 4 from 3.0000000000000004
+        k = math.ceil(beta * len(checked) - 1e-9)
         return [c for c, _ in sorted(checked.items(), key=lambda kv: (kv[1], kv[0]))[:k]]
 
     @staticmethod

@@ -35,9 +35,8 @@ class SyncRound:
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.stats = RoundStats(ctx.round)
-        self.held: dict[
-            str, Received
-        ] = {}  # arrived ahead of their turn in the fold order, unacked until folded
+        # arrived ahead of their turn in the fold order, unacked until folded
+        self.held: dict[str, Received] = {}
         self.gone: set[str] = set()  # selected agents that announced going offline: nothing more will come
 
     def run(self) -> None:
@@ -168,9 +167,8 @@ class SyncRound:
                 msg = self.held.pop(client)
                 self._fold(strategy, msg.env, msg.delivery.body, msg)
                 if client not in stats.received:
-                    stats.failed.add(
-                        client
-                    )  # rejected: later clients need not wait for it (it may try again)
+                    # rejected: later clients need not wait for it (it may try again)
+                    stats.failed.add(client)
             elif not (closing or client in self.gone):
                 return
 

@@ -25,9 +25,8 @@ from fedmq.cli.errors import UsageError
 
 
 def default_dir(strategy: str) -> Path:
-    name = re.sub(
-        r"[^A-Za-z0-9_.-]+", "-", strategy.rpartition(":")[2] or strategy
-    )  # package.module:Class -> Class
+    # package.module:Class -> Class
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", strategy.rpartition(":")[2] or strategy)
     return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
 
 

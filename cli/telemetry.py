@@ -61,9 +61,8 @@ class Telemetry:
     def __init__(self, status: Status, ready: Callable[[], bool]) -> None:
         self.status, self.ready = status, ready
         self.registry = CollectorRegistry()
-        self.registry.register(
-            _StatusCollector(lambda: self.status())
-        )  # self.status may be set later (simulate)
+        # self.status may be set later (simulate)
+        self.registry.register(_StatusCollector(lambda: self.status()))
         self.rounds = Counter("fedmq_rounds", "closed rounds", ["outcome"], registry=self.registry)
         self.updates = Counter(
             "fedmq_updates_accepted", "updates folded into a global model", registry=self.registry

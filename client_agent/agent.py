@@ -54,16 +54,14 @@ FIRST_TRY_S = 15.0  # reading from the publish time; then from the stream's star
 class AgentLog:
     """What the agent did, for tests and the fault-suite audit: confirmed uploads per round."""
 
-    uploads: list[tuple[int, str]] = field(
-        default_factory=list
-    )  # (round, update msg id), after the broker confirmed
+    # (round, update msg id), after the broker confirmed
+    uploads: list[tuple[int, str]] = field(default_factory=list)
     rounds_trained: list[int] = field(default_factory=list)
     offline_rounds: list[int] = field(default_factory=list)
     faults: list[tuple[int, str]] = field(default_factory=list)
     fetched_bytes: int = 0  # model messages read from the stream
-    sent: dict[int, tuple[int, dict]] | None = (
-        None  # round -> (n_samples, tensors sent); kept only when asked (tests)
-    )
+    # round -> (n_samples, tensors sent); kept only when asked (tests)
+    sent: dict[int, tuple[int, dict]] | None = None
 
 
 class ClientHookError(FedmqError):
@@ -114,9 +112,8 @@ class Agent:
         self.faults = faults or Faults()
         self.device, self.heartbeat_s, self.rejoin_s, self.seed = device, heartbeat_s, rejoin_s, seed
         self.trainers = trainers or TrainerPool(task, 1, seed)
-        self.store = (
-            store if store is not None else MemoryStore()
-        )  # what is kept between rounds (client_agent.state)
+        # what is kept between rounds (client_agent.state)
+        self.store = store if store is not None else MemoryStore()
         self.progress = progress  # (client, steps done, steps total) during local training, for progress bars
         self.audit_log = Path(audit_log) if audit_log else None  # JSON lines: one per broker-confirmed upload
         self.stop = threading.Event()
@@ -231,9 +228,8 @@ class Agent:
 
     def _serve(self) -> None:
         while not self.stop.is_set():
-            env = self._next(
-                timeout=max(self.heartbeat_s, 0.5)
-            )  # idle agents wake rarely (simulate runs K of them)
+            # idle agents wake rarely (simulate runs K of them)
+            env = self._next(timeout=max(self.heartbeat_s, 0.5))
             if env is not None and env.kind is Kind.ANNOUNCE:
                 self._on_announce(env)
 

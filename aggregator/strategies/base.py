@@ -45,12 +45,10 @@ class RoundPlan:
 
     mode: str = "sync"  # sync rounds, or "async": fold every K arrivals whatever their round (BufferedAsync)
     select_all: bool = False  # every client trains each round, whatever the fraction C (FedSGD)
-    grant_phase: bool = (
-        False  # collect every report before granting uploads, even at β = 1 (FedMed's mediator)
-    )
-    loss_switch: bool = (
-        False  # each round the mediator's loss switch picks this strategy or plain FedAvg (FedMed)
-    )
+    # collect every report before granting uploads, even at β = 1 (FedMed's mediator)
+    grant_phase: bool = False
+    # each round the mediator's loss switch picks this strategy or plain FedAvg (FedMed)
+    loss_switch: bool = False
     pull: str = "all"  # which tensors agents upload: all, or a dynamic-pulling rule (fedmq.pulling.MODES)
 
 

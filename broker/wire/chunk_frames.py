@@ -47,9 +47,8 @@ MAX_TOTAL = 1 << 20  # chunks per message
 FRAME_OVERHEAD = 256  # upper bound on frame bytes beyond the chunk data
 _CHUNK_SEED = 0x666564_6D71  # "fedmq": per-chunk digests differ from whole-message ones
 _MAGIC_PREFIX = msgpack.packb([MAGIC])[1:]  # the packed magic string, right after the array header
-_HEADER_MAX = (
-    1024  # a valid frame's fields before the data fit in this many bytes (msg_id <= 512 UTF-8 bytes)
-)
+# a valid frame's fields before the data fit in this many bytes (msg_id <= 512 UTF-8 bytes)
+_HEADER_MAX = 1024
 
 
 @dataclass(frozen=True)

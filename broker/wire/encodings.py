@@ -56,9 +56,8 @@ KINDS = ("raw", "fp16", "bf16", "int8", "int6", "int5", "int4", "topk")
 _LEVELS = {"int8": 255, "int6": 63, "int5": 31, "int4": 15}  # the affine kinds: top quantization level
 DEFAULT_MAX_BYTES = 4 << 30  # decoded float32 bytes of one state
 _FP16_MAX = 65504.0
-DEFAULT_LEVEL = (
-    1  # measured: faster than level 3 and as small or smaller for every encoding (docs/benchmarks.md)
-)
+# measured: faster than level 3 and as small or smaller for every encoding (docs/benchmarks.md)
+DEFAULT_LEVEL = 1
 _SPEC_RE = re.compile(
     r"^(?:(delta)\+)?(raw|fp16|bf16|int[8654](?:-row)?|topk)(?::([^@]+))?(?:@(-?\d+))?(?:,(noshuffle))?$"
 )

@@ -22,9 +22,8 @@ class TrainResult:
     steps: int
     tokens: int
     seconds: float
-    tail_loss: float | None = (
-        None  # the trained model's loss on the shard it trained on (cfg.tail_loss), no dropout
-    )
+    # the trained model's loss on the shard it trained on (cfg.tail_loss), no dropout
+    tail_loss: float | None = None
 
     @property
     def reported(self) -> float:

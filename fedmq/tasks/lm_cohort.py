@@ -182,8 +182,9 @@ class _Shards:
         streams = [StreamBatches.build(task.client_ids(c), cols, task.vocab.eos) for c in clients]
         self.n_samples = [b.n_targets for b in streams]
         self.counts = [b.window_targets(bptt) for b in streams]  # real targets of each window
+        # its time steps
         self.lengths = [
-            [min(bptt, b.inputs.size(0) - w * bptt) for w in range(len(n))]  # its time steps
+            [min(bptt, b.inputs.size(0) - w * bptt) for w in range(len(n))]
             for b, n in zip(streams, self.counts)
         ]
         rows = max(len(n) for n in self.counts) * bptt
@@ -351,9 +352,8 @@ class _Run:
             n = plan.counts[:, w]
             mean = sums / n.clamp(min=1)
             self.loss_sum += mean.detach().double() * n.double()
-            (
-                sums if cfg.full_batch else mean
-            ).sum().backward()  # FedSGD: divided by the shard's targets below
+            # FedSGD: divided by the shard's targets below
+            (sums if cfg.full_batch else mean).sum().backward()
             for c, on in enumerate(plan.on[w]):
                 if on:
                     self.tokens[c] += shards.counts[c][plan.order[c][w]]

@@ -125,9 +125,8 @@ def _read_domain(name: str, folder: Path, src: str, tgt: str) -> list[Pair]:
                 "the files must be line-aligned"
             )
         docfile = folder / f"{stem}.docid"
-        docs = (
-            _read(docfile) if docfile.is_file() else [name] * len(s)
-        )  # no docid: the domain is the document
+        # no docid: the domain is the document
+        docs = _read(docfile) if docfile.is_file() else [name] * len(s)
         if len(docs) != len(s):
             raise TaskError(
                 f"{str(docfile)!r} has {len(docs)} lines but the pairs have {len(s)}: one id per pair"
