@@ -85,9 +85,16 @@ class Strategy(ABC):
         """This round's strategy from the job's settings (``cfg``: an aggregator.config.JobConfig): the
         constructor called with the job's ``strategy_args``, checked (one line naming the key when one is
         unknown or of the wrong type); ``extra``: what ``second_pass`` asked for."""
+        return cls.from_settings(cfg, {}, **extra)
+
+    @classmethod
+    def from_settings(cls, cfg: Any, settings: Mapping[str, Any], **extra: Any) -> Strategy:
+        """The constructor called with ``settings`` (what a built-in strategy reads from the job's own
+        fields, such as FedAtt's ``att_eps``), overridden by the job's ``strategy_args``, so that a parameter
+        given either way is never ignored."""
         from fedmq.params import bind
 
-        return cls(**bind(cls, cfg.strategy_args), **extra)
+        return cls(**{**settings, **bind(cls, cfg.strategy_args)}, **extra)
 
     @classmethod
     def client_args(cls, args: Mapping[str, Any]) -> dict[str, Any]:

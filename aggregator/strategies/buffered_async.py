@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from fedmq.aggregator.strategies.base import ClientUpdate, RoundPlan, State
+from fedmq.aggregator.strategies.base import ClientUpdate, RoundPlan, State, Strategy
 from fedmq.aggregator.strategies.errors import StaleUpdate
 from fedmq.aggregator.strategies.fedavg import FedAvg
 from fedmq.checks import check_int, check_number
@@ -46,8 +46,9 @@ class BufferedAsync(FedAvg):
     own_settings: ClassVar[tuple[str, ...]] = ("async_k", "max_staleness", "server_lr")
 
     @classmethod
-    def from_config(cls, cfg: Any, **extra: Any) -> BufferedAsync:
-        return cls(buffer_size=cfg.async_k, max_staleness=cfg.max_staleness, server_lr=cfg.server_lr, **extra)
+    def from_config(cls, cfg: Any, **extra: Any) -> Strategy:
+        job = {"buffer_size": cfg.async_k, "max_staleness": cfg.max_staleness, "server_lr": cfg.server_lr}
+        return cls.from_settings(cfg, job, **extra)
 
     def __init__(self, buffer_size: int = 10, max_staleness: int = 10, server_lr: float = 1.0) -> None:
         super().__init__()

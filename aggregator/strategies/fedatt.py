@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 
 from fedmq.aggregator.strategies._common import sq_distance, update_sq_norm
-from fedmq.aggregator.strategies.base import ClientUpdate
+from fedmq.aggregator.strategies.base import ClientUpdate, Strategy
 from fedmq.aggregator.strategies.softmax_weighted import SoftmaxWeighted
 from fedmq.checks import check_number
 from fedmq.errors import BadParameter
@@ -50,8 +50,8 @@ class FedAtt(SoftmaxWeighted):
     own_settings: ClassVar[tuple[str, ...]] = ("att_eps", "att_norm")
 
     @classmethod
-    def from_config(cls, cfg: Any, **extra: Any) -> FedAtt:
-        return cls(epsilon=cfg.att_eps, norm=cfg.att_norm, **extra)
+    def from_config(cls, cfg: Any, **extra: Any) -> Strategy:
+        return cls.from_settings(cfg, {"epsilon": cfg.att_eps, "norm": cfg.att_norm}, **extra)
 
     def __init__(self, epsilon: float = 1.2, norm: str = "fro") -> None:
         super().__init__()

@@ -38,8 +38,8 @@ class ClippedFedAvg(FedAvg):
     name: ClassVar[str] = "fedavg-clip"
 
     @classmethod
-    def from_config(cls, cfg: Any, **extra: Any) -> ClippedFedAvg:
-        return cls(clip_norm=float(cfg.robust.partition(":")[2]), **extra)
+    def from_config(cls, cfg: Any, **extra: Any) -> Strategy:
+        return cls.from_settings(cfg, {"clip_norm": float(cfg.robust.partition(":")[2])}, **extra)
 
     def __init__(self, clip_norm: float = 10.0) -> None:
         super().__init__()
@@ -63,8 +63,9 @@ class TrimmedMean(Strategy):
     name: ClassVar[str] = "trimmed-mean"
 
     @classmethod
-    def from_config(cls, cfg: Any, **extra: Any) -> TrimmedMean:
-        return cls(trim=float(cfg.robust.partition(":")[2]), max_updates=max(cfg.clients, 1), **extra)
+    def from_config(cls, cfg: Any, **extra: Any) -> Strategy:
+        job = {"trim": float(cfg.robust.partition(":")[2]), "max_updates": max(cfg.clients, 1)}
+        return cls.from_settings(cfg, job, **extra)
 
     def __init__(self, trim: float = 0.1, max_updates: int = 64) -> None:
         self.trim = check_number("trim", trim, low=0.0, high=0.5, high_open=False)
@@ -122,5 +123,5 @@ class Median(TrimmedMean):
         super().__init__(trim=0.5, max_updates=max_updates)
 
     @classmethod
-    def from_config(cls, cfg: Any, **extra: Any) -> Median:
-        return cls(max_updates=max(cfg.clients, 1), **extra)
+    def from_config(cls, cfg: Any, **extra: Any) -> Strategy:
+        return cls.from_settings(cfg, {"max_updates": max(cfg.clients, 1)}, **extra)

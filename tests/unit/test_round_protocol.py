@@ -105,3 +105,15 @@ def test_a_users_strategy_owns_its_round():
     rc = cfg.round_config()
     assert rc.train.epochs == 2 and rc.grant
     assert isinstance(strategy_from_config(cfg.strategy, cfg)[1], Strategy)
+
+
+def test_a_built_in_strategys_parameters_come_from_strategy_args_too_never_ignored():
+    # the job's own fields (att_eps, async_k ...) are a built-in's defaults; --strategy-arg overrides them
+    att = strategy_from_config("fedatt", JobConfig(strategy="fedatt", strategy_args={"epsilon": 0.7}))[1]
+    assert att.epsilon == 0.7
+    assert strategy_from_config("fedatt", JobConfig(strategy="fedatt", att_eps=0.9))[1].epsilon == 0.9
+    job = JobConfig(strategy="async", async_k=4, strategy_args={"server_lr": 0.25})
+    buffered = strategy_from_config("async", job)[1]
+    assert (buffered.buffer_size, buffered.server_lr) == (4, 0.25)
+    clipped = strategy_from_config("fedavg", JobConfig(robust="clip:2.5", strategy_args={}))[1]
+    assert clipped.clip_norm == 2.5
