@@ -5,6 +5,25 @@ Crash safety as in synchronous rounds: an update is acked once spooled; a restar
 spool in arrival order against the versions the updates trained from (kept in the spool,
 aggregator.spool.RoundSpool.save_base), and drops redeliveries of updates already folded (by message id). The
 folding order of live updates is their arrival order: async runs are not bit-reproducible.
+
+Folding before K arrivals. Every agent online when a version is announced owes one update trained from it
+(an async agent trains on every version it reads). A version is folded with fewer than ``async_k`` updates,
+without waiting for the deadlines, once nobody else can arrive: at least one update is in, and every agent
+that owed one has delivered its update from this version, said it went offline (an availability model's
+absence: it has read this announcement and will not train on it), or fell silent past the presence horizon
+(three heartbeats). An agent that comes online after the announcement is not waited for: a new agent's queue
+did not exist when the version was announced; one that does hold the announcement is folded into a later
+version, with its staleness. So a population with fewer agents online than ``async_k`` publishes a version
+as soon as those online have trained, instead of once per report plus update deadline.
+
+Every update the broker confirmed to an agent is folded or dropped with a reason (logged with its message
+id): updates that arrive before a restarted aggregator's first announcement are kept, unacked, for its first
+version (not dropped); redeliveries of folded updates are ``duplicate``, updates from versions no longer kept
+``too-stale``; once the last version is published, the updates already queued are ``job-finished``, and
+with a durable spool (services, ``simulate`` over RabbitMQ) the aggregator first waits, at most the report
+plus the update deadline, for the updates the agents online at the last announcement still owe, and drops
+them as ``job-finished`` too, so that nothing confirmed is left in the inbox when the job ends. Agents'
+reports (which precede each update) carry nothing the update does not: they are acked without a count.
 """
 
 from __future__ import annotations
@@ -22,6 +41,24 @@ from fedmq.broker.wire.envelope import Envelope, Kind
 log = structlog.get_logger(__name__)
 
 
+class _Owed:
+    """Who may still send an update trained from the version announced last (see the module docstring)."""
+
+    def __init__(self, version: int, online: list[str]) -> None:
+        self.version = version
+        self.waiting = set(online)
+
+    def note(self, env: Envelope) -> None:
+        if env.kind is Kind.UPDATE and env.model_version == self.version:
+            self.waiting.discard(env.client)
+        elif env.kind is Kind.PRESENCE and env.payload["state"] != "online":
+            self.waiting.discard(env.client)
+
+    def nobody(self, online: list[str]) -> bool:
+        """True when no agent online now still owes an update from this version."""
+        return not self.waiting.intersection(online)
+
+
 class AsyncRounds:
     """Runs the job's asynchronous versions until ``cfg.rounds`` are published (or ``ctx.stop`` is set)."""
 
@@ -29,27 +66,66 @@ class AsyncRounds:
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.history: dict[int, State] = {}  # the versions updates may still train from (max_staleness back)
+        self.early: list[Received] = []  # updates that arrived before the first announcement (unacked)
+        self.folded_ids: set[str] = set()  # message ids of every update folded before the open version
 
     def run(self) -> None:
         ctx, cfg = self.ctx, self.cfg
-        ctx.wait_for_agents(1, cfg.join_timeout_s)
+        self._wait_for_agents(1, cfg.join_timeout_s)
         self.history = ctx.spool.load_bases(ctx.version - cfg.max_staleness)
         _, spooled = ctx.spool.load(ctx.round)
         if spooled:
             log.info("resuming open round", round=ctx.round, spooled_updates=len(spooled))
+        owed: _Owed | None = None
         while ctx.version < cfg.rounds and not ctx.stop.is_set():
             stats = RoundStats(ctx.round, online=ctx.online())
             stats.selected = stats.online
             self._keep_bases()
             ctx.announce(stats)
+            owed = _Owed(ctx.version, stats.online)
             strategy = ctx.begin_strategy(stats, cfg.strategy)
+            self.folded_ids = ctx.folded_ids()
             for key in sorted(spooled, key=lambda k: int(k.rsplit("-", 1)[1])):  # replay, in arrival order
-                self._fold(
-                    stats, strategy, messages.decode(spooled[key], limits=ctx.inbox.limits), spooled[key]
-                )
+                env = messages.decode(spooled[key], limits=ctx.inbox.limits)
+                owed.note(env)
+                self._fold(stats, strategy, env, spooled[key])
             spooled = {}
-            self._collect(stats, strategy)
+            early, self.early = self.early, []
+            for msg in early:
+                owed.note(msg.env)
+                self._take(stats, strategy, msg)
+            self._collect(stats, strategy, owed)
             ctx.close_round(stats, strategy if stats.received else None)
+        if ctx.version >= cfg.rounds and not ctx.stop.is_set():
+            self._wind_down(owed)
+
+    def _wait_for_agents(self, needed: int, timeout: float) -> None:
+        """As the engine's wait (every presence queued when it began counted), but an update that arrives
+        first -- confirmed to its agent while the aggregator was down -- is kept for the first version."""
+        ctx = self.ctx
+        deadline = time.time() + timeout
+        backlog = ctx.inbox.backlog()
+        while time.time() < deadline and not ctx.stop.is_set():
+            if len(ctx.online()) >= needed and backlog <= 0:
+                return
+            msg = ctx.inbox.next(min(0.2, deadline - time.time()))
+            if msg is None:
+                continue
+            backlog -= 1
+            if msg.env.kind is Kind.UPDATE:
+                self.early.append(msg)
+            else:
+                self._other(msg)
+
+    def _other(self, msg: Received) -> None:
+        """Not an update: presence is noted, a report acked (its update carries its loss)."""
+        kind = msg.env.kind
+        if kind is Kind.PRESENCE:
+            self.ctx.note_presence(msg)
+        elif kind is Kind.REPORT:
+            self.ctx.inbox.ack(msg)
+        else:
+            self.ctx.inbox.drop(msg, "unexpected")
 
     def _keep_bases(self) -> None:
         """Keep the current version (in memory and in the spool) and drop those too stale to train from."""
@@ -61,25 +137,65 @@ class AsyncRounds:
             del self.history[old]
         ctx.spool.drop_bases_before(ctx.version - cfg.max_staleness)
 
-    def _collect(self, stats: RoundStats, strategy: Strategy) -> None:
+    def _collect(self, stats: RoundStats, strategy: Strategy, owed: _Owed) -> None:
         ctx, cfg = self.ctx, self.cfg
-        folded_ids = ctx.folded_ids()
         deadline = time.time() + cfg.report_deadline_s + cfg.update_deadline_s
         while len(stats.received) < cfg.async_k and time.time() < deadline and not ctx.stop.is_set():
+            if stats.received and owed.nobody(ctx.online()):
+                log.info(
+                    "nobody else can arrive: folding what came",
+                    round=stats.round,
+                    version=ctx.version,
+                    received=len(stats.received),
+                    async_k=cfg.async_k,
+                )
+                return
             msg = ctx.inbox.next(min(0.5, deadline - time.time()))
             if msg is None:
                 continue
-            env = msg.env
-            if env.kind is Kind.PRESENCE:
-                ctx.note_presence(msg)
-            elif env.kind is not Kind.UPDATE:
-                ctx.inbox.drop(msg, "unexpected")
-            elif env.msg_id in folded_ids or env.msg_id in stats.update_ids.values():
-                ctx.inbox.drop(msg, "duplicate")  # redelivered after a crash: already folded
-            elif ctx.version - env.model_version > cfg.max_staleness or env.model_version not in self.history:
-                ctx.inbox.drop(msg, "too-stale")
+            owed.note(msg.env)
+            if msg.env.kind is Kind.UPDATE:
+                self._take(stats, strategy, msg)
             else:
-                self._fold(stats, strategy, env, msg.delivery.body, msg)
+                self._other(msg)
+
+    def _take(self, stats: RoundStats, strategy: Strategy, msg: Received) -> None:
+        """A live update: fold it, or drop it with the reason it cannot be."""
+        ctx, cfg, env = self.ctx, self.cfg, msg.env
+        if env.msg_id in self.folded_ids or env.msg_id in stats.update_ids.values():
+            ctx.inbox.drop(msg, "duplicate")  # redelivered after a crash: already folded
+        elif ctx.version - env.model_version > cfg.max_staleness or env.model_version not in self.history:
+            ctx.inbox.drop(msg, "too-stale")
+        else:
+            self._fold(stats, strategy, env, msg.delivery.body, msg)
+
+    def _wind_down(self, owed: _Owed | None) -> None:
+        """The last version is published: drop what is queued, and (durable spool) what is still owed, as
+        ``job-finished`` (the module docstring says why)."""
+        ctx, cfg = self.ctx, self.cfg
+        wait = owed is not None and ctx.spool.durable
+        deadline = time.time() + (cfg.report_deadline_s + cfg.update_deadline_s if wait else 0.0)
+        backlog = ctx.inbox.backlog()
+        while not ctx.stop.is_set():
+            pending = wait and owed is not None and not owed.nobody(ctx.online())
+            if backlog <= 0 and (not pending or time.time() >= deadline):
+                break
+            msg = ctx.inbox.next(min(0.5, max(deadline - time.time(), 0.0)) if pending else 0.0)
+            if msg is None:
+                if not pending:
+                    break
+                continue
+            backlog -= 1
+            if owed is not None:
+                owed.note(msg.env)
+            if msg.env.kind is Kind.UPDATE:
+                ctx.inbox.drop(msg, "job-finished")
+            else:
+                self._other(msg)
+        if owed is not None and wait and not owed.nobody(ctx.online()):
+            log.warning(
+                "job finished with updates still owed", clients=sorted(owed.waiting & set(ctx.online()))
+            )
 
     def _fold(
         self, stats: RoundStats, strategy: Strategy, env: Envelope, body: bytes, msg: Received | None = None
@@ -89,9 +205,7 @@ class AsyncRounds:
         base = self.history.get(env.model_version)
         if base is None:
             if msg is not None:
-                ctx.inbox.reject(
-                    msg.delivery, "too-stale", f"base version {env.model_version} is no longer kept"
-                )
+                ctx.inbox.drop(msg, "too-stale")
             return
         arrival = len(stats.received)
         update = ctx.fold(

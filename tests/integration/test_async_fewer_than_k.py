@@ -1,0 +1,70 @@
+"""Asynchronous mode with fewer agents online than the buffer (async_k): a version is folded once nobody else
+can arrive, not when the report and update deadlines run out.
+
+Three clients, async_k 3, and a trace that keeps agent-2 offline in every slot: two agents are ever online, so
+no version can reach three updates. Before the aggregator folded what it had, each version waited for both
+deadlines (here 60 s + 60 s) and three versions took six minutes; now each is folded as soon as the two
+online agents have delivered.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import fedmq
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
+LIMIT_S = 45.0  # far below one version's deadlines (120 s)
+
+
+@pytest.fixture(scope="module")
+def moons():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from bring_your_own import TwoMoons
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    return TwoMoons
+
+
+def test_async_folds_what_it_has_when_fewer_than_async_k_are_online(tmp_path, moons):
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"agent-2": []}))
+    cfg = fedmq.JobConfig(
+        job="async-few",
+        strategy="async",
+        rounds=3,
+        clients=3,
+        fraction=1.0,
+        async_k=3,
+        report_deadline_s=60.0,
+        update_deadline_s=60.0,
+    )
+    sim = fedmq.Simulation(cfg, moons(clients=3), run_dir=tmp_path / "run", availability=f"trace:{trace}")
+    stop = threading.Event()
+    out: dict = {}
+    runner = threading.Thread(target=lambda: out.update(sim.run(stop=stop)), daemon=True)
+    t0 = time.monotonic()
+    runner.start()
+    runner.join(LIMIT_S)
+    stalled = runner.is_alive()
+    if stalled:  # end the run (its deadlines would take minutes) before failing
+        stop.set()
+        runner.join(180)
+    elapsed = time.monotonic() - t0
+    assert not stalled, f"3 versions took more than {LIMIT_S:.0f} s: each waited for its deadlines"
+    assert out["version"] == 3, out
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "round" in r]
+    assert len(rows) == 3 and not any(r["skipped"] for r in rows), rows
+    for row in rows:
+        # the never-available agent contributed nothing; the version was folded from fewer than async_k
+        assert 1 <= len(row["received"]) < 3 and "agent-2" not in row["received"], row
+        assert row["wall_s"] < 30, row
+    assert elapsed < LIMIT_S
