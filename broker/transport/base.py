@@ -12,6 +12,8 @@ from typing import Any
 
 from fedmq.broker.transport.errors import BrokerError
 
+REFUSED_SIZE_HEADER = "x-fedmq-refused-size"  # set by a backend that dropped an oversized body unread
+
 
 @dataclass(frozen=True)
 class ReassemblyLimits:

@@ -1,6 +1,8 @@
 """The in-process broker (``memory://NAME``) for `fedmq simulate` and fast tests.
 
-Keeps the RabbitMQ semantics fedmq relies on: one topic exchange with ``*``/``#`` routing, ``mandatory``
+Keeps the RabbitMQ semantics fedmq relies on: a topic exchange per job (``fedmq.<job>``, declared with the
+job; a publish goes to the exchange its routing key names, and to a missing one fails naming it) with
+``*``/``#`` routing, ``mandatory``
 (unroutable publishes fail), per-queue FIFO, per-consumer prefetch, unacked messages requeued (in their
 original order, flagged ``redelivered``) when their consumer is cancelled or its connection closes,
 ``x-max-length`` with drop-head (only ready messages count, like RabbitMQ), single active consumer, and
@@ -27,6 +29,7 @@ from typing import Any
 
 import structlog
 
+from fedmq.broker.transport import topology as t
 from fedmq.broker.transport.base import Broker, Delivery, Handler, ReassemblyLimits
 from fedmq.broker.transport.errors import BrokerError, Undeliverable
 from fedmq.broker.transport.queues import check_publish_args, job_queues
@@ -34,6 +37,12 @@ from fedmq.broker.transport.reassembly import EXPIRY_CHECK_S, ChunkGate, GatedDi
 from fedmq.broker.wire.chunk_frames import CHUNK_HEADER, DEFAULT_CHUNK_LIMIT, chunk_messages
 
 log = structlog.get_logger(__name__)
+
+
+def _exchange_of(key: str) -> str | None:
+    """The exchange of a routing key or binding pattern: its job's (None for a key of no job)."""
+    job = t.job_of_key(key)
+    return None if job is None else t.exchange(job)
 
 
 def topic_matches(pattern: str, key: str) -> bool:
@@ -167,7 +176,9 @@ class _Hub:
         self.name = name
         self.lock = threading.RLock()
         self.queues: dict[str, _Queue] = {}
-        self.bindings: list[tuple[str, str]] = []  # (pattern, queue)
+        # (exchange, pattern, queue): a binding's exchange is its pattern's job's (None: a key of no job)
+        self.bindings: list[tuple[str | None, str, str]] = []
+        self.exchanges: set[str] = set()
         self.seq = itertools.count()
         self.delivery_ids = itertools.count(1)
         self._routes: dict[str, list[str]] = {}
@@ -184,9 +195,21 @@ class _Hub:
                     f"queue {name} exists with different arguments {q.arguments} (wanted {arguments})"
                 )
             for b in bindings:
-                if (b, name) not in self.bindings:
-                    self.bindings.append((b, name))
+                binding = (_exchange_of(b), b, name)
+                if binding not in self.bindings:
+                    self.bindings.append(binding)
                     self._routes.clear()
+
+    def declare_exchange(self, name: str) -> None:
+        with self.lock:
+            self.exchanges.add(name)
+
+    def delete_exchange(self, name: str) -> None:
+        """Delete an exchange and every binding on it (as RabbitMQ's exchange.delete does)."""
+        with self.lock:
+            self.exchanges.discard(name)
+            self.bindings = [b for b in self.bindings if b[0] != name]
+            self._routes.clear()
 
     def delete_queues(self, prefix: str) -> list[str]:
         """Delete every queue whose name starts with ``prefix``, with its bindings; the names deleted."""
@@ -194,7 +217,7 @@ class _Hub:
             gone = [name for name in self.queues if name.startswith(prefix)]
             for name in gone:
                 del self.queues[name]
-            self.bindings = [(p, q) for p, q in self.bindings if q not in gone]
+            self.bindings = [(e, p, q) for e, p, q in self.bindings if q not in gone]
             self._routes.clear()
             return gone
 
@@ -203,7 +226,12 @@ class _Hub:
         every heartbeat is a publish (the cache is cleared when a queue or binding is added)."""
         names = self._routes.get(routing_key)
         if names is None:
-            names = self._routes[routing_key] = [q for p, q in self.bindings if topic_matches(p, routing_key)]
+            ex = _exchange_of(routing_key)
+            if ex is not None and ex not in self.exchanges:
+                raise BrokerError(t.missing_exchange(ex))
+            names = self._routes[routing_key] = [
+                q for e, p, q in self.bindings if e == ex and topic_matches(p, routing_key)
+            ]
         return [self.queues[q] for q in names if q in self.queues]
 
     def dead_letter(self, q: _Queue, msgs: list[_Msg]) -> None:
@@ -212,8 +240,12 @@ class _Hub:
         rk = q.arguments.get("x-dead-letter-routing-key")
         if rk is None or "x-dead-letter-exchange" not in q.arguments:
             return
+        try:
+            targets = self.route(rk)
+        except BrokerError:  # its exchange is gone: RabbitMQ drops such a dead letter too
+            return
         for m in msgs:
-            for target in self.route(rk):
+            for target in targets:
                 target.push(replace(m, seq=next(self.seq), routing_key=rk, redelivered=False, returns=0))
                 self.pump(target)
 
@@ -325,7 +357,9 @@ class MemoryBroker(GatedDispatch, Broker):
         self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True, model_bytes: int = 0
     ) -> None:
         self._check_open()
-        for spec in job_queues(job, agents, inbox=inbox, model_bytes=model_bytes):
+        specs = job_queues(job, agents, inbox=inbox, model_bytes=model_bytes)
+        self._hub.declare_exchange(t.exchange(job))
+        for spec in specs:
             self._hub.declare(spec.name, spec.arguments, spec.bindings)
 
     def publish(

@@ -13,6 +13,9 @@ Everything else goes through pika's public API. What cannot, and why:
 - Why the broker closed a channel (``BlockingChannel._closing_reason``).
 - The server's properties (its version) and the socket read size (the transport's ``_MAX_RECV_BYTES``), on the
   connection underneath a BlockingConnection.
+- The assembler of a consuming channel's content frames (``Channel._content_assembler``): a delivery whose
+  content header announces more bytes than its consumer accepts is refused from that header, its body frames
+  counted and dropped as they arrive instead of held until the last (:func:`bound_content`).
 
 :func:`check` runs whenever the RabbitMQ backend opens its publishing channel (and in ``fedmq broker check``),
 so a pika that moved any of these fails at connect with one line naming its version and what is missing.
@@ -24,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pika
+import pika.channel
 
 from fedmq.broker.transport.errors import BrokerError
 
@@ -40,6 +44,7 @@ _REQUIRED = (
     "BlockingChannel._impl.close",
     "BlockingChannel._impl._raise_if_not_open",
     "BlockingChannel._impl._send_method",
+    "BlockingChannel._impl._content_assembler._handle_body_frame",
 )
 
 
@@ -116,3 +121,39 @@ def close_now(ch: Any) -> None:
 def closing_reason(ch: Any) -> Any:
     """Why ``ch`` was closed (a ChannelClosedByBroker carries reply_code and reply_text), or None."""
     return ch._closing_reason
+
+
+class _BoundedAssembler(pika.channel.ContentFrameAssembler):
+    """pika's content assembler, except that a body its header announces as larger than ``limit(properties)``
+    is not kept: its frames are counted and dropped, and the delivery comes out with an empty body and the
+    announced size in the header ``refused_header`` (the consumer then rejects it)."""
+
+    def __init__(self, limit: Callable[[Any], int], refused_header: str) -> None:
+        super().__init__()
+        self._limit, self._refused_header, self._dropping = limit, refused_header, False
+
+    def process(self, frame_value: Any) -> Any:
+        if isinstance(frame_value, pika.frame.Header):
+            size, props = frame_value.body_size, frame_value.properties
+            self._dropping = size > self._limit(props)
+            if self._dropping:
+                props.headers = {**(props.headers or {}), self._refused_header: size}
+        return super().process(frame_value)
+
+    def _handle_body_frame(self, body_frame: Any) -> Any:
+        if not self._dropping:
+            return super()._handle_body_frame(body_frame)
+        self._seen_so_far += len(body_frame.fragment)
+        header = self._header_frame
+        assert header is not None
+        if self._seen_so_far >= header.body_size:
+            self._dropping = False
+            return self._finish()
+        return None
+
+
+def bound_content(ch: Any, limit: Callable[[Any], int], refused_header: str) -> None:
+    """Deliveries on ``ch`` whose header announces more than ``limit(properties)`` bytes are refused from
+    that header (see _BoundedAssembler): a hostile sender's oversized message costs its bytes on the wire and
+    nothing held here."""
+    ch._impl._content_assembler = _BoundedAssembler(limit, refused_header)

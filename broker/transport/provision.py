@@ -6,11 +6,18 @@ rotates or widens the first job's users), each with least-privilege permissions 
 
 * agent X may configure, write and read only its own queues ``fedmq.<job>.agent.X.(latest|control)``, read
   (not write) the job's model stream ``fedmq.<job>.models``, write
-  to (publish on) and read (bind to) the exchange; topic permissions on the exchange let it publish only
-  ``job.<job>.(report|update|presence).X`` and bind only ``job.<job>.(global|control)`` and its own
-  ``job.<job>.(announce|grant).X``;
-* the aggregator may configure, write and read the exchange and the job's ``fedmq.<job>.*`` queues, publish
-  the job's ``global``/``control``/``model``/``announce``/``grant`` keys and bind only the job's keys.
+  to (publish on) and read (bind to) the job's exchange ``fedmq.<job>``; topic permissions on that exchange
+  let it publish only ``job.<job>.(report|update|presence).X`` and bind only ``job.<job>.(global|control)``
+  and its own ``job.<job>.(announce|grant).X``;
+* the aggregator may configure, write and read the job's own exchange ``fedmq.<job>`` and the job's
+  ``fedmq.<job>.*`` queues, publish the job's ``global``/``control``/``model``/``announce``/``grant`` keys
+  and bind only the job's keys.
+
+Nobody is given configure on anything another job uses: each job has its own exchange
+(broker.transport.topology.exchange), so a job's aggregator can delete or rebind its own job's plumbing and
+nothing else. Provisioning replaces a user's topic permissions (those on the ``fedmq`` exchange every job of a
+vhost shared in older versions, ``LEGACY_EXCHANGE``, included), so re-provisioning an old job narrows its
+users.
 
 How it talks to RabbitMQ: ``rabbitmqctl`` when the broker runs on this machine (no plugin needed; the
 management plugin is off on a stock install and enabling it reconfigures the broker), otherwise the
@@ -53,6 +60,7 @@ _LOCAL = {"127.0.0.1", "localhost", "::1", ""}
 
 @dataclass(frozen=True)
 class Permissions:
+    exchange: str  # the job's exchange, which the topic permissions are on
     configure: str
     write: str
     read: str
@@ -65,8 +73,9 @@ def agent_permissions(job: str, client: str) -> Permissions:
     j, c = re.escape(t.check_name("job id", job)), re.escape(t.check_name("client id", client))
     own = rf"fedmq\.{j}\.agent\.{c}\.(latest|control)"
     models = rf"fedmq\.{j}\.models"  # the model stream: read only (consuming a stream removes nothing)
-    ex = re.escape(t.EXCHANGE)
+    ex = re.escape(t.exchange(job))
     return Permissions(
+        exchange=t.exchange(job),
         configure=rf"^{own}$",
         write=rf"^({ex}|{own})$",
         read=rf"^({ex}|{own}|{models})$",
@@ -78,9 +87,11 @@ def agent_permissions(job: str, client: str) -> Permissions:
 def aggregator_permissions(job: str) -> Permissions:
     """The aggregator of one job: the exchange and every queue and routing key of that job,
     nothing of another."""
-    j, ex = re.escape(t.check_name("job id", job)), re.escape(t.EXCHANGE)
-    mine = rf"^({ex}|{ex}\.{j}\..*)$"  # the exchange is named fedmq, the job's queues fedmq.<job>.*
+    j, ex = re.escape(t.check_name("job id", job)), re.escape(t.exchange(job))
+    # the job's own exchange fedmq.<job> and its queues fedmq.<job>.*: nothing another job uses
+    mine = rf"^{ex}(\..*)?$"
     return Permissions(
+        exchange=t.exchange(job),
         configure=mine,
         write=mine,
         read=mine,
@@ -146,7 +157,9 @@ class CtlAdmin:
 
     def set_permissions(self, vhost: str, user: str, p: Permissions) -> None:
         self.run("set_permissions", "-p", vhost, user, p.configure, p.write, p.read)
-        self.run("set_topic_permissions", "-p", vhost, user, t.EXCHANGE, p.topic_write, p.topic_read)
+        # topic permissions on any other exchange (the shared one of older versions) go first
+        self.run("clear_topic_permissions", "-p", vhost, user)
+        self.run("set_topic_permissions", "-p", vhost, user, p.exchange, p.topic_write, p.topic_read)
 
     def delete_vhost(self, vhost: str) -> None:
         self.run("delete_vhost", vhost, ok_text="does not exist")
@@ -214,10 +227,12 @@ class HttpAdmin:
         self.call(
             "PUT", f"/api/permissions/{v}/{u}", {"configure": p.configure, "write": p.write, "read": p.read}
         )
+        # topic permissions on any other exchange (the shared one of older versions) go first
+        self.call("DELETE", f"/api/topic-permissions/{v}/{u}", ok=(404,))
         self.call(
             "PUT",
             f"/api/topic-permissions/{v}/{u}",
-            {"exchange": t.EXCHANGE, "write": p.topic_write, "read": p.topic_read},
+            {"exchange": p.exchange, "write": p.topic_write, "read": p.topic_read},
         )
 
     def delete_vhost(self, vhost: str) -> None:

@@ -31,7 +31,7 @@ def inbox_args(job: str) -> dict[str, Any]:
     return {
         **INBOX_ARGS,
         "x-delivery-limit": DELIVERY_LIMIT,
-        "x-dead-letter-exchange": t.EXCHANGE,
+        "x-dead-letter-exchange": t.exchange(job),
         "x-dead-letter-routing-key": t.rk_dead(job),
     }
 

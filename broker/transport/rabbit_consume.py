@@ -1,5 +1,9 @@
 """Consuming of the RabbitMQ backend: one channel per consumer, deliveries handed to a dispatcher thread.
 
+A delivery whose content header announces more bytes than the consumer's limit (ChunkGate.body_limit) is
+refused from that header: pika_private.bound_content drops its body frames as they arrive, and the gate
+rejects it (dead-lettered from the inbox) without its bytes ever being held.
+
 The I/O thread (broker.transport.rabbit_io) only queues each delivery; the dispatcher thread reassembles
 chunks (broker.transport.reassembly) and runs the handlers, so neither a long handler nor a long training step
 on another thread can stop heartbeats. Deliveries from an earlier connection or subscription can no longer be
@@ -21,7 +25,8 @@ from typing import Any
 import pika.exceptions as pe
 import structlog
 
-from fedmq.broker.transport.base import Delivery, Handler, ReassemblyLimits
+from fedmq.broker.transport import pika_private
+from fedmq.broker.transport.base import REFUSED_SIZE_HEADER, Delivery, Handler, ReassemblyLimits
 from fedmq.broker.transport.errors import BrokerError
 from fedmq.broker.transport.reassembly import EXPIRY_CHECK_S, ChunkGate
 
@@ -74,6 +79,7 @@ class RabbitConsuming:
     def _subscribe(self, c: _Consumer) -> None:
         assert self._conn is not None
         ch = self._conn.channel()
+        pika_private.bound_content(ch, c.gate.body_limit, REFUSED_SIZE_HEADER)
         ch.basic_qos(prefetch_count=c.prefetch)
         self._subscriptions += 1
         gen = (

@@ -43,8 +43,8 @@ class RabbitIo:
     """The connection, the I/O thread that owns it and the command queue, for RabbitBroker.
 
     The broker provides ``url``, ``user``, ``_reconnection``, ``_open_pub_channel()`` (a confirm-mode channel
-    on the new connection, broker.transport.rabbit_publish) and ``_restore()``
-    (topology and consumers again)."""
+    on the new connection, broker.transport.rabbit_publish), ``_restore()`` (topology and consumers again)
+    and ``_tick()`` (periodic checks, run between commands)."""
 
     url: str
     user: str
@@ -52,6 +52,7 @@ class RabbitIo:
     _pub_ch: Any
     _open_pub_channel: Callable[[], Any]
     _restore: Callable[[], None]
+    _tick: Callable[[], None]
 
     def _init_io(self) -> None:
         self._lock = threading.Lock()
@@ -113,6 +114,7 @@ class RabbitIo:
                     break
                 self._conn.process_data_events(time_limit=0.2)
                 self._drain()
+                self._tick()
             except CONNECTION_ERRORS as exc:
                 self._lost(exc)
             except Exception as exc:  # keep the I/O thread alive whatever a callback did

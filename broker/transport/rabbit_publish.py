@@ -22,9 +22,9 @@ import pika.exceptions as pe
 import structlog
 
 from fedmq.broker.transport import pika_private
-from fedmq.broker.transport.errors import BrokerError, Undeliverable
+from fedmq.broker.transport import topology as t
+from fedmq.broker.transport.errors import REFUSALS, BrokerError, Undeliverable, refusal
 from fedmq.broker.transport.queues import check_publish_args
-from fedmq.broker.transport.topology import EXCHANGE
 from fedmq.broker.wire.chunk_frames import CHUNK_HEADER, Chunk, ChunkFrame, chunk_parts
 
 log = structlog.get_logger(__name__)
@@ -38,6 +38,7 @@ def _noop() -> None:
 
 @dataclass
 class _Publish:
+    exchange: str
     routing_key: str
     parts: list[tuple[bytes | Chunk, pika.BasicProperties]]  # a Chunk is encoded when sent
     deadline: float
@@ -62,6 +63,7 @@ class RabbitPublishing:
     _conn: Any
     _blocked: bool
     _submit: Callable[..., Any]
+    _exchange_missing: Callable[[str], BrokerError]
 
     def _init_publishing(self) -> None:
         self._pub_ch: Any = None
@@ -78,6 +80,10 @@ class RabbitPublishing:
         timeout: float | None = None,
     ) -> None:
         check_publish_args(routing_key, body)
+        try:
+            exchange = t.exchange_for(routing_key)
+        except ValueError as exc:
+            raise BrokerError(str(exc)) from None
         message_id = message_id or uuid.uuid4().hex
         frames = chunk_parts(body if isinstance(body, bytes) else bytes(body), message_id, self.chunk_limit)
         base = dict(headers or {})
@@ -97,8 +103,9 @@ class RabbitPublishing:
         else:
             parts = [(f, props({**base, CHUNK_HEADER: 1})) for f in frames]
         timeout = timeout or self.publish_timeout
-        job = _Publish(routing_key, parts, time.monotonic() + timeout, message_id)
+        job = _Publish(exchange, routing_key, parts, time.monotonic() + timeout, message_id)
         self._submit(lambda b: b._publish_now(job), timeout, f"publish to {routing_key!r}")
+        REFUSALS.clear(self.user, routing_key)
 
     def _open_pub_channel(self) -> Any:
         """A confirm-mode channel whose acks/nacks/returns we track ourselves, so chunks can be pipelined."""
@@ -168,9 +175,11 @@ class RabbitPublishing:
                     self._pub_pending[self._pub_seq] = (job, i)
                     try:
                         if isinstance(data, Chunk):
-                            pika_private.publish_frame(ch, EXCHANGE, job.routing_key, ChunkFrame(data), props)
+                            pika_private.publish_frame(
+                                ch, job.exchange, job.routing_key, ChunkFrame(data), props
+                            )
                         else:
-                            pika_private.publish(ch, EXCHANGE, job.routing_key, data, props)
+                            pika_private.publish(ch, job.exchange, job.routing_key, data, props)
                     except pe.ChannelWrongStateError:
                         pass  # the channel was closed by the broker: reported below
                     if (
@@ -185,10 +194,13 @@ class RabbitPublishing:
                     self._pub_ch = None
                     self._forget(job)
                     code = getattr(reason, "reply_code", "")
-                    raise BrokerError(
-                        f"publish to {job.routing_key!r} refused by the broker: {code} "
-                        f"{getattr(reason, 'reply_text', reason)}".replace("  ", " ")
-                    )
+                    text = str(getattr(reason, "reply_text", reason))
+                    if code == 404 and "no exchange" in text:
+                        raise self._exchange_missing(job.exchange)
+                    what = f"publish to {job.routing_key!r} refused by the broker: {code} {text}"
+                    if code == 403:
+                        raise refusal(self.user, job.routing_key, what)
+                    raise BrokerError(what.replace("  ", " "))
                 if time.monotonic() > job.deadline:
                     self._forget(job)
                     raise BrokerError(f"publish to {job.routing_key!r} not confirmed in time")

@@ -24,10 +24,17 @@ from typing import Any
 
 import structlog
 
-from fedmq.broker.transport.base import Broker, Delivery, Handler, ReassemblyLimits
+from fedmq.broker.transport.base import REFUSED_SIZE_HEADER, Broker, Delivery, Handler, ReassemblyLimits
 from fedmq.broker.transport.errors import BrokerError
 from fedmq.broker.wire.blobs import digest
-from fedmq.broker.wire.chunk_frames import CHUNK_HEADER, Chunk, byte_view, chunk_size, decode_chunk
+from fedmq.broker.wire.chunk_frames import (
+    CHUNK_HEADER,
+    FRAME_OVERHEAD,
+    Chunk,
+    byte_view,
+    chunk_size,
+    decode_chunk,
+)
 from fedmq.errors import CodecError
 
 log = structlog.get_logger(__name__)
@@ -284,6 +291,14 @@ class ChunkGate:
             max_pending_per_sender=limits.max_pending_per_sender,
         )
 
+    def body_limit(self, properties: Any) -> int:
+        """The most bytes one raw delivery may carry (``properties``: its AMQP properties): a whole message
+        up to max_message_size, a chunk frame up to that plus its frame's overhead. A backend that sees the
+        announced size first refuses a larger one from it (REFUSED_SIZE_HEADER); feed refuses it anyway."""
+        headers = getattr(properties, "headers", None) or {}
+        limit = self.reassembler.max_message_size
+        return limit + FRAME_OVERHEAD if CHUNK_HEADER in headers else limit
+
     def expire(self) -> list[Any]:
         """Raw tags of the held chunks of messages that stayed incomplete past the timeout (their sender died
         mid-upload): the reassembler forgets them and the backend rejects these tags,
@@ -326,6 +341,21 @@ class ChunkGate:
         raw = d.tag
         with self._lock:
             self._unsettled += 1
+            announced = d.headers.get(REFUSED_SIZE_HEADER)
+            size = announced if isinstance(announced, int) else len(d.body)
+            if announced is not None or size > self.body_limit(d):
+                self._unsettled -= 1
+                self.rejected += 1
+                log.warning(
+                    "message refused: larger than this consumer accepts",
+                    queue=d.queue,
+                    message_id=d.message_id,
+                    routing_key=d.routing_key,
+                    size=size,
+                    limit=self.reassembler.max_message_size,
+                    read=announced is None,
+                )
+                return Outcome(reject=[raw], reason="too-large")
             if CHUNK_HEADER not in d.headers:
                 return Outcome(deliver=replace(d, tag=Tag([raw], self, self.gen)))
             try:

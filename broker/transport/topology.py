@@ -1,13 +1,19 @@
 """Names of the exchange, routing keys and queues of a job (one place, used by every backend).
 
 In the transport, not the wire format: these names say where a message goes (AMQP addressing), which the
-encoded bytes never depend on; the aggregator and the agent import them from here."""
+encoded bytes never depend on; the aggregator and the agent import them from here.
+
+Every job has its own topic exchange, ``fedmq.<job>`` (:func:`exchange`): no exchange is shared by two jobs,
+so no job's aggregator (the only user that may configure its job's exchange) can delete or rebind another
+job's. Every routing key names its job (``job.<job>.…``), so a publish finds its exchange from its routing
+key (:func:`exchange_for`) and the Broker interface stays a routing key and a body."""
 
 from __future__ import annotations
 
 import re
 
-EXCHANGE = "fedmq"
+EXCHANGE_PREFIX = "fedmq"
+LEGACY_EXCHANGE = "fedmq"  # the one exchange every job of a vhost shared before exchanges were per job
 AGGREGATOR_USER = "fedmq-aggregator"  # the in-process broker's aggregator; provisioned ones are per job
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -17,6 +23,44 @@ def check_name(kind: str, value: str) -> str:
     if not _NAME.match(value):
         raise ValueError(f"bad {kind} {value!r}: use 1-64 letters, digits, '-' or '_'")
     return value
+
+
+def exchange(job: str) -> str:
+    """The job's own topic exchange (the names of its queues extend it: ``fedmq.<job>.inbox``, …)."""
+    return f"{EXCHANGE_PREFIX}.{check_name('job id', job)}"
+
+
+def job_of_key(routing_key: str) -> str | None:
+    """The job a routing key ``job.<job>.…`` belongs to; None for a key of no job."""
+    parts = routing_key.split(".")
+    if len(parts) < 3 or parts[0] != "job" or not _NAME.match(parts[1]):
+        return None
+    return parts[1]
+
+
+def exchange_for(routing_key: str) -> str:
+    """The exchange a message with ``routing_key`` is published to: its job's (ValueError for a key of no
+    job)."""
+    job = job_of_key(routing_key)
+    if job is None:
+        raise ValueError(f"routing key {routing_key!r} names no job: want job.<job>.<kind>[.<client>]")
+    return exchange(job)
+
+
+def missing_exchange(ex: str, vhost: str | None = None) -> str:
+    """The one line that reports a job's exchange gone (deleted, or never declared)."""
+    where = f" in vhost {vhost!r}" if vhost else ""
+    job = ex.split(".", 1)[1] if "." in ex else ex
+    return (
+        f"exchange {ex!r} of job {job!r} does not exist{where}: the job's aggregator declares it "
+        "(start or restart it); nothing of the job is routed meanwhile"
+    )
+
+
+def is_presence(routing_key: str) -> bool:
+    """A presence message (``job.<job>.presence.<client>``): small, and travels apart from bulk uploads."""
+    parts = routing_key.split(".")
+    return len(parts) == 4 and parts[0] == "job" and parts[2] == "presence"
 
 
 # routing keys (topic exchange)

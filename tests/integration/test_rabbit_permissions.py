@@ -89,17 +89,20 @@ def test_provisioned_users_are_confined(fed, job_id):
     ch.confirm_delivery()
     with pytest.raises(pe.ChannelClosedByBroker) as exc:
         ch.basic_publish(
-            t.EXCHANGE, t.rk_update(job_id, a1), b"x", pika.BasicProperties(user_id=t.agent_user(job_id, a2))
+            t.exchange(job_id),
+            t.rk_update(job_id, a1),
+            b"x",
+            pika.BasicProperties(user_id=t.agent_user(job_id, a2)),
         )
     assert exc.value.reply_code == 406
     # binding its own queue to another agent's updates (to eavesdrop) is refused by topic permissions
     ch = conn.channel()
     with pytest.raises(pe.ChannelClosedByBroker) as exc:
-        ch.queue_bind(t.q_control(job_id, a1), t.EXCHANGE, routing_key=t.rk_update(job_id, a2))
+        ch.queue_bind(t.q_control(job_id, a1), t.exchange(job_id), routing_key=t.rk_update(job_id, a2))
     assert exc.value.reply_code == 403
     ch = conn.channel()  # nor to another agent's announcements
     with pytest.raises(pe.ChannelClosedByBroker) as exc:
-        ch.queue_bind(t.q_latest(job_id, a1), t.EXCHANGE, routing_key=t.rk_announce(job_id, a2))
+        ch.queue_bind(t.q_latest(job_id, a1), t.exchange(job_id), routing_key=t.rk_announce(job_id, a2))
     assert exc.value.reply_code == 403
     ch = conn.channel()
     with pytest.raises(pe.ChannelClosedByBroker) as exc:
@@ -298,7 +301,7 @@ def test_two_jobs_in_one_vhost_are_isolated(rabbit_url):
             assert agg_a.queue_depth(t.q_inbox(job_a)) == 0
         conn, ch = _channel(b["agents"]["agent-0"]["url"])
         with pytest.raises(pe.ChannelClosedByBroker) as exc:  # eavesdropping on A's models via its own queue
-            ch.queue_bind(t.q_latest(job_b, "agent-0"), t.EXCHANGE, routing_key=t.rk_global(job_a))
+            ch.queue_bind(t.q_latest(job_b, "agent-0"), t.exchange(job_a), routing_key=t.rk_global(job_a))
         assert exc.value.reply_code == 403
         ch = conn.channel()
         with pytest.raises(pe.ChannelClosedByBroker) as exc:
