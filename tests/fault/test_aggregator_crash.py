@@ -68,7 +68,8 @@ def test_hot_standby_takes_over_from_the_checkpoint_and_spool(federation):
 
 def test_async_kill9_mid_round_replays_the_spool(tmp_path, rabbit_url, job_id):
     """Async (FedBuff) mode: updates acked into the spool before a kill -9 are folded after the restart,
-    once."""
+    once, and every update the broker confirmed to an agent is accounted for: folded, or dropped with a reason
+    that is not a loss (confirmed = folded + dropped, none dropped as unexpected, none left in the inbox)."""
     from fedmq.broker.transport.connect import connect
     from fedmq.broker.wire import messages
 
@@ -92,11 +93,12 @@ def test_async_kill9_mid_round_replays_the_spool(tmp_path, rabbit_url, job_id):
         summary = fed.wait_aggregator("agg2", timeout=120)
         assert summary["version"] == 5 and summary["rounds_completed"] == 5
         assert fed.agg_events("resuming open round"), "the restart did not replay the async spool"
-        for i in range(fed.clients):
-            fed.kill9(f"agent-{i}")
-        audit = (
-            fed.audit()
-        )  # its (round, id) matching is for synchronous rounds; async is matched by id below
+        # the job ended: each agent reads the end after its last upload and leaves on its own
+        agents = [fed.procs[f"agent-{i}"] for i in range(fed.clients)]
+        wait_for(lambda: all(p.poll() is not None for p in agents), 60, "the agents to leave the ended job")
+        assert [p.returncode for p in agents] == [0] * fed.clients
+        # the audit's (round, id) matching is for synchronous rounds; async is matched by id below
+        audit = fed.audit()
         assert audit.duplicated == [] and audit.finite and audit.shapes_ok, audit
         from fedmq.aggregator.checkpoint import load_checkpoint
 
@@ -104,16 +106,26 @@ def test_async_kill9_mid_round_replays_the_spool(tmp_path, rabbit_url, job_id):
         confirmed = {u for _, u in fed.confirmed()}
         assert folded <= confirmed, "folded an update no agent had confirmed"
         assert spooled_ids <= folded, "a spooled (acked) update was not folded after the restart"
-        # async folds an update into whichever version is open when it arrives: match confirmed uploads by id;
-        # the ones neither folded nor dropped with a reason are still waiting in the inbox (the job had ended)
-        dropped = {e["msg_id"] for e in fed.agg_events("message dropped") if e.get("msg_id")}
+        # async folds an update into whichever version is open when it arrives: match confirmed uploads by id
+        drops = [e for e in fed.agg_events("message dropped") if e.get("kind") == "update"]
+        dropped = {e["msg_id"] for e in drops}
+        assert folded.isdisjoint(dropped), "an update both folded and dropped"
+        lost = [e for e in drops if e["reason"] not in ("duplicate", "too-stale", "job-finished")]
+        assert lost == [], f"confirmed updates dropped without a reason that is not a loss: {lost}"
         unaccounted = confirmed - folded - dropped
+        assert unaccounted == set(), f"{len(unaccounted)} of {len(confirmed)} confirmed updates unaccounted"
+        assert len(confirmed) == len(folded) + len(dropped & confirmed)
+        # what is left in the inbox is the agents' goodbyes (presence), never an update
         conn = connect(rabbit_url)
         try:
-            waiting = conn.queue_depth(f"fedmq.{job_id}.inbox")
+            events = conn.subscribe(f"fedmq.{job_id}.inbox", prefetch=64)
+            left = []
+            while (delivery := events.next(2.0)) is not None:
+                left.append(messages.decode(delivery.body).kind.value)
+                conn.ack(delivery)
         finally:
             conn.close()
-        assert len(unaccounted) <= waiting, (unaccounted, waiting)
+        assert "update" not in left, left
     finally:
         fed.stop_all()
         delete_job_queues(rabbit_url, job_id, fed.clients)
