@@ -73,6 +73,7 @@ class RabbitBroker(RabbitConsuming, RabbitPublishing, RabbitIo, GatedDispatch, B
         self._watch_ch: Any = None
         self._lane: RabbitBroker | None = None  # presence's own connection (see module docstring)
         self._lane_lock = threading.Lock()
+        self._report_missing = True  # a presence lane leaves reporting a missing exchange to its broker
         self._lane_args: dict[str, Any] | None = (
             dict(
                 user=user,
@@ -196,7 +197,8 @@ class RabbitBroker(RabbitConsuming, RabbitPublishing, RabbitIo, GatedDispatch, B
         second from now on."""
         if ex not in self._gone:
             self._gone[ex] = time.monotonic()
-            log.error(t.missing_exchange(ex, self._vhost()), user=self.user)
+            if self._report_missing:
+                log.error(t.missing_exchange(ex, self._vhost()), user=self.user)
         self._next_check = min(self._next_check, time.monotonic() + 1.0)
         return BrokerError(t.missing_exchange(ex, self._vhost()))
 
@@ -256,9 +258,14 @@ class RabbitBroker(RabbitConsuming, RabbitPublishing, RabbitIo, GatedDispatch, B
         timeout: float | None = None,
     ) -> None:
         if self._lane_args is not None and isinstance(routing_key, str) and t.is_presence(routing_key):
-            self._presence_lane().publish(
-                routing_key, body, message_id=message_id, headers=headers, timeout=timeout
-            )
+            lane = self._presence_lane()
+            try:
+                lane.publish(routing_key, body, message_id=message_id, headers=headers, timeout=timeout)
+            except BrokerError:
+                ex = t.exchange_for(routing_key)
+                if lane._gone.pop(ex, None) is not None:  # reported (once) and watched here
+                    raise self._exchange_missing(ex) from None
+                raise
             return
         super().publish(routing_key, body, message_id=message_id, headers=headers, timeout=timeout)
 
@@ -269,6 +276,7 @@ class RabbitBroker(RabbitConsuming, RabbitPublishing, RabbitIo, GatedDispatch, B
             if self._lane is None:
                 assert self._lane_args is not None
                 self._lane = RabbitBroker(self.url, **self._lane_args)
+                self._lane._report_missing = False
             return self._lane
 
     def declare_job(
