@@ -43,6 +43,7 @@ TASK_FLAGS = (
     "clients",
     "partition",
     "vocab_size",
+    "min_count",
     "max_lines",
     "max_eval_lines",
     "domains",
@@ -216,7 +217,7 @@ def check(values: dict[str, Any]) -> None:
     for name in ("vocab_size", "max_lines", "max_eval_lines", "eval_max_sentences"):
         if (values.get(name) or 0) < 0:
             raise UsageError(f"{option_name(name)} must not be negative (0 means no cap)")
-    for name in ("clients", "bptt", "beam"):
+    for name in ("clients", "bptt", "beam", "min_count"):
         if values.get(name) is not None and values[name] < 1:
             raise UsageError(f"{option_name(name)} must be at least 1, got {values[name]}")
     if not 0 <= values["dropout"] < 1:
@@ -252,9 +253,11 @@ def saved_options(config: dict[str, Any]) -> dict[str, Any]:
     """The options a run folder's config.json recorded; for a folder from before they were recorded, what its
     JobConfig keys and task facts say."""
     record = (config.get("extra") or {}).get("cli")
+    # a run from before --min-count built its vocabulary from every training word
     if isinstance(record, dict):
-        return dict(record)
+        return {"min_count": 1, **record}
     legacy = {flag: config[field] for flag, field in JOB_FLAGS.items() if field in config}
+    legacy["min_count"] = config.get("min_count", 1)
     legacy.update({k: config[k] for k in FILE_JOB_KEYS if k in config})
     legacy.update({k: config[k] for k in ("task", "model", "partition", "bptt") if k in config})
     model_config = config.get("model_config")

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedmq.tasks.base import Progress, Task, TrainConfig, TrainResult
+from fedmq.tasks.catalog import MIN_COUNT
 from fedmq.tasks.errors import TaskError
 from fedmq.tasks.lm_cohort import can_train_together, cohort_size, train_cohort
 from fedmq.tasks.lm_data import LMCorpus, StreamBatches, Vocabulary, load_corpus
@@ -44,6 +45,7 @@ class LanguageModelTask(Task):
         clients: int | None = None,  # iid and dirichlet: 100 unless given; natural: one per document
         partition: str = "iid",
         vocab_size: int | None = None,
+        min_count: int = MIN_COUNT,
         max_lines: int | None = None,
         max_eval_lines: int | None = None,
         bptt: int = 35,
@@ -58,7 +60,8 @@ class LanguageModelTask(Task):
         self.model_name = model
         self.model_cfg = rnn_config(model, tied, dropout, emb, hidden, layers)
         self.corpus = corpus if corpus is not None else load_corpus(data, max_lines, max_eval_lines)
-        self.vocab = Vocabulary.build(self.corpus.lines["train"], vocab_size)
+        self.vocab = Vocabulary.build(self.corpus.lines["train"], vocab_size, min_count)
+        self.min_count = min_count
         self.bptt = bptt
         self.seed = seed
         self.partition = PartitionSpec.parse(partition)
@@ -212,6 +215,7 @@ class LanguageModelTask(Task):
             if hasattr(self.model_cfg, "__dict__")
             else str(self.model_cfg),
             "vocab_size": len(self.vocab),
+            "min_count": self.min_count,
             "train_lines": len(self.corpus.lines["train"]),
             "valid_lines": len(self.corpus.lines["valid"]),
             "test_lines": len(self.corpus.lines["test"]),

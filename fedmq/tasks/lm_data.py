@@ -10,7 +10,8 @@ Layouts (detected from the folder's files):
   lower-cased and split into word/punctuation tokens; a deterministic 90/5/5 split of its lines.
 
 Every line gets a trailing ``<eos>`` (pytorch/examples word_language_model); empty lines are kept as a lone
-``<eos>``. The vocabulary is built from the (possibly capped) training split only.
+``<eos>``. The vocabulary is built from the (possibly capped) training split only: words seen fewer than
+``min_count`` times there are ``<unk>``, and ``vocab_size`` keeps the commonest of the rest.
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ class LMCorpus:
 
 class Vocabulary:
     """Word <-> id. ``<eos>`` = 0, ``<unk>`` = 1, then words by decreasing training frequency (ties:
-    first seen)."""
+    first seen). ``min_count``: a word seen fewer times in the training split is ``<unk>`` (so ``<unk>`` is
+    a training target, and a test word never seen in training scores what rare words taught it);
+    ``max_size`` then keeps the commonest of the rest: both limits apply."""
 
     def __init__(self, words: list[str]) -> None:
         self.itos = words
@@ -60,20 +63,29 @@ class Vocabulary:
         self.eos = self.stoi[EOS]
 
     @classmethod
-    def build(cls, lines: list[list[str]], max_size: int | None = None) -> Vocabulary:
+    def build(cls, lines: list[list[str]], max_size: int | None = None, min_count: int = 1) -> Vocabulary:
+        if isinstance(min_count, bool) or not isinstance(min_count, int):
+            raise TaskError(f"min_count (--min-count) must be a whole number, got {min_count!r}")
+        if min_count < 1:
+            raise TaskError(f"min_count (--min-count) must be at least 1, got {min_count}")
+        if max_size is not None and max_size < 3:
+            raise TaskError(
+                f"vocab_size (--vocab-size) must be at least 3 (<eos>, <unk> and one word), got {max_size}"
+            )
         counts: Counter[str] = Counter()
         for line in lines:
             counts.update(line)
         counts.pop(EOS, None)
         counts.pop(UNK, None)
-        order = sorted(counts, key=lambda w: -counts[w])  # stable: ties keep first-seen order
+        # stable: ties keep first-seen order
+        order = sorted((w for w in counts if counts[w] >= min_count), key=lambda w: -counts[w])
+        if counts and not order:
+            raise TaskError(
+                f"min_count (--min-count) is {min_count} but no training word occurs that often "
+                f"(the commonest: {max(counts.values())} times): lower it"
+            )
         words = [EOS, UNK] + order
         if max_size is not None:
-            if max_size < 3:
-                raise TaskError(
-                    "vocab_size (--vocab-size) must be at least 3 (<eos>, <unk> and one word), "
-                    f"got {max_size}"
-                )
             words = words[:max_size]
         return cls(words)
 
