@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import sys
 import threading
@@ -79,6 +80,53 @@ def _stop_on_signals(service: Callable[[], Any], running: Callable[[Any], bool])
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             raise Stopped(f"stopped by {signal.Signals(signum).name} while connecting")
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def _stop_agent_on_signals(agent_of: Callable[[], Any], grace_s: float) -> None:
+    """SIGTERM / SIGINT to a joined agent (as Kubernetes sends before it kills a pod): the agent finishes the
+    local training and the upload under way, leaves the job (presence offline) and the process exits 0. At
+    most ``grace_s`` seconds: past it, or on a second signal, or while the agent is not joined (connecting,
+    rejoining), the process exits at once (143 after SIGTERM, 130 after SIGINT); its local training stops
+    at its next step first, so that nothing is left inside torch when the process exits."""
+    first: list[int] = []
+    expired = threading.Event()
+
+    def at_once(signum: int, why: str) -> None:
+        svc = agent_of()
+        if svc is not None:
+            svc.stop.set()
+            svc.trainers.close()
+            svc.trainers.wait_idle(5.0)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Stopped(why)
+
+    def expire(signum: int) -> None:
+        expired.set()
+        os.kill(os.getpid(), signum)
+
+    def handler(signum: int, _frame: Any) -> None:
+        svc = agent_of()
+        name = signal.Signals(signum).name
+        if svc is None or not svc.connected:
+            at_once(signum, f"stopped by {name} while connecting")
+        if expired.is_set():
+            at_once(
+                signum, f"stopped by {name}: the round under way took more than {grace_s:g} s (--stop-grace)"
+            )
+        if first:
+            at_once(signum, f"stopped by a second {name}")
+        first.append(signum)
+        svc.stop.set()
+        typer.echo(
+            f"{name}: finishing the round under way (at most {grace_s:g} s), then leaving the job", err=True
+        )
+        timer = threading.Timer(grace_s, expire, args=(signum,))
+        timer.daemon = True
+        timer.start()
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
@@ -639,6 +687,13 @@ def agent_run(
     audit_log: Path | None = typer.Option(
         None, envvar="FEDMQ_AUDIT_LOG", help="append one JSON line per broker-confirmed upload (fault audits)"
     ),
+    stop_grace: float = typer.Option(
+        25.0,
+        envvar="FEDMQ_STOP_GRACE",
+        help="on SIGTERM/SIGINT, finish the round's local training and upload, leave the job and exit 0 "
+        "within this many seconds, else exit 143 (keep it below the pod's terminationGracePeriodSeconds); "
+        "a second signal exits at once",
+    ),
     log_format: str = typer.Option("json", envvar="FEDMQ_LOG_FORMAT", help="json | console"),
     log_level: str = LOG_LEVEL,
 ) -> None:
@@ -656,8 +711,10 @@ def agent_run(
     _tune_allocator()
 
     _setup_logs(log_level, log_format)
+    if not 0 < stop_grace <= 86400:
+        raise UsageError(f"--stop-grace {stop_grace:g} must be in (0, 86400] seconds")
     agent = None
-    _stop_on_signals(lambda: agent, lambda a: a.connected)
+    _stop_agent_on_signals(lambda: agent, stop_grace)
     if client_id_from_hostname:
         host = socket.gethostname()
         client_id = "agent-" + host.rsplit("-", 1)[-1] if host.rsplit("-", 1)[-1].isdigit() else None
