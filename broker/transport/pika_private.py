@@ -18,7 +18,8 @@ Everything else goes through pika's public API. What cannot, and why:
   counted and dropped as they arrive instead of held until the last (:func:`bound_content`).
 
 :func:`check` runs whenever the RabbitMQ backend opens its publishing channel (and in ``fedmq broker check``),
-so a pika that moved any of these fails at connect with one line naming its version and what is missing.
+so a pika that moved any of these fails at connect with one line naming its version and what is missing;
+:func:`bound_content` checks the content assembler the same way, on every consuming channel.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ _REQUIRED = (
     "BlockingChannel._impl.close",
     "BlockingChannel._impl._raise_if_not_open",
     "BlockingChannel._impl._send_method",
-    "BlockingChannel._impl._content_assembler._handle_body_frame",
 )
 
 
@@ -156,4 +156,15 @@ def bound_content(ch: Any, limit: Callable[[Any], int], refused_header: str) -> 
     """Deliveries on ``ch`` whose header announces more than ``limit(properties)`` bytes are refused from
     that header (see _BoundedAssembler): a hostile sender's oversized message costs its bytes on the wire and
     nothing held here."""
-    ch._impl._content_assembler = _BoundedAssembler(limit, refused_header)
+    impl = ch._impl
+    parts = ("_handle_body_frame", "_finish", "_seen_so_far", "_header_frame")
+    assembler = getattr(impl, "_content_assembler", None)
+    if not isinstance(assembler, pika.channel.ContentFrameAssembler) or not all(
+        hasattr(assembler, a) for a in parts
+    ):
+        raise BrokerError(
+            f"pika {pika.__version__} lacks what fedmq's RabbitMQ backend relies on: "
+            "Channel._content_assembler (fedmq supports pika 1.x)",
+            permanent=True,
+        )
+    impl._content_assembler = _BoundedAssembler(limit, refused_header)
