@@ -204,7 +204,8 @@ def simulate(
         "-k",
         panel=STRATEGY,
         metavar="K",
-        help="number of agents (default 8; --partition natural: one per domain or document)",
+        help="agents (default 8; natural partition: one per domain or document); "
+        "capped by host threads/memory",
     ),
     fraction: float = _opt(
         JOB.fraction,

@@ -206,6 +206,7 @@ def check(values: dict[str, Any]) -> None:
     """Every option that can be checked without torch; UsageError or another FedmqError, one line."""
     from fedmq.broker.transport.urls import check_url
     from fedmq.client_agent.availability import parse_availability, parse_faults
+    from fedmq.population import check_population
     from fedmq.tasks.partition import PartitionSpec
 
     task, model = values["task"], values["model"]
@@ -229,6 +230,8 @@ def check(values: dict[str, Any]) -> None:
     if not _DEVICE.match(str(values["device"])):
         raise UsageError(f"unknown --device {values['device']!r}: use auto, cpu, cuda or cuda:N")
     check_url(values["broker"])
+    if values.get("clients"):
+        check_population(values["clients"], values["broker"])
 
 
 def check_data(task: str, data: str) -> None:

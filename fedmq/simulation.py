@@ -35,6 +35,7 @@ from fedmq.client_agent.availability import parse_availability, parse_faults
 from fedmq.client_agent.state import DiskStore
 from fedmq.client_agent.trainers import CohortPool, TrainerPool
 from fedmq.errors import BadParameter, FedmqError
+from fedmq.population import check_population
 from fedmq.tasks.base import Task
 
 log = structlog.get_logger(__name__)
@@ -95,6 +96,8 @@ class Simulation:
     def run(self, stop: threading.Event | None = None) -> dict[str, Any]:
         self._check_run_dir()
         cfg = self.cfg
+        # every client is threads of its own until clients are virtual: refuse what cannot start (one line)
+        check_population(cfg.clients, self.broker_url)
         # presence costs every simulated agent a message per heartbeat: at most PRESENCE_PER_S of them a
         # second in all (K = 1,000: one heartbeat per agent every 20 s; absences are then noticed within 60 s)
         cfg = replace(cfg, heartbeat_s=max(cfg.heartbeat_s, cfg.clients / PRESENCE_PER_S))

@@ -1,0 +1,50 @@
+"""A population whose threads the host cannot start is refused at start, in one line, with exit code 2 (it
+used to start threads until MemoryError and hang)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fedmq.population import PopulationTooLarge, check_population, limits
+
+
+def test_the_limits_are_read_from_the_host_and_name_their_fact():
+    found = limits("memory")
+    assert found, "no limit could be read"
+    assert all(n >= 0 and fact for n, fact in found)
+    # RabbitMQ agents run twice the threads of in-process ones: their bound is lower wherever threads bind
+    assert limits("amqp://guest:guest@127.0.0.1:5672/%2F")[0][0] <= found[0][0]
+    check_population(1)
+    with pytest.raises(PopulationTooLarge, match=r"at most \d+ clients"):
+        check_population(found[0][0] + 1)
+
+
+def test_simulate_refuses_a_population_too_large_in_one_line_and_exits_2(tmp_path):
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedmq.cli.app",
+            "simulate",
+            "-k",
+            "10000000",
+            "-r",
+            "1",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "10000000" in lines[0] and "at most" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - t0 < 30
+    assert not (tmp_path / "metrics.jsonl").exists()
