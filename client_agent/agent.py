@@ -130,6 +130,7 @@ class Agent:
         self._hooks: dict[str, type[ClientHook]] = {}
         self._events: Subscription | None = None  # announcements and grants of the current connection
         self._broker: Broker | None = None
+        self._refused: BrokerError | None = None  # a heartbeat refused for good: the agent ends with it
 
     @property
     def connected(self) -> bool:
@@ -197,7 +198,10 @@ class Agent:
             # a beat is worth nothing once the aggregator's horizon (3 beats) has passed: never wait longer
             try:
                 self._presence("online", timeout=3 * self.heartbeat_s)
-            except (BrokerError, AttributeError):
+            except BrokerError as exc:
+                if exc.permanent:  # refused for good (broker.transport.errors.refusal): the agent ends
+                    self._refused = exc
+            except AttributeError:
                 pass
 
     # ------------------------------------------------------------------ main loop
@@ -228,6 +232,8 @@ class Agent:
 
     def _serve(self) -> None:
         while not self.stop.is_set():
+            if self._refused is not None:
+                raise self._refused
             # idle agents wake rarely (simulate runs K of them)
             env = self._next(timeout=max(self.heartbeat_s, 0.5))
             if env is not None and env.kind is Kind.ANNOUNCE:
