@@ -4,18 +4,25 @@ The task is the FedAtt paper's setting made all-framework: GRU-small with tied e
 vocabulary (WikiText-2: 33,278 words), K clients of which C·K train per round, one local step of batch 2 ×
 BPTT 8, validation on one line, R rounds. Each system runs as its own process, one after the other:
 
-* Flower: benchmarks/flower_app.py in the venv that has ``flwr[simulation]==1.41.0`` (FedAvg, Ray simulation).
+* Flower: benchmarks/flower_app.py (the Message API, written as a careful Flower user writes it: task and
+  model built once per actor, only parameters in the messages, a tied matrix once) in the venv that has
+  ``flwr[simulation]==1.41.0``; with ``control``, also benchmarks/flower_control.py, a minimal harness written
+  apart from it on Flower's classic API, whose s/round the bench's Flower side must match (within ±20 %).
 * fedmq: ``fedmq simulate`` on the in-process broker: default encodings (delta+bf16 up, bf16 down), raw both
   ways (lossless), and the recommended compressed ones.
 * the scaling curve: fedmq at K ∈ ``scale`` with ``selected`` clients per round.
 
-Reported per run: s/round (median of rounds 2..R), wire bytes/round (median; parameters sent to and received
-from the training clients: Flower's serialized ``Parameters``, fedmq's metrics.jsonl
-``bytes_up + bytes_down``, which counts each model message once per client that reads it, and the
-announcements to every agent), and peak memory: the summed RSS of the run's whole process tree (Ray's raylet,
-GCS and workers included), sampled every 0.2 s, which over-counts pages shared between processes; and the rise
-of the machine's used memory over what it was before the run, which does not
-(but sees everything else on the machine).
+s/round is the same interval on both sides: the period from one round's end to the next's, where a round ends
+when its aggregate is made and validated (fedmq: the round's record, its ``time``; Flower: ``evaluate_fn``
+returning), median over rounds 2..R. It holds everything a round costs, the checkpoint, the server's
+validation and the next round's sampling included. Wire bytes/round (median): parameters sent to and received
+from the training clients: Flower's serialized arrays, fedmq's metrics.jsonl ``bytes_up + bytes_down``, which
+counts each model message once per client that reads it, and the announcements to every agent. Peak memory:
+the summed RSS of the run's whole process tree (Ray's raylet, GCS and workers included), sampled every 0.2 s,
+which over-counts pages shared between processes; and the rise of the machine's used memory over what it was
+before the run, which does not (but sees everything else on the machine). The table's header gives the
+machine's load (``os.getloadavg``) at the start; below it, the round's physical limit measured on the machine
+(benchmarks/limit.py) and fedmq's ratio to it.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from pathlib import Path
 import psutil
 
 from fedmq.aggregator.runlog import read_rounds
+from fedmq.benchmarks.limit import Limit, usable_cores
+from fedmq.benchmarks.limit import measure as measure_limit
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_FLOWER_PYTHON = REPO / ".fedmq-cache" / "flower-venv" / "bin" / "python"
@@ -52,6 +61,16 @@ class Run:
     rounds: int = 0
     note: str = ""
     raw: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Bench:
+    """One `fedmq bench flower` run: the machine's load at its start, the runs, the round's limit."""
+
+    load: tuple[float, float, float]
+    cores: int
+    runs: list[Run]
+    limit: Limit | None = None
 
 
 def _tree_rss(proc: psutil.Process) -> int:
@@ -93,14 +112,20 @@ def _measured(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int,
         )
 
 
-def _median_rows(rows: list[dict]) -> tuple[float | None, float | None]:
-    later = rows[1:] or rows
-    if not later:
-        return None, None
-    return (
-        statistics.median(r["wall_s"] for r in later),
-        statistics.median(r["bytes_up"] + r["bytes_down"] for r in later),
-    )
+def period_median(ends: list[float]) -> float | None:
+    """Median of the periods between consecutive round ends: rounds 2..R (round 1 has no previous end)."""
+    periods = [b - a for a, b in zip(ends, ends[1:])]
+    return statistics.median(periods) if periods else None
+
+
+def _bytes_median(rows: list[dict]) -> float | None:
+    later = [r["bytes_up"] + r["bytes_down"] for r in rows[1:] if "bytes_up" in r and "bytes_down" in r]
+    return statistics.median(later) if later else None
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][-300:] if lines else "no output"
 
 
 def run_fedmq(
@@ -149,22 +174,42 @@ def run_fedmq(
             "warning",
         ]
         code, _, err, tree, used = _measured(cmd, dict(os.environ), timeout)
-        rows = [r.to_json() for r in read_rounds(out).records]  # dicts, as Flower's rows are
+        # dicts, as Flower's rows are
+        rows = [r.to_json() for r in read_rounds(out).records] if out.is_dir() else []
     run = Run(name, peak_tree_gb=tree / 1e9, peak_used_gb=used / 1e9, rounds=len(rows), raw=rows)
-    run.s_per_round, run.bytes_per_round = _median_rows([r for r in rows if not r.get("skipped")])
+    run.s_per_round = period_median([r["time"] for r in rows])
+    run.bytes_per_round = _bytes_median([r for r in rows if not r.get("skipped")])
     if code != 0 or len(rows) < rounds:
-        run.note = f"exit {code}: {err.strip().splitlines()[-1] if err.strip() else 'no output'}"
+        run.note = f"exit {code}: {_last_line(err)}"
+    elif any(r.get("skipped") for r in rows):
+        run.note = "skipped rounds"
     return run
 
 
-def run_flower(
-    python: Path, data: str, clients: int, selected: int, rounds: int, timeout: float = 1800
-) -> Run:
+def flower_missing(python: Path) -> str | None:
+    """Why the Flower venv at ``python`` cannot run the bench, or None."""
     if not Path(python).is_file():
-        return Run(
-            "flower 1.41",
-            note=f"no Flower venv at {python}: see docs/benchmarks.md (pip install -e '.[bench]')",
+        return (
+            f"no Flower venv at {python}: scripts/setup.sh --test creates it, or see docs/benchmarks.md "
+            "(a venv with torch and pip install -e '.[bench]')"
         )
+    return None
+
+
+def run_flower(
+    python: Path,
+    data: str,
+    clients: int,
+    selected: int,
+    rounds: int,
+    module: str = "flower_app",
+    name: str = "flower 1.41",
+    timeout: float = 1800,
+) -> Run:
+    """Flower's run of the task: ``module`` is flower_app (the bench's side) or flower_control."""
+    missing = flower_missing(python)
+    if missing:
+        return Run(name, note=missing)
     task = {
         "task": "lm",
         "data": data,
@@ -178,7 +223,7 @@ def run_flower(
     cmd = [
         str(python),
         "-m",
-        "fedmq.benchmarks.flower_app",
+        f"fedmq.benchmarks.{module}",
         "--task",
         json.dumps(task),
         "--train",
@@ -190,13 +235,14 @@ def run_flower(
         "--rounds",
         str(rounds),
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     code, out, err, tree, used = _measured(cmd, env, timeout)
     rows = [json.loads(line) for line in out.splitlines() if line.startswith('{"round"')]
-    run = Run("flower 1.41", peak_tree_gb=tree / 1e9, peak_used_gb=used / 1e9, rounds=len(rows), raw=rows)
-    run.s_per_round, run.bytes_per_round = _median_rows(rows)
+    run = Run(name, peak_tree_gb=tree / 1e9, peak_used_gb=used / 1e9, rounds=len(rows), raw=rows)
+    run.s_per_round = period_median([r["end"] for r in rows])
+    run.bytes_per_round = _bytes_median(rows)
     if code != 0 or len(rows) < rounds:
-        run.note = f"exit {code}: {err.strip().splitlines()[-1] if err.strip() else 'no output'}"
+        run.note = f"exit {code}: {_last_line(err)}"
     return run
 
 
@@ -208,10 +254,19 @@ def bench_flower(
     scale: tuple[int, ...] = (),
     flower_python: Path = DEFAULT_FLOWER_PYTHON,
     flower: bool = True,
-) -> list[Run]:
-    runs = []
+    control: bool = False,
+    limit: bool = True,
+) -> Bench:
+    bench = Bench(os.getloadavg(), usable_cores(), [])
+    runs = bench.runs
     if flower:
         runs.append(run_flower(flower_python, data, clients, selected, rounds))
+        if control:
+            runs.append(
+                run_flower(
+                    flower_python, data, clients, selected, rounds, "flower_control", "flower 1.41 (control)"
+                )
+            )
     runs.append(run_fedmq(f"fedmq K={clients}", data, clients, selected, rounds))
     runs.append(run_fedmq(f"fedmq K={clients} raw/raw", data, clients, selected, rounds, "raw", "raw"))
     runs.append(
@@ -227,27 +282,45 @@ def bench_flower(
     for k in scale:
         if k != clients:
             runs.append(run_fedmq(f"fedmq K={k}", data, k, selected, rounds))
-    return runs
+    if limit:
+        bench.limit = measure_limit(data, clients, selected)
+    return bench
 
 
-def format_table(runs: list[Run]) -> str:
-    anchor = next((r for r in runs if r.name.startswith("flower") and r.s_per_round), None)
+def format_table(bench: Bench) -> str:
+    runs = bench.runs
+    anchor = next((r for r in runs if r.name == "flower 1.41" and r.s_per_round), None)
 
     def ratio(value: float | None, ref: float | None) -> str:
         return f"{value / ref:.2f}" if value and ref else "—"
 
+    def num(value: float | None, fmt: str) -> str:
+        return format(value, fmt) if value is not None else "—"
+
+    one, five, fifteen = bench.load
     lines = [
+        f"load at start {one:.2f} {five:.2f} {fifteen:.2f} (1, 5, 15 min) on {bench.cores} cores; "
+        "s/round: period between consecutive rounds' ends (aggregated and validated), median of rounds 2..R",
+        "",
         "| run | s/round | × Flower | MB/round | × Flower | peak tree RSS GB | × Flower "
         "| peak used-memory rise GB | note |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         lines.append(
-            f"| {r.name} | {r.s_per_round or float('nan'):.2f} "
+            f"| {r.name} | {num(r.s_per_round, '.2f')} "
             f"| {ratio(r.s_per_round, anchor and anchor.s_per_round)} "
-            f"| {(r.bytes_per_round or 0) / 1e6:.1f} "
+            f"| {num(r.bytes_per_round and r.bytes_per_round / 1e6, '.1f')} "
             f"| {ratio(r.bytes_per_round, anchor and anchor.bytes_per_round)} "
             f"| {r.peak_tree_gb:.2f} | {ratio(r.peak_tree_gb, anchor and anchor.peak_tree_gb)} "
             f"| {r.peak_used_gb:.2f} | {r.note} |"
         )
+    if bench.limit is not None:
+        lines += ["", bench.limit.describe()]
+        fedmq = next((r for r in runs if r.name.startswith("fedmq") and r.s_per_round), None)
+        if fedmq is not None:
+            lines.append(
+                f"{fedmq.name} (defaults): {fedmq.s_per_round:.2f} s/round = "
+                f"{fedmq.s_per_round / bench.limit.seconds:.2f} × the limit"
+            )
     return "\n".join(lines)

@@ -1,22 +1,142 @@
 """The Flower 1.41 side of `fedmq bench flower`: the same task, run by Flower's Ray simulation.
 
-Run by the driver (benchmarks/flower.py) in the venv that has ``flwr[simulation]==1.41.0`` (the ``bench``
-extra), with the repository on PYTHONPATH so the task, model and local training are fedmq's own: the two
-systems differ only in the framework around them. FedAvg, ``fraction_fit = C``, no federated evaluation
-(fedmq evaluates on the server too: a centralized ``evaluate_fn`` on the same validation lines). Per round
-it prints one JSON line: wall time from the previous round's end, and the bytes of the serialized
-parameters Flower sent to and received from the fit clients (its ``Parameters.tensors``).
+Written as Flower 1.41 documents its apps (the Message API: a ``ClientApp`` with a ``@train`` function,
+a ``ServerApp`` whose ``@main`` runs ``flwr.serverapp.strategy.FedAvg.start``), and as a careful user
+writes them:
+
+* the task (corpus, vocabulary, shards) and the model are built once per process: once in each Ray actor,
+  on its first message, kept in this module's cache, and once in the server; a message carries the
+  parameters and a few short settings (the task's options as a JSON string), nothing else;
+* each parameter once: the model's named parameters (``fedmq.tasks.base.model_state``), so the tied
+  embedding/decoder matrix travels once, both ways;
+* the apps are built by functions of this importable module and close over nothing large, so the ClientApp
+  that Flower pickles into every message to an actor is a few kB: its functions find the task through this
+  module's cache (a ClientApp whose functions close over a task and a model carries the whole corpus and
+  model in every message).
+
+FedAvg, ``fraction_train = C``, no federated evaluation; the server validates on the same lines as fedmq
+(a centralized ``evaluate_fn``). Run by benchmarks/flower.py in the venv that has ``flwr[simulation]==1.41.0``
+(the ``bench`` extra). Per round it prints one JSON line: ``start`` (``configure_train`` called), ``end``
+(the round aggregated and validated: ``evaluate_fn`` returned), both ``time.time()``, and the bytes of the
+arrays Flower sent to and received from the training clients. The driver's s/round is the period between
+consecutive rounds' ``end``, the same interval it takes from fedmq's rounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from typing import Any
 
-import numpy as np
-import torch
+_CACHE: dict[str, Any] = {}
+_SETTINGS: dict[str, Any] = {}
+
+
+def _task_and_model(task_json: str) -> tuple[Any, Any]:
+    """This process's task and model for ``task_json``, built on first use."""
+    got = _CACHE.get(task_json)
+    if got is None:
+        from fedmq.tasks.registry import make_task
+
+        opts = json.loads(task_json)
+        task = make_task(opts.pop("task"), **opts)
+        got = _CACHE[task_json] = (task, task.build_model(0))
+    return got
+
+
+def _nbytes(record: Any) -> int:
+    return sum(len(a.data) for a in record.values())
+
+
+def _client_app() -> Any:
+    from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        from fedmq.tasks.base import TrainConfig, load_state, model_state
+
+        config = msg.content["config"]
+        task, model = _task_and_model(str(config["task"]))
+        client = int(context.node_config["partition-id"])
+        load_state(model, msg.content["arrays"].to_torch_state_dict())
+        result = task.train(model, client, TrainConfig(**json.loads(str(config["train"])), seed=client))
+        content = RecordDict(
+            {
+                "arrays": ArrayRecord(torch_state_dict=model_state(model)),
+                "metrics": MetricRecord({"train_loss": float(result.loss), "num-examples": result.n_samples}),
+            }
+        )
+        return Message(content=content, reply_to=msg)
+
+    return app
+
+
+def _server_app() -> Any:
+    from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.serverapp.strategy import FedAvg
+
+    app = ServerApp()
+
+    class Timed(FedAvg):
+        """FedAvg that notes when each round starts and the bytes its messages carry."""
+
+        def configure_train(self, server_round, arrays, config, grid):  # type: ignore[no-untyped-def]
+            row = {"round": server_round, "start": time.time()}
+            out = list(super().configure_train(server_round, arrays, config, grid))
+            row["bytes_down"] = sum(_nbytes(m.content["arrays"]) for m in out)
+            _SETTINGS["rows"].append(row)
+            return out
+
+        def aggregate_train(self, server_round, replies):  # type: ignore[no-untyped-def]
+            replies = list(replies)
+            row = _SETTINGS["rows"][-1]
+            row["bytes_up"] = sum(_nbytes(r.content["arrays"]) for r in replies if r.has_content())
+            row["received"] = sum(1 for r in replies if r.has_content())
+            row["failures"] = sum(1 for r in replies if r.has_error())
+            return super().aggregate_train(server_round, replies)
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        from fedmq.tasks.base import load_state
+
+        task, model = _task_and_model(_SETTINGS["task"])
+        load_state(model, arrays.to_torch_state_dict())
+        valid = float(task.evaluate(model, "valid"))
+        if server_round > 0:
+            row = _SETTINGS["rows"][-1]
+            row["end"] = time.time()
+            row["valid"] = valid
+            print(json.dumps(row), flush=True)
+        return MetricRecord({"valid": valid})
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        from fedmq.tasks.base import model_state
+
+        s = _SETTINGS
+        task, model = _task_and_model(s["task"])
+        selected = max(int(s["fraction"] * s["clients"]), 1)
+        strategy = Timed(
+            fraction_train=s["fraction"],
+            fraction_evaluate=0.0,
+            min_train_nodes=selected,
+            min_available_nodes=s["clients"],
+        )
+        strategy.start(
+            grid=grid,
+            initial_arrays=ArrayRecord(torch_state_dict=model_state(model)),
+            num_rounds=s["rounds"],
+            train_config=ConfigRecord({"task": s["task"], "train": s["train"]}),
+            evaluate_fn=evaluate,
+        )
+
+    return app
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -26,100 +146,34 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--clients", type=int, required=True)
     ap.add_argument("--fraction", type=float, required=True)
     ap.add_argument("--rounds", type=int, required=True)
-    ap.add_argument(
-        "--cpus-per-client", type=float, default=1.0
-    )  # Ray CPUs per client actor: 1 runs twice as many actors side by side as Flower's default 2
+    # Ray CPUs per client actor: 1 runs as many actors side by side as there are cores
+    ap.add_argument("--cpus-per-client", type=float, default=1.0)
+    ap.add_argument("--cpus", type=int, default=os.cpu_count() or 1, help="CPUs Ray may use")
     args = ap.parse_args(argv)
-
-    from flwr.client import ClientApp, NumPyClient
-    from flwr.common import Context, ndarrays_to_parameters
-    from flwr.server import ServerApp, ServerAppComponents, ServerConfig
-    from flwr.server.strategy import FedAvg
     from flwr.simulation import run_simulation
 
-    from fedmq.tasks.base import TrainConfig, load_state, model_state
-    from fedmq.tasks.registry import make_task
-
-    task_opts = json.loads(args.task)
-    train = json.loads(args.train)
-    task = make_task(task_opts.pop("task"), **task_opts)
-    model = task.build_model(0)
-    names = list(model_state(model))
-
-    def to_arrays(m: torch.nn.Module) -> list[np.ndarray]:
-        return [v.cpu().numpy() for v in model_state(m).values()]
-
-    def set_arrays(m: torch.nn.Module, arrays: list[np.ndarray]) -> None:
-        load_state(m, {k: torch.from_numpy(np.asarray(a)) for k, a in zip(names, arrays)})
-
-    class LMClient(NumPyClient):
-        def __init__(self, index: int) -> None:
-            self.index = index
-
-        def fit(self, parameters, config):
-            set_arrays(model, parameters)
-            result = task.train(model, self.index, TrainConfig(**train, seed=self.index))
-            return to_arrays(model), result.n_samples, {"loss": result.loss}
-
-    def client_fn(context: Context):
-        return LMClient(int(context.node_config["partition-id"])).to_client()
-
-    stats = {"last": time.time(), "down": 0}
-
-    class Measured(FedAvg):
-        def configure_fit(self, server_round, parameters, client_manager):
-            todo = super().configure_fit(server_round, parameters, client_manager)
-            stats["down"] = sum(len(t) for _, ins in todo for t in ins.parameters.tensors)
-            return todo
-
-        def aggregate_fit(self, server_round, results, failures):
-            up = sum(len(t) for _, res in results for t in res.parameters.tensors)
-            out = super().aggregate_fit(server_round, results, failures)
-            now = time.time()
-            print(
-                json.dumps(
-                    {
-                        "round": server_round,
-                        "wall_s": now - stats["last"],
-                        "bytes_down": stats["down"],
-                        "bytes_up": up,
-                        "received": len(results),
-                        "failures": len(failures),
-                    }
-                ),
-                flush=True,
-            )
-            stats["last"] = now
-            return out
-
-    def evaluate(server_round, parameters, config):
-        set_arrays(model, parameters)
-        return 0.0, {"valid": float(task.evaluate(model, "valid"))}
-
-    def server_fn(context: Context) -> ServerAppComponents:
-        m = max(int(args.fraction * args.clients), 1)
-        strategy = Measured(
-            fraction_fit=args.fraction,
-            fraction_evaluate=0.0,
-            min_fit_clients=m,
-            min_available_clients=args.clients,
-            evaluate_fn=evaluate,
-            initial_parameters=ndarrays_to_parameters(to_arrays(model)),
-        )
-        return ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=args.rounds))
-
-    stats["last"] = time.time()
+    _SETTINGS.update(
+        task=json.dumps(json.loads(args.task), sort_keys=True),
+        train=json.dumps(json.loads(args.train), sort_keys=True),
+        clients=args.clients,
+        fraction=args.fraction,
+        rounds=args.rounds,
+        rows=[],
+    )
     run_simulation(
-        server_app=ServerApp(server_fn=server_fn),
-        client_app=ClientApp(client_fn=client_fn),
+        server_app=_server_app(),
+        client_app=_client_app(),
         num_supernodes=args.clients,
         backend_config={
             "client_resources": {"num_cpus": args.cpus_per_client, "num_gpus": 0.0},
-            "init_args": {"num_cpus": 2, "include_dashboard": False},
+            "init_args": {"num_cpus": args.cpus, "include_dashboard": False},
         },
     )
-    print(json.dumps({"done": True}), flush=True)
+    print(json.dumps({"done": True, "rounds": len(_SETTINGS["rows"])}), flush=True)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run through the importable module, so that the apps are pickled by reference (see the docstring)
+    from fedmq.benchmarks import flower_app
+
+    sys.exit(flower_app.main())

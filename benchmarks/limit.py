@@ -1,0 +1,194 @@
+"""The physical limit of one `fedmq bench flower` round, measured on the machine the bench runs on.
+
+Every part a synchronous FedAvg round cannot skip is timed on one core (torch and the wire codec held to one
+thread), on the bench's own task and model, median of ``repeats``:
+
+* ``encode_down``: the new global model, encoded with the downlink encoding and packed into a message (once);
+* ``decode_down``: one client unpacks and decodes it and loads it into its model;
+* ``train``: one client's local training (the bench's one step);
+* ``encode_up``: one client encodes its update with the uplink encoding (a delta) and packs it;
+* ``decode_up``: the aggregator unpacks and decodes one update;
+* ``fold``: FedAvg folds one update into its running sum;
+* ``validate``: the server's validation of the new model (the bench's validation lines);
+* ``checkpoint``: the round's checkpoint of this model written to disk.
+
+With S selected clients and P cores that can work in parallel::
+
+    work     = encode_down + validate + checkpoint + S × (decode_down + train + encode_up + decode_up + fold)
+    critical = encode_down + decode_down + train + encode_up + decode_up + fold + validate
+    limit    = max(work / P, critical)
+
+``work / P``: all the round's core-seconds spread perfectly over the cores; ``critical``: the chain no
+parallelism shortens (the model must be encoded before a client decodes it, the last update folded before
+the new model is validated). The checkpoint counts as work but not on the chain: it can overlap the next
+round. Nothing here waits on a network: the limit is what the CPU work alone allows.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+PARTS = ("encode_down", "decode_down", "train", "encode_up", "decode_up", "fold", "validate", "checkpoint")
+PER_CLIENT = ("decode_down", "train", "encode_up", "decode_up", "fold")
+
+
+@dataclass
+class Limit:
+    parts: dict[str, float]
+    selected: int
+    cores: int
+    up: str
+    down: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def work(self) -> float:
+        p = self.parts
+        return (
+            p["encode_down"] + p["validate"] + p["checkpoint"] + self.selected * sum(p[k] for k in PER_CLIENT)
+        )
+
+    @property
+    def critical(self) -> float:
+        p = self.parts
+        return sum(p[k] for k in ("encode_down", *PER_CLIENT, "validate"))
+
+    @property
+    def seconds(self) -> float:
+        return max(self.work / self.cores, self.critical)
+
+    def describe(self) -> str:
+        p = self.parts
+        parts = ", ".join(f"{k} {1e3 * p[k]:.1f} ms" for k in PARTS)
+        return (
+            f"round limit {self.seconds:.2f} s = max(work / P, critical) with P = {self.cores} cores, "
+            f"S = {self.selected}: work = encode_down + validate + checkpoint + S × (decode_down + train + "
+            f"encode_up + decode_up + fold) = {self.work:.2f} core-s, critical = {self.critical:.2f} s "
+            f"(uplink {self.up}, downlink {self.down}; one core each: {parts})"
+        )
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _median(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(
+    data: str,
+    clients: int,
+    selected: int,
+    up: str = "delta+bf16",
+    down: str = "bf16",
+    repeats: int = 5,
+    bptt: int = 8,
+    max_eval_lines: int = 1,
+    batch_size: int = 2,
+    max_steps: int = 1,
+) -> Limit:
+    """Time each part of the bench's round on this machine, one core each (see the module docstring)."""
+    import torch
+
+    from fedmq import ClientUpdate, TrainConfig
+    from fedmq.aggregator.checkpoint import save_checkpoint
+    from fedmq.aggregator.strategies.fedavg import FedAvg
+    from fedmq.broker.wire.encodings import EncodingSpec, decode_state, encode_state
+    from fedmq.broker.wire.envelope import Envelope, Kind, pack, unpack
+    from fedmq.broker.wire.threads import codec_threads, set_codec_threads
+    from fedmq.tasks.base import load_state, model_state
+    from fedmq.tasks.registry import make_task
+
+    threads, codec = torch.get_num_threads(), codec_threads()
+    torch.set_num_threads(1)
+    set_codec_threads(1)
+    try:
+        task = make_task(
+            "lm",
+            data=data,
+            model="gru-small",
+            tied=True,
+            clients=clients,
+            bptt=bptt,
+            max_eval_lines=max_eval_lines,
+        )
+        model = task.build_model(0)
+        manifest = task.manifest(model)
+        base = {k: v.clone() for k, v in model_state(model).items()}
+        base_np = {k: v.numpy() for k, v in base.items()}
+        cfg = TrainConfig(epochs=1, batch_size=batch_size, max_steps=max_steps)
+        up_spec, down_spec = EncodingSpec.parse(up), EncodingSpec.parse(down)
+        parts: dict[str, float] = {}
+
+        def message(kind: Kind, tensors: dict) -> bytes:
+            return pack(Envelope(kind, "bench", 1, "c0", 1, {"tensors": tensors}))
+
+        parts["encode_down"] = _median(lambda: message(Kind.MODEL, encode_state(base_np, down_spec)), repeats)
+        down_msg = message(Kind.MODEL, encode_state(base_np, down_spec))
+
+        def decode_down() -> None:
+            load_state(
+                model,
+                {
+                    k: torch.from_numpy(v)
+                    for k, v in decode_state(unpack(down_msg).payload["tensors"], manifest).items()
+                },
+            )
+
+        parts["decode_down"] = _median(decode_down, repeats)
+
+        def train() -> None:
+            load_state(model, base)
+            task.train(model, 0, cfg)
+
+        parts["train"] = _median(train, repeats)
+        trained = {k: v.detach().numpy().copy() for k, v in model_state(model).items()}
+        parts["encode_up"] = _median(
+            lambda: message(Kind.UPDATE, encode_state(trained, up_spec, base_np)), repeats
+        )
+        up_msg = message(Kind.UPDATE, encode_state(trained, up_spec, base_np))
+
+        def decode_up() -> dict:
+            return decode_state(unpack(up_msg).payload["tensors"], manifest, base_np, as_delta=True)
+
+        parts["decode_up"] = _median(decode_up, repeats)
+        delta = {k: torch.from_numpy(v) for k, v in decode_up().items()}
+        strategy = FedAvg()
+        strategy.begin(base)
+        update = ClientUpdate("c0", 16, delta, loss=1.0, delta=True)
+        parts["fold"] = _median(lambda: strategy.fold(update), repeats)
+        load_state(model, base)
+        parts["validate"] = _median(lambda: task.evaluate(model, "valid"), repeats)
+        with tempfile.TemporaryDirectory(prefix="fedmq-limit-") as tmp:
+            parts["checkpoint"] = _median(
+                lambda: save_checkpoint(
+                    tmp,
+                    round=1,
+                    model_version=1,
+                    global_state=base,
+                    strategy_state={},
+                    mediator_state={},
+                    rng_state=None,
+                    folded={},
+                    extra={},
+                ),
+                repeats,
+            )
+    finally:
+        torch.set_num_threads(threads)
+        set_codec_threads(codec)
+    return Limit(parts, selected, usable_cores(), up, down)
