@@ -120,6 +120,8 @@ def _stop_agent_on_signals(agent_of: Callable[[], Any], grace_s: float) -> None:
         if first:
             at_once(signum, f"stopped by a second {name}")
         first.append(signum)
+        # the round under way ends (a grant it waits for included: client_agent.agent.Agent.finish_round)
+        svc.finish_round = True
         svc.stop.set()
         typer.echo(
             f"{name}: finishing the round under way (at most {grace_s:g} s), then leaving the job", err=True
