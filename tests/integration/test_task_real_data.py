@@ -38,7 +38,10 @@ def test_lm_training_lowers_validation_perplexity(real_corpus, corpus, max_lines
     )
     model = task.build_model(0)
     before = task.evaluate(model, "valid")
-    assert 0.8 * 5000 < before < 1.2 * 5000  # untrained: about uniform over the capped vocabulary
+    # the cap and the minimum count both apply: words seen once are <unk>, at most 5000 words
+    assert 3000 < len(task.vocab) <= 5000 and task.vocab.unk in task.client_ids(0).tolist()
+    # untrained: about uniform over the vocabulary
+    assert 0.8 * len(task.vocab) < before < 1.2 * len(task.vocab)
     losses = []
     for client in range(2):  # both shards, one local epoch each: the whole capped training split once
         res = task.train(model, client, TrainConfig(epochs=1, batch_size=20, lr=20.0, clip=0.25, seed=0))
