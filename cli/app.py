@@ -1029,11 +1029,19 @@ def bench_flower(
         None, help="python of the venv with the bench extra (default .fedmq-cache/flower-venv/bin/python)"
     ),
     flower: bool = typer.Option(True, "--flower/--no-flower", help="run the Flower side"),
+    control: bool = typer.Option(
+        False, "--control/--no-control", help="also the minimal Flower harness it is checked against"
+    ),
+    limit: bool = typer.Option(
+        True, "--limit/--no-limit", help="measure the round's parts here and print its physical limit"
+    ),
 ) -> None:
     """fedmq vs Flower 1.41 on the FedAtt setting: s/round, wire bytes/round, peak memory;
-    fedmq's scaling in K.
+    the round's physical limit on this machine; fedmq's scaling in K.
 
-    Example: fedmq bench flower --data wikitext-2 -k 100 --selected 10 -r 5 --scale 10,1000
+    s/round on both sides: the period between consecutive rounds' ends (aggregated and validated).
+
+    Example: fedmq bench flower --data wikitext-2 -k 100 --selected 10 -r 5 --control
     """
     from fedmq.benchmarks import flower as fl
 
@@ -1044,10 +1052,11 @@ def bench_flower(
         raise UsageError(f"--scale wants comma-separated whole numbers, got {scale!r}") from None
     if selected > clients or any(k < selected for k in ks):
         raise UsageError("--selected must not exceed K")
-    runs = fl.bench_flower(
-        data, clients, selected, rounds, ks, flower_python or fl.DEFAULT_FLOWER_PYTHON, flower
-    )
-    typer.echo(fl.format_table(runs))
+    python = flower_python or fl.DEFAULT_FLOWER_PYTHON
+    if flower and fl.flower_missing(python):
+        raise UsageError(f"{fl.flower_missing(python)}; or run with --no-flower")
+    bench = fl.bench_flower(data, clients, selected, rounds, ks, python, flower, control, limit)
+    typer.echo(fl.format_table(bench))
 
 
 @app.command(cls=HelpCommand)
