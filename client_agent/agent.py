@@ -118,6 +118,7 @@ class Agent:
         self.audit_log = Path(audit_log) if audit_log else None  # JSON lines: one per broker-confirmed upload
         self.stop = threading.Event()
         self.finished = False  # set when the aggregator said the job is over
+        self.finish_round = False  # a stop still lets the round under way end (its grant, its upload)
         self.manifest = self.trainers.manifest
         self.model_names = frozenset(self.manifest.names)
         self.groups = self.trainers.groups
@@ -506,15 +507,18 @@ class Agent:
         return Prepared(result, messages.encode(env), env.msg_id, sent)
 
     def _wait_grant(self, rnd: int) -> bool:
-        """Wait for this round's grant; a newer announce means the round closed without us."""
-        while not self.stop.is_set():
+        """Wait for this round's grant; a newer announce means the round closed without us. A stop with
+        ``finish_round`` set (`fedmq agent run` on SIGTERM, bounded by its --stop-grace) still waits: the
+        round under way is finished."""
+        while not self.stop.is_set() or (self.finish_round and not self.finished):
             env = self._next(timeout=0.5)
             if env is None:
                 continue
             if env.kind is Kind.GRANT and env.round == rnd:
                 return self.client in env.payload["granted"]
             if env.kind is Kind.ANNOUNCE and env.round > rnd:
-                self._on_announce(env)  # our round closed without us; take part in the new one
+                if not self.stop.is_set():
+                    self._on_announce(env)  # our round closed without us; take part in the new one
                 return False
         return False
 
