@@ -3,7 +3,8 @@
 # first, so pip takes the CPU build (2.13.0) and never resolves a newer one with CUDA packages.
 #
 #   scripts/setup.sh            the runtime only: what `make demo` needs
-#   scripts/setup.sh --test     also the test extras and checkov, the deploy tests' scanner (`make test`)
+#   scripts/setup.sh --test     also the test extras, checkov (the deploy tests' scanner) and Flower 1.41
+#                               (`fedmq bench flower` and its test), each in a venv of its own (`make test`)
 #   --dry-run                   print the commands instead of running them
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +29,14 @@ if [ "$TEST" = 1 ]; then
   if missing .fedmq-cache/checkov-venv/bin/checkov; then
     run "$PY" -m venv .fedmq-cache/checkov-venv
     run .fedmq-cache/checkov-venv/bin/pip install -q --disable-pip-version-check checkov==3.3.30
+  fi
+  # Flower 1.41 (the bench extra) lives in its own venv: it pins typer/rich versions fedmq's CLI does not use.
+  # `fedmq bench flower` and tests/integration/test_flower_control.py find it there; flwr's script marks it done
+  FLOWER=.fedmq-cache/flower-venv
+  if missing $FLOWER/bin/flwr; then
+    run "$PY" -m venv $FLOWER
+    run $FLOWER/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
+    run $FLOWER/bin/python -m pip install -q --disable-pip-version-check -e '.[bench]'
   fi
 else
   run "${PIP[@]}" -e .

@@ -1,0 +1,64 @@
+"""`fedmq bench flower`'s Flower side against the minimal Flower harness it is checked against
+(benchmarks/flower_control.py), both at a tiny size: the same s/round within ±20 %, and each parameter sent
+once each way. Runs Flower 1.41 from its own venv, which `scripts/setup.sh --test` creates (as `make test`
+does): without it the test fails, saying so."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fedmq.benchmarks import flower as fl
+
+ROOT = Path(__file__).resolve().parents[2]
+CORPUS = str(ROOT / "tests" / "fixtures" / "corpora" / "wikitext-2")
+CLIENTS, SELECTED, ROUNDS = 4, 2, 6
+
+
+def _model_bytes() -> tuple[int, int]:
+    """float32 bytes of the bench model's named parameters (the tied matrix once), and their count."""
+    from fedmq.tasks.base import model_state
+    from fedmq.tasks.registry import make_task
+
+    task = make_task(
+        "lm", data=CORPUS, model="gru-small", tied=True, clients=CLIENTS, bptt=8, max_eval_lines=1
+    )
+    model = task.build_model(0)
+    assert model.decoder.weight is model.encoder.weight, "the bench model is meant to be tied"
+    state = model_state(model)
+    return sum(4 * v.numel() for v in state.values()), len(state)
+
+
+@pytest.mark.slow
+def test_bench_flower_side_agrees_with_the_control() -> None:
+    missing = fl.flower_missing(fl.DEFAULT_FLOWER_PYTHON)
+    if missing:
+        pytest.fail(f"{missing}; this test needs Flower 1.41 there")
+    # s/round of a tiny round is a fraction of a second, so a busy moment on a shared machine moves one run:
+    # a second pair is run when the first disagrees, and the last pair must agree
+    for _attempt in range(2):
+        bench = fl.run_flower(fl.DEFAULT_FLOWER_PYTHON, CORPUS, CLIENTS, SELECTED, ROUNDS, timeout=240)
+        control = fl.run_flower(
+            fl.DEFAULT_FLOWER_PYTHON, CORPUS, CLIENTS, SELECTED, ROUNDS, "flower_control", timeout=240
+        )
+        for run in (bench, control):
+            assert run.rounds == ROUNDS and not run.note, (run.name, run.rounds, run.note)
+            assert run.s_per_round is not None and run.s_per_round > 0
+        ratio = bench.s_per_round / control.s_per_round
+        if abs(ratio - 1) <= 0.2:
+            break
+    assert abs(ratio - 1) <= 0.2, (
+        f"bench's Flower side {bench.s_per_round:.3f} s/round vs the control's {control.s_per_round:.3f}"
+    )
+    # every parameter once each way: the tied matrix is not sent twice, nothing else rides along but each
+    # array's header (NumPy's .npy header, 128 bytes)
+    per_client, tensors = _model_bytes()
+    for row in bench.raw:
+        assert row["received"] == SELECTED and row["failures"] == 0
+        for key in ("bytes_down", "bytes_up"):
+            assert 0 <= row[key] - SELECTED * per_client <= SELECTED * tensors * 256, (
+                key,
+                row[key],
+                per_client,
+            )
