@@ -341,7 +341,10 @@ class Agent:
         if sync and (rnd <= self.last_round or self.client not in payload["selected"]):
             return
         with self.trainers.taking_part(rnd, payload["selected"] if sync else (), self.client):
-            self._take_part(env, sync)
+            try:
+                self._take_part(env, sync)
+            except CodecError as exc:  # what the announce asks cannot be built: sit this round out
+                log.warning("announce rejected", client=self.client, reason=exc.reason, detail=str(exc))
 
     def _take_part(self, env: Envelope, sync: bool) -> None:
         rnd, payload = env.round, env.payload
@@ -397,7 +400,7 @@ class Agent:
                 f"this agent reads up to {PROTOCOL}: upgrade fedmq on the agents"
             )
         hooks = []
-        for entry in [spec] if "hook" in spec else spec["hooks"]:
+        for entry in spec["hooks"]:
             hook = self._client_hook(entry)
             namespace = f"hook.{hook.name or type(hook).__name__}"
             hooks.append((hook, Kept(self.store, self.client, namespace, version)))
@@ -421,10 +424,9 @@ class Agent:
             )
         try:
             return cls(**bind(cls, entry["args"], f"client hook {path!r}"))
-        except ClientHookError:
-            raise
         except Exception as exc:  # BadParameter, or the hook's own check of its arguments
-            raise ClientHookError(f"client hook {path!r} could not be built: {exc}") from None
+            # the aggregator checked them when the job started: these came from a damaged or forged announce
+            raise CodecError("bad-payload", f"client hook {path!r} could not be built: {exc}") from None
 
     def _manifest_for(self, hooks: Sequence[tuple[ClientHook, Kept]]) -> Manifest:
         """The model's manifest and the tensors the strategy keeps beside it (ClientHook.extra_tensors)."""
@@ -478,8 +480,9 @@ class Agent:
         """Encode the update (before the grant, so the trainer and the global model can go) and keep what
         the job's algorithm needs for our next round."""
         upload = trained = self._trained_state(model)
+        if hooks:
+            hooks[0][0].context.trained = trained  # one context, shared by the round's hooks
         for hook, kept in hooks:
-            hook.context.trained = trained
             upload = hook.finish(upload, result, kept)
         unknown = set(upload) - set(held)
         if not upload or unknown:

@@ -36,12 +36,12 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from fedmq import client_map
 from fedmq.tasks.base import TrainConfig, TrainResult
 
 State = dict[str, torch.Tensor]
-# the announcement's client map: {"version": PROTOCOL, "hooks": [{"hook": "package.module:Class",
-# "hook_version": int, "args": {...}}, ...]}; version 1 was one hook's entry at the top
-PROTOCOL = 2
+# the newest announcement client map this build reads (fedmq.client_map)
+PROTOCOL = client_map.VERSION
 
 
 def stable_seed(*parts: object) -> int:
@@ -74,8 +74,12 @@ class Kept:
     def __init__(self, store: Store, client: str, namespace: str, version: int) -> None:
         self._store, self._client, self._ns, self._version = store, client, namespace, version
 
-    def get(self, key: str) -> State | None:
+    def get(self, key: str, legacy: str | None = None) -> State | None:
+        """The state kept under ``key``; ``legacy``: the store key it had before hooks had namespaces (a run
+        folder made then resumes with it)."""
         item = self._store.get(self._client, f"{self._ns}.{key}")
+        if item is None and legacy is not None:
+            item = self._store.get(self._client, legacy)
         return None if item is None else item[1]
 
     def put(self, key: str, state: Mapping[str, torch.Tensor]) -> None:
@@ -145,7 +149,7 @@ def hook_path(cls: type[ClientHook]) -> str:
 def install_gradient_terms(model: torch.nn.Module, hook: ClientHook) -> Callable[[], None]:
     """Register ``hook.gradient`` on every parameter of ``model`` (once per tensor, also when tied); returns
     the function that removes them. Nothing is registered when the hook does not override ``gradient``."""
-    if type(hook).gradient is ClientHook.gradient:
+    if not type(hook).changes_training():
         return lambda: None
     handles = []
     for name, param in model.named_parameters():

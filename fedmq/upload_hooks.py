@@ -10,6 +10,7 @@ in this order:
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping
 from typing import ClassVar
@@ -29,8 +30,8 @@ class Randomization(ClientHook):
     name: ClassVar[str] = "noise"
 
     def __init__(self, sigma: float) -> None:
-        if not sigma > 0:
-            raise BadParameter(f"noise: sigma must be positive, got {sigma}")
+        if not 0 < sigma < math.inf:
+            raise BadParameter(f"noise: sigma must be positive and finite, got {sigma}")
         self.sigma = sigma
 
     def finish(self, trained: State, result: TrainResult, kept: Kept) -> State:
@@ -55,21 +56,21 @@ class DynamicPulling(ClientHook):
             raise BadParameter(f"pulling: by must be one of {', '.join(SHARES)}")
         if not 0 < fraction < 1:
             raise BadParameter(f"pulling: fraction must be in (0, 1), got {fraction}")
-        self.mode, self.fraction, self.by, self.down = mode, fraction, by, bool(down)
+        self.mode, self.fraction, self.by, self.down = mode, fraction, by, down
 
     def own_state(self, kept: Kept) -> State | None:
-        return kept.get("own")
+        return kept.get("own", legacy="own")
 
     def start(self, global_state: State, kept: Kept) -> State:
         # under pull-down the server pushed only its pick and the agent laid it over our own values
-        private = None if self.down else kept.get("private")
+        private = None if self.down else kept.get("private", legacy="private")
         return global_state if private is None else {**global_state, **private}
 
     def finish(self, trained: State, result: TrainResult, kept: Kept) -> State:
         ctx = self.context
         names = select_tensors(
             trained,
-            kept.get("own"),
+            kept.get("own", legacy="own"),
             ctx.groups,
             self.mode,
             self.fraction,
@@ -92,8 +93,12 @@ class ErrorFeedback(ClientHook):
 
     name: ClassVar[str] = "error-feedback"
 
+    def __init__(self) -> None:
+        self._residual: State | None = None  # e_prev, read in finish
+        self._upload: State = {}  # Δ + e_prev as uploaded, before encoding
+
     def finish(self, trained: State, result: TrainResult, kept: Kept) -> State:
-        self._residual = kept.get("residual")
+        self._residual = kept.get("residual", legacy="residual")
         if self._residual is not None:
             trained = {k: v + self._residual[k] for k, v in trained.items()}
         self._upload = trained

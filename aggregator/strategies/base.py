@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from fedmq.errors import BadParameter
 from fedmq.hooks import ClientHook
 from fedmq.train_config import TrainConfig
 
@@ -88,13 +89,22 @@ class Strategy(ABC):
         return cls.from_settings(cfg, {}, **extra)
 
     @classmethod
-    def from_settings(cls, cfg: Any, settings: Mapping[str, Any], **extra: Any) -> Strategy:
-        """The constructor called with ``settings`` (what a built-in strategy reads from the job's own
-        fields, such as FedAtt's ``att_eps``), overridden by the job's ``strategy_args``, so that a parameter
-        given either way is never ignored."""
+    def from_settings(cls, cfg: Any, settings: Mapping[str, tuple[str, Any]], **extra: Any) -> Strategy:
+        """The constructor called with ``settings`` -- {parameter: (the job's field it comes from, its
+        value)}, what a built-in strategy reads from the job's own fields, such as FedAtt's ``epsilon`` from
+        ``att_eps`` -- and the job's ``strategy_args`` for its other parameters. A parameter has one way in:
+        strategy_args naming one of ``settings`` is refused with the field (and flag) to use instead."""
         from fedmq.params import bind
 
-        return cls(**{**settings, **bind(cls, cfg.strategy_args)}, **extra)
+        args = bind(cls, cfg.strategy_args)
+        twice = sorted(set(args) & set(settings))
+        if twice:
+            field = settings[twice[0]][0]
+            raise BadParameter(
+                f"strategy {cls.name!r}: {twice[0]} is the job setting {field}; set it there, not as a "
+                "strategy argument"
+            )
+        return cls(**{p: value for p, (_, value) in settings.items()}, **args, **extra)
 
     @classmethod
     def client_args(cls, args: Mapping[str, Any]) -> dict[str, Any]:

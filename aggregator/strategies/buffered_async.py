@@ -47,7 +47,11 @@ class BufferedAsync(FedAvg):
 
     @classmethod
     def from_config(cls, cfg: Any, **extra: Any) -> Strategy:
-        job = {"buffer_size": cfg.async_k, "max_staleness": cfg.max_staleness, "server_lr": cfg.server_lr}
+        job = {
+            "buffer_size": ("async_k", cfg.async_k),
+            "max_staleness": ("max_staleness", cfg.max_staleness),
+            "server_lr": ("server_lr", cfg.server_lr),
+        }
         return cls.from_settings(cfg, job, **extra)
 
     def __init__(self, buffer_size: int = 10, max_staleness: int = 10, server_lr: float = 1.0) -> None:

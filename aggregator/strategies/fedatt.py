@@ -51,7 +51,8 @@ class FedAtt(SoftmaxWeighted):
 
     @classmethod
     def from_config(cls, cfg: Any, **extra: Any) -> Strategy:
-        return cls.from_settings(cfg, {"epsilon": cfg.att_eps, "norm": cfg.att_norm}, **extra)
+        job = {"epsilon": ("att_eps", cfg.att_eps), "norm": ("att_norm", cfg.att_norm)}
+        return cls.from_settings(cfg, job, **extra)
 
     def __init__(self, epsilon: float = 1.2, norm: str = "fro") -> None:
         super().__init__()

@@ -79,13 +79,14 @@ def strategy_from_config(name: str, cfg: Any, **extra: Any) -> tuple[str, Strate
     """The strategy ``name`` built from the job's settings ``cfg`` (a JobConfig) for one round, and the name
     it runs under (a robust guard's where one replaces FedAvg); ``extra``:
     what a first pass asked for (second_pass)."""
+    if cfg.strategy_args:  # they are the job's strategy's: a mistake names it as the job does
+        bind(strategy_class(cfg.strategy), cfg.strategy_args, f"strategy {cfg.strategy!r}")
     if name == FedAvg.name and cfg.robust != "none":
         name = _ROBUST[cfg.robust.partition(":")[0]]
     cls = strategy_class(name)
-    # the job's parameters are its strategy's, not those of FedMed's FedAvg fallback
+    # a robust guard replacing FedAvg, or FedMed's FedAvg fallback, takes none of them
     if name != cfg.strategy and cfg.strategy_args:
         cfg = dataclasses.replace(cfg, strategy_args={})
-    bind(cls, cfg.strategy_args, f"strategy {name!r}")  # a mistake names the strategy as the job does
     return name, _built(name, lambda: cls.from_config(cfg, **extra))
 
 

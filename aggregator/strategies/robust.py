@@ -39,7 +39,7 @@ class ClippedFedAvg(FedAvg):
 
     @classmethod
     def from_config(cls, cfg: Any, **extra: Any) -> Strategy:
-        return cls.from_settings(cfg, {"clip_norm": float(cfg.robust.partition(":")[2])}, **extra)
+        return cls.from_settings(cfg, {"clip_norm": ("robust", float(cfg.robust.partition(":")[2]))}, **extra)
 
     def __init__(self, clip_norm: float = 10.0) -> None:
         super().__init__()
@@ -64,7 +64,10 @@ class TrimmedMean(Strategy):
 
     @classmethod
     def from_config(cls, cfg: Any, **extra: Any) -> Strategy:
-        job = {"trim": float(cfg.robust.partition(":")[2]), "max_updates": max(cfg.clients, 1)}
+        job = {
+            "trim": ("robust", float(cfg.robust.partition(":")[2])),
+            "max_updates": ("clients", max(cfg.clients, 1)),
+        }
         return cls.from_settings(cfg, job, **extra)
 
     def __init__(self, trim: float = 0.1, max_updates: int = 64) -> None:
@@ -124,4 +127,4 @@ class Median(TrimmedMean):
 
     @classmethod
     def from_config(cls, cfg: Any, **extra: Any) -> Strategy:
-        return cls.from_settings(cfg, {"max_updates": max(cfg.clients, 1)}, **extra)
+        return cls.from_settings(cfg, {"max_updates": ("clients", max(cfg.clients, 1))}, **extra)

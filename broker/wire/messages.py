@@ -31,11 +31,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from fedmq import train_config
+from fedmq import client_map, train_config
 from fedmq.broker.wire.encodings import EncodingSpec
 from fedmq.broker.wire.envelope import Envelope, Kind, Limits, pack, unpack
 from fedmq.errors import CodecError
-from fedmq.plugins import is_import_path
 from fedmq.train_config import TrainConfig
 
 NO_VERSION = -1
@@ -78,6 +77,10 @@ class RoundConfig:
     def from_payload(cls, payload: Any) -> RoundConfig:
         """The round config an announce carries; CodecError("bad-payload") unless every field is there, of its
         type and in its range."""
+        if isinstance(payload, dict) and "train" not in payload and "epochs" in payload:
+            raise CodecError(
+                "bad-payload", "announce config of an older fedmq (no train map): upgrade the aggregator"
+            )
         if not isinstance(payload, dict) or not {"train", "encoding", "grant", "keep_model"} <= set(payload):
             raise CodecError("bad-payload", "announce config must have train, encoding, grant and keep_model")
         try:
@@ -122,35 +125,11 @@ def check_payload(env: Envelope) -> Envelope:
                 raise CodecError(
                     "bad-payload", "announce models must be {id, base_version, partial, since, bytes}"
                 )
-        if "client" in payload and not _client_map_ok(payload["client"]):
+        if "client" in payload and not client_map.shape_ok(payload["client"]):
             raise CodecError(
                 "bad-payload", "announce client must be {version, hooks: [{hook, hook_version, args}]}"
             )
     return env
-
-
-def _client_map_ok(entry: object) -> bool:
-    """The announcement's client side (fedmq.hooks.describe): its shape only; an agent that cannot run it says
-    so itself (a newer ``version`` of the map, or a hook it does not have). Version 2 lists its hooks in
-    ``hooks``; version 1 was one hook's entry at the top."""
-    if not isinstance(entry, dict) or type(entry.get("version")) is not int:
-        return False
-    hooks = entry.get("hooks", [])
-    if "hook" in entry:
-        hooks = [entry]
-    return isinstance(hooks, list) and all(_hook_entry_ok(h) for h in hooks)
-
-
-def _hook_entry_ok(entry: object) -> bool:
-    if not isinstance(entry, dict) or not {"hook", "hook_version", "args"} <= set(entry):
-        return False
-    return (
-        isinstance(entry["hook"], str)
-        and is_import_path(entry["hook"])
-        and type(entry["hook_version"]) is int
-        and isinstance(entry["args"], dict)
-        and all(isinstance(k, str) for k in entry["args"])
-    )
 
 
 def _model_entry_ok(entry: object) -> bool:

@@ -35,9 +35,6 @@ def test_an_agent_builds_fedmqs_own_hook_with_the_announced_arguments():
     [(hook, kept)] = _agent()._client_hooks(_map(), 3)
     assert type(hook).__name__ == "ProxHook" and hook.mu == 0.1
     assert _agent()._client_hooks(None, 3) == [] and _agent()._client_hooks({}, 3) == []
-    # the first version of the map named one hook at its top; an agent still reads it
-    [(old, _)] = _agent()._client_hooks({"version": 1, **_map()["hooks"][0]}, 3)
-    assert old.mu == 0.1
 
 
 @pytest.mark.parametrize(
@@ -51,15 +48,27 @@ def test_an_agent_builds_fedmqs_own_hook_with_the_announced_arguments():
         ),  # not the strategy's module
         (_map(version=PROTOCOL + 1), "fedprox", f"client-map version {PROTOCOL + 1}; this agent reads up to"),
         (_map(hook_version=7), "fedprox", "the job runs version 7, this agent has 1"),
-        (_map(args={"mu": "big"}), "fedprox", "mu must be a number, got 'big'"),
-        (_map(args={"nu": 1}), "fedprox", "has no parameter 'nu'"),
-        (_map(args={"mu": -1.0}), "fedprox", "mu must be >= 0"),
     ],
 )
 def test_what_an_agent_cannot_run_is_one_line(spec, strategy, words):
     with pytest.raises(ClientHookError, match=words.replace("(", r"\(").replace(")", r"\)")) as err:
         _agent(strategy)._client_hooks(spec, 3)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        ({"mu": "big"}, "mu must be a number, got 'big'"),
+        ({"nu": 1}, "has no parameter 'nu'"),
+        ({"mu": -1.0}, "mu must be >= 0"),
+    ],
+)
+def test_hook_arguments_the_aggregator_never_sends_are_a_damaged_announce(args, words):
+    # the aggregator checked the job's arguments at start: the agent rejects the message, not the job
+    with pytest.raises(CodecError, match=words) as err:
+        _agent()._client_hooks(_map(args=args), 3)
+    assert err.value.reason == "bad-payload" and "\n" not in str(err.value)
 
 
 def test_the_strategys_own_module_may_provide_the_hook(tmp_path, monkeypatch):
@@ -87,6 +96,9 @@ def test_announcements_carry_a_checked_client_map_that_old_agents_can_ignore():
         _map(args=[1]),
         {"version": "1", "hooks": []},
         {"version": 2, "hooks": {"hook": PROX}},
+        {"version": 2},
+        {"version": 1, **_map()["hooks"][0]},
+        {"version": 0, "hooks": []},
     )
     for bad in bad_maps:
         env = messages.announce("job", 1, 0, ["agent-0"], cfg, [])
@@ -203,3 +215,23 @@ def test_the_jobs_settings_choose_fedmqs_upload_hooks_after_the_strategys():
     # only a hook that acts inside training keeps a job from batched cohort training
     assert ProxHook.changes_training() and not Randomization.changes_training()
     assert not DynamicPulling.changes_training() and ErrorFeedback.reads_what_is_sent()
+
+
+def test_a_forged_announce_costs_the_agent_its_round_never_its_life():
+    """A hook argument the aggregator would never send (fedmq's own noise hook with an infinite sigma): the
+    agent logs the rejected announce and goes on serving; an older aggregator's flat config is named."""
+    agent = _agent()
+    spec = {
+        "version": PROTOCOL,
+        "hooks": [
+            {"hook": "fedmq.upload_hooks:Randomization", "hook_version": 1, "args": {"sigma": float("inf")}}
+        ],
+    }
+    with pytest.raises(CodecError, match="sigma must be finite"):
+        agent._client_hooks(spec, 1)
+    env = messages.announce("job", 1, 0, ["agent-0"], _round_config(), [], client=spec)
+    agent._on_announce(messages.decode(messages.encode(env)))  # logged and skipped: no exception
+    assert agent.log.rounds_trained == []
+    old = {"epochs": 1, "lr": 0.1, "encoding": "raw", "grant": False, "keep_model": False}
+    with pytest.raises(CodecError, match="older fedmq"):
+        messages.RoundConfig.from_payload(old)

@@ -107,13 +107,17 @@ def test_a_users_strategy_owns_its_round():
     assert isinstance(strategy_from_config(cfg.strategy, cfg)[1], Strategy)
 
 
-def test_a_built_in_strategys_parameters_come_from_strategy_args_too_never_ignored():
-    # the job's own fields (att_eps, async_k ...) are a built-in's defaults; --strategy-arg overrides them
-    att = strategy_from_config("fedatt", JobConfig(strategy="fedatt", strategy_args={"epsilon": 0.7}))[1]
-    assert att.epsilon == 0.7
+def test_a_built_in_strategys_parameter_has_one_way_in_and_is_never_ignored():
+    # a built-in's parameters that are job settings (FedAtt's epsilon is att_eps, --eps) are refused as
+    # strategy arguments, in one line naming the setting; its other parameters come as strategy arguments
+    from fedmq.errors import BadParameter
+
     assert strategy_from_config("fedatt", JobConfig(strategy="fedatt", att_eps=0.9))[1].epsilon == 0.9
-    job = JobConfig(strategy="async", async_k=4, strategy_args={"server_lr": 0.25})
-    buffered = strategy_from_config("async", job)[1]
-    assert (buffered.buffer_size, buffered.server_lr) == (4, 0.25)
-    clipped = strategy_from_config("fedavg", JobConfig(robust="clip:2.5", strategy_args={}))[1]
-    assert clipped.clip_norm == 2.5
+    with pytest.raises(BadParameter, match="epsilon is the job setting att_eps; set it there"):
+        strategy_from_config("fedatt", JobConfig(strategy="fedatt", strategy_args={"epsilon": 0.7}))
+    with pytest.raises(BadParameter, match="server_lr is the job setting server_lr"):
+        strategy_from_config("async", JobConfig(strategy="async", strategy_args={"server_lr": 0.25}))
+    # the job's arguments are checked against the job's strategy even where a robust guard replaces it
+    with pytest.raises(BadParameter, match="strategy 'fedavg' has no parameter 'clip_norm'"):
+        strategy_from_config("fedavg", JobConfig(robust="clip:2.5", strategy_args={"clip_norm": 1.0}))
+    assert strategy_from_config("fedavg", JobConfig(robust="clip:2.5"))[1].clip_norm == 2.5

@@ -1,0 +1,36 @@
+"""The round announcement's client map (torch-free, read by the wire's checks and by fedmq.hooks): which
+client hooks a selected agent runs around its local training, in order, each with its version and arguments:
+
+    {"version": VERSION, "hooks": [{"hook": "package.module:Class", "hook_version": int, "args": {...}}, ...]}
+
+``shape_ok`` checks the shape of a map of a version this build knows; a map of a newer version passes, so that
+the agent can refuse it in words (upgrade fedmq) instead of as a damaged message."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedmq.plugins import is_import_path
+
+VERSION = 2
+
+
+def shape_ok(entry: Any) -> bool:
+    if not isinstance(entry, dict) or type(entry.get("version")) is not int or entry["version"] < 1:
+        return False
+    if entry["version"] > VERSION:
+        return True
+    hooks = entry.get("hooks")
+    return isinstance(hooks, list) and all(_hook_ok(h) for h in hooks)
+
+
+def _hook_ok(entry: Any) -> bool:
+    if not isinstance(entry, dict) or not {"hook", "hook_version", "args"} <= set(entry):
+        return False
+    return (
+        isinstance(entry["hook"], str)
+        and is_import_path(entry["hook"])
+        and type(entry["hook_version"]) is int
+        and isinstance(entry["args"], dict)
+        and all(isinstance(k, str) for k in entry["args"])
+    )
