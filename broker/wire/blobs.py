@@ -438,3 +438,45 @@ def bf16_to_f32(h: np.ndarray) -> np.ndarray:
         o[...] = src[a : a + _CONVERT_BLOCK]
         o <<= 16
     return out.view(np.float32)
+
+
+def _row_blocks(rows: int, cols: int) -> list[tuple[int, int, int, int]]:
+    """(row0, row1, col0, col1) blocks of about _CONVERT_BLOCK items of a rows × cols matrix."""
+    if rows == 1 or cols >= _CONVERT_BLOCK:
+        step = _CONVERT_BLOCK
+        return [(r, r + 1, c, min(cols, c + step)) for r in range(rows) for c in range(0, cols, step)]
+    per = max(1, _CONVERT_BLOCK // max(cols, 1))
+    return [(r, min(rows, r + per), 0, cols) for r in range(0, rows, per)]
+
+
+def quantize_affine(m: np.ndarray, lo: np.ndarray, inv: np.ndarray, top: int) -> np.ndarray:
+    """uint8 levels of the rows of float32 ``m`` (rows × cols): rint((m − lo) · inv), clipped to 0..top, flat.
+
+    ``lo`` and ``inv`` (float32, one a row) are the zero point and 1 / scale. Bit-identical to the
+    whole-array formula (the same float32 operations, element by element), computed block by block in one
+    cache-sized scratch instead of two array-sized temporaries.
+    """
+    rows, cols = m.shape
+    out = np.empty((rows, cols), np.uint8)
+    scratch = np.empty(min(_CONVERT_BLOCK, max(rows * cols, 1)), np.float32)
+    for r0, r1, c0, c1 in _row_blocks(rows, cols):
+        s = scratch[: (r1 - r0) * (c1 - c0)].reshape(r1 - r0, c1 - c0)
+        np.subtract(m[r0:r1, c0:c1], lo[r0:r1, None], out=s)
+        s *= inv[r0:r1, None]
+        np.rint(s, out=s)
+        np.clip(s, 0, top, out=s)
+        np.copyto(out[r0:r1, c0:c1], s, casting="unsafe")
+    return out.reshape(-1)
+
+
+def dequantize_affine(q: np.ndarray, scale: np.ndarray, lo: np.ndarray, rows: int) -> np.ndarray:
+    """float32 ``q · scale + lo`` of uint8 levels ``q`` (flat, ``rows`` rows, one scale and zero point a row),
+    flat; bit-identical to the whole-array formula, block by block."""
+    cols = q.size // rows if rows else 0
+    qm = q.reshape(rows, cols)
+    out = np.empty((rows, cols), np.float32)
+    for r0, r1, c0, c1 in _row_blocks(rows, cols):
+        o = out[r0:r1, c0:c1]
+        np.multiply(qm[r0:r1, c0:c1], scale[r0:r1, None], out=o)
+        o += lo[r0:r1, None]
+    return out.reshape(-1)

@@ -1,4 +1,5 @@
-"""The blocked, threaded bf16 conversions give the same bits as the plain formulas they replaced."""
+"""The blocked conversions of the wire (bf16, threaded; the affine int levels) give the same bits as the
+plain whole-array formulas they replaced."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 
 from fedmq.broker.wire import blobs
-from fedmq.broker.wire.blobs import bf16_to_f32, f32_to_bf16
+from fedmq.broker.wire.blobs import bf16_to_f32, dequantize_affine, f32_to_bf16, quantize_affine
 from fedmq.broker.wire.threads import codec_threads, set_codec_threads
 
 
@@ -100,3 +101,46 @@ def test_bf16_to_f32_every_pattern() -> None:
     nan = (every & 0x7FFF) > 0x7F80
     assert np.array_equal(back[~nan], every[~nan])
     assert np.array_equal(back[nan], (every[nan] & 0x8000) | 0x7FC0)
+
+
+def reference_quantize(m: np.ndarray, lo: np.ndarray, inv: np.ndarray, top: int) -> np.ndarray:
+    q = m - lo[:, None]
+    q *= inv[:, None]
+    np.rint(q, out=q)
+    np.clip(q, 0, top, out=q)
+    return q.astype(np.uint8).reshape(-1)
+
+
+def reference_dequantize(q: np.ndarray, scale: np.ndarray, lo: np.ndarray, rows: int) -> np.ndarray:
+    d = np.empty((rows, q.size // rows if rows else 0), np.float32)
+    np.multiply(q.reshape(d.shape), scale[:, None], out=d)
+    d += lo[:, None]
+    return d.reshape(-1)
+
+
+@pytest.mark.parametrize("top", [255, 63, 31, 15])
+@pytest.mark.parametrize(
+    "shape",
+    # one row (per tensor) over several blocks, many short rows (per row), few rows longer than a block,
+    # and empty ones
+    [(1, 3 * blobs._CONVERT_BLOCK + 11), (5003, 200), (3, blobs._CONVERT_BLOCK + 5), (1, 0), (4, 0), (1, 1)],
+)
+def test_affine_levels_bit_identical(shape: tuple[int, int], top: int) -> None:
+    rng = np.random.default_rng(top + shape[0])
+    m = (rng.standard_normal(shape) * 10.0 ** rng.integers(-6, 3, (shape[0], 1))).astype(np.float32)
+    if m.size:
+        # exact ties of the rounding (x.5 levels) and the extremes of each row
+        m.reshape(-1)[:: max(1, m.size // 64)] = 0.5
+    rows = shape[0]
+    lo = m.min(axis=1) if m.size else np.zeros(rows, np.float32)
+    hi = m.max(axis=1) if m.size else np.zeros(rows, np.float32)
+    scale = ((hi.astype(np.float64) - lo) / float(top)).astype(np.float32)
+    scale[scale <= 0] = 1.0
+    inv = (1.0 / scale.astype(np.float64)).astype(np.float32)
+    ours = quantize_affine(m, lo, inv, top)
+    ref = reference_quantize(m, lo, inv, top)
+    assert ours.dtype == np.uint8 and np.array_equal(ours, ref)
+    # levels just outside 0..top (a zero point above the row's minimum) are clipped the same way
+    assert np.array_equal(quantize_affine(m, lo + 1, inv, top), reference_quantize(m, lo + 1, inv, top))
+    back, back_ref = dequantize_affine(ours, scale, lo, rows), reference_dequantize(ref, scale, lo, rows)
+    assert back.dtype == np.float32 and np.array_equal(back.view(np.uint32), back_ref.view(np.uint32))
