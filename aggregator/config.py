@@ -177,7 +177,7 @@ class JobConfig:
     # annealing on validation (pytorch/examples' word language model): whenever the global model's validation
     # score does not improve, the clients' lr is divided by this from the next round on (1 = off); kept in the
     # checkpoint, so a resumed run continues where it stopped
-    lr_anneal: float = 1.0
+    lr_anneal: float = defaults.LR_ANNEAL
     clip: float = defaults.CLIP
     max_steps: int = 0
     # mixed precision for local training on a GPU (CUDA autocast to fp16 with a gradient scaler); an agent

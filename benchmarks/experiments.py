@@ -147,6 +147,9 @@ _LM_JOB = {
 }
 _CORPORA = {"paper": ["wikitext-2", "ptb"], "cpu": ["ptb"], "smoke": ["wikitext-2"]}
 _DEADLINES = dict(report_deadline_s=120.0, update_deadline_s=120.0, join_timeout_s=60.0, heartbeat_s=1.0)
+# the grids' clients' lr follows their own schedule (round_lr_decay), as their archived runs did: no annealing
+# on validation, whatever fedmq simulate's default
+_SCHEDULE = dict(lr_anneal=1.0)
 # FedMed's model is an LSTM (300 + 2x400); at the smoke scale a tiny LSTM keeps CI fast
 _FEDMED_MODEL = {
     "paper": dict(model="lstm", tied=False),
@@ -182,7 +185,7 @@ def _lm(
     ranked)."""
     corpus = corpus or _CORPORA[scale][0]
     options = {**_LM_TASK[scale], "data": _corpus(corpus), "tied": True, **(task or {})}
-    settings = {**_LM_JOB[scale], **_DEADLINES, **job}
+    settings = {**_LM_JOB[scale], **_DEADLINES, **_SCHEDULE, **job}
     options["clients"] = settings["clients"]
     if settings.get("strategy") in FEDMED_FORMS and lstm and scale == "paper":
         options.update(_FEDMED_MODEL[scale])
@@ -1024,6 +1027,7 @@ def nmt_specs(scale: str, options: dict[str, Any] | None = None) -> list[RunSpec
         max_steps=s["max_steps"],
         keep_checkpoints=s["rounds"],
         **_DEADLINES,
+        **_SCHEDULE,
         **_nmt_train(s),
     )
     specs = [

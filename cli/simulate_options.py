@@ -256,11 +256,13 @@ def saved_options(config: dict[str, Any]) -> dict[str, Any]:
     """The options a run folder's config.json recorded; for a folder from before they were recorded, what its
     JobConfig keys and task facts say."""
     record = (config.get("extra") or {}).get("cli")
-    # a run from before --min-count built its vocabulary from every training word
+    # a run from before --min-count built its vocabulary from every training word, and one from before
+    # --lr-anneal never annealed
+    before = {"min_count": 1, "lr_anneal": 1.0}
     if isinstance(record, dict):
-        return {"min_count": 1, **record}
+        return {**before, **record}
     legacy = {flag: config[field] for flag, field in JOB_FLAGS.items() if field in config}
-    legacy["min_count"] = config.get("min_count", 1)
+    legacy.update({k: config.get(k, v) for k, v in before.items()})
     legacy.update({k: config[k] for k in FILE_JOB_KEYS if k in config})
     legacy.update({k: config[k] for k in ("task", "model", "partition", "bptt") if k in config})
     model_config = config.get("model_config")
