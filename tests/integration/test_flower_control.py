@@ -31,6 +31,8 @@ def _model_bytes() -> tuple[int, int]:
 
 
 @pytest.mark.slow
+# two pairs of Flower runs at worst, each starting Ray: more than the suite's 300 s on a busy machine
+@pytest.mark.timeout(900)
 def test_bench_flower_side_agrees_with_the_control() -> None:
     missing = fl.flower_missing(fl.DEFAULT_FLOWER_PYTHON)
     if missing:
