@@ -40,9 +40,11 @@ import numpy as np
 from fedmq.broker.wire.blobs import (
     Unpacking,
     bf16_to_f32,
+    dequantize_affine,
     f32_to_bf16,
     make_blob,
     pack_array,
+    quantize_affine,
     read_blob,
     unpack_array,
 )
@@ -200,11 +202,7 @@ def _encode_one(
         hi = m.max(axis=1) if n else np.zeros(rows, np.float32)
         scale = ((hi.astype(np.float64) - lo) / float(top)).astype(np.float32)
         scale[scale <= 0] = 1.0
-        q = m - lo[:, None]
-        q *= (1.0 / scale.astype(np.float64)).astype(np.float32)[:, None]
-        np.rint(q, out=q)
-        np.clip(q, 0, top, out=q)
-        q8 = q.astype(np.uint8).reshape(-1)
+        q8 = quantize_affine(m, lo, (1.0 / scale.astype(np.float64)).astype(np.float32), top)
         rec["r"] = bool(spec.per_row)
         rec["sc"] = make_blob(scale.astype(np.float32), 0, owned=True)
         rec["lo"] = make_blob(lo.astype(np.float32), 0, owned=True)
@@ -352,13 +350,10 @@ def _decode_one(
         top = _LEVELS[kind]
 
         def fin() -> np.ndarray:
-            d = np.empty((rows, n // rows if rows else 0), np.float32)
             q = _unpack_nibbles(getq(), n) if nibbles else getq()
             if top < 255 and not nibbles and n and int(q.max()) > top:
                 raise CodecError("bad-tensor", f"{kind} value above its top level {top}")
-            np.multiply(q.reshape(d.shape), scale[:, None], out=d)
-            d += lo[:, None]
-            return d.reshape(-1)
+            return dequantize_affine(q, scale, lo, rows)
     else:  # topk
         k, vd = rec["k"], rec["vd"]
         if type(k) is not int or not 0 <= k <= n:
