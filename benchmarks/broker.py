@@ -73,7 +73,7 @@ def _pika_trial(url: str, job: str, body: bytes, n: int) -> Trial:
     c0, t0 = time.process_time(), time.perf_counter()
     for i in range(n):
         ch.basic_publish(
-            t.EXCHANGE,
+            t.exchange(job),
             t.rk_update(job, "bench"),
             body,
             pika.BasicProperties(delivery_mode=2, user_id=props.user_id, message_id=f"m{i}"),

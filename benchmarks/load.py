@@ -157,12 +157,12 @@ class Swarm:
         conn = pika.BlockingConnection(pika.URLParameters(self.url))
         try:
             ch = conn.channel()
-            ch.exchange_declare(topology.EXCHANGE, "topic", durable=True)
+            exchange = topology.exchange(self.job)
+            ch.exchange_declare(exchange, "topic", durable=True)
             ch.queue_declare(name, durable=False, auto_delete=False, arguments={"x-expires": 600_000})
-            ch.queue_bind(name, topology.EXCHANGE, topology.rk_global(self.job))
-            ch.queue_bind(
-                name, topology.EXCHANGE, f"job.{self.job}.announce.*"
-            )  # sync rounds announce per agent
+            ch.queue_bind(name, exchange, topology.rk_global(self.job))
+            # sync rounds announce per agent
+            ch.queue_bind(name, exchange, f"job.{self.job}.announce.*")
         finally:
             conn.close()
         return name

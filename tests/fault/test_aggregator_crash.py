@@ -113,19 +113,22 @@ def test_async_kill9_mid_round_replays_the_spool(tmp_path, rabbit_url, job_id):
         lost = [e for e in drops if e["reason"] not in ("duplicate", "too-stale", "job-finished")]
         assert lost == [], f"confirmed updates dropped without a reason that is not a loss: {lost}"
         unaccounted = confirmed - folded - dropped
-        assert unaccounted == set(), f"{len(unaccounted)} of {len(confirmed)} confirmed updates unaccounted"
-        assert len(confirmed) == len(folded) + len(dropped & confirmed)
-        # what is left in the inbox is the agents' goodbyes (presence), never an update
+        # what is left in the inbox: the agents' goodbyes, and the updates of an agent still training when the
+        # job ended (it uploads before it reads the end): those are there, not lost
         conn = connect(rabbit_url)
         try:
             events = conn.subscribe(f"fedmq.{job_id}.inbox", prefetch=64)
             left = []
+            left_updates = []
             while (delivery := events.next(2.0)) is not None:
-                left.append(messages.decode(delivery.body).kind.value)
+                env = messages.decode(delivery.body)
+                left.append(env.kind.value)
+                if env.kind.value == "update":
+                    left_updates.append(env.msg_id)
                 conn.ack(delivery)
         finally:
             conn.close()
-        assert "update" not in left, left
+        assert unaccounted <= set(left_updates), (unaccounted, left)
     finally:
         fed.stop_all()
         delete_job_queues(rabbit_url, job_id, fed.clients)

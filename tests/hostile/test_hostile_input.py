@@ -229,7 +229,7 @@ def test_hostile_messages_are_rejected_and_change_nothing(rabbit_node, job_id, t
         ch.confirm_delivery()
         with pytest.raises(pika.exceptions.ChannelClosedByBroker) as refused:
             ch.basic_publish(
-                topology.EXCHANGE,
+                topology.exchange(job_id),
                 topology.rk_update(job_id, "agent-0"),
                 valid,
                 pika.BasicProperties(user_id="agent-0", delivery_mode=2),
@@ -247,12 +247,16 @@ def test_hostile_messages_are_rejected_and_change_nothing(rabbit_node, job_id, t
         assert len(chunks) > 3
         for _ in range(3):  # duplicate first chunks of a message that never completes
             cch.basic_publish(
-                topology.EXCHANGE, topology.rk_update(job_id, MALLORY), encode_chunk(chunks[0]), hdr
+                topology.exchange(job_id), topology.rk_update(job_id, MALLORY), encode_chunk(chunks[0]), hdr
             )
-        cch.basic_publish(topology.EXCHANGE, topology.rk_update(job_id, MALLORY), b"\x99garbage-chunk", hdr)
+        cch.basic_publish(
+            topology.exchange(job_id), topology.rk_update(job_id, MALLORY), b"\x99garbage-chunk", hdr
+        )
         for i in range(100):  # many messages that never complete: the prefetch window must not fill up
             c = split(update_env(MALLORY), f"m-open-{i}", 1024)[0]
-            cch.basic_publish(topology.EXCHANGE, topology.rk_update(job_id, MALLORY), encode_chunk(c), hdr)
+            cch.basic_publish(
+                topology.exchange(job_id), topology.rk_update(job_id, MALLORY), encode_chunk(c), hdr
+            )
         ch_conn.close()
 
         # -------------------------------------------------------- hypothesis: thousands of generated messages

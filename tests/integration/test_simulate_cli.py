@@ -321,7 +321,7 @@ def test_config_file_run_then_resume_from_the_saved_options_alone(tmp_path):
     assert {p: p.read_bytes() for p in before} == before
 
     # a checkpoint that no longer fits (the corpus or the recorded options changed) is one line, not a hang
-    changed = {**resumed, "extra": {"cli": {**resumed["extra"]["cli"], "vocab_size": 1000}}}
+    changed = {**resumed, "extra": {"cli": {**resumed["extra"]["cli"], "vocab_size": 300}}}
     (run / "config.json").write_text(json.dumps(changed))
     proc = subprocess.run(
         fedmq("simulate", "--out", str(run), "--resume", "--rounds", "3"),
@@ -380,6 +380,6 @@ def test_clients_that_natural_partition_would_not_honour_are_one_line(tmp_path):
     proc = subprocess.run(fedmq(*args, "-k", "5"), capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and not out.exists()
     assert proc.stderr.strip().splitlines() == [
-        "error: --partition natural gives one client per document (3 here) but --clients is 5: "
-        "drop --clients or use iid"
+        "error: partition natural (--partition) gives one client per document (3 here) but clients "
+        "(--clients) is 5: drop clients or use iid"
     ]
