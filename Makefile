@@ -18,4 +18,4 @@ lint: setup-test
 
 test: lint
 	bash scripts/ensure-rabbitmq.sh || [ -z "$${CI:-}" ]
-	.venv/bin/python -m pytest -n 3 --dist loadgroup
+	.venv/bin/python -m pytest -n 2 --dist loadgroup
