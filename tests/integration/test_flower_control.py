@@ -31,27 +31,29 @@ def _model_bytes() -> tuple[int, int]:
 
 
 @pytest.mark.slow
-# two pairs of Flower runs at worst, each starting Ray: more than the suite's 300 s on a busy machine
+# three pairs of Flower runs at worst, each starting Ray: more than the suite's 300 s on a busy machine
 @pytest.mark.timeout(900)
 def test_bench_flower_side_agrees_with_the_control() -> None:
     missing = fl.flower_missing(fl.DEFAULT_FLOWER_PYTHON)
     if missing:
         pytest.fail(f"{missing}; this test needs Flower 1.41 there")
     # s/round of a tiny round is a fraction of a second, so a busy moment on a shared machine moves one run:
-    # a second pair is run when the first disagrees, and the last pair must agree
-    for _attempt in range(2):
+    # each side's fastest run so far is compared (the least disturbed), with up to three pairs
+    fastest: dict[str, float] = {}
+    for _attempt in range(3):
         bench = fl.run_flower(fl.DEFAULT_FLOWER_PYTHON, CORPUS, CLIENTS, SELECTED, ROUNDS, timeout=240)
         control = fl.run_flower(
             fl.DEFAULT_FLOWER_PYTHON, CORPUS, CLIENTS, SELECTED, ROUNDS, "flower_control", timeout=240
         )
-        for run in (bench, control):
+        for side, run in (("bench", bench), ("control", control)):
             assert run.rounds == ROUNDS and not run.note, (run.name, run.rounds, run.note)
             assert run.s_per_round is not None and run.s_per_round > 0
-        ratio = bench.s_per_round / control.s_per_round
+            fastest[side] = min(fastest.get(side, run.s_per_round), run.s_per_round)
+        ratio = fastest["bench"] / fastest["control"]
         if abs(ratio - 1) <= 0.2:
             break
     assert abs(ratio - 1) <= 0.2, (
-        f"bench's Flower side {bench.s_per_round:.3f} s/round vs the control's {control.s_per_round:.3f}"
+        f"bench's Flower side {fastest['bench']:.3f} s/round vs the control's {fastest['control']:.3f}"
     )
     # every parameter once each way: the tied matrix is not sent twice, nothing else rides along but each
     # array's header (NumPy's .npy header, 128 bytes)
