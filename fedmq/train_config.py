@@ -104,13 +104,13 @@ def from_payload(payload: Any) -> TrainConfig:
             value = tuple(float(b) for b in value) if ok else value
         if not ok:
             raise ValueError(f"train {f.name} must be {f.type}")
-        why = out_of_range(f.name, value) if f.type in ("int", "float") else None
-        if why:
-            raise ValueError(f"train {f.name} {why}")
         values[f.name] = value
-    if values["optimizer"] not in OPTIMIZERS:
-        raise ValueError(f"train optimizer must be one of {', '.join(OPTIMIZERS)}")
-    return TrainConfig(**values)
+    cfg = TrainConfig(**values)
+    try:
+        check(cfg)
+    except ValueError as exc:
+        raise ValueError(f"train {exc}") from None
+    return cfg
 
 
 def check(cfg: TrainConfig) -> None:
