@@ -74,3 +74,37 @@ def test_a_variants_cells_run_only_where_only_names_the_variant():
         "ptb-fedmed-standardised-c0.5",
     ]
     assert picked("") == default
+
+
+def _draw_results():
+    """scripts/draw_results.py (it draws docs/results/'s method plots from the kept results files)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "draw_results.py"
+    spec = importlib.util.spec_from_file_location("draw_results", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_plots_name_a_method_by_the_strategy_its_rows_record():
+    draw = _draw_results()
+    strategies = {row.get("strategy") for p in KEPT for row in results_file.read(p)["runs"]} - {None}
+    for s in strategies & set(experiments.FEDMED_VARIANTS):
+        assert draw.label(s) == s
+    assert draw.label("fedmed") == "FedMed"
+    # every FedMed row kept was made with a variant (above): none is drawn as FedMed
+    assert {s for s in strategies if s.startswith("fedmed")} <= set(draw.LABELS)
+    assert all("FedMed" not in draw.label(s) for s in strategies & set(draw.LABELS))
+
+
+@pytest.mark.parametrize("name", ["table2", "fraction", "rounds-to-target", "topk"])
+def test_no_plot_of_the_results_pages_calls_a_fedmed_variants_run_fedmed(name):
+    fig = _draw_results().FIGURES[name]()
+    fig.canvas.draw()
+    texts = [t.get_text() for t in fig.findobj(lambda o: hasattr(o, "get_text"))]
+    assert not [t for t in texts if "FedMed" in t], name
+    # the variant's own name instead (table2 breaks it over two lines at its hyphen)
+    assert any("fedmed-" in t and "relative" in t for t in texts), name
