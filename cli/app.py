@@ -59,12 +59,15 @@ def _setup_logs(
         raise UsageError(str(exc)) from None
 
 
-def _tune_allocator() -> None:
-    """Services and simulations move model-sized buffers all the time:
-    let glibc reuse them (broker/wire/malloc.py)."""
+def _prepare_process() -> None:
+    """For a process that serves or simulates: it moves model-sized buffers all the time, so glibc may reuse
+    them (broker/wire/malloc.py); it trains, so torch's optimizers leave torch._dynamo unloaded
+    (fedmq/tasks/lazy_dynamo.py: ~1.8 s of CPU at every start)."""
     from fedmq.broker.wire.malloc import tune_allocator
+    from fedmq.tasks import lazy_dynamo
 
     tune_allocator()
+    lazy_dynamo.defer()
 
 
 def _stop_on_signals(service: Callable[[], Any], running: Callable[[Any], bool]) -> None:
@@ -451,7 +454,7 @@ def _simulate(
         run_dir / "logs" / "simulate.jsonl",
         console_level="warning" if interactive else None,
     )
-    _tune_allocator()
+    _prepare_process()
     from fedmq.tasks.training import resolve_device  # the first torch import
 
     opts, cfg = plan.options, plan.job
@@ -583,7 +586,7 @@ def aggregator_run(
     from fedmq.aggregator.engine import Engine
     from fedmq.params import parse_assignments
 
-    _tune_allocator()
+    _prepare_process()
     from fedmq.broker.transport.connect import connect
 
     jobfile = _job_file(config)
@@ -711,7 +714,7 @@ def agent_run(
     from fedmq.client_agent.agent import Agent
     from fedmq.client_agent.availability import parse_availability, parse_faults
 
-    _tune_allocator()
+    _prepare_process()
 
     _setup_logs(log_level, log_format)
     if not 0 < stop_grace <= 86400:
