@@ -583,13 +583,9 @@ def aggregator_run(
     --state-dir /var/lib/fedmq
     """
     from fedmq.aggregator.config import JobConfig
-    from fedmq.aggregator.engine import Engine
     from fedmq.params import parse_assignments
 
-    _prepare_process()
-    from fedmq.broker.transport.connect import connect
-
-    jobfile = _job_file(config)
+    jobfile = _job_file(config)  # a job file or flag that is wrong: one line, before torch is loaded
     values, task_opts = dict(jobfile.job), {"task": "lm", "data": "builtin", **jobfile.task}
     if strategy_arg:
         values["strategy_args"] = {**values.get("strategy_args", {}), **parse_assignments(strategy_arg)}
@@ -604,6 +600,10 @@ def aggregator_run(
         typer.echo(json.dumps({**cfg.to_dict(), "task": task_opts}, sort_keys=True))
         return
     _setup_logs(log_level, log_format, state_dir / "logs" / "aggregator.jsonl")
+    _prepare_process()
+    from fedmq.aggregator.engine import Engine
+    from fedmq.broker.transport.connect import connect
+
     engine = None
     _stop_on_signals(lambda: engine, lambda e: e.started)
     task_obj = _make_task(task_opts)
@@ -710,12 +710,6 @@ def agent_run(
     """
     import socket
 
-    from fedmq.broker.transport.connect import connect
-    from fedmq.client_agent.agent import Agent
-    from fedmq.client_agent.availability import parse_availability, parse_faults
-
-    _prepare_process()
-
     _setup_logs(log_level, log_format)
     if not 0 < stop_grace <= 86400:
         raise UsageError(f"--stop-grace {stop_grace:g} must be in (0, 86400] seconds")
@@ -739,6 +733,11 @@ def agent_run(
     if data:
         task_opts["data"] = data
     task_opts.setdefault("clients", values.get("clients", index + 1))
+    _prepare_process()  # a job file or flag that is wrong was one line before torch is loaded
+    from fedmq.broker.transport.connect import connect
+    from fedmq.client_agent.agent import Agent
+    from fedmq.client_agent.availability import parse_availability, parse_faults
+
     task_obj = _make_task(task_opts)
     url = _broker_url(broker, user, password)
     agent = Agent(

@@ -33,9 +33,11 @@ def _port_open(host: str, port: int) -> bool:
 def pytest_collection_modifyitems(config, items):
     """`make test` runs two pytest-xdist workers (--dist loadgroup). The tests that start their own RabbitMQ
     nodes or kill processes on a clock (tests/fault, and every isolated_node test) form one group: one worker
-    runs them one after the other, in file order, while the other worker takes everything else."""
+    runs them one after the other, in file order, while the other worker takes everything else. A test in
+    tests/fault marked any_worker kills nothing and may run on either."""
     for item in items:
-        if item.get_closest_marker("isolated_node") or "/fault/" in str(item.path):
+        faults = "/fault/" in str(item.path) and not item.get_closest_marker("any_worker")
+        if item.get_closest_marker("isolated_node") or faults:
             item.add_marker(pytest.mark.xdist_group("own-nodes-and-faults"))
 
 

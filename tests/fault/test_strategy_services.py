@@ -61,6 +61,7 @@ def _federation(base: Path, url: str, job: str, strategy: str, args: dict, refs,
     )
 
 
+@pytest.mark.any_worker  # kills nothing: it may run beside other tests
 @pytest.mark.parametrize("strategy", ["fedprox", "scaffold", "fedavgm", "fedadagrad", "fedadam", "fedyogi"])
 def test_strategy_runs_as_services_and_matches_its_reference(
     tmp_path, rabbit_url, job_id, references, strategy
