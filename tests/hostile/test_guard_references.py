@@ -152,6 +152,9 @@ def test_async_one_agent_cannot_wipe_or_stall_the_model(federation, own_rabbit_n
     )
     print("async", fill, "validation perplexity", [round(r.valid, 1) for r in rows if r.valid is not None])
     # its honest first updates count with n capped at 4 x the others' (or uncapped when first of the job)
-    assert engine.inbox.rejected.get("out-of-bounds", 0) >= 3  # the hostile updates, rejected before folding
+    # its hostile updates are rejected before folding: how many reach the engine in 8 versions depends on
+    # arrival order (a busy machine: one), but none is folded
+    assert engine.inbox.rejected.get("out-of-bounds", 0) >= 1
+    assert sum(w > 0 for w in hostile_weight) <= 2, hostile_weight  # its two honest updates at most
     finals = [r.valid for r in rows if r.valid is not None]
     assert finals and math.isfinite(finals[-1]) and finals[-1] < 0.5 * VOCAB  # it learns (~185 in runs seen)

@@ -105,7 +105,19 @@ def test_aggregator_and_agents_as_services(tmp_path, rabbit_url, job_id, free_po
     )
     agents = [
         subprocess.Popen(
-            fedmq("agent", "run", *common, "--client-id", f"agent-{i}", "--device", "cpu"),
+            # each round's training takes 1.5 s more (a fault the agent injects on purpose): the live status
+            # below is read while a round is under way, however fast the machine
+            fedmq(
+                "agent",
+                "run",
+                *common,
+                "--client-id",
+                f"agent-{i}",
+                "--device",
+                "cpu",
+                "--faults",
+                "slow:1:1.5",
+            ),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
