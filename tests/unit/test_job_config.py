@@ -94,7 +94,9 @@ def test_fedsgd_is_one_full_batch_step_on_every_client():
         ({"error_feedback": 1}, "error_feedback must be true or false"),
         ({"extra": []}, "extra must be a table"),
         ({"job": "a b"}, "bad job id 'a b'"),
-        ({"momentum": -0.5}, "momentum (--momentum) must not be negative"),
+        ({"momentum": -0.5}, "momentum (--momentum) must be in [0, 1], got -0.5"),
+        ({"epochs": 0}, "epochs (--epochs) must be in [1, 1000], got 0"),
+        ({"seed": -1}, "seed (--seed) must be in [0, 9.22337e+18], got -1"),
         ({"eval_every": 0}, "eval_every must be at least 1"),
         ({"server_lr": 0.0}, "server_lr must be positive"),
         ({"encoding": "no-such-encoding"}, "encoding"),
@@ -120,6 +122,7 @@ def test_round_lr_decay_sets_each_rounds_learning_rate():
         ({"round_lr_decay": 0.0}, "round_lr_decay (--round-lr-decay) must be positive"),
         ({"round_lr_decay": 1.5}, "round_lr_decay (--round-lr-decay) must be in (0, 1], got 1.5"),
         ({"lr_decay": 2.0}, "lr_decay must be in (0, 1], got 2.0"),
+        ({"lr_decay": 0.0}, "lr_decay must be in (0, 1], got 0.0"),
     ],
 )
 def test_learning_rate_decays_are_checked(values, message):
