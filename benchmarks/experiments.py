@@ -129,8 +129,9 @@ PAPER_LR = 0.5
 # (docs/results/method.md)
 PAPER_FEDSGD_STREAMS = 100
 # cpu FedSGD's own lr (McMahan et al. 2017 tune each method's lr): seed 0's best validation perplexity in
-# the 12 rounds (x 0.9 a round, as every cell) at lr 0.5 / 1.5 / 2 / 3 / 5: 5720.8 / 1145.5 / 1172.1 (a spike
-# in round 10) / 1280.4 (spikes in rounds 5-6) / diverged from round 4 (docs/results/table2.md)
+# the 12 rounds (x 0.9 a round, as every cell) at lr 0.5 / 1 / 1.5 / 2 / 3 / 5: 5720.8 / 4104.9 / 1145.5 /
+# 1172.1 (a spike in round 10) / 1280.4 (spikes in rounds 5-6) / diverged from round 4
+# (docs/results/table2.md)
 CPU_FEDSGD_LR = 1.5
 _LM_JOB = {
     "paper": dict(
