@@ -59,6 +59,20 @@ def label(strategy: str) -> str:
     return LABELS[strategy]
 
 
+def _mean_sd_line(ax: Any, xs: list[float], stats: list[tuple[float, float]], strategy: str) -> None:
+    """One method's means with ± sd bars, in its colour and under its name."""
+    ax.errorbar(
+        xs,
+        [m for m, _ in stats],
+        yerr=[sd for _, sd in stats],
+        color=COLORS[strategy],
+        marker="o",
+        markersize=4,
+        capsize=3,
+        label=label(strategy),
+    )
+
+
 def rows(
     files: Iterable[str], strategy: str, seeds: Iterable[int] | None = SEEDS, **where: Any
 ) -> list[dict[str, Any]]:
@@ -129,16 +143,7 @@ def fraction() -> Figure:
     ax = fig.subplots()
     for i, s in enumerate(("fedavg", "fedatt", "fedmed-relative")):
         stats = [_stat(rows(files, s, C=c)) for c in cs]
-        ax.errorbar(
-            [c + (i - 1) * 0.005 for c in cs],
-            [m for m, _ in stats],
-            yerr=[sd for _, sd in stats],
-            color=COLORS[s],
-            marker="o",
-            markersize=4,
-            capsize=3,
-            label=label(s),
-        )
+        _mean_sd_line(ax, [c + (i - 1) * 0.005 for c in cs], stats, s)
     ax.set_xticks(cs, [str(c) for c in cs])
     ax.set_xlabel("client fraction C (of 20 clients)")
     ax.set_ylabel("test perplexity")
@@ -209,16 +214,7 @@ def topk() -> Figure:
     ax.set_zorder(bytes_ax.get_zorder() + 1)
     ax.patch.set_visible(False)
     stats = [_stat(p) for p in picked]
-    ax.errorbar(
-        betas,
-        [m for m, _ in stats],
-        yerr=[sd for _, sd in stats],
-        color=COLORS[s],
-        marker="o",
-        markersize=4,
-        capsize=3,
-        label=label(s),
-    )
+    _mean_sd_line(ax, betas, stats, s)
     ax.set_xlabel("top-K share β (uploads granted to the β·10 lowest-loss clients)")
     ax.set_ylabel("test perplexity", color=COLORS[s])
     ax.set_title(f"topk, cpu scale (PTB, C = 0.5, {label(s)}): mean ± sd over 3 seeds", fontsize=10)
