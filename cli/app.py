@@ -454,8 +454,8 @@ def _simulate(
         run_dir / "logs" / "simulate.jsonl",
         console_level="warning" if interactive else None,
     )
-    _prepare_process()
-    from fedmq.tasks.training import resolve_device  # the first torch import
+    _prepare_process()  # the first torch import
+    from fedmq.tasks.training import resolve_device
 
     opts, cfg = plan.options, plan.job
     resolve_device(opts["device"])  # --device cuda without a GPU: one line, before any agent starts

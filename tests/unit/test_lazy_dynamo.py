@@ -21,7 +21,7 @@ for name, make in (("sgd", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
     model = torch.nn.Linear(5, 3)
     opt = make(model.parameters())
     for i in range({steps}):
-        if i == {compile_at}:
+        if i == {dynamo_at}:
             import torch._dynamo  # as torch.compile does
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(torch.arange(10.0).reshape(2, 5)), torch.ones(2, 3)).backward()
@@ -34,8 +34,8 @@ print(json.dumps(out))
 """
 
 
-def _train(defer: bool, steps: int = 4, compile_at: int = -1) -> dict:
-    code = TRAIN.format(defer=defer, steps=steps, compile_at=compile_at)
+def _train(defer: bool, steps: int = 4, dynamo_at: int = -1) -> dict:
+    code = TRAIN.format(defer=defer, steps=steps, dynamo_at=dynamo_at)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
@@ -54,6 +54,6 @@ def test_training_never_imports_dynamo_and_gives_the_same_bits(torch_as_made):
 
 
 def test_once_dynamo_is_loaded_the_optimizers_are_torchs_own(torch_as_made):
-    compiled = _train(defer=True, compile_at=2)
-    assert compiled["dynamo"]
-    assert compiled["sgd"] == torch_as_made["sgd"] and compiled["adam"] == torch_as_made["adam"]
+    loaded = _train(defer=True, dynamo_at=2)
+    assert loaded["dynamo"]
+    assert loaded["sgd"] == torch_as_made["sgd"] and loaded["adam"] == torch_as_made["adam"]
