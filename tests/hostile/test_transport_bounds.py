@@ -71,7 +71,7 @@ def test_presence_is_not_queued_behind_an_upload(rabbit_node, job_id):
     url = rabbit_node.url
     # 1024 chunks of 32 KiB, 8 in flight: about 130 confirm round trips of a quorum queue, seconds on the wire
     body = b"\x01" * (32 * MiB)
-    with RabbitBroker(url, chunk_limit=32 * 1024, prefetch=2048) as agent:
+    with RabbitBroker(url, chunk_limit=32 * 1024, prefetch=2048) as agent, RabbitBroker(url) as watcher:
         agent.declare_job(job_id, [], model_bytes=1000)
         agent.publish(t.rk_presence(job_id, "agent-0"), b"warm")  # connections open before timing
         times: dict[str, float] = {}
@@ -82,7 +82,12 @@ def test_presence_is_not_queued_behind_an_upload(rabbit_node, job_id):
 
         th = threading.Thread(target=upload)
         th.start()
-        time.sleep(0.3)
+        # the heartbeat goes once the upload's first chunks are in the inbox (beside "warm"), whatever the
+        # machine's speed: a fixed pause let a fast machine finish the whole upload first
+        deadline = time.monotonic() + 30
+        while watcher.queue_depth(t.q_inbox(job_id)) < 9 and "upload" not in times:
+            assert time.monotonic() < deadline, "no chunk of the upload reached the inbox in 30 s"
+            time.sleep(0.01)
         sent = time.monotonic()
         assert "upload" not in times, "the upload finished before the heartbeat: make it larger"
         agent.publish(t.rk_presence(job_id, "agent-0"), b"beat", message_id="beat")
