@@ -296,8 +296,15 @@ class Agent:
             return None
         try:
             menv = self._read_model(broker, entry, version)
-            base = kept[1] if menv.payload["base_version"] >= 0 else None
-            state = decode_state(menv.payload["tensors"], manifest, base)
+            if menv.payload["base_version"] >= 0:  # a delta onto the version we keep: ours alone
+                if kept is None or menv.payload["base_version"] != kept[0]:
+                    raise CodecError("unexpected", "a delta onto a version this client does not keep")
+                state = decode_state(menv.payload["tensors"], manifest, kept[1])
+            else:  # the same for every client of this process that reads this message
+                tensors = menv.payload["tensors"]
+                state = self.trainers.shared_decode(
+                    (entry["id"], tuple(manifest.names)), lambda: decode_state(tensors, manifest, None)
+                )
         except CodecError as exc:
             log.warning("global model rejected", client=self.client, reason=exc.reason, detail=str(exc))
             return None
@@ -364,7 +371,7 @@ class Agent:
         for hook, _ in hooks:
             hook.context = context
         own = next((s for hook, kept in hooks if (s := hook.own_state(kept)) is not None), None)
-        with self.trainers.borrow() as model:
+        with self.trainers.ahead():  # decoding before a trainer is free overlaps another client's training
             held = self._fetch_model(env, self._manifest_for(hooks), own)
             if held is None:
                 return
@@ -372,8 +379,9 @@ class Agent:
             start = held
             for hook, kept in hooks:
                 start = hook.start(start, kept)
-            result = self._train(model, start, cfg, rnd, crash="crash-train" in faults, hooks=hooks)
-            prepared = self._prepare(model, held, cfg, rnd, version, result, hooks=hooks)
+            with self.trainers.borrow() as model:
+                result = self._train(model, start, cfg, rnd, crash="crash-train" in faults, hooks=hooks)
+                prepared = self._prepare(model, held, cfg, rnd, version, result, hooks=hooks)
         if "slow" in faults:
             self.log.faults.append((rnd, "slow"))
             time.sleep(self.faults.slow_seconds)

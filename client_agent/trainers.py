@@ -1,9 +1,13 @@
 """Trainers: the models local training runs on, shared by the agents of a process
 (Flower's ``client_fn`` idea).
 
-An agent owns no model between rounds. When it is selected it borrows a trainer, loads the global model into
-it, trains, encodes its update and gives the trainer back, so a process that simulates K clients holds
-``size`` models, not K. A service agent (`fedmq agent run`) has a pool of one.
+An agent owns no model between rounds. When it is selected it fetches and decodes the global model, borrows a
+trainer, loads the model into it, trains, encodes its update and gives the trainer back, so a process that
+simulates K clients holds ``size`` models, not K. A service agent (`fedmq agent run`) has a pool of one.
+
+The pool also paces what comes before a trainer: an agent decodes its round's global model before it borrows
+(``ahead``: at most ``size + 1`` at once, the trainers' clients and one decoding while they train), and the
+agents of one process that take the same form of the same version share one decode (``shared_decode``).
 
 Each trainer's work runs on a thread of its own (``TrainerPool.run``): CUDA keeps state per thread (cuBLAS and
 cuDNN handles and their workspaces, tens of MB each), so K agent threads that each trained on the GPU would
@@ -26,7 +30,7 @@ import contextvars
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -66,6 +70,27 @@ class TrainerPool:
         self._lock = threading.Condition()  # guards the models, the workers and _busy; told of every change
         self._busy = 0  # work handed to the trainer threads (or a cohort's) and not finished
         self._workers: dict[int, queue.Queue[tuple[Callable[[], Any], Future]]] = {}
+        self._ahead = threading.BoundedSemaphore(size + 1)
+        self._decoding = threading.Lock()
+        self._decoded: tuple[Hashable, Any] | None = None  # (key, value) of the newest shared decode
+
+    @contextlib.contextmanager
+    def ahead(self) -> Iterator[None]:
+        """From fetching the round's global model to the end of local training: the next client decodes while
+        the trainers train, and no more than ``size + 1`` decoded models wait (a delta form is decoded
+        onto the client's own base, so it is not shared)."""
+        with self._ahead:
+            yield
+
+    def shared_decode(self, key: Hashable, decode: Callable[[], T]) -> T:
+        """``decode()``, once for the agents of this process that ask for the same ``key`` (a model message
+        and the tensors read from it); only the newest is kept. The value is shared: nobody may change it."""
+        with self._decoding:
+            if self._decoded is not None and self._decoded[0] == key:
+                return self._decoded[1]
+            value = decode()
+            self._decoded = (key, value)
+            return value
 
     @contextlib.contextmanager
     def borrow(self) -> Iterator[torch.nn.Module]:
@@ -156,6 +181,7 @@ class TrainerPool:
         with self._lock:
             self._open = False
             self._free = queue.Queue()
+            self._decoded = None
             self._lock.notify_all()
 
     def wait_idle(self, timeout: float | None = None) -> bool:

@@ -91,3 +91,57 @@ def test_close_stops_training_at_its_next_step_and_turns_away_waiting_borrowers(
     assert pool.wait_idle(10)
     with pytest.raises(PoolClosed, match="closed"):
         pool.run(pool.task.build_model(0), lambda: "work after the run")
+
+
+def test_agents_of_a_process_share_one_decode_of_a_model_message(pool):
+    calls: list[str] = []
+
+    def decode(name: str) -> dict[str, str]:
+        calls.append(name)
+        time.sleep(0.05)  # the other threads arrive while the first decodes
+        return {"model": name}
+
+    got: list[dict[str, str]] = []
+    threads = [
+        threading.Thread(target=lambda: got.append(pool.shared_decode(("m1", ("w",)), lambda: decode("m1"))))
+        for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == ["m1"] and len(got) == 4 and all(g is got[0] for g in got)
+    # another message (a new version) or other tensors read from it: decoded again, and only it is kept
+    assert pool.shared_decode(("m2", ("w",)), lambda: decode("m2")) == {"model": "m2"}
+    assert pool.shared_decode(("m2", ("w", "extra")), lambda: decode("m2+")) == {"model": "m2+"}
+    assert pool.shared_decode(("m1", ("w",)), lambda: decode("m1 again")) == {"model": "m1 again"}
+    assert calls == ["m1", "m2", "m2+", "m1 again"]
+
+
+def test_a_failed_decode_is_not_shared(pool):
+    def bad() -> dict:
+        raise ValueError("corrupt model")
+
+    with pytest.raises(ValueError, match="corrupt model"):
+        pool.shared_decode(("m3", ("w",)), bad)
+    assert pool.shared_decode(("m3", ("w",)), lambda: {"ok": 1}) == {"ok": 1}
+
+
+def test_at_most_one_client_more_than_the_trainers_holds_a_decoded_model(pool):
+    inside, most, lock = [0], [0], threading.Lock()
+
+    def client() -> None:
+        with pool.ahead():
+            with lock:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            time.sleep(0.05)
+            with lock:
+                inside[0] -= 1
+
+    threads = [threading.Thread(target=client) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == pool.size + 1
