@@ -381,9 +381,7 @@ class Agent:
                 start = hook.start(start, kept)
             with self.trainers.borrow() as model:
                 result = self._train(model, start, cfg, rnd, crash="crash-train" in faults, hooks=hooks)
-                trained = self._trained_state(model)
-            # the trainer is free again: the next client trains while this one encodes its update
-            prepared = self._prepare(trained, held, cfg, rnd, version, result, hooks=hooks)
+                prepared = self._prepare(model, held, cfg, rnd, version, result, hooks=hooks)
         if "slow" in faults:
             self.log.faults.append((rnd, "slow"))
             time.sleep(self.faults.slow_seconds)
@@ -473,13 +471,13 @@ class Agent:
         return result
 
     def _trained_state(self, model: torch.nn.Module) -> State:
-        """Our model after local training, as uploaded: a copy of the trainer's parameters, taken while it is
-        borrowed, so that the trainer goes back before the update is encoded."""
-        return {k: v.clone() for k, v in model_state(model).items()}
+        """Our model after local training, as uploaded: views of the trainer's parameters, valid while it is
+        borrowed (what is kept past the round is cloned in _prepare)."""
+        return model_state(model)
 
     def _prepare(
         self,
-        trained: State,
+        model: torch.nn.Module,
         held: State,
         cfg: RoundConfig,
         rnd: int,
@@ -487,9 +485,9 @@ class Agent:
         result: TrainResult,
         hooks: Sequence[tuple[ClientHook, Kept]] = (),
     ) -> Prepared:
-        """Encode the update of ``trained`` (before the grant, so the global model can go) and keep what
+        """Encode the update (before the grant, so the trainer and the global model can go) and keep what
         the job's algorithm needs for our next round."""
-        upload = trained
+        upload = trained = self._trained_state(model)
         if hooks:
             hooks[0][0].context.trained = trained  # one context, shared by the round's hooks
         for hook, kept in hooks:
