@@ -22,7 +22,7 @@ the summed RSS of the run's whole process tree (Ray's raylet, GCS and workers in
 which over-counts pages shared between processes; and the rise of the machine's used memory over what it was
 before the run, which does not (but sees everything else on the machine). The table's header gives the
 machine's load (``os.getloadavg``) at the start; below it, the round's physical limit measured on the machine
-(benchmarks/limit.py) and fedmq's ratio to it.
+(benchmarks/limit.py) for each pair of encodings fedmq ran with, and each fedmq row's ratio to its own.
 """
 
 from __future__ import annotations
@@ -61,16 +61,18 @@ class Run:
     rounds: int = 0
     note: str = ""
     raw: list[dict] = field(default_factory=list)
+    encodings: tuple[str, str] | None = None  # fedmq's (uplink, downlink); None for Flower
 
 
 @dataclass
 class Bench:
-    """One `fedmq bench flower` run: the machine's load at its start, the runs, the round's limit."""
+    """One `fedmq bench flower` run: the machine's load at its start, the runs, the round's limit for each
+    pair of encodings fedmq ran with."""
 
     load: tuple[float, float, float]
     cores: int
     runs: list[Run]
-    limit: Limit | None = None
+    limits: list[Limit] = field(default_factory=list)
 
 
 def _tree_rss(proc: psutil.Process) -> int:
@@ -177,6 +179,7 @@ def run_fedmq(
         # dicts, as Flower's rows are
         rows = [r.to_json() for r in read_rounds(out).records] if out.is_dir() else []
     run = Run(name, peak_tree_gb=tree / 1e9, peak_used_gb=used / 1e9, rounds=len(rows), raw=rows)
+    run.encodings = (encoding, down_encoding)
     run.s_per_round = period_median([r["time"] for r in rows])
     run.bytes_per_round = _bytes_median([r for r in rows if not r.get("skipped")])
     if code != 0 or len(rows) < rounds:
@@ -283,7 +286,8 @@ def bench_flower(
         if k != clients:
             runs.append(run_fedmq(f"fedmq K={k}", data, k, selected, rounds))
     if limit:
-        bench.limit = measure_limit(data, clients, selected)
+        pairs = tuple(dict.fromkeys(r.encodings for r in runs if r.encodings is not None))
+        bench.limits = measure_limit(data, clients, selected, pairs)
     return bench
 
 
@@ -315,12 +319,11 @@ def format_table(bench: Bench) -> str:
             f"| {r.peak_tree_gb:.2f} | {ratio(r.peak_tree_gb, anchor and anchor.peak_tree_gb)} "
             f"| {r.peak_used_gb:.2f} | {r.note} |"
         )
-    if bench.limit is not None:
-        lines += ["", bench.limit.describe()]
-        fedmq = next((r for r in runs if r.name.startswith("fedmq") and r.s_per_round), None)
-        if fedmq is not None:
-            lines.append(
-                f"{fedmq.name} (defaults): {fedmq.s_per_round:.2f} s/round = "
-                f"{fedmq.s_per_round / bench.limit.seconds:.2f} × the limit"
-            )
+    for limit in bench.limits:
+        lines += ["", limit.describe()]
+        for r in runs:
+            if r.encodings == (limit.up, limit.down) and r.s_per_round:
+                lines.append(
+                    f"{r.name}: {r.s_per_round:.2f} s/round = {r.s_per_round / limit.seconds:.2f} × the limit"
+                )
     return "\n".join(lines)

@@ -4,8 +4,8 @@ Every part a synchronous FedAvg round cannot skip is timed on one core (torch an
 thread), on the bench's own task and model, median of ``repeats``:
 
 * ``encode_down``: the new global model, encoded with the downlink encoding and packed into a message (once);
-* ``decode_down``: one client unpacks and decodes it and loads it into its model;
-* ``train``: one client's local training (the bench's one step);
+* ``decode_down``: the message unpacked and decoded (once: the clients of one process share one decode);
+* ``train``: one client's local training (the bench's one step), from loading the model into its trainer;
 * ``encode_up``: one client encodes its update with the uplink encoding (a delta) and packs it;
 * ``decode_up``: the aggregator unpacks and decodes one update;
 * ``fold``: FedAvg folds one update into its running sum;
@@ -14,7 +14,7 @@ thread), on the bench's own task and model, median of ``repeats``:
 
 With S selected clients and P cores that can work in parallel::
 
-    work     = encode_down + validate + checkpoint + S × (decode_down + train + encode_up + decode_up + fold)
+    work     = encode_down + decode_down + validate + checkpoint + S × (train + encode_up + decode_up + fold)
     critical = encode_down + decode_down + train + encode_up + decode_up + fold + validate
     limit    = max(work / P, critical)
 
@@ -34,7 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 PARTS = ("encode_down", "decode_down", "train", "encode_up", "decode_up", "fold", "validate", "checkpoint")
-PER_CLIENT = ("decode_down", "train", "encode_up", "decode_up", "fold")
+CODEC = ("encode_down", "decode_down", "encode_up", "decode_up")  # the parts an encoding changes
+PER_CLIENT = ("train", "encode_up", "decode_up", "fold")
 
 
 @dataclass
@@ -49,14 +50,13 @@ class Limit:
     @property
     def work(self) -> float:
         p = self.parts
-        return (
-            p["encode_down"] + p["validate"] + p["checkpoint"] + self.selected * sum(p[k] for k in PER_CLIENT)
-        )
+        once = p["encode_down"] + p["decode_down"] + p["validate"] + p["checkpoint"]
+        return once + self.selected * sum(p[k] for k in PER_CLIENT)
 
     @property
     def critical(self) -> float:
         p = self.parts
-        return sum(p[k] for k in ("encode_down", *PER_CLIENT, "validate"))
+        return sum(p[k] for k in ("encode_down", "decode_down", *PER_CLIENT, "validate"))
 
     @property
     def seconds(self) -> float:
@@ -67,7 +67,7 @@ class Limit:
         parts = ", ".join(f"{k} {1e3 * p[k]:.1f} ms" for k in PARTS)
         return (
             f"round limit {self.seconds:.2f} s = max(work / P, critical) with P = {self.cores} cores, "
-            f"S = {self.selected}: work = encode_down + validate + checkpoint + S × (decode_down + train + "
+            f"S = {self.selected}: work = encode_down + decode_down + validate + checkpoint + S × (train + "
             f"encode_up + decode_up + fold) = {self.work:.2f} core-s, critical = {self.critical:.2f} s "
             f"(uplink {self.up}, downlink {self.down}; one core each: {parts})"
         )
@@ -93,15 +93,16 @@ def measure(
     data: str,
     clients: int,
     selected: int,
-    up: str = "delta+bf16",
-    down: str = "bf16",
+    encodings: tuple[tuple[str, str], ...] = (("delta+bf16", "bf16"),),
     repeats: int = 5,
     bptt: int = 8,
     max_eval_lines: int = 1,
     batch_size: int = 2,
     max_steps: int = 1,
-) -> Limit:
-    """Time each part of the bench's round on this machine, one core each (see the module docstring)."""
+    model_name: str = "gru-small",
+) -> list[Limit]:
+    """Time each part of the bench's round on this machine, one core each (see the module docstring): the
+    codec's parts for each (uplink, downlink) pair of ``encodings``, the others once; a Limit per pair."""
     import torch
 
     from fedmq import ClientUpdate, TrainConfig
@@ -120,7 +121,7 @@ def measure(
         task = make_task(
             "lm",
             data=data,
-            model="gru-small",
+            model=model_name,
             tied=True,
             clients=clients,
             bptt=bptt,
@@ -131,50 +132,26 @@ def measure(
         base = {k: v.clone() for k, v in model_state(model).items()}
         base_np = {k: v.numpy() for k, v in base.items()}
         cfg = TrainConfig(epochs=1, batch_size=batch_size, max_steps=max_steps)
-        up_spec, down_spec = EncodingSpec.parse(up), EncodingSpec.parse(down)
-        parts: dict[str, float] = {}
+        common: dict[str, float] = {}
 
         def message(kind: Kind, tensors: dict) -> bytes:
             return pack(Envelope(kind, "bench", 1, "c0", 1, {"tensors": tensors}))
-
-        parts["encode_down"] = _median(lambda: message(Kind.MODEL, encode_state(base_np, down_spec)), repeats)
-        down_msg = message(Kind.MODEL, encode_state(base_np, down_spec))
-
-        def decode_down() -> None:
-            load_state(
-                model,
-                {
-                    k: torch.from_numpy(v)
-                    for k, v in decode_state(unpack(down_msg).payload["tensors"], manifest).items()
-                },
-            )
-
-        parts["decode_down"] = _median(decode_down, repeats)
 
         def train() -> None:
             load_state(model, base)
             task.train(model, 0, cfg)
 
-        parts["train"] = _median(train, repeats)
+        common["train"] = _median(train, repeats)
         trained = {k: v.detach().numpy().copy() for k, v in model_state(model).items()}
-        parts["encode_up"] = _median(
-            lambda: message(Kind.UPDATE, encode_state(trained, up_spec, base_np)), repeats
-        )
-        up_msg = message(Kind.UPDATE, encode_state(trained, up_spec, base_np))
-
-        def decode_up() -> dict:
-            return decode_state(unpack(up_msg).payload["tensors"], manifest, base_np, as_delta=True)
-
-        parts["decode_up"] = _median(decode_up, repeats)
-        delta = {k: torch.from_numpy(v) for k, v in decode_up().items()}
+        delta = {k: torch.from_numpy(trained[k] - base_np[k]) for k in trained}
         strategy = FedAvg()
         strategy.begin(base)
         update = ClientUpdate("c0", 16, delta, loss=1.0, delta=True)
-        parts["fold"] = _median(lambda: strategy.fold(update), repeats)
+        common["fold"] = _median(lambda: strategy.fold(update), repeats)
         load_state(model, base)
-        parts["validate"] = _median(lambda: task.evaluate(model, "valid"), repeats)
+        common["validate"] = _median(lambda: task.evaluate(model, "valid"), repeats)
         with tempfile.TemporaryDirectory(prefix="fedmq-limit-") as tmp:
-            parts["checkpoint"] = _median(
+            common["checkpoint"] = _median(
                 lambda: save_checkpoint(
                     tmp,
                     round=1,
@@ -188,7 +165,32 @@ def measure(
                 ),
                 repeats,
             )
+
+        def codec_parts(up: str, down: str) -> dict[str, float]:
+            up_spec, down_spec = EncodingSpec.parse(up), EncodingSpec.parse(down)
+            down_msg = message(Kind.MODEL, encode_state(base_np, down_spec))
+            up_msg = message(Kind.UPDATE, encode_state(trained, up_spec, base_np))
+            return {
+                "encode_down": _median(
+                    lambda: message(Kind.MODEL, encode_state(base_np, down_spec)), repeats
+                ),
+                "decode_down": _median(
+                    lambda: decode_state(unpack(down_msg).payload["tensors"], manifest), repeats
+                ),
+                "encode_up": _median(
+                    lambda: message(Kind.UPDATE, encode_state(trained, up_spec, base_np)), repeats
+                ),
+                "decode_up": _median(
+                    lambda: decode_state(unpack(up_msg).payload["tensors"], manifest, base_np, as_delta=True),
+                    repeats,
+                ),
+            }
+
+        limits = [
+            Limit({**common, **codec_parts(up, down)}, selected, usable_cores(), up, down)
+            for up, down in encodings
+        ]
     finally:
         torch.set_num_threads(threads)
         set_codec_threads(codec)
-    return Limit(parts, selected, usable_cores(), up, down)
+    return limits
