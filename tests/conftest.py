@@ -244,6 +244,30 @@ def run_in_process_federation(
     return engine, agents, summary
 
 
+@pytest.fixture(scope="session")
+def tiny_lm():
+    """``tiny_lm(clients, cls=LanguageModelTask)``: the small language model the federation tests train (the
+    builtin corpus cut to 600 lines and 500 words, a GRU 16 wide), as a task of ``clients`` clients."""
+    from fedmq.tasks.lm import LanguageModelTask
+
+    def make(clients: int, cls: type = LanguageModelTask):
+        return cls(
+            clients=clients,
+            seed=0,
+            data="builtin",
+            model="gru-small",
+            emb=16,
+            hidden=16,
+            vocab_size=500,
+            max_lines=600,
+            max_eval_lines=100,
+            bptt=10,
+            dropout=0.0,
+        )
+
+    return make
+
+
 @pytest.fixture
 def federation():
     """run_in_process_federation, for tests that run a whole federation in this process."""

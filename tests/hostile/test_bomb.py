@@ -31,21 +31,9 @@ from fedmq.broker.wire.encodings import EncodingSpec, encode_state
 from fedmq.broker.wire.envelope import FLAG_ZSTD, MAGIC, SCHEMA_VERSION
 from fedmq.client_agent.agent import Agent
 from fedmq.tasks.base import model_state
-from fedmq.tasks.lm import LanguageModelTask
 
 pytestmark = pytest.mark.rabbitmq
 
-TINY = dict(
-    data="builtin",
-    model="gru-small",
-    emb=16,
-    hidden=16,
-    vocab_size=500,
-    max_lines=600,
-    max_eval_lines=100,
-    bptt=10,
-    dropout=0.0,
-)
 AGENTS = ("agent-0", "agent-1")
 INFLATED = (
     256 << 20
@@ -94,8 +82,8 @@ def _update_prefix(job: str, client: str) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def task():
-    return LanguageModelTask(clients=2, seed=0, **TINY)
+def task(tiny_lm):
+    return tiny_lm(2)
 
 
 def test_bombs_cost_less_than_a_model_and_the_round_goes_on(rabbit_url, job_id, task, tmp_path):

@@ -23,21 +23,9 @@ import torch
 from fedmq.aggregator.config import JobConfig
 from fedmq.client_agent.agent import Agent
 from fedmq.tasks.base import load_state
-from fedmq.tasks.lm import LanguageModelTask
 
 pytestmark = [pytest.mark.isolated_node, pytest.mark.slow]
 
-TINY = dict(
-    data="builtin",
-    model="gru-small",
-    emb=16,
-    hidden=16,
-    vocab_size=500,
-    max_lines=600,
-    max_eval_lines=100,
-    bptt=10,
-    dropout=0.0,
-)
 VOCAB = 500  # a wiped (all-zero) model predicts uniformly: perplexity = the vocabulary
 
 
@@ -97,8 +85,8 @@ def _cfg(job: str, clients: int, **kw) -> JobConfig:
     return JobConfig(**{**base, **kw})
 
 
-def _run(federation, node, tmp_path, job, clients, hostile, name, **kw):
-    task = LanguageModelTask(clients=clients, seed=0, **TINY)
+def _run(federation, tiny_lm, node, tmp_path, job, clients, hostile, name, **kw):
+    task = tiny_lm(clients)
     cfg = _cfg(job, clients, **kw)
     engine, _, summary = federation(
         task, cfg, node.url, tmp_path / job, agent_class=lambda i: hostile if f"agent-{i}" == name else Agent
@@ -110,8 +98,12 @@ def _finite(engine) -> bool:
     return all(bool(torch.isfinite(v).all()) for v in engine.global_state.values())
 
 
-def test_a_near_zero_update_cannot_get_the_honest_one_dropped(federation, own_rabbit_node, tmp_path, job_id):
-    engine, summary, rows = _run(federation, own_rabbit_node, tmp_path, job_id, 2, NearZero, "agent-1")
+def test_a_near_zero_update_cannot_get_the_honest_one_dropped(
+    federation, tiny_lm, own_rabbit_node, tmp_path, job_id
+):
+    engine, summary, rows = _run(
+        federation, tiny_lm, own_rabbit_node, tmp_path, job_id, 2, NearZero, "agent-1"
+    )
     assert summary["rounds_completed"] == 3
     for row in rows:
         assert row.received == ("agent-0", "agent-1")
@@ -121,9 +113,9 @@ def test_a_near_zero_update_cannot_get_the_honest_one_dropped(federation, own_ra
     assert rows[-1].valid < rows[0].valid < VOCAB  # it learns
 
 
-def test_lr5_wipe_is_held_by_the_cap(federation, own_rabbit_node, tmp_path, job_id):
+def test_lr5_wipe_is_held_by_the_cap(federation, tiny_lm, own_rabbit_node, tmp_path, job_id):
     engine, summary, rows = _run(
-        federation, own_rabbit_node, tmp_path, job_id, 3, poison(0.0), "agent-2", lr=5.0, rounds=2
+        federation, tiny_lm, own_rabbit_node, tmp_path, job_id, 3, poison(0.0), "agent-2", lr=5.0, rounds=2
     )
     assert summary["rounds_completed"] == 2 and _finite(engine)
     for row in rows:  # zeros are ~2.8 honest steps away: capped, not dropped; weight 4 x the larger honest
@@ -138,11 +130,21 @@ ASYNC = dict(strategy="async", async_k=2, rounds=8, max_staleness=4)
 
 
 @pytest.mark.parametrize("fill", [0.0, 3e38], ids=["wipe-zeros", "overflow-3e38"])
-def test_async_one_agent_cannot_wipe_or_stall_the_model(federation, own_rabbit_node, tmp_path, job_id, fill):
+def test_async_one_agent_cannot_wipe_or_stall_the_model(
+    federation, tiny_lm, own_rabbit_node, tmp_path, job_id, fill
+):
     # hostile from its third update: the rules judge against the other clients' accepted updates, and an
     # update among the very first of the job has no reference yet (docs/reliability.md, limit (d))
     engine, summary, rows = _run(
-        federation, own_rabbit_node, tmp_path, job_id, 3, poison(fill, honest_first=2), "agent-2", **ASYNC
+        federation,
+        tiny_lm,
+        own_rabbit_node,
+        tmp_path,
+        job_id,
+        3,
+        poison(fill, honest_first=2),
+        "agent-2",
+        **ASYNC,
     )
     assert _finite(engine) and summary["rounds_skipped"] == 0, [r.skip_reason for r in rows]
     assert summary["version"] == 8

@@ -36,21 +36,9 @@ from fedmq.broker.wire.encodings import EncodingSpec, encode_state
 from fedmq.broker.wire.envelope import MAGIC, SCHEMA_VERSION
 from fedmq.client_agent.agent import Agent
 from fedmq.tasks.base import model_state
-from fedmq.tasks.lm import LanguageModelTask
 
 pytestmark = [pytest.mark.isolated_node, pytest.mark.slow]
 
-TINY = dict(
-    data="builtin",
-    model="gru-small",
-    emb=16,
-    hidden=16,
-    vocab_size=500,
-    max_lines=600,
-    max_eval_lines=100,
-    bptt=10,
-    dropout=0.0,
-)
 AGENTS = ("agent-0", "agent-1")
 MALLORY = "mallory"  # an authenticated user that is not part of the federation
 
@@ -85,8 +73,8 @@ class Rig:
 
 
 @pytest.fixture(scope="module")
-def task():
-    return LanguageModelTask(clients=2, seed=0, **TINY)
+def task(tiny_lm):
+    return tiny_lm(2)
 
 
 def _user_url(node, user: str) -> str:

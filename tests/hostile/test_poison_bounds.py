@@ -15,21 +15,9 @@ from fedmq.aggregator.config import JobConfig
 from fedmq.broker.transport import provision
 from fedmq.client_agent.agent import Agent
 from fedmq.tasks.base import model_state
-from fedmq.tasks.lm import LanguageModelTask
 
 pytestmark = [pytest.mark.rabbitmq]
 
-TINY = dict(
-    data="builtin",
-    model="gru-small",
-    emb=16,
-    hidden=16,
-    vocab_size=500,
-    max_lines=600,
-    max_eval_lines=100,
-    bptt=10,
-    dropout=0.0,
-)
 HOSTILE = "agent-2"
 
 
@@ -51,8 +39,8 @@ def poison_agent(fill: float | None):
 
 
 @pytest.fixture(scope="module")
-def task():
-    return LanguageModelTask(clients=3, seed=0, **TINY)
+def task(tiny_lm):
+    return tiny_lm(3)
 
 
 def run(federation, task, tmp_path, url, job, fill="honest", **bounds):

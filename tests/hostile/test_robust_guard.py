@@ -10,19 +10,6 @@ import torch
 
 from fedmq.aggregator.config import JobConfig, JobConfigError
 from fedmq.client_agent.agent import Agent
-from fedmq.tasks.lm import LanguageModelTask
-
-TINY = dict(
-    data="builtin",
-    model="gru-small",
-    emb=16,
-    hidden=16,
-    vocab_size=500,
-    max_lines=600,
-    max_eval_lines=100,
-    bptt=10,
-    dropout=0.0,
-)
 
 
 class PoisonAgent(Agent):
@@ -33,8 +20,8 @@ class PoisonAgent(Agent):
 
 
 @pytest.fixture(scope="module")
-def task():
-    return LanguageModelTask(clients=3, seed=0, **TINY)
+def task(tiny_lm):
+    return tiny_lm(3)
 
 
 def run(federation, task, tmp_path, robust: str, folded: int = 3, **bounds) -> float:

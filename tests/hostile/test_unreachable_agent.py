@@ -19,27 +19,15 @@ from fedmq.broker.transport import topology
 from fedmq.broker.transport.connect import connect
 from fedmq.broker.wire import messages
 from fedmq.client_agent.agent import Agent
-from fedmq.tasks.lm import LanguageModelTask
 
 pytestmark = [pytest.mark.isolated_node]
 
-TINY = dict(
-    data="builtin",
-    model="gru-small",
-    emb=16,
-    hidden=16,
-    vocab_size=500,
-    max_lines=600,
-    max_eval_lines=100,
-    bptt=10,
-    dropout=0.0,
-)
 HOSTILE = "agent-2"
 
 
 @pytest.fixture(scope="module")
-def task():
-    return LanguageModelTask(clients=3, seed=0, **TINY)
+def task(tiny_lm):
+    return tiny_lm(3)
 
 
 def _cfg(job: str, rounds: int) -> JobConfig:

@@ -9,24 +9,11 @@ import pytest
 import torch
 
 from fedmq.aggregator.config import JobConfig
-from fedmq.tasks.lm import LanguageModelTask
-
-TINY = dict(
-    data="builtin",
-    model="gru-small",
-    emb=16,
-    hidden=16,
-    vocab_size=500,
-    max_lines=600,
-    max_eval_lines=100,
-    bptt=10,
-    dropout=0.0,
-)
 
 
 @pytest.fixture(scope="module")
-def task():
-    return LanguageModelTask(clients=4, seed=0, **TINY)
+def task(tiny_lm):
+    return tiny_lm(4)
 
 
 def fedavg_of(sent):

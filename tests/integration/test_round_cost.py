@@ -14,18 +14,6 @@ from fedmq.client_agent.trainers import TrainerPool
 from fedmq.errors import CodecError
 from fedmq.tasks.lm import LanguageModelTask
 
-TINY = dict(
-    data="builtin",
-    model="gru-small",
-    emb=16,
-    hidden=16,
-    vocab_size=500,
-    max_lines=600,
-    max_eval_lines=100,
-    bptt=10,
-    dropout=0.0,
-)
-
 
 class CountingTask(LanguageModelTask):
     built = 0
@@ -36,8 +24,8 @@ class CountingTask(LanguageModelTask):
 
 
 @pytest.fixture(scope="module")
-def task():
-    return CountingTask(clients=8, seed=0, **TINY)
+def task(tiny_lm):
+    return tiny_lm(8, CountingTask)
 
 
 def _cfg(job: str, **kw) -> JobConfig:
