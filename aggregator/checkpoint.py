@@ -45,14 +45,14 @@ class Checkpoint:
     path: Path | None = None
 
 
-def _encode(obj: Any, tensors: list[torch.Tensor], copy: bool = False) -> Any:
+def _encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
-        tensors.append(obj.detach().to("cpu", copy=copy))
+        tensors.append(obj.detach().cpu())
         return {"__tensor__": len(tensors) - 1}
     if isinstance(obj, tuple):
-        return {"__tuple__": [_encode(v, tensors, copy) for v in obj]}
+        return {"__tuple__": [_encode(v, tensors) for v in obj]}
     if isinstance(obj, list):
-        return [_encode(v, tensors, copy) for v in obj]
+        return [_encode(v, tensors) for v in obj]
     if isinstance(obj, dict):
         out = {}
         for k, v in obj.items():
@@ -60,7 +60,7 @@ def _encode(obj: Any, tensors: list[torch.Tensor], copy: bool = False) -> Any:
                 raise CheckpointError(f"checkpoint state keys must be strings, got {k!r}")
             if k in ("__tensor__", "__tuple__"):
                 raise CheckpointError(f"checkpoint state may not use the reserved key {k!r}")
-            out[k] = _encode(v, tensors, copy)
+            out[k] = _encode(v, tensors)
         return out
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
@@ -79,19 +79,7 @@ def _decode(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
-@dataclass
-class Snapshot:
-    """A checkpoint taken but not yet written (``snapshot``): its tensors and its JSON metadata."""
-
-    directory: Path
-    round: int
-    model_version: int
-    tensors: list[torch.Tensor]
-    meta: str
-    keep: int
-
-
-def snapshot(
+def save_checkpoint(
     path_dir: str | os.PathLike,
     *,
     round: int,
@@ -103,10 +91,8 @@ def snapshot(
     folded: dict[int, list[str]],
     extra: dict,
     keep: int = 3,
-    copy: bool = False,
-) -> Snapshot:
-    """The checkpoint of this state, checked, to write with ``write``; ``copy``: its tensors are copies, so
-    the state may change while it is written (everything else is JSON already)."""
+) -> Path:
+    """Write one checkpoint atomically and prune all but the newest ``keep``; returns its path."""
     if not (
         isinstance(round, int)
         and isinstance(model_version, int)
@@ -118,47 +104,37 @@ def snapshot(
         )
     if keep < 1:
         raise CheckpointError(f"keep must be >= 1, got {keep!r}")
+    directory = Path(path_dir)
+    directory.mkdir(parents=True, exist_ok=True)
     tensors: list[torch.Tensor] = []
     meta = {
         "round": round,
         "model_version": model_version,
-        "global_state": _encode(dict(global_state), tensors, copy),
-        "strategy_state": _encode(strategy_state, tensors, copy),
-        "mediator_state": _encode(mediator_state, tensors, copy),
-        "rng_state": _encode(rng_state, tensors, copy),
+        "global_state": _encode(dict(global_state), tensors),
+        "strategy_state": _encode(strategy_state, tensors),
+        "mediator_state": _encode(mediator_state, tensors),
+        "rng_state": _encode(rng_state, tensors),
         "folded": {str(int(r)): [str(u) for u in ids] for r, ids in folded.items()},
-        "extra": _encode(extra, tensors, copy),
+        "extra": _encode(extra, tensors),
     }
-    return Snapshot(Path(path_dir), round, model_version, tensors, json.dumps(meta), keep)
-
-
-def write(snap: Snapshot) -> Path:
-    """Write ``snap`` atomically and prune all but the newest ``keep``; returns its path."""
-    snap.directory.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
-    torch.save({"tensors": snap.tensors, "meta": snap.meta}, buf)
+    torch.save({"tensors": tensors, "meta": json.dumps(meta)}, buf)
     payload = buf.getvalue()
-    target = snap.directory / f"ckpt-{snap.round:08d}-{snap.model_version:08d}.fmq"
+    target = directory / f"ckpt-{round:08d}-{model_version:08d}.fmq"
     with replacing(target, durable=True, private=True) as fh:  # the model: its owner's alone
         fh.write(MAGIC)
         fh.write(hashlib.sha256(payload).digest())
         fh.write(payload)
-    for old in _candidates(snap.directory)[snap.keep :]:
+    for old in _candidates(directory)[keep:]:
         old.unlink(missing_ok=True)
     log.info(
         "checkpoint.saved",
         path=str(target),
-        round=snap.round,
-        model_version=snap.model_version,
+        round=round,
+        model_version=model_version,
         bytes=len(payload) + 40,
     )
     return target
-
-
-def save_checkpoint(path_dir: str | os.PathLike, **state: Any) -> Path:
-    """Write one checkpoint of ``state`` (``snapshot``'s arguments) atomically and prune all but the newest
-    ``keep``; returns its path."""
-    return write(snapshot(path_dir, **state))
 
 
 def _candidates(directory: Path) -> list[Path]:

@@ -22,7 +22,6 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ import structlog
 import torch
 
 from fedmq.aggregator.async_rounds import AsyncRounds
-from fedmq.aggregator.checkpoint import load_checkpoint, snapshot, write
+from fedmq.aggregator.checkpoint import load_checkpoint, save_checkpoint
 from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.guards import RoundGuard, Verdict, first_nonfinite
 from fedmq.aggregator.inbox import Inbox, Received
@@ -98,10 +97,7 @@ class Engine:
         self.stop = threading.Event()
         # its decoding limits are set below, from the manifest
         self.inbox = Inbox(broker, cfg.job, cfg.identity)
-        # a round's checkpoint is written while the next round starts (_checkpoint); the spool waits for it
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedmq-checkpoint")
-        self._writing: Future[None] | None = None
-        self.spool = RoundSpool(self.run_dir / "spool", durable, before_write=self.checkpoint_written)
+        self.spool = RoundSpool(self.run_dir / "spool", durable)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.runlog = RunLog(self.run_dir)
         self.mediator = Mediator(epsilon=cfg.loss_eps)
@@ -170,11 +166,8 @@ class Engine:
                 while self.round <= self.cfg.rounds and not self.stop.is_set():
                     SyncRound(self).run()
         finally:
-            try:
-                self.checkpoint_written()
-            finally:
-                if self._consumer:
-                    self.broker.cancel(self._consumer)
+            if self._consumer:
+                self.broker.cancel(self._consumer)
         summary = self._summary(time.time() - started)
         self.runlog.write_summary(summary)
         if self._all_rounds_done():
@@ -533,7 +526,8 @@ class Engine:
         self.round += 1
         # row first: a kill before the checkpoint redoes the round, and the resume truncates this row again
         self.runlog.append(record)
-        self._checkpoint(stats.round)
+        self._checkpoint()
+        self.spool.clear_upto(stats.round)
         self.last_row = row = record.to_json()
         if self.on_round:
             self.on_round(row)
@@ -662,15 +656,9 @@ class Engine:
         )
 
     # ------------------------------------------------------------------ checkpoints
-    def _checkpoint(self, closed: int) -> None:
-        """Take the checkpoint after round ``closed`` now and write it on the writer thread, then delete the
-        spools up to that round: the next round's announcement does not wait for the disk. The spool waits
-        for the write before it takes anything of the next round (checkpoint_written), so a kill meanwhile
-        resumes from the checkpoint before and replays round ``closed`` from its spool, as it always could."""
-        self.checkpoint_written()
-        snap = snapshot(
+    def _checkpoint(self) -> None:
+        save_checkpoint(
             self.ckpt_dir,
-            copy=True,
             round=self.round,
             model_version=self.version,
             global_state=self.global_state,
@@ -686,18 +674,6 @@ class Engine:
             },
             keep=self.cfg.keep_checkpoints,
         )
-
-        def write_then_clear() -> None:
-            write(snap)
-            self.spool.clear_upto(closed)
-
-        self._writing = self._writer.submit(write_then_clear)
-
-    def checkpoint_written(self) -> None:
-        """Wait until the checkpoint being written is on disk; a write that failed raises here."""
-        writing, self._writing = self._writing, None
-        if writing is not None:
-            writing.result()
 
     def _restore(self) -> None:
         ckpt = load_checkpoint(self.ckpt_dir)

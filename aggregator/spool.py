@@ -4,10 +4,6 @@ An update is acked only after its bytes are in the spool (fsynced for a real bro
 spool of the round that was open, so no confirmed update is lost, and the (round, client) key means none is
 counted twice. The spool of a round is deleted once the checkpoint that includes the round is written.
 Acking promptly also keeps every delivery far below RabbitMQ's consumer timeout, whatever the round length.
-
-The engine writes a round's checkpoint while the next round starts; ``before_write`` waits for it before the
-spool takes anything of the next round, so what is on disk is always the last checkpoint written plus the
-spools of the rounds after it, and a restart replays them in turn.
 """
 
 from __future__ import annotations
@@ -15,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +20,9 @@ _KEY = re.compile(r"^[A-Za-z0-9_-]{1,80}$")
 
 
 class RoundSpool:
-    def __init__(
-        self, root: Path, durable: bool = True, before_write: Callable[[], None] | None = None
-    ) -> None:
+    def __init__(self, root: Path, durable: bool = True) -> None:
         self.root = Path(root)
         self.durable = durable
-        self.before_write = before_write or (lambda: None)
 
     def _dir(self, rnd: int) -> Path:
         d = self.root / f"r{rnd:06d}"
@@ -39,13 +31,11 @@ class RoundSpool:
 
     def save_state(self, rnd: int, state: dict[str, Any]) -> None:
         """Round facts decided so far: selected, granted, strategy choice, reports."""
-        self.before_write()
         write_atomic(self._dir(rnd) / "round.json", json.dumps(state).encode(), durable=self.durable)
 
     def save_update(self, rnd: int, client: str, body: bytes) -> None:
         if not _KEY.match(client):  # client ids are validated by the envelope; never let a name leave the dir
             raise ValueError(f"bad spool key {client!r}")
-        self.before_write()
         write_atomic(self._dir(rnd) / f"update-{client}.msg", body, durable=self.durable)
 
     def load(self, rnd: int) -> tuple[dict[str, Any] | None, dict[str, bytes]]:
@@ -64,7 +54,6 @@ class RoundSpool:
 
         import torch
 
-        self.before_write()
         buf = io.BytesIO()
         torch.save(state, buf)
         d = self.root / "bases"

@@ -20,8 +20,8 @@ With S selected clients and P cores that can work in parallel::
 
 ``work / P``: all the round's core-seconds spread perfectly over the cores; ``critical``: the chain no
 parallelism shortens (the model must be encoded before a client decodes it, the last update folded before
-the new model is validated). The checkpoint counts as work but not on the chain: the aggregator writes
-it while the next round starts. Nothing here waits on a network: the limit is what the CPU work alone allows.
+the new model is validated). The checkpoint counts as work but not on the chain: it can overlap the next
+round. Nothing here waits on a network: the limit is what the CPU work alone allows.
 """
 
 from __future__ import annotations
