@@ -46,6 +46,7 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 _PART: contextvars.ContextVar[str | None] = contextvars.ContextVar("taking_part", default=None)
 CLOSED = "the run is over: its trainers are closed"
+SHARED_FORMS = 3  # shared decodes kept: the forms one version is published in (full, delta, partial)
 
 
 class PoolClosed(RuntimeError):
@@ -71,25 +72,43 @@ class TrainerPool:
         self._busy = 0  # work handed to the trainer threads (or a cohort's) and not finished
         self._workers: dict[int, queue.Queue[tuple[Callable[[], Any], Future]]] = {}
         self._ahead = threading.BoundedSemaphore(size + 1)
-        self._decoding = threading.Lock()
-        self._decoded: tuple[Hashable, Any] | None = None  # (key, value) of the newest shared decode
+        self._decoding = threading.Lock()  # one shared decode at a time: the others wait and take it
+        self._decoded: dict[Hashable, Any] = {}  # key -> value, the newest SHARED_FORMS shared decodes
+        self._inside = 0  # agents between fetching their model and the end of their training
 
     @contextlib.contextmanager
     def ahead(self) -> Iterator[None]:
         """From fetching the round's global model to the end of local training: the next client decodes while
         the trainers train, and no more than ``size + 1`` decoded models wait (a delta form is decoded
-        onto the client's own base, so it is not shared)."""
+        onto the client's own base, so it is not shared). When the last agent leaves, the shared decodes go:
+        between rounds the process keeps no model. PoolClosed once the pool is closed."""
         with self._ahead:
-            yield
+            with self._lock:
+                if not self._open:
+                    raise PoolClosed(CLOSED)
+                self._inside += 1
+            try:
+                yield
+            finally:
+                with self._lock:
+                    self._inside -= 1
+                    if self._inside == 0:
+                        self._decoded = {}
 
     def shared_decode(self, key: Hashable, decode: Callable[[], T]) -> T:
-        """``decode()``, once for the agents of this process that ask for the same ``key`` (a model message
-        and the tensors read from it); only the newest is kept. The value is shared: nobody may change it."""
+        """``decode()``, once for the agents inside ``ahead`` that ask for the same ``key`` (a model message
+        and the tensors read from it), among the newest SHARED_FORMS keys (the forms of one version: full,
+        delta, partial). The value is shared: nobody may change it (fedmq.hooks.ClientHook.start)."""
         with self._decoding:
-            if self._decoded is not None and self._decoded[0] == key:
-                return self._decoded[1]
+            with self._lock:
+                if key in self._decoded:
+                    return self._decoded[key]
             value = decode()
-            self._decoded = (key, value)
+            with self._lock:
+                if self._open and self._inside:
+                    self._decoded[key] = value
+                    while len(self._decoded) > SHARED_FORMS:
+                        del self._decoded[next(iter(self._decoded))]
             return value
 
     @contextlib.contextmanager
@@ -181,7 +200,7 @@ class TrainerPool:
         with self._lock:
             self._open = False
             self._free = queue.Queue()
-            self._decoded = None
+            self._decoded = {}
             self._lock.notify_all()
 
     def wait_idle(self, timeout: float | None = None) -> bool:

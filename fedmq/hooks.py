@@ -113,11 +113,12 @@ class ClientHook:
         return None
 
     def start(self, global_state: State, kept: Kept) -> State:
-        """The state local training starts from."""
+        """The state local training starts from. ``global_state`` is shared by the clients of this process
+        that train from the same model: return new tensors, never change its own in place."""
         return global_state
 
     def begin(self, global_state: Mapping[str, torch.Tensor], train: TrainConfig, kept: Kept) -> None:
-        """Before local training."""
+        """Before local training (``global_state``: shared, read only, as in ``start``)."""
 
     def gradient(self, name: str, param: torch.Tensor) -> torch.Tensor | None:
         """A term added to ``param``'s gradient at every local step (``param``: its value at that step)."""

@@ -106,36 +106,54 @@ def test_agents_of_a_process_share_one_decode_of_a_model_message(pool):
         threading.Thread(target=lambda: got.append(pool.shared_decode(("m1", ("w",)), lambda: decode("m1"))))
         for _ in range(4)
     ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert calls == ["m1"] and len(got) == 4 and all(g is got[0] for g in got)
-    # another message (a new version) or other tensors read from it: decoded again, and only it is kept
-    assert pool.shared_decode(("m2", ("w",)), lambda: decode("m2")) == {"model": "m2"}
-    assert pool.shared_decode(("m2", ("w", "extra")), lambda: decode("m2+")) == {"model": "m2+"}
-    assert pool.shared_decode(("m1", ("w",)), lambda: decode("m1 again")) == {"model": "m1 again"}
-    assert calls == ["m1", "m2", "m2+", "m1 again"]
+    with pool.ahead():  # an agent between its fetch and the end of its training
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert calls == ["m1"] and len(got) == 4 and all(g is got[0] for g in got)
+        # other messages (the forms of a new version) or other tensors read from one: decoded again; the
+        # newest three are kept, so the oldest, m1, is decoded again when asked for
+        assert pool.shared_decode(("m2", ("w",)), lambda: decode("m2")) == {"model": "m2"}
+        assert pool.shared_decode(("m2", ("w", "extra")), lambda: decode("m2+")) == {"model": "m2+"}
+        assert pool.shared_decode(("m3", ("w",)), lambda: decode("m3")) == {"model": "m3"}
+        assert pool.shared_decode(("m2", ("w",)), lambda: decode("m2 again")) == {"model": "m2"}
+        assert pool.shared_decode(("m1", ("w",)), lambda: decode("m1 again")) == {"model": "m1 again"}
+        assert calls == ["m1", "m2", "m2+", "m3", "m1 again"]
+    # the last agent left: the process keeps no decoded model between rounds
+    assert pool.shared_decode(("m3", ("w",)), lambda: decode("m3 again")) == {"model": "m3 again"}
 
 
 def test_a_failed_decode_is_not_shared(pool):
     def bad() -> dict:
         raise ValueError("corrupt model")
 
-    with pytest.raises(ValueError, match="corrupt model"):
-        pool.shared_decode(("m3", ("w",)), bad)
-    assert pool.shared_decode(("m3", ("w",)), lambda: {"ok": 1}) == {"ok": 1}
+    with pool.ahead():
+        with pytest.raises(ValueError, match="corrupt model"):
+            pool.shared_decode(("m4", ("w",)), bad)
+        assert pool.shared_decode(("m4", ("w",)), lambda: {"ok": 1}) == {"ok": 1}
+
+
+def test_a_closed_pool_turns_away_agents_before_they_decode():
+    pool = TrainerPool(make_task("lm", data="builtin", model="gru-tiny", clients=2, seed=0), size=1, seed=0)
+    pool.close()
+    with pytest.raises(PoolClosed):
+        with pool.ahead():
+            pass
+    assert pool.shared_decode(("m", ()), lambda: {"late": 1}) == {"late": 1} and pool._decoded == {}
 
 
 def test_at_most_one_client_more_than_the_trainers_holds_a_decoded_model(pool):
-    inside, most, lock = [0], [0], threading.Lock()
+    inside, most, lock, full = [0], [0], threading.Lock(), threading.Event()
 
     def client() -> None:
         with pool.ahead():
             with lock:
                 inside[0] += 1
                 most[0] = max(most[0], inside[0])
-            time.sleep(0.05)
+                if inside[0] == pool.size + 1:
+                    full.set()
+            full.wait(5)  # hold on until as many as may be are inside, however slowly the threads start
             with lock:
                 inside[0] -= 1
 
