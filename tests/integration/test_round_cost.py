@@ -4,6 +4,8 @@ the round's config tells the selected agents reaches their local training."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -336,3 +338,57 @@ def test_annealing_divides_the_clients_lr_after_each_round_that_did_not_improve(
     assert saved.extra["lr_scale"] == engine.lr_scale < 1.0
     with pytest.raises(Exception, match=r"lr_anneal \(--lr-anneal\) must be in \[1, 1000\]"):
         JobConfig(lr_anneal=0.5)
+
+
+def test_agents_share_the_decode_of_a_full_model_but_not_of_a_delta_onto_their_own_base(task):
+    """Two agents of one process read version 2: the full form is decoded once and shared; a delta is
+    decoded onto each agent's own kept version 1; a delta whose message says another base than the announce
+    (and than what the agent keeps) is refused, not decoded onto the wrong base."""
+    from fedmq.broker.transport import topology as t
+    from fedmq.broker.transport.connect import connect
+    from fedmq.broker.wire.encodings import EncodingSpec, encode_state
+    from fedmq.client_agent.agent import Agent
+
+    pool, store = TrainerPool(task, 1, 0), MemoryStore()
+    agg = connect("memory://share", user="fedmq-aggregator")
+    agg.declare_job("share", ["agent-0", "agent-1"], model_bytes=pool.manifest.message_bound)
+    v2 = {k: v.detach().clone() for k, v in pool.task.build_model(0).named_parameters()}
+    v1 = {k: v - 0.25 for k, v in v2.items()}
+    delta = encode_state(v2, EncodingSpec.parse("delta+raw"), v1)
+    published = {}
+    for form, env in {
+        "full": messages.model("share", 2, encode_state(v2, EncodingSpec())),
+        "delta": messages.model("share", 2, delta, base_version=1),
+        "forged": messages.model("share", 2, delta, base_version=0),
+    }.items():
+        body = messages.encode(env)
+        since = time.time()
+        agg.publish(t.rk_model("share"), body, message_id=env.msg_id)
+        published[form] = messages.model_entry(env, since, len(body))
+    published["forged"] = {**published["forged"], "base_version": 1}  # the announce claims the kept base
+    agents = []
+    for i in range(2):
+        client = f"agent-{i}"
+        store.put(client, "model", 1, {k: v.clone() for k, v in v1.items()})
+        agent = Agent(lambda: None, "share", client, i, task, trainers=pool, store=store)
+        agent._broker = connect("memory://share", user=client)  # joined: a connection, no loop of its own
+        agents.append(agent)
+    config = JobConfig().round_config(1, 1.0)
+
+    def fetch(agent, form):
+        env = messages.announce("share", 1, 2, ["agent-0", "agent-1"], config, [published[form]])
+        return agent._fetch_model(env)
+
+    try:
+        with pool.ahead():
+            full = [fetch(a, "full") for a in agents]
+            assert all(full[0][k].data_ptr() == full[1][k].data_ptr() for k in v2)  # one decode, shared
+            assert all(torch.equal(full[0][k], v2[k]) for k in v2)
+            deltas = [fetch(a, "delta") for a in agents]
+            assert all(deltas[0][k].data_ptr() != deltas[1][k].data_ptr() for k in v2)  # each its own
+            assert all(torch.allclose(deltas[1][k], v2[k], atol=1e-6) for k in v2)
+            assert [fetch(a, "forged") for a in agents] == [None, None]  # refused: sits the round out
+    finally:
+        for a in agents:
+            a._broker.close()
+        agg.close()
