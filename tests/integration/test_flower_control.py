@@ -13,7 +13,15 @@ from fedmq.benchmarks import flower as fl
 
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS = str(ROOT / "tests" / "fixtures" / "corpora" / "wikitext-2")
-CLIENTS, SELECTED, ROUNDS = 4, 2, 6
+CLIENTS, SELECTED, ROUNDS = 4, 2, 12
+
+
+def mean_period(run: fl.Run) -> float:
+    """The mean s/round from round 2's end to the last's. A tiny round lasts about 0.1 s, and Ray's scheduling
+    adds about 0.1 s to some rounds and not to others, so the median of a few (the bench's s/round) jumps
+    between two values on either side; the mean over many rounds does not."""
+    ends = [row["end"] for row in run.raw]
+    return (ends[-1] - ends[1]) / (len(ends) - 2)
 
 
 def _model_bytes() -> tuple[int, int]:
@@ -37,8 +45,8 @@ def test_bench_flower_side_agrees_with_the_control() -> None:
     missing = fl.flower_missing(fl.DEFAULT_FLOWER_PYTHON)
     if missing:
         pytest.fail(f"{missing}; this test needs Flower 1.41 there")
-    # s/round of a tiny round is a fraction of a second, so a busy moment on a shared machine moves one run:
-    # each side's fastest run so far is compared (the least disturbed), with up to three pairs
+    # a busy moment on a shared machine moves one run: each side's fastest so far is compared (the least
+    # disturbed), with up to three pairs
     fastest: dict[str, float] = {}
     for _attempt in range(3):
         bench = fl.run_flower(fl.DEFAULT_FLOWER_PYTHON, CORPUS, CLIENTS, SELECTED, ROUNDS, timeout=240)
@@ -48,7 +56,8 @@ def test_bench_flower_side_agrees_with_the_control() -> None:
         for side, run in (("bench", bench), ("control", control)):
             assert run.rounds == ROUNDS and not run.note, (run.name, run.rounds, run.note)
             assert run.s_per_round is not None and run.s_per_round > 0
-            fastest[side] = min(fastest.get(side, run.s_per_round), run.s_per_round)
+            period = mean_period(run)
+            fastest[side] = min(fastest.get(side, period), period)
         ratio = fastest["bench"] / fastest["control"]
         if abs(ratio - 1) <= 0.2:
             break
