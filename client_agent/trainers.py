@@ -46,7 +46,9 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 _PART: contextvars.ContextVar[str | None] = contextvars.ContextVar("taking_part", default=None)
 CLOSED = "the run is over: its trainers are closed"
-SHARED_FORMS = 3  # shared decodes kept: the forms one version is published in (full, delta, partial)
+# shared decodes kept: a version's shareable forms (full, pull-down partial; a delta is decoded onto each
+# client's own base, never shared) and one to spare, so a newer version does not evict one still being read
+SHARED_FORMS = 3
 
 
 class PoolClosed(RuntimeError):
@@ -97,8 +99,8 @@ class TrainerPool:
 
     def shared_decode(self, key: Hashable, decode: Callable[[], T]) -> T:
         """``decode()``, once for the agents inside ``ahead`` that ask for the same ``key`` (a model message
-        and the tensors read from it), among the newest SHARED_FORMS keys (the forms of one version: full,
-        delta, partial). The value is shared: nobody may change it (fedmq.hooks.ClientHook.start)."""
+        and the tensors read from it), among the newest SHARED_FORMS keys. The value is shared: nobody may
+        change it (fedmq.hooks.ClientHook.start)."""
         with self._decoding:
             with self._lock:
                 if key in self._decoded:

@@ -114,7 +114,8 @@ class ClientHook:
 
     def start(self, global_state: State, kept: Kept) -> State:
         """The state local training starts from. ``global_state`` is shared by the clients of this process
-        that train from the same model: return new tensors, never change its own in place."""
+        that train from the same model: build new tensors for what the hook changes, never change its own in
+        place."""
         return global_state
 
     def begin(self, global_state: Mapping[str, torch.Tensor], train: TrainConfig, kept: Kept) -> None:
