@@ -115,6 +115,11 @@ class Engine:
         self.version = 0
         self.round = 1
         self.presence: dict[str, tuple[float, int]] = {}  # client -> (last seen, version it holds)
+        # hosts (agent processes serving many clients): host -> last seen; a hosted client is online while
+        # its host is (one beat per host, not per client) and it has not said it went offline
+        self.hosts: dict[str, float] = {}
+        self.hosted = self.inbox.hosted  # client -> its host (the inbox checks a host's user against it)
+        self.rosters: dict[str, tuple[tuple[int, int], ...]] = {}  # host -> the client numbers it serves
         self.best: tuple[float, int] | None = None  # (score, round)
         self.lr_scale = 1.0  # the clients' lr × this: ÷ cfg.lr_anneal each time validation did not improve
         self.folded: dict[int, list[str]] = {}  # round -> msg ids of the updates folded into it (the audit)
@@ -209,6 +214,8 @@ class Engine:
         except FedmqError as exc:  # the run is complete either way; agents then stay until stopped
             log.warning("could not tell the agents the job ended", error=str(exc))
         self.presence.clear()
+        self.hosts.clear()
+        self.rosters.clear()
         self.phase = "finished"
         log.info("job finished: agents told to leave", job=self.cfg.job, version=self.version)
 
@@ -252,16 +259,72 @@ class Engine:
     # ------------------------------------------------------------------ presence
     def online(self) -> list[str]:
         horizon = time.time() - 3 * self.cfg.heartbeat_s
-        return sorted(c for c, (seen, _) in self.presence.items() if seen >= horizon)
+        alive = {h for h, seen in self.hosts.items() if seen >= horizon}
+        hosted = self.hosted
+        return sorted(
+            c
+            for c, (seen, _) in self.presence.items()
+            if ((h := hosted.get(c)) is None and seen >= horizon) or h in alive
+        )
 
-    def note_presence(self, msg: Received) -> None:
+    def note_presence(self, msg: Received) -> list[str]:
+        """Note an agent's or a host's presence; the clients it says went offline."""
         env = msg.env
-        if env.payload["state"] == "online":
-            self.presence[env.client] = (time.time(), env.payload["holds"])
+        if "clients" in env.payload:
+            left = self._note_host(env.client, env.payload["state"] == "online", env.payload["clients"])
         else:
-            self.presence.pop(env.client, None)
+            left = [] if env.payload["state"] == "online" else [env.client]
+            if self.hosted.get(env.client) is not None and msg.delivery.user_id in (
+                env.client,
+                f"{self.cfg.job}.{env.client}",
+            ):  # the client speaks for itself again (a one-client agent): its host no longer does
+                del self.hosted[env.client]
+            if left:
+                self.presence.pop(env.client, None)
+            else:
+                self.presence[env.client] = (time.time(), env.payload["holds"])
         self.inbox.ack(msg)
         self._write_status()
+        return left
+
+    def _note_host(self, host: str, online: bool, ranges: list[list[int]]) -> list[str]:
+        """A host's presence: a beat (its roster unchanged), a new roster, or the host leaving with all its
+        clients. A roster that names clients past the job's population is refused whole."""
+        now = time.time()
+        roster = tuple((lo, hi) for lo, hi in ranges)
+        if not online or self.rosters.get(host, roster) != roster:
+            left = [c for c, h in self.hosted.items() if h == host]  # O(K), only when a host's roster changes
+            for c in left:
+                del self.hosted[c]
+                self.presence.pop(c, None)
+            self.rosters.pop(host, None)
+            if not online:
+                self.hosts.pop(host, None)
+                return left
+        self.hosts[host] = now
+        if host in self.rosters:
+            return []
+        if any(hi > self.cfg.clients for _, hi in roster):
+            self.inbox.dropped["roster-past-population"] += 1
+            log.warning("host roster past the job's population: refused", host=host, clients=self.cfg.clients)
+            return []
+        self.rosters[host] = roster
+        horizon = now - 3 * self.cfg.heartbeat_s
+        for lo, hi in roster:
+            for n in range(lo, hi):
+                client = topology.host_client(host, n)
+                owner = self.hosted.get(client)
+                if (
+                    owner is None
+                    and self.presence.get(client, (0.0, 0))[0] >= horizon
+                    or (owner is not None and owner != host and self.hosts.get(owner, 0.0) >= horizon)
+                ):  # online as an agent of its own, or served by another live host: the first keeps it
+                    self.inbox.dropped["client-claimed-elsewhere"] += 1
+                    log.warning("client claimed twice: refused", client=client, host=host, owner=owner)
+                    continue
+                self.hosted[client] = host
+                self.presence[client] = (now, messages.NO_VERSION)
+        return []
 
     def wait_for_agents(self, needed: int, timeout: float) -> None:
         """Handle presence (nothing else can arrive before an announce) until enough agents are online and
@@ -304,14 +367,14 @@ class Engine:
         )
         body = messages.encode(env)
         if self.cfg.mode == "sync":  # only the selected agents hear of the round: O(m) messages, not O(K)
-            for client in list(stats.selected):
+            recipients = self.recipients(stats.selected)
+            for to, clients in recipients.items():
                 try:
-                    self.broker.publish(
-                        topology.rk_announce(self.cfg.job, client), body, message_id=env.msg_id
-                    )
+                    self.broker.publish(topology.rk_announce(self.cfg.job, to), body, message_id=env.msg_id)
                 except Undeliverable as exc:  # its queue is gone: the agent loses its place, not the job
-                    self.leave_out(stats, client, f"announce undeliverable: {exc}")
-            stats.bytes_down += len(body) * len(stats.selected)
+                    for client in clients:
+                        self.leave_out(stats, client, f"announce undeliverable: {exc}")
+            stats.bytes_down += len(body) * len(recipients)
         else:  # asynchronous: every online agent trains on the newest version
             try:
                 self.broker.publish(topology.rk_global(self.cfg.job), body, message_id=env.msg_id)
@@ -332,6 +395,13 @@ class Engine:
             forms=sorted(forms),
             bytes=len(body),
         )
+
+    def recipients(self, clients: list[str]) -> dict[str, list[str]]:
+        """Where messages for ``clients`` go: each one's own queues, or once to the host serving several."""
+        out: dict[str, list[str]] = {}
+        for client in clients:
+            out.setdefault(self.hosted.get(client, client), []).append(client)
+        return out
 
     def leave_out(self, stats: RoundStats, client: str, why: str) -> None:
         """``client`` cannot be delivered to (its queue deleted, by accident or on purpose): it loses its

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from fedmq.broker.transport import topology
 from fedmq.broker.transport.base import Broker, Delivery, ReassemblyLimits, Subscription
 from fedmq.broker.wire import messages
 from fedmq.broker.wire.envelope import Envelope, Kind, Limits
@@ -29,7 +30,9 @@ class Inbox:
     """Takes the job's inbox deliveries for the engine thread through a Subscription, validates them.
 
     identity: "strict" — the AMQP user_id must equal the client id the message claims (each agent has its own
-    broker user); "shared:USER" — every agent connects as USER (simulate over a shared guest account).
+    broker user), or be the user of the host that serves that client (``hosted``, kept by the engine from the
+    hosts' presence: a host's user speaks for its clients ``<host>-<n>``); "shared:USER" — every agent
+    connects as USER (simulate over a shared guest account).
     ``limits``: size bounds for decoding (the engine derives them from the job's manifest).
     """
 
@@ -42,6 +45,7 @@ class Inbox:
         self.limits = limits or Limits()
         self.rejected: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()
+        self.hosted: dict[str, str] = {}  # client -> the host serving it (the engine's, from presence)
         self._sub: Subscription | None = None
         self._head: Delivery | None = None  # a delivery taken by wait_first, handed out first by next
 
@@ -99,8 +103,13 @@ class Inbox:
             raise CodecError("no-user-id", "message carries no AMQP user_id")
         if self.identity.startswith("shared:"):
             ok = user == self.identity.partition(":")[2]
-        else:  # the job's provisioned user for that client, or a user named for the client itself
-            ok = user in (env.client, f"{self.job}.{env.client}")
+        elif env.kind is Kind.PRESENCE and "clients" in env.payload:  # a host: only its own user
+            ok = topology.is_host_user(user, self.job, env.client)
+        else:  # the job's provisioned user for that client, a user named for the client, or its host's user
+            host = self.hosted.get(env.client)
+            ok = user in (env.client, f"{self.job}.{env.client}") or (
+                host is not None and topology.is_host_user(user, self.job, host)
+            )
         if not ok:
             raise CodecError("identity-mismatch", f"user {user!r} claims to be client {env.client!r}")
 

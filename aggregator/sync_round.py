@@ -46,6 +46,8 @@ class SyncRound:
             self._select()
         else:  # resuming a round that was open when the aggregator stopped
             stats.online, stats.selected = spooled["online"], spooled["selected"]
+            # who serves them (their hosts may not have beaten yet): the announce and their updates need it
+            ctx.hosted.update(spooled.get("hosts") or {})
             stats.reported = spooled["reported"]
             stats.unreachable = dict(spooled.get("unreachable") or {})
             log.info(
@@ -133,9 +135,8 @@ class SyncRound:
     def _dispatch(self, msg: Received, strategy: Strategy | None) -> None:
         ctx, stats, env = self.ctx, self.stats, msg.env
         if env.kind is Kind.PRESENCE:
-            if env.payload["state"] == "offline" and env.client in stats.selected:
-                self.gone.add(env.client)  # the inbox is FIFO per agent: its earlier report/update came first
-            ctx.note_presence(msg)
+            # the inbox is FIFO per agent (and host): its earlier report/update came first
+            self.gone.update(c for c in ctx.note_presence(msg) if c in stats.selected)
         elif env.round != stats.round:
             ctx.inbox.drop(msg, "stale-round" if env.round < stats.round else "future-round")
         elif env.client not in stats.selected:
@@ -240,13 +241,15 @@ class SyncRound:
         env = messages.grant(self.cfg.job, stats.round, ctx.version, granted)
         body = messages.encode(env)
         left_out = False
-        for client in list(stats.selected):  # granted or not, a selected agent waits for the word
+        recipients = ctx.recipients(stats.selected)  # granted or not, a selected agent waits for the word
+        for to, clients in recipients.items():
             try:
-                ctx.broker.publish(topology.rk_grant(self.cfg.job, client), body, message_id=env.msg_id)
+                ctx.broker.publish(topology.rk_grant(self.cfg.job, to), body, message_id=env.msg_id)
             except Undeliverable as exc:  # its control queue is gone: it loses its place, not the job
-                ctx.leave_out(stats, client, f"grant undeliverable: {exc}")
+                for client in clients:
+                    ctx.leave_out(stats, client, f"grant undeliverable: {exc}")
                 left_out = True
-        stats.bytes_down += len(body) * len(stats.selected)
+        stats.bytes_down += len(body) * len(recipients)
         ctx.phase = "uploading"
         return left_out
 
@@ -256,6 +259,7 @@ class SyncRound:
             stats.round,
             {
                 "selected": stats.selected,
+                "hosts": {c: self.ctx.hosted[c] for c in stats.selected if c in self.ctx.hosted},
                 "unreachable": stats.unreachable,
                 "online": stats.online,
                 "reported": stats.reported,

@@ -1,13 +1,13 @@
 """How many simulated clients a `fedmq simulate` process can hold, from the host's own limits (torch-free).
 
-Until clients are virtual, every simulated client is an agent with threads of its own: its loop, its presence
-beat and, per broker connection, a dispatcher (the in-process broker: 3 threads a client; RabbitMQ: two
-connections, presence on its own, each with an I/O thread and a dispatcher: 6). Each thread costs one task
-slot (kernel.threads-max, RLIMIT_NPROC, the cgroup's pids.max), two memory maps (its stack and the stack's
-guard page, against vm.max_map_count) and the part of its stack it touches. A run past any of those fails to
-start threads half-way (MemoryError) and hangs; ``check_population`` refuses it at start instead, with the
-limit and the fact it comes from. Memory per client is CLIENT_BYTES (the growth of a run's peak RSS from 100
-to 1,000 clients of the language-model task, rounded up). Only HEADROOM of each limit is given to clients:
+Simulated clients are virtual (client_agent.host): one that is not selected has no thread and costs
+CLIENT_BYTES (the aggregator's presence entry and its host's, the run's per-round client lists: the growth of
+a run's peak RSS from K = 1,000 to 100,000, rounded up). A client in a round runs in a session thread of its
+own: the m selected of a synchronous round, and in asynchronous mode every client online, each version.
+Each thread costs one task slot (kernel.threads-max, RLIMIT_NPROC, the cgroup's pids.max), two memory maps
+(its stack and the stack's guard page, against vm.max_map_count) and the part of its stack it touches. A
+run past any of those would fail to start threads half-way (MemoryError); ``check_population`` refuses it at
+start instead, with the limit and the fact it comes from. Only HEADROOM of each limit is given to clients:
 the aggregator, the trainers, torch and the broker need the rest.
 """
 
@@ -19,9 +19,9 @@ from pathlib import Path
 
 from fedmq.errors import FedmqError
 
-THREADS_PER_CLIENT = {"memory": 3, "amqp": 6}
+THREADS_PER_SESSION = 1
 MAPS_PER_THREAD = 2
-CLIENT_BYTES = 2 << 20
+CLIENT_BYTES = 2 << 10
 HEADROOM = 0.8
 
 
@@ -65,44 +65,47 @@ def _mem_available() -> int | None:
     return free
 
 
-def limits(backend: str = "memory") -> list[tuple[int, str]]:
-    """(clients, the fact that bounds them) for every limit that can be read here, smallest first."""
-    per_client = THREADS_PER_CLIENT["memory" if backend.startswith("memory") else "amqp"]
+def limits(sessions_per_client: float = 1.0) -> list[tuple[int, str]]:
+    """(clients, the fact that bounds them) for every limit that can be read here, smallest first, when each
+    client runs ``sessions_per_client`` session threads at once on average (m/K in a synchronous round)."""
+    threads = sessions_per_client * THREADS_PER_SESSION  # per client
     found: list[tuple[int, str]] = []
 
-    def add(free: int | None, cost: int, fact: str) -> None:
-        if free is not None:
-            found.append((max(int(free * HEADROOM) // cost, 0), fact))
+    def add(free: int | None, cost: float, fact: str) -> None:
+        if free is not None and cost > 0:
+            found.append((max(int(free * HEADROOM / cost), 0), fact))
 
     threads_max = _read_int("/proc/sys/kernel/threads-max")
     if threads_max is not None:
-        add(threads_max - _threads_in_use(), per_client, f"kernel.threads-max {threads_max}")
+        add(threads_max - _threads_in_use(), threads, f"kernel.threads-max {threads_max}")
     nproc = resource.getrlimit(resource.RLIMIT_NPROC)[0]
     if nproc != resource.RLIM_INFINITY and os.geteuid() != 0:
-        add(nproc - _threads_in_use(), per_client, f"RLIMIT_NPROC {nproc}")
+        add(nproc - _threads_in_use(), threads, f"RLIMIT_NPROC {nproc}")
     pids_max, pids_now = _cgroup("pids.max"), _cgroup("pids.current")
     if pids_max is not None:
-        add(pids_max - (pids_now or 0), per_client, f"the cgroup's pids.max {pids_max}")
+        add(pids_max - (pids_now or 0), threads, f"the cgroup's pids.max {pids_max}")
     maps = _read_int("/proc/sys/vm/max_map_count")
     if maps is not None:
         try:
             in_use = len(Path("/proc/self/maps").read_text().splitlines())
         except OSError:
             in_use = 0
-        add(maps - in_use, per_client * MAPS_PER_THREAD, f"vm.max_map_count {maps}")
+        add(maps - in_use, threads * MAPS_PER_THREAD, f"vm.max_map_count {maps}")
     mem = _mem_available()
     if mem is not None:
         add(mem, CLIENT_BYTES, f"{mem / 2**30:.1f} GiB of available memory")
     return sorted(found)
 
 
-def check_population(clients: int, backend: str = "memory") -> None:
-    """Refuse (PopulationTooLarge, one line) a population the host cannot start every client's threads for."""
-    bound = limits(backend)
+def check_population(clients: int, sessions: int | None = None) -> None:
+    """Refuse (PopulationTooLarge, one line) a population the host cannot hold when ``sessions`` of its
+    clients (default: all of them, as asynchronous rounds do) are in a round at once."""
+    at_once = clients if sessions is None else min(sessions, clients)
+    bound = limits(at_once / max(clients, 1))
     if bound and clients > bound[0][0]:
         most, fact = bound[0]
-        per = THREADS_PER_CLIENT["memory" if backend.startswith("memory") else "amqp"]
+        why = f"{fact}, with {at_once} of them in a round at once (a thread each)," if at_once else fact
         raise PopulationTooLarge(
-            f"clients (--clients) {clients} is more than a simulation can hold here: each simulated client "
-            f"runs {per} threads, and {fact} leaves room for at most {most} clients; simulate at most {most}"
+            f"clients (--clients) {clients} is more than a simulation can hold here: {why} leaves room "
+            f"for at most {most} clients; simulate at most {most}"
         )

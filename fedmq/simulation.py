@@ -30,8 +30,9 @@ from fedmq.broker.transport import topology
 from fedmq.broker.transport.connect import connect
 from fedmq.broker.transport.memory import MemoryBroker
 from fedmq.broker.transport.urls import url_user
-from fedmq.client_agent.agent import Agent, AgentLog
+from fedmq.client_agent.agent import AgentLog
 from fedmq.client_agent.availability import parse_availability, parse_faults
+from fedmq.client_agent.host import Host
 from fedmq.client_agent.state import DiskStore
 from fedmq.client_agent.trainers import CohortPool, TrainerPool
 from fedmq.errors import BadParameter, FedmqError
@@ -42,7 +43,7 @@ log = structlog.get_logger(__name__)
 # The in-process broker moves references, not bytes: chunking a model there (as RabbitMQ's message size limit
 # requires) would only copy it twice. Chunking is covered by the contract suite on both backends.
 IN_PROCESS_CHUNK_LIMIT = 1 << 31
-PRESENCE_PER_S = 50.0
+SIM_HOST = "agent"  # the simulation's one host: its clients are agent-0 … agent-(K-1)
 STOP_WAIT_S = 60.0  # how long a run that ends waits for its agents and their local training to stop
 
 
@@ -96,11 +97,7 @@ class Simulation:
     def run(self, stop: threading.Event | None = None) -> dict[str, Any]:
         self._check_run_dir()
         cfg = self.cfg
-        # every client is threads of its own until clients are virtual: refuse what cannot start (one line)
-        check_population(cfg.clients, self.broker_url)
-        # presence costs every simulated agent a message per heartbeat: at most PRESENCE_PER_S of them a
-        # second in all (K = 1,000: one heartbeat per agent every 20 s; absences are then noticed within 60 s)
-        cfg = replace(cfg, heartbeat_s=max(cfg.heartbeat_s, cfg.clients / PRESENCE_PER_S))
+        check_population(cfg.clients, cfg.selected_count() if cfg.mode == "sync" else None)
         shared_user = self._url_user()
         if shared_user:  # every agent shares the URL's account: check the user, not per-agent identity
             cfg = replace(cfg, identity=f"shared:{shared_user}")
@@ -131,30 +128,26 @@ class Simulation:
             if self.cohort
             else TrainerPool(self.task, self.trainers, cfg.seed)
         )
-        store = DiskStore(self.run_dir / "clients")
-        agents, threads = [], []
-        for i in range(cfg.clients):
-            client = f"agent-{i}"
-            agent = Agent(
-                lambda c=client: connect(self.broker_url, user=c if memory else None, **limit),
-                cfg.job,
-                client,
-                i,
-                self.task,
-                availability=availability,
-                faults=faults,
-                device=self.device,
-                heartbeat_s=cfg.heartbeat_s,
-                rejoin_s=self.rejoin_s,
-                seed=cfg.seed,
-                trainers=pool,
-                store=store,
-                progress=self.on_local_progress,
-                strategy=cfg.strategy,
-            )
-            agents.append(agent)
-            self.agent_logs[client] = agent.log
-            threads.append(threading.Thread(target=self._run_agent, args=(agent,), name=client, daemon=True))
+        host_user = topology.host_user(cfg.job, SIM_HOST) if memory else None
+        host = Host(
+            lambda: connect(self.broker_url, user=host_user, **limit),
+            cfg.job,
+            SIM_HOST,
+            [(0, cfg.clients)],
+            self.task,
+            availability=availability,
+            faults=faults,
+            device=self.device,
+            heartbeat_s=cfg.heartbeat_s,
+            rejoin_s=self.rejoin_s,
+            seed=cfg.seed,
+            trainers=pool,
+            store=DiskStore(self.run_dir / "clients"),
+            progress=self.on_local_progress,
+            strategy=cfg.strategy,
+        )
+        self.agent_logs = host.logs
+        host_thread = threading.Thread(target=self._run_host, args=(host,), name="host", daemon=True)
         watcher = None
         if stop is not None:
 
@@ -169,9 +162,8 @@ class Simulation:
             engine.declare()
             if self.on_start:
                 self.on_start()
-            for t in threads:
-                t.start()
-                started.append(t)
+            host_thread.start()
+            started.append(host_thread)
             try:
                 summary = engine.run(resume=self.resume)
             except (
@@ -180,8 +172,7 @@ class Simulation:
                 log.error("aggregator failed", exc_info=True, file_only=True)
                 self._fail(f"aggregator: {_one_line(exc)}")
         finally:
-            for agent in agents:
-                agent.stop.set()
+            host.stop.set()
             # nothing may be left inside torch when the run returns: a daemon thread that is makes the process
             # abort at exit (TrainerPool.wait_idle). Closing the pool first stops local training at its next
             # step and turns away agents still waiting for a model (async agents always have a round going).
@@ -198,7 +189,7 @@ class Simulation:
                 agg_broker.purge_job(cfg.job)
             agg_broker.close()
             if not memory and not self.keep_queues:
-                self._delete_queues([a.client for a in agents])
+                self._delete_queues([SIM_HOST])
         if self.failures:
             raise SimulationFailed(self.failures[0])
         summary["uploads_confirmed"] = sum(len(a.uploads) for a in self.agent_logs.values())
@@ -223,17 +214,18 @@ class Simulation:
         """The aggregator's live status (`simulate --metrics-port`); "starting" until its engine exists."""
         return self.engine.status() if self.engine is not None else {"phase": "starting"}
 
-    def _run_agent(self, agent: Agent) -> None:
-        """Agent.run, but a failure ends the whole simulation at once
-        (the first cause is what the user sees)."""
+    def _run_host(self, host: Host) -> None:
+        """Host.run, but a failure ends the whole simulation at once (the first cause is what the user
+        sees, with the client it came from)."""
         try:
-            agent.run()
+            host.run()
         except Exception as exc:
-            if agent.stop.is_set():  # the run is over (its trainers closed under it): not a failure
-                log.debug("agent stopped with the run", client=agent.client, reason=_one_line(exc))
+            client = host.failed_client or host.host
+            if host.stop.is_set() and host.failure is None:  # the run is over: not a failure
+                log.debug("host stopped with the run", reason=_one_line(exc))
                 return
-            log.error("agent failed", client=agent.client, exc_info=True, file_only=True)
-            self._fail(f"agent {agent.client}: {_one_line(exc)}")
+            log.error("agent failed", client=client, exc_info=True, file_only=True)
+            self._fail(f"agent {client}: {_one_line(exc)}")
 
     def _fail(self, cause: str) -> None:
         self.failures.append(cause)

@@ -71,6 +71,39 @@ def agent_user(job: str, client: str) -> str:
     return f"{check_name('job id', job)}.{check_name('client id', client)}"
 
 
+_HOST = re.compile(r"^[A-Za-z0-9_]{1,40}$")
+
+
+def check_host(host: str) -> str:
+    """A host (one agent process serving many clients) names its clients ``<host>-<n>``: its id holds no '-',
+    so the host a client id belongs to is unambiguous (:func:`host_of`)."""
+    if not isinstance(host, str) or not _HOST.match(host):
+        raise ValueError(f"bad host id {host!r}: use 1-40 letters, digits or '_' (no '-')")
+    return host
+
+
+def host_client(host: str, index: int) -> str:
+    """The id of client ``index`` of the population, served by ``host``."""
+    return f"{host}-{index}"
+
+
+def host_of(client: str) -> str:
+    """The host whose clients may be named ``client`` (the part before the first '-'); '' when none."""
+    host, sep, _ = client.partition("-")
+    return host if sep and _HOST.match(host) else ""
+
+
+def host_user(job: str, host: str) -> str:
+    """The broker user of a host: it speaks for every client ``<host>-<n>`` it serves. Two dots, so it is
+    never a one-client agent's user (``<job>.<client>``: ids hold no '.')."""
+    return f"{check_name('job id', job)}.host.{check_host(host)}"
+
+
+def is_host_user(user: str, job: str, host: str) -> bool:
+    """``user`` is the broker user of host ``host`` of ``job`` (False for a host id that is not one)."""
+    return _HOST.match(host) is not None and user == f"{job}.host.{host}"
+
+
 def aggregator_user(job: str) -> str:
     return f"{AGGREGATOR_USER}.{check_name('job id', job)}"
 

@@ -2,7 +2,12 @@
 
 Every message is an Envelope (broker/wire/envelope.py); this module fixes the payload of each kind:
 
-- presence  agent -> inbox   {"state": "online"|"offline", "holds": model version held (-1 none)}
+- presence  agent -> inbox   {"state": "online"|"offline", "holds": model version held (-1 none)}; from a
+            host (one process serving clients ``<host>-<n>``; envelope.client the host) also "clients": the
+            n it serves, as [[start, stop], ...] ranges, in every beat (a few bytes however many clients: a
+            restarted aggregator learns them from the next beat); offline: the host left with all of them. A
+            hosted client's own changes (offline, back online) are plain presence messages for it, sent by its
+            host
 - model     aggregator -> the job's model stream, once per version and form (not per agent)
             {"tensors": encoded state, "base_version": version the tensors are a delta against, or -1 for full
              weights, "partial": true when the tensors are a subset the agent lays over its own values}
@@ -113,6 +118,10 @@ def check_payload(env: Envelope) -> Envelope:
         raise CodecError("bad-payload", "n_samples must be a positive integer")
     if env.kind is Kind.PRESENCE and payload["state"] not in ("online", "offline"):
         raise CodecError("bad-payload", "presence state must be online or offline")
+    if env.kind is Kind.PRESENCE and "clients" in payload and not _roster_ok(payload["clients"]):
+        raise CodecError(
+            "bad-payload", f"host presence clients must be at most {MAX_ROSTER_RANGES} [start, stop] ranges"
+        )
     for name in ("selected", "granted"):
         if name in fields and not all(isinstance(c, str) for c in payload[name]):
             raise CodecError("bad-payload", f"{name} must be a list of client ids")
@@ -130,6 +139,19 @@ def check_payload(env: Envelope) -> Envelope:
                 "bad-payload", "announce client must be {version, hooks: [{hook, hook_version, args}]}"
             )
     return env
+
+
+def _roster_ok(clients: object) -> bool:
+    if not isinstance(clients, list) or len(clients) > MAX_ROSTER_RANGES:
+        return False
+    return all(
+        isinstance(r, list)
+        and len(r) == 2
+        and type(r[0]) is int
+        and type(r[1]) is int
+        and 0 <= r[0] < r[1] <= MAX_CLIENT_INDEX
+        for r in clients
+    )
 
 
 def _model_entry_ok(entry: object) -> bool:
@@ -160,6 +182,16 @@ def encode(env: Envelope, *, level: int = 3) -> bytes:
 
 def presence(job: str, client: str, state: str, holds: int) -> Envelope:
     return Envelope(Kind.PRESENCE, job, NO_VERSION, client, holds, {"state": state, "holds": holds})
+
+
+MAX_ROSTER_RANGES = 10_000
+MAX_CLIENT_INDEX = 2**40
+
+
+def host_presence(job: str, host: str, state: str, clients: list[tuple[int, int]]) -> Envelope:
+    """A host's presence: the clients it serves, as [start, stop) ranges of their numbers."""
+    payload = {"state": state, "holds": NO_VERSION, "clients": [[lo, hi] for lo, hi in clients]}
+    return Envelope(Kind.PRESENCE, job, NO_VERSION, host, NO_VERSION, payload)
 
 
 def model(

@@ -1,0 +1,387 @@
+"""A host: one agent process serving many clients of a job over one broker connection.
+
+A population is then N processes × M clients, not one process (two queues, threads, a connection) per
+client. The host owns two queues on the broker, named for the host as a one-client agent's are for its
+client; the aggregator sends a round's announcement and grant once per host (listing the selected and
+granted clients), and the host's presence -- one beat per heartbeat for all its clients, with its roster as
+ranges of client numbers -- keeps them all online. Clients are named ``<host>-<n>`` (n: the client's number
+in the population, its data partition) and speak through the host's broker user: identity is per host.
+
+A client costs nothing until it is selected: no thread, no object but what the job's algorithm keeps for it
+(the state store, on disk in a simulation). A selected client runs the one-client agent's round
+(client_agent.agent.Agent._on_announce) in a session thread of its own, over the host's connection; the
+session ends with the round. A client that goes offline in its availability model, or is cut by a fault,
+is down for ``rejoin_s`` (the one-client agent's rejoin delay), saying so when it leaves gracefully; an
+announcement that selects it while down waits for its return, as it would in its own announcement queue.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import structlog
+
+from fedmq.broker.transport import topology
+from fedmq.broker.transport.base import Broker, Delivery
+from fedmq.broker.transport.errors import BrokerError
+from fedmq.broker.wire import messages
+from fedmq.broker.wire.envelope import Envelope, Kind
+from fedmq.client_agent.agent import Agent, AgentLog, ClientHookError, Offline
+from fedmq.client_agent.availability import Availability, Faults
+from fedmq.client_agent.state import MemoryStore
+from fedmq.client_agent.trainers import TrainerPool
+from fedmq.errors import CodecError
+from fedmq.tasks.base import Task
+
+log = structlog.get_logger(__name__)
+
+Ranges = Sequence[tuple[int, int]]
+
+
+def parse_clients(text: str) -> list[tuple[int, int]]:
+    """``0-2499,5000,6000-6099`` (numbers and inclusive ranges) as sorted [start, stop) ranges; ValueError."""
+    ranges = []
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"bad client numbers {part.strip()!r}: want N or N-M, comma separated")
+        start, stop = int(lo), int(hi) + 1 if sep else int(lo) + 1
+        if stop <= start:
+            raise ValueError(f"bad client numbers {part.strip()!r}: the range is empty")
+        ranges.append((start, stop))
+    ranges.sort()
+    if any(a[1] > b[0] for a, b in zip(ranges, ranges[1:])):
+        raise ValueError(f"client numbers {text!r} overlap")
+    return ranges
+
+
+class _Link(Broker):
+    """A session's view of its host's connection: publishes and stream reads go through it; the host has
+    settled every delivery it hands over, and the connection is the host's to close."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+
+    def declare_job(self, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a hosted client declares nothing")
+
+    def publish(self, routing_key: str, body: bytes, **kwargs: Any) -> None:
+        self.broker.publish(routing_key, body, **kwargs)
+
+    def consume(self, queue: str, handler: Any, **kwargs: Any) -> str:
+        return self.broker.consume(queue, handler, **kwargs)
+
+    def cancel(self, consumer_tag: str) -> None:
+        self.broker.cancel(consumer_tag)
+
+    def fetch(self, queue: str, message_id: str, **kwargs: Any) -> Delivery:
+        return self.broker.fetch(queue, message_id, **kwargs)
+
+    def ack(self, delivery: Delivery) -> None:
+        pass  # the host settled it
+
+    def reject(self, delivery: Delivery, *, requeue: bool = False) -> None:
+        pass
+
+    def queue_depth(self, queue: str) -> int:
+        return self.broker.queue_depth(queue)
+
+    def status(self) -> dict[str, Any]:
+        return self.broker.status()
+
+    def close(self) -> None:
+        pass
+
+
+class _Events:
+    """A session's announcements and grants, as the host routes them (Agent._next reads them)."""
+
+    def __init__(self) -> None:
+        self._q: queue.Queue[Delivery] = queue.Queue()
+
+    def put(self, delivery: Delivery) -> None:
+        self._q.put(delivery)
+
+    def next(self, timeout: float | None) -> Delivery | None:
+        try:
+            return self._q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
+class Host:
+    """Serves the clients numbered in ``clients`` ([start, stop) ranges) of ``job``; see the module docstring.
+    Keyword arguments are the one-client Agent's, given to every client's session."""
+
+    def __init__(
+        self,
+        connect: Callable[[], Broker],
+        job: str,
+        host: str,
+        clients: Ranges,
+        task: Task,
+        *,
+        availability: Availability | None = None,
+        faults: Faults | None = None,
+        device: str = "cpu",
+        heartbeat_s: float = 5.0,
+        rejoin_s: float = 2.0,
+        seed: int = 0,
+        trainers: TrainerPool | None = None,
+        store: Any = None,
+        progress: Callable[[str, int, int], None] | None = None,
+        strategy: str = "",
+    ) -> None:
+        self.connect, self.job, self.host = connect, job, topology.check_host(host)
+        self.ranges = [(int(lo), int(hi)) for lo, hi in clients]
+        self.heartbeat_s, self.rejoin_s = heartbeat_s, rejoin_s
+        self.trainers = trainers or TrainerPool(task, 1, seed)
+        self._agent_args: dict[str, Any] = dict(
+            availability=availability,
+            faults=faults,
+            device=device,
+            heartbeat_s=heartbeat_s,
+            rejoin_s=rejoin_s,
+            seed=seed,
+            trainers=self.trainers,
+            store=store if store is not None else MemoryStore(),  # one for all: sessions come and go
+            progress=progress,
+            strategy=strategy,
+        )
+        self.task = task
+        self.stop = threading.Event()
+        self.finished = False
+        # a session's error that ends the host (run() raises it), and the client it came from
+        self.failure: BaseException | None = None
+        self.failed_client = ""
+        self.logs: dict[str, AgentLog] = {}  # per client that took part in a round
+        self._holds: dict[str, int] = {}  # the version each client keeps (only those that keep one)
+        self._last_round: dict[str, int] = {}
+        self._down: dict[str, float] = {}  # client -> when it comes back
+        self._waiting: dict[str, Envelope] = {}  # the newest announce that selected a client while down
+        self._sessions: dict[str, tuple[Agent, _Events, threading.Thread]] = {}
+        self._async_newest: Envelope | None = None
+        self._lock = threading.Lock()
+        self._broker: Broker | None = None
+
+    # ------------------------------------------------------------------ clients
+    def number(self, client: str) -> int | None:
+        """The number of ``client`` if this host serves it, else None."""
+        host, _, n = client.partition("-")
+        if host != self.host or not n.isdigit():
+            return None
+        k = int(n)
+        return k if any(lo <= k < hi for lo, hi in self.ranges) else None
+
+    def count(self) -> int:
+        return sum(hi - lo for lo, hi in self.ranges)
+
+    # ------------------------------------------------------------------ connection
+    def run(self) -> None:
+        """Serve until the job ends or ``stop`` is set; raises what ended it for good (as Agent.run)."""
+        while not self.stop.is_set():
+            try:
+                self._join()
+                self._serve()
+            except BrokerError as exc:
+                self._leave(False)
+                if exc.permanent:
+                    raise
+                log.warning("broker connection lost", host=self.host, error=str(exc))
+                self.stop.wait(self.rejoin_s)
+        self._end_sessions()
+        self._leave(not self.finished)
+        if self.failure is not None:
+            raise self.failure
+
+    def _join(self) -> None:
+        delay = 0.2
+        while not self.stop.is_set():
+            broker = None
+            try:
+                broker = self.connect()
+                broker.declare_job(self.job, [self.host], inbox=False)
+                events = broker.subscribe(topology.q_latest(self.job, self.host), prefetch=1)
+                events.add(topology.q_control(self.job, self.host), prefetch=16)
+                self._events = events
+                self._broker = broker
+                self._beat()
+                log.info("host joined", host=self.host, clients=self.count())
+                return
+            except BrokerError as exc:
+                if broker is not None:
+                    try:
+                        broker.close()
+                    except Exception as close_exc:  # already broken: nothing more to release
+                        log.debug("closing a failed join", error=str(close_exc))
+                if exc.permanent:
+                    raise
+                log.warning("host cannot join, retrying", host=self.host, error=str(exc), delay=delay)
+                self.stop.wait(delay)
+                delay = min(delay * 2, 10.0)
+
+    def _beat(self, state: str = "online") -> None:
+        broker = self._broker
+        if broker is None:
+            return
+        env = messages.host_presence(self.job, self.host, state, self.ranges)
+        broker.publish(
+            topology.rk_presence(self.job, self.host),
+            messages.encode(env),
+            message_id=env.msg_id,
+            timeout=3 * self.heartbeat_s,
+        )
+
+    def _leave(self, graceful: bool) -> None:
+        broker, self._broker = self._broker, None
+        if broker is None:
+            return
+        if graceful:
+            try:
+                self._beat("offline")
+            except BrokerError:
+                pass
+        broker.close()
+
+    # ------------------------------------------------------------------ serving
+    def _serve(self) -> None:
+        next_beat = time.monotonic() + self.heartbeat_s
+        while not self.stop.is_set():
+            if self.failure is not None:
+                self.stop.set()
+                return
+            delivery = self._events.next(min(0.2, self.heartbeat_s))
+            if delivery is not None:
+                self._route(delivery)
+            self._rejoin_due()
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + self.heartbeat_s
+                self._beat()
+
+    def _route(self, delivery: Delivery) -> None:
+        broker = self._broker
+        assert broker is not None
+        try:
+            env = messages.decode(delivery.body)
+            if env.job != self.job or env.kind not in (Kind.ANNOUNCE, Kind.GRANT, Kind.END):
+                raise CodecError("unexpected", f"{env.kind.value} for job {env.job}")
+        except CodecError as exc:
+            log.warning("message rejected", host=self.host, reason=exc.reason)
+            broker.reject(delivery, requeue=False)
+            return
+        broker.ack(delivery)
+        if env.kind is Kind.END:
+            log.info("job finished: leaving", host=self.host, rounds=env.payload["rounds"])
+            self.finished = True
+            self.stop.set()
+        elif env.kind is Kind.GRANT:
+            with self._lock:
+                for _, events, _ in self._sessions.values():
+                    events.put(delivery)
+        elif env.payload["mode"] == "sync":
+            for client in env.payload["selected"]:
+                if self.number(client) is not None:
+                    self._offer(client, env, delivery)
+        else:  # asynchronous: every client of ours that is up trains on the newest version
+            self._async_newest = env
+            for lo, hi in self.ranges:
+                for n in range(lo, hi):
+                    self._offer(topology.host_client(self.host, n), env, delivery)
+
+    def _offer(self, client: str, env: Envelope, delivery: Delivery) -> None:
+        """Hand an announcement to ``client``: its session if it has one, else a new session (or, while it
+        is down, keep it for its return)."""
+        with self._lock:
+            if client in self._sessions:
+                self._sessions[client][1].put(delivery)
+            elif client in self._down:
+                self._waiting[client] = env
+            else:
+                self._start(client, env)
+
+    def _start(self, client: str, env: Envelope) -> None:
+        """A session for ``client``'s round (the caller holds the lock)."""
+        number = self.number(client)
+        if number is None or self._broker is None:  # not ours, or the host is between connections
+            return
+        agent = Agent(self.connect, self.job, client, number, self.task, **self._agent_args)
+        agent.log = self.logs.setdefault(client, AgentLog())
+        agent.version = self._holds.get(client, messages.NO_VERSION)
+        agent.last_round = self._last_round.get(client, 0)
+        agent._broker = _Link(self._broker)
+        events = _Events()
+        agent._events = events  # type: ignore[assignment]
+        thread = threading.Thread(target=self._session, args=(agent, env), name=client, daemon=True)
+        self._sessions[client] = (agent, events, thread)
+        thread.start()
+
+    def _session(self, agent: Agent, env: Envelope) -> None:
+        client, down = agent.client, False
+        try:
+            agent._on_announce(env)
+        except Offline as off:
+            down = True
+            if off.graceful:
+                try:
+                    agent._presence("offline")
+                except BrokerError as exc:
+                    log.warning("could not say a client left", client=client, error=str(exc))
+            log.info("client offline", client=client, why=str(off))
+        except BrokerError as exc:  # the host's connection went: the round is lost for this client
+            if exc.permanent:
+                self._fail(client, exc)
+            log.warning("client's round lost with the connection", client=client, error=str(exc))
+        except (ClientHookError, Exception) as exc:  # as a one-client agent's: it ends the host
+            if not self.stop.is_set():
+                log.error("client failed", client=client, exc_info=True, file_only=True)
+                self._fail(client, exc)
+        finally:
+            with self._lock:
+                del self._sessions[client]
+                self._last_round[client] = agent.last_round
+                if agent.version == messages.NO_VERSION:
+                    self._holds.pop(client, None)
+                else:
+                    self._holds[client] = agent.version
+                if down:
+                    self._down[client] = time.monotonic() + self.rejoin_s
+                else:
+                    newest = self._async_newest
+                    if newest and newest.model_version > env.model_version and not self.stop.is_set():
+                        self._start(client, newest)  # asynchronous: a newer version came meanwhile
+
+    def _fail(self, client: str, exc: BaseException) -> None:
+        if self.failure is None:
+            self.failure, self.failed_client = exc, client
+
+    def _rejoin_due(self) -> None:
+        if not self._down:
+            return
+        now = time.monotonic()
+        with self._lock:
+            due = [c for c, at in self._down.items() if at <= now]
+            for client in due:
+                del self._down[client]
+                version = self._holds.get(client, messages.NO_VERSION)
+                env = messages.presence(self.job, client, "online", version)
+                assert self._broker is not None
+                self._broker.publish(
+                    topology.rk_presence(self.job, client), messages.encode(env), message_id=env.msg_id
+                )
+                waiting = self._waiting.pop(client, None) or self._async_newest
+                if waiting is not None:
+                    self._start(client, waiting)
+
+    def _end_sessions(self) -> None:
+        """Stop every session (the job ended, or the host is stopping) and wait for them briefly."""
+        with self._lock:
+            sessions = list(self._sessions.values())
+        for agent, _, _ in sessions:
+            agent.finished = self.finished
+            agent.stop.set()
+        for _, _, thread in sessions:
+            thread.join(timeout=5.0)
