@@ -60,6 +60,7 @@ from fedmq.train_config import TrainConfig
 log = structlog.get_logger(__name__)
 
 MAX_PREFETCH = 65535  # AMQP's prefetch-count is a 16-bit field
+STATUS_NAMES = 1000
 
 
 class _OutOfBounds(Exception):
@@ -120,6 +121,8 @@ class Engine:
         self.hosts: dict[str, float] = {}
         self.hosted = self.inbox.hosted  # client -> its host (the inbox checks a host's user against it)
         self.rosters: dict[str, tuple[tuple[int, int], ...]] = {}  # host -> the client numbers it serves
+        self._presence_epoch = 0  # counts the presence changes that may change who is online (online())
+        self._online: tuple[int, float, list[str]] = (-1, 0.0, [])  # (epoch, valid until, names)
         self.best: tuple[float, int] | None = None  # (score, round)
         self.lr_scale = 1.0  # the clients' lr × this: ÷ cfg.lr_anneal each time validation did not improve
         self.folded: dict[int, list[str]] = {}  # round -> msg ids of the updates folded into it (the audit)
@@ -250,7 +253,9 @@ class Engine:
             "round": self.round,
             "version": self.version,
             "phase": self.phase,
-            "agents_online": sorted(self.online()),
+            # names up to STATUS_NAMES (a population's would be megabytes, rewritten every second)
+            "agents_online": self.online()[:STATUS_NAMES],
+            "agents_online_count": len(self.online()),
             "last_metrics": self.last_row,
             "rejected": dict(self.inbox.rejected),
             "dropped": dict(self.inbox.dropped),
@@ -258,21 +263,40 @@ class Engine:
 
     # ------------------------------------------------------------------ presence
     def online(self) -> list[str]:
-        horizon = time.time() - 3 * self.cfg.heartbeat_s
-        alive = {h for h, seen in self.hosts.items() if seen >= horizon}
+        """The clients seen within three heartbeats (a hosted one: its host), sorted. O(population), so kept
+        until a presence may have changed who is online or the first of them would expire (a beat only
+        postpones that): the status and the round's phases ask for it several times a round."""
+        now = time.time()
+        epoch, until, names = self._online
+        if epoch == self._presence_epoch and now < until:
+            return names
+        window = 3 * self.cfg.heartbeat_s
+        horizon = now - window
+        alive = {h: seen for h, seen in self.hosts.items() if seen >= horizon}
         hosted = self.hosted
-        return sorted(
-            c
-            for c, (seen, _) in self.presence.items()
-            if ((h := hosted.get(c)) is None and seen >= horizon) or h in alive
-        )
+        names, first = [], min(alive.values(), default=math.inf)
+        for c, (seen, _) in self.presence.items():
+            h = hosted.get(c)
+            if h is None and seen >= horizon:
+                names.append(c)
+                first = min(first, seen)
+            elif h in alive:
+                names.append(c)
+        names.sort()
+        self._online = (self._presence_epoch, first + window, names)
+        return names
 
     def note_presence(self, msg: Received) -> list[str]:
         """Note an agent's or a host's presence; the clients it says went offline."""
         env = msg.env
+        horizon = time.time() - 3 * self.cfg.heartbeat_s
         if "clients" in env.payload:
+            if self.hosts.get(env.client, 0.0) < horizon or env.payload["state"] != "online":
+                self._presence_epoch += 1  # a host comes, comes back or goes
             left = self._note_host(env.client, env.payload["state"] == "online", env.payload["clients"])
         else:
+            if self.presence.get(env.client, (0.0, 0))[0] < horizon or env.payload["state"] != "online":
+                self._presence_epoch += 1
             left = [] if env.payload["state"] == "online" else [env.client]
             if self.hosted.get(env.client) is not None and msg.delivery.user_id in (
                 env.client,
@@ -293,6 +317,7 @@ class Engine:
         now = time.time()
         roster = tuple((lo, hi) for lo, hi in ranges)
         if not online or self.rosters.get(host, roster) != roster:
+            self._presence_epoch += 1
             left = [c for c, h in self.hosted.items() if h == host]  # O(K), only when a host's roster changes
             for c in left:
                 del self.hosted[c]
@@ -309,18 +334,15 @@ class Engine:
             log.warning("host roster past the job's population: refused", host=host, clients=self.cfg.clients)
             return []
         self.rosters[host] = roster
+        self._presence_epoch += 1
         horizon = now - 3 * self.cfg.heartbeat_s
         for lo, hi in roster:
             for n in range(lo, hi):
                 client = topology.host_client(host, n)
-                owner = self.hosted.get(client)
-                if (
-                    owner is None
-                    and self.presence.get(client, (0.0, 0))[0] >= horizon
-                    or (owner is not None and owner != host and self.hosts.get(owner, 0.0) >= horizon)
-                ):  # online as an agent of its own, or served by another live host: the first keeps it
+                # its id names its host, so only an agent of its own (user <job>.<client>) can hold it too
+                if client not in self.hosted and self.presence.get(client, (0.0, 0))[0] >= horizon:
                     self.inbox.dropped["client-claimed-elsewhere"] += 1
-                    log.warning("client claimed twice: refused", client=client, host=host, owner=owner)
+                    log.warning("client online as its own agent: its host's claim refused", client=client)
                     continue
                 self.hosted[client] = host
                 self.presence[client] = (now, messages.NO_VERSION)

@@ -33,6 +33,11 @@ class RoundSpool:
         """Round facts decided so far: selected, granted, strategy choice, reports."""
         write_atomic(self._dir(rnd) / "round.json", json.dumps(state).encode(), durable=self.durable)
 
+    def save_online(self, rnd: int, online: list[str]) -> None:
+        """Who was online when the round selected (before its first save_state): apart from the round's
+        state, which is rewritten at every report, because a population's list is megabytes."""
+        write_atomic(self._dir(rnd) / "online.json", json.dumps(online).encode(), durable=self.durable)
+
     def save_update(self, rnd: int, client: str, body: bytes) -> None:
         if not _KEY.match(client):  # client ids are validated by the envelope; never let a name leave the dir
             raise ValueError(f"bad spool key {client!r}")
@@ -44,6 +49,9 @@ class RoundSpool:
             return None, {}
         state_file = d / "round.json"
         state = json.loads(state_file.read_text()) if state_file.is_file() else None
+        if state is not None and "online" not in state:
+            online_file = d / "online.json"
+            state["online"] = json.loads(online_file.read_text()) if online_file.is_file() else []
         updates = {p.stem.removeprefix("update-"): p.read_bytes() for p in sorted(d.glob("update-*.msg"))}
         return state, updates
 

@@ -88,6 +88,7 @@ class SyncRound:
         rng = random.Random(f"{cfg.seed}/select/{stats.round}")
         m = min(cfg.selected_count(), len(stats.online))
         stats.selected = sorted(rng.sample(stats.online, m)) if m else []
+        ctx.spool.save_online(stats.round, stats.online)
         self._save(None, None)
         if stats.selected:
             ctx.announce(stats)
@@ -261,7 +262,6 @@ class SyncRound:
                 "selected": stats.selected,
                 "hosts": {c: self.ctx.hosted[c] for c in stats.selected if c in self.ctx.hosted},
                 "unreachable": stats.unreachable,
-                "online": stats.online,
                 "reported": stats.reported,
                 "granted": granted,
                 "strategy": choice,

@@ -62,6 +62,7 @@ class Run:
     note: str = ""
     raw: list[dict] = field(default_factory=list)
     encodings: tuple[str, str] | None = None  # fedmq's (uplink, downlink); None for Flower
+    summary: dict = field(default_factory=dict)  # fedmq's: the run's summary (the last line simulate prints)
 
 
 @dataclass
@@ -175,11 +176,13 @@ def run_fedmq(
             "--log-level",
             "warning",
         ]
-        code, _, err, tree, used = _measured(cmd, dict(os.environ), timeout)
+        code, stdout, err, tree, used = _measured(cmd, dict(os.environ), timeout)
         # dicts, as Flower's rows are
         rows = [r.to_json() for r in read_rounds(out).records] if out.is_dir() else []
     run = Run(name, peak_tree_gb=tree / 1e9, peak_used_gb=used / 1e9, rounds=len(rows), raw=rows)
     run.encodings = (encoding, down_encoding)
+    if code == 0 and stdout.strip():
+        run.summary = json.loads(stdout.strip().splitlines()[-1])
     run.s_per_round = period_median([r["time"] for r in rows])
     run.bytes_per_round = _bytes_median([r for r in rows if not r.get("skipped")])
     if code != 0 or len(rows) < rounds:

@@ -108,7 +108,9 @@ def status_tables(info: dict[str, Any]) -> list[Table]:
         ("aggregators", agg_text),
         (
             "agents online",
-            f"{_count(online)}: {_names(online)}" if isinstance(online, (list, tuple, set)) else DASH,
+            f"{info.get('agents_online_count', _count(online))}: {_names(online)}"
+            if isinstance(online, (list, tuple, set))
+            else DASH,
         ),
         ("messages rejected", _nonzero(info.get("rejected")) if "rejected" in info else None),
         ("messages dropped", _nonzero(info.get("dropped")) if "dropped" in info else None),

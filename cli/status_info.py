@@ -54,7 +54,15 @@ def gather(broker_url: str, job: str, run_dir: Path | None) -> dict[str, Any]:
     info["last_metrics"] = row
     info["round"] = row.get("round")
     if live.get("job") == job:
-        for key in ("phase", "round", "version", "agents_online", "rejected", "dropped"):
+        for key in (
+            "phase",
+            "round",
+            "version",
+            "agents_online",
+            "agents_online_count",
+            "rejected",
+            "dropped",
+        ):
             if key in live:
                 info[key] = live[key]
         age = time.time() - float(live.get("updated_at", 0) or 0)
@@ -67,6 +75,8 @@ def gather(broker_url: str, job: str, run_dir: Path | None) -> dict[str, Any]:
         info["round"] = row.get("round")  # the last round, not the one the engine would have opened next
     if info.get("phase") in ("finished", "stopped") or str(info.get("phase", "")).startswith("not running"):
         info["agents_online"] = []  # nobody tracks presence once the aggregator is gone
+    if not info.get("agents_online"):
+        info.pop("agents_online_count", None)
     info.setdefault("agents_online", row.get("online", []) if row else [])
     return info
 

@@ -29,9 +29,8 @@ class _StatusCollector:
             if isinstance(info.get(key), (int, float)):
                 yield GaugeMetricFamily(f"fedmq_{key}", f"current {key}", value=float(info[key]))
         if "agents_online" in info:
-            yield GaugeMetricFamily(
-                "fedmq_agents_online", "agents seen within 3 heartbeats", value=len(info["agents_online"])
-            )
+            count = info.get("agents_online_count", len(info["agents_online"]))
+            yield GaugeMetricFamily("fedmq_agents_online", "agents seen within 3 heartbeats", value=count)
         for name in ("rejected", "dropped"):
             if name in info:
                 fam = CounterMetricFamily(

@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -135,6 +136,7 @@ class Host:
         store: Any = None,
         progress: Callable[[str, int, int], None] | None = None,
         strategy: str = "",
+        audit_log: str | Path | None = None,
     ) -> None:
         self.connect, self.job, self.host = connect, job, topology.check_host(host)
         self.ranges = [(int(lo), int(hi)) for lo, hi in clients]
@@ -151,6 +153,7 @@ class Host:
             store=store if store is not None else MemoryStore(),  # one for all: sessions come and go
             progress=progress,
             strategy=strategy,
+            audit_log=audit_log,  # one JSON line per confirmed upload, every client's (Agent._audit)
         )
         self.task = task
         self.stop = threading.Event()

@@ -183,17 +183,18 @@ class Simulation:
             late = [t.name for t in started if t.is_alive()]
             if late or not pool.wait_idle(max(deadline - time.time(), 0.1)):
                 log.warning("agents still at work after the run", agents=late, seconds=STOP_WAIT_S)
-            if isinstance(
-                agg_broker, MemoryBroker
-            ):  # the in-process hub outlives the run: leave nothing there
-                agg_broker.purge_job(cfg.job)
+            queues: list[str] | None = None  # the job's queues on the broker, deleted at the end
+            if isinstance(agg_broker, MemoryBroker):  # the in-process hub outlives the run: leave nothing
+                queues = agg_broker.purge_job(cfg.job)
             agg_broker.close()
             if not memory and not self.keep_queues:
-                self._delete_queues([SIM_HOST])
+                queues = self._delete_queues([SIM_HOST])
         if self.failures:
             raise SimulationFailed(self.failures[0])
         summary["uploads_confirmed"] = sum(len(a.uploads) for a in self.agent_logs.values())
         summary["job"] = cfg.job
+        if queues is not None:
+            summary["broker_queues"] = len(queues)
         return summary
 
     def _check_run_dir(self) -> None:
@@ -232,12 +233,15 @@ class Simulation:
         if self.engine is not None:
             self.engine.stop.set()
 
-    def _delete_queues(self, agents: list[str]) -> None:
-        """A simulation's job exists only for the run: leave nothing on the broker (unless keep_queues)."""
+    def _delete_queues(self, agents: list[str]) -> list[str] | None:
+        """A simulation's job exists only for the run: leave nothing on the broker (unless keep_queues).
+        The names deleted; None when it could not."""
         from fedmq.broker.transport.provision import purge
 
         try:
             deleted = purge(self.broker_url, self.cfg.job, agents)
             log.info("deleted the job's queues", job=self.cfg.job, queues=len(deleted))
+            return deleted
         except FedmqError as exc:
             log.warning("could not delete the job's queues", job=self.cfg.job, error=str(exc))
+            return None

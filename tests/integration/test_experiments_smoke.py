@@ -345,9 +345,9 @@ def test_a_run_made_under_an_older_default_is_run_again(tmp_path):
 
 
 def test_a_finished_run_of_many_clients_is_kept_on_rerun(tmp_path):
-    """The simulation raises heartbeat_s with K (presence traffic), so config.json records more than the spec
-    asks; that is timing, not a setting the result depends on. Before it was ignored, every K = 100
-    paper-scale run was deleted and started again by the same command."""
+    """Simulations once raised heartbeat_s with K (presence traffic), so the config.json of a run made then
+    records more than the spec asks; that is timing, not a setting the result depends on. Before it was
+    ignored, every K = 100 paper-scale run was deleted and started again by the same command."""
     from dataclasses import replace
 
     from fedmq.benchmarks.experiments import Runner
@@ -356,8 +356,10 @@ def test_a_finished_run_of_many_clients_is_kept_on_rerun(tmp_path):
     spec = replace(spec, job={**spec.job, "clients": 60}, task_options={**spec.task_options, "clients": 60})
     runner = Runner(tmp_path, Simulation)
     first = runner.federate(spec, seed=0)
-    recorded = json.loads((tmp_path / spec.name / "config.json").read_text())
-    assert (spec.job["heartbeat_s"], recorded["heartbeat_s"]) == (1.0, 1.2)
+    config = tmp_path / spec.name / "config.json"
+    recorded = json.loads(config.read_text())
+    assert (spec.job["heartbeat_s"], recorded["heartbeat_s"]) == (1.0, 1.0)
+    config.write_text(json.dumps({**recorded, "heartbeat_s": 1.2}))  # as a run of the older simulation
     stamp = (tmp_path / spec.name / "metrics.jsonl").stat().st_mtime_ns
     assert runner.federate(spec, seed=0)["test"] == first["test"]
     assert (tmp_path / spec.name / "metrics.jsonl").stat().st_mtime_ns == stamp

@@ -1,0 +1,106 @@
+"""Hosts: two processes' worth of clients (two Hosts over the in-process broker) share a federation, and the
+aggregator takes a hosted client's word only from its host.
+
+Before the hosts join, forged messages arrive: a roster from a user that is not the host's, a report for one
+host's client from the other host's user, and a roster that names clients past the job's population. Each is
+refused with its reason; then the rounds run, every selected client trains in its host and is folded."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from fedmq.aggregator.config import JobConfig
+from fedmq.aggregator.engine import Engine
+from fedmq.broker.transport import topology
+from fedmq.broker.transport.connect import connect
+from fedmq.broker.wire import messages
+from fedmq.client_agent.host import Host, parse_clients
+
+HOSTS = {"h0": [(0, 4)], "h1": [(4, 8)]}
+
+
+def _publish(url: str, user: str, env) -> None:
+    broker = connect(url, user=user)
+    try:
+        broker.publish(topology.rk_presence(env.job, env.client), messages.encode(env), message_id=env.msg_id)
+    finally:
+        broker.close()
+
+
+def test_two_hosts_run_a_population_and_speak_only_for_their_own_clients(tiny_lm, tmp_path):
+    job = "hosts"
+    url = f"memory://{job}-{time.monotonic_ns()}"
+    task = tiny_lm(8)
+    cfg = JobConfig(
+        encoding="raw",
+        down_encoding="raw",
+        job=job,
+        strategy="fedavg",
+        rounds=3,
+        clients=8,
+        fraction=0.5,
+        lr=5.0,
+        max_steps=2,
+        batch_size=4,
+        heartbeat_s=0.5,
+        join_timeout_s=20,
+    )
+
+    def h0_speaks_for_h1(row: dict) -> None:  # once both hosts are known: h0 reports for h1's client
+        if row["round"] == 1:
+            env = messages.report(job, 2, "h1-5", row["version"], 1.0, 3)
+            broker = connect(url, user=topology.host_user(job, "h0"))
+            broker.publish(topology.rk_report(job, env.client), messages.encode(env), message_id=env.msg_id)
+            broker.close()
+
+    run_dir = tmp_path / "run"
+    broker = connect(url, user=topology.AGGREGATOR_USER)
+    engine = Engine(broker, task, cfg, run_dir, durable=False, on_round=h0_speaks_for_h1)
+    engine.declare()
+    # a client's user posing as its host; a host naming clients past the population (8)
+    _publish(url, f"{job}.h0-1", messages.host_presence(job, "h0", "online", [(0, 4)]))
+    _publish(url, topology.host_user(job, "h9"), messages.host_presence(job, "h9", "online", [(0, 100)]))
+    hosts = [
+        Host(
+            lambda name=name: connect(url, user=topology.host_user(job, name)),
+            job,
+            name,
+            ranges,
+            task,
+            heartbeat_s=cfg.heartbeat_s,
+            rejoin_s=0.2,
+        )
+        for name, ranges in HOSTS.items()
+    ]
+    threads = [threading.Thread(target=h.run, daemon=True) for h in hosts]
+    for t in threads:
+        t.start()
+    try:
+        summary = engine.run()
+    finally:
+        for h in hosts:
+            h.stop.set()
+        for t in threads:
+            t.join(timeout=10)
+    assert summary["rounds_completed"] == 3
+    assert engine.hosted["h1-5"] == "h1"  # so h0's report for it was a forgery, not an unknown client
+    assert engine.inbox.rejected["identity-mismatch"] == 2
+    assert engine.inbox.dropped["roster-past-population"] >= 1
+    rows = engine.runlog.rows()
+    every = {f"h0-{n}" for n in range(4)} | {f"h1-{n}" for n in range(4, 8)}
+    for row in rows:
+        assert set(row.online) == every
+        assert len(row.selected) == 4 and set(row.received) == set(row.selected)
+    trained = {c for h in hosts for c, log in h.logs.items() if log.uploads}
+    assert trained == {c for row in rows for c in row.selected}
+    assert all(h.finished for h in hosts)  # the job's end reached both hosts
+
+
+def test_client_numbers_parse_to_ranges_and_bad_ones_are_one_line():
+    assert parse_clients("0-2499,5000,6000-6099") == [(0, 2500), (5000, 5001), (6000, 6100)]
+    for bad, why in (("3-1", "empty"), ("a", "want N"), ("0-5,4", "overlap"), ("", "want N")):
+        with pytest.raises(ValueError, match=why):
+            parse_clients(bad)
