@@ -824,14 +824,14 @@ def ran_as(run_dir: Path, cfg: JobConfig) -> bool:
     key its config.json records has ``cfg``'s value (a key the run predates must be at its default in
     ``cfg``), but the job's name, the seed (the spec key holds it; config.json records the task's seed under
     "shard_seed", and older run folders under "seed", so an archived run's "seed" may not be its own),
-    ``heartbeat_s`` (presence timing, not a result: simulations once raised it with K, so a K = 100 run
-    made then records 2.0 where its spec says 1.0 and, before this was ignored, was deleted and started again
-    on every rerun) and the settings only other strategies read (``Strategy.own_settings``: FedAvg does not depend on
-    FedAtt's ε). A spec names only the settings it changes, so without this a changed default would leave the
-    runs made under the old one counted as done. A folder without config.json (the centralized baseline,
-    whose spec names every setting it uses) passes. A run recorded as ``fedmed`` with JS weights other than
-    the paper's (``fedmed_js``, the setting FedMed's variants were before they had names) ran as that
-    variant (``ran_strategy``)."""
+    ``heartbeat_s`` (presence timing, not a result: simulations once raised it with K, so a K = 100 run made
+    then records 2.0 where its spec says 1.0 and, before this was ignored, was deleted and started again on
+    every rerun) and the settings only other strategies read (``Strategy.own_settings``: FedAvg does not
+    depend on FedAtt's ε). A spec names only the settings it changes, so without this a changed default would
+    leave the runs made under the old one counted as done. A folder without config.json (the centralized
+    baseline, whose spec names every setting it uses) passes. A run recorded as ``fedmed`` with JS weights
+    other than the paper's (``fedmed_js``, the setting FedMed's variants were before they had names) ran as
+    that variant (``ran_strategy``)."""
     from fedmq.aggregator.strategies.registry import OWN_SETTINGS
 
     recorded = read_config(run_dir)
