@@ -34,7 +34,7 @@ from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.guards import RoundGuard, Verdict, first_nonfinite
 from fedmq.aggregator.inbox import Inbox, Received
 from fedmq.aggregator.mediator import Mediator
-from fedmq.aggregator.records import RoundRecord, guard_summary
+from fedmq.aggregator.records import ONLINE_NAMES, RoundRecord, guard_summary
 from fedmq.aggregator.rounds import RoundStats
 from fedmq.aggregator.runlog import RunLog
 from fedmq.aggregator.spool import RoundSpool
@@ -60,7 +60,6 @@ from fedmq.train_config import TrainConfig
 log = structlog.get_logger(__name__)
 
 MAX_PREFETCH = 65535  # AMQP's prefetch-count is a 16-bit field
-STATUS_NAMES = 1000
 
 
 class _OutOfBounds(Exception):
@@ -122,7 +121,8 @@ class Engine:
         self.hosted = self.inbox.hosted  # client -> its host (the inbox checks a host's user against it)
         self.rosters: dict[str, tuple[tuple[int, int], ...]] = {}  # host -> the client numbers it serves
         self._presence_epoch = 0  # counts the presence changes that may change who is online (online())
-        self._online: tuple[int, float, list[str]] = (-1, 0.0, [])  # (epoch, valid until, names)
+        # (epoch, valid until, names, the hosts and one-client agents they came from): see online()
+        self._online: tuple[int, float, list[str], set[str], list[str]] = (-1, 0.0, [], set(), [])
         self.best: tuple[float, int] | None = None  # (score, round)
         self.lr_scale = 1.0  # the clients' lr × this: ÷ cfg.lr_anneal each time validation did not improve
         self.folded: dict[int, list[str]] = {}  # round -> msg ids of the updates folded into it (the audit)
@@ -217,6 +217,7 @@ class Engine:
         except FedmqError as exc:  # the run is complete either way; agents then stay until stopped
             log.warning("could not tell the agents the job ended", error=str(exc))
         self.presence.clear()
+        self._presence_epoch += 1
         self.hosts.clear()
         self.rosters.clear()
         self.phase = "finished"
@@ -253,8 +254,8 @@ class Engine:
             "round": self.round,
             "version": self.version,
             "phase": self.phase,
-            # names up to STATUS_NAMES (a population's would be megabytes, rewritten every second)
-            "agents_online": self.online()[:STATUS_NAMES],
+            # the first names (a population's would be megabytes, rewritten every second)
+            "agents_online": self.online()[:ONLINE_NAMES],
             "agents_online_count": len(self.online()),
             "last_metrics": self.last_row,
             "rejected": dict(self.inbox.rejected),
@@ -263,27 +264,36 @@ class Engine:
 
     # ------------------------------------------------------------------ presence
     def online(self) -> list[str]:
-        """The clients seen within three heartbeats (a hosted one: its host), sorted. O(population), so kept
-        until a presence may have changed who is online or the first of them would expire (a beat only
-        postpones that): the status and the round's phases ask for it several times a round."""
+        """The clients seen within three heartbeats (a hosted one: its host), sorted. O(population) to list,
+        so the list is kept while no presence changed who may be online (``_presence_epoch``); once the first
+        of its hosts or agents could have expired, a check of those alone (O(hosts + one-client agents))
+        extends it or finds it stale: the status and the round's phases ask for it several times a round."""
         now = time.time()
-        epoch, until, names = self._online
-        if epoch == self._presence_epoch and now < until:
-            return names
         window = 3 * self.cfg.heartbeat_s
         horizon = now - window
-        alive = {h: seen for h, seen in self.hosts.items() if seen >= horizon}
+        epoch, until, names, hosts, agents = self._online
+        if epoch == self._presence_epoch:
+            if now < until:
+                return names
+            alive = {h for h, seen in self.hosts.items() if seen >= horizon}
+            seen = [self.presence.get(c, (0.0, 0))[0] for c in agents]
+            if alive == hosts and all(s >= horizon for s in seen):
+                first = min([self.hosts[h] for h in hosts] + seen, default=math.inf)
+                self._online = (epoch, first + window, names, hosts, agents)
+                return names
+        alive = {h for h, seen in self.hosts.items() if seen >= horizon}
         hosted = self.hosted
-        names, first = [], min(alive.values(), default=math.inf)
+        names, agents = [], []
         for c, (seen, _) in self.presence.items():
             h = hosted.get(c)
             if h is None and seen >= horizon:
-                names.append(c)
-                first = min(first, seen)
+                agents.append(c)
             elif h in alive:
                 names.append(c)
+        names += agents
         names.sort()
-        self._online = (self._presence_epoch, first + window, names)
+        first = min([self.hosts[h] for h in alive] + [self.presence[c][0] for c in agents], default=math.inf)
+        self._online = (self._presence_epoch, first + window, names, alive, agents)
         return names
 
     def note_presence(self, msg: Received) -> list[str]:
@@ -725,7 +735,8 @@ class Engine:
             metric=self.task.metric,
             valid=score,
             mean_loss=math.fsum(losses) / len(losses) if losses else None,
-            online=tuple(stats.online),
+            online=tuple(stats.online) if len(stats.online) <= ONLINE_NAMES else (),
+            online_count=len(stats.online),
             selected=tuple(stats.selected),
             reported=tuple(sorted(stats.reported)),
             losses=dict(sorted(stats.reported.items())),

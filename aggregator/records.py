@@ -43,7 +43,8 @@ class RoundRecord:
     metric: str | None = None
     valid: float | None = None  # validation score; None when not evaluated or skipped
     mean_loss: float | None = None  # mean training loss the clients reported
-    online: tuple[str, ...] = ()
+    online: tuple[str, ...] = ()  # the names when at most ONLINE_NAMES were online (else empty)
+    online_count: int | None = None  # how many were online (None in rows of older runs: len(online))
     selected: tuple[str, ...] = ()
     reported: tuple[str, ...] = ()
     granted: tuple[str, ...] = ()
@@ -75,6 +76,8 @@ class RoundRecord:
             out["guard"] = self.guard
         if self.unreachable is not None:
             out["unreachable"] = self.unreachable
+        if self.online_count is not None:
+            out["online_count"] = self.online_count
         return {**out, **self.extra}
 
     @classmethod
@@ -125,6 +128,7 @@ def _is_text(value: Any) -> bool:
     return isinstance(value, str)
 
 
+ONLINE_NAMES = 1000  # a population's names would make every row megabytes: above this, only the count
 CLIENT_LISTS = ("online", "selected", "reported", "granted", "received", "dropped")  # the client-id fields
 _NUMBER, _INTEGER, _TEXT = (is_number, "a number"), (_is_int, "an integer"), (_is_text, "text")
 _SCALARS = {
@@ -134,6 +138,7 @@ _SCALARS = {
     "metric": _TEXT,
     "valid": _NUMBER,
     "mean_loss": _NUMBER,
+    "online_count": _INTEGER,
     "skip_reason": _TEXT,
     "bytes_up": _INTEGER,
     "bytes_down": _INTEGER,
@@ -149,7 +154,8 @@ _MAPS = {
     "dropped_msgs": (_is_int, "counts"),
 }
 _KNOWN = {f.name for f in fields(RoundRecord)} - {"extra"}
-_ONLY_WHEN_SET = ("guard", "unreachable", "extra")  # keys written only when the round has them
+# keys written only when the round has them
+_ONLY_WHEN_SET = ("guard", "unreachable", "online_count", "extra")
 
 
 def guard_summary(rows: Iterable[RoundRecord]) -> dict[str, int]:

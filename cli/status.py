@@ -214,7 +214,7 @@ def _summary_row(row: dict[str, Any]) -> list[str]:
         _short_strategy(row.get("strategy")),
         valid,
         _num(row.get("mean_loss"), 3),
-        _count(row.get("online")),
+        _num(row["online_count"]) if row.get("online_count") is not None else _count(row.get("online")),
         _count(row.get("selected")),
         _count(row.get("received")),
         _count(row.get("dropped")),
