@@ -104,3 +104,40 @@ def test_client_numbers_parse_to_ranges_and_bad_ones_are_one_line():
     for bad, why in (("3-1", "empty"), ("a", "want N"), ("0-5,4", "overlap"), ("", "want N")):
         with pytest.raises(ValueError, match=why):
             parse_clients(bad)
+
+
+def test_a_simulated_population_has_no_thread_per_client_and_two_queues(tiny_lm, tmp_path):
+    """5,000 simulated clients: the process runs about as many threads as a population of 5 would (a client
+    has a thread only while selected), the broker holds the job's three queues and the one host's two, and
+    every selected client trains."""
+    from fedmq.simulation import Simulation
+
+    threads: list[int] = []
+    cfg = JobConfig(
+        encoding="raw",
+        down_encoding="raw",
+        job="many",
+        strategy="fedavg",
+        rounds=3,
+        clients=5000,
+        fraction=0.001,
+        lr=5.0,
+        max_steps=1,
+        batch_size=2,
+        heartbeat_s=0.5,
+        join_timeout_s=20,
+    )
+    sim = Simulation(
+        cfg,
+        tiny_lm(5000),
+        f"memory://many-{time.monotonic_ns()}",
+        run_dir=tmp_path / "run",
+        on_round=lambda row: threads.append(threading.active_count()),
+    )
+    summary = sim.run()
+    assert summary["rounds_completed"] == 3 and summary["uploads_confirmed"] == 3 * 5
+    assert summary["broker_queues"] == 3 + 2
+    assert max(threads) < 40, threads
+    rows = sim.engine.runlog.rows()
+    assert all(r.online_count == 5000 and r.online == () for r in rows)  # a count, not 5,000 names a row
+    assert {c for r in rows for c in r.received} == {c for c, log in sim.agent_logs.items() if log.uploads}

@@ -1,0 +1,181 @@
+"""`fedmq bench population`: what a round costs as the population grows, and a population over RabbitMQ.
+
+Simulation: ``fedmq simulate`` at each K of ``populations`` with the round-cost settings of `fedmq bench
+flower` (GRU-small tied over the corpus's vocabulary, ``selected`` clients a round, one local step of batch
+2 × BPTT 8), each run a process of its own: s/round is the median period between round ends (rounds
+2..R), memory the process's peak RSS (sampled every 0.2 s), queues the job's queues on the broker at the end.
+Clients are virtual (client_agent.host): the ratios to the smallest K are what the bench is for.
+
+Services: ``clients`` clients over RabbitMQ, served by ``hosts`` ``fedmq agent run --host`` processes against
+one ``fedmq aggregator run`` (the tiny language model of `fedmq bench load`, ``selected`` clients a round):
+rounds completed, uploads the hosts had confirmed by the broker (their audit logs) against the updates the
+aggregator folded (its checkpoint): lost and duplicated; the job's queue count and RabbitMQ's memory
+(``rabbitmqctl``, when this machine runs the broker), both at their peak during the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from fedmq.benchmarks.flower import Run, run_fedmq
+from fedmq.benchmarks.load import TINY_TASK, _toml
+
+
+def simulate_rows(data: str, populations: tuple[int, ...], selected: int = 10, rounds: int = 5) -> list[Run]:
+    return [run_fedmq(f"K = {k:,}", data, k, selected, rounds) for k in populations]
+
+
+def _rabbitmqctl(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["rabbitmqctl", *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def _broker_facts(job: str) -> tuple[int | None, int | None]:
+    """(the job's queues, RabbitMQ's total memory in bytes) now; None where rabbitmqctl cannot tell."""
+    names = _rabbitmqctl("list_queues", "-q", "--no-table-headers", "name")
+    queues = None if names is None else sum(1 for q in names.split() if q.startswith(f"fedmq.{job}."))
+    status = _rabbitmqctl("status", "--formatter", "json")
+    try:
+        memory = int(json.loads(status)["memory"]["total"]["rss"]) if status else None
+    except (ValueError, KeyError, TypeError):
+        memory = None
+    return queues, memory
+
+
+def services_row(
+    url: str, clients: int = 10_000, hosts: int = 4, selected: int = 10, rounds: int = 5, timeout: float = 900
+) -> dict[str, Any]:
+    from fedmq.aggregator.checkpoint import load_checkpoint
+    from fedmq.aggregator.runlog import read_rounds
+    from fedmq.broker.transport.provision import purge
+    from fedmq.broker.transport.urls import url_user
+
+    job = f"pop-{uuid.uuid4().hex[:8]}"
+    work = Path(tempfile.mkdtemp(prefix="fedmq-population-"))
+    cfg = {
+        "job": job,
+        "strategy": "fedavg",
+        "rounds": rounds,
+        "clients": clients,
+        "fraction": selected / clients,
+        "lr": 1.0,
+        "max_steps": 1,
+        "batch_size": 2,
+        "heartbeat_s": 5.0,
+        "join_timeout_s": 120.0,
+        "report_deadline_s": 120.0,
+        "update_deadline_s": 120.0,
+        "identity": f"shared:{url_user(url) or 'guest'}",
+        "eval_every": rounds,
+    }
+    task = {k: v for k, v in TINY_TASK.items() if k != "max_lines"}  # every builtin line: 11 words a client
+    (work / "job.toml").write_text(_toml(cfg, {**task, "clients": clients}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    fedmq = str(Path(sys.executable).parent / "fedmq")
+    common = ["--broker", url, "--config", str(work / "job.toml"), "--log-level", "warning"]
+    procs = [
+        subprocess.Popen(
+            [fedmq, "aggregator", "run", *common, "--state-dir", str(work / "state")],
+            stdout=open(work / "agg.out", "wb"),
+            stderr=open(work / "agg.err", "wb"),
+            env=env,
+        )
+    ]
+    per = -(-clients // hosts)
+    for h in range(hosts):
+        lo, hi = h * per, min((h + 1) * per, clients)
+        procs.append(
+            subprocess.Popen(
+                [
+                    fedmq,
+                    "agent",
+                    "run",
+                    *common,
+                    "--host",
+                    f"h{h}",
+                    "--clients",
+                    f"{lo}-{hi - 1}",
+                    "--audit-log",
+                    str(work / f"h{h}.audit"),
+                ],
+                stdout=open(work / f"h{h}.out", "wb"),
+                stderr=open(work / f"h{h}.err", "wb"),
+                env=env,
+            )
+        )
+    t0 = time.time()
+    peak_queues, peak_memory = 0, 0
+    while any(p.poll() is None for p in procs) and time.time() - t0 < timeout:
+        queues, memory = _broker_facts(job)
+        peak_queues, peak_memory = max(peak_queues, queues or 0), max(peak_memory, memory or 0)
+        time.sleep(2.0)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    metrics = read_rounds(work / "state").records
+    ckpt = load_checkpoint(work / "state" / "checkpoints")
+    folded = [u for ids in (ckpt.folded.values() if ckpt else []) for u in ids]
+    confirmed = [
+        json.loads(line)
+        for h in range(hosts)
+        if (work / f"h{h}.audit").exists()
+        for line in (work / f"h{h}.audit").read_text().splitlines()
+    ]
+    closed = {m.round for m in metrics}
+    lost = [c for c in confirmed if c["update_id"] not in set(folded) and c["round"] in closed]
+    purge(url, job, [f"h{h}" for h in range(hosts)])
+    return {
+        "clients": clients,
+        "hosts": hosts,
+        "rounds": len([m for m in metrics if not m.skipped]),
+        "confirmed": len(confirmed),
+        "folded": len(folded),
+        "lost": len(lost),
+        "duplicated": len(folded) - len(set(folded)),
+        "queues": peak_queues or None,
+        "rabbitmq_memory_mb": peak_memory / 2**20 if peak_memory else None,
+        "exit_codes": [p.returncode for p in procs],
+        "wall_s": time.time() - t0,
+    }
+
+
+def format_table(runs: list[Run], services: dict[str, Any] | None) -> str:
+    base = runs[0] if runs else None
+    lines = [
+        "| population | s/round | × the smallest | peak memory | over the smallest | queues | rounds |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        s, mem = run.s_per_round, run.peak_tree_gb
+        ratio = f"{s / base.s_per_round:.2f}×" if s and base and base.s_per_round else "—"
+        more = f"{(mem - base.peak_tree_gb) * 1000:+.0f} MB" if base else "—"
+        lines.append(
+            f"| {run.name} | {s:.2f} s | {ratio} | {mem * 1000:.0f} MB | {more} | "
+            f"{run.summary.get('broker_queues', '—')} | {run.rounds}{' ' + run.note if run.note else ''} |"
+            if s
+            else f"| {run.name} | — | — | {mem * 1000:.0f} MB | — | — | {run.rounds} {run.note} |"
+        )
+    if services:
+        s = services
+        mem = f"{s['rabbitmq_memory_mb']:.0f} MB" if s["rabbitmq_memory_mb"] else "not measured"
+        lines += [
+            "",
+            f"RabbitMQ: {s['clients']:,} clients in {s['hosts']} agent processes: {s['rounds']} rounds "
+            "completed, "
+            f"{s['confirmed']} uploads confirmed, {s['folded']} folded, {s['lost']} lost, {s['duplicated']} "
+            f"duplicated; the job's queues at most {s['queues']}; RabbitMQ's memory at most {mem}; "
+            f"exit codes {s['exit_codes']}; {s['wall_s']:.0f} s in all",
+        ]
+    return "\n".join(lines)
