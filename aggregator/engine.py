@@ -339,13 +339,26 @@ class Engine:
         self.hosts[host] = now
         if host in self.rosters:
             return []
+        horizon = now - 3 * self.cfg.heartbeat_s
         if any(hi > self.cfg.clients for _, hi in roster):
             self.inbox.dropped["roster-past-population"] += 1
             log.warning("host roster past the job's population: refused", host=host, clients=self.cfg.clients)
             return []
+        twice = next(
+            (
+                other
+                for other, ranges in self.rosters.items()
+                if self.hosts.get(other, 0.0) >= horizon
+                and any(lo < b and a < hi for lo, hi in roster for a, b in ranges)
+            ),
+            None,
+        )
+        if twice is not None:  # one shard, two clients: e.g. the pods of an old and a new split at once
+            self.inbox.dropped["clients-served-twice"] += 1
+            log.warning("host serves client numbers a live host serves: refused", host=host, other=twice)
+            return []
         self.rosters[host] = roster
         self._presence_epoch += 1
-        horizon = now - 3 * self.cfg.heartbeat_s
         for lo, hi in roster:
             for n in range(lo, hi):
                 client = topology.host_client(host, n)

@@ -88,14 +88,21 @@ def _stop_on_signals(service: Callable[[], Any], running: Callable[[Any], bool])
     signal.signal(signal.SIGINT, handler)
 
 
-def _stop_agent_on_signals(agent_of: Callable[[], Any], grace_s: float) -> None:
+def _stop_agent_on_signals(agent_of: Callable[[], Any], grace_s: float, hosted: bool = False) -> None:
     """SIGTERM / SIGINT to a joined agent (as Kubernetes sends before it kills a pod): the agent finishes the
     local training and the upload under way, leaves the job (presence offline) and the process exits 0. At
     most ``grace_s`` seconds: past it, or on a second signal, or while the agent is not joined (connecting,
     rejoining), the process exits at once (143 after SIGTERM, 130 after SIGINT); its local training stops
-    at its next step first, so that nothing is left inside torch when the process exits."""
+    at its next step first, so that nothing is left inside torch when the process exits.
+
+    A host (``hosted``: client_agent.host.Host) cannot finish its clients' rounds under way: it stops their
+    local training at its next step and leaves the job at once, offline for all its clients (the aggregator
+    then waits for none of them), within the same bounds."""
     first: list[int] = []
     expired = threading.Event()
+
+    def joined(svc: Any) -> bool:
+        return bool(svc.connected)
 
     def at_once(signum: int, why: str) -> None:
         svc = agent_of()
@@ -114,7 +121,7 @@ def _stop_agent_on_signals(agent_of: Callable[[], Any], grace_s: float) -> None:
     def handler(signum: int, _frame: Any) -> None:
         svc = agent_of()
         name = signal.Signals(signum).name
-        if svc is None or not svc.connected:
+        if svc is None or not joined(svc):
             at_once(signum, f"stopped by {name} while connecting")
         if expired.is_set():
             at_once(
@@ -123,12 +130,20 @@ def _stop_agent_on_signals(agent_of: Callable[[], Any], grace_s: float) -> None:
         if first:
             at_once(signum, f"stopped by a second {name}")
         first.append(signum)
-        # the round under way ends (a grant it waits for included: client_agent.agent.Agent.finish_round)
-        svc.finish_round = True
-        svc.stop.set()
-        typer.echo(
-            f"{name}: finishing the round under way (at most {grace_s:g} s), then leaving the job", err=True
-        )
+        if hosted:
+            svc.stop.set()
+            svc.trainers.close()
+            typer.echo(
+                f"{name}: leaving the job (at most {grace_s:g} s); rounds under way are dropped", err=True
+            )
+        else:
+            # the round under way ends (a grant it waits for included: client_agent.agent.Agent.finish_round)
+            svc.finish_round = True
+            svc.stop.set()
+            typer.echo(
+                f"{name}: finishing the round under way (at most {grace_s:g} s), then leaving the job",
+                err=True,
+            )
         timer = threading.Timer(grace_s, expire, args=(signum,))
         timer.daemon = True
         timer.start()
@@ -700,35 +715,113 @@ def agent_run(
         "within this many seconds, else exit 143 (keep it below the pod's terminationGracePeriodSeconds); "
         "a second signal exits at once",
     ),
+    host: str | None = typer.Option(
+        None,
+        envvar="FEDMQ_HOST_ID",
+        help="serve many clients in this one process, as host HOST: clients HOST-<n>, broker user "
+        "<job>.host.HOST (instead of --client-id); give --clients",
+    ),
+    clients: str | None = typer.Option(
+        None,
+        envvar="FEDMQ_HOST_CLIENTS",
+        metavar="RANGES",
+        help="with --host: the client numbers it serves, e.g. 0-2499,5000 (inside the job's population: "
+        "clients in --config, default 10)",
+    ),
+    host_from_hostname: bool = typer.Option(
+        False,
+        help="a host per StatefulSet pod: pod NAME-i is host hi and serves the i-th of --hosts equal "
+        "parts of the job's population K (clients in --config): numbers i*K/N to (i+1)*K/N-1, rounded "
+        "down",
+    ),
+    hosts: int | None = typer.Option(
+        None,
+        envvar="FEDMQ_HOSTS",
+        metavar="N",
+        help="with --host-from-hostname: N, the hosts (the StatefulSet's replicas)",
+    ),
+    trainers: int = typer.Option(
+        1,
+        envvar="FEDMQ_TRAINERS",
+        metavar="N",
+        help="a host's models that train at once (its clients share them)",
+    ),
+    client_state: Path | None = typer.Option(
+        None,
+        envvar="FEDMQ_CLIENT_STATE",
+        metavar="DIR",
+        help="a host keeps what the job's algorithm keeps per client in files here (default: in memory)",
+    ),
     log_format: str = typer.Option("json", envvar="FEDMQ_LOG_FORMAT", help="json | console"),
     log_level: str = LOG_LEVEL,
 ) -> None:
-    """Run one client agent: join the job, train on its shard, upload when granted, repeat.
+    """Run one client agent: join the job, train on its shard, upload when granted, repeat. With --host (or
+    --host-from-hostname), run a host: one process and one broker connection serving many clients of the job.
 
     Example: fedmq agent run --broker amqps://rabbit:5671/fedmq --job wt2 --client-id agent-3
     --data /data --device cuda
+
+    Example: fedmq agent run --broker amqps://rabbit:5671/fedmq --job wt2 --config job.toml --host h0
+    --clients 0-2499
     """
     import socket
 
     _setup_logs(log_level, log_format)
     if not 0 < stop_grace <= 86400:
         raise UsageError(f"--stop-grace {stop_grace:g} must be in (0, 86400] seconds")
+    jobfile = _job_file(config)
+    values = jobfile.job
+    population = int(values.get("clients", JOB.clients))
+    served = _hosted_clients(
+        population, host, clients, host_from_hostname, hosts, client_id, client_id_from_hostname, index
+    )
+    if served is None and (trainers != 1 or client_state is not None):
+        raise UsageError(
+            "--trainers and --client-state are a host's options: give --host or --host-from-hostname"
+        )
+    if served is not None:
+        if trainers < 1:
+            raise UsageError(f"--trainers must be at least 1, got {trainers}")
+        task_opts = {"task": "lm", "data": "builtin", "seed": seed, **jobfile.task}
+        if data:
+            task_opts["data"] = data
+        task_opts.setdefault("clients", population)
+        _run_host(
+            _broker_url(broker, user, password),
+            {"chunk_limit": chunk_limit, "heartbeat": heartbeat, "consume_timeout": consume_timeout},
+            job,
+            *served,
+            task_opts,
+            availability=availability,
+            faults=faults,
+            device=device,
+            seed=seed,
+            heartbeat_s=float(values.get("heartbeat_s", JOB.heartbeat_s)),
+            strategy=str(values.get("strategy", "")),
+            trainers=trainers,
+            client_state=client_state,
+            audit_log=audit_log,
+            metrics_port=metrics_port,
+            stop_grace=stop_grace,
+        )
+        return
     agent = None
     _stop_agent_on_signals(lambda: agent, stop_grace)
     if client_id_from_hostname:
-        host = socket.gethostname()
-        client_id = "agent-" + host.rsplit("-", 1)[-1] if host.rsplit("-", 1)[-1].isdigit() else None
+        hostname = socket.gethostname()
+        tail = hostname.rsplit("-", 1)[-1]
+        client_id = "agent-" + tail if tail.isdigit() else None
         if client_id is None:
-            raise UsageError(f"hostname {host!r} does not end in a pod ordinal (-N)")
+            raise UsageError(f"hostname {hostname!r} does not end in a pod ordinal (-N)")
     if not client_id:
-        raise UsageError("give --client-id (or FEDMQ_CLIENT_ID, or --client-id-from-hostname)")
+        raise UsageError(
+            "give --client-id (or FEDMQ_CLIENT_ID, or --client-id-from-hostname), or --host for many clients"
+        )
     if index is None:
         tail = client_id.rsplit("-", 1)[-1]
         if not tail.isdigit():
             raise UsageError(f"cannot derive a shard index from {client_id!r}; give --index")
         index = int(tail)
-    jobfile = _job_file(config)
-    values = jobfile.job
     task_opts = {"task": "lm", "data": "builtin", "seed": seed, **jobfile.task}
     if data:
         task_opts["data"] = data
@@ -776,13 +869,168 @@ def agent_run(
         typer.echo(f"job {job} finished: agent {client_id} left", err=True)
 
 
+def _hosted_clients(
+    population: int,
+    host: str | None,
+    clients: str | None,
+    from_hostname: bool,
+    hosts: int | None,
+    client_id: str | None,
+    client_id_from_hostname: bool,
+    index: int | None,
+) -> tuple[str, list[tuple[int, int]]] | None:
+    """`agent run`'s host and the client numbers it serves ([start, stop) ranges), or None for a one-client
+    agent; each wrong combination or value is one line."""
+    import socket
+
+    from fedmq.broker.transport import topology
+
+    if host is None and not from_hostname:
+        if hosts is not None:
+            raise UsageError("--hosts N goes with --host-from-hostname")
+        if clients is not None:
+            raise UsageError("--clients are a host's client numbers: give --host too")
+        return None
+    given = "--host" if host is not None else "--host-from-hostname"
+    if host is not None and from_hostname:
+        raise UsageError("give --host or --host-from-hostname, not both")
+    if client_id or client_id_from_hostname:
+        one = "--client-id" if client_id else "--client-id-from-hostname"
+        raise UsageError(f"{given} serves many clients, {one} one: give one or the other")
+    if index is not None:
+        raise UsageError(f"--index is a one-client agent's: {given}'s client HOST-<n> trains on shard n")
+    if population < 1:
+        raise UsageError(f"the job's population (clients in --config) must be at least 1, got {population}")
+    if from_hostname:
+        if clients is not None:
+            raise UsageError("--host-from-hostname splits the population: give --hosts N, not --clients")
+        if hosts is None:
+            raise UsageError("--host-from-hostname needs --hosts N (the StatefulSet's replicas)")
+        if not 1 <= hosts <= population:
+            raise UsageError(f"--hosts {hosts} must be between 1 and the job's population ({population})")
+        hostname = socket.gethostname()
+        tail = hostname.rsplit("-", 1)[-1]
+        if not tail.isdigit():
+            raise UsageError(f"hostname {hostname!r} does not end in a pod ordinal (-N)")
+        return _host_share(int(tail), hosts, population)
+    assert host is not None
+    try:
+        topology.check_host(host)
+    except ValueError as exc:
+        raise UsageError(f"--host: {exc}") from None
+    if hosts is not None:
+        raise UsageError("--hosts N goes with --host-from-hostname, not --host")
+    if clients is None:
+        raise UsageError(f"--host {host} needs --clients: the client numbers it serves, e.g. 0-99")
+    try:
+        ranges = topology.parse_clients(clients)
+    except ValueError as exc:
+        raise UsageError(f"--clients: {exc}") from None
+    if ranges[-1][1] > population:
+        raise UsageError(
+            f"--clients {clients}: client {ranges[-1][1] - 1} is past the job's population of {population} "
+            "(clients in --config): the aggregator would refuse this host's roster"
+        )
+    return host, ranges
+
+
+def _host_share(ordinal: int, hosts: int, population: int) -> tuple[str, list[tuple[int, int]]]:
+    """Host ``h<ordinal>`` of ``hosts`` and its equal part of the population (parts differ by at most one)."""
+    from fedmq.broker.transport.provision import HOST_PREFIX
+
+    if ordinal >= hosts:
+        raise UsageError(
+            f"pod ordinal {ordinal} is past --hosts {hosts}: the hosts are ordinals 0 to {hosts - 1}"
+        )
+    return f"{HOST_PREFIX}{ordinal}", [(ordinal * population // hosts, (ordinal + 1) * population // hosts)]
+
+
+def _run_host(
+    url: str,
+    connect_args: dict[str, Any],
+    job: str,
+    host_id: str,
+    ranges: list[tuple[int, int]],
+    task_opts: dict[str, Any],
+    *,
+    availability: str,
+    faults: str,
+    device: str,
+    seed: int,
+    heartbeat_s: float,
+    strategy: str,
+    trainers: int,
+    client_state: Path | None,
+    audit_log: Path | None,
+    metrics_port: int,
+    stop_grace: float,
+) -> None:
+    """`agent run --host`: a Host (client_agent/host.py) built and stopped as the one-client agent is."""
+    host = None
+    _stop_agent_on_signals(lambda: host, stop_grace, hosted=True)
+    _prepare_process()
+    from fedmq.broker.transport.connect import connect
+    from fedmq.client_agent.availability import parse_availability, parse_faults
+    from fedmq.client_agent.host import Host
+    from fedmq.client_agent.state import DiskStore
+    from fedmq.client_agent.trainers import TrainerPool
+
+    task_obj = _make_task(task_opts)
+    host = Host(
+        lambda: connect(url, **connect_args),
+        job,
+        host_id,
+        ranges,
+        task_obj,
+        availability=parse_availability(availability, seed),
+        faults=parse_faults(faults, seed),
+        device=device,
+        heartbeat_s=heartbeat_s,
+        seed=seed,
+        trainers=TrainerPool(task_obj, trainers, seed),
+        store=DiskStore(client_state) if client_state is not None else None,
+        strategy=strategy,
+        audit_log=audit_log,
+    )
+    telemetry = None
+    if metrics_port:
+        from fedmq.cli.telemetry import Telemetry
+
+        def live() -> dict[str, Any]:
+            logs = list(host.logs.values())
+            return {
+                "host": host_id,
+                "clients": host.count(),
+                "rounds_trained": sum(len(log.rounds_trained) for log in logs),
+                "uploads": sum(len(log.uploads) for log in logs),
+            }
+
+        telemetry = Telemetry(live, lambda: host.connected)
+        telemetry.serve(metrics_port)
+    try:
+        host.run()
+    finally:
+        if telemetry:
+            telemetry.close()
+        # nothing may be left inside torch when the process exits (a session's thread is a daemon)
+        host.trainers.close()
+        host.trainers.wait_idle(5.0)
+    if host.finished:
+        typer.echo(f"job {job} finished: host {host_id} left ({host.count()} clients)", err=True)
+
+
 # --------------------------------------------------------------------------------------------- broker
 @broker_app.command("provision", cls=HelpCommand)
 def broker_provision(
     broker: str = typer.Option("amqp://guest:guest@127.0.0.1:5672/%2F", envvar="FEDMQ_BROKER"),
     vhost: str = typer.Option("fedmq", help="virtual host to create"),
     job: str = typer.Option(..., envvar="FEDMQ_JOB"),
-    agents: int = typer.Option(..., help="number of agents (users agent-0 to agent-N-1)"),
+    agents: int = typer.Option(0, help="number of one-client agents (users agent-0 to agent-N-1)"),
+    hosts: str | None = typer.Option(
+        None,
+        help="hosts, each serving many clients: N (hosts h0 to hN-1, as agent run --host-from-hostname "
+        "names them) or ids, comma separated; one user <job>.host.<id> each",
+    ),
     secrets_out: str | None = typer.Option(
         None, help="write Kubernetes Secret manifests to DIR, or - for stdout"
     ),
@@ -790,13 +1038,16 @@ def broker_provision(
     namespace: str = typer.Option("fedmq", help="namespace of the Secrets"),
     remove_guest: bool = typer.Option(False, help="delete the guest user (production)"),
 ) -> None:
-    """Create (idempotently) the vhost, the aggregator user and one user per agent with least-privilege
-    permissions.
+    """Create (idempotently) the vhost, the aggregator user and one user per agent and per host with
+    least-privilege permissions.
 
     Example: fedmq broker provision --job wt2 --agents 10 --secrets-out - | kubectl apply -f -
+
+    Example: fedmq broker provision --job wt2 --hosts 4 --credentials-out wt2.json
     """
     from fedmq.broker.transport import provision
 
+    host_ids = _host_ids(hosts)
     provision.provision_cli(
         broker=broker,
         vhost=vhost,
@@ -806,16 +1057,28 @@ def broker_provision(
         credentials_out=credentials_out,
         namespace=namespace,
         remove_guest=remove_guest,
+        hosts=host_ids,
     )
     # what was set up, on stderr when stdout carries the Secrets (| kubectl apply -f -)
-    for line in _provisioned(vhost, job, agents, credentials_out, secrets_out, remove_guest):
+    for line in _provisioned(vhost, job, agents, host_ids, credentials_out, secrets_out, remove_guest):
         typer.echo(line, err=secrets_out == "-")
+
+
+def _host_ids(spec: str | None) -> list[str]:
+    """``--hosts`` of `broker provision` and `broker purge` (provision.host_ids), or none."""
+    from fedmq.broker.transport.provision import host_ids
+
+    try:
+        return host_ids(spec) if spec is not None else []
+    except ValueError as exc:
+        raise UsageError(f"--hosts: {exc}") from None
 
 
 def _provisioned(
     vhost: str,
     job: str,
     agents: int,
+    hosts: list[str],
     credentials_out: Path | None,
     secrets_out: str | None,
     remove_guest: bool,
@@ -823,13 +1086,22 @@ def _provisioned(
     """`broker provision`'s summary: the vhost, the users with their permissions, where the passwords went."""
     from fedmq.broker.transport import topology
 
-    first, last = (topology.agent_user(job, f"agent-{i}") for i in (0, agents - 1))
     lines = [
         f"vhost {vhost}: ready",
         f"user {topology.aggregator_user(job)}: aggregator of job {job}, permissions on the job's queues",
-        f"users {first if agents == 1 else f'{first} … {last}'}: {agents} agent(s) of job {job}, "
-        "each confined to its own queues",
     ]
+    if agents:
+        first, last = (topology.agent_user(job, f"agent-{i}") for i in (0, agents - 1))
+        lines.append(
+            f"users {first if agents == 1 else f'{first} … {last}'}: {agents} agent(s) of job {job}, "
+            "each confined to its own queues"
+        )
+    if hosts:
+        first, last = (topology.host_user(job, h) for h in (hosts[0], hosts[-1]))
+        lines.append(
+            f"users {first if len(hosts) == 1 else f'{first} … {last}'}: {len(hosts)} host(s) of job {job}, "
+            "each confined to its own queues and its own clients <host>-<n>"
+        )
     if remove_guest:
         lines.append("user guest: deleted")
     saved = [str(p) for p in (credentials_out, secrets_out if secrets_out != "-" else None) if p]
@@ -884,14 +1156,21 @@ def broker_check(
 def broker_purge(
     broker: str = typer.Option("amqp://guest:guest@127.0.0.1:5672/%2F", envvar="FEDMQ_BROKER"),
     job: str = typer.Option(..., envvar="FEDMQ_JOB"),
+    agents: int = typer.Option(0, help="also the queues of agents agent-0 to agent-N-1"),
+    hosts: str | None = typer.Option(
+        None, help="also the queues of these hosts: N (h0 to hN-1) or ids, comma separated"
+    ),
 ) -> None:
-    """Delete the job's queues.
+    """Delete the job's queues. Through rabbitmqctl (a broker on this machine) every queue of the job; else
+    the inbox, the model stream and the queues of the agents and hosts named.
 
-    Example: fedmq broker purge --job wt2
+    Example: fedmq broker purge --job wt2 --hosts 4
     """
     from fedmq.broker.transport import provision
 
-    provision.purge(broker, job)
+    if agents < 0:
+        raise UsageError(f"--agents must be at least 0, got {agents}")
+    provision.purge(broker, job, [*(f"agent-{i}" for i in range(agents)), *_host_ids(hosts)])
     typer.echo(f"purged job {job}")
 
 
@@ -1126,6 +1405,36 @@ def bench_load(
     if not counts or min(counts) < 1 or rounds < 1 or threads < 1:
         raise UsageError("--agents, --rounds and --threads must be positive")
     _bench("load", "bench_load", url=url, agents=counts, rounds=rounds, threads=threads)
+
+
+@bench_app.command("population", cls=HelpCommand)
+def bench_population(
+    data: str = typer.Option("wikitext-2", help="corpus folder, or a corpus name kept under $FEDMQ_DATA_DIR"),
+    clients: str = typer.Option("100,10000,100000", help="simulated populations, comma separated"),
+    selected: int = typer.Option(10, help="clients a round"),
+    rounds: int = typer.Option(5, "-r", "--rounds"),
+    broker: str | None = typer.Option(
+        None, help="also run --services-clients clients over this RabbitMQ in --hosts agent processes"
+    ),
+    services_clients: int = typer.Option(10_000, help="the population over RabbitMQ"),
+    hosts: int = typer.Option(4, help="agent processes serving it"),
+) -> None:
+    """s/round, peak memory and broker queues as the population grows (virtual clients), and a population
+    over RabbitMQ: rounds completed, lost and duplicated updates, RabbitMQ's memory and queue count.
+
+    Example: fedmq bench population --data wikitext-2 --broker amqp://guest:guest@127.0.0.1:5672/%2F
+    """
+    from fedmq.benchmarks import population
+
+    try:
+        ks = tuple(int(k) for k in clients.split(",") if k.strip())
+    except ValueError:
+        raise UsageError(f"--clients wants comma-separated whole numbers, got {clients!r}") from None
+    if min(ks, default=0) < selected or selected < 1 or rounds < 2 or hosts < 1 or services_clients < hosts:
+        raise UsageError("want --selected ≥ 1, every --clients ≥ --selected, --rounds ≥ 2, --hosts ≥ 1")
+    runs = population.simulate_rows(_corpus(data), ks, selected, rounds)
+    services = population.services_row(broker, services_clients, hosts, selected, rounds) if broker else None
+    typer.echo(population.format_table(runs, services))
 
 
 def main() -> None:

@@ -43,23 +43,6 @@ log = structlog.get_logger(__name__)
 Ranges = Sequence[tuple[int, int]]
 
 
-def parse_clients(text: str) -> list[tuple[int, int]]:
-    """``0-2499,5000,6000-6099`` (numbers and inclusive ranges) as sorted [start, stop) ranges; ValueError."""
-    ranges = []
-    for part in text.split(","):
-        lo, sep, hi = part.strip().partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"bad client numbers {part.strip()!r}: want N or N-M, comma separated")
-        start, stop = int(lo), int(hi) + 1 if sep else int(lo) + 1
-        if stop <= start:
-            raise ValueError(f"bad client numbers {part.strip()!r}: the range is empty")
-        ranges.append((start, stop))
-    ranges.sort()
-    if any(a[1] > b[0] for a, b in zip(ranges, ranges[1:])):
-        raise ValueError(f"client numbers {text!r} overlap")
-    return ranges
-
-
 class _Link(Broker):
     """A session's view of its host's connection: publishes and stream reads go through it; the host has
     settled every delivery it hands over, and the connection is the host's to close."""
@@ -112,6 +95,15 @@ class _Events:
             return self._q.get(timeout=timeout)
         except queue.Empty:
             return None
+
+    def drain(self) -> list[Delivery]:
+        """What was routed here and not read (the session has ended)."""
+        left = []
+        while True:
+            try:
+                left.append(self._q.get_nowait())
+            except queue.Empty:
+                return left
 
 
 class Host:
@@ -227,8 +219,13 @@ class Host:
                 self.stop.wait(delay)
                 delay = min(delay * 2, 10.0)
 
-    def _beat(self, state: str = "online") -> None:
-        broker = self._broker
+    @property
+    def connected(self) -> bool:
+        """Joined the job (for /readyz): False while offline, reconnecting or stopped."""
+        return self._broker is not None
+
+    def _beat(self, state: str = "online", broker: Broker | None = None) -> None:
+        broker = broker or self._broker
         if broker is None:
             return
         env = messages.host_presence(self.job, self.host, state, self.ranges)
@@ -245,7 +242,7 @@ class Host:
             return
         if graceful:
             try:
-                self._beat("offline")
+                self._beat("offline", broker)
             except BrokerError:
                 pass
         broker.close()
@@ -318,11 +315,11 @@ class Host:
         agent._broker = _Link(self._broker)
         events = _Events()
         agent._events = events  # type: ignore[assignment]
-        thread = threading.Thread(target=self._session, args=(agent, env), name=client, daemon=True)
+        thread = threading.Thread(target=self._session, args=(agent, events, env), name=client, daemon=True)
         self._sessions[client] = (agent, events, thread)
         thread.start()
 
-    def _session(self, agent: Agent, env: Envelope) -> None:
+    def _session(self, agent: Agent, events: _Events, env: Envelope) -> None:
         client, down = agent.client, False
         try:
             agent._on_announce(env)
@@ -345,6 +342,12 @@ class Host:
         finally:
             with self._lock:
                 del self._sessions[client]
+                # an announce routed here as the round ended (it selects the client again): not lost
+                newer = [
+                    e
+                    for d in events.drain()
+                    if (e := messages.decode(d.body)).kind is Kind.ANNOUNCE and e.round > agent.last_round
+                ]
                 self._last_round[client] = agent.last_round
                 if agent.version == messages.NO_VERSION:
                     self._holds.pop(client, None)
@@ -352,6 +355,10 @@ class Host:
                     self._holds[client] = agent.version
                 if down:
                     self._down[client] = time.monotonic() + self.rejoin_s
+                    if newer:
+                        self._waiting[client] = newer[-1]
+                elif newer and not self.stop.is_set():
+                    self._start(client, newer[-1])
                 else:
                     newest = self._async_newest
                     if newest and newest.model_version > env.model_version and not self.stop.is_set():

@@ -1,11 +1,11 @@
 """`fedmq broker deprovision`: undo `fedmq broker provision` for one job.
 
-It deletes the job's users (``fedmq-aggregator.<job>`` and every ``<job>.<client>``: topology.aggregator_user,
-topology.agent_user), the job's queues (``fedmq.<job>.*``) in the vhost, and then the vhost itself unless
-another job still lives there (its queues, or its provisioned users' permissions: several jobs may share one
-vhost, and deprovisioning one never touches another). Running it again finds nothing and says so: it is
-idempotent. Like provisioning it talks to RabbitMQ with ``rabbitmqctl`` on the broker's machine, else the
-management HTTP API (provision.admin_for).
+It deletes the job's users (``fedmq-aggregator.<job>``, every ``<job>.<client>`` and ``<job>.host.<host>``:
+topology.aggregator_user, agent_user, host_user), the job's queues (``fedmq.<job>.*``) in the vhost, and then
+the vhost itself unless another job still lives there (its queues, or its provisioned users' permissions:
+several jobs may share one vhost, and deprovisioning one never touches another). Running it again finds
+nothing and says so: it is idempotent. Like provisioning it talks to RabbitMQ with ``rabbitmqctl`` on the
+broker's machine, else the management HTTP API (provision.admin_for).
 """
 
 from __future__ import annotations

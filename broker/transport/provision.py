@@ -1,14 +1,20 @@
 """`fedmq broker provision | check | purge`: users, permissions and queues of a job on RabbitMQ.
 
-Provisioning creates (idempotently) a vhost and, for one job, the aggregator user ``fedmq-aggregator.<job>``
-and one user ``<job>.<client>`` per agent (per job, so provisioning a second job in the same vhost never
-rotates or widens the first job's users), each with least-privilege permissions scoped to the job:
+Provisioning creates (idempotently) a vhost and, for one job, the aggregator user ``fedmq-aggregator.<job>``,
+one user ``<job>.<client>`` per one-client agent and one user ``<job>.host.<host>`` per host (an agent
+process serving many clients ``<host>-<n>``: client_agent/host.py) -- per job, so provisioning a second job in
+the same vhost never rotates or widens the first job's users -- each with least-privilege permissions scoped
+to the job:
 
 * agent X may configure, write and read only its own queues ``fedmq.<job>.agent.X.(latest|control)``, read
   (not write) the job's model stream ``fedmq.<job>.models``, write
   to (publish on) and read (bind to) the job's exchange ``fedmq.<job>``; topic permissions on that exchange
   let it publish only ``job.<job>.(report|update|presence).X`` and bind only ``job.<job>.(global|control)``
   and its own ``job.<job>.(announce|grant).X``;
+* host H: the same for its own queues ``fedmq.<job>.agent.H.(latest|control)`` and its own
+  ``job.<job>.(announce|grant).H``; it may publish its presence ``job.<job>.presence.H`` and
+  ``job.<job>.(report|update|presence).H-<n>`` for its clients (n a client number, no leading zero), and no
+  other client's keys: it speaks for its own clients only;
 * the aggregator may configure, write and read the job's own exchange ``fedmq.<job>`` and the job's
   ``fedmq.<job>.*`` queues, publish the job's ``global``/``control``/``model``/``announce``/``grant`` keys
   and bind only the job's keys.
@@ -82,6 +88,55 @@ def agent_permissions(job: str, client: str) -> Permissions:
         topic_write=rf"^job\.{j}\.(report|update|presence)\.{c}$",
         topic_read=rf"^job\.{j}\.((global|control)|(announce|grant)\.{c})$",
     )
+
+
+def host_permissions(job: str, host: str) -> Permissions:
+    """One host of one job: its own queues, the model stream (read only), and the keys of its clients
+    ``<host>-<n>`` (topology.host_client) and its own presence."""
+    j, h = re.escape(t.check_name("job id", job)), re.escape(t.check_host(host))
+    own = rf"fedmq\.{j}\.agent\.{h}\.(latest|control)"
+    models = rf"fedmq\.{j}\.models"
+    ex = re.escape(t.exchange(job))
+    return Permissions(
+        exchange=t.exchange(job),
+        configure=rf"^{own}$",
+        write=rf"^({ex}|{own})$",
+        read=rf"^({ex}|{own}|{models})$",
+        topic_write=rf"^job\.{j}\.((report|update|presence)\.{h}-(0|[1-9][0-9]*)|presence\.{h})$",
+        topic_read=rf"^job\.{j}\.((global|control)|(announce|grant)\.{h})$",
+    )
+
+
+HOST_PREFIX = "h"  # `--hosts N` provisions hosts h0 … hN-1, the ids `agent run --host-from-hostname` takes
+
+
+def host_ids(spec: str) -> list[str]:
+    """``--hosts``: a count N (hosts ``h0`` … ``hN-1``) or host ids, comma separated; ValueError."""
+    spec = spec.strip()
+    if spec.isdigit():
+        if int(spec) < 1:
+            raise ValueError(f"want at least 1 host, got {spec}")
+        return [f"{HOST_PREFIX}{i}" for i in range(int(spec))]
+    hosts = [t.check_host(h.strip()) for h in spec.split(",")]
+    if len(set(hosts)) != len(hosts):
+        raise ValueError(f"{spec!r} names a host twice")
+    return hosts
+
+
+def check_hosts(hosts: list[str] | tuple[str, ...], agents: list[str] | tuple[str, ...]) -> None:
+    """Refuse a host whose clients ``<host>-<n>`` would be one-client agents' ids: its user could speak for
+    them. ``agent`` is always refused (`broker provision --agents` names agents ``agent-<i>``)."""
+    for host in hosts:
+        try:
+            t.check_host(host)
+        except ValueError as exc:
+            raise BrokerError(str(exc)) from None
+        clash = [a for a in agents if t.host_of(a) == host and a.partition("-")[2].isdigit()]
+        if host == "agent" or clash:
+            raise BrokerError(
+                f"host id {host!r} is refused: its clients {host}-<n> would be one-client agents' ids "
+                f"({clash[0] if clash else 'agent-<i>'}): choose another"
+            )
 
 
 def aggregator_permissions(job: str) -> Permissions:
@@ -301,6 +356,7 @@ def provision(
     vhost: str,
     job: str,
     agents: list[str],
+    hosts: list[str] | tuple[str, ...] = (),
     admin: Admin | None = None,
     remove_guest: bool = False,
     passwords: dict[str, str] | None = None,
@@ -308,10 +364,11 @@ def provision(
 ) -> dict[str, Any]:
     """Create the vhost and the job's users with their permissions; returns the credentials.
 
-    ``{"vhost", "job", "aggregator": {"username", "password", "url"}, "agents": {client id: {...}}}``. Users
-    are per job (``topology.agent_user``/``aggregator_user``) and so are their permissions: provisioning one
-    job never touches another job's users, and no user of one job can read, write or delete anything of
-    another. ``passwords`` (user -> password) keeps existing passwords instead of generating new ones.
+    ``{"vhost", "job", "aggregator": {"username", "password", "url"}, "agents": {client id: {...}},
+    "hosts": {host id: {...}}}``. Users are per job (``topology.agent_user``, ``host_user``,
+    ``aggregator_user``) and so are their permissions: provisioning one job never touches another job's
+    users, and no user of one job can read, write or delete anything of another. ``passwords``
+    (user -> password) keeps existing passwords instead of generating new ones.
     """
     try:
         t.check_name("vhost", vhost)
@@ -321,40 +378,50 @@ def provision(
     except ValueError as exc:
         raise BrokerError(str(exc)) from None
     check_job_id(job)
+    check_hosts(hosts, agents)
     aggregator_user = aggregator_user or t.aggregator_user(job)
     users = [
-        (None, aggregator_user, aggregator_permissions(job)),
-        *[(a, t.agent_user(job, a), agent_permissions(job, a)) for a in agents],
+        ("aggregator", None, aggregator_user, aggregator_permissions(job)),
+        *[("agents", a, t.agent_user(job, a), agent_permissions(job, a)) for a in agents],
+        *[("hosts", h, t.host_user(job, h), host_permissions(job, h)) for h in hosts],
     ]
-    if len({u for _, u, _ in users}) != len(users):
-        raise BrokerError("agent ids must be unique and differ from the aggregator user")
+    if len({u for _, _, u, _ in users}) != len(users) or set(agents) & set(hosts):
+        raise BrokerError("agent and host ids must be unique and differ from the aggregator user")
     admin = admin or admin_for(url)
     passwords = dict(passwords or {})
     admin.add_vhost(vhost)
-    creds: dict[str, Any] = {"vhost": vhost, "job": job, "aggregator": None, "agents": {}}
-    for client, user, perms in users:
+    creds: dict[str, Any] = {"vhost": vhost, "job": job, "aggregator": None, "agents": {}, "hosts": {}}
+    for kind, name, user, perms in users:
         password = passwords.get(user) or secrets.token_hex(
             24
         )  # hex: a password starting with "-" would read as an option to rabbitmqctl
         admin.put_user(user, password)
         admin.set_permissions(vhost, user, perms)
         entry = {"username": user, "password": password, "url": user_url(url, vhost, user, password)}
-        if client is None:
-            creds["aggregator"] = entry
+        if name is None:
+            creds[kind] = entry
         else:
-            creds["agents"][client] = entry
+            creds[kind][name] = entry
     if remove_guest:
         admin.delete_user("guest")
-    log.info("provisioned broker users", vhost=vhost, agents=len(agents), removed_guest=remove_guest)
+    log.info(
+        "provisioned broker users",
+        vhost=vhost,
+        agents=len(agents),
+        hosts=len(hosts),
+        removed_guest=remove_guest,
+    )
     return creds
 
 
 def secret_manifests(creds: dict[str, Any], namespace: str = "fedmq") -> str:
-    """Kubernetes Secrets (one per agent, ``fedmq-agent-<id>``,
-    plus ``fedmq-aggregator``) as multi-doc YAML."""
+    """Kubernetes Secrets (one per agent, ``fedmq-agent-<id>``, one per host, ``fedmq-host-<id>``, plus
+    ``fedmq-aggregator``) as multi-doc YAML."""
     docs = []
-    entries = [("fedmq-aggregator", creds["aggregator"])] + [
-        (f"fedmq-agent-{a}", e) for a, e in creds["agents"].items()
+    entries = [
+        ("fedmq-aggregator", creds["aggregator"]),
+        *[(f"fedmq-agent-{a}", e) for a, e in creds["agents"].items()],
+        *[(f"fedmq-host-{h}", e) for h, e in (creds.get("hosts") or {}).items()],
     ]
     for name, e in entries:
         data = "\n".join(f"  {k}: {json.dumps(e[k])}" for k in ("username", "password", "url"))
@@ -375,6 +442,7 @@ def provision_cli(
     credentials_out: Path | None,
     namespace: str,
     remove_guest: bool,
+    hosts: list[str] | tuple[str, ...] = (),
 ) -> None:
     """The `fedmq broker provision` command: agents are named agent-0 … agent-N-1."""
     import sys
@@ -384,13 +452,14 @@ def provision_cli(
     except ValueError as exc:
         raise BrokerError(str(exc)) from None
     check_job_id(job)
-    if agents < 1:
-        raise BrokerError(f"--agents must be at least 1, got {agents}")
+    if agents < 0 or (agents == 0 and not hosts):
+        raise BrokerError(f"--agents must be at least 1 (or give --hosts), got {agents}")
     old: dict[str, str] = {}
     if credentials_out is not None and Path(credentials_out).is_file():
         try:
             prev = json.loads(Path(credentials_out).read_text())
-            for e in [prev.get("aggregator") or {}, *(prev.get("agents") or {}).values()]:
+            entries = [prev.get("aggregator") or {}, *(prev.get("agents") or {}).values()]
+            for e in [*entries, *(prev.get("hosts") or {}).values()]:
                 if e.get("username") and e.get("password"):
                     old[e["username"]] = e["password"]
         except (OSError, ValueError, AttributeError):
@@ -400,6 +469,7 @@ def provision_cli(
         vhost=vhost,
         job=job,
         agents=[f"agent-{i}" for i in range(agents)],
+        hosts=hosts,
         remove_guest=remove_guest,
         passwords=old,
     )
@@ -466,7 +536,8 @@ def check(url: str, job: str | None = None) -> dict[str, Any]:
 
 
 def purge(url: str, job: str, agents: list[str] | tuple[str, ...] = ()) -> list[str]:
-    """Delete the job's inbox, model stream and the given agents' queues; the names deleted."""
+    """Delete the job's inbox, model stream and the given agents' (or hosts': their queues are named alike)
+    queues; the names deleted."""
     import pika
     import pika.exceptions as pe
 

@@ -93,6 +93,24 @@ def host_of(client: str) -> str:
     return host if sep and _HOST.match(host) else ""
 
 
+def parse_clients(text: str) -> list[tuple[int, int]]:
+    """A host's client numbers, ``0-2499,5000,6000-6099`` (numbers and inclusive ranges), as sorted [start,
+    stop) ranges; ValueError (one line) for anything else or for overlapping parts."""
+    ranges = []
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"bad client numbers {part.strip()!r}: want N or N-M, comma separated")
+        start, stop = int(lo), int(hi) + 1 if sep else int(lo) + 1
+        if stop <= start:
+            raise ValueError(f"bad client numbers {part.strip()!r}: the range is empty")
+        ranges.append((start, stop))
+    ranges.sort()
+    if any(a[1] > b[0] for a, b in zip(ranges, ranges[1:])):
+        raise ValueError(f"client numbers {text!r} overlap")
+    return ranges
+
+
 def host_user(job: str, host: str) -> str:
     """The broker user of a host: it speaks for every client ``<host>-<n>`` it serves. Two dots, so it is
     never a one-client agent's user (``<job>.<client>``: ids hold no '.')."""

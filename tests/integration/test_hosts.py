@@ -17,7 +17,7 @@ from fedmq.aggregator.engine import Engine
 from fedmq.broker.transport import topology
 from fedmq.broker.transport.connect import connect
 from fedmq.broker.wire import messages
-from fedmq.client_agent.host import Host, parse_clients
+from fedmq.client_agent.host import Host
 
 HOSTS = {"h0": [(0, 4)], "h1": [(4, 8)]}
 
@@ -55,6 +55,8 @@ def test_two_hosts_run_a_population_and_speak_only_for_their_own_clients(tiny_lm
             broker = connect(url, user=topology.host_user(job, "h0"))
             broker.publish(topology.rk_report(job, env.client), messages.encode(env), message_id=env.msg_id)
             broker.close()
+            # a third host serving client number 2, which h0 serves: the same shard twice
+            _publish(url, topology.host_user(job, "h7"), messages.host_presence(job, "h7", "online", [(2, 3)]))
 
     run_dir = tmp_path / "run"
     broker = connect(url, user=topology.AGGREGATOR_USER)
@@ -89,6 +91,7 @@ def test_two_hosts_run_a_population_and_speak_only_for_their_own_clients(tiny_lm
     assert engine.hosted["h1-5"] == "h1"  # so h0's report for it was a forgery, not an unknown client
     assert engine.inbox.rejected["identity-mismatch"] == 2
     assert engine.inbox.dropped["roster-past-population"] >= 1
+    assert engine.inbox.dropped["clients-served-twice"] == 1 and "h7-2" not in engine.hosted
     rows = engine.runlog.rows()
     every = {f"h0-{n}" for n in range(4)} | {f"h1-{n}" for n in range(4, 8)}
     for row in rows:
@@ -100,10 +103,10 @@ def test_two_hosts_run_a_population_and_speak_only_for_their_own_clients(tiny_lm
 
 
 def test_client_numbers_parse_to_ranges_and_bad_ones_are_one_line():
-    assert parse_clients("0-2499,5000,6000-6099") == [(0, 2500), (5000, 5001), (6000, 6100)]
+    assert topology.parse_clients("0-2499,5000,6000-6099") == [(0, 2500), (5000, 5001), (6000, 6100)]
     for bad, why in (("3-1", "empty"), ("a", "want N"), ("0-5,4", "overlap"), ("", "want N")):
         with pytest.raises(ValueError, match=why):
-            parse_clients(bad)
+            topology.parse_clients(bad)
 
 
 def test_a_simulated_population_has_no_thread_per_client_and_two_queues(tiny_lm, tmp_path):
