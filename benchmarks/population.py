@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from fedmq.benchmarks.flower import Run, run_fedmq
+from fedmq.benchmarks.flower import Run, period_median, run_fedmq
 from fedmq.benchmarks.load import TINY_TASK, _toml
 
 
@@ -83,6 +83,7 @@ def services_row(
     (work / "job.toml").write_text(_toml(cfg, {**task, "clients": clients}))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     fedmq = str(Path(sys.executable).parent / "fedmq")
+    _, memory_before = _broker_facts(job)
     common = ["--broker", url, "--config", str(work / "job.toml"), "--log-level", "warning"]
     procs = [
         subprocess.Popen(
@@ -102,6 +103,8 @@ def services_row(
                     "agent",
                     "run",
                     *common,
+                    "--job",
+                    job,
                     "--host",
                     f"h{h}",
                     "--clients",
@@ -146,6 +149,8 @@ def services_row(
         "duplicated": len(folded) - len(set(folded)),
         "queues": peak_queues or None,
         "rabbitmq_memory_mb": peak_memory / 2**20 if peak_memory else None,
+        "rabbitmq_memory_before_mb": memory_before / 2**20 if memory_before else None,
+        "s_per_round": period_median([m.time for m in metrics if m.time is not None]),
         "exit_codes": [p.returncode for p in procs],
         "wall_s": time.time() - t0,
     }
@@ -169,13 +174,19 @@ def format_table(runs: list[Run], services: dict[str, Any] | None) -> str:
         )
     if services:
         s = services
-        mem = f"{s['rabbitmq_memory_mb']:.0f} MB" if s["rabbitmq_memory_mb"] else "not measured"
+        mem = (
+            f"{s['rabbitmq_memory_mb']:.0f} MB (the node's RSS; "
+            f"{s['rabbitmq_memory_before_mb']:.0f} MB before)"
+            if s["rabbitmq_memory_mb"] and s["rabbitmq_memory_before_mb"]
+            else "not measured"
+        )
+        per = f"{s['s_per_round']:.2f} s/round" if s["s_per_round"] else "s/round not measured"
         lines += [
             "",
             f"RabbitMQ: {s['clients']:,} clients in {s['hosts']} agent processes: {s['rounds']} rounds "
             "completed, "
             f"{s['confirmed']} uploads confirmed, {s['folded']} folded, {s['lost']} lost, {s['duplicated']} "
             f"duplicated; the job's queues at most {s['queues']}; RabbitMQ's memory at most {mem}; "
-            f"exit codes {s['exit_codes']}; {s['wall_s']:.0f} s in all",
+            f"{per}; exit codes {s['exit_codes']}; {s['wall_s']:.0f} s in all",
         ]
     return "\n".join(lines)

@@ -1,14 +1,15 @@
-"""`fedmq simulate`: an aggregator and K agents in one process, over the in-process broker or RabbitMQ.
+"""`fedmq simulate`: an aggregator and K clients in one process, over the in-process broker or RabbitMQ.
 
-Simulated clients are light: every agent is a real broker client (its own connection, presence, queues), but
-the models they train on come from one TrainerPool of ``trainers`` models, and what an algorithm keeps per
-client between rounds lives on disk under the run folder (client_agent.state.DiskStore). Memory is then
-O(trainers × model + selected clients' encoded updates), not O(K × model). With ``cohort`` the pool trains a
-round's selected clients together (a model each, O(selected × model); one batched run on the device). A
-cohort's agents report when the last of them has trained, so the round's report deadline -- set for one
-client's local training -- is given to each of the m selected clients, as if they trained in turn
-(m × report_deadline_s: the cohort's worst case, a CPU or a cohort trained in parts); without faults a round
-never waits for a deadline.
+Simulated clients are virtual: one host (client_agent.host.Host, ``agent``: clients agent-0 … agent-(K−1))
+serves them all over one broker connection, and a client has a thread only while it takes part in a round. The
+models they train on come from one TrainerPool of ``trainers`` models, and what an algorithm keeps per client
+between rounds lives on disk under the run folder (client_agent.state.DiskStore). Memory is then O(trainers ×
+model + selected clients' encoded updates) plus a few hundred bytes a client, not O(K × model). With
+``cohort`` the pool trains a round's selected clients together (a model each, O(selected × model); one batched
+run on the device). A cohort's agents report when the last of them has trained, so the round's report deadline
+-- set for one client's local training -- is given to each of the m selected clients, as if they trained in
+turn (m × report_deadline_s: the cohort's worst case, a CPU or a cohort trained in parts); without faults a
+round never waits for a deadline.
 """
 
 from __future__ import annotations

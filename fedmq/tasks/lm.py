@@ -13,6 +13,7 @@ contiguous equal parts (each client holds a few words).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,8 +143,7 @@ class LanguageModelTask(Task):
         bptt = self.bptt
 
         n_windows = batches.num_windows(bptt)
-
-        counts = batches.window_targets(bptt)
+        counts: dict[int, int] = {}  # real targets of a window, counted on the CPU when first reached
         on_device: dict[torch.device, StreamBatches] = {}
 
         def epoch(
@@ -152,12 +152,16 @@ class LanguageModelTask(Task):
             hidden = m.init_hidden(batches.inputs.size(1), device)
             if device not in on_device:
                 on_device[device] = batches.to(device)
-            windows = list(zip(on_device[device].windows(bptt), counts))
+            here = on_device[device]
             # a run capped by max_steps covers only part of the shard: start it at a seeded window (the
             # agent's seed differs per round) so successive rounds see the whole shard,
-            # not always its beginning
+            # not always its beginning; windows are cut as they are reached (one step needs one)
             start = int(torch.randint(n_windows, (1,), generator=gen)) if cfg.max_steps and n_windows else 0
-            for i, ((x, y, mask), n) in enumerate(windows[start:] + windows[:start]):
+            for i, w in enumerate(itertools.chain(range(start, n_windows), range(start))):
+                x, y, mask = here.window(w, bptt)
+                if w not in counts:
+                    counts[w] = int(batches.window(w, bptt)[2].sum())
+                n = counts[w]
                 if start and i == n_windows - start:
                     hidden = m.init_hidden(batches.inputs.size(1), device)  # wrapped to the shard's start
                 hidden = detach_hidden(hidden)

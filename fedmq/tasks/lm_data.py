@@ -241,9 +241,13 @@ class StreamBatches:
 
     def windows(self, bptt: int):
         """(inputs, targets, mask) slices of at most ``bptt`` time steps, in order."""
-        for start in range(0, self.inputs.size(0), bptt):
-            end = start + bptt
-            yield self.inputs[start:end], self.targets[start:end], self.mask[start:end]
+        for i in range(self.num_windows(bptt)):
+            yield self.window(i, bptt)
+
+    def window(self, i: int, bptt: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Window ``i`` of ``windows(bptt)``."""
+        start, end = i * bptt, (i + 1) * bptt
+        return self.inputs[start:end], self.targets[start:end], self.mask[start:end]
 
     def num_windows(self, bptt: int) -> int:
         return -(-self.inputs.size(0) // bptt)
