@@ -247,7 +247,7 @@ def test_natural_partition_by_docid(corpus_dir):
         (dict(bptt=0), "bptt"),
         (dict(vocab_size=2), "vocab-size"),
         (dict(partition="natural"), "needs documents"),
-        (dict(clients=1000), r"lower clients \(--clients\)"),
+        (dict(clients=10**6), r"a token each: .*lower clients \(--clients\)"),
         (dict(clients="8"), "whole number"),
         (dict(colour="red"), "no option colour"),
     ],
@@ -258,6 +258,22 @@ def test_bad_options_raise_one_line_task_errors(corpus_dir, options, match):
     with pytest.raises(TaskError, match=match) as info:
         make_task("lm", **opts)
     assert "\n" not in str(info.value)
+
+
+def test_more_clients_than_lines_split_the_shuffled_token_stream(corpus_dir):
+    """A population past the corpus's lines (a cross-device study): each client holds a few words, the
+    clients' words together are every training word once, and the split is seeded."""
+    few = make_task("lm", data=str(corpus_dir), model="gru-small", clients=2, **TINY)
+    lines = len(few.corpus.lines["train"])
+    k = lines * 3
+    task = make_task("lm", data=str(corpus_dir), model="gru-small", clients=k, **TINY)
+    parts = [task.client_ids(c) for c in range(k)]
+    assert task.num_clients == k and min(len(p) for p in parts) >= 1
+    stream = torch.cat(parts)
+    every = task.vocab.encode_lines(task.corpus.lines["train"])
+    assert len(stream) == len(every) and sorted(stream.tolist()) == sorted(every.tolist())
+    again = make_task("lm", data=str(corpus_dir), model="gru-small", clients=k, **TINY)
+    assert torch.equal(torch.cat([again.client_ids(c) for c in range(k)]), stream)
 
 
 def test_folder_without_corpus_files(tmp_path):
