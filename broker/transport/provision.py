@@ -76,25 +76,22 @@ class Permissions:
 
 def agent_permissions(job: str, client: str) -> Permissions:
     """One client of one job: its own queues, the job's model stream (read only), its own routing keys."""
-    j, c = re.escape(t.check_name("job id", job)), re.escape(t.check_name("client id", client))
-    own = rf"fedmq\.{j}\.agent\.{c}\.(latest|control)"
-    models = rf"fedmq\.{j}\.models"  # the model stream: read only (consuming a stream removes nothing)
-    ex = re.escape(t.exchange(job))
-    return Permissions(
-        exchange=t.exchange(job),
-        configure=rf"^{own}$",
-        write=rf"^({ex}|{own})$",
-        read=rf"^({ex}|{own}|{models})$",
-        topic_write=rf"^job\.{j}\.(report|update|presence)\.{c}$",
-        topic_read=rf"^job\.{j}\.((global|control)|(announce|grant)\.{c})$",
-    )
+    c = re.escape(t.check_name("client id", client))
+    return _owner_permissions(job, client, rf"(report|update|presence)\.{c}")
 
 
 def host_permissions(job: str, host: str) -> Permissions:
     """One host of one job: its own queues, the model stream (read only), and the keys of its clients
     ``<host>-<n>`` (topology.host_client) and its own presence."""
-    j, h = re.escape(t.check_name("job id", job)), re.escape(t.check_host(host))
-    own = rf"fedmq\.{j}\.agent\.{h}\.(latest|control)"
+    h = re.escape(t.check_host(host))
+    return _owner_permissions(job, host, rf"((report|update|presence)\.{h}-(0|[1-9][0-9]*)|presence\.{h})")
+
+
+def _owner_permissions(job: str, owner: str, writes: str) -> Permissions:
+    """The queues ``owner`` (a client or a host) declares and reads, the model stream (read only: consuming
+    a stream removes nothing), the announcements and grants routed to it, and the topic keys ``writes``."""
+    j, o = re.escape(t.check_name("job id", job)), re.escape(owner)
+    own = rf"fedmq\.{j}\.agent\.{o}\.(latest|control)"
     models = rf"fedmq\.{j}\.models"
     ex = re.escape(t.exchange(job))
     return Permissions(
@@ -102,8 +99,8 @@ def host_permissions(job: str, host: str) -> Permissions:
         configure=rf"^{own}$",
         write=rf"^({ex}|{own})$",
         read=rf"^({ex}|{own}|{models})$",
-        topic_write=rf"^job\.{j}\.((report|update|presence)\.{h}-(0|[1-9][0-9]*)|presence\.{h})$",
-        topic_read=rf"^job\.{j}\.((global|control)|(announce|grant)\.{h})$",
+        topic_write=rf"^job\.{j}\.{writes}$",
+        topic_read=rf"^job\.{j}\.((global|control)|(announce|grant)\.{o})$",
     )
 
 
