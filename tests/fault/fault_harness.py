@@ -84,7 +84,7 @@ def wait_for(pred: Callable[[], bool], timeout: float, what: str, poll: float = 
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-def delete_job_queues(url: str, job: str, clients: int) -> None:
+def delete_job_queues(url: str, job: str, clients: int, hosts: int = 0) -> None:
     """Remove the job's queues from a broker (tests on the shared broker leave nothing behind)."""
     import pika
 
@@ -97,9 +97,8 @@ def delete_job_queues(url: str, job: str, clients: int) -> None:
     try:
         ch = conn.channel()
         names = [t.q_inbox(job), t.q_dead(job), t.q_models(job)]
-        names += [
-            q for i in range(clients) for q in (t.q_latest(job, f"agent-{i}"), t.q_control(job, f"agent-{i}"))
-        ]
+        owners = [f"h{h}" for h in range(hosts)] or [f"agent-{i}" for i in range(clients)]
+        names += [q for o in owners for q in (t.q_latest(job, o), t.q_control(job, o))]
         for name in names:
             ch.queue_delete(name)
     finally:
@@ -144,6 +143,7 @@ class Federation:
         default_factory=dict
     )  # e.g. FEDMQ_CHUNK_LIMIT / FEDMQ_HEARTBEAT for agents
     task: dict[str, Any] = field(default_factory=lambda: dict(TINY_TASK))  # the job file's [task] table
+    hosts: int = 0  # > 0: the clients are served by this many host processes (h0, h1, …), not one each
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     restarts: int = 0
 
@@ -244,10 +244,38 @@ class Federation:
             args += ["--faults", self.agent_faults[i]]
         return self._spawn(f"agent-{i}", args, self.agent_env)
 
+    def start_host(self, h: int) -> subprocess.Popen:
+        """Host h{h}, serving its share of the clients (``agent_faults[h]`` applies to all of them)."""
+        per = -(-self.clients // self.hosts)
+        lo, hi = h * per, min((h + 1) * per, self.clients)
+        args = [
+            "agent",
+            "run",
+            "--broker",
+            self.url,
+            "--job",
+            self.job,
+            "--host",
+            f"h{h}",
+            "--clients",
+            f"{lo}-{hi - 1}",
+            "--config",
+            str(self.config),
+            "--device",
+            "cpu",
+            "--audit-log",
+            str(self.audit_dir / f"host-h{h}.jsonl"),
+            "--log-level",
+            "info",
+        ]
+        if self.agent_faults.get(h):
+            args += ["--faults", self.agent_faults[h]]
+        return self._spawn(f"host-h{h}", args, self.agent_env)
+
     def start(self) -> Federation:
         self.start_aggregator()
-        for i in range(self.clients):
-            self.start_agent(i)
+        for i in range(self.hosts or self.clients):
+            (self.start_host if self.hosts else self.start_agent)(i)
         return self
 
     def kill9(self, name: str) -> None:
@@ -323,7 +351,7 @@ class Federation:
     # ------------------------------------------------------------------ the audit
     def confirmed(self) -> set[tuple[int, str]]:
         found = set()
-        for p in self.audit_dir.glob("agent-*.jsonl"):
+        for p in self.audit_dir.glob("*.jsonl"):
             for line in p.read_text().splitlines():
                 if line.strip():
                     rec = json.loads(line)

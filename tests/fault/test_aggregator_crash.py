@@ -44,6 +44,35 @@ def test_aggregator_kill9_mid_round_then_restart_loses_and_doubles_nothing(feder
     _assert_clean(fed, 4)
 
 
+def test_aggregator_kill9_mid_round_with_hosts_loses_and_doubles_nothing(tmp_path, rabbit_url, job_id):
+    """Six clients served by two host processes: the restarted aggregator knows who serves the open round's
+    clients from its spool (their hosts' next beats come later) and every confirmed upload is folded once."""
+    fed = Federation(
+        tmp_path / "fed",
+        rabbit_url,
+        job_id,
+        clients=6,
+        rounds=4,
+        hosts=2,
+        job_options={"fraction": 0.5},
+        agent_faults={1: "slow:1.0:2"},
+    )
+    try:
+        fed.start()
+        wait_for(lambda: fed.round_open(2) and fed.spooled_updates(2) >= 1, 90, "round 2 part spooled")
+        fed.kill9("agg")
+        fed.start_aggregator("agg2")
+        summary = fed.wait_aggregator("agg2", timeout=120)
+        assert summary["rounds_completed"] == 4 and summary["version"] == 4
+        assert fed.agg_events("resuming open round"), "the restart did not resume the open round"
+        # the same two host processes served the whole job, and left when it ended
+        assert [fed.procs[f"host-h{h}"].wait(timeout=30) for h in range(2)] == [0, 0]
+        _assert_clean(fed, 4)
+    finally:
+        fed.stop_all()
+        delete_job_queues(rabbit_url, job_id, fed.clients, hosts=2)
+
+
 def test_hot_standby_takes_over_from_the_checkpoint_and_spool(federation):
     fed = federation
     fed.start_aggregator("agg")
