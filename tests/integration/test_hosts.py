@@ -56,7 +56,8 @@ def test_two_hosts_run_a_population_and_speak_only_for_their_own_clients(tiny_lm
             broker.publish(topology.rk_report(job, env.client), messages.encode(env), message_id=env.msg_id)
             broker.close()
             # a third host serving client number 2, which h0 serves: the same shard twice
-            _publish(url, topology.host_user(job, "h7"), messages.host_presence(job, "h7", "online", [(2, 3)]))
+            h7 = messages.host_presence(job, "h7", "online", [(2, 3)])
+            _publish(url, topology.host_user(job, "h7"), h7)
 
     run_dir = tmp_path / "run"
     broker = connect(url, user=topology.AGGREGATOR_USER)
