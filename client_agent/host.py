@@ -41,6 +41,8 @@ from fedmq.tasks.base import Task
 log = structlog.get_logger(__name__)
 
 Ranges = Sequence[tuple[int, int]]
+ASYNC_SESSIONS = 64  # asynchronous rounds: a host's clients training at once (the others take turns)
+NEVER = messages.NO_VERSION - 1  # "trained from" a client that has not trained
 
 
 class _Link(Broker):
@@ -160,6 +162,11 @@ class Host:
         self._waiting: dict[str, Envelope] = {}  # the newest announce that selected a client while down
         self._sessions: dict[str, tuple[Agent, _Events, threading.Thread]] = {}
         self._async_newest: Envelope | None = None
+        # asynchronous rounds: the version each client last trained from, where the round robin of free
+        # sessions looks next, and the version for which it found nobody left to train
+        self._trained: dict[str, int] = {}
+        self._turn = 0
+        self._exhausted = NEVER
         self._lock = threading.Lock()
         self._broker: Broker | None = None
 
@@ -286,11 +293,36 @@ class Host:
             for client in env.payload["selected"]:
                 if self.number(client) is not None:
                     self._offer(client, env, delivery)
-        else:  # asynchronous: every client of ours that is up trains on the newest version
-            self._async_newest = env
-            for lo, hi in self.ranges:
-                for n in range(lo, hi):
-                    self._offer(topology.host_client(self.host, n), env, delivery)
+        else:  # asynchronous: every client of ours that is up trains on the newest version, in turns
+            with self._lock:
+                self._async_newest = env
+                self._async_fill()
+
+    def _async_fill(self) -> None:
+        """Give free sessions (ASYNC_SESSIONS in all) to clients that have not trained from the newest
+        version, round robin over the host's clients (the caller holds the lock). A client whose turn comes
+        after a newer version is announced trains from that one."""
+        newest = self._async_newest
+        if newest is None or self.stop.is_set() or self._exhausted >= newest.model_version:
+            return
+        total = self.count()
+        for _ in range(total):
+            if len(self._sessions) >= ASYNC_SESSIONS:
+                return
+            client = self._nth(self._turn)
+            self._turn = (self._turn + 1) % total
+            if client not in self._sessions and client not in self._down:
+                if self._trained.get(client, NEVER) < newest.model_version:
+                    self._start(client, newest)
+        self._exhausted = newest.model_version  # a whole turn found nobody left: wait for a newer version
+
+    def _nth(self, i: int) -> str:
+        """The i-th of the host's clients, in the order of its ranges."""
+        for lo, hi in self.ranges:
+            if i < hi - lo:
+                return topology.host_client(self.host, lo + i)
+            i -= hi - lo
+        raise IndexError(i)
 
     def _offer(self, client: str, env: Envelope, delivery: Delivery) -> None:
         """Hand an announcement to ``client``: its session if it has one, else a new session (or, while it
@@ -359,10 +391,12 @@ class Host:
                         self._waiting[client] = newer[-1]
                 elif newer and not self.stop.is_set():
                     self._start(client, newer[-1])
-                else:
+                elif env.payload["mode"] == "async":
+                    self._trained[client] = env.model_version
                     newest = self._async_newest
-                    if newest and newest.model_version > env.model_version and not self.stop.is_set():
-                        self._start(client, newest)  # asynchronous: a newer version came meanwhile
+                    if newest is not None and env.model_version < newest.model_version:
+                        self._exhausted = NEVER  # it is free and has not trained from the newest
+                self._async_fill()  # a session is free: asynchronous rounds give the next client its turn
 
     def _fail(self, client: str, exc: BaseException) -> None:
         if self.failure is None:
@@ -374,6 +408,8 @@ class Host:
         now = time.monotonic()
         with self._lock:
             due = [c for c, at in self._down.items() if at <= now]
+            if due:
+                self._exhausted = NEVER  # clients back: the next turn looks at them too
             for client in due:
                 del self._down[client]
                 version = self._holds.get(client, messages.NO_VERSION)
@@ -382,9 +418,10 @@ class Host:
                 self._broker.publish(
                     topology.rk_presence(self.job, client), messages.encode(env), message_id=env.msg_id
                 )
-                waiting = self._waiting.pop(client, None) or self._async_newest
+                waiting = self._waiting.pop(client, None)
                 if waiting is not None:
                     self._start(client, waiting)
+            self._async_fill()
 
     def _end_sessions(self) -> None:
         """Stop every session (the job ended, or the host is stopping) and wait for them briefly."""

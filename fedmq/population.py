@@ -3,7 +3,8 @@
 Simulated clients are virtual (client_agent.host): one that is not selected has no thread and costs
 CLIENT_BYTES (the aggregator's presence entry and its host's, the run's per-round client lists: the growth of
 a run's peak RSS from K = 1,000 to 100,000, rounded up). A client in a round runs in a session thread of its
-own: the m selected of a synchronous round, and in asynchronous mode every client online, each version.
+own: the m selected of a synchronous round, and in asynchronous mode at most client_agent.host.ASYNC_SESSIONS
+at once (the others take turns).
 Each thread costs one task slot (kernel.threads-max, RLIMIT_NPROC, the cgroup's pids.max), two memory maps
 (its stack and the stack's guard page, against vm.max_map_count) and the part of its stack it touches. A
 run past any of those would fail to start threads half-way (MemoryError); ``check_population`` refuses it at
@@ -99,7 +100,7 @@ def limits(sessions_per_client: float = 1.0) -> list[tuple[int, str]]:
 
 def check_population(clients: int, sessions: int | None = None) -> None:
     """Refuse (PopulationTooLarge, one line) a population the host cannot hold when ``sessions`` of its
-    clients (default: all of them, as asynchronous rounds do) are in a round at once."""
+    clients (default: all of them) are in a round at once."""
     at_once = clients if sessions is None else min(sessions, clients)
     bound = limits(at_once / max(clients, 1))
     if bound and clients > bound[0][0]:

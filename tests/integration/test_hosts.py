@@ -145,3 +145,39 @@ def test_a_simulated_population_has_no_thread_per_client_and_two_queues(tiny_lm,
     rows = sim.engine.runlog.rows()
     assert all(r.online_count == 5000 and r.online == () for r in rows)  # a count, not 5,000 names a row
     assert {c for r in rows for c in r.received} == {c for c, log in sim.agent_logs.items() if log.uploads}
+
+
+def test_asynchronous_rounds_take_turns_past_the_sessions_a_host_runs_at_once(tiny_lm, tmp_path):
+    """Asynchronous mode trains every client online, each version: past ASYNC_SESSIONS a host's clients take
+    turns (a thread each only while training), so 200 clients run with at most 64 sessions, and every
+    version is folded from the updates that arrive."""
+    from fedmq.client_agent.host import ASYNC_SESSIONS
+    from fedmq.simulation import Simulation
+
+    threads: list[int] = []
+    cfg = JobConfig(
+        encoding="raw",
+        down_encoding="raw",
+        job="turns",
+        strategy="async",
+        rounds=3,
+        clients=200,
+        async_k=20,
+        lr=1.0,
+        max_steps=1,
+        batch_size=2,
+        heartbeat_s=0.5,
+        join_timeout_s=20,
+    )
+    sim = Simulation(
+        cfg,
+        tiny_lm(200),
+        f"memory://turns-{time.monotonic_ns()}",
+        run_dir=tmp_path / "run",
+        on_round=lambda row: threads.append(threading.active_count()),
+    )
+    summary = sim.run()
+    assert summary["version"] == 3
+    assert max(threads) < ASYNC_SESSIONS + 30, threads
+    trained = [c for c, log in sim.agent_logs.items() if log.uploads]
+    assert len(trained) >= 3 * 20 // 2  # the turns went round: many clients, not the same few
