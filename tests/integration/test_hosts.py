@@ -22,6 +22,12 @@ from fedmq.client_agent.host import Host
 HOSTS = {"h0": [(0, 4)], "h1": [(4, 8)]}
 
 
+def _job(job: str, **settings) -> JobConfig:
+    """A small job of three rounds, raw encodings, one local step of batch 2 unless ``settings`` say else."""
+    base = dict(encoding="raw", down_encoding="raw", strategy="fedavg", rounds=3, max_steps=1, batch_size=2)
+    return JobConfig(job=job, heartbeat_s=0.5, join_timeout_s=20, **{**base, **settings})
+
+
 def _publish(url: str, user: str, env) -> None:
     broker = connect(url, user=user)
     try:
@@ -34,20 +40,7 @@ def test_two_hosts_run_a_population_and_speak_only_for_their_own_clients(tiny_lm
     job = "hosts"
     url = f"memory://{job}-{time.monotonic_ns()}"
     task = tiny_lm(8)
-    cfg = JobConfig(
-        encoding="raw",
-        down_encoding="raw",
-        job=job,
-        strategy="fedavg",
-        rounds=3,
-        clients=8,
-        fraction=0.5,
-        lr=5.0,
-        max_steps=2,
-        batch_size=4,
-        heartbeat_s=0.5,
-        join_timeout_s=20,
-    )
+    cfg = _job(job, clients=8, fraction=0.5, lr=5.0, max_steps=2, batch_size=4)
 
     def h0_speaks_for_h1(row: dict) -> None:  # once both hosts are known: h0 reports for h1's client
         if row["round"] == 1:
@@ -117,20 +110,7 @@ def test_a_simulated_population_has_no_thread_per_client_and_two_queues(tiny_lm,
     from fedmq.simulation import Simulation
 
     threads: list[int] = []
-    cfg = JobConfig(
-        encoding="raw",
-        down_encoding="raw",
-        job="many",
-        strategy="fedavg",
-        rounds=3,
-        clients=5000,
-        fraction=0.001,
-        lr=5.0,
-        max_steps=1,
-        batch_size=2,
-        heartbeat_s=0.5,
-        join_timeout_s=20,
-    )
+    cfg = _job("many", clients=5000, fraction=0.001, lr=5.0)
     sim = Simulation(
         cfg,
         tiny_lm(5000),
@@ -155,20 +135,7 @@ def test_asynchronous_rounds_take_turns_past_the_sessions_a_host_runs_at_once(ti
     from fedmq.simulation import Simulation
 
     threads: list[int] = []
-    cfg = JobConfig(
-        encoding="raw",
-        down_encoding="raw",
-        job="turns",
-        strategy="async",
-        rounds=3,
-        clients=200,
-        async_k=20,
-        lr=1.0,
-        max_steps=1,
-        batch_size=2,
-        heartbeat_s=0.5,
-        join_timeout_s=20,
-    )
+    cfg = _job("turns", strategy="async", clients=200, async_k=20, lr=1.0)
     sim = Simulation(
         cfg,
         tiny_lm(200),
