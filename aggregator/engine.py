@@ -313,6 +313,7 @@ class Engine:
                 f"{self.cfg.job}.{env.client}",
             ):  # the client speaks for itself again (a one-client agent): its host no longer does
                 del self.hosted[env.client]
+                self._presence_epoch += 1
             if left:
                 self.presence.pop(env.client, None)
             else:
@@ -325,8 +326,10 @@ class Engine:
         """A host's presence: a beat (its roster unchanged), a new roster, or the host leaving with all its
         clients. A roster that names clients past the job's population is refused whole."""
         now = time.time()
+        horizon = now - 3 * self.cfg.heartbeat_s
         roster = tuple((lo, hi) for lo, hi in ranges)
-        if not online or self.rosters.get(host, roster) != roster:
+        revived = self.hosts.get(host, 0.0) < horizon  # new, or back after its clients expired: check again
+        if not online or revived or self.rosters.get(host, roster) != roster:
             self._presence_epoch += 1
             left = [c for c, h in self.hosted.items() if h == host]  # O(K), only when a host's roster changes
             for c in left:
@@ -339,7 +342,6 @@ class Engine:
         self.hosts[host] = now
         if host in self.rosters:
             return []
-        horizon = now - 3 * self.cfg.heartbeat_s
         if any(hi > self.cfg.clients for _, hi in roster):
             self.inbox.dropped["roster-past-population"] += 1
             log.warning("host roster past the job's population: refused", host=host, clients=self.cfg.clients)

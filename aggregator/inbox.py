@@ -30,9 +30,9 @@ class Inbox:
     """Takes the job's inbox deliveries for the engine thread through a Subscription, validates them.
 
     identity: "strict" — the AMQP user_id must equal the client id the message claims (each agent has its own
-    broker user), or be the user of the host that serves that client (``hosted``, kept by the engine from the
-    hosts' presence: a host's user speaks for its clients ``<host>-<n>``); "shared:USER" — every agent
-    connects as USER (simulate over a shared guest account).
+    broker user), or be the user of the host the client is named for (a host's user speaks for its clients
+    ``<host>-<n>``; a roster only from that user); "shared:USER" — every agent connects as USER (simulate
+    over a shared guest account). ``hosted`` (client -> host) is the engine's, from the hosts' presence.
     ``limits``: size bounds for decoding (the engine derives them from the job's manifest).
     """
 
@@ -106,9 +106,10 @@ class Inbox:
         elif env.kind is Kind.PRESENCE and "clients" in env.payload:  # a host: only its own user
             ok = topology.is_host_user(user, self.job, env.client)
         else:  # the job's provisioned user for that client, a user named for the client, or its host's user
-            host = self.hosted.get(env.client)
-            ok = user in (env.client, f"{self.job}.{env.client}") or (
-                host is not None and topology.is_host_user(user, self.job, host)
+            # (a client <host>-<n> is named for its host: its host's user speaks for it even before the
+            # host's roster is known, as after a restart of the aggregator)
+            ok = user in (env.client, f"{self.job}.{env.client}") or topology.is_host_user(
+                user, self.job, topology.host_of(env.client)
             )
         if not ok:
             raise CodecError("identity-mismatch", f"user {user!r} claims to be client {env.client!r}")

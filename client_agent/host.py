@@ -46,11 +46,19 @@ NEVER = messages.NO_VERSION - 1  # "trained from" a client that has not trained
 
 
 class _Link(Broker):
-    """A session's view of its host's connection: publishes and stream reads go through it; the host has
-    settled every delivery it hands over, and the connection is the host's to close."""
+    """A session's view of its host's connection (whichever it is now: the host reconnects under its
+    sessions): publishes and stream reads go through it; the host has settled every delivery it hands over,
+    and the connection is the host's to close."""
 
-    def __init__(self, broker: Broker) -> None:
-        self.broker = broker
+    def __init__(self, host: Host) -> None:
+        self.host = host
+
+    @property
+    def broker(self) -> Broker:
+        broker = self.host._broker
+        if broker is None:
+            raise BrokerError("the host is not connected")
+        return broker
 
     def declare_job(self, *args: Any, **kwargs: Any) -> None:
         raise AssertionError("a hosted client declares nothing")
@@ -195,8 +203,9 @@ class Host:
                     raise
                 log.warning("broker connection lost", host=self.host, error=str(exc))
                 self.stop.wait(self.rejoin_s)
-        self._end_sessions()
-        self._leave(not self.finished)
+        ended = self._end_sessions()
+        # an offline beat must not overtake a session's upload still under way (presence has its own lane)
+        self._leave(not self.finished and ended)
         if self.failure is not None:
             raise self.failure
 
@@ -296,6 +305,7 @@ class Host:
         else:  # asynchronous: every client of ours that is up trains on the newest version, in turns
             with self._lock:
                 self._async_newest = env
+                self._exhausted = NEVER  # a new announce (a skipped round re-announces its version)
                 self._async_fill()
 
     def _async_fill(self) -> None:
@@ -311,10 +321,11 @@ class Host:
                 return
             client = self._nth(self._turn)
             self._turn = (self._turn + 1) % total
-            if client not in self._sessions and client not in self._down:
-                if self._trained.get(client, NEVER) < newest.model_version:
-                    self._start(client, newest)
-        self._exhausted = newest.model_version  # a whole turn found nobody left: wait for a newer version
+            due = client not in self._sessions and client not in self._down
+            if due and self._trained.get(client, NEVER) < newest.model_version:
+                if not self._start(client, newest):
+                    return  # between connections: the next fill looks again
+        self._exhausted = newest.model_version  # a whole turn found nobody left: wait for a new announce
 
     def _nth(self, i: int) -> str:
         """The i-th of the host's clients, in the order of its ranges."""
@@ -335,24 +346,25 @@ class Host:
             else:
                 self._start(client, env)
 
-    def _start(self, client: str, env: Envelope) -> None:
-        """A session for ``client``'s round (the caller holds the lock)."""
+    def _start(self, client: str, env: Envelope) -> bool:
+        """A session for ``client``'s round (the caller holds the lock); False when none could start."""
         number = self.number(client)
         if number is None or self._broker is None:  # not ours, or the host is between connections
-            return
+            return False
         agent = Agent(self.connect, self.job, client, number, self.task, **self._agent_args)
         agent.log = self.logs.setdefault(client, AgentLog())
         agent.version = self._holds.get(client, messages.NO_VERSION)
         agent.last_round = self._last_round.get(client, 0)
-        agent._broker = _Link(self._broker)
+        agent._broker = _Link(self)
         events = _Events()
         agent._events = events  # type: ignore[assignment]
         thread = threading.Thread(target=self._session, args=(agent, events, env), name=client, daemon=True)
         self._sessions[client] = (agent, events, thread)
         thread.start()
+        return True
 
     def _session(self, agent: Agent, events: _Events, env: Envelope) -> None:
-        client, down = agent.client, False
+        client, down, uploads = agent.client, False, len(agent.log.uploads)
         try:
             agent._on_announce(env)
         except Offline as off:
@@ -385,6 +397,9 @@ class Host:
                     self._holds.pop(client, None)
                 else:
                     self._holds[client] = agent.version
+                if env.payload["mode"] == "async" and (down or len(agent.log.uploads) > uploads):
+                    # done with this version: uploaded, or offline for it (availability is per version)
+                    self._trained[client] = env.model_version
                 if down:
                     self._down[client] = time.monotonic() + self.rejoin_s
                     if newer:
@@ -392,9 +407,8 @@ class Host:
                 elif newer and not self.stop.is_set():
                     self._start(client, newer[-1])
                 elif env.payload["mode"] == "async":
-                    self._trained[client] = env.model_version
                     newest = self._async_newest
-                    if newest is not None and env.model_version < newest.model_version:
+                    if newest is not None and self._trained.get(client, NEVER) < newest.model_version:
                         self._exhausted = NEVER  # it is free and has not trained from the newest
                 self._async_fill()  # a session is free: asynchronous rounds give the next client its turn
 
@@ -411,24 +425,27 @@ class Host:
             if due:
                 self._exhausted = NEVER  # clients back: the next turn looks at them too
             for client in due:
-                del self._down[client]
                 version = self._holds.get(client, messages.NO_VERSION)
                 env = messages.presence(self.job, client, "online", version)
                 assert self._broker is not None
-                self._broker.publish(
+                self._broker.publish(  # a BrokerError leaves it down: it says so again after the reconnect
                     topology.rk_presence(self.job, client), messages.encode(env), message_id=env.msg_id
                 )
+                del self._down[client]
                 waiting = self._waiting.pop(client, None)
                 if waiting is not None:
                     self._start(client, waiting)
             self._async_fill()
 
-    def _end_sessions(self) -> None:
-        """Stop every session (the job ended, or the host is stopping) and wait for them briefly."""
+    def _end_sessions(self, wait_s: float = 5.0) -> bool:
+        """Stop every session (the job ended, or the host is stopping) and wait at most ``wait_s`` in all;
+        True when none is left."""
         with self._lock:
             sessions = list(self._sessions.values())
         for agent, _, _ in sessions:
             agent.finished = self.finished
             agent.stop.set()
+        deadline = time.monotonic() + wait_s
         for _, _, thread in sessions:
-            thread.join(timeout=5.0)
+            thread.join(timeout=max(deadline - time.monotonic(), 0.0))
+        return not any(thread.is_alive() for _, _, thread in sessions)
