@@ -118,7 +118,7 @@ class Engine:
         # hosts (agent processes serving many clients): host -> last seen; a hosted client is online while
         # its host is (one beat per host, not per client) and it has not said it went offline
         self.hosts: dict[str, float] = {}
-        self.hosted = self.inbox.hosted  # client -> its host (the inbox checks a host's user against it)
+        self.hosted: dict[str, str] = {}  # client -> the host serving it (from the hosts' rosters)
         self.rosters: dict[str, tuple[tuple[int, int], ...]] = {}  # host -> the client numbers it serves
         self._presence_epoch = 0  # counts the presence changes that may change who is online (online())
         # (epoch, valid until, names, the hosts and one-client agents they came from): see online()
@@ -249,14 +249,15 @@ class Engine:
         )
 
     def status(self) -> dict[str, Any]:
+        online = self.online()
         return {
             "job": self.cfg.job,
             "round": self.round,
             "version": self.version,
             "phase": self.phase,
             # the first names (a population's would be megabytes, rewritten every second)
-            "agents_online": self.online()[:ONLINE_NAMES],
-            "agents_online_count": len(self.online()),
+            "agents_online": online[:ONLINE_NAMES],
+            "agents_online_count": len(online),
             "last_metrics": self.last_row,
             "rejected": dict(self.inbox.rejected),
             "dropped": dict(self.inbox.dropped),
@@ -299,12 +300,10 @@ class Engine:
     def note_presence(self, msg: Received) -> list[str]:
         """Note an agent's or a host's presence; the clients it says went offline."""
         env = msg.env
-        horizon = time.time() - 3 * self.cfg.heartbeat_s
-        if "clients" in env.payload:
-            if self.hosts.get(env.client, 0.0) < horizon or env.payload["state"] != "online":
-                self._presence_epoch += 1  # a host comes, comes back or goes
+        if "clients" in env.payload:  # (_note_host counts the changes that may change who is online)
             left = self._note_host(env.client, env.payload["state"] == "online", env.payload["clients"])
         else:
+            horizon = time.time() - 3 * self.cfg.heartbeat_s
             if self.presence.get(env.client, (0.0, 0))[0] < horizon or env.payload["state"] != "online":
                 self._presence_epoch += 1
             left = [] if env.payload["state"] == "online" else [env.client]

@@ -32,7 +32,7 @@ class Inbox:
     identity: "strict" — the AMQP user_id must equal the client id the message claims (each agent has its own
     broker user), or be the user of the host the client is named for (a host's user speaks for its clients
     ``<host>-<n>``; a roster only from that user); "shared:USER" — every agent connects as USER (simulate
-    over a shared guest account). ``hosted`` (client -> host) is the engine's, from the hosts' presence.
+    over a shared guest account).
     ``limits``: size bounds for decoding (the engine derives them from the job's manifest).
     """
 
@@ -45,7 +45,6 @@ class Inbox:
         self.limits = limits or Limits()
         self.rejected: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()
-        self.hosted: dict[str, str] = {}  # client -> the host serving it (the engine's, from presence)
         self._sub: Subscription | None = None
         self._head: Delivery | None = None  # a delivery taken by wait_first, handed out first by next
 
