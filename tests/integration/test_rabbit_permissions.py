@@ -121,6 +121,9 @@ def test_provision_is_idempotent_and_writes_secrets(rabbit_url, tmp_path, job_id
             rabbit_url, vhost=vhost, job=job_id, agents=agents, admin=admin, aggregator_user=agg
         )
         keep = {e["username"]: e["password"] for e in [first["aggregator"], *first["agents"].values()]}
+        # a user of an older version, with topic permissions on the exchange every job shared then
+        old = t.agent_user(job_id, agents[0])
+        admin.run("set_topic_permissions", "-p", vhost, old, t.LEGACY_EXCHANGE, ".*", ".*")
         again = prov.provision(
             rabbit_url,
             vhost=vhost,
@@ -131,6 +134,10 @@ def test_provision_is_idempotent_and_writes_secrets(rabbit_url, tmp_path, job_id
             passwords=keep,
         )
         assert again == first
+        held = admin.run("list_topic_permissions", "-p", vhost, "--quiet", "--no-table-headers")
+        assert sorted(line.split("\t")[:2] for line in held.splitlines()) == sorted(
+            [[agg, t.exchange(job_id)], [old, t.exchange(job_id)]]
+        ), held  # narrowed to its job's exchange
         with connect(again["agents"][agents[0]]["url"]) as b:
             assert b.user == t.agent_user(job_id, agents[0])
         rotated = prov.provision(
@@ -175,12 +182,20 @@ def test_provision_through_the_management_api(rabbit_node, job_id):
     creds = prov.provision(rabbit_node.url, vhost="fedmq-http", job=job_id, agents=agents, admin=admin)
     try:
         keep = {e["username"]: e["password"] for e in [creds["aggregator"], *creds["agents"].values()]}
+        old = t.agent_user(job_id, "h1")
+        legacy = {"exchange": t.LEGACY_EXCHANGE, "write": ".*", "read": ".*"}
+        admin.call("PUT", f"/api/topic-permissions/fedmq-http/{old}", legacy)
         assert (
             prov.provision(
                 rabbit_node.url, vhost="fedmq-http", job=job_id, agents=agents, admin=admin, passwords=keep
             )
             == creds
         )
+        held = admin.call("GET", "/api/vhosts/fedmq-http/topic-permissions")
+        users = [t.aggregator_user(job_id), *(t.agent_user(job_id, a) for a in agents)]
+        assert sorted((h["user"], h["exchange"]) for h in held) == sorted(
+            (u, t.exchange(job_id)) for u in users
+        ), held  # narrowed to its job's exchange
         with connect(creds["aggregator"]["url"]) as agg, connect(creds["agents"]["h1"]["url"]) as a1:
             assert agg.user == t.aggregator_user(job_id)
             agg.declare_job(job_id, agents)
@@ -195,7 +210,7 @@ def test_provision_through_the_management_api(rabbit_node, job_id):
             admin.delete_user(u)
         admin.delete_vhost("fedmq-http")
     with pytest.raises(BrokerError, match="HTTP 401"):
-        prov.HttpAdmin(rabbit_node.management_url, "guest", "wrong").add_vhost("nope")
+        prov.HttpAdmin(rabbit_node.management_url, "guest", "wrong").define("nope", [])
 
 
 def test_admin_choice_by_broker_location(monkeypatch):

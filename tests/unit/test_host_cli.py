@@ -143,17 +143,12 @@ class FakeAdmin:
         self.users: dict[str, str] = {}
         self.perms: dict[str, prov.Permissions] = {}
 
-    def add_vhost(self, vhost: str) -> None:
-        pass
-
-    def put_user(self, user: str, password: str) -> None:
-        self.users[user] = password
+    def define(self, vhost: str, users: list[prov.User]) -> None:
+        for u in users:
+            self.users[u.name], self.perms[u.name] = u.password, u.permissions
 
     def delete_user(self, user: str) -> None:
         self.users.pop(user, None)
-
-    def set_permissions(self, vhost: str, user: str, p: prov.Permissions) -> None:
-        self.perms[user] = p
 
     def delete_vhost(self, vhost: str) -> None:
         pass
