@@ -34,6 +34,7 @@ from fedmq.broker.wire.encodings import EncodingSpec, decode_state, encode_state
 from fedmq.broker.wire.envelope import Envelope, Kind
 from fedmq.broker.wire.messages import RoundConfig
 from fedmq.client_agent.availability import Availability, Faults
+from fedmq.client_agent.joining import join, leave
 from fedmq.client_agent.state import MemoryStore, State
 from fedmq.client_agent.trainers import TrainerPool
 from fedmq.errors import CodecError, FedmqError
@@ -140,43 +141,15 @@ class Agent:
 
     # ------------------------------------------------------------------ connection
     def _join(self) -> Broker:
-        delay = 0.2
-        while not self.stop.is_set():
-            broker = None
-            try:
-                broker = self.connect()
-                broker.declare_job(self.job, [self.client], inbox=False)
-                events = broker.subscribe(topology.q_latest(self.job, self.client), prefetch=1)
-                events.add(topology.q_control(self.job, self.client), prefetch=16)
-                self._events = events
-                self._broker = broker
-                self._presence("online")
-                return broker
-            except BrokerError as exc:
-                if exc.permanent:  # a bad URL or refused credentials: retrying cannot help
-                    raise
-                # close the half-joined connection: its consumers would otherwise take
-                # (and lose) our deliveries
-                if broker is not None:
-                    try:
-                        broker.close()
-                    except Exception as close_exc:  # already broken: nothing more to release
-                        log.debug("closing a failed join", error=str(close_exc))
-                log.warning("cannot join, retrying", client=self.client, error=str(exc), delay=delay)
-                self.stop.wait(delay)
-                delay = min(delay * 2, 10.0)
-        raise Offline("stopped", True)
+        joined = join(self.connect, self.job, self.client, self.stop, lambda b: self._presence("online", b))
+        if joined is None:
+            raise Offline("stopped", True)
+        self._broker, self._events = joined
+        return self._broker
 
     def _leave(self, graceful: bool) -> None:
         broker, self._broker = self._broker, None
-        if broker is None:
-            return
-        if graceful:
-            try:
-                self._presence("offline", broker)
-            except BrokerError:
-                pass
-        broker.close()
+        leave(broker, (lambda b: self._presence("offline", b)) if graceful else None)
 
     def _presence(self, state: str, broker: Broker | None = None, timeout: float | None = None) -> None:
         broker = broker or self._broker

@@ -33,6 +33,7 @@ from fedmq.broker.wire import messages
 from fedmq.broker.wire.envelope import Envelope, Kind
 from fedmq.client_agent.agent import Agent, AgentLog, ClientHookError, Offline
 from fedmq.client_agent.availability import Availability, Faults
+from fedmq.client_agent.joining import join, leave
 from fedmq.client_agent.state import MemoryStore
 from fedmq.client_agent.trainers import TrainerPool
 from fedmq.errors import CodecError
@@ -210,30 +211,10 @@ class Host:
             raise self.failure
 
     def _join(self) -> None:
-        delay = 0.2
-        while not self.stop.is_set():
-            broker = None
-            try:
-                broker = self.connect()
-                broker.declare_job(self.job, [self.host], inbox=False)
-                events = broker.subscribe(topology.q_latest(self.job, self.host), prefetch=1)
-                events.add(topology.q_control(self.job, self.host), prefetch=16)
-                self._events = events
-                self._broker = broker
-                self._beat()
-                log.info("host joined", host=self.host, clients=self.count())
-                return
-            except BrokerError as exc:
-                if broker is not None:
-                    try:
-                        broker.close()
-                    except Exception as close_exc:  # already broken: nothing more to release
-                        log.debug("closing a failed join", error=str(close_exc))
-                if exc.permanent:
-                    raise
-                log.warning("host cannot join, retrying", host=self.host, error=str(exc), delay=delay)
-                self.stop.wait(delay)
-                delay = min(delay * 2, 10.0)
+        joined = join(self.connect, self.job, self.host, self.stop, lambda b: self._beat(broker=b))
+        if joined is not None:
+            self._broker, self._events = joined
+            log.info("host joined", host=self.host, clients=self.count())
 
     @property
     def connected(self) -> bool:
@@ -254,14 +235,7 @@ class Host:
 
     def _leave(self, graceful: bool) -> None:
         broker, self._broker = self._broker, None
-        if broker is None:
-            return
-        if graceful:
-            try:
-                self._beat("offline", broker)
-            except BrokerError:
-                pass
-        broker.close()
+        leave(broker, (lambda b: self._beat("offline", b)) if graceful else None)
 
     # ------------------------------------------------------------------ serving
     def _serve(self) -> None:

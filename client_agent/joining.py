@@ -1,0 +1,65 @@
+"""Joining a job and leaving it: what a one-client agent and a host (client_agent.host) do alike on their
+connection."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import structlog
+
+from fedmq.broker.transport import topology
+from fedmq.broker.transport.base import Broker, Subscription
+from fedmq.broker.transport.errors import BrokerError
+
+log = structlog.get_logger(__name__)
+
+
+def join(
+    connect: Callable[[], Broker],
+    job: str,
+    owner: str,
+    stop: threading.Event,
+    hello: Callable[[Broker], None],
+) -> tuple[Broker, Subscription] | None:
+    """Connect, declare ``owner``'s two queues (announcements, control), consume them and say ``hello`` (the
+    online presence) over the new connection; None once ``stop`` is set.
+
+    A failure is retried after 0.2 s, doubling up to 10 s; one the broker gives for good (a bad URL, refused
+    credentials) is raised. A half-joined connection is closed: its consumers would otherwise take (and
+    lose) the owner's deliveries."""
+    delay = 0.2
+    while not stop.is_set():
+        broker = None
+        try:
+            broker = connect()
+            broker.declare_job(job, [owner], inbox=False)
+            events = broker.subscribe(topology.q_latest(job, owner), prefetch=1)
+            events.add(topology.q_control(job, owner), prefetch=16)
+            hello(broker)
+            return broker, events
+        except BrokerError as exc:
+            if broker is not None:
+                try:
+                    broker.close()
+                except Exception as close_exc:  # already broken: nothing more to release
+                    log.debug("closing a failed join", error=str(close_exc))
+            if exc.permanent:
+                raise
+            log.warning("cannot join, retrying", owner=owner, error=str(exc), delay=delay)
+            stop.wait(delay)
+            delay = min(delay * 2, 10.0)
+    return None
+
+
+def leave(broker: Broker | None, goodbye: Callable[[Broker], None] | None) -> None:
+    """Close ``broker``, first saying ``goodbye`` (the offline presence) when given; a goodbye that cannot be
+    sent is not an error (the aggregator's horizon notices the silence)."""
+    if broker is None:
+        return
+    if goodbye is not None:
+        try:
+            goodbye(broker)
+        except BrokerError:
+            pass
+    broker.close()
