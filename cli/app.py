@@ -843,6 +843,7 @@ def agent_run(
         faults=parse_faults(faults, seed),
         device=device,
         seed=seed,
+        heartbeat_s=float(values.get("heartbeat_s", JOB.heartbeat_s)),
         audit_log=audit_log,
         strategy=str(values.get("strategy", "")),
     )

@@ -9,12 +9,15 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
+import pika
 import pytest
 
+from fedmq.broker.transport import topology as t
 from fedmq.cli.status_info import gather
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,6 +83,36 @@ def test_config_precedence_flags_env_file(tmp_path):
     )
 
 
+def _presences(url: str, job: str, client: str, stop: threading.Event) -> list[float]:
+    """When ``client``'s presence messages pass through the job's exchange (once the aggregator declared it),
+    filled by a thread until ``stop``."""
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch, deadline = conn.channel(), time.monotonic() + 60
+    while True:
+        try:
+            ch.exchange_declare(t.exchange(job), passive=True)
+            break
+        except pika.exceptions.ChannelClosedByBroker:
+            assert time.monotonic() < deadline, "the aggregator did not declare the job's exchange"
+            ch = conn.channel()
+            time.sleep(0.1)
+    queue = ch.queue_declare("", exclusive=True).method.queue
+    ch.queue_bind(queue, t.exchange(job), t.rk_presence(job, client))
+    seen: list[float] = []
+
+    def watch() -> None:
+        while not stop.is_set():
+            method, _, _ = ch.basic_get(queue, auto_ack=True)
+            if method is None:
+                conn.sleep(0.05)
+            else:
+                seen.append(time.monotonic())
+        conn.close()
+
+    threading.Thread(target=watch, daemon=True).start()
+    return seen
+
+
 @pytest.mark.rabbitmq
 def test_aggregator_and_agents_as_services(tmp_path, rabbit_url, job_id, free_port):
     (tmp_path / "job.toml").write_text(JOB_TOML)
@@ -103,6 +136,8 @@ def test_aggregator_and_agents_as_services(tmp_path, rabbit_url, job_id, free_po
         text=True,
         cwd=ROOT,
     )
+    stop_watching = threading.Event()
+    beats = _presences(rabbit_url, job_id, "agent-0", stop_watching)
     agents = [
         subprocess.Popen(
             # each round's training takes 1.5 s more (a fault the agent injects on purpose): the live status
@@ -168,6 +203,10 @@ def test_aggregator_and_agents_as_services(tmp_path, rabbit_url, job_id, free_po
         for i, p in enumerate(agents):
             assert p.wait(timeout=30) == 0
             assert f"job {job_id} finished: agent agent-{i} left" in p.stderr.read()
+        # an agent beats at the job file's heartbeat (1 s), not at a default of its own
+        stop_watching.set()
+        online_s = beats[-1] - beats[0]
+        assert online_s > 4 and len(beats) >= online_s / 2, (len(beats), online_s)
         after = subprocess.run(
             fedmq("status", "--broker", rabbit_url, "--job", job_id, "--run-dir", str(state), "--json"),
             capture_output=True,
@@ -192,6 +231,7 @@ def test_aggregator_and_agents_as_services(tmp_path, rabbit_url, job_id, free_po
             unknown.stderr
         )
     finally:
+        stop_watching.set()
         for p in [agg, *agents]:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
