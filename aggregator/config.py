@@ -372,6 +372,12 @@ class JobConfig:
         for the dynamic-pulling rule, ``keep_own``, whenever the strategy pulls.)"""
         return self.pull_down or self.down_encoding.startswith("delta+")
 
+    @property
+    def presence_window_s(self) -> float:
+        """How long a presence counts: three heartbeats, so that one or two late or lost beats do not take a
+        live client offline."""
+        return 3 * self.heartbeat_s
+
     def selected_count(self) -> int:
         """m, the agents selected per round: max(C·K, 1), or all K when the strategy's plan selects all."""
         return self.clients if self.plan.select_all else max(int(self.fraction * self.clients), 1)

@@ -270,7 +270,7 @@ class Engine:
         of its hosts or agents could have expired, a check of those alone (O(hosts + one-client agents))
         extends it or finds it stale: the status and the round's phases ask for it several times a round."""
         now = time.time()
-        window = 3 * self.cfg.heartbeat_s
+        window = self.cfg.presence_window_s
         horizon = now - window
         epoch, until, names, hosts, agents = self._online
         if epoch == self._presence_epoch:
@@ -303,7 +303,7 @@ class Engine:
         if "clients" in env.payload:  # (_note_host counts the changes that may change who is online)
             left = self._note_host(env.client, env.payload["state"] == "online", env.payload["clients"])
         else:
-            horizon = time.time() - 3 * self.cfg.heartbeat_s
+            horizon = time.time() - self.cfg.presence_window_s
             if self.presence.get(env.client, (0.0, 0))[0] < horizon or env.payload["state"] != "online":
                 self._presence_epoch += 1
             left = [] if env.payload["state"] == "online" else [env.client]
@@ -325,7 +325,7 @@ class Engine:
         """A host's presence: a beat (its roster unchanged), a new roster, or the host leaving with all its
         clients. A roster that names clients past the job's population is refused whole."""
         now = time.time()
-        horizon = now - 3 * self.cfg.heartbeat_s
+        horizon = now - self.cfg.presence_window_s
         roster = tuple((lo, hi) for lo, hi in ranges)
         revived = self.hosts.get(host, 0.0) < horizon  # new, or back after its clients expired: check again
         if not online or revived or self.rosters.get(host, roster) != roster:

@@ -83,7 +83,7 @@ class SyncRound:
         if stats.round == 1:  # the first round waits for the whole federation to join
             ctx.wait_for_agents(cfg.clients, cfg.join_timeout_s)
         else:  # later rounds (also right after a restart): live agents heartbeat within heartbeat_s
-            ctx.wait_for_agents(cfg.selected_count(), cfg.heartbeat_s * 3)
+            ctx.wait_for_agents(cfg.selected_count(), cfg.presence_window_s)
         stats.online = ctx.online()
         rng = random.Random(f"{cfg.seed}/select/{stats.round}")
         m = min(cfg.selected_count(), len(stats.online))
