@@ -215,6 +215,9 @@ class Host:
         if joined is not None:
             self._broker, self._events = joined
             log.info("host joined", host=self.host, clients=self.count())
+            with self._lock:  # rounds lost with the connection: their clients have not trained from the
+                self._exhausted = NEVER  # newest version, and nothing will announce it again
+                self._async_fill()
 
     @property
     def connected(self) -> bool:

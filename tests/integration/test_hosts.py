@@ -16,6 +16,7 @@ from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.engine import Engine
 from fedmq.broker.transport import topology
 from fedmq.broker.transport.connect import connect
+from fedmq.broker.transport.errors import BrokerError
 from fedmq.broker.wire import messages
 from fedmq.client_agent.host import Host
 
@@ -150,3 +151,59 @@ def test_asynchronous_rounds_take_turns_past_the_sessions_a_host_runs_at_once(ti
     assert max(threads) - before < ASYNC_SESSIONS + 30, (before, threads)
     trained = [c for c, log in sim.agent_logs.items() if log.uploads]
     assert len(trained) >= 3 * 20 // 2  # the turns went round: many clients, not the same few
+
+
+def test_an_asynchronous_host_trains_again_once_its_lost_connection_is_back(tiny_lm, tmp_path):
+    """The host's connection goes while all its clients train: every session loses its round. Nothing will
+    announce that version again (the aggregator already did), so once the host is back its clients that have
+    not trained from the newest version take their turns from it, and the job goes on."""
+    from fedmq.tasks.lm import LanguageModelTask
+
+    class Slow(LanguageModelTask):
+        def train(self, *args, **kwargs):
+            time.sleep(0.5)  # long enough for the test to cut the connection under every session
+            return super().train(*args, **kwargs)
+
+    job = "rejoin"
+    url = f"memory://{job}-{time.monotonic_ns()}"
+    task = tiny_lm(4, Slow)
+    cfg = _job(job, strategy="async", clients=4, async_k=4, rounds=2, lr=1.0)
+    engine = Engine(connect(url, user=topology.AGGREGATOR_USER), task, cfg, tmp_path / "run", durable=False)
+    engine.declare()
+    down_until = [0.0]
+
+    def connect_host():  # the broker cannot be reached for a while after the cut: the uploads find no way
+        if time.monotonic() < down_until[0]:
+            raise BrokerError("connection refused")
+        return connect(url, user=topology.host_user(job, "h0"))
+
+    host = Host(connect_host, job, "h0", [(0, 4)], task, heartbeat_s=cfg.heartbeat_s, rejoin_s=0.2)
+    cut: list[int] = []
+
+    def cut_under_the_sessions() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(host._sessions) < 4:
+            time.sleep(0.01)
+        broker = host._broker
+        if broker is not None and len(host._sessions) == 4:
+            cut.append(len(host._sessions))
+            down_until[0] = time.monotonic() + 1.5
+            broker.close()
+
+    summary: dict = {}
+    threads = [
+        threading.Thread(target=host.run, daemon=True),
+        threading.Thread(target=cut_under_the_sessions, daemon=True),
+        threading.Thread(target=lambda: summary.update(engine.run()), daemon=True),
+    ]
+    for t in threads:
+        t.start()
+    threads[2].join(timeout=20)  # about 4 s: the deadlines (60 s and more) would be a stall
+    stalled = threads[2].is_alive()
+    engine.stop.set()
+    host.stop.set()
+    threads[0].join(timeout=10)
+    assert cut == [4], "the connection was not cut while every client trained"
+    assert not stalled and summary["version"] == 2, summary
+    lost = [c for c, log in host.logs.items() if 1 not in [r for r, _ in log.uploads]]
+    assert lost == [], lost  # each client trained version 0 again and uploaded it after the reconnect
