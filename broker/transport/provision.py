@@ -34,7 +34,10 @@ re-running with an existing credentials file keeps its passwords (otherwise they
 The users and their permissions go to RabbitMQ as one definitions document (RabbitMQ's own import format,
 ``rabbitmqctl import_definitions`` or ``POST /api/definitions``), with salted SHA-256 password hashes, never
 the passwords: one request however many users. Each rabbitmqctl command starts an Erlang VM (about half a
-second of CPU), and a user set up command by command took four of them.
+second of CPU), and a user set up command by command took four of them. So: an existing user's tags are
+replaced by none (fedmq's users need none); the hash is SHA-256 (RabbitMQ's default) whatever the broker's
+``password_hashing_module``; a ``credential_validator`` is not consulted (the passwords are 48 random hex
+digits).
 """
 
 from __future__ import annotations
@@ -234,11 +237,12 @@ def definitions(vhost: str, users: list[User], *, new_vhost: bool) -> dict[str, 
     }
 
 
-def stale_topic_users(users: list[User], held: list[tuple[str, str]]) -> list[str]:
-    """Which of ``users`` hold topic permissions (``held``: user, exchange) on an exchange not theirs (the
-    shared one of older versions): an import adds theirs beside those, so they are cleared first."""
+def stale_topic_permissions(users: list[User], held: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The (user, exchange) topic permissions of ``users`` (``held``: all of the vhost's) on an exchange not
+    theirs (the shared one of older versions): an import adds theirs beside those, so they are cleared after
+    it (before it, the user could route any key on that exchange meanwhile)."""
     own = {u.name: u.permissions.exchange for u in users}
-    return sorted({user for user, exchange in held if user in own and exchange != own[user]})
+    return sorted({(user, exchange) for user, exchange in held if user in own and exchange != own[user]})
 
 
 class CtlAdmin:
@@ -263,15 +267,13 @@ class CtlAdmin:
         return out
 
     def define(self, vhost: str, users: list[User]) -> None:
-        out = self.run(
-            "list_topic_permissions", "-p", vhost, "--quiet", "--no-table-headers", ok_text="does not exist"
-        )
-        missing = "does not exist" in out
-        rows = [] if missing else [line.split("\t") for line in out.splitlines()]
-        for user in stale_topic_users(users, [(r[0], r[1]) for r in rows if len(r) >= 2]):
-            self.run("clear_topic_permissions", "-p", vhost, user)
-        doc = definitions(vhost, users, new_vhost=missing)
+        gone = f"Virtual host '{vhost}' does not exist"
+        out = self.run("list_topic_permissions", "-p", vhost, "--quiet", "--no-table-headers", ok_text=gone)
+        rows = [r for r in (line.split("\t") for line in out.splitlines()) if len(r) >= 2]
+        doc = definitions(vhost, users, new_vhost=not rows and gone in out)
         self.run("import_definitions", "--format", "json", stdin=json.dumps(doc))
+        for user, exchange in stale_topic_permissions(users, [(r[0], r[1]) for r in rows]):
+            self.run("clear_topic_permissions", "-p", vhost, user, exchange)
 
     def delete_user(self, user: str) -> None:
         self.run("delete_user", user, ok_text="does not exist")
@@ -331,9 +333,13 @@ class HttpAdmin:
     def define(self, vhost: str, users: list[User]) -> None:
         v = quote(vhost, safe="")
         held = self.call("GET", f"/api/vhosts/{v}/topic-permissions", ok=(404,))
-        for user in stale_topic_users(users, [(h["user"], h["exchange"]) for h in held or []]):
-            self.call("DELETE", f"/api/topic-permissions/{v}/{quote(user, safe='')}", ok=(404,))
         self.call("POST", "/api/definitions", definitions(vhost, users, new_vhost=held is None))
+        stale = stale_topic_permissions(users, [(h["user"], h["exchange"]) for h in held or []])
+        for u in [u for u in users if u.name in {user for user, _ in stale}]:
+            # the API deletes a user's topic permissions on every exchange at once: its own go back at once
+            path, p = f"/api/topic-permissions/{v}/{quote(u.name, safe='')}", u.permissions
+            self.call("DELETE", path, ok=(404,))
+            self.call("PUT", path, {"exchange": p.exchange, "write": p.topic_write, "read": p.topic_read})
 
     def delete_user(self, user: str) -> None:
         self.call("DELETE", f"/api/users/{quote(user, safe='')}", ok=(404,))
