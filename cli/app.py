@@ -1013,7 +1013,7 @@ def _run_host(
     finally:
         if telemetry:
             telemetry.close()
-        # nothing may be left inside torch when the process exits (a session's thread is a daemon)
+        # nothing may be left inside torch when the process exits (a running client's thread is a daemon)
         host.trainers.close()
         host.trainers.wait_idle(5.0)
     if host.finished:

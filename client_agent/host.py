@@ -9,8 +9,8 @@ in the population, its data partition) and speak through the host's broker user:
 
 A client costs nothing until it is selected: no thread, no object but what the job's algorithm keeps for it
 (the state store, on disk in a simulation). A selected client runs the one-client agent's round
-(client_agent.agent.Agent._on_announce) in a session thread of its own, over the host's connection; the
-session ends with the round. A client that goes offline in its availability model, or is cut by a fault,
+(client_agent.agent.Agent._on_announce) in a thread of its own, over the host's connection; the thread
+ends with the round. A client that goes offline in its availability model, or is cut by a fault,
 is down for ``rejoin_s`` (the one-client agent's rejoin delay), saying so when it leaves gracefully; an
 announcement that selects it while down waits for its return, as it would in its own announcement queue.
 """
@@ -42,14 +42,14 @@ from fedmq.tasks.base import Task
 log = structlog.get_logger(__name__)
 
 Ranges = Sequence[tuple[int, int]]
-ASYNC_SESSIONS = 64  # asynchronous rounds: a host's clients training at once (the others take turns)
+ASYNC_AT_ONCE = 64  # asynchronous rounds: a host's clients training at once (the others take turns)
 NEVER = messages.NO_VERSION - 1  # "trained from" a client that has not trained
 
 
 class _Link(Broker):
-    """A session's view of its host's connection (whichever it is now: the host reconnects under its
-    sessions): publishes and stream reads go through it; the host has settled every delivery it hands over,
-    and the connection is the host's to close."""
+    """A running client's view of its host's connection (whichever it is now: the host reconnects under its
+    running clients): publishes and stream reads go through it; the host has settled every delivery it
+    hands over, and the connection is the host's to close."""
 
     def __init__(self, host: Host) -> None:
         self.host = host
@@ -93,7 +93,7 @@ class _Link(Broker):
 
 
 class _Events:
-    """A session's announcements and grants, as the host routes them (Agent._next reads them)."""
+    """A running client's announcements and grants, as the host routes them (Agent._next reads them)."""
 
     def __init__(self) -> None:
         self._q: queue.Queue[Delivery] = queue.Queue()
@@ -108,7 +108,7 @@ class _Events:
             return None
 
     def drain(self) -> list[Delivery]:
-        """What was routed here and not read (the session has ended)."""
+        """What was routed here and not read (its round has ended)."""
         left = []
         while True:
             try:
@@ -119,7 +119,7 @@ class _Events:
 
 class Host:
     """Serves the clients numbered in ``clients`` ([start, stop) ranges) of ``job``; see the module docstring.
-    Keyword arguments are the one-client Agent's, given to every client's session."""
+    Keyword arguments are the one-client Agent's, given to every client's round."""
 
     def __init__(
         self,
@@ -153,7 +153,7 @@ class Host:
             rejoin_s=rejoin_s,
             seed=seed,
             trainers=self.trainers,
-            store=store if store is not None else MemoryStore(),  # one for all: sessions come and go
+            store=store if store is not None else MemoryStore(),  # one for all: rounds come and go
             progress=progress,
             strategy=strategy,
             audit_log=audit_log,  # one JSON line per confirmed upload, every client's (Agent._audit)
@@ -161,7 +161,7 @@ class Host:
         self.task = task
         self.stop = threading.Event()
         self.finished = False
-        # a session's error that ends the host (run() raises it), and the client it came from
+        # a running client's error that ends the host (run() raises it), and the client it came from
         self.failure: BaseException | None = None
         self.failed_client = ""
         self.logs: dict[str, AgentLog] = {}  # per client that took part in a round
@@ -169,10 +169,10 @@ class Host:
         self._last_round: dict[str, int] = {}
         self._down: dict[str, float] = {}  # client -> when it comes back
         self._waiting: dict[str, Envelope] = {}  # the newest announce that selected a client while down
-        self._sessions: dict[str, tuple[Agent, _Events, threading.Thread]] = {}
+        self._running: dict[str, tuple[Agent, _Events, threading.Thread]] = {}
         self._async_newest: Envelope | None = None
         # asynchronous rounds: the version each client last trained from, where the round robin of free
-        # sessions looks next, and the version for which it found nobody left to train
+        # places looks next, and the version for which it found nobody left to train
         self._trained: dict[str, int] = {}
         self._turn = 0
         self._exhausted = NEVER
@@ -204,8 +204,8 @@ class Host:
                     raise
                 log.warning("broker connection lost", host=self.host, error=str(exc))
                 self.stop.wait(self.rejoin_s)
-        ended = self._end_sessions()
-        # an offline beat must not overtake a session's upload still under way (presence has its own lane)
+        ended = self._end_rounds()
+        # an offline beat must not overtake a client's upload still under way (presence has its own lane)
         self._leave(not self.finished and ended)
         if self.failure is not None:
             raise self.failure
@@ -273,7 +273,7 @@ class Host:
             self.stop.set()
         elif env.kind is Kind.GRANT:
             with self._lock:
-                for _, events, _ in self._sessions.values():
+                for _, events, _ in self._running.values():
                     events.put(delivery)
         elif env.payload["mode"] == "sync":
             for client in env.payload["selected"]:
@@ -286,7 +286,7 @@ class Host:
                 self._async_fill()
 
     def _async_fill(self) -> None:
-        """Give free sessions (ASYNC_SESSIONS in all) to clients that have not trained from the newest
+        """Give free places (ASYNC_AT_ONCE in all) to clients that have not trained from the newest
         version, round robin over the host's clients (the caller holds the lock). A client whose turn comes
         after a newer version is announced trains from that one."""
         newest = self._async_newest
@@ -294,11 +294,11 @@ class Host:
             return
         total = self.count()
         for _ in range(total):
-            if len(self._sessions) >= ASYNC_SESSIONS:
+            if len(self._running) >= ASYNC_AT_ONCE:
                 return
             client = self._nth(self._turn)
             self._turn = (self._turn + 1) % total
-            due = client not in self._sessions and client not in self._down
+            due = client not in self._running and client not in self._down
             if due and self._trained.get(client, NEVER) < newest.model_version:
                 if not self._start(client, newest):
                     return  # between connections: the next fill looks again
@@ -313,18 +313,18 @@ class Host:
         raise IndexError(i)
 
     def _offer(self, client: str, env: Envelope, delivery: Delivery) -> None:
-        """Hand an announcement to ``client``: its session if it has one, else a new session (or, while it
+        """Hand an announcement to ``client``: its running round if it has one, else a new one (or, while it
         is down, keep it for its return)."""
         with self._lock:
-            if client in self._sessions:
-                self._sessions[client][1].put(delivery)
+            if client in self._running:
+                self._running[client][1].put(delivery)
             elif client in self._down:
                 self._waiting[client] = env
             else:
                 self._start(client, env)
 
     def _start(self, client: str, env: Envelope) -> bool:
-        """A session for ``client``'s round (the caller holds the lock); False when none could start."""
+        """A thread for ``client``'s round (the caller holds the lock); False when none could start."""
         number = self.number(client)
         if number is None or self._broker is None:  # not ours, or the host is between connections
             return False
@@ -335,12 +335,12 @@ class Host:
         agent._broker = _Link(self)
         events = _Events()
         agent._events = events  # type: ignore[assignment]
-        thread = threading.Thread(target=self._session, args=(agent, events, env), name=client, daemon=True)
-        self._sessions[client] = (agent, events, thread)
+        thread = threading.Thread(target=self._run_round, args=(agent, events, env), name=client, daemon=True)
+        self._running[client] = (agent, events, thread)
         thread.start()
         return True
 
-    def _session(self, agent: Agent, events: _Events, env: Envelope) -> None:
+    def _run_round(self, agent: Agent, events: _Events, env: Envelope) -> None:
         client, down, uploads = agent.client, False, len(agent.log.uploads)
         try:
             agent._on_announce(env)
@@ -362,7 +362,7 @@ class Host:
                 self._fail(client, exc)
         finally:
             with self._lock:
-                del self._sessions[client]
+                del self._running[client]
                 # an announce routed here as the round ended (it selects the client again): not lost
                 newer = [
                     e
@@ -387,7 +387,7 @@ class Host:
                     newest = self._async_newest
                     if newest is not None and self._trained.get(client, NEVER) < newest.model_version:
                         self._exhausted = NEVER  # it is free and has not trained from the newest
-                self._async_fill()  # a session is free: asynchronous rounds give the next client its turn
+                self._async_fill()  # a place is free: asynchronous rounds give the next client its turn
 
     def _fail(self, client: str, exc: BaseException) -> None:
         if self.failure is None:
@@ -414,15 +414,15 @@ class Host:
                     self._start(client, waiting)
             self._async_fill()
 
-    def _end_sessions(self, wait_s: float = 5.0) -> bool:
-        """Stop every session (the job ended, or the host is stopping) and wait at most ``wait_s`` in all;
-        True when none is left."""
+    def _end_rounds(self, wait_s: float = 5.0) -> bool:
+        """Stop every running client (the job ended, or the host is stopping) and wait at most ``wait_s`` in
+        all; True when none is left."""
         with self._lock:
-            sessions = list(self._sessions.values())
-        for agent, _, _ in sessions:
+            running = list(self._running.values())
+        for agent, _, _ in running:
             agent.finished = self.finished
             agent.stop.set()
         deadline = time.monotonic() + wait_s
-        for _, _, thread in sessions:
+        for _, _, thread in running:
             thread.join(timeout=max(deadline - time.monotonic(), 0.0))
-        return not any(thread.is_alive() for _, _, thread in sessions)
+        return not any(thread.is_alive() for _, _, thread in running)

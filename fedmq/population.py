@@ -2,9 +2,9 @@
 
 Simulated clients are virtual (client_agent.host): one that is not selected has no thread and costs
 CLIENT_BYTES (the aggregator's presence entry and its host's, the run's per-round client lists: the growth of
-a run's peak RSS from K = 1,000 to 100,000, rounded up). A client in a round runs in a session thread of its
-own: the m selected of a synchronous round, and in asynchronous mode at most client_agent.host.ASYNC_SESSIONS
-at once (the others take turns).
+a run's peak RSS from K = 1,000 to 100,000, rounded up). A client in a round runs in a thread of its own:
+the m selected of a synchronous round, and in asynchronous mode at most client_agent.host.ASYNC_AT_ONCE at
+once (the others take turns).
 Each thread costs one task slot (kernel.threads-max, RLIMIT_NPROC, the cgroup's pids.max), two memory maps
 (its stack and the stack's guard page, against vm.max_map_count) and the part of its stack it touches. A
 run past any of those would fail to start threads half-way (MemoryError); ``check_population`` refuses it at
@@ -20,7 +20,6 @@ from pathlib import Path
 
 from fedmq.errors import FedmqError
 
-THREADS_PER_SESSION = 1
 MAPS_PER_THREAD = 2
 CLIENT_BYTES = 2 << 10
 HEADROOM = 0.8
@@ -66,10 +65,9 @@ def _mem_available() -> int | None:
     return free
 
 
-def limits(sessions_per_client: float = 1.0) -> list[tuple[int, str]]:
-    """(clients, the fact that bounds them) for every limit that can be read here, smallest first, when each
-    client runs ``sessions_per_client`` session threads at once on average (m/K in a synchronous round)."""
-    threads = sessions_per_client * THREADS_PER_SESSION  # per client
+def limits(in_round: float = 1.0) -> list[tuple[int, str]]:
+    """(clients, the fact that bounds them) for every limit that can be read here, smallest first, when a
+    share ``in_round`` of the clients is in a round at once, a thread each (m/K in a synchronous round)."""
     found: list[tuple[int, str]] = []
 
     def add(free: int | None, cost: float, fact: str) -> None:
@@ -78,30 +76,30 @@ def limits(sessions_per_client: float = 1.0) -> list[tuple[int, str]]:
 
     threads_max = _read_int("/proc/sys/kernel/threads-max")
     if threads_max is not None:
-        add(threads_max - _threads_in_use(), threads, f"kernel.threads-max {threads_max}")
+        add(threads_max - _threads_in_use(), in_round, f"kernel.threads-max {threads_max}")
     nproc = resource.getrlimit(resource.RLIMIT_NPROC)[0]
     if nproc != resource.RLIM_INFINITY and os.geteuid() != 0:
-        add(nproc - _threads_in_use(), threads, f"RLIMIT_NPROC {nproc}")
+        add(nproc - _threads_in_use(), in_round, f"RLIMIT_NPROC {nproc}")
     pids_max, pids_now = _cgroup("pids.max"), _cgroup("pids.current")
     if pids_max is not None:
-        add(pids_max - (pids_now or 0), threads, f"the cgroup's pids.max {pids_max}")
+        add(pids_max - (pids_now or 0), in_round, f"the cgroup's pids.max {pids_max}")
     maps = _read_int("/proc/sys/vm/max_map_count")
     if maps is not None:
         try:
             in_use = len(Path("/proc/self/maps").read_text().splitlines())
         except OSError:
             in_use = 0
-        add(maps - in_use, threads * MAPS_PER_THREAD, f"vm.max_map_count {maps}")
+        add(maps - in_use, in_round * MAPS_PER_THREAD, f"vm.max_map_count {maps}")
     mem = _mem_available()
     if mem is not None:
         add(mem, CLIENT_BYTES, f"{mem / 2**30:.1f} GiB of available memory")
     return sorted(found)
 
 
-def check_population(clients: int, sessions: int | None = None) -> None:
-    """Refuse (PopulationTooLarge, one line) a population the host cannot hold when ``sessions`` of its
+def check_population(clients: int, in_round: int | None = None) -> None:
+    """Refuse (PopulationTooLarge, one line) a population the host cannot hold when ``in_round`` of its
     clients (default: all of them) are in a round at once."""
-    at_once = clients if sessions is None else min(sessions, clients)
+    at_once = clients if in_round is None else min(in_round, clients)
     bound = limits(at_once / max(clients, 1))
     if bound and clients > bound[0][0]:
         most, fact = bound[0]

@@ -33,7 +33,7 @@ from fedmq.broker.transport.memory import MemoryBroker
 from fedmq.broker.transport.urls import url_user
 from fedmq.client_agent.agent import AgentLog
 from fedmq.client_agent.availability import parse_availability, parse_faults
-from fedmq.client_agent.host import ASYNC_SESSIONS, Host
+from fedmq.client_agent.host import ASYNC_AT_ONCE, Host
 from fedmq.client_agent.state import DiskStore
 from fedmq.client_agent.trainers import CohortPool, TrainerPool
 from fedmq.errors import BadParameter, FedmqError
@@ -98,7 +98,7 @@ class Simulation:
     def run(self, stop: threading.Event | None = None) -> dict[str, Any]:
         self._check_run_dir()
         cfg = self.cfg
-        check_population(cfg.clients, cfg.selected_count() if cfg.mode == "sync" else ASYNC_SESSIONS)
+        check_population(cfg.clients, cfg.selected_count() if cfg.mode == "sync" else ASYNC_AT_ONCE)
         shared_user = self._url_user()
         if shared_user:  # every agent shares the URL's account: check the user, not per-agent identity
             cfg = replace(cfg, identity=f"shared:{shared_user}")

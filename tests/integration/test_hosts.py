@@ -37,6 +37,23 @@ def _publish(url: str, user: str, env) -> None:
         broker.close()
 
 
+def _simulate(cfg: JobConfig, task, tmp_path):
+    """A Simulation of ``cfg`` over the in-process broker, run to its end: (the simulation, its summary, the
+    threads it added to the test process's own at each round's end). A worker's earlier tests may leave
+    threads behind: the count starts from what is running now."""
+    from fedmq.simulation import Simulation
+
+    before, threads = threading.active_count(), []
+    sim = Simulation(
+        cfg,
+        task,
+        f"memory://{cfg.job}-{time.monotonic_ns()}",
+        run_dir=tmp_path / "run",
+        on_round=lambda row: threads.append(threading.active_count() - before),
+    )
+    return sim, sim.run(), threads
+
+
 def test_two_hosts_run_a_population_and_speak_only_for_their_own_clients(tiny_lm, tmp_path):
     job = "hosts"
     url = f"memory://{job}-{time.monotonic_ns()}"
@@ -108,60 +125,39 @@ def test_a_simulated_population_has_no_thread_per_client_and_two_queues(tiny_lm,
     """5,000 simulated clients: the process runs about as many threads as a population of 5 would (a client
     has a thread only while selected), the broker holds the job's three queues and the one host's two, and
     every selected client trains."""
-    from fedmq.simulation import Simulation
-
-    threads: list[int] = []
     cfg = _job("many", clients=5000, fraction=0.001, lr=5.0)
-    before = threading.active_count()  # the test process's own (a worker's earlier tests may leave some)
-    sim = Simulation(
-        cfg,
-        tiny_lm(5000),
-        f"memory://many-{time.monotonic_ns()}",
-        run_dir=tmp_path / "run",
-        on_round=lambda row: threads.append(threading.active_count()),
-    )
-    summary = sim.run()
+    sim, summary, added = _simulate(cfg, tiny_lm(5000), tmp_path)
     assert summary["rounds_completed"] == 3 and summary["uploads_confirmed"] == 3 * 5
     assert summary["broker_queues"] == 3 + 2
-    assert max(threads) - before < 40, (before, threads)
+    assert max(added) < 40, added
     rows = sim.engine.runlog.rows()
     assert all(r.online_count == 5000 and r.online == () for r in rows)  # a count, not 5,000 names a row
     assert {c for r in rows for c in r.received} == {c for c, log in sim.agent_logs.items() if log.uploads}
 
 
-def test_asynchronous_rounds_take_turns_past_the_sessions_a_host_runs_at_once(tiny_lm, tmp_path):
-    """Asynchronous mode trains every client online, each version: past ASYNC_SESSIONS a host's clients take
-    turns (a thread each only while training), so 200 clients run with at most 64 sessions, and every
+def test_asynchronous_rounds_take_turns_past_the_clients_a_host_runs_at_once(tiny_lm, tmp_path):
+    """Asynchronous mode trains every client online, each version: past ASYNC_AT_ONCE a host's clients take
+    turns (a thread each only while training), so 200 clients run with at most 64 threads, and every
     version is folded from the updates that arrive."""
-    from fedmq.client_agent.host import ASYNC_SESSIONS
-    from fedmq.simulation import Simulation
+    from fedmq.client_agent.host import ASYNC_AT_ONCE
 
-    threads: list[int] = []
     cfg = _job("turns", strategy="async", clients=200, async_k=20, lr=1.0)
-    before = threading.active_count()
-    sim = Simulation(
-        cfg,
-        tiny_lm(200),
-        f"memory://turns-{time.monotonic_ns()}",
-        run_dir=tmp_path / "run",
-        on_round=lambda row: threads.append(threading.active_count()),
-    )
-    summary = sim.run()
+    sim, summary, added = _simulate(cfg, tiny_lm(200), tmp_path)
     assert summary["version"] == 3
-    assert max(threads) - before < ASYNC_SESSIONS + 30, (before, threads)
+    assert max(added) < ASYNC_AT_ONCE + 30, added
     trained = [c for c, log in sim.agent_logs.items() if log.uploads]
     assert len(trained) >= 3 * 20 // 2  # the turns went round: many clients, not the same few
 
 
 def test_an_asynchronous_host_trains_again_once_its_lost_connection_is_back(tiny_lm, tmp_path):
-    """The host's connection goes while all its clients train: every session loses its round. Nothing will
-    announce that version again (the aggregator already did), so once the host is back its clients that have
-    not trained from the newest version take their turns from it, and the job goes on."""
+    """The host's connection goes while all its clients train: every running client loses its round.
+    Nothing will announce that version again (the aggregator already did), so once the host is back its
+    clients that have not trained from the newest version take their turns from it, and the job goes on."""
     from fedmq.tasks.lm import LanguageModelTask
 
     class Slow(LanguageModelTask):
         def train(self, *args, **kwargs):
-            time.sleep(0.5)  # long enough for the test to cut the connection under every session
+            time.sleep(0.5)  # long enough for the test to cut the connection under every running client
             return super().train(*args, **kwargs)
 
     job = "rejoin"
@@ -180,20 +176,20 @@ def test_an_asynchronous_host_trains_again_once_its_lost_connection_is_back(tiny
     host = Host(connect_host, job, "h0", [(0, 4)], task, heartbeat_s=cfg.heartbeat_s, rejoin_s=0.2)
     cut: list[int] = []
 
-    def cut_under_the_sessions() -> None:
+    def cut_under_the_running_clients() -> None:
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and len(host._sessions) < 4:
+        while time.monotonic() < deadline and len(host._running) < 4:
             time.sleep(0.01)
         broker = host._broker
-        if broker is not None and len(host._sessions) == 4:
-            cut.append(len(host._sessions))
+        if broker is not None and len(host._running) == 4:
+            cut.append(len(host._running))
             down_until[0] = time.monotonic() + 1.5
             broker.close()
 
     summary: dict = {}
     threads = [
         threading.Thread(target=host.run, daemon=True),
-        threading.Thread(target=cut_under_the_sessions, daemon=True),
+        threading.Thread(target=cut_under_the_running_clients, daemon=True),
         threading.Thread(target=lambda: summary.update(engine.run()), daemon=True),
     ]
     for t in threads:
