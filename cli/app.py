@@ -772,6 +772,7 @@ def agent_run(
     jobfile = _job_file(config)
     values = jobfile.job
     population = int(values.get("clients", JOB.clients))
+    heartbeat_s = float(values.get("heartbeat_s", JOB.heartbeat_s))  # a host's and a one-client agent's beat
     served = _hosted_clients(
         population, host, clients, host_from_hostname, hosts, client_id, client_id_from_hostname, index
     )
@@ -796,7 +797,7 @@ def agent_run(
             faults=faults,
             device=device,
             seed=seed,
-            heartbeat_s=float(values.get("heartbeat_s", JOB.heartbeat_s)),
+            heartbeat_s=heartbeat_s,
             strategy=str(values.get("strategy", "")),
             trainers=trainers,
             client_state=client_state,
@@ -843,7 +844,7 @@ def agent_run(
         faults=parse_faults(faults, seed),
         device=device,
         seed=seed,
-        heartbeat_s=float(values.get("heartbeat_s", JOB.heartbeat_s)),
+        heartbeat_s=heartbeat_s,
         audit_log=audit_log,
         strategy=str(values.get("strategy", "")),
     )
