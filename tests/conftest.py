@@ -6,12 +6,16 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# the tests' helper modules (fedmq_procs: fedmq processes forked from a preloaded server) import by name
+if str(ROOT / "tests") not in sys.path:
+    sys.path.insert(0, str(ROOT / "tests"))
 # corpora kept in a folder beside the checkout (as on CI) serve the tests that read real corpora, unless
 # FEDMQ_DATA_DIR names another data folder; subprocesses inherit it
 _BESIDE = ROOT.parent / "shared" / "data"

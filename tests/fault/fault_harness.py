@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import fedmq_procs
+
 from fedmq.aggregator.runlog import read_rounds
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -188,7 +190,7 @@ class Federation:
     def _spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
         out = open(self.logs / f"{name}.out", "ab")
         err = open(self.logs / f"{name}.err", "ab")
-        proc = subprocess.Popen(
+        proc = fedmq_procs.popen(
             [FEDMQ, *args],
             stdout=out,
             stderr=err,

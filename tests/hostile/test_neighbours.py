@@ -16,6 +16,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import fedmq_procs
 import pytest
 
 from fedmq.broker.transport.connect import connect
@@ -27,7 +28,7 @@ CTL = "/usr/lib/rabbitmq/bin/rabbitmqctl"
 
 
 def fedmq(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return fedmq_procs.run(
         [sys.executable, "-m", "fedmq.cli.app", *args],
         capture_output=True,
         text=True,

@@ -5,16 +5,17 @@ them)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+import fedmq_procs
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_default_run_falls_every_round(tmp_path):
     out = tmp_path / "run"
-    done = subprocess.run(
+    done = fedmq_procs.run(
         # the default run's first 5 of its 8 rounds (the same rounds: nothing in them depends on the total)
         [sys.executable, "-m", "fedmq.cli.app", "simulate", "--rounds", "5", "--out", str(out), "--json"],
         capture_output=True,

@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
 import sys
 from functools import partial
 
+import fedmq_procs
 import pytest
 
 from fedmq.benchmarks import experiments, results_file
@@ -156,7 +156,7 @@ def test_nmt_domains(tmp_path, monkeypatch):
     # scripts/bleu_bootstrap.py rescores each server from its sentences' statistics: the same per-domain mean
     # BLEU as the experiment's, and a server against itself differs by exactly 0 in every resample
     def bootstrap(a, b):
-        proc = subprocess.run(
+        proc = fedmq_procs.run(
             [
                 sys.executable,
                 "scripts/bleu_bootstrap.py",
@@ -230,7 +230,7 @@ def test_nmt_domains(tmp_path, monkeypatch):
 def test_cli_topk_with_report(tmp_path):
     """`fedmq experiment topk --scale smoke`: top-K β=0.5 grants half the uploads;
     the report has its figures."""
-    proc = subprocess.run(
+    proc = fedmq_procs.run(
         [
             sys.executable,
             "-m",
@@ -451,7 +451,7 @@ def test_bad_arguments_are_one_line_and_write_nothing(tmp_path):
         (["table2", "--seeds", "1,1"], "--seeds wants distinct"),
         (["table2", "--device", "tpu"], "unknown device (--device) 'tpu'"),
     ):
-        proc = subprocess.run(
+        proc = fedmq_procs.run(
             [sys.executable, "-m", "fedmq.cli.app", "experiment", *args, "--out", str(tmp_path)],
             cwd=ROOT,
             capture_output=True,
@@ -474,7 +474,7 @@ def test_a_missing_corpus_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
         run_experiment("table2", "smoke", tmp_path / "out")
     with pytest.raises(ExperimentError, match="corpus 'de-en' is not on this machine"):
         run_experiment("nmt-domains", "smoke", tmp_path / "out")
-    proc = subprocess.run(
+    proc = fedmq_procs.run(
         [sys.executable, "-m", "fedmq.cli.app", "experiment", "table2", "--scale", "smoke"]
         + ["--seeds", "0", "--out", str(tmp_path / "out")],
         cwd=ROOT,
@@ -493,7 +493,7 @@ def test_a_missing_corpus_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
 def test_reproduce_script_reports_a_bad_name_in_one_line():
     """scripts/reproduce.py (docs/results/method.md) runs outside the CLI:
     it imports cli and benchmarks side by side."""
-    proc = subprocess.run(
+    proc = fedmq_procs.run(
         [sys.executable, "scripts/reproduce.py", "tabel2", "--scale", "smoke"],
         cwd=ROOT,
         capture_output=True,

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import fedmq_procs
 import numpy as np
 import pytest
 
@@ -77,7 +77,7 @@ def test_each_fedmed_weighting_runs_by_its_name(tmp_path, name):
         *("--loss-eps", "0", "--encoding", "raw", "--down-encoding", "raw", "--out", str(run), "--json"),
     ]
     env = {**os.environ, "PYTHONPATH": str(EXAMPLES), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path)
+    done = fedmq_procs.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads((run / "config.json").read_text())["strategy"] == name
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

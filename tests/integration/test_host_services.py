@@ -16,6 +16,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import fedmq_procs
 import pika
 import pika.exceptions as pe
 import pytest
@@ -138,7 +139,7 @@ def _start(
 ) -> tuple[list[str], subprocess.Popen]:
     (tmp_path / "job.toml").write_text(JOB_TOML.format(rounds=rounds, heartbeat=heartbeat))
     common = ["--broker", rabbit_url, "--job", job_id, "--config", str(tmp_path / "job.toml")]
-    agg = subprocess.Popen(
+    agg = fedmq_procs.popen(
         [
             sys.executable,
             "-m",
@@ -160,7 +161,7 @@ def _start(
 
 def _host(*args: str, pod: str | None = None) -> subprocess.Popen:
     run = [sys.executable, "-c", AS_POD, pod] if pod else [sys.executable, "-m", "fedmq.cli.app"]
-    return subprocess.Popen(
+    return fedmq_procs.popen(
         [*run, "agent", "run", *args, "--device", "cpu", "--log-level", "warning"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -208,7 +209,7 @@ def test_two_host_processes_run_a_job_with_the_aggregator(tmp_path, rabbit_url, 
         queues = ctl.queues("/", f"fedmq.{job_id}.")
         assert len(queues) == 3 + 2 * 2, queues  # inbox, dead letters, model stream; two per host
         assert {t.q_latest(job_id, "h1"), t.q_control(job_id, "h1")} <= set(queues)
-        purged = subprocess.run(
+        purged = fedmq_procs.run(
             [sys.executable, "-m", "fedmq.cli.app", "broker", "purge", "--job", job_id, "--hosts", "2"],
             capture_output=True,
             text=True,

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
+import fedmq_procs
 import numpy as np
 import pytest
 
@@ -109,7 +109,7 @@ def test_from_the_command_line(tmp_path, own_module):
         str(tmp_path / "run"),
         "--json",
     ]
-    done = subprocess.run(
+    done = fedmq_procs.run(
         [sys.executable, "-m", "fedmq.cli.app", *args],
         capture_output=True,
         text=True,
@@ -122,7 +122,7 @@ def test_from_the_command_line(tmp_path, own_module):
     assert np.abs(ours - reference()).max() < 1e-6
     assert state["my_fl_strategy:DecayingFedAvg"] == {"rounds": refs.ROUNDS}
     # a parameter the strategy does not have is one line, and nothing runs
-    bad = subprocess.run(
+    bad = fedmq_procs.run(
         [
             sys.executable,
             "-m",

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fedmq_procs
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +25,7 @@ OWN = ["--task", "bring_your_own:TwoMoons", "--strategy", "bring_your_own:Unifor
 
 
 def fedmq(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return fedmq_procs.run(
         [sys.executable, "-m", "fedmq.cli.app", *args],
         capture_output=True,
         text=True,
@@ -125,7 +126,7 @@ def test_own_task_and_strategy_as_services(tmp_path, rabbit_url, job_id):
     )
     common = ["--broker", rabbit_url, "--job", job_id, "--config", str(job)]
     run = [sys.executable, "-m", "fedmq.cli.app"]
-    agg = subprocess.Popen(
+    agg = fedmq_procs.popen(
         [*run, "aggregator", "run", *common, "--state-dir", str(tmp_path / "state")],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -134,7 +135,7 @@ def test_own_task_and_strategy_as_services(tmp_path, rabbit_url, job_id):
         env=ENV,
     )
     agents = [
-        subprocess.Popen(
+        fedmq_procs.popen(
             [*run, "agent", "run", *common, "--client-id", f"agent-{i}", "--device", "cpu"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -163,10 +164,10 @@ def test_the_python_api_refuses_a_run_folder_that_holds_a_run_unless_resumed(tmp
     code 2) and leaves the run as it was; ``resume=True`` continues it with no round logged twice."""
     run = tmp_path / "run"
     script = [sys.executable, str(EXAMPLES / "bring_your_own.py"), str(run)]
-    first = subprocess.run(script, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=120)
+    first = fedmq_procs.run(script, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=120)
     assert first.returncode == 0, first.stderr[-2000:]
     metrics = (run / "metrics.jsonl").read_text()
-    again = subprocess.run(script, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=120)
+    again = fedmq_procs.run(script, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=120)
     assert again.returncode == 2 and again.stdout == ""
     assert again.stderr.strip().splitlines() == [
         f"error: run_dir {run} already holds a run (config.json); pass resume=True to continue it, "

@@ -18,6 +18,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import fedmq_procs
 import pytest
 
 from fedmq.broker.transport import provision as prov
@@ -59,7 +60,7 @@ def names(admin, rabbit_url):
 
 
 def fedmq(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return fedmq_procs.run(
         [sys.executable, "-m", "fedmq.cli.app", *args], capture_output=True, text=True, timeout=120, cwd=cwd
     )
 
@@ -69,7 +70,7 @@ def test_the_quickstart_runs_as_written(tmp_path, names):
     (tmp_path / "quickstart.sh").write_text(doc_commands())
     env = {**os.environ, "JOB": job, "VHOST": vhost, "PATH": BIN + os.pathsep + os.environ["PATH"]}
     env.update(COLUMNS="100", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
+    proc = fedmq_procs.popen(
         ["bash", "-e", "quickstart.sh"],
         cwd=tmp_path,
         env=env,

@@ -6,6 +6,7 @@ import json
 import threading
 import uuid
 
+import fedmq_procs
 import pika
 import pika.exceptions as pe
 import pytest
@@ -228,7 +229,6 @@ def test_provision_configures_the_node_the_url_names(rabbit_node, tmp_path):
     """A local URL's port decides the broker: rabbitmqctl's default node listening elsewhere is one line and
     nothing is configured anywhere; FEDMQ_RABBITMQ_NODE names the node of that port,
     which then gets the users."""
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -253,7 +253,7 @@ def test_provision_configures_the_node_the_url_names(rabbit_node, tmp_path):
         str(tmp_path / "secrets"),
     ]
     root = Path(__file__).resolve().parents[2]
-    wrong = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=root)
+    wrong = fedmq_procs.run(cmd, capture_output=True, text=True, timeout=120, cwd=root)
     assert wrong.returncode == 2, wrong.stderr
     assert wrong.stderr.strip() == (
         f"error: rabbitmqctl's default node listens on port(s) 5672, not {rabbit_node.port}:"
@@ -266,7 +266,7 @@ def test_provision_configures_the_node_the_url_names(rabbit_node, tmp_path):
         "FEDMQ_RABBITMQ_NODE": rabbit_node.name,
         "FEDMQ_RABBITMQCTL": str(Path("/usr/lib/rabbitmq/bin/rabbitmqctl")),
     }
-    right = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=root, env=env)
+    right = fedmq_procs.run(cmd, capture_output=True, text=True, timeout=120, cwd=root, env=env)
     try:
         assert right.returncode == 0, right.stderr[-2000:]
         assert vhost in rabbit_node.ctl("list_vhosts", "--quiet")

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+import fedmq_procs
 import pytest
 import torch
 
@@ -37,7 +37,7 @@ JOB = [
 
 
 def _simulate(run: Path, *extra: str) -> tuple[list[dict], dict]:
-    proc = subprocess.run(
+    proc = fedmq_procs.run(
         [sys.executable, "-m", "fedmq.cli.app", "simulate", *JOB, "--out", str(run), *extra],
         capture_output=True,
         text=True,

@@ -14,6 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import fedmq_procs
 import pika
 import pytest
 
@@ -46,7 +47,7 @@ def fedmq(*args: str) -> list[str]:
 
 
 def resolved(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return fedmq_procs.run(
         fedmq(
             "aggregator",
             "run",
@@ -130,7 +131,7 @@ def test_aggregator_and_agents_as_services(tmp_path, rabbit_url, job_id, free_po
     state = tmp_path / "state"
     port = free_port
     common = ["--broker", rabbit_url, "--job", job_id, "--config", str(tmp_path / "job.toml")]
-    agg = subprocess.Popen(
+    agg = fedmq_procs.popen(
         fedmq(
             "aggregator",
             "run",
@@ -155,7 +156,7 @@ def test_aggregator_and_agents_as_services(tmp_path, rabbit_url, job_id, free_po
         agg.kill()
         raise
     agents = [
-        subprocess.Popen(
+        fedmq_procs.popen(
             # each round's training takes 1.5 s more (a fault the agent injects on purpose): the live status
             # below is read while a round is under way, however fast the machine
             fedmq(
@@ -201,7 +202,7 @@ def test_aggregator_and_agents_as_services(tmp_path, rabbit_url, job_id, free_po
         assert completed.search(metrics), metrics
         assert re.search(rf'fedmq_queue_depth\{{queue="fedmq\.{job_id}\.inbox"\}} \d', metrics)
         assert urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5).status == 200
-        status = subprocess.run(
+        status = fedmq_procs.run(
             fedmq("status", "--broker", rabbit_url, "--job", job_id, "--run-dir", str(state), "--json"),
             capture_output=True,
             text=True,
@@ -224,7 +225,7 @@ def test_aggregator_and_agents_as_services(tmp_path, rabbit_url, job_id, free_po
         stop_watching.set()
         gaps = [round(b - a, 2) for a, b in zip(beats, beats[1:])]
         assert len(beats) >= 3 and max(gaps) < 3.0, (gaps, watch_errors)
-        after = subprocess.run(
+        after = fedmq_procs.run(
             fedmq("status", "--broker", rabbit_url, "--job", job_id, "--run-dir", str(state), "--json"),
             capture_output=True,
             text=True,
@@ -236,7 +237,7 @@ def test_aggregator_and_agents_as_services(tmp_path, rabbit_url, job_id, free_po
         assert done["phase"] == "finished" and done["agents_online"] == [] and done["round"] == 3, (
             done
         )  # the last round
-        unknown = subprocess.run(
+        unknown = fedmq_procs.run(
             fedmq("status", "--broker", rabbit_url, "--job", job_id + "x"),
             capture_output=True,
             text=True,
@@ -273,7 +274,7 @@ def test_an_agent_gives_up_on_permanent_broker_errors_in_one_line(tmp_path, rabb
     so once and exits instead of retrying every 10 s forever."""
     (tmp_path / "job.toml").write_text(JOB_TOML)
     started = time.monotonic()
-    proc = subprocess.run(
+    proc = fedmq_procs.run(
         fedmq(
             "agent",
             "run",

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import fedmq_procs
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +46,7 @@ def rows(run: Path) -> list[dict]:
 
 def test_simulate_writes_the_run_folder_and_learns(tmp_path):
     run = tmp_path / "run"
-    proc = subprocess.run(
+    proc = fedmq_procs.run(
         fedmq("simulate", *TINY, "--rounds", "3", "--out", str(run)),
         capture_output=True,
         text=True,
@@ -67,7 +68,7 @@ def test_simulate_writes_the_run_folder_and_learns(tmp_path):
 
 def test_ctrl_c_checkpoints_and_resume_continues(tmp_path):
     run = tmp_path / "run"
-    proc = subprocess.Popen(
+    proc = fedmq_procs.popen(
         fedmq("simulate", *TINY, "--rounds", "5", "--out", str(run)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -84,7 +85,7 @@ def test_ctrl_c_checkpoints_and_resume_continues(tmp_path):
     assert json.loads(out.strip().splitlines()[-1])["interrupted"] is True
     done = len(rows(run))
     assert 2 <= done < 5
-    proc = subprocess.run(
+    proc = fedmq_procs.run(
         fedmq("simulate", *TINY, "--rounds", "5", "--out", str(run), "--resume"),
         capture_output=True,
         text=True,
@@ -112,7 +113,7 @@ def test_simulate_metrics_port_serves_score_and_loss_and_the_run_has_csv_and_ten
 
     port = free_port
     run = tmp_path / "run"
-    proc = subprocess.Popen(
+    proc = fedmq_procs.popen(
         fedmq("simulate", *TINY, "--rounds", "2", "--out", str(run), "--metrics-port", str(port)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -147,7 +148,7 @@ def test_simulate_metrics_port_serves_score_and_loss_and_the_run_has_csv_and_ten
 
 
 def test_resume_without_a_run_folder_is_one_line(tmp_path):
-    proc = subprocess.run(
+    proc = fedmq_procs.run(
         fedmq("simulate", "--out", str(tmp_path / "none"), "--resume"),
         capture_output=True,
         text=True,
@@ -160,7 +161,7 @@ def test_resume_without_a_run_folder_is_one_line(tmp_path):
 @pytest.mark.rabbitmq
 def test_simulate_over_rabbitmq(tmp_path, rabbit_url):
     run = tmp_path / "run"
-    proc = subprocess.run(
+    proc = fedmq_procs.run(
         fedmq("simulate", *TINY, "--rounds", "2", "--out", str(run), "--broker", rabbit_url),
         capture_output=True,
         text=True,
@@ -178,7 +179,7 @@ def test_simulate_over_rabbitmq(tmp_path, rabbit_url):
 
 
 def _job_queues(job: str) -> list[str]:
-    out = subprocess.run(
+    out = fedmq_procs.run(
         ["rabbitmqctl", "list_queues", "name", "--quiet", "--no-table-headers"],
         capture_output=True,
         text=True,
@@ -192,7 +193,7 @@ def _job_queues(job: str) -> list[str]:
 def test_simulate_keep_queues_leaves_them(tmp_path, rabbit_url):
     from fedmq.broker.transport.provision import purge
 
-    proc = subprocess.run(
+    proc = fedmq_procs.run(
         fedmq(
             "simulate",
             *TINY,
@@ -275,7 +276,7 @@ bptt = 20
 def test_config_file_run_then_resume_from_the_saved_options_alone(tmp_path):
     job, run = tmp_path / "job.toml", tmp_path / "run"
     job.write_text(JOB_TOML)
-    proc = subprocess.run(
+    proc = fedmq_procs.run(
         fedmq("simulate", "--config", str(job), "--rounds", "1", "--out", str(run)),
         capture_output=True,
         text=True,
@@ -293,7 +294,7 @@ def test_config_file_run_then_resume_from_the_saved_options_alone(tmp_path):
     assert config["job"] == "sim" and config["extra"]["cli"]["vocab_size"] == 1500
 
     # no option repeated: the run's own config, not the defaults (8 agents, all words, fedavg)
-    proc = subprocess.run(
+    proc = fedmq_procs.run(
         fedmq("simulate", "--out", str(run), "--resume", "--rounds", "2"),
         capture_output=True,
         text=True,
@@ -310,7 +311,7 @@ def test_config_file_run_then_resume_from_the_saved_options_alone(tmp_path):
 
     # different options are refused in one line, and nothing in the folder changes
     before = {p: p.read_bytes() for p in (run / "config.json", run / "metrics.jsonl")}
-    proc = subprocess.run(
+    proc = fedmq_procs.run(
         fedmq("simulate", "--out", str(run), "--resume", "--model", "gru-small", "-k", "8"),
         capture_output=True,
         text=True,
@@ -324,7 +325,7 @@ def test_config_file_run_then_resume_from_the_saved_options_alone(tmp_path):
     # a checkpoint that no longer fits (the corpus or the recorded options changed) is one line, not a hang
     changed = {**resumed, "extra": {"cli": {**resumed["extra"]["cli"], "vocab_size": 300}}}
     (run / "config.json").write_text(json.dumps(changed))
-    proc = subprocess.run(
+    proc = fedmq_procs.run(
         fedmq("simulate", "--out", str(run), "--resume", "--rounds", "3"),
         capture_output=True,
         text=True,
@@ -378,7 +379,7 @@ def test_clients_that_natural_partition_would_not_honour_are_one_line(tmp_path):
     different -k is refused in one line and leaves nothing, never silently replaced."""
     out = tmp_path / "run"
     args = ["simulate", "--partition", "natural", "--max-lines", "300", "-r", "1", "--out", str(out)]
-    proc = subprocess.run(fedmq(*args, "-k", "5"), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = fedmq_procs.run(fedmq(*args, "-k", "5"), capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and not out.exists()
     assert proc.stderr.strip().splitlines() == [
         "error: partition natural (--partition) gives one client per document (3 here) but clients "

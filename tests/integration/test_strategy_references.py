@@ -6,10 +6,10 @@ final global model equals the reference's to 1e-6."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import fedmq_procs
 import numpy as np
 import pytest
 
@@ -212,6 +212,6 @@ def test_strategy_runs_from_the_command_line(tmp_path, strategy, args, reference
         "--json",
     ]
     env = {**os.environ, "PYTHONPATH": str(EXAMPLES), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path)
+    done = fedmq_procs.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert np.abs(final_model(tmp_path / "run") - reference(rounds=rounds)).max() < 1e-6

@@ -9,13 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fedmq_procs
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def fedmq(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return fedmq_procs.run(
         [sys.executable, "-m", "fedmq.cli.app", *args],
         capture_output=True,
         text=True,
@@ -142,7 +143,7 @@ ALL_COMMANDS = [
 
 
 def help80(*cmd: str) -> str:
-    proc = subprocess.run(
+    proc = fedmq_procs.run(
         [sys.executable, "-m", "fedmq.cli.app", *cmd, "--help"],
         capture_output=True,
         text=True,
@@ -239,7 +240,7 @@ def fedmq_torch_probe(*args: str) -> tuple[subprocess.CompletedProcess, bool]:
         "atexit.register(lambda: sys.__stdout__.write('TORCH=%s' % ('torch' in sys.modules)));"
         f"sys.argv = ['fedmq', *{list(args)!r}]; from fedmq.cli.app import main; main()"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    proc = fedmq_procs.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     return proc, "TORCH=True" in proc.stdout
 
 
@@ -463,13 +464,13 @@ def test_resume_of_a_run_folder_from_before_options_were_recorded():
 # --------------------------------------------------------------------------------------------- set-up
 def make_setup_commands(target: str) -> str:
     """What `make TARGET` would install: its setup lines, run by scripts/setup.sh with --dry-run."""
-    lines = subprocess.run(
+    lines = fedmq_procs.run(
         ["make", "-n", target], capture_output=True, text=True, cwd=ROOT, check=True
     ).stdout
     out = ""
     for line in lines.splitlines():
         if "scripts/setup.sh" in line:
-            out += subprocess.run(
+            out += fedmq_procs.run(
                 [*line.split(), "--dry-run"], capture_output=True, text=True, cwd=ROOT, check=True
             ).stdout
     return out

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fedmq_procs
 import pytest
 
 from fedmq.broker.transport import provision as prov
@@ -24,7 +25,7 @@ RUN = ["agent", "run", "--broker", "amqp://127.0.0.1:1/", "--job", "j"]
 
 
 def fedmq(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return fedmq_procs.run(
         [sys.executable, "-m", "fedmq.cli.app", *args], capture_output=True, text=True, timeout=120, cwd=cwd
     )
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fedmq_procs
 import pytest
 
 from fedmq.tasks.catalog import MIN_COUNT
@@ -84,7 +85,7 @@ def test_nmt_ignores_min_count_from_a_shared_flag_set():
 
 
 def _fedmq(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return fedmq_procs.run(
         [sys.executable, "-m", "fedmq.cli.app", *args],
         capture_output=True,
         text=True,
@@ -112,7 +113,7 @@ def test_bad_min_count_flags_are_one_line_before_torch(tmp_path, args, needle):
         f"sys.argv = ['fedmq', 'simulate', *{args!r}, '--out', {str(out)!r}]; "
         "from fedmq.cli.app import main; main()"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    proc = fedmq_procs.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     err = proc.stderr.strip()
     assert proc.returncode == 2 and len(err.splitlines()) == 1 and needle in err, err
     assert "TORCH=False" in proc.stdout and not out.exists()

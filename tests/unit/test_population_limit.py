@@ -3,10 +3,10 @@ at once) is refused at start, in one line, with exit code 2: never started half-
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 
+import fedmq_procs
 import pytest
 
 from fedmq.population import PopulationTooLarge, check_population, limits
@@ -26,7 +26,7 @@ def test_the_limits_are_read_from_the_host_and_name_their_fact():
 
 def test_simulate_refuses_a_population_too_large_in_one_line_and_exits_2(tmp_path):
     t0 = time.monotonic()
-    proc = subprocess.run(
+    proc = fedmq_procs.run(
         [
             sys.executable,
             "-m",
