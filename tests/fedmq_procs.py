@@ -3,10 +3,10 @@
 The suite starts a few hundred `fedmq` processes (``python -m fedmq.cli.app …``, the ``fedmq`` script, an
 example script), and most of a fresh one's start is ``import torch``: over a second of CPU on a machine the
 suite keeps busy. Here each pytest process keeps one small server that imports torch, numpy and the other
-heavy libraries once and forks a child for each command. The child sets its argv, environment, working
-directory and standard streams as the command asked, imports fedmq afresh and runs the command. It is a real,
-separate process: a test signals it by pid (kill -9 included), reads its pipes and gets its exit status as
-from ``subprocess``.
+heavy libraries (and fedmq's library layers) once and forks a child for each command. The child sets its
+argv, environment, working directory and standard streams as the command asked, and runs the command. It is a
+real, separate process: a test signals it by pid (kill -9 included), reads its pipes and gets its exit status
+as from ``subprocess``.
 
 `popen` and `run` take the arguments of ``subprocess.Popen`` and ``subprocess.run`` (the subset the tests
 use); any other command, or any command while ``FEDMQ_TEST_FORK=0``, goes to ``subprocess`` unchanged. What
@@ -37,7 +37,24 @@ from typing import Any
 
 FEDMQ_SCRIPT = str(Path(sys.executable).parent / "fedmq")
 MODULE_CMD = [sys.executable, "-m", "fedmq.cli.app"]
-PRELOAD = ("torch", "numpy", "pika", "msgpack", "zstandard", "structlog", "typer")
+# imported once, by the server: the heavy libraries, then fedmq's library layers (they read the environment
+# when a command runs, never at import); the CLI module and a command's own modules (--task) are the child's
+PRELOAD = (
+    "torch",
+    "numpy",
+    "pika",
+    "msgpack",
+    "zstandard",
+    "structlog",
+    "typer",
+    "fedmq.broker.transport.connect",
+    "fedmq.tasks.registry",
+    "fedmq.tasks.lm",
+    "fedmq.aggregator.engine",
+    "fedmq.client_agent.agent",
+    "fedmq.client_agent.host",
+    "fedmq.simulation",
+)
 _HEADER = struct.Struct("!I")
 
 
@@ -71,7 +88,7 @@ def serve(path: str) -> None:
     for name in PRELOAD:
         try:
             importlib.import_module(name)
-        except ImportError:
+        except Exception:  # noqa: BLE001 - a child that needs it imports it and reports the error itself
             pass
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)

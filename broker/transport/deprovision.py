@@ -1,9 +1,10 @@
 """`fedmq broker deprovision`: undo `fedmq broker provision` for one job.
 
 It deletes the job's users (``fedmq-aggregator.<job>``, every ``<job>.<client>`` and ``<job>.host.<host>``:
-topology.aggregator_user, agent_user, host_user), the job's queues (``fedmq.<job>.*``) in the vhost, and then
-the vhost itself unless another job still lives there (its queues, or its provisioned users' permissions:
-several jobs may share one vhost, and deprovisioning one never touches another). Running it again finds
+topology.aggregator_user, agent_user, host_user), the job's queues (``fedmq.<job>.*``) in the vhost, and the
+vhost itself unless another job lives there (its queues, or its provisioned users' permissions: several jobs
+may share one vhost, and deprovisioning one never touches another). A vhost that goes takes the job's queues
+with it; only in a vhost that stays are they deleted one by one. Running it again finds
 nothing and says so: it is idempotent. Like provisioning it talks to RabbitMQ with ``rabbitmqctl`` on the
 broker's machine, else the management HTTP API (provision.admin_for).
 """
@@ -146,18 +147,17 @@ def deprovision(url: str, *, vhost: str, job: str, admin: Admin | None = None) -
     exists = inv.vhost_exists(vhost)
     result.vhost_missing = not exists
     if exists:
-        prefix = f"{_QUEUE_PREFIX}{job}."
         queues = inv.vhost_queues(vhost)
-        for name in sorted(q for q in queues if q.startswith(prefix)):
-            inv.delete_queue(vhost, name)
-            result.queues.append(name)
+        result.queues = sorted(q for q in queues if q.startswith(f"{_QUEUE_PREFIX}{job}."))
+        others = {_other_job(n, job) for n in [*queues, *inv.vhost_users(vhost)]}
+        result.vhost_kept_for = sorted(o for o in others if o)
+        if result.vhost_kept_for:  # the vhost stays: the job's queues go one by one
+            for name in result.queues:
+                inv.delete_queue(vhost, name)
     for user in job_users(inv.users(), job):
         admin.delete_user(user)
         result.users.append(user)
-    if exists:
-        others = {_other_job(n, job) for n in [*inv.vhost_queues(vhost), *inv.vhost_users(vhost)]}
-        result.vhost_kept_for = sorted(o for o in others if o)
-        if not result.vhost_kept_for:
-            admin.delete_vhost(vhost)
-            result.vhost_deleted = True
+    if exists and not result.vhost_kept_for:
+        admin.delete_vhost(vhost)  # and the job's queues with it: one command, not one per queue
+        result.vhost_deleted = True
     return result

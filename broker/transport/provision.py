@@ -69,7 +69,12 @@ from fedmq.files import write_atomic
 
 log = structlog.get_logger(__name__)
 
-RABBITMQCTL = os.environ.get("FEDMQ_RABBITMQCTL", "rabbitmqctl")
+
+def rabbitmqctl() -> str:
+    """The rabbitmqctl to run: ``FEDMQ_RABBITMQCTL`` as the environment holds it now, else the one on PATH."""
+    return os.environ.get("FEDMQ_RABBITMQCTL", "rabbitmqctl")
+
+
 _LOCAL = {"127.0.0.1", "localhost", "::1", ""}
 
 
@@ -249,8 +254,9 @@ class CtlAdmin:
     """rabbitmqctl on this machine (optionally ``-n NODE``)."""
 
     def __init__(
-        self, node: str | None = None, ctl: str = RABBITMQCTL, env: dict[str, str] | None = None
+        self, node: str | None = None, ctl: str | None = None, env: dict[str, str] | None = None
     ) -> None:
+        ctl = ctl or rabbitmqctl()
         self.node, self.ctl, self.env = node, ctl, env
         if shutil.which(ctl) is None and not Path(ctl).is_file():
             raise BrokerError(f"{ctl} not found: run on the broker's machine or use the management API")
@@ -373,7 +379,8 @@ def local_ctl(url: str) -> CtlAdmin | None:
     checked to listen on the URL's port; None when the URL is not local or there is no rabbitmqctl. A node on
     another port is one error line: provision, check and purge never talk to another broker than the URL's."""
     parts = _split(url)
-    if (parts.hostname or "") not in _LOCAL or not (shutil.which(RABBITMQCTL) or Path(RABBITMQCTL).is_file()):
+    ctl = rabbitmqctl()
+    if (parts.hostname or "") not in _LOCAL or not (shutil.which(ctl) or Path(ctl).is_file()):
         return None
     admin = CtlAdmin(os.environ.get("FEDMQ_RABBITMQ_NODE") or None)
     port = parts.port or (5671 if parts.scheme == "amqps" else 5672)

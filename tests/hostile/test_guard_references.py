@@ -99,11 +99,9 @@ def _finite(engine) -> bool:
 
 
 def test_a_near_zero_update_cannot_get_the_honest_one_dropped(
-    federation, tiny_lm, own_rabbit_node, tmp_path, job_id
+    federation, tiny_lm, rabbit_node, tmp_path, job_id
 ):
-    engine, summary, rows = _run(
-        federation, tiny_lm, own_rabbit_node, tmp_path, job_id, 2, NearZero, "agent-1"
-    )
+    engine, summary, rows = _run(federation, tiny_lm, rabbit_node, tmp_path, job_id, 2, NearZero, "agent-1")
     assert summary["rounds_completed"] == 3
     for row in rows:
         assert row.received == ("agent-0", "agent-1")
@@ -113,9 +111,9 @@ def test_a_near_zero_update_cannot_get_the_honest_one_dropped(
     assert rows[-1].valid < rows[0].valid < VOCAB  # it learns
 
 
-def test_lr5_wipe_is_held_by_the_cap(federation, tiny_lm, own_rabbit_node, tmp_path, job_id):
+def test_lr5_wipe_is_held_by_the_cap(federation, tiny_lm, rabbit_node, tmp_path, job_id):
     engine, summary, rows = _run(
-        federation, tiny_lm, own_rabbit_node, tmp_path, job_id, 3, poison(0.0), "agent-2", lr=5.0, rounds=2
+        federation, tiny_lm, rabbit_node, tmp_path, job_id, 3, poison(0.0), "agent-2", lr=5.0, rounds=2
     )
     assert summary["rounds_completed"] == 2 and _finite(engine)
     for row in rows:  # zeros are ~2.8 honest steps away: capped, not dropped; weight 4 x the larger honest
@@ -131,14 +129,14 @@ ASYNC = dict(strategy="async", async_k=2, rounds=8, max_staleness=4)
 
 @pytest.mark.parametrize("fill", [0.0, 3e38], ids=["wipe-zeros", "overflow-3e38"])
 def test_async_one_agent_cannot_wipe_or_stall_the_model(
-    federation, tiny_lm, own_rabbit_node, tmp_path, job_id, fill
+    federation, tiny_lm, rabbit_node, tmp_path, job_id, fill
 ):
     # hostile from its third update: the rules judge against the other clients' accepted updates, and an
     # update among the very first of the job has no reference yet (docs/reliability.md, limit (d))
     engine, summary, rows = _run(
         federation,
         tiny_lm,
-        own_rabbit_node,
+        rabbit_node,
         tmp_path,
         job_id,
         3,

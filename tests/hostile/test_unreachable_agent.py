@@ -111,8 +111,8 @@ def _check_rows(rows) -> None:
         assert list(row.unreachable) == [HOSTILE] and "unroutable" in row.unreachable[HOSTILE]
 
 
-def test_an_agent_that_deleted_its_queue_loses_its_place_not_the_job(own_rabbit_node, job_id, task, tmp_path):
-    url = own_rabbit_node.url
+def test_an_agent_that_deleted_its_queue_loses_its_place_not_the_job(rabbit_node, job_id, task, tmp_path):
+    url = rabbit_node.url
     admin = connect(url)
     admin.declare_job(job_id, [HOSTILE], inbox=False)  # the hostile agent joined once ...
     engine = Engine(connect(url), task, _cfg(job_id, 2), tmp_path / "run", durable=False, evaluate=False)
@@ -131,8 +131,8 @@ def test_an_agent_that_deleted_its_queue_loses_its_place_not_the_job(own_rabbit_
     _check_rows(engine.runlog.rows())
 
 
-def test_a_restarted_aggregator_checks_again_who_is_reachable(own_rabbit_node, job_id, task, tmp_path):
-    url = own_rabbit_node.url
+def test_a_restarted_aggregator_checks_again_who_is_reachable(rabbit_node, job_id, task, tmp_path):
+    url = rabbit_node.url
     admin = connect(url)
     admin.declare_job(job_id, [HOSTILE], inbox=False)  # reachable when round 1 is announced
     cfg, run_dir = _cfg(job_id, 2), tmp_path / "run"
