@@ -132,6 +132,8 @@ def serve(path: str) -> None:
                             os.kill(pid, signal.SIGKILL)
                         except ProcessLookupError:
                             pass
+                    os.unlink(path)
+                    os.rmdir(os.path.dirname(path))
                     os._exit(0)
 
 
