@@ -159,18 +159,20 @@ def _send_line(conn: socket.socket, line: str) -> None:
 
 
 def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """A request: its length, its JSON, and the three fds that came with its first bytes."""
+
+    def at_least(data: bytes, size: int) -> bytes:
+        while len(data) < size:
+            more = conn.recv(1 << 16)
+            if not more:
+                raise ValueError("short request")
+            data += more
+        return data
+
     data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 3)
-    while len(data) < _HEADER.size:
-        more = conn.recv(1 << 16)
-        if not more:
-            raise ValueError("short request")
-        data += more
+    data = at_least(data, _HEADER.size)
     (size,) = _HEADER.unpack_from(data)
-    while len(data) < _HEADER.size + size:
-        more = conn.recv(1 << 16)
-        if not more:
-            raise ValueError("short request")
-        data += more
+    data = at_least(data, _HEADER.size + size)
     return json.loads(data[_HEADER.size : _HEADER.size + size]), list(fds)
 
 

@@ -382,7 +382,7 @@ def local_ctl(url: str) -> CtlAdmin | None:
     ctl = rabbitmqctl()
     if (parts.hostname or "") not in _LOCAL or not (shutil.which(ctl) or Path(ctl).is_file()):
         return None
-    admin = CtlAdmin(os.environ.get("FEDMQ_RABBITMQ_NODE") or None)
+    admin = CtlAdmin(os.environ.get("FEDMQ_RABBITMQ_NODE") or None, ctl)
     port = parts.port or (5671 if parts.scheme == "amqps" else 5672)
     ports = admin.amqp_ports()
     if port not in ports:
