@@ -140,7 +140,10 @@ def test_async_kill9_mid_round_replays_the_spool(tmp_path, rabbit_url, job_id):
         # async folds an update into whichever version is open when it arrives: match confirmed uploads by id
         drops = [e for e in fed.agg_events("message dropped") if e.get("kind") == "update"]
         dropped = {e["msg_id"] for e in drops}
-        assert folded.isdisjoint(dropped), "an update both folded and dropped"
+        # a copy the broker redelivers after the kill (spooled, not yet acked) is dropped as a duplicate of the
+        # folded one: that is the guarantee working; any other drop of a folded update is not
+        both = [e for e in drops if e["msg_id"] in folded and e["reason"] != "duplicate"]
+        assert both == [], f"an update both folded and dropped: {both}"
         lost = [e for e in drops if e["reason"] not in ("duplicate", "too-stale", "job-finished")]
         assert lost == [], f"confirmed updates dropped without a reason that is not a loss: {lost}"
         unaccounted = confirmed - folded - dropped
