@@ -16,14 +16,16 @@ did not exist when the version was announced; one that does hold the announcemen
 version, with its staleness. So a population with fewer agents online than ``async_k`` publishes a version
 as soon as those online have trained, instead of once per report plus update deadline.
 
-Every update the broker confirmed to an agent is folded or dropped with a reason (logged with its message
-id): updates that arrive before a restarted aggregator's first announcement are kept, unacked, for its first
-version (not dropped); redeliveries of folded updates are ``duplicate``, updates from versions no longer kept
-``too-stale``; once the last version is published, the updates already queued are ``job-finished``, and
+Every update the broker confirmed to an agent is folded or dropped with a reason (logged with its message id):
+updates that arrive before a restarted aggregator's first announcement are kept, unacked, for its first
+version (not dropped); redeliveries of folded updates are ``duplicate``, and so is a second update of a client
+from a version one of its updates was already folded from (one per client and version, checkpointed: an agent
+that lost a confirm with its connection trains again from the same version); updates from versions no longer
+kept ``too-stale``; once the last version is published, the updates already queued are ``job-finished``, and
 with a durable spool (services, ``simulate`` over RabbitMQ) the aggregator first waits, at most the report
-plus the update deadline, for the updates the agents online at the last announcement still owe, and drops
-them as ``job-finished`` too, so that nothing confirmed is left in the inbox when the job ends. Agents'
-reports (which precede each update) carry nothing the update does not: they are acked without a count.
+plus the update deadline, for the updates the agents online at the last announcement still owe, and drops them
+as ``job-finished`` too, so that nothing confirmed is left in the inbox when the job ends. Agents' reports
+(which precede each update) carry nothing the update does not: they are acked without a count.
 """
 
 from __future__ import annotations
@@ -135,6 +137,9 @@ class AsyncRounds:
             ctx.spool.save_base(ctx.version, ctx.global_state)
         for old in [v for v in self.history if v < ctx.version - cfg.max_staleness]:
             del self.history[old]
+        # older versions are too stale to train from anyway: what is kept grows with the clients, not the job
+        for client in [c for c, v in ctx.folded_from.items() if v < ctx.version - cfg.max_staleness]:
+            del ctx.folded_from[client]
         ctx.spool.drop_bases_before(ctx.version - cfg.max_staleness)
 
     def _collect(self, stats: RoundStats, strategy: Strategy, owed: _Owed) -> None:
@@ -164,6 +169,10 @@ class AsyncRounds:
         ctx, cfg, env = self.ctx, self.cfg, msg.env
         if env.msg_id in self.folded_ids or env.msg_id in stats.update_ids.values():
             ctx.inbox.drop(msg, "duplicate")  # redelivered after a crash: already folded
+        elif env.model_version <= ctx.folded_from.get(env.client, messages.NO_VERSION):
+            # a second update from a version this client's update was folded from (retrained after a lost
+            # confirm, or sent twice): one per client and version, as a synchronous round takes one per client
+            ctx.inbox.drop(msg, "duplicate")
         elif ctx.version - env.model_version > cfg.max_staleness or env.model_version not in self.history:
             ctx.inbox.drop(msg, "too-stale")
         else:
@@ -223,6 +232,8 @@ class AsyncRounds:
         if msg is not None:
             ctx.spool.save_update(stats.round, f"{env.client}-{arrival}", body)
         stats.update_ids[f"{env.client}#{arrival + 1}"] = env.msg_id
+        newest = ctx.folded_from.get(env.client, messages.NO_VERSION)
+        ctx.folded_from[env.client] = max(env.model_version, newest)
         stats.reported[env.client] = float(env.payload["loss"])
         if msg is not None:
             ctx.inbox.ack(msg)

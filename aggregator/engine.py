@@ -130,6 +130,9 @@ class Engine:
         self.strategy_state: dict[str, dict[str, Any]] = {}
         # client -> version its last folded update trained from (kept models)
         self._trained_from: dict[str, int] = {}
+        # client -> the newest version one of its folded updates trained from, within the staleness window
+        # (asynchronous mode takes one update per client and version; checkpointed)
+        self.folded_from: dict[str, int] = {}
         # form -> (announce entry, raw bytes) of _published_version
         self._published: dict[str, tuple[dict, int]] = {}
         self._published_version = messages.NO_VERSION
@@ -788,6 +791,7 @@ class Engine:
                 "presence_versions": {},
                 "guard": self.guard.state_dict(),
                 "lr_scale": self.lr_scale,
+                "folded_from": self.folded_from,
             },
             keep=self.cfg.keep_checkpoints,
         )
@@ -804,6 +808,7 @@ class Engine:
         best = ckpt.extra.get("best")
         self.best = tuple(best) if best else None
         self.lr_scale = float(ckpt.extra.get("lr_scale", 1.0))
+        self.folded_from = {str(c): int(v) for c, v in (ckpt.extra.get("folded_from") or {}).items()}
         self.guard.load_state_dict(ckpt.extra.get("guard"))
         self.runlog.truncate_after(self.round - 1)
         log.info("resumed from checkpoint", round=self.round, version=self.version)

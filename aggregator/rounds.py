@@ -65,6 +65,7 @@ class RoundContext(Protocol):
     global_state: State
     phase: str
     hosted: dict[str, str]  # client -> the host serving it (aggregator.engine.Engine.note_presence)
+    folded_from: dict[str, int]  # client -> newest version a folded update of it trained from (async)
 
     def online(self) -> list[str]: ...
 

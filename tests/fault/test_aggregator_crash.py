@@ -140,8 +140,8 @@ def test_async_kill9_mid_round_replays_the_spool(tmp_path, rabbit_url, job_id):
         # async folds an update into whichever version is open when it arrives: match confirmed uploads by id
         drops = [e for e in fed.agg_events("message dropped") if e.get("kind") == "update"]
         dropped = {e["msg_id"] for e in drops}
-        # a copy the broker redelivers after the kill (spooled, not yet acked) is dropped as a duplicate of the
-        # folded one: that is the guarantee working; any other drop of a folded update is not
+        # a copy the broker redelivers after the kill (spooled, not yet acked) is dropped as a duplicate of
+        # the folded one: that is the guarantee working; any other drop of a folded update is not
         both = [e for e in drops if e["msg_id"] in folded and e["reason"] != "duplicate"]
         assert both == [], f"an update both folded and dropped: {both}"
         lost = [e for e in drops if e["reason"] not in ("duplicate", "too-stale", "job-finished")]

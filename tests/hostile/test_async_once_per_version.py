@@ -1,0 +1,65 @@
+"""Asynchronous mode folds one update per client and version.
+
+An agent whose confirm is lost with its connection trains again from the same version and sends a new update
+under a new message id; a hostile agent can do the same on purpose, to weigh several times in one buffer. The
+message-id check cannot see either: the aggregator refuses a second update of a client from a version one of
+its updates was already folded from (``duplicate``), and keeps that knowledge across a restart (checkpoint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+from fedmq.aggregator.checkpoint import load_checkpoint
+from fedmq.aggregator.config import JobConfig
+from fedmq.broker.transport import topology
+from fedmq.broker.wire import messages
+from fedmq.client_agent.agent import Agent
+
+
+class Twice(Agent):
+    """Sends each update it trained twice, the second time under a new message id."""
+
+    resent: list[str]
+
+    def _upload(self, rnd, version, prepared):  # type: ignore[no-untyped-def]
+        super()._upload(rnd, version, prepared)
+        again = dataclasses.replace(messages.decode(prepared.body), msg_id=uuid.uuid4().hex)
+        self._send(again, topology.rk_update(self.job, self.client))
+        self.resent = [*getattr(self, "resent", []), again.msg_id]
+
+
+def test_a_second_update_from_the_same_version_is_dropped_as_a_duplicate(federation, tiny_lm, tmp_path):
+    cfg = JobConfig(
+        job="async-twice",
+        strategy="async",
+        async_k=2,
+        max_staleness=3,
+        rounds=6,
+        clients=3,
+        fraction=1.0,
+        lr=1.0,
+        max_steps=2,
+        batch_size=4,
+        heartbeat_s=0.5,
+        join_timeout_s=20,
+        report_deadline_s=30,
+        update_deadline_s=30,
+    )
+    run = tmp_path / "run"
+    engine, agents, summary = federation(
+        tiny_lm(3), cfg, "memory://async-twice", run, agent_class=lambda i: Twice if i == 2 else Agent
+    )
+    assert summary["version"] == 6, summary
+    resent = set(agents[2].resent)
+    assert resent, "the hostile agent sent nothing twice"
+    folded = {u for ids in engine.folded.values() for u in ids}
+    assert folded.isdisjoint(resent), "a second update from one version was folded"
+    assert engine.inbox.dropped.get("duplicate", 0) >= 1, dict(engine.inbox.dropped)
+    # its first updates are folded as any honest agent's
+    rows = engine.runlog.rows()
+    assert any("agent-2" in r.received for r in rows), [r.received for r in rows]
+    # checkpointed for a restart, and only the versions an update may still train from
+    kept = load_checkpoint(run / "checkpoints").extra["folded_from"]
+    assert kept and all(v >= engine.version - cfg.max_staleness for v in kept.values()), kept
