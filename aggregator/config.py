@@ -186,7 +186,7 @@ class JobConfig:
     report_deadline_s: float = 300.0
     update_deadline_s: float = 120.0
     join_timeout_s: float = 60.0  # wait this long for agents before a round with nobody online is skipped
-    heartbeat_s: float = 5.0
+    heartbeat_s: float = defaults.HEARTBEAT_S
     async_k: int = 3  # async: fold every K arrivals
     max_staleness: int = 5
     server_lr: float = 1.0  # async: server step on the staleness-weighted mean delta

@@ -26,6 +26,7 @@ from typing import Any
 import structlog
 import torch
 
+from fedmq import defaults
 from fedmq.broker.transport import topology
 from fedmq.broker.transport.base import Broker, Subscription
 from fedmq.broker.transport.errors import BrokerError
@@ -99,7 +100,7 @@ class Agent:
         availability: Availability | None = None,
         faults: Faults | None = None,
         device: str = "cpu",
-        heartbeat_s: float = 5.0,
+        heartbeat_s: float = defaults.HEARTBEAT_S,
         rejoin_s: float = 2.0,
         seed: int = 0,
         trainers: TrainerPool | None = None,

@@ -26,6 +26,7 @@ from typing import Any
 
 import structlog
 
+from fedmq import defaults
 from fedmq.broker.transport import topology
 from fedmq.broker.transport.base import Broker, Delivery
 from fedmq.broker.transport.errors import BrokerError
@@ -132,7 +133,7 @@ class Host:
         availability: Availability | None = None,
         faults: Faults | None = None,
         device: str = "cpu",
-        heartbeat_s: float = 5.0,
+        heartbeat_s: float = defaults.HEARTBEAT_S,
         rejoin_s: float = 2.0,
         seed: int = 0,
         trainers: TrainerPool | None = None,

@@ -1,5 +1,6 @@
-"""The defaults of local training, defined once: a job's settings (aggregator.config.JobConfig), the command
-line's flags (which read JobConfig's) and a task's TrainConfig (fedmq.tasks.base) all take them from here.
+"""The defaults of local training (and the agents' heartbeat), defined once: a job's settings
+(aggregator.config.JobConfig), the command line's flags (which read JobConfig's) and a task's TrainConfig
+(fedmq.tasks.base) all take them from here.
 
 They are the classic word-language-model regime of pytorch/examples (plain SGD at lr 20, gradient norm clipped
 at 0.25, batches of 20, lr ÷ 4 whenever validation stops improving), which the FedAtt reference code also
@@ -26,3 +27,6 @@ MOMENTUM = 0.0
 LR_DECAY = 1.0  # the local lr × this after every local epoch
 CLIP = 0.25  # gradient-norm clipping (0 = off)
 LR_ANNEAL = 4.0  # the clients' lr ÷ this from the round after one that did not improve validation (1 = off)
+# s between an agent's presence beats (JobConfig.heartbeat_s, the agents' and hosts' own default): a presence
+# counts for three beats
+HEARTBEAT_S = 5.0

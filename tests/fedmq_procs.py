@@ -37,6 +37,7 @@ from typing import Any
 
 FEDMQ_SCRIPT = str(Path(sys.executable).parent / "fedmq")
 MODULE_CMD = [sys.executable, "-m", "fedmq.cli.app"]
+ROOT = Path(__file__).resolve().parents[1]
 # imported once, by the server: the heavy libraries, then fedmq's library layers (they read the environment
 # when a command runs, never at import); the CLI module and a command's own modules (--task) are the child's
 PRELOAD = (
@@ -499,3 +500,15 @@ def run(
     if check and proc.returncode:
         raise subprocess.CalledProcessError(proc.returncode, proc.args, out, err)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def command(*args: Any) -> list[str]:
+    """The command line of ``fedmq ARGS`` in this interpreter (a command the server forks)."""
+    return [*MODULE_CMD, *map(str, args)]
+
+
+def fedmq(
+    *args: Any, cwd: str | Path = ROOT, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    """``fedmq ARGS`` run to its end in ``cwd`` (the repository by default), its output captured as text."""
+    return run(command(*args), capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)

@@ -11,8 +11,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -27,15 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CTL = "/usr/lib/rabbitmq/bin/rabbitmqctl"
 
 
-def fedmq(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return fedmq_procs.run(
-        [sys.executable, "-m", "fedmq.cli.app", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env=env,
-    )
+fedmq = fedmq_procs.fedmq
 
 
 def node_env(node) -> dict[str, str]:

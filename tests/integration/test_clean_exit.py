@@ -20,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import fedmq_procs
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,8 +34,7 @@ DEADLINES = ["--report-deadline", "1", "--update-deadline", "1"]
 LIMIT_S = 25  # SlowTask trains 30 s: a process that waited for it would take longer
 
 
-def fedmq(*args: str) -> list[str]:
-    return [sys.executable, "-m", "fedmq.cli.app", *args]
+fedmq = fedmq_procs.command  # the command line of `fedmq ARGS`
 
 
 def finish(cmd: list[str], env: dict[str, str] | None = None) -> tuple[int, str, float]:

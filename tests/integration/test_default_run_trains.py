@@ -5,7 +5,6 @@ them)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import fedmq_procs
@@ -17,7 +16,7 @@ def test_the_default_run_falls_every_round(tmp_path):
     out = tmp_path / "run"
     done = fedmq_procs.run(
         # the default run's first 5 of its 8 rounds (the same rounds: nothing in them depends on the total)
-        [sys.executable, "-m", "fedmq.cli.app", "simulate", "--rounds", "5", "--out", str(out), "--json"],
+        fedmq_procs.command("simulate", "--rounds", "5", "--out", str(out), "--json"),
         capture_output=True,
         text=True,
         timeout=600,

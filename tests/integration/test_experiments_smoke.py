@@ -231,10 +231,7 @@ def test_cli_topk_with_report(tmp_path):
     """`fedmq experiment topk --scale smoke`: top-K β=0.5 grants half the uploads;
     the report has its figures."""
     proc = fedmq_procs.run(
-        [
-            sys.executable,
-            "-m",
-            "fedmq.cli.app",
+        fedmq_procs.command(
             "experiment",
             "topk",
             "--scale",
@@ -243,7 +240,7 @@ def test_cli_topk_with_report(tmp_path):
             str(tmp_path),
             "--log-level",
             "warning",
-        ],
+        ),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -452,7 +449,7 @@ def test_bad_arguments_are_one_line_and_write_nothing(tmp_path):
         (["table2", "--device", "tpu"], "unknown device (--device) 'tpu'"),
     ):
         proc = fedmq_procs.run(
-            [sys.executable, "-m", "fedmq.cli.app", "experiment", *args, "--out", str(tmp_path)],
+            fedmq_procs.command("experiment", *args, "--out", str(tmp_path)),
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -475,7 +472,7 @@ def test_a_missing_corpus_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
     with pytest.raises(ExperimentError, match="corpus 'de-en' is not on this machine"):
         run_experiment("nmt-domains", "smoke", tmp_path / "out")
     proc = fedmq_procs.run(
-        [sys.executable, "-m", "fedmq.cli.app", "experiment", "table2", "--scale", "smoke"]
+        fedmq_procs.command("experiment", "table2", "--scale", "smoke")
         + ["--seeds", "0", "--out", str(tmp_path / "out")],
         cwd=ROOT,
         capture_output=True,

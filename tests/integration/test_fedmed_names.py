@@ -72,7 +72,7 @@ def reference(name: str) -> np.ndarray:
 def test_each_fedmed_weighting_runs_by_its_name(tmp_path, name):
     run = tmp_path / "run"
     cmd = [
-        *(sys.executable, "-m", "fedmq.cli.app", "simulate", "--task", "logreg:LogReg", "--strategy", name),
+        *fedmq_procs.command("simulate", "--task", "logreg:LogReg", "--strategy", name),
         *("-k", str(CLIENTS), "-c", "1", "-r", str(ROUNDS), "--lr", str(LR), "--max-steps", str(STEPS)),
         *("--loss-eps", "0", "--encoding", "raw", "--down-encoding", "raw", "--out", str(run), "--json"),
     ]

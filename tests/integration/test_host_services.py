@@ -140,16 +140,13 @@ def _start(
     (tmp_path / "job.toml").write_text(JOB_TOML.format(rounds=rounds, heartbeat=heartbeat))
     common = ["--broker", rabbit_url, "--job", job_id, "--config", str(tmp_path / "job.toml")]
     agg = fedmq_procs.popen(
-        [
-            sys.executable,
-            "-m",
-            "fedmq.cli.app",
+        fedmq_procs.command(
             "aggregator",
             "run",
             *common,
             "--state-dir",
             str(tmp_path / "s"),
-        ]
+        )
         + list(args),
         stdout=subprocess.PIPE,
         stderr=(tmp_path / "aggregator.log").open("w"),  # (a pipe nobody reads would fill up and block it)
@@ -160,7 +157,7 @@ def _start(
 
 
 def _host(*args: str, pod: str | None = None) -> subprocess.Popen:
-    run = [sys.executable, "-c", AS_POD, pod] if pod else [sys.executable, "-m", "fedmq.cli.app"]
+    run = [sys.executable, "-c", AS_POD, pod] if pod else fedmq_procs.command()
     return fedmq_procs.popen(
         [*run, "agent", "run", *args, "--device", "cpu", "--log-level", "warning"],
         stdout=subprocess.DEVNULL,
@@ -210,7 +207,7 @@ def test_two_host_processes_run_a_job_with_the_aggregator(tmp_path, rabbit_url, 
         assert len(queues) == 3 + 2 * 2, queues  # inbox, dead letters, model stream; two per host
         assert {t.q_latest(job_id, "h1"), t.q_control(job_id, "h1")} <= set(queues)
         purged = fedmq_procs.run(
-            [sys.executable, "-m", "fedmq.cli.app", "broker", "purge", "--job", job_id, "--hosts", "2"],
+            fedmq_procs.command("broker", "purge", "--job", job_id, "--hosts", "2"),
             capture_output=True,
             text=True,
             timeout=60,

@@ -110,7 +110,7 @@ def test_from_the_command_line(tmp_path, own_module):
         "--json",
     ]
     done = fedmq_procs.run(
-        [sys.executable, "-m", "fedmq.cli.app", *args],
+        fedmq_procs.command(*args),
         capture_output=True,
         text=True,
         env=env,
@@ -123,16 +123,13 @@ def test_from_the_command_line(tmp_path, own_module):
     assert state["my_fl_strategy:DecayingFedAvg"] == {"rounds": refs.ROUNDS}
     # a parameter the strategy does not have is one line, and nothing runs
     bad = fedmq_procs.run(
-        [
-            sys.executable,
-            "-m",
-            "fedmq.cli.app",
+        fedmq_procs.command(
             *args[:-3],
             "--strategy-arg",
             "maxnorm=1",
             "--out",
             str(tmp_path / "bad"),
-        ],
+        ),
         capture_output=True,
         text=True,
         env=env,

@@ -25,14 +25,7 @@ OWN = ["--task", "bring_your_own:TwoMoons", "--strategy", "bring_your_own:Unifor
 
 
 def fedmq(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return fedmq_procs.run(
-        [sys.executable, "-m", "fedmq.cli.app", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=ENV,
-        timeout=timeout,
-    )
+    return fedmq_procs.fedmq(*args, env=ENV, timeout=timeout)
 
 
 def test_the_example_runs_from_python_and_learns(tmp_path):
@@ -125,7 +118,7 @@ def test_own_task_and_strategy_as_services(tmp_path, rabbit_url, job_id):
         '[task]\ntask = "bring_your_own:TwoMoons"\n'
     )
     common = ["--broker", rabbit_url, "--job", job_id, "--config", str(job)]
-    run = [sys.executable, "-m", "fedmq.cli.app"]
+    run = fedmq_procs.command()
     agg = fedmq_procs.popen(
         [*run, "aggregator", "run", *common, "--state-dir", str(tmp_path / "state")],
         stdout=subprocess.PIPE,

@@ -59,10 +59,7 @@ def names(admin, rabbit_url):
     deprovision(rabbit_url, vhost=vhost, job=job, admin=admin)  # whatever the test left
 
 
-def fedmq(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return fedmq_procs.run(
-        [sys.executable, "-m", "fedmq.cli.app", *args], capture_output=True, text=True, timeout=120, cwd=cwd
-    )
+fedmq = fedmq_procs.fedmq
 
 
 def test_the_quickstart_runs_as_written(tmp_path, names):

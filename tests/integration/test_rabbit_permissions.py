@@ -229,14 +229,10 @@ def test_provision_configures_the_node_the_url_names(rabbit_node, tmp_path):
     """A local URL's port decides the broker: rabbitmqctl's default node listening elsewhere is one line and
     nothing is configured anywhere; FEDMQ_RABBITMQ_NODE names the node of that port,
     which then gets the users."""
-    import sys
     from pathlib import Path
 
     vhost = "fedmq-port-" + uuid.uuid4().hex[:6]
-    cmd = [
-        sys.executable,
-        "-m",
-        "fedmq.cli.app",
+    cmd = fedmq_procs.command(
         "broker",
         "provision",
         "--broker",
@@ -251,7 +247,7 @@ def test_provision_configures_the_node_the_url_names(rabbit_node, tmp_path):
         str(tmp_path / "creds.json"),
         "--secrets-out",
         str(tmp_path / "secrets"),
-    ]
+    )
     root = Path(__file__).resolve().parents[2]
     wrong = fedmq_procs.run(cmd, capture_output=True, text=True, timeout=120, cwd=root)
     assert wrong.returncode == 2, wrong.stderr

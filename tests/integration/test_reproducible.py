@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import fedmq_procs
@@ -38,7 +37,7 @@ JOB = [
 
 def _simulate(run: Path, *extra: str) -> tuple[list[dict], dict]:
     proc = fedmq_procs.run(
-        [sys.executable, "-m", "fedmq.cli.app", "simulate", *JOB, "--out", str(run), *extra],
+        fedmq_procs.command("simulate", *JOB, "--out", str(run), *extra),
         capture_output=True,
         text=True,
         timeout=300,

@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -42,8 +41,7 @@ max_eval_lines = 100
 """
 
 
-def fedmq(*args: str) -> list[str]:
-    return [sys.executable, "-m", "fedmq.cli.app", *args]
+fedmq = fedmq_procs.command  # the command line of `fedmq ARGS`
 
 
 def resolved(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -7,7 +7,6 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -35,8 +34,7 @@ TINY = [
 ]
 
 
-def fedmq(*args: str) -> list[str]:
-    return [sys.executable, "-m", "fedmq.cli.app", *args]
+fedmq = fedmq_procs.command  # the command line of `fedmq ARGS`
 
 
 def rows(run: Path) -> list[dict]:

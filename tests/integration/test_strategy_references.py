@@ -183,10 +183,7 @@ def test_strategy_runs_from_the_command_line(tmp_path, strategy, args, reference
     """`fedmq simulate --strategy NAME --strategy-arg KEY=VALUE ...`: the same numbers as from Python."""
     rounds = 2
     flags = [f for k, v in args.items() for f in ("--strategy-arg", f"{k}={v}")]
-    cmd = [
-        sys.executable,
-        "-m",
-        "fedmq.cli.app",
+    cmd = fedmq_procs.command(
         "simulate",
         "--task",
         "logreg:LogReg",
@@ -210,7 +207,7 @@ def test_strategy_runs_from_the_command_line(tmp_path, strategy, args, reference
         "--out",
         str(tmp_path / "run"),
         "--json",
-    ]
+    )
     env = {**os.environ, "PYTHONPATH": str(EXAMPLES), "OMP_NUM_THREADS": "1"}
     done = fedmq_procs.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]

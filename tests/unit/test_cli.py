@@ -15,14 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def fedmq(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return fedmq_procs.run(
-        [sys.executable, "-m", "fedmq.cli.app", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
+fedmq = fedmq_procs.fedmq
 
 
 @pytest.mark.parametrize(
@@ -144,7 +137,7 @@ ALL_COMMANDS = [
 
 def help80(*cmd: str) -> str:
     proc = fedmq_procs.run(
-        [sys.executable, "-m", "fedmq.cli.app", *cmd, "--help"],
+        fedmq_procs.command(*cmd, "--help"),
         capture_output=True,
         text=True,
         timeout=60,

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import fedmq_procs
@@ -24,10 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RUN = ["agent", "run", "--broker", "amqp://127.0.0.1:1/", "--job", "j"]
 
 
-def fedmq(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return fedmq_procs.run(
-        [sys.executable, "-m", "fedmq.cli.app", *args], capture_output=True, text=True, timeout=120, cwd=cwd
-    )
+fedmq = fedmq_procs.fedmq
 
 
 @pytest.mark.parametrize(

@@ -85,13 +85,7 @@ def test_nmt_ignores_min_count_from_a_shared_flag_set():
 
 
 def _fedmq(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return fedmq_procs.run(
-        [sys.executable, "-m", "fedmq.cli.app", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
+    return fedmq_procs.fedmq(*args, timeout=timeout)
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,6 @@ at once) is refused at start, in one line, with exit code 2: never started half-
 
 from __future__ import annotations
 
-import sys
 import time
 
 import fedmq_procs
@@ -27,10 +26,7 @@ def test_the_limits_are_read_from_the_host_and_name_their_fact():
 def test_simulate_refuses_a_population_too_large_in_one_line_and_exits_2(tmp_path):
     t0 = time.monotonic()
     proc = fedmq_procs.run(
-        [
-            sys.executable,
-            "-m",
-            "fedmq.cli.app",
+        fedmq_procs.command(
             "simulate",
             "-k",
             "10000000",
@@ -38,7 +34,7 @@ def test_simulate_refuses_a_population_too_large_in_one_line_and_exits_2(tmp_pat
             "1",
             "--out",
             str(tmp_path / "o"),
-        ],
+        ),
         capture_output=True,
         text=True,
         timeout=60,
