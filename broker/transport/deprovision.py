@@ -154,9 +154,8 @@ def deprovision(url: str, *, vhost: str, job: str, admin: Admin | None = None) -
         if result.vhost_kept_for:  # the vhost stays: the job's queues go one by one
             for name in result.queues:
                 inv.delete_queue(vhost, name)
-    for user in job_users(inv.users(), job):
-        admin.delete_user(user)
-        result.users.append(user)
+    result.users = job_users(inv.users(), job)
+    admin.delete_users(result.users)  # one request for all of them
     if exists and not result.vhost_kept_for:
         admin.delete_vhost(vhost)  # and the job's queues with it: one command, not one per queue
         result.vhost_deleted = True

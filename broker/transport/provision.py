@@ -53,6 +53,7 @@ import ssl
 import subprocess
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -76,6 +77,7 @@ def rabbitmqctl() -> str:
 
 
 _LOCAL = {"127.0.0.1", "localhost", "::1", ""}
+_ERLANG_SAFE = re.compile(r"[A-Za-z0-9_.@-]+")  # a user name written into an Erlang binary literal as it is
 
 
 @dataclass(frozen=True)
@@ -195,7 +197,9 @@ class Admin(Protocol):
         """Create ``vhost`` if it is missing and put ``users`` with their passwords and permissions on it,
         their topic permissions on other exchanges removed."""
 
-    def delete_user(self, user: str) -> None: ...
+    def delete_users(self, users: Sequence[str]) -> None:
+        """Delete ``users`` in one request; those already gone are skipped."""
+
     def delete_vhost(self, vhost: str) -> None: ...
 
 
@@ -281,8 +285,25 @@ class CtlAdmin:
         for user, exchange in stale_topic_permissions(users, [(r[0], r[1]) for r in rows]):
             self.run("clear_topic_permissions", "-p", vhost, user, exchange)
 
-    def delete_user(self, user: str) -> None:
-        self.run("delete_user", user, ok_text="does not exist")
+    def delete_users(self, users: Sequence[str]) -> None:
+        """One ``rabbitmqctl eval`` for all of them: a ``delete_user`` command each starts an Erlang VM each
+        (about half a second of CPU: ten minutes for a job of 1,000 agents). A name the Erlang literal cannot
+        hold as it is goes through ``delete_user``."""
+        plain = [u for u in users if _ERLANG_SAFE.fullmatch(u)]
+        for user in (u for u in users if u not in plain):
+            self.run("delete_user", user, ok_text="does not exist")
+        if not plain:
+            return
+        names = ", ".join(f'<<"{u}">>' for u in plain)
+        # what failed, other than a user already gone: [] when every one is deleted
+        out = self.run(
+            "eval",
+            f"[{{U, R}} || U <- [{names}], "
+            'R <- [catch rabbit_auth_backend_internal:delete_user(U, <<"rmq-cli">>)], '
+            "R =/= ok, R =/= {error, {no_such_user, U}}].",
+        )
+        if "[]" not in (line.strip() for line in out.splitlines()):  # (stderr may hold the node's warnings)
+            raise BrokerError(f"rabbitmqctl could not delete users: {' '.join(out.split())[:300]}")
 
     def delete_vhost(self, vhost: str) -> None:
         self.run("delete_vhost", vhost, ok_text="does not exist")
@@ -347,8 +368,11 @@ class HttpAdmin:
             self.call("DELETE", path, ok=(404,))
             self.call("PUT", path, {"exchange": p.exchange, "write": p.topic_write, "read": p.topic_read})
 
-    def delete_user(self, user: str) -> None:
-        self.call("DELETE", f"/api/users/{quote(user, safe='')}", ok=(404,))
+    def delete_users(self, users: Sequence[str]) -> None:
+        """``bulk-delete`` refuses the whole list (400) for one user already gone: those are left out."""
+        held = {row.get("name") for row in self.call("GET", "/api/users") or [] if isinstance(row, dict)}
+        if present := [u for u in users if u in held]:
+            self.call("POST", "/api/users/bulk-delete", {"users": present})
 
     def delete_vhost(self, vhost: str) -> None:
         self.call("DELETE", f"/api/vhosts/{quote(vhost, safe='')}", ok=(404,))
@@ -462,7 +486,7 @@ def provision(
             creds[kind][name] = entry
     admin.define(vhost, defined)
     if remove_guest:
-        admin.delete_user("guest")
+        admin.delete_users(["guest"])
     log.info(
         "provisioned broker users",
         vhost=vhost,

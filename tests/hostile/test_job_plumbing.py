@@ -114,8 +114,9 @@ def test_one_jobs_aggregator_cannot_touch_another_jobs_exchange(rabbit_node):
             _round_trip(agg_a, a0, ja, "agent-0", "after jb lost its own")
     finally:
         for creds in (a, b):
-            for u in [creds["aggregator"]["username"], *(e["username"] for e in creds["agents"].values())]:
-                admin.delete_user(u)
+            admin.delete_users(
+                [creds["aggregator"]["username"], *(e["username"] for e in creds["agents"].values())]
+            )
         admin.delete_vhost(vhost)
 
 

@@ -147,6 +147,7 @@ def test_an_agent_refused_by_its_permissions_ends_with_one_line(rabbit_node):
         assert "403" in line and f"refused {REFUSAL_TRIES} times in a row" in line, line
         assert time.monotonic() - started < 60
     finally:
-        for u in [creds["aggregator"]["username"], *(e["username"] for e in creds["agents"].values())]:
-            admin.delete_user(u)
+        admin.delete_users(
+            [creds["aggregator"]["username"], *(e["username"] for e in creds["agents"].values())]
+        )
         admin.delete_vhost(vhost)

@@ -129,8 +129,7 @@ def test_a_host_user_speaks_for_its_own_clients_only(rabbit_url, job_id):
         finally:
             conn.close()
     finally:  # (deleting the vhost deletes its queues)
-        for user in (t.aggregator_user(job_id), t.host_user(job_id, "h1")):
-            admin.delete_user(user)
+        admin.delete_users([t.aggregator_user(job_id), t.host_user(job_id, "h1")])
         admin.delete_vhost(vhost)
 
 

@@ -27,8 +27,7 @@ def fed(rabbit_url, job_id):
     admin = prov.CtlAdmin()
     creds = prov.provision(rabbit_url, vhost=vhost, job=job_id, agents=agents, admin=admin)
     yield creds
-    for u in [creds["aggregator"]["username"], *(e["username"] for e in creds["agents"].values())]:
-        admin.delete_user(u)
+    admin.delete_users([creds["aggregator"]["username"], *(e["username"] for e in creds["agents"].values())])
     admin.delete_vhost(vhost)
 
 
@@ -151,8 +150,7 @@ def test_provision_is_idempotent_and_writes_secrets(rabbit_url, tmp_path, job_id
         assert yaml.count("kind: Secret") == 2 and f"name: fedmq-agent-{agents[0]}" in yaml
         assert "namespace: ns1" in yaml and json.dumps(rotated["agents"][agents[0]]["password"]) in yaml
     finally:
-        for u in [agg, *(t.agent_user(job_id, a) for a in agents)]:
-            admin.delete_user(u)
+        admin.delete_users([agg, *(t.agent_user(job_id, a) for a in agents)])
         admin.delete_vhost(vhost)
     with pytest.raises(BrokerError, match="bad client id"):
         prov.provision(rabbit_url, vhost=vhost, job=job_id, agents=["no good"], admin=admin)
@@ -207,11 +205,34 @@ def test_provision_through_the_management_api(rabbit_node, job_id):
                 a1.consume(t.q_inbox(job_id), lambda d: None)
             assert agg.queue_depth(t.q_inbox(job_id)) == 1
     finally:
-        for u in [t.aggregator_user(job_id), *(t.agent_user(job_id, a) for a in agents)]:
-            admin.delete_user(u)
+        admin.delete_users([t.aggregator_user(job_id), *(t.agent_user(job_id, a) for a in agents)])
         admin.delete_vhost("fedmq-http")
     with pytest.raises(BrokerError, match="HTTP 401"):
         prov.HttpAdmin(rabbit_node.management_url, "guest", "wrong").define("nope", [])
+
+
+@pytest.mark.isolated_node
+def test_users_go_in_one_request_and_those_already_gone_are_skipped(rabbit_node, rabbit_url, job_id):
+    """rabbitmqctl (one eval for all) and the management API (bulk-delete) alike; through rabbitmqctl a name
+    an Erlang literal cannot hold as it is goes by its own delete_user."""
+    from fedmq.broker.transport.deprovision import inventory_for
+
+    http = prov.HttpAdmin(rabbit_node.management_url, "guest", "guest")
+    for admin, url in ((prov.CtlAdmin(), rabbit_url), (http, rabbit_node.url)):
+        vhost = "fedmq-del-" + uuid.uuid4().hex[:6]
+        creds = prov.provision(url, vhost=vhost, job=job_id, agents=["a0", "a1"], admin=admin)
+        users = [creds["aggregator"]["username"], *(e["username"] for e in creds["agents"].values())]
+        odd = f"{job_id} odd"
+        if isinstance(admin, prov.CtlAdmin):
+            admin.run("add_user", odd, "pw")
+            users.append(odd)
+        try:
+            assert set(users) <= set(inventory_for(admin).users())
+            admin.delete_users([*users, f"{job_id}.never-was"])
+            assert not set(users) & set(inventory_for(admin).users()), type(admin).__name__
+            admin.delete_users(users)  # all gone already: nothing to do, no error
+        finally:
+            admin.delete_vhost(vhost)
 
 
 def test_admin_choice_by_broker_location(monkeypatch):
@@ -321,6 +342,7 @@ def test_two_jobs_in_one_vhost_are_isolated(rabbit_url):
         conn.close()
     finally:
         for creds in (a, b):
-            for u in [creds["aggregator"]["username"], *(e["username"] for e in creds["agents"].values())]:
-                admin.delete_user(u)
+            admin.delete_users(
+                [creds["aggregator"]["username"], *(e["username"] for e in creds["agents"].values())]
+            )
         admin.delete_vhost(vhost)

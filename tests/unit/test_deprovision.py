@@ -1,6 +1,7 @@
 """`deprovision` against an admin double that records what it is asked: a vhost that goes takes the job's
 queues with it (no command per queue), a vhost another job lives in keeps that job's users and queues and
-loses only this job's, one by one. Against real RabbitMQ: tests/integration/test_quickstart_services.py."""
+loses only this job's, one by one; the job's users go in one request. Against real RabbitMQ:
+tests/integration/test_quickstart_services.py."""
 
 from __future__ import annotations
 
@@ -31,12 +32,13 @@ class Broker:
         self.changes.append(("delete_queue", name))
         self.vhosts[vhost][1].remove(name)
 
-    def delete_user(self, user: str) -> None:
-        self.changes.append(("delete_user", user))
-        self.all_users.remove(user)
-        for perms, _queues in self.vhosts.values():
-            if user in perms:
-                perms.remove(user)
+    def delete_users(self, users) -> None:
+        self.changes.append(("delete_users", *users))
+        for user in users:
+            self.all_users.remove(user)
+            for perms, _queues in self.vhosts.values():
+                if user in perms:
+                    perms.remove(user)
 
     def delete_vhost(self, vhost: str) -> None:
         self.changes.append(("delete_vhost", vhost))
@@ -57,6 +59,10 @@ def test_a_vhost_that_goes_takes_the_jobs_queues_in_one_command():
     assert done.vhost_deleted and done.queues == sorted(job_queues("ja"))
     assert [c for c in broker.changes if c[0] == "delete_queue"] == []
     assert broker.changes[-1] == ("delete_vhost", "v")
+    # the job's users in one request
+    assert [c for c in broker.changes if c[0] == "delete_users"] == [
+        ("delete_users", "fedmq-aggregator.ja", "ja.agent-0", "ja.agent-1")
+    ]
     assert broker.all_users == ["guest"] and "v" not in broker.vhosts
     assert done.line() == "deprovisioned job ja: deleted 3 user(s), 3 queue(s), vhost 'v'"
 

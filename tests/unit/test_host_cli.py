@@ -143,8 +143,9 @@ class FakeAdmin:
         for u in users:
             self.users[u.name], self.perms[u.name] = u.password, u.permissions
 
-    def delete_user(self, user: str) -> None:
-        self.users.pop(user, None)
+    def delete_users(self, users) -> None:
+        for user in users:
+            self.users.pop(user, None)
 
     def delete_vhost(self, vhost: str) -> None:
         pass
