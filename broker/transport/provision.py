@@ -287,7 +287,7 @@ class CtlAdmin:
 
     def delete_users(self, users: Sequence[str]) -> None:
         """One ``rabbitmqctl eval`` for all of them: a ``delete_user`` command each starts an Erlang VM each
-        (about half a second of CPU: ten minutes for a job of 1,000 agents). A name the Erlang literal cannot
+        (a quarter of a second or more: minutes for a job of 1,000 agents). A name the Erlang literal cannot
         hold as it is goes through ``delete_user``."""
         plain = [u for u in users if _ERLANG_SAFE.fullmatch(u)]
         for user in (u for u in users if u not in plain):
