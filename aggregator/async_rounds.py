@@ -137,9 +137,6 @@ class AsyncRounds:
             ctx.spool.save_base(ctx.version, ctx.global_state)
         for old in [v for v in self.history if v < ctx.version - cfg.max_staleness]:
             del self.history[old]
-        # older versions are too stale to train from anyway: what is kept grows with the clients, not the job
-        for client in [c for c, v in ctx.folded_from.items() if v < ctx.version - cfg.max_staleness]:
-            del ctx.folded_from[client]
         ctx.spool.drop_bases_before(ctx.version - cfg.max_staleness)
 
     def _collect(self, stats: RoundStats, strategy: Strategy, owed: _Owed) -> None:
@@ -169,7 +166,10 @@ class AsyncRounds:
         ctx, cfg, env = self.ctx, self.cfg, msg.env
         if env.msg_id in self.folded_ids or env.msg_id in stats.update_ids.values():
             ctx.inbox.drop(msg, "duplicate")  # redelivered after a crash: already folded
-        elif env.model_version <= ctx.folded_from.get(env.client, messages.NO_VERSION):
+        elif env.model_version <= max(
+            ctx.folded_from.get(env.client, messages.NO_VERSION),
+            stats.trained_from.get(env.client, messages.NO_VERSION),
+        ):
             # a second update from a version this client's update was folded from (retrained after a lost
             # confirm, or sent twice): one per client and version, as a synchronous round takes one per client
             ctx.inbox.drop(msg, "duplicate")
@@ -232,8 +232,8 @@ class AsyncRounds:
         if msg is not None:
             ctx.spool.save_update(stats.round, f"{env.client}-{arrival}", body)
         stats.update_ids[f"{env.client}#{arrival + 1}"] = env.msg_id
-        newest = ctx.folded_from.get(env.client, messages.NO_VERSION)
-        ctx.folded_from[env.client] = max(env.model_version, newest)
+        newest = stats.trained_from.get(env.client, messages.NO_VERSION)
+        stats.trained_from[env.client] = max(env.model_version, newest)
         stats.reported[env.client] = float(env.payload["loss"])
         if msg is not None:
             ctx.inbox.ack(msg)

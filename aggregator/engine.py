@@ -130,8 +130,8 @@ class Engine:
         self.strategy_state: dict[str, dict[str, Any]] = {}
         # client -> version its last folded update trained from (kept models)
         self._trained_from: dict[str, int] = {}
-        # client -> the newest version one of its folded updates trained from, within the staleness window
-        # (asynchronous mode takes one update per client and version; checkpointed)
+        # client -> the newest version one of its updates in a published version trained from, within the
+        # staleness window (asynchronous mode takes one update per client and version; checkpointed)
         self.folded_from: dict[str, int] = {}
         # form -> (announce entry, raw bytes) of _published_version
         self._published: dict[str, tuple[dict, int]] = {}
@@ -614,6 +614,14 @@ class Engine:
         if self.cfg.keep_model:
             self._trained_from[client] = version
 
+    def _note_folded_from(self, trained_from: dict[str, int]) -> None:
+        """A published asynchronous round's (client, version) pairs, kept while an update from that version
+        could still arrive (a skipped round keeps none: its clients' next updates from it are welcome)."""
+        for client, version in trained_from.items():
+            self.folded_from[client] = max(version, self.folded_from.get(client, messages.NO_VERSION))
+        oldest = self.version - self.cfg.max_staleness  # older ones are too stale to train from anyway
+        self.folded_from = {c: v for c, v in self.folded_from.items() if v >= oldest}
+
     def folded_ids(self) -> set[str]:
         """Message ids of every update folded so far (the audit: aggregator.checkpoint keeps them)."""
         return {uid for ids in self.folded.values() for uid in ids}
@@ -638,6 +646,7 @@ class Engine:
             self.folded[stats.round] = sorted(
                 v for c, v in stats.update_ids.items() if c not in verdict.dropped
             )
+            self._note_folded_from(stats.trained_from)
         else:
             log.warning("round skipped", round=stats.round, reason=skipped)
         score = self._evaluate(stats.round) if skipped is None else None

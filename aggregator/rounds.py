@@ -36,6 +36,9 @@ class RoundStats:
     # selected clients left out because the broker could not deliver to them (queue deleted): client -> why
     unreachable: dict[str, str] = field(default_factory=dict)
     update_ids: dict[str, str] = field(default_factory=dict)  # client -> msg id of the update folded
+    # asynchronous: client -> the newest version its updates folded into this round trained from (the engine
+    # keeps it once the round is published: Engine.folded_from)
+    trained_from: dict[str, int] = field(default_factory=dict)
     bytes_up: int = 0
     bytes_down: int = 0
     bytes_up_raw: int = 0

@@ -9,7 +9,10 @@ its updates was already folded from (``duplicate``), and keeps that knowledge ac
 from __future__ import annotations
 
 import dataclasses
+import time
 import uuid
+
+import pytest
 
 from fedmq.aggregator.checkpoint import load_checkpoint
 from fedmq.aggregator.config import JobConfig
@@ -63,3 +66,48 @@ def test_a_second_update_from_the_same_version_is_dropped_as_a_duplicate(federat
     # checkpointed for a restart, and only the versions an update may still train from
     kept = load_checkpoint(run / "checkpoints").extra["folded_from"]
     assert kept and all(v >= engine.version - cfg.max_staleness for v in kept.values()), kept
+
+
+class Late(Agent):
+    """Joins two seconds after the others."""
+
+    def run(self):  # type: ignore[no-untyped-def]
+        time.sleep(2.0)
+        return super().run()
+
+
+@pytest.mark.timeout(90)  # a version that refused the same clients again would be skipped round after round
+def test_a_skipped_version_takes_the_same_clients_from_the_same_version_again(federation, tiny_lm, tmp_path):
+    """min_clients = 3 and two agents late: the first buffer folds agent-0's update alone (nobody else owed
+    one) and is skipped, unpublished. agent-0 trains again from the same version, and that update is folded
+    with the others': only a published version's (client, version) pairs refuse a second update."""
+    cfg = JobConfig(
+        job="async-skip",
+        strategy="async",
+        async_k=3,
+        min_clients=3,
+        max_staleness=3,
+        rounds=2,
+        clients=3,
+        fraction=1.0,
+        lr=1.0,
+        max_steps=2,
+        batch_size=4,
+        heartbeat_s=0.5,
+        join_timeout_s=20,
+        report_deadline_s=30,
+        update_deadline_s=30,
+    )
+    engine, _, summary = federation(
+        tiny_lm(3),
+        cfg,
+        "memory://async-skip",
+        tmp_path / "run",
+        agent_class=lambda i: Agent if i == 0 else Late,
+    )
+    rows = engine.runlog.rows()
+    assert rows[0].skip_reason and rows[0].received == ("agent-0",), (rows[0].received, rows[0].skip_reason)
+    assert summary["version"] == 2, (summary, [(r.received, r.skip_reason) for r in rows])
+    published = [r for r in rows if not r.skip_reason]
+    assert "agent-0" in published[0].received, [r.received for r in rows]
+    assert engine.inbox.dropped.get("duplicate", 0) == 0, dict(engine.inbox.dropped)
