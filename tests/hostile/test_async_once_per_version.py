@@ -21,25 +21,11 @@ from fedmq.broker.wire import messages
 from fedmq.client_agent.agent import Agent
 
 
-class Twice(Agent):
-    """Sends each update it trained twice, the second time under a new message id."""
-
-    resent: list[str]
-
-    def _upload(self, rnd, version, prepared):  # type: ignore[no-untyped-def]
-        super()._upload(rnd, version, prepared)
-        again = dataclasses.replace(messages.decode(prepared.body), msg_id=uuid.uuid4().hex)
-        self._send(again, topology.rk_update(self.job, self.client))
-        self.resent = [*getattr(self, "resent", []), again.msg_id]
-
-
-def test_a_second_update_from_the_same_version_is_dropped_as_a_duplicate(federation, tiny_lm, tmp_path):
-    cfg = JobConfig(
-        job="async-twice",
+def _cfg(job: str, **kw: object) -> JobConfig:
+    """An asynchronous job of three tiny clients; ``kw`` sets what a test is about."""
+    base = dict(
         strategy="async",
-        async_k=2,
         max_staleness=3,
-        rounds=6,
         clients=3,
         fraction=1.0,
         lr=1.0,
@@ -50,6 +36,23 @@ def test_a_second_update_from_the_same_version_is_dropped_as_a_duplicate(federat
         report_deadline_s=30,
         update_deadline_s=30,
     )
+    return JobConfig(job=job, **{**base, **kw})
+
+
+class Twice(Agent):
+    """Sends each update it trained twice, the second time under a new message id."""
+
+    resent: tuple[str, ...] = ()
+
+    def _upload(self, rnd, version, prepared):  # type: ignore[no-untyped-def]
+        super()._upload(rnd, version, prepared)
+        again = dataclasses.replace(messages.decode(prepared.body), msg_id=uuid.uuid4().hex)
+        self._send(again, topology.rk_update(self.job, self.client))
+        self.resent = (*self.resent, again.msg_id)
+
+
+def test_a_second_update_from_the_same_version_is_dropped_as_a_duplicate(federation, tiny_lm, tmp_path):
+    cfg = _cfg("async-twice", async_k=2, rounds=6)
     run = tmp_path / "run"
     engine, agents, summary = federation(
         tiny_lm(3), cfg, "memory://async-twice", run, agent_class=lambda i: Twice if i == 2 else Agent
@@ -81,23 +84,7 @@ def test_a_skipped_version_takes_the_same_clients_from_the_same_version_again(fe
     """min_clients = 3 and two agents late: the first buffer folds agent-0's update alone (nobody else owed
     one) and is skipped, unpublished. agent-0 trains again from the same version, and that update is folded
     with the others': only a published version's (client, version) pairs refuse a second update."""
-    cfg = JobConfig(
-        job="async-skip",
-        strategy="async",
-        async_k=3,
-        min_clients=3,
-        max_staleness=3,
-        rounds=2,
-        clients=3,
-        fraction=1.0,
-        lr=1.0,
-        max_steps=2,
-        batch_size=4,
-        heartbeat_s=0.5,
-        join_timeout_s=20,
-        report_deadline_s=30,
-        update_deadline_s=30,
-    )
+    cfg = _cfg("async-skip", async_k=3, min_clients=3, rounds=2)
     engine, _, summary = federation(
         tiny_lm(3),
         cfg,
