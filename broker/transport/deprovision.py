@@ -27,8 +27,9 @@ class Inventory(Protocol):
     """What deprovisioning needs to see and delete beyond provision.Admin."""
 
     def users(self) -> list[str]: ...
-    def vhost_exists(self, vhost: str) -> bool: ...
-    def vhost_users(self, vhost: str) -> list[str]: ...
+    def vhost_users(self, vhost: str) -> list[str] | None:
+        """The users with permissions in ``vhost``; None when there is no such vhost."""
+
     def vhost_queues(self, vhost: str) -> list[str]: ...
     def delete_queue(self, vhost: str, name: str) -> None: ...
 
@@ -37,18 +38,19 @@ class CtlInventory:
     def __init__(self, admin: CtlAdmin) -> None:
         self.admin = admin
 
-    def _rows(self, *args: str) -> list[list[str]]:
-        out = self.admin.run(*args, "--quiet", "--no-table-headers")
+    def _rows(self, *args: str, ok_text: str = "") -> list[list[str]]:
+        out = self.admin.run(*args, "--quiet", "--no-table-headers", ok_text=ok_text)
         return [line.split("\t") for line in out.splitlines() if line.strip()]
 
     def users(self) -> list[str]:
         return [row[0] for row in self._rows("list_users")]
 
-    def vhost_exists(self, vhost: str) -> bool:
-        return vhost in (row[0] for row in self._rows("list_vhosts", "name"))
-
-    def vhost_users(self, vhost: str) -> list[str]:
-        return [row[0] for row in self._rows("list_permissions", "-p", vhost)]
+    def vhost_users(self, vhost: str) -> list[str] | None:
+        # one command for both: list_permissions fails on a vhost that does not exist (each rabbitmqctl
+        # command starts an Erlang VM)
+        gone = f"Virtual host '{vhost}' does not exist"
+        rows = self._rows("list_permissions", "-p", vhost, ok_text=gone)
+        return None if any(gone in "\t".join(row) for row in rows) else [row[0] for row in rows]
 
     def vhost_queues(self, vhost: str) -> list[str]:
         return [row[0] for row in self._rows("list_queues", "-p", vhost, "name")]
@@ -68,11 +70,9 @@ class HttpInventory:
     def users(self) -> list[str]:
         return self._names("/api/users", "name")
 
-    def vhost_exists(self, vhost: str) -> bool:
-        return self.admin.call("GET", f"/api/vhosts/{quote(vhost, safe='')}", ok=(404,)) is not None
-
-    def vhost_users(self, vhost: str) -> list[str]:
-        return self._names(f"/api/vhosts/{quote(vhost, safe='')}/permissions", "user")
+    def vhost_users(self, vhost: str) -> list[str] | None:
+        rows = self.admin.call("GET", f"/api/vhosts/{quote(vhost, safe='')}/permissions", ok=(404,))
+        return None if rows is None else [str(r["user"]) for r in rows if isinstance(r, dict) and "user" in r]
 
     def vhost_queues(self, vhost: str) -> list[str]:
         return self._names(f"/api/queues/{quote(vhost, safe='')}", "name")
@@ -86,9 +86,7 @@ def inventory_for(admin: Admin) -> Inventory:
         return CtlInventory(admin)
     if isinstance(admin, HttpAdmin):
         return HttpInventory(admin)
-    if all(
-        hasattr(admin, m) for m in ("users", "vhost_exists", "vhost_users", "vhost_queues", "delete_queue")
-    ):
+    if all(hasattr(admin, m) for m in ("users", "vhost_users", "vhost_queues", "delete_queue")):
         return admin  # type: ignore[return-value]  # an admin that lists for itself (tests' doubles)
     raise BrokerError(f"cannot list users and queues with {type(admin).__name__}")
 
@@ -144,12 +142,13 @@ def deprovision(url: str, *, vhost: str, job: str, admin: Admin | None = None) -
     admin = admin or admin_for(url)
     inv = inventory_for(admin)
     result = Deprovisioned(job, vhost)
-    exists = inv.vhost_exists(vhost)
+    vhost_users = inv.vhost_users(vhost)
+    exists = vhost_users is not None
     result.vhost_missing = not exists
-    if exists:
+    if vhost_users is not None:
         queues = inv.vhost_queues(vhost)
         result.queues = sorted(q for q in queues if q.startswith(f"{_QUEUE_PREFIX}{job}."))
-        others = {_other_job(n, job) for n in [*queues, *inv.vhost_users(vhost)]}
+        others = {_other_job(n, job) for n in [*queues, *vhost_users]}
         result.vhost_kept_for = sorted(o for o in others if o)
         if result.vhost_kept_for:  # the vhost stays: the job's queues go one by one
             for name in result.queues:

@@ -254,8 +254,18 @@ def stale_topic_permissions(users: list[User], held: list[tuple[str, str]]) -> l
     return sorted({(user, exchange) for user, exchange in held if user in own and exchange != own[user]})
 
 
+@dataclass(frozen=True)
+class NodeFacts:
+    """What rabbitmqctl tells of its node: where it listens and the largest message it takes."""
+
+    amqp_ports: list[int]
+    max_message_size: int | None  # None: the node's default (not set in its configuration)
+
+
 class CtlAdmin:
     """rabbitmqctl on this machine (optionally ``-n NODE``)."""
+
+    facts: NodeFacts | None = None  # set by local_ctl, which checks the node against the URL's port
 
     def __init__(
         self, node: str | None = None, ctl: str | None = None, env: dict[str, str] | None = None
@@ -312,22 +322,19 @@ class CtlAdmin:
         out = self.run("list_queues", "-p", vhost, "name", "--quiet", "--no-table-headers")
         return [q.strip() for q in out.splitlines() if q.strip().startswith(prefix)]
 
-    def amqp_ports(self) -> list[int]:
-        """The AMQP ports the node listens on (plain and TLS)."""
+    def node_facts(self) -> NodeFacts:
+        """The AMQP ports the node listens on (plain and TLS) and its max_message_size, in one eval: each
+        rabbitmqctl command starts an Erlang VM, and `fedmq broker check` wants both."""
         out = self.run(
             "eval",
-            "[P || {listener, _, Proto, _, _, P, _} <- rabbit_networking:active_listeners(), "
-            "lists:member(Proto, [amqp, 'amqp/ssl'])].",
+            "{fedmq, [P || {listener, _, Proto, _, _, P, _} <- rabbit_networking:active_listeners(), "
+            "lists:member(Proto, [amqp, 'amqp/ssl'])], application:get_env(rabbit, max_message_size)}.",
         )
-        return sorted({int(p) for p in re.findall(r"\d+", out)})
-
-    def environment(self, key: str) -> str | None:
-        try:
-            out = self.run("eval", f"application:get_env(rabbit, {key}).")
-        except BrokerError:
-            return None
-        m = re.search(r"\{ok,\s*(\d+)\}", out)
-        return m.group(1) if m else None
+        m = re.search(r"\{fedmq,\s*\[([\d,\s]*)\],\s*(?:\{ok,\s*(\d+)\}|\w+)\}", out)
+        if m is None:
+            raise BrokerError(f"rabbitmqctl eval gave no listeners: {' '.join(out.split())[:300]}")
+        ports = sorted({int(p) for p in re.findall(r"\d+", m.group(1))})
+        return NodeFacts(ports, int(m.group(2)) if m.group(2) else None)
 
 
 class HttpAdmin:
@@ -408,7 +415,8 @@ def local_ctl(url: str) -> CtlAdmin | None:
         return None
     admin = CtlAdmin(os.environ.get("FEDMQ_RABBITMQ_NODE") or None, ctl)
     port = parts.port or (5671 if parts.scheme == "amqps" else 5672)
-    ports = admin.amqp_ports()
+    admin.facts = admin.node_facts()
+    ports = admin.facts.amqp_ports
     if port not in ports:
         node = admin.node or "rabbitmqctl's default node"
         raise BrokerError(
@@ -597,8 +605,7 @@ def check(url: str, job: str | None = None) -> dict[str, Any]:
         version = props.get("version")
         info.update(reachable=True, version=version.decode() if isinstance(version, bytes) else version)
         ctl = local_ctl(url)  # the URL's node, or one error line
-        mms = ctl.environment("max_message_size") if ctl is not None else None
-        info["max_message_size"] = int(mms) if mms else None
+        info["max_message_size"] = ctl.facts.max_message_size if ctl and ctl.facts else None
         if job:
             queues: dict[str, Any] = {}
             for s in job_queues(job, inbox=True):

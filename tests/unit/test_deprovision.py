@@ -19,11 +19,8 @@ class Broker:
     def users(self) -> list[str]:
         return list(self.all_users)
 
-    def vhost_exists(self, vhost: str) -> bool:
-        return vhost in self.vhosts
-
-    def vhost_users(self, vhost: str) -> list[str]:
-        return list(self.vhosts[vhost][0])
+    def vhost_users(self, vhost: str) -> list[str] | None:
+        return list(self.vhosts[vhost][0]) if vhost in self.vhosts else None
 
     def vhost_queues(self, vhost: str) -> list[str]:
         return list(self.vhosts[vhost][1])
