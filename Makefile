@@ -18,12 +18,13 @@ style: setup-test
 lint: style
 	bash scripts/typecheck.sh
 
-# ruff first (it takes a second); mypy (most of a minute) runs beside the suite, whose processes leave a core
-# partly idle, and a finding fails `make test` once the suite is done, with mypy's report
+# ruff first (it takes a second); mypy (about 15 s) runs beside the suite, and a finding fails `make test` once
+# the suite is done, with mypy's report. Three pytest workers on two cores: much of the suite waits (on process
+# starts, RabbitMQ nodes, round deadlines), and a third worker fills those waits (tests/conftest.py)
 test: style
 	bash scripts/ensure-rabbitmq.sh || [ -z "$${CI:-}" ]
 	mkdir -p build
 	bash scripts/typecheck.sh > build/typecheck.log 2>&1 & types=$$!; \
-	.venv/bin/python -m pytest -n 2 --dist loadgroup; tests=$$?; \
+	.venv/bin/python -m pytest -n 3 --dist loadgroup; tests=$$?; \
 	if ! wait $$types; then cat build/typecheck.log; exit 1; fi; \
 	tail -n 1 build/typecheck.log; exit $$tests
