@@ -55,16 +55,21 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+LOWEST_PORT = 20000  # Ray's workers bind ports up to 19999 (the Flower bench's test runs beside these nodes)
+
+
 def free_port() -> int:
-    """A free port below the kernel's ephemeral range.
+    """A free port from 20000 up to the kernel's ephemeral range.
 
     A node that a test restarts must bind its ports again. The kernel draws the local port of every outgoing
     connection on the machine from the ephemeral range, so a port picked there (bind to port 0) can be held by
     some client's connection at the moment of the restart: the listener then fails with eaddrinuse (it
-    happened to the management listener after ``stop_app``) and every later test on the node fails with it."""
-    rng, high = random.SystemRandom(), max(_ephemeral_low() - 1, 10001)
+    happened to the management listener after ``stop_app``) and every later test on the node fails with it.
+    Below 20000 a Ray worker started by another test may take the port between this check and the node's
+    bind (it happened to a cluster node's AMQP listener)."""
+    rng, high = random.SystemRandom(), max(_ephemeral_low() - 1, LOWEST_PORT + 1)
     for _ in range(500):
-        port = rng.randint(10000, high)
+        port = rng.randint(LOWEST_PORT, high)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
