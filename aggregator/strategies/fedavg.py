@@ -39,13 +39,17 @@ class FedAvg(Strategy):
     def __init__(self) -> None:
         self._global: Mapping[str, torch.Tensor] | None = None
         self._sums: dict[str, WeightedSum] = {}
-        self._n = 0
+        self._n: float = 0
         self._terms: dict[str, float] = {}  # client -> Σ w_k, for client_weights
         self._last_weights: dict[str, float] = {}
 
     def weight(self, update: ClientUpdate) -> float:
         """w_k of a validated update (n_k here; subclasses scale it)."""
         return float(update.n_samples)
+
+    def count(self, update: ClientUpdate) -> float:
+        """What an update adds to the denominator n (n_k: the mean is over samples)."""
+        return update.n_samples
 
     def begin(self, global_state: Mapping[str, torch.Tensor]) -> None:
         self._global = global_state
@@ -59,7 +63,7 @@ class FedAvg(Strategy):
         w = self.weight(update)
         for name, t in update.tensors.items():
             self._sums[name].add(w, t, update.delta)
-        self._n += update.n_samples
+        self._n += self.count(update)
         self._terms[update.client] = self._terms.get(update.client, 0.0) + w
 
     def finish(self) -> State:
@@ -88,7 +92,20 @@ class FedSGD(FedAvg):
 
 class ServerStep(FedAvg):
     """FedAvg's mean change Δ_t = θ̄_t − θ_t taken as a pseudo-gradient for a server optimizer's step
-    (FedAvgM, FedAdam …): ``step`` returns θ_{t+1} for one tensor; nothing is folded, nothing moves."""
+    (FedAvgM, FedAdam …): ``step`` returns θ_{t+1} for one tensor; nothing is folded, nothing moves.
+
+    ``weighted`` (default) takes the n_k-weighted mean of the clients' changes, as FedAvg and Flower do;
+    ``weighted=False`` the plain mean over the round's clients, as Reddi et al.'s Algorithm 2 writes it."""
+
+    def __init__(self, weighted: bool = True) -> None:
+        super().__init__()
+        self.weighted = weighted
+
+    def weight(self, update: ClientUpdate) -> float:
+        return super().weight(update) if self.weighted else 1.0
+
+    def count(self, update: ClientUpdate) -> float:
+        return super().count(update) if self.weighted else 1
 
     def begin(self, global_state: Mapping[str, torch.Tensor]) -> None:
         super().begin(global_state)

@@ -4,6 +4,9 @@ Distribution for Federated Visual Classification").
 Each round the server averages the clients' models as FedAvg does (n_k-weighted) and treats the change
 Δ_t = θ̄_t − θ_t as a step: m_t = β·m_{t−1} + Δ_t, θ_{t+1} = θ_t + η·m_t (m_{−1} = 0). With β = 0 and η = 1
 it is FedAvg. The momentum buffer m is the strategy's state: checkpointed every round, restored after a crash.
+
+Parameters (``--strategy-arg``): ``server_lr`` η (default 1), ``momentum`` β (0.9; Flower's default is 0, which
+is FedAvg), ``weighted`` (true: Δ_t is the n_k-weighted mean; false: the plain mean over the round's clients).
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from fedmq.errors import BadParameter
 class FedAvgM(ServerStep):
     name: ClassVar[str] = "fedavgm"
 
-    def __init__(self, server_lr: float = 1.0, momentum: float = 0.9) -> None:
-        super().__init__()
+    def __init__(self, server_lr: float = 1.0, momentum: float = 0.9, weighted: bool = True) -> None:
+        super().__init__(weighted=weighted)
         if not server_lr > 0:
             raise BadParameter(f"strategy 'fedavgm': server_lr must be positive, got {server_lr}")
         if not 0 <= momentum < 1:

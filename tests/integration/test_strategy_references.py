@@ -56,9 +56,11 @@ def final_model(run: Path) -> np.ndarray:
     return flat(load_checkpoint(run / "checkpoints").global_state)
 
 
-def _rounds(server_step, mu: float = 0.0, clients: int = CLIENTS, rounds: int = ROUNDS) -> np.ndarray:
+def _rounds(
+    server_step, mu: float = 0.0, clients: int = CLIENTS, rounds: int = ROUNDS, weighted: bool = True
+) -> np.ndarray:
     task, theta = start(clients)
-    n = np.array([len(x) for x, _ in task.shards], dtype=np.float64)
+    n = np.array([len(x) if weighted else 1 for x, _ in task.shards], dtype=np.float64)
     for _ in range(rounds):
         local = [_local(theta, x, y, mu) for x, y in task.shards]
         average = sum(nk * w for nk, w in zip(n, local)) / n.sum()
@@ -85,13 +87,26 @@ def fedavgm_ref(server_lr: float, momentum: float, **shape) -> np.ndarray:
     return _rounds(step, **shape)
 
 
-def fedopt_ref(kind: str, server_lr: float, beta1: float, beta2: float, tau: float, **shape) -> np.ndarray:
-    """Reddi et al. 2021, Algorithm 2, with m_{-1} = 0 and v_{-1} = τ²."""
-    state = {}
+def fedopt_ref(
+    kind: str,
+    server_lr: float,
+    beta1: float,
+    beta2: float,
+    tau: float,
+    v0: float | None = None,
+    bias_correction: bool = False,
+    **shape,
+) -> np.ndarray:
+    """Reddi et al. 2021, Algorithm 2, with m_{-1} = 0 and v_{-1} = τ² (or v0); with ``bias_correction``, η
+    scaled at the t-th step by Adam's √(1 − β2^t)/(1 − β1^t) (Kingma and Ba 2015, Algorithm 1)."""
+    state = {"t": 0}
 
     def step(theta, delta):
+        state["t"] += 1
+        t = state["t"]
+        lr = server_lr * np.sqrt(1 - beta2**t) / (1 - beta1**t) if bias_correction else server_lr
         m = (1 - beta1) * delta + beta1 * state.get("m", 0.0)
-        v = state.get("v", np.full_like(theta, tau**2))
+        v = state.get("v", np.full_like(theta, tau**2 if v0 is None else v0))
         d2 = delta**2
         if kind == "adagrad":
             v = v + d2
@@ -100,7 +115,7 @@ def fedopt_ref(kind: str, server_lr: float, beta1: float, beta2: float, tau: flo
         else:  # yogi
             v = v - (1 - beta2) * d2 * np.sign(v - d2)
         state.update(m=m, v=v)
-        return theta + server_lr * m / (np.sqrt(v) + tau)
+        return theta + lr * m / (np.sqrt(v) + tau)
 
     return _rounds(step, **shape)
 
@@ -166,23 +181,41 @@ CASES = [
         {"server_lr": 0.1, "beta1": 0.9, "beta2": 0.99, "tau": 1e-2},
         lambda **s: fedopt_ref("yogi", 0.1, 0.9, 0.99, 1e-2, **s),
     ),
+    # the switches for a job ported from Flower: Adam's bias correction, v starting at 0, the plain mean
+    (
+        "fedadam",
+        {"server_lr": 0.1, "tau": 1e-2, "bias_correction": True, "initial_v": 0.0, "weighted": False},
+        lambda **s: fedopt_ref("adam", 0.1, 0.9, 0.99, 1e-2, v0=0.0, bias_correction=True, weighted=False, **s),
+    ),
+    (
+        "fedavgm",
+        {"server_lr": 1.0, "momentum": 0.5, "weighted": False},
+        lambda **s: fedavgm_ref(1.0, 0.5, weighted=False, **s),
+    ),
 ]
 
 
-@pytest.mark.parametrize(("strategy", "args", "reference"), CASES, ids=[c[0] for c in CASES])
+IDS = [f"{c[0]}-flower" if "weighted" in c[1] else c[0] for c in CASES]
+
+
+@pytest.mark.parametrize(("strategy", "args", "reference"), CASES, ids=IDS)
 def test_strategy_matches_its_numpy_reference(tmp_path, strategy, args, reference):
     ours, theirs = run_fedmq(tmp_path, strategy, **args), reference()
     assert np.abs(ours - theirs).max() < 1e-6, (ours, theirs)
     # the strategy's parameters matter: the reference of plain FedAvg is elsewhere
     if strategy != "fedavg":
         assert np.abs(theirs - fedavg_ref()).max() > 1e-3
+    # and so do the switches for a ported job: the default form of the same strategy is elsewhere
+    if "weighted" in args:
+        default = next(ref for name, a, ref in CASES if name == strategy and "weighted" not in a)
+        assert np.abs(theirs - default()).max() > 1e-3
 
 
-@pytest.mark.parametrize(("strategy", "args", "reference"), CASES[1:], ids=[c[0] for c in CASES[1:]])
+@pytest.mark.parametrize(("strategy", "args", "reference"), CASES[1:], ids=IDS[1:])
 def test_strategy_runs_from_the_command_line(tmp_path, strategy, args, reference):
     """`fedmq simulate --strategy NAME --strategy-arg KEY=VALUE ...`: the same numbers as from Python."""
     rounds = 2
-    flags = [f for k, v in args.items() for f in ("--strategy-arg", f"{k}={v}")]
+    flags = [f for k, v in args.items() for f in ("--strategy-arg", f"{k}={str(v).lower()}")]
     cmd = fedmq_procs.command(
         "simulate",
         "--task",
