@@ -50,6 +50,7 @@ from fedmq.broker.wire.chunk_frames import DEFAULT_CHUNK_LIMIT
 from fedmq.broker.wire.encodings import EncodingSpec, decode_state, encode_state, raw_nbytes
 from fedmq.broker.wire.envelope import Envelope, Kind, Limits
 from fedmq.errors import BadParameter, CodecError, FedmqError
+from fedmq.files import replacing
 from fedmq.manifest import Manifest
 from fedmq.plugins import is_import_path
 from fedmq.pulling import select_tensors
@@ -731,7 +732,8 @@ class Engine:
         if better and math.isfinite(score):
             self.best = (score, rnd)
             best = {k: v.clone() for k, v in self.global_state.items() if k in self.model_names}
-            torch.save(best, self.run_dir / "best.pt")
+            with replacing(self.run_dir / "best.pt", private=True) as fh:
+                torch.save(best, fh)
         return score
 
     def _score(self, state: State, split: str) -> float:

@@ -25,7 +25,7 @@ import structlog
 
 from fedmq.aggregator.records import CLIENT_LISTS, MalformedRow, RoundRecord
 from fedmq.errors import FedmqError
-from fedmq.files import replacing, write_atomic
+from fedmq.files import private_folder, replacing, write_atomic
 
 log = structlog.get_logger(__name__)
 
@@ -245,8 +245,7 @@ class RunLog:
     """The writer of one run folder (the engine's)."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.dir = Path(run_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = private_folder(run_dir)
         self.metrics_path = self.dir / METRICS_FILE
         self.csv_path = self.dir / CSV_FILE
         self.tb_dir = self.dir / BOARD_DIR

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import structlog
 
+from fedmq.files import private_folder
+
 LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -36,7 +38,7 @@ def configure(
     handlers[0].addFilter(_not_file_only)
     handlers[0].setLevel(console_level.upper())
     if file is not None:
-        file.parent.mkdir(parents=True, exist_ok=True)
+        private_folder(file.parent)
         fh = logging.FileHandler(file)
         fh.setFormatter(
             structlog.stdlib.ProcessorFormatter(

@@ -47,6 +47,17 @@ def write_atomic(
         fh.write(data)
 
 
+def private_folder(path: str | os.PathLike) -> Path:
+    """Create ``path`` (and its parents) readable by its owner only, or make an existing folder of this user's
+    so: a run folder holds the trained model, its metrics and logs, which say as much about the clients' data
+    as the checkpoints do. A folder another user owns is left as it is."""
+    path = Path(path)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_uid == os.geteuid():
+        path.chmod(0o700)
+    return path
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a folder's entries (a file just created, replaced or removed in it) durable."""
     fd = os.open(path, os.O_RDONLY)

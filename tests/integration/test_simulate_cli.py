@@ -6,6 +6,7 @@ import csv
 import json
 import re
 import signal
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -57,6 +58,9 @@ def test_simulate_writes_the_run_folder_and_learns(tmp_path):
     for name in ("config.json", "metrics.jsonl", "summary.json", "best.pt", "logs/simulate.jsonl"):
         assert (run / name).is_file(), name
     assert list((run / "checkpoints").glob("*.fmq"))
+    # the run folder is its owner's alone: the model, its metrics and logs say much about the clients' data
+    assert stat.S_IMODE(run.stat().st_mode) == 0o700
+    assert stat.S_IMODE((run / "best.pt").stat().st_mode) == 0o600
     config = json.loads((run / "config.json").read_text())
     assert config["strategy"] == "fedavg" and config["clients"] == 4
     scores = [r["valid"] for r in rows(run)]
