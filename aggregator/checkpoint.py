@@ -24,12 +24,19 @@ import structlog
 import torch
 
 from fedmq.aggregator.strategies.errors import CheckpointError
+from fedmq.errors import FedmqError
 from fedmq.files import replacing
 
 log = structlog.get_logger(__name__)
 
 MAGIC = b"FMQCKPT1"
 _NAME = re.compile(r"^ckpt-(\d{8})-(\d{8})\.fmq$")
+
+
+class NoCheckpointToResume(FedmqError):
+    """The run folder records rounds that only a checkpoint could continue, and none is readable."""
+
+    exit_code = 1  # the command line was right; the run cannot go on
 
 
 @dataclass
@@ -184,3 +191,15 @@ def load_checkpoint(path_dir: str | os.PathLike) -> Checkpoint | None:
         except CheckpointError as exc:
             log.warning("checkpoint.skipped", path=str(p), reason=str(exc))
     return None
+
+
+def check_fresh_start(path_dir: str | os.PathLike, rounds_recorded: int) -> None:
+    """A run with no readable checkpoint may start afresh only if it had not got past its first round (the
+    first round's metrics row is written before its checkpoint: a kill between them leaves that row alone).
+    Otherwise starting again would train a fresh model under the old run's name and append its rounds to the
+    old metrics: :class:`NoCheckpointToResume`."""
+    if rounds_recorded > 1:
+        raise NoCheckpointToResume(
+            f"{path_dir} holds no readable checkpoint, but the run folder records {rounds_recorded} rounds; "
+            "refusing to start again from round 1 (restore the checkpoints, or start a new run elsewhere)"
+        )

@@ -29,7 +29,7 @@ import structlog
 import torch
 
 from fedmq.aggregator.async_rounds import AsyncRounds
-from fedmq.aggregator.checkpoint import load_checkpoint, save_checkpoint
+from fedmq.aggregator.checkpoint import check_fresh_start, load_checkpoint, save_checkpoint
 from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.guards import RoundGuard, Verdict, first_nonfinite
 from fedmq.aggregator.inbox import Inbox, Received
@@ -810,6 +810,7 @@ class Engine:
     def _restore(self) -> None:
         ckpt = load_checkpoint(self.ckpt_dir)
         if ckpt is None:
+            check_fresh_start(self.ckpt_dir, max((r.round for r in self.runlog.rows()), default=0))
             return
         self.round, self.version = ckpt.round, ckpt.model_version
         self.global_state = {k: v.float() for k, v in ckpt.global_state.items()}

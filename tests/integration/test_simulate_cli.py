@@ -67,6 +67,24 @@ def test_simulate_writes_the_run_folder_and_learns(tmp_path):
     assert len(scores) == 3 and scores[-1] < scores[0]  # validation perplexity falls over the rounds
     assert all(r["bytes_up"] > 0 and r["bytes_down"] > 0 for r in rows(run))
 
+    # every checkpoint truncated: --resume refuses in one line instead of training afresh from round 1 under
+    # the old run's name, and the run's records stay as they were
+    for ckpt in (run / "checkpoints").glob("*.fmq"):
+        ckpt.write_bytes(ckpt.read_bytes()[:100])
+    metrics = (run / "metrics.jsonl").read_bytes()
+    proc = fedmq_procs.run(
+        fedmq("simulate", "--out", str(run), "--resume", "--rounds", "4"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert len(errors) == 1 and "no readable checkpoint" in errors[0] and "3 rounds" in errors[0], errors
+    assert "Traceback" not in proc.stderr
+    assert (run / "metrics.jsonl").read_bytes() == metrics
+
 
 def test_ctrl_c_checkpoints_and_resume_continues(tmp_path):
     run = tmp_path / "run"
