@@ -108,56 +108,66 @@ def plot_validation(runs: list[RunData]) -> Figure:
     axes = fig.subplots(len(metrics) + 1, 1, sharex=True)
     strategies = list(dict.fromkeys(row.strategy for r in runs for row in r.rows if row.strategy))
     marker_of = {s: STRATEGY_MARKERS[i % len(STRATEGY_MARKERS)] for i, s in enumerate(strategies)}
-
     for ax, metric in zip(axes, metrics):
-        members = [(i, r) for i, r in enumerate(runs) if r.metric == metric]
-        all_values: list[float] = []
-        for i, run in members:
-            pts = [
-                (row.round, row.valid, row.strategy)
-                for row in run.rows
-                if row.valid is not None and math.isfinite(row.valid)
-            ]
-            if not pts:
-                continue
-            style = _run_style(i)
-            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-            all_values += ys
-            ax.plot(xs, ys, label=run.label, linewidth=1.8, **style)
-            for strategy in dict.fromkeys(p[2] for p in pts):
-                sel = [(x, y) for x, y, s in pts if s == strategy]
-                ax.scatter(
-                    [x for x, _ in sel],
-                    [y for _, y in sel],
-                    marker=marker_of.get(strategy, "o"),
-                    s=28,
-                    color=style["color"],
-                    zorder=3,
-                    edgecolors="white",
-                    linewidths=0.5,
-                )
-            best = (max if run.higher_is_better else min)(pts, key=lambda p: p[1])
-            ax.scatter(
-                [best[0]],
-                [best[1]],
-                marker="*",
-                s=180,
-                color=style["color"],
-                edgecolors="black",
-                linewidths=0.7,
-                zorder=4,
-            )
-        if not all_values:
-            _empty(ax, f"no {metric} values logged yet")
-            continue
-        if _wants_log(all_values, 10):
-            ax.set_yscale("log")
-        better = "higher is better" if members[0][1].higher_is_better else "lower is better"
-        ax.set_title(f"Validation {metric} per round ({better})", loc="left", fontsize=11)
-        ax.set_ylabel(f"validation {metric}")
-        _style(ax)
+        _plot_metric(ax, metric, [(i, r) for i, r in enumerate(runs) if r.metric == metric], marker_of)
+    _plot_mean_loss(axes[-1], runs)
+    fig.legend(
+        handles=_validation_legend(runs, marker_of), loc="outside right upper", fontsize=9, frameon=False
+    )
+    return fig
 
-    ax = axes[-1]
+
+def _plot_metric(ax: Any, metric: str, members: list[tuple[int, RunData]], marker_of: dict[str, str]) -> None:
+    """One validation panel: a line per run, its rounds marked by the strategy applied, a star at its best."""
+    all_values: list[float] = []
+    for i, run in members:
+        pts = [
+            (row.round, row.valid, row.strategy)
+            for row in run.rows
+            if row.valid is not None and math.isfinite(row.valid)
+        ]
+        if not pts:
+            continue
+        style = _run_style(i)
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        all_values += ys
+        ax.plot(xs, ys, label=run.label, linewidth=1.8, **style)
+        for strategy in dict.fromkeys(p[2] for p in pts):
+            sel = [(x, y) for x, y, s in pts if s == strategy]
+            ax.scatter(
+                [x for x, _ in sel],
+                [y for _, y in sel],
+                marker=marker_of.get(strategy, "o"),
+                s=28,
+                color=style["color"],
+                zorder=3,
+                edgecolors="white",
+                linewidths=0.5,
+            )
+        best = (max if run.higher_is_better else min)(pts, key=lambda p: p[1])
+        ax.scatter(
+            [best[0]],
+            [best[1]],
+            marker="*",
+            s=180,
+            color=style["color"],
+            edgecolors="black",
+            linewidths=0.7,
+            zorder=4,
+        )
+    if not all_values:
+        _empty(ax, f"no {metric} values logged yet")
+        return
+    if _wants_log(all_values, 10):
+        ax.set_yscale("log")
+    better = "higher is better" if members[0][1].higher_is_better else "lower is better"
+    ax.set_title(f"Validation {metric} per round ({better})", loc="left", fontsize=11)
+    ax.set_ylabel(f"validation {metric}")
+    _style(ax)
+
+
+def _plot_mean_loss(ax: Any, runs: list[RunData]) -> None:
+    """The bottom panel: the mean training loss the clients reported, a line per run."""
     any_loss = False
     for i, run in enumerate(runs):
         pts = [
@@ -176,10 +186,13 @@ def plot_validation(runs: list[RunData]) -> Figure:
         _empty(ax, "no client losses logged")
     ax.set_xlabel("round")
 
+
+def _validation_legend(runs: list[RunData], marker_of: dict[str, str]) -> list[Line2D]:
+    """The runs, the strategies' markers and the best-round star."""
     handles = [Line2D([], [], linewidth=1.8, label=r.label, **_run_style(i)) for i, r in enumerate(runs)]
     handles += [
-        Line2D([], [], linestyle="none", marker=marker_of[s], color="#444444", label=f"round used {s}")
-        for s in strategies
+        Line2D([], [], linestyle="none", marker=m, color="#444444", label=f"round used {s}")
+        for s, m in marker_of.items()
     ]
     handles.append(
         Line2D(
@@ -193,8 +206,7 @@ def plot_validation(runs: list[RunData]) -> Figure:
             label="best round",
         )
     )
-    fig.legend(handles=handles, loc="outside right upper", fontsize=9, frameon=False)
-    return fig
+    return handles
 
 
 # ------------------------------------------------------------------------------------ (2) bytes on the wire

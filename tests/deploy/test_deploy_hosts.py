@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from fedmq.aggregator.config import JobConfig
-from fedmq.cli.app import _hosted_clients
+from fedmq.cli.commands.agent import _hosted_clients
 
 ROOT = Path(__file__).resolve().parents[2]
 Obj = dict[str, Any]

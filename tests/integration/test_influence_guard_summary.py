@@ -62,7 +62,8 @@ def test_the_summary_says_when_the_guard_capped_and_a_flag_turns_it_off(tmp_path
 def test_simulate_has_the_flag():
     import typer
 
-    from fedmq.cli.app import app, simulate
+    from fedmq.cli.app import app
+    from fedmq.cli.commands.simulate import simulate
     from fedmq.cli.simulate_options import from_context
 
     command = typer.main.get_command(app).commands["simulate"]

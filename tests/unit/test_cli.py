@@ -361,7 +361,8 @@ def test_resume_needs_out():
 def plan(*args: str, saved: dict | None = None):
     import typer
 
-    from fedmq.cli.app import app, simulate
+    from fedmq.cli.app import app
+    from fedmq.cli.commands.simulate import simulate
     from fedmq.cli.simulate_options import from_context
 
     ctx = typer.main.get_command(app).commands["simulate"].make_context("simulate", list(args))

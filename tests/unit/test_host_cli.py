@@ -15,7 +15,8 @@ from fedmq.broker.transport import provision as prov
 from fedmq.broker.transport import topology as t
 from fedmq.broker.transport.deprovision import job_users
 from fedmq.broker.transport.errors import BrokerError
-from fedmq.cli.app import _host_share, _hosted_clients, _provisioned
+from fedmq.cli.commands.agent import _host_share, _hosted_clients
+from fedmq.cli.commands.broker import _provisioned
 from fedmq.cli.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -132,7 +132,8 @@ def test_simulate_builds_the_vocabulary_the_flag_and_the_job_file_ask_for(corpus
 def test_a_run_from_before_min_count_resumes_with_every_word():
     import typer
 
-    from fedmq.cli.app import app, simulate
+    from fedmq.cli.app import app
+    from fedmq.cli.commands.simulate import simulate
     from fedmq.cli.errors import UsageError
     from fedmq.cli.simulate_options import from_context, saved_options
 
