@@ -5,8 +5,9 @@ Each round the server averages the clients' models as FedAvg does (n_k-weighted)
 Δ_t = θ̄_t − θ_t as a step: m_t = β·m_{t−1} + Δ_t, θ_{t+1} = θ_t + η·m_t (m_{−1} = 0). With β = 0 and η = 1
 it is FedAvg. The momentum buffer m is the strategy's state: checkpointed every round, restored after a crash.
 
-Parameters (``--strategy-arg``): ``server_lr`` η (default 1), ``momentum`` β (0.9; Flower's default is 0, which
-is FedAvg), ``weighted`` (true: Δ_t is the n_k-weighted mean; false: the plain mean over the round's clients).
+Parameters (``--strategy-arg``): ``server_lr`` η (default 1), ``momentum`` β (0.9; Flower's default is 0,
+which is FedAvg), ``weighted`` (true: Δ_t is the n_k-weighted mean; false: the plain mean over the round's
+clients).
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ count are the strategy's state: checkpointed every round and restored after a cr
 exactly the steps it would have taken.
 
 Parameters (``--strategy-arg``): ``server_lr`` η (default 0.1), ``beta1`` (0.9), ``beta2`` (0.99; FedAdagrad
-has none), ``tau`` τ, the adaptivity (1e-3), and for a job ported from Flower: ``bias_correction`` (false; true
-scales η by √(1 − β2^t)/(1 − β1^t) at the t-th step, Adam's correction, which Flower's FedAdam applies with
-t = round + 1), ``initial_v`` (v_{−1}; default τ², Flower starts at 0) and ``weighted`` (true).
+has none), ``tau`` τ, the adaptivity (1e-3), and for a job ported from Flower: ``bias_correction`` (false;
+true scales η by √(1 − β2^t)/(1 − β1^t) at the t-th step, Adam's correction, which Flower's FedAdam applies
+with t = round + 1), ``initial_v`` (v_{−1}; default τ², Flower starts at 0) and ``weighted`` (true).
 """
 
 from __future__ import annotations

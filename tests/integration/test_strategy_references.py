@@ -185,7 +185,9 @@ CASES = [
     (
         "fedadam",
         {"server_lr": 0.1, "tau": 1e-2, "bias_correction": True, "initial_v": 0.0, "weighted": False},
-        lambda **s: fedopt_ref("adam", 0.1, 0.9, 0.99, 1e-2, v0=0.0, bias_correction=True, weighted=False, **s),
+        lambda **s: fedopt_ref(
+            "adam", 0.1, 0.9, 0.99, 1e-2, v0=0.0, bias_correction=True, weighted=False, **s
+        ),
     ),
     (
         "fedavgm",
