@@ -17,11 +17,11 @@ import fedmq_procs
 import pytest
 
 from fedmq.benchmarks import experiments, results_file
-from fedmq.benchmarks.experiments import ExperimentError, grids, nmt_grid, results
+from fedmq.benchmarks.experiments import ExperimentError, grids, nmt_grid
+from fedmq.benchmarks.experiments.results import ROOT, max_jump
 from fedmq.errors import FedmqError
 from fedmq.simulation import Simulation
 
-ROOT = results.ROOT
 pytestmark = pytest.mark.usefixtures("fixture_corpora")
 run_experiment = partial(
     experiments.run_experiment, simulation=Simulation
@@ -425,8 +425,8 @@ def test_sweep_reports_smoothness(tmp_path):
     results = run_experiment("sweep", "smoke", tmp_path)
     runs = _check_common(results, tmp_path, "sweep")
     assert {(r["lr"], r["momentum"]) for r in runs.values()} == {(1.0, 0.5), (0.5, 0.9)}
-    assert results.max_jump([300.0, 200.0, 150.0, 240.0, 100.0]) == pytest.approx(1.6)
-    assert results.max_jump([300.0, 200.0, 150.0]) is None
+    assert max_jump([300.0, 200.0, 150.0, 240.0, 100.0]) == pytest.approx(1.6)
+    assert max_jump([300.0, 200.0, 150.0]) is None
 
 
 def test_bad_arguments_are_one_line_and_write_nothing(tmp_path):
