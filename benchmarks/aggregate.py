@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,13 +59,82 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
 
-def _worker(method: str, count: int, params: int, seed: int) -> dict[str, Any]:
-    import torch
+# a worker's fold of ``count`` arriving updates: the aggregate, each fold's seconds and finish's
+Folded = tuple[dict[str, Any], list[float], float]
 
-    from fedmq.aggregator.strategies._common import sq_distance
+
+def _fold_strategy(method: str, glob: dict, buf: dict, weights: list[int], next_update: Callable) -> Folded:
+    """FedAvg's or FedAtt's own fold (STRATEGY_METHODS)."""
     from fedmq.aggregator.strategies.base import ClientUpdate
     from fedmq.aggregator.strategies.fedatt import FedAtt
     from fedmq.aggregator.strategies.fedavg import FedAvg
+
+    fold_times: list[float] = []
+    as_delta = method in ("fedavg", "fedatt")
+    strat = FedAvg() if method.startswith("fedavg") else FedAtt()
+    strat.begin(glob)
+    for i in range(len(weights)):
+        next_update()
+        u = ClientUpdate(str(i), weights[i], buf, delta=as_delta)
+        t0 = time.perf_counter()
+        strat.fold(u)
+        fold_times.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    out = strat.finish()
+    return out, fold_times, time.perf_counter() - t0
+
+
+def _fold_inplace(shapes: dict, buf: dict, weights: list[int], next_update: Callable) -> Folded:
+    """A weighted sum kept in place, divided at the end."""
+    import torch
+
+    fold_times: list[float] = []
+    acc = {k: torch.zeros(s) for k, s in shapes.items()}
+    for i in range(len(weights)):
+        next_update()
+        t0 = time.perf_counter()
+        for k, t in buf.items():
+            acc[k].add_(t, alpha=weights[i])
+        fold_times.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    out = {k: a.div_(sum(weights)) for k, a in acc.items()}
+    return out, fold_times, time.perf_counter() - t0
+
+
+def _fold_stacked(method: str, glob: dict, buf: dict, weights: list[int], next_update: Callable) -> Folded:
+    """Every update kept in a stack, reduced at the end (stack-fedavg, or FedAtt's attention otherwise)."""
+    import torch
+
+    from fedmq.aggregator.strategies._common import sq_distance
+
+    count = len(weights)
+    fold_times: list[float] = []
+    stacks = {k: torch.empty((count, t.numel())) for k, t in glob.items()}
+    for i in range(count):
+        next_update()
+        t0 = time.perf_counter()
+        for k, t in buf.items():
+            stacks[k][i].copy_(t.reshape(-1))
+        fold_times.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    out = {}
+    for k, st in stacks.items():
+        if method == "stack-fedavg":
+            w = torch.tensor(weights, dtype=torch.float32) / sum(weights)
+        else:
+            d = torch.tensor([sq_distance(glob[k], row) for row in st], dtype=torch.float64).sqrt()
+            w = torch.softmax(d, 0).float()
+        red = w @ st
+        out[k] = (
+            red.reshape(glob[k].shape)
+            if method == "stack-fedavg"
+            else (glob[k] - 1.2 * (glob[k] - red.reshape(glob[k].shape)))
+        )
+    return out, fold_times, time.perf_counter() - t0
+
+
+def _worker(method: str, count: int, params: int, seed: int) -> dict[str, Any]:
+    import torch
 
     torch.set_num_threads(1)
     base_rss = _rss_mb()
@@ -73,7 +143,6 @@ def _worker(method: str, count: int, params: int, seed: int) -> dict[str, Any]:
     glob = {k: torch.empty(s).uniform_(-0.1, 0.1, generator=gen) for k, s in shapes.items()}
     buf = {k: torch.empty(s) for k, s in shapes.items()}  # the one reusable "arriving update"
     model_bytes = sum(t.numel() * 4 for t in glob.values())
-    fold_times: list[float] = []
 
     as_delta = method in ("fedavg", "fedatt")
 
@@ -84,53 +153,12 @@ def _worker(method: str, count: int, params: int, seed: int) -> dict[str, Any]:
                 t.add_(glob[k])
 
     weights = [1 + (i % 7) for i in range(count)]
-    t_finish = 0.0
     if method in STRATEGY_METHODS:
-        strat = FedAvg() if method.startswith("fedavg") else FedAtt()
-        strat.begin(glob)
-        for i in range(count):
-            next_update()
-            u = ClientUpdate(str(i), weights[i], buf, delta=as_delta)
-            t0 = time.perf_counter()
-            strat.fold(u)
-            fold_times.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        out = strat.finish()
-        t_finish = time.perf_counter() - t0
+        out, fold_times, t_finish = _fold_strategy(method, glob, buf, weights, next_update)
     elif method == "inplace":
-        acc = {k: torch.zeros(s) for k, s in shapes.items()}
-        for i in range(count):
-            next_update()
-            t0 = time.perf_counter()
-            for k, t in buf.items():
-                acc[k].add_(t, alpha=weights[i])
-            fold_times.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        out = {k: a.div_(sum(weights)) for k, a in acc.items()}
-        t_finish = time.perf_counter() - t0
+        out, fold_times, t_finish = _fold_inplace(shapes, buf, weights, next_update)
     else:
-        stacks = {k: torch.empty((count, t.numel())) for k, t in glob.items()}
-        for i in range(count):
-            next_update()
-            t0 = time.perf_counter()
-            for k, t in buf.items():
-                stacks[k][i].copy_(t.reshape(-1))
-            fold_times.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        out = {}
-        for k, st in stacks.items():
-            if method == "stack-fedavg":
-                w = torch.tensor(weights, dtype=torch.float32) / sum(weights)
-            else:
-                d = torch.tensor([sq_distance(glob[k], row) for row in st], dtype=torch.float64).sqrt()
-                w = torch.softmax(d, 0).float()
-            red = w @ st
-            out[k] = (
-                red.reshape(glob[k].shape)
-                if method == "stack-fedavg"
-                else (glob[k] - 1.2 * (glob[k] - red.reshape(glob[k].shape)))
-            )
-        t_finish = time.perf_counter() - t0
+        out, fold_times, t_finish = _fold_stacked(method, glob, buf, weights, next_update)
     total = sum(fold_times) + t_finish
     fold_times.sort()
     assert all(bool(torch.isfinite(v).all()) for v in out.values())

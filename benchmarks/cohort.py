@@ -56,34 +56,7 @@ def bench_cohort(
             )
             for c in picked
         ]
-        alone_s, together_s, diff, tokens, peak = [], [], 0.0, 0, 0
-        for r in range(repeats + 1):  # the first of each is a warm-up (CUDA kernels, caches), not timed
-            alone = [copy.deepcopy(start) for _ in picked]
-            t0 = time.perf_counter()
-            results = [task.train(m, c, cfg) for m, c, cfg in zip(alone, picked, cfgs)]
-            _sync(dev)
-            t1 = time.perf_counter()
-            together = [copy.deepcopy(start) for _ in picked]
-            if dev.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(dev)
-            t2 = time.perf_counter()
-            task.train_cohort(together, picked, cfgs, [None] * n)
-            _sync(dev)
-            t3 = time.perf_counter()
-            if r:
-                alone_s.append(t1 - t0)
-                together_s.append(t3 - t2)
-            diff = max(
-                diff,
-                max(
-                    float((a - b).abs().max())
-                    for x, y in zip(alone, together)
-                    for a, b in zip(model_state(x).values(), model_state(y).values())
-                ),
-            )
-            tokens = sum(res.tokens for res in results)
-            if dev.type == "cuda":
-                peak = max(peak, torch.cuda.max_memory_allocated(dev))
+        alone_s, together_s, diff, tokens, peak = _time(task, start, picked, cfgs, dev, repeats)
         a, t = statistics.median(alone_s), statistics.median(together_s)
         rows.append(
             {
@@ -106,6 +79,51 @@ def bench_cohort(
             }
         )
     return rows
+
+
+def _time(
+    task: Any,
+    start: torch.nn.Module,
+    picked: list[int],
+    cfgs: list[TrainConfig],
+    dev: torch.device,
+    repeats: int,
+) -> tuple[list[float], list[float], float, int, int]:
+    """The cohort's clients trained one after the other, then together, ``repeats`` times after a warm-up:
+    the seconds of each way, the largest parameter difference between them, the tokens trained and the
+    peak GPU memory."""
+    n = len(picked)
+    alone_s, together_s, diff, tokens, peak = [], [], 0.0, 0, 0
+    for r in range(repeats + 1):  # the first of each is a warm-up (CUDA kernels, caches), not timed
+        alone = [copy.deepcopy(start) for _ in picked]
+        t0 = time.perf_counter()
+        results = [task.train(m, c, cfg) for m, c, cfg in zip(alone, picked, cfgs)]
+        _sync(dev)
+        t1 = time.perf_counter()
+        together = [copy.deepcopy(start) for _ in picked]
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        t2 = time.perf_counter()
+        task.train_cohort(together, picked, cfgs, [None] * n)
+        _sync(dev)
+        t3 = time.perf_counter()
+        if r:
+            alone_s.append(t1 - t0)
+            together_s.append(t3 - t2)
+        diff = max(diff, _max_diff(alone, together))
+        tokens = sum(res.tokens for res in results)
+        if dev.type == "cuda":
+            peak = max(peak, torch.cuda.max_memory_allocated(dev))
+    return alone_s, together_s, diff, tokens, peak
+
+
+def _max_diff(alone: list[torch.nn.Module], together: list[torch.nn.Module]) -> float:
+    """The largest difference of any parameter between the models trained alone and together."""
+    return max(
+        float((a - b).abs().max())
+        for x, y in zip(alone, together)
+        for a, b in zip(model_state(x).values(), model_state(y).values())
+    )
 
 
 def _sync(device: torch.device) -> None:

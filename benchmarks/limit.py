@@ -26,12 +26,14 @@ round. Nothing here waits on a network: the limit is what the CPU work alone all
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 PARTS = ("encode_down", "decode_down", "train", "encode_up", "decode_up", "fold", "validate", "checkpoint")
 CODEC = ("encode_down", "decode_down", "encode_up", "decode_up")  # the parts an encoding changes
@@ -89,6 +91,95 @@ def _median(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+@contextlib.contextmanager
+def _one_core() -> Iterator[None]:
+    """torch and the wire codec held to one thread each, as they were before afterwards."""
+    import torch
+
+    from fedmq.broker.wire.threads import codec_threads, set_codec_threads
+
+    threads, codec = torch.get_num_threads(), codec_threads()
+    torch.set_num_threads(1)
+    set_codec_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        set_codec_threads(codec)
+
+
+def _message(kind: Any, tensors: dict) -> bytes:
+    from fedmq.broker.wire.envelope import Envelope, pack
+
+    return pack(Envelope(kind, "bench", 1, "c0", 1, {"tensors": tensors}))
+
+
+def _common_parts(task: Any, model: Any, cfg: Any, repeats: int) -> tuple[dict[str, float], dict, dict]:
+    """The parts no encoding changes (train, fold, validate, checkpoint), and the global model before and
+    after one client's training, as arrays."""
+    import torch
+
+    from fedmq import ClientUpdate
+    from fedmq.aggregator.checkpoint import save_checkpoint
+    from fedmq.aggregator.strategies.fedavg import FedAvg
+    from fedmq.tasks.base import load_state, model_state
+
+    base = {k: v.clone() for k, v in model_state(model).items()}
+    base_np = {k: v.numpy() for k, v in base.items()}
+    common: dict[str, float] = {}
+
+    def train() -> None:
+        load_state(model, base)
+        task.train(model, 0, cfg)
+
+    common["train"] = _median(train, repeats)
+    trained = {k: v.detach().numpy().copy() for k, v in model_state(model).items()}
+    delta = {k: torch.from_numpy(trained[k] - base_np[k]) for k in trained}
+    strategy = FedAvg()
+    strategy.begin(base)
+    update = ClientUpdate("c0", 16, delta, loss=1.0, delta=True)
+    common["fold"] = _median(lambda: strategy.fold(update), repeats)
+    load_state(model, base)
+    common["validate"] = _median(lambda: task.evaluate(model, "valid"), repeats)
+    with tempfile.TemporaryDirectory(prefix="fedmq-limit-") as tmp:
+        common["checkpoint"] = _median(
+            lambda: save_checkpoint(
+                tmp,
+                round=1,
+                model_version=1,
+                global_state=base,
+                strategy_state={},
+                mediator_state={},
+                rng_state=None,
+                folded={},
+                extra={},
+            ),
+            repeats,
+        )
+    return common, base_np, trained
+
+
+def _codec_parts(
+    up: str, down: str, base_np: dict, trained: dict, manifest: Any, repeats: int
+) -> dict[str, float]:
+    """The parts an encoding changes, with uplink ``up`` and downlink ``down``."""
+    from fedmq.broker.wire.encodings import EncodingSpec, decode_state, encode_state
+    from fedmq.broker.wire.envelope import Kind, unpack
+
+    up_spec, down_spec = EncodingSpec.parse(up), EncodingSpec.parse(down)
+    down_msg = _message(Kind.MODEL, encode_state(base_np, down_spec))
+    up_msg = _message(Kind.UPDATE, encode_state(trained, up_spec, base_np))
+    return {
+        "encode_down": _median(lambda: _message(Kind.MODEL, encode_state(base_np, down_spec)), repeats),
+        "decode_down": _median(lambda: decode_state(unpack(down_msg).payload["tensors"], manifest), repeats),
+        "encode_up": _median(lambda: _message(Kind.UPDATE, encode_state(trained, up_spec, base_np)), repeats),
+        "decode_up": _median(
+            lambda: decode_state(unpack(up_msg).payload["tensors"], manifest, base_np, as_delta=True),
+            repeats,
+        ),
+    }
+
+
 def measure(
     data: str,
     clients: int,
@@ -103,21 +194,10 @@ def measure(
 ) -> list[Limit]:
     """Time each part of the bench's round on this machine, one core each (see the module docstring): the
     codec's parts for each (uplink, downlink) pair of ``encodings``, the others once; a Limit per pair."""
-    import torch
-
-    from fedmq import ClientUpdate, TrainConfig
-    from fedmq.aggregator.checkpoint import save_checkpoint
-    from fedmq.aggregator.strategies.fedavg import FedAvg
-    from fedmq.broker.wire.encodings import EncodingSpec, decode_state, encode_state
-    from fedmq.broker.wire.envelope import Envelope, Kind, pack, unpack
-    from fedmq.broker.wire.threads import codec_threads, set_codec_threads
-    from fedmq.tasks.base import load_state, model_state
+    from fedmq import TrainConfig
     from fedmq.tasks.registry import make_task
 
-    threads, codec = torch.get_num_threads(), codec_threads()
-    torch.set_num_threads(1)
-    set_codec_threads(1)
-    try:
+    with _one_core():
         task = make_task(
             "lm",
             data=data,
@@ -129,68 +209,15 @@ def measure(
         )
         model = task.build_model(0)
         manifest = task.manifest(model)
-        base = {k: v.clone() for k, v in model_state(model).items()}
-        base_np = {k: v.numpy() for k, v in base.items()}
         cfg = TrainConfig(epochs=1, batch_size=batch_size, max_steps=max_steps)
-        common: dict[str, float] = {}
-
-        def message(kind: Kind, tensors: dict) -> bytes:
-            return pack(Envelope(kind, "bench", 1, "c0", 1, {"tensors": tensors}))
-
-        def train() -> None:
-            load_state(model, base)
-            task.train(model, 0, cfg)
-
-        common["train"] = _median(train, repeats)
-        trained = {k: v.detach().numpy().copy() for k, v in model_state(model).items()}
-        delta = {k: torch.from_numpy(trained[k] - base_np[k]) for k in trained}
-        strategy = FedAvg()
-        strategy.begin(base)
-        update = ClientUpdate("c0", 16, delta, loss=1.0, delta=True)
-        common["fold"] = _median(lambda: strategy.fold(update), repeats)
-        load_state(model, base)
-        common["validate"] = _median(lambda: task.evaluate(model, "valid"), repeats)
-        with tempfile.TemporaryDirectory(prefix="fedmq-limit-") as tmp:
-            common["checkpoint"] = _median(
-                lambda: save_checkpoint(
-                    tmp,
-                    round=1,
-                    model_version=1,
-                    global_state=base,
-                    strategy_state={},
-                    mediator_state={},
-                    rng_state=None,
-                    folded={},
-                    extra={},
-                ),
-                repeats,
+        common, base_np, trained = _common_parts(task, model, cfg, repeats)
+        return [
+            Limit(
+                {**common, **_codec_parts(up, down, base_np, trained, manifest, repeats)},
+                selected,
+                usable_cores(),
+                up,
+                down,
             )
-
-        def codec_parts(up: str, down: str) -> dict[str, float]:
-            up_spec, down_spec = EncodingSpec.parse(up), EncodingSpec.parse(down)
-            down_msg = message(Kind.MODEL, encode_state(base_np, down_spec))
-            up_msg = message(Kind.UPDATE, encode_state(trained, up_spec, base_np))
-            return {
-                "encode_down": _median(
-                    lambda: message(Kind.MODEL, encode_state(base_np, down_spec)), repeats
-                ),
-                "decode_down": _median(
-                    lambda: decode_state(unpack(down_msg).payload["tensors"], manifest), repeats
-                ),
-                "encode_up": _median(
-                    lambda: message(Kind.UPDATE, encode_state(trained, up_spec, base_np)), repeats
-                ),
-                "decode_up": _median(
-                    lambda: decode_state(unpack(up_msg).payload["tensors"], manifest, base_np, as_delta=True),
-                    repeats,
-                ),
-            }
-
-        limits = [
-            Limit({**common, **codec_parts(up, down)}, selected, usable_cores(), up, down)
             for up, down in encodings
         ]
-    finally:
-        torch.set_num_threads(threads)
-        set_codec_threads(codec)
-    return limits

@@ -186,6 +186,123 @@ def _percentile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
+def tiny_job(job: str, url: str, clients: int, rounds: int, **settings: Any) -> dict[str, Any]:
+    """The job settings of a bench's FedAvg federation of the tiny language model over RabbitMQ (one local
+    step a client, evaluated once at the end), with ``settings`` changed."""
+    from fedmq.broker.transport.urls import url_user
+
+    return {
+        "job": job,
+        "strategy": "fedavg",
+        "rounds": rounds,
+        "clients": clients,
+        "fraction": 1.0,
+        "lr": 1.0,
+        "max_steps": 1,
+        "heartbeat_s": 30.0,
+        "join_timeout_s": 120.0,
+        "report_deadline_s": 120.0,
+        "update_deadline_s": 120.0,
+        "identity": f"shared:{url_user(url) or 'guest'}",
+        "eval_every": rounds,
+        **settings,
+    }
+
+
+def one_thread_env() -> dict[str, str]:
+    """This process's environment, with torch's (OpenMP's) threads held to one a process."""
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def fedmq_command(*args: str) -> list[str]:
+    """The command line of this environment's ``fedmq`` with ``args``."""
+    return [str(Path(sys.executable).parent / "fedmq"), *args]
+
+
+def start_aggregator(url: str, work: Path) -> subprocess.Popen:
+    """``fedmq aggregator run`` of the job in ``work``/job.toml, its state and output in ``work``."""
+    return subprocess.Popen(
+        fedmq_command(
+            "aggregator",
+            "run",
+            "--broker",
+            url,
+            "--config",
+            str(work / "job.toml"),
+            "--state-dir",
+            str(work / "state"),
+            "--log-level",
+            "warning",
+        ),
+        stdout=open(work / "agg.out", "wb"),
+        stderr=open(work / "agg.err", "wb"),
+        env=one_thread_env(),
+    )
+
+
+def _watch(
+    agg: subprocess.Popen, probe: Any, job: str, t0: float, timeout_s: float
+) -> tuple[int, int, float]:
+    """Sample the aggregator until it exits (or ``timeout_s`` after ``t0``, then kill it): its peak RSS, the
+    inbox's peak depth and the CPU seconds it used."""
+    import psutil
+
+    from fedmq.broker.transport import topology
+
+    proc = psutil.Process(agg.pid)
+    peak_rss, peak_depth, cpu_s = 0, 0, float("nan")
+    while agg.poll() is None and time.time() - t0 < timeout_s:
+        try:
+            peak_rss = max(peak_rss, proc.memory_info().rss)
+            cpu = proc.cpu_times()
+            cpu_s = cpu.user + cpu.system  # last sample before exit (the process is gone afterwards)
+        except psutil.Error:
+            break
+        peak_depth = max(peak_depth, probe.queue_depth(topology.q_inbox(job)))
+        time.sleep(0.2)
+    if agg.poll() is None:
+        agg.kill()
+    agg.wait()
+    return peak_rss, peak_depth, cpu_s
+
+
+def _row(n: int, work: Path, swarm: Swarm, t0: float, watched: tuple[int, int, float]) -> dict[str, Any]:
+    """The bench's row for ``n`` agents: what the aggregator's run folder and the swarm's confirmed uploads
+    say (rounds, updates folded, their rate and latency, lost and duplicated updates) and what ``_watch``
+    sampled."""
+    from fedmq.aggregator.checkpoint import load_checkpoint
+    from fedmq.aggregator.runlog import read_rounds
+
+    metrics = read_rounds(work / "state").records
+    if not metrics:
+        err = (work / "agg.err").read_text(errors="replace").strip().splitlines()
+        raise RuntimeError(f"the aggregator wrote no metrics: {err[-1] if err else 'no output'}")
+    ckpt = load_checkpoint(work / "state" / "checkpoints")
+    folded = [u for ids in (ckpt.folded.values() if ckpt else []) for u in ids]
+    closed = {m.round: m.time for m in metrics}
+    confirmed = {(r, u): t for _, r, u, t in swarm.uploads}
+    folded_set = set(folded)
+    lost = [k for k in confirmed if k[1] not in folded_set and k[0] in closed]
+    lat = [closed[r] - t for (r, u), t in confirmed.items() if u in folded_set and r in closed]
+    first = min((t for *_, t in swarm.uploads), default=t0)
+    wall = (max(closed.values()) - first) if closed else float("nan")
+    peak_rss, peak_depth, cpu_s = watched
+    return {
+        "agents": n,
+        "rounds": len(metrics),
+        "updates_folded": len(folded),
+        "updates_per_s": len(folded) / wall if wall and wall == wall else float("nan"),
+        "p50_s": _percentile(lat, 0.5),
+        "p99_s": _percentile(lat, 0.99),
+        "agg_peak_rss_mb": peak_rss / 2**20,
+        "agg_cpu_s": cpu_s,
+        "inbox_peak_depth": peak_depth,
+        "lost": len(lost),
+        "duplicated": len(folded) - len(folded_set),
+        "wall_s": wall,
+    }
+
+
 def bench_load(
     url: str = "amqp://guest:guest@127.0.0.1:5672/%2F",
     agents: tuple[int, ...] = (100, 1000),
@@ -193,55 +310,15 @@ def bench_load(
     threads: int = 4,
     timeout_s: float = 600.0,
 ) -> list[dict[str, Any]]:
-    import psutil
-
-    from fedmq.aggregator.checkpoint import load_checkpoint
-    from fedmq.aggregator.runlog import read_rounds
-    from fedmq.broker.transport import topology
     from fedmq.broker.transport.connect import connect
-    from fedmq.broker.transport.urls import url_user
 
     rows = []
     for n in agents:
         job = f"load-{uuid.uuid4().hex[:8]}"
         work = Path(tempfile.mkdtemp(prefix=f"fedmq-load-{n}-"))
-        cfg = {
-            "job": job,
-            "strategy": "fedavg",
-            "rounds": rounds,
-            "clients": n,
-            "fraction": 1.0,
-            "lr": 1.0,
-            "max_steps": 1,
-            "heartbeat_s": 30.0,
-            "join_timeout_s": 120.0,
-            "report_deadline_s": 120.0,
-            "update_deadline_s": 120.0,
-            "identity": f"shared:{url_user(url) or 'guest'}",
-            "eval_every": rounds,
-        }
+        cfg = tiny_job(job, url, n, rounds)
         (work / "job.toml").write_text(_toml(cfg, {**TINY_TASK, "clients": min(n, 100)}))
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        fedmq = str(Path(sys.executable).parent / "fedmq")
-        agg = subprocess.Popen(
-            [
-                fedmq,
-                "aggregator",
-                "run",
-                "--broker",
-                url,
-                "--config",
-                str(work / "job.toml"),
-                "--state-dir",
-                str(work / "state"),
-                "--log-level",
-                "warning",
-            ],
-            stdout=open(work / "agg.out", "wb"),
-            stderr=open(work / "agg.err", "wb"),
-            env=env,
-        )
-        proc = psutil.Process(agg.pid)
+        agg = start_aggregator(url, work)
         probe = connect(url)
         probe.declare_job(
             job, []
@@ -249,51 +326,11 @@ def bench_load(
         swarm = Swarm(url, job, [f"agent-{i}" for i in range(n)], threads=threads)
         t0 = time.time()
         threads_ = swarm.start()
-        peak_rss, peak_depth, cpu_s = 0, 0, float("nan")
-        while agg.poll() is None and time.time() - t0 < timeout_s:
-            try:
-                peak_rss = max(peak_rss, proc.memory_info().rss)
-                cpu = proc.cpu_times()
-                cpu_s = cpu.user + cpu.system  # last sample before exit (the process is gone afterwards)
-            except psutil.Error:
-                break
-            peak_depth = max(peak_depth, probe.queue_depth(topology.q_inbox(job)))
-            time.sleep(0.2)
-        if agg.poll() is None:
-            agg.kill()
-        agg.wait()
+        watched = _watch(agg, probe, job, t0, timeout_s)
         swarm.stop.set()
         for t in threads_:
             t.join(timeout=10)
-        metrics = read_rounds(work / "state").records
-        if not metrics:
-            err = (work / "agg.err").read_text(errors="replace").strip().splitlines()
-            raise RuntimeError(f"the aggregator wrote no metrics: {err[-1] if err else 'no output'}")
-        ckpt = load_checkpoint(work / "state" / "checkpoints")
-        folded = [u for ids in (ckpt.folded.values() if ckpt else []) for u in ids]
-        closed = {m.round: m.time for m in metrics}
-        confirmed = {(r, u): t for _, r, u, t in swarm.uploads}
-        folded_set = set(folded)
-        lost = [k for k in confirmed if k[1] not in folded_set and k[0] in closed]
-        lat = [closed[r] - t for (r, u), t in confirmed.items() if u in folded_set and r in closed]
-        first = min((t for *_, t in swarm.uploads), default=t0)
-        wall = (max(closed.values()) - first) if closed else float("nan")
-        rows.append(
-            {
-                "agents": n,
-                "rounds": len(metrics),
-                "updates_folded": len(folded),
-                "updates_per_s": len(folded) / wall if wall and wall == wall else float("nan"),
-                "p50_s": _percentile(lat, 0.5),
-                "p99_s": _percentile(lat, 0.99),
-                "agg_peak_rss_mb": peak_rss / 2**20,
-                "agg_cpu_s": cpu_s,
-                "inbox_peak_depth": peak_depth,
-                "lost": len(lost),
-                "duplicated": len(folded) - len(folded_set),
-                "wall_s": wall,
-            }
-        )
+        rows.append(_row(n, work, swarm, t0, watched))
         log.info("load run", **rows[-1])
         _delete_queues(url, job, [f"fedmq.{job}.swarm.{i}" for i in range(threads)])
         probe.close()

@@ -16,9 +16,7 @@ aggregator folded (its checkpoint): lost and duplicated; the job's queue count a
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -26,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fedmq.benchmarks.flower import Run, period_median, run_fedmq
-from fedmq.benchmarks.load import TINY_TASK, _toml
+from fedmq.benchmarks.load import TINY_TASK, _toml, fedmq_command, one_thread_env, start_aggregator, tiny_job
 
 
 def simulate_rows(data: str, populations: tuple[int, ...], selected: int = 10, rounds: int = 5) -> list[Run]:
@@ -53,56 +51,24 @@ def _broker_facts(job: str) -> tuple[int | None, int | None]:
     return queues, memory
 
 
-def services_row(
-    url: str, clients: int = 10_000, hosts: int = 4, selected: int = 10, rounds: int = 5, timeout: float = 900
-) -> dict[str, Any]:
-    from fedmq.aggregator.checkpoint import load_checkpoint
-    from fedmq.aggregator.runlog import read_rounds
-    from fedmq.broker.transport.provision import purge
-    from fedmq.broker.transport.urls import url_user
-
-    job = f"pop-{uuid.uuid4().hex[:8]}"
-    work = Path(tempfile.mkdtemp(prefix="fedmq-population-"))
-    cfg = {
-        "job": job,
-        "strategy": "fedavg",
-        "rounds": rounds,
-        "clients": clients,
-        "fraction": selected / clients,
-        "lr": 1.0,
-        "max_steps": 1,
-        "batch_size": 2,
-        "heartbeat_s": 5.0,
-        "join_timeout_s": 120.0,
-        "report_deadline_s": 120.0,
-        "update_deadline_s": 120.0,
-        "identity": f"shared:{url_user(url) or 'guest'}",
-        "eval_every": rounds,
-    }
-    task = {k: v for k, v in TINY_TASK.items() if k != "max_lines"}  # every builtin line: 11 words a client
-    (work / "job.toml").write_text(_toml(cfg, {**task, "clients": clients}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    fedmq = str(Path(sys.executable).parent / "fedmq")
-    _, memory_before = _broker_facts(job)
-    common = ["--broker", url, "--config", str(work / "job.toml"), "--log-level", "warning"]
-    procs = [
-        subprocess.Popen(
-            [fedmq, "aggregator", "run", *common, "--state-dir", str(work / "state")],
-            stdout=open(work / "agg.out", "wb"),
-            stderr=open(work / "agg.err", "wb"),
-            env=env,
-        )
-    ]
+def _start_services(url: str, work: Path, job: str, clients: int, hosts: int) -> list[subprocess.Popen]:
+    """The aggregator of the job in ``work``/job.toml, then ``hosts`` agent processes sharing its ``clients``
+    clients out, each with an audit log of the uploads the broker confirmed."""
+    procs = [start_aggregator(url, work)]
     per = -(-clients // hosts)
     for h in range(hosts):
         lo, hi = h * per, min((h + 1) * per, clients)
         procs.append(
             subprocess.Popen(
-                [
-                    fedmq,
+                fedmq_command(
                     "agent",
                     "run",
-                    *common,
+                    "--broker",
+                    url,
+                    "--config",
+                    str(work / "job.toml"),
+                    "--log-level",
+                    "warning",
                     "--job",
                     job,
                     "--host",
@@ -111,13 +77,18 @@ def services_row(
                     f"{lo}-{hi - 1}",
                     "--audit-log",
                     str(work / f"h{h}.audit"),
-                ],
+                ),
                 stdout=open(work / f"h{h}.out", "wb"),
                 stderr=open(work / f"h{h}.err", "wb"),
-                env=env,
+                env=one_thread_env(),
             )
         )
-    t0 = time.time()
+    return procs
+
+
+def _wait(procs: list[subprocess.Popen], job: str, t0: float, timeout: float) -> tuple[int, int]:
+    """Sample the broker until every process exits (or ``timeout`` after ``t0``, then kill them): the job's
+    peak queue count and RabbitMQ's peak memory (0 where rabbitmqctl cannot tell)."""
     peak_queues, peak_memory = 0, 0
     while any(p.poll() is None for p in procs) and time.time() - t0 < timeout:
         queues, memory = _broker_facts(job)
@@ -127,6 +98,25 @@ def services_row(
         if p.poll() is None:
             p.kill()
         p.wait()
+    return peak_queues, peak_memory
+
+
+def services_row(
+    url: str, clients: int = 10_000, hosts: int = 4, selected: int = 10, rounds: int = 5, timeout: float = 900
+) -> dict[str, Any]:
+    from fedmq.aggregator.checkpoint import load_checkpoint
+    from fedmq.aggregator.runlog import read_rounds
+    from fedmq.broker.transport.provision import purge
+
+    job = f"pop-{uuid.uuid4().hex[:8]}"
+    work = Path(tempfile.mkdtemp(prefix="fedmq-population-"))
+    cfg = tiny_job(job, url, clients, rounds, fraction=selected / clients, batch_size=2, heartbeat_s=5.0)
+    task = {k: v for k, v in TINY_TASK.items() if k != "max_lines"}  # every builtin line: 11 words a client
+    (work / "job.toml").write_text(_toml(cfg, {**task, "clients": clients}))
+    _, memory_before = _broker_facts(job)
+    procs = _start_services(url, work, job, clients, hosts)
+    t0 = time.time()
+    peak_queues, peak_memory = _wait(procs, job, t0, timeout)
     metrics = read_rounds(work / "state").records
     ckpt = load_checkpoint(work / "state" / "checkpoints")
     folded = [u for ids in (ckpt.folded.values() if ckpt else []) for u in ids]

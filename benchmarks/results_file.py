@@ -43,7 +43,7 @@ weights) are not kept: rerunning the file's command at its commit makes them aga
 
 Numbers are as the run recorded them (curves rounded as said); a number that is not finite (a diverged
 run's perplexity) is the string ``"inf"`` or ``"nan"``. Means, standard deviations and paired orderings are
-not kept: they follow from the rows (benchmarks/experiments.py ``mean_sd``, ``orderings``).
+not kept: they follow from the rows (benchmarks/experiments/results.py ``mean_sd``, ``orderings``).
 
 ``python -m fedmq.benchmarks.results_file merge [--command TEXT] OUT IN [IN ...]`` merges files of one
 experiment and scale into one (scripts/run_cells.sh runs a grid as one process a cell and seed, and merges
@@ -96,12 +96,13 @@ def sig(value: float | None, digits: int = 6) -> float | None:
 
 def _mean(values: Iterable[float]) -> float:
     values = list(values)
-    return sum(values) / len(values)  # as benchmarks/experiments.py averages them, to the last bit
+    return sum(values) / len(values)  # as benchmarks/experiments/results.py averages them, to the last bit
 
 
 def run_row(table_row: dict[str, Any], run_dir: Path, seed: int) -> dict[str, Any]:
-    """The kept row of one run: ``table_row`` (its row of the experiment's table, benchmarks/experiments.py
-    ``_row``) without the per-round curve, plus what the run folder ``run_dir`` holds (module docstring)."""
+    """The kept row of one run: ``table_row`` (its row of the experiment's table,
+    benchmarks/experiments/results.py ``table_row``) without the per-round curve, plus what the run folder
+    ``run_dir`` holds (module docstring)."""
     summary = read_summary(run_dir)
     rows = read_rounds(run_dir).records
     row: dict[str, Any] = {"run": table_row["run"], "seed": seed}

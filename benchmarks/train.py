@@ -36,25 +36,14 @@ def _cases(data: Path | None) -> list[dict[str, Any]]:
         return str(data / name if data else find(name))
 
     lm_cfg = TrainConfig(batch_size=20, lr=20.0, clip=0.25)
+
+    def lm(name: str, model: str, tied: bool) -> dict[str, Any]:
+        options = dict(data=corpus("wikitext-2"), model=model, tied=tied, clients=1, dropout=0.2, bptt=35)
+        return dict(name=name, corpus="wikitext-2", task="lm", cfg=lm_cfg, options=options)
+
     return [
-        dict(
-            name="gru-small (tied)",
-            corpus="wikitext-2",
-            task="lm",
-            cfg=lm_cfg,
-            options=dict(
-                data=corpus("wikitext-2"), model="gru-small", tied=True, clients=1, dropout=0.2, bptt=35
-            ),
-        ),
-        dict(
-            name="lstm (untied)",
-            corpus="wikitext-2",
-            task="lm",
-            cfg=lm_cfg,
-            options=dict(
-                data=corpus("wikitext-2"), model="lstm", tied=False, clients=1, dropout=0.2, bptt=35
-            ),
-        ),
+        lm("gru-small (tied)", "gru-small", True),
+        lm("lstm (untied)", "lstm", False),
         dict(
             name="transformer-small",
             corpus="de-en/wmt_train_mix_opennmt",

@@ -23,15 +23,10 @@ from sacrebleu.metrics import BLEU
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fedmq.benchmarks.experiments import (  # noqa: E402
-    _NMT,
-    ExperimentError,
-    check_corpora,
-    domain_pairs,
-    nmt_options,
-    parse_seeds,
-)
+from fedmq.benchmarks.experiments import ExperimentError, check_corpora, parse_seeds  # noqa: E402
+from fedmq.benchmarks.experiments.nmt_grid import NMT_SETTINGS, nmt_options  # noqa: E402
 from fedmq.tasks.base import load_state  # noqa: E402
+from fedmq.tasks.nmt_domains import domain_pairs  # noqa: E402
 from fedmq.tasks.registry import make_task  # noqa: E402
 
 _BLEU = BLEU()
@@ -57,7 +52,7 @@ def main() -> None:
     parser.add_argument("run_a")
     parser.add_argument("run_b")
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--scale", default="cpu", choices=sorted(_NMT))
+    parser.add_argument("--scale", default="cpu", choices=sorted(NMT_SETTINGS))
     parser.add_argument("--resamples", type=int, default=1000)
     args = parser.parse_args()
     try:
@@ -77,7 +72,7 @@ def main() -> None:
         states = [torch.load(path, weights_only=True) for path in paths]
         runs[seed] = []
         for domain in task.corpus.domains:
-            pairs = domain_pairs(task, domain, "test", _NMT[args.scale]["per_domain_test"])
+            pairs = domain_pairs(task, domain, "test", NMT_SETTINGS[args.scale]["per_domain_test"])
             runs[seed].append(tuple(sentence_stats(task, state, pairs) for state in states))
     rng = np.random.default_rng(0)
     sizes = [len(a) for a, _ in runs[seeds[0]]]

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fedmq.benchmarks import results_file  # noqa: E402
-from fedmq.benchmarks.experiments import mean_sd  # noqa: E402
+from fedmq.benchmarks.experiments.results import mean_sd  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs" / "results"

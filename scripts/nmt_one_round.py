@@ -23,16 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fedmq.aggregator.strategies.base import ClientUpdate  # noqa: E402
 from fedmq.aggregator.strategies.fedavg import FedAvg  # noqa: E402
-from fedmq.benchmarks.experiments import (  # noqa: E402
-    _NMT,
-    ExperimentError,
-    _nmt_train,
-    check_corpora,
-    domain_bleu,
-    domain_ce,
-    nmt_options,
-)
+from fedmq.benchmarks.experiments import ExperimentError, check_corpora  # noqa: E402
+from fedmq.benchmarks.experiments.nmt_grid import NMT_SETTINGS, nmt_options, nmt_train  # noqa: E402
 from fedmq.tasks.base import TrainConfig, load_state, model_state  # noqa: E402
+from fedmq.tasks.nmt_domains import domain_bleu, domain_ce  # noqa: E402
 from fedmq.tasks.registry import make_task  # noqa: E402
 
 
@@ -81,7 +75,7 @@ def main() -> int:
         for i, name in enumerate(task.shard_names):
             load_state(model, pretrained)
             result = task.train(
-                model, i, TrainConfig(epochs=1, seed=0, **{**_nmt_train(_NMT["cpu"]), "lr": lr})
+                model, i, TrainConfig(epochs=1, seed=0, **{**nmt_train(NMT_SETTINGS["cpu"]), "lr": lr})
             )
             print(json.dumps({"model": f"client {name}", "lr": lr, **scores(task, model)}), flush=True)
             fedavg.fold(ClientUpdate(client=name, n_samples=result.n_samples, tensors=model_state(model)))

@@ -17,11 +17,11 @@ import fedmq_procs
 import pytest
 
 from fedmq.benchmarks import experiments, results_file
-from fedmq.benchmarks.experiments import ExperimentError
+from fedmq.benchmarks.experiments import ExperimentError, grids, nmt_grid
+from fedmq.benchmarks.experiments.results import ROOT, max_jump
 from fedmq.errors import FedmqError
 from fedmq.simulation import Simulation
 
-ROOT = experiments.ROOT
 pytestmark = pytest.mark.usefixtures("fixture_corpora")
 run_experiment = partial(
     experiments.run_experiment, simulation=Simulation
@@ -60,7 +60,7 @@ def test_lm_grid_runs(name, tmp_path):
     results = run_experiment(name, "smoke", tmp_path)
     runs = _check_common(results, tmp_path, name)
     assert all(r["rounds_completed"] == 1 for r in runs.values())
-    assert len(runs) == len(experiments.EXPERIMENTS[name]("smoke"))
+    assert len(runs) == len(grids.EXPERIMENTS[name]("smoke"))
     if name == "table2":  # FedSGD uses every client, the others C*K
         assert runs["wikitext-2-fedsgd"]["updates_received"] == 4
         assert runs["wikitext-2-fedavg-c0.5"]["updates_received"] == 2
@@ -220,7 +220,7 @@ def test_nmt_domains(tmp_path, monkeypatch):
     # reruns the local-only baselines (and the federations) but not the pre-training
     pre = (exp / "pretrained.pt").stat().st_mtime_ns, (exp / "pretrain.json").read_text()
     local = json.loads((exp / "local-only.json").read_text())["key"]
-    monkeypatch.setitem(experiments._NMT["smoke"], "lr", 1e-3)
+    monkeypatch.setitem(nmt_grid.NMT_SETTINGS["smoke"], "lr", 1e-3)
     changed = run_experiment("nmt-domains", "smoke", tmp_path, seeds=(0, 1), only="fedavg")
     assert ((exp / "pretrained.pt").stat().st_mtime_ns, (exp / "pretrain.json").read_text()) == pre
     assert json.loads((exp / "local-only.json").read_text())["key"] != local
@@ -257,10 +257,10 @@ def test_cli_topk_with_report(tmp_path):
 
 def test_central_baseline_matches_the_federations_token_passes(tmp_path):
     """C x K clients x E epochs of their shards a round = C x E epochs of the union, trained on one model."""
-    from fedmq.benchmarks.experiments import Runner
+    from fedmq.benchmarks.experiments.runner import Runner
     from fedmq.tasks.lm_data import StreamBatches
 
-    spec = next(s for s in experiments.table2("smoke") if s.central)
+    spec = next(s for s in grids.table2("smoke") if s.central)
     runner = Runner(tmp_path, Simulation)
     summary = runner.federate(spec, seed=0)
     union = runner.task("lm", {**spec.task_options, "clients": 1})
@@ -278,9 +278,9 @@ def test_central_baseline_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     of an uninterrupted run (a round's seed is fixed by the run's seed and the round)."""
     from dataclasses import replace
 
-    from fedmq.benchmarks.experiments import Runner
+    from fedmq.benchmarks.experiments.runner import Runner
 
-    spec = next(s for s in experiments.table2("smoke") if s.central)
+    spec = next(s for s in grids.table2("smoke") if s.central)
     spec = replace(spec, job={**spec.job, "rounds": 3})
     whole = Runner(tmp_path / "whole", Simulation).federate(spec, seed=0)
     runner = Runner(tmp_path / "stopped", Simulation)
@@ -311,9 +311,9 @@ def test_a_run_made_under_an_older_default_is_run_again(tmp_path):
     records JS weights other than the paper's (``fedmed_js``, the setting FedMed's variants were before they
     had names) ran as that variant, not as FedMed. One that differs only in a setting its strategy does not
     read, or predates a setting now at its default, is kept."""
-    from fedmq.benchmarks.experiments import Runner, ran_strategy
+    from fedmq.benchmarks.experiments.runner import Runner, ran_strategy
 
-    specs = {s.name: s for s in experiments.table2("smoke")}
+    specs = {s.name: s for s in grids.table2("smoke")}
     runner = Runner(tmp_path, Simulation)
     for name in ("wikitext-2-fedavg-c0.5", "wikitext-2-fedmed-c0.5"):
         runner.federate(specs[name], seed=0)
@@ -347,9 +347,9 @@ def test_a_finished_run_of_many_clients_is_kept_on_rerun(tmp_path):
     ignored, every K = 100 paper-scale run was deleted and started again by the same command."""
     from dataclasses import replace
 
-    from fedmq.benchmarks.experiments import Runner
+    from fedmq.benchmarks.experiments.runner import Runner
 
-    spec = next(s for s in experiments.table2("smoke") if s.name == "wikitext-2-fedavg-c0.5")
+    spec = next(s for s in grids.table2("smoke") if s.name == "wikitext-2-fedavg-c0.5")
     spec = replace(spec, job={**spec.job, "clients": 60}, task_options={**spec.task_options, "clients": 60})
     runner = Runner(tmp_path, Simulation)
     first = runner.federate(spec, seed=0)
@@ -425,8 +425,8 @@ def test_sweep_reports_smoothness(tmp_path):
     results = run_experiment("sweep", "smoke", tmp_path)
     runs = _check_common(results, tmp_path, "sweep")
     assert {(r["lr"], r["momentum"]) for r in runs.values()} == {(1.0, 0.5), (0.5, 0.9)}
-    assert experiments.max_jump([300.0, 200.0, 150.0, 240.0, 100.0]) == pytest.approx(1.6)
-    assert experiments.max_jump([300.0, 200.0, 150.0]) is None
+    assert max_jump([300.0, 200.0, 150.0, 240.0, 100.0]) == pytest.approx(1.6)
+    assert max_jump([300.0, 200.0, 150.0]) is None
 
 
 def test_bad_arguments_are_one_line_and_write_nothing(tmp_path):
@@ -532,13 +532,13 @@ def test_a_configuration_shared_by_experiments_is_trained_once(tmp_path):
 
 
 def test_only_picks_a_whole_name_exactly_and_otherwise_by_containment():
-    grid = experiments.EXPERIMENTS["rounds-to-target"]("cpu")
-    assert [s.name for s in experiments.select(grid, "fedavg-e1", None)] == ["fedavg-e1"]
-    assert [s.name for s in experiments.select(grid, "fedavg-e1,fp16", None)] == [
+    grid = grids.EXPERIMENTS["rounds-to-target"]("cpu")
+    assert [s.name for s in grids.select(grid, "fedavg-e1", None)] == ["fedavg-e1"]
+    assert [s.name for s in grids.select(grid, "fedavg-e1,fp16", None)] == [
         "fedavg-e1",
         "fedavg-e1-fp16",
     ]
-    assert [s.name for s in experiments.select(grid, "avg-e1", None)] == [
+    assert [s.name for s in grids.select(grid, "avg-e1", None)] == [
         "fedavg-e1",
         "fedavg-e1-fp16",
         "fedavg-e1-delta-int8",
@@ -548,10 +548,10 @@ def test_only_picks_a_whole_name_exactly_and_otherwise_by_containment():
 def test_paper_fedsgd_cuts_a_shard_into_more_streams_and_nothing_else_changes_b():
     """Only the paper scale's FedSGD cells (one full-batch step) take PAPER_FEDSGD_STREAMS; every minibatch
     cell keeps the reference code's B = 10, and the smaller scales keep theirs."""
-    paper = {s.name: s.job["batch_size"] for s in experiments.table2("paper")}
+    paper = {s.name: s.job["batch_size"] for s in grids.table2("paper")}
     assert {n: b for n, b in paper.items() if "fedsgd" in n} == {"wikitext-2-fedsgd": 100, "ptb-fedsgd": 100}
     assert {b for n, b in paper.items() if "fedsgd" not in n} == {10}
-    assert {s.job["batch_size"] for s in experiments.table2("cpu")} == {10}
+    assert {s.job["batch_size"] for s in grids.table2("cpu")} == {10}
 
 
 def test_cohort_reaches_each_federation_of_an_experiment(tmp_path):

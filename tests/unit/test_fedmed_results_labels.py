@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from fedmq.benchmarks import experiments, results_file
+from fedmq.benchmarks import results_file
+from fedmq.benchmarks.experiments import grids, nmt_grid
+from fedmq.benchmarks.experiments.spec import RunSpec
 
 KEPT = sorted(results_file.KEPT.glob("*.json"))
 
 
-def _cells(name: str, scale: str) -> dict[str, experiments.RunSpec]:
+def _cells(name: str, scale: str) -> dict[str, RunSpec]:
     if name == "nmt-domains":
-        return {s.name: s for s in experiments.nmt_specs(scale)}
-    return {s.name: s for s in experiments.grid(name, scale)}
+        return {s.name: s for s in nmt_grid.nmt_specs(scale)}
+    return {s.name: s for s in grids.grid(name, scale)}
 
 
 @pytest.mark.parametrize("path", KEPT, ids=[p.name for p in KEPT])
@@ -36,7 +38,7 @@ def test_every_archived_run_is_a_cell_of_its_grid_and_labelled_as_it(path):
     for old, new in doc.get("renamed", {}).items():
         assert new in {r["run"] for r in doc["runs"]} and old in cells, (path.name, old)
         variant = cells[new].job["strategy"]
-        assert variant in experiments.FEDMED_VARIANTS and new == old.replace("fedmed", variant, 1)
+        assert variant in grids.FEDMED_VARIANTS and new == old.replace("fedmed", variant, 1)
         assert cells[old].job["strategy"] == "fedmed"
 
 
@@ -49,11 +51,11 @@ def test_no_archived_fedmed_run_was_made_with_the_papers_weights_and_so_none_is_
 
 
 def test_a_variants_cells_run_only_where_only_names_the_variant():
-    cells = experiments.grid("table2", "cpu")
-    default = [s.name for s in experiments.EXPERIMENTS["table2"]("cpu")]
+    cells = grids.grid("table2", "cpu")
+    default = [s.name for s in grids.EXPERIMENTS["table2"]("cpu")]
     assert [s.name for s in cells[: len(default)]] == default
     assert {s.name for s in cells[len(default) :]} == {
-        f"ptb-{v}-c{c}" for v in experiments.FEDMED_VARIANTS for c in (0.1, 0.5)
+        f"ptb-{v}-c{c}" for v in grids.FEDMED_VARIANTS for c in (0.1, 0.5)
     }
     names = {s.name for s in cells}
 
@@ -62,8 +64,7 @@ def test_a_variants_cells_run_only_where_only_names_the_variant():
         return [
             s.name
             for s in cells
-            if any(experiments._picks(w, s, names) for w in wanted)
-            or (not wanted and experiments._default_cell(s))
+            if any(grids._picks(w, s, names) for w in wanted) or (not wanted and grids._default_cell(s))
         ]
 
     assert picked("fedmed") == ["ptb-fedmed-c0.1", "ptb-fedmed-c0.5"]
@@ -92,7 +93,7 @@ def _draw_results():
 def test_the_plots_name_a_method_by_the_strategy_its_rows_record():
     draw = _draw_results()
     strategies = {row.get("strategy") for p in KEPT for row in results_file.read(p)["runs"]} - {None}
-    for s in strategies & set(experiments.FEDMED_VARIANTS):
+    for s in strategies & set(grids.FEDMED_VARIANTS):
         assert draw.label(s) == s
     assert draw.label("fedmed") == "FedMed"
     # every FedMed row kept was made with a variant (above): none is drawn as FedMed

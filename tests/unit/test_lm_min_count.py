@@ -156,8 +156,8 @@ def test_a_run_from_before_min_count_resumes_with_every_word():
 @pytest.mark.parametrize("scale", ["paper", "cpu", "smoke"])
 def test_every_lm_cell_of_the_experiment_grids_keeps_every_training_word(scale):
     """The archived results were made before the minimum count: their cells build the vocabulary they had."""
-    from fedmq.benchmarks import experiments
+    from fedmq.benchmarks.experiments import grids
 
-    cells = [s for name in experiments.EXPERIMENTS for s in experiments.grid(name, scale) if s.task == "lm"]
+    cells = [s for name in grids.EXPERIMENTS for s in grids.grid(name, scale) if s.task == "lm"]
     assert len(cells) > 10
     assert {s.task_options.get("min_count") for s in cells} == {1}
