@@ -5,7 +5,7 @@
 #
 #   scripts/run_cells.sh [options] CELL[:SEED] ...
 #
-# A cell is one run of an experiment's grid (benchmarks/experiments.py; `--only` of scripts/reproduce.py), e.g.
+# A cell is one run of an experiment's grid (benchmarks/experiments/grids.py; `--only` of scripts/reproduce.py), e.g.
 # ptb-fedavg-c0.1:0 ptb-fedatt-c0.1:0 ptb-fedavg-c0.1:1 (SEED defaults to 0). Each job runs
 #
 #   python scripts/reproduce.py EXP --scale SCALE --seeds SEED --only CELL --device DEVICE --threads 1 \
