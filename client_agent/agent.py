@@ -36,14 +36,14 @@ from fedmq.broker.wire.envelope import Envelope, Kind
 from fedmq.broker.wire.messages import RoundConfig
 from fedmq.client_agent.availability import Availability, Faults
 from fedmq.client_agent.joining import join, leave
-from fedmq.client_agent.state import MemoryStore, State
+from fedmq.client_agent.state import MemoryStore
 from fedmq.client_agent.trainers import TrainerPool
 from fedmq.errors import CodecError, FedmqError
 from fedmq.hooks import PROTOCOL, ClientContext, ClientHook, Kept, install_gradient_terms, stable_seed
 from fedmq.manifest import Manifest
 from fedmq.params import bind
 from fedmq.plugins import is_import_path, load_class
-from fedmq.tasks.base import Task, TrainResult, load_state, model_state
+from fedmq.tasks.base import State, Task, TrainResult, load_state, model_state
 
 log = structlog.get_logger(__name__)
 
