@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import structlog
 import torch
@@ -88,6 +88,18 @@ class Prepared:
     sent: dict[str, torch.Tensor] | None = None  # the tensors sent (only when AgentLog.sent is kept)
 
 
+class AgentArgs(TypedDict, total=False):
+    """The keywords of Agent that a Host (client_agent.host) passes on to every client's round as given; the
+    others (heartbeat, rejoin delay, seed, trainers, store) it uses itself too."""
+
+    availability: Availability | None
+    faults: Faults | None
+    device: str
+    progress: Callable[[str, int, int], None] | None
+    strategy: str
+    audit_log: str | Path | None  # a JSON line per confirmed upload (Agent._audit); a host's: every client's
+
+
 class Agent:
     def __init__(
         self,
@@ -101,7 +113,7 @@ class Agent:
         faults: Faults | None = None,
         device: str = "cpu",
         heartbeat_s: float = defaults.HEARTBEAT_S,
-        rejoin_s: float = 2.0,
+        rejoin_s: float = defaults.REJOIN_S,
         seed: int = 0,
         trainers: TrainerPool | None = None,
         store: Any = None,

@@ -21,8 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import structlog
 
@@ -32,8 +31,7 @@ from fedmq.broker.transport.base import Broker, Delivery
 from fedmq.broker.transport.errors import BrokerError
 from fedmq.broker.wire import messages
 from fedmq.broker.wire.envelope import Envelope, Kind
-from fedmq.client_agent.agent import Agent, AgentLog, ClientHookError, Offline
-from fedmq.client_agent.availability import Availability, Faults
+from fedmq.client_agent.agent import Agent, AgentArgs, AgentLog, ClientHookError, Offline
 from fedmq.client_agent.joining import join, leave
 from fedmq.client_agent.state import MemoryStore
 from fedmq.client_agent.trainers import TrainerPool
@@ -130,34 +128,24 @@ class Host:
         clients: Ranges,
         task: Task,
         *,
-        availability: Availability | None = None,
-        faults: Faults | None = None,
-        device: str = "cpu",
         heartbeat_s: float = defaults.HEARTBEAT_S,
-        rejoin_s: float = 2.0,
+        rejoin_s: float = defaults.REJOIN_S,
         seed: int = 0,
         trainers: TrainerPool | None = None,
         store: Any = None,
-        progress: Callable[[str, int, int], None] | None = None,
-        strategy: str = "",
-        audit_log: str | Path | None = None,
+        **agent_args: Unpack[AgentArgs],
     ) -> None:
         self.connect, self.job, self.host = connect, job, topology.check_host(host)
         self.ranges = [(int(lo), int(hi)) for lo, hi in clients]
         self.heartbeat_s, self.rejoin_s = heartbeat_s, rejoin_s
         self.trainers = trainers or TrainerPool(task, 1, seed)
         self._agent_args: dict[str, Any] = dict(
-            availability=availability,
-            faults=faults,
-            device=device,
+            agent_args,
             heartbeat_s=heartbeat_s,
             rejoin_s=rejoin_s,
             seed=seed,
             trainers=self.trainers,
             store=store if store is not None else MemoryStore(),  # one for all: rounds come and go
-            progress=progress,
-            strategy=strategy,
-            audit_log=audit_log,  # one JSON line per confirmed upload, every client's (Agent._audit)
         )
         self.task = task
         self.stop = threading.Event()
