@@ -35,7 +35,7 @@ from fedmq.broker.wire.encodings import EncodingSpec, decode_state, encode_state
 from fedmq.broker.wire.envelope import Envelope, Kind
 from fedmq.broker.wire.messages import RoundConfig
 from fedmq.client_agent.availability import Availability, Faults
-from fedmq.client_agent.joining import join, leave
+from fedmq.client_agent.joining import decode_event, join, leave, publish_presence
 from fedmq.client_agent.state import MemoryStore
 from fedmq.client_agent.trainers import TrainerPool
 from fedmq.errors import CodecError, FedmqError
@@ -169,12 +169,7 @@ class Agent:
         if broker is None:
             return
         env = messages.presence(self.job, self.client, state, self.version)
-        broker.publish(
-            topology.rk_presence(self.job, self.client),
-            messages.encode(env),
-            message_id=env.msg_id,
-            timeout=timeout,
-        )
+        publish_presence(broker, self.job, self.client, env, timeout)
 
     def _heartbeats(self) -> None:
         # a seeded phase per client: agents started together would otherwise heartbeat in bursts of K
@@ -233,9 +228,7 @@ class Agent:
             return None
         broker = self._broker
         try:
-            env = messages.decode(delivery.body)
-            if env.job != self.job or env.kind not in (Kind.ANNOUNCE, Kind.GRANT, Kind.END):
-                raise CodecError("unexpected", f"{env.kind.value} for job {env.job}")
+            env = decode_event(delivery.body, self.job)
         except CodecError as exc:
             log.warning("message rejected", client=self.client, reason=exc.reason)
             if broker:

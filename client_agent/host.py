@@ -32,7 +32,7 @@ from fedmq.broker.transport.errors import BrokerError
 from fedmq.broker.wire import messages
 from fedmq.broker.wire.envelope import Envelope, Kind
 from fedmq.client_agent.agent import Agent, AgentArgs, AgentLog, ClientHookError, Offline
-from fedmq.client_agent.joining import join, leave
+from fedmq.client_agent.joining import decode_event, join, leave, publish_presence
 from fedmq.client_agent.state import MemoryStore
 from fedmq.client_agent.trainers import TrainerPool
 from fedmq.errors import CodecError
@@ -218,12 +218,7 @@ class Host:
         if broker is None:
             return
         env = messages.host_presence(self.job, self.host, state, self.ranges)
-        broker.publish(
-            topology.rk_presence(self.job, self.host),
-            messages.encode(env),
-            message_id=env.msg_id,
-            timeout=3 * self.heartbeat_s,
-        )
+        publish_presence(broker, self.job, self.host, env, 3 * self.heartbeat_s)
 
     def _leave(self, graceful: bool) -> None:
         broker, self._broker = self._broker, None
@@ -248,9 +243,7 @@ class Host:
         broker = self._broker
         assert broker is not None
         try:
-            env = messages.decode(delivery.body)
-            if env.job != self.job or env.kind not in (Kind.ANNOUNCE, Kind.GRANT, Kind.END):
-                raise CodecError("unexpected", f"{env.kind.value} for job {env.job}")
+            env = decode_event(delivery.body, self.job)
         except CodecError as exc:
             log.warning("message rejected", host=self.host, reason=exc.reason)
             broker.reject(delivery, requeue=False)
@@ -394,9 +387,8 @@ class Host:
                 version = self._holds.get(client, messages.NO_VERSION)
                 env = messages.presence(self.job, client, "online", version)
                 assert self._broker is not None
-                self._broker.publish(  # a BrokerError leaves it down: it says so again after the reconnect
-                    topology.rk_presence(self.job, client), messages.encode(env), message_id=env.msg_id
-                )
+                # a BrokerError leaves it down: it says so again after the reconnect
+                publish_presence(self._broker, self.job, client, env)
                 del self._down[client]
                 waiting = self._waiting.pop(client, None)
                 if waiting is not None:
