@@ -1,6 +1,6 @@
 # The two commands of the README: `make demo` (set up the runtime, run a federation) and `make test` (set up
 # the runtime, the test extras and checkov, check style, then run the whole suite beside the type check).
-.PHONY: setup setup-test demo style lint test
+.PHONY: setup setup-test demo style lint test images
 setup:
 	bash scripts/setup.sh
 
@@ -28,3 +28,14 @@ test: style
 	.venv/bin/python -m pytest -n 3 --dist loadgroup; tests=$$?; \
 	if ! wait $$types; then cat build/typecheck.log; exit 1; fi; \
 	tail -n 1 build/typecheck.log; exit $$tests
+
+# The CPU and CUDA images (docker/), tagged $(IMAGE):<version>-cpu / -cuda. ENGINE=podman builds them with
+# podman; IMAGE_FLAGS passes more build flags, e.g. --build-arg BASE_IMAGE=... and a package mirror
+# (docs/deploy.md "Building the images").
+ENGINE ?= docker
+IMAGE ?= fedmq
+IMAGE_FLAGS ?=
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+images:
+	$(ENGINE) build $(IMAGE_FLAGS) -f docker/Dockerfile.cpu -t $(IMAGE):$(VERSION)-cpu .
+	$(ENGINE) build $(IMAGE_FLAGS) -f docker/Dockerfile.cuda -t $(IMAGE):$(VERSION)-cuda .

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import structlog
 import torch
@@ -35,15 +35,15 @@ from fedmq.broker.wire.encodings import EncodingSpec, decode_state, encode_state
 from fedmq.broker.wire.envelope import Envelope, Kind
 from fedmq.broker.wire.messages import RoundConfig
 from fedmq.client_agent.availability import Availability, Faults
-from fedmq.client_agent.joining import join, leave
-from fedmq.client_agent.state import MemoryStore, State
+from fedmq.client_agent.joining import decode_event, join, leave, publish_presence
+from fedmq.client_agent.state import MemoryStore
 from fedmq.client_agent.trainers import TrainerPool
 from fedmq.errors import CodecError, FedmqError
 from fedmq.hooks import PROTOCOL, ClientContext, ClientHook, Kept, install_gradient_terms, stable_seed
 from fedmq.manifest import Manifest
 from fedmq.params import bind
 from fedmq.plugins import is_import_path, load_class
-from fedmq.tasks.base import Task, TrainResult, load_state, model_state
+from fedmq.tasks.base import State, Task, TrainResult, load_state, model_state
 
 log = structlog.get_logger(__name__)
 
@@ -88,6 +88,18 @@ class Prepared:
     sent: dict[str, torch.Tensor] | None = None  # the tensors sent (only when AgentLog.sent is kept)
 
 
+class AgentArgs(TypedDict, total=False):
+    """The keywords of Agent that a Host (client_agent.host) passes on to every client's round as given; the
+    others (heartbeat, rejoin delay, seed, trainers, store) it uses itself too."""
+
+    availability: Availability | None
+    faults: Faults | None
+    device: str
+    progress: Callable[[str, int, int], None] | None
+    strategy: str
+    audit_log: str | Path | None  # a JSON line per confirmed upload (Agent._audit); a host's: every client's
+
+
 class Agent:
     def __init__(
         self,
@@ -101,7 +113,7 @@ class Agent:
         faults: Faults | None = None,
         device: str = "cpu",
         heartbeat_s: float = defaults.HEARTBEAT_S,
-        rejoin_s: float = 2.0,
+        rejoin_s: float = defaults.REJOIN_S,
         seed: int = 0,
         trainers: TrainerPool | None = None,
         store: Any = None,
@@ -157,12 +169,7 @@ class Agent:
         if broker is None:
             return
         env = messages.presence(self.job, self.client, state, self.version)
-        broker.publish(
-            topology.rk_presence(self.job, self.client),
-            messages.encode(env),
-            message_id=env.msg_id,
-            timeout=timeout,
-        )
+        publish_presence(broker, self.job, self.client, env, timeout)
 
     def _heartbeats(self) -> None:
         # a seeded phase per client: agents started together would otherwise heartbeat in bursts of K
@@ -221,9 +228,7 @@ class Agent:
             return None
         broker = self._broker
         try:
-            env = messages.decode(delivery.body)
-            if env.job != self.job or env.kind not in (Kind.ANNOUNCE, Kind.GRANT, Kind.END):
-                raise CodecError("unexpected", f"{env.kind.value} for job {env.job}")
+            env = decode_event(delivery.body, self.job)
         except CodecError as exc:
             log.warning("message rejected", client=self.client, reason=exc.reason)
             if broker:

@@ -21,8 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import structlog
 
@@ -32,9 +31,8 @@ from fedmq.broker.transport.base import Broker, Delivery
 from fedmq.broker.transport.errors import BrokerError
 from fedmq.broker.wire import messages
 from fedmq.broker.wire.envelope import Envelope, Kind
-from fedmq.client_agent.agent import Agent, AgentLog, ClientHookError, Offline
-from fedmq.client_agent.availability import Availability, Faults
-from fedmq.client_agent.joining import join, leave
+from fedmq.client_agent.agent import Agent, AgentArgs, AgentLog, ClientHookError, Offline
+from fedmq.client_agent.joining import decode_event, join, leave, publish_presence
 from fedmq.client_agent.state import MemoryStore
 from fedmq.client_agent.trainers import TrainerPool
 from fedmq.errors import CodecError
@@ -130,34 +128,24 @@ class Host:
         clients: Ranges,
         task: Task,
         *,
-        availability: Availability | None = None,
-        faults: Faults | None = None,
-        device: str = "cpu",
         heartbeat_s: float = defaults.HEARTBEAT_S,
-        rejoin_s: float = 2.0,
+        rejoin_s: float = defaults.REJOIN_S,
         seed: int = 0,
         trainers: TrainerPool | None = None,
         store: Any = None,
-        progress: Callable[[str, int, int], None] | None = None,
-        strategy: str = "",
-        audit_log: str | Path | None = None,
+        **agent_args: Unpack[AgentArgs],
     ) -> None:
         self.connect, self.job, self.host = connect, job, topology.check_host(host)
         self.ranges = [(int(lo), int(hi)) for lo, hi in clients]
         self.heartbeat_s, self.rejoin_s = heartbeat_s, rejoin_s
         self.trainers = trainers or TrainerPool(task, 1, seed)
         self._agent_args: dict[str, Any] = dict(
-            availability=availability,
-            faults=faults,
-            device=device,
+            agent_args,
             heartbeat_s=heartbeat_s,
             rejoin_s=rejoin_s,
             seed=seed,
             trainers=self.trainers,
             store=store if store is not None else MemoryStore(),  # one for all: rounds come and go
-            progress=progress,
-            strategy=strategy,
-            audit_log=audit_log,  # one JSON line per confirmed upload, every client's (Agent._audit)
         )
         self.task = task
         self.stop = threading.Event()
@@ -230,12 +218,7 @@ class Host:
         if broker is None:
             return
         env = messages.host_presence(self.job, self.host, state, self.ranges)
-        broker.publish(
-            topology.rk_presence(self.job, self.host),
-            messages.encode(env),
-            message_id=env.msg_id,
-            timeout=3 * self.heartbeat_s,
-        )
+        publish_presence(broker, self.job, self.host, env, 3 * self.heartbeat_s)
 
     def _leave(self, graceful: bool) -> None:
         broker, self._broker = self._broker, None
@@ -260,9 +243,7 @@ class Host:
         broker = self._broker
         assert broker is not None
         try:
-            env = messages.decode(delivery.body)
-            if env.job != self.job or env.kind not in (Kind.ANNOUNCE, Kind.GRANT, Kind.END):
-                raise CodecError("unexpected", f"{env.kind.value} for job {env.job}")
+            env = decode_event(delivery.body, self.job)
         except CodecError as exc:
             log.warning("message rejected", host=self.host, reason=exc.reason)
             broker.reject(delivery, requeue=False)
@@ -406,9 +387,8 @@ class Host:
                 version = self._holds.get(client, messages.NO_VERSION)
                 env = messages.presence(self.job, client, "online", version)
                 assert self._broker is not None
-                self._broker.publish(  # a BrokerError leaves it down: it says so again after the reconnect
-                    topology.rk_presence(self.job, client), messages.encode(env), message_id=env.msg_id
-                )
+                # a BrokerError leaves it down: it says so again after the reconnect
+                publish_presence(self._broker, self.job, client, env)
                 del self._down[client]
                 waiting = self._waiting.pop(client, None)
                 if waiting is not None:

@@ -1,5 +1,5 @@
-"""Joining a job and leaving it: what a one-client agent and a host (client_agent.host) do alike on their
-connection."""
+"""Joining a job, saying who is present and leaving it: what a one-client agent and a host
+(client_agent.host) do alike on their connection."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ import structlog
 from fedmq.broker.transport import topology
 from fedmq.broker.transport.base import Broker, Subscription
 from fedmq.broker.transport.errors import BrokerError
+from fedmq.broker.wire import messages
+from fedmq.broker.wire.envelope import Envelope, Kind
+from fedmq.errors import CodecError
 
 log = structlog.get_logger(__name__)
 
@@ -63,3 +66,20 @@ def leave(broker: Broker | None, goodbye: Callable[[Broker], None] | None) -> No
         except BrokerError:
             pass
     broker.close()
+
+
+def publish_presence(
+    broker: Broker, job: str, owner: str, env: Envelope, timeout: float | None = None
+) -> None:
+    """Publish ``env``, a presence of ``owner`` (a client or a host), on the job's presence key for it."""
+    broker.publish(
+        topology.rk_presence(job, owner), messages.encode(env), message_id=env.msg_id, timeout=timeout
+    )
+
+
+def decode_event(body: bytes, job: str) -> Envelope:
+    """An announcement, grant or end of ``job`` from an owner's queues; CodecError for anything else."""
+    env = messages.decode(body)
+    if env.job != job or env.kind not in (Kind.ANNOUNCE, Kind.GRANT, Kind.END):
+        raise CodecError("unexpected", f"{env.kind.value} for job {env.job}")
+    return env

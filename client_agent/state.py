@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 
 from fedmq.files import replacing
-
-State = dict[str, torch.Tensor]
+from fedmq.tasks.base import State
 
 
 class MemoryStore:

@@ -33,10 +33,10 @@ _EXPORTS = {
     "Progress": "fedmq.tasks.base",
     "model_state": "fedmq.tasks.base",
     "load_state": "fedmq.tasks.base",
+    "State": "fedmq.tasks.base",
     # what a strategy is made of (the aggregator's interface)
     "Strategy": "fedmq.aggregator.strategies.base",
     "ClientUpdate": "fedmq.aggregator.strategies.base",
-    "State": "fedmq.aggregator.strategies.base",
     "RoundPlan": "fedmq.aggregator.strategies.base",
     "FedAvg": "fedmq.aggregator.strategies.fedavg",
     # a strategy's client side (fedmq.hooks)

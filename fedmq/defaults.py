@@ -30,3 +30,4 @@ LR_ANNEAL = 4.0  # the clients' lr ÷ this from the round after one that did not
 # s between an agent's presence beats (JobConfig.heartbeat_s, the agents' and hosts' own default): a presence
 # counts for three beats
 HEARTBEAT_S = 5.0
+REJOIN_S = 2.0  # s an agent (or a host's client) stays away after it went offline, before it joins again

@@ -37,9 +37,8 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from fedmq import client_map
-from fedmq.tasks.base import TrainConfig, TrainResult
+from fedmq.tasks.base import State, TrainConfig, TrainResult
 
-State = dict[str, torch.Tensor]
 # the newest announcement client map this build reads (fedmq.client_map)
 PROTOCOL = client_map.VERSION
 

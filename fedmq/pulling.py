@@ -45,6 +45,8 @@ MODES = (
     "all",
 )  # the paper's DP_l, DP_g, random; aggregator.config maps strategies to them
 SHARES = ("params", "count")  # what the fraction is a share of
+# what draws the random mode's sample (none needed by the other modes)
+Rng = random.Random | np.random.Generator | None
 
 
 def tensor_changes(
@@ -66,7 +68,7 @@ def select_tensors(
     groups: Mapping[str, str],
     mode: str,
     fraction: float = 0.5,
-    rng: random.Random | np.random.Generator | None = None,
+    rng: Rng = None,
     by: str = "params",
 ) -> list[str]:
     """Names of the tensors to send (see module docstring for the exact rule)."""
@@ -92,12 +94,7 @@ def select_tensors(
 
 
 def _by_count(
-    names: list[str],
-    d: dict[str, float],
-    _sizes: dict[str, int],
-    mode: str,
-    f: float,
-    rng: random.Random | np.random.Generator | None,
+    names: list[str], d: dict[str, float], _sizes: dict[str, int], mode: str, f: float, rng: Rng
 ) -> list[str]:
     import torch
 
@@ -111,12 +108,7 @@ def _by_count(
 
 
 def _by_params(
-    names: list[str],
-    d: dict[str, float],
-    sizes: dict[str, int],
-    mode: str,
-    f: float,
-    rng: random.Random | np.random.Generator | None,
+    names: list[str], d: dict[str, float], sizes: dict[str, int], mode: str, f: float, rng: Rng
 ) -> list[str]:
     budget = f * sum(sizes.values())
     if mode == "local":  # slowest first, while the parameters sent stay within the budget
@@ -157,7 +149,7 @@ def _fill(order: list[str], sizes: dict[str, int], budget: float) -> list[str]:
     return sent
 
 
-def _sample(names: list[str], k: int, rng: random.Random | np.random.Generator | None) -> list[str]:
+def _sample(names: list[str], k: int, rng: Rng) -> list[str]:
     if isinstance(rng, np.random.Generator):
         return [names[i] for i in rng.choice(len(names), size=k, replace=False)]
     if isinstance(rng, random.Random):

@@ -32,7 +32,7 @@ from fedmq.broker.transport.connect import connect
 from fedmq.broker.transport.memory import MemoryBroker
 from fedmq.broker.transport.urls import url_user
 from fedmq.client_agent.agent import AgentLog
-from fedmq.client_agent.availability import parse_availability, parse_faults
+from fedmq.client_agent.availability import Availability, Faults, parse_availability, parse_faults
 from fedmq.client_agent.host import ASYNC_AT_ONCE, Host
 from fedmq.client_agent.state import DiskStore
 from fedmq.client_agent.trainers import CohortPool, TrainerPool
@@ -95,11 +95,11 @@ class Simulation:
             return None
         return url_user(self.broker_url) or "guest"
 
-    def run(self, stop: threading.Event | None = None) -> dict[str, Any]:
-        self._check_run_dir()
+    def _run_config(self, shared_user: str | None) -> JobConfig:
+        """The job as this run holds it: checked for the population and ``cohort``, with the broker URL's
+        account as every agent's identity, report deadlines stretched for a cohort."""
         cfg = self.cfg
         check_population(cfg.clients, cfg.selected_count() if cfg.mode == "sync" else ASYNC_AT_ONCE)
-        shared_user = self._url_user()
         if shared_user:  # every agent shares the URL's account: check the user, not per-agent identity
             cfg = replace(cfg, identity=f"shared:{shared_user}")
         if self.cohort and any(hook.changes_training() for hook, _ in client_hooks(cfg)):
@@ -109,6 +109,12 @@ class Simulation:
             )
         if self.cohort:  # the module docstring says why
             cfg = replace(cfg, report_deadline_s=cfg.report_deadline_s * cfg.selected_count())
+        return cfg
+
+    def run(self, stop: threading.Event | None = None) -> dict[str, Any]:
+        self._check_run_dir()
+        shared_user = self._url_user()
+        cfg = self._run_config(shared_user)
         availability = parse_availability(self.availability, cfg.seed)
         faults = parse_faults(self.faults, cfg.seed)
         memory = shared_user is None
@@ -129,24 +135,7 @@ class Simulation:
             if self.cohort
             else TrainerPool(self.task, self.trainers, cfg.seed)
         )
-        host_user = topology.host_user(cfg.job, SIM_HOST) if memory else None
-        host = Host(
-            lambda: connect(self.broker_url, user=host_user, **limit),
-            cfg.job,
-            SIM_HOST,
-            [(0, cfg.clients)],
-            self.task,
-            availability=availability,
-            faults=faults,
-            device=self.device,
-            heartbeat_s=cfg.heartbeat_s,
-            rejoin_s=self.rejoin_s,
-            seed=cfg.seed,
-            trainers=pool,
-            store=DiskStore(self.run_dir / "clients"),
-            progress=self.on_local_progress,
-            strategy=cfg.strategy,
-        )
+        host = self._host(cfg, pool, availability, faults, limit if memory else None)
         self.agent_logs = host.logs
         host_thread = threading.Thread(target=self._run_host, args=(host,), name="host", daemon=True)
         watcher = None
@@ -174,16 +163,7 @@ class Simulation:
                 self._fail(f"aggregator: {_one_line(exc)}")
         finally:
             host.stop.set()
-            # nothing may be left inside torch when the run returns: a daemon thread that is makes the process
-            # abort at exit (TrainerPool.wait_idle). Closing the pool first stops local training at its next
-            # step and turns away agents still waiting for a model (async agents always have a round going).
-            pool.close()
-            deadline = time.time() + STOP_WAIT_S
-            for t in started:
-                t.join(timeout=max(deadline - time.time(), 0.1))
-            late = [t.name for t in started if t.is_alive()]
-            if late or not pool.wait_idle(max(deadline - time.time(), 0.1)):
-                log.warning("agents still at work after the run", agents=late, seconds=STOP_WAIT_S)
+            self._wait_for_agents(pool, started)
             queues: list[str] | None = None  # the job's queues on the broker, deleted at the end
             if isinstance(agg_broker, MemoryBroker):  # the in-process hub outlives the run: leave nothing
                 queues = agg_broker.purge_job(cfg.job)
@@ -197,6 +177,48 @@ class Simulation:
         if queues is not None:
             summary["broker_queues"] = len(queues)
         return summary
+
+    def _host(
+        self,
+        cfg: JobConfig,
+        pool: TrainerPool,
+        availability: Availability,
+        faults: Faults,
+        limit: dict[str, int] | None,
+    ) -> Host:
+        """The run's one host, serving every client; each client's kept state is on disk. ``limit``: the
+        in-process broker's (its host connects as the job's host user), None over RabbitMQ."""
+        host_user = topology.host_user(cfg.job, SIM_HOST) if limit is not None else None
+        return Host(
+            lambda: connect(self.broker_url, user=host_user, **(limit or {})),
+            cfg.job,
+            SIM_HOST,
+            [(0, cfg.clients)],
+            self.task,
+            availability=availability,
+            faults=faults,
+            device=self.device,
+            heartbeat_s=cfg.heartbeat_s,
+            rejoin_s=self.rejoin_s,
+            seed=cfg.seed,
+            trainers=pool,
+            store=DiskStore(self.run_dir / "clients"),
+            progress=self.on_local_progress,
+            strategy=cfg.strategy,
+        )
+
+    @staticmethod
+    def _wait_for_agents(pool: TrainerPool, started: list[threading.Thread]) -> None:
+        """Nothing may be left inside torch when the run returns: a daemon thread that is makes the process
+        abort at exit (TrainerPool.wait_idle). Closing the pool first stops local training at its next step
+        and turns away agents still waiting for a model (async agents always have a round going)."""
+        pool.close()
+        deadline = time.time() + STOP_WAIT_S
+        for t in started:
+            t.join(timeout=max(deadline - time.time(), 0.1))
+        late = [t.name for t in started if t.is_alive()]
+        if late or not pool.wait_idle(max(deadline - time.time(), 0.1)):
+            log.warning("agents still at work after the run", agents=late, seconds=STOP_WAIT_S)
 
     def _check_run_dir(self) -> None:
         """One run per folder: a folder that holds a run is continued only with ``resume=True``."""

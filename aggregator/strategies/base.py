@@ -14,9 +14,8 @@ import torch
 
 from fedmq.errors import BadParameter
 from fedmq.hooks import ClientHook
+from fedmq.tasks.base import State
 from fedmq.train_config import TrainConfig
-
-State = dict[str, torch.Tensor]
 
 
 @dataclass

@@ -13,6 +13,8 @@ from fedmq.manifest import Manifest
 from fedmq.train_config import TrainConfig
 
 Progress = Callable[[int, int], None]  # (steps done, steps total)
+# a model's federated state, or a change to it: tensors by parameter name (the manifest's names)
+State = dict[str, torch.Tensor]
 
 
 @dataclass
@@ -31,12 +33,12 @@ class TrainResult:
         return self.loss if self.tail_loss is None else self.tail_loss
 
 
-def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def model_state(model: torch.nn.Module) -> State:
     """The federated state: named parameters, tied weights once (named_parameters drops duplicates)."""
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
-def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+def load_state(model: torch.nn.Module, state: State) -> None:
     """Copy ``state`` (a subset of the manifest is fine) into the model's parameters in place."""
     params = dict(model.named_parameters())
     with torch.no_grad():

@@ -109,17 +109,10 @@ def run_training(
                 if progress is not None:
                     progress(steps, total)
                 continue
+            scheduled = cfg.warmup_steps or cfg.linear_decay
             for loss, n in _autocast(use_amp, epoch_fn(model, gen, device)):
-                if cfg.warmup_steps or cfg.linear_decay:
-                    for g in opt.param_groups:
-                        g["lr"] = epoch_lr * _schedule(cfg, steps, total)
-                opt.zero_grad(set_to_none=True)
-                if scaler is not None:
-                    scaler.scale(loss).backward()
-                    scaler.unscale_(opt)
-                else:
-                    loss.backward()
-                _step(model, opt, scaler, cfg)
+                lr = epoch_lr * _schedule(cfg, steps, total) if scheduled else None
+                _minibatch_step(model, opt, scaler, cfg, loss, lr)
                 steps += 1
                 tokens += n
                 loss_sum += loss.detach().double() * n
@@ -181,6 +174,27 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, scaler, cfg: TrainConfig
         scaler.update()
     else:
         opt.step()
+
+
+def _minibatch_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    scaler,
+    cfg: TrainConfig,
+    loss: torch.Tensor,
+    lr: float | None,
+) -> None:
+    """One optimizer step on one batch's loss, at the schedule's learning rate ``lr`` (None: the epoch's)."""
+    if lr is not None:
+        for g in opt.param_groups:
+            g["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+    else:
+        loss.backward()
+    _step(model, opt, scaler, cfg)
 
 
 def _full_batch_step(
