@@ -147,24 +147,53 @@ def hook_path(cls: type[ClientHook]) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+class GradientTerms:
+    """A hook's gradient terms on one model's parameters. Registered as tensor hooks, they run at every
+    backward pass, which is one local step in a training loop of one's own. fedmq's loop
+    (fedmq.tasks.training) sums several backward passes into one step (the full-batch step of FedSGD) and
+    scales the gradient under mixed precision, so it sets ``deferred`` and calls :meth:`add` once, on the
+    step's finished, unscaled gradient: the term is added once per step either way."""
+
+    ATTRIBUTE = "_fedmq_gradient_terms"  # where a model holds its terms while they are installed
+
+    def __init__(self, model: torch.nn.Module, hook: ClientHook) -> None:
+        self.hook = hook
+        self.deferred = False
+        self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+    def term(self, name: str, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """The tensor hook's work: ``grad`` plus the hook's term (``grad`` itself while deferred)."""
+        if self.deferred:
+            return grad
+        extra = self.hook.gradient(name, param.detach())
+        return grad if extra is None else grad + extra.to(grad.dtype)
+
+    def add(self) -> None:
+        """Add the terms once to the parameters' gradients as they stand."""
+        for name, param in self._params:
+            if param.grad is not None:
+                extra = self.hook.gradient(name, param.detach())
+                if extra is not None:
+                    param.grad.add_(extra.to(param.grad.dtype))
+
+
 def install_gradient_terms(model: torch.nn.Module, hook: ClientHook) -> Callable[[], None]:
     """Register ``hook.gradient`` on every parameter of ``model`` (once per tensor, also when tied); returns
     the function that removes them. Nothing is registered when the hook does not override ``gradient``."""
     if not type(hook).changes_training():
         return lambda: None
-    handles = []
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-
-            def term(grad: torch.Tensor, name: str = name, param: torch.Tensor = param) -> torch.Tensor:
-                extra = hook.gradient(name, param.detach())
-                return grad if extra is None else grad + extra.to(grad.dtype)
-
-            handles.append(param.register_hook(term))
+    terms = GradientTerms(model, hook)
+    handles = [
+        param.register_hook(lambda grad, name=name, param=param: terms.term(name, param, grad))
+        for name, param in terms._params
+    ]
+    setattr(model, GradientTerms.ATTRIBUTE, terms)
 
     def remove() -> None:
         for handle in handles:
             handle.remove()
+        if getattr(model, GradientTerms.ATTRIBUTE, None) is terms:
+            delattr(model, GradientTerms.ATTRIBUTE)
 
     return remove
 

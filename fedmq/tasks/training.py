@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from fedmq import train_config
+from fedmq.hooks import GradientTerms
 from fedmq.tasks.base import Progress, TrainConfig, TrainResult
 from fedmq.tasks.dropout import set_dropout_generator
 from fedmq.tasks.errors import TaskError
@@ -90,6 +91,9 @@ def run_training(
     steps = tokens = 0
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # summed where the loss is: no sync a step
     t0 = time.perf_counter()
+    terms = getattr(model, GradientTerms.ATTRIBUTE, None)
+    if terms is not None:  # added once a step, in _step, not at each backward pass
+        terms.deferred = True
     try:
         for epoch in range(cfg.epochs):
             if steps >= total:
@@ -126,6 +130,8 @@ def run_training(
             else None
         )
     finally:
+        if terms is not None:
+            terms.deferred = False
         set_dropout_generator(model, None)
         model.to(home)
     seconds = time.perf_counter() - t0
@@ -167,6 +173,11 @@ def _tail_loss(
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, scaler, cfg: TrainConfig) -> None:
+    """The optimizer step on the finished, unscaled gradient: a strategy's gradient terms are added to it
+    here, once (fedmq.hooks.GradientTerms), then it is clipped."""
+    terms = getattr(model, GradientTerms.ATTRIBUTE, None)
+    if terms is not None:
+        terms.add()
     if cfg.clip > 0:
         nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
     if scaler is not None:

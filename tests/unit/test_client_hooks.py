@@ -235,3 +235,38 @@ def test_a_forged_announce_costs_the_agent_its_round_never_its_life():
     old = {"epochs": 1, "lr": 0.1, "encoding": "raw", "grant": False, "keep_model": False}
     with pytest.raises(CodecError, match="older fedmq"):
         messages.RoundConfig.from_payload(old)
+
+
+class _Constant(ClientHook):
+    """A gradient term of 0.25 on every coordinate."""
+
+    def gradient(self, name, param):
+        return torch.full_like(param, 0.25)
+
+
+@pytest.mark.parametrize("full_batch", [False, True], ids=["minibatch", "full-batch"])
+def test_fedmqs_training_loop_adds_a_gradient_term_once_a_step(full_batch):
+    """One SGD step over 4 batches: the term is added once to the step's gradient, whether the step is one
+    batch's or the whole shard's (FedSGD's full-batch step sums a backward pass per batch)."""
+    from fedmq.tasks.training import run_training
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    xs = [torch.randn(5, 3) for _ in range(4)]
+
+    def epoch(m, gen, device):
+        for x in xs:
+            yield m(x).pow(2).mean(), len(x)
+
+    start = [p.detach().clone() for p in model.parameters()]
+    first = xs[:1] if not full_batch else xs
+    grads = torch.autograd.grad(
+        sum(model(x).pow(2).mean() * len(x) for x in first) / sum(len(x) for x in first),
+        list(model.parameters()),
+    )
+    remove = install_gradient_terms(model, _Constant())
+    cfg = TrainConfig(lr=1.0, momentum=0.0, clip=0.0, max_steps=1, full_batch=full_batch, optimizer="sgd")
+    run_training(model, epoch, 4, cfg, client=0, n_samples=20)
+    remove()
+    for p, p0, g in zip(model.parameters(), start, grads):
+        assert torch.allclose(p.detach(), p0 - (g + 0.25), atol=1e-6)
