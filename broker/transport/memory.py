@@ -315,7 +315,7 @@ def hub(name: str) -> _Hub:
         return h
 
 
-class MemoryBroker(GatedDispatch, Broker):
+class MemoryBroker(Broker):
     """One connection to the in-process hub ``name`` (see module docstring)."""
 
     def __init__(
@@ -338,6 +338,7 @@ class MemoryBroker(GatedDispatch, Broker):
         )
         self._hub = hub(name)
         self._consumers: dict[str, _Consumer] = {}
+        self._gates = GatedDispatch(self._consumers, self._settle_raw)
         self._closed = False
         self._inbox: queue_mod.Queue = queue_mod.Queue()
         self._thread = threading.Thread(
@@ -437,6 +438,12 @@ class MemoryBroker(GatedDispatch, Broker):
             c.unacked.clear()
             self._hub.pump(c.queue)
 
+    def ack(self, delivery: Delivery) -> None:
+        self._gates.settle(delivery, None)
+
+    def reject(self, delivery: Delivery, *, requeue: bool = False) -> None:
+        self._gates.settle(delivery, requeue)
+
     def _settle_raw(self, raw: tuple[_Consumer, int], requeue: bool | None) -> None:
         """requeue None = ack; False = reject and drop; True = reject and requeue."""
         c, did = raw
@@ -453,7 +460,7 @@ class MemoryBroker(GatedDispatch, Broker):
         incomplete message: a simulation has a connection per agent, and idle ones must cost no CPU."""
         last_expiry = time.monotonic()
         while True:
-            last_expiry = self._expire_due(last_expiry)
+            last_expiry = self._gates.expire_due(last_expiry)
             holding = any(c.gate.holding() for c in list(self._consumers.values()))
             try:
                 item = self._inbox.get(timeout=EXPIRY_CHECK_S if holding else None)
@@ -464,7 +471,7 @@ class MemoryBroker(GatedDispatch, Broker):
             c, raw = item
             if c.cancelled:
                 continue  # its unacked messages were requeued on cancel
-            self._dispatch(c, raw)
+            self._gates.dispatch(c, raw)
 
     # ---- facts and lifecycle ------------------------------------------------------------------------
     def queue_depth(self, queue: str) -> int:
