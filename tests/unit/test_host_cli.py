@@ -13,6 +13,7 @@ import pytest
 
 from fedmq.broker.transport import provision as prov
 from fedmq.broker.transport import topology as t
+from fedmq.broker.transport.admin import Permissions
 from fedmq.broker.transport.deprovision import job_users
 from fedmq.broker.transport.errors import BrokerError
 from fedmq.cli.app import _host_share, _hosted_clients, _provisioned
@@ -137,7 +138,7 @@ def test_host_permissions_name_its_own_queues_and_clients_only():
 class FakeAdmin:
     def __init__(self) -> None:
         self.users: dict[str, str] = {}
-        self.perms: dict[str, prov.Permissions] = {}
+        self.perms: dict[str, Permissions] = {}
 
     def define(self, vhost: str, users: list[prov.User]) -> None:
         for u in users:
