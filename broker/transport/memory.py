@@ -267,19 +267,7 @@ class _Hub:
             if chosen is None:
                 return
             msg = q.ready.pop(0)
-            did = next(self.delivery_ids)
-            chosen.unacked[did] = msg
-            d = Delivery(
-                body=msg.body,
-                routing_key=msg.routing_key,
-                queue=q.name,
-                message_id=msg.message_id,
-                user_id=msg.user_id,
-                headers=dict(msg.headers),
-                redelivered=msg.redelivered,
-                tag=(chosen, did),
-            )
-            chosen.conn._inbox.put((chosen, d))
+            self._hand(chosen, msg, dict(msg.headers), msg.redelivered)
 
     def _pump_stream(self, q: _Stream) -> None:
         for c in q.consumers:
@@ -289,18 +277,23 @@ class _Hub:
                     break
                 off, msg = item
                 c.cursor = off + 1
-                did = next(self.delivery_ids)
-                c.unacked[did] = msg
-                d = Delivery(
-                    body=msg.body,
-                    routing_key=msg.routing_key,
-                    queue=q.name,
-                    message_id=msg.message_id,
-                    user_id=msg.user_id,
-                    headers={**msg.headers, "x-stream-offset": off},
-                    tag=(c, did),
-                )
-                c.conn._inbox.put((c, d))
+                self._hand(c, msg, {**msg.headers, "x-stream-offset": off}, False)
+
+    def _hand(self, c: _Consumer, msg: _Msg, headers: dict[str, Any], redelivered: bool) -> None:
+        """Deliver ``msg`` to ``c``'s connection, unacked under a new delivery id."""
+        did = next(self.delivery_ids)
+        c.unacked[did] = msg
+        d = Delivery(
+            body=msg.body,
+            routing_key=msg.routing_key,
+            queue=c.queue.name,
+            message_id=msg.message_id,
+            user_id=msg.user_id,
+            headers=headers,
+            redelivered=redelivered,
+            tag=(c, did),
+        )
+        c.conn._inbox.put((c, d))
 
 
 _hubs: dict[str, _Hub] = {}

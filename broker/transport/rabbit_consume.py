@@ -151,12 +151,12 @@ class Consumers:
         self,
         queue: str,
         handler: Handler,
-        *,
-        prefetch: int | None = None,
-        offset: Any = None,
-        only_message: str | None = None,
-        reassembly: ReassemblyLimits | None = None,
+        prefetch: int | None,
+        offset: Any,
+        only: str | None,
+        limits: ReassemblyLimits | None,
     ) -> str:
+        """Broker.consume, from the caller's thread: subscribe on the I/O thread and wait for it."""
         window = prefetch or self.prefetch
         if offset is not None and not isinstance(offset, (int, float, str)) or isinstance(offset, bool):
             raise BrokerError(f"bad stream offset {offset!r}: use an int, first, last, next or a timestamp")
@@ -167,11 +167,11 @@ class Consumers:
             window,
             ChunkGate.of(
                 window,
-                reassembly or ReassemblyLimits(max_message_size=self.max_message_size),
+                limits or ReassemblyLimits(max_message_size=self.max_message_size),
                 self.chunk_timeout_s,
             ),
             offset=offset,
-            only=only_message,
+            only=only,
         )
 
         def run() -> str:

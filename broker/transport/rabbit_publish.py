@@ -82,11 +82,12 @@ class Publisher:
         self,
         routing_key: str,
         body: bytes,
-        *,
-        message_id: str | None = None,
-        headers: dict[str, Any] | None = None,
-        timeout: float | None = None,
+        message_id: str | None,
+        headers: dict[str, Any] | None,
+        timeout: float | None,
     ) -> None:
+        """Broker.publish, from the caller's thread: chunk, then publish on the I/O thread and wait for every
+        confirm."""
         check_publish_args(routing_key, body)
         try:
             exchange = t.exchange_for(routing_key)

@@ -164,7 +164,7 @@ class RabbitBroker(Broker):
                     raise self._topology.missing(ex) from None
                 raise
             return
-        self._publisher.publish(routing_key, body, message_id=message_id, headers=headers, timeout=timeout)
+        self._publisher.publish(routing_key, body, message_id, headers, timeout)
 
     def _presence_lane(self) -> RabbitBroker:
         with self._lane_lock:
@@ -187,9 +187,7 @@ class RabbitBroker(Broker):
         only_message: str | None = None,
         reassembly: ReassemblyLimits | None = None,
     ) -> str:
-        return self._consumers.consume(
-            queue, handler, prefetch=prefetch, offset=offset, only_message=only_message, reassembly=reassembly
-        )
+        return self._consumers.consume(queue, handler, prefetch, offset, only_message, reassembly)
 
     def cancel(self, consumer_tag: str) -> None:
         self._consumers.cancel(consumer_tag)

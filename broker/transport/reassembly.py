@@ -337,6 +337,13 @@ class ChunkGate:
             self._unsettled -= len(tag.raw)
             return list(tag.raw)
 
+    def _refuse(self, d: Delivery, why: str, event: str, **fields: Any) -> Outcome:
+        """Reject one raw delivery, logged as ``event`` with ``fields`` (the lock is held)."""
+        self._unsettled -= 1
+        self.rejected += 1
+        log.warning(event, queue=d.queue, message_id=d.message_id, **fields)
+        return Outcome(reject=[d.tag], reason=why)
+
     def feed(self, d: Delivery) -> Outcome:
         """Take one raw delivery (its ``tag`` is the backend's raw tag)."""
         raw = d.tag
@@ -345,18 +352,15 @@ class ChunkGate:
             announced = d.headers.get(REFUSED_SIZE_HEADER)
             size = announced if isinstance(announced, int) else len(d.body)
             if announced is not None or size > self.body_limit(d):
-                self._unsettled -= 1
-                self.rejected += 1
-                log.warning(
+                return self._refuse(
+                    d,
+                    "too-large",
                     "message refused: larger than this consumer accepts",
-                    queue=d.queue,
-                    message_id=d.message_id,
                     routing_key=d.routing_key,
                     size=size,
                     limit=self.reassembler.max_message_size,
                     read=announced is None,
                 )
-                return Outcome(reject=[raw], reason="too-large")
             if CHUNK_HEADER not in d.headers:
                 return Outcome(deliver=replace(d, tag=Tag([raw], self, self.gen)))
             try:
@@ -364,16 +368,7 @@ class ChunkGate:
                 dup = self.reassembler.is_duplicate(chunk)
                 body = None if dup else self.reassembler.add(chunk, sender=d.routing_key)
             except CodecError as exc:
-                self._unsettled -= 1
-                self.rejected += 1
-                log.warning(
-                    "chunk rejected",
-                    queue=d.queue,
-                    message_id=d.message_id,
-                    reason=exc.reason,
-                    detail=str(exc),
-                )
-                return Outcome(reject=[raw], reason=exc.reason)
+                return self._refuse(d, exc.reason, "chunk rejected", reason=exc.reason, detail=str(exc))
             if dup:
                 self._unsettled -= 1
                 log.debug("duplicate chunk dropped", queue=d.queue, msg_id=chunk.msg_id, index=chunk.index)
