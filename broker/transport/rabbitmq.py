@@ -66,6 +66,7 @@ class RabbitBroker(Broker):
         nodes = node_parameters(url, tls, user, heartbeat, connect_timeout)
         self.url = url
         self.user = nodes[0].credentials.username
+        self.chunk_limit = chunk_limit
         self.publish_timeout = publish_timeout
         self._io = IoThread(
             url,
