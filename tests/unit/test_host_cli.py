@@ -13,7 +13,7 @@ import pytest
 
 from fedmq.broker.transport import provision as prov
 from fedmq.broker.transport import topology as t
-from fedmq.broker.transport.admin import Permissions
+from fedmq.broker.transport.admin import Permissions, User
 from fedmq.broker.transport.deprovision import job_users
 from fedmq.broker.transport.errors import BrokerError
 from fedmq.cli.app import _host_share, _hosted_clients, _provisioned
@@ -140,7 +140,7 @@ class FakeAdmin:
         self.users: dict[str, str] = {}
         self.perms: dict[str, Permissions] = {}
 
-    def define(self, vhost: str, users: list[prov.User]) -> None:
+    def define(self, vhost: str, users: list[User]) -> None:
         for u in users:
             self.users[u.name], self.perms[u.name] = u.password, u.permissions
 
