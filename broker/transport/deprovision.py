@@ -6,7 +6,7 @@ vhost itself unless another job lives there (its queues, or its provisioned user
 may share one vhost, and deprovisioning one never touches another). A vhost that goes takes the job's queues
 with it; only in a vhost that stays are they deleted one by one. Running it again finds
 nothing and says so: it is idempotent. Like provisioning it talks to RabbitMQ with ``rabbitmqctl`` on the
-broker's machine, else the management HTTP API (provision.admin_for).
+broker's machine, else the management HTTP API (broker.transport.admin).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from typing import Protocol
 from urllib.parse import quote
 
 from fedmq.broker.transport import topology as t
+from fedmq.broker.transport.admin import Admin, CtlAdmin, HttpAdmin, admin_for
 from fedmq.broker.transport.errors import BrokerError
-from fedmq.broker.transport.provision import Admin, CtlAdmin, HttpAdmin, admin_for
 
 _QUEUE_PREFIX = "fedmq."
 
 
 class Inventory(Protocol):
-    """What deprovisioning needs to see and delete beyond provision.Admin."""
+    """What deprovisioning needs to see and delete beyond admin.Admin."""
 
     def users(self) -> list[str]: ...
     def vhost_users(self, vhost: str) -> list[str] | None:

@@ -267,19 +267,7 @@ class _Hub:
             if chosen is None:
                 return
             msg = q.ready.pop(0)
-            did = next(self.delivery_ids)
-            chosen.unacked[did] = msg
-            d = Delivery(
-                body=msg.body,
-                routing_key=msg.routing_key,
-                queue=q.name,
-                message_id=msg.message_id,
-                user_id=msg.user_id,
-                headers=dict(msg.headers),
-                redelivered=msg.redelivered,
-                tag=(chosen, did),
-            )
-            chosen.conn._inbox.put((chosen, d))
+            self._hand(chosen, msg, dict(msg.headers), msg.redelivered)
 
     def _pump_stream(self, q: _Stream) -> None:
         for c in q.consumers:
@@ -289,18 +277,23 @@ class _Hub:
                     break
                 off, msg = item
                 c.cursor = off + 1
-                did = next(self.delivery_ids)
-                c.unacked[did] = msg
-                d = Delivery(
-                    body=msg.body,
-                    routing_key=msg.routing_key,
-                    queue=q.name,
-                    message_id=msg.message_id,
-                    user_id=msg.user_id,
-                    headers={**msg.headers, "x-stream-offset": off},
-                    tag=(c, did),
-                )
-                c.conn._inbox.put((c, d))
+                self._hand(c, msg, {**msg.headers, "x-stream-offset": off}, False)
+
+    def _hand(self, c: _Consumer, msg: _Msg, headers: dict[str, Any], redelivered: bool) -> None:
+        """Deliver ``msg`` to ``c``'s connection, unacked under a new delivery id."""
+        did = next(self.delivery_ids)
+        c.unacked[did] = msg
+        d = Delivery(
+            body=msg.body,
+            routing_key=msg.routing_key,
+            queue=c.queue.name,
+            message_id=msg.message_id,
+            user_id=msg.user_id,
+            headers=headers,
+            redelivered=redelivered,
+            tag=(c, did),
+        )
+        c.conn._inbox.put((c, d))
 
 
 _hubs: dict[str, _Hub] = {}
@@ -315,7 +308,7 @@ def hub(name: str) -> _Hub:
         return h
 
 
-class MemoryBroker(GatedDispatch, Broker):
+class MemoryBroker(Broker):
     """One connection to the in-process hub ``name`` (see module docstring)."""
 
     def __init__(
@@ -338,6 +331,7 @@ class MemoryBroker(GatedDispatch, Broker):
         )
         self._hub = hub(name)
         self._consumers: dict[str, _Consumer] = {}
+        self._gates = GatedDispatch(self._consumers, self._settle_raw)
         self._closed = False
         self._inbox: queue_mod.Queue = queue_mod.Queue()
         self._thread = threading.Thread(
@@ -437,6 +431,12 @@ class MemoryBroker(GatedDispatch, Broker):
             c.unacked.clear()
             self._hub.pump(c.queue)
 
+    def ack(self, delivery: Delivery) -> None:
+        self._gates.settle(delivery, None)
+
+    def reject(self, delivery: Delivery, *, requeue: bool = False) -> None:
+        self._gates.settle(delivery, requeue)
+
     def _settle_raw(self, raw: tuple[_Consumer, int], requeue: bool | None) -> None:
         """requeue None = ack; False = reject and drop; True = reject and requeue."""
         c, did = raw
@@ -453,7 +453,7 @@ class MemoryBroker(GatedDispatch, Broker):
         incomplete message: a simulation has a connection per agent, and idle ones must cost no CPU."""
         last_expiry = time.monotonic()
         while True:
-            last_expiry = self._expire_due(last_expiry)
+            last_expiry = self._gates.expire_due(last_expiry)
             holding = any(c.gate.holding() for c in list(self._consumers.values()))
             try:
                 item = self._inbox.get(timeout=EXPIRY_CHECK_S if holding else None)
@@ -464,7 +464,7 @@ class MemoryBroker(GatedDispatch, Broker):
             c, raw = item
             if c.cancelled:
                 continue  # its unacked messages were requeued on cancel
-            self._dispatch(c, raw)
+            self._gates.dispatch(c, raw)
 
     # ---- facts and lifecycle ------------------------------------------------------------------------
     def queue_depth(self, queue: str) -> int:

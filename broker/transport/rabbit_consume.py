@@ -4,19 +4,16 @@ A delivery whose content header announces more bytes than the consumer's limit (
 refused from that header: pika_private.bound_content drops its body frames as they arrive, and the gate
 rejects it (dead-lettered from the inbox) without its bytes ever being held.
 
-The I/O thread (broker.transport.rabbit_io) only queues each delivery; the dispatcher thread reassembles
-chunks (broker.transport.reassembly) and runs the handlers, so neither a long handler nor a long training step
-on another thread can stop heartbeats. Deliveries from an earlier connection or subscription can no longer be
-settled (the broker requeued them): acking them is a logged no-op. A consumer the broker cancels (its queue's
-replica went down with a node) is subscribed again, with backoff.
+The I/O thread (broker.transport.rabbit_io) only queues each delivery; the dispatcher thread
+(broker.transport.rabbit_dispatch) reassembles chunks (broker.transport.reassembly) and runs the handlers.
+Deliveries from an earlier connection or subscription can no longer be settled (the broker requeued them):
+acking them is a logged no-op. A consumer the broker cancels (its queue's replica went down with a node) is
+subscribed again, with backoff.
 """
 
 from __future__ import annotations
 
-import collections
 import datetime
-import threading
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +25,8 @@ import structlog
 from fedmq.broker.transport import pika_private
 from fedmq.broker.transport.base import REFUSED_SIZE_HEADER, Delivery, Handler, ReassemblyLimits
 from fedmq.broker.transport.errors import BrokerError
-from fedmq.broker.transport.reassembly import EXPIRY_CHECK_S, ChunkGate
+from fedmq.broker.transport.rabbit_io import IoThread
+from fedmq.broker.transport.reassembly import ChunkGate
 
 log = structlog.get_logger(__name__)
 
@@ -43,42 +41,53 @@ class _Consumer:
     channel: Any = None
     gen: int = -1
     offset: Any = None  # stream queues: x-stream-offset
-    only: str | None = None  # hand over only this message id (GatedDispatch._dispatch)
+    only: str | None = None  # hand over only this message id (GatedDispatch.dispatch)
 
 
-class RabbitConsuming:
-    """consume/cancel, settling deliveries and the dispatcher thread, for RabbitBroker.
+class Consumers:
+    """consume/cancel and settling raw deliveries, for RabbitBroker: the work runs on its I/O thread
+    (broker.transport.rabbit_io); ``deliver(consumer, delivery)`` hands each delivery on to the dispatcher
+    thread (broker.transport.rabbit_dispatch). ``by_tag`` holds the consumers wanted, subscribed again after
+    a reconnect (``restore``)."""
 
-    The broker provides ``prefetch``, ``max_message_size``, ``chunk_timeout_s``, ``publish_timeout``,
-    ``consume_timeout``, ``max_backoff``, GatedDispatch's ``_dispatch`` and ``_expire_due``, and from RabbitIo
-    ``_conn``, ``_io``, ``_stopping``, ``_submit`` and ``_post``."""
-
-    prefetch: int
-    max_message_size: int
-    chunk_timeout_s: float
-    publish_timeout: float
-    consume_timeout: float
-    max_backoff: float
-    _conn: Any
-    _io: threading.Thread
-    _stopping: bool
-    _submit: Callable[..., Any]
-    _post: Callable[[Callable[[Any], Any]], None]
-    _expire_due: Callable[[float], float]
-    _dispatch: Callable[[Any, Delivery], None]
-
-    def _init_consuming(self) -> None:
-        self._subscriptions = 0
-        self._consumers: dict[str, _Consumer] = {}
-        self._dispatch_q: collections.deque = collections.deque()
-        self._dispatch_cv = threading.Condition()
-        self._dispatcher = threading.Thread(
-            target=self._dispatch_loop, name="fedmq-rabbit-dispatch", daemon=True
+    def __init__(
+        self,
+        io: IoThread,
+        deliver: Callable[[_Consumer, Delivery], None],
+        *,
+        prefetch: int,
+        max_message_size: int,
+        chunk_timeout_s: float,
+        publish_timeout: float,
+        consume_timeout: float,
+        max_backoff: float,
+    ) -> None:
+        self._io, self._deliver = io, deliver
+        self.prefetch = prefetch
+        self.max_message_size = max_message_size
+        self.chunk_timeout_s = (
+            chunk_timeout_s  # an incomplete chunked message is dropped this long after its last chunk
         )
+        self.publish_timeout = publish_timeout
+        self.consume_timeout = consume_timeout  # a subscription the broker has not confirmed by then is stuck
+        self.max_backoff = max_backoff
+        self._subscriptions = 0
+        self.by_tag: dict[str, _Consumer] = {}
+
+    def restore(self) -> None:
+        """After a reconnect: every consumer again (its gate's raw tags are void)."""
+        for c in list(self.by_tag.values()):
+            c.gate.reset()
+            self._subscribe(c)
+
+    def current(self, c: _Consumer, d: Delivery) -> bool:
+        """Whether ``d`` (queued for ``c``) can still be settled: ``c`` is not cancelled and ``d`` is not from
+        a lost connection (the broker requeued it)."""
+        return c.tag in self.by_tag and d.tag[0] == c.gen
 
     def _subscribe(self, c: _Consumer) -> None:
-        assert self._conn is not None
-        ch = self._conn.channel()
+        assert self._io.conn is not None
+        ch = self._io.conn.channel()
         pika_private.bound_content(ch, c.gate.body_limit, REFUSED_SIZE_HEADER)
         ch.basic_qos(prefetch_count=c.prefetch)
         self._subscriptions += 1
@@ -97,9 +106,7 @@ class RabbitConsuming:
                 redelivered=method.redelivered,
                 tag=(gen, c.tag, method.delivery_tag),
             )
-            with self._dispatch_cv:
-                self._dispatch_q.append((c, d))
-                self._dispatch_cv.notify()
+            self._deliver(c, d)
 
         ch.add_on_cancel_callback(lambda _frame: self._on_cancelled(c, ch))
         args = None
@@ -117,16 +124,16 @@ class RabbitConsuming:
     def _on_cancelled(self, c: _Consumer, ch: Any) -> None:
         """The broker cancelled a consumer (its queue's member on a lost node, a deleted queue): subscribe
         again, with backoff, for as long as the consumer is wanted."""
-        if self._consumers.get(c.tag) is not c or c.channel is not ch:
+        if self.by_tag.get(c.tag) is not c or c.channel is not ch:
             return
         log.warning("the broker cancelled a consumer; subscribing again", queue=c.queue)
         self._resubscribe(c, 0.5)
 
     def _resubscribe(self, c: _Consumer, delay: float) -> None:
-        conn = self._conn
+        conn = self._io.conn
 
         def again() -> None:
-            if self._consumers.get(c.tag) is not c or self._conn is not conn:
+            if self.by_tag.get(c.tag) is not c or self._io.conn is not conn:
                 return  # cancelled meanwhile, or a reconnect subscribed it again
             if c.channel is not None and c.channel.is_open:
                 c.channel.close()  # gives back what the cancelled consumer held
@@ -144,12 +151,12 @@ class RabbitConsuming:
         self,
         queue: str,
         handler: Handler,
-        *,
-        prefetch: int | None = None,
-        offset: Any = None,
-        only_message: str | None = None,
-        reassembly: ReassemblyLimits | None = None,
+        prefetch: int | None,
+        offset: Any,
+        only: str | None,
+        limits: ReassemblyLimits | None,
     ) -> str:
+        """Broker.consume, from the caller's thread: subscribe on the I/O thread and wait for it."""
         window = prefetch or self.prefetch
         if offset is not None and not isinstance(offset, (int, float, str)) or isinstance(offset, bool):
             raise BrokerError(f"bad stream offset {offset!r}: use an int, first, last, next or a timestamp")
@@ -160,16 +167,16 @@ class RabbitConsuming:
             window,
             ChunkGate.of(
                 window,
-                reassembly or ReassemblyLimits(max_message_size=self.max_message_size),
+                limits or ReassemblyLimits(max_message_size=self.max_message_size),
                 self.chunk_timeout_s,
             ),
             offset=offset,
-            only=only_message,
+            only=only,
         )
 
-        def run(b: RabbitConsuming) -> str:
-            b._subscribe(c)
-            b._consumers[c.tag] = c
+        def run() -> str:
+            self._subscribe(c)
+            self.by_tag[c.tag] = c
             return c.tag
 
         # RabbitMQ 3.10 answers a consume at once, or never: a quorum queue whose node was killed within about
@@ -179,23 +186,23 @@ class RabbitConsuming:
             f"probably a zombie quorum queue (its node was killed within seconds of declaring it; its "
             f"messages are lost); delete it (rabbitmqctl delete_queue {queue}) and start again"
         )
-        return self._submit(
+        return self._io.submit(
             run, self.publish_timeout, f"consuming {queue!r}", stuck=(self.consume_timeout, zombie)
         )
 
     def cancel(self, consumer_tag: str) -> None:
-        def run(b: RabbitConsuming) -> None:
-            c = b._consumers.pop(consumer_tag, None)
+        def run() -> None:
+            c = self.by_tag.pop(consumer_tag, None)
             if c is not None and c.channel is not None and c.channel.is_open:
                 c.channel.close()  # closing the channel requeues its unacked deliveries
 
-        self._submit(run, self.publish_timeout, "cancelling a consumer")
+        self._io.submit(run, self.publish_timeout, "cancelling a consumer")
 
-    def _settle_raw(self, raw: tuple[int, str, int], requeue: bool | None) -> None:
+    def settle_raw(self, raw: tuple[int, str, int], requeue: bool | None) -> None:
         gen, tag, delivery_tag = raw
 
-        def run(b: RabbitConsuming) -> None:
-            c = b._consumers.get(tag)
+        def run() -> None:
+            c = self.by_tag.get(tag)
             if c is None or gen != c.gen or c.channel is None or not c.channel.is_open:
                 log.debug("ack/reject of a delivery from a previous connection ignored (it was requeued)")
                 return
@@ -204,24 +211,7 @@ class RabbitConsuming:
             else:
                 c.channel.basic_reject(delivery_tag, requeue=requeue)
 
-        if threading.current_thread() is self._io:
-            run(self)
+        if self._io.on_thread():
+            run()
         else:
-            self._post(run)
-
-    def _dispatch_loop(self) -> None:
-        last_expiry = time.monotonic()
-        while True:
-            last_expiry = self._expire_due(last_expiry)
-            with self._dispatch_cv:
-                if not self._dispatch_q and not self._stopping:
-                    self._dispatch_cv.wait(timeout=EXPIRY_CHECK_S)
-                if self._stopping:
-                    return  # unacked deliveries go back to the queue when the connection closes
-                item = self._dispatch_q.popleft() if self._dispatch_q else None
-            if item is None:
-                continue
-            c, raw = item
-            if c.tag not in self._consumers or raw.tag[0] != c.gen:
-                continue  # cancelled, or from a lost connection (requeued by the broker)
-            self._dispatch(c, raw)
+            self._io.post(run)

@@ -1,9 +1,9 @@
-"""The RabbitMQ backend's I/O thread and its command queue.
+"""The RabbitMQ backend's I/O thread: the connection, the loop that owns it and its command queue.
 
 BlockingConnection is not thread-safe, so one I/O thread owns it. It loops on ``process_data_events``
 (heartbeats, consumer deliveries, confirms) and runs the commands other threads queue (publish, ack, reject,
 declare, consume, cancel, queue depth); a queued command wakes it through ``add_callback_threadsafe``. Callers
-of publish/declare/consume block on a future (:meth:`RabbitIo._submit`); ack/reject do not wait (``_post``). A
+of publish/declare/consume block on a future (:meth:`IoThread.submit`); ack/reject do not wait (``post``). A
 command interrupted by a lost connection stays at the head of the queue and runs again once the connection is
 back (broker.transport.rabbit_reconnect says where and when to connect).
 """
@@ -32,55 +32,91 @@ log = structlog.get_logger(__name__)
 
 @dataclass
 class _Cmd:
-    fn: Callable[[Any], Any]
+    fn: Callable[[], Any]
     future: Future = field(default_factory=Future)
     cancelled: bool = False
     started: float | None = None  # monotonic time the I/O thread began running it on a live connection
     losses: int = 0  # connections lost while running it
 
 
-class RabbitIo:
-    """The connection, the I/O thread that owns it and the command queue, for RabbitBroker.
+class IoThread:
+    """The connection and the I/O thread that owns it, for RabbitBroker.
 
-    The broker provides ``url``, ``user``, ``_reconnection``, ``_open_pub_channel()`` (a confirm-mode channel
-    on the new connection, broker.transport.rabbit_publish), ``_restore()`` (topology and consumers again)
-    and ``_tick()`` (periodic checks, run between commands)."""
+    Its owner passes what happens around the connection: ``opened(conn)`` on each new connection (the
+    publishing channel; failing it fails the attempt), ``lost()`` when it is gone, ``restore()`` after a
+    reconnect (topology and consumers again) and ``tick()`` between commands (periodic checks)."""
 
-    url: str
-    user: str
-    _reconnection: Reconnection
-    _pub_ch: Any
-    _open_pub_channel: Callable[[], Any]
-    _restore: Callable[[], None]
-    _tick: Callable[[], None]
-
-    def _init_io(self) -> None:
+    def __init__(
+        self,
+        url: str,
+        user: str,
+        reconnection: Reconnection,
+        *,
+        opened: Callable[[pika.BlockingConnection], None],
+        lost: Callable[[], None],
+        restore: Callable[[], None],
+        tick: Callable[[], None],
+    ) -> None:
+        self.url, self.user = url, user
+        self.reconnection = reconnection
+        self._opened, self._on_lost, self._restore, self._tick = opened, lost, restore, tick
         self._lock = threading.Lock()
         self._cmds: collections.deque[_Cmd] = collections.deque()
-        self._conn: pika.BlockingConnection | None = None
-        self._stopping = False
-        self._blocked = False
-        self._reconnects = 0
-        self._last_error: str | None = None
+        self.conn: pika.BlockingConnection | None = None
+        self.stopping = False
+        self.blocked = False
+        self.reconnects = 0
+        self.last_error: str | None = None
         self._refused = (
             False  # the broker refused these credentials or this virtual host (not worth retrying)
         )
         self._wedged = False  # the I/O thread is stuck in a call the broker never answers (see consume)
         self._first = threading.Event()
-        self._io = threading.Thread(target=self._io_loop, name="fedmq-rabbit-io", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="fedmq-rabbit-io", daemon=True)
+
+    def start(self, wait_s: float) -> None:
+        """Start the thread and wait for its first connection; BrokerError (permanent when the broker refused
+        the credentials or the virtual host) if there is none within ``wait_s``."""
+        self._thread.start()
+        self._first.wait(wait_s)
+        if self.conn is None:
+            self.stopping = True
+            self._thread.join(timeout=5)
+            raise BrokerError(
+                f"cannot connect to {redact(self.url)}: {self.last_error or 'timed out'}",
+                permanent=self._refused,
+            )
+
+    def on_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def unconfirmed(self) -> int:
+        """Commands queued and not answered yet."""
+        with self._lock:
+            return sum(1 for c in self._cmds if not c.cancelled and not c.future.done())
+
+    def stop(self) -> None:
+        """Stop the loop and wait for it: briefly when a command the broker is not answering holds the thread
+        (a daemon), which then stays for good."""
+        self.stopping = True
+        self.wake()
+        with self._lock:
+            busy = self._wedged or any(c.started is not None and not c.future.done() for c in self._cmds)
+        if not self.on_thread():
+            self._thread.join(timeout=1 if busy else 15)
 
     def _open(self) -> None:
-        conn = self._reconnection.connect()
+        conn = self.reconnection.connect()
         conn.add_on_connection_blocked_callback(self._on_blocked)
         conn.add_on_connection_unblocked_callback(self._on_unblocked)
-        self._conn, self._pub_ch = conn, None
-        self._blocked = False
+        self.conn = conn
+        self.blocked = False
         try:
             # checks pika's private attributes (pika_private.check) before using them
-            self._open_pub_channel()
+            self._opened(conn)
             pika_private.widen_reads(conn)
         except Exception:
-            self._conn = None
+            self.conn = None
             try:
                 conn.close()
             except Exception:
@@ -88,13 +124,13 @@ class RabbitIo:
             raise
 
     def _describe(self, exc: BaseException) -> str:
-        return describe(exc, self._reconnection.node, self.user)
+        return describe(exc, self.reconnection.node, self.user)
 
     def _failed(self, exc: BaseException) -> str:
-        self._last_error = self._describe(exc)
-        return self._last_error
+        self.last_error = self._describe(exc)
+        return self.last_error
 
-    def _io_loop(self) -> None:
+    def _loop(self) -> None:
         try:
             self._open()
         except Exception as exc:
@@ -104,15 +140,15 @@ class RabbitIo:
             return
         self._first.set()
         log.info("connected to RabbitMQ", url=redact(self.url), user=self.user)
-        while not self._stopping:
+        while not self.stopping:
             try:
-                if self._conn is None or not self._conn.is_open:
+                if self.conn is None or not self.conn.is_open:
                     self._reconnect()
                     continue
                 self._drain()
-                if self._stopping:
+                if self.stopping:
                     break
-                self._conn.process_data_events(time_limit=0.2)
+                self.conn.process_data_events(time_limit=0.2)
                 self._drain()
                 self._tick()
             except CONNECTION_ERRORS as exc:
@@ -120,43 +156,47 @@ class RabbitIo:
             except Exception as exc:  # keep the I/O thread alive whatever a callback did
                 log.error("unexpected error in the broker I/O thread", error=f"{type(exc).__name__}: {exc}")
                 self._lost(exc)
-        self._shutdown_io()
+        self._shutdown()
 
     def _lost(self, exc: BaseException) -> None:
         self._failed(exc)
-        node = self._reconnection.node
+        node = self.reconnection.node
         log.warning(
-            "RabbitMQ connection lost; reconnecting", error=self._last_error, node=f"{node.host}:{node.port}"
+            "RabbitMQ connection lost; reconnecting", error=self.last_error, node=f"{node.host}:{node.port}"
         )
-        self._reconnection.lost()
+        self.reconnection.lost()
         self._drop_connection()
-        self._pub_ch = None
+        self._on_lost()
 
     def _drop_connection(self) -> None:
         try:
-            if self._conn is not None and self._conn.is_open:
-                self._conn.close()
+            if self.conn is not None and self.conn.is_open:
+                self.conn.close()
         except Exception:  # it is going away anyway
             pass
-        self._conn = None
+        self.conn = None
 
     def _reconnect(self) -> None:
-        if self._reconnection.retry(
+        if self.reconnection.retry(
             self._open,
-            self._restore,
-            stopping=lambda: self._stopping,
+            self._restored,
+            stopping=lambda: self.stopping,
             sleep=self._sleep,
             failed=self._failed,
             lost=self._lost,
         ):
-            log.info("reconnected to RabbitMQ", reconnects=self._reconnects)
+            log.info("reconnected to RabbitMQ", reconnects=self.reconnects)
+
+    def _restored(self) -> None:
+        self.reconnects += 1
+        self._restore()
 
     def _sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
-        while not self._stopping and time.monotonic() < deadline:
+        while not self.stopping and time.monotonic() < deadline:
             time.sleep(0.05)
 
-    def _shutdown_io(self) -> None:
+    def _shutdown(self) -> None:
         err = BrokerError("the broker connection is closed")
         with self._lock:
             pending = list(self._cmds)
@@ -176,7 +216,7 @@ class RabbitIo:
             if not cmd.cancelled:
                 cmd.started = time.monotonic()
                 try:
-                    result = cmd.fn(self)
+                    result = cmd.fn()
                 except CONNECTION_ERRORS:
                     cmd.started = None  # runs again once reconnected
                     cmd.losses += 1
@@ -191,8 +231,8 @@ class RabbitIo:
                 if self._cmds and self._cmds[0] is cmd:
                     self._cmds.popleft()
 
-    def _wake(self) -> None:
-        conn = self._conn
+    def wake(self) -> None:
+        conn = self.conn
         if conn is None:
             return
         try:
@@ -200,26 +240,26 @@ class RabbitIo:
         except Exception:
             pass  # closed: the I/O loop drains after reconnecting
 
-    def _submit(
+    def submit(
         self,
-        fn: Callable[[Any], Any],
+        fn: Callable[[], Any],
         timeout: float | None,
         what: str,
         stuck: tuple[float, str] | None = None,
     ) -> Any:
-        """Run ``fn(broker)`` on the I/O thread and wait for it, at most ``timeout`` s in all; with ``stuck``
+        """Run ``fn()`` on the I/O thread and wait for it, at most ``timeout`` s in all; with ``stuck``
         = (s, why), at most s once the I/O thread has started it on a live connection, and at most 3
         connections lost while running it, else a permanent BrokerError that ends with ``why``.
 
         The wait is sliced, so a signal handler in the calling (main) thread runs within half a second."""
-        if self._stopping:
+        if self.stopping:
             raise BrokerError("the broker connection is closed")
-        if threading.current_thread() is self._io:
-            return fn(self)
+        if self.on_thread():
+            return fn()
         cmd = _Cmd(fn)
         with self._lock:
             self._cmds.append(cmd)
-        self._wake()
+        self.wake()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
@@ -235,26 +275,26 @@ class RabbitIo:
                     cmd.cancelled = True
                     raise BrokerError(
                         f"RabbitMQ closed the connection {cmd.losses} times while {what} "
-                        f"(last: {self._last_error}): {stuck[1]}",
+                        f"(last: {self.last_error}): {stuck[1]}",
                         permanent=True,
                     ) from None
                 if deadline is not None and now >= deadline:
                     cmd.cancelled = True
                     raise BrokerError(
-                        f"{what} not confirmed within {timeout:.0f} s (connected: {self._conn is not None})"
+                        f"{what} not confirmed within {timeout:.0f} s (connected: {self.conn is not None})"
                     ) from None
 
-    def _post(self, fn: Callable[[Any], Any]) -> None:
+    def post(self, fn: Callable[[], Any]) -> None:
         """Queue a command without waiting (acks and rejects)."""
         with self._lock:
             self._cmds.append(_Cmd(fn))
-        self._wake()
+        self.wake()
 
     def _on_blocked(self, _conn: Any, frame: Any) -> None:
-        self._blocked = True
+        self.blocked = True
         reason = getattr(getattr(frame, "method", None), "reason", "")
         log.warning("RabbitMQ blocked this connection (flow control)", reason=reason)
 
     def _on_unblocked(self, _conn: Any, _frame: Any) -> None:
-        self._blocked = False
+        self.blocked = False
         log.info("RabbitMQ unblocked this connection")

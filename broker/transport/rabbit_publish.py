@@ -25,6 +25,7 @@ from fedmq.broker.transport import pika_private
 from fedmq.broker.transport import topology as t
 from fedmq.broker.transport.errors import REFUSALS, BrokerError, Undeliverable, refusal
 from fedmq.broker.transport.queues import check_publish_args
+from fedmq.broker.transport.rabbit_io import IoThread
 from fedmq.broker.wire.chunk_frames import CHUNK_HEADER, Chunk, ChunkFrame, chunk_parts
 
 log = structlog.get_logger(__name__)
@@ -48,37 +49,45 @@ class _Publish:
     returned: bool = False
 
 
-class RabbitPublishing:
-    """publish() and the publishing channel, for RabbitBroker
-    (runs on its I/O thread, broker.transport.rabbit_io).
+class Publisher:
+    """publish() and the publishing channel, for RabbitBroker: the work runs on its I/O thread
+    (broker.transport.rabbit_io), which opens the channel on each new connection (``open_channel``) and
+    forgets it when the connection is lost (``connection_lost``). ``exchange_missing(exchange)`` is the error
+    for a publish to a job exchange that is gone (the broker's topology watch reports it)."""
 
-    The broker provides ``user``, ``chunk_limit``, ``publish_timeout``, ``connect_timeout``,
-    ``confirm_stall_s``, and from RabbitIo ``_conn``, ``_blocked`` and ``_submit``."""
-
-    user: str
-    chunk_limit: int
-    publish_timeout: float
-    connect_timeout: float
-    confirm_stall_s: float
-    _conn: Any
-    _blocked: bool
-    _submit: Callable[..., Any]
-    _exchange_missing: Callable[[str], BrokerError]
-
-    def _init_publishing(self) -> None:
-        self._pub_ch: Any = None
-        self._pub_seq = 0
-        self._pub_pending: dict[int, tuple[_Publish, int]] = {}  # delivery tag -> (publish, part)
+    def __init__(
+        self,
+        io: IoThread,
+        user: str,
+        *,
+        chunk_limit: int,
+        publish_timeout: float,
+        connect_timeout: float,
+        confirm_stall_s: float,
+        exchange_missing: Callable[[str], BrokerError],
+    ) -> None:
+        self._io, self.user = io, user
+        self.chunk_limit = chunk_limit
+        self.publish_timeout = publish_timeout
+        self.connect_timeout = connect_timeout
+        self.confirm_stall_s = (
+            confirm_stall_s  # no confirm for this long: publish the rest again on a new channel
+        )
+        self._exchange_missing = exchange_missing
+        self.channel: Any = None
+        self._seq = 0
+        self._pending: dict[int, tuple[_Publish, int]] = {}  # delivery tag -> (publish, part)
 
     def publish(
         self,
         routing_key: str,
         body: bytes,
-        *,
-        message_id: str | None = None,
-        headers: dict[str, Any] | None = None,
-        timeout: float | None = None,
+        message_id: str | None,
+        headers: dict[str, Any] | None,
+        timeout: float | None,
     ) -> None:
+        """Broker.publish, from the caller's thread: chunk, then publish on the I/O thread and wait for every
+        confirm."""
         check_publish_args(routing_key, body)
         try:
             exchange = t.exchange_for(routing_key)
@@ -104,18 +113,19 @@ class RabbitPublishing:
             parts = [(f, props({**base, CHUNK_HEADER: 1})) for f in frames]
         timeout = timeout or self.publish_timeout
         job = _Publish(exchange, routing_key, parts, time.monotonic() + timeout, message_id)
-        self._submit(lambda b: b._publish_now(job), timeout, f"publish to {routing_key!r}")
+        self._io.submit(lambda: self._publish_now(job), timeout, f"publish to {routing_key!r}")
         REFUSALS.clear(self.user, routing_key)
 
-    def _open_pub_channel(self) -> Any:
-        """A confirm-mode channel whose acks/nacks/returns we track ourselves, so chunks can be pipelined."""
-        assert self._conn is not None
-        ch = self._conn.channel()
-        pika_private.check(self._conn, ch)
+    def open_channel(self, conn: pika.BlockingConnection) -> Any:
+        """A confirm-mode channel on ``conn`` whose acks/nacks/returns we track ourselves, so chunks can be
+        pipelined."""
+        self.channel = None
+        ch = conn.channel()
+        pika_private.check(conn, ch)
         ready: list[bool] = []
         pika_private.enable_confirms(
             ch,
-            on_confirm=lambda f: self._on_confirm(f),  # looked up per confirm
+            on_confirm=lambda f: self.on_confirm(f),  # looked up per confirm
             on_ready=lambda _f: ready.append(True),
             on_return=self._on_return,
         )
@@ -123,30 +133,34 @@ class RabbitPublishing:
         while not ready:
             if time.monotonic() > deadline or not ch.is_open:
                 raise pe.AMQPConnectionError("could not enable publisher confirms")
-            self._conn.process_data_events(time_limit=0.05)
-        self._pub_ch, self._pub_seq = ch, 0
-        self._pub_pending.clear()
+            conn.process_data_events(time_limit=0.05)
+        self.channel, self._seq = ch, 0
+        self._pending.clear()
         return ch
 
-    def _on_confirm(self, frame: Any) -> None:
-        if self._pub_ch is None or frame.channel_number != self._pub_ch.channel_number:
+    def connection_lost(self) -> None:
+        self.channel = None
+
+    def on_confirm(self, frame: Any) -> None:
+        if self.channel is None or frame.channel_number != self.channel.channel_number:
             return  # a late confirm from a channel given up on: its delivery tags are not this channel's
         m = frame.method
         ok = isinstance(m, pika.spec.Basic.Ack)
-        seqs = [s for s in self._pub_pending if s <= m.delivery_tag] if m.multiple else [m.delivery_tag]
+        seqs = [s for s in self._pending if s <= m.delivery_tag] if m.multiple else [m.delivery_tag]
         for seq in seqs:
-            entry = self._pub_pending.pop(seq, None)
+            entry = self._pending.pop(seq, None)
             if entry is not None:
                 (entry[0].confirmed if ok else entry[0].nacked).add(entry[1])
         self._poke()
 
     def _poke(self) -> None:
         """Make the running process_data_events return now (a confirm is not an event it waits for)."""
-        if self._conn is not None:
-            self._conn.call_later(0, _noop)
+        conn = self._io.conn
+        if conn is not None:
+            conn.call_later(0, _noop)
 
     def _on_return(self, _ch: Any, _method: Any, props: Any, _body: bytes) -> None:
-        for job, _ in self._pub_pending.values():
+        for job, _ in self._pending.values():
             if job.message_id == props.message_id:
                 job.returned = True
         self._poke()
@@ -158,21 +172,20 @@ class RabbitPublishing:
             todo = [i for i in range(len(job.parts)) if i not in job.confirmed]
             if not todo:
                 return
+            conn = self._io.conn
+            assert conn is not None
             ch = (
-                self._pub_ch
-                if self._pub_ch is not None and self._pub_ch.is_open
-                else self._open_pub_channel()
+                self.channel if self.channel is not None and self.channel.is_open else self.open_channel(conn)
             )
             job.nacked.clear()
-            assert self._conn is not None
             progress, done = time.monotonic(), len(job.confirmed)
-            while todo or any(j is job for j, _ in self._pub_pending.values()):
-                inflight = sum(1 for j, _ in self._pub_pending.values() if j is job)
+            while todo or any(j is job for j, _ in self._pending.values()):
+                inflight = sum(1 for j, _ in self._pending.values() if j is job)
                 if todo and inflight < PIPELINE and not job.returned:
                     i = todo.pop(0)
                     data, props = job.parts[i]
-                    self._pub_seq += 1
-                    self._pub_pending[self._pub_seq] = (job, i)
+                    self._seq += 1
+                    self._pending[self._seq] = (job, i)
                     try:
                         if isinstance(data, Chunk):
                             pika_private.publish_frame(
@@ -185,13 +198,13 @@ class RabbitPublishing:
                     if (
                         len(job.parts) > 1
                     ):  # write this chunk now, so the broker works on it while we encode the next
-                        self._conn.process_data_events(time_limit=0)
+                        conn.process_data_events(time_limit=0)
                     continue
                 if job.returned and inflight == 0:
                     break
                 if ch.is_closed:
                     reason = pika_private.closing_reason(ch)
-                    self._pub_ch = None
+                    self.channel = None
                     self._forget(job)
                     code = getattr(reason, "reply_code", "")
                     text = str(getattr(reason, "reply_text", reason))
@@ -207,11 +220,11 @@ class RabbitPublishing:
                 if len(job.confirmed) > done:
                     progress, done = time.monotonic(), len(job.confirmed)
                 elif (
-                    time.monotonic() - progress > self.confirm_stall_s and not self._blocked
+                    time.monotonic() - progress > self.confirm_stall_s and not self._io.blocked
                 ):  # blocked: held
-                    self._abandon_pub_channel(job)
+                    self.abandon_channel(job)
                     break
-                self._conn.process_data_events(time_limit=0.05)
+                conn.process_data_events(time_limit=0.05)
             if job.returned:
                 self._forget(job)
                 raise Undeliverable(f"message to {job.routing_key!r} is unroutable: no queue is bound to it")
@@ -227,10 +240,10 @@ class RabbitPublishing:
                     routing_key=job.routing_key,
                     parts=len(job.nacked),
                 )
-                self._drop_pub_channel()
-                self._conn.sleep(0.5)
+                self._drop_channel()
+                conn.sleep(0.5)
 
-    def _abandon_pub_channel(self, job: _Publish) -> None:
+    def abandon_channel(self, job: _Publish) -> None:
         """No confirm for confirm_stall_s on a live connection: a confirm lost in a quorum queue's leader
         change would otherwise hold the I/O thread (and every command behind this one) until the publish
         deadline. The unconfirmed parts go out again on a new channel: at least once, and receivers drop
@@ -242,13 +255,13 @@ class RabbitPublishing:
             after_s=self.confirm_stall_s,
         )
         self._forget(job)
-        self._drop_pub_channel()
+        self._drop_channel()
 
-    def _drop_pub_channel(self) -> None:
+    def _drop_channel(self) -> None:
         """Close the publishing channel without waiting for close-ok (the broker's side may be the stuck
         part); the next publish opens a new one. Confirms still arriving on it are ignored
-        (see _on_confirm)."""
-        ch, self._pub_ch = self._pub_ch, None
+        (see on_confirm)."""
+        ch, self.channel = self.channel, None
         if ch is None:
             return
         try:
@@ -257,5 +270,5 @@ class RabbitPublishing:
             pass
 
     def _forget(self, job: _Publish) -> None:
-        for seq in [s for s, (j, _) in self._pub_pending.items() if j is job]:
-            del self._pub_pending[seq]
+        for seq in [s for s, (j, _) in self._pending.items() if j is job]:
+            del self._pending[seq]

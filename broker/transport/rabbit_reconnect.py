@@ -18,6 +18,8 @@ import pika.exceptions as pe
 import structlog
 
 from fedmq.broker.transport.errors import BrokerError
+from fedmq.broker.transport.tls import TlsOptions, ssl_options
+from fedmq.broker.transport.urls import addresses, redact
 
 log = structlog.get_logger(__name__)
 
@@ -72,6 +74,38 @@ def describe(exc: BaseException, node: pika.URLParameters, user: str) -> str:
             else f"{exc.strerror.lower()} ({where})"
         )
     return str(exc) or type(exc).__name__
+
+
+def node_parameters(
+    url: str, tls: TlsOptions | None, user: str | None, heartbeat: int, connect_timeout: float
+) -> list[pika.URLParameters]:
+    """pika's connection parameters for each node of the broker URL (see urls.addresses); BrokerError
+    (permanent) on a malformed URL, a user that conflicts with the URL's, or TLS options on a plain URL."""
+    return [_parameters(a, tls, user, heartbeat, connect_timeout) for a in addresses(url)]
+
+
+def _parameters(
+    url: str, tls: TlsOptions | None, user: str | None, heartbeat: int, connect_timeout: float
+) -> pika.URLParameters:
+    try:
+        params = pika.URLParameters(url)
+    except Exception as exc:  # pika raises assorted errors on malformed URLs
+        raise BrokerError(f"bad broker URL {redact(url)!r}: {exc}", permanent=True) from None
+    url_user = params.credentials.username
+    if user and user != url_user and "@" in url:
+        raise BrokerError(
+            f"user {user!r} conflicts with the user {url_user!r} in the broker URL", permanent=True
+        )
+    if url.lower().startswith("amqps://"):
+        params.ssl_options = ssl_options(tls, params.host)
+    elif tls is not None:
+        raise BrokerError("TLS options given for a plain amqp:// URL: use amqps://", permanent=True)
+    params.heartbeat = heartbeat
+    params.socket_timeout = connect_timeout
+    params.stack_timeout = connect_timeout * 2
+    params.blocked_connection_timeout = None
+    params.connection_attempts = 1
+    return params
 
 
 class Reconnection:

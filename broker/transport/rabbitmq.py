@@ -1,17 +1,17 @@
 """The RabbitMQ backend (``amqp://``, ``amqps://``) on pika's BlockingConnection.
 
-RabbitBroker is made of its responsibilities, each in its own module: the I/O thread that owns the connection
-and runs the commands other threads queue (broker.transport.rabbit_io), reconnection and failover across the
-nodes of the URL (rabbit_reconnect), publishing with confirms (rabbit_publish), consuming and the dispatcher
-thread (rabbit_consume), and pika's private attributes (pika_private, checked at connect). This module puts
-them together and holds the job's topology, which is declared again after a reconnect with the consumers.
+RabbitBroker owns one object per responsibility and wires them together in its constructor:
 
-Each job has its own exchange (``fedmq.<job>``, broker.transport.topology.exchange). The broker watches it:
-the aggregator's side (a job declared with its inbox) checks every ``exchange_check_s`` that it exists,
-an agent's side too; a missing exchange is one error line naming it. The aggregator's side declares it
-again, with its inbox's bindings, once it has been missing for ``3 * exchange_check_s`` (long enough for
-every agent's check to have seen it gone); an agent's side binds its own queues again as soon as it is
-back. Publishing to it meanwhile fails with that line.
+- the I/O thread (broker.transport.rabbit_io.IoThread): the connection, the loop that owns it and the commands
+  other threads queue for it; reconnection and failover across the nodes of the URL (rabbit_reconnect);
+- publishing with confirms, chunking and mandatory returns (rabbit_publish.Publisher);
+- consuming: the consumers, their stream offsets and channels (rabbit_consume.Consumers);
+- dispatch: the thread that reassembles chunks and runs the handlers, never the I/O thread
+  (rabbit_dispatch.Dispatcher over reassembly.GatedDispatch);
+- the declared jobs and the watch on their exchanges (rabbit_topology.JobTopology).
+
+After a reconnect the I/O thread restores the topology, then the consumers. pika's private attributes are
+reached only through broker.transport.pika_private, checked at connect.
 
 Presence messages (``job.<job>.presence.<client>``) travel on a second connection of the same user, opened
 at the first of them, so that a heartbeat never waits behind an upload's chunks on the publishing channel.
@@ -20,32 +20,28 @@ at the first of them, so that a heartbeat never waits behind an upload's chunks 
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import pika
 import pika.exceptions as pe
-import structlog
 
 from fedmq.broker.transport import topology as t
-from fedmq.broker.transport.base import Broker
-from fedmq.broker.transport.errors import REFUSALS, BrokerError, refusal
+from fedmq.broker.transport.base import Broker, Delivery, Handler, ReassemblyLimits
+from fedmq.broker.transport.errors import BrokerError
 from fedmq.broker.transport.queues import job_queues
-from fedmq.broker.transport.rabbit_consume import RabbitConsuming
-from fedmq.broker.transport.rabbit_io import RabbitIo
-from fedmq.broker.transport.rabbit_publish import RabbitPublishing
-from fedmq.broker.transport.rabbit_reconnect import Reconnection
+from fedmq.broker.transport.rabbit_consume import Consumers
+from fedmq.broker.transport.rabbit_dispatch import Dispatcher
+from fedmq.broker.transport.rabbit_io import IoThread
+from fedmq.broker.transport.rabbit_publish import Publisher
+from fedmq.broker.transport.rabbit_reconnect import Reconnection, node_parameters
+from fedmq.broker.transport.rabbit_topology import EXCHANGE_CHECK_S, JobTopology
 from fedmq.broker.transport.reassembly import GatedDispatch
-from fedmq.broker.transport.tls import TlsOptions, ssl_options
-from fedmq.broker.transport.urls import addresses, redact
+from fedmq.broker.transport.tls import TlsOptions
+from fedmq.broker.transport.urls import redact
 from fedmq.broker.wire.chunk_frames import DEFAULT_CHUNK_LIMIT
 
-log = structlog.get_logger(__name__)
 
-EXCHANGE_CHECK_S = 10.0  # how often a broker checks that its jobs' exchanges exist
-
-
-class RabbitBroker(RabbitConsuming, RabbitPublishing, RabbitIo, GatedDispatch, Broker):
+class RabbitBroker(Broker):
     """One RabbitMQ connection owned by an I/O thread (see module docstring)."""
 
     def __init__(
@@ -67,13 +63,44 @@ class RabbitBroker(RabbitConsuming, RabbitPublishing, RabbitIo, GatedDispatch, B
         exchange_check_s: float = EXCHANGE_CHECK_S,
         presence_lane: bool = True,
     ) -> None:
-        self.exchange_check_s = exchange_check_s
-        self._gone: dict[str, float] = {}  # exchange -> when it was first seen missing
-        self._next_check = time.monotonic() + exchange_check_s
-        self._watch_ch: Any = None
+        nodes = node_parameters(url, tls, user, heartbeat, connect_timeout)
+        self.url = url
+        self.user = nodes[0].credentials.username
+        self.chunk_limit = chunk_limit
+        self.publish_timeout = publish_timeout
+        self._io = IoThread(
+            url,
+            self.user,
+            Reconnection(nodes, max_backoff),
+            opened=self._opened,
+            lost=self._lost,
+            restore=self._restore,
+            tick=self._tick,
+        )
+        self._topology = JobTopology(self._io, self.user, exchange_check_s)
+        self._publisher = Publisher(
+            self._io,
+            self.user,
+            chunk_limit=chunk_limit,
+            publish_timeout=publish_timeout,
+            connect_timeout=connect_timeout,
+            confirm_stall_s=confirm_stall_s,
+            exchange_missing=self._topology.missing,
+        )
+        self._consumers = Consumers(
+            self._io,
+            lambda c, d: self._dispatcher.put(c, d),
+            prefetch=prefetch,
+            max_message_size=max_message_size,
+            chunk_timeout_s=chunk_timeout_s,
+            publish_timeout=publish_timeout,
+            consume_timeout=consume_timeout,
+            max_backoff=max_backoff,
+        )
+        self._gates = GatedDispatch(self._consumers.by_tag, self._consumers.settle_raw)
+        self._dispatcher = Dispatcher(self._gates, self._consumers.current)
         self._lane: RabbitBroker | None = None  # presence's own connection (see module docstring)
         self._lane_lock = threading.Lock()
-        self._report_missing = True  # a presence lane leaves reporting a missing exchange to its broker
         self._lane_args: dict[str, Any] | None = (
             dict(
                 user=user,
@@ -88,166 +115,37 @@ class RabbitBroker(RabbitConsuming, RabbitPublishing, RabbitIo, GatedDispatch, B
             if presence_lane
             else None
         )
-        self.consume_timeout = consume_timeout  # a subscription the broker has not confirmed by then is stuck
-        self.confirm_stall_s = (
-            confirm_stall_s  # no confirm for this long: publish the rest again on a new channel
-        )
-        self.chunk_timeout_s = (
-            chunk_timeout_s  # an incomplete chunked message is dropped this long after its last chunk
-        )
-        self.url = url
-        nodes = [self._parameters(a, tls, user, heartbeat, connect_timeout) for a in addresses(url)]
-        self._reconnection = Reconnection(nodes, max_backoff)
-        self.user = nodes[0].credentials.username
-        self.prefetch = prefetch
-        self.chunk_limit = chunk_limit
-        self.connect_timeout = connect_timeout
-        self.publish_timeout = publish_timeout
-        self.max_backoff = max_backoff
-        self.max_message_size = max_message_size
-        self._jobs: list[tuple[str, tuple[str, ...], bool, int]] = []  # (job, agents, inbox, model bytes)
-        self._init_io()
-        self._init_publishing()
-        self._init_consuming()
-        self._io.start()
-        self._first.wait((connect_timeout * 3 + 5) * len(nodes))
-        if self._conn is None:
-            self._stopping = True
-            self._io.join(timeout=5)
-            raise BrokerError(
-                f"cannot connect to {redact(url)}: {self._last_error or 'timed out'}", permanent=self._refused
-            )
+        self._io.start((connect_timeout * 3 + 5) * len(nodes))
         self._dispatcher.start()
 
-    @staticmethod
-    def _parameters(
-        url: str, tls: TlsOptions | None, user: str | None, heartbeat: int, connect_timeout: float
-    ) -> pika.URLParameters:
-        try:
-            params = pika.URLParameters(url)
-        except Exception as exc:  # pika raises assorted errors on malformed URLs
-            raise BrokerError(f"bad broker URL {redact(url)!r}: {exc}", permanent=True) from None
-        url_user = params.credentials.username
-        if user and user != url_user and "@" in url:
-            raise BrokerError(
-                f"user {user!r} conflicts with the user {url_user!r} in the broker URL", permanent=True
-            )
-        if url.lower().startswith("amqps://"):
-            params.ssl_options = ssl_options(tls, params.host)
-        elif tls is not None:
-            raise BrokerError("TLS options given for a plain amqp:// URL: use amqps://", permanent=True)
-        params.heartbeat = heartbeat
-        params.socket_timeout = connect_timeout
-        params.stack_timeout = connect_timeout * 2
-        params.blocked_connection_timeout = None
-        params.connection_attempts = 1
-        return params
+    # ---- what the I/O thread does around the connection -----------------------------------------------
+    def _opened(self, conn: pika.BlockingConnection) -> None:
+        self._publisher.open_channel(conn)
+
+    def _lost(self) -> None:
+        self._publisher.connection_lost()
 
     def _restore(self) -> None:
-        """After a reconnect: the declared topology again, then every consumer
-        (its gate's raw tags are void)."""
-        self._reconnects += 1
-        for job, agents, inbox, size in list(self._jobs):
-            self._declare_now(job, agents, inbox, size)
-        for c in list(self._consumers.values()):
-            c.gate.reset()
-            self._subscribe(c)
-
-    def _declare_now(self, job: str, agents: tuple[str, ...], inbox: bool, model_bytes: int = 0) -> None:
-        assert self._conn is not None
-        specs = job_queues(job, agents, inbox=inbox, model_bytes=model_bytes)
-        ex = t.exchange(job)
-        ch = self._conn.channel()
-        if not inbox:
-            # agents lack configure permission on the exchange: check it exists, create it only if allowed
-            try:
-                ch.exchange_declare(ex, exchange_type="topic", passive=True)
-            except pe.ChannelClosedByBroker:
-                ch = self._conn.channel()
-                try:
-                    ch.exchange_declare(ex, exchange_type="topic", durable=True)
-                except pe.ChannelClosedByBroker as exc:
-                    raise BrokerError(
-                        f"exchange {ex!r} does not exist and user {self.user!r} may not create "
-                        f"it ({exc.reply_code}): start the aggregator first"
-                    ) from None
-        try:
-            if inbox:
-                ch.exchange_declare(ex, exchange_type="topic", durable=True)
-            for s in specs:
-                ch.queue_declare(s.name, durable=True, arguments=s.arguments or None)
-                for b in s.bindings:
-                    ch.queue_bind(s.name, ex, routing_key=b)
-        except pe.ChannelClosedByBroker as exc:
-            what = f"declaring job {job!r} refused by the broker: {exc.reply_code} {exc.reply_text}"
-            if exc.reply_code == 403:
-                raise refusal(self.user, f"declare {job}", what) from None
-            raise BrokerError(what) from None
-        REFUSALS.clear(self.user, f"declare {job}")
-        self._gone.pop(ex, None)
-        if ch.is_open:
-            ch.close()
-
-    # ---- the jobs' exchanges ------------------------------------------------------------------------
-    def _vhost(self) -> str:
-        return str(self._reconnection.node.virtual_host)
-
-    def _exchange_missing(self, ex: str) -> BrokerError:
-        """A publish found ``ex`` gone: one error line (once until it is back), and the watch checks it every
-        second from now on."""
-        if ex not in self._gone:
-            self._gone[ex] = time.monotonic()
-            if self._report_missing:
-                log.error(t.missing_exchange(ex, self._vhost()), user=self.user)
-        self._next_check = min(self._next_check, time.monotonic() + 1.0)
-        return BrokerError(t.missing_exchange(ex, self._vhost()))
-
-    def _exchange_exists(self, ex: str) -> bool:
-        """A passive declare on a channel kept for it (one round trip); True when unsure."""
-        assert self._conn is not None
-        if self._watch_ch is None or not self._watch_ch.is_open:
-            self._watch_ch = self._conn.channel()
-        try:
-            self._watch_ch.exchange_declare(ex, exchange_type="topic", passive=True)
-            return True
-        except pe.ChannelClosedByBroker as exc:
-            self._watch_ch = None
-            return exc.reply_code != 404
+        """After a reconnect: the declared topology again, then every consumer."""
+        self._topology.restore()
+        self._consumers.restore()
 
     def _tick(self) -> None:
-        """Every ``exchange_check_s`` (every second while one is missing): check the declared jobs'
-        exchanges; report a missing one, and declare or bind again (see module docstring)."""
-        now = time.monotonic()
-        if now < self._next_check or self._conn is None or not self._jobs:
-            return
-        self._next_check = now + (min(1.0, self.exchange_check_s) if self._gone else self.exchange_check_s)
-        by_exchange: dict[str, list[tuple[str, tuple[str, ...], bool, int]]] = {}
-        for entry in self._jobs:
-            by_exchange.setdefault(t.exchange(entry[0]), []).append(entry)
-        for ex, entries in by_exchange.items():
-            if self._exchange_exists(ex):
-                if ex in self._gone:
-                    self._declare_again(ex, entries, "the job's exchange is back: its queues are bound again")
-                continue
-            if ex not in self._gone:
-                self._gone[ex] = now
-                log.error(t.missing_exchange(ex, self._vhost()), user=self.user)
-            elif any(e[2] for e in entries) and now - self._gone[ex] >= 3 * self.exchange_check_s:
-                self._declare_again(ex, entries, "declared the job's missing exchange again")
+        self._topology.tick()
 
-    def _declare_again(
-        self, ex: str, entries: list[tuple[str, tuple[str, ...], bool, int]], what: str
+    # ---- jobs and publishing ------------------------------------------------------------------------
+    def declare_job(
+        self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True, model_bytes: int = 0
     ) -> None:
-        try:
-            for job, agents, inbox, size in entries:
-                self._declare_now(job, agents, inbox, size)
-        except BrokerError as exc:
-            log.warning("declaring the job again failed; retrying", exchange=ex, error=str(exc))
-            return
-        self._gone.pop(ex, None)
-        log.warning(what, exchange=ex, vhost=self._vhost())
+        agents_t = tuple(agents)
+        size = int(model_bytes)
+        job_queues(job, agents_t, inbox=inbox)  # validate ids in the caller's thread
+        self._io.submit(
+            lambda: self._topology.declare(job, agents_t, inbox, size),
+            self.publish_timeout,
+            "declaring the job",
+        )
 
-    # ---- presence on its own connection -------------------------------------------------------------
     def publish(
         self,
         routing_key: str,
@@ -263,41 +161,50 @@ class RabbitBroker(RabbitConsuming, RabbitPublishing, RabbitIo, GatedDispatch, B
                 lane.publish(routing_key, body, message_id=message_id, headers=headers, timeout=timeout)
             except BrokerError:
                 ex = t.exchange_for(routing_key)
-                if lane._gone.pop(ex, None) is not None:  # reported (once) and watched here
-                    raise self._exchange_missing(ex) from None
+                if lane._topology.gone.pop(ex, None) is not None:  # reported (once) and watched here
+                    raise self._topology.missing(ex) from None
                 raise
             return
-        super().publish(routing_key, body, message_id=message_id, headers=headers, timeout=timeout)
+        self._publisher.publish(routing_key, body, message_id, headers, timeout)
 
     def _presence_lane(self) -> RabbitBroker:
         with self._lane_lock:
-            if self._stopping:
+            if self._io.stopping:
                 raise BrokerError("the broker connection is closed")
             if self._lane is None:
                 assert self._lane_args is not None
                 self._lane = RabbitBroker(self.url, **self._lane_args)
-                self._lane._report_missing = False
+                self._lane._topology.report_missing = False
             return self._lane
 
-    def declare_job(
-        self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True, model_bytes: int = 0
-    ) -> None:
-        agents_t = tuple(agents)
-        size = int(model_bytes)
-        job_queues(job, agents_t, inbox=inbox)  # validate ids in the caller's thread
+    # ---- consuming ----------------------------------------------------------------------------------
+    def consume(
+        self,
+        queue: str,
+        handler: Handler,
+        *,
+        prefetch: int | None = None,
+        offset: Any = None,
+        only_message: str | None = None,
+        reassembly: ReassemblyLimits | None = None,
+    ) -> str:
+        return self._consumers.consume(queue, handler, prefetch, offset, only_message, reassembly)
 
-        def run(b: RabbitBroker) -> None:
-            b._declare_now(job, agents_t, inbox, size)
-            if (job, agents_t, inbox, size) not in b._jobs:
-                b._jobs.append((job, agents_t, inbox, size))
+    def cancel(self, consumer_tag: str) -> None:
+        self._consumers.cancel(consumer_tag)
 
-        self._submit(run, self.publish_timeout, "declaring the job")
+    def ack(self, delivery: Delivery) -> None:
+        self._gates.settle(delivery, None)
+
+    def reject(self, delivery: Delivery, *, requeue: bool = False) -> None:
+        self._gates.settle(delivery, requeue)
 
     # ---- facts and lifecycle ------------------------------------------------------------------------
     def queue_depth(self, queue: str) -> int:
-        def run(b: RabbitBroker) -> int:
-            assert b._conn is not None
-            ch = b._conn.channel()
+        def run() -> int:
+            conn = self._io.conn
+            assert conn is not None
+            ch = conn.channel()
             try:
                 ok = ch.queue_declare(queue, passive=True)
             except pe.ChannelClosedByBroker as exc:
@@ -309,36 +216,29 @@ class RabbitBroker(RabbitConsuming, RabbitPublishing, RabbitIo, GatedDispatch, B
             ch.close()
             return int(ok.method.message_count)
 
-        return self._submit(run, self.publish_timeout, "queue depth")
+        return self._io.submit(run, self.publish_timeout, "queue depth")
 
     def status(self) -> dict[str, Any]:
-        with self._lock:
-            unconfirmed = sum(1 for c in self._cmds if not c.cancelled and not c.future.done())
+        io = self._io
         return {
             "url": redact(self.url),
             "user": self.user,
-            "connected": self._conn is not None and not self._stopping,
-            "blocked": self._blocked,
-            "reconnects": self._reconnects,
-            "unconfirmed": unconfirmed,
-            "consumers": len(self._consumers),
-            "last_error": self._last_error,
+            "connected": io.conn is not None and not io.stopping,
+            "blocked": io.blocked,
+            "reconnects": io.reconnects,
+            "unconfirmed": io.unconfirmed(),
+            "consumers": len(self._consumers.by_tag),
+            "last_error": io.last_error,
         }
 
     def close(self) -> None:
-        if self._stopping:
+        if self._io.stopping:
             return
-        self._stopping = True
+        self._io.stopping = True
         with self._lane_lock:
             lane, self._lane = self._lane, None
         if lane is not None:
             lane.close()
-        self._wake()
-        with self._dispatch_cv:
-            self._dispatch_cv.notify_all()
-        with self._lock:  # a command the broker is not answering keeps the I/O thread (a daemon) for good
-            busy = self._wedged or any(c.started is not None and not c.future.done() for c in self._cmds)
-        if threading.current_thread() is not self._io:
-            self._io.join(timeout=1 if busy else 15)
-        if threading.current_thread() is not self._dispatcher and self._dispatcher.is_alive():
-            self._dispatcher.join(timeout=15)
+        self._dispatcher.stop()
+        self._io.stop()
+        self._dispatcher.join()

@@ -19,12 +19,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import structlog
 
-from fedmq.broker.transport.base import REFUSED_SIZE_HEADER, Broker, Delivery, Handler, ReassemblyLimits
+from fedmq.broker.transport.base import REFUSED_SIZE_HEADER, Delivery, Handler, ReassemblyLimits
 from fedmq.broker.transport.errors import BrokerError
 from fedmq.broker.wire.blobs import digest
 from fedmq.broker.wire.chunk_frames import (
@@ -336,6 +337,13 @@ class ChunkGate:
             self._unsettled -= len(tag.raw)
             return list(tag.raw)
 
+    def _refuse(self, d: Delivery, why: str, event: str, **fields: Any) -> Outcome:
+        """Reject one raw delivery, logged as ``event`` with ``fields`` (the lock is held)."""
+        self._unsettled -= 1
+        self.rejected += 1
+        log.warning(event, queue=d.queue, message_id=d.message_id, **fields)
+        return Outcome(reject=[d.tag], reason=why)
+
     def feed(self, d: Delivery) -> Outcome:
         """Take one raw delivery (its ``tag`` is the backend's raw tag)."""
         raw = d.tag
@@ -344,18 +352,15 @@ class ChunkGate:
             announced = d.headers.get(REFUSED_SIZE_HEADER)
             size = announced if isinstance(announced, int) else len(d.body)
             if announced is not None or size > self.body_limit(d):
-                self._unsettled -= 1
-                self.rejected += 1
-                log.warning(
+                return self._refuse(
+                    d,
+                    "too-large",
                     "message refused: larger than this consumer accepts",
-                    queue=d.queue,
-                    message_id=d.message_id,
                     routing_key=d.routing_key,
                     size=size,
                     limit=self.reassembler.max_message_size,
                     read=announced is None,
                 )
-                return Outcome(reject=[raw], reason="too-large")
             if CHUNK_HEADER not in d.headers:
                 return Outcome(deliver=replace(d, tag=Tag([raw], self, self.gen)))
             try:
@@ -363,16 +368,7 @@ class ChunkGate:
                 dup = self.reassembler.is_duplicate(chunk)
                 body = None if dup else self.reassembler.add(chunk, sender=d.routing_key)
             except CodecError as exc:
-                self._unsettled -= 1
-                self.rejected += 1
-                log.warning(
-                    "chunk rejected",
-                    queue=d.queue,
-                    message_id=d.message_id,
-                    reason=exc.reason,
-                    detail=str(exc),
-                )
-                return Outcome(reject=[raw], reason=exc.reason)
+                return self._refuse(d, exc.reason, "chunk rejected", reason=exc.reason, detail=str(exc))
             if dup:
                 self._unsettled -= 1
                 log.debug("duplicate chunk dropped", queue=d.queue, msg_id=chunk.msg_id, index=chunk.index)
@@ -406,29 +402,24 @@ EXPIRY_CHECK_S = 1.0  # how often a dispatcher drops incomplete chunked messages
 
 
 class GatedDispatch:
-    """ack/reject and the dispatcher's work, shared by the backends: each delivery goes through its consumer's
-    ChunkGate. A backend provides ``_consumers`` (objects with ``gate`` and ``handler``) and
-    ``_settle_raw(raw_tag, requeue)`` (requeue None = ack, False = reject and drop, True = requeue)."""
+    """ack/reject and the dispatcher's work, for one connection of any backend: each delivery goes through
+    its consumer's ChunkGate. Built on the backend's ``consumers`` (tag -> an object with ``gate``,
+    ``handler`` and optionally ``only``) and ``settle_raw(raw_tag, requeue)`` (requeue None = ack, False =
+    reject and drop, True = requeue)."""
 
-    _consumers: dict[str, Any]
+    def __init__(self, consumers: dict[str, Any], settle_raw: Callable[[Any, bool | None], None]) -> None:
+        self._consumers = consumers
+        self._settle_raw = settle_raw
 
-    def _settle_raw(self, raw: Any, requeue: bool | None) -> None:
-        raise NotImplementedError
-
-    def _settle(self, delivery: Delivery, requeue: bool | None) -> None:
+    def settle(self, delivery: Delivery, requeue: bool | None) -> None:
+        """Ack (``requeue`` None) or reject a whole delivery: every raw delivery it was made of."""
         tag = delivery.tag
         if not isinstance(tag, Tag) or not isinstance(tag.gate, ChunkGate):
             raise BrokerError("cannot ack/reject: the delivery did not come from this broker")
         for raw in tag.gate.settle(tag):
             self._settle_raw(raw, requeue)
 
-    def ack(self, delivery: Delivery) -> None:
-        self._settle(delivery, None)
-
-    def reject(self, delivery: Delivery, *, requeue: bool = False) -> None:
-        self._settle(delivery, requeue)
-
-    def _dispatch(self, c: Any, raw: Delivery) -> None:
+    def dispatch(self, c: Any, raw: Delivery) -> None:
         """Feed one raw delivery to its consumer's gate; settle what the gate says; run the handler.
 
         A consumer reading for one message (``only``: a model reader on the stream) acks every other raw
@@ -443,9 +434,9 @@ class GatedDispatch:
         for t in out.reject:
             self._settle_raw(t, False)
         if out.deliver is not None:
-            run_handler(self, c.handler, out.deliver)  # type: ignore[arg-type]
+            self._run_handler(c.handler, out.deliver)
 
-    def _expire_due(self, last: float) -> float:
+    def expire_due(self, last: float) -> float:
         """Every EXPIRY_CHECK_S: reject the held chunks of messages left incomplete past their timeout."""
         now = time.monotonic()
         if now - last < EXPIRY_CHECK_S:
@@ -455,21 +446,20 @@ class GatedDispatch:
                 self._settle_raw(t, False)
         return now
 
-
-def run_handler(broker: Broker, handler: Handler, d: Delivery) -> None:
-    """Run a handler; if it raises, log and reject (no requeue) unless it already settled the delivery."""
-    try:
-        handler(d)
-    except Exception as exc:  # a handler bug must not kill the dispatcher thread
-        log.error(
-            "message handler failed; message rejected",
-            queue=d.queue,
-            message_id=d.message_id,
-            error=f"{type(exc).__name__}: {exc}",
-        )
-        tag = d.tag
-        if isinstance(tag, Tag) and not tag.settled:
-            try:
-                broker.reject(d, requeue=False)
-            except Exception as exc2:  # the connection may be gone; the broker requeues it then
-                log.warning("could not reject after handler failure", error=str(exc2))
+    def _run_handler(self, handler: Handler, d: Delivery) -> None:
+        """Run a handler; if it raises, log and reject (no requeue) unless it already settled the delivery."""
+        try:
+            handler(d)
+        except Exception as exc:  # a handler bug must not kill the dispatcher thread
+            log.error(
+                "message handler failed; message rejected",
+                queue=d.queue,
+                message_id=d.message_id,
+                error=f"{type(exc).__name__}: {exc}",
+            )
+            tag = d.tag
+            if isinstance(tag, Tag) and not tag.settled:
+                try:
+                    self.settle(d, False)
+                except Exception as exc2:  # the connection may be gone; the broker requeues it then
+                    log.warning("could not reject after handler failure", error=str(exc2))

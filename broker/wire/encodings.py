@@ -323,64 +323,10 @@ def _decode_one(
             post=_raw_post(b, xor, -1 if as_delta else 0, bad, reject),
         )
         return 0, lambda: finite(get().view(np.float32))
-    if kind == "fp16":
-        get16 = unpack_array(rec["p"], np.float16, n, work)
-
-        def fin() -> np.ndarray:
-            return get16().astype(np.float32)
-
-    elif kind == "bf16":
-        getb = unpack_array(rec["p"], np.uint16, n, work)
-
-        def fin() -> np.ndarray:
-            return bf16_to_f32(getb())
-
-    elif kind in _LEVELS:
-        per_row = rec["r"]
-        if type(per_row) is not bool:
-            raise CodecError("bad-tensor", f"{kind} per-row flag must be a bool")
-        rows = _rows(shape, n) if per_row else 1
-        scale = np.frombuffer(read_blob(rec["sc"], 4 * rows), np.float32)
-        lo = np.frombuffer(read_blob(rec["lo"], 4 * rows), np.float32)
-        if not (np.isfinite(scale).all() and np.isfinite(lo).all()):
-            raise CodecError("non-finite", f"{kind} scale or zero point is NaN/Inf")
-        nibbles = kind == "int4"
-        getq = unpack_array(rec["p"], np.uint8, (n + 1) // 2 if nibbles else n, work)
-
-        top = _LEVELS[kind]
-
-        def fin() -> np.ndarray:
-            q = _unpack_nibbles(getq(), n) if nibbles else getq()
-            if top < 255 and not nibbles and n and int(q.max()) > top:
-                raise CodecError("bad-tensor", f"{kind} value above its top level {top}")
-            return dequantize_affine(q, scale, lo, rows)
-    else:  # topk
-        k, vd = rec["k"], rec["vd"]
-        if type(k) is not int or not 0 <= k <= n:
-            raise CodecError("bad-tensor", f"topk count {k!r} outside 0..{n}")
-        if vd not in ("float16", "float32"):
-            raise CodecError("bad-tensor", f"topk value dtype {vd!r} is not float16/float32")
-        getd = unpack_array(rec["i"], np.uint32, k, work)
-        getv = unpack_array(rec["v"], np.dtype(vd), k, work)
-
-        def topk() -> np.ndarray:
-            diffs, vals = getd(), getv()
-            idx = np.cumsum(diffs, dtype=np.int64)
-            if k and ((diffs[1:] == 0).any() or idx[-1] >= n):
-                raise CodecError("bad-tensor", "topk indices are not strictly increasing within the tensor")
-            d = np.zeros(n, np.float32)
-            if shift == 0:
-                d[idx] = vals
-                return finite(d)
-            assert b is not None  # a delta record, or as_delta: the caller passes the base
-            if shift > 0:
-                out = b.copy()
-                out[idx] += vals.astype(np.float32)
-                return finite(out)
-            d[idx] = vals
-            return finite(d - b)
-
-        return 4 * n, topk
+    if kind == "fp16" or kind == "bf16" or kind in _LEVELS:
+        fin = _plan_dense(kind, rec, n, shape, work)
+    else:
+        return 4 * n, _plan_topk(rec, n, b, shift, work, finite)
 
     def values() -> np.ndarray:
         v = fin()
@@ -391,6 +337,76 @@ def _decode_one(
         return finite(v)
 
     return 4 * n, values
+
+
+def _plan_dense(
+    kind: str, rec: dict, n: int, shape: tuple[int, ...], work: Unpacking
+) -> Callable[[], np.ndarray]:
+    """Plan an fp16, bf16 or quantized record's unpacking; returns what makes its float32 values (before any
+    base is added or subtracted)."""
+    if kind == "fp16":
+        get16 = unpack_array(rec["p"], np.float16, n, work)
+        return lambda: get16().astype(np.float32)
+    if kind == "bf16":
+        getb = unpack_array(rec["p"], np.uint16, n, work)
+        return lambda: bf16_to_f32(getb())
+    per_row = rec["r"]
+    if type(per_row) is not bool:
+        raise CodecError("bad-tensor", f"{kind} per-row flag must be a bool")
+    rows = _rows(shape, n) if per_row else 1
+    scale = np.frombuffer(read_blob(rec["sc"], 4 * rows), np.float32)
+    lo = np.frombuffer(read_blob(rec["lo"], 4 * rows), np.float32)
+    if not (np.isfinite(scale).all() and np.isfinite(lo).all()):
+        raise CodecError("non-finite", f"{kind} scale or zero point is NaN/Inf")
+    nibbles = kind == "int4"
+    getq = unpack_array(rec["p"], np.uint8, (n + 1) // 2 if nibbles else n, work)
+    top = _LEVELS[kind]
+
+    def dequantized() -> np.ndarray:
+        q = _unpack_nibbles(getq(), n) if nibbles else getq()
+        if top < 255 and not nibbles and n and int(q.max()) > top:
+            raise CodecError("bad-tensor", f"{kind} value above its top level {top}")
+        return dequantize_affine(q, scale, lo, rows)
+
+    return dequantized
+
+
+def _plan_topk(
+    rec: dict,
+    n: int,
+    b: np.ndarray | None,
+    shift: int,
+    work: Unpacking,
+    finite: Callable[[np.ndarray], np.ndarray],
+) -> Callable[[], np.ndarray]:
+    """Plan a top-k record's unpacking; returns what scatters its values into the float32 tensor, the base
+    added (``shift`` 1) or subtracted (−1) as _decode_one wants."""
+    k, vd = rec["k"], rec["vd"]
+    if type(k) is not int or not 0 <= k <= n:
+        raise CodecError("bad-tensor", f"topk count {k!r} outside 0..{n}")
+    if vd not in ("float16", "float32"):
+        raise CodecError("bad-tensor", f"topk value dtype {vd!r} is not float16/float32")
+    getd = unpack_array(rec["i"], np.uint32, k, work)
+    getv = unpack_array(rec["v"], np.dtype(vd), k, work)
+
+    def topk() -> np.ndarray:
+        diffs, vals = getd(), getv()
+        idx = np.cumsum(diffs, dtype=np.int64)
+        if k and ((diffs[1:] == 0).any() or idx[-1] >= n):
+            raise CodecError("bad-tensor", "topk indices are not strictly increasing within the tensor")
+        d = np.zeros(n, np.float32)
+        if shift == 0:
+            d[idx] = vals
+            return finite(d)
+        assert b is not None  # a delta record, or as_delta: the caller passes the base
+        if shift > 0:
+            out = b.copy()
+            out[idx] += vals.astype(np.float32)
+            return finite(out)
+        d[idx] = vals
+        return finite(d - b)
+
+    return topk
 
 
 def decode_state(

@@ -207,7 +207,7 @@ def test_incomplete_chunked_updates_are_bounded_by_the_manifest(rabbit_url, job_
         deadline = time.monotonic() + 10
         while engine._consumer is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        gate = engine.broker._consumers[engine._consumer].gate
+        gate = engine.broker._consumers.by_tag[engine._consumer].gate
         rk = topology.rk_update(job_id, "agent-0")
         sent = 0
         for i in range(3):  # three nearly update-sized messages, each missing its last chunk

@@ -23,6 +23,7 @@ import structlog
 
 from fedmq.broker.transport import provision as prov
 from fedmq.broker.transport import topology as t
+from fedmq.broker.transport.admin import CtlAdmin
 from fedmq.broker.transport.connect import connect
 from fedmq.broker.transport.errors import BrokerError
 from fedmq.broker.transport.rabbitmq import RabbitBroker
@@ -37,8 +38,8 @@ def exchange_of(job: str) -> str:
     return t.exchange(job)
 
 
-def _admin(node) -> prov.CtlAdmin:
-    return prov.CtlAdmin(node=node.name, ctl=CTL, env=node.env())
+def _admin(node) -> CtlAdmin:
+    return CtlAdmin(node=node.name, ctl=CTL, env=node.env())
 
 
 def _refused(url: str, action) -> int:

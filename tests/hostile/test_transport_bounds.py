@@ -21,6 +21,7 @@ import pytest
 
 from fedmq.broker.transport import provision as prov
 from fedmq.broker.transport import topology as t
+from fedmq.broker.transport.admin import CtlAdmin
 from fedmq.broker.transport.base import ReassemblyLimits
 from fedmq.broker.transport.connect import connect
 from fedmq.broker.transport.errors import REFUSAL_TRIES, BrokerError
@@ -104,7 +105,7 @@ def test_presence_is_not_queued_behind_an_upload(rabbit_node, job_id):
 def test_an_agent_refused_by_its_permissions_ends_with_one_line(rabbit_node):
     tag = uuid.uuid4().hex[:6]
     vhost, job = f"fedmq-refused-{tag}", f"jr{tag}"
-    admin = prov.CtlAdmin(node=rabbit_node.name, ctl=CTL, env=rabbit_node.env())
+    admin = CtlAdmin(node=rabbit_node.name, ctl=CTL, env=rabbit_node.env())
     creds = prov.provision(rabbit_node.url, vhost=vhost, job=job, agents=["agent-0"], admin=admin)
     try:
         with connect(creds["aggregator"]["url"]) as agg:

@@ -23,6 +23,7 @@ import pytest
 
 from fedmq.broker.transport import provision as prov
 from fedmq.broker.transport import topology as t
+from fedmq.broker.transport.admin import CtlAdmin, local_ctl
 from fedmq.broker.transport.connect import connect
 from fedmq.broker.transport.errors import BrokerError
 
@@ -59,7 +60,7 @@ AS_POD = (
 
 def test_a_host_user_speaks_for_its_own_clients_only(rabbit_url, job_id):
     vhost = f"fedmqt-{uuid.uuid4().hex[:8]}"
-    admin = prov.CtlAdmin()
+    admin = CtlAdmin()
     creds = prov.provision(rabbit_url, vhost=vhost, job=job_id, agents=[], hosts=["h1"], admin=admin)
     try:
         assert "name: fedmq-host-h1" in prov.secret_manifests(creds)
@@ -200,7 +201,7 @@ def test_two_host_processes_run_a_job_with_the_aggregator(tmp_path, rabbit_url, 
             (r["round"], c, r["update_ids"][c]) for r in rows for c in r["received"] if c.startswith("h0-")
         }
         assert folded and {(a["round"], a["client"], a["update_id"]) for a in audit} == folded
-        ctl = prov.local_ctl(rabbit_url)
+        ctl = local_ctl(rabbit_url)
         assert ctl is not None
         queues = ctl.queues("/", f"fedmq.{job_id}.")
         assert len(queues) == 3 + 2 * 2, queues  # inbox, dead letters, model stream; two per host

@@ -22,6 +22,7 @@ import fedmq_procs
 import pytest
 
 from fedmq.broker.transport import provision as prov
+from fedmq.broker.transport.admin import admin_for
 from fedmq.broker.transport.deprovision import deprovision
 
 pytestmark = pytest.mark.rabbitmq
@@ -46,7 +47,7 @@ def admin(rabbit_url):
     if shutil.which("rabbitmqctl") is None:
         pytest.skip("rabbitmqctl is not on this machine")
     try:
-        return prov.admin_for(rabbit_url)
+        return admin_for(rabbit_url)
     except Exception as exc:  # not allowed to run it (not root), or another node
         pytest.skip(f"rabbitmqctl cannot administer the test broker: {exc}")
 

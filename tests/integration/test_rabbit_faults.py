@@ -141,7 +141,7 @@ def test_a_lost_confirm_is_published_again_on_a_new_channel(rabbit_node, job_id)
         got = Collector(agg)
         agg.consume(t.q_inbox(job_id), got)
         deaf, lost, abandoned = [True], [], []
-        on_confirm, abandon = agent._on_confirm, agent._abandon_pub_channel
+        on_confirm, abandon = agent._publisher.on_confirm, agent._publisher.abandon_channel
 
         def lossy(frame) -> None:  # every confirm of a publish's first channel is lost on the way
             if deaf[0]:
@@ -154,7 +154,7 @@ def test_a_lost_confirm_is_published_again_on_a_new_channel(rabbit_node, job_id)
             abandon(job)
             deaf[0] = False
 
-        agent._on_confirm, agent._abandon_pub_channel = lossy, abandon_and_hear
+        agent._publisher.on_confirm, agent._publisher.abandon_channel = lossy, abandon_and_hear
         for mid, body in (("small", b"x" * 100), ("big", os.urandom(300 * 1024))):  # big: 5 chunks
             deaf[0] = True
             t0 = time.monotonic()
@@ -181,18 +181,18 @@ def test_a_nacked_publish_is_retried_on_a_new_channel(rabbit_node, job_id):
         agg.declare_job(job_id, ["a1"])
         got = Collector(agg)
         agg.consume(t.q_inbox(job_id), got)
-        channels, on_confirm = [], agent._on_confirm
+        channels, on_confirm = [], agent._publisher.on_confirm
 
         def nack_first_channel(frame) -> None:  # the broker acked; the first channel "nacks" instead
-            if agent._pub_ch not in channels:
-                channels.append(agent._pub_ch)
-            if agent._pub_ch is channels[0]:
+            if agent._publisher.channel not in channels:
+                channels.append(agent._publisher.channel)
+            if agent._publisher.channel is channels[0]:
                 frame = pika.frame.Method(
                     frame.channel_number, pika.spec.Basic.Nack(frame.method.delivery_tag)
                 )
             on_confirm(frame)
 
-        agent._on_confirm = nack_first_channel
+        agent._publisher.on_confirm = nack_first_channel
         first = agent.status()
         agent.publish(t.rk_update(job_id, "a1"), b"u" * 100, message_id="u1")
         assert len(channels) == 2, channels  # nacked on one channel, confirmed on the next

@@ -13,6 +13,7 @@ import pytest
 
 from fedmq.broker.transport import provision as prov
 from fedmq.broker.transport import topology as t
+from fedmq.broker.transport.admin import CtlAdmin, HttpAdmin, admin_for
 from fedmq.broker.transport.connect import connect
 from fedmq.broker.transport.errors import BrokerError
 
@@ -24,7 +25,7 @@ def fed(rabbit_url, job_id):
     """A fresh vhost with the job's aggregator and two agents (per-job user names), removed afterwards."""
     tag = uuid.uuid4().hex[:8]
     vhost, agents = f"fedmqt-{tag}", [f"a1-{tag}", f"a2-{tag}"]
-    admin = prov.CtlAdmin()
+    admin = CtlAdmin()
     creds = prov.provision(rabbit_url, vhost=vhost, job=job_id, agents=agents, admin=admin)
     yield creds
     admin.delete_users([creds["aggregator"]["username"], *(e["username"] for e in creds["agents"].values())])
@@ -115,7 +116,7 @@ def test_provisioned_users_are_confined(fed, job_id):
 def test_provision_is_idempotent_and_writes_secrets(rabbit_url, tmp_path, job_id):
     tag = uuid.uuid4().hex[:8]
     vhost, agg, agents = f"fedmqt-{tag}", f"agg-{tag}", [f"x-{tag}"]
-    admin = prov.CtlAdmin()
+    admin = CtlAdmin()
     try:
         first = prov.provision(
             rabbit_url, vhost=vhost, job=job_id, agents=agents, admin=admin, aggregator_user=agg
@@ -176,7 +177,7 @@ def test_check_and_purge(rabbit_url, job_id):
 
 @pytest.mark.isolated_node
 def test_provision_through_the_management_api(rabbit_node, job_id):
-    admin = prov.HttpAdmin(rabbit_node.management_url, "guest", "guest")
+    admin = HttpAdmin(rabbit_node.management_url, "guest", "guest")
     agents = ["h1", "h2"]
     creds = prov.provision(rabbit_node.url, vhost="fedmq-http", job=job_id, agents=agents, admin=admin)
     try:
@@ -208,7 +209,7 @@ def test_provision_through_the_management_api(rabbit_node, job_id):
         admin.delete_users([t.aggregator_user(job_id), *(t.agent_user(job_id, a) for a in agents)])
         admin.delete_vhost("fedmq-http")
     with pytest.raises(BrokerError, match="HTTP 401"):
-        prov.HttpAdmin(rabbit_node.management_url, "guest", "wrong").define("nope", [])
+        HttpAdmin(rabbit_node.management_url, "guest", "wrong").define("nope", [])
 
 
 @pytest.mark.isolated_node
@@ -217,13 +218,13 @@ def test_users_go_in_one_request_and_those_already_gone_are_skipped(rabbit_node,
     an Erlang literal cannot hold as it is goes by its own delete_user."""
     from fedmq.broker.transport.deprovision import inventory_for
 
-    http = prov.HttpAdmin(rabbit_node.management_url, "guest", "guest")
-    for admin, url in ((prov.CtlAdmin(), rabbit_url), (http, rabbit_node.url)):
+    http = HttpAdmin(rabbit_node.management_url, "guest", "guest")
+    for admin, url in ((CtlAdmin(), rabbit_url), (http, rabbit_node.url)):
         vhost = "fedmq-del-" + uuid.uuid4().hex[:6]
         creds = prov.provision(url, vhost=vhost, job=job_id, agents=["a0", "a1"], admin=admin)
         users = [creds["aggregator"]["username"], *(e["username"] for e in creds["agents"].values())]
         odd = f"{job_id} odd"
-        if isinstance(admin, prov.CtlAdmin):
+        if isinstance(admin, CtlAdmin):
             admin.run("add_user", odd, "pw")
             users.append(odd)
         try:
@@ -238,12 +239,12 @@ def test_users_go_in_one_request_and_those_already_gone_are_skipped(rabbit_node,
 def test_admin_choice_by_broker_location(monkeypatch):
     monkeypatch.delenv("FEDMQ_BROKER_USER", raising=False)
     monkeypatch.delenv("FEDMQ_BROKER_PASSWORD", raising=False)
-    remote = prov.admin_for("amqps://boss:s3cret@rabbit.example:5671/")
-    assert isinstance(remote, prov.HttpAdmin) and remote.base == "https://rabbit.example:15671"
-    assert isinstance(prov.admin_for("amqp://u:p@10.1.2.3/"), prov.HttpAdmin)
-    assert isinstance(prov.admin_for("amqp://guest:guest@127.0.0.1:5672/"), prov.CtlAdmin)
+    remote = admin_for("amqps://boss:s3cret@rabbit.example:5671/")
+    assert isinstance(remote, HttpAdmin) and remote.base == "https://rabbit.example:15671"
+    assert isinstance(admin_for("amqp://u:p@10.1.2.3/"), HttpAdmin)
+    assert isinstance(admin_for("amqp://guest:guest@127.0.0.1:5672/"), CtlAdmin)
     with pytest.raises(BrokerError, match="amqp"):
-        prov.admin_for("memory://x")
+        admin_for("memory://x")
 
 
 def test_provision_configures_the_node_the_url_names(rabbit_node, tmp_path):
@@ -277,7 +278,7 @@ def test_provision_configures_the_node_the_url_names(rabbit_node, tmp_path):
         f" name the node of port {rabbit_node.port} with FEDMQ_RABBITMQ_NODE"
     )
     assert not (tmp_path / "creds.json").exists()
-    assert vhost not in prov.CtlAdmin().run("list_vhosts", "--quiet")  # the shared broker was not touched
+    assert vhost not in CtlAdmin().run("list_vhosts", "--quiet")  # the shared broker was not touched
     env = {
         **rabbit_node.env(),
         "FEDMQ_RABBITMQ_NODE": rabbit_node.name,
@@ -303,7 +304,7 @@ def test_two_jobs_in_one_vhost_are_isolated(rabbit_url):
     can read, write, bind to or delete anything of A."""
     tag = uuid.uuid4().hex[:8]
     vhost, job_a, job_b, agents = f"fedmqt-{tag}", f"ja{tag}", f"jb{tag}", ["agent-0"]
-    admin = prov.CtlAdmin()
+    admin = CtlAdmin()
     a = prov.provision(rabbit_url, vhost=vhost, job=job_a, agents=agents, admin=admin)
     b = prov.provision(rabbit_url, vhost=vhost, job=job_b, agents=agents, admin=admin)
     try:

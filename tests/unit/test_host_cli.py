@@ -13,6 +13,7 @@ import pytest
 
 from fedmq.broker.transport import provision as prov
 from fedmq.broker.transport import topology as t
+from fedmq.broker.transport.admin import Permissions, User
 from fedmq.broker.transport.deprovision import job_users
 from fedmq.broker.transport.errors import BrokerError
 from fedmq.cli.commands.agent import _host_share, _hosted_clients
@@ -138,9 +139,9 @@ def test_host_permissions_name_its_own_queues_and_clients_only():
 class FakeAdmin:
     def __init__(self) -> None:
         self.users: dict[str, str] = {}
-        self.perms: dict[str, prov.Permissions] = {}
+        self.perms: dict[str, Permissions] = {}
 
-    def define(self, vhost: str, users: list[prov.User]) -> None:
+    def define(self, vhost: str, users: list[User]) -> None:
         for u in users:
             self.users[u.name], self.perms[u.name] = u.password, u.permissions
 
