@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from fedmq import defaults, train_config
 from fedmq.broker.wire.messages import RoundConfig
@@ -18,6 +19,8 @@ from fedmq.train_config import TrainConfig
 
 if TYPE_CHECKING:
     from fedmq.aggregator.strategies.base import RoundPlan, Strategy
+
+log = logging.getLogger(__name__)
 
 # what --strategy offers (the registry also holds the robust guards, chosen with --robust)
 STRATEGIES = (
@@ -60,8 +63,6 @@ FLAGS = {
     "min_clients": "--min-clients",
     "beta": "--beta",
     "loss_eps": "--loss-eps",
-    "att_eps": "--eps",
-    "att_norm": "--norm",
     "noise": "--noise",
     "pull_fraction": "--pull-fraction",
     "pull_down": "--pull-down",
@@ -81,6 +82,29 @@ FLAGS = {
     "robust": "--robust",
     "max_samples_factor": "--max-samples-factor",
 }
+
+
+class FormerKey(NamedTuple):
+    """A former JobConfig key that was a built-in strategy's parameter (FORMER_KEYS)."""
+
+    strategy: str
+    param: str
+    kind: str  # its type, a KINDS key
+    flag: str = ""  # the simulate flag kept for it, an alias of the parameter
+
+
+# the JobConfig keys that were a built-in strategy's parameters and are now its constructor's (one way in,
+# one default: the constructor's, which is the value the job had). Old job files and run folders'
+# config.json that hold them are still read, each as the parameter of its strategy (read_former_keys); a
+# run of any other strategy ignores them, as it always did
+FORMER_KEYS = {
+    "att_eps": FormerKey("fedatt", "epsilon", "float", "--eps"),
+    "att_norm": FormerKey("fedatt", "norm", "str", "--norm"),
+    "async_k": FormerKey("async", "buffer_size", "int"),
+    "max_staleness": FormerKey("async", "max_staleness", "int"),
+    "server_lr": FormerKey("async", "server_lr", "float"),
+}
+_said: set[str] = set()  # the former keys this process has warned of (read_former_keys)
 
 
 # a JobConfig field's declared type: what a value may be (an int is never a bool) and how a mistake names it
@@ -115,6 +139,50 @@ def split_strategy_table(values: dict[str, Any]) -> dict[str, Any]:
     return {**values, "strategy": name, "strategy_args": args}
 
 
+def former_key_args(strategy: str, former: dict[str, Any]) -> dict[str, Any]:
+    """The parameters of ``strategy`` that the FORMER_KEYS in ``former`` set (another strategy's: none)."""
+    name = STRATEGY_ALIASES.get(strategy, strategy)
+    return {FORMER_KEYS[k].param: v for k, v in former.items() if FORMER_KEYS[k].strategy == name}
+
+
+def with_strategy_args(values: dict[str, Any], args: dict[str, Any], where: str) -> dict[str, Any]:
+    """``values`` with ``args`` added to its ``strategy_args``; a parameter given there with another value
+    is refused (``where``: how ``args`` were given)."""
+    given = values.get("strategy_args") or {}
+    if not isinstance(given, dict):
+        return values  # JobConfig names the wrong type
+    clash = sorted(p for p in args if p in given and given[p] != args[p])
+    if clash:
+        raise JobConfigError(
+            f"{where} sets {clash[0]} = {args[clash[0]]!r}, the strategy's parameters "
+            f"{clash[0]} = {given[clash[0]]!r}: give it once"
+        )
+    return {**values, "strategy_args": {**given, **args}} if args else values
+
+
+def read_former_keys(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` (a job file's or config.json's keys, the strategy a name) with each of the FORMER_KEYS read
+    as its strategy's parameter in ``strategy_args``, or dropped where the strategy is another. Says so once
+    per process: one warning line naming the old keys and the new form."""
+    former = {k: values[k] for k in FORMER_KEYS if k in values}
+    if not former:
+        return values
+    rest = {k: v for k, v in values.items() if k not in FORMER_KEYS}
+    strategy = rest.get("strategy", JobConfig.strategy)
+    args = former_key_args(strategy, former) if isinstance(strategy, str) else {}
+    new = sorted(k for k in former if k not in _said)
+    if new:
+        _said.update(new)
+        forms = "; ".join(
+            f"{k} -> {FORMER_KEYS[k].strategy} parameter {FORMER_KEYS[k].param} "
+            f"([strategy] {FORMER_KEYS[k].param} = ..., --strategy-arg {FORMER_KEYS[k].param}=...)"
+            for k in new
+        )
+        log.warning("read former job key(s) as strategy parameters: %s", forms)
+    names = ", ".join(sorted(former))
+    return with_strategy_args(rest, args, names)
+
+
 def named_fedmed_variant(values: dict[str, Any]) -> dict[str, Any]:
     """``values`` without the former ``fedmed_js`` key: a ``fedmed`` job that set it to other JS weights than
     the paper's is the variant of that name (FEDMED_JS); any other strategy never read it."""
@@ -144,8 +212,6 @@ class JobConfig:
     min_clients: int = 1  # a round with fewer reports/updates is closed as skipped
     beta: float = 1.0  # top-K share of reporting agents granted an upload (1 = no grant phase unless fedmed)
     loss_eps: float = 0.1  # FedMed loss switch threshold
-    att_eps: float = 1.2  # FedAtt step size
-    att_norm: str = "fro"  # fro | spectral
     # randomization β: client adds noise·N(0, 1) to its weights before upload (FedAtt Eq. 6)
     noise: float = 0.0
     # dynamic pulling: share of tensors sent (0.5 = median rule, 0.33 = 33 % variant)
@@ -187,9 +253,6 @@ class JobConfig:
     update_deadline_s: float = 120.0
     join_timeout_s: float = 60.0  # wait this long for agents before a round with nobody online is skipped
     heartbeat_s: float = defaults.HEARTBEAT_S
-    async_k: int = 3  # async: fold every K arrivals
-    max_staleness: int = 5
-    server_lr: float = 1.0  # async: server step on the staleness-weighted mean delta
     eval_every: int = 1
     # the newest round checkpoints kept (nmt-domains keeps every round's to pick one)
     keep_checkpoints: int = 3
@@ -271,7 +334,7 @@ class JobConfig:
             bad(f"{key('min_clients')} must be at least 1")
         # the local-training settings (TRAIN_SETTINGS, lr) are checked against the ranges every agent
         # trains within (fedmq.train_config.RANGES), below
-        for name in ("async_k", "keyframe_every", "eval_every", "keep_checkpoints"):
+        for name in ("keyframe_every", "eval_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 bad(f"{key(name)} must be at least 1")
         for name in (
@@ -279,8 +342,6 @@ class JobConfig:
             "update_deadline_s",
             "join_timeout_s",
             "heartbeat_s",
-            "att_eps",
-            "server_lr",
             "round_lr_decay",
         ):
             if not getattr(self, name) > 0:
@@ -289,7 +350,7 @@ class JobConfig:
             bad(f"{key('round_lr_decay')} must be in (0, 1], got {self.round_lr_decay}")
         if not 1 <= self.lr_anneal <= 1000:
             bad(f"{key('lr_anneal')} must be in [1, 1000] (1 = off), got {self.lr_anneal}")
-        for name in ("noise", "loss_eps", "max_staleness"):
+        for name in ("noise", "loss_eps"):
             if getattr(self, name) < 0:
                 bad(f"{key(name)} must not be negative")
         for name in ("max_samples_factor", "norm_bound_factor"):
@@ -305,8 +366,6 @@ class JobConfig:
             why = train_config.out_of_range(name, value) if not isinstance(value, (bool, str)) else None
             if why:
                 bad(f"{key(name)} {why}")
-        if self.att_norm not in ("fro", "spectral"):
-            bad(f"unknown {key('att_norm')} {self.att_norm!r}; use fro or spectral")
         if self.optimizer not in train_config.OPTIMIZERS:
             bad(f"unknown {key('optimizer')} {self.optimizer!r}; use {' or '.join(train_config.OPTIMIZERS)}")
         kind, _, arg = self.robust.partition(":")
@@ -412,7 +471,7 @@ class JobConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> JobConfig:
         """A job file's or config.json's keys; ``strategy`` may be a table: its ``name`` and parameters."""
-        values = named_fedmed_variant(split_strategy_table(values))
+        values = read_former_keys(named_fedmed_variant(split_strategy_table(values)))
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -460,7 +519,10 @@ def read_job_file(path: Path) -> JobFile:
         raw = named_fedmed_variant(split_strategy_table(raw))
     except JobConfigError as exc:
         raise JobConfigError(f"config file {path}: {exc}") from None
-    kinds = {f.name: f.type for f in dataclasses.fields(JobConfig)}
+    # the former keys are read as their strategy's parameters once the strategy is known (JobConfig.from_dict;
+    # simulate's flags may name another strategy than the file)
+    kinds = {f.name: str(f.type) for f in dataclasses.fields(JobConfig)}
+    kinds.update({k: former.kind for k, former in FORMER_KEYS.items()})
     unknown = sorted(k for k in raw if k not in kinds)
     if unknown:
         raise JobConfigError(
@@ -469,7 +531,7 @@ def read_job_file(path: Path) -> JobFile:
         )
     job = {}
     for key, value in raw.items():
-        types, words = KINDS[str(kinds[key])]
+        types, words = KINDS[kinds[key]]
         if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
             raise JobConfigError(f"config file {path}: {key} must be {words}, got {value!r}")
         job[key] = float(value) if kinds[key] == "float" else value

@@ -28,7 +28,7 @@ from typing import Any
 import structlog
 import torch
 
-from fedmq.aggregator.async_rounds import AsyncRounds
+from fedmq.aggregator.async_rounds import AsyncRounds, async_window
 from fedmq.aggregator.checkpoint import load_checkpoint, save_checkpoint
 from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.guards import RoundGuard, Verdict, first_nonfinite
@@ -85,7 +85,8 @@ class Engine:
         self.task = task
         self.cfg = cfg
         # a strategy that cannot be built (its parameters, a user's class) fails here, not at the first close
-        strategy_from_config(cfg.strategy, cfg)
+        _, probe = strategy_from_config(cfg.strategy, cfg)
+        self.buffer_size, self.max_staleness = async_window(cfg, probe)
         if is_import_path(cfg.strategy) and not isinstance(cfg.train_config(), TrainConfig):
             raise BadParameter(f"strategy {cfg.strategy!r}: configure_train must return a TrainConfig")
         self.client = client_map(cfg)  # the strategy's client side, as every announcement names it
@@ -619,7 +620,7 @@ class Engine:
         could still arrive (a skipped round keeps none: its clients' next updates from it are welcome)."""
         for client, version in trained_from.items():
             self.folded_from[client] = max(version, self.folded_from.get(client, messages.NO_VERSION))
-        oldest = self.version - self.cfg.max_staleness  # older ones are too stale to train from anyway
+        oldest = self.version - self.max_staleness  # older ones are too stale to train from anyway
         self.folded_from = {c: v for c, v in self.folded_from.items() if v >= oldest}
 
     def folded_ids(self) -> set[str]:

@@ -69,6 +69,8 @@ class RoundContext(Protocol):
     phase: str
     hosted: dict[str, str]  # client -> the host serving it (aggregator.engine.Engine.note_presence)
     folded_from: dict[str, int]  # client -> newest version a folded update of it trained from (async)
+    buffer_size: int  # async: K, fold every K arrivals (the strategy's; aggregator.async_rounds.async_window)
+    max_staleness: int  # async: the oldest version an update may train from, this many back
 
     def online(self) -> list[str]: ...
 

@@ -46,6 +46,15 @@ def bind(cls: type, args: Mapping[str, Any], what: str | None = None) -> dict[st
     return out
 
 
+def with_defaults(cls: type, args: Mapping[str, Any]) -> dict[str, Any]:
+    """``args`` with the defaults of ``cls``'s constructor for the parameters they leave out: what it runs
+    with (unchecked; ``bind`` checks)."""
+    defaults = {
+        n: p.default for n, p in inspect.signature(cls).parameters.items() if p.default is not p.empty
+    }
+    return {**defaults, **args}
+
+
 def parse_assignments(items: Iterable[str]) -> dict[str, Any]:
     """``KEY=VALUE`` strings (``--strategy-arg``, repeatable) as a dict; VALUE is read as a TOML value (0.01,
     3, true, "text") and taken as a plain string when it is not one (server_lr=0.1, norm=fro)."""

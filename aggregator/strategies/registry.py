@@ -61,8 +61,6 @@ _CLASSES: dict[str, type[Strategy]] = {
 _ROBUST = {"clip": "fedavg-clip", "trimmed": "trimmed-mean", "median": "median"}
 
 STRATEGY_NAMES: tuple[str, ...] = tuple(_CLASSES)
-# JobConfig keys that some built-in strategy reads and the others do not (Strategy.own_settings)
-OWN_SETTINGS: frozenset[str] = frozenset(k for cls in _CLASSES.values() for k in cls.own_settings)
 
 
 def strategy_class(name: str) -> type[Strategy]:

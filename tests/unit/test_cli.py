@@ -375,7 +375,7 @@ def test_config_file_then_flags_override_it(tmp_path):
         'keyframe_every = 4\n[task]\nmodel = "gru-small"\nclients = 6\nmax_lines = 500\nemb = 64\n'
     )
     p = plan("--config", str(job), "--rounds", "5", "--lr", "5")
-    assert (p.job.strategy, p.job.rounds, p.job.att_eps, p.job.lr, p.job.keyframe_every) == (
+    assert (p.job.strategy, p.job.rounds, p.job.strategy_args["epsilon"], p.job.lr, p.job.keyframe_every) == (
         "fedatt",
         5,
         1.0,
@@ -446,7 +446,7 @@ def test_resume_of_a_run_folder_from_before_options_were_recorded():
     p = plan(saved=saved_options(legacy))
     assert (
         p.job.strategy,
-        p.job.att_eps,
+        p.job.strategy_args["epsilon"],
         p.job.clients,
         p.task["model"],
         p.task["bptt"],
