@@ -8,12 +8,12 @@ import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 from fedmq import defaults, train_config
 from fedmq.broker.wire.messages import RoundConfig
 from fedmq.errors import BadParameter, FedmqError
-from fedmq.params import check_values
+from fedmq.params import check_values, unknown_parameter
 from fedmq.plugins import is_import_path
 from fedmq.train_config import TrainConfig
 
@@ -51,6 +51,10 @@ FEDMED_JS = {"raw": "fedmed", "relative": "fedmed-relative", "standardised": "fe
 
 class JobConfigError(FedmqError):
     pass
+
+
+def _raise(msg: str) -> NoReturn:
+    raise JobConfigError(msg)
 
 
 # the JobConfig fields `fedmq simulate` has a flag for, and the flag: a mistake names both the key (what
@@ -278,33 +282,38 @@ class JobConfig:
         self.validate()
 
     def validate(self) -> None:
-        def bad(msg: str) -> None:
-            raise JobConfigError(msg)
+        """Every field, each mistake one line (JobConfigError); the first found is named."""
+        self._check_types()
+        self._check_strategy_args()
+        self._check_names()
+        self._check_round_shape()
+        self._check_ranges()
+        self._check_choices()
 
+    def _check_names(self) -> None:
+        """The job id, the encodings and the strategy name."""
         from fedmq.broker.transport.topology import check_name
         from fedmq.broker.wire.encodings import EncodingSpec
         from fedmq.errors import CodecError
 
-        self._check_types()
-        try:
-            check_values(self.strategy_args, "strategy-args")
-        except BadParameter as exc:
-            bad(str(exc))
         try:
             check_name("job id", self.job)
         except ValueError as exc:
-            bad(str(exc))
-
+            raise JobConfigError(str(exc)) from None
         for name in ("encoding", "down_encoding"):
             try:
                 EncodingSpec.parse(getattr(self, name))
             except CodecError as exc:
-                bad(f"{key(name)}: {exc}")
+                raise JobConfigError(f"{key(name)}: {exc}") from None
         if self.strategy not in STRATEGIES and not is_import_path(self.strategy):
-            bad(
+            raise JobConfigError(
                 f"unknown strategy {self.strategy!r}; "
                 f"choose one of {', '.join(STRATEGIES)} or package.module:Class"
             )
+
+    def _check_round_shape(self) -> None:
+        """Who takes part in a round and what they upload: K, C, β, the pulling rule, the minimum."""
+        bad = _raise
         if self.rounds < 1:
             bad(f"{key('rounds')} must be at least 1")
         if self.clients < 1:
@@ -332,8 +341,11 @@ class JobConfig:
             )
         if self.min_clients < 1:
             bad(f"{key('min_clients')} must be at least 1")
-        # the local-training settings (TRAIN_SETTINGS, lr) are checked against the ranges every agent
-        # trains within (fedmq.train_config.RANGES), below
+
+    def _check_ranges(self) -> None:
+        """The numbers' ranges: counts, deadlines, decays, the guards' factors, and the local-training
+        settings (TRAIN_SETTINGS, lr) against the ranges every agent trains within (train_config.RANGES)."""
+        bad = _raise
         for name in ("keyframe_every", "eval_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 bad(f"{key(name)} must be at least 1")
@@ -366,6 +378,10 @@ class JobConfig:
             why = train_config.out_of_range(name, value) if not isinstance(value, (bool, str)) else None
             if why:
                 bad(f"{key(name)} {why}")
+
+    def _check_choices(self) -> None:
+        """The settings that name one of a few choices: optimizer, robust guard, identity."""
+        bad = _raise
         if self.optimizer not in train_config.OPTIMIZERS:
             bad(f"unknown {key('optimizer')} {self.optimizer!r}; use {' or '.join(train_config.OPTIMIZERS)}")
         kind, _, arg = self.robust.partition(":")
@@ -386,6 +402,23 @@ class JobConfig:
             self.identity == "strict" or (self.identity.startswith("shared:") and len(self.identity) > 7)
         ):
             bad(f"{key('identity')} must be strict or shared:USER")
+
+    def _check_strategy_args(self) -> None:
+        """The strategy's arguments: a table of parameters, and a built-in strategy's by name, from its
+        constructor's signature (read without torch: aggregator.strategies.signatures); their values are the
+        constructor's to check, when it is built."""
+        from fedmq.aggregator.strategies.signatures import builtin_params
+
+        if self.strategy in STRATEGIES and isinstance(self.strategy_args, dict):
+            params = builtin_params(self.strategy)
+            unknown = sorted(k for k in self.strategy_args if params is not None and k not in params)
+            if unknown and params is not None:
+                label = f"strategy {self.strategy!r}"
+                raise JobConfigError(unknown_parameter(label, str(unknown[0]), params))
+        try:
+            check_values(self.strategy_args, "strategy-args")
+        except BadParameter as exc:
+            raise JobConfigError(str(exc)) from None
 
     def _check_types(self) -> None:
         """Every field of the type it is declared with (a job file's JSON can hold anything): ints are ints,

@@ -52,9 +52,10 @@ class FedAtt(SoftmaxWeighted):
 
     def __init__(self, epsilon: float = 1.2, norm: str = "fro") -> None:
         super().__init__()
-        self.epsilon = self.step_size = check_number("epsilon", epsilon, low=0.0, low_open=True)
+        # named with their flags too: --eps and --norm set them
+        self.epsilon = self.step_size = check_number("epsilon (--eps)", epsilon, low=0.0, low_open=True)
         if norm not in NORMS:
-            raise BadParameter(f"norm must be one of {', '.join(NORMS)}, got {norm!r}")
+            raise BadParameter(f"norm (--norm) must be one of {', '.join(NORMS)}, got {norm!r}")
         self.norm = norm
 
     def score(self, name: str, update: ClientUpdate) -> float:

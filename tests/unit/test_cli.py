@@ -265,6 +265,8 @@ def fedmq_torch_probe(*args: str) -> tuple[subprocess.CompletedProcess, bool]:
         (["--metrics-port", "70000"], "--metrics-port"),
         (["--metrics-port", "-1"], "--metrics-port"),
         (["--metrics-port", "http"], "--metrics-port"),
+        (["--strategy", "fedadam", "--strategy-arg", "server-lr=0.01"], "did you mean server_lr?"),
+        (["--strategy", "fedatt", "--strategy-arg", "eps=1"], "strategy 'fedatt' has no parameter 'eps'"),
     ],
 )
 def test_bad_simulate_flags_are_one_line_before_torch_and_leave_no_folder(args, needle, tmp_path):

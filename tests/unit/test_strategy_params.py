@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import fedmq_procs
 import pytest
 
 from fedmq.aggregator import config
 from fedmq.aggregator.config import FORMER_KEYS, JobConfig, JobConfigError, read_job_file
+from fedmq.aggregator.strategies.fedavg import FedAvg
+from fedmq.errors import BadParameter
 
 URL = "amqp://guest:guest@127.0.0.1:1/%2F"  # never reached
 
@@ -148,3 +151,50 @@ def test_an_asynchronous_strategy_of_ones_own_names_its_window():
     assert async_window(cfg, FedAvg()) == (1, 0)
     with pytest.raises(BadParameter, match="needs int attributes buffer_size and max_staleness"):
         async_window(cfg, NoWindow())
+
+
+def test_built_in_parameter_names_read_without_torch_are_their_signatures():
+    import inspect
+
+    from fedmq.aggregator.strategies.registry import STRATEGY_NAMES, strategy_class
+    from fedmq.aggregator.strategies.signatures import builtin_params
+
+    for name in STRATEGY_NAMES:
+        assert builtin_params(name) == tuple(sorted(inspect.signature(strategy_class(name)).parameters)), name
+    assert builtin_params("no-such-strategy") is None
+
+
+@pytest.mark.parametrize(
+    "strategy, args, needle",
+    [
+        ("fedadam", {"server-lr": 0.01}, "has no parameter 'server-lr' (did you mean server_lr?); it takes"),
+        ("fedatt", {"eps": 1.0}, "strategy 'fedatt' has no parameter 'eps'; it takes epsilon, norm"),
+        ("fedavg", {"mu": 0.1}, "strategy 'fedavg' has no parameter 'mu'; it takes no parameters"),
+    ],
+)
+def test_a_built_in_strategys_keys_are_checked_by_the_job(strategy, args, needle):
+    """By name, from the constructor's signature, when the job is built (no torch needed)."""
+    with pytest.raises(JobConfigError) as err:
+        JobConfig(strategy=strategy, strategy_args=args)
+    assert needle in str(err.value)
+
+
+class Refuses(FedAvg):
+    """A user's strategy whose constructor refuses its argument in its own words."""
+
+    name = "refuses"
+
+    def __init__(self, limit: float = 1.0) -> None:
+        raise BadParameter(f"limit must be below 1, got {limit}")
+
+
+def test_a_strategys_refusal_names_it_and_fedatts_names_its_flag():
+    from fedmq.aggregator.strategies import registry
+
+    user = f"{__name__}:Refuses"
+    with pytest.raises(BadParameter, match=re.escape(f"strategy {user!r}: limit must be below 1, got 2.0")):
+        registry.make_strategy(user, limit=2.0)
+    with pytest.raises(BadParameter, match=re.escape("strategy 'fedatt': epsilon (--eps) must be > 0.0")):
+        registry.make_strategy("fedatt", epsilon=0.0)
+    with pytest.raises(BadParameter, match=re.escape("strategy 'fedatt': norm (--norm) must be one of")):
+        registry.make_strategy("fedatt", norm="l7")
