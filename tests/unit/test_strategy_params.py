@@ -198,3 +198,17 @@ def test_a_strategys_refusal_names_it_and_fedatts_names_its_flag():
         registry.make_strategy("fedatt", epsilon=0.0)
     with pytest.raises(BadParameter, match=re.escape("strategy 'fedatt': norm (--norm) must be one of")):
         registry.make_strategy("fedatt", norm="l7")
+
+
+def test_a_run_recorded_with_the_former_keys_counts_as_run_with_its_parameters(tmp_path, fresh_warnings):
+    """benchmarks' ran_as: an archived run's att_eps is FedAtt's epsilon; a default is a default however
+    it is given."""
+    from fedmq.aggregator.runlog import CONFIG_FILE
+    from fedmq.benchmarks.experiments import ran_as
+
+    old = JobConfig(strategy="fedatt").to_dict()
+    old.update(att_eps=1.2, att_norm="fro", async_k=3, max_staleness=5, server_lr=1.0)
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(old))
+    assert ran_as(tmp_path, JobConfig(strategy="fedatt"))
+    assert ran_as(tmp_path, JobConfig(strategy="fedatt", strategy_args={"epsilon": 1.2}))
+    assert not ran_as(tmp_path, JobConfig(strategy="fedatt", strategy_args={"epsilon": 0.5}))
