@@ -36,7 +36,7 @@ import structlog
 
 from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.inbox import Received
-from fedmq.aggregator.rounds import RoundContext, RoundStats
+from fedmq.aggregator.rounds import Arrival, RoundContext, RoundStats
 from fedmq.aggregator.strategies.base import State, Strategy
 from fedmq.broker.wire import messages
 from fedmq.broker.wire.envelope import Envelope, Kind
@@ -236,11 +236,7 @@ class AsyncRounds:
         update = ctx.fold(
             stats,
             strategy,
-            env,
-            len(body),
-            base=base,
-            staleness=ctx.version - env.model_version,
-            received=msg,
+            Arrival(env, len(body), base, staleness=ctx.version - env.model_version, received=msg),
             screen=True,
         )
         if update is None:
