@@ -182,7 +182,9 @@ def read_former_keys(values: dict[str, Any]) -> dict[str, Any]:
             f"([strategy] {FORMER_KEYS[k].param} = ..., --strategy-arg {FORMER_KEYS[k].param}=...)"
             for k in new
         )
-        log.warning("read former job key(s) as strategy parameters: %s", forms)
+        log.warning(
+            "former job key(s), now a strategy's parameters (read as such for that strategy): %s", forms
+        )
     names = ", ".join(sorted(former))
     return with_strategy_args(rest, args, names)
 
