@@ -7,14 +7,14 @@ aggregator.spool.RoundSpool.save_base), and drops redeliveries of updates alread
 folding order of live updates is their arrival order: async runs are not bit-reproducible.
 
 Folding before K arrivals. Every agent online when a version is announced owes one update trained from it
-(an async agent trains on every version it reads). A version is folded with fewer than ``async_k`` updates,
-without waiting for the deadlines, once nobody else can arrive: at least one update is in, and every agent
-that owed one has delivered its update from this version, said it went offline (an availability model's
-absence: it has read this announcement and will not train on it), or fell silent past the presence horizon
-(three heartbeats). An agent that comes online after the announcement is not waited for: a new agent's queue
-did not exist when the version was announced; one that does hold the announcement is folded into a later
-version, with its staleness. So a population with fewer agents online than ``async_k`` publishes a version
-as soon as those online have trained, instead of once per report plus update deadline.
+(an async agent trains on every version it reads). A version is folded with fewer than K updates (the
+strategy's ``buffer_size``), without waiting for the deadlines, once nobody else can arrive: at least one
+update is in, and every agent that owed one has delivered its update from this version, said it went offline
+(an availability model's absence: it has read this announcement and will not train on it), or fell silent
+past the presence horizon (three heartbeats). An agent that comes online after the announcement is not waited
+for: a new agent's queue did not exist when the version was announced; one that does hold the announcement is
+folded into a later version, with its staleness. So a population with fewer agents online than K publishes a
+version as soon as those online have trained, instead of once per report plus update deadline.
 
 Every update the broker confirmed to an agent is folded or dropped with a reason (logged with its message id):
 updates that arrive before a restarted aggregator's first announcement are kept, unacked, for its first
@@ -34,13 +34,29 @@ import time
 
 import structlog
 
+from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.inbox import Received
-from fedmq.aggregator.rounds import RoundContext, RoundStats
+from fedmq.aggregator.rounds import Arrival, RoundContext, RoundStats
 from fedmq.aggregator.strategies.base import State, Strategy
 from fedmq.broker.wire import messages
 from fedmq.broker.wire.envelope import Envelope, Kind
+from fedmq.errors import BadParameter
 
 log = structlog.get_logger(__name__)
+
+
+def async_window(cfg: JobConfig, strategy: Strategy) -> tuple[int, int]:
+    """The job's K and staleness bound: its asynchronous strategy's ``buffer_size`` and ``max_staleness``
+    (BufferedAsync's parameters); (1, 0) for a synchronous one, which has neither."""
+    if strategy.plan.mode != "async":
+        return 1, 0
+    sizes = (getattr(strategy, "buffer_size", None), getattr(strategy, "max_staleness", None))
+    if not all(isinstance(n, int) for n in sizes):
+        raise BadParameter(
+            f"strategy {cfg.strategy!r}: an asynchronous strategy needs int attributes buffer_size and "
+            "max_staleness (as fedmq.BufferedAsync's)"
+        )
+    return sizes  # type: ignore[return-value]
 
 
 class _Owed:
@@ -74,7 +90,7 @@ class AsyncRounds:
     def run(self) -> None:
         ctx, cfg = self.ctx, self.cfg
         self._wait_for_agents(1, cfg.join_timeout_s)
-        self.history = ctx.spool.load_bases(ctx.version - cfg.max_staleness)
+        self.history = ctx.spool.load_bases(ctx.version - ctx.max_staleness)
         _, spooled = ctx.spool.load(ctx.round)
         if spooled:
             log.info("resuming open round", round=ctx.round, spooled_updates=len(spooled))
@@ -131,25 +147,25 @@ class AsyncRounds:
 
     def _keep_bases(self) -> None:
         """Keep the current version (in memory and in the spool) and drop those too stale to train from."""
-        ctx, cfg = self.ctx, self.cfg
+        ctx = self.ctx
         if ctx.version not in self.history:
             self.history[ctx.version] = ctx.global_state
             ctx.spool.save_base(ctx.version, ctx.global_state)
-        for old in [v for v in self.history if v < ctx.version - cfg.max_staleness]:
+        for old in [v for v in self.history if v < ctx.version - ctx.max_staleness]:
             del self.history[old]
-        ctx.spool.drop_bases_before(ctx.version - cfg.max_staleness)
+        ctx.spool.drop_bases_before(ctx.version - ctx.max_staleness)
 
     def _collect(self, stats: RoundStats, strategy: Strategy, owed: _Owed) -> None:
         ctx, cfg = self.ctx, self.cfg
         deadline = time.time() + cfg.report_deadline_s + cfg.update_deadline_s
-        while len(stats.received) < cfg.async_k and time.time() < deadline and not ctx.stop.is_set():
+        while len(stats.received) < ctx.buffer_size and time.time() < deadline and not ctx.stop.is_set():
             if stats.received and owed.nobody(ctx.online()):
                 log.info(
                     "nobody else can arrive: folding what came",
                     round=stats.round,
                     version=ctx.version,
                     received=len(stats.received),
-                    async_k=cfg.async_k,
+                    buffer_size=ctx.buffer_size,
                 )
                 return
             msg = ctx.inbox.next(min(0.5, deadline - time.time()))
@@ -163,7 +179,7 @@ class AsyncRounds:
 
     def _take(self, stats: RoundStats, strategy: Strategy, msg: Received) -> None:
         """A live update: fold it, or drop it with the reason it cannot be."""
-        ctx, cfg, env = self.ctx, self.cfg, msg.env
+        ctx, env = self.ctx, msg.env
         if env.msg_id in self.folded_ids or env.msg_id in stats.update_ids.values():
             ctx.inbox.drop(msg, "duplicate")  # redelivered after a crash: already folded
         elif env.model_version <= max(
@@ -173,7 +189,7 @@ class AsyncRounds:
             # a second update from a version this client's update was folded from (retrained after a lost
             # confirm, or sent twice): one per client and version, as a synchronous round takes one per client
             ctx.inbox.drop(msg, "duplicate")
-        elif ctx.version - env.model_version > cfg.max_staleness or env.model_version not in self.history:
+        elif ctx.version - env.model_version > ctx.max_staleness or env.model_version not in self.history:
             ctx.inbox.drop(msg, "too-stale")
         else:
             self._fold(stats, strategy, env, msg.delivery.body, msg)
@@ -220,11 +236,7 @@ class AsyncRounds:
         update = ctx.fold(
             stats,
             strategy,
-            env,
-            len(body),
-            base=base,
-            staleness=ctx.version - env.model_version,
-            received=msg,
+            Arrival(env, len(body), base, staleness=ctx.version - env.model_version, received=msg),
             screen=True,
         )
         if update is None:

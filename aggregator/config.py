@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 from fedmq import defaults, train_config
 from fedmq.broker.wire.messages import RoundConfig
 from fedmq.errors import BadParameter, FedmqError
-from fedmq.params import check_values
+from fedmq.params import check_values, unknown_parameter
 from fedmq.plugins import is_import_path
 from fedmq.train_config import TrainConfig
 
 if TYPE_CHECKING:
     from fedmq.aggregator.strategies.base import RoundPlan, Strategy
+
+log = logging.getLogger(__name__)
 
 # what --strategy offers (the registry also holds the robust guards, chosen with --robust)
 STRATEGIES = (
@@ -50,6 +53,10 @@ class JobConfigError(FedmqError):
     pass
 
 
+def _raise(msg: str) -> NoReturn:
+    raise JobConfigError(msg)
+
+
 # the JobConfig fields `fedmq simulate` has a flag for, and the flag: a mistake names both the key (what
 # Python and job files say) and the flag (cli/simulate_options.py takes its flag-to-field map from here)
 FLAGS = {
@@ -60,8 +67,6 @@ FLAGS = {
     "min_clients": "--min-clients",
     "beta": "--beta",
     "loss_eps": "--loss-eps",
-    "att_eps": "--eps",
-    "att_norm": "--norm",
     "noise": "--noise",
     "pull_fraction": "--pull-fraction",
     "pull_down": "--pull-down",
@@ -81,6 +86,29 @@ FLAGS = {
     "robust": "--robust",
     "max_samples_factor": "--max-samples-factor",
 }
+
+
+class FormerKey(NamedTuple):
+    """A former JobConfig key that was a built-in strategy's parameter (FORMER_KEYS)."""
+
+    strategy: str
+    param: str
+    kind: str  # its type, a KINDS key
+    flag: str = ""  # the simulate flag kept for it, an alias of the parameter
+
+
+# the JobConfig keys that were a built-in strategy's parameters and are now its constructor's (one way in,
+# one default: the constructor's, which is the value the job had). Old job files and run folders'
+# config.json that hold them are still read, each as the parameter of its strategy (read_former_keys); a
+# run of any other strategy ignores them, as it always did
+FORMER_KEYS = {
+    "att_eps": FormerKey("fedatt", "epsilon", "float", "--eps"),
+    "att_norm": FormerKey("fedatt", "norm", "str", "--norm"),
+    "async_k": FormerKey("async", "buffer_size", "int"),
+    "max_staleness": FormerKey("async", "max_staleness", "int"),
+    "server_lr": FormerKey("async", "server_lr", "float"),
+}
+_said: set[str] = set()  # the former keys this process has warned of (read_former_keys)
 
 
 # a JobConfig field's declared type: what a value may be (an int is never a bool) and how a mistake names it
@@ -115,6 +143,52 @@ def split_strategy_table(values: dict[str, Any]) -> dict[str, Any]:
     return {**values, "strategy": name, "strategy_args": args}
 
 
+def former_key_args(strategy: str, former: dict[str, Any]) -> dict[str, Any]:
+    """The parameters of ``strategy`` that the FORMER_KEYS in ``former`` set (another strategy's: none)."""
+    name = STRATEGY_ALIASES.get(strategy, strategy)
+    return {FORMER_KEYS[k].param: v for k, v in former.items() if FORMER_KEYS[k].strategy == name}
+
+
+def with_strategy_args(values: dict[str, Any], args: dict[str, Any], where: str) -> dict[str, Any]:
+    """``values`` with ``args`` added to its ``strategy_args``; a parameter given there with another value
+    is refused (``where``: how ``args`` were given)."""
+    given = values.get("strategy_args") or {}
+    if not isinstance(given, dict):
+        return values  # JobConfig names the wrong type
+    clash = sorted(p for p in args if p in given and given[p] != args[p])
+    if clash:
+        raise JobConfigError(
+            f"{where} sets {clash[0]} = {args[clash[0]]!r}, the strategy's parameters "
+            f"{clash[0]} = {given[clash[0]]!r}: give it once"
+        )
+    return {**values, "strategy_args": {**given, **args}} if args else values
+
+
+def read_former_keys(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` (a job file's or config.json's keys, the strategy a name) with each of the FORMER_KEYS read
+    as its strategy's parameter in ``strategy_args``, or dropped where the strategy is another. Says so once
+    per process: one warning line naming the old keys and the new form."""
+    former = {k: values[k] for k in FORMER_KEYS if k in values}
+    if not former:
+        return values
+    rest = {k: v for k, v in values.items() if k not in FORMER_KEYS}
+    strategy = rest.get("strategy", JobConfig.strategy)
+    args = former_key_args(strategy, former) if isinstance(strategy, str) else {}
+    new = sorted(k for k in former if k not in _said)
+    if new:
+        _said.update(new)
+        forms = "; ".join(
+            f"{k} -> {FORMER_KEYS[k].strategy} parameter {FORMER_KEYS[k].param} "
+            f"([strategy] {FORMER_KEYS[k].param} = ..., --strategy-arg {FORMER_KEYS[k].param}=...)"
+            for k in new
+        )
+        log.warning(
+            "former job key(s), now a strategy's parameters (read as such for that strategy): %s", forms
+        )
+    names = ", ".join(sorted(former))
+    return with_strategy_args(rest, args, names)
+
+
 def named_fedmed_variant(values: dict[str, Any]) -> dict[str, Any]:
     """``values`` without the former ``fedmed_js`` key: a ``fedmed`` job that set it to other JS weights than
     the paper's is the variant of that name (FEDMED_JS); any other strategy never read it."""
@@ -144,8 +218,6 @@ class JobConfig:
     min_clients: int = 1  # a round with fewer reports/updates is closed as skipped
     beta: float = 1.0  # top-K share of reporting agents granted an upload (1 = no grant phase unless fedmed)
     loss_eps: float = 0.1  # FedMed loss switch threshold
-    att_eps: float = 1.2  # FedAtt step size
-    att_norm: str = "fro"  # fro | spectral
     # randomization β: client adds noise·N(0, 1) to its weights before upload (FedAtt Eq. 6)
     noise: float = 0.0
     # dynamic pulling: share of tensors sent (0.5 = median rule, 0.33 = 33 % variant)
@@ -187,9 +259,6 @@ class JobConfig:
     update_deadline_s: float = 120.0
     join_timeout_s: float = 60.0  # wait this long for agents before a round with nobody online is skipped
     heartbeat_s: float = defaults.HEARTBEAT_S
-    async_k: int = 3  # async: fold every K arrivals
-    max_staleness: int = 5
-    server_lr: float = 1.0  # async: server step on the staleness-weighted mean delta
     eval_every: int = 1
     # the newest round checkpoints kept (nmt-domains keeps every round's to pick one)
     keep_checkpoints: int = 3
@@ -215,33 +284,38 @@ class JobConfig:
         self.validate()
 
     def validate(self) -> None:
-        def bad(msg: str) -> None:
-            raise JobConfigError(msg)
+        """Every field, each mistake one line (JobConfigError); the first found is named."""
+        self._check_types()
+        self._check_strategy_args()
+        self._check_names()
+        self._check_round_shape()
+        self._check_ranges()
+        self._check_choices()
 
+    def _check_names(self) -> None:
+        """The job id, the encodings and the strategy name."""
         from fedmq.broker.transport.topology import check_name
         from fedmq.broker.wire.encodings import EncodingSpec
         from fedmq.errors import CodecError
 
-        self._check_types()
-        try:
-            check_values(self.strategy_args, "strategy-args")
-        except BadParameter as exc:
-            bad(str(exc))
         try:
             check_name("job id", self.job)
         except ValueError as exc:
-            bad(str(exc))
-
+            raise JobConfigError(str(exc)) from None
         for name in ("encoding", "down_encoding"):
             try:
                 EncodingSpec.parse(getattr(self, name))
             except CodecError as exc:
-                bad(f"{key(name)}: {exc}")
+                raise JobConfigError(f"{key(name)}: {exc}") from None
         if self.strategy not in STRATEGIES and not is_import_path(self.strategy):
-            bad(
+            raise JobConfigError(
                 f"unknown strategy {self.strategy!r}; "
                 f"choose one of {', '.join(STRATEGIES)} or package.module:Class"
             )
+
+    def _check_round_shape(self) -> None:
+        """Who takes part in a round and what they upload: K, C, β, the pulling rule, the minimum."""
+        bad = _raise
         if self.rounds < 1:
             bad(f"{key('rounds')} must be at least 1")
         if self.clients < 1:
@@ -269,9 +343,12 @@ class JobConfig:
             )
         if self.min_clients < 1:
             bad(f"{key('min_clients')} must be at least 1")
-        # the local-training settings (TRAIN_SETTINGS, lr) are checked against the ranges every agent
-        # trains within (fedmq.train_config.RANGES), below
-        for name in ("async_k", "keyframe_every", "eval_every", "keep_checkpoints"):
+
+    def _check_ranges(self) -> None:
+        """The numbers' ranges: counts, deadlines, decays, the guards' factors, and the local-training
+        settings (TRAIN_SETTINGS, lr) against the ranges every agent trains within (train_config.RANGES)."""
+        bad = _raise
+        for name in ("keyframe_every", "eval_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 bad(f"{key(name)} must be at least 1")
         for name in (
@@ -279,8 +356,6 @@ class JobConfig:
             "update_deadline_s",
             "join_timeout_s",
             "heartbeat_s",
-            "att_eps",
-            "server_lr",
             "round_lr_decay",
         ):
             if not getattr(self, name) > 0:
@@ -289,7 +364,7 @@ class JobConfig:
             bad(f"{key('round_lr_decay')} must be in (0, 1], got {self.round_lr_decay}")
         if not 1 <= self.lr_anneal <= 1000:
             bad(f"{key('lr_anneal')} must be in [1, 1000] (1 = off), got {self.lr_anneal}")
-        for name in ("noise", "loss_eps", "max_staleness"):
+        for name in ("noise", "loss_eps"):
             if getattr(self, name) < 0:
                 bad(f"{key(name)} must not be negative")
         for name in ("max_samples_factor", "norm_bound_factor"):
@@ -305,8 +380,10 @@ class JobConfig:
             why = train_config.out_of_range(name, value) if not isinstance(value, (bool, str)) else None
             if why:
                 bad(f"{key(name)} {why}")
-        if self.att_norm not in ("fro", "spectral"):
-            bad(f"unknown {key('att_norm')} {self.att_norm!r}; use fro or spectral")
+
+    def _check_choices(self) -> None:
+        """The settings that name one of a few choices: optimizer, robust guard, identity."""
+        bad = _raise
         if self.optimizer not in train_config.OPTIMIZERS:
             bad(f"unknown {key('optimizer')} {self.optimizer!r}; use {' or '.join(train_config.OPTIMIZERS)}")
         kind, _, arg = self.robust.partition(":")
@@ -327,6 +404,23 @@ class JobConfig:
             self.identity == "strict" or (self.identity.startswith("shared:") and len(self.identity) > 7)
         ):
             bad(f"{key('identity')} must be strict or shared:USER")
+
+    def _check_strategy_args(self) -> None:
+        """The strategy's arguments: a table of parameters, and a built-in strategy's by name, from its
+        constructor's signature (read without torch: aggregator.strategies.signatures); their values are the
+        constructor's to check, when it is built."""
+        from fedmq.aggregator.strategies.signatures import builtin_params
+
+        if self.strategy in STRATEGIES and isinstance(self.strategy_args, dict):
+            params = builtin_params(self.strategy)
+            unknown = sorted(k for k in self.strategy_args if params is not None and k not in params)
+            if unknown and params is not None:
+                label = f"strategy {self.strategy!r}"
+                raise JobConfigError(unknown_parameter(label, str(unknown[0]), params))
+        try:
+            check_values(self.strategy_args, "strategy-args")
+        except BadParameter as exc:
+            raise JobConfigError(str(exc)) from None
 
     def _check_types(self) -> None:
         """Every field of the type it is declared with (a job file's JSON can hold anything): ints are ints,
@@ -412,7 +506,7 @@ class JobConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> JobConfig:
         """A job file's or config.json's keys; ``strategy`` may be a table: its ``name`` and parameters."""
-        values = named_fedmed_variant(split_strategy_table(values))
+        values = read_former_keys(named_fedmed_variant(split_strategy_table(values)))
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -460,7 +554,10 @@ def read_job_file(path: Path) -> JobFile:
         raw = named_fedmed_variant(split_strategy_table(raw))
     except JobConfigError as exc:
         raise JobConfigError(f"config file {path}: {exc}") from None
-    kinds = {f.name: f.type for f in dataclasses.fields(JobConfig)}
+    # the former keys are read as their strategy's parameters once the strategy is known (JobConfig.from_dict;
+    # simulate's flags may name another strategy than the file)
+    kinds = {f.name: str(f.type) for f in dataclasses.fields(JobConfig)}
+    kinds.update({k: former.kind for k, former in FORMER_KEYS.items()})
     unknown = sorted(k for k in raw if k not in kinds)
     if unknown:
         raise JobConfigError(
@@ -469,7 +566,7 @@ def read_job_file(path: Path) -> JobFile:
         )
     job = {}
     for key, value in raw.items():
-        types, words = KINDS[str(kinds[key])]
+        types, words = KINDS[kinds[key]]
         if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
             raise JobConfigError(f"config file {path}: {key} must be {words}, got {value!r}")
         job[key] = float(value) if kinds[key] == "float" else value

@@ -28,14 +28,14 @@ from typing import Any
 import structlog
 import torch
 
-from fedmq.aggregator.async_rounds import AsyncRounds
+from fedmq.aggregator.async_rounds import AsyncRounds, async_window
 from fedmq.aggregator.checkpoint import check_fresh_start, load_checkpoint, save_checkpoint
 from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.guards import RoundGuard, Verdict, first_nonfinite
 from fedmq.aggregator.inbox import Inbox, Received
 from fedmq.aggregator.mediator import Mediator
 from fedmq.aggregator.records import ONLINE_NAMES, RoundRecord, guard_summary
-from fedmq.aggregator.rounds import RoundStats
+from fedmq.aggregator.rounds import Arrival, RoundStats
 from fedmq.aggregator.runlog import RunLog
 from fedmq.aggregator.spool import RoundSpool
 from fedmq.aggregator.strategies.base import ClientUpdate, State, Strategy
@@ -86,7 +86,8 @@ class Engine:
         self.task = task
         self.cfg = cfg
         # a strategy that cannot be built (its parameters, a user's class) fails here, not at the first close
-        strategy_from_config(cfg.strategy, cfg)
+        _, probe = strategy_from_config(cfg.strategy, cfg)
+        self.buffer_size, self.max_staleness = async_window(cfg, probe)
         if is_import_path(cfg.strategy) and not isinstance(cfg.train_config(), TrainConfig):
             raise BadParameter(f"strategy {cfg.strategy!r}: configure_train must return a TrainConfig")
         self.client = client_map(cfg)  # the strategy's client side, as every announcement names it
@@ -550,23 +551,15 @@ class Engine:
         return strategy
 
     def fold(
-        self,
-        stats: RoundStats,
-        strategy: Strategy,
-        env: Envelope,
-        size: int,
-        *,
-        base: State,
-        staleness: int = 0,
-        received: Received | None = None,
-        screen: bool = False,
+        self, stats: RoundStats, strategy: Strategy, arrival: Arrival, *, screen: bool = False
     ) -> ClientUpdate | None:
-        """Decode an update (its envelope is decoded already: the inbox's, or the spool's) against the
-        manifest and ``base`` and fold it: the one fold path of both modes. A bad update is rejected (when
-        live) and None returned; the caller spools and acks a folded one. ``screen`` (asynchronous mode):
-        the guard judges the update before it is folded (RoundGuard.screen)."""
+        """Decode an update against the manifest and the model it trained from and fold it: the one fold
+        path of both modes. A bad update is rejected (when live) and None returned; the caller spools and
+        acks a folded one. ``screen`` (asynchronous mode): the guard judges the update before it is folded
+        (RoundGuard.screen)."""
+        env, base = arrival.env, arrival.base
         try:
-            update = self._decode_update(env, base, staleness)
+            update = self._decode_update(env, base, arrival.staleness)
         except CodecError as exc:
             reason, detail = exc.reason, str(exc)
         except Exception as exc:  # never let a hostile update crash the engine
@@ -589,11 +582,11 @@ class Engine:
                 reason, detail = "rejected-by-strategy", str(exc)
             else:
                 stats.received.append(env.client)
-                stats.bytes_up += size
+                stats.bytes_up += arrival.size
                 stats.bytes_up_raw += raw_nbytes(update.tensors)
                 return update
-        if received is not None:
-            self.inbox.reject(received.delivery, reason, detail)
+        if arrival.received is not None:
+            self.inbox.reject(arrival.received.delivery, reason, detail)
         return None
 
     def _decode_update(
@@ -620,7 +613,7 @@ class Engine:
         could still arrive (a skipped round keeps none: its clients' next updates from it are welcome)."""
         for client, version in trained_from.items():
             self.folded_from[client] = max(version, self.folded_from.get(client, messages.NO_VERSION))
-        oldest = self.version - self.cfg.max_staleness  # older ones are too stale to train from anyway
+        oldest = self.version - self.max_staleness  # older ones are too stale to train from anyway
         self.folded_from = {c: v for c, v in self.folded_from.items() if v >= oldest}
 
     def folded_ids(self) -> set[str]:

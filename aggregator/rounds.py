@@ -53,6 +53,19 @@ class RoundStats:
         return sorted((set(self.selected) - set(self.reported) - got) | (set(self.granted) - got))
 
 
+@dataclass(frozen=True)
+class Arrival:
+    """An update to fold (RoundContext.fold): its envelope, decoded already (the inbox's, or the spool's), its
+    size on the wire, the model it trained from, its staleness (asynchronous mode), and its delivery when
+    live (rejected if the update is bad; None: replayed from the spool)."""
+
+    env: Envelope
+    size: int
+    base: State
+    staleness: int = 0
+    received: Received | None = None
+
+
 class RoundContext(Protocol):
     """The engine as a round runner sees it."""
 
@@ -69,6 +82,8 @@ class RoundContext(Protocol):
     phase: str
     hosted: dict[str, str]  # client -> the host serving it (aggregator.engine.Engine.note_presence)
     folded_from: dict[str, int]  # client -> newest version a folded update of it trained from (async)
+    buffer_size: int  # async: K, fold every K arrivals (the strategy's; aggregator.async_rounds.async_window)
+    max_staleness: int  # async: the oldest version an update may train from, this many back
 
     def online(self) -> list[str]: ...
 
@@ -85,16 +100,7 @@ class RoundContext(Protocol):
     def begin_strategy(self, stats: RoundStats, choice: str, **extra: object) -> Strategy: ...
 
     def fold(
-        self,
-        stats: RoundStats,
-        strategy: Strategy,
-        env: Envelope,
-        size: int,
-        *,
-        base: State,
-        staleness: int = 0,
-        received: Received | None = None,
-        screen: bool = False,
+        self, stats: RoundStats, strategy: Strategy, arrival: Arrival, *, screen: bool = False
     ) -> ClientUpdate | None: ...
 
     def note_trained_from(self, client: str, version: int) -> None: ...

@@ -16,7 +16,7 @@ import time
 import structlog
 
 from fedmq.aggregator.inbox import Received
-from fedmq.aggregator.rounds import RoundContext, RoundStats
+from fedmq.aggregator.rounds import Arrival, RoundContext, RoundStats
 from fedmq.aggregator.strategies.base import Strategy
 from fedmq.aggregator.strategies.fedavg import FedAvg
 from fedmq.broker.transport import topology
@@ -193,7 +193,7 @@ class SyncRound:
                     f"trained from version {env.model_version}, current is {ctx.version}",
                 )
             return
-        update = ctx.fold(stats, strategy, env, len(body), base=ctx.global_state, received=received)
+        update = ctx.fold(stats, strategy, Arrival(env, len(body), ctx.global_state, received=received))
         if update is None:
             return
         ctx.guard.note(update, ctx.global_state)

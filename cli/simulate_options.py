@@ -26,7 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedmq.aggregator.config import FLAGS, JobConfig, JobConfigError, read_job_file
+from fedmq.aggregator.config import (
+    FLAGS,
+    FORMER_KEYS,
+    JobConfig,
+    JobConfigError,
+    former_key_args,
+    read_job_file,
+    with_strategy_args,
+)
 from fedmq.cli.errors import UsageError
 from fedmq.params import parse_assignments
 from fedmq.plugins import is_import_path
@@ -34,6 +42,9 @@ from fedmq.tasks.catalog import LM_ONLY, MODELS, NMT_ONLY, TASKS
 
 # flag -> JobConfig field (aggregator.config.FLAGS, the one list of them)
 JOB_FLAGS = {flag.removeprefix("--").replace("-", "_"): field for field, flag in FLAGS.items()}
+# the former JobConfig keys that are a built-in strategy's parameters now (aggregator.config.FORMER_KEYS)
+# under their option names: the flag kept for one (--eps sets FedAtt's epsilon), else the key a file may set
+FORMER_OPTIONS = {key: former.flag.removeprefix("--") or key for key, former in FORMER_KEYS.items()}
 # flags handed to the task (clients and seed go to both)
 TASK_FLAGS = (
     "task",
@@ -175,7 +186,7 @@ def read_config_file(path: Path, types: dict[str, str]) -> dict[str, Any]:
         jobfile = read_job_file(path)
     except JobConfigError as exc:
         raise UsageError(str(exc)) from None
-    flag_of = {field: flag for flag, field in JOB_FLAGS.items()}
+    flag_of = {field: flag for flag, field in JOB_FLAGS.items()} | FORMER_OPTIONS
     out: dict[str, Any] = {}
 
     def put(name: str, value: Any, kind: str | None, where: str) -> None:
@@ -193,7 +204,9 @@ def read_config_file(path: Path, types: dict[str, str]) -> dict[str, Any]:
             "task options in [task])"
         )
     for key, value in jobfile.job.items():
-        if key not in FILE_IGNORED:
+        if key == "strategy_args":  # the [strategy] table's parameters, a table of their own
+            out[key] = value
+        elif key not in FILE_IGNORED:
             put(flag_of.get(key, key), value, None, key)
     for key, value in jobfile.task.items():
         if key == "domains" and isinstance(value, list):
@@ -262,6 +275,7 @@ def saved_options(config: dict[str, Any]) -> dict[str, Any]:
     if isinstance(record, dict):
         return {**before, **record}
     legacy = {flag: config[field] for flag, field in JOB_FLAGS.items() if field in config}
+    legacy.update({option: config[key] for key, option in FORMER_OPTIONS.items() if key in config})
     legacy.update({k: config.get(k, v) for k, v in before.items()})
     legacy.update({k: config[k] for k in FILE_JOB_KEYS if k in config})
     legacy.update({k: config[k] for k in ("task", "model", "partition", "bptt") if k in config})
@@ -279,6 +293,12 @@ def _job_config(values: dict[str, Any]) -> JobConfig:
     fields.update({k: values[k] for k in FILE_JOB_KEYS if k in values})
     flags = parse_assignments(values.get(STRATEGY_ARG) or [])
     fields["strategy_args"] = {**(values.get("strategy_args") or {}), **flags}
+    former = {k: values[o] for k, o in FORMER_OPTIONS.items() if values.get(o) is not None}
+    if former and isinstance(fields["strategy"], str):
+        where = ", ".join(
+            k if FORMER_OPTIONS[k] == k else option_name(FORMER_OPTIONS[k]) for k in sorted(former)
+        )
+        fields = with_strategy_args(fields, former_key_args(fields["strategy"], former), where)
     try:
         return JobConfig(job=job, extra={"cli": values}, **fields)
     except TypeError as exc:  # a value of the wrong type that slipped past the checks

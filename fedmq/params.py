@@ -34,8 +34,7 @@ def bind(cls: type, args: Mapping[str, Any], what: str | None = None) -> dict[st
     takes_any = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(cls).parameters.values())
     unknown = sorted(set(args) - set(params))
     if unknown and not takes_any:
-        hint = f"it takes {', '.join(sorted(params))}" if params else "it takes no parameters"
-        raise BadParameter(f"{label} has no parameter {unknown[0]!r}; {hint}")
+        raise BadParameter(unknown_parameter(label, unknown[0], params))
     hints = _hints(cls)
     out: dict[str, Any] = {}
     for key, value in args.items():
@@ -46,6 +45,25 @@ def bind(cls: type, args: Mapping[str, Any], what: str | None = None) -> dict[st
     return out
 
 
+def unknown_parameter(label: str, key: str, params: Iterable[str]) -> str:
+    """The one line for a parameter ``key`` that is none of ``params``; a key that is one of them spelt
+    with dashes or capitals (server-lr) is pointed at it."""
+    names = sorted(params)
+    hint = f"it takes {', '.join(names)}" if names else "it takes no parameters"
+    meant = key.replace("-", "_").lower()
+    did = f" (did you mean {meant}?)" if meant in names else ""
+    return f"{label} has no parameter {key!r}{did}; {hint}"
+
+
+def with_defaults(cls: type, args: Mapping[str, Any]) -> dict[str, Any]:
+    """``args`` with the defaults of ``cls``'s constructor for the parameters they leave out: what it runs
+    with (unchecked; ``bind`` checks)."""
+    defaults = {
+        n: p.default for n, p in inspect.signature(cls).parameters.items() if p.default is not p.empty
+    }
+    return {**defaults, **args}
+
+
 def parse_assignments(items: Iterable[str]) -> dict[str, Any]:
     """``KEY=VALUE`` strings (``--strategy-arg``, repeatable) as a dict; VALUE is read as a TOML value (0.01,
     3, true, "text") and taken as a plain string when it is not one (server_lr=0.1, norm=fro)."""
@@ -53,7 +71,7 @@ def parse_assignments(items: Iterable[str]) -> dict[str, Any]:
     for item in items:
         key, sep, raw = item.partition("=")
         key = key.strip()
-        if not sep or not key.isidentifier():
+        if not sep or not key.replace("-", "_").isidentifier():  # server-lr: the strategy names its own
             raise BadParameter(f"{FLAG} {item!r}: want KEY=VALUE, e.g. {FLAG} server_lr=0.1")
         try:
             value = tomllib.loads(f"v = {raw.strip()}")["v"]

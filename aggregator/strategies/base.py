@@ -73,9 +73,6 @@ class Strategy(ABC):
 
     name: ClassVar[str]
     plan: ClassVar[RoundPlan] = RoundPlan()
-    # the JobConfig keys only this strategy reads (from_config):
-    # a run of another strategy does not depend on them
-    own_settings: ClassVar[tuple[str, ...]] = ()
     # the algorithm's client side, run by every selected agent around its local training
     # (fedmq.hooks.ClientHook)
     client_hook: ClassVar[type[ClientHook] | None] = None
@@ -90,8 +87,8 @@ class Strategy(ABC):
     @classmethod
     def from_settings(cls, cfg: Any, settings: Mapping[str, tuple[str, Any]], **extra: Any) -> Strategy:
         """The constructor called with ``settings`` -- {parameter: (the job's field it comes from, its
-        value)}, what a built-in strategy reads from the job's own fields, such as FedAtt's ``epsilon`` from
-        ``att_eps`` -- and the job's ``strategy_args`` for its other parameters. A parameter has one way in:
+        value)}, what a robust guard reads from the job's own fields, such as its ``clip_norm`` from
+        ``robust`` -- and the job's ``strategy_args`` for its other parameters. A parameter has one way in:
         strategy_args naming one of ``settings`` is refused with the field (and flag) to use instead."""
         from fedmq.params import bind
 

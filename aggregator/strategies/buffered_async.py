@@ -3,7 +3,9 @@
 Contract with the engine (asynchronous mode, no rounds):
 
 * ``begin(θ_v)`` with the current global model (version v); ``fold`` arrivals until the engine has K (=
-  ``buffer_size``, the job's async_k) or its deadline passed; ``finish()`` → θ_{v+1}; ``begin`` again with it.
+  ``buffer_size``) or its deadline passed; ``finish()`` → θ_{v+1}; ``begin`` again with it. The engine
+  reads ``buffer_size`` and ``max_staleness`` from the strategy (a strategy of its own in asynchronous mode
+  has both attributes, as this one's subclasses do).
 * ``update.staleness`` τ = global versions published since the client's base model.
   τ > ``max_staleness`` → ``fold`` raises :class:`StaleUpdate` and changes nothing (the engine acks, logs
   and counts the drop). τ < 0 is a StrategyError.
@@ -25,11 +27,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
-from fedmq.aggregator.strategies.base import ClientUpdate, RoundPlan, State, Strategy
+from fedmq.aggregator.strategies.base import ClientUpdate, RoundPlan, State
 from fedmq.aggregator.strategies.errors import StaleUpdate
 from fedmq.aggregator.strategies.fedavg import FedAvg
 from fedmq.checks import check_int, check_number
@@ -43,18 +45,9 @@ def staleness_weight(tau: int) -> float:
 class BufferedAsync(FedAvg):
     name: ClassVar[str] = "async"
     plan: ClassVar[RoundPlan] = RoundPlan(mode="async")
-    own_settings: ClassVar[tuple[str, ...]] = ("async_k", "max_staleness", "server_lr")
 
-    @classmethod
-    def from_config(cls, cfg: Any, **extra: Any) -> Strategy:
-        job = {
-            "buffer_size": ("async_k", cfg.async_k),
-            "max_staleness": ("max_staleness", cfg.max_staleness),
-            "server_lr": ("server_lr", cfg.server_lr),
-        }
-        return cls.from_settings(cfg, job, **extra)
-
-    def __init__(self, buffer_size: int = 10, max_staleness: int = 10, server_lr: float = 1.0) -> None:
+    # the defaults are what the job's async_k and max_staleness were before they were these parameters
+    def __init__(self, buffer_size: int = 3, max_staleness: int = 5, server_lr: float = 1.0) -> None:
         super().__init__()
         self.buffer_size = check_int("buffer_size", buffer_size, low=1)
         self.max_staleness = check_int("max_staleness", max_staleness, low=0)

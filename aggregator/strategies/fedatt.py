@@ -17,12 +17,12 @@ for every strategy.
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from fedmq.aggregator.strategies._common import sq_distance, update_sq_norm
-from fedmq.aggregator.strategies.base import ClientUpdate, Strategy
+from fedmq.aggregator.strategies.base import ClientUpdate
 from fedmq.aggregator.strategies.softmax_weighted import SoftmaxWeighted
 from fedmq.checks import check_number
 from fedmq.errors import BadParameter
@@ -46,19 +46,16 @@ def tensor_distance(a: torch.Tensor, b: torch.Tensor, norm: str = "fro") -> floa
 
 
 class FedAtt(SoftmaxWeighted):
-    name: ClassVar[str] = "fedatt"
-    own_settings: ClassVar[tuple[str, ...]] = ("att_eps", "att_norm")
+    """Parameters: ``epsilon`` ε, the step size (``--eps``; 1.2), ``norm`` (``--norm``; fro or spectral)."""
 
-    @classmethod
-    def from_config(cls, cfg: Any, **extra: Any) -> Strategy:
-        job = {"epsilon": ("att_eps", cfg.att_eps), "norm": ("att_norm", cfg.att_norm)}
-        return cls.from_settings(cfg, job, **extra)
+    name: ClassVar[str] = "fedatt"
 
     def __init__(self, epsilon: float = 1.2, norm: str = "fro") -> None:
         super().__init__()
-        self.epsilon = self.step_size = check_number("epsilon", epsilon, low=0.0, low_open=True)
+        # named with their flags too: --eps and --norm set them
+        self.epsilon = self.step_size = check_number("epsilon (--eps)", epsilon, low=0.0, low_open=True)
         if norm not in NORMS:
-            raise BadParameter(f"norm must be one of {', '.join(NORMS)}, got {norm!r}")
+            raise BadParameter(f"norm (--norm) must be one of {', '.join(NORMS)}, got {norm!r}")
         self.norm = norm
 
     def score(self, name: str, update: ClientUpdate) -> float:

@@ -61,8 +61,6 @@ _CLASSES: dict[str, type[Strategy]] = {
 _ROBUST = {"clip": "fedavg-clip", "trimmed": "trimmed-mean", "median": "median"}
 
 STRATEGY_NAMES: tuple[str, ...] = tuple(_CLASSES)
-# JobConfig keys that some built-in strategy reads and the others do not (Strategy.own_settings)
-OWN_SETTINGS: frozenset[str] = frozenset(k for cls in _CLASSES.values() for k in cls.own_settings)
 
 
 def strategy_class(name: str) -> type[Strategy]:
@@ -126,12 +124,16 @@ def make_strategy(name: str, **params: Any) -> Strategy:
 
 
 def _built(name: str, build: Callable[[], Strategy]) -> Strategy:
-    """``build()``; whatever a user's strategy raises while being built is one BadParameter line."""
-    if not is_import_path(name):
-        return build()
+    """``build()``; a refusal names the strategy (``strategy 'X': ...``), and whatever a user's strategy
+    raises while being built is one BadParameter line."""
+    label = f"strategy {name!r}"
     try:
         return build()
-    except BadParameter:
-        raise
+    except BadParameter as exc:
+        if str(exc).startswith(label):
+            raise
+        raise BadParameter(f"{label}: {exc}") from None
     except Exception as exc:
+        if not is_import_path(name):
+            raise
         raise BadParameter(f"strategy {name!r} could not be built: {type(exc).__name__}: {exc}") from None

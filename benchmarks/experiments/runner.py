@@ -16,7 +16,7 @@ from typing import Any
 import structlog
 
 from fedmq.aggregator.checkpoint import load_checkpoint, save_checkpoint
-from fedmq.aggregator.config import JobConfig
+from fedmq.aggregator.config import JobConfig, read_former_keys
 from fedmq.aggregator.records import RoundRecord
 from fedmq.aggregator.runlog import CONFIG_FILE, RunLog, finished, read_config, read_summary, write_summary
 from fedmq.benchmarks.experiments.spec import RunSpec
@@ -219,22 +219,26 @@ def ran_as(run_dir: Path, cfg: JobConfig) -> bool:
     "shard_seed", and older run folders under "seed", so an archived run's "seed" may not be its own),
     ``heartbeat_s`` (presence timing, not a result: simulations once raised it with K, so a K = 100 run made
     then records 2.0 where its spec says 1.0 and, before this was ignored, was deleted and started again on
-    every rerun) and the settings only other strategies read (``Strategy.own_settings``: FedAvg does not
-    depend on FedAtt's ε). A spec names only the settings it changes, so without this a changed default would
-    leave the runs made under the old one counted as done. A folder without config.json (the centralized
-    baseline, whose spec names every setting it uses) passes. A run recorded as ``fedmed`` with JS weights
-    other than the paper's (``fedmed_js``, the setting FedMed's variants were before they had names) ran as
-    that variant (``ran_strategy``)."""
-    from fedmq.aggregator.strategies.registry import OWN_SETTINGS
+    every rerun); the strategy's parameters compare as it runs them, its constructor's defaults filled in
+    (a run recorded with the former job keys, such as FedAtt's ``att_eps``, as the parameters they were
+    read as; another strategy's never counted). A spec names only the settings it changes, so without this a
+    changed default would leave the runs made under the old one counted as done. A folder without
+    config.json (the centralized baseline, whose spec names every setting it uses) passes. A run recorded as
+    ``fedmed`` with JS weights other than the paper's (``fedmed_js``, the setting FedMed's variants were
+    before they had names) ran as that variant (``ran_strategy``)."""
+    from fedmq.params import with_defaults
 
     recorded = read_config(run_dir)
     if recorded is None:
         return True
     recorded = {k: v for k, v in recorded.items() if k != "fedmed_js"} | {"strategy": ran_strategy(recorded)}
-    ignored = {"job", "extra", "seed", "heartbeat_s", "fedmed_js"}
-    ignored |= OWN_SETTINGS - set(cfg.strategy_class.own_settings)
+    recorded = read_former_keys(recorded)
+    ignored = {"job", "extra", "seed", "heartbeat_s", "fedmed_js", "strategy_args"}
     now, default = cfg.to_dict(), JobConfig().to_dict()
-    return all(
+    cls = cfg.strategy_class
+    return with_defaults(cls, recorded.get("strategy_args") or {}) == with_defaults(
+        cls, cfg.strategy_args
+    ) and all(
         recorded[k] == v if k in recorded else v == default[k] for k, v in now.items() if k not in ignored
     )
 

@@ -108,8 +108,8 @@ def simulate(
         metavar="KEY=VALUE",
         help="a strategy parameter, repeatable: mu=0.01",
     ),
-    eps: float = _opt(JOB.att_eps, panel=STRATEGY, metavar="EPS", help="FedAtt step size ε"),
-    norm: str = _opt(JOB.att_norm, panel=STRATEGY, metavar="NORM", help="FedAtt distance: fro or spectral"),
+    eps: float | None = _opt(None, panel=STRATEGY, metavar="EPS", help="FedAtt step size ε"),
+    norm: str | None = _opt(None, panel=STRATEGY, metavar="NORM", help="FedAtt distance: fro or spectral"),
     loss_eps: float = _opt(
         JOB.loss_eps, panel=STRATEGY, metavar="EPS", help="FedMed loss-switch threshold ε"
     ),

@@ -111,7 +111,7 @@ def test_async_kill9_mid_round_replays_the_spool(tmp_path, rabbit_url, job_id):
         # staggered uploads (every ~1, ~2.5 and ~4 s): a round's first update is spooled a second or more
         # before its third closes it, so the kill below lands in an open round even on a busy machine
         agent_faults={0: "slow:1.0:1", 1: "slow:1.0:2.5", 2: "slow:1.0:4"},
-        job_options={"strategy": "async", "async_k": 3, "max_staleness": 5},
+        job_options={"strategy": {"name": "async", "buffer_size": 3, "max_staleness": 5}},
     )
     try:
         fed.start()

@@ -25,7 +25,6 @@ def _cfg(job: str, **kw: object) -> JobConfig:
     """An asynchronous job of three tiny clients; ``kw`` sets what a test is about."""
     base = dict(
         strategy="async",
-        max_staleness=3,
         clients=3,
         fraction=1.0,
         lr=1.0,
@@ -36,7 +35,9 @@ def _cfg(job: str, **kw: object) -> JobConfig:
         report_deadline_s=30,
         update_deadline_s=30,
     )
-    return JobConfig(job=job, **{**base, **kw})
+    buffer_size = kw.pop("buffer_size")
+    args = {"buffer_size": buffer_size, "max_staleness": 3}
+    return JobConfig(job=job, strategy_args=args, **{**base, **kw})
 
 
 class Twice(Agent):
@@ -52,7 +53,7 @@ class Twice(Agent):
 
 
 def test_a_second_update_from_the_same_version_is_dropped_as_a_duplicate(federation, tiny_lm, tmp_path):
-    cfg = _cfg("async-twice", async_k=2, rounds=6)
+    cfg = _cfg("async-twice", buffer_size=2, rounds=6)
     run = tmp_path / "run"
     engine, agents, summary = federation(
         tiny_lm(3), cfg, "memory://async-twice", run, agent_class=lambda i: Twice if i == 2 else Agent
@@ -68,7 +69,7 @@ def test_a_second_update_from_the_same_version_is_dropped_as_a_duplicate(federat
     assert any("agent-2" in r.received for r in rows), [r.received for r in rows]
     # checkpointed for a restart, and only the versions an update may still train from
     kept = load_checkpoint(run / "checkpoints").extra["folded_from"]
-    assert kept and all(v >= engine.version - cfg.max_staleness for v in kept.values()), kept
+    assert kept and all(v >= engine.version - engine.max_staleness for v in kept.values()), kept
 
 
 class Late(Agent):
@@ -84,7 +85,7 @@ def test_a_skipped_version_takes_the_same_clients_from_the_same_version_again(fe
     """min_clients = 3 and two agents late: the first buffer folds agent-0's update alone (nobody else owed
     one) and is skipped, unpublished. agent-0 trains again from the same version, and that update is folded
     with the others': only a published version's (client, version) pairs refuse a second update."""
-    cfg = _cfg("async-skip", async_k=3, min_clients=3, rounds=2)
+    cfg = _cfg("async-skip", buffer_size=3, min_clients=3, rounds=2)
     engine, _, summary = federation(
         tiny_lm(3),
         cfg,

@@ -124,7 +124,7 @@ def test_lr5_wipe_is_held_by_the_cap(federation, tiny_lm, rabbit_node, tmp_path,
     assert rows[-1].valid < 0.9 * VOCAB  # not wiped (a zero model scores exactly VOCAB)
 
 
-ASYNC = dict(strategy="async", async_k=2, rounds=8, max_staleness=4)
+ASYNC = dict(strategy="async", strategy_args={"buffer_size": 2, "max_staleness": 4}, rounds=8)
 
 
 @pytest.mark.parametrize("fill", [0.0, 3e38], ids=["wipe-zeros", "overflow-3e38"])

@@ -1,10 +1,10 @@
-"""Asynchronous mode with fewer agents online than the buffer (async_k): a version is folded once nobody else
-can arrive, not when the report and update deadlines run out.
+"""Asynchronous mode with fewer agents online than the buffer (buffer_size): a version is folded once
+nobody else can arrive, not when the report and update deadlines run out.
 
-Three clients, async_k 3, and a trace that keeps agent-2 offline in every slot: two agents are ever online, so
-no version can reach three updates. Before the aggregator folded what it had, each version waited for both
-deadlines (here 60 s + 60 s) and three versions took six minutes; now each is folded as soon as the two
-online agents have delivered.
+Three clients, buffer_size 3, and a trace that keeps agent-2 offline in every slot: two agents are ever
+online, so no version can reach three updates. Before the aggregator folded what it had, each version waited
+for both deadlines (here 60 s + 60 s) and three versions took six minutes; now each is folded as soon as the
+two online agents have delivered.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def moons():
     return TwoMoons
 
 
-def test_async_folds_what_it_has_when_fewer_than_async_k_are_online(tmp_path, moons):
+def test_async_folds_what_it_has_when_fewer_than_buffer_size_are_online(tmp_path, moons):
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"agent-2": []}))
     cfg = fedmq.JobConfig(
@@ -42,7 +42,7 @@ def test_async_folds_what_it_has_when_fewer_than_async_k_are_online(tmp_path, mo
         rounds=3,
         clients=3,
         fraction=1.0,
-        async_k=3,
+        strategy_args={"buffer_size": 3},
         report_deadline_s=60.0,
         update_deadline_s=60.0,
     )

@@ -141,7 +141,7 @@ def test_asynchronous_rounds_take_turns_past_the_clients_a_host_runs_at_once(tin
     version is folded from the updates that arrive."""
     from fedmq.client_agent.host import ASYNC_AT_ONCE
 
-    cfg = _job("turns", strategy="async", clients=200, async_k=20, lr=1.0)
+    cfg = _job("turns", strategy="async", clients=200, strategy_args={"buffer_size": 20}, lr=1.0)
     sim, summary, added = _simulate(cfg, tiny_lm(200), tmp_path)
     assert summary["version"] == 3
     assert max(added) < ASYNC_AT_ONCE + 30, added
@@ -163,7 +163,7 @@ def test_an_asynchronous_host_trains_again_once_its_lost_connection_is_back(tiny
     job = "rejoin"
     url = f"memory://{job}-{time.monotonic_ns()}"
     task = tiny_lm(4, Slow)
-    cfg = _job(job, strategy="async", clients=4, async_k=4, rounds=2, lr=1.0)
+    cfg = _job(job, strategy="async", clients=4, strategy_args={"buffer_size": 4}, rounds=2, lr=1.0)
     engine = Engine(connect(url, user=topology.AGGREGATOR_USER), task, cfg, tmp_path / "run", durable=False)
     engine.declare()
     down_until = [0.0]

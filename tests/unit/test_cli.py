@@ -265,6 +265,8 @@ def fedmq_torch_probe(*args: str) -> tuple[subprocess.CompletedProcess, bool]:
         (["--metrics-port", "70000"], "--metrics-port"),
         (["--metrics-port", "-1"], "--metrics-port"),
         (["--metrics-port", "http"], "--metrics-port"),
+        (["--strategy", "fedadam", "--strategy-arg", "server-lr=0.01"], "did you mean server_lr?"),
+        (["--strategy", "fedatt", "--strategy-arg", "eps=1"], "strategy 'fedatt' has no parameter 'eps'"),
     ],
 )
 def test_bad_simulate_flags_are_one_line_before_torch_and_leave_no_folder(args, needle, tmp_path):
@@ -376,7 +378,7 @@ def test_config_file_then_flags_override_it(tmp_path):
         'keyframe_every = 4\n[task]\nmodel = "gru-small"\nclients = 6\nmax_lines = 500\nemb = 64\n'
     )
     p = plan("--config", str(job), "--rounds", "5", "--lr", "5")
-    assert (p.job.strategy, p.job.rounds, p.job.att_eps, p.job.lr, p.job.keyframe_every) == (
+    assert (p.job.strategy, p.job.rounds, p.job.strategy_args["epsilon"], p.job.lr, p.job.keyframe_every) == (
         "fedatt",
         5,
         1.0,
@@ -447,7 +449,7 @@ def test_resume_of_a_run_folder_from_before_options_were_recorded():
     p = plan(saved=saved_options(legacy))
     assert (
         p.job.strategy,
-        p.job.att_eps,
+        p.job.strategy_args["epsilon"],
         p.job.clients,
         p.task["model"],
         p.task["bptt"],

@@ -32,7 +32,7 @@ def test_defaults_are_valid_and_derived_properties():
         {"fraction": 1.5},
         {"beta": 0},
         {"lr": -1},
-        {"att_norm": "l7"},
+        {"heartbeat_s": 0.0},
         {"optimizer": "rmsprop"},
         {"identity": "shared:"},
         {"pull_fraction": 1.0},
@@ -98,7 +98,7 @@ def test_fedsgd_is_one_full_batch_step_on_every_client():
         ({"epochs": 0}, "epochs (--epochs) must be in [1, 1000], got 0"),
         ({"seed": -1}, "seed (--seed) must be in [0, 9.22337e+18], got -1"),
         ({"eval_every": 0}, "eval_every must be at least 1"),
-        ({"server_lr": 0.0}, "server_lr must be positive"),
+        ({"join_timeout_s": 0.0}, "join_timeout_s must be positive"),
         ({"encoding": "no-such-encoding"}, "encoding"),
     ],
 )

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from fedmq.aggregator.config import JobConfig
+from fedmq.aggregator.config import JobConfig, JobConfigError
 from fedmq.aggregator.strategies.base import RoundPlan, Strategy
 from fedmq.aggregator.strategies.fedavg import FedAvg
 from fedmq.aggregator.strategies.registry import STRATEGY_NAMES, strategy_class, strategy_from_config
@@ -78,9 +78,11 @@ def test_configure_train_shapes_the_round_config():
 
 
 def test_from_config_reads_the_job_settings():
-    name, att = strategy_from_config("fedatt", JobConfig(strategy="fedatt", att_eps=0.7, att_norm="spectral"))
+    att_args = {"epsilon": 0.7, "norm": "spectral"}
+    name, att = strategy_from_config("fedatt", JobConfig(strategy="fedatt", strategy_args=att_args))
     assert (name, att.epsilon, att.norm) == ("fedatt", 0.7, "spectral")
-    name, buffered = strategy_from_config("async", JobConfig(strategy="async", async_k=4, server_lr=0.5))
+    async_args = {"buffer_size": 4, "server_lr": 0.5}
+    name, buffered = strategy_from_config("async", JobConfig(strategy="async", strategy_args=async_args))
     assert (name, buffered.buffer_size, buffered.server_lr) == ("async", 4, 0.5)
     # the robust guard replaces plain FedAvg, also FedMed's fallback to it, and nothing else
     assert strategy_from_config("fedavg", JobConfig(robust="clip:2.5"))[1].clip_norm == 2.5
@@ -108,16 +110,17 @@ def test_a_users_strategy_owns_its_round():
 
 
 def test_a_built_in_strategys_parameter_has_one_way_in_and_is_never_ignored():
-    # a built-in's parameters that are job settings (FedAtt's epsilon is att_eps, --eps) are refused as
-    # strategy arguments, in one line naming the setting; its other parameters come as strategy arguments
-    from fedmq.errors import BadParameter
-
-    assert strategy_from_config("fedatt", JobConfig(strategy="fedatt", att_eps=0.9))[1].epsilon == 0.9
-    with pytest.raises(BadParameter, match="epsilon is the job setting att_eps; set it there"):
-        strategy_from_config("fedatt", JobConfig(strategy="fedatt", strategy_args={"epsilon": 0.7}))
-    with pytest.raises(BadParameter, match="server_lr is the job setting server_lr"):
-        strategy_from_config("async", JobConfig(strategy="async", strategy_args={"server_lr": 0.25}))
+    # a built-in's parameters are its constructor's, also those that were job settings (FedAtt's epsilon was
+    # att_eps): a former key in a job file or config.json is read as the parameter
+    old = JobConfig.from_dict({"strategy": "fedatt", "att_eps": 0.9})
+    assert strategy_from_config("fedatt", old)[1].epsilon == 0.9
+    fedatt = JobConfig(strategy="fedatt", strategy_args={"epsilon": 0.7})
+    assert strategy_from_config("fedatt", fedatt)[1].epsilon == 0.7
+    buffered = JobConfig(strategy="async", strategy_args={"server_lr": 0.25})
+    assert strategy_from_config("async", buffered)[1].server_lr == 0.25
+    with pytest.raises(JobConfigError, match="strategy 'fedatt' has no parameter 'att_eps'"):
+        JobConfig(strategy="fedatt", strategy_args={"att_eps": 0.7})  # by name, before torch
     # the job's arguments are checked against the job's strategy even where a robust guard replaces it
-    with pytest.raises(BadParameter, match="strategy 'fedavg' has no parameter 'clip_norm'"):
-        strategy_from_config("fedavg", JobConfig(robust="clip:2.5", strategy_args={"clip_norm": 1.0}))
+    with pytest.raises(JobConfigError, match="strategy 'fedavg' has no parameter 'clip_norm'"):
+        JobConfig(robust="clip:2.5", strategy_args={"clip_norm": 1.0})
     assert strategy_from_config("fedavg", JobConfig(robust="clip:2.5"))[1].clip_norm == 2.5

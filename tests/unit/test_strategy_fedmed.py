@@ -273,6 +273,6 @@ def test_each_weighting_has_its_own_name_and_no_js_knob():
     )
     for name in ("fedmed", "fedmed-relative", "fedmed-standardised"):
         cls = strategy_class(name)
-        assert issubclass(cls, FedMed) and cls.plan == FedMed.plan and cls.own_settings == ()
+        assert issubclass(cls, FedMed) and cls.plan == FedMed.plan
         with pytest.raises(BadParameter, match="has no parameter 'js'"):
             make_strategy(name, js="raw")

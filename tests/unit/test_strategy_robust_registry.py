@@ -78,7 +78,7 @@ def test_registry_builds_every_name():
         ("fedavg", {"epsilon": 1}, "has no parameter 'epsilon'; it takes no parameters"),
         ("fedatt", {"eps": 1}, "has no parameter 'eps'; it takes epsilon, norm"),
         ("pull-local", {"rule": "global"}, "has no parameter 'rule'"),
-        ("fedatt", {"epsilon": -1}, "epsilon must be > 0.0"),
+        ("fedatt", {"epsilon": -1}, r"strategy 'fedatt': epsilon \(--eps\) must be > 0.0"),
         ("async", {"buffer_size": "ten"}, "buffer_size must be a whole number, got 'ten'"),
         ("fedadam", {"tau": 0}, "tau=0.0 is out of range"),
         ("fedprox", {"mu": "big"}, "mu must be a number, got 'big'"),
