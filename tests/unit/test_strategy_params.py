@@ -204,7 +204,7 @@ def test_a_run_recorded_with_the_former_keys_counts_as_run_with_its_parameters(t
     """benchmarks' ran_as: an archived run's att_eps is FedAtt's epsilon; a default is a default however
     it is given."""
     from fedmq.aggregator.runlog import CONFIG_FILE
-    from fedmq.benchmarks.experiments import ran_as
+    from fedmq.benchmarks.experiments.runner import ran_as
 
     old = JobConfig(strategy="fedatt").to_dict()
     old.update(att_eps=1.2, att_norm="fro", async_k=3, max_staleness=5, server_lr=1.0)
