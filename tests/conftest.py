@@ -46,6 +46,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("own-nodes-and-faults"))
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item, settings):
+    """pytest-timeout's per-test limit (pyproject's ``timeout``, or a test's timeout mark) is an idle
+    machine's seconds: scaled by the load when the test starts (tests/load_factor.py), so a busy machine does
+    not kill a healthy test while a hung one still ends. pytest-timeout's own timer then runs the test."""
+    import pytest_timeout
+    from load_factor import budget
+
+    return pytest_timeout.pytest_timeout_set_timer(item, settings._replace(timeout=budget(settings.timeout)))
+
+
 _rabbit_state: dict[str, str | None] = {}
 
 

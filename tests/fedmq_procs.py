@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from load_factor import budget
+
 FEDMQ_SCRIPT = str(Path(sys.executable).parent / "fedmq")
 MODULE_CMD = [sys.executable, "-m", "fedmq.cli.app"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -297,7 +299,7 @@ def _socket_path() -> str:
             env=env,
             cwd=folder,
         )
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + budget(120)
         while not os.path.exists(path):
             if server.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the fork server did not start (exit {server.poll()})")
@@ -481,7 +483,9 @@ def run(
     check: bool = False,
     **kwargs: Any,
 ) -> subprocess.CompletedProcess:
-    """``subprocess.run(args, ...)``, forked from the server where `args` is a fedmq command."""
+    """``subprocess.run(args, ...)``, forked from the server where `args` is a fedmq command; ``timeout`` is
+    an idle machine's seconds (tests/load_factor.py scales it)."""
+    timeout = None if timeout is None else budget(timeout)
     if not (enabled() and _forkable(args)):
         return subprocess.run(
             args, input=input, capture_output=capture_output, timeout=timeout, check=check, **kwargs
