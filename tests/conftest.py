@@ -37,12 +37,14 @@ def _port_open(host: str, port: int) -> bool:
 def pytest_collection_modifyitems(config, items):
     """`make test` runs three pytest-xdist workers (--dist loadgroup), on two cores too: much of the suite
     waits on process starts, RabbitMQ nodes and round deadlines. The tests that start their own RabbitMQ
-    nodes or kill processes on a clock (tests/fault, and every isolated_node test) form one group: one worker
-    runs them one after the other, in file order, while the other workers take everything else. A test in
-    tests/fault marked any_worker kills nothing and may run on any worker."""
+    nodes or kill processes on a clock (tests/fault, and every isolated_node test) form one group, and so do
+    the tests that measure speed itself (timing): one worker runs them one after the other, in file order,
+    while the other workers take everything else. A test in tests/fault marked any_worker kills nothing and
+    may run on any worker."""
     for item in items:
         faults = "/fault/" in str(item.path) and not item.get_closest_marker("any_worker")
-        if item.get_closest_marker("isolated_node") or faults:
+        alone = item.get_closest_marker("isolated_node") or item.get_closest_marker("timing")
+        if alone or faults:
             item.add_marker(pytest.mark.xdist_group("own-nodes-and-faults"))
 
 

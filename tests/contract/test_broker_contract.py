@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 
 import pika
 import pytest
+from load_factor import budget
 
 from fedmq.broker.transport import topology as t
 from fedmq.broker.transport.base import Broker, Delivery
@@ -88,7 +89,7 @@ def make(request: pytest.FixtureRequest, job_id: str) -> Iterator[Callable[..., 
 
 
 def _depth(b: Broker, queue: str, want: int, timeout: float = 5.0) -> int:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + budget(timeout)
     while (d := b.queue_depth(queue)) != want and time.monotonic() < deadline:
         time.sleep(0.05)
     return d
@@ -314,7 +315,7 @@ def test_a_failing_handler_rejects_and_the_consumer_goes_on(make, job_id):
     b.consume(t.q_inbox(job_id), handler)
     b.publish(t.rk_update(job_id, "a1"), b"boom")
     b.publish(t.rk_update(job_id, "a1"), b"fine")
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + budget(5)
     while len(seen) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.3)

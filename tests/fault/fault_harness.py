@@ -411,8 +411,9 @@ class Federation:
         )
 
     def round_limit_s(self, slack_s: float = 10.0) -> float:
-        """The longest a round may take: report + update deadlines, plus slack for evaluation and startup."""
-        return float(self.cfg["report_deadline_s"]) + float(self.cfg["update_deadline_s"]) + slack_s
+        """The longest a round may take: report + update deadlines, plus slack for evaluation and startup
+        (an idle machine's seconds, scaled by tests/load_factor.py)."""
+        return float(self.cfg["report_deadline_s"]) + float(self.cfg["update_deadline_s"]) + budget(slack_s)
 
 
 class TcpProxy:

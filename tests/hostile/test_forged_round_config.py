@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from load_factor import budget
 
 from fedmq.aggregator.config import JobConfig
 from fedmq.broker.transport import topology
@@ -37,7 +38,7 @@ def test_an_agent_rejects_a_round_config_beyond_its_bounds_and_stays(rabbit_url,
     runner = threading.Thread(target=agent.run, daemon=True)
     runner.start()
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + budget(20)
         while not agent.connected and time.monotonic() < deadline:
             time.sleep(0.05)
         assert agent.connected

@@ -18,6 +18,7 @@ import tracemalloc
 import uuid
 
 import pytest
+from load_factor import budget
 
 from fedmq.broker.transport import provision as prov
 from fedmq.broker.transport import topology as t
@@ -59,7 +60,7 @@ def test_an_oversized_message_is_refused_from_its_header(rabbit_node, job_id):
             peak = tracemalloc.get_traced_memory()[1] - base
         finally:
             tracemalloc.stop()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + budget(10)
         while consumer.queue_depth(t.q_dead(job_id)) < 1 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert consumer.queue_depth(t.q_dead(job_id)) == 1  # refused: dead-lettered for the operator
@@ -84,9 +85,9 @@ def test_presence_is_not_queued_behind_an_upload(rabbit_node, job_id):
         th.start()
         # the heartbeat goes once the upload's first chunks are in the inbox (beside "warm"), whatever the
         # machine's speed: a fixed pause let a fast machine finish the whole upload first
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + budget(30)
         while watcher.queue_depth(t.q_inbox(job_id)) < 9 and "upload" not in times:
-            assert time.monotonic() < deadline, "no chunk of the upload reached the inbox in 30 s"
+            assert time.monotonic() < deadline, "no chunk of the upload reached the inbox"
             time.sleep(0.01)
         sent = time.monotonic()
         assert "upload" not in times, "the upload finished before the heartbeat: make it larger"
@@ -133,19 +134,17 @@ def test_an_agent_refused_by_its_permissions_ends_with_one_line(rabbit_node):
                 outcome.append(exc)
 
         th = threading.Thread(target=run, daemon=True)
-        started = time.monotonic()
         th.start()
-        th.join(60)
+        th.join(budget(60))
         if th.is_alive():
             agent.stop.set()
             th.join(30)
-            pytest.fail("the agent was still retrying a refused publish after 60 s")
+            pytest.fail(f"the agent was still retrying a refused publish after {budget(60):.0f} s")
         assert len(outcome) == 1 and isinstance(outcome[0], BrokerError), outcome
         exc = outcome[0]
         line = str(exc)
         assert exc.permanent and "\n" not in line, line
         assert "403" in line and f"refused {REFUSAL_TRIES} times in a row" in line, line
-        assert time.monotonic() - started < 60
     finally:
         admin.delete_users(
             [creds["aggregator"]["username"], *(e["username"] for e in creds["agents"].values())]

@@ -20,6 +20,7 @@ import fedmq_procs
 import pika
 import pika.exceptions as pe
 import pytest
+from load_factor import budget
 
 from fedmq.broker.transport import provision as prov
 from fedmq.broker.transport import topology as t
@@ -113,7 +114,7 @@ def test_a_host_user_speaks_for_its_own_clients_only(rabbit_url, job_id):
             heard: list = []
             host.consume(t.q_latest(job_id, "h1"), lambda d: (heard.append(d.body), host.ack(d)))
             agg.publish(t.rk_announce(job_id, "h1"), b"announce")
-            deadline = time.time() + 10
+            deadline = time.time() + budget(10)
             while not heard and time.time() < deadline:
                 time.sleep(0.05)
             assert heard == [b"announce"] and host.status()["reconnects"] == 0
@@ -240,7 +241,7 @@ def test_sigterm_makes_a_host_leave_the_job_at_once(tmp_path, rabbit_url, job_id
         host_port = s.getsockname()[1]
     host = _host(*common, "--host", "h0", "--clients", "0-7", "--metrics-port", str(host_port))
     try:
-        deadline, trained = time.time() + 60, None
+        deadline, trained = time.time() + budget(60), None
         while time.time() < deadline and not trained:
             time.sleep(0.3)
             trained = _gauge(_get(host_port, "/metrics"), "fedmq_rounds_trained")

@@ -62,7 +62,7 @@ def test_signals_process_groups_and_timeouts_act_on_the_forked_child(script, tmp
     started = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
         fedmq_procs.run([*script, "sleep"], capture_output=True, timeout=1)
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 60, "the run waited for the child's own end (its 60 s sleep)"
 
 
 def test_other_commands_and_fork_off_go_to_subprocess(script, monkeypatch):

@@ -206,7 +206,7 @@ def test_the_pool_waits_for_every_selected_agent_not_for_the_first_borrowers(gru
 def test_a_selected_agent_that_drops_out_or_never_comes_is_not_waited_for_long(gru):
     pool = CohortPool(gru, size=3, seed=0, settle_s=0.05, patience_s=30.0)
     seconds = _round_of(pool, {"a": 0, "b": 3, "c": None}, ["a", "b", "c"])  # c: offline this round
-    assert pool.cohorts == [2] and seconds < 15.0
+    assert pool.cohorts == [2] and seconds < pool.patience_s, "the round waited out its patience for c"
     late = CohortPool(gru, size=3, seed=0, settle_s=0.05, patience_s=1.0)
     seconds = _round_of(late, {"a": 0, "b": 3}, ["a", "b", "d"])  # d never hears of the round
     assert late.cohorts == [2] and seconds >= 1.0
@@ -217,7 +217,7 @@ def test_a_pool_smaller_than_the_round_trains_what_it_holds_without_waiting(gru)
     does not wait for it (patience 30 s) and it trains alone after."""
     pool = CohortPool(gru, size=2, seed=0, settle_s=0.05, patience_s=30.0)
     seconds = _round_of(pool, {"a": 0, "b": 3, "c": 7}, ["a", "b", "c"])
-    assert pool.cohorts == [2, 1] and seconds < 15.0
+    assert pool.cohorts == [2, 1] and seconds < pool.patience_s, "the first cohort waited out its patience"
 
 
 def test_a_failing_cohort_fails_each_of_its_jobs_and_the_pool_goes_on(gru):
