@@ -94,8 +94,11 @@ def serve(path: str) -> None:
         except Exception:  # noqa: BLE001 - a child that needs it imports it and reports the error itself
             pass
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
+    # `path` appears only once the socket listens (a client that found it between bind and listen was
+    # refused, on a busy machine)
+    listener.bind(path + ".new")
     listener.listen(128)
+    os.rename(path + ".new", path)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     os.set_blocking(wake_r, False)
