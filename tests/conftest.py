@@ -222,6 +222,8 @@ def run_in_process_federation(
     """
     import threading
 
+    from load_factor import budget
+
     from fedmq.aggregator.engine import Engine
     from fedmq.broker.transport import topology
     from fedmq.broker.transport.connect import connect
@@ -257,7 +259,7 @@ def run_in_process_federation(
         for a in agents:
             a.stop.set()
         for t in threads:
-            t.join(timeout=10)
+            t.join(timeout=budget(10))
         broker.close()
     return engine, agents, summary
 

@@ -40,7 +40,7 @@ class Inbox:
 
     def wait(self, n: int, timeout: float = 10.0) -> list[Delivery]:
         with self.cv:
-            assert self.cv.wait_for(lambda: len(self.items) >= n, timeout), (
+            assert self.cv.wait_for(lambda: len(self.items) >= n, budget(timeout)), (
                 f"got {len(self.items)} of {n} deliveries"
             )
             return list(self.items)
@@ -407,7 +407,7 @@ def test_a_message_that_kills_its_consumer_is_dead_lettered_after_the_delivery_l
             alive.ack(d)
 
     alive.consume(t.q_inbox(job_id), handle)
-    assert done.wait(10) and got == [b"next", b"refused"]
+    assert done.wait(budget(10)) and got == [b"next", b"refused"]
     assert _depth(pub, t.q_dead(job_id), 2) == 2
     dead = Inbox(pub)
     pub.consume(t.q_dead(job_id), dead)

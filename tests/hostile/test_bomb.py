@@ -170,7 +170,7 @@ def test_bombs_cost_less_than_a_model_and_the_round_goes_on(rabbit_url, job_id, 
         threads = [threading.Thread(target=ag.run, daemon=True) for ag in agents]
         for t in threads:
             t.start()
-        runner.join(timeout=60)
+        runner.join(timeout=budget(60))
         assert not runner.is_alive() and result["rounds_completed"] == 1
         uploads = sorted(u for ag in agents for (r, u) in ag.log.uploads if r == 1)
         assert sorted(engine.folded[1]) == uploads and len(uploads) == 2
@@ -179,8 +179,8 @@ def test_bombs_cost_less_than_a_model_and_the_round_goes_on(rabbit_url, job_id, 
         for ag in agents:
             ag.stop.set()
         for t in threads:
-            t.join(timeout=10)
-        runner.join(timeout=10)
+            t.join(timeout=budget(10))
+        runner.join(timeout=budget(10))
         pub.close()
         purge(rabbit_url, job_id, list(AGENTS))
 
@@ -234,6 +234,6 @@ def test_incomplete_chunked_updates_are_bounded_by_the_manifest(rabbit_url, job_
         assert runner.is_alive() and engine.version == 0
     finally:
         engine.stop.set()
-        runner.join(timeout=10)
+        runner.join(timeout=budget(10))
         pub.close()
         purge(rabbit_url, job_id, list(AGENTS))

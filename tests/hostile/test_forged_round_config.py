@@ -50,6 +50,6 @@ def test_an_agent_rejects_a_round_config_beyond_its_bounds_and_stays(rabbit_url,
         assert runner.is_alive() and agent.connected
     finally:
         agent.stop.set()
-        runner.join(15)
+        runner.join(budget(15))
         admin.close()
         purge(rabbit_url, job_id, ["agent-0"])

@@ -367,12 +367,12 @@ def test_hostile_messages_are_rejected_and_change_nothing(rabbit_node, job_id, t
         threads = [threading.Thread(target=ag.run, daemon=True) for ag in agents]
         for t in threads:
             t.start()
-        runner.join(timeout=120)
+        runner.join(timeout=budget(120))
         assert not runner.is_alive() and result["rounds_completed"] == 1
         for ag in agents:
             ag.stop.set()
         for t in threads:
-            t.join(timeout=10)
+            t.join(timeout=budget(10))
         uploads = sorted(u for ag in agents for (r, u) in ag.log.uploads if r == 1)
         assert sorted(engine.folded[1]) == uploads and len(uploads) == 2
         sent_states = [ag.log.sent[1] for ag in agents]
@@ -382,7 +382,7 @@ def test_hostile_messages_are_rejected_and_change_nothing(rabbit_node, job_id, t
             torch.testing.assert_close(engine.global_state[name].double(), want, rtol=1e-5, atol=1e-6)
     finally:
         engine.stop.set()
-        runner.join(timeout=10)
+        runner.join(timeout=budget(10))
         for p in pubs.values():
             p.close()
         admin.close()

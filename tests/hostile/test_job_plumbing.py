@@ -67,7 +67,7 @@ def _round_trip(agg, agent, job: str, client: str, tag: str) -> None:
     ctag = agg.consume(t.q_inbox(job), take)
     try:
         agent.publish(t.rk_presence(job, client), f"presence {tag}".encode())
-        assert done.wait(10), f"presence {tag} never reached the aggregator"
+        assert done.wait(budget(10)), f"presence {tag} never reached the aggregator"
     finally:
         agg.cancel(ctag)
     assert got == [f"presence {tag}".encode()]

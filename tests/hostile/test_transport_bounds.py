@@ -56,7 +56,7 @@ def test_an_oversized_message_is_refused_from_its_header(rabbit_node, job_id):
                     done.set()
 
             consumer.consume(t.q_inbox(job_id), take, reassembly=ReassemblyLimits(max_message_size=MiB))
-            assert done.wait(30)
+            assert done.wait(budget(30))
             peak = tracemalloc.get_traced_memory()[1] - base
         finally:
             tracemalloc.stop()
@@ -93,7 +93,7 @@ def test_presence_is_not_queued_behind_an_upload(rabbit_node, job_id):
         assert "upload" not in times, "the upload finished before the heartbeat: make it larger"
         agent.publish(t.rk_presence(job_id, "agent-0"), b"beat", message_id="beat")
         times["presence"] = time.monotonic()
-        th.join(120)
+        th.join(budget(120))
         assert "upload" in times
         assert times["presence"] < times["upload"], (
             f"heartbeat confirmed {times['presence'] - sent:.2f} s after it was sent, "
@@ -138,7 +138,7 @@ def test_an_agent_refused_by_its_permissions_ends_with_one_line(rabbit_node):
         th.join(budget(60))
         if th.is_alive():
             agent.stop.set()
-            th.join(30)
+            th.join(budget(30))
             pytest.fail(f"the agent was still retrying a refused publish after {budget(60):.0f} s")
         assert len(outcome) == 1 and isinstance(outcome[0], BrokerError), outcome
         exc = outcome[0]

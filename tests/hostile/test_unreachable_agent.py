@@ -80,7 +80,7 @@ class Heartbeats:
 
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
-        self.thread.join(timeout=10)
+        self.thread.join(timeout=budget(10))
         self.broker.close()
 
 
@@ -101,7 +101,7 @@ def _stop_agents(agents: list[Agent], threads: list[threading.Thread]) -> None:
     for a in agents:
         a.stop.set()
     for t in threads:
-        t.join(timeout=10)
+        t.join(timeout=budget(10))
 
 
 def _check_rows(rows) -> None:
@@ -153,7 +153,7 @@ def test_a_restarted_aggregator_checks_again_who_is_reachable(rabbit_node, job_i
             # aggregator stops with the round open (as a crash or a deploy would leave it)
             _delete_queue(url, topology.q_latest(job_id, HOSTILE))
             first.stop.set()
-            runner.join(timeout=30)
+            runner.join(timeout=budget(30))
             first.broker.close()
             assert first.runlog.rows() == []  # round 1 is still open
             second = Engine(connect(url), task, cfg, run_dir, durable=False, evaluate=False)

@@ -57,7 +57,7 @@ def test_async_folds_what_it_has_when_fewer_than_async_k_are_online(tmp_path, mo
     stalled = runner.is_alive()
     if stalled:  # end the run (its deadlines would take minutes) before failing
         stop.set()
-        runner.join(180)
+        runner.join(budget(180))
     assert not stalled, f"3 versions took more than {budget(LIMIT_S):.0f} s: each waited for its deadlines"
     assert out["version"] == 3, out
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -73,7 +73,7 @@ def _stream_through_fault(node, job_id: str, fault) -> None:
         th.start()
         _wait(lambda: len(confirmed) >= 30, 30, "30 confirmed updates")
         fault()
-        th.join(timeout=180)
+        th.join(timeout=budget(180))
         assert not th.is_alive()
         assert errors == []  # publish() blocked through the outage and was confirmed after reconnecting
         _wait(lambda: set(confirmed) <= got.unique(), 90, "every confirmed update at the aggregator")
@@ -226,7 +226,7 @@ def test_300mb_update_crosses_a_broker_with_16mib_max_message_size(rabbit_node, 
         )
         agent.publish(t.rk_update(job_id, "a1"), body, message_id="huge")
         del body
-        assert done.wait(180)
+        assert done.wait(budget(180))
         assert got == [(want, "huge")]
         _wait(lambda: agg.queue_depth(t.q_inbox(job_id)) == 0, 30, "an empty inbox")
 
@@ -263,7 +263,7 @@ def test_long_blocking_step_does_not_lose_the_connection(rabbit_node, job_id):
         b.consume(t.q_latest(job_id, "a1"), train)
         b.publish(t.rk_global(job_id), b"theta")
         time.sleep(3.5)  # and the caller's own thread sleeps through several heartbeats
-        assert done.wait(10)
+        assert done.wait(budget(10))
         s = b.status()
         assert s["connected"] and s["reconnects"] == 0
         assert rabbit_node.connection_count() >= 1
@@ -299,7 +299,7 @@ def test_flow_control_blocking_is_surfaced_in_status(rabbit_node, job_id):
             assert th.is_alive()  # the publish waits while the broker blocks us
         finally:
             rabbit_node.ctl("set_vm_memory_high_watermark", "0.4")
-        th.join(timeout=30)
+        th.join(timeout=budget(30))
         assert result == [None]  # confirmed once unblocked
         _wait(lambda: not b.status()["blocked"], 20, "connection.unblocked")
         assert b.status()["reconnects"] == 0

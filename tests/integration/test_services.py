@@ -120,7 +120,7 @@ def _presences(url: str, job: str, client: str, stop: threading.Event) -> tuple[
             watching.set()
 
     threading.Thread(target=watch, daemon=True).start()
-    watching.wait(70)
+    watching.wait(budget(70))
     return seen, errors
 
 
@@ -217,7 +217,7 @@ def test_aggregator_and_agents_as_services(tmp_path, rabbit_url, job_id, free_po
         assert summary["rounds_completed"] == 3 and summary["rejected"] == {}
         # the job is over: the agents are told so and leave by themselves, exit code 0
         for i, p in enumerate(agents):
-            assert p.wait(timeout=30) == 0
+            assert p.wait(timeout=budget(30)) == 0
             assert f"job {job_id} finished: agent agent-{i} left" in p.stderr.read()
         # an agent beats at the job file's heartbeat (1 s), not at a default of its own (5 s): no gap between
         # its presences reaches the aggregator's window of three heartbeats
@@ -253,7 +253,7 @@ def test_aggregator_and_agents_as_services(tmp_path, rabbit_url, job_id, free_po
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         for p in agents:
-            p.wait(timeout=30)
+            p.wait(timeout=budget(30))
             assert p.returncode == 0, p.stderr.read()[-2000:]
         if agg.poll() is None:
             agg.kill()

@@ -152,7 +152,7 @@ def test_the_pool_trains_its_borrowers_together(gru):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=60)
+        t.join(timeout=budget(60))
     assert pool.cohorts == [3]
     for c in CLIENTS:
         alone = copy.deepcopy(start)
@@ -238,7 +238,7 @@ def test_a_failing_cohort_fails_each_of_its_jobs_and_the_pool_goes_on(gru):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=60)
+        t.join(timeout=budget(60))
     assert len(errors) == 2 and all("TrainConfig lr must be in (0, " in e for e in errors)
     with pool.borrow() as model:
         assert pool.train(model, 0, TrainConfig(**REGIME, max_steps=2)).steps == 2
