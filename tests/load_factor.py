@@ -9,8 +9,9 @@ fail healthy tests while a hung one still ends.
 ``factor()`` is the larger of two measures, clamped to [1, 20]:
 
 * a calibration, once per process (a pytest worker: at its first call): a fixed pure-Python loop (``LOOP``
-  additions, about ``REFERENCE_S`` of one idle 3 GHz x86 core under CPython 3.11) timed by the wall clock
-  against that reference figure. It sees both a slower CPU and the share of a core this process gets now.
+  additions, about ``REFERENCE_S`` of CPU on a current x86 server core under CPython 3.11) timed by the
+  wall clock against that reference figure. It sees both a slower CPU and the share of a core this process
+  gets now.
 * the 1-minute load average per CPU this process may run on, read at each call: a load that arrives after
   the calibration (the suite's own workers start their subprocesses) counts too.
 
