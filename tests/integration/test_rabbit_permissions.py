@@ -10,6 +10,7 @@ import fedmq_procs
 import pika
 import pika.exceptions as pe
 import pytest
+from load_factor import budget
 
 from fedmq.broker.transport import provision as prov
 from fedmq.broker.transport import topology as t
@@ -55,7 +56,7 @@ def test_provisioned_users_are_confined(fed, job_id):
         done = threading.Event()
         agg.consume(t.q_inbox(job_id), lambda d: (got.append(d), agg.ack(d), done.set()))
         agent.publish(t.rk_update(job_id, a1), b"mine", message_id="u1")
-        assert done.wait(10)
+        assert done.wait(budget(10))
         assert (got[0].body, got[0].user_id) == (
             b"mine",
             t.agent_user(job_id, a1),
