@@ -96,7 +96,8 @@ def layers(ax):
         0.44,
         0.2,
         "client_agent",
-        "one-client agent, host (many clients),\njoining a job, trainer pool,\nstate store, availability and faults",
+        "one-client agent, host (many clients),\n"
+        "joining a job, trainer pool,\nstate store, availability and faults",
         ORANGE,
     )
     box(
