@@ -8,7 +8,7 @@ every parameter's gradient at every local step, whatever the task's training loo
 returned models as FedAvg does (n_k-weighted, as the authors' code does; the paper's Algorithm 2 samples
 devices with probability p_k and averages them uniformly, which is the same in expectation). μ = 0 is FedAvg.
 
-Parameter (``--strategy-arg mu=0.01``): ``mu`` μ ≥ 0 (default 0.01).
+Parameter (``--strategy-arg mu=0.01``): ``mu`` μ in [0, 100] (default 0.01).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class ProxHook(ClientHook):
 
     def __init__(self, mu: float = 0.01) -> None:
         if not 0 <= mu <= MAX_MU:
-            raise BadParameter(f"fedprox: mu must be in [0, {MAX_MU}], got {mu}")
+            raise BadParameter(f"fedprox: mu must be >= 0 and <= {MAX_MU}, got {mu}")
         self.mu = mu
         self._start: dict[str, torch.Tensor] = {}
 
@@ -53,5 +53,5 @@ class FedProx(FedAvg):
     def __init__(self, mu: float = 0.01) -> None:
         super().__init__()
         if not 0 <= mu <= MAX_MU:
-            raise BadParameter(f"strategy 'fedprox': mu must be in [0, {MAX_MU}], got {mu}")
+            raise BadParameter(f"strategy 'fedprox': mu must be >= 0 and <= {MAX_MU}, got {mu}")
         self.mu = mu
