@@ -41,7 +41,8 @@ def _other_job(name: str, job: str) -> str | None:
 
 def _foreign_exchange(name: str, job: str) -> bool:
     """Not RabbitMQ's own (``amq.*``), nor the job's, nor the one the jobs of older versions shared."""
-    return not name.startswith("amq.") and name not in (t.exchange(job), t.LEGACY_EXCHANGE)
+    mine = name == t.exchange(job) or name.startswith(t.exchange(job) + ".")  # what its aggregator may make
+    return not (mine or name.startswith("amq.") or name == t.LEGACY_EXCHANGE)
 
 
 @dataclass
