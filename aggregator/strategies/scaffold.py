@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from fedmq.aggregator.strategies._common import check_started, validate_update
+from fedmq.aggregator.strategies._common import MAX_SERVER_LR, check_started, validate_update
 from fedmq.aggregator.strategies.base import ClientUpdate, State, Strategy
 from fedmq.errors import BadParameter
 from fedmq.hooks import ClientHook, Kept
@@ -92,8 +92,10 @@ class Scaffold(Strategy):
     client_hook: ClassVar[type[ClientHook] | None] = ScaffoldHook
 
     def __init__(self, server_lr: float = 1.0) -> None:
-        if not server_lr > 0:
-            raise BadParameter(f"strategy 'scaffold': server_lr must be positive, got {server_lr}")
+        if not 0 < server_lr <= MAX_SERVER_LR:
+            raise BadParameter(
+                f"strategy 'scaffold': server_lr must be in (0, {MAX_SERVER_LR}], got {server_lr}"
+            )
         self.server_lr = server_lr
         self.population = 0  # N, the job's clients (from_config)
         self._global: Mapping[str, torch.Tensor] | None = None

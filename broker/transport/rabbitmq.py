@@ -173,7 +173,15 @@ class RabbitBroker(Broker):
                     raise self._topology.missing(ex) from None
                 raise
             return
-        self._publisher.publish(routing_key, body, message_id, headers, timeout)
+        try:
+            self._publisher.publish(routing_key, body, message_id, headers, timeout)
+        except BrokerError:
+            job = t.job_of_key(routing_key)
+            if job is None or t.exchange(job) not in self._topology.gone:
+                raise
+            if not self._topology.declared_again(t.exchange(job)):  # only the aggregator's side declares it
+                raise
+            self._publisher.publish(routing_key, body, message_id, headers, timeout)
 
     def _presence_lane(self) -> RabbitBroker:
         with self._lane_lock:

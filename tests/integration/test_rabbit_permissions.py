@@ -217,7 +217,7 @@ def test_provision_through_the_management_api(rabbit_node, job_id):
 def test_users_go_in_one_request_and_those_already_gone_are_skipped(rabbit_node, rabbit_url, job_id):
     """rabbitmqctl (one eval for all) and the management API (bulk-delete) alike; through rabbitmqctl a name
     an Erlang literal cannot hold as it is goes by its own delete_user."""
-    from fedmq.broker.transport.deprovision import inventory_for
+    from fedmq.broker.transport.inventory import inventory_for
 
     http = HttpAdmin(rabbit_node.management_url, "guest", "guest")
     for admin, url in ((CtlAdmin(), rabbit_url), (http, rabbit_node.url)):
@@ -229,9 +229,9 @@ def test_users_go_in_one_request_and_those_already_gone_are_skipped(rabbit_node,
             admin.run("add_user", odd, "pw")
             users.append(odd)
         try:
-            assert set(users) <= set(inventory_for(admin).users())
+            assert set(users) <= set(inventory_for(admin).user_tags())
             admin.delete_users([*users, f"{job_id}.never-was"])
-            assert not set(users) & set(inventory_for(admin).users()), type(admin).__name__
+            assert not set(users) & set(inventory_for(admin).user_tags()), type(admin).__name__
             admin.delete_users(users)  # all gone already: nothing to do, no error
         finally:
             admin.delete_vhost(vhost)
