@@ -270,3 +270,19 @@ def test_fedmqs_training_loop_adds_a_gradient_term_once_a_step(full_batch):
     remove()
     for p, p0, g in zip(model.parameters(), start, grads):
         assert torch.allclose(p.detach(), p0 - (g + 0.25), atol=1e-6)
+
+
+def test_a_parameter_only_the_client_hook_refuses_fails_the_job_before_it_starts(tmp_path):
+    """The example strategy takes any max_norm; its client hook refuses a negative one. The aggregator builds
+    every hook of the client map once, so the job fails at once with one line, before any agent trains."""
+    import fedmq
+    from fedmq.aggregator.strategies.registry import client_map
+    from fedmq.errors import BadParameter
+
+    cfg = fedmq.JobConfig(strategy="own_strategy:DecayingFedAvg", strategy_args={"max_norm": -0.5})
+    with pytest.raises(BadParameter, match=r"own_strategy:ClipUpdate.*max_norm must be positive") as err:
+        client_map(cfg)
+    assert "\n" not in str(err.value)
+    with pytest.raises(BadParameter, match="max_norm must be positive"):
+        fedmq.Simulation(cfg, LogReg(clients=2), run_dir=tmp_path / "run").run()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
