@@ -34,7 +34,7 @@ from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.guards import RoundGuard, Verdict, first_nonfinite
 from fedmq.aggregator.inbox import Inbox, Received
 from fedmq.aggregator.mediator import Mediator
-from fedmq.aggregator.records import ONLINE_NAMES, RoundRecord, guard_summary
+from fedmq.aggregator.records import ONLINE_NAMES, RoundRecord, guard_summary, no_round_completed
 from fedmq.aggregator.rounds import Arrival, RoundStats
 from fedmq.aggregator.runlog import RunLog
 from fedmq.aggregator.spool import RoundSpool
@@ -852,4 +852,26 @@ class Engine:
             # the influence guard (aggregator.guards): rounds it acted in, updates capped and left out
             "guard": guard_summary(rows),
             "interrupted": self.stop.is_set(),
+            # a run that ended by itself with no round done failed, in one line (None: it did not)
+            "no_round_completed": None
+            if self.stop.is_set()
+            else no_round_completed(rows, self.inbox.rejected),
+            "inbox_left": self._inbox_left(),
         }
+
+    def _inbox_left(self) -> int | None:
+        """Messages left in the job's inbox (late presence and reports), said with how to remove them; None
+        when the broker cannot tell."""
+        inbox = topology.q_inbox(self.cfg.job)
+        try:
+            left = self.broker.queue_depth(inbox)
+        except FedmqError as exc:
+            log.warning("could not count the messages left in the inbox", queue=inbox, error=str(exc))
+            return None
+        if left:
+            log.info(
+                f"{left} message(s) left in the job's inbox: fedmq broker purge --job {self.cfg.job} "
+                "removes them (fedmq broker deprovision also the job's users)",
+                queue=inbox,
+            )
+        return left
