@@ -1,4 +1,5 @@
-"""A job that cannot make progress says so: a run whose every round is skipped (here a strategy refuses every
+"""A job's progress is told: ``Simulation(on_round=fn)`` hears of every round as it closes, and a job that
+cannot make progress says so: a run whose every round is skipped (here a strategy refuses every
 update) ends with one line saying no round completed and why, and `fedmq simulate` exits 1, not 0; a parameter
 only the client side refuses fails the command at once with exit code 2."""
 
@@ -64,7 +65,11 @@ def test_a_run_that_completed_rounds_passes(tmp_path):
     sys.path.insert(0, str(EXAMPLES))
     from logreg import LogReg
 
-    summary = fedmq.Simulation(_cfg(), LogReg(clients=2), run_dir=tmp_path / "run").run()
+    rows: list[dict] = []
+    summary = fedmq.Simulation(
+        _cfg(), LogReg(clients=2), run_dir=tmp_path / "run", on_round=rows.append
+    ).run()
+    assert [(r["round"], r["skipped"]) for r in rows] == [(1, False), (2, False)]
     assert summary["rounds_completed"] == 2 and summary["no_round_completed"] is None
     assert summary["inbox_left"] == 0  # the in-process broker's queues go with the run
     check_progress(summary)
