@@ -856,22 +856,5 @@ class Engine:
             "no_round_completed": None
             if self.stop.is_set()
             else no_round_completed(rows, self.inbox.rejected),
-            "inbox_left": self._inbox_left(),
+            "inbox_left": self.inbox.left(),
         }
-
-    def _inbox_left(self) -> int | None:
-        """Messages left in the job's inbox (late presence and reports), said with how to remove them; None
-        when the broker cannot tell."""
-        inbox = topology.q_inbox(self.cfg.job)
-        try:
-            left = self.broker.queue_depth(inbox)
-        except FedmqError as exc:
-            log.warning("could not count the messages left in the inbox", queue=inbox, error=str(exc))
-            return None
-        if left:
-            log.info(
-                f"{left} message(s) left in the job's inbox: fedmq broker purge --job {self.cfg.job} "
-                "removes them (fedmq broker deprovision also the job's users)",
-                queue=inbox,
-            )
-        return left

@@ -75,10 +75,11 @@ def test_a_run_that_completed_rounds_passes(tmp_path):
     check_progress(summary)
 
 
-def _simulate(tmp_path: Path, folder: Path, *args: str):
+def _simulate(tmp_path: Path, folder: Path, *args: str) -> tuple[int, str]:
+    """`fedmq simulate` of a small logistic regression: its exit code and its one error line."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), str(EXAMPLES)]), "OMP_NUM_THREADS": "1"}
     flags = ["--task", "logreg:LogReg", "-k", "2", "-c", "1", "-r", "2", "--max-steps", "2", "--json"]
-    return fedmq_procs.run(
+    done = fedmq_procs.run(
         fedmq_procs.command("simulate", *flags, "--out", str(tmp_path / "run"), *args),
         capture_output=True,
         text=True,
@@ -86,34 +87,18 @@ def _simulate(tmp_path: Path, folder: Path, *args: str):
         timeout=240,
         cwd=tmp_path,
     )
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    return done.returncode, errors[0]
 
 
 def test_simulate_exits_1_when_no_round_completed(tmp_path, refusing):
-    done = _simulate(
-        tmp_path,
-        refusing,
-        "--strategy",
-        "refusing_strategy:Refuses",
-        "--report-deadline",
-        "1",
-        "--update-deadline",
-        "1",
-    )
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert done.returncode == 1, done.stderr[-2000:]
-    assert len(errors) == 1 and "no round completed" in errors[0], errors
-    assert "Traceback" not in done.stderr
+    deadlines = ["--report-deadline", "1", "--update-deadline", "1"]
+    code, error = _simulate(tmp_path, refusing, "--strategy", "refusing_strategy:Refuses", *deadlines)
+    assert code == 1 and "no round completed" in error, error
 
 
 def test_simulate_refuses_a_parameter_only_the_client_hook_checks(tmp_path):
-    done = _simulate(
-        tmp_path,
-        EXAMPLES,
-        "--strategy",
-        "own_strategy:DecayingFedAvg",
-        "--strategy-arg",
-        "max_norm=-0.5",
-    )
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert len(errors) == 1 and "max_norm must be positive" in errors[0], errors
+    strategy = ["--strategy", "own_strategy:DecayingFedAvg", "--strategy-arg", "max_norm=-0.5"]
+    code, error = _simulate(tmp_path, EXAMPLES, *strategy)
+    assert code == 2 and "max_norm must be positive" in error, error
