@@ -34,7 +34,7 @@ from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.guards import RoundGuard, Verdict, first_nonfinite
 from fedmq.aggregator.inbox import Inbox, Received
 from fedmq.aggregator.mediator import Mediator
-from fedmq.aggregator.records import ONLINE_NAMES, RoundRecord, guard_summary
+from fedmq.aggregator.records import ONLINE_NAMES, RoundRecord, guard_summary, no_round_completed
 from fedmq.aggregator.rounds import Arrival, RoundStats
 from fedmq.aggregator.runlog import RunLog
 from fedmq.aggregator.spool import RoundSpool
@@ -852,4 +852,9 @@ class Engine:
             # the influence guard (aggregator.guards): rounds it acted in, updates capped and left out
             "guard": guard_summary(rows),
             "interrupted": self.stop.is_set(),
+            # a run that ended by itself with no round done failed, in one line (None: it did not)
+            "no_round_completed": None
+            if self.stop.is_set()
+            else no_round_completed(rows, self.inbox.rejected),
+            "inbox_left": self.inbox.left(),
         }

@@ -12,7 +12,7 @@ from fedmq.broker.transport import topology
 from fedmq.broker.transport.base import Broker, Delivery, ReassemblyLimits, Subscription
 from fedmq.broker.wire import messages
 from fedmq.broker.wire.envelope import Envelope, Kind, Limits
-from fedmq.errors import CodecError
+from fedmq.errors import CodecError, FedmqError
 
 log = structlog.get_logger(__name__)
 
@@ -54,6 +54,23 @@ class Inbox:
         """Start consuming ``queue`` (the job's inbox); the consumer tag (Broker.cancel stops it)."""
         self._sub = self.broker.subscribe(queue, prefetch=prefetch, reassembly=reassembly)
         return self._sub.tags[0]
+
+    def left(self) -> int | None:
+        """Messages left in the job's inbox at the job's end (late presence and reports), said in the log with
+        how to remove them; None when the broker cannot tell."""
+        inbox = topology.q_inbox(self.job)
+        try:
+            left = self.broker.queue_depth(inbox)
+        except FedmqError as exc:
+            log.warning("could not count the messages left in the inbox", queue=inbox, error=str(exc))
+            return None
+        if left:
+            log.info(
+                f"{left} message(s) left in the job's inbox: fedmq broker purge --job {self.job} "
+                "removes them (fedmq broker deprovision also the job's users)",
+                queue=inbox,
+            )
+        return left
 
     def _subscription(self) -> Subscription:
         if self._sub is None:

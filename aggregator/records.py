@@ -14,7 +14,7 @@ are kept as JSON gave them (an integral ``valid`` stays an int) for the same rea
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -168,3 +168,22 @@ def guard_summary(rows: Iterable[RoundRecord]) -> dict[str, int]:
         "capped": sum(len(g.get("capped") or {}) for g in acted),
         "dropped": sum(len(g.get("dropped") or {}) for g in acted),
     }
+
+
+def no_round_completed(rows: Iterable[RoundRecord], rejected: Mapping[str, int]) -> str | None:
+    """One line for a run that completed no round: the commonest reason its rounds were skipped and the
+    updates the inbox rejected (``rejected``: reason -> count); None when a round completed. A job that made
+    no progress fails (`fedmq simulate` and `aggregator run` exit 1) instead of ending like a finished one."""
+    rows = list(rows)
+    if any(not r.skipped for r in rows):
+        return None
+    reasons: dict[str, int] = {}
+    for r in rows:
+        reasons[r.skip_reason or "unknown"] = reasons.get(r.skip_reason or "unknown", 0) + 1
+    why = max(reasons, key=lambda k: reasons[k]) if reasons else None
+    line = "no round completed: " + (
+        f"all {len(rows)} round(s) skipped ({reasons[why]} for {why})" if why else "no round was held"
+    )
+    if any(rejected.values()):
+        line += "; rejected: " + ", ".join(f"{n} {reason}" for reason, n in sorted(rejected.items()) if n)
+    return line

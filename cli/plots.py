@@ -106,8 +106,7 @@ def plot_validation(runs: list[RunData]) -> Figure:
     metrics = list(dict.fromkeys(r.metric for r in runs))
     fig = _new_figure(3.3 * (len(metrics) + 1))
     axes = fig.subplots(len(metrics) + 1, 1, sharex=True)
-    strategies = list(dict.fromkeys(row.strategy for r in runs for row in r.rows if row.strategy))
-    marker_of = {s: STRATEGY_MARKERS[i % len(STRATEGY_MARKERS)] for i, s in enumerate(strategies)}
+    marker_of = _strategy_markers(runs)
     for ax, metric in zip(axes, metrics):
         _plot_metric(ax, metric, [(i, r) for i, r in enumerate(runs) if r.metric == metric], marker_of)
     _plot_mean_loss(axes[-1], runs)
@@ -115,6 +114,17 @@ def plot_validation(runs: list[RunData]) -> Figure:
         handles=_validation_legend(runs, marker_of), loc="outside right upper", fontsize=9, frameon=False
     )
     return fig
+
+
+def _strategy_markers(runs: list[RunData]) -> dict[str, str]:
+    """A marker shape per strategy applied, when a run applied more than one (FedMed's loss switch to FedAvg);
+    otherwise every round is a dot: the run's legend label already names its one strategy, and a marker entry
+    per strategy would only say it twice."""
+    switched = any(len({row.strategy for row in r.rows if row.strategy}) > 1 for r in runs)
+    if not switched:
+        return {}
+    strategies = list(dict.fromkeys(row.strategy for r in runs for row in r.rows if row.strategy))
+    return {s: STRATEGY_MARKERS[i % len(STRATEGY_MARKERS)] for i, s in enumerate(strategies)}
 
 
 def _plot_metric(ax: Any, metric: str, members: list[tuple[int, RunData]], marker_of: dict[str, str]) -> None:
@@ -212,11 +222,14 @@ def _validation_legend(runs: list[RunData], marker_of: dict[str, str]) -> list[L
 # ------------------------------------------------------------------------------------ (2) bytes on the wire
 
 
+# (key, label, colour, line style, marker). Raw fp32 up and down are often the same bytes (the selected
+# clients each fetch and send one model), so their dots are offset to interleave and their markers point
+# apart: a line drawn on top of an equal one never hides it.
 _BYTE_SERIES = [
-    ("bytes_up", "up (on the wire)", OKABE_ITO["blue"], "-"),
-    ("bytes_down", "down (on the wire)", OKABE_ITO["orange"], "-"),
-    ("bytes_up_raw", "up (raw fp32)", OKABE_ITO["blue"], ":"),
-    ("bytes_down_raw", "down (raw fp32)", OKABE_ITO["orange"], ":"),
+    ("bytes_up", "up (on the wire)", OKABE_ITO["blue"], "-", "^"),
+    ("bytes_down", "down (on the wire)", OKABE_ITO["orange"], "-", "v"),
+    ("bytes_up_raw", "up (raw fp32)", OKABE_ITO["blue"], (0, (1, 3)), "^"),
+    ("bytes_down_raw", "down (raw fp32)", OKABE_ITO["orange"], (2, (1, 3)), "v"),
 ]
 
 
@@ -248,7 +261,7 @@ def plot_bytes(runs: list[RunData]) -> Figure:
     log_scale = _wants_log(values, 20) if values else False
     for ax, run in zip(axes, runs):
         drawn = False
-        for key, label, color, style in _BYTE_SERIES:
+        for key, label, color, style, marker in _BYTE_SERIES:
             values = [(row.round, getattr(row, key)) for row in run.rows]
             pts = [(rnd, v / 1e6) for rnd, v in values if v is not None and math.isfinite(v)]
             if pts:
@@ -258,7 +271,9 @@ def plot_bytes(runs: list[RunData]) -> Figure:
                     [p[1] for p in pts],
                     color=color,
                     linestyle=style,
-                    marker=".",
+                    marker=marker,
+                    markersize=5,
+                    markerfacecolor="none" if style != "-" else color,
                     linewidth=1.8 if style == "-" else 1.3,
                     label=label,
                 )
@@ -272,7 +287,8 @@ def plot_bytes(runs: list[RunData]) -> Figure:
         _style(ax)
     axes[-1].set_xlabel("round")
     handles = [
-        Line2D([], [], color=c, linestyle=s, linewidth=1.8, label=lbl) for _, lbl, c, s in _BYTE_SERIES
+        Line2D([], [], color=c, linestyle=s, marker=m, markerfacecolor="none" if s != "-" else c, label=lbl)
+        for _, lbl, c, s, m in _BYTE_SERIES
     ]
     fig.legend(
         handles=handles,
@@ -453,13 +469,15 @@ def plot_weights(run: RunData) -> Figure:
                     )
     ax.set_xlabel("round")
     ax.set_ylabel("client")
-    strategies = ", ".join(dict.fromkeys(row.strategy for row in run.rows if row.strategy and row.weights))
+    # the label names the run's strategy; the rounds' own are said only where they differ (a loss switch)
+    strategies = list(dict.fromkeys(row.strategy for row in run.rows if row.strategy and row.weights))
     ax.set_title(
-        f"Aggregation weight per client — {run.label}"
-        + (f" (rounds using {strategies})" if strategies else ""),
+        f"Aggregation weight per client (attention / JS / n_k share; grey: none) — {run.label}"
+        + (f", rounds using {', '.join(strategies)}" if strategies not in ([], [run.strategy]) else ""),
         loc="left",
         fontsize=11,
     )
+    # the bar's label runs along the bar: short enough for the shortest figure
     bar = fig.colorbar(image, ax=ax, location="right", fraction=0.04, pad=0.01)
-    bar.set_label("weight (attention / JS / n_k share); grey = none")
+    bar.set_label("weight", fontsize=9)
     return fig

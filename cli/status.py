@@ -248,6 +248,8 @@ def summary_caption(summary: dict[str, Any]) -> str:
             f"influence guard {' and '.join(acted) or 'acted'} in {guard['rounds']} round(s) "
             "(--max-samples-factor 0 turns the cap off)"
         )
+    if summary.get("inbox_left"):  # late presence and reports: the broker keeps them until purged
+        parts.append(f"{summary['inbox_left']} message(s) left in the inbox (remove: fedmq broker purge)")
     if summary.get("interrupted"):
         parts.append("interrupted")
     return " · ".join(parts)

@@ -176,6 +176,7 @@ class Simulation:
         summary["job"] = cfg.job
         if queues is not None:
             summary["broker_queues"] = len(queues)
+            summary["inbox_left"] = 0  # deleted with the job's queues
         return summary
 
     def _host(

@@ -27,7 +27,7 @@ from fedmq.aggregator.strategies.fedprox import FedProx
 from fedmq.aggregator.strategies.robust import ClippedFedAvg, Median, TrimmedMean
 from fedmq.aggregator.strategies.scaffold import Scaffold
 from fedmq.errors import BadParameter
-from fedmq.hooks import ClientHook, describe
+from fedmq.hooks import ClientHook, describe, hook_path
 from fedmq.params import bind
 from fedmq.plugins import is_import_path, load_class
 from fedmq.upload_hooks import DynamicPulling, ErrorFeedback, Randomization
@@ -112,8 +112,24 @@ def client_hooks(cfg: Any) -> list[tuple[type[ClientHook], dict[str, Any]]]:
 
 
 def client_map(cfg: Any) -> dict[str, Any]:
-    """What every round's announcement says of the job's client side (fedmq.hooks.describe); {} for none."""
-    return describe(client_hooks(cfg))
+    """What every round's announcement says of the job's client side (fedmq.hooks.describe); {} for none.
+    Each hook is built here once with its arguments, as every agent will build it: a parameter only the
+    client side refuses fails the job before it starts, not on every agent of every round."""
+    hooks = client_hooks(cfg)
+    for cls, args in hooks:
+        _check_hook(cfg.strategy, cls, args)
+    return describe(hooks)
+
+
+def _check_hook(strategy: str, cls: type[ClientHook], args: dict[str, Any]) -> None:
+    """Build ``cls(**args)``; whatever it raises is one BadParameter line naming the strategy and the hook."""
+    try:
+        cls(**bind(cls, args, f"client hook {hook_path(cls)!r}"))
+    except Exception as exc:
+        why = str(exc).strip().splitlines() or [type(exc).__name__]
+        raise BadParameter(
+            f"strategy {strategy!r}: its client hook {hook_path(cls)!r} refuses its parameters: {why[0]}"
+        ) from None
 
 
 def make_strategy(name: str, **params: Any) -> Strategy:

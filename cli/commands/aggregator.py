@@ -10,6 +10,7 @@ import typer
 
 from fedmq.aggregator.config import STRATEGIES
 from fedmq.cli import options
+from fedmq.cli.errors import check_progress
 from fedmq.cli.help import HelpCommand, HelpGroup
 from fedmq.cli.process import make_task, prepare_process, setup_logs
 from fedmq.cli.services import broker_url, job_file, merge, metrics_endpoint, serving
@@ -113,3 +114,4 @@ def aggregator_run(
         finally:
             conn.close()
     typer.echo(json.dumps(summary, default=str))
+    check_progress(summary)

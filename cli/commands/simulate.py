@@ -13,7 +13,7 @@ from typing import Any
 import typer
 
 from fedmq.aggregator.config import STRATEGIES
-from fedmq.cli.errors import UsageError
+from fedmq.cli.errors import UsageError, check_progress
 from fedmq.cli.options import JOB
 from fedmq.cli.process import make_task, prepare_process, setup_logs
 from fedmq.tasks.catalog import MIN_COUNT, MODELS
@@ -374,4 +374,7 @@ def _simulate(
         progress.print_summary(summary, run_dir)
     else:
         typer.echo(json.dumps(summary, default=str))
-    return 130 if summary.get("interrupted") else 0
+    if summary.get("interrupted"):
+        return 130
+    check_progress(summary)
+    return 0

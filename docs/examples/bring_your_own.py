@@ -145,7 +145,11 @@ def main(run_dir: Path) -> dict:
         lr=0.5,
         batch_size=16,
     )
-    summary = fedmq.Simulation(cfg, TwoMoons(clients=8), run_dir=run_dir).run()
+
+    def progress(row: dict) -> None:  # each round's record (a metrics.jsonl row), as the round closes
+        print(f"round {row['round']}: accuracy {row['valid']}, {len(row['received'])} update(s)")
+
+    summary = fedmq.Simulation(cfg, TwoMoons(clients=8), run_dir=run_dir, on_round=progress).run()
     print(
         f"accuracy after {summary['rounds_completed']} rounds: valid {summary['best_valid']:.3f} "
         f"(round {summary['best_round']}), test {summary['test']:.3f}; the run is in {run_dir}"

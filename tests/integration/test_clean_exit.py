@@ -1,5 +1,6 @@
-"""A run that ends while local training is still inside torch exits cleanly: exit code 0 (130 after Ctrl-C),
-never SIGABRT with "terminate called without an active exception" on stderr.
+"""A run that ends while local training is still inside torch exits cleanly: exit code 0 (130 after Ctrl-C,
+1 with one line when no round completed), never SIGABRT with "terminate called without an active exception" on
+stderr.
 
 Python ends a daemon thread that takes the GIL back after the interpreter began to exit, and a thread doing so
 in torch's C++ code aborts the whole process (exit code 134). Every run below ends with local training under
@@ -67,16 +68,19 @@ def check(results: list[tuple[int, str]], code: int) -> None:
         assert trained not in err, "the run waited for local training to end"
 
 
-def test_sync_runs_whose_round_closed_on_its_deadline_exit_0(tmp_path):
-    """The selected agent is still training when the round closes without it and the job ends."""
-    check(
-        many(
-            lambda i: finish(
-                fedmq("simulate", *SLOW, "-k", "2", "-r", "1", *DEADLINES, "--out", str(tmp_path / f"r{i}"))
-            )
-        ),
-        0,
+def test_sync_runs_whose_round_closed_on_its_deadline_exit_1_in_one_line(tmp_path):
+    """The selected agent is still training when the round closes without it and the job ends: cleanly, and,
+    as that job completed no round, with exit code 1 and one line saying so."""
+    results = many(
+        lambda i: finish(
+            fedmq("simulate", *SLOW, "-k", "2", "-r", "1", *DEADLINES, "--out", str(tmp_path / f"r{i}"))
+        )
     )
+    check(results, 1)
+    for _, err, _ in results:
+        assert [line for line in err.splitlines() if line.startswith("error:")] == [
+            "error: no round completed: all 1 round(s) skipped (1 for 0 update(s) < min 1)"
+        ], err[-1500:]
 
 
 def test_async_runs_ending_with_agents_still_training_exit_0(tmp_path):

@@ -296,3 +296,19 @@ def test_scaffold_trains_a_round_again_from_the_control_variate_its_first_try_st
     assert torch.allclose(store.get("agent-0", "hook.scaffold.c")[1]["w"], torch.full((2,), 0.15))
     round_from(4, 1.0, 0.1)  # a newer version: from c_i = 0.15
     assert torch.allclose(store.get("agent-0", "hook.scaffold.c")[1]["w"], torch.full((2,), 0.3))
+
+
+def test_a_parameter_only_the_client_hook_refuses_fails_the_job_before_it_starts(tmp_path):
+    """The example strategy takes any max_norm; its client hook refuses a negative one. The aggregator builds
+    every hook of the client map once, so the job fails at once with one line, before any agent trains."""
+    import fedmq
+    from fedmq.aggregator.strategies.registry import client_map
+    from fedmq.errors import BadParameter
+
+    cfg = fedmq.JobConfig(strategy="own_strategy:DecayingFedAvg", strategy_args={"max_norm": -0.5})
+    with pytest.raises(BadParameter, match=r"own_strategy:ClipUpdate.*max_norm must be positive") as err:
+        client_map(cfg)
+    assert "\n" not in str(err.value)
+    with pytest.raises(BadParameter, match="max_norm must be positive"):
+        fedmq.Simulation(cfg, LogReg(clients=2), run_dir=tmp_path / "run").run()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

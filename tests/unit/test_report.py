@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -439,3 +440,67 @@ def test_single_round_run_has_integer_round_ticks(tmp_path: Path) -> None:
         for ax in fig.axes:
             ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
             assert all(float(t).is_integer() for t in ticks), ticks
+
+
+def _legend_texts(fig: Any) -> list[str]:
+    return [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+
+
+def test_legends_name_each_run_and_strategy_once(tmp_path: Path) -> None:
+    """A run that applied one strategy is named with it once (its label); markers for the strategy applied
+    are explained only where a run switched strategy (FedMed's fallback to FedAvg)."""
+    from fedmq.cli.plots import plot_bytes, plot_participation, plot_validation
+
+    runs = [
+        load_run(write_run_dir(tmp_path, "a", strategy="fedavg", seed=1)),
+        load_run(write_run_dir(tmp_path, "b", strategy="fedatt", seed=2)),
+    ]
+    for fig in (plot_validation(runs), plot_bytes(runs), plot_participation(runs[0])):
+        texts = _legend_texts(fig)
+        assert len(texts) == len(set(texts)), texts
+    texts = _legend_texts(plot_validation(runs))
+    for strategy in ("fedavg", "fedatt"):
+        assert sum(strategy in t for t in texts) == 1, texts
+    switched = load_run(write_run_dir(tmp_path, "m", strategy="fedmed", top_k=0.5, seed=2))
+    assert {r.strategy for r in switched.rows} == {"fedmed", "fedavg"}
+    texts = _legend_texts(plot_validation([switched]))
+    assert "round used fedmed" in texts and "round used fedavg" in texts and len(texts) == len(set(texts))
+
+
+def test_equal_byte_series_stay_visible(tmp_path: Path) -> None:
+    """Raw fp32 up and down are often the same bytes: the line drawn second must not hide the first."""
+    from matplotlib.lines import Line2D
+
+    from fedmq.cli.plots import plot_bytes
+
+    run = write_run_dir(tmp_path, "same", seed=3)
+    rows = _read_rows(run)
+    for row in rows:
+        row["bytes_down_raw"] = row["bytes_up_raw"]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fig = plot_bytes([load_run(run)])
+    lines = [ln for ln in fig.axes[0].get_lines() if isinstance(ln, Line2D)]
+    assert len(lines) == 4
+    for i, first in enumerate(lines):
+        for second in lines[i + 1 :]:
+            if np.array_equal(first.get_xydata(), second.get_xydata()):
+                # both seen: markers that differ and dashes that interleave
+                assert first.get_marker() != second.get_marker()
+                assert first.get_linestyle() == "-" or first._dash_pattern != second._dash_pattern
+
+
+def test_weight_colour_bar_label_is_inside_the_figure(tmp_path: Path) -> None:
+    from fedmq.cli.plots import plot_weights
+
+    for clients in (3, 10):  # the shortest figure, and a taller one
+        run = write_run_dir(tmp_path, f"w{clients}", clients=clients, rounds=3, complete=False)
+        fig = plot_weights(load_run(run))
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        box = fig.bbox
+        for ax in fig.axes:
+            label = ax.yaxis.label
+            if label.get_text():
+                extent = label.get_window_extent(renderer)
+                assert box.x0 <= extent.x0 and extent.x1 <= box.x1, (label.get_text(), extent, box)
+                assert box.y0 <= extent.y0 and extent.y1 <= box.y1, (label.get_text(), extent, box)
