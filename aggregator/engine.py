@@ -35,6 +35,7 @@ from fedmq.aggregator.guards import RoundGuard, Verdict, first_nonfinite
 from fedmq.aggregator.inbox import Inbox, Received
 from fedmq.aggregator.mediator import Mediator
 from fedmq.aggregator.presence import Presence
+from fedmq.aggregator.presence_budget import PresenceBudget
 from fedmq.aggregator.records import ONLINE_NAMES, RoundRecord, guard_summary
 from fedmq.aggregator.rounds import Arrival, RoundStats
 from fedmq.aggregator.runlog import RunLog
@@ -118,6 +119,8 @@ class Engine:
         self.version = 0
         self.round = 1
         self.presence = Presence(cfg, self.inbox)  # who is online
+        shared = cfg.identity.startswith("shared:")
+        self.inbox.budget = PresenceBudget(cfg.presence_window_s, self.presence.allowance, shared)
         self.best: tuple[float, int] | None = None  # (score, round)
         self.lr_scale = 1.0  # the clients' lr × this: ÷ cfg.lr_anneal each time validation did not improve
         self.folded: dict[int, list[str]] = {}  # round -> msg ids of the updates folded into it (the audit)
@@ -256,6 +259,8 @@ class Engine:
             "last_metrics": self.last_row,
             "rejected": dict(self.inbox.rejected),
             "dropped": dict(self.inbox.dropped),
+            # presence dropped over its sender's budget (aggregator.presence_budget), by sender
+            "presence_over_budget": dict(self.inbox.budget.over) if self.inbox.budget else {},
         }
 
     # ------------------------------------------------------------------ presence (aggregator.presence)
@@ -281,13 +286,12 @@ class Engine:
         with many agents heartbeats keep arriving, and waiting for an empty inbox could take the whole
         timeout."""
         deadline = time.time() + timeout
-        backlog = self.inbox.backlog()
+        backlog = self.inbox.mark()
         while time.time() < deadline and not self.stop.is_set():
-            if len(self.online()) >= needed and backlog <= 0:
+            if len(self.online()) >= needed and self.inbox.drained(backlog):
                 return
             msg = self.inbox.next(min(0.2, deadline - time.time()))
             if msg is not None:
-                backlog -= 1
                 self._dispatch_idle(msg)
 
     def _dispatch_idle(self, msg: Received) -> None:

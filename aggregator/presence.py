@@ -5,7 +5,8 @@ heartbeats). A host (one agent process serving many clients, client_agent.host) 
 with its roster (the client numbers it serves): a hosted client is online while its host is and it has not
 said it went offline. A roster is taken whole or refused whole, with its reason counted in the inbox's
 ``dropped``: past the job's population, clients a live host already serves, or a client online as its own
-agent."""
+agent. A host's presence for one of its clients counts only for a client of its roster
+(``client-outside-roster``). Each sender's budget of presence messages: aggregator.presence_budget."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import structlog
 
 from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.inbox import Inbox, Received
+from fedmq.aggregator.presence_budget import PER_WINDOW
 from fedmq.broker.transport import topology
 from fedmq.broker.wire import messages
 
@@ -92,10 +94,12 @@ class Presence:
             if self.seen.get(env.client, (0.0, 0))[0] < horizon or env.payload["state"] != "online":
                 self._epoch += 1
             left = [] if env.payload["state"] == "online" else [env.client]
-            if self.hosted.get(env.client) is not None and msg.delivery.user_id in (
-                env.client,
-                f"{self.cfg.job}.{env.client}",
-            ):  # the client speaks for itself again (a one-client agent): its host no longer does
+            own = msg.delivery.user_id in (env.client, f"{self.cfg.job}.{env.client}")
+            if not own and not self._in_roster(env.client, msg.delivery.user_id):
+                self.inbox.drop(msg, "client-outside-roster")
+                return []
+            if self.hosted.get(env.client) is not None and own:
+                # the client speaks for itself again (a one-client agent): its host no longer does
                 del self.hosted[env.client]
                 self._epoch += 1
             if left:
@@ -104,6 +108,21 @@ class Presence:
                 self.seen[env.client] = (time.time(), env.payload["holds"])
         self.inbox.ack(msg)
         return left
+
+    def _in_roster(self, client: str, user: str | None) -> bool:
+        """A presence of ``client`` its own agent did not send: the inbox let it through from the user of the
+        host ``client`` is named for (aggregator.inbox), whose word counts only for a client of its roster --
+        within the population, so a host cannot make up clients (a shared identity proves nobody's)."""
+        if self.cfg.identity.startswith("shared:") or self.hosted.get(client) == topology.host_of(client):
+            return True
+        log.warning("presence for a client outside its host's roster: refused", client=client, user=user)
+        return False
+
+    def allowance(self, sender: str) -> int:
+        """Presence messages ``sender`` may send in a window (aggregator.presence_budget): a host's grows with
+        its roster, as each of its clients may go offline and come back."""
+        roster = self.rosters.get(sender.removeprefix(f"{self.cfg.job}.host."))
+        return PER_WINDOW + 2 * sum(hi - lo for lo, hi in roster) if roster else PER_WINDOW
 
     def _note_host(self, host: str, online: bool, ranges: list[list[int]]) -> list[str]:
         """A host's presence: a beat (its roster unchanged), a new roster, or the host leaving with all its
