@@ -122,14 +122,13 @@ class AsyncRounds:
         first -- confirmed to its agent while the aggregator was down -- is kept for the first version."""
         ctx = self.ctx
         deadline = time.time() + timeout
-        backlog = ctx.inbox.backlog()
+        backlog = ctx.inbox.mark()
         while time.time() < deadline and not ctx.stop.is_set():
-            if len(ctx.online()) >= needed and backlog <= 0:
+            if len(ctx.online()) >= needed and ctx.inbox.drained(backlog):
                 return
             msg = ctx.inbox.next(min(0.2, deadline - time.time()))
             if msg is None:
                 continue
-            backlog -= 1
             if msg.env.kind is Kind.UPDATE:
                 self.early.append(msg)
             else:
@@ -200,17 +199,16 @@ class AsyncRounds:
         ctx, cfg = self.ctx, self.cfg
         wait = owed is not None and ctx.spool.durable
         deadline = time.time() + (cfg.report_deadline_s + cfg.update_deadline_s if wait else 0.0)
-        backlog = ctx.inbox.backlog()
+        backlog = ctx.inbox.mark()
         while not ctx.stop.is_set():
             pending = wait and owed is not None and not owed.nobody(ctx.online())
-            if backlog <= 0 and (not pending or time.time() >= deadline):
+            if ctx.inbox.drained(backlog) and (not pending or time.time() >= deadline):
                 break
             msg = ctx.inbox.next(min(0.5, max(deadline - time.time(), 0.0)) if pending else 0.0)
             if msg is None:
                 if not pending:
                     break
                 continue
-            backlog -= 1
             if owed is not None:
                 owed.note(msg.env)
             if msg.env.kind is Kind.UPDATE:

@@ -1,5 +1,5 @@
-"""The round engine: a job's lifecycle and state — presence, the global model and its publication, the one
-fold path, closing a round (guards, evaluation, the run log, checkpoints).
+"""The round engine: a job's lifecycle and state — presence (aggregator.presence), the global model and its
+publication, the one fold path, closing a round (guards, evaluation, the run log, checkpoints).
 
 One engine thread owns all state; the broker's dispatcher thread only queues deliveries (aggregator.inbox).
 The rounds themselves run in aggregator.sync_round (the synchronous round) and aggregator.async_rounds
@@ -34,6 +34,8 @@ from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.guards import RoundGuard, Verdict, first_nonfinite
 from fedmq.aggregator.inbox import Inbox, Received
 from fedmq.aggregator.mediator import Mediator
+from fedmq.aggregator.presence import Presence
+from fedmq.aggregator.presence_budget import PresenceBudget
 from fedmq.aggregator.records import ONLINE_NAMES, RoundRecord, guard_summary, no_round_completed
 from fedmq.aggregator.rounds import Arrival, RoundStats
 from fedmq.aggregator.runlog import RunLog
@@ -116,15 +118,9 @@ class Engine:
         self.inbox.limits = Limits.for_model(self.manifest.message_bound)
         self.version = 0
         self.round = 1
-        self.presence: dict[str, tuple[float, int]] = {}  # client -> (last seen, version it holds)
-        # hosts (agent processes serving many clients): host -> last seen; a hosted client is online while
-        # its host is (one beat per host, not per client) and it has not said it went offline
-        self.hosts: dict[str, float] = {}
-        self.hosted: dict[str, str] = {}  # client -> the host serving it (from the hosts' rosters)
-        self.rosters: dict[str, tuple[tuple[int, int], ...]] = {}  # host -> the client numbers it serves
-        self._presence_epoch = 0  # counts the presence changes that may change who is online (online())
-        # (epoch, valid until, names, the hosts and one-client agents they came from): see online()
-        self._online: tuple[int, float, list[str], set[str], list[str]] = (-1, 0.0, [], set(), [])
+        self.presence = Presence(cfg, self.inbox)  # who is online
+        shared = cfg.identity.startswith("shared:")
+        self.inbox.budget = PresenceBudget(cfg.presence_window_s, self.presence.allowance, shared)
         self.best: tuple[float, int] | None = None  # (score, round)
         self.lr_scale = 1.0  # the clients' lr × this: ÷ cfg.lr_anneal each time validation did not improve
         self.folded: dict[int, list[str]] = {}  # round -> msg ids of the updates folded into it (the audit)
@@ -222,9 +218,6 @@ class Engine:
         except FedmqError as exc:  # the run is complete either way; agents then stay until stopped
             log.warning("could not tell the agents the job ended", error=str(exc))
         self.presence.clear()
-        self._presence_epoch += 1
-        self.hosts.clear()
-        self.rosters.clear()
         self.phase = "finished"
         log.info("job finished: agents told to leave", job=self.cfg.job, version=self.version)
 
@@ -266,116 +259,24 @@ class Engine:
             "last_metrics": self.last_row,
             "rejected": dict(self.inbox.rejected),
             "dropped": dict(self.inbox.dropped),
+            # presence dropped over its sender's budget (aggregator.presence_budget), by sender
+            "presence_over_budget": dict(self.inbox.budget.over) if self.inbox.budget else {},
         }
 
-    # ------------------------------------------------------------------ presence
+    # ------------------------------------------------------------------ presence (aggregator.presence)
+    @property
+    def hosted(self) -> dict[str, str]:
+        """Client -> the host serving it (from the hosts' rosters)."""
+        return self.presence.hosted
+
     def online(self) -> list[str]:
-        """The clients seen within three heartbeats (a hosted one: its host), sorted. O(population) to list,
-        so the list is kept while no presence changed who may be online (``_presence_epoch``); once the first
-        of its hosts or agents could have expired, a check of those alone (O(hosts + one-client agents))
-        extends it or finds it stale: the status and the round's phases ask for it several times a round."""
-        now = time.time()
-        window = self.cfg.presence_window_s
-        horizon = now - window
-        epoch, until, names, hosts, agents = self._online
-        if epoch == self._presence_epoch:
-            if now < until:
-                return names
-            alive = {h for h, seen in self.hosts.items() if seen >= horizon}
-            seen = [self.presence.get(c, (0.0, 0))[0] for c in agents]
-            if alive == hosts and all(s >= horizon for s in seen):
-                first = min([self.hosts[h] for h in hosts] + seen, default=math.inf)
-                self._online = (epoch, first + window, names, hosts, agents)
-                return names
-        alive = {h for h, seen in self.hosts.items() if seen >= horizon}
-        hosted = self.hosted
-        names, agents = [], []
-        for c, (seen, _) in self.presence.items():
-            h = hosted.get(c)
-            if h is None and seen >= horizon:
-                agents.append(c)
-            elif h in alive:
-                names.append(c)
-        names += agents
-        names.sort()
-        first = min([self.hosts[h] for h in alive] + [self.presence[c][0] for c in agents], default=math.inf)
-        self._online = (self._presence_epoch, first + window, names, alive, agents)
-        return names
+        return self.presence.online()
 
     def note_presence(self, msg: Received) -> list[str]:
         """Note an agent's or a host's presence; the clients it says went offline."""
-        env = msg.env
-        if "clients" in env.payload:  # (_note_host counts the changes that may change who is online)
-            left = self._note_host(env.client, env.payload["state"] == "online", env.payload["clients"])
-        else:
-            horizon = time.time() - self.cfg.presence_window_s
-            if self.presence.get(env.client, (0.0, 0))[0] < horizon or env.payload["state"] != "online":
-                self._presence_epoch += 1
-            left = [] if env.payload["state"] == "online" else [env.client]
-            if self.hosted.get(env.client) is not None and msg.delivery.user_id in (
-                env.client,
-                f"{self.cfg.job}.{env.client}",
-            ):  # the client speaks for itself again (a one-client agent): its host no longer does
-                del self.hosted[env.client]
-                self._presence_epoch += 1
-            if left:
-                self.presence.pop(env.client, None)
-            else:
-                self.presence[env.client] = (time.time(), env.payload["holds"])
-        self.inbox.ack(msg)
+        left = self.presence.note(msg)
         self._write_status()
         return left
-
-    def _note_host(self, host: str, online: bool, ranges: list[list[int]]) -> list[str]:
-        """A host's presence: a beat (its roster unchanged), a new roster, or the host leaving with all its
-        clients. A roster that names clients past the job's population is refused whole."""
-        now = time.time()
-        horizon = now - self.cfg.presence_window_s
-        roster = tuple((lo, hi) for lo, hi in ranges)
-        revived = self.hosts.get(host, 0.0) < horizon  # new, or back after its clients expired: check again
-        if not online or revived or self.rosters.get(host, roster) != roster:
-            self._presence_epoch += 1
-            left = [c for c, h in self.hosted.items() if h == host]  # O(K), only when a host's roster changes
-            for c in left:
-                del self.hosted[c]
-                self.presence.pop(c, None)
-            self.rosters.pop(host, None)
-            if not online:
-                self.hosts.pop(host, None)
-                return left
-        self.hosts[host] = now
-        if host in self.rosters:
-            return []
-        if any(hi > self.cfg.clients for _, hi in roster):
-            self.inbox.dropped["roster-past-population"] += 1
-            log.warning("host roster past the job's population: refused", host=host, clients=self.cfg.clients)
-            return []
-        twice = next(
-            (
-                other
-                for other, ranges in self.rosters.items()
-                if self.hosts.get(other, 0.0) >= horizon
-                and any(lo < b and a < hi for lo, hi in roster for a, b in ranges)
-            ),
-            None,
-        )
-        if twice is not None:  # one shard, two clients: e.g. the pods of an old and a new split at once
-            self.inbox.dropped["clients-served-twice"] += 1
-            log.warning("host serves client numbers a live host serves: refused", host=host, other=twice)
-            return []
-        self.rosters[host] = roster
-        self._presence_epoch += 1
-        for lo, hi in roster:
-            for n in range(lo, hi):
-                client = topology.host_client(host, n)
-                # its id names its host, so only an agent of its own (user <job>.<client>) can hold it too
-                if client not in self.hosted and self.presence.get(client, (0.0, 0))[0] >= horizon:
-                    self.inbox.dropped["client-claimed-elsewhere"] += 1
-                    log.warning("client online as its own agent: its host's claim refused", client=client)
-                    continue
-                self.hosted[client] = host
-                self.presence[client] = (now, messages.NO_VERSION)
-        return []
 
     def wait_for_agents(self, needed: int, timeout: float) -> None:
         """Handle presence (nothing else can arrive before an announce) until enough agents are online and
@@ -385,13 +286,12 @@ class Engine:
         with many agents heartbeats keep arriving, and waiting for an empty inbox could take the whole
         timeout."""
         deadline = time.time() + timeout
-        backlog = self.inbox.backlog()
+        backlog = self.inbox.mark()
         while time.time() < deadline and not self.stop.is_set():
-            if len(self.online()) >= needed and backlog <= 0:
+            if len(self.online()) >= needed and self.inbox.drained(backlog):
                 return
             msg = self.inbox.next(min(0.2, deadline - time.time()))
             if msg is not None:
-                backlog -= 1
                 self._dispatch_idle(msg)
 
     def _dispatch_idle(self, msg: Received) -> None:
@@ -468,8 +368,7 @@ class Engine:
         """The version ``client`` holds: what its presence says or, when the job has agents keep the model
         they trained from, the version of its last folded update if newer
         (its heartbeat may not have said so yet)."""
-        said = self.presence.get(client, (0.0, messages.NO_VERSION))[1]
-        return max(said, self._trained_from.get(client, messages.NO_VERSION))
+        return max(self.presence.holds(client), self._trained_from.get(client, messages.NO_VERSION))
 
     def _form_for(self, client: str, forms: dict[str, tuple[dict, int]]) -> str | None:
         """The form of the current version ``client`` will fetch, judged from the version we think it holds

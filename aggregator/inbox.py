@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 
 import structlog
 
+from fedmq.aggregator.presence_budget import PresenceBudget
 from fedmq.broker.transport import topology
 from fedmq.broker.transport.base import Broker, Delivery, ReassemblyLimits, Subscription
 from fedmq.broker.wire import messages
@@ -47,6 +49,8 @@ class Inbox:
         self.dropped: Counter[str] = Counter()
         self._sub: Subscription | None = None
         self._head: Delivery | None = None  # a delivery taken by wait_first, handed out first by next
+        self._taken = 0  # deliveries taken from the subscription (see mark)
+        self.budget: PresenceBudget | None = None  # each sender's presence budget (the engine's)
 
     def subscribe(
         self, queue: str, *, prefetch: int | None = None, reassembly: ReassemblyLimits | None = None
@@ -91,13 +95,34 @@ class Inbox:
         """Deliveries queued now (not yet read with ``next``)."""
         return self._subscription().qsize() + (self._head is not None)
 
+    def mark(self) -> int:
+        """A mark past every delivery queued now: ``drained(mark)`` once each of them has been taken."""
+        return self._taken + self.backlog()
+
+    def drained(self, mark: int) -> bool:
+        return self._taken >= mark
+
+    def _take(self, timeout: float) -> Delivery | None:
+        """The next delivery within ``timeout``; presence over its sender's budget is acked unread on the way
+        (before any decoding: a flood costs the engine as little as can be)."""
+        end = time.monotonic() + max(timeout, 0.0)
+        while True:
+            delivery, self._head = self._head, None
+            if delivery is None:
+                delivery = self._subscription().next(max(end - time.monotonic(), 0.0))
+                if delivery is None:
+                    return None
+            self._taken += 1
+            if self.budget is None or self.budget.admit(delivery):
+                return delivery
+            self.dropped["presence-over-budget"] += 1
+            self.broker.ack(delivery)
+
     def next(self, timeout: float) -> Received | None:
         """The next valid message, or None when ``timeout`` passes. Invalid ones are rejected on the way."""
-        delivery, self._head = self._head, None
+        delivery = self._take(timeout)
         if delivery is None:
-            delivery = self._subscription().next(max(timeout, 0.0))
-            if delivery is None:
-                return None
+            return None
         try:
             env = messages.decode(delivery.body, limits=self.limits)
             self._check(env, delivery)

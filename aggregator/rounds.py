@@ -80,7 +80,7 @@ class RoundContext(Protocol):
     version: int  # the global model's version
     global_state: State
     phase: str
-    hosted: dict[str, str]  # client -> the host serving it (aggregator.engine.Engine.note_presence)
+    hosted: dict[str, str]  # client -> the host serving it (aggregator.presence.Presence)
     folded_from: dict[str, int]  # client -> newest version a folded update of it trained from (async)
     buffer_size: int  # async: K, fold every K arrivals (the strategy's; aggregator.async_rounds.async_window)
     max_staleness: int  # async: the oldest version an update may train from, this many back

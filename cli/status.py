@@ -114,6 +114,10 @@ def status_tables(info: dict[str, Any]) -> list[Table]:
         ),
         ("messages rejected", _nonzero(info.get("rejected")) if "rejected" in info else None),
         ("messages dropped", _nonzero(info.get("dropped")) if "dropped" in info else None),
+        (  # by sender: who floods the inbox with presence (aggregator.presence_budget)
+            "presence over budget",
+            _nonzero(info.get("presence_over_budget")) if info.get("presence_over_budget") else None,
+        ),
     ):
         if value is not None:
             overview.add_row(label, value)

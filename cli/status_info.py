@@ -62,6 +62,7 @@ def gather(broker_url: str, job: str, run_dir: Path | None) -> dict[str, Any]:
             "agents_online_count",
             "rejected",
             "dropped",
+            "presence_over_budget",
         ):
             if key in live:
                 info[key] = live[key]

@@ -47,6 +47,7 @@ INFO = {
     "queue_depths": {"fedmq.wt2.inbox": 3, "fedmq.wt2.agent-0.global": 1, "fedmq.wt2.agent-1.control": 0},
     "broker": {"connected": True, "url": "amqp://127.0.0.1:5672/%2F", "version": "3.10.0"},
     "rejected": {"bad-digest": 2, "stale": 0},
+    "presence_over_budget": {"wt2.host.h0": 4059},
 }
 
 
@@ -63,6 +64,7 @@ def test_render_status_shows_every_part() -> None:
     assert _lines_with(text, "agents online", "3: agent-0, agent-1, agent-3")
     assert _lines_with(text, "messages rejected", "bad-digest 2") and "stale 0" not in text
     assert _lines_with(text, "broker version", "3.10.0")
+    assert _lines_with(text, "presence over budget", "wt2.host.h0 4059")
     assert "last round (6)" in text
     assert _lines_with(text, "validation perplexity", "260.50")
     assert _lines_with(text, "selected / reported / received", "2 / 2 / 1")
@@ -76,7 +78,7 @@ def test_render_status_shows_every_part() -> None:
 def test_render_status_of_a_half_started_job() -> None:
     text = render_status({"job": "new"})
     assert "job new" in text and _lines_with(text, "phase", "—") and "last round" not in text
-    assert "queue depths" not in text
+    assert "queue depths" not in text and "presence over budget" not in text
     many = render_status({"job": "big", "agents_online": [f"a{i:03d}" for i in range(30)]}, width=200)
     assert _lines_with(many, "agents online", "30: a000", "a011, … (+18)") and "a012" not in many
 
