@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.guards import RoundGuard, Verdict, first_nonfinite
 from fedmq.aggregator.inbox import Inbox, Received
 from fedmq.aggregator.mediator import Mediator
+from fedmq.aggregator.model_stream import Forms, ModelStream
 from fedmq.aggregator.presence import Presence
 from fedmq.aggregator.presence_budget import PresenceBudget
 from fedmq.aggregator.records import ONLINE_NAMES, RoundRecord, guard_summary, no_round_completed
@@ -49,13 +49,12 @@ from fedmq.broker.transport.errors import Undeliverable
 from fedmq.broker.transport.queues import message_chunks
 from fedmq.broker.wire import messages
 from fedmq.broker.wire.chunk_frames import DEFAULT_CHUNK_LIMIT
-from fedmq.broker.wire.encodings import EncodingSpec, decode_state, encode_state, raw_nbytes
+from fedmq.broker.wire.encodings import decode_state, raw_nbytes
 from fedmq.broker.wire.envelope import Envelope, Kind, Limits
 from fedmq.errors import BadParameter, CodecError, FedmqError
 from fedmq.files import replacing
 from fedmq.manifest import Manifest
 from fedmq.plugins import is_import_path
-from fedmq.pulling import select_tensors
 from fedmq.tasks.base import Task, load_state, model_state
 from fedmq.tasks.training import resolve_device
 from fedmq.train_config import TrainConfig
@@ -131,9 +130,7 @@ class Engine:
         # client -> the newest version one of its updates in a published version trained from, within the
         # staleness window (asynchronous mode takes one update per client and version; checkpointed)
         self.folded_from: dict[str, int] = {}
-        # form -> (announce entry, raw bytes) of _published_version
-        self._published: dict[str, tuple[dict, int]] = {}
-        self._published_version = messages.NO_VERSION
+        self.stream = ModelStream(cfg, broker, task.groups)  # the model's forms, each version's once
         self._status_written = 0.0
         # the inbox's active consumer: only it writes status.json (a standby shares the folder)
         self._active = False
@@ -302,10 +299,11 @@ class Engine:
 
     # ------------------------------------------------------------------ publishing the model
     def announce(self, stats: RoundStats) -> None:
-        """Publish the forms of the current version the selected agents need (once each: see _publish_model),
-        then the small announce to each selected agent (async: to every agent). bytes_down counts the
-        announces and, for each selected agent, the form it will fetch (none when it already holds it)."""
-        forms = self._publish_model(stats.selected)
+        """Publish the forms of the current version the selected agents need (once each:
+        aggregator.model_stream), then the small announce to each selected agent (async: to every agent).
+        bytes_down counts the announces and, for each selected agent, the form it will fetch (none when it
+        already holds it)."""
+        forms = self.stream.publish(self.version, self.global_state, [self._holds(c) for c in stats.selected])
         env = messages.announce(
             self.cfg.job,
             stats.round,
@@ -362,82 +360,16 @@ class Engine:
         stats.selected = [c for c in stats.selected if c != client]
         stats.granted = [c for c in stats.granted if c != client]
 
-    _prev_state: dict[str, torch.Tensor] | None = None  # θ_{v−1}, kept for delta pushes and pull-down
-
     def _holds(self, client: str) -> int:
         """The version ``client`` holds: what its presence says or, when the job has agents keep the model
         they trained from, the version of its last folded update if newer
         (its heartbeat may not have said so yet)."""
         return max(self.presence.holds(client), self._trained_from.get(client, messages.NO_VERSION))
 
-    def _form_for(self, client: str, forms: dict[str, tuple[dict, int]]) -> str | None:
-        """The form of the current version ``client`` will fetch, judged from the version we think it holds
-        (_holds; the agent itself picks the same way, from what it really holds)."""
-        holds = self._holds(client)
-        if holds == self.version:
-            return None
-        if "delta" in forms and holds == self.version - 1:
-            return "delta"
-        if "partial" in forms and holds >= 0:
-            return "partial"
-        return "full"
-
-    def _publish_model(self, selected: list[str]) -> dict[str, tuple[dict, int]]:
-        """Publish the current version into the job's model stream: the full model (always, so any agent can
-        take it), plus a delta against v−1 (delta down-encodings, when a selected agent holds v−1 and v is not
-        a keyframe) or the pull-down subset (when a selected agent holds a model). Each form is published once
-        per version, not per agent; returns form -> (announce entry, raw fp32 bytes)."""
-        cfg = self.cfg
-        if self._published_version != self.version:
-            self._published, self._published_version = {}, self.version
-        spec = EncodingSpec.parse(cfg.down_encoding)
-        full = EncodingSpec(**{**spec.__dict__, "delta": False})
-        holds = [self._holds(c) for c in selected]
-        wanted: dict[str, tuple[dict[str, torch.Tensor], EncodingSpec, dict | None, int, bool]] = {
-            "full": (self.global_state, full, None, messages.NO_VERSION, False)
-        }
-        if (
-            spec.delta
-            and self._prev_state is not None
-            and self.version % cfg.keyframe_every
-            and any(h == self.version - 1 for h in holds)
-        ):
-            wanted["delta"] = (self.global_state, spec, self._prev_state, self.version - 1, False)
-        pushed = self._pushed_names()
-        if pushed is not None and any(h >= 0 for h in holds):
-            wanted["partial"] = (
-                {k: self.global_state[k] for k in pushed},
-                full,
-                None,
-                messages.NO_VERSION,
-                True,
-            )
-        for form, (state, enc, base, base_version, partial) in wanted.items():
-            if form in self._published:
-                continue
-            env = messages.model(cfg.job, self.version, encode_state(state, enc, base), base_version, partial)
-            body = messages.encode(env)
-            since = time.time()
-            self.broker.publish(topology.rk_model(cfg.job), body, message_id=env.msg_id)
-            self._published[form] = (messages.model_entry(env, since, len(body)), raw_nbytes(state))
-        return dict(self._published)
-
-    def _pushed_names(self) -> list[str] | None:
-        """Dynamic pulling in both directions (Passban et al.): the tensors of θ_v the job's rule picks by
-        their change since θ_{v−1}; agents keep their own values for the rest. None when the job does not pull
-        down or for the first version (agents that hold no model take the full form)."""
-        cfg = self.cfg
-        if not cfg.pull_down or self._prev_state is None:
-            return None
-        return select_tensors(
-            self.global_state,
-            self._prev_state,
-            self.task.groups(),
-            cfg.pull,
-            cfg.pull_fraction,
-            random.Random(f"{cfg.seed}/push/{self.version}"),
-            cfg.pull_by,
-        )
+    def _form_for(self, client: str, forms: Forms) -> str | None:
+        """The form of the current version ``client`` will fetch, judged from the version we believe it
+        holds (aggregator.model_stream)."""
+        return ModelStream.form_for(self.version, self._holds(client), forms)
 
     # ------------------------------------------------------------------ folding (both modes)
     def begin_strategy(self, stats: RoundStats, choice: str, **extra: Any) -> Strategy:
@@ -532,8 +464,7 @@ class Engine:
         if skipped is None:
             if state:
                 self.strategy_state[stats.strategy] = state
-            if EncodingSpec.parse(cfg.down_encoding).delta or cfg.pull_down:
-                self._prev_state = self.global_state
+            self.stream.keep_previous(self.global_state)
             self.global_state = new
             self.version += 1
             self.folded[stats.round] = sorted(
