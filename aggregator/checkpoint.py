@@ -39,6 +39,13 @@ class NoCheckpointToResume(FedmqError):
     exit_code = 1  # the command line was right; the run cannot go on
 
 
+class CheckpointRefused(FedmqError):
+    """The newest checkpoint is intact (its digest matches) but holds state the job may not resume from: a
+    global model or strategy state of the wrong shape or type, or non-finite (fedmq.state_checks)."""
+
+    exit_code = 1
+
+
 @dataclass
 class Checkpoint:
     round: int
