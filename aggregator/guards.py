@@ -11,12 +11,16 @@ same ``n_samples`` and wipes the model. The engine therefore
   hostile client cannot move: with K ≥ 3 updates the round's own lower median (the ⌈K/2⌉-th smallest); with
   K ≤ 2 the *history*, the median of the references of the last HISTORY rounds that had K ≥ 3 updates (with
   two updates the lower median is the smaller one, and an attacker sending a near-zero update would make the
-  honest one look huge). Without history a round of two updates drops nothing, and caps n only at
-  ``samples_factor`` × the smaller n (the round's lower median), as before:
+  honest one look huge). Without history a round of two updates caps n only at ``samples_factor`` × the
+  smaller n (the round's lower median):
 
   - ‖Δ_k‖ > ``norm_factor`` × median ‖Δ‖: the update is **dropped** (not clipped: with its weight still up to
     ``samples_factor`` × the median, a clipped −θ would still shrink the model by several honest steps);
   - n_k > ``samples_factor`` × median n: its weight is **capped** to that bound;
+  - a reference of 0 (a plateau: after lr_anneal the honest deltas are exactly zero) leaves no room: every
+    update that changes anything is dropped (half the round sent nothing: at worst the model stays);
+  - no reference at all (no history yet): ‖Δ_k‖ > NO_REFERENCE_SHARE × ‖θ‖ is dropped, so one update nothing
+    can judge may halve the model, never wipe it; a norm beyond float32 is dropped whatever the reference;
 
 * and when something is out of bounds, aggregates the round again from its spool without / with the capped
   weights (a second pass only then: an honest round is folded once and its maths is unchanged).
@@ -24,9 +28,9 @@ same ``n_samples`` and wipes the model. The engine therefore
 Asynchronous mode folds each update as it arrives, so :meth:`RoundGuard.screen` judges it *before* folding,
 against the newest accepted (n, ‖Δ‖) of every *other* client (one vote per client, so an agent sending many
 updates cannot fill the reference, and never its own), by their upper median (with two others, the larger:
-a near-zero update cannot pull it down): ‖Δ_k‖ > ``norm_factor`` × that reference (needs two other clients)
-rejects the update; n_k > ``samples_factor`` × that reference (needs one) caps its weight. An update whose
-‖Δ‖ is not a float32 number (3e38 × any n overflows the weighted sum) is rejected whatever the history.
+a near-zero update cannot pull it down): ‖Δ_k‖ > ``norm_factor`` × that reference (with fewer than two
+other clients, the no-reference rule above) rejects the update; n_k > ``samples_factor`` × that reference
+(needs one) caps its weight. An update whose ‖Δ‖ is not a float32 number is rejected whatever the history.
 
 Whatever the bounds, an aggregate with a NaN/Inf is never published or checkpointed (:func:`first_nonfinite`):
 the round closes without an update. Needing the whole round (a median) is why the verdict waits for the close:
@@ -119,8 +123,8 @@ class RoundGuard:
     asynchronous mode judges each update before it is folded (:meth:`screen`).
 
     A factor of 0 turns its bound off. A round's own reference needs three updates; with fewer, the history
-    of earlier rounds is the reference, and without history a lone update is never judged (the non-finite
-    rule still applies to it).
+    of earlier rounds is the reference, and without history the model's norm bounds an update
+    (NO_REFERENCE_SHARE).
     """
 
     def __init__(self, samples_factor: float, norm_factor: float) -> None:
