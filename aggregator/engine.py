@@ -30,9 +30,8 @@ import torch
 
 from fedmq.aggregator.async_rounds import AsyncRounds, async_window
 from fedmq.aggregator.checkpoint import (
-    Checkpoint,
-    CheckpointRefused,
     check_fresh_start,
+    check_resumable,
     load_checkpoint,
     save_checkpoint,
 )
@@ -820,7 +819,7 @@ class Engine:
         if ckpt is None:
             check_fresh_start(self.ckpt_dir, max((r.round for r in self.runlog.rows()), default=0))
             return
-        self._check_restored(ckpt)
+        check_resumable(ckpt, self.shapes, lambda name: strategy_from_config(name, self.cfg)[1])
         self.round, self.version = ckpt.round, ckpt.model_version
         self.global_state = {k: v.float() for k, v in ckpt.global_state.items()}
         self.mediator.load_state_dict(ckpt.mediator_state)
@@ -833,34 +832,6 @@ class Engine:
         self.guard.load_state_dict(ckpt.extra.get("guard"))
         self.runlog.truncate_after(self.round - 1)
         log.info("resumed from checkpoint", round=self.round, version=self.version)
-
-    def _check_restored(self, ckpt: Checkpoint) -> None:
-        """A checkpoint's model and strategy state pass the checks a round's do before they are kept
-        (fedmq.state_checks, Strategy.check_state); otherwise CheckpointRefused, one line, nothing resumed."""
-        where = ckpt.path.name if ckpt.path else "checkpoint"
-        model = ckpt.global_state
-        if not isinstance(model, dict):
-            why: str | None = f"is a {type(model).__name__}, not a dict of tensors"
-        elif set(model) != set(self.shapes):
-            why = f"names {sorted(set(model) ^ set(self.shapes))[:3]} (only one of it and the model has them)"
-        else:
-            why = state_problem(model, self.shapes)
-        if why is not None:
-            raise CheckpointRefused(f"{where}: global model {why}; refusing to resume from it")
-        kept = ckpt.strategy_state if ckpt.strategy_state is not None else {}
-        if not isinstance(kept, dict):
-            raise CheckpointRefused(f"{where}: strategy state is not a dict; refusing to resume from it")
-        for name, state in kept.items():
-            try:
-                _, strategy = strategy_from_config(name, self.cfg)
-                if not isinstance(state, dict):
-                    raise TypeError(f"a {type(state).__name__}, not a dict")
-                strategy.load_state_dict(state)
-                why = strategy.check_state(strategy.state_dict(), model)
-            except Exception as exc:  # whatever a strategy's load_state_dict makes of a forged state
-                why = f"unreadable ({type(exc).__name__}: {exc})"
-            if why is not None:
-                raise CheckpointRefused(f"{where}: strategy {name!r} state {why}; refusing to resume from it")
 
     # ------------------------------------------------------------------ summary
     def _config_record(self) -> dict[str, Any]:

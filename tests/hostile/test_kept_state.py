@@ -1,9 +1,9 @@
 """In-process broker: state that outlives a round is checked before it is kept (fedmq.state_checks).
 
-* FedAdam, a round of two updates (the guard cannot judge it): one update of model + 1e20 left v = inf in the
+* FedAdam, a round the guard cannot judge (its norm rule off): one update of model + 1e20 left v = inf in the
   strategy state while the model stayed finite; every later step m / √v was zero and the job "trained" on at
   the same perplexity. Now the round is skipped, named, and the next honest round moves the model.
-* SCAFFOLD, a round of two updates: a control-variate change of 1e30 was kept as the server's c (5e29 with
+* SCAFFOLD, likewise: a control-variate change of 1e30 was kept as the server's c (5e29 with
   two clients); gradient norms overflowed, clipping zeroed every step. Now the round is skipped.
 * An agent keeps no hook state that fails the check.
 * A checkpoint with a valid digest but a strategy state of the wrong shape or type, or non-finite, is refused
@@ -46,6 +46,9 @@ def _cfg(job: str, **kw) -> JobConfig:
         join_timeout_s=20,
         report_deadline_s=30,
         update_deadline_s=30,
+        # the norm rule off: the round is one the guard cannot judge (with it on, a round of two with no
+        # history drops an update moving the model by more than half its norm: these are dropped there)
+        norm_bound_factor=0,
     )
     return JobConfig(**{**base, **kw})
 
