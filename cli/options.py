@@ -6,6 +6,8 @@ from __future__ import annotations
 import typer
 
 from fedmq.aggregator.config import JobConfig
+from fedmq.broker.transport.base import CONSUME_TIMEOUT_S, HEARTBEAT_S
+from fedmq.broker.wire.chunk_frames import DEFAULT_CHUNK_LIMIT
 
 JOB = JobConfig()  # a job's defaults: the flags that set JobConfig fields take theirs from it
 LOCAL_BROKER = "amqp://guest:guest@127.0.0.1:5672/%2F"  # RabbitMQ on this machine, as installed
@@ -29,11 +31,11 @@ METRICS_PORT = typer.Option(
     0, envvar="FEDMQ_METRICS_PORT", help="serve /metrics, /healthz, /readyz (0 = off)"
 )
 CHUNK_LIMIT = typer.Option(
-    8 * 1024 * 1024, envvar="FEDMQ_CHUNK_LIMIT", help="split messages above this many bytes"
+    DEFAULT_CHUNK_LIMIT, envvar="FEDMQ_CHUNK_LIMIT", help="split messages above this many bytes"
 )
-HEARTBEAT = typer.Option(30, envvar="FEDMQ_HEARTBEAT", help="AMQP heartbeat in seconds")
+HEARTBEAT = typer.Option(HEARTBEAT_S, envvar="FEDMQ_HEARTBEAT", help="AMQP heartbeat in seconds")
 CONSUME_TIMEOUT = typer.Option(
-    20.0,
+    CONSUME_TIMEOUT_S,
     envvar="FEDMQ_CONSUME_TIMEOUT",
     help="seconds RabbitMQ may take to confirm a subscription before the queue counts as "
     "broken (a zombie quorum queue): the service then stops with one line",

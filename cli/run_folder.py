@@ -89,16 +89,22 @@ def create(run_dir: Path) -> Callable[[], None]:
     return discard
 
 
-def check_checkpoint_fits(run_dir: Path, task: Any, seed: int) -> None:
-    """On --resume: the newest checkpoint's tensors must have this task's model shapes. A mismatch (the corpus
-    changed, or an old folder lacked the options) is one line here instead of agents rejecting every model."""
+def check_checkpoint_fits(run_dir: Path, task: Any, seed: int, strategy: str) -> None:
+    """On --resume: the newest checkpoint's tensors must have this task's model shapes, and the strategy's
+    tensors beside the model theirs (ClientHook.extra_tensors: SCAFFOLD's control variates). A mismatch (the
+    corpus changed, or an old folder lacked the options) is one line here instead of agents rejecting every
+    model."""
     from fedmq.aggregator.checkpoint import load_checkpoint
+    from fedmq.aggregator.strategies.registry import strategy_class
     from fedmq.tasks.base import model_state
 
     ckpt = load_checkpoint(run_dir / "checkpoints")
     if ckpt is None:
         return
     want = {k: tuple(v.shape) for k, v in model_state(task.build_model(seed)).items()}
+    hook = strategy_class(strategy).client_hook
+    if hook is not None:
+        want.update({name: want[like] for name, like in hook.extra_tensors(list(want)).items()})
     have = {k: tuple(v.shape) for k, v in ckpt.global_state.items()}
     if want != have:
         name = next(k for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k))

@@ -27,7 +27,9 @@ def check_number(
     return float(value)
 
 
-def check_int(name: str, value: Any, *, low: int) -> int:
+def check_int(name: str, value: Any, *, low: int, high: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise BadParameter(f"{name} must be an integer >= {low}, got {value!r}")
+    if high is not None and value > high:
+        raise BadParameter(f"{name} must be <= {high}, got {value!r}")
     return value

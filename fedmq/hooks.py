@@ -77,13 +77,23 @@ class Kept:
     def __init__(self, store: Store, client: str, namespace: str, version: int) -> None:
         self._store, self._client, self._ns, self._version = store, client, namespace, version
 
+    @property
+    def version(self) -> int:
+        """The global model's version this round trains from: what ``put`` records with the state."""
+        return self._version
+
     def get(self, key: str, legacy: str | None = None) -> State | None:
         """The state kept under ``key``; ``legacy``: the store key it had before hooks had namespaces (a run
         folder made then resumes with it)."""
+        item = self.entry(key, legacy)
+        return None if item is None else item[1]
+
+    def entry(self, key: str, legacy: str | None = None) -> tuple[int, State] | None:
+        """The state kept under ``key`` with the version of the round that put it (``get``'s arguments)."""
         item = self._store.get(self._client, f"{self._ns}.{key}")
         if item is None and legacy is not None:
             item = self._store.get(self._client, legacy)
-        return None if item is None else item[1]
+        return item
 
     def put(self, key: str, state: Mapping[str, torch.Tensor]) -> None:
         """Keep ``state`` under ``key``; CodecError (nothing kept) when it fails fedmq.state_checks."""

@@ -55,7 +55,7 @@ def layers(ax):
         0.94,
         0.075,
         "fedmq.cli",
-        "fedmq simulate | aggregator run | agent run | report, status, telemetry",
+        "app.py assembles commands/: simulate, aggregator, agent, broker, status, report, bench, experiment",
         GREY,
     )
     box(
@@ -65,7 +65,7 @@ def layers(ax):
         0.94,
         0.065,
         "fedmq.benchmarks",
-        "fedmq bench …, fedmq experiment …",
+        "fedmq bench … (a module each), fedmq experiment … (experiments/: grids, runner, results)",
         GREY,
     )
     box(
@@ -96,7 +96,8 @@ def layers(ax):
         0.44,
         0.2,
         "client_agent",
-        "agent loop, trainer pool,\nstate store, availability and faults",
+        "one-client agent, host (many clients),\n"
+        "joining a job, trainer pool,\nstate store, availability and faults",
         ORANGE,
     )
     box(
@@ -106,8 +107,8 @@ def layers(ax):
         0.94,
         0.20,
         "broker",
-        "transport: Broker interface, Subscription, RabbitMQ (pika) and\n"
-        "in-process backends, reassembly, topology, provisioning, TLS, URLs\n"
+        "transport: Broker interface, Subscription, in-process backend, RabbitMQ backend (one class owning\n"
+        "its I/O thread, publisher, consumers, dispatcher), reassembly, topology, provisioning, TLS, URLs\n"
         "wire (below it): envelope, encodings, chunk frames, protocol messages (typed RoundConfig)",
         GREEN,
     )

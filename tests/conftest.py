@@ -37,13 +37,26 @@ def _port_open(host: str, port: int) -> bool:
 def pytest_collection_modifyitems(config, items):
     """`make test` runs three pytest-xdist workers (--dist loadgroup), on two cores too: much of the suite
     waits on process starts, RabbitMQ nodes and round deadlines. The tests that start their own RabbitMQ
-    nodes or kill processes on a clock (tests/fault, and every isolated_node test) form one group: one worker
-    runs them one after the other, in file order, while the other workers take everything else. A test in
-    tests/fault marked any_worker kills nothing and may run on any worker."""
+    nodes or kill processes on a clock (tests/fault, and every isolated_node test) form one group, and so do
+    the tests that measure speed itself (timing): one worker runs them one after the other, in file order,
+    while the other workers take everything else. A test in tests/fault marked any_worker kills nothing and
+    may run on any worker."""
     for item in items:
         faults = "/fault/" in str(item.path) and not item.get_closest_marker("any_worker")
-        if item.get_closest_marker("isolated_node") or faults:
+        alone = item.get_closest_marker("isolated_node") or item.get_closest_marker("timing")
+        if alone or faults:
             item.add_marker(pytest.mark.xdist_group("own-nodes-and-faults"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item, settings):
+    """pytest-timeout's per-test limit (pyproject's ``timeout``, or a test's timeout mark) is an idle
+    machine's seconds: scaled by the load when the test starts (tests/load_factor.py), so a busy machine does
+    not kill a healthy test while a hung one still ends. pytest-timeout's own timer then runs the test."""
+    import pytest_timeout
+    from load_factor import budget
+
+    return pytest_timeout.pytest_timeout_set_timer(item, settings._replace(timeout=budget(settings.timeout)))
 
 
 _rabbit_state: dict[str, str | None] = {}
@@ -209,6 +222,8 @@ def run_in_process_federation(
     """
     import threading
 
+    from load_factor import budget
+
     from fedmq.aggregator.engine import Engine
     from fedmq.broker.transport import topology
     from fedmq.broker.transport.connect import connect
@@ -244,7 +259,7 @@ def run_in_process_federation(
         for a in agents:
             a.stop.set()
         for t in threads:
-            t.join(timeout=10)
+            t.join(timeout=budget(10))
         broker.close()
     return engine, agents, summary
 

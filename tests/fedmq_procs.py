@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from load_factor import budget
+
 FEDMQ_SCRIPT = str(Path(sys.executable).parent / "fedmq")
 MODULE_CMD = [sys.executable, "-m", "fedmq.cli.app"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,8 +94,11 @@ def serve(path: str) -> None:
         except Exception:  # noqa: BLE001 - a child that needs it imports it and reports the error itself
             pass
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
+    # `path` appears only once the socket listens (a client that found it between bind and listen was
+    # refused, on a busy machine)
+    listener.bind(path + ".new")
     listener.listen(128)
+    os.rename(path + ".new", path)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     os.set_blocking(wake_r, False)
@@ -297,7 +302,7 @@ def _socket_path() -> str:
             env=env,
             cwd=folder,
         )
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + budget(120)
         while not os.path.exists(path):
             if server.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the fork server did not start (exit {server.poll()})")
@@ -481,7 +486,9 @@ def run(
     check: bool = False,
     **kwargs: Any,
 ) -> subprocess.CompletedProcess:
-    """``subprocess.run(args, ...)``, forked from the server where `args` is a fedmq command."""
+    """``subprocess.run(args, ...)``, forked from the server where `args` is a fedmq command; ``timeout`` is
+    an idle machine's seconds (tests/load_factor.py scales it)."""
+    timeout = None if timeout is None else budget(timeout)
     if not (enabled() and _forkable(args)):
         return subprocess.run(
             args, input=input, capture_output=capture_output, timeout=timeout, check=check, **kwargs

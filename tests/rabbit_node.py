@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from load_factor import budget
+
 RABBIT_BIN = Path("/usr/lib/rabbitmq/bin")
 _counter = itertools.count()
 
@@ -262,26 +264,28 @@ class RabbitNode:
         return self
 
     def await_up(self) -> None:
-        deadline = time.monotonic() + self.start_timeout
+        limit = budget(self.start_timeout)
+        deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 tail = (self.base / "server.out").read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"rabbitmq node {self.name} exited early:\n{tail}")
             if _port_open(self.port):
                 # the listener opens before boot finishes; await_startup confirms it
-                self.ctl("await_startup", timeout=self.start_timeout)
+                self.ctl("await_startup", timeout=limit)
                 return
             time.sleep(0.3)
-        raise TimeoutError(f"rabbitmq node {self.name} did not start in {self.start_timeout:.0f}s")
+        raise TimeoutError(f"rabbitmq node {self.name} did not start in {limit:.0f}s")
 
     def ctl(self, *args: str, timeout: float = 60.0, check: bool = True) -> str:
-        """Run ``rabbitmqctl -n NODE ARGS`` against this node and return its stdout."""
+        """Run ``rabbitmqctl -n NODE ARGS`` against this node and return its stdout; ``timeout`` is an idle
+        machine's seconds (tests/load_factor.py scales it)."""
         proc = subprocess.run(
             [str(RABBIT_BIN / "rabbitmqctl"), "-n", self.name, *args],
             env=self.env(),
             capture_output=True,
             text=True,
-            timeout=timeout,
+            timeout=budget(timeout),
         )
         if check and proc.returncode != 0:
             raise RuntimeError(
@@ -311,8 +315,8 @@ class RabbitNode:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        self.proc.wait(timeout=30)
-        deadline = time.monotonic() + 10
+        self.proc.wait(timeout=budget(30))
+        deadline = time.monotonic() + budget(10)
         while _port_open(self.port) and time.monotonic() < deadline:
             time.sleep(0.1)
 
@@ -323,7 +327,7 @@ class RabbitNode:
         if self.proc.poll() is None:
             try:
                 self.ctl("shutdown", timeout=60, check=False)
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=budget(30))
             except (subprocess.TimeoutExpired, OSError):
                 pass
         if self.proc.poll() is None:

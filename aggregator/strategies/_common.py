@@ -11,6 +11,14 @@ import torch
 from fedmq.aggregator.strategies.base import ClientUpdate, State
 from fedmq.errors import StrategyError
 
+# Bounds of parameters a constructor can check: finite values beyond them make every update non-finite
+# (skipped) or a round that never fills, so a job would only wait on its deadlines.
+MAX_SERVER_LR = 100.0  # fedopt, fedavgm, scaffold, async
+MAX_MU = 100.0  # fedprox's proximal weight
+TAU_RANGE = (1e-12, 1e3)  # fedopt's adaptivity: tau**2 is its first v, and it divides every step
+MAX_STEP_SIZE = 100.0  # fedatt's epsilon
+MAX_BUFFER = 100_000  # async's buffer_size: updates per aggregation
+
 
 def acc_dtype(t: torch.Tensor) -> torch.dtype:
     """Accumulate in the tensor's own float dtype, but never below float32 (half sums lose too much)."""

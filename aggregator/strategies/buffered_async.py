@@ -31,6 +31,7 @@ from typing import ClassVar
 
 import torch
 
+from fedmq.aggregator.strategies._common import MAX_BUFFER, MAX_SERVER_LR
 from fedmq.aggregator.strategies.base import ClientUpdate, RoundPlan, State
 from fedmq.aggregator.strategies.errors import StaleUpdate
 from fedmq.aggregator.strategies.fedavg import FedAvg
@@ -49,9 +50,9 @@ class BufferedAsync(FedAvg):
     # the defaults are what the job's async_k and max_staleness were before they were these parameters
     def __init__(self, buffer_size: int = 3, max_staleness: int = 5, server_lr: float = 1.0) -> None:
         super().__init__()
-        self.buffer_size = check_int("buffer_size", buffer_size, low=1)
+        self.buffer_size = check_int("buffer_size", buffer_size, low=1, high=MAX_BUFFER)
         self.max_staleness = check_int("max_staleness", max_staleness, low=0)
-        self.server_lr = check_number("server_lr", server_lr, low=0.0, low_open=True)
+        self.server_lr = check_number("server_lr", server_lr, low=0.0, low_open=True, high=MAX_SERVER_LR)
         self._count = 0
         self.dropped = 0
 

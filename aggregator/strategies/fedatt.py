@@ -21,7 +21,7 @@ from typing import ClassVar
 
 import torch
 
-from fedmq.aggregator.strategies._common import sq_distance, update_sq_norm
+from fedmq.aggregator.strategies._common import MAX_STEP_SIZE, sq_distance, update_sq_norm
 from fedmq.aggregator.strategies.base import ClientUpdate
 from fedmq.aggregator.strategies.softmax_weighted import SoftmaxWeighted
 from fedmq.checks import check_number
@@ -53,7 +53,9 @@ class FedAtt(SoftmaxWeighted):
     def __init__(self, epsilon: float = 1.2, norm: str = "fro") -> None:
         super().__init__()
         # named with their flags too: --eps and --norm set them
-        self.epsilon = self.step_size = check_number("epsilon (--eps)", epsilon, low=0.0, low_open=True)
+        self.epsilon = self.step_size = check_number(
+            "epsilon (--eps)", epsilon, low=0.0, low_open=True, high=MAX_STEP_SIZE
+        )
         if norm not in NORMS:
             raise BadParameter(f"norm (--norm) must be one of {', '.join(NORMS)}, got {norm!r}")
         self.norm = norm

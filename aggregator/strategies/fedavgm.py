@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from fedmq.aggregator.strategies._common import MAX_SERVER_LR
 from fedmq.aggregator.strategies.base import State
 from fedmq.aggregator.strategies.fedavg import ServerStep
 from fedmq.errors import BadParameter
@@ -28,8 +29,10 @@ class FedAvgM(ServerStep):
 
     def __init__(self, server_lr: float = 1.0, momentum: float = 0.9, weighted: bool = True) -> None:
         super().__init__(weighted=weighted)
-        if not server_lr > 0:
-            raise BadParameter(f"strategy 'fedavgm': server_lr must be positive, got {server_lr}")
+        if not 0 < server_lr <= MAX_SERVER_LR:
+            raise BadParameter(
+                f"strategy 'fedavgm': server_lr must be in (0, {MAX_SERVER_LR}], got {server_lr}"
+            )
         if not 0 <= momentum < 1:
             raise BadParameter(f"strategy 'fedavgm': momentum must be in [0, 1), got {momentum}")
         self.server_lr, self.momentum = server_lr, momentum

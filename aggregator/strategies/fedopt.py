@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from fedmq.aggregator.strategies._common import MAX_SERVER_LR, TAU_RANGE
 from fedmq.aggregator.strategies.base import State
 from fedmq.aggregator.strategies.fedavg import ServerStep
 from fedmq.errors import BadParameter
@@ -51,12 +52,12 @@ class FedOpt(ServerStep):
         weighted: bool = True,
     ) -> None:
         super().__init__(weighted=weighted)
-        v0 = tau**2 if initial_v is None else initial_v
+        v0 = tau * tau if initial_v is None else initial_v  # (not tau**2: that raises OverflowError)
         for key, value, ok in (
-            ("server_lr", server_lr, server_lr > 0),
+            ("server_lr", server_lr, 0 < server_lr <= MAX_SERVER_LR),
             ("beta1", beta1, 0 <= beta1 < 1),
             ("beta2", beta2, 0 <= beta2 < 1),
-            ("tau", tau, tau > 0),
+            ("tau", tau, TAU_RANGE[0] <= tau <= TAU_RANGE[1]),
             ("initial_v", v0, v0 >= 0),
         ):
             if not ok:

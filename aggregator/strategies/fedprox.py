@@ -8,7 +8,7 @@ every parameter's gradient at every local step, whatever the task's training loo
 returned models as FedAvg does (n_k-weighted, as the authors' code does; the paper's Algorithm 2 samples
 devices with probability p_k and averages them uniformly, which is the same in expectation). μ = 0 is FedAvg.
 
-Parameter (``--strategy-arg mu=0.01``): ``mu`` μ ≥ 0 (default 0.01).
+Parameter (``--strategy-arg mu=0.01``): ``mu`` μ in [0, 100] (default 0.01).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import ClassVar
 
 import torch
 
+from fedmq.aggregator.strategies._common import MAX_MU
 from fedmq.aggregator.strategies.fedavg import FedAvg
 from fedmq.errors import BadParameter
 from fedmq.hooks import ClientHook, Kept
@@ -30,8 +31,8 @@ class ProxHook(ClientHook):
     name: ClassVar[str] = "fedprox"
 
     def __init__(self, mu: float = 0.01) -> None:
-        if not mu >= 0:
-            raise BadParameter(f"fedprox: mu must be >= 0, got {mu}")
+        if not 0 <= mu <= MAX_MU:
+            raise BadParameter(f"fedprox: mu must be >= 0 and <= {MAX_MU}, got {mu}")
         self.mu = mu
         self._start: dict[str, torch.Tensor] = {}
 
@@ -51,6 +52,6 @@ class FedProx(FedAvg):
 
     def __init__(self, mu: float = 0.01) -> None:
         super().__init__()
-        if not mu >= 0:
-            raise BadParameter(f"strategy 'fedprox': mu must be >= 0, got {mu}")
+        if not 0 <= mu <= MAX_MU:
+            raise BadParameter(f"strategy 'fedprox': mu must be >= 0 and <= {MAX_MU}, got {mu}")
         self.mu = mu

@@ -16,6 +16,15 @@ Both sums are unweighted, as in the paper. c travels with the model as one extra
 is the number of steps the client took (TrainResult.steps) and η_l the round's learning rate; option II
 assumes plain SGD steps (no momentum, no lr decay within the round, no clipping).
 
+Resuming bit for bit: a client keeps c_i⁺ together with the c_i it trained from, keyed by the global model's
+version that round trained from (one kept entry, written at once). A round that trains from a newer version
+starts from c_i⁺; one that trains from the same version again starts from the old c_i. So a client that
+trains a round again (a restarted `fedmq simulate` re-announces the open round; the aggregator already holds
+its spooled update, or not yet) computes the same c_i⁺ and the same upload, and the aggregator drops the copy
+as a duplicate; a round skipped without folding anything leaves c_i as it was. An update that is not folded
+while the round closes with others' (not granted, refused by the guard, too late) still advances c_i, as a
+selected client does in the paper. The cost: a client keeps two control variates instead of one.
+
 Parameter (``--strategy-arg server_lr=1.0``): ``server_lr`` η_g (default 1).
 """
 
@@ -26,13 +35,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from fedmq.aggregator.strategies._common import check_started, validate_update
+from fedmq.aggregator.strategies._common import MAX_SERVER_LR, check_started, validate_update
 from fedmq.aggregator.strategies.base import ClientUpdate, State, Strategy
 from fedmq.errors import BadParameter
 from fedmq.hooks import ClientHook, Kept
 from fedmq.tasks.base import TrainConfig, TrainResult
 
 PREFIX = "scaffold.c:"
+BEFORE = "before:"  # in a client's kept entry: the c_i that round trained from, beside c_i⁺
 
 
 class ScaffoldHook(ClientHook):
@@ -47,9 +57,19 @@ class ScaffoldHook(ClientHook):
     def begin(self, global_state: Mapping[str, torch.Tensor], train: TrainConfig, kept: Kept) -> None:
         self.x = {k: v.detach().clone() for k, v in global_state.items() if not k.startswith(PREFIX)}
         self.c = {k: global_state[PREFIX + k].detach().clone() for k in self.x}
-        self.c_i = kept.get("c") or {k: torch.zeros_like(v) for k, v in self.c.items()}
+        self.c_i = self._control_variate(kept)
         self.correction = {k: self.c[k] - self.c_i[k] for k in self.x}
         self.lr = train.lr
+
+    def _control_variate(self, kept: Kept) -> State:
+        """c_i for this round: c_i⁺ of the client's last round, or, when that round trained from this same
+        version (a retrain), the c_i it started from (module docstring); zero at first."""
+        entry = kept.entry("c")
+        if entry is None:
+            return {k: torch.zeros_like(v) for k, v in self.c.items()}
+        version, saved = entry
+        retrain = version == kept.version and all(BEFORE + k in saved for k in self.x)
+        return {k: saved[BEFORE + k if retrain else k] for k in self.x}
 
     def gradient(self, name: str, param: torch.Tensor) -> torch.Tensor | None:
         term = self.correction[name]
@@ -62,7 +82,7 @@ class ScaffoldHook(ClientHook):
         c_new = {
             k: self.c_i[k] - self.c[k] + (self.x[k] - trained[k].detach()) / (steps * self.lr) for k in self.x
         }
-        kept.put("c", c_new)
+        kept.put("c", {**c_new, **{BEFORE + k: v for k, v in self.c_i.items()}})
         # the upload: y_i, and c + Δc_i, so that its difference from the global state is Δc_i
         return {**trained, **{PREFIX + k: self.c[k] + (c_new[k] - self.c_i[k]) for k in self.x}}
 
@@ -72,8 +92,10 @@ class Scaffold(Strategy):
     client_hook: ClassVar[type[ClientHook] | None] = ScaffoldHook
 
     def __init__(self, server_lr: float = 1.0) -> None:
-        if not server_lr > 0:
-            raise BadParameter(f"strategy 'scaffold': server_lr must be positive, got {server_lr}")
+        if not 0 < server_lr <= MAX_SERVER_LR:
+            raise BadParameter(
+                f"strategy 'scaffold': server_lr must be in (0, {MAX_SERVER_LR}], got {server_lr}"
+            )
         self.server_lr = server_lr
         self.population = 0  # N, the job's clients (from_config)
         self._global: Mapping[str, torch.Tensor] | None = None

@@ -363,18 +363,13 @@ def results_markdown(
     if results.get("orderings"):
         what = "test perplexity" if name != "nmt-domains" else "the per-domain mean BLEU"
         text += ["", f"Orderings of {what} (paired by seed):", ""] + [f"- {o}" for o in results["orderings"]]
-    if results.get("orderings_ce"):
-        text += [
-            "",
-            "Orderings of the per-domain mean cross-entropy, nats a token, lower is better (paired by seed):",
-            "",
-        ] + [f"- {o}" for o in results["orderings_ce"]]
-    if results.get("orderings_ce_pick"):
-        text += [
-            "",
-            "The same, each server read at its round of lowest validation cross-entropy (ce_pick_round):",
-            "",
-        ] + [f"- {o}" for o in results["orderings_ce_pick"]]
+    for key, heading in (
+        ("orderings_ce", "Orderings of the per-domain mean cross-entropy, nats a token, lower is better"),
+        ("orderings_ce_pick", "The same, each server read at its round of lowest validation cross-entropy"),
+    ):
+        if results.get(key):
+            paired = "(paired by seed)" if key == "orderings_ce" else "(ce_pick_round)"
+            text += ["", f"{heading} {paired}:", ""] + [f"- {o}" for o in results[key]]
     for seed, r in zip(seeds, per_seed):
         if "bleu_by_domain" in r:
             text += [

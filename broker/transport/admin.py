@@ -7,9 +7,15 @@ The users and their permissions go to RabbitMQ as one definitions document (Rabb
 ``rabbitmqctl import_definitions`` or ``POST /api/definitions``), with salted SHA-256 password hashes, never
 the passwords: one request however many users. Each rabbitmqctl command starts an Erlang VM (about half a
 second of CPU), and a user set up command by command took four of them. So: an existing user's tags are
-replaced by none (fedmq's users need none); the hash is SHA-256 (RabbitMQ's default) whatever the broker's
-``password_hashing_module``; a ``credential_validator`` is not consulted (the passwords are 48 random hex
-digits).
+replaced by fedmq's mark of its vhost (``fedmq-vhost:<vhost>``: owner_tag); the hash is SHA-256
+(RabbitMQ's default) whatever the broker's ``password_hashing_module``; a ``credential_validator`` is not
+consulted (the passwords are 48 random hex digits).
+
+Provisioning marks what it makes, and deprovisioning (broker.transport.deprovision) deletes only what
+carries the mark: a vhost it created has the tag ``fedmq-provisioned`` (PROVISIONED_TAG), each user the tag
+``fedmq-vhost:<vhost>`` of the vhost it was made for. A user name is global but a job id is only unique in its
+vhost, so defining a user that exists and is not that vhost's (another vhost's job of the same id, or
+another application's user) is refused in one line instead of rotating its password.
 
 What to set up (users, permissions, queues of a job) is broker.transport.provision's.
 """
@@ -74,6 +80,44 @@ class Admin(Protocol):
     def delete_vhost(self, vhost: str) -> None: ...
 
 
+PROVISIONED_TAG = (
+    "fedmq-provisioned"  # a vhost `fedmq broker provision` created: only such a vhost is deleted
+)
+_OWNER = "fedmq-vhost:"
+
+
+def owner_tag(vhost: str) -> str:
+    """The tag that marks a user fedmq made for ``vhost``."""
+    return _OWNER + vhost
+
+
+def owner_vhosts(tags: Sequence[str]) -> list[str]:
+    """The vhosts a user's tags say fedmq made it for (none: not marked, e.g. made by an older version)."""
+    return [tag[len(_OWNER) :] for tag in tags if tag.startswith(_OWNER)]
+
+
+def tag_list(text: str) -> list[str]:
+    """Tags as rabbitmqctl prints them (``[a, b]``) or older management APIs give them (``a,b``)."""
+    return [tag.strip() for tag in text.strip().strip("[]").split(",") if tag.strip()]
+
+
+def check_owners(vhost: str, users: list[User], held: dict[str, list[str]], in_vhost: set[str]) -> None:
+    """Refuse, in one line, to redefine a user that exists and is not fedmq's for ``vhost``: marked for
+    another vhost, or unmarked and without topic permissions in ``vhost`` (``in_vhost``: fedmq's users of
+    older versions have them). ``held``: every user with its tags."""
+    taken = []
+    for u in users:
+        if u.name in held:
+            owners = owner_vhosts(held[u.name])
+            if (vhost not in owners) if owners else (u.name not in in_vhost):
+                taken.append(u.name + (f" (vhost {owners[0]!r})" if owners else ""))
+    if taken:
+        raise BrokerError(
+            f"user(s) {', '.join(taken[:3])}{' …' if len(taken) > 3 else ''} already exist and are not "
+            f"fedmq's for vhost {vhost!r}: deprovision that job or choose another job id"
+        )
+
+
 def password_hash(password: str) -> str:
     """RabbitMQ's ``rabbit_password_hashing_sha256``: base64(salt + sha256(salt + password)), 4-byte salt."""
     salt = secrets.token_bytes(4)
@@ -82,15 +126,17 @@ def password_hash(password: str) -> str:
 
 def definitions(vhost: str, users: list[User], *, new_vhost: bool) -> dict[str, Any]:
     """The RabbitMQ definitions document that puts ``users`` on ``vhost`` (and the vhost, when ``new_vhost``:
-    importing an existing one would reset its description and tags)."""
+    importing an existing one would reset its description and tags), each marked as fedmq's (module
+    docstring)."""
+    made = {"name": vhost, "description": "created by fedmq broker provision", "tags": [PROVISIONED_TAG]}
     return {
-        "vhosts": [{"name": vhost}] if new_vhost else [],
+        "vhosts": [made] if new_vhost else [],
         "users": [
             {
                 "name": u.name,
                 "password_hash": password_hash(u.password),
                 "hashing_algorithm": "rabbit_password_hashing_sha256",
-                "tags": [],
+                "tags": [owner_tag(vhost)],
             }
             for u in users
         ],
@@ -161,6 +207,11 @@ class CtlAdmin:
         gone = f"Virtual host '{vhost}' does not exist"
         out = self.run("list_topic_permissions", "-p", vhost, "--quiet", "--no-table-headers", ok_text=gone)
         rows = [r for r in (line.split("\t") for line in out.splitlines()) if len(r) >= 2]
+        listed = self.run("list_users", "--quiet", "--no-table-headers")
+        held = {
+            r[0]: tag_list(r[1]) for r in (line.split("\t") for line in listed.splitlines()) if len(r) >= 2
+        }
+        check_owners(vhost, users, held, {r[0] for r in rows})
         doc = definitions(vhost, users, new_vhost=not rows and gone in out)
         self.run("import_definitions", "--format", "json", stdin=json.dumps(doc))
         for user, exchange in stale_topic_permissions(users, [(r[0], r[1]) for r in rows]):
@@ -238,6 +289,8 @@ class HttpAdmin:
     def define(self, vhost: str, users: list[User]) -> None:
         v = quote(vhost, safe="")
         held = self.call("GET", f"/api/vhosts/{v}/topic-permissions", ok=(404,))
+        users_held = {r["name"]: http_tags(r.get("tags")) for r in self.call("GET", "/api/users") or []}
+        check_owners(vhost, users, users_held, {h["user"] for h in held or []})
         self.call("POST", "/api/definitions", definitions(vhost, users, new_vhost=held is None))
         stale = stale_topic_permissions(users, [(h["user"], h["exchange"]) for h in held or []])
         for u in [u for u in users if u.name in {user for user, _ in stale}]:
@@ -254,6 +307,11 @@ class HttpAdmin:
 
     def delete_vhost(self, vhost: str) -> None:
         self.call("DELETE", f"/api/vhosts/{quote(vhost, safe='')}", ok=(404,))
+
+
+def http_tags(tags: object) -> list[str]:
+    """A user's or vhost's tags from the management API: a list (RabbitMQ 3.9 and later) or a string."""
+    return [str(tag) for tag in tags] if isinstance(tags, list) else tag_list(str(tags or ""))
 
 
 def admin_for(url: str) -> Admin:

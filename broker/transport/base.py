@@ -12,6 +12,12 @@ from typing import Any
 
 from fedmq.broker.transport.errors import BrokerError
 
+# a connection's defaults, defined once (connect() and the backends)
+PREFETCH = 64  # unacknowledged deliveries a consumer may hold
+HEARTBEAT_S = 30  # AMQP heartbeat (RabbitMQ only)
+CONSUME_TIMEOUT_S = (
+    20.0  # how long RabbitMQ may take to confirm a subscription before the queue counts as broken
+)
 REFUSED_SIZE_HEADER = "x-fedmq-refused-size"  # set by a backend that dropped an oversized body unread
 
 
@@ -115,7 +121,7 @@ class Broker(ABC):
         return sub
 
     def fetch(
-        self, queue: str, message_id: str, *, offset: Any, timeout: float, prefetch: int = 64
+        self, queue: str, message_id: str, *, offset: Any, timeout: float, prefetch: int = PREFETCH
     ) -> Delivery:
         """Read the one message ``message_id`` from the stream ``queue``, starting at ``offset``; BrokerError
         if it has not arrived whole within ``timeout``. The delivery comes back acked (on a stream an ack only

@@ -6,7 +6,7 @@ import re
 from typing import Any
 from urllib.parse import unquote
 
-from fedmq.broker.transport.base import Broker
+from fedmq.broker.transport.base import CONSUME_TIMEOUT_S, HEARTBEAT_S, PREFETCH, Broker
 from fedmq.broker.transport.errors import BrokerError
 from fedmq.broker.transport.tls import TlsOptions
 from fedmq.broker.transport.urls import check_url
@@ -19,11 +19,11 @@ def connect(
     url: str,
     *,
     user: str | None = None,
-    prefetch: int = 64,
-    heartbeat: int = 30,
+    prefetch: int = PREFETCH,
+    heartbeat: int = HEARTBEAT_S,
     chunk_limit: int = DEFAULT_CHUNK_LIMIT,
     tls: TlsOptions | None = None,
-    consume_timeout: float = 20.0,
+    consume_timeout: float = CONSUME_TIMEOUT_S,
     **kw: Any,
 ) -> Broker:
     """One connection to the broker at ``url``; BrokerError (one line) on a bad URL or unreachable broker.

@@ -30,7 +30,7 @@ from typing import Any
 import structlog
 
 from fedmq.broker.transport import topology as t
-from fedmq.broker.transport.base import Broker, Delivery, Handler, ReassemblyLimits
+from fedmq.broker.transport.base import PREFETCH, Broker, Delivery, Handler, ReassemblyLimits
 from fedmq.broker.transport.errors import BrokerError, Undeliverable
 from fedmq.broker.transport.queues import check_publish_args, job_queues
 from fedmq.broker.transport.reassembly import EXPIRY_CHECK_S, ChunkGate, GatedDispatch
@@ -316,7 +316,7 @@ class MemoryBroker(Broker):
         name: str,
         *,
         user: str = "guest",
-        prefetch: int = 64,
+        prefetch: int = PREFETCH,
         chunk_limit: int = DEFAULT_CHUNK_LIMIT,
         max_message_size: int = 4 * 1024**3,
         chunk_timeout_s: float = 600.0,

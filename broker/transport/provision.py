@@ -28,7 +28,9 @@ users.
 How it talks to RabbitMQ (rabbitmqctl on the broker's machine, else the management HTTP API, with the admin
 credentials of the broker URL or ``FEDMQ_BROKER_USER``/``FEDMQ_BROKER_PASSWORD``): broker.transport.admin.
 Passwords are random; re-running with an existing credentials file keeps its passwords (otherwise they are
-rotated).
+rotated). The vhost it creates and every user are tagged as fedmq's (admin.PROVISIONED_TAG, admin.owner_tag),
+so that deprovisioning deletes only those; user names are global, so a job id already provisioned in another
+vhost is refused in one line (admin.check_owners).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ the aggregator's side (a job declared with its inbox) checks every ``exchange_ch
 an agent's side too; a missing exchange is one error line naming it. The aggregator's side declares it
 again, with its inbox's bindings, once it has been missing for ``3 * exchange_check_s`` (long enough for
 every agent's check to have seen it gone); an agent's side binds its own queues again as soon as it is
-back. Publishing to it meanwhile fails with that line.
+back. An agent's publish to it meanwhile fails with that line; the aggregator's side's waits until its watch
+has declared the exchange again, then goes (declared_again), so the aggregator goes on.
 """
 
 from __future__ import annotations
@@ -107,6 +108,17 @@ class JobTopology:
                 log.error(t.missing_exchange(ex, self._vhost()), user=self.user)
         self._next_check = min(self._next_check, time.monotonic() + 1.0)
         return BrokerError(t.missing_exchange(ex, self._vhost()))
+
+    def declared_again(self, ex: str) -> bool:
+        """In a publishing thread, after a publish found ``ex`` missing: wait until the watch has declared it
+        again. False at once on a side that does not declare it (an agent's), or when it is still missing
+        after the watch's delay (3 checks, and some)."""
+        if not any(inbox and t.exchange(job) == ex for job, _, inbox, _ in list(self._jobs)):
+            return False
+        deadline = time.monotonic() + 4 * self.exchange_check_s + 5
+        while ex in self.gone and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return ex not in self.gone
 
     def _exchange_exists(self, ex: str) -> bool:
         """A passive declare on a channel kept for it (one round trip); True when unsure."""

@@ -26,7 +26,15 @@ import pika
 import pika.exceptions as pe
 
 from fedmq.broker.transport import topology as t
-from fedmq.broker.transport.base import Broker, Delivery, Handler, ReassemblyLimits
+from fedmq.broker.transport.base import (
+    CONSUME_TIMEOUT_S,
+    HEARTBEAT_S,
+    PREFETCH,
+    Broker,
+    Delivery,
+    Handler,
+    ReassemblyLimits,
+)
 from fedmq.broker.transport.errors import BrokerError
 from fedmq.broker.transport.queues import job_queues
 from fedmq.broker.transport.rabbit_consume import Consumers
@@ -49,8 +57,8 @@ class RabbitBroker(Broker):
         url: str,
         *,
         user: str | None = None,
-        prefetch: int = 64,
-        heartbeat: int = 30,
+        prefetch: int = PREFETCH,
+        heartbeat: int = HEARTBEAT_S,
         chunk_limit: int = DEFAULT_CHUNK_LIMIT,
         tls: TlsOptions | None = None,
         connect_timeout: float = 5.0,
@@ -58,7 +66,7 @@ class RabbitBroker(Broker):
         max_backoff: float = 5.0,
         max_message_size: int = 4 * 1024**3,
         chunk_timeout_s: float = 600.0,
-        consume_timeout: float = 20.0,
+        consume_timeout: float = CONSUME_TIMEOUT_S,
         confirm_stall_s: float = 15.0,
         exchange_check_s: float = EXCHANGE_CHECK_S,
         presence_lane: bool = True,
@@ -165,7 +173,15 @@ class RabbitBroker(Broker):
                     raise self._topology.missing(ex) from None
                 raise
             return
-        self._publisher.publish(routing_key, body, message_id, headers, timeout)
+        try:
+            self._publisher.publish(routing_key, body, message_id, headers, timeout)
+        except BrokerError:
+            job = t.job_of_key(routing_key)
+            if job is None or t.exchange(job) not in self._topology.gone:
+                raise
+            if not self._topology.declared_again(t.exchange(job)):  # only the aggregator's side declares it
+                raise
+            self._publisher.publish(routing_key, body, message_id, headers, timeout)
 
     def _presence_lane(self) -> RabbitBroker:
         with self._lane_lock:

@@ -120,8 +120,8 @@ def broker_deprovision(
     vhost: str = typer.Option("fedmq", help="the virtual host the job was provisioned in"),
     job: str = typer.Option(..., envvar="FEDMQ_JOB", help="job id"),
 ) -> None:
-    """Undo provision for one job: delete its users, its queues and the vhost (kept while another job
-    lives there). Running it again does nothing.
+    """Undo provision for one job: delete its users, its queues and the vhost (only one provision created,
+    and kept while anything else, another job's or application's, is there). Running it again does nothing.
 
     Example: fedmq broker deprovision --job wt2 --vhost fedmq
     """

@@ -337,7 +337,7 @@ def _simulate(
 
     task_obj = make_task(plan.task)
     if resume:
-        run_folder.check_checkpoint_fits(run_dir, task_obj, cfg.seed)
+        run_folder.check_checkpoint_fits(run_dir, task_obj, cfg.seed, cfg.strategy)
     cfg = dataclasses.replace(cfg, clients=task_obj.num_clients)  # nmt natural: one client per domain
     over_rabbit = not opts["broker"].startswith("memory://")
     job_line = f"job {cfg.job}" + (f" (fedmq status --job {cfg.job})" if over_rabbit else "")

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 
 import pika
 import pytest
+from load_factor import budget
 
 from fedmq.broker.transport import topology as t
 from fedmq.broker.transport.base import Broker, Delivery
@@ -39,7 +40,7 @@ class Inbox:
 
     def wait(self, n: int, timeout: float = 10.0) -> list[Delivery]:
         with self.cv:
-            assert self.cv.wait_for(lambda: len(self.items) >= n, timeout), (
+            assert self.cv.wait_for(lambda: len(self.items) >= n, budget(timeout)), (
                 f"got {len(self.items)} of {n} deliveries"
             )
             return list(self.items)
@@ -88,7 +89,7 @@ def make(request: pytest.FixtureRequest, job_id: str) -> Iterator[Callable[..., 
 
 
 def _depth(b: Broker, queue: str, want: int, timeout: float = 5.0) -> int:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + budget(timeout)
     while (d := b.queue_depth(queue)) != want and time.monotonic() < deadline:
         time.sleep(0.05)
     return d
@@ -314,7 +315,7 @@ def test_a_failing_handler_rejects_and_the_consumer_goes_on(make, job_id):
     b.consume(t.q_inbox(job_id), handler)
     b.publish(t.rk_update(job_id, "a1"), b"boom")
     b.publish(t.rk_update(job_id, "a1"), b"fine")
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + budget(5)
     while len(seen) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.3)
@@ -406,7 +407,7 @@ def test_a_message_that_kills_its_consumer_is_dead_lettered_after_the_delivery_l
             alive.ack(d)
 
     alive.consume(t.q_inbox(job_id), handle)
-    assert done.wait(10) and got == [b"next", b"refused"]
+    assert done.wait(budget(10)) and got == [b"next", b"refused"]
     assert _depth(pub, t.q_dead(job_id), 2) == 2
     dead = Inbox(pub)
     pub.consume(t.q_dead(job_id), dead)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from load_factor import budget
 
 from fedmq.broker.transport import topology as t
 from fedmq.broker.transport.connect import connect
@@ -21,7 +22,7 @@ def broker(url, job_id):
 
 
 def _until(check, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + budget(timeout)
     while not check():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)

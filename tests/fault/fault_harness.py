@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import fedmq_procs
+from load_factor import budget
 
 from fedmq.aggregator.runlog import read_rounds
 
@@ -78,6 +79,9 @@ def write_config(path: Path, job: dict[str, Any], task: dict[str, Any]) -> Path:
 
 
 def wait_for(pred: Callable[[], bool], timeout: float, what: str, poll: float = 0.05) -> None:
+    """Poll ``pred`` until it holds; an error after ``timeout`` (an idle machine's seconds, scaled by
+    tests/load_factor.py)."""
+    timeout = budget(timeout)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pred():
@@ -286,11 +290,12 @@ class Federation:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        proc.wait(timeout=10)
+        proc.wait(timeout=budget(10))
 
     def wait_aggregator(self, name: str = "agg", timeout: float = 120.0) -> dict[str, Any]:
-        """Wait for an aggregator to finish the job; its summary (the JSON line it prints)."""
-        proc = self.procs[name]
+        """Wait for an aggregator to finish the job (``timeout``: an idle machine's seconds); its summary
+        (the JSON line it prints)."""
+        proc, timeout = self.procs[name], budget(timeout)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -310,13 +315,13 @@ class Federation:
                     os.killpg(proc.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     continue
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + budget(15)
         for proc in self.procs.values():
             try:
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+                proc.wait(timeout=budget(10))
 
     # ------------------------------------------------------------------ observing the aggregator
     def rows(self) -> list[dict[str, Any]]:
@@ -406,8 +411,9 @@ class Federation:
         )
 
     def round_limit_s(self, slack_s: float = 10.0) -> float:
-        """The longest a round may take: report + update deadlines, plus slack for evaluation and startup."""
-        return float(self.cfg["report_deadline_s"]) + float(self.cfg["update_deadline_s"]) + slack_s
+        """The longest a round may take: report + update deadlines, plus slack for evaluation and startup
+        (an idle machine's seconds, scaled by tests/load_factor.py)."""
+        return float(self.cfg["report_deadline_s"]) + float(self.cfg["update_deadline_s"]) + budget(slack_s)
 
 
 class TcpProxy:

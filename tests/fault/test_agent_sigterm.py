@@ -3,7 +3,9 @@
 SIGTERM while the agent trains: it finishes the local training, its update is confirmed by the broker (the
 agent's audit log) and folded by the aggregator, it leaves the job, and the process exits 0. A second signal
 ends the process at once (143), and so does a round that outlasts ``--stop-grace``; neither aborts inside
-torch. Local training here is exit_tasks.SlowTask's: TRAIN_S seconds of matrix products.
+torch. Local training here is exit_tasks.SlowTask's: TRAIN_S seconds of matrix products, and a training that
+ran until its time was up says so on the agent's stderr (exit_tasks.TRAINED): agent-0's did before it exited,
+agents 1 and 2 exited before theirs could.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from fault_harness import Federation, delete_job_queues, read_jsonl, wait_for
+from load_factor import budget
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
 
@@ -23,24 +26,29 @@ EXIT_TASKS = Path(__file__).resolve().parents[1] / "integration"
 TRAIN_S = 6.0
 
 
-def _signal_while_training(fed: Federation, i: int, *signals: int) -> tuple[subprocess.Popen, float]:
+def _signal_while_training(fed: Federation, i: int, *signals: int) -> subprocess.Popen:
     """Send ``signals`` (0.5 s apart) to agent-i once it has been training round 1 for a second."""
     wait_for(lambda: fed.agent_events(i, "round training", 1), 90, f"agent-{i} to train round 1")
     time.sleep(1.0)
     proc = fed.procs[f"agent-{i}"]
-    t0 = time.monotonic()
     for n, signum in enumerate(signals):
         if n:
             time.sleep(0.5)
         proc.send_signal(signum)
-    return proc, t0
+    return proc
 
 
 def _exit(proc: subprocess.Popen, timeout: float) -> int:
+    """The agent's exit code; it must exit within ``timeout`` (an idle machine's seconds, scaled)."""
     try:
-        return proc.wait(timeout=timeout)
+        return proc.wait(timeout=budget(timeout))
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"agent did not exit within {timeout:.0f} s") from None
+        raise AssertionError(f"agent did not exit within {budget(timeout):.0f} s") from None
+
+
+def _trained_to_the_end(fed: Federation, i: int) -> bool:
+    """Whether agent-i's local training ran until its time was up (exit_tasks.SlowTask's TRAINED line)."""
+    return bool(fed.agent_events(i, "slow training ran until its time was up"))
 
 
 def test_sigterm_finishes_the_round_uploads_and_exits_0_second_signal_or_grace_exit_at_once(
@@ -66,17 +74,17 @@ def test_sigterm_finishes_the_round_uploads_and_exits_0_second_signal_or_grace_e
         fed.start_agent(2)
         fed.agent_env = {}
         # agent-0: one SIGTERM mid-training
-        proc0, t0 = _signal_while_training(fed, 0, signal.SIGTERM)
+        proc0 = _signal_while_training(fed, 0, signal.SIGTERM)
         # agent-1: two signals; agent-2: one, but its round takes longer than its 2 s grace
-        proc1, t1 = _signal_while_training(fed, 1, signal.SIGTERM, signal.SIGTERM)
-        proc2, t2 = _signal_while_training(fed, 2, signal.SIGTERM)
+        proc1 = _signal_while_training(fed, 1, signal.SIGTERM, signal.SIGTERM)
+        proc2 = _signal_while_training(fed, 2, signal.SIGTERM)
 
         assert _exit(proc1, 10) == 143
-        assert time.monotonic() - t1 < 5, "a second signal must end the agent at once"
+        assert not _trained_to_the_end(fed, 1), "a second signal must end the agent at once"
         assert _exit(proc2, 10) == 143
-        assert time.monotonic() - t2 < 6, "the grace did not bound the stop"
+        assert not _trained_to_the_end(fed, 2), "the grace did not bound the stop"
         assert _exit(proc0, 30) == 0, (fed.logs / "agent-0.err").read_text()[-2000:]
-        assert time.monotonic() - t0 > TRAIN_S - 2, "agent-0 stopped before its training ended"
+        assert _trained_to_the_end(fed, 0), "agent-0 stopped before its training ended"
 
         errs = {i: (fed.logs / f"agent-{i}.err").read_text() for i in range(3)}
         assert all("terminate called" not in e for e in errs.values()), errs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from fault_harness import Federation, delete_job_queues, wait_for
+from load_factor import budget
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
 
@@ -66,7 +67,7 @@ def test_aggregator_kill9_mid_round_with_hosts_loses_and_doubles_nothing(tmp_pat
         assert summary["rounds_completed"] == 4 and summary["version"] == 4
         assert fed.agg_events("resuming open round"), "the restart did not resume the open round"
         # the same two host processes served the whole job, and left when it ended
-        assert [fed.procs[f"host-h{h}"].wait(timeout=30) for h in range(2)] == [0, 0]
+        assert [fed.procs[f"host-h{h}"].wait(timeout=budget(30)) for h in range(2)] == [0, 0]
         _assert_clean(fed, 4)
     finally:
         fed.stop_all()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import pytest
 from fault_harness import Federation, TcpProxy, wait_for
 from fault_plan import Fault, make_plan, training_victims
+from load_factor import budget
 
 pytestmark = [pytest.mark.isolated_node, pytest.mark.slow]
 
@@ -79,7 +80,7 @@ class Run:
     def await_phase(self, f: Fault, timeout: float = 150.0) -> int:
         """The round in which ``f``'s phase was reached: its own,
         or a later one if that round closed first."""
-        deadline, rnd = time.monotonic() + timeout, f.round
+        deadline, rnd = time.monotonic() + budget(timeout), f.round
         while time.monotonic() < deadline:
             if f.target is not None and f.kind == "agent-kill9":
                 st = self.fed.round_state(rnd)

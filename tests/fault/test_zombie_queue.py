@@ -12,6 +12,7 @@ import time
 import pika
 import pytest
 from fault_harness import Federation, wait_for
+from load_factor import budget
 
 from fedmq.broker.transport import topology as t
 from fedmq.broker.transport.connect import connect
@@ -83,10 +84,10 @@ def test_zombie_quorum_queues_are_reported_in_one_line_and_sigterm_ends_startup(
         term = fed.procs["agg-term"]
         t_term = time.monotonic()
         term.send_signal(signal.SIGTERM)
-        term.wait(timeout=10)
+        term.wait(timeout=budget(10))
         term_s = time.monotonic() - t_term
         for name in ("agg", "agent-0"):
-            fed.procs[name].wait(timeout=90)
+            fed.procs[name].wait(timeout=budget(90))
         took = time.monotonic() - started
         agg_err, agent_err = (fed.logs / "agg.err").read_text(), (fed.logs / "agent-0.err").read_text()
         print(
@@ -104,11 +105,10 @@ def test_zombie_quorum_queues_are_reported_in_one_line_and_sigterm_ends_startup(
             assert line.startswith(want), line
             assert "zombie quorum queue" in line and f"rabbitmqctl delete_queue {queue}" in line, line
         assert term.returncode == 143, term.returncode
-        assert (
-            _last_line_of((fed.logs / "agg-term.err").read_text())
-            == "error: stopped by SIGTERM while connecting"
-        )
-        assert term_s < 5.0, term_s
+        term_err = (fed.logs / "agg-term.err").read_text()
+        assert _last_line_of(term_err) == "error: stopped by SIGTERM while connecting"
+        # the signal ended the start before its consume timed out: no zombie was diagnosed
+        assert "did not confirm consuming" not in term_err, term_err[-2000:]
 
         # the remedy the line gives works: deleted and declared again, the job runs
         node.ctl("delete_queue", inbox)
@@ -147,7 +147,7 @@ def test_a_queue_whose_consume_breaks_the_connection_is_reported_not_retried_for
         started = time.monotonic()
         with pytest.raises(BrokerError) as err:
             broker.consume("broken", lambda d: None)
-        assert err.value.permanent and time.monotonic() - started < 30
+        assert err.value.permanent and time.monotonic() - started < budget(30)
         assert str(err.value).startswith("RabbitMQ closed the connection"), err.value
         assert "rabbitmqctl delete_queue broken" in str(err.value)
     finally:

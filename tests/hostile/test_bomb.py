@@ -18,6 +18,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import zstandard as zstd
+from load_factor import budget
 
 from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.engine import Engine
@@ -116,7 +117,7 @@ def test_bombs_cost_less_than_a_model_and_the_round_goes_on(rabbit_url, job_id, 
         for a in AGENTS:
             env = messages.presence(job_id, a, "online", -1)
             pub.publish(topology.rk_presence(job_id, a), messages.encode(env), message_id=env.msg_id)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + budget(30)
         while engine.phase != "training" and time.monotonic() < deadline:
             time.sleep(0.05)
         assert engine.phase == "training" and engine.round == 1
@@ -145,7 +146,7 @@ def test_bombs_cost_less_than_a_model_and_the_round_goes_on(rabbit_url, job_id, 
             Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS now
             rss0 = _status_kib("VmRSS")
             pub.publish(topology.rk_update(job_id, "agent-0"), body)
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + budget(10)
             while engine.inbox.rejected["bomb"] == n and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert engine.inbox.rejected["bomb"] == n + 1, (name, dict(engine.inbox.rejected))
@@ -156,7 +157,7 @@ def test_bombs_cost_less_than_a_model_and_the_round_goes_on(rabbit_url, job_id, 
         assert engine.version == 0 and engine.round == 1 and not engine.inbox.dropped
 
         # an operator finds the rejected bombs in the job's dead-letter queue
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + budget(5)
         while pub.queue_depth(topology.q_dead(job_id)) < len(bombs) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert pub.queue_depth(topology.q_dead(job_id)) == len(bombs)
@@ -169,7 +170,7 @@ def test_bombs_cost_less_than_a_model_and_the_round_goes_on(rabbit_url, job_id, 
         threads = [threading.Thread(target=ag.run, daemon=True) for ag in agents]
         for t in threads:
             t.start()
-        runner.join(timeout=60)
+        runner.join(timeout=budget(60))
         assert not runner.is_alive() and result["rounds_completed"] == 1
         uploads = sorted(u for ag in agents for (r, u) in ag.log.uploads if r == 1)
         assert sorted(engine.folded[1]) == uploads and len(uploads) == 2
@@ -178,8 +179,8 @@ def test_bombs_cost_less_than_a_model_and_the_round_goes_on(rabbit_url, job_id, 
         for ag in agents:
             ag.stop.set()
         for t in threads:
-            t.join(timeout=10)
-        runner.join(timeout=10)
+            t.join(timeout=budget(10))
+        runner.join(timeout=budget(10))
         pub.close()
         purge(rabbit_url, job_id, list(AGENTS))
 
@@ -204,7 +205,7 @@ def test_incomplete_chunked_updates_are_bounded_by_the_manifest(rabbit_url, job_
     runner.start()
     try:
         limit = engine.inbox.limits.max_message_bytes  # one update message, from the manifest
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + budget(10)
         while engine._consumer is None and time.monotonic() < deadline:
             time.sleep(0.05)
         gate = engine.broker._consumers.by_tag[engine._consumer].gate
@@ -220,19 +221,19 @@ def test_incomplete_chunked_updates_are_bounded_by_the_manifest(rabbit_url, job_
             rk, encode_chunk(replace(huge, total=1024, total_size=64 << 20)), headers={CHUNK_HEADER: 1}
         )
         refused = len(parts) - 1 + 1  # every chunk of the third message, and the huge one
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + budget(10)
         while gate.rejected < refused and time.monotonic() < deadline:
             time.sleep(0.05)
         assert gate.rejected == refused
         assert gate.reassembler.pending_messages() == 2
         assert gate.reassembler.pending_bytes() == 2 * (limit - 4096) <= 2 * limit
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + budget(5)
         while pub.queue_depth(topology.q_dead(job_id)) < refused and time.monotonic() < deadline:
             time.sleep(0.05)
         assert pub.queue_depth(topology.q_dead(job_id)) == refused
         assert runner.is_alive() and engine.version == 0
     finally:
         engine.stop.set()
-        runner.join(timeout=10)
+        runner.join(timeout=budget(10))
         pub.close()
         purge(rabbit_url, job_id, list(AGENTS))

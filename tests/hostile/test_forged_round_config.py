@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from load_factor import budget
 
 from fedmq.aggregator.config import JobConfig
 from fedmq.broker.transport import topology
@@ -37,7 +38,7 @@ def test_an_agent_rejects_a_round_config_beyond_its_bounds_and_stays(rabbit_url,
     runner = threading.Thread(target=agent.run, daemon=True)
     runner.start()
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + budget(20)
         while not agent.connected and time.monotonic() < deadline:
             time.sleep(0.05)
         assert agent.connected
@@ -49,6 +50,6 @@ def test_an_agent_rejects_a_round_config_beyond_its_bounds_and_stays(rabbit_url,
         assert runner.is_alive() and agent.connected
     finally:
         agent.stop.set()
-        runner.join(15)
+        runner.join(budget(15))
         admin.close()
         purge(rabbit_url, job_id, ["agent-0"])

@@ -24,6 +24,7 @@ import torch
 import zstandard as zstd
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from load_factor import budget
 
 from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.engine import Engine
@@ -66,7 +67,7 @@ class Rig:
         return sum(self.engine.inbox.rejected.values()) + sum(self.engine.inbox.dropped.values())
 
     def wait_handled(self, n: int, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + budget(timeout)
         while self.handled() < n and time.monotonic() < deadline:
             time.sleep(0.002)
         assert self.handled() >= n, f"only {self.handled()} of {n} hostile messages were rejected/dropped"
@@ -115,7 +116,7 @@ def test_hostile_messages_are_rejected_and_change_nothing(rabbit_node, job_id, t
         for a in AGENTS:  # the legitimate agents say hello (from their own users), so round 1 selects them
             env = messages.presence(job_id, a, "online", -1)
             pubs[a].publish(topology.rk_presence(job_id, a), messages.encode(env), message_id=env.msg_id)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + budget(30)
         while engine.phase != "training" and time.monotonic() < deadline:
             time.sleep(0.05)
         assert engine.phase == "training" and engine.round == 1
@@ -344,7 +345,7 @@ def test_hostile_messages_are_rejected_and_change_nothing(rabbit_node, job_id, t
         t0 = time.monotonic()
         one()
         fuzz_s = time.monotonic() - t0
-        assert fuzz_s < 90, f"fuzzing took {fuzz_s:.0f}s"
+        assert fuzz_s < budget(90), f"fuzzing took {fuzz_s:.0f}s"
         # nothing hostile reached the model, the round is still open and the aggregator is alive
         assert runner.is_alive() and engine.version == 0 and engine.round == 1
         for k, v in before.items():
@@ -366,12 +367,12 @@ def test_hostile_messages_are_rejected_and_change_nothing(rabbit_node, job_id, t
         threads = [threading.Thread(target=ag.run, daemon=True) for ag in agents]
         for t in threads:
             t.start()
-        runner.join(timeout=120)
+        runner.join(timeout=budget(120))
         assert not runner.is_alive() and result["rounds_completed"] == 1
         for ag in agents:
             ag.stop.set()
         for t in threads:
-            t.join(timeout=10)
+            t.join(timeout=budget(10))
         uploads = sorted(u for ag in agents for (r, u) in ag.log.uploads if r == 1)
         assert sorted(engine.folded[1]) == uploads and len(uploads) == 2
         sent_states = [ag.log.sent[1] for ag in agents]
@@ -381,7 +382,7 @@ def test_hostile_messages_are_rejected_and_change_nothing(rabbit_node, job_id, t
             torch.testing.assert_close(engine.global_state[name].double(), want, rtol=1e-5, atol=1e-6)
     finally:
         engine.stop.set()
-        runner.join(timeout=10)
+        runner.join(timeout=budget(10))
         for p in pubs.values():
             p.close()
         admin.close()

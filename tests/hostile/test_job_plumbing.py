@@ -20,6 +20,7 @@ import pika
 import pika.exceptions as pe
 import pytest
 import structlog
+from load_factor import budget
 
 from fedmq.broker.transport import provision as prov
 from fedmq.broker.transport import topology as t
@@ -67,7 +68,7 @@ def _round_trip(agg, agent, job: str, client: str, tag: str) -> None:
     ctag = agg.consume(t.q_inbox(job), take)
     try:
         agent.publish(t.rk_presence(job, client), f"presence {tag}".encode())
-        assert done.wait(10), f"presence {tag} never reached the aggregator"
+        assert done.wait(budget(10)), f"presence {tag} never reached the aggregator"
     finally:
         agg.cancel(ctag)
     assert got == [f"presence {tag}".encode()]
@@ -141,12 +142,12 @@ def test_a_deleted_exchange_is_named_and_the_job_goes_on(rabbit_node, job_id):
             line = str(exc.value)
             assert "\n" not in line and f"exchange {ex!r} of job {job_id!r} does not exist" in line, line
             # both sides report it by name, once each, without publishing anything (the aggregator's watch)
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + budget(10)
             while len(_errors(logs, f"exchange {ex!r}")) < 2 and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert len(_errors(logs, f"exchange {ex!r}")) == 2, logs
             # the aggregator's side declares it again after 3 checks, the agent's side binds its queues again
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + budget(20)
             while time.monotonic() < deadline and not any(
                 "queues are bound again" in e.get("event", "") for e in logs
             ):

@@ -18,6 +18,7 @@ import tracemalloc
 import uuid
 
 import pytest
+from load_factor import budget
 
 from fedmq.broker.transport import provision as prov
 from fedmq.broker.transport import topology as t
@@ -56,11 +57,11 @@ def test_an_oversized_message_is_refused_from_its_header(rabbit_node, job_id):
                     done.set()
 
             consumer.consume(t.q_inbox(job_id), take, reassembly=ReassemblyLimits(max_message_size=MiB))
-            assert done.wait(30)
+            assert done.wait(budget(30))
             peak = tracemalloc.get_traced_memory()[1] - base
         finally:
             tracemalloc.stop()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + budget(10)
         while consumer.queue_depth(t.q_dead(job_id)) < 1 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert consumer.queue_depth(t.q_dead(job_id)) == 1  # refused: dead-lettered for the operator
@@ -85,15 +86,15 @@ def test_presence_is_not_queued_behind_an_upload(rabbit_node, job_id):
         th.start()
         # the heartbeat goes once the upload's first chunks are in the inbox (beside "warm"), whatever the
         # machine's speed: a fixed pause let a fast machine finish the whole upload first
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + budget(30)
         while watcher.queue_depth(t.q_inbox(job_id)) < 9 and "upload" not in times:
-            assert time.monotonic() < deadline, "no chunk of the upload reached the inbox in 30 s"
+            assert time.monotonic() < deadline, "no chunk of the upload reached the inbox"
             time.sleep(0.01)
         sent = time.monotonic()
         assert "upload" not in times, "the upload finished before the heartbeat: make it larger"
         agent.publish(t.rk_presence(job_id, "agent-0"), b"beat", message_id="beat")
         times["presence"] = time.monotonic()
-        th.join(120)
+        th.join(budget(120))
         assert "upload" in times
         assert times["presence"] < times["upload"], (
             f"heartbeat confirmed {times['presence'] - sent:.2f} s after it was sent, "
@@ -134,19 +135,17 @@ def test_an_agent_refused_by_its_permissions_ends_with_one_line(rabbit_node):
                 outcome.append(exc)
 
         th = threading.Thread(target=run, daemon=True)
-        started = time.monotonic()
         th.start()
-        th.join(60)
+        th.join(budget(60))
         if th.is_alive():
             agent.stop.set()
-            th.join(30)
-            pytest.fail("the agent was still retrying a refused publish after 60 s")
+            th.join(budget(30))
+            pytest.fail(f"the agent was still retrying a refused publish after {budget(60):.0f} s")
         assert len(outcome) == 1 and isinstance(outcome[0], BrokerError), outcome
         exc = outcome[0]
         line = str(exc)
         assert exc.permanent and "\n" not in line, line
         assert "403" in line and f"refused {REFUSAL_TRIES} times in a row" in line, line
-        assert time.monotonic() - started < 60
     finally:
         admin.delete_users(
             [creds["aggregator"]["username"], *(e["username"] for e in creds["agents"].values())]

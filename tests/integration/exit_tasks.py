@@ -3,18 +3,24 @@
 ``SlowTask``'s local training multiplies matrices (torch releases the GIL there, as in any real training) for
 up to ``slow_s`` seconds, reporting progress after every step; the first ``fast`` trainings of the process
 take ``fast_steps`` steps only (``fast``: the constructor's argument, else $EXIT_TASK_FAST, for a run of
-`fedmq simulate`). Run with this folder on the Python path: ``--task exit_tasks:SlowTask``.
+`fedmq simulate`). A slow training that runs until its time is up prints ``TRAINED`` (a JSON log line) to
+stderr, so a test tells a process that waited for its training from one that stopped it. Run with this
+folder on the Python path: ``--task exit_tasks:SlowTask``.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import sys
 import time
 
 import torch
 
 import fedmq
+
+TRAINED = json.dumps({"event": "slow training ran until its time was up"})
 
 
 class SlowTask(fedmq.Task):
@@ -58,6 +64,8 @@ class SlowTask(fedmq.Task):
             steps += 1
             if progress is not None:
                 progress(steps, 0)
+        if not fast:
+            print(TRAINED, file=sys.stderr, flush=True)
         return fedmq.TrainResult(
             loss=1.0, n_samples=64, steps=steps, tokens=64, seconds=time.perf_counter() - t0
         )

@@ -6,8 +6,9 @@ in torch's C++ code aborts the whole process (exit code 134). Every run below en
 way (exit_tasks.SlowTask trains for 30 s unless stopped): a synchronous round closed by its deadlines, an
 asynchronous version folded from a first, fast update, Ctrl-C in the middle of a round, and the Python API.
 Before the trainer pool stopped local training and the run waited for it, each of these runs aborted whenever
-training outlived the run's 10 s wait for its agents: every one of them here. Each process must also end well
-before that training would: the run stops it at its next step.
+training outlived the run's 10 s wait for its agents: every one of them here. Each process must also end
+before that training would: the run stops it at its next step, so no training runs until its time is up
+(SlowTask's TRAINED line never appears).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import fedmq_procs
 import pytest
+from load_factor import budget
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -32,28 +34,37 @@ ABORT = "terminate called"
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
 SLOW = ["--task", "exit_tasks:SlowTask"]
 DEADLINES = ["--report-deadline", "1", "--update-deadline", "1"]
-LIMIT_S = 25  # SlowTask trains 30 s: a process that waited for it would take longer
 
 
 fedmq = fedmq_procs.command  # the command line of `fedmq ARGS`
 
 
-def finish(cmd: list[str], env: dict[str, str] | None = None) -> tuple[int, str, float]:
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env or ENV)
-    return proc.returncode, proc.stderr, time.monotonic() - t0
+def exit_tasks():
+    """tests/integration/exit_tasks.py, the module the runs below import by name."""
+    sys.path.insert(0, str(HERE))
+    try:
+        import exit_tasks
+    finally:
+        sys.path.remove(str(HERE))
+    return exit_tasks
 
 
-def many(run_one, n: int = RUNS) -> list[tuple[int, str, float]]:
+def finish(cmd: list[str], env: dict[str, str] | None = None) -> tuple[int, str]:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=budget(120), cwd=ROOT, env=env or ENV)
+    return proc.returncode, proc.stderr
+
+
+def many(run_one, n: int = RUNS) -> list[tuple[int, str]]:
     with ThreadPoolExecutor(2) as ex:
         return list(ex.map(run_one, range(n)))
 
 
-def check(results: list[tuple[int, str, float]], code: int) -> None:
-    for rc, err, seconds in results:
+def check(results: list[tuple[int, str]], code: int) -> None:
+    trained = exit_tasks().TRAINED
+    for rc, err in results:
         assert ABORT not in err, err[-1500:]
         assert rc == code, (rc, err[-1500:])
-        assert seconds < LIMIT_S, f"{seconds:.1f} s: the run waited for local training to end"
+        assert trained not in err, "the run waited for local training to end"
 
 
 def test_sync_runs_whose_round_closed_on_its_deadline_exit_0(tmp_path):
@@ -78,7 +89,7 @@ def test_async_runs_ending_with_agents_still_training_exit_0(tmp_path):
 
 
 def test_ctrl_c_while_agents_train_exits_130(tmp_path):
-    def interrupted(i: int) -> tuple[int, str, float]:
+    def interrupted(i: int) -> tuple[int, str]:
         out = tmp_path / f"r{i}"
         proc = subprocess.Popen(
             fedmq("simulate", *SLOW, "-k", "2", "-r", "2", "--out", str(out)),
@@ -94,10 +105,9 @@ def test_ctrl_c_while_agents_train_exits_130(tmp_path):
             lines.append(line)
             if "round training" in line:
                 break
-        t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         err = "".join(lines) + proc.stderr.read()
-        return proc.wait(timeout=120), err, time.monotonic() - t0
+        return proc.wait(timeout=budget(120)), err
 
     check(many(interrupted), 130)
 
@@ -120,19 +130,18 @@ def test_python_api_runs_exit_0(tmp_path):
     check(many(lambda i: finish([sys.executable, str(script), str(tmp_path / f"r{i}")])), 0)
 
 
-def test_the_task_trains_until_its_time_is_up_unless_stopped():
-    """The scenarios above prove something only if SlowTask's training outlives the run by itself."""
-    sys.path.insert(0, str(HERE))
-    try:
-        from exit_tasks import SlowTask
-    finally:
-        sys.path.remove(str(HERE))
+def test_the_task_trains_until_its_time_is_up_unless_stopped(capsys):
+    """The scenarios above prove something only if SlowTask's training outlives the run by itself, and says
+    so when it ran until its time was up."""
+    tasks = exit_tasks()
     import fedmq
 
-    task = SlowTask(clients=1, slow_s=0.3)
+    task = tasks.SlowTask(clients=1, slow_s=0.3)
     t0 = time.monotonic()
     result = task.train(task.build_model(), 0, fedmq.TrainConfig())
-    assert time.monotonic() - t0 >= 0.3 and result.steps > task.fast_steps
+    # the slow branch, whatever the machine's speed (a busy one may take no more steps than a fast training)
+    assert time.monotonic() - t0 >= 0.3 and result.steps >= 1
+    assert capsys.readouterr().err.splitlines() == [tasks.TRAINED]
 
     def stop(done: int, total: int) -> None:
         if done == 2:
@@ -140,3 +149,4 @@ def test_the_task_trains_until_its_time_is_up_unless_stopped():
 
     with pytest.raises(RuntimeError, match="stopped"):
         task.train(task.build_model(), 0, fedmq.TrainConfig(), stop)
+    assert tasks.TRAINED not in capsys.readouterr().err

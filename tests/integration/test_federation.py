@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from load_factor import budget
 
 from fedmq.aggregator.config import JobConfig
 
@@ -279,7 +280,7 @@ def test_selection_counts_every_queued_heartbeat(task, tmp_path):
         agent.publish(
             topology.rk_presence(cfg.job, f"agent-{i}"), messages.encode(env), message_id=env.msg_id
         )
-    deadline = time.time() + 10
+    deadline = time.time() + budget(10)
     while engine.inbox.backlog() < 10 and time.time() < deadline:  # all ten queued, none read yet
         time.sleep(0.05)
     engine.wait_for_agents(cfg.selected_count(), 3 * cfg.heartbeat_s)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from load_factor import budget
 
 from fedmq.benchmarks import flower as fl
 
@@ -41,7 +42,8 @@ def _model_bytes() -> tuple[int, int]:
 
 
 @pytest.mark.slow
-# three pairs of Flower runs at worst, each starting Ray: more than the suite's 300 s on a busy machine
+@pytest.mark.timing  # compares two runs' speed: one at a time (tests/conftest.py)
+# three pairs of Flower runs at worst, each starting Ray: more than the suite's 300 s (both scaled by load)
 @pytest.mark.timeout(900)
 def test_bench_flower_side_agrees_with_the_control() -> None:
     missing = fl.flower_missing(fl.DEFAULT_FLOWER_PYTHON)
@@ -51,9 +53,10 @@ def test_bench_flower_side_agrees_with_the_control() -> None:
     # disturbed), with up to three pairs
     fastest: dict[str, float] = {}
     for _attempt in range(3):
-        bench = fl.run_flower(fl.DEFAULT_FLOWER_PYTHON, CORPUS, CLIENTS, SELECTED, ROUNDS, timeout=240)
+        run_s = budget(240)
+        bench = fl.run_flower(fl.DEFAULT_FLOWER_PYTHON, CORPUS, CLIENTS, SELECTED, ROUNDS, timeout=run_s)
         control = fl.run_flower(
-            fl.DEFAULT_FLOWER_PYTHON, CORPUS, CLIENTS, SELECTED, ROUNDS, "flower_control", timeout=240
+            fl.DEFAULT_FLOWER_PYTHON, CORPUS, CLIENTS, SELECTED, ROUNDS, "flower_control", timeout=run_s
         )
         for side, run in (("bench", bench), ("control", control)):
             assert run.rounds == ROUNDS and not run.note, (run.name, run.rounds, run.note)

@@ -20,6 +20,7 @@ import fedmq_procs
 import pika
 import pika.exceptions as pe
 import pytest
+from load_factor import budget
 
 from fedmq.broker.transport import provision as prov
 from fedmq.broker.transport import topology as t
@@ -89,7 +90,7 @@ def test_a_host_user_speaks_for_its_own_clients_only(rabbit_url, job_id):
             agg.consume(t.q_inbox(job_id), take)
             for key in mine:
                 host.publish(key, b"mine", message_id=key)
-            assert done.wait(10)
+            assert done.wait(budget(10))
             assert sorted(got) == sorted((key, t.host_user(job_id, "h1")) for key in mine)
 
             forged = [
@@ -114,7 +115,7 @@ def test_a_host_user_speaks_for_its_own_clients_only(rabbit_url, job_id):
             heard: list = []
             host.consume(t.q_latest(job_id, "h1"), lambda d: (heard.append(d.body), host.ack(d)))
             agg.publish(t.rk_announce(job_id, "h1"), b"announce")
-            deadline = time.time() + 10
+            deadline = time.time() + budget(10)
             while not heard and time.time() < deadline:
                 time.sleep(0.05)
             assert heard == [b"announce"] and host.status()["reconnects"] == 0
@@ -171,7 +172,7 @@ def _stop(*procs: subprocess.Popen) -> None:
     for p in procs:
         if p.poll() is None:
             p.kill()
-            p.wait(timeout=30)
+            p.wait(timeout=budget(30))
 
 
 def test_two_host_processes_run_a_job_with_the_aggregator(tmp_path, rabbit_url, job_id):
@@ -187,7 +188,7 @@ def test_two_host_processes_run_a_job_with_the_aggregator(tmp_path, rabbit_url, 
         summary = json.loads(out.strip().splitlines()[-1])
         assert summary["rounds_completed"] == 2 and summary["rejected"] == {}, summary
         for i, p in enumerate(hosts):
-            assert p.wait(timeout=30) == 0
+            assert p.wait(timeout=budget(30)) == 0
             assert f"job {job_id} finished: host h{i} left (4 clients)" in p.stderr.read()
         rows = [json.loads(line) for line in (tmp_path / "s" / "metrics.jsonl").read_text().splitlines()]
         assert [r["round"] for r in rows] == [1, 2]
@@ -241,14 +242,14 @@ def test_sigterm_makes_a_host_leave_the_job_at_once(tmp_path, rabbit_url, job_id
         host_port = s.getsockname()[1]
     host = _host(*common, "--host", "h0", "--clients", "0-7", "--metrics-port", str(host_port))
     try:
-        deadline, trained = time.time() + 60, None
+        deadline, trained = time.time() + budget(60), None
         while time.time() < deadline and not trained:
             time.sleep(0.3)
             trained = _gauge(_get(host_port, "/metrics"), "fedmq_rounds_trained")
         assert trained and _get(host_port, "/readyz"), "the host trained no client's round"
         assert _gauge(_get(free_port, "/metrics"), "fedmq_agents_online") == 8
         host.send_signal(signal.SIGTERM)
-        assert host.wait(timeout=20) == 0
+        assert host.wait(timeout=budget(20)) == 0
         assert "SIGTERM: leaving the job" in host.stderr.read()
         deadline, online = time.time() + 4, None
         while time.time() < deadline and online != 0:
@@ -258,7 +259,7 @@ def test_sigterm_makes_a_host_leave_the_job_at_once(tmp_path, rabbit_url, job_id
     finally:
         agg.send_signal(signal.SIGTERM)
         try:
-            agg.wait(timeout=30)
+            agg.wait(timeout=budget(30))
         finally:
             _stop(agg, host)
             prov.purge(rabbit_url, job_id, ["h0"])

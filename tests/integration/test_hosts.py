@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+from load_factor import budget
 
 from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.engine import Engine
@@ -98,7 +99,7 @@ def test_two_hosts_run_a_population_and_speak_only_for_their_own_clients(tiny_lm
         for h in hosts:
             h.stop.set()
         for t in threads:
-            t.join(timeout=10)
+            t.join(timeout=budget(10))
     assert summary["rounds_completed"] == 3
     assert engine.hosted["h1-5"] == "h1"  # so h0's report for it was a forgery, not an unknown client
     assert engine.inbox.rejected["identity-mismatch"] == 2
@@ -177,7 +178,7 @@ def test_an_asynchronous_host_trains_again_once_its_lost_connection_is_back(tiny
     cut: list[int] = []
 
     def cut_under_the_running_clients() -> None:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + budget(30)
         while time.monotonic() < deadline and len(host._running) < 4:
             time.sleep(0.01)
         broker = host._broker
@@ -194,11 +195,12 @@ def test_an_asynchronous_host_trains_again_once_its_lost_connection_is_back(tiny
     ]
     for t in threads:
         t.start()
-    threads[2].join(timeout=20)  # about 4 s: the deadlines (60 s and more) would be a stall
+    # about 4 s on an idle machine; the deadlines (60 s and more) would be a stall, so never as long as those
+    threads[2].join(timeout=min(budget(20), 50))
     stalled = threads[2].is_alive()
     engine.stop.set()
     host.stop.set()
-    threads[0].join(timeout=10)
+    threads[0].join(timeout=budget(10))
     assert cut == [4], "the connection was not cut while every client trained"
     assert not stalled and summary["version"] == 2, summary
     lost = [c for c, log in host.logs.items() if 1 not in [r for r, _ in log.uploads]]

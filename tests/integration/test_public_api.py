@@ -13,6 +13,7 @@ from pathlib import Path
 
 import fedmq_procs
 import pytest
+from load_factor import budget
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "docs" / "examples"
@@ -142,7 +143,7 @@ def test_own_task_and_strategy_as_services(tmp_path, rabbit_url, job_id):
         _, err = agg.communicate(timeout=120)
         assert agg.returncode == 0, err[-2000:]
         for a in agents:
-            assert a.wait(timeout=60) == 0, a.stderr.read()[-2000:]
+            assert a.wait(timeout=budget(60)) == 0, a.stderr.read()[-2000:]
     finally:
         for p in (agg, *agents):
             if p.poll() is None:

@@ -149,3 +149,39 @@ def test_purge_as_guest_and_status_in_the_wrong_vhost_are_sentences(tmp_path, na
     assert status.returncode == 1 and len(status.stderr.strip().splitlines()) == 1
     assert f"no job '{job}' in vhost '/' on amqp://guest:***@127.0.0.1:5672/%2F" in status.stderr
     assert "--broker amqp://USER:PASS@HOST:PORT/VHOST" in status.stderr
+
+
+def test_deprovision_touches_nothing_that_is_not_the_jobs(tmp_path, names, admin, rabbit_url):
+    """Another application's queue (with its message) keeps the vhost; the job id provisioned in a second
+    vhost is refused in one line, never rotating or deleting the first's users."""
+    import pika
+
+    job, vhost = names
+    app = f"app-{vhost}"
+    try:
+        creds = prov.provision(rabbit_url, vhost=vhost, job=job, agents=["agent-0"], admin=admin)
+        ctl("add_user", app, "app-pw")
+        ctl("set_permissions", "-p", vhost, app, ".*", ".*", ".*")
+        url = f"amqp://{app}:app-pw@127.0.0.1:5672/{vhost}"
+        with pika.BlockingConnection(pika.URLParameters(url)) as conn:
+            ch = conn.channel()
+            ch.queue_declare("orders", durable=True)
+            ch.basic_publish("", "orders", b"order 1", pika.BasicProperties(delivery_mode=2))
+        ctl("delete_user", app)  # the queue stays without its user
+        refused = f"already exist and are not fedmq's for vhost '{vhost}x'"
+        with pytest.raises(prov.BrokerError, match=refused):
+            prov.provision(rabbit_url, vhost=vhost + "x", job=job, agents=["agent-0"], admin=admin)
+        assert vhost + "x" not in ctl("list_vhosts").split()
+        with pika.BlockingConnection(pika.URLParameters(creds["aggregator"]["url"])):
+            pass  # its password was not rotated
+        done = fedmq("broker", "deprovision", "--job", job, "--vhost", vhost, cwd=tmp_path)
+        assert done.returncode == 0 and done.stdout.strip() == (
+            f"deprovisioned job {job}: deleted 2 user(s), 0 queue(s); "
+            f"kept vhost '{vhost}': it holds queue 'orders'"
+        )
+        held = ctl("list_queues", "-p", vhost, "name", "messages", "--no-table-headers")
+        assert held.split() == ["orders", "1"]
+    finally:
+        ctl("delete_user", app)
+        for v in (vhost, vhost + "x"):  # (the second only if provisioning went ahead there)
+            ctl("delete_vhost", v)

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from load_factor import budget
 
 from fedmq.broker.transport import topology as t
 from fedmq.broker.transport.base import Delivery
@@ -38,7 +39,7 @@ class Collector:
 
 
 def _wait(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + budget(timeout)
     while not pred():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
@@ -72,7 +73,7 @@ def _stream_through_fault(node, job_id: str, fault) -> None:
         th.start()
         _wait(lambda: len(confirmed) >= 30, 30, "30 confirmed updates")
         fault()
-        th.join(timeout=180)
+        th.join(timeout=budget(180))
         assert not th.is_alive()
         assert errors == []  # publish() blocked through the outage and was confirmed after reconnecting
         _wait(lambda: set(confirmed) <= got.unique(), 90, "every confirmed update at the aggregator")
@@ -159,7 +160,9 @@ def test_a_lost_confirm_is_published_again_on_a_new_channel(rabbit_node, job_id)
             deaf[0] = True
             t0 = time.monotonic()
             agent.publish(t.rk_update(job_id, "a1"), body, message_id=mid)
-            assert 1.0 <= time.monotonic() - t0 < 20, "held until the deadline, or no confirm was lost"
+            assert 1.0 <= time.monotonic() - t0 < budget(20), (
+                "held until the deadline, or no confirm was lost"
+            )
         assert abandoned == ["small", "big"] and lost
         _wait(lambda: got.unique() == {"small", "big"}, 20, "both messages")
         time.sleep(1.0)
@@ -223,7 +226,7 @@ def test_300mb_update_crosses_a_broker_with_16mib_max_message_size(rabbit_node, 
         )
         agent.publish(t.rk_update(job_id, "a1"), body, message_id="huge")
         del body
-        assert done.wait(180)
+        assert done.wait(budget(180))
         assert got == [(want, "huge")]
         _wait(lambda: agg.queue_depth(t.q_inbox(job_id)) == 0, 30, "an empty inbox")
 
@@ -260,7 +263,7 @@ def test_long_blocking_step_does_not_lose_the_connection(rabbit_node, job_id):
         b.consume(t.q_latest(job_id, "a1"), train)
         b.publish(t.rk_global(job_id), b"theta")
         time.sleep(3.5)  # and the caller's own thread sleeps through several heartbeats
-        assert done.wait(10)
+        assert done.wait(budget(10))
         s = b.status()
         assert s["connected"] and s["reconnects"] == 0
         assert rabbit_node.connection_count() >= 1
@@ -276,7 +279,7 @@ def test_unreachable_broker_is_one_line_error():
     t0 = time.monotonic()
     with pytest.raises(BrokerError, match="cannot connect") as exc:
         connect(f"amqp://guest:guest@127.0.0.1:{port}/%2F", connect_timeout=2)
-    assert "\n" not in str(exc.value) and time.monotonic() - t0 < 15
+    assert "\n" not in str(exc.value) and time.monotonic() - t0 < budget(15)
 
 
 def test_flow_control_blocking_is_surfaced_in_status(rabbit_node, job_id):
@@ -296,7 +299,7 @@ def test_flow_control_blocking_is_surfaced_in_status(rabbit_node, job_id):
             assert th.is_alive()  # the publish waits while the broker blocks us
         finally:
             rabbit_node.ctl("set_vm_memory_high_watermark", "0.4")
-        th.join(timeout=30)
+        th.join(timeout=budget(30))
         assert result == [None]  # confirmed once unblocked
         _wait(lambda: not b.status()["blocked"], 20, "connection.unblocked")
         assert b.status()["reconnects"] == 0

@@ -16,6 +16,7 @@ from pathlib import Path
 import fedmq_procs
 import pika
 import pytest
+from load_factor import budget
 
 from fedmq.broker.transport import topology as t
 from fedmq.cli.status_info import gather
@@ -93,7 +94,7 @@ def _presences(url: str, job: str, client: str, stop: threading.Event) -> tuple[
     def watch() -> None:
         try:
             conn = pika.BlockingConnection(pika.URLParameters(url))
-            ch, deadline = conn.channel(), time.monotonic() + 60
+            ch, deadline = conn.channel(), time.monotonic() + budget(60)
             while True:
                 try:
                     ch.exchange_declare(t.exchange(job), passive=True)
@@ -119,7 +120,7 @@ def _presences(url: str, job: str, client: str, stop: threading.Event) -> tuple[
             watching.set()
 
     threading.Thread(target=watch, daemon=True).start()
-    watching.wait(70)
+    watching.wait(budget(70))
     return seen, errors
 
 
@@ -177,7 +178,7 @@ def test_aggregator_and_agents_as_services(tmp_path, rabbit_url, job_id, free_po
     ]
     try:
         # live: the aggregator's own view (phase, agents online), not "—" and "agents online 0"
-        live, deadline = {}, time.time() + 120
+        live, deadline = {}, time.time() + budget(120)
         while time.time() < deadline and not (
             live.get("agents_online") == ["agent-0", "agent-1"]
             and live.get("phase") in ("training", "uploading")
@@ -187,7 +188,7 @@ def test_aggregator_and_agents_as_services(tmp_path, rabbit_url, job_id, free_po
         assert live.get("phase") in ("training", "uploading") and live["aggregators"] == 1, live
         assert live["agents_online"] == ["agent-0", "agent-1"], live
         metrics = ""
-        deadline = time.time() + 120
+        deadline = time.time() + budget(120)
         completed = re.compile(r'fedmq_rounds_total\{outcome="completed"\} [12]\.0')
         while time.time() < deadline and not completed.search(metrics):
             time.sleep(0.5)
@@ -216,7 +217,7 @@ def test_aggregator_and_agents_as_services(tmp_path, rabbit_url, job_id, free_po
         assert summary["rounds_completed"] == 3 and summary["rejected"] == {}
         # the job is over: the agents are told so and leave by themselves, exit code 0
         for i, p in enumerate(agents):
-            assert p.wait(timeout=30) == 0
+            assert p.wait(timeout=budget(30)) == 0
             assert f"job {job_id} finished: agent agent-{i} left" in p.stderr.read()
         # an agent beats at the job file's heartbeat (1 s), not at a default of its own (5 s): no gap between
         # its presences reaches the aggregator's window of three heartbeats
@@ -252,7 +253,7 @@ def test_aggregator_and_agents_as_services(tmp_path, rabbit_url, job_id, free_po
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         for p in agents:
-            p.wait(timeout=30)
+            p.wait(timeout=budget(30))
             assert p.returncode == 0, p.stderr.read()[-2000:]
         if agg.poll() is None:
             agg.kill()
@@ -271,7 +272,6 @@ def test_an_agent_gives_up_on_permanent_broker_errors_in_one_line(tmp_path, rabb
     """Refused credentials, a missing virtual host or a malformed URL: retrying cannot help, so the agent says
     so once and exits instead of retrying every 10 s forever."""
     (tmp_path / "job.toml").write_text(JOB_TOML)
-    started = time.monotonic()
     proc = fedmq_procs.run(
         fedmq(
             "agent",
@@ -296,4 +296,3 @@ def test_an_agent_gives_up_on_permanent_broker_errors_in_one_line(tmp_path, rabb
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and says in lines[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "retrying" not in proc.stderr
-    assert time.monotonic() - started < 60

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from load_factor import budget
 
 from fedmq.broker.transport.errors import BrokerError
 from fedmq.broker.transport.memory import MemoryBroker
@@ -27,7 +28,7 @@ def _read(b: MemoryBroker, offset, n: int) -> list[tuple[bytes, int]]:
             done.set()
 
     tag = b.consume("s", take, prefetch=2, offset=offset)
-    assert done.wait(5)
+    assert done.wait(budget(5))
     b.cancel(tag)
     return got
 

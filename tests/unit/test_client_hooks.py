@@ -270,3 +270,29 @@ def test_fedmqs_training_loop_adds_a_gradient_term_once_a_step(full_batch):
     remove()
     for p, p0, g in zip(model.parameters(), start, grads):
         assert torch.allclose(p.detach(), p0 - (g + 0.25), atol=1e-6)
+
+
+def test_scaffold_trains_a_round_again_from_the_control_variate_its_first_try_started_from():
+    """A retrain from the same version (a resumed simulation) repeats the upload; a newer version starts from
+    the c_i the last round computed."""
+    from fedmq.aggregator.strategies.scaffold import PREFIX, ScaffoldHook
+    from fedmq.client_agent.state import MemoryStore
+    from fedmq.hooks import Kept
+    from fedmq.tasks.base import TrainResult
+
+    store, train = MemoryStore(), TrainConfig(lr=0.5)
+    result = TrainResult(loss=1.0, n_samples=4, steps=2, tokens=4, seconds=0.0)
+
+    def round_from(version: int, x: float, c: float) -> dict:
+        kept = Kept(store, "agent-0", "hook.scaffold", version)
+        hook = ScaffoldHook()
+        hook.begin({"w": torch.full((2,), x), PREFIX + "w": torch.full((2,), c)}, train, kept)
+        return hook.finish({"w": torch.full((2,), x - 0.25)}, result, kept)
+
+    first = round_from(3, 1.0, 0.1)
+    again = round_from(3, 1.0, 0.1)  # its kept c_i⁺ is the first try's, from the same version
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    # c_i⁺ = c_i − c + (x − y)/(K·η) = 0 − 0.1 + 0.25/(2·0.5)
+    assert torch.allclose(store.get("agent-0", "hook.scaffold.c")[1]["w"], torch.full((2,), 0.15))
+    round_from(4, 1.0, 0.1)  # a newer version: from c_i = 0.15
+    assert torch.allclose(store.get("agent-0", "hook.scaffold.c")[1]["w"], torch.full((2,), 0.3))

@@ -9,6 +9,7 @@ import msgpack
 import numpy as np
 import pytest
 import zstandard as zstd
+from load_factor import budget
 
 from fedmq.broker.wire import threads as ct
 from fedmq.broker.wire.blobs import PLANE_PARAMS, ZSTD, make_blob
@@ -134,7 +135,7 @@ def test_pool_works_in_forked_child(threads) -> None:
     try:
         assert q.get(timeout=60) is True
     finally:
-        p.join(timeout=30)
+        p.join(timeout=budget(30))
         if p.is_alive():
             p.kill()
     assert p.exitcode == 0
@@ -177,5 +178,5 @@ def test_concurrent_callers_share_the_pool(threads) -> None:
     for t in ts:
         t.start()
     for t in ts:
-        t.join(timeout=60)
+        t.join(timeout=budget(60))
     assert all(results[i][k].tobytes() == states[i][k].tobytes() for i in range(4) for k in BIG)

@@ -3,8 +3,6 @@ at once) is refused at start, in one line, with exit code 2: never started half-
 
 from __future__ import annotations
 
-import time
-
 import fedmq_procs
 import pytest
 
@@ -24,7 +22,6 @@ def test_the_limits_are_read_from_the_host_and_name_their_fact():
 
 
 def test_simulate_refuses_a_population_too_large_in_one_line_and_exits_2(tmp_path):
-    t0 = time.monotonic()
     proc = fedmq_procs.run(
         fedmq_procs.command(
             "simulate",
@@ -43,5 +40,5 @@ def test_simulate_refuses_a_population_too_large_in_one_line_and_exits_2(tmp_pat
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "10000000" in lines[0] and "at most" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
-    assert time.monotonic() - t0 < 30
-    assert not (tmp_path / "metrics.jsonl").exists()
+    # refused before anything started: no round was logged
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()
