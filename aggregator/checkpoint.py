@@ -6,7 +6,8 @@ the payload being ``torch.save({"tensors": [...], "meta": <json str>})``. Everyt
 (strategy and mediator state, RNG state, folded update ids, extra) is JSON; tensors nested anywhere in it
 are swapped for ``{"__tensor__": i}`` and tuples for ``{"__tuple__": [...]}``. Loading checks the digest and
 uses ``torch.load(weights_only=True)`` only — nothing is ever unpickled. A truncated or corrupt file is
-skipped with a logged reason and the previous one is used; the newest ``keep`` checkpoints are kept.
+skipped with a logged reason and the previous one is used; the newest ``keep`` checkpoints are kept. An intact
+file whose state would not have been kept (:func:`check_resumable`) is refused: the run does not resume.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import io
 import json
 import os
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,9 +25,11 @@ from typing import Any
 import structlog
 import torch
 
+from fedmq.aggregator.strategies.base import Strategy
 from fedmq.aggregator.strategies.errors import CheckpointError
 from fedmq.errors import FedmqError
 from fedmq.files import replacing
+from fedmq.state_checks import state_problem
 
 log = structlog.get_logger(__name__)
 
@@ -37,6 +41,13 @@ class NoCheckpointToResume(FedmqError):
     """The run folder records rounds that only a checkpoint could continue, and none is readable."""
 
     exit_code = 1  # the command line was right; the run cannot go on
+
+
+class CheckpointRefused(FedmqError):
+    """The newest checkpoint is intact (its digest matches) but holds state the job may not resume from: a
+    global model or strategy state of the wrong shape or type, or non-finite (fedmq.state_checks)."""
+
+    exit_code = 1
 
 
 @dataclass
@@ -203,3 +214,35 @@ def check_fresh_start(path_dir: str | os.PathLike, rounds_recorded: int) -> None
             f"{path_dir} holds no readable checkpoint, but the run folder records {rounds_recorded} rounds; "
             "refusing to start again from round 1 (restore the checkpoints, or start a new run elsewhere)"
         )
+
+
+def check_resumable(
+    ckpt: Checkpoint, shapes: Mapping[str, tuple[int, ...]], build: Callable[[str], Strategy]
+) -> None:
+    """A checkpoint's global model and strategy state pass the checks a round's pass before they are kept
+    (fedmq.state_checks; each strategy's state loaded into ``build(name)``, then its ``check_state``), its
+    model has exactly the tensors of ``shapes``; otherwise :class:`CheckpointRefused`, one line."""
+    where = ckpt.path.name if ckpt.path else "checkpoint"
+    model = ckpt.global_state
+    if not isinstance(model, dict):
+        why: str | None = f"is a {type(model).__name__}, not a dict of tensors"
+    elif set(model) != set(shapes):
+        why = f"tensors {sorted(set(model) ^ set(shapes))[:3]} are not the job's (or missing)"
+    else:
+        why = state_problem(model, shapes)
+    if why is not None:
+        raise CheckpointRefused(f"{where}: global model {why}; refusing to resume from it")
+    kept = ckpt.strategy_state if ckpt.strategy_state is not None else {}
+    if not isinstance(kept, dict):
+        raise CheckpointRefused(f"{where}: strategy state is not a dict; refusing to resume from it")
+    for name, state in kept.items():
+        try:
+            if not isinstance(state, dict):
+                raise TypeError(f"a {type(state).__name__}, not a dict")
+            strategy = build(name)
+            strategy.load_state_dict(state)
+            why = strategy.check_state(strategy.state_dict(), model)
+        except Exception as exc:  # whatever a strategy's load_state_dict makes of a forged state
+            why = f"unreadable ({type(exc).__name__}: {exc})"
+        if why is not None:
+            raise CheckpointRefused(f"{where}: strategy {name!r} state {why}; refusing to resume from it")

@@ -28,7 +28,12 @@ import structlog
 import torch
 
 from fedmq.aggregator.async_rounds import AsyncRounds, async_window
-from fedmq.aggregator.checkpoint import check_fresh_start, load_checkpoint, save_checkpoint
+from fedmq.aggregator.checkpoint import (
+    check_fresh_start,
+    check_resumable,
+    load_checkpoint,
+    save_checkpoint,
+)
 from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.guards import RoundGuard, Verdict, first_nonfinite
 from fedmq.aggregator.inbox import Inbox, Received
@@ -55,6 +60,7 @@ from fedmq.errors import BadParameter, CodecError, FedmqError
 from fedmq.files import replacing
 from fedmq.manifest import Manifest
 from fedmq.plugins import is_import_path
+from fedmq.state_checks import state_problem
 from fedmq.tasks.base import Task, load_state, model_state
 from fedmq.tasks.training import resolve_device
 from fedmq.train_config import TrainConfig
@@ -114,6 +120,8 @@ class Engine:
             {name: torch.zeros_like(self.global_state[like]) for name, like in extras.items()}
         )
         self.manifest: Manifest = task.manifest(self.model).extended(extras)
+        # every kept state tensor named like a global tensor has its shape (fedmq.state_checks)
+        self.shapes = {name: tuple(t.shape) for name, t in self.global_state.items()}
         self.inbox.limits = Limits.for_model(self.manifest.message_bound)
         self.version = 0
         self.round = 1
@@ -499,7 +507,8 @@ class Engine:
         skip reason).
 
         When an update is out of bounds the round is folded again from its spool without it (or with its
-        weight capped); an aggregate that still holds a NaN/Inf is never used: the round is skipped."""
+        weight capped); a round whose aggregate or strategy state fails fedmq.state_checks (a NaN/Inf, an
+        overflowing norm, a wrong shape) is never kept: it is skipped, model and strategy state unchanged."""
         verdict = self.guard.verdict()
         second = strategy.second_pass(frozenset(verdict.dropped))  # weights that need the whole round first
         if verdict:
@@ -516,13 +525,18 @@ class Engine:
         if self.guard.screened:  # asynchronous: judged before folding, nothing to fold again
             verdict = self.guard.screened
         bad = first_nonfinite(new)
-        if bad is None:
-            return new, weights, verdict, None, strategy.state_dict()
+        state = strategy.state_dict()
+        if bad is not None:
+            what = f"aggregate not finite (tensor {bad!r})"
+        elif (why := state_problem(new, self.shapes)) is not None:
+            what = f"aggregate out of bounds ({why})"
+        elif (why := strategy.check_state(state, self.global_state)) is not None:
+            what = f"strategy state out of bounds ({why})"
+        else:
+            return new, weights, verdict, None, state
         clients = sorted(set(stats.received) - set(verdict.dropped))
-        reason = (
-            f"aggregate not finite (tensor {bad!r}): round closed without the updates of {', '.join(clients)}"
-        )
-        log.warning("non-finite aggregate discarded", round=stats.round, tensor=bad, clients=clients)
+        reason = f"{what}: round closed without the updates of {', '.join(clients)}"
+        log.warning("round state not kept", round=stats.round, reason=what, clients=clients)
         return {}, {}, verdict, reason, {}
 
     def _refold(self, stats: RoundStats, verdict: Verdict, params: dict[str, Any]) -> Strategy:
@@ -635,6 +649,7 @@ class Engine:
         if ckpt is None:
             check_fresh_start(self.ckpt_dir, max((r.round for r in self.runlog.rows()), default=0))
             return
+        check_resumable(ckpt, self.shapes, lambda name: strategy_from_config(name, self.cfg)[1])
         self.round, self.version = ckpt.round, ckpt.model_version
         self.global_state = {k: v.float() for k, v in ckpt.global_state.items()}
         self.mediator.load_state_dict(ckpt.mediator_state)

@@ -11,12 +11,16 @@ same ``n_samples`` and wipes the model. The engine therefore
   hostile client cannot move: with K ≥ 3 updates the round's own lower median (the ⌈K/2⌉-th smallest); with
   K ≤ 2 the *history*, the median of the references of the last HISTORY rounds that had K ≥ 3 updates (with
   two updates the lower median is the smaller one, and an attacker sending a near-zero update would make the
-  honest one look huge). Without history a round of two updates drops nothing, and caps n only at
-  ``samples_factor`` × the smaller n (the round's lower median), as before:
+  honest one look huge). Without history a round of two updates caps n only at ``samples_factor`` × the
+  smaller n (the round's lower median):
 
   - ‖Δ_k‖ > ``norm_factor`` × median ‖Δ‖: the update is **dropped** (not clipped: with its weight still up to
     ``samples_factor`` × the median, a clipped −θ would still shrink the model by several honest steps);
   - n_k > ``samples_factor`` × median n: its weight is **capped** to that bound;
+  - a reference of 0 (a plateau: after lr_anneal the honest deltas are exactly zero) leaves no room: every
+    update that changes anything is dropped (half the round sent nothing: at worst the model stays);
+  - no reference at all (no history yet): ‖Δ_k‖ > NO_REFERENCE_SHARE × ‖θ‖ is dropped, so one update nothing
+    can judge may halve the model, never wipe it; a norm beyond float32 is dropped whatever the reference;
 
 * and when something is out of bounds, aggregates the round again from its spool without / with the capped
   weights (a second pass only then: an honest round is folded once and its maths is unchanged).
@@ -24,9 +28,9 @@ same ``n_samples`` and wipes the model. The engine therefore
 Asynchronous mode folds each update as it arrives, so :meth:`RoundGuard.screen` judges it *before* folding,
 against the newest accepted (n, ‖Δ‖) of every *other* client (one vote per client, so an agent sending many
 updates cannot fill the reference, and never its own), by their upper median (with two others, the larger:
-a near-zero update cannot pull it down): ‖Δ_k‖ > ``norm_factor`` × that reference (needs two other clients)
-rejects the update; n_k > ``samples_factor`` × that reference (needs one) caps its weight. An update whose
-‖Δ‖ is not a float32 number (3e38 × any n overflows the weighted sum) is rejected whatever the history.
+a near-zero update cannot pull it down): ‖Δ_k‖ > ``norm_factor`` × that reference (with fewer than two
+other clients, the no-reference rule above) rejects the update; n_k > ``samples_factor`` × that reference
+(needs one) caps its weight. An update whose ‖Δ‖ is not a float32 number is rejected whatever the history.
 
 Whatever the bounds, an aggregate with a NaN/Inf is never published or checkpointed (:func:`first_nonfinite`):
 the round closes without an update. Needing the whole round (a median) is why the verdict waits for the close:
@@ -38,7 +42,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,15 +52,24 @@ import torch
 from fedmq.aggregator.strategies.base import ClientUpdate
 
 HISTORY = 10  # rounds whose reference (n, ‖Δ‖) the synchronous guard remembers
+# with no reference norm, an update may move the model by at most this share of its norm: halve, not wipe it
+NO_REFERENCE_SHARE = 0.5
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def delta_norm(update: ClientUpdate, global_state: Mapping[str, torch.Tensor]) -> float:
     """‖Δ_k‖ over all the update's tensors; float32 dots, redone in float64 if one overflows (3e38² does)."""
+    return norm_of(
+        t.detach().float() if update.delta else t.detach().float() - global_state[name].float()
+        for name, t in update.tensors.items()
+    )
+
+
+def norm_of(tensors: Iterable[torch.Tensor]) -> float:
+    """The L2 norm of ``tensors`` taken together (float64 where float32 overflows)."""
     total = 0.0
-    for name, t in update.tensors.items():
-        d = t.detach().float() if update.delta else t.detach().float() - global_state[name].float()
-        x = d.reshape(-1).cpu().contiguous().numpy()
+    for d in tensors:
+        x = d.detach().float().reshape(-1).cpu().contiguous().numpy()
         with np.errstate(over="ignore"):
             sq = float(np.dot(x, x))
         if not math.isfinite(sq):
@@ -76,6 +89,11 @@ def upper_median(values: list[float]) -> float:
     """The ⌊K/2⌋+1-th smallest value: one outlier among K ≥ 3 cannot move it, and it is the larger of two."""
     ordered = sorted(values)
     return ordered[len(ordered) // 2]
+
+
+def beyond_float32(norm: float) -> str | None:
+    """Why a norm no float32 weighted sum survives (3e38 × any n overflows it) is out of bounds, or None."""
+    return None if norm <= FLOAT32_MAX else f"update norm {norm:.3g} is beyond float32"
 
 
 def first_nonfinite(state: Mapping[str, torch.Tensor]) -> str | None:
@@ -105,8 +123,8 @@ class RoundGuard:
     asynchronous mode judges each update before it is folded (:meth:`screen`).
 
     A factor of 0 turns its bound off. A round's own reference needs three updates; with fewer, the history
-    of earlier rounds is the reference, and without history a lone update is never judged (the non-finite
-    rule still applies to it).
+    of earlier rounds is the reference, and without history the model's norm bounds an update
+    (NO_REFERENCE_SHARE).
     """
 
     def __init__(self, samples_factor: float, norm_factor: float) -> None:
@@ -122,10 +140,12 @@ class RoundGuard:
     def begin(self) -> None:
         self.facts = {}
         self.screened = Verdict()
+        self._global: Mapping[str, torch.Tensor] = {}
 
     def note(self, update: ClientUpdate, global_state: Mapping[str, torch.Tensor]) -> None:
         norm = delta_norm(update, global_state) if self.norm_factor > 0 else 0.0
         self.facts[update.client] = (int(update.n_samples), norm)
+        self._global = global_state
 
     def verdict(self) -> Verdict:
         """The round's verdict; a round of three updates or more also becomes part of the history."""
@@ -137,9 +157,11 @@ class RoundGuard:
         ns = [float(n) for n, _ in self.facts.values()]
         if self.norm_factor > 0:
             ref, what = self._reference(norms, self.history_norm)
+            model = norm_of(self._global.values()) if ref is None else 0.0
             for client, (_, norm) in sorted(self.facts.items()):
-                if ref is not None and ref > 0 and norm > self.norm_factor * ref:
-                    out.dropped[client] = f"update norm {norm:.3g} > {self.norm_factor:g} x {what} {ref:.3g}"
+                why = self._norm_rule(norm, ref, what, model)
+                if why is not None:
+                    out.dropped[client] = why
         if self.samples_factor > 0 and k >= 2:
             ref_n, _ = self._reference(ns, self.history_n)
             if k == 2:  # never below what the round itself says: a claim of n = 1 cannot shrink the other
@@ -161,21 +183,34 @@ class RoundGuard:
             return statistics.median(history), "median of earlier rounds"
         return None, ""
 
+    def _norm_rule(self, norm: float, ref: float | None, what: str, model: float) -> str | None:
+        """Why an update of norm ``norm`` is out of bounds, or None: beyond float32 whatever the reference;
+        more than ``norm_factor`` × ``ref`` (a reference of 0 -- the honest deltas are exactly zero, a
+        plateau after lr_anneal -- leaves no room for any change); with no reference, more than
+        NO_REFERENCE_SHARE × ``model`` (the model's norm; a zero model has no such bound)."""
+        why = None
+        if ref is not None and norm > self.norm_factor * ref:
+            why = f"update norm {norm:.3g} > {self.norm_factor:g} x {what} {ref:.3g}"
+        why = why or beyond_float32(norm)
+        if why is None and ref is None and norm > NO_REFERENCE_SHARE * model > 0:
+            share = f"{NO_REFERENCE_SHARE:g} x the model's norm {model:.3g}"
+            why = f"update norm {norm:.3g} > {share} (no reference yet)"
+        return why
+
     def screen(self, update: ClientUpdate, base: Mapping[str, torch.Tensor]) -> str | None:
         """Asynchronous mode: judge one update before it is folded (module docstring). Returns why it is
         rejected, or None; a claimed n over the bound is capped in ``update`` itself."""
         norm = delta_norm(update, base)
-        if not norm <= FLOAT32_MAX:
-            why = f"update norm {norm:.3g} is beyond float32"
+        others = [v for c, v in self.latest.items() if c != update.client]
+        if self.norm_factor == 0:
+            why = beyond_float32(norm)
+        elif len(others) >= 2:
+            why = self._norm_rule(norm, upper_median([nm for _, nm in others]), "other clients' median", 0.0)
+        else:
+            why = self._norm_rule(norm, None, "", norm_of(base.values()))
+        if why is not None:
             self.screened.dropped[update.client] = why
             return why
-        others = [v for c, v in self.latest.items() if c != update.client]
-        if self.norm_factor > 0 and len(others) >= 2:
-            ref = upper_median([nm for _, nm in others])
-            if ref > 0 and norm > self.norm_factor * ref:
-                why = f"update norm {norm:.3g} > {self.norm_factor:g} x other clients' median {ref:.3g}"
-                self.screened.dropped[update.client] = why
-                return why
         n = int(update.n_samples)
         if self.samples_factor > 0 and others:
             cap = max(1, int(self.samples_factor * upper_median([float(m) for m, _ in others])))

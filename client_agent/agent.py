@@ -43,6 +43,7 @@ from fedmq.hooks import PROTOCOL, ClientContext, ClientHook, Kept, install_gradi
 from fedmq.manifest import Manifest
 from fedmq.params import bind
 from fedmq.plugins import is_import_path, load_class
+from fedmq.state_checks import state_problem
 from fedmq.tasks.base import State, Task, TrainResult, load_state, model_state
 
 log = structlog.get_logger(__name__)
@@ -351,9 +352,13 @@ class Agent:
             hook.context = context
         own = next((s for hook, kept in hooks if (s := hook.own_state(kept)) is not None), None)
         with self.trainers.ahead():  # decoding before a trainer is free overlaps another client's training
-            held = self._fetch_model(env, self._manifest_for(hooks), own)
+            manifest = self._manifest_for(hooks)
+            held = self._fetch_model(env, manifest, own)
             if held is None:
                 return
+            why = state_problem(held, {t.name: t.shape for t in manifest})
+            if why is not None:  # a model (or control variate) no step could move: not trained, not kept
+                raise CodecError("bad-state", f"global model of version {version}: {why}")
             context.held = held
             start = held
             for hook, kept in hooks:

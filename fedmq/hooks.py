@@ -22,7 +22,9 @@ them, gives each the round's ``context`` (ClientContext) and calls, hook by hook
   aggregator will decode (for a delta encoding, the change from the global model).
 
 ``kept`` lives in the agent's state store (memory for a service, files under the run folder for
-`fedmq simulate`), one namespace per hook. The agent only imports hooks from fedmq itself or from the module
+`fedmq simulate`), one namespace per hook. What a hook keeps must pass fedmq.state_checks (finite, of a
+bounded norm): ``put`` refuses it with a CodecError, and the agent sits the round out without storing it or
+uploading. The agent only imports hooks from fedmq itself or from the module
 of the strategy it was started with (``--config``'s strategy),
 so an announcement can never make an agent import arbitrary code.
 """
@@ -37,6 +39,8 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from fedmq import client_map
+from fedmq.errors import CodecError
+from fedmq.state_checks import state_problem
 from fedmq.tasks.base import State, TrainConfig, TrainResult
 
 # the newest announcement client map this build reads (fedmq.client_map)
@@ -92,6 +96,10 @@ class Kept:
         return item
 
     def put(self, key: str, state: Mapping[str, torch.Tensor]) -> None:
+        """Keep ``state`` under ``key``; CodecError (nothing kept) when it fails fedmq.state_checks."""
+        why = state_problem(dict(state))
+        if why is not None:
+            raise CodecError("bad-state", f"{self._ns}.{key} not kept: {why}")
         self._store.put(
             self._client,
             f"{self._ns}.{key}",

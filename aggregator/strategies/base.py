@@ -14,6 +14,7 @@ import torch
 
 from fedmq.errors import BadParameter
 from fedmq.hooks import ClientHook
+from fedmq.state_checks import state_problem
 from fedmq.tasks.base import State
 from fedmq.train_config import TrainConfig
 
@@ -76,6 +77,9 @@ class Strategy(ABC):
     # the algorithm's client side, run by every selected agent around its local training
     # (fedmq.hooks.ClientHook)
     client_hook: ClassVar[type[ClientHook] | None] = None
+    # keys of ``state_dict`` holding one tensor per model tensor, keyed by its name (a server optimizer's
+    # moments): check_state asks each to be such a dict
+    per_tensor_state: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def from_config(cls, cfg: Any, **extra: Any) -> Strategy:
@@ -119,6 +123,21 @@ class Strategy(ABC):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """The previous round's ``state_dict`` (empty in the first round), given before ``begin``."""
         return None
+
+    def check_state(self, state: Mapping[str, Any], model: Mapping[str, torch.Tensor]) -> str | None:
+        """Why ``state`` (a ``state_dict``) may not be kept, in one line, or None. The engine asks after
+        ``finish`` (a round whose state fails is skipped) and at restore (a checkpoint whose state fails is
+        refused). Default (fedmq.state_checks): each ``per_tensor_state`` entry a dict of tensors keyed by
+        model tensor names; every tensor finite, of a bounded norm, and shaped like the model tensor whose
+        name keys it. Override to add the algorithm's own bounds."""
+        for key in self.per_tensor_state:
+            held = state.get(key, {})
+            if not isinstance(held, Mapping):
+                return f"{key}: a {type(held).__name__}, not a dict of tensors"
+            odd = next((n for n, t in held.items() if n not in model or not torch.is_tensor(t)), None)
+            if odd is not None:
+                return f"{key}[{odd!r}]: not a tensor of the model"
+        return state_problem(state, {name: tuple(t.shape) for name, t in model.items()})
 
     @classmethod
     def configure_train(cls, train: TrainConfig) -> TrainConfig:

@@ -25,6 +25,7 @@ from fedmq.errors import BadParameter
 
 class FedAvgM(ServerStep):
     name: ClassVar[str] = "fedavgm"
+    per_tensor_state: ClassVar[tuple[str, ...]] = ("m",)
 
     def __init__(self, server_lr: float = 1.0, momentum: float = 0.9, weighted: bool = True) -> None:
         super().__init__(weighted=weighted)

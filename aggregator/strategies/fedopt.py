@@ -39,6 +39,7 @@ class FedOpt(ServerStep):
     """The common step; subclasses say how v_t moves (``second_moment``)."""
 
     name: ClassVar[str] = "fedopt"
+    per_tensor_state: ClassVar[tuple[str, ...]] = ("m", "v")
 
     def __init__(
         self,

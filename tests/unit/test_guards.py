@@ -56,8 +56,11 @@ def test_huge_n_samples_with_a_normal_update_is_capped_to_factor_times_median():
     assert verdict.dropped == {} and verdict.capped == {"evil": 480}
 
 
-def test_a_lone_update_has_no_peer_to_be_judged_against():
-    assert not judge(delta("evil", 2**52, 3e38))
+def test_a_lone_update_is_judged_against_the_models_norm_only():
+    # no peer, no history: within half the model's norm (‖θ‖ = √12) it passes, whatever its n
+    assert not judge(delta("a", 2**52, 0.4))
+    assert "no reference" in judge(delta("evil", 1, 0.5)).dropped["evil"]
+    assert "beyond float32" in judge(delta("evil", 2**52, 3e38)).dropped["evil"]
 
 
 def test_factor_zero_turns_a_bound_off():
