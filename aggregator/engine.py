@@ -1,5 +1,11 @@
 """The round engine: a job's lifecycle and state — presence (aggregator.presence), the global model and its
-publication, the one fold path, closing a round (guards, evaluation, the run log, checkpoints).
+publication (aggregator.model_stream), the one fold path, closing a round (guards, evaluation, the run log,
+checkpoints).
+
+Why this file is longer than the others: it is the one owner of the job's state (the global model, its
+version, the strategy's state, what was folded from whom), and every method left here reads or changes that
+state in an order crash safety depends on (fold → record → checkpoint → next round). What only reads it
+(who is online, publishing the model, the rounds themselves) lives in the modules named above.
 
 One engine thread owns all state; the broker's dispatcher thread only queues deliveries (aggregator.inbox).
 The rounds themselves run in aggregator.sync_round (the synchronous round) and aggregator.async_rounds

@@ -85,8 +85,8 @@ def layers(ax):
         0.44,
         0.2,
         "aggregator",
-        "engine, sync round, async rounds,\ninbox, spool, mediator, "
-        "strategies\n(each owns its round and state), checkpoints, run log",
+        "engine, presence, model stream,\nsync round, async rounds, inbox, spool,\n"
+        "mediator, guards, strategies (each owns\nits round and state), checkpoints, run log",
         BLUE,
     )
     box(
