@@ -28,8 +28,11 @@ same ``n_samples`` and wipes the model. The engine therefore
 Asynchronous mode folds each update as it arrives, so :meth:`RoundGuard.screen` judges it *before* folding,
 against the newest accepted (n, ‖Δ‖) of every *other* client (one vote per client, so an agent sending many
 updates cannot fill the reference, and never its own), by their upper median (with two others, the larger:
-a near-zero update cannot pull it down): ‖Δ_k‖ > ``norm_factor`` × that reference (with fewer than two
-other clients, the no-reference rule above) rejects the update; n_k > ``samples_factor`` × that reference
+a near-zero update cannot pull it down): ‖Δ_k‖ > ``norm_factor`` × that reference rejects the update. With
+fewer than two other clients there is no reference, and an update moving the model by more than
+NO_REFERENCE_SHARE × ‖θ‖ is shortened to that length (counted as capped): an honest first step of a small
+model may be that large, and dropping it would leave the job with no reference ever, while one shortened
+update can at most halve the model; n_k > ``samples_factor`` × that reference
 (needs one) caps its weight. An update whose ‖Δ‖ is not a float32 number is rejected whatever the history.
 
 Whatever the bounds, an aggregate with a NaN/Inf is never published or checkpointed (:func:`first_nonfinite`):
@@ -63,6 +66,14 @@ def delta_norm(update: ClientUpdate, global_state: Mapping[str, torch.Tensor]) -
         t.detach().float() if update.delta else t.detach().float() - global_state[name].float()
         for name, t in update.tensors.items()
     )
+
+
+def _shorten(update: ClientUpdate, base: Mapping[str, torch.Tensor], scale: float) -> None:
+    """Scale the update's change Δ_k by ``scale`` in place: θ_k becomes θ + scale·(θ_k − θ)."""
+    update.tensors = {
+        name: t * scale if update.delta else base[name].to(t.dtype) + (t - base[name].to(t.dtype)) * scale
+        for name, t in update.tensors.items()
+    }
 
 
 def norm_of(tensors: Iterable[torch.Tensor]) -> float:
@@ -206,8 +217,13 @@ class RoundGuard:
             why = beyond_float32(norm)
         elif len(others) >= 2:
             why = self._norm_rule(norm, upper_median([nm for _, nm in others]), "other clients' median", 0.0)
-        else:
-            why = self._norm_rule(norm, None, "", norm_of(base.values()))
+        else:  # no reference yet: an honest first step may be large, so it is shortened, not dropped
+            why = beyond_float32(norm)
+            bound = NO_REFERENCE_SHARE * norm_of(base.values())
+            if why is None and norm > bound > 0:
+                _shorten(update, base, bound / norm)
+                norm = bound
+                self.screened.capped[update.client] = int(update.n_samples)
         if why is not None:
             self.screened.dropped[update.client] = why
             return why

@@ -6,7 +6,9 @@ or missing.
   to a third each round), and 3e38 made the aggregate non-finite (the honest round skipped). Now, against a
   zero reference, any change is out of bounds: both are dropped and the round goes on.
 * No reference at all (the first update of an asynchronous job): zeros (Δ = −θ) with n = 2**52 were folded
-  with the whole weight. Now an update with no reference may move the model by at most half its norm.
+  with the whole weight. Now an update with no reference is shortened to move the model by at most half its
+  norm (an honest first step of a small model may be as long, and dropping it would leave the job without a
+  reference for ever).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 from fedmq.aggregator.config import JobConfig
-from fedmq.aggregator.guards import RoundGuard
+from fedmq.aggregator.guards import RoundGuard, norm_of
 from fedmq.aggregator.strategies.base import ClientUpdate
 from fedmq.client_agent.agent import Agent
 from fedmq.tasks.base import model_state
@@ -92,6 +94,14 @@ def test_a_first_update_with_no_reference_cannot_wipe_the_model(task):
     guard = RoundGuard(4.0, 10.0)
     guard.begin()
     wipe = ClientUpdate("evil", 2**52, {k: -v for k, v in model.items()}, delta=True)  # θ_k = 0
-    assert "no reference" in (guard.screen(wipe, model) or "")
+    assert guard.screen(wipe, model) is None and "evil" in guard.screened.capped
+    assert norm_of(wipe.tensors.values()) == pytest.approx(0.5 * norm_of(model.values()), rel=1e-5)
     step = ClientUpdate("a", 100, {k: 0.01 * torch.ones_like(v) for k, v in model.items()}, delta=True)
-    assert guard.screen(step, model) is None  # an honest-sized first update is folded
+    before = {k: v.clone() for k, v in step.tensors.items()}
+    assert guard.screen(step, model) is None  # an honest-sized first update is folded as it came
+    assert all(torch.equal(step.tensors[k], before[k]) for k in before) and "a" not in guard.screened.capped
+    # the same wipe sent as full weights (θ_k = 0) is shortened the same way: θ + ½(θ_k − θ) = ½θ
+    guard.begin()
+    full = ClientUpdate("evil", 2**52, {k: torch.zeros_like(v) for k, v in model.items()}, delta=False)
+    assert guard.screen(full, model) is None
+    assert all(torch.allclose(full.tensors[k], 0.5 * model[k], atol=1e-6) for k in model)
