@@ -77,7 +77,7 @@ def test_sync_runs_whose_round_closed_on_its_deadline_exit_1_in_one_line(tmp_pat
         )
     )
     check(results, 1)
-    for _, err, _ in results:
+    for _, err in results:
         assert [line for line in err.splitlines() if line.startswith("error:")] == [
             "error: no round completed: all 1 round(s) skipped (1 for 0 update(s) < min 1)"
         ], err[-1500:]
