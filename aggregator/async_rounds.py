@@ -104,10 +104,13 @@ class AsyncRounds:
             strategy = ctx.begin_strategy(stats, cfg.strategy)
             self.folded_ids = ctx.folded_ids()
             for key in sorted(spooled, key=lambda k: int(k.rsplit("-", 1)[1])):  # replay, in arrival order
-                env = messages.decode(spooled[key], limits=ctx.inbox.limits)
+                body = ctx.spool.read_update(ctx.round, key)
+                if body is None:
+                    continue
+                env = messages.decode(body, limits=ctx.inbox.limits)
                 owed.note(env)
-                self._fold(stats, strategy, env, spooled[key])
-            spooled = {}
+                self._fold(stats, strategy, env, body)
+            spooled = []
             early, self.early = self.early, []
             for msg in early:
                 owed.note(msg.env)

@@ -432,6 +432,8 @@ class Engine:
                 return update
         if arrival.received is not None:
             self.inbox.reject(arrival.received.delivery, reason, detail)
+        elif arrival.parked:
+            self.inbox.count_rejection(reason, detail)
         return None
 
     def _decode_update(
@@ -549,10 +551,11 @@ class Engine:
         """Fold the round's spooled updates again (the same strategy, in the fold order of _fold_in_order),
         leaving out the dropped ones and capping n_samples; they were all folded once,
         so they decode again."""
-        state, bodies = self.spool.load(stats.round)
+        state, _ = self.spool.load(stats.round)
         strategy = self.begin_strategy(stats, (state or {}).get("strategy") or self.cfg.strategy, **params)
+        folded = set(stats.received)
         for client in stats.granted:
-            body = bodies.get(client)
+            body = self.spool.read_update(stats.round, client) if client in folded else None
             if body is None or client in verdict.dropped:
                 continue
             env = messages.decode(body)

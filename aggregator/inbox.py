@@ -51,6 +51,9 @@ class Inbox:
         self._head: Delivery | None = None  # a delivery taken by wait_first, handed out first by next
         self._taken = 0  # deliveries taken from the subscription (see mark)
         self.budget: PresenceBudget | None = None  # each sender's presence budget (the engine's)
+        # deliveries handed out by ``next`` and not settled yet: the engine holds their bodies in memory
+        self._out: set[int] = set()
+        self.held_peak = 0  # the most of them at once
 
     def subscribe(
         self, queue: str, *, prefetch: int | None = None, reassembly: ReassemblyLimits | None = None
@@ -132,7 +135,13 @@ class Inbox:
         except Exception as exc:  # a decoder bug must never stop the aggregator: reject, count, log
             self.reject(delivery, "undecodable", f"{type(exc).__name__}: {exc}")
             return None
+        self._out.add(id(delivery))
+        self.held_peak = max(self.held_peak, len(self._out))
         return Received(env, delivery, len(delivery.body))
+
+    def held(self) -> int:
+        """Deliveries handed out by ``next`` and not yet acked, dropped or rejected."""
+        return len(self._out)
 
     def _check(self, env: Envelope, delivery: Delivery) -> None:
         if env.job != self.job:
@@ -157,9 +166,15 @@ class Inbox:
 
     def reject(self, delivery: Delivery, reason: str, detail: str = "") -> None:
         """A malformed or forged message: reject without requeue, count, log."""
-        self.rejected[reason] += 1
-        log.warning("message rejected", reason=reason, detail=detail[:200], routing_key=delivery.routing_key)
+        self.count_rejection(reason, detail, delivery.routing_key)
+        self._out.discard(id(delivery))
         self.broker.reject(delivery, requeue=False)
+
+    def count_rejection(self, reason: str, detail: str = "", routing_key: str = "") -> None:
+        """Count and log a rejected message; ``reject`` also settles its delivery (one acked already, as an
+        update spooled ahead of its turn, is only counted)."""
+        self.rejected[reason] += 1
+        log.warning("message rejected", reason=reason, detail=detail[:200], routing_key=routing_key)
 
     def drop(self, received: Received, reason: str) -> None:
         """A valid message that is of no use (stale round, duplicate, not granted): ack, count, log."""
@@ -173,7 +188,8 @@ class Inbox:
             round=env.round,
             msg_id=env.msg_id,
         )
-        self.broker.ack(received.delivery)
+        self.ack(received)
 
     def ack(self, received: Received) -> None:
+        self._out.discard(id(received.delivery))
         self.broker.ack(received.delivery)

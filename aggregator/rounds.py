@@ -57,13 +57,15 @@ class RoundStats:
 class Arrival:
     """An update to fold (RoundContext.fold): its envelope, decoded already (the inbox's, or the spool's), its
     size on the wire, the model it trained from, its staleness (asynchronous mode), and its delivery when
-    live (rejected if the update is bad; None: replayed from the spool)."""
+    live (rejected if the update is bad; None: read from the spool). ``parked``: it came in this run and was
+    spooled and acked ahead of its turn (aggregator.sync_round), so a rejection is counted, not settled."""
 
     env: Envelope
     size: int
     base: State
     staleness: int = 0
     received: Received | None = None
+    parked: bool = False
 
 
 class RoundContext(Protocol):

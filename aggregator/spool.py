@@ -2,8 +2,10 @@
 
 An update is acked only after its bytes are in the spool (fsynced for a real broker): a restart replays the
 spool of the round that was open, so no confirmed update is lost, and the (round, client) key means none is
-counted twice. The spool of a round is deleted once the checkpoint that includes the round is written.
-Acking promptly also keeps every delivery far below RabbitMQ's consumer timeout, whatever the round length.
+counted twice. The bytes are kept as they came off the wire, and read back one update at a time: a round's
+updates are on disk, never all in memory. The spool of a round is deleted once the checkpoint that includes
+the round is written. Acking promptly also keeps every delivery far below RabbitMQ's consumer timeout,
+whatever the round length.
 """
 
 from __future__ import annotations
@@ -38,22 +40,39 @@ class RoundSpool:
         state, which is rewritten at every report, because a population's list is megabytes."""
         write_atomic(self._dir(rnd) / "online.json", json.dumps(online).encode(), durable=self.durable)
 
-    def save_update(self, rnd: int, client: str, body: bytes) -> None:
-        if not _KEY.match(client):  # client ids are validated by the envelope; never let a name leave the dir
-            raise ValueError(f"bad spool key {client!r}")
-        write_atomic(self._dir(rnd) / f"update-{client}.msg", body, durable=self.durable)
+    def _update_file(self, rnd: int, key: str) -> Path:
+        if not _KEY.match(key):  # client ids are validated by the envelope; never let a name leave the dir
+            raise ValueError(f"bad spool key {key!r}")
+        return self.root / f"r{rnd:06d}" / f"update-{key}.msg"
 
-    def load(self, rnd: int) -> tuple[dict[str, Any] | None, dict[str, bytes]]:
+    def save_update(self, rnd: int, key: str, body: bytes) -> None:
+        path = self._update_file(rnd, key)
+        self._dir(rnd)
+        write_atomic(path, body, durable=self.durable)
+
+    def read_update(self, rnd: int, key: str) -> bytes | None:
+        """The bytes spooled under ``key``, as they came; None when they are gone (or unreadable)."""
+        try:
+            return self._update_file(rnd, key).read_bytes()
+        except OSError:
+            return None
+
+    def drop_update(self, rnd: int, key: str) -> None:
+        """Forget a spooled update (one rejected when its turn came: a restart must not fold it)."""
+        self._update_file(rnd, key).unlink(missing_ok=True)
+
+    def load(self, rnd: int) -> tuple[dict[str, Any] | None, list[str]]:
+        """The round's state (None if it has none) and the keys of its spooled updates, sorted (read each
+        with ``read_update`` when it is needed)."""
         d = self.root / f"r{rnd:06d}"
         if not d.is_dir():
-            return None, {}
+            return None, []
         state_file = d / "round.json"
         state = json.loads(state_file.read_text()) if state_file.is_file() else None
         if state is not None and "online" not in state:
             online_file = d / "online.json"
             state["online"] = json.loads(online_file.read_text()) if online_file.is_file() else []
-        updates = {p.stem.removeprefix("update-"): p.read_bytes() for p in sorted(d.glob("update-*.msg"))}
-        return state, updates
+        return state, sorted(p.stem.removeprefix("update-") for p in d.glob("update-*.msg"))
 
     def save_base(self, version: int, state: dict[str, Any]) -> None:
         """Async mode folds updates trained from any of the last max_staleness versions: keep those versions

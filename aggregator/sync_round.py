@@ -1,10 +1,20 @@
 """One synchronous round: select m agents, announce, collect reports, mediate and grant (when the
 job has a grant phase), fold the granted updates in a fixed order, close.
 
-Crash safety: the round's state (selected, reports, grants, the mediator's choice) and every folded update
-are spooled before the message is acked (aggregator/spool.py); a restarted aggregator resumes the open round
-from the spool, re-publishing its announce (and its grant, if decided): agents ignore rounds they already
-handled, and one whose announce or grant was lost with the old aggregator gets it now.
+Memory: updates are folded in the fixed order of the round's grant (see ``_fold_in_order``), so one that
+arrives ahead of its turn must wait. It waits on disk, not in memory: it is spooled as it came off the wire
+and acked at once, and read back when its turn comes; the one whose turn it is is folded straight from the
+delivery. The engine thus holds one update's bytes and one decoded update at a time, whatever the cohort m,
+and the sum is still taken in the same order, so the model is the same bit for bit. (An order-free exact
+accumulator would also do, but costs several model-sized buffers and changes every strategy's arithmetic;
+the update was spooled anyway, before its ack, so waiting on disk costs one read of bytes the page cache
+usually still holds.)
+
+Crash safety: the round's state (selected, reports, grants, the mediator's choice) and every update, folded
+or waiting, are spooled before the message is acked (aggregator/spool.py); a restarted aggregator resumes the
+open round from the spool, folding its updates in the same order, and re-publishes its announce (and its
+grant, if decided): agents ignore rounds they already handled, and one whose announce or grant was lost with
+the old aggregator gets it now.
 """
 
 from __future__ import annotations
@@ -35,8 +45,9 @@ class SyncRound:
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.stats = RoundStats(ctx.round)
-        # arrived ahead of their turn in the fold order, unacked until folded
-        self.held: dict[str, Received] = {}
+        # granted updates that arrived ahead of their turn in the fold order: spooled and acked, read back
+        # when their turn comes (none of them is in memory)
+        self.parked: set[str] = set()
         self.gone: set[str] = set()  # selected agents that announced going offline: nothing more will come
 
     def run(self) -> None:
@@ -106,11 +117,9 @@ class SyncRound:
             stats.granted = [
                 c for c in (granted if granted is not None else stats.selected) if c in stats.selected
             ]
-        for (
-            client
-        ) in stats.granted:  # the spool holds updates folded before a restart: refold them in fold order
-            if client in spooled_updates:
-                self._refold_spooled(strategy, spooled_updates[client])
+        if strategy is not None:  # the spool holds the updates taken before a restart: fold them in turn
+            self.parked.update(c for c in spooled_updates if c in stats.granted)
+            self._fold_in_order(strategy)
         deadline = time.time() + (cfg.report_deadline_s if strategy is None else cfg.update_deadline_s)
         if strategy is not None and not cfg.grant_phase:
             deadline = time.time() + cfg.report_deadline_s + cfg.update_deadline_s
@@ -123,15 +132,14 @@ class SyncRound:
                 strategy = self._mediate()
                 deadline = time.time() + cfg.update_deadline_s
             if strategy is not None and (
-                set(stats.received) | set(self.held) | self.gone >= set(stats.granted)
-                or time.time() >= deadline
+                set(stats.received) | self.parked | self.gone >= set(stats.granted) or time.time() >= deadline
             ):
                 self._fold_in_order(strategy, closing=True)
                 return strategy
             msg = ctx.inbox.next(min(0.5, max(deadline - time.time(), 0.0)))
             if msg is not None:
                 self._dispatch(msg, strategy)
-        return strategy  # stopped: held updates stay unacked and come back to the next aggregator
+        return strategy  # stopped: parked updates stay in the spool for the next aggregator
 
     def _dispatch(self, msg: Received, strategy: Strategy | None) -> None:
         ctx, stats, env = self.ctx, self.stats, msg.env
@@ -144,56 +152,98 @@ class SyncRound:
             ctx.inbox.drop(msg, "not-selected")
         elif env.kind is Kind.REPORT:
             self._take_report(msg)
-        elif env.client in stats.received or env.client in self.held:
+        elif env.client in stats.received or env.client in self.parked:
             ctx.inbox.drop(msg, "duplicate")
         elif strategy is None or env.client not in stats.granted:
             ctx.inbox.drop(msg, "not-granted")
         else:
             stats.failed.discard(env.client)  # a new try after a rejected update
-            self.held[env.client] = msg
+            self._take_update(strategy, msg)
             self._fold_in_order(strategy)
 
+    def _take_update(self, strategy: Strategy, msg: Received) -> None:
+        """A granted update: folded now if it is its turn, else spooled as it came and acked (parked)."""
+        ctx, stats, env = self.ctx, self.stats, msg.env
+        if self._turn() == env.client or env.model_version != ctx.version:  # a wrong base is rejected now
+            self._fold(strategy, env, msg.delivery.body, msg)
+            if env.client not in stats.received:  # rejected: later clients need not wait for it
+                stats.failed.add(env.client)
+            return
+        ctx.spool.save_update(stats.round, env.client, msg.delivery.body)
+        self.parked.add(env.client)
+        ctx.inbox.ack(msg)
+
+    def _turn(self) -> str | None:
+        """The first client in fold order that is still owed (none before it is)."""
+        stats = self.stats
+        return next(
+            (
+                c
+                for c in stats.granted
+                if c not in stats.received and c not in stats.failed and c not in self.gone
+            ),
+            None,
+        )
+
     def _fold_in_order(self, strategy: Strategy, closing: bool = False) -> None:
-        """Fold held updates in the order of ``stats.granted``, never in arrival order.
+        """Fold parked updates in the order of ``stats.granted``, never in arrival order.
 
         Float sums depend on the order of their terms, so folding in a fixed order is what makes the same seed
-        and config give the same model bit for bit whatever the broker and whoever trains fastest (the spool
-        replays in the same order after a restart). An update waits, unacked (the inbox prefetch fits the
-        whole round), until every client before it has been folded, has gone offline, or the round is closing.
+        and config give the same model bit for bit whatever the broker and whoever trains fastest (a restart
+        folds the spool in the same order). An update waits, parked on the spool (see the module docstring),
+        until every client before it has been folded, has gone offline, or the round is closing.
         """
         stats = self.stats
         for client in stats.granted:
             if client in stats.received or client in stats.failed:
                 continue
-            if client in self.held:
-                msg = self.held.pop(client)
-                self._fold(strategy, msg.env, msg.delivery.body, msg)
+            if client in self.parked:
+                self.parked.discard(client)
+                self._fold_parked(strategy, client)
                 if client not in stats.received:
                     # rejected: later clients need not wait for it (it may try again)
                     stats.failed.add(client)
             elif not (closing or client in self.gone):
                 return
 
-    def _refold_spooled(self, strategy: Strategy, body: bytes) -> None:
+    def _fold_parked(self, strategy: Strategy, client: str) -> None:
+        """Fold a parked update, read back from the spool; one that is rejected is dropped from it."""
+        rnd = self.stats.round
+        body = self.ctx.spool.read_update(rnd, client)
         try:
+            if body is None:
+                raise CodecError("spool", "file gone")
             env = messages.decode(body, limits=self.ctx.inbox.limits)
         except CodecError as exc:  # a damaged spool file: the update is lost, the round goes on without it
-            log.warning("spooled update unreadable: left out", round=self.stats.round, error=str(exc))
+            log.warning("spooled update unreadable: left out", round=rnd, client=client, error=str(exc))
             return
-        self._fold(strategy, env, body)
+        if env.client != client or env.round != rnd or env.kind is not Kind.UPDATE:
+            log.warning("spooled update is another's: left out", round=rnd, client=client)
+        else:
+            self._fold(strategy, env, body, parked=True)
+        if client not in self.stats.received:
+            self.ctx.spool.drop_update(rnd, client)
 
-    def _fold(self, strategy: Strategy, env: Envelope, body: bytes, received: Received | None = None) -> None:
-        """Fold one update (live ``received``, or replayed from the spool), spool it, then ack it."""
+    def _fold(
+        self,
+        strategy: Strategy,
+        env: Envelope,
+        body: bytes,
+        received: Received | None = None,
+        parked: bool = False,
+    ) -> None:
+        """Fold one update: live ``received`` (then spooled and acked), or read back from the spool
+        (``parked``: acked already, so a rejection is counted, not settled)."""
         ctx, stats = self.ctx, self.stats
         if env.model_version != ctx.version:
+            why = f"trained from version {env.model_version}, current is {ctx.version}"
             if received is not None:
-                ctx.inbox.reject(
-                    received.delivery,
-                    "wrong-base",
-                    f"trained from version {env.model_version}, current is {ctx.version}",
-                )
+                ctx.inbox.reject(received.delivery, "wrong-base", why)
+            elif parked:
+                ctx.inbox.count_rejection("wrong-base", why)
             return
-        update = ctx.fold(stats, strategy, Arrival(env, len(body), ctx.global_state, received=received))
+        arrival = Arrival(env, len(body), ctx.global_state, received=received, parked=parked)
+        update = ctx.fold(stats, strategy, arrival)
         if update is None:
             return
         ctx.guard.note(update, ctx.global_state)
