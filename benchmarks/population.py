@@ -1,16 +1,19 @@
-"""`fedmq bench population`: what a round costs as the population grows, and a population over RabbitMQ.
+"""`fedmq bench population`: what a round costs as the population and the cohort grow, and a population
+over RabbitMQ.
 
-Simulation: ``fedmq simulate`` at each K of ``populations`` with the round-cost settings of `fedmq bench
-flower` (GRU-small tied over the corpus's vocabulary, ``selected`` clients a round, one local step of batch
-2 × BPTT 8), each run a process of its own: s/round is the median period between round ends (rounds
-2..R), memory the process's peak RSS (sampled every 0.2 s), queues the job's queues on the broker at the end.
-Clients are virtual (client_agent.host): the ratios to the smallest K are what the bench is for.
+Simulation: ``fedmq simulate`` at each K of ``populations`` and each cohort m of ``selected`` (m ≤ K) with the
+round-cost settings of `fedmq bench flower` (GRU-small tied over the corpus's vocabulary, m clients a round,
+one local step of batch 2 × BPTT 8), each run a process of its own: s/round is the median period between
+round ends (rounds 2..R), memory the process's peak RSS (sampled every 0.2 s), queues the job's queues on the
+broker at the end. Clients are virtual (client_agent.host): the ratios to the first run are what the bench is
+for -- over K, that a population costs next to nothing; over m, that a round's memory does not grow with its
+cohort (the aggregator holds one update at a time: aggregator.sync_round).
 
 Services: ``clients`` clients over RabbitMQ, served by ``hosts`` ``fedmq agent run --host`` processes against
-one ``fedmq aggregator run`` (the tiny language model of `fedmq bench load`, ``selected`` clients a round):
-rounds completed, uploads the hosts had confirmed by the broker (their audit logs) against the updates the
-aggregator folded (its checkpoint): lost and duplicated; the job's queue count and RabbitMQ's memory
-(``rabbitmqctl``, when this machine runs the broker), both at their peak during the run.
+one ``fedmq aggregator run`` (the tiny language model of `fedmq bench load`, ``selected`` clients a round, a
+run for each m): rounds completed, uploads the hosts had confirmed by the broker (their audit logs) against
+the updates the aggregator folded (its checkpoint): lost and duplicated; the job's queue count and
+RabbitMQ's memory (``rabbitmqctl``, when this machine runs the broker), both at their peak during the run.
 """
 
 from __future__ import annotations
@@ -27,8 +30,15 @@ from fedmq.benchmarks.flower import Run, period_median, run_fedmq
 from fedmq.benchmarks.load import TINY_TASK, _toml, fedmq_command, one_thread_env, start_aggregator, tiny_job
 
 
-def simulate_rows(data: str, populations: tuple[int, ...], selected: int = 10, rounds: int = 5) -> list[Run]:
-    return [run_fedmq(f"K = {k:,}", data, k, selected, rounds) for k in populations]
+def simulate_rows(
+    data: str, populations: tuple[int, ...], selected: tuple[int, ...] = (10,), rounds: int = 5
+) -> list[Run]:
+    """A run for each population K and cohort m, K by K."""
+    return [
+        run_fedmq(f"K = {k:,}" if len(selected) == 1 else f"K = {k:,}, m = {m:,}", data, k, m, rounds)
+        for k in populations
+        for m in selected
+    ]
 
 
 def _rabbitmqctl(*args: str) -> str | None:
@@ -131,6 +141,7 @@ def services_row(
     purge(url, job, [f"h{h}" for h in range(hosts)])
     return {
         "clients": clients,
+        "selected": selected,
         "hosts": hosts,
         "rounds": len([m for m in metrics if not m.skipped]),
         "confirmed": len(confirmed),
@@ -146,10 +157,10 @@ def services_row(
     }
 
 
-def format_table(runs: list[Run], services: dict[str, Any] | None) -> str:
+def format_table(runs: list[Run], services: list[dict[str, Any]]) -> str:
     base = runs[0] if runs else None
     lines = [
-        "| population | s/round | × the smallest | peak memory | over the smallest | queues | rounds |",
+        "| run | s/round | × the first | peak memory | over the first | queues | rounds |",
         "|---|---|---|---|---|---|---|",
     ]
     for run in runs:
@@ -162,8 +173,7 @@ def format_table(runs: list[Run], services: dict[str, Any] | None) -> str:
             if s
             else f"| {run.name} | — | — | {mem * 1000:.0f} MB | — | — | {run.rounds} {run.note} |"
         )
-    if services:
-        s = services
+    for s in services:
         mem = (
             f"{s['rabbitmq_memory_mb']:.0f} MB (the node's RSS; "
             f"{s['rabbitmq_memory_before_mb']:.0f} MB before)"
@@ -173,8 +183,8 @@ def format_table(runs: list[Run], services: dict[str, Any] | None) -> str:
         per = f"{s['s_per_round']:.2f} s/round" if s["s_per_round"] else "s/round not measured"
         lines += [
             "",
-            f"RabbitMQ: {s['clients']:,} clients in {s['hosts']} agent processes: {s['rounds']} rounds "
-            "completed, "
+            f"RabbitMQ: {s['clients']:,} clients ({s['selected']:,} a round) in {s['hosts']} agent "
+            f"processes: {s['rounds']} rounds completed, "
             f"{s['confirmed']} uploads confirmed, {s['folded']} folded, {s['lost']} lost, {s['duplicated']} "
             f"duplicated; the job's queues at most {s['queues']}; RabbitMQ's memory at most {mem}; "
             f"{per}; exit codes {s['exit_codes']}; {s['wall_s']:.0f} s in all",

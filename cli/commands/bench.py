@@ -173,7 +173,7 @@ def bench_load(
 def bench_population(
     data: str = _corpus_option("wikitext-2"),
     clients: str = typer.Option("100,10000,100000", help="simulated populations, comma separated"),
-    selected: int = typer.Option(10, help="clients a round"),
+    selected: str = typer.Option("10", help="clients a round (cohorts m), comma separated: a run for each"),
     rounds: int = typer.Option(5, "-r", "--rounds"),
     broker: str | None = typer.Option(
         None, help="also run --services-clients clients over this RabbitMQ in --hosts agent processes"
@@ -181,16 +181,32 @@ def bench_population(
     services_clients: int = typer.Option(10_000, help="the population over RabbitMQ"),
     hosts: int = typer.Option(4, help="agent processes serving it"),
 ) -> None:
-    """s/round, peak memory and broker queues as the population grows (virtual clients), and a population
-    over RabbitMQ: rounds completed, lost and duplicated updates, RabbitMQ's memory and queue count.
+    """s/round, peak memory and broker queues as the population and the cohort grow (virtual clients), and
+    a population over RabbitMQ: rounds completed, lost and duplicated updates, RabbitMQ's memory and queues.
 
     Example: fedmq bench population --data wikitext-2 --broker amqp://guest:guest@127.0.0.1:5672/%2F
+    (cohorts: fedmq bench population --clients 10000 --selected 10,100,1000 -r 2)
     """
     from fedmq.benchmarks import population
 
     ks = _whole_numbers("--clients", clients)
-    if min(ks, default=0) < selected or selected < 1 or rounds < 2 or hosts < 1 or services_clients < hosts:
-        raise UsageError("want --selected ≥ 1, every --clients ≥ --selected, --rounds ≥ 2, --hosts ≥ 1")
-    runs = population.simulate_rows(_corpus(data), ks, selected, rounds)
-    services = population.services_row(broker, services_clients, hosts, selected, rounds) if broker else None
+    ms = _whole_numbers("--selected", selected)
+    if (
+        not ks
+        or not ms
+        or min(ks) < max(ms)
+        or min(ms) < 1
+        or rounds < 2
+        or hosts < 1
+        or services_clients < hosts
+        or (broker and services_clients < max(ms))
+    ):
+        raise UsageError(
+            "want every --selected ≥ 1 and ≤ every --clients and --services-clients, "
+            "--rounds ≥ 2, --hosts ≥ 1"
+        )
+    runs = population.simulate_rows(_corpus(data), ks, ms, rounds)
+    services = (
+        [population.services_row(broker, services_clients, hosts, m, rounds) for m in ms] if broker else []
+    )
     typer.echo(population.format_table(runs, services))
