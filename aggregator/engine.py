@@ -62,6 +62,7 @@ from fedmq.broker.wire import messages
 from fedmq.broker.wire.chunk_frames import DEFAULT_CHUNK_LIMIT
 from fedmq.broker.wire.encodings import decode_state, raw_nbytes
 from fedmq.broker.wire.envelope import Envelope, Kind, Limits
+from fedmq.broker.wire.malloc import release_free
 from fedmq.errors import BadParameter, CodecError, FedmqError
 from fedmq.files import replacing
 from fedmq.manifest import Manifest
@@ -74,6 +75,7 @@ from fedmq.train_config import TrainConfig
 log = structlog.get_logger(__name__)
 
 MAX_PREFETCH = 65535  # AMQP's prefetch-count is a 16-bit field
+RELEASE_EVERY = 16  # updates folded between two returns of the heap's free pages (broker.wire.malloc)
 
 
 class _OutOfBounds(Exception):
@@ -151,6 +153,7 @@ class Engine:
         self.last_row: dict[str, Any] = {}
         self.phase = "starting"
         self._consumer: str | None = None
+        self._folds = 0  # updates taken to fold, for RELEASE_EVERY
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -403,6 +406,9 @@ class Engine:
         acks a folded one. ``screen`` (asynchronous mode): the guard judges the update before it is folded
         (RoundGuard.screen)."""
         env, base = arrival.env, arrival.base
+        self._folds += 1
+        if self._folds % RELEASE_EVERY == 0:
+            release_free()
         try:
             update = self._decode_update(env, base, arrival.staleness)
         except CodecError as exc:

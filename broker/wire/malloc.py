@@ -10,6 +10,14 @@ it to the OS. So that "its peak heap" is one heap, not one per thread, it also m
 each encoding thread kept its own model-sized buffers (`fedmq simulate` at K = 100 of a 42 MB model: peak RSS
 3.92 GB, 2.93 GB with 2 arenas, less again with 1 and no slower, measured 2026-11-22 on a 2-core VM).
 Call it once at service start; a no-op returning False off glibc.
+
+The tuned heap never shrinks by itself, and it fragments: a freed model-sized buffer is split by the small
+allocations that follow, so the next one takes fresh memory. A process that decodes and folds update after
+update (and, in a simulation, trains and encodes them) then grows by about 1.3 MB an update while the memory
+it uses stays flat (GRU-small, m = 300 of K = 10,000: 0.5 GB in use, 1.4 GB free in the heap after two
+rounds; glibc's mallinfo2). ``release_free()`` gives the free pages back (malloc_trim: tens of ms); the
+aggregator calls it every few updates it folds (aggregator.engine.RELEASE_EVERY), so that a round's memory
+does not grow with its cohort m.
 """
 
 from __future__ import annotations
@@ -22,11 +30,12 @@ import structlog
 log = structlog.get_logger(__name__)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 _done: bool | None = None
+_libc: ctypes.CDLL | None = None  # glibc, once tune_allocator has tuned it
 
 
 def tune_allocator() -> bool:
     """Keep freed large buffers in the heap for reuse; True if glibc accepted the settings."""
-    global _done
+    global _done, _libc
     if _done is not None:
         return _done
     try:
@@ -38,6 +47,11 @@ def tune_allocator() -> bool:
         )
     except (OSError, AttributeError):
         ok = False
-    _done = ok
+    _done, _libc = ok, (libc if ok else None)
     log.debug("allocator tuned" if ok else "allocator tuning unavailable")
     return ok
+
+
+def release_free() -> bool:
+    """Give the tuned heap's free pages back to the OS; False (and nothing done) where it was not tuned."""
+    return _libc is not None and bool(_libc.malloc_trim(0))
