@@ -246,6 +246,26 @@ def test_tune_allocator_is_idempotent() -> None:
     assert last == "True" if sys.platform == "linux" else last in ("True", "False")
 
 
+def test_release_free_gives_a_freed_buffer_back_only_once_tuned() -> None:
+    """In a child process: not tuned, nothing is done; tuned, a freed 64 MiB buffer stays in the heap until
+    release_free gives its pages back (glibc's malloc_trim says it released memory)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "from fedmq.broker.wire.malloc import release_free as r, tune_allocator as t\n"
+        "before = r(); tuned = t(); b = bytearray(64 << 20); del b\n"
+        "print(before, tuned, r())"
+    )
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    before, tuned, released = proc.stdout.strip().splitlines()[-1].split()
+    assert before == "False"
+    assert released == tuned if sys.platform == "linux" else released in ("True", "False")
+
+
 def test_subset_of_manifest() -> None:
     sub = {"rnn.bias": STATE["rnn.bias"]}
     out, _ = _roundtrip(EncodingSpec(kind="bf16"), sub)
