@@ -136,9 +136,13 @@ class SyncRound:
             ):
                 self._fold_in_order(strategy, closing=True)
                 return strategy
-            msg = ctx.inbox.next(min(0.5, max(deadline - time.time(), 0.0)))
+            # a parked update whose turn has come waits while the inbox has deliveries: they are parked first
+            due = strategy is not None and self._turn() in self.parked
+            msg = ctx.inbox.next(0.0 if due else min(0.5, max(deadline - time.time(), 0.0)))
             if msg is not None:
                 self._dispatch(msg, strategy)
+            elif strategy is not None and due:
+                self._fold_in_order(strategy, at_most=1)
         return strategy  # stopped: parked updates stay in the spool for the next aggregator
 
     def _dispatch(self, msg: Received, strategy: Strategy | None) -> None:
@@ -159,7 +163,6 @@ class SyncRound:
         else:
             stats.failed.discard(env.client)  # a new try after a rejected update
             self._take_update(strategy, msg)
-            self._fold_in_order(strategy)
 
     def _take_update(self, strategy: Strategy, msg: Received) -> None:
         """A granted update: folded now if it is its turn, else spooled as it came and acked (parked)."""
@@ -185,19 +188,25 @@ class SyncRound:
             None,
         )
 
-    def _fold_in_order(self, strategy: Strategy, closing: bool = False) -> None:
-        """Fold parked updates in the order of ``stats.granted``, never in arrival order.
+    def _fold_in_order(self, strategy: Strategy, closing: bool = False, at_most: int | None = None) -> None:
+        """Fold parked updates (``at_most`` of them) in the order of ``stats.granted``, not in arrival order.
 
         Float sums depend on the order of their terms, so folding in a fixed order is what makes the same seed
         and config give the same model bit for bit whatever the broker and whoever trains fastest (a restart
         folds the spool in the same order). An update waits, parked on the spool (see the module docstring),
-        until every client before it has been folded, has gone offline, or the round is closing.
+        until every client before it has been folded, has gone offline, or the round is closing. The live
+        round folds one at a time between deliveries (``_collect``): when a slow client's update lets a long
+        run of parked ones be folded, the updates that arrive meanwhile are parked, not left in memory.
         """
         stats = self.stats
+        folded = 0
         for client in stats.granted:
             if client in stats.received or client in stats.failed:
                 continue
             if client in self.parked:
+                if at_most is not None and folded >= at_most:
+                    return
+                folded += 1
                 self.parked.discard(client)
                 self._fold_parked(strategy, client)
                 if client not in stats.received:
