@@ -1,0 +1,1 @@
+"""Client-level differential privacy: the privacy accountant (accountant.py)."""
