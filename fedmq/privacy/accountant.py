@@ -36,8 +36,7 @@ from fedmq.errors import BadParameter
 MAX_NOISE_MULTIPLIER = 1e4
 # noise_for_epsilon's tolerance on z: the z it returns is within this of the smallest z that meets the target
 NOISE_TOLERANCE = 1e-4
-# δ = 1 / K**DELTA_EXPONENT by default: below 1/K, so that "release one client's data whole" is not a
-# mechanism the guarantee allows
+# δ = 1 / K**DELTA_EXPONENT by default: below 1/K, the bound check_delta holds δ to
 DELTA_EXPONENT = 1.1
 _STATE_KEYS = ("sampling_rate", "noise_multiplier", "delta", "releases")
 
@@ -55,10 +54,9 @@ def check_noise_multiplier(z: float) -> None:
 
 
 def check_delta(delta: float, clients: int) -> None:
-    """Refuse δ ≤ 0 or δ ≥ 1/K for K clients: a δ of 1/K or more allows a mechanism that publishes one
-    client's data whole."""
-    if not isinstance(clients, int) or isinstance(clients, bool) or clients < 1:
-        raise BadParameter(f"the number of clients must be a whole number ≥ 1, got {clients!r}")
+    """Refuse δ ≤ 0 or δ ≥ 1/K for K clients: publishing each client's data whole with probability δ is
+    (0, δ)-DP, so a δ of 1/K or more allows publishing one client's data on average."""
+    _check_clients(clients)
     if not _is_number(delta) or not 0 < delta < 1 / clients:
         raise BadParameter(
             f"δ must be in (0, 1/K) = (0, {1 / clients:.3g}) for K = {clients} clients, got {delta!r}"
@@ -67,8 +65,7 @@ def check_delta(delta: float, clients: int) -> None:
 
 def default_delta(clients: int) -> float:
     """δ = 1 / K**1.1 for K clients."""
-    if not isinstance(clients, int) or isinstance(clients, bool) or clients < 1:
-        raise BadParameter(f"the number of clients must be a whole number ≥ 1, got {clients!r}")
+    _check_clients(clients)
     return float(clients**-DELTA_EXPONENT)
 
 
@@ -176,7 +173,7 @@ class Accountant:
     def load_state_dict(self, state: Any) -> None:
         """Restore the count of releases from ``state_dict()``; a state of other settings or bad values is
         refused and changes nothing."""
-        if not isinstance(state, dict) or sorted(state) != sorted(_STATE_KEYS):
+        if not isinstance(state, dict) or set(state) != set(_STATE_KEYS):
             raise BadParameter(f"the accountant's state must have exactly the keys {', '.join(_STATE_KEYS)}")
         mine = self.state_dict()
         for key in ("sampling_rate", "noise_multiplier", "delta"):
@@ -227,6 +224,11 @@ def _is_number(x: object) -> bool:
 def _check_delta_range(delta: float) -> None:
     if not _is_number(delta) or not 0 < delta < 1:
         raise BadParameter(f"δ must be in (0, 1), got {delta!r}")
+
+
+def _check_clients(clients: int) -> None:
+    if not isinstance(clients, int) or isinstance(clients, bool) or clients < 1:
+        raise BadParameter(f"the number of clients must be a whole number ≥ 1, got {clients!r}")
 
 
 def _check_releases(releases: int, least: int = 1) -> None:

@@ -167,7 +167,7 @@ def test_load_state_dict_refuses_other_settings_and_bad_values(change: dict):
     assert accountant.releases == 4
 
 
-@pytest.mark.parametrize("state", [None, [], {"releases": 3}])
+@pytest.mark.parametrize("state", [None, [], {"releases": 3}, {1: 2, "releases": 3}])
 def test_load_state_dict_refuses_what_is_not_a_state(state):
     accountant = Accountant(0.01, 1.3, DELTA)
     with pytest.raises(BadParameter):
