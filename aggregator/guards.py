@@ -28,12 +28,23 @@ same ``n_samples`` and wipes the model. The engine therefore
 Asynchronous mode folds each update as it arrives, so :meth:`RoundGuard.screen` judges it *before* folding,
 against the newest accepted (n, ‖Δ‖) of every *other* client (one vote per client, so an agent sending many
 updates cannot fill the reference, and never its own), by their upper median (with two others, the larger:
-a near-zero update cannot pull it down): ‖Δ_k‖ > ``norm_factor`` × that reference rejects the update. With
-fewer than two other clients there is no reference, and an update moving the model by more than
-NO_REFERENCE_SHARE × ‖θ‖ is shortened to that length (counted as capped): an honest first step of a small
-model may be that large, and dropping it would leave the job with no reference ever, while one shortened
-update can at most halve the model; n_k > ``samples_factor`` × that reference
-(needs one) caps its weight. An update whose ‖Δ‖ is not a float32 number is rejected whatever the history.
+a near-zero update cannot pull it down): ‖Δ_k‖ > ``norm_factor`` × that reference rejects the update, and
+n_k > ``samples_factor`` × that reference (needs one other client) caps its weight. An update whose ‖Δ‖ is
+not a float32 number is rejected whatever the history.
+
+With fewer than two other clients there is no reference (the first updates of a job; every update of a job
+with two clients), and one update cannot be judged alone: it is *held* -- folded for now, its (n, ‖Δ‖)
+noted -- and at the buffer's close :meth:`RoundGuard.judge_held` judges the held updates together by the
+synchronous rules above (three or more: their own lower median; fewer: the history, else dropped beyond
+NO_REFERENCE_SHARE × ‖θ‖, θ the model the buffer folds into), then the accepted ones become their clients'
+votes. When it drops or caps one, the engine folds the buffer again from its spool (aggregator.async_rounds).
+So the first version obeys the bound of a synchronous round of as many updates: with one hostile update
+among three or more, their lower median lies within the honest norms (and claims), so it is kept only
+within ``norm_factor`` × that median and weighs at most ``samples_factor`` × the median n. Held updates
+are spooled and acked as any other and judged from the spool's replay after a restart, and the verdict
+depends on the set of held updates, not on their order. (Before, each was shortened to
+NO_REFERENCE_SHARE × ‖θ‖ and folded with its n uncapped: −θ with n = 2**52 as a job's first update took the
+whole weight of version 1 and halved the model.)
 
 Whatever the bounds, an aggregate with a NaN/Inf is never published or checkpointed (:func:`first_nonfinite`):
 the round closes without an update. Needing the whole round (a median) is why the verdict waits for the close:
@@ -127,7 +138,8 @@ class RoundGuard:
 
     A factor of 0 turns its bound off. A round's own reference needs three updates; with fewer, the history
     of earlier rounds is the reference, and without history the model's norm bounds an update
-    (NO_REFERENCE_SHARE).
+    (NO_REFERENCE_SHARE). Asynchronous updates with no reference are held and judged the same way at the
+    buffer's close (:meth:`judge_held`).
     """
 
     def __init__(self, samples_factor: float, norm_factor: float) -> None:
