@@ -222,7 +222,7 @@ class AsyncRounds:
             env = messages.decode(spooled[key], limits=ctx.inbox.limits)
             if env.msg_id in verdict.dropped:
                 continue
-            n = min(self.folded_n[env.msg_id], verdict.capped.get(env.msg_id, self.folded_n[env.msg_id]))
+            n = verdict.capped.get(env.msg_id, self.folded_n[env.msg_id])  # a cap is below the n folded
             base, staleness = self.history[env.model_version], ctx.version - env.model_version
             strategy.fold(ctx.decode_update(env, base, staleness, n_samples=n))
         return strategy

@@ -23,7 +23,8 @@ HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.slow
 EXAMPLES = HERE.parents[1] / "docs" / "examples"
 # two-moons' first steps move its model ~50x its norm: judged one by one with no reference they were
-# shortened (before) or dropped; judged together, the buffer's median keeps them all
+# shortened (before; the third update was then rejected against the first two) or dropped; judged together,
+# the buffer's median keeps them all
 RUN = [
     "simulate",
     "--task",
@@ -45,7 +46,7 @@ RUN = [
 ]
 
 
-def _env() -> dict[str, str]:
+def _env() -> dict[str, str]:  # the example's module importable, one thread
     return {**os.environ, "PYTHONPATH": str(EXAMPLES), "OMP_NUM_THREADS": "1"}
 
 
@@ -56,9 +57,7 @@ def _first_row(run: Path) -> dict:
 
 
 def _simulate(*args: str, cwd: Path) -> None:
-    done = fedmq_procs.run(
-        fedmq_procs.command(*args), capture_output=True, text=True, env=_env(), timeout=240, cwd=cwd
-    )
+    done = fedmq_procs.fedmq(*args, cwd=cwd, env=_env(), timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
 
 
