@@ -25,7 +25,10 @@ kept ``too-stale``; once the last version is published, the updates already queu
 with a durable spool (services, ``simulate`` over RabbitMQ) the aggregator first waits, at most the report
 plus the update deadline, for the updates the agents online at the last announcement still owe, and drops them
 as ``job-finished`` too, so that nothing confirmed is left in the inbox when the job ends. Agents' reports
-(which precede each update) carry nothing the update does not: they are acked without a count.
+(which precede each update) carry nothing the update does not: they are acked without a count. An update
+the guard could not judge on arrival (no reference yet: aggregator.guards) is folded, spooled and acked,
+and judged with the buffer's other such updates at its close; one found out of bounds then is left out
+(logged with its message id) and the buffer folded again from its spool.
 """
 
 from __future__ import annotations
