@@ -404,7 +404,7 @@ class Engine:
         (RoundGuard.screen)."""
         env, base = arrival.env, arrival.base
         try:
-            update = self._decode_update(env, base, arrival.staleness)
+            update = self.decode_update(env, base, arrival.staleness)
         except CodecError as exc:
             reason, detail = exc.reason, str(exc)
         except Exception as exc:  # never let a hostile update crash the engine
@@ -425,6 +425,7 @@ class Engine:
                 RuntimeError,
             ) as exc:  # strategies validate before folding
                 reason, detail = "rejected-by-strategy", str(exc)
+                self.guard.withdraw(update)
             else:
                 stats.received.append(env.client)
                 stats.bytes_up += arrival.size
@@ -434,9 +435,11 @@ class Engine:
             self.inbox.reject(arrival.received.delivery, reason, detail)
         return None
 
-    def _decode_update(
+    def decode_update(
         self, env: Envelope, base: State, staleness: int = 0, n_samples: int | None = None
     ) -> ClientUpdate:
+        """``env``'s update as a delta from ``base`` (checked against the manifest); ``n_samples`` replaces
+        its claim (a weight the guard capped)."""
         tensors = decode_state(env.payload["tensors"], self.manifest, base, as_delta=True)
         return ClientUpdate(
             env.client,
@@ -557,7 +560,7 @@ class Engine:
                 continue
             env = messages.decode(body)
             n = min(env.payload["n_samples"], verdict.capped.get(client, env.payload["n_samples"]))
-            strategy.fold(self._decode_update(env, self.global_state, n_samples=n))
+            strategy.fold(self.decode_update(env, self.global_state, n_samples=n))
         return strategy
 
     def _evaluate(self, rnd: int) -> float | None:

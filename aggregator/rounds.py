@@ -103,6 +103,10 @@ class RoundContext(Protocol):
         self, stats: RoundStats, strategy: Strategy, arrival: Arrival, *, screen: bool = False
     ) -> ClientUpdate | None: ...
 
+    def decode_update(
+        self, env: Envelope, base: State, staleness: int = 0, n_samples: int | None = None
+    ) -> ClientUpdate: ...
+
     def note_trained_from(self, client: str, version: int) -> None: ...
 
     def close_round(
