@@ -115,10 +115,13 @@ _said: set[str] = set()  # the former keys this process has warned of (read_form
 KINDS: dict[str, tuple[tuple[type, ...], str]] = {
     "int": ((int,), "a whole number"),
     "float": ((int, float), "a number"),
+    "float | None": ((int, float), "a number"),  # None only as a default, resolved when the job is built
     "bool": ((bool,), "true or false"),
     "str": ((str,), "a string"),
     "dict[str, Any]": ((dict,), "a table"),
 }
+
+FLOATS = ("float", "float | None")  # the KINDS of a number field
 
 
 def key(name: str) -> str:
@@ -239,7 +242,7 @@ class JobConfig:
     error_feedback: bool = True
     epochs: int = defaults.EPOCHS
     batch_size: int = defaults.BATCH_SIZE
-    lr: float = defaults.LR
+    lr: float | None = None  # None: the strategy's default (defaults.lr_for: FedSGD's own, else defaults.LR)
     optimizer: str = defaults.OPTIMIZER
     momentum: float = defaults.MOMENTUM
     lr_decay: float = defaults.LR_DECAY  # local: lr × this after every local epoch
@@ -279,6 +282,8 @@ class JobConfig:
     def __post_init__(self) -> None:
         if isinstance(self.strategy, str):  # validate() names a strategy of any other type
             object.__setattr__(self, "strategy", STRATEGY_ALIASES.get(self.strategy, self.strategy))
+        if self.lr is None and isinstance(self.strategy, str):
+            object.__setattr__(self, "lr", defaults.lr_for(self.strategy))
         if self.encoding == "auto":
             object.__setattr__(self, "encoding", "raw" if self.pull_down else "delta+bf16")
         self.validate()
@@ -430,7 +435,7 @@ class JobConfig:
             kind, words = KINDS[str(f.type)]
             if (isinstance(value, bool) and f.type != "bool") or not isinstance(value, kind):
                 raise JobConfigError(f"{key(f.name)} must be {words}, got {value!r}")
-            if f.type == "float" and not math.isfinite(value):
+            if f.type in FLOATS and not math.isfinite(value):
                 raise JobConfigError(f"{key(f.name)} must be finite, got {value!r}")
 
     @property
@@ -569,5 +574,5 @@ def read_job_file(path: Path) -> JobFile:
         types, words = KINDS[kinds[key]]
         if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
             raise JobConfigError(f"config file {path}: {key} must be {words}, got {value!r}")
-        job[key] = float(value) if kinds[key] == "float" else value
+        job[key] = float(value) if kinds[key] in FLOATS else value
     return JobFile(path, job, task)
