@@ -281,14 +281,12 @@ def write_results_file(
     seeds: list[int],
     folders: list[Path],
     per_seed: list[dict[str, Any]],
-    threads: int = 1,
-    only: str | None = None,
+    command: str,
     overrides: dict[str, Any] | None = None,
-    device: str = "cpu",
-    cohort: bool = False,
 ) -> Path:
     """Write ``exp_dir/NAME.SCALE.json``, the results file kept in git (benchmarks/results_file.py): each
-    run's final numbers by seed, the command that reruns them and the commit. Its path."""
+    run's final numbers by seed, ``command`` (the one that reruns them: results_file.command_line) and the
+    commit. Its path."""
     rows = [
         results_file.run_row(row, folder / row["run"], seed)
         for seed, folder, seed_results in zip(seeds, folders, per_seed)
@@ -300,7 +298,6 @@ def write_results_file(
         models = results_file.nmt_models(first["bleu_by_domain"], first.get("ce_by_domain") or {})
         pretrain = {**first.get("pretrain", {}), "wall_s": first.get("pretrain_s")}
     commit, dirty = results_file.git_commit(ROOT)
-    command = results_file.command_line(name, scale, seeds, threads, only, overrides, device, cohort)
     path = exp_dir / results_file.file_name(name, scale)
     doc = results_file.document(name, scale, rows, command, overrides, commit, dirty, models, pretrain)
     results_file.write(path, doc)
