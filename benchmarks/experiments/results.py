@@ -12,6 +12,7 @@ from fedmq.aggregator.records import RoundRecord
 from fedmq.aggregator.runlog import read_rounds
 from fedmq.benchmarks import results_file
 from fedmq.benchmarks.experiments.spec import RunSpec
+from fedmq.benchmarks.markdown import table as markdown_table
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,21 +88,17 @@ def fmt(value: Any) -> str:
 
 def markdown(results: list[dict[str, Any]], columns: list[str] | None = None) -> str:
     columns = columns or [k for k in results[0] if k != "valid_curve"] if results else []
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for r in results:
-        lines.append("| " + " | ".join(fmt(r.get(c)) for c in columns) + " |")
-    return "\n".join(lines)
+    return markdown_table(columns, [[fmt(r.get(c)) for c in columns] for r in results])
 
 
 def domain_markdown(table: dict[str, dict[str, float]], domains: list[str], digits: int = 2) -> str:
     """A model x domain table (BLEU, or cross-entropy with ``digits`` 3) with each model's mean over
     domains."""
-    lines = ["| model | " + " | ".join(domains) + " | mean |", "|" + "---|" * (len(domains) + 2)]
+    rows = []
     for name, scores in table.items():
         vals = [scores[d] for d in domains]
-        cells = [f"{v:.{digits}f}" for v in (*vals, sum(vals) / len(vals))]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append([name, *(f"{v:.{digits}f}" for v in (*vals, sum(vals) / len(vals)))])
+    return markdown_table(["model", *domains, "mean"], rows)
 
 
 COLUMNS = {
