@@ -25,6 +25,7 @@ import structlog
 from fedmq.broker.transport import pika_private
 from fedmq.broker.transport.base import REFUSED_SIZE_HEADER, Delivery, Handler, ReassemblyLimits
 from fedmq.broker.transport.errors import BrokerError
+from fedmq.broker.transport.options import ConnectOptions
 from fedmq.broker.transport.rabbit_io import IoThread
 from fedmq.broker.transport.reassembly import ChunkGate
 
@@ -54,23 +55,17 @@ class Consumers:
         self,
         io: IoThread,
         deliver: Callable[[_Consumer, Delivery], None],
-        *,
-        prefetch: int,
-        max_message_size: int,
-        chunk_timeout_s: float,
-        publish_timeout: float,
-        consume_timeout: float,
-        max_backoff: float,
+        options: ConnectOptions,
     ) -> None:
         self._io, self._deliver = io, deliver
-        self.prefetch = prefetch
-        self.max_message_size = max_message_size
-        self.chunk_timeout_s = (
-            chunk_timeout_s  # an incomplete chunked message is dropped this long after its last chunk
-        )
-        self.publish_timeout = publish_timeout
-        self.consume_timeout = consume_timeout  # a subscription the broker has not confirmed by then is stuck
-        self.max_backoff = max_backoff
+        self.prefetch = options.prefetch
+        self.max_message_size = options.max_message_size
+        # an incomplete chunked message is dropped this long after its last chunk
+        self.chunk_timeout_s = options.chunk_timeout_s
+        self.publish_timeout = options.publish_timeout
+        # a subscription the broker has not confirmed by then is stuck
+        self.consume_timeout = options.consume_timeout
+        self.max_backoff = options.max_backoff
         self._subscriptions = 0
         self.by_tag: dict[str, _Consumer] = {}
 

@@ -24,6 +24,7 @@ import structlog
 from fedmq.broker.transport import pika_private
 from fedmq.broker.transport import topology as t
 from fedmq.broker.transport.errors import REFUSALS, BrokerError, Undeliverable, refusal
+from fedmq.broker.transport.options import ConnectOptions
 from fedmq.broker.transport.queues import check_publish_args
 from fedmq.broker.transport.rabbit_io import IoThread
 from fedmq.broker.wire.chunk_frames import CHUNK_HEADER, Chunk, ChunkFrame, chunk_parts
@@ -59,20 +60,15 @@ class Publisher:
         self,
         io: IoThread,
         user: str,
-        *,
-        chunk_limit: int,
-        publish_timeout: float,
-        connect_timeout: float,
-        confirm_stall_s: float,
+        options: ConnectOptions,
         exchange_missing: Callable[[str], BrokerError],
     ) -> None:
         self._io, self.user = io, user
-        self.chunk_limit = chunk_limit
-        self.publish_timeout = publish_timeout
-        self.connect_timeout = connect_timeout
-        self.confirm_stall_s = (
-            confirm_stall_s  # no confirm for this long: publish the rest again on a new channel
-        )
+        self.chunk_limit = options.chunk_limit
+        self.publish_timeout = options.publish_timeout
+        self.connect_timeout = options.connect_timeout
+        # no confirm for this long: publish the rest again on a new channel
+        self.confirm_stall_s = options.confirm_stall_s
         self._exchange_missing = exchange_missing
         self.channel: Any = None
         self._seq = 0

@@ -65,25 +65,8 @@ class RabbitBroker(Broker):
             tick=self._tick,
         )
         self._topology = JobTopology(self._io, self.user, o.exchange_check_s)
-        self._publisher = Publisher(
-            self._io,
-            self.user,
-            chunk_limit=o.chunk_limit,
-            publish_timeout=o.publish_timeout,
-            connect_timeout=o.connect_timeout,
-            confirm_stall_s=o.confirm_stall_s,
-            exchange_missing=self._topology.missing,
-        )
-        self._consumers = Consumers(
-            self._io,
-            lambda c, d: self._dispatcher.put(c, d),
-            prefetch=o.prefetch,
-            max_message_size=o.max_message_size,
-            chunk_timeout_s=o.chunk_timeout_s,
-            publish_timeout=o.publish_timeout,
-            consume_timeout=o.consume_timeout,
-            max_backoff=o.max_backoff,
-        )
+        self._publisher = Publisher(self._io, self.user, o, exchange_missing=self._topology.missing)
+        self._consumers = Consumers(self._io, lambda c, d: self._dispatcher.put(c, d), o)
         self._gates = GatedDispatch(self._consumers.by_tag, self._consumers.settle_raw)
         self._dispatcher = Dispatcher(self._gates, self._consumers.current)
         self._lane: RabbitBroker | None = None  # presence's own connection (see module docstring)
