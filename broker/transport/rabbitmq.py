@@ -26,12 +26,7 @@ import pika
 import pika.exceptions as pe
 
 from fedmq.broker.transport import topology as t
-from fedmq.broker.transport.base import (
-    Broker,
-    Delivery,
-    Handler,
-    ReassemblyLimits,
-)
+from fedmq.broker.transport.base import Broker, Delivery, Handler, ReassemblyLimits
 from fedmq.broker.transport.errors import BrokerError
 from fedmq.broker.transport.options import ConnectOptions
 from fedmq.broker.transport.queues import job_queues
@@ -43,6 +38,18 @@ from fedmq.broker.transport.rabbit_reconnect import Reconnection, node_parameter
 from fedmq.broker.transport.rabbit_topology import JobTopology
 from fedmq.broker.transport.reassembly import GatedDispatch
 from fedmq.broker.transport.urls import redact
+
+# what the presence lane keeps of its connection's options; the rest (its prefetch, chunk limit, message
+# sizes, timeouts of consuming and confirm stalls) are the defaults
+_LANE_KEEPS = (
+    "user",
+    "heartbeat",
+    "tls",
+    "connect_timeout",
+    "publish_timeout",
+    "max_backoff",
+    "exchange_check_s",
+)
 
 
 class RabbitBroker(Broker):
@@ -71,19 +78,8 @@ class RabbitBroker(Broker):
         self._dispatcher = Dispatcher(self._gates, self._consumers.current)
         self._lane: RabbitBroker | None = None  # presence's own connection (see module docstring)
         self._lane_lock = threading.Lock()
-        # the presence lane: the same user's options but the defaults' prefetch, chunk limit, sizes and
-        # consume timeout, and no lane of its own
-        self._lane_options: ConnectOptions | None = (
-            ConnectOptions(
-                user=o.user,
-                heartbeat=o.heartbeat,
-                tls=o.tls,
-                connect_timeout=o.connect_timeout,
-                publish_timeout=o.publish_timeout,
-                max_backoff=o.max_backoff,
-                exchange_check_s=o.exchange_check_s,
-                presence_lane=False,
-            )
+        self._lane_options = (  # presence's connection: no lane of its own
+            ConnectOptions(**{k: getattr(o, k) for k in _LANE_KEEPS}, presence_lane=False)
             if o.presence_lane
             else None
         )
