@@ -57,15 +57,10 @@ class Consumers:
         deliver: Callable[[_Consumer, Delivery], None],
         options: ConnectOptions,
     ) -> None:
-        self._io, self._deliver = io, deliver
-        self.prefetch = options.prefetch
-        self.max_message_size = options.max_message_size
-        # an incomplete chunked message is dropped this long after its last chunk
-        self.chunk_timeout_s = options.chunk_timeout_s
-        self.publish_timeout = options.publish_timeout
-        # a subscription the broker has not confirmed by then is stuck
-        self.consume_timeout = options.consume_timeout
-        self.max_backoff = options.max_backoff
+        # its prefetch, max_message_size, chunk_timeout_s (an incomplete chunked message is dropped this long
+        # after its last chunk), publish_timeout, consume_timeout (a subscription the broker has not confirmed
+        # by then is stuck) and max_backoff
+        self._io, self._deliver, self.options = io, deliver, options
         self._subscriptions = 0
         self.by_tag: dict[str, _Consumer] = {}
 
@@ -137,7 +132,7 @@ class Consumers:
                 self._subscribe(c)
             except BrokerError as exc:
                 log.warning("subscribing again failed; retrying", queue=c.queue, error=str(exc))
-                self._resubscribe(c, min(delay * 2, self.max_backoff))
+                self._resubscribe(c, min(delay * 2, self.options.max_backoff))
 
         if conn is not None:
             conn.call_later(delay, again)
@@ -152,7 +147,7 @@ class Consumers:
         limits: ReassemblyLimits | None,
     ) -> str:
         """Broker.consume, from the caller's thread: subscribe on the I/O thread and wait for it."""
-        window = prefetch or self.prefetch
+        window = prefetch or self.options.prefetch
         if offset is not None and not isinstance(offset, (int, float, str)) or isinstance(offset, bool):
             raise BrokerError(f"bad stream offset {offset!r}: use an int, first, last, next or a timestamp")
         c = _Consumer(
@@ -162,8 +157,8 @@ class Consumers:
             window,
             ChunkGate.of(
                 window,
-                limits or ReassemblyLimits(max_message_size=self.max_message_size),
-                self.chunk_timeout_s,
+                limits or ReassemblyLimits(max_message_size=self.options.max_message_size),
+                self.options.chunk_timeout_s,
             ),
             offset=offset,
             only=only,
@@ -182,7 +177,10 @@ class Consumers:
             f"messages are lost); delete it (rabbitmqctl delete_queue {queue}) and start again"
         )
         return self._io.submit(
-            run, self.publish_timeout, f"consuming {queue!r}", stuck=(self.consume_timeout, zombie)
+            run,
+            self.options.publish_timeout,
+            f"consuming {queue!r}",
+            stuck=(self.options.consume_timeout, zombie),
         )
 
     def cancel(self, consumer_tag: str) -> None:
@@ -191,7 +189,7 @@ class Consumers:
             if c is not None and c.channel is not None and c.channel.is_open:
                 c.channel.close()  # closing the channel requeues its unacked deliveries
 
-        self._io.submit(run, self.publish_timeout, "cancelling a consumer")
+        self._io.submit(run, self.options.publish_timeout, "cancelling a consumer")
 
     def settle_raw(self, raw: tuple[int, str, int], requeue: bool | None) -> None:
         gen, tag, delivery_tag = raw

@@ -63,12 +63,9 @@ class Publisher:
         options: ConnectOptions,
         exchange_missing: Callable[[str], BrokerError],
     ) -> None:
-        self._io, self.user = io, user
-        self.chunk_limit = options.chunk_limit
-        self.publish_timeout = options.publish_timeout
-        self.connect_timeout = options.connect_timeout
-        # no confirm for this long: publish the rest again on a new channel
-        self.confirm_stall_s = options.confirm_stall_s
+        # its chunk_limit, publish_timeout, connect_timeout and confirm_stall_s (no confirm for this long:
+        # publish the rest again on a new channel)
+        self._io, self.user, self.options = io, user, options
         self._exchange_missing = exchange_missing
         self.channel: Any = None
         self._seq = 0
@@ -90,7 +87,9 @@ class Publisher:
         except ValueError as exc:
             raise BrokerError(str(exc)) from None
         message_id = message_id or uuid.uuid4().hex
-        frames = chunk_parts(body if isinstance(body, bytes) else bytes(body), message_id, self.chunk_limit)
+        frames = chunk_parts(
+            body if isinstance(body, bytes) else bytes(body), message_id, self.options.chunk_limit
+        )
         base = dict(headers or {})
 
         def props(h: dict[str, Any]) -> pika.BasicProperties:
@@ -107,7 +106,7 @@ class Publisher:
             parts = [(body, props(base))]
         else:
             parts = [(f, props({**base, CHUNK_HEADER: 1})) for f in frames]
-        timeout = timeout or self.publish_timeout
+        timeout = timeout or self.options.publish_timeout
         job = _Publish(exchange, routing_key, parts, time.monotonic() + timeout, message_id)
         self._io.submit(lambda: self._publish_now(job), timeout, f"publish to {routing_key!r}")
         REFUSALS.clear(self.user, routing_key)
@@ -125,7 +124,7 @@ class Publisher:
             on_ready=lambda _f: ready.append(True),
             on_return=self._on_return,
         )
-        deadline = time.monotonic() + self.connect_timeout * 2
+        deadline = time.monotonic() + self.options.connect_timeout * 2
         while not ready:
             if time.monotonic() > deadline or not ch.is_open:
                 raise pe.AMQPConnectionError("could not enable publisher confirms")
@@ -216,7 +215,7 @@ class Publisher:
                 if len(job.confirmed) > done:
                     progress, done = time.monotonic(), len(job.confirmed)
                 elif (
-                    time.monotonic() - progress > self.confirm_stall_s and not self._io.blocked
+                    time.monotonic() - progress > self.options.confirm_stall_s and not self._io.blocked
                 ):  # blocked: held
                     self.abandon_channel(job)
                     break
@@ -248,7 +247,7 @@ class Publisher:
             "publish not confirmed; publishing again on a new channel",
             routing_key=job.routing_key,
             unconfirmed=len(job.parts) - len(job.confirmed),
-            after_s=self.confirm_stall_s,
+            after_s=self.options.confirm_stall_s,
         )
         self._forget(job)
         self._drop_channel()
