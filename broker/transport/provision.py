@@ -236,8 +236,21 @@ def secret_manifests(creds: dict[str, Any], namespace: str = "fedmq") -> str:
     return "---\n".join(docs)
 
 
-def check_job(job: str, agents: int, hosts: list[str] | tuple[str, ...]) -> None:
-    """BrokerError unless ``job`` is a valid job id and there is an agent (``agents`` > 0) or a host."""
+def provision_cli(
+    *,
+    broker: str,
+    vhost: str,
+    job: str,
+    agents: int,
+    secrets_out: str | None,
+    credentials_out: Path | None,
+    namespace: str,
+    remove_guest: bool,
+    hosts: list[str] | tuple[str, ...] = (),
+) -> None:
+    """The `fedmq broker provision` command: agents are named agent-0 … agent-N-1."""
+    import sys
+
     try:
         t.check_name("job id", job)
     except ValueError as exc:
@@ -245,38 +258,35 @@ def check_job(job: str, agents: int, hosts: list[str] | tuple[str, ...]) -> None
     check_job_id(job)
     if agents < 0 or (agents == 0 and not hosts):
         raise BrokerError(f"--agents must be at least 1 (or give --hosts), got {agents}")
-
-
-def kept_passwords(credentials: Path | None) -> dict[str, str]:
-    """User -> password of an earlier credentials file at ``credentials`` (none when there is no file), so
-    that provisioning again keeps every password; BrokerError if the file is not one."""
     old: dict[str, str] = {}
-    if credentials is None or not Path(credentials).is_file():
-        return old
-    try:
-        prev = json.loads(Path(credentials).read_text())
-        entries = [prev.get("aggregator") or {}, *(prev.get("agents") or {}).values()]
-        for e in [*entries, *(prev.get("hosts") or {}).values()]:
-            if e.get("username") and e.get("password"):
-                old[e["username"]] = e["password"]
-    except (OSError, ValueError, AttributeError):
-        raise BrokerError(f"existing credentials file {credentials} is not valid JSON") from None
-    return old
-
-
-def write_secrets(creds: dict[str, Any], out: str, namespace: str) -> None:
-    """The Kubernetes Secrets of ``creds`` (secret_manifests) to stdout (``out`` "-") or one file each in the
-    folder ``out``, readable by their owner only."""
-    import sys
-
-    if out == "-":
+    if credentials_out is not None and Path(credentials_out).is_file():
+        try:
+            prev = json.loads(Path(credentials_out).read_text())
+            entries = [prev.get("aggregator") or {}, *(prev.get("agents") or {}).values()]
+            for e in [*entries, *(prev.get("hosts") or {}).values()]:
+                if e.get("username") and e.get("password"):
+                    old[e["username"]] = e["password"]
+        except (OSError, ValueError, AttributeError):
+            raise BrokerError(f"existing credentials file {credentials_out} is not valid JSON") from None
+    creds = provision(
+        broker,
+        vhost=vhost,
+        job=job,
+        agents=[f"agent-{i}" for i in range(agents)],
+        hosts=hosts,
+        remove_guest=remove_guest,
+        passwords=old,
+    )
+    if credentials_out is not None:
+        write_atomic(Path(credentials_out), json.dumps(creds, indent=2) + "\n", private=True)
+    if secrets_out == "-":
         sys.stdout.write(secret_manifests(creds, namespace))
-        return
-    folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    for doc in secret_manifests(creds, namespace).split("---\n"):
-        name = re.search(r"name: (\S+)", doc).group(1)  # type: ignore[union-attr]
-        write_atomic(folder / f"{name}.yaml", doc, private=True)  # passwords: never readable by others
+    elif secrets_out:
+        out = Path(secrets_out)
+        out.mkdir(parents=True, exist_ok=True)
+        for doc in secret_manifests(creds, namespace).split("---\n"):
+            name = re.search(r"name: (\S+)", doc).group(1)  # type: ignore[union-attr]
+            write_atomic(out / f"{name}.yaml", doc, private=True)  # passwords: never readable by others
 
 
 def check(url: str, job: str | None = None) -> dict[str, Any]:

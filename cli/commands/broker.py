@@ -40,23 +40,19 @@ def broker_provision(
     Example: fedmq broker provision --job wt2 --hosts 4 --credentials-out wt2.json
     """
     from fedmq.broker.transport import provision
-    from fedmq.files import write_atomic
 
     host_ids = _host_ids(hosts)
-    provision.check_job(job, agents, host_ids)
-    creds = provision.provision(
-        broker,
+    provision.provision_cli(
+        broker=broker,
         vhost=vhost,
         job=job,
-        agents=[f"agent-{i}" for i in range(agents)],
-        hosts=host_ids,
+        agents=agents,
+        secrets_out=secrets_out,
+        credentials_out=credentials_out,
+        namespace=namespace,
         remove_guest=remove_guest,
-        passwords=provision.kept_passwords(credentials_out),
+        hosts=host_ids,
     )
-    if credentials_out is not None:
-        write_atomic(credentials_out, json.dumps(creds, indent=2) + "\n", private=True)
-    if secrets_out:
-        provision.write_secrets(creds, secrets_out, namespace)
     # what was set up, on stderr when stdout carries the Secrets (| kubectl apply -f -)
     for line in _provisioned(vhost, job, agents, host_ids, credentials_out, secrets_out, remove_guest):
         typer.echo(line, err=secrets_out == "-")

@@ -17,7 +17,7 @@ from fedmq.broker.transport.admin import Permissions, User
 from fedmq.broker.transport.deprovision import job_users
 from fedmq.broker.transport.errors import BrokerError
 from fedmq.cli.commands.agent import _host_share, _hosted_clients
-from fedmq.cli.commands.broker import _provisioned, broker_provision
+from fedmq.cli.commands.broker import _provisioned
 from fedmq.cli.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,7 +158,9 @@ def test_provisioning_makes_a_user_per_host_and_keeps_its_password(tmp_path, mon
     monkeypatch.setattr(prov, "admin_for", lambda url: admin)
     out = tmp_path / "creds.json"
     args = dict(broker="amqp://guest:guest@rabbit:5672/", vhost="v", job="j1", agents=1, namespace="ns")
-    broker_provision(**args, secrets_out=None, credentials_out=out, remove_guest=False, hosts="2")
+    prov.provision_cli(
+        **args, secrets_out=None, credentials_out=out, remove_guest=False, hosts=prov.host_ids("2")
+    )
     creds = json.loads(out.read_text())
     assert sorted(creds["hosts"]) == ["h0", "h1"] and list(creds["agents"]) == ["agent-0"]
     assert creds["hosts"]["h1"]["username"] == "j1.host.h1" and "j1.host.h1" in creds["hosts"]["h1"]["url"]
@@ -167,7 +169,7 @@ def test_provisioning_makes_a_user_per_host_and_keeps_its_password(tmp_path, mon
     manifests = prov.secret_manifests(creds, "ns")
     assert manifests.count("kind: Secret") == 4 and "name: fedmq-host-h1" in manifests
     # provisioning again with the credentials file keeps every password, the hosts' included
-    broker_provision(**args, secrets_out=None, credentials_out=out, remove_guest=False, hosts="h0,h1")
+    prov.provision_cli(**args, secrets_out=None, credentials_out=out, remove_guest=False, hosts=["h0", "h1"])
     assert json.loads(out.read_text()) == creds
     # deprovisioning finds the hosts' users among the job's
     assert job_users([*admin.users, "j10.host.h1", "j2.agent-0"], "j1") == sorted(admin.users)
