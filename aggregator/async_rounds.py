@@ -93,7 +93,7 @@ class AsyncRounds:
 
     def run(self) -> None:
         ctx, cfg = self.ctx, self.cfg
-        self._wait_for_agents(1, cfg.join_timeout_s)
+        ctx.wait_for_agents(1, cfg.join_timeout_s, self._while_waiting)
         self.history = ctx.spool.load_bases(ctx.version - ctx.max_staleness)
         _, spooled = ctx.spool.load(ctx.round)
         if spooled:
@@ -124,22 +124,13 @@ class AsyncRounds:
         if ctx.version >= cfg.rounds and not ctx.stop.is_set():
             self._wind_down(owed)
 
-    def _wait_for_agents(self, needed: int, timeout: float) -> None:
-        """As the engine's wait (every presence queued when it began counted), but an update that arrives
-        first -- confirmed to its agent while the aggregator was down -- is kept for the first version."""
-        ctx = self.ctx
-        deadline = time.time() + timeout
-        backlog = ctx.inbox.mark()
-        while time.time() < deadline and not ctx.stop.is_set():
-            if len(ctx.online()) >= needed and ctx.inbox.drained(backlog):
-                return
-            msg = ctx.inbox.next(min(0.2, deadline - time.time()))
-            if msg is None:
-                continue
-            if msg.env.kind is Kind.UPDATE:
-                self.early.append(msg)
-            else:
-                self._other(msg)
+    def _while_waiting(self, msg: Received) -> None:
+        """The engine's wait for the first agent hands every message here: an update that arrives first --
+        confirmed to its agent while the aggregator was down -- is kept for the first version."""
+        if msg.env.kind is Kind.UPDATE:
+            self.early.append(msg)
+        else:
+            self._other(msg)
 
     def _other(self, msg: Received) -> None:
         """Not an update: presence is noted, a report acked (its update carries its loss)."""

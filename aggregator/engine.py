@@ -289,9 +289,12 @@ class Engine:
         self._write_status()
         return left
 
-    def wait_for_agents(self, needed: int, timeout: float) -> None:
-        """Handle presence (nothing else can arrive before an announce) until enough agents are online and
-        every heartbeat queued when the wait began is counted. Draining matters: heartbeats that queued up
+    def wait_for_agents(
+        self, needed: int, timeout: float, handle: Callable[[Received], None] | None = None
+    ) -> None:
+        """Handle presence (nothing else can arrive before an announce; ``handle``, when given, takes every
+        message instead) until enough agents are online and every heartbeat queued when the wait began is
+        counted. Draining matters: heartbeats that queued up
         while the aggregator was busy (evaluation, checkpoint) would otherwise look stale, and selection would
         sample from just the first ``needed`` agents read instead of from every live one. Only that backlog:
         with many agents heartbeats keep arriving, and waiting for an empty inbox could take the whole
@@ -303,7 +306,7 @@ class Engine:
                 return
             msg = self.inbox.next(min(0.2, deadline - time.time()))
             if msg is not None:
-                self._dispatch_idle(msg)
+                (handle or self._dispatch_idle)(msg)
 
     def _dispatch_idle(self, msg: Received) -> None:
         if msg.env.kind is Kind.PRESENCE:

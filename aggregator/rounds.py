@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -87,7 +88,9 @@ class RoundContext(Protocol):
 
     def online(self) -> list[str]: ...
 
-    def wait_for_agents(self, needed: int, timeout: float) -> None: ...
+    def wait_for_agents(
+        self, needed: int, timeout: float, handle: Callable[[Received], None] | None = None
+    ) -> None: ...
 
     def note_presence(self, msg: Received) -> list[str]: ...
 
