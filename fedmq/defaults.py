@@ -23,8 +23,8 @@ EPOCHS = 1
 BATCH_SIZE = 20
 LR = 20.0
 # FedSGD's lr: its round is one full-batch step, and lr 20 diverges there (builtin corpus, seed 0, validation
-# perplexity by round: 580 -> 137,101 in round 2). At 1.5, the lr `fedmq experiment`'s cpu grids give it, it falls
-# every round; at 5 it rises in round 3 (builtin corpus, 5 rounds: 1748.5, 835.7, 1640.8, 507.8, 414.9)
+# perplexity by round: 580 -> 137,101 in round 2). At 1.5, the lr `fedmq experiment`'s cpu grids give it, it
+# falls every round; at 5 it rises in round 3 (builtin corpus, 5 rounds: 1748.5, 835.7, 1640.8, 507.8, 414.9)
 FEDSGD_LR = 1.5
 OPTIMIZER = "sgd"  # sgd | adam
 MOMENTUM = 0.0
