@@ -164,7 +164,7 @@ class MaskingServer:
 
     def _enter(self, phase: int, what: str) -> None:
         if self._phase > phase:
-            raise SecAggError("out-of-order", f"{what} comes too late in {self.context}")
+            raise SecAggError("out-of-order", f"too late in {self.context} for {what}")
         self._phase = phase
 
     def _once(self, sender: str, allowed: Collection[str], seen: Collection[str], what: str) -> None:

@@ -76,14 +76,20 @@ class Quantizer:
         return count * self.step
 
     def _round(self, y: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        return np.floor(y + rng.random(y.shape[0])).astype(DTYPE)
+        """floor(y + u), u uniform in [0, 1), overwriting y (a float64 vector the caller owns)."""
+        y += rng.random(y.shape[0])
+        np.floor(y, out=y)
+        return y.astype(DTYPE)
 
     def encode(self, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """A float vector as b-bit values in Z_{2^32}; ``rng`` draws the rounding."""
         x = np.asarray(x).reshape(-1)
         if not np.isfinite(x).all():
             raise SecAggError("non-finite", "the update has NaN or infinite coordinates")
-        y = (np.clip(x.astype(np.float64), -self.clip, self.clip) + self.clip) / self.step
+        y = x.astype(np.float64)  # a copy, computed in place from here: one model-sized float64 buffer
+        np.clip(y, -self.clip, self.clip, out=y)
+        y += self.clip
+        y /= self.step
         return self._round(y, rng)
 
     def encode_weighted(self, x: np.ndarray, weight: float, rng: np.random.Generator) -> np.ndarray:
@@ -91,7 +97,7 @@ class Quantizer:
         if not 0.0 <= weight <= 1.0:
             raise SecAggError("bad-parameter", f"a weight is within [0, 1], not {weight}")
         x = np.clip(np.asarray(x, dtype=np.float64).reshape(-1), -self.clip, self.clip)
-        w = self._round(np.array([weight * self.levels]), rng)
+        w = self._round(np.array([weight * self.levels], dtype=np.float64), rng)
         return np.concatenate([self.encode(x * weight, rng), w])
 
     def _count(self, total: np.ndarray, count: int) -> None:
