@@ -101,10 +101,17 @@ class Quantizer:
         return np.concatenate([self.encode(x * weight, rng), w])
 
     def _count(self, total: np.ndarray, count: int) -> None:
+        """Checks a sum before decoding: ``count`` honest inputs sum to at most count · (2^b - 1) in every
+        coordinate, so a larger one proves that some client sent values outside the quantized range (masked
+        vectors cannot be checked one by one; this is the one range check the sum allows)."""
         if not 1 <= count <= self.clients:
             raise SecAggError("bad-parameter", f"a sum of {count} inputs: 1..{self.clients} expected")
         if total.dtype != DTYPE:
             raise SecAggError("bad-length", f"a sum is a uint32 vector, not {total.dtype}")
+        if total.size and int(total.max()) > count * self.levels:
+            raise SecAggError(
+                "out-of-range", f"the sum exceeds what {count} inputs of {self.bits} bits can reach"
+            )
 
     def decode_sum(self, total: np.ndarray, count: int) -> np.ndarray:
         """Σ x over ``count`` inputs (float64) from the sum of their encodings."""

@@ -261,3 +261,14 @@ def test_a_million_coordinates_with_dropouts():
     dropped = {"client-01", "client-06", "client-08"}
     run.mask(codes, dropped)
     assert np.array_equal(run.unmask(), sum(codes[u] for u in names(m) if u not in dropped))
+
+
+def test_a_client_outside_the_quantized_range_is_caught_in_the_sum():
+    m, n = 10, 500
+    q = Quantizer.for_clients(m, 1.0)
+    _, codes = quantized_inputs(q, names(m), n, seed=9)
+    codes["client-07"][100] = 2**31  # beyond the 28 bits it may use: the masked vector still looks uniform
+    run = Round(names(m), plan(m, 0.1, 0.3), n)
+    run.mask(codes)
+    with pytest.raises(SecAggError, match="out-of-range: the sum exceeds what 10 inputs of 28 bits can reach"):
+        q.decode_sum(run.unmask(), m)

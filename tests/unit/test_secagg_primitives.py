@@ -98,7 +98,9 @@ def test_recover_checks_the_secret_and_names_a_wrong_share():
     assert got == secret and bad == ["a"]
     with pytest.raises(SecAggError, match=r"too-few-shares: alice's seed needs 3 shares, 2 came \(b, c\)"):
         shamir.recover({h: held[h] for h in "bc"}, 3, check, "alice's seed")
-    with pytest.raises(SecAggError, match="bad-share: no 3 of the shares from a, b, c reconstruct alice's seed"):
+    with pytest.raises(
+        SecAggError, match="bad-share: no 3 of the shares from a, b, c reconstruct alice's seed"
+    ):
         shamir.recover({h: held[h] for h in "abc"}, 3, check, "alice's seed")
 
 

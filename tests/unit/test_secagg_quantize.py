@@ -78,6 +78,8 @@ def test_bad_inputs_are_refused_in_one_line():
         (lambda: q.decode_sum(np.zeros(2, np.uint32), 5), "bad-parameter: a sum of 5 inputs"),
         (lambda: q.decode_sum(np.zeros(2, np.int64), 2), "bad-length"),
         (lambda: q.decode_weighted_mean(np.zeros(3, np.uint32), 2), "zero-weight"),
+        # two inputs of b bits reach at most 2 · (2^b - 1): more is a client outside the range
+        (lambda: q.decode_sum(np.array([0, 2 * q.levels + 1], np.uint32), 2), "out-of-range"),
         (lambda: Quantizer(clip=float("inf"), bits=20, clients=4), "clipping range"),
     ]
     for call, message in cases:
