@@ -70,6 +70,19 @@ def quantized_inputs(q: Quantizer, members: list[str], n: int, seed: int) -> tup
     return floats, {u: q.encode(x, rng) for u, x in floats.items()}
 
 
+def codes_of(m: int, n: int, seed: int) -> dict[str, np.ndarray]:
+    """m clients' inputs of n coordinates, quantized for a sum of m (b = 32 - ceil(log2 m), c = 1)."""
+    return quantized_inputs(Quantizer.for_clients(m, 1.0), names(m), n, seed)[1]
+
+
+def masked_round(m: int, n: int, params: GraphParams, seed: int) -> tuple[Round, dict, UnmaskRequest]:
+    """A round whose m clients all masked their inputs, at the server's unmasking request."""
+    run = Round(names(m), params, n)
+    codes = codes_of(m, n, seed)
+    run.mask(codes)
+    return run, codes, run.server.unmask_request()
+
+
 def test_the_unmasked_sum_equals_the_plain_sum_to_the_quantization_bound():
     m, n, clip = 10, 2000, 0.1
     q = Quantizer.for_clients(m, clip)  # b = 28 bits, step = 2 · 0.1 / (2^28 - 1)
@@ -86,8 +99,7 @@ def test_the_unmasked_sum_equals_the_plain_sum_to_the_quantization_bound():
 
 def test_thirty_percent_dropped_after_masking_leaves_the_survivors_sum():
     m, n = 20, 1000
-    q = Quantizer.for_clients(m, 1.0)
-    _, codes = quantized_inputs(q, names(m), n, seed=1)
+    codes = codes_of(m, n, seed=1)
     run = Round(names(m), plan(m, 0.1, 0.3), n)  # k = 10, t = 3
     dropped = set(names(m)[::3][:6])  # 6 of 20, spread over the ring
     run.mask(codes, dropped)
@@ -99,8 +111,7 @@ def test_thirty_percent_dropped_after_masking_leaves_the_survivors_sum():
 
 def test_a_client_gone_before_masking_starts_is_left_out_of_every_mask():
     m, n = 10, 300
-    q = Quantizer.for_clients(m, 1.0)
-    _, codes = quantized_inputs(q, names(m), n, seed=2)
+    codes = codes_of(m, n, seed=2)
     run = Round(names(m), plan(m, 0.1, 0.3), n, context="job-1/buffer-3", silent=frozenset({"client-00"}))
     rest = {u: codes[u] for u in names(m)[1:]}
     run.mask(rest)
@@ -112,8 +123,7 @@ def test_a_client_gone_before_masking_starts_is_left_out_of_every_mask():
 def test_fewer_than_t_survivors_are_refused_in_one_line_and_nothing_returned():
     m, n = 10, 100
     run = Round(names(m), GraphParams(degree=6, threshold=4), n)
-    q = Quantizer.for_clients(m, 1.0)
-    _, codes = quantized_inputs(q, names(m), n, seed=3)
+    codes = codes_of(m, n, seed=3)
     run.mask(codes, dropped=set(names(m)[3:]))  # 3 survive, 4 needed
     with pytest.raises(SecAggError) as caught:
         run.server.unmask_request()
@@ -124,11 +134,7 @@ def test_fewer_than_t_survivors_are_refused_in_one_line_and_nothing_returned():
 
 def test_too_few_answers_to_rebuild_a_secret_return_nothing_until_more_come():
     m, n = 10, 100
-    run = Round(names(m), GraphParams(degree=4, threshold=3), n)
-    q = Quantizer.for_clients(m, 1.0)
-    _, codes = quantized_inputs(q, names(m), n, seed=4)
-    run.mask(codes)
-    request = run.server.unmask_request()
+    run, codes, request = masked_round(m, n, GraphParams(degree=4, threshold=3), seed=4)
     owner = request.survivors[0]  # its seed is the first the server rebuilds
     late = run.cohort.neighbours(owner)[2:]  # 2 of its 4 neighbours answer late
     for u in request.survivors:
@@ -142,8 +148,7 @@ def test_too_few_answers_to_rebuild_a_secret_return_nothing_until_more_come():
 
 def test_one_masked_vector_is_uniform_in_its_top_byte():
     m, n = 10, 100_000
-    q = Quantizer.for_clients(m, 1.0)
-    _, codes = quantized_inputs(q, names(m), n, seed=5)
+    codes = codes_of(m, n, seed=5)
     run = Round(names(m), plan(m, 0.1, 0.3), n)
     masked = run.mask(codes)["client-04"]
     top = np.bincount(masked >> 24, minlength=256)
@@ -169,11 +174,7 @@ def _lying(answer: UnmaskShares, owner: str) -> UnmaskShares:
 
 def test_a_wrong_share_at_unmasking_is_named_and_the_sum_still_right_when_enough_remain():
     m, n = 10, 200
-    run = Round(names(m), GraphParams(degree=6, threshold=3), n)
-    q = Quantizer.for_clients(m, 1.0)
-    _, codes = quantized_inputs(q, names(m), n, seed=6)
-    run.mask(codes)
-    request = run.server.unmask_request()
+    run, codes, request = masked_round(m, n, GraphParams(degree=6, threshold=3), seed=6)
     owner = "client-05"
     liar = run.cohort.neighbours(owner)[0]
     for u in request.survivors:
@@ -203,8 +204,7 @@ def test_a_wrong_share_that_leaves_no_checkable_subset_fails_the_round_by_name()
 def test_a_wrong_length_vector_is_named_and_changes_nothing():
     m, n = 6, 40
     run = Round(names(m), GraphParams(degree=4, threshold=2), n)
-    q = Quantizer.for_clients(m, 1.0)
-    _, codes = quantized_inputs(q, names(m), n, seed=7)
+    codes = codes_of(m, n, seed=7)
     masked = {u: run.clients[u].mask(codes[u], run.server.inbox(u)) for u in names(m)}
     for bad in (masked["client-03"][:-1], masked["client-03"].astype(np.int64), [1, 2, 3]):
         with pytest.raises(SecAggError, match="bad-length: client-03 sent .*, 40 uint32 expected"):
@@ -255,8 +255,7 @@ def test_masks_are_fresh_every_round():
 
 def test_a_million_coordinates_with_dropouts():
     m, n = 10, 1_000_000
-    q = Quantizer.for_clients(m, 1.0)
-    _, codes = quantized_inputs(q, names(m), n, seed=8)
+    codes = codes_of(m, n, seed=8)
     run = Round(names(m), plan(m, 0.1, 0.3), n)  # k = 6, t = 2
     dropped = {"client-01", "client-06", "client-08"}
     run.mask(codes, dropped)
@@ -265,10 +264,12 @@ def test_a_million_coordinates_with_dropouts():
 
 def test_a_client_outside_the_quantized_range_is_caught_in_the_sum():
     m, n = 10, 500
-    q = Quantizer.for_clients(m, 1.0)
-    _, codes = quantized_inputs(q, names(m), n, seed=9)
+    codes = codes_of(m, n, seed=9)
     codes["client-07"][100] = 2**31  # beyond the 28 bits it may use: the masked vector still looks uniform
     run = Round(names(m), plan(m, 0.1, 0.3), n)
     run.mask(codes)
-    with pytest.raises(SecAggError, match="out-of-range: the sum exceeds what 10 inputs of 28 bits can reach"):
-        q.decode_sum(run.unmask(), m)
+    total = run.unmask()
+    with pytest.raises(
+        SecAggError, match="out-of-range: the sum exceeds what 10 inputs of 28 bits can reach"
+    ):
+        Quantizer.for_clients(m, 1.0).decode_sum(total, m)
