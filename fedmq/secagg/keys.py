@@ -76,7 +76,7 @@ def derive(
     The pair is put in order, so both ends derive the same key. X25519 with a peer key of small order gives
     an all-zero secret, which `cryptography` refuses: that peer is named."""
     if len(peer_public) != KEY_BYTES:
-        raise SecAggError("bad-key", f"{b if a < b else a}'s public key is not {KEY_BYTES} bytes")
+        raise SecAggError("bad-key", f"a public key of the pair {a}, {b} is not {KEY_BYTES} bytes")
     try:
         shared = private.exchange(X25519PublicKey.from_public_bytes(peer_public))
     except ValueError as exc:

@@ -129,14 +129,20 @@ class MaskingClient:
         """Round 4 (Unmasking): the shares of b_v for surviving neighbours and of s_v^SK for dropped ones.
 
         Refused (nothing revealed) when the request asks for both secrets of one client, counts this client
-        as dropped, or comes a second time: any of those could hand the server an input unmasked."""
-        if self._masked_with is None or self._answered:
+        as dropped, names fewer than t survivors (their "sum" could be one input: Bonawitz et al. abort
+        then) or comes a second time: any of those could hand the server an input unmasked."""
+        if self._masked_with is None or self._answered or self._cohort is None:
             raise SecAggError("out-of-order", f"{self.name} answers one unmasking request, after masking")
         survivors, dropped = set(request.survivors), set(request.dropped)
         if survivors & dropped or self.name in dropped or self.name not in survivors:
             raise SecAggError(
                 "inconsistent-request",
                 f"{self.name} refuses to unmask: a request must name survivors and dropped clients apart",
+            )
+        if len(survivors) < self._cohort.threshold:
+            raise SecAggError(
+                "too-few-survivors",
+                f"{self.name} refuses to unmask a sum of {len(survivors)}, {self._cohort.threshold} needed",
             )
         self._answered = True
         return UnmaskShares(

@@ -224,9 +224,14 @@ def test_a_client_refuses_a_request_that_could_unmask_an_input():
     ]:
         with pytest.raises(SecAggError, match="inconsistent-request: client-00 refuses to unmask"):
             client.unmask(request)
-    client.unmask(UnmaskRequest(tuple(names(6)), ()))
-    with pytest.raises(SecAggError, match="out-of-order: client-00 answers one unmasking request"):
+    with pytest.raises(
+        SecAggError, match="too-few-survivors: client-00 refuses to unmask a sum of 1, 2 needed"
+    ):
         client.unmask(UnmaskRequest(("client-00",), ("client-01",)))
+    answer = client.unmask(UnmaskRequest(tuple(names(6)), ()))  # a consistent request is answered
+    assert set(answer.seeds) == set(run.cohort.neighbours("client-00")) and answer.keys == {}
+    with pytest.raises(SecAggError, match="out-of-order: client-00 answers one unmasking request"):
+        client.unmask(UnmaskRequest(("client-00", "client-02", "client-03"), ("client-01",)))
 
 
 def test_the_server_refuses_messages_out_of_turn_or_twice():
