@@ -190,6 +190,10 @@ class AsyncRounds:
             ctx.inbox.drop(msg, "duplicate")
         elif ctx.version - env.model_version > ctx.max_staleness or env.model_version not in self.history:
             ctx.inbox.drop(msg, "too-stale")
+        elif self.cfg.dp != "none" and env.client in stats.trained_from:
+            # under DP a client contributes at most once a version (the clip bound is per release): its
+            # newer update waits, unacked, for the next version
+            self.early.append(msg)
         else:
             self._fold(stats, strategy, env, msg.delivery.body, msg)
 

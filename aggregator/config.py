@@ -85,6 +85,36 @@ FLAGS = {
     "seed": "--seed",
     "robust": "--robust",
     "max_samples_factor": "--max-samples-factor",
+    "dp": "--dp",
+    "clip_norm": "--clip-norm",
+    "clip_quantile": "--clip-quantile",
+    "noise_multiplier": "--noise-multiplier",
+    "target_epsilon": "--target-epsilon",
+    "delta": "--delta",
+}
+
+# client-level differential privacy (docs/guide/privacy.md): the modes, and the strategies whose result is an
+# average of the clients' changes, which the DP wrapper (aggregator/strategies/private.py) can clip and noise
+DP_MODES = ("none", "central", "client")
+DP_STRATEGIES = (
+    "fedavg",
+    "fedsgd",
+    "fedavgm",
+    "fedadagrad",
+    "fedadam",
+    "fedyogi",
+    "fedprox",
+    "scaffold",
+    "async",
+)
+# a job file's [privacy] table: its keys and the JobConfig fields they set
+PRIVACY_TABLE = {
+    "mode": "dp",
+    "clip_norm": "clip_norm",
+    "clip_quantile": "clip_quantile",
+    "noise_multiplier": "noise_multiplier",
+    "target_epsilon": "target_epsilon",
+    "delta": "delta",
 }
 
 
@@ -118,7 +148,11 @@ KINDS: dict[str, tuple[tuple[type, ...], str]] = {
     "bool": ((bool,), "true or false"),
     "str": ((str,), "a string"),
     "dict[str, Any]": ((dict,), "a table"),
+    "float | None": ((int, float, type(None)), "a number"),
+    "float | str": ((int, float, str), 'a number or "adaptive"'),
 }
+# the kinds whose numbers a job file's ints become floats of
+FLOAT_KINDS = ("float", "float | None", "float | str")
 
 
 def key(name: str) -> str:
@@ -141,6 +175,23 @@ def split_strategy_table(values: dict[str, Any]) -> dict[str, Any]:
             "give a strategy's parameters in the [strategy] table or as strategy_args, not both"
         )
     return {**values, "strategy": name, "strategy_args": args}
+
+
+def split_privacy_table(values: dict[str, Any]) -> dict[str, Any]:
+    """A job file's ``[privacy]`` table (``mode = "central"``, ``clip_norm``, ``noise_multiplier`` …) as the
+    JobConfig fields it sets (PRIVACY_TABLE)."""
+    if "privacy" not in values:
+        return values
+    table = values["privacy"]
+    if not isinstance(table, dict):
+        raise JobConfigError('privacy must be a [privacy] table (mode = "central", clip_norm = 1.0, ...)')
+    unknown = sorted(k for k in table if k not in PRIVACY_TABLE)
+    if unknown:
+        raise JobConfigError(
+            f"unknown key privacy.{unknown[0]}; the [privacy] table takes {', '.join(PRIVACY_TABLE)}"
+        )
+    rest = {k: v for k, v in values.items() if k != "privacy"}
+    return {**rest, **{PRIVACY_TABLE[k]: v for k, v in table.items()}}
 
 
 def former_key_args(strategy: str, former: dict[str, Any]) -> dict[str, Any]:
@@ -271,6 +322,20 @@ class JobConfig:
     # out
     max_samples_factor: float = 4.0
     norm_bound_factor: float = 10.0
+    # client-level differential privacy (docs/guide/privacy.md; a job file's [privacy] table): none, central
+    # (the aggregator clips every update and noises their sum) or client (every agent clips its update and
+    # adds its share of the noise)
+    dp: str = "none"
+    # S, the L2 bound on one client's update (all its tensors together), or "adaptive": S follows the target
+    # quantile clip_quantile of the updates' norms (Andrew et al. 2021)
+    clip_norm: float | str = 1.0
+    clip_quantile: float = 0.5
+    # z: the noise's standard deviation is z·S; unset: derived from target_epsilon, else the default
+    # (aggregator/privacy.py, DEFAULT_NOISE_MULTIPLIER)
+    noise_multiplier: float | None = None
+    # E: z is derived so that the planned rounds spend at most E, and the job stops before passing it
+    target_epsilon: float | None = None
+    delta: float | None = None  # δ of (ε, δ); unset: 1/K^1.1 (fedmq.privacy.accountant.default_delta)
     # the strategy's own parameters: its constructor's keyword arguments (the job file's [strategy] table,
     # --strategy-arg KEY=VALUE), checked against its signature when the strategy is built
     strategy_args: dict[str, Any] = field(default_factory=dict)
@@ -281,6 +346,11 @@ class JobConfig:
             object.__setattr__(self, "strategy", STRATEGY_ALIASES.get(self.strategy, self.strategy))
         if self.encoding == "auto":
             object.__setattr__(self, "encoding", "raw" if self.pull_down else "delta+bf16")
+        if isinstance(self.clip_norm, str) and self.clip_norm != "adaptive":  # a flag's text: a number
+            try:
+                object.__setattr__(self, "clip_norm", float(self.clip_norm))
+            except ValueError:
+                _raise(f'{key("clip_norm")} must be a number or "adaptive", got {self.clip_norm!r}')
         self.validate()
 
     def validate(self) -> None:
@@ -291,6 +361,7 @@ class JobConfig:
         self._check_round_shape()
         self._check_ranges()
         self._check_choices()
+        self._check_privacy()
 
     def _check_names(self) -> None:
         """The job id, the encodings and the strategy name."""
@@ -405,6 +476,64 @@ class JobConfig:
         ):
             bad(f"{key('identity')} must be strict or shared:USER")
 
+    def _check_privacy(self) -> None:
+        """The differential-privacy settings (docs/guide/privacy.md), and the strategies and guards that
+        cannot run under them."""
+        bad = _raise
+        if self.dp not in DP_MODES:
+            bad(f"{key('dp')} {self.dp!r}: use none, central or client")
+        if self.dp == "none":
+            given = [
+                n for n in ("noise_multiplier", "target_epsilon", "delta") if getattr(self, n) is not None
+            ]
+            if given:
+                bad(f"{key(given[0])} needs {key('dp')} central or client")
+            return
+        if isinstance(self.clip_norm, str):
+            if self.dp == "client":
+                bad(
+                    f"{key('clip_norm')} adaptive needs {key('dp')} central: the clipped count it follows "
+                    "is noised by the aggregator"
+                )
+        elif not self.clip_norm > 0:
+            bad(f"{key('clip_norm')} S must be positive, got {self.clip_norm}")
+        if not 0 < self.clip_quantile < 1:
+            bad(f"{key('clip_quantile')} must be in (0, 1), got {self.clip_quantile}")
+        if self.noise_multiplier is not None and self.target_epsilon is not None:
+            bad(f"give {key('noise_multiplier')} or {key('target_epsilon')}, not both: z is derived from ε")
+        if self.noise_multiplier is not None and self.noise_multiplier < 0:
+            bad(f"{key('noise_multiplier')} z must not be negative, got {self.noise_multiplier}")
+        if self.target_epsilon is not None and not self.target_epsilon > 0:
+            bad(f"{key('target_epsilon')} ε must be positive, got {self.target_epsilon}")
+        if self.delta is not None and not 0 < self.delta < 1 / self.clients:
+            bad(
+                f"{key('delta')} δ={self.delta} must be in (0, 1/K) = (0, {1 / self.clients:.3g}) "
+                f"for K={self.clients} clients (a larger δ allows publishing a client's data outright)"
+            )
+        self._check_dp_strategy()
+
+    def _check_dp_strategy(self) -> None:
+        """Under DP the result must be a clipped, noised average: one line naming what is not."""
+        bad = _raise
+        if self.strategy not in DP_STRATEGIES:
+            bad(
+                f"{key('dp')} needs an averaging strategy ({', '.join(DP_STRATEGIES)}); "
+                f"{self.strategy!r} weighs or picks clients by their models or losses, which no clipping "
+                "bounds"
+            )
+        if self.beta < 1:
+            bad(f"{key('dp')} with {key('beta')} < 1: picking the top clients by loss reveals their losses")
+        if self.robust != "none":
+            bad(
+                f"{key('dp')} with {key('robust')} {self.robust}: the guard's choice depends on every "
+                "client's model; under DP the clip norm bounds each update instead"
+            )
+        if self.noise > 0:
+            bad(
+                f"{key('noise')} is FedAtt's randomization, which states no ε; under {key('dp')} the "
+                f"noise is {key('noise_multiplier')}"
+            )
+
     def _check_strategy_args(self) -> None:
         """The strategy's arguments: a table of parameters, and a built-in strategy's by name, from its
         constructor's signature (read without torch: aggregator.strategies.signatures); their values are the
@@ -430,7 +559,7 @@ class JobConfig:
             kind, words = KINDS[str(f.type)]
             if (isinstance(value, bool) and f.type != "bool") or not isinstance(value, kind):
                 raise JobConfigError(f"{key(f.name)} must be {words}, got {value!r}")
-            if f.type == "float" and not math.isfinite(value):
+            if f.type in FLOAT_KINDS and isinstance(value, (int, float)) and not math.isfinite(value):
                 raise JobConfigError(f"{key(f.name)} must be finite, got {value!r}")
 
     @property
@@ -506,7 +635,7 @@ class JobConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> JobConfig:
         """A job file's or config.json's keys; ``strategy`` may be a table: its ``name`` and parameters."""
-        values = read_former_keys(named_fedmed_variant(split_strategy_table(values)))
+        values = read_former_keys(named_fedmed_variant(split_strategy_table(split_privacy_table(values))))
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -550,8 +679,14 @@ def read_job_file(path: Path) -> JobFile:
     task = raw.pop("task", {})
     if not isinstance(task, dict):
         raise JobConfigError(f"config file {path}: task must be a [task] table")
+    flat = sorted(k for k in raw if k in PRIVACY_TABLE.values())
+    if flat:
+        raise JobConfigError(
+            f"config file {path}: {flat[0]} belongs in the [privacy] table "
+            f"({'mode' if flat[0] == 'dp' else flat[0]} = ...)"
+        )
     try:
-        raw = named_fedmed_variant(split_strategy_table(raw))
+        raw = named_fedmed_variant(split_strategy_table(split_privacy_table(raw)))
     except JobConfigError as exc:
         raise JobConfigError(f"config file {path}: {exc}") from None
     # the former keys are read as their strategy's parameters once the strategy is known (JobConfig.from_dict;
@@ -569,5 +704,6 @@ def read_job_file(path: Path) -> JobFile:
         types, words = KINDS[kinds[key]]
         if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
             raise JobConfigError(f"config file {path}: {key} must be {words}, got {value!r}")
-        job[key] = float(value) if kinds[key] == "float" else value
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        job[key] = float(value) if kinds[key] in FLOAT_KINDS and number else value
     return JobFile(path, job, task)

@@ -128,6 +128,8 @@ class Simulation:
             durable=shared_user is not None,
             device=self.device,
             on_round=self.on_round,
+            # privacy noise (--dp) from the job's seed, so that a simulated run repeats: the summary says so
+            noise_seed=cfg.seed,
         )
         # a cohort pool holds a model per agent training at once (built on first borrow: the selected ones)
         self.pool = pool = (
@@ -202,6 +204,7 @@ class Simulation:
             heartbeat_s=cfg.heartbeat_s,
             rejoin_s=self.rejoin_s,
             seed=cfg.seed,
+            seeded_noise=True,
             trainers=pool,
             store=DiskStore(self.run_dir / "clients"),
             progress=self.on_local_progress,
