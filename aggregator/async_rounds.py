@@ -95,7 +95,7 @@ class AsyncRounds:
         if spooled:
             log.info("resuming open round", round=ctx.round, spooled_updates=len(spooled))
         owed: _Owed | None = None
-        while ctx.version < cfg.rounds and not ctx.stop.is_set():
+        while ctx.version < cfg.rounds and not ctx.stop.is_set() and ctx.within_budget():
             stats = RoundStats(ctx.round, online=ctx.online())
             stats.selected = stats.online
             self._keep_bases()
