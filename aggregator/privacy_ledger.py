@@ -10,6 +10,7 @@ import structlog
 
 from fedmq.aggregator.checkpoint import CheckpointRefused
 from fedmq.aggregator.privacy import DPPlan, finite_or_none
+from fedmq.errors import FedmqError
 
 log = structlog.get_logger(__name__)
 
@@ -70,7 +71,7 @@ class PrivacyLedger:
             raise CheckpointRefused("the checkpoint's job ran without differential privacy; this one has it")
         try:
             ledger.accountant.load_state_dict(state)
-        except (ValueError, TypeError, KeyError) as exc:
+        except (FedmqError, ValueError, TypeError, KeyError) as exc:
             raise CheckpointRefused(
                 f"the checkpoint's privacy accountant does not fit this job: {exc}"
             ) from None
