@@ -124,6 +124,7 @@ class Engine:
         # from (the OS CSPRNG; `fedmq simulate` alone passes the job's seed as ``noise_seed``)
         plan = dp_plan(cfg, self.buffer_size)
         self.privacy = PrivacyLedger(plan, noise_seed) if plan is not None else None
+        self.noise_seed = noise_seed
         # under DP each update's norm is bounded by the clip norm, and a guard whose choice depends on the
         # other clients' norms would break that bound's analysis: the influence guard is off
         self.guard = (
@@ -414,7 +415,7 @@ class Engine:
         ``extra`` from a first pass (second_pass)."""
         stats.strategy, strategy = strategy_from_config(choice, self.cfg, **extra)
         if isinstance(strategy, Private):
-            strategy.draw_from(self.privacy.noise_seed if self.privacy else None, stats.round)
+            strategy.draw_from(self.noise_seed, stats.round)
         strategy.load_state_dict(self.strategy_state.get(stats.strategy, {}))
         self.guard.begin()
         strategy.begin(self.global_state)

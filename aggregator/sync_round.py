@@ -92,8 +92,11 @@ class SyncRound:
         rng = random.Random(f"{cfg.seed}/select/{stats.round}")
         if cfg.dp != "none" and not cfg.plan.select_all:
             # under DP, Poisson sampling with rate C, as the accountant assumes (aggregator/privacy.py): each
-            # online client independently, so a client offline when sampled simply does not contribute
-            stats.selected = poisson_sample(rng, sorted(stats.online), cfg.fraction)
+            # online client independently, so a client offline when sampled simply does not contribute. The
+            # sample must be secret: the OS's secure source, seeded only where the noise is (`fedmq simulate`)
+            secret = ctx.noise_seed is None
+            sampler = random.SystemRandom() if secret else rng
+            stats.selected = poisson_sample(sampler, sorted(stats.online), cfg.fraction)
         else:
             m = min(cfg.selected_count(), len(stats.online))
             stats.selected = sorted(rng.sample(stats.online, m)) if m else []

@@ -16,9 +16,9 @@ changes it uploads are clipped and noised together with the model's (one norm ov
 neither leaks unnoised; the server's c moves by D/N times their noised mean, the paper's |S|/N with the
 expected |S|.
 
-Adaptive clipping (Andrew et al. 2021): with b_k = 1 when ‖Δ_k‖ ≤ S, the noised fraction
-b̄ = (Σ b_k + N(0, σ_b²))/D moves S ← S·exp(−η_C(b̄ − γ)) toward the target quantile γ. S is strategy state:
-``state_dict`` carries it to the next round and into every checkpoint.
+Adaptive clipping (Andrew et al. 2021, Algorithm 1): with b_k = 1 when ‖Δ_k‖ ≤ S, the noised fraction
+b̄ = (Σ (b_k − 1/2) + N(0, σ_b²))/D + 1/2 moves S ← S·exp(−η_C(b̄ − γ)) toward the target quantile γ.
+S is strategy state: ``state_dict`` carries it to the next round and into every checkpoint.
 """
 
 from __future__ import annotations
@@ -136,7 +136,9 @@ class Private(Strategy):
     def _adapt(self) -> None:
         """Andrew et al.'s geometric step of S toward the target quantile, on the noised clipped count."""
         noise = float(torch.randn((), generator=self.generator, dtype=torch.float64))
-        fraction = (self._unclipped + self.dp.count_stddev * noise) / self.dp.denominator
+        # the summands b_k − 1/2 (sensitivity 1/2: the count's noise multiplier is 2σ_b, as accounted)
+        centred = self._unclipped - self._count / 2 + self.dp.count_stddev * noise
+        fraction = centred / self.dp.denominator + 0.5
         low, high = CLIP_RANGE
         step = math.exp(-ADAPTIVE_LEARNING_RATE * (fraction - self.dp.quantile))
         self.clip_norm = min(max(self.clip_norm * step, low), high)
