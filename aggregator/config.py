@@ -94,19 +94,19 @@ FLAGS = {
 }
 
 # client-level differential privacy (docs/guide/privacy.md): the modes, and the strategies whose result is an
-# average of the clients' changes, which the DP wrapper (aggregator/strategies/private.py) can clip and noise
+# average of the clients' changes, which the DP wrapper (aggregator/strategies/private.py) can clip and noise:
+# all but those that weigh or pick clients by their models or losses (attention, JS weights, pulling)
 DP_MODES = ("none", "central", "client")
-DP_STRATEGIES = (
-    "fedavg",
-    "fedsgd",
-    "fedavgm",
-    "fedadagrad",
-    "fedadam",
-    "fedyogi",
-    "fedprox",
-    "scaffold",
-    "async",
+DP_REFUSED = (
+    "fedatt",
+    "fedmed",
+    "fedmed-relative",
+    "fedmed-standardised",
+    "pull-local",
+    "pull-global",
+    "pull-random",
 )
+DP_STRATEGIES = tuple(s for s in STRATEGIES if s not in DP_REFUSED)
 # a job file's [privacy] table: its keys and the JobConfig fields they set
 PRIVACY_TABLE = {
     "mode": "dp",
