@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from fedmq.aggregator.checkpoint import load_checkpoint
+from fedmq.cli.report import build_report
 from fedmq.privacy.accountant import Accountant, default_delta
 
 pytestmark = pytest.mark.slow
@@ -85,6 +86,9 @@ def test_a_dp_run_completes_and_states_the_accountants_epsilon(tmp_path, mode):
     assert all(r["losses"] == {} and r["weights"] == {} and r["mean_loss"] is None for r in rows)
     header = (tmp_path / "run" / "metrics.csv").read_text().splitlines()[0].split(",")
     assert "epsilon" in header and "delta" in header
+    report = build_report([tmp_path / "run"], tmp_path / "report")  # `fedmq report`: ε per round and a note
+    assert (tmp_path / "report" / "privacy.png").is_file()
+    assert f"ε = {expected[-1]:.3g} at δ" in report.markdown.read_text()
 
 
 def test_kill9_and_resume_give_the_same_epsilon_and_model(tmp_path):
