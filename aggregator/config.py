@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 from fedmq import defaults, train_config
+from fedmq.aggregator.privacy_settings import DP_REFUSED, PRIVACY_TABLE, privacy_problem
 from fedmq.broker.wire.messages import RoundConfig
 from fedmq.errors import BadParameter, FedmqError
 from fedmq.params import check_values, unknown_parameter
@@ -44,6 +45,8 @@ STRATEGIES = (
 # dynamic pulling (Passban et al.: DP_l, DP_g, random) was first named dp-*, which reads as differential
 # privacy; the old names stay accepted (configs, run folders) and are stored under the new ones
 STRATEGY_ALIASES = {"dp-l": "pull-local", "dp-g": "pull-global", "dp-random": "pull-random"}
+# client-level differential privacy runs with every strategy but those aggregator.privacy_settings refuses
+DP_STRATEGIES = tuple(s for s in STRATEGIES if s not in DP_REFUSED)
 # FedMed's JS weights were a job setting, fedmed_js, before its variants had names
 # (aggregator/strategies/fedmed.py): a job file or run folder that has it is read as the strategy it ran
 FEDMED_JS = {"raw": "fedmed", "relative": "fedmed-relative", "standardised": "fedmed-standardised"}
@@ -91,30 +94,6 @@ FLAGS = {
     "noise_multiplier": "--noise-multiplier",
     "target_epsilon": "--target-epsilon",
     "delta": "--delta",
-}
-
-# client-level differential privacy (docs/guide/privacy.md): the modes, and the strategies whose result is an
-# average of the clients' changes, which the DP wrapper (aggregator/strategies/private.py) can clip and noise:
-# all but those that weigh or pick clients by their models or losses (attention, JS weights, pulling)
-DP_MODES = ("none", "central", "client")
-DP_REFUSED = (
-    "fedatt",
-    "fedmed",
-    "fedmed-relative",
-    "fedmed-standardised",
-    "pull-local",
-    "pull-global",
-    "pull-random",
-)
-DP_STRATEGIES = tuple(s for s in STRATEGIES if s not in DP_REFUSED)
-# a job file's [privacy] table: its keys and the JobConfig fields they set
-PRIVACY_TABLE = {
-    "mode": "dp",
-    "clip_norm": "clip_norm",
-    "clip_quantile": "clip_quantile",
-    "noise_multiplier": "noise_multiplier",
-    "target_epsilon": "target_epsilon",
-    "delta": "delta",
 }
 
 
@@ -477,62 +456,10 @@ class JobConfig:
             bad(f"{key('identity')} must be strict or shared:USER")
 
     def _check_privacy(self) -> None:
-        """The differential-privacy settings (docs/guide/privacy.md), and the strategies and guards that
-        cannot run under them."""
-        bad = _raise
-        if self.dp not in DP_MODES:
-            bad(f"{key('dp')} {self.dp!r}: use none, central or client")
-        if self.dp == "none":
-            given = [
-                n for n in ("noise_multiplier", "target_epsilon", "delta") if getattr(self, n) is not None
-            ]
-            if given:
-                bad(f"{key(given[0])} needs {key('dp')} central or client")
-            return
-        if isinstance(self.clip_norm, str):
-            if self.dp == "client":
-                bad(
-                    f"{key('clip_norm')} adaptive needs {key('dp')} central: the clipped count it follows "
-                    "is noised by the aggregator"
-                )
-        elif not self.clip_norm > 0:
-            bad(f"{key('clip_norm')} S must be positive, got {self.clip_norm}")
-        if not 0 < self.clip_quantile < 1:
-            bad(f"{key('clip_quantile')} must be in (0, 1), got {self.clip_quantile}")
-        if self.noise_multiplier is not None and self.target_epsilon is not None:
-            bad(f"give {key('noise_multiplier')} or {key('target_epsilon')}, not both: z is derived from ε")
-        if self.noise_multiplier is not None and self.noise_multiplier < 0:
-            bad(f"{key('noise_multiplier')} z must not be negative, got {self.noise_multiplier}")
-        if self.target_epsilon is not None and not self.target_epsilon > 0:
-            bad(f"{key('target_epsilon')} ε must be positive, got {self.target_epsilon}")
-        if self.delta is not None and not 0 < self.delta < 1 / self.clients:
-            bad(
-                f"{key('delta')} δ={self.delta} must be in (0, 1/K) = (0, {1 / self.clients:.3g}) "
-                f"for K={self.clients} clients (a larger δ allows publishing a client's data outright)"
-            )
-        self._check_dp_strategy()
-
-    def _check_dp_strategy(self) -> None:
-        """Under DP the result must be a clipped, noised average: one line naming what is not."""
-        bad = _raise
-        if self.strategy not in DP_STRATEGIES:
-            bad(
-                f"{key('dp')} needs an averaging strategy ({', '.join(DP_STRATEGIES)}); "
-                f"{self.strategy!r} weighs or picks clients by their models or losses, which no clipping "
-                "bounds"
-            )
-        if self.beta < 1:
-            bad(f"{key('dp')} with {key('beta')} < 1: picking the top clients by loss reveals their losses")
-        if self.robust != "none":
-            bad(
-                f"{key('dp')} with {key('robust')} {self.robust}: the guard's choice depends on every "
-                "client's model; under DP the clip norm bounds each update instead"
-            )
-        if self.noise > 0:
-            bad(
-                f"{key('noise')} is FedAtt's randomization, which states no ε; under {key('dp')} the "
-                f"noise is {key('noise_multiplier')}"
-            )
+        """The differential-privacy settings (aggregator/privacy_settings.py): one line, the first wrong."""
+        why = privacy_problem(self, key, DP_STRATEGIES)
+        if why is not None:
+            _raise(why)
 
     def _check_strategy_args(self) -> None:
         """The strategy's arguments: a table of parameters, and a built-in strategy's by name, from its

@@ -628,10 +628,9 @@ class Engine:
         verdict: Verdict,
     ) -> RoundRecord:
         losses = list(stats.reported.values())
-        privacy = {}
+        reported, privacy = stats.reported, {}
         if self.privacy is not None:  # under DP no client's own loss or weight is recorded: ε and δ instead
-            losses, stats.reported = [], {}
-            privacy = self.privacy.record()
+            losses, reported, privacy = [], {}, self.privacy.record()
         return RoundRecord(
             round=stats.round,
             time=time.time(),
@@ -643,8 +642,8 @@ class Engine:
             online=tuple(stats.online) if len(stats.online) <= ONLINE_NAMES else (),
             online_count=len(stats.online),
             selected=tuple(stats.selected),
-            reported=tuple(sorted(stats.reported)),
-            losses=dict(sorted(stats.reported.items())),
+            reported=tuple(sorted(reported)),
+            losses=dict(sorted(reported.items())),
             granted=tuple(stats.granted),
             received=tuple(sorted(stats.received)),
             update_ids=dict(sorted(stats.update_ids.items())),

@@ -30,6 +30,7 @@ def test_python_settings_and_their_defaults():
         ({"dp": "central", "robust": "trimmed:0.1"}, "robust"),
         ({"dp": "central", "noise": 0.1}, "states no ε"),
         ({"noise_multiplier": 1.0}, "needs dp (--dp) central or client"),
+        ({"dp": "client", "encoding": "delta+topk:0.1"}, "error_feedback = false"),
     ],
 )
 def test_bad_settings_are_one_line(settings, needle):
