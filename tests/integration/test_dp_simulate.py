@@ -86,6 +86,16 @@ def test_a_dp_run_completes_and_states_the_accountants_epsilon(tmp_path, mode):
     assert all(r["losses"] == {} and r["weights"] == {} and r["mean_loss"] is None for r in rows)
     header = (tmp_path / "run" / "metrics.csv").read_text().splitlines()[0].split(",")
     assert "epsilon" in header and "delta" in header
+    status = fedmq_procs.run(  # `fedmq status` of the finished run (its job has no queues left: the folder)
+        fedmq_procs.command("status", "--job", "sim", "--run-dir", str(tmp_path / "run"), "--json"),
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert status.returncode == 0, status.stderr[-2000:]
+    assert json.loads(status.stdout)["epsilon"] == pytest.approx(expected[-1], rel=1e-9)
     report = build_report([tmp_path / "run"], tmp_path / "report")  # `fedmq report`: ε per round and a note
     assert (tmp_path / "report" / "privacy.png").is_file()
     assert f"ε = {expected[-1]:.3g} at δ" in report.markdown.read_text()
