@@ -157,32 +157,30 @@ def simulate(
         JOB.dp,
         panel=PRIVACY,
         metavar="MODE",
-        help="client-level DP: none, central (the aggregator clips and noises) or client (each agent does)",
+        help="central or client (who noises)",
     ),
     clip_norm: str = _opt(
         str(JOB.clip_norm),
         panel=PRIVACY,
         metavar="S|adaptive",
-        help="L2 bound S on one client's update, or adaptive (follows --clip-quantile; central)",
+        help="L2 bound on one client's update",
     ),
     clip_quantile: float = _opt(
-        JOB.clip_quantile, panel=PRIVACY, metavar="Q", help="adaptive clipping's target quantile of norms"
+        JOB.clip_quantile, panel=PRIVACY, metavar="Q", help="adaptive S: target quantile"
     ),
     noise_multiplier: float | None = _opt(
         JOB.noise_multiplier,
         panel=PRIVACY,
         metavar="Z",
-        help="noise std z·S on the clipped sum (default 1, or derived from --target-epsilon)",
+        help="noise std z·S (default 1)",
     ),
     target_epsilon: float | None = _opt(
         JOB.target_epsilon,
         panel=PRIVACY,
         metavar="E",
-        help="derive z so the planned rounds spend ε ≤ E; stop before passing it",
+        help="z for ε ≤ E over --rounds",
     ),
-    delta: float | None = _opt(
-        JOB.delta, panel=PRIVACY, metavar="D", help="δ of (ε, δ), below 1/K (default 1/K^1.1)"
-    ),
+    delta: float | None = _opt(JOB.delta, panel=PRIVACY, metavar="D", help="default 1/K^1.1"),
     epochs: int = _opt(JOB.epochs, "--epochs", "-e", panel=TRAIN, metavar="E", help="local epochs"),
     batch_size: int = _opt(
         JOB.batch_size, "--batch-size", "-b", panel=TRAIN, metavar="B", help="local batch size"
