@@ -131,3 +131,15 @@ def test_kill9_and_resume_give_the_same_epsilon_and_model(tmp_path):
     assert x.round == y.round == ROUNDS + 1
     assert x.extra["dp_accountant"] == y.extra["dp_accountant"]
     assert all(torch.equal(x.global_state[k], y.global_state[k]) for k in x.global_state)
+
+
+def test_async_versions_are_releases_without_sampling_and_take_one_update_per_client(tmp_path):
+    args = [*RUN, "--dp", "central", "--strategy", "async", "--strategy-arg", "buffer_size=6"]
+    summary = _fedmq(*args, "--out", str(tmp_path / "run"), cwd=tmp_path)
+    acc = Accountant(1.0, Z, default_delta(K))  # each published version: one release, q = 1
+    acc.step(summary["version"])
+    assert summary["version"] == ROUNDS and summary["epsilon"] == pytest.approx(acc.epsilon(), rel=1e-9)
+    assert summary["dp"]["sampling_rate"] == 1.0 and summary["dp"]["denominator"] == 6
+    for row in _rows(tmp_path / "run"):
+        clients = [key.split("#")[0] for key in row["update_ids"]]
+        assert len(clients) == len(set(clients)), row["update_ids"]  # at most once a version
