@@ -4,6 +4,7 @@ SIGKILL and resumed, a run ends with the same ε and, its noise seeded from the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -143,3 +144,39 @@ def test_async_versions_are_releases_without_sampling_and_take_one_update_per_cl
     for row in _rows(tmp_path / "run"):
         clients = [key.split("#")[0] for key in row["update_ids"]]
         assert len(clients) == len(set(clients)), row["update_ids"]  # at most once a version
+
+
+def test_the_target_epsilon_ends_the_job_cleanly_with_a_checkpoint(tmp_path, monkeypatch):
+    """z is derived for the planned rounds, so the stop is a safety net; here the target is lowered to what
+    two releases spend, as if the job ran longer than planned: it ends after round 2, checkpointed."""
+    import fedmq
+    from fedmq.aggregator import privacy_ledger
+
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from bring_your_own import TwoMoons
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    init = privacy_ledger.PrivacyLedger.__init__
+
+    def lowered(self, plan, noise_seed):
+        init(self, plan, noise_seed)
+        self.plan = dataclasses.replace(plan, target_epsilon=self.accountant.epsilon_after(2))
+
+    monkeypatch.setattr(privacy_ledger.PrivacyLedger, "__init__", lowered)
+    cfg = fedmq.JobConfig(
+        job="dp-stop",
+        rounds=5,
+        clients=4,
+        fraction=0.5,
+        lr=0.5,
+        batch_size=16,
+        dp="central",
+        target_epsilon=9.0,
+    )
+    summary = fedmq.Simulation(cfg, TwoMoons(clients=4), run_dir=tmp_path / "run").run()
+    assert summary["budget_spent"] is True and not summary["interrupted"]
+    rows = _rows(tmp_path / "run")
+    assert [r["round"] for r in rows] == [1, 2]
+    assert summary["epsilon"] == rows[-1]["epsilon"]
+    assert load_checkpoint(tmp_path / "run" / "checkpoints").round == 3
