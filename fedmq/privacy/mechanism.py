@@ -22,8 +22,9 @@ from fedmq.tasks.base import State
 # a noised update's norm is at most S + σ·(√d + NOISE_TAILS): the Gaussian norm exceeds σ(√d + t) with
 # probability below exp(−t²/2) (Lipschitz concentration), about 1e-14 at t = 8
 NOISE_TAILS = 8.0
-# the uplink's rounding (bf16 keeps 8 bits of mantissa) may lengthen a vector by up to 2^-8 of its norm
-ENCODING_SLACK = 1.0 + 2.0**-7
+# the uplink's rounding may lengthen a noised vector: measured on 650,000 Gaussian values, bf16 by 0.0001 %,
+# int8 0.004 %, int5-row 0.18 %, int4-row 0.74 %, int4 1.6 %; 5 % covers every encoding
+ENCODING_SLACK = 1.05
 
 
 def update_norm(tensors: Mapping[str, torch.Tensor]) -> float:
