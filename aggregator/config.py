@@ -124,14 +124,14 @@ _said: set[str] = set()  # the former keys this process has warned of (read_form
 KINDS: dict[str, tuple[tuple[type, ...], str]] = {
     "int": ((int,), "a whole number"),
     "float": ((int, float), "a number"),
+    # None: unset (lr: the strategy's own, resolved when the job is built; z, E, δ: derived under DP)
+    "float | None": ((int, float, type(None)), "a number"),
+    "float | str": ((int, float, str), 'a number or "adaptive"'),  # clip_norm
     "bool": ((bool,), "true or false"),
     "str": ((str,), "a string"),
     "dict[str, Any]": ((dict,), "a table"),
-    "float | None": ((int, float, type(None)), "a number"),
-    "float | str": ((int, float, str), 'a number or "adaptive"'),
 }
-# the kinds whose numbers a job file's ints become floats of
-FLOAT_KINDS = ("float", "float | None", "float | str")
+FLOATS = ("float", "float | None", "float | str")  # the KINDS of a number field (a job file's ints: floats)
 
 
 def key(name: str) -> str:
@@ -269,7 +269,7 @@ class JobConfig:
     error_feedback: bool = True
     epochs: int = defaults.EPOCHS
     batch_size: int = defaults.BATCH_SIZE
-    lr: float = defaults.LR
+    lr: float | None = None  # None: the strategy's default (defaults.lr_for: FedSGD's own, else defaults.LR)
     optimizer: str = defaults.OPTIMIZER
     momentum: float = defaults.MOMENTUM
     lr_decay: float = defaults.LR_DECAY  # local: lr × this after every local epoch
@@ -323,6 +323,8 @@ class JobConfig:
     def __post_init__(self) -> None:
         if isinstance(self.strategy, str):  # validate() names a strategy of any other type
             object.__setattr__(self, "strategy", STRATEGY_ALIASES.get(self.strategy, self.strategy))
+        if self.lr is None and isinstance(self.strategy, str):
+            object.__setattr__(self, "lr", defaults.lr_for(self.strategy))
         if self.encoding == "auto":
             object.__setattr__(self, "encoding", "raw" if self.pull_down else "delta+bf16")
         if isinstance(self.clip_norm, str) and self.clip_norm != "adaptive":  # a flag's text: a number
@@ -486,7 +488,7 @@ class JobConfig:
             kind, words = KINDS[str(f.type)]
             if (isinstance(value, bool) and f.type != "bool") or not isinstance(value, kind):
                 raise JobConfigError(f"{key(f.name)} must be {words}, got {value!r}")
-            if f.type in FLOAT_KINDS and isinstance(value, (int, float)) and not math.isfinite(value):
+            if f.type in FLOATS and isinstance(value, (int, float)) and not math.isfinite(value):
                 raise JobConfigError(f"{key(f.name)} must be finite, got {value!r}")
 
     @property
@@ -632,5 +634,5 @@ def read_job_file(path: Path) -> JobFile:
         if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
             raise JobConfigError(f"config file {path}: {key} must be {words}, got {value!r}")
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        job[key] = float(value) if kinds[key] in FLOAT_KINDS and number else value
+        job[key] = float(value) if kinds[key] in FLOATS and number else value
     return JobFile(path, job, task)

@@ -313,9 +313,12 @@ class Engine:
         self._write_status()
         return left
 
-    def wait_for_agents(self, needed: int, timeout: float) -> None:
-        """Handle presence (nothing else can arrive before an announce) until enough agents are online and
-        every heartbeat queued when the wait began is counted. Draining matters: heartbeats that queued up
+    def wait_for_agents(
+        self, needed: int, timeout: float, handle: Callable[[Received], None] | None = None
+    ) -> None:
+        """Handle presence (nothing else can arrive before an announce; ``handle``, when given, takes every
+        message instead) until enough agents are online and every heartbeat queued when the wait began is
+        counted. Draining matters: heartbeats that queued up
         while the aggregator was busy (evaluation, checkpoint) would otherwise look stale, and selection would
         sample from just the first ``needed`` agents read instead of from every live one. Only that backlog:
         with many agents heartbeats keep arriving, and waiting for an empty inbox could take the whole
@@ -327,7 +330,7 @@ class Engine:
                 return
             msg = self.inbox.next(min(0.2, deadline - time.time()))
             if msg is not None:
-                self._dispatch_idle(msg)
+                (handle or self._dispatch_idle)(msg)
 
     def _dispatch_idle(self, msg: Received) -> None:
         if msg.env.kind is Kind.PRESENCE:
@@ -430,7 +433,7 @@ class Engine:
         (RoundGuard.screen)."""
         env, base = arrival.env, arrival.base
         try:
-            update = self._decode_update(env, base, arrival.staleness)
+            update = self.decode_update(env, base, arrival.staleness)
         except CodecError as exc:
             reason, detail = exc.reason, str(exc)
         except Exception as exc:  # never let a hostile update crash the engine
@@ -451,6 +454,7 @@ class Engine:
                 RuntimeError,
             ) as exc:  # strategies validate before folding
                 reason, detail = "rejected-by-strategy", str(exc)
+                self.guard.withdraw(update)
             else:
                 stats.received.append(env.client)
                 stats.bytes_up += arrival.size
@@ -460,9 +464,11 @@ class Engine:
             self.inbox.reject(arrival.received.delivery, reason, detail)
         return None
 
-    def _decode_update(
+    def decode_update(
         self, env: Envelope, base: State, staleness: int = 0, n_samples: int | None = None
     ) -> ClientUpdate:
+        """``env``'s update as a delta from ``base`` (checked against the manifest); ``n_samples`` replaces
+        its claim (a weight the guard capped)."""
         tensors = decode_state(env.payload["tensors"], self.manifest, base, as_delta=True)
         return ClientUpdate(
             env.client,
@@ -587,7 +593,7 @@ class Engine:
                 continue
             env = messages.decode(body)
             n = min(env.payload["n_samples"], verdict.capped.get(client, env.payload["n_samples"]))
-            strategy.fold(self._decode_update(env, self.global_state, n_samples=n))
+            strategy.fold(self.decode_update(env, self.global_state, n_samples=n))
         return strategy
 
     def _evaluate(self, rnd: int) -> float | None:

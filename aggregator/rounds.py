@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -90,7 +91,9 @@ class RoundContext(Protocol):
 
     def within_budget(self) -> bool: ...  # one more release keeps ε within the job's target (DP)
 
-    def wait_for_agents(self, needed: int, timeout: float) -> None: ...
+    def wait_for_agents(
+        self, needed: int, timeout: float, handle: Callable[[Received], None] | None = None
+    ) -> None: ...
 
     def note_presence(self, msg: Received) -> list[str]: ...
 
@@ -105,6 +108,10 @@ class RoundContext(Protocol):
     def fold(
         self, stats: RoundStats, strategy: Strategy, arrival: Arrival, *, screen: bool = False
     ) -> ClientUpdate | None: ...
+
+    def decode_update(
+        self, env: Envelope, base: State, staleness: int = 0, n_samples: int | None = None
+    ) -> ClientUpdate: ...
 
     def note_trained_from(self, client: str, version: int) -> None: ...
 

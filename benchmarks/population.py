@@ -23,12 +23,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from fedmq.benchmarks.flower import Run, period_median, run_fedmq
+from fedmq.benchmarks.flower import Run, Setting, period_median, run_fedmq
 from fedmq.benchmarks.load import TINY_TASK, _toml, fedmq_command, one_thread_env, start_aggregator, tiny_job
 
 
 def simulate_rows(data: str, populations: tuple[int, ...], selected: int = 10, rounds: int = 5) -> list[Run]:
-    return [run_fedmq(f"K = {k:,}", data, k, selected, rounds) for k in populations]
+    return [run_fedmq(f"K = {k:,}", Setting(data, k, selected, rounds)) for k in populations]
 
 
 def _rabbitmqctl(*args: str) -> str | None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import typer
 
+from fedmq import defaults
 from fedmq.aggregator.config import STRATEGIES
 from fedmq.cli.errors import UsageError, check_progress
 from fedmq.cli.options import JOB
@@ -185,7 +186,12 @@ def simulate(
     batch_size: int = _opt(
         JOB.batch_size, "--batch-size", "-b", panel=TRAIN, metavar="B", help="local batch size"
     ),
-    lr: float = _opt(JOB.lr, panel=TRAIN, metavar="LR", help="client learning rate"),
+    lr: float | None = _opt(
+        None,
+        panel=TRAIN,
+        metavar="LR",
+        help=f"client learning rate [default: {defaults.LR:g}; fedsgd: {defaults.FEDSGD_LR:g}]",
+    ),
     optimizer: str = _opt(JOB.optimizer, panel=TRAIN, metavar="NAME", help="sgd or adam"),
     momentum: float = _opt(JOB.momentum, panel=TRAIN, metavar="M", help="SGD momentum"),
     round_lr_decay: float = _opt(

@@ -401,6 +401,14 @@ def test_config_file_then_flags_override_it(tmp_path):
     assert plan().job.strategy == "fedavg" and plan().task["model"] == "gru-tiny"
 
 
+def test_simulate_learning_rate_is_the_strategys_unless_given(tmp_path):
+    assert plan().job.lr == 20.0 and plan("--strategy", "fedsgd").job.lr == 1.5
+    assert plan("--strategy", "fedsgd", "--lr", "4").job.lr == 4.0
+    job = tmp_path / "job.toml"
+    job.write_text('strategy = "fedsgd"\nlr = 2\n')
+    assert plan("--config", str(job)).job.lr == 2.0
+
+
 @pytest.mark.parametrize(
     "content,needle",
     [
