@@ -8,7 +8,6 @@ import dataclasses
 import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +21,9 @@ from fedmq.privacy.accountant import Accountant, default_delta
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from crash_at import killed  # noqa: E402
+
 EXAMPLES = HERE.parents[1] / "docs" / "examples"
 K, C, ROUNDS, Z = 8, 0.5, 4, 0.8
 RUN = [
@@ -51,9 +53,7 @@ def _env() -> dict[str, str]:
 
 
 def _fedmq(*args: str, cwd: Path) -> dict:
-    done = fedmq_procs.run(
-        fedmq_procs.command(*args), capture_output=True, text=True, env=_env(), timeout=240, cwd=cwd
-    )
+    done = fedmq_procs.fedmq(*args, cwd=cwd, env=_env(), timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -87,13 +87,9 @@ def test_a_dp_run_completes_and_states_the_accountants_epsilon(tmp_path, mode):
     assert all(r["losses"] == {} and r["weights"] == {} and r["mean_loss"] is None for r in rows)
     header = (tmp_path / "run" / "metrics.csv").read_text().splitlines()[0].split(",")
     assert "epsilon" in header and "delta" in header
-    status = fedmq_procs.run(  # `fedmq status` of the finished run (its job has no queues left: the folder)
-        fedmq_procs.command("status", "--job", "sim", "--run-dir", str(tmp_path / "run"), "--json"),
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=60,
-        cwd=tmp_path,
+    # `fedmq status` of the finished run (its job has no queues left: the folder)
+    status = fedmq_procs.fedmq(
+        "status", "--job", "sim", "--run-dir", tmp_path / "run", "--json", cwd=tmp_path
     )
     assert status.returncode == 0, status.stderr[-2000:]
     assert json.loads(status.stdout)["epsilon"] == pytest.approx(expected[-1], rel=1e-9)
@@ -106,24 +102,7 @@ def test_kill9_and_resume_give_the_same_epsilon_and_model(tmp_path):
     whole = tmp_path / "whole"
     a = _fedmq(*RUN, "--dp", "central", "--out", str(whole), cwd=tmp_path)
     run = tmp_path / "run"
-    crashed = subprocess.run(
-        [
-            sys.executable,
-            str(HERE / "crash_at.py"),
-            "after-agg",
-            "2",
-            *RUN,
-            "--dp",
-            "central",
-            "--out",
-            str(run),
-        ],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=240,
-        cwd=tmp_path,
-    )
+    crashed = killed("after-agg", 2, [*RUN, "--dp", "central", "--out", str(run)], tmp_path, _env())
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
     b = _fedmq("simulate", "--out", str(run), "--resume", "--json", cwd=tmp_path)
     assert b["epsilon"] == a["epsilon"]
