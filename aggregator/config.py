@@ -534,6 +534,15 @@ class JobConfig:
         """m, the agents selected per round: max(C·K, 1), or all K when the strategy's plan selects all."""
         return self.clients if self.plan.select_all else max(int(self.fraction * self.clients), 1)
 
+    def most_selected(self) -> int:
+        """The most agents a synchronous round selects: m, or under DP's Poisson sampling (every agent with
+        probability C) qK + 6 standard deviations, exceeded with probability below 1e-9; at most K. What the
+        inbox's windows and a simulation's memory are sized for."""
+        if self.dp == "none" or self.plan.select_all:
+            return self.selected_count()
+        mean = self.fraction * self.clients
+        return min(self.clients, math.ceil(mean + 6 * math.sqrt(mean * (1 - self.fraction))) + 1)
+
     def round_lr(self, round_number: int, scale: float = 1.0) -> float:
         """The clients' learning rate in round ``round_number`` (1-based): lr × round_lr_decay^(round − 1),
         × ``scale`` (what annealing on validation left: the engine's, see ``lr_anneal``)."""

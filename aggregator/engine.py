@@ -268,14 +268,14 @@ class Engine:
         """
         chunk_limit = getattr(self.broker, "chunk_limit", DEFAULT_CHUNK_LIMIT)
         per_update = message_chunks(self.manifest.message_bound, chunk_limit)
-        return min(MAX_PREFETCH, max(64, self.cfg.selected_count() * per_update + 16))
+        return min(MAX_PREFETCH, max(64, self.cfg.most_selected() * per_update + 16))
 
     def _reassembly(self) -> ReassemblyLimits:
         """Bounds on incomplete chunked updates, from the manifest: one is at most one update message; a
         sender (routing key, i.e. agent) may have two pending (a restarted agent's new upload beside its dead
         partial one); all together, two more than the agents that may upload at once."""
         m = self.inbox.limits.max_message_bytes
-        uploaders = self.cfg.clients if self.cfg.mode == "async" else self.cfg.selected_count()
+        uploaders = self.cfg.clients if self.cfg.mode == "async" else self.cfg.most_selected()
         return ReassemblyLimits(
             max_message_size=m, max_pending_bytes=(uploaders + 2) * m, max_pending_per_sender=2 * m
         )

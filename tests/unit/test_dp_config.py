@@ -63,3 +63,11 @@ def test_bad_privacy_tables_are_one_line(tmp_path, content, needle):
     with pytest.raises(JobConfigError) as err:
         read_job_file(path)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_inbox_is_sized_for_the_most_a_poisson_sample_selects():
+    plain = JobConfig(clients=10_000, fraction=0.01)
+    private = JobConfig(clients=10_000, fraction=0.01, dp="central")
+    assert plain.most_selected() == plain.selected_count() == 100
+    assert 100 + 6 * (100 * 0.99) ** 0.5 < private.most_selected() <= 161  # mean + 6 standard deviations
+    assert JobConfig(clients=8, fraction=0.5, dp="central").most_selected() == 8  # never above K
