@@ -99,7 +99,7 @@ class AsyncRounds:
         if spooled:
             log.info("resuming open round", round=ctx.round, spooled_updates=len(spooled))
         owed: _Owed | None = None
-        while ctx.version < cfg.rounds and not ctx.stop.is_set():
+        while ctx.version < cfg.rounds and not ctx.stop.is_set() and ctx.within_budget():
             stats = RoundStats(ctx.round, online=ctx.online())
             stats.selected = stats.online
             self._keep_bases()
@@ -188,6 +188,10 @@ class AsyncRounds:
             ctx.inbox.drop(msg, "duplicate")
         elif ctx.version - env.model_version > ctx.max_staleness or env.model_version not in self.history:
             ctx.inbox.drop(msg, "too-stale")
+        elif self.cfg.dp != "none" and env.client in stats.trained_from:
+            # under DP a client contributes at most once a version (the clip bound is per release): its
+            # newer update waits, unacked, for the next version
+            self.early.append(msg)
         else:
             self._fold(stats, strategy, env, msg.delivery.body, msg)
 

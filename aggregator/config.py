@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 from fedmq import defaults, train_config
+from fedmq.aggregator.privacy_settings import DP_REFUSED, PRIVACY_TABLE, privacy_problem
 from fedmq.broker.wire.messages import RoundConfig
 from fedmq.errors import BadParameter, FedmqError
 from fedmq.params import check_values, unknown_parameter
@@ -44,6 +45,8 @@ STRATEGIES = (
 # dynamic pulling (Passban et al.: DP_l, DP_g, random) was first named dp-*, which reads as differential
 # privacy; the old names stay accepted (configs, run folders) and are stored under the new ones
 STRATEGY_ALIASES = {"dp-l": "pull-local", "dp-g": "pull-global", "dp-random": "pull-random"}
+# client-level differential privacy runs with every strategy but those aggregator.privacy_settings refuses
+DP_STRATEGIES = tuple(s for s in STRATEGIES if s not in DP_REFUSED)
 # FedMed's JS weights were a job setting, fedmed_js, before its variants had names
 # (aggregator/strategies/fedmed.py): a job file or run folder that has it is read as the strategy it ran
 FEDMED_JS = {"raw": "fedmed", "relative": "fedmed-relative", "standardised": "fedmed-standardised"}
@@ -85,6 +88,12 @@ FLAGS = {
     "seed": "--seed",
     "robust": "--robust",
     "max_samples_factor": "--max-samples-factor",
+    "dp": "--dp",
+    "clip_norm": "--clip-norm",
+    "clip_quantile": "--clip-quantile",
+    "noise_multiplier": "--noise-multiplier",
+    "target_epsilon": "--target-epsilon",
+    "delta": "--delta",
 }
 
 
@@ -115,13 +124,14 @@ _said: set[str] = set()  # the former keys this process has warned of (read_form
 KINDS: dict[str, tuple[tuple[type, ...], str]] = {
     "int": ((int,), "a whole number"),
     "float": ((int, float), "a number"),
-    "float | None": ((int, float), "a number"),  # None only as a default, resolved when the job is built
+    # None: unset (lr: the strategy's own, resolved when the job is built; z, E, δ: derived under DP)
+    "float | None": ((int, float, type(None)), "a number"),
+    "float | str": ((int, float, str), 'a number or "adaptive"'),  # clip_norm
     "bool": ((bool,), "true or false"),
     "str": ((str,), "a string"),
     "dict[str, Any]": ((dict,), "a table"),
 }
-
-FLOATS = ("float", "float | None")  # the KINDS of a number field
+FLOATS = ("float", "float | None", "float | str")  # the KINDS of a number field (a job file's ints: floats)
 
 
 def key(name: str) -> str:
@@ -144,6 +154,23 @@ def split_strategy_table(values: dict[str, Any]) -> dict[str, Any]:
             "give a strategy's parameters in the [strategy] table or as strategy_args, not both"
         )
     return {**values, "strategy": name, "strategy_args": args}
+
+
+def split_privacy_table(values: dict[str, Any]) -> dict[str, Any]:
+    """A job file's ``[privacy]`` table (``mode = "central"``, ``clip_norm``, ``noise_multiplier`` …) as the
+    JobConfig fields it sets (PRIVACY_TABLE)."""
+    if "privacy" not in values:
+        return values
+    table = values["privacy"]
+    if not isinstance(table, dict):
+        raise JobConfigError('privacy must be a [privacy] table (mode = "central", clip_norm = 1.0, ...)')
+    unknown = sorted(k for k in table if k not in PRIVACY_TABLE)
+    if unknown:
+        raise JobConfigError(
+            f"unknown key privacy.{unknown[0]}; the [privacy] table takes {', '.join(PRIVACY_TABLE)}"
+        )
+    rest = {k: v for k, v in values.items() if k != "privacy"}
+    return {**rest, **{PRIVACY_TABLE[k]: v for k, v in table.items()}}
 
 
 def former_key_args(strategy: str, former: dict[str, Any]) -> dict[str, Any]:
@@ -274,6 +301,20 @@ class JobConfig:
     # out
     max_samples_factor: float = 4.0
     norm_bound_factor: float = 10.0
+    # client-level differential privacy (docs/guide/privacy.md; a job file's [privacy] table): none, central
+    # (the aggregator clips every update and noises their sum) or client (every agent clips its update and
+    # adds its share of the noise)
+    dp: str = "none"
+    # S, the L2 bound on one client's update (all its tensors together), or "adaptive": S follows the target
+    # quantile clip_quantile of the updates' norms (Andrew et al. 2021)
+    clip_norm: float | str = 1.0
+    clip_quantile: float = 0.5
+    # z: the noise's standard deviation is z·S; unset: derived from target_epsilon, else the default
+    # (aggregator/privacy.py, DEFAULT_NOISE_MULTIPLIER)
+    noise_multiplier: float | None = None
+    # E: z is derived so that the planned rounds spend at most E, and the job stops before passing it
+    target_epsilon: float | None = None
+    delta: float | None = None  # δ of (ε, δ); unset: 1/K^1.1 (fedmq.privacy.accountant.default_delta)
     # the strategy's own parameters: its constructor's keyword arguments (the job file's [strategy] table,
     # --strategy-arg KEY=VALUE), checked against its signature when the strategy is built
     strategy_args: dict[str, Any] = field(default_factory=dict)
@@ -286,6 +327,11 @@ class JobConfig:
             object.__setattr__(self, "lr", defaults.lr_for(self.strategy))
         if self.encoding == "auto":
             object.__setattr__(self, "encoding", "raw" if self.pull_down else "delta+bf16")
+        if isinstance(self.clip_norm, str) and self.clip_norm != "adaptive":  # a flag's text: a number
+            try:
+                object.__setattr__(self, "clip_norm", float(self.clip_norm))
+            except ValueError:
+                _raise(f'{key("clip_norm")} must be a number or "adaptive", got {self.clip_norm!r}')
         self.validate()
 
     def validate(self) -> None:
@@ -296,6 +342,7 @@ class JobConfig:
         self._check_round_shape()
         self._check_ranges()
         self._check_choices()
+        self._check_privacy()
 
     def _check_names(self) -> None:
         """The job id, the encodings and the strategy name."""
@@ -410,6 +457,12 @@ class JobConfig:
         ):
             bad(f"{key('identity')} must be strict or shared:USER")
 
+    def _check_privacy(self) -> None:
+        """The differential-privacy settings (aggregator/privacy_settings.py): one line, the first wrong."""
+        why = privacy_problem(self, key, DP_STRATEGIES)
+        if why is not None:
+            _raise(why)
+
     def _check_strategy_args(self) -> None:
         """The strategy's arguments: a table of parameters, and a built-in strategy's by name, from its
         constructor's signature (read without torch: aggregator.strategies.signatures); their values are the
@@ -435,7 +488,7 @@ class JobConfig:
             kind, words = KINDS[str(f.type)]
             if (isinstance(value, bool) and f.type != "bool") or not isinstance(value, kind):
                 raise JobConfigError(f"{key(f.name)} must be {words}, got {value!r}")
-            if f.type in FLOATS and not math.isfinite(value):
+            if f.type in FLOATS and isinstance(value, (int, float)) and not math.isfinite(value):
                 raise JobConfigError(f"{key(f.name)} must be finite, got {value!r}")
 
     @property
@@ -481,6 +534,15 @@ class JobConfig:
         """m, the agents selected per round: max(C·K, 1), or all K when the strategy's plan selects all."""
         return self.clients if self.plan.select_all else max(int(self.fraction * self.clients), 1)
 
+    def most_selected(self) -> int:
+        """The most agents a synchronous round selects: m, or under DP's Poisson sampling (every agent with
+        probability C) qK + 6 standard deviations, exceeded with probability below 1e-9; at most K. What the
+        inbox's windows and a simulation's memory are sized for."""
+        if self.dp == "none" or self.plan.select_all:
+            return self.selected_count()
+        mean = self.fraction * self.clients
+        return min(self.clients, math.ceil(mean + 6 * math.sqrt(mean * (1 - self.fraction))) + 1)
+
     def round_lr(self, round_number: int, scale: float = 1.0) -> float:
         """The clients' learning rate in round ``round_number`` (1-based): lr × round_lr_decay^(round − 1),
         × ``scale`` (what annealing on validation left: the engine's, see ``lr_anneal``)."""
@@ -511,7 +573,7 @@ class JobConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> JobConfig:
         """A job file's or config.json's keys; ``strategy`` may be a table: its ``name`` and parameters."""
-        values = read_former_keys(named_fedmed_variant(split_strategy_table(values)))
+        values = read_former_keys(named_fedmed_variant(split_strategy_table(split_privacy_table(values))))
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -555,8 +617,14 @@ def read_job_file(path: Path) -> JobFile:
     task = raw.pop("task", {})
     if not isinstance(task, dict):
         raise JobConfigError(f"config file {path}: task must be a [task] table")
+    flat = sorted(k for k in raw if k in PRIVACY_TABLE.values())
+    if flat:
+        raise JobConfigError(
+            f"config file {path}: {flat[0]} belongs in the [privacy] table "
+            f"({'mode' if flat[0] == 'dp' else flat[0]} = ...)"
+        )
     try:
-        raw = named_fedmed_variant(split_strategy_table(raw))
+        raw = named_fedmed_variant(split_strategy_table(split_privacy_table(raw)))
     except JobConfigError as exc:
         raise JobConfigError(f"config file {path}: {exc}") from None
     # the former keys are read as their strategy's parameters once the strategy is known (JobConfig.from_dict;
@@ -574,5 +642,6 @@ def read_job_file(path: Path) -> JobFile:
         types, words = KINDS[kinds[key]]
         if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
             raise JobConfigError(f"config file {path}: {key} must be {words}, got {value!r}")
-        job[key] = float(value) if kinds[key] in FLOATS else value
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        job[key] = float(value) if kinds[key] in FLOATS and number else value
     return JobFile(path, job, task)

@@ -85,8 +85,11 @@ class RoundContext(Protocol):
     folded_from: dict[str, int]  # client -> newest version a folded update of it trained from (async)
     buffer_size: int  # async: K, fold every K arrivals (the strategy's; aggregator.async_rounds.async_window)
     max_staleness: int  # async: the oldest version an update may train from, this many back
+    noise_seed: int | None  # DP: the job's seed where noise and sampling are seeded (simulate), else None
 
     def online(self) -> list[str]: ...
+
+    def within_budget(self) -> bool: ...  # one more release keeps ε within the job's target (DP)
 
     def wait_for_agents(
         self, needed: int, timeout: float, handle: Callable[[Received], None] | None = None

@@ -68,6 +68,13 @@ class BufferedAsync(FedAvg):
         return self.server_lr * staleness_weight(update.staleness) * update.n_samples
 
     def fold(self, update: ClientUpdate) -> None:
+        self.admit(update)
+        super().fold(update)
+        self._count += 1
+
+    def admit(self, update: ClientUpdate) -> None:
+        """Raise unless ``update`` may be folded: its staleness an integer within ``max_staleness``, and a
+        stale update a delta (the module docstring); the DP wrapper asks it too."""
         tau = update.staleness
         if isinstance(tau, bool) or not isinstance(tau, int) or tau < 0:
             raise StrategyError(
@@ -80,8 +87,6 @@ class BufferedAsync(FedAvg):
             raise StrategyError(
                 f"update from {update.client!r}: staleness {tau} needs a delta update (θ_k − θ_base)"
             )
-        super().fold(update)
-        self._count += 1
 
     def finish(self) -> State:
         self._count = 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,9 @@ import torch
 from fedmq.aggregator.checkpoint import load_checkpoint
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from crash_at import killed  # noqa: E402
+
 pytestmark = pytest.mark.slow
 EXAMPLES = HERE.parents[1] / "docs" / "examples"
 # two-moons' first steps move its model ~50x its norm: judged one by one with no reference they were
@@ -65,14 +67,7 @@ def test_a_restart_inside_the_first_buffer_gives_the_same_version_1(tmp_path):
     whole = tmp_path / "whole"
     _simulate(*RUN, "--out", str(whole), cwd=tmp_path)
     run = tmp_path / "run"
-    crashed = subprocess.run(
-        [sys.executable, str(HERE / "crash_at.py"), "during-agg", "1", *RUN, "--out", str(run)],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=240,
-        cwd=tmp_path,
-    )
+    crashed = killed("during-agg", 1, [*RUN, "--out", str(run)], tmp_path, _env())
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
     assert len(list((run / "spool" / "r000001").glob("update-*.msg"))) == 1  # killed inside the buffer
     _simulate("simulate", "--out", str(run), "--resume", cwd=tmp_path)
