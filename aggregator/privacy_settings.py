@@ -1,6 +1,6 @@
 """A job's differential-privacy settings (docs/guide/privacy.md) as aggregator.config reads and checks them:
-the modes, the strategies DP refuses, a job file's ``[privacy]`` table, and the one line for the first
-setting that is wrong. Torch-free, as the rest of a job's settings."""
+the modes, a job file's ``[privacy]`` table, and the one line for the first setting that is wrong.
+Torch-free, as the rest of a job's settings."""
 
 from __future__ import annotations
 
@@ -8,18 +8,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 DP_MODES = ("none", "central", "client")
-# the strategies whose result is not an average of the clients' changes, which the DP wrapper
-# (aggregator/strategies/private.py) cannot clip and noise: they weigh or pick clients by their models or
-# losses (attention, JS weights, pulling)
-DP_REFUSED = (
-    "fedatt",
-    "fedmed",
-    "fedmed-relative",
-    "fedmed-standardised",
-    "pull-local",
-    "pull-global",
-    "pull-random",
-)
 # a job file's [privacy] table: its keys and the JobConfig fields they set
 PRIVACY_TABLE = {
     "mode": "dp",

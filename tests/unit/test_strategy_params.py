@@ -1,5 +1,5 @@
 """A strategy's parameters have one way in, its constructor's arguments; the former JobConfig keys that were
-built-in strategies' parameters (aggregator.config.FORMER_KEYS) are still read from old job files and run
+built-in strategies' parameters (aggregator.job_keys.FORMER_KEYS) are still read from old job files and run
 folders, and the flags kept for them are aliases of the parameter."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import re
 import fedmq_procs
 import pytest
 
-from fedmq.aggregator import config
-from fedmq.aggregator.config import FORMER_KEYS, JobConfig, JobConfigError, read_job_file
+from fedmq.aggregator import job_keys
+from fedmq.aggregator.config import JobConfig, read_job_file
+from fedmq.aggregator.job_keys import FORMER_KEYS, JobConfigError
 from fedmq.aggregator.strategies.fedavg import FedAvg
 from fedmq.errors import BadParameter
 
@@ -22,7 +23,7 @@ URL = "amqp://guest:guest@127.0.0.1:1/%2F"  # never reached
 @pytest.fixture
 def fresh_warnings(monkeypatch):
     """This process has not warned of any former key yet."""
-    monkeypatch.setattr(config, "_said", set())
+    monkeypatch.setattr(job_keys, "_said", set())
 
 
 def plan(*args: str, saved: dict | None = None):
@@ -50,7 +51,7 @@ def test_an_old_job_file_is_read_as_the_strategys_parameters_and_says_so_once(
 ):
     job = tmp_path / "job.toml"
     job.write_text('strategy = "async"\nasync_k = 4\nmax_staleness = 2\nserver_lr = 0.5\n')
-    with caplog.at_level(logging.WARNING, logger="fedmq.aggregator.config"):
+    with caplog.at_level(logging.WARNING, logger="fedmq.aggregator.job_keys"):
         cfg = JobConfig.from_dict(read_job_file(job).job)
         JobConfig.from_dict(read_job_file(job).job)  # read twice: said once
     assert cfg.strategy_args == {"buffer_size": 4, "max_staleness": 2, "server_lr": 0.5}
