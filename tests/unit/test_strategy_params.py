@@ -36,14 +36,19 @@ def plan(*args: str, saved: dict | None = None):
     return from_context(ctx, simulate, saved)
 
 
-def test_each_parameter_has_one_default_the_one_jobs_ran_with():
-    """The constructors' defaults are the values the former job keys had: what users ran."""
-    from fedmq.aggregator.strategies.registry import make_strategy
+def test_each_parameter_has_one_default():
+    """The constructors' defaults are the values the former job keys had (what users ran), except async's
+    buffer, 5 since the defaults sweep (docs/guide/strategy.md), and never more than the job's clients."""
+    from fedmq.aggregator.strategies.registry import make_strategy, strategy_from_config
 
     buffered, att = make_strategy("async"), make_strategy("fedatt")
-    assert (buffered.buffer_size, buffered.max_staleness, buffered.server_lr) == (3, 5, 1.0)
+    assert (buffered.buffer_size, buffered.max_staleness, buffered.server_lr) == (5, 5, 1.0)
     assert (att.epsilon, att.norm) == (1.2, "fro")
     assert not set(FORMER_KEYS) & set(JobConfig().to_dict())  # no second default in the job
+    small = JobConfig(strategy="async", clients=4)
+    assert strategy_from_config("async", small)[1].buffer_size == 4
+    given = JobConfig(strategy="async", clients=4, strategy_args={"buffer_size": 6})
+    assert strategy_from_config("async", given)[1].buffer_size == 6  # as given: it waits for deadlines
 
 
 def test_an_old_job_file_is_read_as_the_strategys_parameters_and_says_so_once(
