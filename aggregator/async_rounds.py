@@ -25,7 +25,10 @@ kept ``too-stale``; once the last version is published, the updates already queu
 with a durable spool (services, ``simulate`` over RabbitMQ) the aggregator first waits, at most the report
 plus the update deadline, for the updates the agents online at the last announcement still owe, and drops them
 as ``job-finished`` too, so that nothing confirmed is left in the inbox when the job ends. Agents' reports
-(which precede each update) carry nothing the update does not: they are acked without a count.
+(which precede each update) carry nothing the update does not: they are acked without a count. An update
+the guard could not judge on arrival (no reference yet: aggregator.guards) is folded, spooled and acked,
+and judged with the buffer's other such updates at its close; one found out of bounds then is left out
+(logged with its message id) and the buffer folded again from its spool.
 """
 
 from __future__ import annotations
@@ -86,16 +89,17 @@ class AsyncRounds:
         self.history: dict[int, State] = {}  # the versions updates may still train from (max_staleness back)
         self.early: list[Received] = []  # updates that arrived before the first announcement (unacked)
         self.folded_ids: set[str] = set()  # message ids of every update folded before the open version
+        self.folded_n: dict[str, int] = {}  # the open version's folded updates: message id -> n as folded
 
     def run(self) -> None:
         ctx, cfg = self.ctx, self.cfg
-        self._wait_for_agents(1, cfg.join_timeout_s)
+        ctx.wait_for_agents(1, cfg.join_timeout_s, self._while_waiting)
         self.history = ctx.spool.load_bases(ctx.version - ctx.max_staleness)
         _, spooled = ctx.spool.load(ctx.round)
         if spooled:
             log.info("resuming open round", round=ctx.round, spooled_updates=len(spooled))
         owed: _Owed | None = None
-        while ctx.version < cfg.rounds and not ctx.stop.is_set():
+        while ctx.version < cfg.rounds and not ctx.stop.is_set() and ctx.within_budget():
             stats = RoundStats(ctx.round, online=ctx.online())
             stats.selected = stats.online
             self._keep_bases()
@@ -103,7 +107,8 @@ class AsyncRounds:
             owed = _Owed(ctx.version, stats.online)
             strategy = ctx.begin_strategy(stats, cfg.strategy)
             self.folded_ids = ctx.folded_ids()
-            for key in sorted(spooled, key=lambda k: int(k.rsplit("-", 1)[1])):  # replay, in arrival order
+            self.folded_n = {}
+            for key in _arrival_order(spooled):  # replay
                 body = ctx.spool.read_update(ctx.round, key)
                 if body is None:
                     continue
@@ -116,26 +121,19 @@ class AsyncRounds:
                 owed.note(msg.env)
                 self._take(stats, strategy, msg)
             self._collect(stats, strategy, owed)
+            if stats.received:
+                strategy = self._judge_held(stats, strategy)
             ctx.close_round(stats, strategy if stats.received else None)
         if ctx.version >= cfg.rounds and not ctx.stop.is_set():
             self._wind_down(owed)
 
-    def _wait_for_agents(self, needed: int, timeout: float) -> None:
-        """As the engine's wait (every presence queued when it began counted), but an update that arrives
-        first -- confirmed to its agent while the aggregator was down -- is kept for the first version."""
-        ctx = self.ctx
-        deadline = time.time() + timeout
-        backlog = ctx.inbox.mark()
-        while time.time() < deadline and not ctx.stop.is_set():
-            if len(ctx.online()) >= needed and ctx.inbox.drained(backlog):
-                return
-            msg = ctx.inbox.next(min(0.2, deadline - time.time()))
-            if msg is None:
-                continue
-            if msg.env.kind is Kind.UPDATE:
-                self.early.append(msg)
-            else:
-                self._other(msg)
+    def _while_waiting(self, msg: Received) -> None:
+        """The engine's wait for the first agent hands every message here: an update that arrives first --
+        confirmed to its agent while the aggregator was down -- is kept for the first version."""
+        if msg.env.kind is Kind.UPDATE:
+            self.early.append(msg)
+        else:
+            self._other(msg)
 
     def _other(self, msg: Received) -> None:
         """Not an update: presence is noted, a report acked (its update carries its loss)."""
@@ -193,8 +191,45 @@ class AsyncRounds:
             ctx.inbox.drop(msg, "duplicate")
         elif ctx.version - env.model_version > ctx.max_staleness or env.model_version not in self.history:
             ctx.inbox.drop(msg, "too-stale")
+        elif self.cfg.dp != "none" and env.client in stats.trained_from:
+            # under DP a client contributes at most once a version (the clip bound is per release): its
+            # newer update waits, unacked, for the next version
+            self.early.append(msg)
         else:
             self._fold(stats, strategy, env, msg.delivery.body, msg)
+
+    def _judge_held(self, stats: RoundStats, strategy: Strategy) -> Strategy:
+        """The buffer's updates that had no reference, judged together (RoundGuard.judge_held); when one is
+        out of bounds the buffer is folded again from its spool, in arrival order, without the dropped ones
+        and with the capped weights (an honest buffer is folded once)."""
+        ctx = self.ctx
+        verdict = ctx.guard.judge_held(ctx.global_state)
+        if not verdict:
+            return strategy
+        for uid, why in verdict.dropped.items():
+            log.warning("update out of bounds: left out of the version", msg_id=uid, reason=why)
+        log.warning(
+            "updates with no reference out of bounds: the buffer is folded again without them",
+            round=stats.round,
+            dropped=ctx.guard.screened.dropped,
+            capped=ctx.guard.screened.capped,
+        )
+        stats.update_ids = {c: uid for c, uid in stats.update_ids.items() if uid not in verdict.dropped}
+        screened = ctx.guard.screened
+        strategy = ctx.begin_strategy(stats, self.cfg.strategy)  # begins the guard afresh: keep its verdict
+        ctx.guard.screened = screened
+        _, spooled = ctx.spool.load(stats.round)
+        for key in _arrival_order(spooled):
+            body = ctx.spool.read_update(stats.round, key)
+            if body is None:
+                continue
+            env = messages.decode(body, limits=ctx.inbox.limits)
+            if env.msg_id in verdict.dropped:
+                continue
+            n = verdict.capped.get(env.msg_id, self.folded_n[env.msg_id])  # a cap is below the n folded
+            base, staleness = self.history[env.model_version], ctx.version - env.model_version
+            strategy.fold(ctx.decode_update(env, base, staleness, n_samples=n))
+        return strategy
 
     def _wind_down(self, owed: _Owed | None) -> None:
         """The last version is published: drop what is queued, and (durable spool) what is still owed, as
@@ -242,6 +277,7 @@ class AsyncRounds:
         )
         if update is None:
             return
+        self.folded_n[env.msg_id] = int(update.n_samples)
         if msg is not None:
             ctx.spool.save_update(stats.round, f"{env.client}-{arrival}", body)
         stats.update_ids[f"{env.client}#{arrival + 1}"] = env.msg_id
@@ -250,3 +286,8 @@ class AsyncRounds:
         stats.reported[env.client] = float(env.payload["loss"])
         if msg is not None:
             ctx.inbox.ack(msg)
+
+
+def _arrival_order(spooled: list[str]) -> list[str]:
+    """The open version's spool keys (``client-arrival``) in arrival order."""
+    return sorted(spooled, key=lambda k: int(k.rsplit("-", 1)[1]))

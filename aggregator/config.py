@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from fedmq import defaults, train_config
+from fedmq.aggregator.job_keys import (
+    DEFAULT_STRATEGY,
+    FORMER_KEYS,
+    STRATEGY_ALIASES,
+    JobConfigError,
+    named_fedmed_variant,
+    read_former_keys,
+    split_privacy_table,
+    split_strategy_table,
+)
+from fedmq.aggregator.privacy_settings import PRIVACY_TABLE, privacy_problem
 from fedmq.broker.wire.messages import RoundConfig
-from fedmq.errors import BadParameter, FedmqError
+from fedmq.errors import BadParameter
 from fedmq.params import check_values, unknown_parameter
 from fedmq.plugins import is_import_path
 from fedmq.train_config import TrainConfig
@@ -20,12 +30,9 @@ from fedmq.train_config import TrainConfig
 if TYPE_CHECKING:
     from fedmq.aggregator.strategies.base import RoundPlan, Strategy
 
-log = logging.getLogger(__name__)
-
-# what --strategy offers (the registry also holds the robust guards, chosen with --robust)
-STRATEGIES = (
-    "fedavg",
-    "fedsgd",
+# the strategies that weigh or pick clients by their models or losses (attention, JS weights, pulling): the
+# client-level DP wrapper (aggregator/strategies/private.py) cannot clip and noise what they do
+BY_MODEL = (
     "fedatt",
     "fedmed",
     "fedmed-relative",
@@ -33,6 +40,12 @@ STRATEGIES = (
     "pull-local",
     "pull-global",
     "pull-random",
+)
+# what --strategy offers (the registry also holds the robust guards, chosen with --robust)
+STRATEGIES = (
+    "fedavg",
+    "fedsgd",
+    *BY_MODEL,
     "async",
     "fedavgm",
     "fedadagrad",
@@ -41,16 +54,8 @@ STRATEGIES = (
     "fedprox",
     "scaffold",
 )
-# dynamic pulling (Passban et al.: DP_l, DP_g, random) was first named dp-*, which reads as differential
-# privacy; the old names stay accepted (configs, run folders) and are stored under the new ones
-STRATEGY_ALIASES = {"dp-l": "pull-local", "dp-g": "pull-global", "dp-random": "pull-random"}
-# FedMed's JS weights were a job setting, fedmed_js, before its variants had names
-# (aggregator/strategies/fedmed.py): a job file or run folder that has it is read as the strategy it ran
-FEDMED_JS = {"raw": "fedmed", "relative": "fedmed-relative", "standardised": "fedmed-standardised"}
-
-
-class JobConfigError(FedmqError):
-    pass
+# client-level differential privacy runs with every strategy that averages the clients' changes
+DP_STRATEGIES = tuple(s for s in STRATEGIES if s not in BY_MODEL)
 
 
 def _raise(msg: str) -> NoReturn:
@@ -85,124 +90,32 @@ FLAGS = {
     "seed": "--seed",
     "robust": "--robust",
     "max_samples_factor": "--max-samples-factor",
+    "dp": "--dp",
+    "clip_norm": "--clip-norm",
+    "clip_quantile": "--clip-quantile",
+    "noise_multiplier": "--noise-multiplier",
+    "target_epsilon": "--target-epsilon",
+    "delta": "--delta",
 }
-
-
-class FormerKey(NamedTuple):
-    """A former JobConfig key that was a built-in strategy's parameter (FORMER_KEYS)."""
-
-    strategy: str
-    param: str
-    kind: str  # its type, a KINDS key
-    flag: str = ""  # the simulate flag kept for it, an alias of the parameter
-
-
-# the JobConfig keys that were a built-in strategy's parameters and are now its constructor's (one way in,
-# one default: the constructor's, which is the value the job had). Old job files and run folders'
-# config.json that hold them are still read, each as the parameter of its strategy (read_former_keys); a
-# run of any other strategy ignores them, as it always did
-FORMER_KEYS = {
-    "att_eps": FormerKey("fedatt", "epsilon", "float", "--eps"),
-    "att_norm": FormerKey("fedatt", "norm", "str", "--norm"),
-    "async_k": FormerKey("async", "buffer_size", "int"),
-    "max_staleness": FormerKey("async", "max_staleness", "int"),
-    "server_lr": FormerKey("async", "server_lr", "float"),
-}
-_said: set[str] = set()  # the former keys this process has warned of (read_former_keys)
 
 
 # a JobConfig field's declared type: what a value may be (an int is never a bool) and how a mistake names it
 KINDS: dict[str, tuple[tuple[type, ...], str]] = {
     "int": ((int,), "a whole number"),
     "float": ((int, float), "a number"),
+    # None: unset (lr: the strategy's own, resolved when the job is built; z, E, δ: derived under DP)
+    "float | None": ((int, float, type(None)), "a number"),
+    "float | str": ((int, float, str), 'a number or "adaptive"'),  # clip_norm
     "bool": ((bool,), "true or false"),
     "str": ((str,), "a string"),
     "dict[str, Any]": ((dict,), "a table"),
 }
+FLOATS = ("float", "float | None", "float | str")  # the KINDS of a number field (a job file's ints: floats)
 
 
 def key(name: str) -> str:
     """A JobConfig field as an error message names it: the key, and its flag where it has one."""
     return f"{name} ({FLAGS[name]})" if name in FLAGS else name
-
-
-def split_strategy_table(values: dict[str, Any]) -> dict[str, Any]:
-    """A job file's ``[strategy]`` table (``name = "fedadam"`` and the strategy's parameters) as the
-    JobConfig keys ``strategy`` and ``strategy_args``; a plain ``strategy = "name"`` is left as it is."""
-    table = values.get("strategy")
-    if not isinstance(table, dict):
-        return values
-    args = dict(table)
-    name = args.pop("name", None)
-    if not isinstance(name, str):
-        raise JobConfigError('the [strategy] table needs name = "STRATEGY" (e.g. name = "fedadam")')
-    if "strategy_args" in values:
-        raise JobConfigError(
-            "give a strategy's parameters in the [strategy] table or as strategy_args, not both"
-        )
-    return {**values, "strategy": name, "strategy_args": args}
-
-
-def former_key_args(strategy: str, former: dict[str, Any]) -> dict[str, Any]:
-    """The parameters of ``strategy`` that the FORMER_KEYS in ``former`` set (another strategy's: none)."""
-    name = STRATEGY_ALIASES.get(strategy, strategy)
-    return {FORMER_KEYS[k].param: v for k, v in former.items() if FORMER_KEYS[k].strategy == name}
-
-
-def with_strategy_args(values: dict[str, Any], args: dict[str, Any], where: str) -> dict[str, Any]:
-    """``values`` with ``args`` added to its ``strategy_args``; a parameter given there with another value
-    is refused (``where``: how ``args`` were given)."""
-    given = values.get("strategy_args") or {}
-    if not isinstance(given, dict):
-        return values  # JobConfig names the wrong type
-    clash = sorted(p for p in args if p in given and given[p] != args[p])
-    if clash:
-        raise JobConfigError(
-            f"{where} sets {clash[0]} = {args[clash[0]]!r}, the strategy's parameters "
-            f"{clash[0]} = {given[clash[0]]!r}: give it once"
-        )
-    return {**values, "strategy_args": {**given, **args}} if args else values
-
-
-def read_former_keys(values: dict[str, Any]) -> dict[str, Any]:
-    """``values`` (a job file's or config.json's keys, the strategy a name) with each of the FORMER_KEYS read
-    as its strategy's parameter in ``strategy_args``, or dropped where the strategy is another. Says so once
-    per process: one warning line naming the old keys and the new form."""
-    former = {k: values[k] for k in FORMER_KEYS if k in values}
-    if not former:
-        return values
-    rest = {k: v for k, v in values.items() if k not in FORMER_KEYS}
-    strategy = rest.get("strategy", JobConfig.strategy)
-    args = former_key_args(strategy, former) if isinstance(strategy, str) else {}
-    new = sorted(k for k in former if k not in _said)
-    if new:
-        _said.update(new)
-        forms = "; ".join(
-            f"{k} -> {FORMER_KEYS[k].strategy} parameter {FORMER_KEYS[k].param} "
-            f"([strategy] {FORMER_KEYS[k].param} = ..., --strategy-arg {FORMER_KEYS[k].param}=...)"
-            for k in new
-        )
-        log.warning(
-            "former job key(s), now a strategy's parameters (read as such for that strategy): %s", forms
-        )
-    names = ", ".join(sorted(former))
-    return with_strategy_args(rest, args, names)
-
-
-def named_fedmed_variant(values: dict[str, Any]) -> dict[str, Any]:
-    """``values`` without the former ``fedmed_js`` key: a ``fedmed`` job that set it to other JS weights than
-    the paper's is the variant of that name (FEDMED_JS); any other strategy never read it."""
-    if "fedmed_js" not in values:
-        return values
-    values = dict(values)
-    js = values.pop("fedmed_js")
-    if values.get("strategy") == "fedmed":
-        if js not in FEDMED_JS:
-            raise JobConfigError(
-                f"unknown fedmed_js {js!r}; use the strategy fedmed-relative or fedmed-standardised"
-            )
-        values["strategy"] = FEDMED_JS[js]
-    return values
 
 
 @dataclass(frozen=True)
@@ -211,7 +124,7 @@ class JobConfig:
     ``dataclasses.replace(cfg, ...)``, which validates again."""
 
     job: str = "demo"
-    strategy: str = "fedavg"
+    strategy: str = DEFAULT_STRATEGY
     rounds: int = 5  # sync: rounds; async: global versions to publish
     clients: int = 10  # K, the number of agents in the federation
     fraction: float = 0.5  # C: m = max(C*K, 1) agents selected per round
@@ -239,7 +152,7 @@ class JobConfig:
     error_feedback: bool = True
     epochs: int = defaults.EPOCHS
     batch_size: int = defaults.BATCH_SIZE
-    lr: float = defaults.LR
+    lr: float | None = None  # None: the strategy's default (defaults.lr_for: FedSGD's own, else defaults.LR)
     optimizer: str = defaults.OPTIMIZER
     momentum: float = defaults.MOMENTUM
     lr_decay: float = defaults.LR_DECAY  # local: lr × this after every local epoch
@@ -271,6 +184,20 @@ class JobConfig:
     # out
     max_samples_factor: float = 4.0
     norm_bound_factor: float = 10.0
+    # client-level differential privacy (docs/guide/privacy.md; a job file's [privacy] table): none, central
+    # (the aggregator clips every update and noises their sum) or client (every agent clips its update and
+    # adds its share of the noise)
+    dp: str = "none"
+    # S, the L2 bound on one client's update (all its tensors together), or "adaptive": S follows the target
+    # quantile clip_quantile of the updates' norms (Andrew et al. 2021)
+    clip_norm: float | str = 1.0
+    clip_quantile: float = 0.5
+    # z: the noise's standard deviation is z·S; unset: derived from target_epsilon, else the default
+    # (aggregator/privacy.py, DEFAULT_NOISE_MULTIPLIER)
+    noise_multiplier: float | None = None
+    # E: z is derived so that the planned rounds spend at most E, and the job stops before passing it
+    target_epsilon: float | None = None
+    delta: float | None = None  # δ of (ε, δ); unset: 1/K^1.1 (fedmq.privacy.accountant.default_delta)
     # the strategy's own parameters: its constructor's keyword arguments (the job file's [strategy] table,
     # --strategy-arg KEY=VALUE), checked against its signature when the strategy is built
     strategy_args: dict[str, Any] = field(default_factory=dict)
@@ -279,8 +206,15 @@ class JobConfig:
     def __post_init__(self) -> None:
         if isinstance(self.strategy, str):  # validate() names a strategy of any other type
             object.__setattr__(self, "strategy", STRATEGY_ALIASES.get(self.strategy, self.strategy))
+        if self.lr is None and isinstance(self.strategy, str):
+            object.__setattr__(self, "lr", defaults.lr_for(self.strategy))
         if self.encoding == "auto":
             object.__setattr__(self, "encoding", "raw" if self.pull_down else "delta+bf16")
+        if isinstance(self.clip_norm, str) and self.clip_norm != "adaptive":  # a flag's text: a number
+            try:
+                object.__setattr__(self, "clip_norm", float(self.clip_norm))
+            except ValueError:
+                _raise(f'{key("clip_norm")} must be a number or "adaptive", got {self.clip_norm!r}')
         self.validate()
 
     def validate(self) -> None:
@@ -291,6 +225,7 @@ class JobConfig:
         self._check_round_shape()
         self._check_ranges()
         self._check_choices()
+        self._check_privacy()
 
     def _check_names(self) -> None:
         """The job id, the encodings and the strategy name."""
@@ -405,6 +340,12 @@ class JobConfig:
         ):
             bad(f"{key('identity')} must be strict or shared:USER")
 
+    def _check_privacy(self) -> None:
+        """The differential-privacy settings (aggregator/privacy_settings.py): one line, the first wrong."""
+        why = privacy_problem(self, key, DP_STRATEGIES)
+        if why is not None:
+            _raise(why)
+
     def _check_strategy_args(self) -> None:
         """The strategy's arguments: a table of parameters, and a built-in strategy's by name, from its
         constructor's signature (read without torch: aggregator.strategies.signatures); their values are the
@@ -430,7 +371,7 @@ class JobConfig:
             kind, words = KINDS[str(f.type)]
             if (isinstance(value, bool) and f.type != "bool") or not isinstance(value, kind):
                 raise JobConfigError(f"{key(f.name)} must be {words}, got {value!r}")
-            if f.type == "float" and not math.isfinite(value):
+            if f.type in FLOATS and isinstance(value, (int, float)) and not math.isfinite(value):
                 raise JobConfigError(f"{key(f.name)} must be finite, got {value!r}")
 
     @property
@@ -476,6 +417,15 @@ class JobConfig:
         """m, the agents selected per round: max(C·K, 1), or all K when the strategy's plan selects all."""
         return self.clients if self.plan.select_all else max(int(self.fraction * self.clients), 1)
 
+    def most_selected(self) -> int:
+        """The most agents a synchronous round selects: m, or under DP's Poisson sampling (every agent with
+        probability C) qK + 6 standard deviations, exceeded with probability below 1e-9; at most K. What the
+        inbox's windows and a simulation's memory are sized for."""
+        if self.dp == "none" or self.plan.select_all:
+            return self.selected_count()
+        mean = self.fraction * self.clients
+        return min(self.clients, math.ceil(mean + 6 * math.sqrt(mean * (1 - self.fraction))) + 1)
+
     def round_lr(self, round_number: int, scale: float = 1.0) -> float:
         """The clients' learning rate in round ``round_number`` (1-based): lr × round_lr_decay^(round − 1),
         × ``scale`` (what annealing on validation left: the engine's, see ``lr_anneal``)."""
@@ -506,7 +456,7 @@ class JobConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> JobConfig:
         """A job file's or config.json's keys; ``strategy`` may be a table: its ``name`` and parameters."""
-        values = read_former_keys(named_fedmed_variant(split_strategy_table(values)))
+        values = read_former_keys(named_fedmed_variant(split_strategy_table(split_privacy_table(values))))
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -550,8 +500,14 @@ def read_job_file(path: Path) -> JobFile:
     task = raw.pop("task", {})
     if not isinstance(task, dict):
         raise JobConfigError(f"config file {path}: task must be a [task] table")
+    flat = sorted(k for k in raw if k in PRIVACY_TABLE.values())
+    if flat:
+        raise JobConfigError(
+            f"config file {path}: {flat[0]} belongs in the [privacy] table "
+            f"({'mode' if flat[0] == 'dp' else flat[0]} = ...)"
+        )
     try:
-        raw = named_fedmed_variant(split_strategy_table(raw))
+        raw = named_fedmed_variant(split_strategy_table(split_privacy_table(raw)))
     except JobConfigError as exc:
         raise JobConfigError(f"config file {path}: {exc}") from None
     # the former keys are read as their strategy's parameters once the strategy is known (JobConfig.from_dict;
@@ -569,5 +525,6 @@ def read_job_file(path: Path) -> JobFile:
         types, words = KINDS[kinds[key]]
         if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
             raise JobConfigError(f"config file {path}: {key} must be {words}, got {value!r}")
-        job[key] = float(value) if kinds[key] == "float" else value
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        job[key] = float(value) if kinds[key] in FLOATS and number else value
     return JobFile(path, job, task)

@@ -47,11 +47,14 @@ from fedmq.aggregator.mediator import Mediator
 from fedmq.aggregator.model_stream import Forms, ModelStream
 from fedmq.aggregator.presence import Presence
 from fedmq.aggregator.presence_budget import PresenceBudget
+from fedmq.aggregator.privacy import dp_plan
+from fedmq.aggregator.privacy_ledger import PrivacyLedger
 from fedmq.aggregator.records import ONLINE_NAMES, RoundRecord, guard_summary, no_round_completed
 from fedmq.aggregator.rounds import Arrival, RoundStats
 from fedmq.aggregator.runlog import RunLog
 from fedmq.aggregator.spool import RoundSpool
 from fedmq.aggregator.strategies.base import ClientUpdate, State, Strategy
+from fedmq.aggregator.strategies.private import Private
 from fedmq.aggregator.strategies.registry import client_map, strategy_class, strategy_from_config
 from fedmq.aggregator.sync_round import SyncRound
 from fedmq.broker.transport import topology
@@ -96,6 +99,7 @@ class Engine:
         evaluate: bool = True,
         on_round: Callable[[dict], None] | None = None,
         device: str = "cpu",
+        noise_seed: int | None = None,
     ) -> None:
         self.broker = broker
         self.task = task
@@ -118,7 +122,16 @@ class Engine:
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.runlog = RunLog(self.run_dir)
         self.mediator = Mediator(epsilon=cfg.loss_eps)
-        self.guard = RoundGuard(cfg.max_samples_factor, cfg.norm_bound_factor)
+        # differential privacy (aggregator/privacy.py): the plan, the accountant, and where the noise comes
+        # from (the OS CSPRNG; `fedmq simulate` alone passes the job's seed as ``noise_seed``)
+        plan = dp_plan(cfg, self.buffer_size)
+        self.privacy = PrivacyLedger(plan, noise_seed) if plan is not None else None
+        self.noise_seed = noise_seed
+        # under DP each update's norm is bounded by the clip norm, and a guard whose choice depends on the
+        # other clients' norms would break that bound's analysis: the influence guard is off
+        self.guard = (
+            RoundGuard(0, 0) if self.privacy else RoundGuard(cfg.max_samples_factor, cfg.norm_bound_factor)
+        )
         self.model = task.build_model(cfg.seed)
         self.global_state = {k: v.detach().clone().float() for k, v in model_state(self.model).items()}
         self.model_names = set(self.global_state)  # the task's tensors; the rest are the strategy's (extras)
@@ -151,6 +164,7 @@ class Engine:
         # the inbox's active consumer: only it writes status.json (a standby shares the folder)
         self._active = False
         self.last_row: dict[str, Any] = {}
+        self.budget_spent = False  # the target ε ended the job (within_budget)
         self.phase = "starting"
         self._consumer: str | None = None
         self._folds = 0  # updates taken to fold, for RELEASE_EVERY
@@ -186,7 +200,7 @@ class Engine:
             if self.cfg.mode == "async":
                 AsyncRounds(self).run()
             else:
-                while self.round <= self.cfg.rounds and not self.stop.is_set():
+                while self.round <= self.cfg.rounds and not self.stop.is_set() and self.within_budget():
                     SyncRound(self).run()
         finally:
             if self._consumer:
@@ -219,7 +233,16 @@ class Engine:
 
     def _all_rounds_done(self) -> bool:
         done = self.version >= self.cfg.rounds if self.cfg.mode == "async" else self.round > self.cfg.rounds
-        return done and not self.stop.is_set()
+        return (done or self.budget_spent) and not self.stop.is_set()
+
+    def within_budget(self) -> bool:
+        """Whether one more release keeps ε within the job's target ε (aggregator.privacy_ledger). When it
+        would not, the job ends here, between rounds, as if its rounds were done: the last round's checkpoint
+        holds the final model."""
+        if self.privacy is None or self.privacy.within_budget():
+            return True
+        self.budget_spent = True
+        return False
 
     def _end_job(self) -> None:
         """Tell every agent the job is over (one message to the control binding every agent's queue has): they
@@ -248,14 +271,14 @@ class Engine:
         """
         chunk_limit = getattr(self.broker, "chunk_limit", DEFAULT_CHUNK_LIMIT)
         per_update = message_chunks(self.manifest.message_bound, chunk_limit)
-        return min(MAX_PREFETCH, max(64, self.cfg.selected_count() * per_update + 16))
+        return min(MAX_PREFETCH, max(64, self.cfg.most_selected() * per_update + 16))
 
     def _reassembly(self) -> ReassemblyLimits:
         """Bounds on incomplete chunked updates, from the manifest: one is at most one update message; a
         sender (routing key, i.e. agent) may have two pending (a restarted agent's new upload beside its dead
         partial one); all together, two more than the agents that may upload at once."""
         m = self.inbox.limits.max_message_bytes
-        uploaders = self.cfg.clients if self.cfg.mode == "async" else self.cfg.selected_count()
+        uploaders = self.cfg.clients if self.cfg.mode == "async" else self.cfg.most_selected()
         return ReassemblyLimits(
             max_message_size=m, max_pending_bytes=(uploaders + 2) * m, max_pending_per_sender=2 * m
         )
@@ -275,6 +298,7 @@ class Engine:
             "dropped": dict(self.inbox.dropped),
             # presence dropped over its sender's budget (aggregator.presence_budget), by sender
             "presence_over_budget": dict(self.inbox.budget.over) if self.inbox.budget else {},
+            **(self.privacy.record() if self.privacy else {}),  # ε spent so far, under DP
         }
 
     # ------------------------------------------------------------------ presence (aggregator.presence)
@@ -292,9 +316,12 @@ class Engine:
         self._write_status()
         return left
 
-    def wait_for_agents(self, needed: int, timeout: float) -> None:
-        """Handle presence (nothing else can arrive before an announce) until enough agents are online and
-        every heartbeat queued when the wait began is counted. Draining matters: heartbeats that queued up
+    def wait_for_agents(
+        self, needed: int, timeout: float, handle: Callable[[Received], None] | None = None
+    ) -> None:
+        """Handle presence (nothing else can arrive before an announce; ``handle``, when given, takes every
+        message instead) until enough agents are online and every heartbeat queued when the wait began is
+        counted. Draining matters: heartbeats that queued up
         while the aggregator was busy (evaluation, checkpoint) would otherwise look stale, and selection would
         sample from just the first ``needed`` agents read instead of from every live one. Only that backlog:
         with many agents heartbeats keep arriving, and waiting for an empty inbox could take the whole
@@ -306,7 +333,7 @@ class Engine:
                 return
             msg = self.inbox.next(min(0.2, deadline - time.time()))
             if msg is not None:
-                self._dispatch_idle(msg)
+                (handle or self._dispatch_idle)(msg)
 
     def _dispatch_idle(self, msg: Received) -> None:
         if msg.env.kind is Kind.PRESENCE:
@@ -393,6 +420,8 @@ class Engine:
         """The round's strategy ``choice`` built from the job's settings and begun with the global model;
         ``extra`` from a first pass (second_pass)."""
         stats.strategy, strategy = strategy_from_config(choice, self.cfg, **extra)
+        if isinstance(strategy, Private):
+            strategy.draw_from(self.noise_seed, stats.round)
         strategy.load_state_dict(self.strategy_state.get(stats.strategy, {}))
         self.guard.begin()
         strategy.begin(self.global_state)
@@ -410,7 +439,7 @@ class Engine:
         if self._folds % RELEASE_EVERY == 0:
             release_free()
         try:
-            update = self._decode_update(env, base, arrival.staleness)
+            update = self.decode_update(env, base, arrival.staleness)
         except CodecError as exc:
             reason, detail = exc.reason, str(exc)
         except Exception as exc:  # never let a hostile update crash the engine
@@ -431,6 +460,7 @@ class Engine:
                 RuntimeError,
             ) as exc:  # strategies validate before folding
                 reason, detail = "rejected-by-strategy", str(exc)
+                self.guard.withdraw(update)
             else:
                 stats.received.append(env.client)
                 stats.bytes_up += arrival.size
@@ -442,9 +472,11 @@ class Engine:
             self.inbox.count_rejection(reason, detail)
         return None
 
-    def _decode_update(
+    def decode_update(
         self, env: Envelope, base: State, staleness: int = 0, n_samples: int | None = None
     ) -> ClientUpdate:
+        """``env``'s update as a delta from ``base`` (checked against the manifest); ``n_samples`` replaces
+        its claim (a weight the guard capped)."""
         tensors = decode_state(env.payload["tensors"], self.manifest, base, as_delta=True)
         return ClientUpdate(
             env.client,
@@ -495,6 +527,10 @@ class Engine:
             self._note_folded_from(stats.trained_from)
         else:
             log.warning("round skipped", round=stats.round, reason=skipped)
+        if self.privacy is not None and (skipped is None or cfg.mode == "sync"):
+            # a synchronous round is a release whether or not it closes (conservative: a skip says only that
+            # too few came); an asynchronous version is one when published
+            self.privacy.release()
         score = self._evaluate(stats.round) if skipped is None else None
         record = self._record(stats, score, weights, skipped, verdict)
         self.round += 1
@@ -566,7 +602,7 @@ class Engine:
                 continue
             env = messages.decode(body)
             n = min(env.payload["n_samples"], verdict.capped.get(client, env.payload["n_samples"]))
-            strategy.fold(self._decode_update(env, self.global_state, n_samples=n))
+            strategy.fold(self.decode_update(env, self.global_state, n_samples=n))
         return strategy
 
     def _evaluate(self, rnd: int) -> float | None:
@@ -607,6 +643,9 @@ class Engine:
         verdict: Verdict,
     ) -> RoundRecord:
         losses = list(stats.reported.values())
+        reported, privacy = stats.reported, {}
+        if self.privacy is not None:  # under DP no client's own loss or weight is recorded: ε and δ instead
+            losses, reported, privacy = [], {}, self.privacy.record()
         return RoundRecord(
             round=stats.round,
             time=time.time(),
@@ -618,8 +657,8 @@ class Engine:
             online=tuple(stats.online) if len(stats.online) <= ONLINE_NAMES else (),
             online_count=len(stats.online),
             selected=tuple(stats.selected),
-            reported=tuple(sorted(stats.reported)),
-            losses=dict(sorted(stats.reported.items())),
+            reported=tuple(sorted(reported)),
+            losses=dict(sorted(reported.items())),
             granted=tuple(stats.granted),
             received=tuple(sorted(stats.received)),
             update_ids=dict(sorted(stats.update_ids.items())),
@@ -636,6 +675,7 @@ class Engine:
             dropped_msgs=dict(self.inbox.dropped),
             guard=verdict.record() if verdict else None,
             unreachable=dict(sorted(stats.unreachable.items())) or None,
+            **privacy,
         )
 
     # ------------------------------------------------------------------ checkpoints
@@ -655,6 +695,7 @@ class Engine:
                 "guard": self.guard.state_dict(),
                 "lr_scale": self.lr_scale,
                 "folded_from": self.folded_from,
+                **(self.privacy.state_dict() if self.privacy else {}),
             },
             keep=self.cfg.keep_checkpoints,
         )
@@ -675,6 +716,7 @@ class Engine:
         self.lr_scale = float(ckpt.extra.get("lr_scale", 1.0))
         self.folded_from = {str(c): int(v) for c, v in (ckpt.extra.get("folded_from") or {}).items()}
         self.guard.load_state_dict(ckpt.extra.get("guard"))
+        PrivacyLedger.restore(self.privacy, ckpt.extra)
         self.runlog.truncate_after(self.round - 1)
         log.info("resumed from checkpoint", round=self.round, version=self.version)
 
@@ -717,4 +759,5 @@ class Engine:
             if self.stop.is_set()
             else no_round_completed(rows, self.inbox.rejected),
             "inbox_left": self.inbox.left(),
+            **(self.privacy.summary(self.budget_spent) if self.privacy else {}),
         }

@@ -28,12 +28,23 @@ same ``n_samples`` and wipes the model. The engine therefore
 Asynchronous mode folds each update as it arrives, so :meth:`RoundGuard.screen` judges it *before* folding,
 against the newest accepted (n, ‖Δ‖) of every *other* client (one vote per client, so an agent sending many
 updates cannot fill the reference, and never its own), by their upper median (with two others, the larger:
-a near-zero update cannot pull it down): ‖Δ_k‖ > ``norm_factor`` × that reference rejects the update. With
-fewer than two other clients there is no reference, and an update moving the model by more than
-NO_REFERENCE_SHARE × ‖θ‖ is shortened to that length (counted as capped): an honest first step of a small
-model may be that large, and dropping it would leave the job with no reference ever, while one shortened
-update can at most halve the model; n_k > ``samples_factor`` × that reference
-(needs one) caps its weight. An update whose ‖Δ‖ is not a float32 number is rejected whatever the history.
+a near-zero update cannot pull it down): ‖Δ_k‖ > ``norm_factor`` × that reference rejects the update, and
+n_k > ``samples_factor`` × that reference (needs one other client) caps its weight. An update whose ‖Δ‖ is
+not a float32 number is rejected whatever the history.
+
+With fewer than two other clients there is no reference (the first updates of a job; every update of a job
+with two clients), and one update cannot be judged alone: it is *held* -- folded for now, its (n, ‖Δ‖)
+noted -- and at the buffer's close :meth:`RoundGuard.judge_held` judges the held updates together by the
+synchronous rules above (three or more: their own lower median; fewer: the history, else dropped beyond
+NO_REFERENCE_SHARE × ‖θ‖, θ the model the buffer folds into), then the accepted ones become their clients'
+votes. When it drops or caps one, the engine folds the buffer again from its spool (aggregator.async_rounds).
+So the first version obeys the bound of a synchronous round of as many updates: with one hostile update
+among three or more, their lower median lies within the honest norms (and claims), so it is kept only
+within ``norm_factor`` × that median and weighs at most ``samples_factor`` × the median n. Held updates
+are spooled and acked as any other and judged from the spool's replay after a restart, and the verdict
+depends on the set of held updates, not on their order. (Before, each was shortened to
+NO_REFERENCE_SHARE × ‖θ‖ and folded with its n uncapped: −θ with n = 2**52 as a job's first update took the
+whole weight of version 1 and halved the model.)
 
 Whatever the bounds, an aggregate with a NaN/Inf is never published or checkpointed (:func:`first_nonfinite`):
 the round closes without an update. Needing the whole round (a median) is why the verdict waits for the close:
@@ -45,7 +56,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,14 +77,6 @@ def delta_norm(update: ClientUpdate, global_state: Mapping[str, torch.Tensor]) -
         t.detach().float() if update.delta else t.detach().float() - global_state[name].float()
         for name, t in update.tensors.items()
     )
-
-
-def _shorten(update: ClientUpdate, base: Mapping[str, torch.Tensor], scale: float) -> None:
-    """Scale the update's change Δ_k by ``scale`` in place: θ_k becomes θ + scale·(θ_k − θ)."""
-    update.tensors = {
-        name: t * scale if update.delta else base[name].to(t.dtype) + (t - base[name].to(t.dtype)) * scale
-        for name, t in update.tensors.items()
-    }
 
 
 def norm_of(tensors: Iterable[torch.Tensor]) -> float:
@@ -135,7 +138,8 @@ class RoundGuard:
 
     A factor of 0 turns its bound off. A round's own reference needs three updates; with fewer, the history
     of earlier rounds is the reference, and without history the model's norm bounds an update
-    (NO_REFERENCE_SHARE).
+    (NO_REFERENCE_SHARE). Asynchronous updates with no reference are held and judged the same way at the
+    buffer's close (:meth:`judge_held`).
     """
 
     def __init__(self, samples_factor: float, norm_factor: float) -> None:
@@ -146,11 +150,14 @@ class RoundGuard:
         self.history_n: deque[float] = deque(maxlen=HISTORY)
         self.history_norm: deque[float] = deque(maxlen=HISTORY)
         self.latest: dict[str, tuple[int, float]] = {}  # async: client -> its newest accepted (n, ‖Δ‖)
-        self.screened = Verdict()  # async: this buffer's updates rejected or capped before folding
+        self.screened = Verdict()  # async: this buffer's updates rejected or capped
+        # async: this buffer's updates with no reference yet, update id -> (client, n, ‖Δ‖) (judge_held)
+        self.held: dict[str, tuple[str, int, float]] = {}
 
     def begin(self) -> None:
         self.facts = {}
         self.screened = Verdict()
+        self.held = {}
         self._global: Mapping[str, torch.Tensor] = {}
 
     def note(self, update: ClientUpdate, global_state: Mapping[str, torch.Tensor]) -> None:
@@ -160,27 +167,32 @@ class RoundGuard:
 
     def verdict(self) -> Verdict:
         """The round's verdict; a round of three updates or more also becomes part of the history."""
+        return self._judge(self.facts, lambda: norm_of(self._global.values()))
+
+    def _judge(self, facts: Mapping[str, tuple[int, float]], model_norm: Callable[[], float]) -> Verdict:
+        """The synchronous rules over ``facts`` (key -> (n, ‖Δ‖)), keyed as they are; ``model_norm``: ‖θ‖,
+        read only when there is no reference. Three facts or more also become part of the history."""
         out = Verdict()
-        k = len(self.facts)
+        k = len(facts)
         if k == 0:
             return out
-        norms = [norm for _, norm in self.facts.values()]
-        ns = [float(n) for n, _ in self.facts.values()]
+        norms = [norm for _, norm in facts.values()]
+        ns = [float(n) for n, _ in facts.values()]
         if self.norm_factor > 0:
             ref, what = self._reference(norms, self.history_norm)
-            model = norm_of(self._global.values()) if ref is None else 0.0
-            for client, (_, norm) in sorted(self.facts.items()):
+            model = model_norm() if ref is None else 0.0
+            for key, (_, norm) in sorted(facts.items()):
                 why = self._norm_rule(norm, ref, what, model)
                 if why is not None:
-                    out.dropped[client] = why
+                    out.dropped[key] = why
         if self.samples_factor > 0 and k >= 2:
             ref_n, _ = self._reference(ns, self.history_n)
             if k == 2:  # never below what the round itself says: a claim of n = 1 cannot shrink the other
                 ref_n = max(lower_median(ns), ref_n or 0.0)
             cap = max(1, int(self.samples_factor * (ref_n or 0.0)))
-            for client, (n, _) in sorted(self.facts.items()):
-                if n > cap and client not in out.dropped:
-                    out.capped[client] = cap
+            for key, (n, _) in sorted(facts.items()):
+                if n > cap and key not in out.dropped:
+                    out.capped[key] = cap
         if k >= 3:
             self.history_norm.append(lower_median(norms))
             self.history_n.append(lower_median(ns))
@@ -210,20 +222,14 @@ class RoundGuard:
 
     def screen(self, update: ClientUpdate, base: Mapping[str, torch.Tensor]) -> str | None:
         """Asynchronous mode: judge one update before it is folded (module docstring). Returns why it is
-        rejected, or None; a claimed n over the bound is capped in ``update`` itself."""
+        rejected, or None; a claimed n over the bound is capped in ``update`` itself. An update with no
+        reference yet (fewer than two other clients) is *held*: folded for now, judged with the buffer's
+        other held updates at its close (:meth:`judge_held`)."""
         norm = delta_norm(update, base)
         others = [v for c, v in self.latest.items() if c != update.client]
-        if self.norm_factor == 0:
-            why = beyond_float32(norm)
-        elif len(others) >= 2:
+        why = beyond_float32(norm)
+        if why is None and self.norm_factor > 0 and len(others) >= 2:
             why = self._norm_rule(norm, upper_median([nm for _, nm in others]), "other clients' median", 0.0)
-        else:  # no reference yet: an honest first step may be large, so it is shortened, not dropped
-            why = beyond_float32(norm)
-            bound = NO_REFERENCE_SHARE * norm_of(base.values())
-            if why is None and norm > bound > 0:
-                _shorten(update, base, bound / norm)
-                norm = bound
-                self.screened.capped[update.client] = int(update.n_samples)
         if why is not None:
             self.screened.dropped[update.client] = why
             return why
@@ -233,8 +239,32 @@ class RoundGuard:
             if n > cap:
                 update.n_samples = n = cap
                 self.screened.capped[update.client] = cap
-        self.latest[update.client] = (n, norm)
+        if len(others) < 2 and (self.norm_factor > 0 or self.samples_factor > 0):
+            self.held[update.update_id or update.client] = (update.client, n, norm)
+        else:
+            self.latest[update.client] = (n, norm)
         return None
+
+    def withdraw(self, update: ClientUpdate) -> None:
+        """``update`` passed :meth:`screen` but was not folded (its strategy refused it): judge it no more."""
+        self.held.pop(update.update_id or update.client, None)
+
+    def judge_held(self, global_state: Mapping[str, torch.Tensor]) -> Verdict:
+        """Asynchronous mode, at a buffer's close: its held updates judged together by the synchronous rules
+        (:meth:`verdict`; ``global_state``, the model the buffer folds into, is the no-reference scale). The
+        verdict is keyed by update id (the caller folds the buffer again when it is not empty); ``screened``
+        names the clients, and the accepted updates become their clients' votes."""
+        facts = {key: (n, norm) for key, (_, n, norm) in self.held.items()}
+        out = self._judge(facts, lambda: norm_of(global_state.values()))
+        for key, (client, n, norm) in self.held.items():  # in arrival order: a client's newest vote wins
+            if key in out.dropped:
+                self.screened.dropped[client] = out.dropped[key]
+                continue
+            if key in out.capped:
+                n = self.screened.capped[client] = out.capped[key]
+            self.latest[client] = (n, norm)
+        self.held = {}
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """What a restarted aggregator needs to judge as this one would (kept in the checkpoint)."""

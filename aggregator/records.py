@@ -65,6 +65,9 @@ class RoundRecord:
     guard: dict[str, Any] | None = None  # aggregator.guards.Verdict.record(), when the round's guard acted
     # selected clients left out because the broker could not deliver to them: client -> why (only when any)
     unreachable: dict[str, str] | None = None
+    # under differential privacy: ε spent after this round (None while unbounded) and its δ; only then written
+    epsilon: float | None = None
+    delta: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # keys of other writers, kept as they are
 
     def to_json(self) -> dict[str, Any]:
@@ -78,6 +81,8 @@ class RoundRecord:
             out["unreachable"] = self.unreachable
         if self.online_count is not None:
             out["online_count"] = self.online_count
+        if self.delta is not None:  # a DP run: ε (null while unbounded) and δ in every row
+            out["epsilon"], out["delta"] = self.epsilon, self.delta
         return {**out, **self.extra}
 
     @classmethod
@@ -145,6 +150,8 @@ _SCALARS = {
     "bytes_up_raw": _INTEGER,
     "bytes_down_raw": _INTEGER,
     "wall_s": _NUMBER,
+    "epsilon": _NUMBER,
+    "delta": _NUMBER,
 }
 _MAPS = {
     "losses": (is_number, "numbers"),
@@ -155,7 +162,7 @@ _MAPS = {
 }
 _KNOWN = {f.name for f in fields(RoundRecord)} - {"extra"}
 # keys written only when the round has them
-_ONLY_WHEN_SET = ("guard", "unreachable", "online_count", "extra")
+_ONLY_WHEN_SET = ("guard", "unreachable", "online_count", "epsilon", "delta", "extra")
 
 
 def guard_summary(rows: Iterable[RoundRecord]) -> dict[str, int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -86,10 +87,15 @@ class RoundContext(Protocol):
     folded_from: dict[str, int]  # client -> newest version a folded update of it trained from (async)
     buffer_size: int  # async: K, fold every K arrivals (the strategy's; aggregator.async_rounds.async_window)
     max_staleness: int  # async: the oldest version an update may train from, this many back
+    noise_seed: int | None  # DP: the job's seed where noise and sampling are seeded (simulate), else None
 
     def online(self) -> list[str]: ...
 
-    def wait_for_agents(self, needed: int, timeout: float) -> None: ...
+    def within_budget(self) -> bool: ...  # one more release keeps ε within the job's target (DP)
+
+    def wait_for_agents(
+        self, needed: int, timeout: float, handle: Callable[[Received], None] | None = None
+    ) -> None: ...
 
     def note_presence(self, msg: Received) -> list[str]: ...
 
@@ -104,6 +110,10 @@ class RoundContext(Protocol):
     def fold(
         self, stats: RoundStats, strategy: Strategy, arrival: Arrival, *, screen: bool = False
     ) -> ClientUpdate | None: ...
+
+    def decode_update(
+        self, env: Envelope, base: State, staleness: int = 0, n_samples: int | None = None
+    ) -> ClientUpdate: ...
 
     def note_trained_from(self, client: str, version: int) -> None: ...
 

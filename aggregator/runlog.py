@@ -49,6 +49,8 @@ CSV_COLUMNS = (
     "skipped",
     "skip_reason",
     "wall_s",
+    "epsilon",
+    "delta",
     "bytes_up",
     "bytes_down",
     "bytes_up_raw",
@@ -236,6 +238,8 @@ def board_scalars(record: RoundRecord) -> dict[str, float]:
         out[f"participation/{key}"] = float(len(getattr(record, key)))
     out["participation/skipped"] = float(record.skipped)
     out["round/wall_s"] = float(record.wall_s or 0)
+    if record.epsilon is not None:
+        out["privacy/epsilon"] = float(record.epsilon)
     for client, weight in sorted(record.weights.items()):
         out[f"weights/{client}"] = float(weight)
     return out

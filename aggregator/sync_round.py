@@ -34,6 +34,7 @@ from fedmq.broker.transport.errors import Undeliverable
 from fedmq.broker.wire import messages
 from fedmq.broker.wire.envelope import Envelope, Kind
 from fedmq.errors import CodecError
+from fedmq.privacy.accountant import poisson_sample
 
 log = structlog.get_logger(__name__)
 
@@ -81,7 +82,10 @@ class SyncRound:
                         spooled.get("strategy"),
                     )
         if not stats.selected:
-            ctx.close_round(stats, None, skipped="nobody reachable" if stats.unreachable else "nobody online")
+            why = "nobody reachable" if stats.unreachable else "nobody online"
+            ctx.close_round(
+                stats, None, skipped="nobody sampled" if stats.online and cfg.dp != "none" else why
+            )
             return
         strategy = self._collect(spooled, spooled_updates)
         if ctx.stop.is_set():  # interrupted (Ctrl-C, SIGTERM): the round stays open in the spool for --resume
@@ -97,8 +101,16 @@ class SyncRound:
             ctx.wait_for_agents(cfg.selected_count(), cfg.presence_window_s)
         stats.online = ctx.online()
         rng = random.Random(f"{cfg.seed}/select/{stats.round}")
-        m = min(cfg.selected_count(), len(stats.online))
-        stats.selected = sorted(rng.sample(stats.online, m)) if m else []
+        if cfg.dp != "none" and not cfg.plan.select_all:
+            # under DP, Poisson sampling with rate C, as the accountant assumes (aggregator/privacy.py): each
+            # online client independently, so a client offline when sampled simply does not contribute. The
+            # sample must be secret: the OS's secure source, seeded only where the noise is (`fedmq simulate`)
+            secret = ctx.noise_seed is None
+            sampler = random.SystemRandom() if secret else rng
+            stats.selected = poisson_sample(sampler, sorted(stats.online), cfg.fraction)
+        else:
+            m = min(cfg.selected_count(), len(stats.online))
+            stats.selected = sorted(rng.sample(stats.online, m)) if m else []
         ctx.spool.save_online(stats.round, stats.online)
         self._save(None, None)
         if stats.selected:

@@ -27,6 +27,7 @@ from typing import Any
 
 import pika
 
+from fedmq.benchmarks import markdown
 from fedmq.broker.transport import topology as t
 from fedmq.broker.transport.connect import connect
 
@@ -166,20 +167,27 @@ def bench_broker(
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (
-        "| path | size MB | msgs | publish MB/s | publish msg/s | consume MB/s | consume msg/s "
-        "| publish vs pika | consume vs pika | publish CPU s/GB | consume CPU s/GB |"
-    )
-    lines = [head, "|" + "---|" * 11]
-    for r in rows:
-        pv = f"{r['publish_vs_pika']:.0%}" if "publish_vs_pika" in r else "-"
-        cv = f"{r['consume_vs_pika']:.0%}" if "consume_vs_pika" in r else "-"
-        lines.append(
-            f"| {r['path']} | {r['size_mb']} | {r['messages']} | {r['publish_MBps']:.1f} | "
-            f"{r['publish_msgps']:.1f} | {r['consume_MBps']:.1f} | {r['consume_msgps']:.1f} | {pv} | {cv} | "
-            f"{r['publish_cpu_s_per_GB']:.2f} | {r['consume_cpu_s_per_GB']:.2f} |"
-        )
-    return "\n".join(lines)
+    columns = (
+        "path, size MB, msgs, publish MB/s, publish msg/s, consume MB/s, consume msg/s, publish vs pika, "
+        "consume vs pika, publish CPU s/GB, consume CPU s/GB"
+    ).split(", ")
+    cells = [
+        [
+            r["path"],
+            r["size_mb"],
+            r["messages"],
+            f"{r['publish_MBps']:.1f}",
+            f"{r['publish_msgps']:.1f}",
+            f"{r['consume_MBps']:.1f}",
+            f"{r['consume_msgps']:.1f}",
+            f"{r['publish_vs_pika']:.0%}" if "publish_vs_pika" in r else "-",
+            f"{r['consume_vs_pika']:.0%}" if "consume_vs_pika" in r else "-",
+            f"{r['publish_cpu_s_per_GB']:.2f}",
+            f"{r['consume_cpu_s_per_GB']:.2f}",
+        ]
+        for r in rows
+    ]
+    return markdown.table(columns, cells)
 
 
 def main(argv: list[str] | None = None) -> None:

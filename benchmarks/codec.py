@@ -32,6 +32,7 @@ import msgpack
 import numpy as np
 import torch
 
+from fedmq.benchmarks import markdown
 from fedmq.broker.wire.encodings import EncodingSpec, decode_state, encode_state, raw_nbytes
 from fedmq.broker.wire.envelope import Envelope, Kind, pack, unpack
 from fedmq.broker.wire.malloc import tune_allocator
@@ -233,19 +234,26 @@ def format_table(rows: list[dict]) -> str:
     """Markdown table; ratio is raw fp32 bytes / wire bytes, speeds are MB/s of fp32 input (median wall
     clock), and MB per CPU-second (median process CPU time, all threads): the speed a core would give
     if this process had it to itself, which a loaded machine's wall clock does not show."""
-    out = [
-        "| model | encoding | fp32 MB | wire MB | ratio vs fp32 | encode MB/s | decode MB/s | max abs err "
-        "| encode MB/CPU-s | decode MB/CPU-s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    columns = (
+        "model, encoding, fp32 MB, wire MB, ratio vs fp32, encode MB/s, decode MB/s, max abs err, "
+        "encode MB/CPU-s, decode MB/CPU-s"
+    ).split(", ")
+    cells = [
+        [
+            r["model"],
+            r["encoding"],
+            f"{r['raw_mb']:.1f}",
+            f"{r['wire_mb']:.2f}",
+            f"{r['ratio']:.2f}×",
+            f"{r['enc_mbs']:.0f}",
+            f"{r['dec_mbs']:.0f}",
+            "0 (exact)" if r["max_abs_err"] == 0 else f"{r['max_abs_err']:.2e}",
+            f"{r['enc_cpu_mbs']:.0f}",
+            f"{r['dec_cpu_mbs']:.0f}",
+        ]
+        for r in rows
     ]
-    for r in rows:
-        err = "0 (exact)" if r["max_abs_err"] == 0 else f"{r['max_abs_err']:.2e}"
-        out.append(
-            f"| {r['model']} | {r['encoding']} | {r['raw_mb']:.1f} | {r['wire_mb']:.2f} | {r['ratio']:.2f}× "
-            f"| {r['enc_mbs']:.0f} | {r['dec_mbs']:.0f} | {err} "
-            f"| {r['enc_cpu_mbs']:.0f} | {r['dec_cpu_mbs']:.0f} |"
-        )
-    return "\n".join(out)
+    return markdown.table(columns, cells, right_from=2)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,7 +2,8 @@
 the selected clients one after the other vs as one cohort.
 
 The paper scale's client: the corpus with its full vocabulary split into K iid shards, GRU-small tied (or any
-preset), SGD momentum 0.5, B = 10, BPTT 35, dropout 0.2, E epochs (``max_steps`` caps a client's steps, for a
+preset), the paper-scale LM experiments' SGD (grids.lm_client: lr 0.5, momentum 0.5, B = 10, no clipping),
+BPTT 35, dropout 0.2, E epochs (``max_steps`` caps a client's steps, for a
 CPU). For each cohort size n, clients 0..n-1 train from the same model, first alone (``Task.train`` each, what
 a simulation with one trainer does) and then together (``Task.train_cohort``); each is timed ``repeats`` times
 and the medians are reported with their ratio, the largest parameter difference between the two results (the
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from fedmq.benchmarks.experiments.grids import lm_client
 from fedmq.tasks.base import TrainConfig, model_state
 from fedmq.tasks.registry import make_task
 from fedmq.tasks.training import resolve_device
@@ -43,18 +45,9 @@ def bench_cohort(
     rows = []
     for n in sizes:
         picked = list(range(n))
+        client = lm_client("paper")
         cfgs = [
-            TrainConfig(
-                epochs=epochs,
-                batch_size=10,
-                lr=0.5,
-                momentum=0.5,
-                clip=0.0,
-                max_steps=max_steps,
-                device=device,
-                seed=c,
-            )
-            for c in picked
+            TrainConfig(**client, epochs=epochs, max_steps=max_steps, device=device, seed=c) for c in picked
         ]
         alone_s, together_s, diff, tokens, peak = _time(task, start, picked, cfgs, dev, repeats)
         a, t = statistics.median(alone_s), statistics.median(together_s)

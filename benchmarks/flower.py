@@ -27,6 +27,7 @@ machine's load (``os.getloadavg``) at the start; below it, the round's physical 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -74,6 +75,23 @@ class Bench:
     cores: int
     runs: list[Run]
     limits: list[Limit] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What both systems run (module docstring): the task over corpus ``data``, K = ``clients`` clients of
+    which ``selected`` train a round, ``rounds`` rounds; a run still going after ``timeout`` s is killed."""
+
+    data: str
+    clients: int
+    selected: int
+    rounds: int
+    timeout: float = 1800
+
+    @property
+    def fraction(self) -> str:
+        """C = selected / K, as both command lines take it."""
+        return repr(self.selected / self.clients)
 
 
 def _tree_rss(proc: psutil.Process) -> int:
@@ -131,16 +149,7 @@ def _last_line(text: str) -> str:
     return lines[-1][-300:] if lines else "no output"
 
 
-def run_fedmq(
-    name: str,
-    data: str,
-    clients: int,
-    selected: int,
-    rounds: int,
-    encoding: str = "delta+bf16",
-    down_encoding: str = "bf16",
-    timeout: float = 1800,
-) -> Run:
+def run_fedmq(name: str, setting: Setting, encoding: str = "delta+bf16", down_encoding: str = "bf16") -> Run:
     with tempfile.TemporaryDirectory(prefix="fedmq-bench-") as tmp:
         out = Path(tmp) / "run"
         cmd = [
@@ -149,14 +158,14 @@ def run_fedmq(
             "fedmq.cli.app",
             "simulate",
             "--data",
-            data,
+            setting.data,
             "--model",
             "gru-small",
             "--tied",
             "-k",
-            str(clients),
+            str(setting.clients),
             "-c",
-            repr(selected / clients),
+            setting.fraction,
             "--max-steps",
             "1",
             "-b",
@@ -164,7 +173,7 @@ def run_fedmq(
             "--bptt",
             "8",
             "-r",
-            str(rounds),
+            str(setting.rounds),
             "--max-eval-lines",
             "1",
             "--encoding",
@@ -176,19 +185,30 @@ def run_fedmq(
             "--log-level",
             "warning",
         ]
-        code, stdout, err, tree, used = _measured(cmd, dict(os.environ), timeout)
+        code, stdout, err, tree, used = _measured(cmd, dict(os.environ), setting.timeout)
         # dicts, as Flower's rows are
         rows = [r.to_json() for r in read_rounds(out).records] if out.is_dir() else []
-    run = Run(name, peak_tree_gb=tree / 1e9, peak_used_gb=used / 1e9, rounds=len(rows), raw=rows)
+    run = _run(name, setting, (code, err, tree, used), rows, [r["time"] for r in rows])
     run.encodings = (encoding, down_encoding)
     if code == 0 and stdout.strip():
         run.summary = json.loads(stdout.strip().splitlines()[-1])
-    run.s_per_round = period_median([r["time"] for r in rows])
     run.bytes_per_round = _bytes_median([r for r in rows if not r.get("skipped")])
-    if code != 0 or len(rows) < rounds:
-        run.note = f"exit {code}: {_last_line(err)}"
-    elif any(r.get("skipped") for r in rows):
+    if not run.note and any(r.get("skipped") for r in rows):
         run.note = "skipped rounds"
+    return run
+
+
+def _run(
+    name: str, setting: Setting, measured: tuple[int, str, int, int], rows: list[dict], ends: list[float]
+) -> Run:
+    """A run's Run from its process's (exit code, stderr, peak tree RSS, peak used-memory rise), its rounds'
+    rows and their end times; its note says how it failed if it exited non-zero or ran fewer rounds."""
+    code, err, tree, used = measured
+    run = Run(name, peak_tree_gb=tree / 1e9, peak_used_gb=used / 1e9, rounds=len(rows), raw=rows)
+    run.s_per_round = period_median(ends)
+    run.bytes_per_round = _bytes_median(rows)
+    if code != 0 or len(rows) < setting.rounds:
+        run.note = f"exit {code}: {_last_line(err)}"
     return run
 
 
@@ -202,26 +222,17 @@ def flower_missing(python: Path) -> str | None:
     return None
 
 
-def run_flower(
-    python: Path,
-    data: str,
-    clients: int,
-    selected: int,
-    rounds: int,
-    module: str = "flower_app",
-    name: str = "flower 1.41",
-    timeout: float = 1800,
-) -> Run:
+def run_flower(python: Path, setting: Setting, module: str = "flower_app", name: str = "flower 1.41") -> Run:
     """Flower's run of the task: ``module`` is flower_app (the bench's side) or flower_control."""
     missing = flower_missing(python)
     if missing:
         return Run(name, note=missing)
     task = {
         "task": "lm",
-        "data": data,
+        "data": setting.data,
         "model": "gru-small",
         "tied": True,
-        "clients": clients,
+        "clients": setting.clients,
         "bptt": 8,
         "max_eval_lines": 1,
     }
@@ -235,21 +246,16 @@ def run_flower(
         "--train",
         json.dumps(train),
         "--clients",
-        str(clients),
+        str(setting.clients),
         "--fraction",
-        repr(selected / clients),
+        setting.fraction,
         "--rounds",
-        str(rounds),
+        str(setting.rounds),
     ]
     env = {**os.environ, "RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_ENABLED": "0"}
-    code, out, err, tree, used = _measured(cmd, env, timeout)
+    code, out, err, tree, used = _measured(cmd, env, setting.timeout)
     rows = [json.loads(line) for line in out.splitlines() if line.startswith('{"round"')]
-    run = Run(name, peak_tree_gb=tree / 1e9, peak_used_gb=used / 1e9, rounds=len(rows), raw=rows)
-    run.s_per_round = period_median([r["end"] for r in rows])
-    run.bytes_per_round = _bytes_median(rows)
-    if code != 0 or len(rows) < rounds:
-        run.note = f"exit {code}: {_last_line(err)}"
-    return run
+    return _run(name, setting, (code, err, tree, used), rows, [r["end"] for r in rows])
 
 
 def bench_flower(
@@ -265,29 +271,17 @@ def bench_flower(
 ) -> Bench:
     bench = Bench(os.getloadavg(), usable_cores(), [])
     runs = bench.runs
+    setting = Setting(data, clients, selected, rounds)
     if flower:
-        runs.append(run_flower(flower_python, data, clients, selected, rounds))
+        runs.append(run_flower(flower_python, setting))
         if control:
-            runs.append(
-                run_flower(
-                    flower_python, data, clients, selected, rounds, "flower_control", "flower 1.41 (control)"
-                )
-            )
-    runs.append(run_fedmq(f"fedmq K={clients}", data, clients, selected, rounds))
-    runs.append(run_fedmq(f"fedmq K={clients} raw/raw", data, clients, selected, rounds, "raw", "raw"))
-    runs.append(
-        run_fedmq(
-            f"fedmq K={clients} {RECOMMENDED[0]}/{RECOMMENDED[1]}",
-            data,
-            clients,
-            selected,
-            rounds,
-            *RECOMMENDED,
-        )
-    )
+            runs.append(run_flower(flower_python, setting, "flower_control", "flower 1.41 (control)"))
+    runs.append(run_fedmq(f"fedmq K={clients}", setting))
+    runs.append(run_fedmq(f"fedmq K={clients} raw/raw", setting, "raw", "raw"))
+    runs.append(run_fedmq(f"fedmq K={clients} {RECOMMENDED[0]}/{RECOMMENDED[1]}", setting, *RECOMMENDED))
     for k in scale:
         if k != clients:
-            runs.append(run_fedmq(f"fedmq K={k}", data, k, selected, rounds))
+            runs.append(run_fedmq(f"fedmq K={k}", dataclasses.replace(setting, clients=k)))
     if limit:
         pairs = tuple(dict.fromkeys(r.encodings for r in runs if r.encodings is not None))
         bench.limits = measure_limit(data, clients, selected, pairs)

@@ -28,6 +28,8 @@ from typing import Any
 
 import structlog
 
+from fedmq.benchmarks import markdown
+
 log = structlog.get_logger(__name__)
 
 TINY_TASK = {
@@ -365,9 +367,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         "lost",
         "duplicated",
     ]
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        out.append(
-            "| " + " | ".join(f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |"
-        )
-    return "\n".join(out)
+    return markdown.table(
+        cols, [[f"{r[c]:.2f}" if isinstance(r[c], float) else r[c] for c in cols] for r in rows]
+    )

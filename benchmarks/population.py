@@ -26,8 +26,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from fedmq.benchmarks.flower import Run, period_median, run_fedmq
+from fedmq.benchmarks.flower import Run, Setting, period_median, run_fedmq
 from fedmq.benchmarks.load import TINY_TASK, _toml, fedmq_command, one_thread_env, start_aggregator, tiny_job
+
+
+def _name(k: int, m: int, cohorts: bool) -> str:
+    return f"K = {k:,}, m = {m:,}" if cohorts else f"K = {k:,}"
 
 
 def simulate_rows(
@@ -35,7 +39,7 @@ def simulate_rows(
 ) -> list[Run]:
     """A run for each population K and cohort m, K by K."""
     return [
-        run_fedmq(f"K = {k:,}" if len(selected) == 1 else f"K = {k:,}, m = {m:,}", data, k, m, rounds)
+        run_fedmq(_name(k, m, len(selected) > 1), Setting(data, k, m, rounds))
         for k in populations
         for m in selected
     ]

@@ -417,6 +417,26 @@ def plot_participation(run: RunData) -> Figure:
 # ------------------------------------------------------------------------------------ (4) weights
 
 
+def has_privacy(runs: list[RunData]) -> bool:
+    return any(r.epsilon is not None for run in runs for r in run.rows)
+
+
+def plot_privacy(runs: list[RunData]) -> Figure:
+    """ε spent after each round, a line per run that ran under differential privacy."""
+    fig = _new_figure(3.3)
+    ax = fig.subplots(1, 1)
+    for i, run in enumerate(runs):
+        pts = [(r.round, r.epsilon) for r in run.rows if r.epsilon is not None]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=run.label, **_run_style(i))
+    ax.set_title("Privacy spent (client-level ε)", loc="left", fontsize=11)
+    ax.set_ylabel("ε")
+    ax.set_xlabel("round")
+    _style(ax)
+    ax.legend(fontsize=9, frameon=False)
+    return fig
+
+
 def has_weights(run: RunData) -> bool:
     return any(row.weights for row in run.rows)
 

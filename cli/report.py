@@ -211,6 +211,14 @@ def run_notes(runs: list[RunData]) -> list[str]:
             )
         if not run.config:
             notes.append(f"{run.name}: no {CONFIG_FILE}; configuration unknown.")
+        private = [r for r in run.rows if r.delta is not None]
+        if private:  # under DP the rows hold no client's loss or weight: ε instead
+            eps = private[-1].epsilon
+            spent = "unbounded (no noise)" if eps is None else f"{eps:.3g}"
+            notes.append(
+                f"{run.name}: client-level differential privacy, ε = {spent} at δ = {private[-1].delta:.3g} "
+                f"after round {private[-1].round}; no client's loss or weight is recorded."
+            )
     return notes
 
 
@@ -354,6 +362,14 @@ def build_report(run_dirs: list[Path], out_dir: Path) -> ReportResult:
                 f"participation-{run.slug}",
                 f"Participation per round — {run.label}",
                 plots.plot_participation(run),
+            )
+        )
+    if plots.has_privacy(runs):
+        drawn.append(
+            (
+                "privacy",
+                "Privacy spent: ε per round (client-level, at each run's δ)",
+                plots.plot_privacy(runs),
             )
         )
     for run in runs:

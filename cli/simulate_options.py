@@ -26,15 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedmq.aggregator.config import (
-    FLAGS,
-    FORMER_KEYS,
-    JobConfig,
-    JobConfigError,
-    former_key_args,
-    read_job_file,
-    with_strategy_args,
-)
+from fedmq.aggregator.config import FLAGS, JobConfig, read_job_file
+from fedmq.aggregator.job_keys import FORMER_KEYS, JobConfigError, former_key_args, with_strategy_args
 from fedmq.cli.errors import UsageError
 from fedmq.params import parse_assignments
 from fedmq.plugins import is_import_path
@@ -42,7 +35,7 @@ from fedmq.tasks.catalog import LM_ONLY, MODELS, NMT_ONLY, TASKS
 
 # flag -> JobConfig field (aggregator.config.FLAGS, the one list of them)
 JOB_FLAGS = {flag.removeprefix("--").replace("-", "_"): field for field, flag in FLAGS.items()}
-# the former JobConfig keys that are a built-in strategy's parameters now (aggregator.config.FORMER_KEYS)
+# the former JobConfig keys that are a built-in strategy's parameters now (aggregator.job_keys.FORMER_KEYS)
 # under their option names: the flag kept for one (--eps sets FedAtt's epsilon), else the key a file may set
 FORMER_OPTIONS = {key: former.flag.removeprefix("--") or key for key, former in FORMER_KEYS.items()}
 # flags handed to the task (clients and seed go to both)

@@ -112,6 +112,7 @@ def status_tables(info: dict[str, Any]) -> list[Table]:
             if isinstance(online, (list, tuple, set))
             else DASH,
         ),
+        ("privacy spent", _privacy(info)),
         ("messages rejected", _nonzero(info.get("rejected")) if "rejected" in info else None),
         ("messages dropped", _nonzero(info.get("dropped")) if "dropped" in info else None),
         (  # by sender: who floods the inbox with presence (aggregator.presence_budget)
@@ -150,6 +151,8 @@ def status_tables(info: dict[str, Any]) -> list[Table]:
         last.add_row("dropped", _names(row.get("dropped")))
         last.add_row("MB up / down", f"{_mb(row.get('bytes_up'))} / {_mb(row.get('bytes_down'))}")
         last.add_row("round wall time (s)", _num(row.get("wall_s"), 1))
+        if _privacy(row):
+            last.add_row("privacy spent", _privacy(row) or DASH)
         if row.get("skipped"):
             last.add_row("skipped", str(row.get("skip_reason") or "yes"))
         tables.append(last)
@@ -234,6 +237,15 @@ def _short_strategy(name: Any) -> str:
     return text.rpartition(":")[2] or text
 
 
+def _privacy(info: dict[str, Any]) -> str | None:
+    """ε spent and δ of a DP run's status, row or summary ("ε = ∞" while z = 0); None without DP."""
+    delta = info.get("delta")
+    if not isinstance(delta, (int, float)) or isinstance(delta, bool):
+        return None
+    eps = info.get("epsilon")
+    return f"ε = {_num(eps, 3) if eps is not None else '∞'} at δ = {delta:.3g}"
+
+
 def summary_caption(summary: dict[str, Any]) -> str:
     metric = summary.get("metric") or "score"
     parts = [
@@ -252,6 +264,13 @@ def summary_caption(summary: dict[str, Any]) -> str:
             f"influence guard {' and '.join(acted) or 'acted'} in {guard['rounds']} round(s) "
             "(--max-samples-factor 0 turns the cap off)"
         )
+    if _privacy(summary):
+        dp = summary.get("dp") if isinstance(summary.get("dp"), dict) else {}
+        seeded = (
+            " (noise seeded from the job's seed: a simulation)" if "seeded" in str(dp.get("noise")) else ""
+        )
+        stop = "; the target ε stopped the job" if summary.get("budget_spent") else ""
+        parts.append(f"client-level DP {dp.get('mode', '')}: {_privacy(summary)}{seeded}{stop}")
     if summary.get("inbox_left"):  # late presence and reports: the broker keeps them until purged
         parts.append(f"{summary['inbox_left']} message(s) left in the inbox (remove: fedmq broker purge)")
     if summary.get("interrupted"):

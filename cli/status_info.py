@@ -63,9 +63,13 @@ def gather(broker_url: str, job: str, run_dir: Path | None) -> dict[str, Any]:
             "rejected",
             "dropped",
             "presence_over_budget",
+            "epsilon",  # under differential privacy: ε spent so far and its δ
+            "delta",
         ):
             if key in live:
                 info[key] = live[key]
+    if "delta" not in info and row.get("delta") is not None:  # no live status: the last round's ε
+        info["epsilon"], info["delta"] = row.get("epsilon"), row["delta"]
         age = time.time() - float(live.get("updated_at", 0) or 0)
         if info.get("phase") not in ("finished", "stopped") and age > STALE_S and consumers == 0:
             info["phase"] = f"not running (last seen {age:,.0f} s ago, {live.get('phase')})"

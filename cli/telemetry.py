@@ -91,6 +91,10 @@ class Telemetry:
             self._gauge(
                 "fedmq_train_loss", "mean training loss the clients reported, last round with reports"
             ).set(row["mean_loss"])
+        if row.get("epsilon") is not None:  # differential privacy: ε spent so far (δ: the row's "delta")
+            self._gauge("fedmq_dp_epsilon", "privacy spent so far: epsilon at the job's delta").set(
+                row["epsilon"]
+            )
 
     def _gauge(self, name: str, documentation: str) -> Gauge:
         if name not in self.gauges:

@@ -99,6 +99,7 @@ class AgentArgs(TypedDict, total=False):
     progress: Callable[[str, int, int], None] | None
     strategy: str
     audit_log: str | Path | None  # a JSON line per confirmed upload (Agent._audit); a host's: every client's
+    seeded_noise: bool  # privacy noise from the job's seed (`fedmq simulate` only), not the OS CSPRNG
 
 
 class Agent:
@@ -121,8 +122,10 @@ class Agent:
         audit_log: str | Path | None = None,
         progress: Callable[[str, int, int], None] | None = None,
         strategy: str = "",
+        seeded_noise: bool = False,
     ) -> None:
         self.connect, self.job, self.client, self.index, self.task = connect, job, client, index, task
+        self.seeded_noise = seeded_noise
         self.availability = availability or Availability()
         self.faults = faults or Faults()
         self.device, self.heartbeat_s, self.rejoin_s, self.seed = device, heartbeat_s, rejoin_s, seed
@@ -348,6 +351,7 @@ class Agent:
             self.log.faults.append((rnd, "cut"))
             raise Offline("fault: connection cut", False)
         context = ClientContext(self.client, rnd, version, cfg.train.seed, self.groups)
+        context.noise_seed = cfg.train.seed if self.seeded_noise else None
         for hook, _ in hooks:
             hook.context = context
         own = next((s for hook, kept in hooks if (s := hook.own_state(kept)) is not None), None)

@@ -23,3 +23,14 @@ class StrategyError(FedmqError):
 
 class BadParameter(StrategyError):
     """A strategy, mediator or pulling parameter is out of range or unknown."""
+
+
+class SecAggError(FedmqError):
+    """Secure aggregation refused or detected a fault (fedmq/secagg): too few shares, a share or vector that
+    fails its check, a parameter out of range. ``reason`` is a short stable slug (e.g. ``"too-few-shares"``,
+    ``"bad-share"``, ``"bad-length"``); the message names the clients concerned where the protocol can."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"secure aggregation: {reason}: {detail}")

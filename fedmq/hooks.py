@@ -63,6 +63,9 @@ class ClientContext:
     groups: Mapping[str, str] = field(default_factory=dict)  # tensor name -> its group (fedmq.pulling)
     held: State = field(default_factory=dict)  # the global model as fetched (the base of delta uploads)
     trained: State = field(default_factory=dict)  # the model after local training, before any ``finish``
+    # the seed a privacy hook draws its noise from: the job's seed in `fedmq simulate` only; None (every
+    # service): from the OS CSPRNG (fedmq.privacy.mechanism.noise_generator)
+    noise_seed: int | None = None
 
 
 class Store(Protocol):

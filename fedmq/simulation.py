@@ -99,7 +99,7 @@ class Simulation:
         """The job as this run holds it: checked for the population and ``cohort``, with the broker URL's
         account as every agent's identity, report deadlines stretched for a cohort."""
         cfg = self.cfg
-        check_population(cfg.clients, cfg.selected_count() if cfg.mode == "sync" else ASYNC_AT_ONCE)
+        check_population(cfg.clients, cfg.most_selected() if cfg.mode == "sync" else ASYNC_AT_ONCE)
         if shared_user:  # every agent shares the URL's account: check the user, not per-agent identity
             cfg = replace(cfg, identity=f"shared:{shared_user}")
         if self.cohort and any(hook.changes_training() for hook, _ in client_hooks(cfg)):
@@ -108,7 +108,7 @@ class Simulation:
                 f"of strategy {cfg.strategy!r}; run it without --cohort"
             )
         if self.cohort:  # the module docstring says why
-            cfg = replace(cfg, report_deadline_s=cfg.report_deadline_s * cfg.selected_count())
+            cfg = replace(cfg, report_deadline_s=cfg.report_deadline_s * cfg.most_selected())
         return cfg
 
     def run(self, stop: threading.Event | None = None) -> dict[str, Any]:
@@ -128,6 +128,8 @@ class Simulation:
             durable=shared_user is not None,
             device=self.device,
             on_round=self.on_round,
+            # privacy noise (--dp) from the job's seed, so that a simulated run repeats: the summary says so
+            noise_seed=cfg.seed,
         )
         # a cohort pool holds a model per agent training at once (built on first borrow: the selected ones)
         self.pool = pool = (
@@ -202,6 +204,7 @@ class Simulation:
             heartbeat_s=cfg.heartbeat_s,
             rejoin_s=self.rejoin_s,
             seed=cfg.seed,
+            seeded_noise=True,
             trainers=pool,
             store=DiskStore(self.run_dir / "clients"),
             progress=self.on_local_progress,

@@ -25,7 +25,8 @@ from fedmq.tasks.base import TrainResult
 
 class Randomization(ClientHook):
     """FedAtt's randomization (Ji et al., Eq. 6): the client adds ``sigma``·N(0, 1) to every tensor it
-    uploads, with noise drawn per (job seed, client, round), so a run repeats exactly."""
+    uploads, with noise drawn per (job seed, client, round), so a run repeats exactly. It states no ε (no clip
+    bound, no accountant): differential privacy is fedmq.privacy.client_dp."""
 
     name: ClassVar[str] = "noise"
 

@@ -4,7 +4,7 @@
 # The repository's folders install as subpackages of fedmq (pyproject's package-dir: fedmq.broker -> broker/,
 # ...), through an import hook that mypy cannot follow. So mypy runs in build/typecheck, a throwaway tree of
 # symlinks laid out as the installed package: fedmq/{broker,aggregator,client_agent,cli,benchmarks} -> the
-# folders, fedmq/*.py and fedmq/tasks -> fedmq/'s own. Its cache stays there too.
+# folders, fedmq/*.py and its subpackages (tasks, privacy) -> fedmq/'s own. Its cache stays there too.
 #
 #   scripts/typecheck.sh            check; exit status 1 on findings
 #   MYPY=path/to/mypy scripts/typecheck.sh
@@ -19,7 +19,7 @@ mkdir "$TREE/fedmq"
 for layer in broker aggregator client_agent cli benchmarks; do
   ln -s "../../../$layer" "$TREE/fedmq/$layer"
 done
-for f in fedmq/*.py fedmq/tasks; do
+for f in fedmq/*.py $(dirname fedmq/*/__init__.py); do
   ln -s "../../../$f" "$TREE/fedmq/$(basename "$f")"
 done
 cd "$TREE"

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from fedmq.aggregator.strategies._common import MAX_BUFFER, MAX_SERVER_LR
-from fedmq.aggregator.strategies.base import ClientUpdate, RoundPlan, State
+from fedmq.aggregator.strategies.base import ClientUpdate, RoundPlan, State, Strategy
 from fedmq.aggregator.strategies.errors import StaleUpdate
 from fedmq.aggregator.strategies.fedavg import FedAvg
 from fedmq.checks import check_int, check_number
@@ -47,14 +47,25 @@ class BufferedAsync(FedAvg):
     name: ClassVar[str] = "async"
     plan: ClassVar[RoundPlan] = RoundPlan(mode="async")
 
-    # the defaults are what the job's async_k and max_staleness were before they were these parameters
-    def __init__(self, buffer_size: int = 3, max_staleness: int = 5, server_lr: float = 1.0) -> None:
+    # buffer_size 5 (was 3): with the default 8 clients, 3 a version left most updates stale and the model
+    # rose at version 2 (docs/guide/strategy.md "Defaults, as swept"); a job of fewer clients than that
+    # waits for all of them (from_config)
+    def __init__(self, buffer_size: int = 5, max_staleness: int = 5, server_lr: float = 1.0) -> None:
         super().__init__()
         self.buffer_size = check_int("buffer_size", buffer_size, low=1, high=MAX_BUFFER)
         self.max_staleness = check_int("max_staleness", max_staleness, low=0)
         self.server_lr = check_number("server_lr", server_lr, low=0.0, low_open=True, high=MAX_SERVER_LR)
         self._count = 0
         self.dropped = 0
+
+    @classmethod
+    def from_config(cls, cfg: Any, **extra: Any) -> Strategy:
+        """The default buffer never waits for more arrivals than the job has clients (a version would
+        otherwise always close at its deadline); a buffer_size the job gives is kept as it is."""
+        strategy = super().from_config(cfg, **extra)
+        if "buffer_size" not in {**cfg.strategy_args, **extra}:
+            strategy.buffer_size = min(strategy.buffer_size, cfg.clients)  # type: ignore[attr-defined]
+        return strategy
 
     @property
     def pending(self) -> int:
@@ -68,6 +79,13 @@ class BufferedAsync(FedAvg):
         return self.server_lr * staleness_weight(update.staleness) * update.n_samples
 
     def fold(self, update: ClientUpdate) -> None:
+        self.admit(update)
+        super().fold(update)
+        self._count += 1
+
+    def admit(self, update: ClientUpdate) -> None:
+        """Raise unless ``update`` may be folded: its staleness an integer within ``max_staleness``, and a
+        stale update a delta (the module docstring); the DP wrapper asks it too."""
         tau = update.staleness
         if isinstance(tau, bool) or not isinstance(tau, int) or tau < 0:
             raise StrategyError(
@@ -80,8 +98,6 @@ class BufferedAsync(FedAvg):
             raise StrategyError(
                 f"update from {update.client!r}: staleness {tau} needs a delta update (θ_k − θ_base)"
             )
-        super().fold(update)
-        self._count += 1
 
     def finish(self) -> State:
         self._count = 0

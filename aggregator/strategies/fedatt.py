@@ -11,7 +11,9 @@ Per tensor l: s_k = ‖θ^l − θ_k^l‖ ('fro': Frobenius/vector 2-norm; 'spec
 The paper's randomization (its Eq. 6, β ξ_k with ξ_k ~ N(0, σ²)) is "added in before the clients send the
 updated parameters to the server, but it is written in the form of server optimization for simplicity": here
 it is the clients' (``JobConfig.noise``, added in client_agent.agent before an update is encoded),
-for every strategy.
+for every strategy. It states no ε: nothing bounds an update's norm and nothing accounts the noise, so it is
+no differential privacy (that is ``dp``: docs/guide/privacy.md), and FedAtt refuses ``dp`` (its attention
+weights depend on each client's model).
 """
 
 from __future__ import annotations

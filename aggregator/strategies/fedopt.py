@@ -16,7 +16,8 @@ the same when the clients' shards are equal (``weighted=false`` takes the plain 
 count are the strategy's state: checkpointed every round and restored after a crash, so a resumed job takes
 exactly the steps it would have taken.
 
-Parameters (``--strategy-arg``): ``server_lr`` η (default 0.1), ``beta1`` (0.9), ``beta2`` (0.99; FedAdagrad
+Parameters (``--strategy-arg``): ``server_lr`` η (default 0.2; FedAdagrad 1.0: its v only grows, so its
+steps shrink from the start), ``beta1`` (0.9), ``beta2`` (0.99; FedAdagrad
 has none), ``tau`` τ, the adaptivity (1e-3), and for a job ported from Flower: ``bias_correction`` (false;
 true scales η by √(1 − β2^t)/(1 − β1^t) at the t-th step, Adam's correction, which Flower's FedAdam applies
 with t = round + 1), ``initial_v`` (v_{−1}; default τ², Flower starts at 0) and ``weighted`` (true).
@@ -43,7 +44,7 @@ class FedOpt(ServerStep):
 
     def __init__(
         self,
-        server_lr: float = 0.1,
+        server_lr: float = 0.2,
         beta1: float = 0.9,
         beta2: float = 0.99,
         tau: float = 1e-3,
@@ -104,7 +105,7 @@ class FedAdagrad(FedOpt):
 
     def __init__(
         self,
-        server_lr: float = 0.1,
+        server_lr: float = 1.0,
         beta1: float = 0.9,
         tau: float = 1e-3,
         bias_correction: bool = False,

@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from fedmq.aggregator.privacy import dp_plan
 from fedmq.aggregator.strategies.base import Strategy
 from fedmq.aggregator.strategies.buffered_async import BufferedAsync
 from fedmq.aggregator.strategies.dynamic_pull import PullGlobal, PullLocal, PullRandom
@@ -24,12 +25,14 @@ from fedmq.aggregator.strategies.fedavgm import FedAvgM
 from fedmq.aggregator.strategies.fedmed import FedMed, FedMedRelative, FedMedStandardised
 from fedmq.aggregator.strategies.fedopt import FedAdagrad, FedAdam, FedYogi
 from fedmq.aggregator.strategies.fedprox import FedProx
+from fedmq.aggregator.strategies.private import Private
 from fedmq.aggregator.strategies.robust import ClippedFedAvg, Median, TrimmedMean
 from fedmq.aggregator.strategies.scaffold import Scaffold
 from fedmq.errors import BadParameter
 from fedmq.hooks import ClientHook, describe, hook_path
 from fedmq.params import bind
 from fedmq.plugins import is_import_path, load_class
+from fedmq.privacy.client_dp import ClientDP, share_std
 from fedmq.upload_hooks import DynamicPulling, ErrorFeedback, Randomization
 
 _CLASSES: dict[str, type[Strategy]] = {
@@ -85,7 +88,9 @@ def strategy_from_config(name: str, cfg: Any, **extra: Any) -> tuple[str, Strate
     # a robust guard replacing FedAvg, or FedMed's FedAvg fallback, takes none of them
     if name != cfg.strategy and cfg.strategy_args:
         cfg = dataclasses.replace(cfg, strategy_args={})
-    return name, _built(name, lambda: cls.from_config(cfg, **extra))
+    strategy = _built(name, lambda: cls.from_config(cfg, **extra))
+    plan = dp_plan(cfg, getattr(strategy, "buffer_size", 0))
+    return name, strategy if plan is None else Private(strategy, plan)
 
 
 def client_hooks(cfg: Any) -> list[tuple[type[ClientHook], dict[str, Any]]]:
@@ -98,6 +103,10 @@ def client_hooks(cfg: Any) -> list[tuple[type[ClientHook], dict[str, Any]]]:
         hooks.append((cls.client_hook, args))
     if cfg.noise > 0:
         hooks.append((Randomization, {"sigma": float(cfg.noise)}))
+    plan = dp_plan(cfg) if cfg.dp == "client" else None
+    if plan is not None:  # every agent clips and adds its share of the noise (fedmq.privacy.client_dp)
+        std = share_std(plan.noise_multiplier, plan.clip_norm, plan.min_count)
+        hooks.append((ClientDP, {"clip_norm": plan.clip_norm, "noise_std": std}))
     if cfg.pull != "all":
         pulling = {
             "mode": cfg.pull,

@@ -30,6 +30,7 @@ Parameter (``--strategy-arg server_lr=1.0``): ``server_lr`` η_g (default 1).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -40,6 +41,8 @@ from fedmq.aggregator.strategies.base import ClientUpdate, State, Strategy
 from fedmq.errors import BadParameter
 from fedmq.hooks import ClientHook, Kept
 from fedmq.tasks.base import TrainConfig, TrainResult
+
+log = logging.getLogger(__name__)
 
 PREFIX = "scaffold.c:"
 BEFORE = "before:"  # in a client's kept entry: the c_i that round trained from, beside c_i⁺
@@ -87,6 +90,38 @@ class ScaffoldHook(ClientHook):
         return {**trained, **{PREFIX + k: self.c[k] + (c_new[k] - self.c_i[k]) for k in self.x}}
 
 
+_said: set[str] = set()  # the unmet assumptions this process has warned of (one line each)
+
+
+def unmet_assumption(cfg: Any) -> str:
+    """What of the local training breaks option II's plain SGD steps, or "": c_i⁺ = c_i − c +
+    (x − y_i)/(K·η_l) is the mean gradient only when every step was y ← y − η_l·g (clipping shortens the
+    steps, momentum and a decaying lr change them)."""
+    unmet = [
+        f"{name} {value}"
+        for name, value, plain in (
+            ("clip", cfg.clip, cfg.clip == 0),
+            ("momentum", cfg.momentum, cfg.momentum == 0),
+            ("lr_decay", cfg.lr_decay, cfg.lr_decay == 1),
+            ("optimizer", cfg.optimizer, cfg.optimizer == "sgd"),
+        )
+        if not plain
+    ]
+    return ", ".join(unmet)
+
+
+def _say_unmet_assumption(cfg: Any) -> None:
+    unmet = unmet_assumption(cfg)
+    if unmet and unmet not in _said:
+        _said.add(unmet)
+        log.warning(
+            "scaffold: option II assumes plain SGD steps, and the local training has %s: the control "
+            "variates then estimate the clients' mean gradient only roughly (set clip = 0, momentum = 0, "
+            "lr_decay = 1 and optimizer = sgd to meet it; without clipping, lower the lr)",
+            unmet,
+        )
+
+
 class Scaffold(Strategy):
     name: ClassVar[str] = "scaffold"
     client_hook: ClassVar[type[ClientHook] | None] = ScaffoldHook
@@ -104,6 +139,7 @@ class Scaffold(Strategy):
     def from_config(cls, cfg: Any, **extra: Any) -> Strategy:
         strategy = super().from_config(cfg, **extra)
         strategy.population = cfg.clients  # type: ignore[attr-defined]
+        _say_unmet_assumption(cfg)
         return strategy
 
     def begin(self, global_state: Mapping[str, torch.Tensor]) -> None:

@@ -66,6 +66,13 @@ _LM_JOB = {
     ),
     "smoke": dict(clients=4, rounds=1, epochs=1, batch_size=4, lr=1.0, momentum=0.5, clip=0.0, max_steps=2),
 }
+
+
+def lm_client(scale: str) -> dict[str, Any]:
+    """The LM experiments' local SGD at ``scale``: batch size, lr, momentum and clipping (TrainConfig's)."""
+    return {k: _LM_JOB[scale][k] for k in ("batch_size", "lr", "momentum", "clip")}
+
+
 _CORPORA = {"paper": ["wikitext-2", "ptb"], "cpu": ["ptb"], "smoke": ["wikitext-2"]}
 # FedMed's model is an LSTM (300 + 2x400); at the smoke scale a tiny LSTM keeps CI fast
 _FEDMED_MODEL = {

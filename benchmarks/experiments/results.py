@@ -12,6 +12,7 @@ from fedmq.aggregator.records import RoundRecord
 from fedmq.aggregator.runlog import read_rounds
 from fedmq.benchmarks import results_file
 from fedmq.benchmarks.experiments.spec import RunSpec
+from fedmq.benchmarks.markdown import table as markdown_table
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,21 +88,17 @@ def fmt(value: Any) -> str:
 
 def markdown(results: list[dict[str, Any]], columns: list[str] | None = None) -> str:
     columns = columns or [k for k in results[0] if k != "valid_curve"] if results else []
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for r in results:
-        lines.append("| " + " | ".join(fmt(r.get(c)) for c in columns) + " |")
-    return "\n".join(lines)
+    return markdown_table(columns, [[fmt(r.get(c)) for c in columns] for r in results])
 
 
 def domain_markdown(table: dict[str, dict[str, float]], domains: list[str], digits: int = 2) -> str:
     """A model x domain table (BLEU, or cross-entropy with ``digits`` 3) with each model's mean over
     domains."""
-    lines = ["| model | " + " | ".join(domains) + " | mean |", "|" + "---|" * (len(domains) + 2)]
+    rows = []
     for name, scores in table.items():
         vals = [scores[d] for d in domains]
-        cells = [f"{v:.{digits}f}" for v in (*vals, sum(vals) / len(vals))]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append([name, *(f"{v:.{digits}f}" for v in (*vals, sum(vals) / len(vals)))])
+    return markdown_table(["model", *domains, "mean"], rows)
 
 
 COLUMNS = {
@@ -281,14 +278,12 @@ def write_results_file(
     seeds: list[int],
     folders: list[Path],
     per_seed: list[dict[str, Any]],
-    threads: int = 1,
-    only: str | None = None,
+    command: str,
     overrides: dict[str, Any] | None = None,
-    device: str = "cpu",
-    cohort: bool = False,
 ) -> Path:
     """Write ``exp_dir/NAME.SCALE.json``, the results file kept in git (benchmarks/results_file.py): each
-    run's final numbers by seed, the command that reruns them and the commit. Its path."""
+    run's final numbers by seed, ``command`` (the one that reruns them: results_file.command_line) and the
+    commit. Its path."""
     rows = [
         results_file.run_row(row, folder / row["run"], seed)
         for seed, folder, seed_results in zip(seeds, folders, per_seed)
@@ -300,7 +295,6 @@ def write_results_file(
         models = results_file.nmt_models(first["bleu_by_domain"], first.get("ce_by_domain") or {})
         pretrain = {**first.get("pretrain", {}), "wall_s": first.get("pretrain_s")}
     commit, dirty = results_file.git_commit(ROOT)
-    command = results_file.command_line(name, scale, seeds, threads, only, overrides, device, cohort)
     path = exp_dir / results_file.file_name(name, scale)
     doc = results_file.document(name, scale, rows, command, overrides, commit, dirty, models, pretrain)
     results_file.write(path, doc)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from fedmq.benchmarks import results_file
 from fedmq.benchmarks.experiments.grids import NAMES, grid, select, trace_file
 from fedmq.benchmarks.experiments.nmt_domains import run_nmt_domains
 from fedmq.benchmarks.experiments.nmt_grid import nmt_specs
@@ -189,9 +190,8 @@ def run_experiment(
     )
     write_atomic(exp_dir / "results.json", json.dumps(results, indent=1, default=str))
     write_atomic(exp_dir / "results.md", results_markdown(name, scale, seeds, per_seed, results, overrides))
-    write_results_file(
-        exp_dir, name, scale, seeds, folders, per_seed, threads, only, overrides, device, cohort
-    )
+    command = results_file.command_line(name, scale, seeds, threads, only, overrides, device, cohort)
+    write_results_file(exp_dir, name, scale, seeds, folders, per_seed, command, overrides)
     if report is not None:
         for folder, r in zip(folders, per_seed):
             report([folder / row["run"] for row in r["runs"]], folder / "report")

@@ -16,7 +16,8 @@ from typing import Any
 import structlog
 
 from fedmq.aggregator.checkpoint import load_checkpoint, save_checkpoint
-from fedmq.aggregator.config import JobConfig, read_former_keys
+from fedmq.aggregator.config import JobConfig
+from fedmq.aggregator.job_keys import read_former_keys
 from fedmq.aggregator.records import RoundRecord
 from fedmq.aggregator.runlog import CONFIG_FILE, RunLog, finished, read_config, read_summary, write_summary
 from fedmq.benchmarks.experiments.spec import RunSpec

@@ -8,7 +8,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from fedmq.broker.transport.errors import BrokerError
 
@@ -29,6 +29,16 @@ class ReassemblyLimits:
     max_message_size: int = 4 * 1024**3
     max_pending_bytes: int = 4 * 1024**3
     max_pending_per_sender: int | None = None
+
+
+class ConsumeArgs(TypedDict, total=False):
+    """Broker.consume's keyword arguments, as Broker.subscribe and Subscription.add pass them on (one left out
+    takes consume's default)."""
+
+    prefetch: int | None
+    offset: Any
+    only_message: str | None
+    reassembly: ReassemblyLimits | None
 
 
 @dataclass
@@ -106,18 +116,10 @@ class Broker(ABC):
         max_message_size per message, 4 GiB in all).
         """
 
-    def subscribe(
-        self,
-        queue: str,
-        *,
-        prefetch: int | None = None,
-        offset: Any = None,
-        only_message: str | None = None,
-        reassembly: ReassemblyLimits | None = None,
-    ) -> Subscription:
+    def subscribe(self, queue: str, **consume_args: Unpack[ConsumeArgs]) -> Subscription:
         """Consume ``queue`` (arguments as for consume) into a Subscription to take deliveries from."""
         sub = Subscription(self)
-        sub.add(queue, prefetch=prefetch, offset=offset, only_message=only_message, reassembly=reassembly)
+        sub.add(queue, **consume_args)
         return sub
 
     def fetch(
@@ -179,24 +181,9 @@ class Subscription:
         self._cv = threading.Condition()
         self._closed = False
 
-    def add(
-        self,
-        queue: str,
-        *,
-        prefetch: int | None = None,
-        offset: Any = None,
-        only_message: str | None = None,
-        reassembly: ReassemblyLimits | None = None,
-    ) -> str:
+    def add(self, queue: str, **consume_args: Unpack[ConsumeArgs]) -> str:
         """Consume ``queue`` too (arguments as for Broker.consume), into the same buffer; its consumer tag."""
-        tag = self.broker.consume(
-            queue,
-            self._put,
-            prefetch=prefetch,
-            offset=offset,
-            only_message=only_message,
-            reassembly=reassembly,
-        )
+        tag = self.broker.consume(queue, self._put, **consume_args)
         self.tags.append(tag)
         return tag
 

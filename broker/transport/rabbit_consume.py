@@ -25,6 +25,7 @@ import structlog
 from fedmq.broker.transport import pika_private
 from fedmq.broker.transport.base import REFUSED_SIZE_HEADER, Delivery, Handler, ReassemblyLimits
 from fedmq.broker.transport.errors import BrokerError
+from fedmq.broker.transport.options import ConnectOptions
 from fedmq.broker.transport.rabbit_io import IoThread
 from fedmq.broker.transport.reassembly import ChunkGate
 
@@ -54,23 +55,12 @@ class Consumers:
         self,
         io: IoThread,
         deliver: Callable[[_Consumer, Delivery], None],
-        *,
-        prefetch: int,
-        max_message_size: int,
-        chunk_timeout_s: float,
-        publish_timeout: float,
-        consume_timeout: float,
-        max_backoff: float,
+        options: ConnectOptions,
     ) -> None:
-        self._io, self._deliver = io, deliver
-        self.prefetch = prefetch
-        self.max_message_size = max_message_size
-        self.chunk_timeout_s = (
-            chunk_timeout_s  # an incomplete chunked message is dropped this long after its last chunk
-        )
-        self.publish_timeout = publish_timeout
-        self.consume_timeout = consume_timeout  # a subscription the broker has not confirmed by then is stuck
-        self.max_backoff = max_backoff
+        # its prefetch, max_message_size, chunk_timeout_s (an incomplete chunked message is dropped this long
+        # after its last chunk), publish_timeout, consume_timeout (a subscription the broker has not confirmed
+        # by then is stuck) and max_backoff
+        self._io, self._deliver, self.options = io, deliver, options
         self._subscriptions = 0
         self.by_tag: dict[str, _Consumer] = {}
 
@@ -142,7 +132,7 @@ class Consumers:
                 self._subscribe(c)
             except BrokerError as exc:
                 log.warning("subscribing again failed; retrying", queue=c.queue, error=str(exc))
-                self._resubscribe(c, min(delay * 2, self.max_backoff))
+                self._resubscribe(c, min(delay * 2, self.options.max_backoff))
 
         if conn is not None:
             conn.call_later(delay, again)
@@ -157,7 +147,7 @@ class Consumers:
         limits: ReassemblyLimits | None,
     ) -> str:
         """Broker.consume, from the caller's thread: subscribe on the I/O thread and wait for it."""
-        window = prefetch or self.prefetch
+        window = prefetch or self.options.prefetch
         if offset is not None and not isinstance(offset, (int, float, str)) or isinstance(offset, bool):
             raise BrokerError(f"bad stream offset {offset!r}: use an int, first, last, next or a timestamp")
         c = _Consumer(
@@ -167,8 +157,8 @@ class Consumers:
             window,
             ChunkGate.of(
                 window,
-                limits or ReassemblyLimits(max_message_size=self.max_message_size),
-                self.chunk_timeout_s,
+                limits or ReassemblyLimits(max_message_size=self.options.max_message_size),
+                self.options.chunk_timeout_s,
             ),
             offset=offset,
             only=only,
@@ -187,7 +177,10 @@ class Consumers:
             f"messages are lost); delete it (rabbitmqctl delete_queue {queue}) and start again"
         )
         return self._io.submit(
-            run, self.publish_timeout, f"consuming {queue!r}", stuck=(self.consume_timeout, zombie)
+            run,
+            self.options.publish_timeout,
+            f"consuming {queue!r}",
+            stuck=(self.options.consume_timeout, zombie),
         )
 
     def cancel(self, consumer_tag: str) -> None:
@@ -196,7 +189,7 @@ class Consumers:
             if c is not None and c.channel is not None and c.channel.is_open:
                 c.channel.close()  # closing the channel requeues its unacked deliveries
 
-        self._io.submit(run, self.publish_timeout, "cancelling a consumer")
+        self._io.submit(run, self.options.publish_timeout, "cancelling a consumer")
 
     def settle_raw(self, raw: tuple[int, str, int], requeue: bool | None) -> None:
         gen, tag, delivery_tag = raw

@@ -24,6 +24,7 @@ import structlog
 from fedmq.broker.transport import pika_private
 from fedmq.broker.transport import topology as t
 from fedmq.broker.transport.errors import REFUSALS, BrokerError, Undeliverable, refusal
+from fedmq.broker.transport.options import ConnectOptions
 from fedmq.broker.transport.queues import check_publish_args
 from fedmq.broker.transport.rabbit_io import IoThread
 from fedmq.broker.wire.chunk_frames import CHUNK_HEADER, Chunk, ChunkFrame, chunk_parts
@@ -59,20 +60,12 @@ class Publisher:
         self,
         io: IoThread,
         user: str,
-        *,
-        chunk_limit: int,
-        publish_timeout: float,
-        connect_timeout: float,
-        confirm_stall_s: float,
+        options: ConnectOptions,
         exchange_missing: Callable[[str], BrokerError],
     ) -> None:
-        self._io, self.user = io, user
-        self.chunk_limit = chunk_limit
-        self.publish_timeout = publish_timeout
-        self.connect_timeout = connect_timeout
-        self.confirm_stall_s = (
-            confirm_stall_s  # no confirm for this long: publish the rest again on a new channel
-        )
+        # its chunk_limit, publish_timeout, connect_timeout and confirm_stall_s (no confirm for this long:
+        # publish the rest again on a new channel)
+        self._io, self.user, self.options = io, user, options
         self._exchange_missing = exchange_missing
         self.channel: Any = None
         self._seq = 0
@@ -94,7 +87,9 @@ class Publisher:
         except ValueError as exc:
             raise BrokerError(str(exc)) from None
         message_id = message_id or uuid.uuid4().hex
-        frames = chunk_parts(body if isinstance(body, bytes) else bytes(body), message_id, self.chunk_limit)
+        frames = chunk_parts(
+            body if isinstance(body, bytes) else bytes(body), message_id, self.options.chunk_limit
+        )
         base = dict(headers or {})
 
         def props(h: dict[str, Any]) -> pika.BasicProperties:
@@ -111,7 +106,7 @@ class Publisher:
             parts = [(body, props(base))]
         else:
             parts = [(f, props({**base, CHUNK_HEADER: 1})) for f in frames]
-        timeout = timeout or self.publish_timeout
+        timeout = timeout or self.options.publish_timeout
         job = _Publish(exchange, routing_key, parts, time.monotonic() + timeout, message_id)
         self._io.submit(lambda: self._publish_now(job), timeout, f"publish to {routing_key!r}")
         REFUSALS.clear(self.user, routing_key)
@@ -129,7 +124,7 @@ class Publisher:
             on_ready=lambda _f: ready.append(True),
             on_return=self._on_return,
         )
-        deadline = time.monotonic() + self.connect_timeout * 2
+        deadline = time.monotonic() + self.options.connect_timeout * 2
         while not ready:
             if time.monotonic() > deadline or not ch.is_open:
                 raise pe.AMQPConnectionError("could not enable publisher confirms")
@@ -220,7 +215,7 @@ class Publisher:
                 if len(job.confirmed) > done:
                     progress, done = time.monotonic(), len(job.confirmed)
                 elif (
-                    time.monotonic() - progress > self.confirm_stall_s and not self._io.blocked
+                    time.monotonic() - progress > self.options.confirm_stall_s and not self._io.blocked
                 ):  # blocked: held
                     self.abandon_channel(job)
                     break
@@ -252,7 +247,7 @@ class Publisher:
             "publish not confirmed; publishing again on a new channel",
             routing_key=job.routing_key,
             unconfirmed=len(job.parts) - len(job.confirmed),
-            after_s=self.confirm_stall_s,
+            after_s=self.options.confirm_stall_s,
         )
         self._forget(job)
         self._drop_channel()

@@ -25,7 +25,6 @@ from fedmq.broker.transport.rabbit_io import IoThread
 
 log = structlog.get_logger(__name__)
 
-EXCHANGE_CHECK_S = 10.0  # how often a broker checks that its jobs' exchanges exist
 
 _Job = tuple[str, tuple[str, ...], bool, int]  # (job, agents, inbox, model bytes)
 

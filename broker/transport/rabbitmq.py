@@ -26,104 +26,64 @@ import pika
 import pika.exceptions as pe
 
 from fedmq.broker.transport import topology as t
-from fedmq.broker.transport.base import (
-    CONSUME_TIMEOUT_S,
-    HEARTBEAT_S,
-    PREFETCH,
-    Broker,
-    Delivery,
-    Handler,
-    ReassemblyLimits,
-)
+from fedmq.broker.transport.base import Broker, Delivery, Handler, ReassemblyLimits
 from fedmq.broker.transport.errors import BrokerError
+from fedmq.broker.transport.options import ConnectOptions
 from fedmq.broker.transport.queues import job_queues
 from fedmq.broker.transport.rabbit_consume import Consumers
 from fedmq.broker.transport.rabbit_dispatch import Dispatcher
 from fedmq.broker.transport.rabbit_io import IoThread
 from fedmq.broker.transport.rabbit_publish import Publisher
 from fedmq.broker.transport.rabbit_reconnect import Reconnection, node_parameters
-from fedmq.broker.transport.rabbit_topology import EXCHANGE_CHECK_S, JobTopology
+from fedmq.broker.transport.rabbit_topology import JobTopology
 from fedmq.broker.transport.reassembly import GatedDispatch
-from fedmq.broker.transport.tls import TlsOptions
 from fedmq.broker.transport.urls import redact
-from fedmq.broker.wire.chunk_frames import DEFAULT_CHUNK_LIMIT
+
+# what the presence lane keeps of its connection's options; the rest (its prefetch, chunk limit, message
+# sizes, timeouts of consuming and confirm stalls) are the defaults
+_LANE_KEEPS = (
+    "user",
+    "heartbeat",
+    "tls",
+    "connect_timeout",
+    "publish_timeout",
+    "max_backoff",
+    "exchange_check_s",
+)
 
 
 class RabbitBroker(Broker):
     """One RabbitMQ connection owned by an I/O thread (see module docstring)."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        user: str | None = None,
-        prefetch: int = PREFETCH,
-        heartbeat: int = HEARTBEAT_S,
-        chunk_limit: int = DEFAULT_CHUNK_LIMIT,
-        tls: TlsOptions | None = None,
-        connect_timeout: float = 5.0,
-        publish_timeout: float = 300.0,
-        max_backoff: float = 5.0,
-        max_message_size: int = 4 * 1024**3,
-        chunk_timeout_s: float = 600.0,
-        consume_timeout: float = CONSUME_TIMEOUT_S,
-        confirm_stall_s: float = 15.0,
-        exchange_check_s: float = EXCHANGE_CHECK_S,
-        presence_lane: bool = True,
-    ) -> None:
-        nodes = node_parameters(url, tls, user, heartbeat, connect_timeout)
+    def __init__(self, url: str, options: ConnectOptions | None = None) -> None:
+        o = options or ConnectOptions()
+        nodes = node_parameters(url, o.tls, o.user, o.heartbeat, o.connect_timeout)
         self.url = url
         self.user = nodes[0].credentials.username
-        self.chunk_limit = chunk_limit
-        self.publish_timeout = publish_timeout
+        self.chunk_limit = o.chunk_limit
+        self.publish_timeout = o.publish_timeout
         self._io = IoThread(
             url,
             self.user,
-            Reconnection(nodes, max_backoff),
+            Reconnection(nodes, o.max_backoff),
             opened=self._opened,
             lost=self._lost,
             restore=self._restore,
             tick=self._tick,
         )
-        self._topology = JobTopology(self._io, self.user, exchange_check_s)
-        self._publisher = Publisher(
-            self._io,
-            self.user,
-            chunk_limit=chunk_limit,
-            publish_timeout=publish_timeout,
-            connect_timeout=connect_timeout,
-            confirm_stall_s=confirm_stall_s,
-            exchange_missing=self._topology.missing,
-        )
-        self._consumers = Consumers(
-            self._io,
-            lambda c, d: self._dispatcher.put(c, d),
-            prefetch=prefetch,
-            max_message_size=max_message_size,
-            chunk_timeout_s=chunk_timeout_s,
-            publish_timeout=publish_timeout,
-            consume_timeout=consume_timeout,
-            max_backoff=max_backoff,
-        )
+        self._topology = JobTopology(self._io, self.user, o.exchange_check_s)
+        self._publisher = Publisher(self._io, self.user, o, exchange_missing=self._topology.missing)
+        self._consumers = Consumers(self._io, lambda c, d: self._dispatcher.put(c, d), o)
         self._gates = GatedDispatch(self._consumers.by_tag, self._consumers.settle_raw)
         self._dispatcher = Dispatcher(self._gates, self._consumers.current)
         self._lane: RabbitBroker | None = None  # presence's own connection (see module docstring)
         self._lane_lock = threading.Lock()
-        self._lane_args: dict[str, Any] | None = (
-            dict(
-                user=user,
-                heartbeat=heartbeat,
-                tls=tls,
-                connect_timeout=connect_timeout,
-                publish_timeout=publish_timeout,
-                max_backoff=max_backoff,
-                exchange_check_s=exchange_check_s,
-                presence_lane=False,
-            )
-            if presence_lane
+        self._lane_options = (  # presence's connection: no lane of its own
+            ConnectOptions(**{k: getattr(o, k) for k in _LANE_KEEPS}, presence_lane=False)
+            if o.presence_lane
             else None
         )
-        self._io.start((connect_timeout * 3 + 5) * len(nodes))
+        self._io.start((o.connect_timeout * 3 + 5) * len(nodes))
         self._dispatcher.start()
 
     # ---- what the I/O thread does around the connection -----------------------------------------------
@@ -163,7 +123,7 @@ class RabbitBroker(Broker):
         headers: dict[str, Any] | None = None,
         timeout: float | None = None,
     ) -> None:
-        if self._lane_args is not None and isinstance(routing_key, str) and t.is_presence(routing_key):
+        if self._lane_options is not None and isinstance(routing_key, str) and t.is_presence(routing_key):
             lane = self._presence_lane()
             try:
                 lane.publish(routing_key, body, message_id=message_id, headers=headers, timeout=timeout)
@@ -188,8 +148,8 @@ class RabbitBroker(Broker):
             if self._io.stopping:
                 raise BrokerError("the broker connection is closed")
             if self._lane is None:
-                assert self._lane_args is not None
-                self._lane = RabbitBroker(self.url, **self._lane_args)
+                assert self._lane_options is not None
+                self._lane = RabbitBroker(self.url, self._lane_options)
                 self._lane._topology.report_missing = False
             return self._lane
 

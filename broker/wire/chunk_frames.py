@@ -37,6 +37,7 @@ import msgpack
 import xxhash
 
 from fedmq.broker.wire.blobs import DIGEST_SIZE, digest
+from fedmq.broker.wire.untrusted import msgpack_options
 from fedmq.errors import CodecError
 
 DEFAULT_CHUNK_LIMIT = 8 * 1024 * 1024
@@ -156,15 +157,8 @@ def decode_chunk(data: bytes) -> Chunk:
     view = byte_view(data)
     try:
         up = msgpack.Unpacker(
-            raw=False,
-            use_list=True,
-            strict_map_key=True,
             max_buffer_size=_HEADER_MAX,
-            max_bin_len=_HEADER_MAX,
-            max_str_len=_HEADER_MAX,
-            max_array_len=9,
-            max_map_len=0,
-            max_ext_len=0,
+            **msgpack_options(bins=_HEADER_MAX, strs=_HEADER_MAX, arrays=9, maps=0),
         )
         up.feed(view[:_HEADER_MAX])
         count = up.read_array_header()

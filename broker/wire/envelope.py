@@ -24,6 +24,7 @@ import msgpack
 import zstandard as zstd
 
 from fedmq.broker.wire.blobs import DIGEST_SIZE, digest, digest_of
+from fedmq.broker.wire.untrusted import msgpack_options
 from fedmq.errors import CodecError
 
 SCHEMA_VERSION = 1
@@ -235,15 +236,7 @@ def unpack(data: bytes, *, limits: Limits = Limits()) -> Envelope:
     cap = min(m, limits.max_container_len)
     try:
         obj = msgpack.unpackb(
-            body,
-            raw=False,
-            use_list=True,
-            strict_map_key=True,
-            max_bin_len=m,
-            max_str_len=min(m, limits.max_str_len),
-            max_array_len=cap,
-            max_map_len=cap,
-            max_ext_len=0,
+            body, **msgpack_options(bins=m, strs=min(m, limits.max_str_len), arrays=cap, maps=cap)
         )
     except Exception as exc:  # msgpack raises many unrelated types (ValueError, ExtraData, StackError, ...)
         raise CodecError("malformed", f"body is not valid msgpack ({type(exc).__name__})") from None

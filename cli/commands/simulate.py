@@ -12,15 +12,17 @@ from typing import Any
 
 import typer
 
+from fedmq import defaults
 from fedmq.aggregator.config import STRATEGIES
 from fedmq.cli.errors import UsageError, check_progress
 from fedmq.cli.options import JOB
 from fedmq.cli.process import make_task, prepare_process, setup_logs
 from fedmq.tasks.catalog import MIN_COUNT, MODELS
 
-TASK, STRATEGY, TRAIN, WIRE, AVAIL, RUN = (
+TASK, STRATEGY, PRIVACY, TRAIN, WIRE, AVAIL, RUN = (
     "Task and data",
     "Strategy",
+    "Differential privacy",
     "Local training",
     "Wire",
     "Availability and faults",
@@ -152,11 +154,44 @@ def simulate(
         metavar="F",
         help="influence guard: weight n_k ≤ F × the round's median n_k (0 = off)",
     ),
+    dp: str = _opt(
+        JOB.dp,
+        panel=PRIVACY,
+        metavar="MODE",
+        help="central or client (who noises)",
+    ),
+    clip_norm: str = _opt(
+        str(JOB.clip_norm),
+        panel=PRIVACY,
+        metavar="S|adaptive",
+        help="L2 bound on one client's update",
+    ),
+    clip_quantile: float = _opt(
+        JOB.clip_quantile, panel=PRIVACY, metavar="Q", help="adaptive S: target quantile"
+    ),
+    noise_multiplier: float | None = _opt(
+        JOB.noise_multiplier,
+        panel=PRIVACY,
+        metavar="Z",
+        help="noise std z·S (default 1)",
+    ),
+    target_epsilon: float | None = _opt(
+        JOB.target_epsilon,
+        panel=PRIVACY,
+        metavar="E",
+        help="z for ε ≤ E over --rounds",
+    ),
+    delta: float | None = _opt(JOB.delta, panel=PRIVACY, metavar="D", help="default 1/K^1.1"),
     epochs: int = _opt(JOB.epochs, "--epochs", "-e", panel=TRAIN, metavar="E", help="local epochs"),
     batch_size: int = _opt(
         JOB.batch_size, "--batch-size", "-b", panel=TRAIN, metavar="B", help="local batch size"
     ),
-    lr: float = _opt(JOB.lr, panel=TRAIN, metavar="LR", help="client learning rate"),
+    lr: float | None = _opt(
+        None,
+        panel=TRAIN,
+        metavar="LR",
+        help=f"client learning rate [default: {defaults.LR:g}; fedsgd: {defaults.FEDSGD_LR:g}]",
+    ),
     optimizer: str = _opt(JOB.optimizer, panel=TRAIN, metavar="NAME", help="sgd or adam"),
     momentum: float = _opt(JOB.momentum, panel=TRAIN, metavar="M", help="SGD momentum"),
     round_lr_decay: float = _opt(
@@ -265,6 +300,7 @@ def simulate(
       fedmq simulate                    # ~2 min demo on Python's docs
       fedmq simulate --data DIR --model gru-small --strategy fedatt -r 10
       fedmq simulate --strategy fedmed --beta 0.5 --encoding delta+int8
+      fedmq simulate --dp central --clip-norm 0.5 --target-epsilon 8 -r 20
       fedmq simulate --config job.toml --rounds 20 --out runs/a
       fedmq simulate --out runs/a --resume --rounds 30
       fedmq simulate --broker amqp://guest:guest@127.0.0.1:5672/%2F

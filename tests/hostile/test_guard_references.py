@@ -132,7 +132,7 @@ def test_async_one_agent_cannot_wipe_or_stall_the_model(
     federation, tiny_lm, rabbit_node, tmp_path, job_id, fill
 ):
     # hostile from its third update: the rules judge against the other clients' accepted updates, and an
-    # update among the very first of the job has no reference yet (docs/reliability.md, limit (d))
+    # update among the very first of the job is judged only with its buffer (docs/reliability.md, limit (d))
     engine, summary, rows = _run(
         federation,
         tiny_lm,
@@ -151,7 +151,7 @@ def test_async_one_agent_cannot_wipe_or_stall_the_model(
         "async", fill, "hostile weights", [round(w, 3) for w in hostile_weight], dict(engine.inbox.rejected)
     )
     print("async", fill, "validation perplexity", [round(r.valid, 1) for r in rows if r.valid is not None])
-    # its honest first updates count with n capped at 4 x the others' (or uncapped when first of the job)
+    # its honest first updates count with n capped at 4 x the others' (in its first buffer: by the buffer)
     # its hostile updates are rejected before folding: how many reach the engine in 8 versions depends on
     # arrival order (a busy machine: one), but none is folded
     assert engine.inbox.rejected.get("out-of-bounds", 0) >= 1

@@ -5,10 +5,10 @@ or missing.
   rule was skipped, one agent's zeros with n = 2**52 were only capped (4/6 of the weight: the model shrank
   to a third each round), and 3e38 made the aggregate non-finite (the honest round skipped). Now, against a
   zero reference, any change is out of bounds: both are dropped and the round goes on.
-* No reference at all (the first update of an asynchronous job): zeros (Δ = −θ) with n = 2**52 were folded
-  with the whole weight. Now an update with no reference is shortened to move the model by at most half its
-  norm (an honest first step of a small model may be as long, and dropping it would leave the job without a
-  reference for ever).
+* No reference at all (the first updates of an asynchronous job): zeros (Δ = −θ) with n = 2**52 were folded
+  with the whole weight. Now updates with no reference are held and judged together at the buffer's close, as
+  a synchronous round: with fewer than three and no history, beyond half the model's norm is dropped
+  (tests/hostile/test_guard_first_buffer.py runs whole first buffers).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from fedmq.aggregator.config import JobConfig
-from fedmq.aggregator.guards import RoundGuard, norm_of
+from fedmq.aggregator.guards import RoundGuard
 from fedmq.aggregator.strategies.base import ClientUpdate
 from fedmq.client_agent.agent import Agent
 from fedmq.tasks.base import model_state
@@ -94,14 +94,16 @@ def test_a_first_update_with_no_reference_cannot_wipe_the_model(task):
     guard = RoundGuard(4.0, 10.0)
     guard.begin()
     wipe = ClientUpdate("evil", 2**52, {k: -v for k, v in model.items()}, delta=True)  # θ_k = 0
-    assert guard.screen(wipe, model) is None and "evil" in guard.screened.capped
-    assert norm_of(wipe.tensors.values()) == pytest.approx(0.5 * norm_of(model.values()), rel=1e-5)
+    assert guard.screen(wipe, model) is None and "evil" in guard.held  # nothing to judge it by yet
     step = ClientUpdate("a", 100, {k: 0.01 * torch.ones_like(v) for k, v in model.items()}, delta=True)
-    before = {k: v.clone() for k, v in step.tensors.items()}
-    assert guard.screen(step, model) is None  # an honest-sized first update is folded as it came
-    assert all(torch.equal(step.tensors[k], before[k]) for k in before) and "a" not in guard.screened.capped
-    # the same wipe sent as full weights (θ_k = 0) is shortened the same way: θ + ½(θ_k − θ) = ½θ
+    assert guard.screen(step, model) is None
+    # judged at the buffer's close: two updates, no history, so the no-reference rule: the wipe is dropped
+    verdict = guard.judge_held(model)
+    assert list(verdict.dropped) == ["evil"] and "no reference yet" in verdict.dropped["evil"]
+    assert verdict.capped == {} and guard.latest["a"][0] == 100  # 4 x the smaller claim: a is not capped
+    # the same wipe sent as full weights (θ_k = 0) is the same change
+    guard = RoundGuard(4.0, 10.0)
     guard.begin()
     full = ClientUpdate("evil", 2**52, {k: torch.zeros_like(v) for k, v in model.items()}, delta=False)
     assert guard.screen(full, model) is None
-    assert all(torch.allclose(full.tensors[k], 0.5 * model[k], atol=1e-6) for k in model)
+    assert list(guard.judge_held(model).dropped) == ["evil"]

@@ -27,6 +27,7 @@ from fedmq.broker.transport import topology as t
 from fedmq.broker.transport.admin import CtlAdmin
 from fedmq.broker.transport.connect import connect
 from fedmq.broker.transport.errors import BrokerError
+from fedmq.broker.transport.options import ConnectOptions
 from fedmq.broker.transport.rabbitmq import RabbitBroker
 
 pytestmark = [pytest.mark.isolated_node]
@@ -129,8 +130,8 @@ def _errors(logs: list[dict], needle: str) -> list[dict]:
 def test_a_deleted_exchange_is_named_and_the_job_goes_on(rabbit_node, job_id):
     url, client = rabbit_node.url, "agent-0"
     ex = exchange_of(job_id)
-    agg = RabbitBroker(url, exchange_check_s=0.5)
-    agent = RabbitBroker(url, exchange_check_s=0.5)
+    agg = RabbitBroker(url, ConnectOptions(exchange_check_s=0.5))
+    agent = RabbitBroker(url, ConnectOptions(exchange_check_s=0.5))
     try:
         agg.declare_job(job_id, [], model_bytes=1000)
         agent.declare_job(job_id, [client], inbox=False)

@@ -26,6 +26,7 @@ from fedmq.broker.transport.admin import CtlAdmin
 from fedmq.broker.transport.base import ReassemblyLimits
 from fedmq.broker.transport.connect import connect
 from fedmq.broker.transport.errors import REFUSAL_TRIES, BrokerError
+from fedmq.broker.transport.options import ConnectOptions
 from fedmq.broker.transport.rabbitmq import RabbitBroker
 from fedmq.client_agent.agent import Agent
 from fedmq.tasks.lm import LanguageModelTask
@@ -39,7 +40,7 @@ MiB = 1024 * 1024
 def test_an_oversized_message_is_refused_from_its_header(rabbit_node, job_id):
     url = rabbit_node.url
     big = 12 * MiB  # under the node's max_message_size (16 MiB), far over the consumer's limit (1 MiB)
-    with RabbitBroker(url, chunk_limit=32 * MiB) as sender:  # one unchunked message
+    with RabbitBroker(url, ConnectOptions(chunk_limit=32 * MiB)) as sender:  # one unchunked message
         sender.declare_job(job_id, [], model_bytes=1000)
         sender.publish(t.rk_update(job_id, "agent-0"), b"\x00" * big, message_id="bomb")
         sender.publish(t.rk_update(job_id, "agent-0"), b"honest", message_id="honest")
@@ -73,7 +74,10 @@ def test_presence_is_not_queued_behind_an_upload(rabbit_node, job_id):
     url = rabbit_node.url
     # 1024 chunks of 32 KiB, 8 in flight: about 130 confirm round trips of a quorum queue, seconds on the wire
     body = b"\x01" * (32 * MiB)
-    with RabbitBroker(url, chunk_limit=32 * 1024, prefetch=2048) as agent, RabbitBroker(url) as watcher:
+    with (
+        RabbitBroker(url, ConnectOptions(chunk_limit=32 * 1024, prefetch=2048)) as agent,
+        RabbitBroker(url) as watcher,
+    ):
         agent.declare_job(job_id, [], model_bytes=1000)
         agent.publish(t.rk_presence(job_id, "agent-0"), b"warm")  # connections open before timing
         times: dict[str, float] = {}

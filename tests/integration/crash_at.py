@@ -18,7 +18,7 @@ import os
 import runpy
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 POINTS = ("trained", "during-agg", "after-agg", "after-checkpoint")
@@ -56,6 +56,16 @@ def arm(point: str, rnd: int) -> None:
         _kill_after(engine, "save_checkpoint", lambda *_a, **kw: kw["round"] == rnd + 1)
     else:
         raise SystemExit(f"unknown crash point {point!r}: one of {', '.join(POINTS)}")
+
+
+def killed(point: str, rnd: int, args: Sequence[str], cwd: Any, env: dict[str, str]) -> Any:
+    """Run ``fedmq ARGS`` in a fresh interpreter, armed to kill itself at ``point`` of round ``rnd``; the
+    completed process (its returncode is -SIGKILL when the point was reached)."""
+    import subprocess
+
+    script = os.path.abspath(__file__)
+    cmd = [sys.executable, script, point, str(rnd), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=cwd)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import pytest
 
 from fedmq.broker.transport import topology as t
 from fedmq.broker.transport.errors import BrokerError
+from fedmq.broker.transport.options import ConnectOptions
 from fedmq.broker.transport.rabbitmq import RabbitBroker
 
 pytestmark = pytest.mark.rabbitmq
@@ -40,8 +41,8 @@ def vhost_url(rabbit_url):
 
 def test_the_aggregators_publish_waits_for_its_deleted_exchange_and_goes(vhost_url, job_id):
     client = "agent-0"
-    agg = RabbitBroker(vhost_url, exchange_check_s=0.5)
-    agent = RabbitBroker(vhost_url, exchange_check_s=0.5, presence_lane=False)
+    agg = RabbitBroker(vhost_url, ConnectOptions(exchange_check_s=0.5))
+    agent = RabbitBroker(vhost_url, ConnectOptions(exchange_check_s=0.5, presence_lane=False))
     try:
         agg.declare_job(job_id, [], model_bytes=1000)
         agent.declare_job(job_id, [client], inbox=False)

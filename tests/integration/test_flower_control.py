@@ -54,10 +54,9 @@ def test_bench_flower_side_agrees_with_the_control() -> None:
     fastest: dict[str, float] = {}
     for _attempt in range(3):
         run_s = budget(240)
-        bench = fl.run_flower(fl.DEFAULT_FLOWER_PYTHON, CORPUS, CLIENTS, SELECTED, ROUNDS, timeout=run_s)
-        control = fl.run_flower(
-            fl.DEFAULT_FLOWER_PYTHON, CORPUS, CLIENTS, SELECTED, ROUNDS, "flower_control", timeout=run_s
-        )
+        setting = fl.Setting(CORPUS, CLIENTS, SELECTED, ROUNDS, timeout=run_s)
+        bench = fl.run_flower(fl.DEFAULT_FLOWER_PYTHON, setting)
+        control = fl.run_flower(fl.DEFAULT_FLOWER_PYTHON, setting, "flower_control")
         for side, run in (("bench", bench), ("control", control)):
             assert run.rounds == ROUNDS and not run.note, (run.name, run.rounds, run.note)
             assert run.s_per_round is not None and run.s_per_round > 0

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from fedmq.aggregator.checkpoint import load_checkpoint
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from crash_at import POINTS  # noqa: E402
+from crash_at import POINTS, killed  # noqa: E402
 
 pytestmark = pytest.mark.slow
 EXAMPLES = HERE.parents[1] / "docs" / "examples"
@@ -76,14 +75,7 @@ def whole(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("point", POINTS)
 def test_scaffold_resumes_bit_for_bit_after_kill9(tmp_path, whole, point):
     run = tmp_path / "run"
-    crashed = subprocess.run(
-        [sys.executable, str(HERE / "crash_at.py"), point, str(CRASH_ROUND), *RUN, "--out", str(run)],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=240,
-        cwd=tmp_path,
-    )
+    crashed = killed(point, CRASH_ROUND, [*RUN, "--out", str(run)], tmp_path, _env())
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
     assert load_checkpoint(run / "checkpoints").round <= CRASH_ROUND + 1
     _fedmq("simulate", "--out", str(run), "--resume", cwd=tmp_path)  # the fit check knows scaffold.c:NAME

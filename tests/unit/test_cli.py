@@ -173,6 +173,7 @@ def test_simulate_help_groups_options_and_lists_every_choice_in_full():
     for panel in (
         "Task and data:",
         "Strategy:",
+        "Differential privacy:",
         "Local training:",
         "Wire:",
         "Availability and faults:",
@@ -200,7 +201,7 @@ def test_simulate_help_groups_options_and_lists_every_choice_in_full():
         assert name in names, name
     assert "--config FILE" in text and "--tied / --untied" in text and "-k, --clients K" in text
     assert "--metrics-port PORT" in text
-    assert len(text.splitlines()) < 120
+    assert len(text.splitlines()) < 130  # 120 before the privacy panel (one line a flag) and its example
 
 
 def test_agent_run_help_shows_option_names_and_brackets():
@@ -267,6 +268,15 @@ def fedmq_torch_probe(*args: str) -> tuple[subprocess.CompletedProcess, bool]:
         (["--metrics-port", "http"], "--metrics-port"),
         (["--strategy", "fedadam", "--strategy-arg", "server-lr=0.01"], "did you mean server_lr?"),
         (["--strategy", "fedatt", "--strategy-arg", "eps=1"], "strategy 'fedatt' has no parameter 'eps'"),
+        (["--dp", "central", "--clip-norm", "0"], "--clip-norm) S must be positive"),
+        (["--dp", "central", "--noise-multiplier", "-1"], "must not be negative"),
+        (["--dp", "central", "-k", "10", "--delta", "0.1"], "must be in (0, 1/K)"),
+        (["--dp", "central", "--target-epsilon", "0"], "--target-epsilon) ε must be positive"),
+        (["--dp", "central", "--target-epsilon", "2", "--noise-multiplier", "1"], "not both"),
+        (["--dp", "central", "--strategy", "fedmed"], "needs an averaging strategy"),
+        (["--dp", "central", "--beta", "0.5"], "by loss"),
+        (["--dp", "client", "--clip-norm", "adaptive"], "adaptive needs dp (--dp) central"),
+        (["--dp", "secret"], "use none, central or client"),
     ],
 )
 def test_bad_simulate_flags_are_one_line_before_torch_and_leave_no_folder(args, needle, tmp_path):
@@ -389,6 +399,14 @@ def test_config_file_then_flags_override_it(tmp_path):
     assert p.task == {**p.task, "model": "gru-small", "clients": 6, "max_lines": 500, "emb": 64}
     assert p.job.extra["cli"]["rounds"] == 5 and p.job.extra["cli"]["keyframe_every"] == 4
     assert plan().job.strategy == "fedavg" and plan().task["model"] == "gru-tiny"
+
+
+def test_simulate_learning_rate_is_the_strategys_unless_given(tmp_path):
+    assert plan().job.lr == 20.0 and plan("--strategy", "fedsgd").job.lr == 1.5
+    assert plan("--strategy", "fedsgd", "--lr", "4").job.lr == 4.0
+    job = tmp_path / "job.toml"
+    job.write_text('strategy = "fedsgd"\nlr = 2\n')
+    assert plan("--config", str(job)).job.lr == 2.0
 
 
 @pytest.mark.parametrize(

@@ -116,13 +116,64 @@ def test_async_screen_judges_against_the_other_clients():
     guard = RoundGuard(4.0, 10.0)
     guard.begin()
     assert guard.screen(delta("evil", 2**52, 3e38), GLOBAL) is not None  # beyond float32 with no history
-    first = delta("evil", 2**52, 0.0)
-    assert guard.screen(first, GLOBAL) is None and first.n_samples == 2**52  # no other client yet
-    assert guard.screen(delta("a", 100, 0.1), GLOBAL) is None
+    # no other client has a vote yet: each update is held (folded for now), judged at the buffer's close
+    for client, n in (("evil", 100), ("a", 100), ("b", 120)):
+        update = delta(client, n, 0.1)
+        assert guard.screen(update, GLOBAL) is None and client in guard.held and not guard.latest
+    assert not guard.judge_held(GLOBAL) and not guard.held and set(guard.latest) == {"evil", "a", "b"}
+    guard.begin()
     capped = delta("evil", 2**52, 0.1)
-    assert guard.screen(capped, GLOBAL) is None and capped.n_samples == 400  # 4 x the one other client
-    assert guard.screen(delta("b", 120, 0.1), GLOBAL) is None
+    assert guard.screen(capped, GLOBAL) is None and capped.n_samples == 480  # 4 x a's and b's upper median
     assert guard.screen(delta("evil", 100, 5.0), GLOBAL) is not None  # 50 x the others' median norm
     honest = delta("a", 100, 0.1)
-    assert guard.screen(honest, GLOBAL) is None and honest.n_samples == 100  # evil's n=400 is not a vote
-    assert list(guard.screened.dropped) == ["evil"] and guard.screened.capped == {"evil": 400}
+    assert guard.screen(honest, GLOBAL) is None and honest.n_samples == 100  # within 4 x evil's and b's
+    assert (
+        not guard.held and list(guard.screened.dropped) == ["evil"] and guard.screened.capped == {"evil": 480}
+    )
+
+
+def test_async_first_buffer_is_judged_as_a_synchronous_round():
+    """Held updates (no reference when they came) are judged together at the close: three or more by their
+    own lower median, as a synchronous round; the verdict is keyed by update id, ``screened`` by client."""
+    guard = RoundGuard(4.0, 10.0)
+    guard.begin()
+    updates = [delta("evil", 2**52, 1e3), delta("a", 100, 0.1), delta("b", 120, 0.12)]
+    for i, update in enumerate(updates):
+        update.update_id = f"m{i}"
+        assert guard.screen(update, GLOBAL) is None  # 1e4 x the others: nothing to judge it by yet
+    verdict = guard.judge_held(GLOBAL)
+    assert list(verdict.dropped) == ["m0"] and "> 10 x median" in verdict.dropped["m0"]
+    assert list(guard.screened.dropped) == ["evil"] and set(guard.latest) == {"a", "b"}
+    assert len(guard.history_norm) == 1  # a buffer of three is a reference for later small ones
+    # an honest-sized update with a huge claim is capped at 4 x the buffer's lower median n (the middle claim)
+    guard = RoundGuard(4.0, 10.0)
+    guard.begin()
+    for update in (delta("evil", 2**52, 0.1), delta("a", 100, 0.1), delta("b", 120, 0.1)):
+        guard.screen(update, GLOBAL)
+    verdict = guard.judge_held(GLOBAL)
+    assert verdict.capped == {"evil": 480} and not verdict.dropped and guard.latest["evil"][0] == 480
+    # order does not matter: the same updates arriving the other way round get the same verdict
+    guard = RoundGuard(4.0, 10.0)
+    guard.begin()
+    for update in (delta("b", 120, 0.1), delta("a", 100, 0.1), delta("evil", 2**52, 0.1)):
+        guard.screen(update, GLOBAL)
+    assert guard.judge_held(GLOBAL).capped == {"evil": 480}
+
+
+def test_async_small_first_buffer_has_the_no_reference_rule():
+    """Fewer than three held updates and no history: beyond half the model's norm is dropped (not shortened),
+    and with two the larger claim is capped at 4 x the smaller."""
+    guard = RoundGuard(4.0, 10.0)
+    guard.begin()
+    wipe = delta("evil", 2**52, -1.0)  # ‖Δ‖ = √15 > ½ ‖θ‖ = ½ √12
+    guard.screen(wipe, GLOBAL)
+    guard.screen(delta("a", 100, 0.1), GLOBAL)
+    verdict = guard.judge_held(GLOBAL)
+    assert list(verdict.dropped) == ["evil"] and "no reference yet" in verdict.dropped["evil"]
+    assert torch.equal(wipe.tensors["w"], torch.full((4, 3), -1.0))  # judged, never altered
+    guard.begin()
+    claim = delta("b", 2**52, 0.1)
+    guard.screen(claim, GLOBAL)  # one other client (a): its n is capped at once, the norm waits
+    assert claim.n_samples == 400 and "b" in guard.held
+    guard.withdraw(claim)  # refused by the strategy after the screen: no longer judged
+    assert not guard.held and not guard.judge_held(GLOBAL)

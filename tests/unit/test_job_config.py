@@ -83,6 +83,18 @@ def test_fedsgd_is_one_full_batch_step_on_every_client():
     assert not JobConfig(strategy="fedavg", epochs=5).train_config().full_batch
 
 
+def test_fedsgd_has_a_learning_rate_of_its_own_unless_one_is_given():
+    from fedmq import defaults
+
+    assert JobConfig(strategy="fedsgd").lr == defaults.FEDSGD_LR == 1.5
+    assert JobConfig(strategy="fedsgd").train_config().lr == 1.5
+    assert JobConfig().lr == JobConfig(strategy="fedadam").lr == defaults.LR == 20.0
+    assert JobConfig(strategy="fedsgd", lr=3.0).lr == 3.0 and JobConfig(lr=3.0).lr == 3.0
+    # a job written out (config.json) and read back keeps the learning rate it ran with
+    cfg = JobConfig(strategy="fedsgd")
+    assert JobConfig(**{**cfg.__dict__, "strategy": "fedavg"}).lr == 1.5
+
+
 @pytest.mark.parametrize(
     "values, message",
     [

@@ -58,6 +58,8 @@ def csv_rows(path) -> list[dict]:
             for name, cell in zip(table[0], cells)
         }
         rec.update(rec.pop("extra") or {})
+        if rec["delta"] is None:  # a run without differential privacy: its rows have no epsilon or delta
+            del rec["epsilon"], rec["delta"]
         out.append(rec)
     return out
 
@@ -86,6 +88,17 @@ def test_csv_rows_equal_the_json_lines(tmp_path):
     log.write_summary({})
     assert [r.to_json() for r in log.rows()] == rows
     assert csv_rows(tmp_path / "metrics.csv") == rows
+
+
+def test_a_dp_rows_epsilon_and_delta_are_csv_columns_and_a_tensorboard_scalar(tmp_path):
+    log = RunLog(tmp_path)
+    rows = [{**row(1), "epsilon": 0.5, "delta": 1e-5}, {**row(2), "epsilon": None, "delta": 1e-5}]
+    for r in rows:
+        log.append(r)
+    log.write_summary({})
+    assert [r.to_json() for r in log.rows()] == rows
+    assert csv_rows(tmp_path / "metrics.csv") == rows
+    assert [e.value for e in board(tmp_path / "tb").Scalars("privacy/epsilon")] == [0.5]
 
 
 def test_tensorboard_has_score_loss_bytes_participation_and_weights_per_round(tmp_path):

@@ -1,5 +1,5 @@
 """A strategy's parameters have one way in, its constructor's arguments; the former JobConfig keys that were
-built-in strategies' parameters (aggregator.config.FORMER_KEYS) are still read from old job files and run
+built-in strategies' parameters (aggregator.job_keys.FORMER_KEYS) are still read from old job files and run
 folders, and the flags kept for them are aliases of the parameter."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import re
 import fedmq_procs
 import pytest
 
-from fedmq.aggregator import config
-from fedmq.aggregator.config import FORMER_KEYS, JobConfig, JobConfigError, read_job_file
+from fedmq.aggregator import job_keys
+from fedmq.aggregator.config import JobConfig, read_job_file
+from fedmq.aggregator.job_keys import FORMER_KEYS, JobConfigError
 from fedmq.aggregator.strategies.fedavg import FedAvg
 from fedmq.errors import BadParameter
 
@@ -22,7 +23,7 @@ URL = "amqp://guest:guest@127.0.0.1:1/%2F"  # never reached
 @pytest.fixture
 def fresh_warnings(monkeypatch):
     """This process has not warned of any former key yet."""
-    monkeypatch.setattr(config, "_said", set())
+    monkeypatch.setattr(job_keys, "_said", set())
 
 
 def plan(*args: str, saved: dict | None = None):
@@ -35,14 +36,19 @@ def plan(*args: str, saved: dict | None = None):
     return from_context(ctx, simulate, saved)
 
 
-def test_each_parameter_has_one_default_the_one_jobs_ran_with():
-    """The constructors' defaults are the values the former job keys had: what users ran."""
-    from fedmq.aggregator.strategies.registry import make_strategy
+def test_each_parameter_has_one_default():
+    """The constructors' defaults are the values the former job keys had (what users ran), except async's
+    buffer, 5 since the defaults sweep (docs/guide/strategy.md), and never more than the job's clients."""
+    from fedmq.aggregator.strategies.registry import make_strategy, strategy_from_config
 
     buffered, att = make_strategy("async"), make_strategy("fedatt")
-    assert (buffered.buffer_size, buffered.max_staleness, buffered.server_lr) == (3, 5, 1.0)
+    assert (buffered.buffer_size, buffered.max_staleness, buffered.server_lr) == (5, 5, 1.0)
     assert (att.epsilon, att.norm) == (1.2, "fro")
     assert not set(FORMER_KEYS) & set(JobConfig().to_dict())  # no second default in the job
+    small = JobConfig(strategy="async", clients=4)
+    assert strategy_from_config("async", small)[1].buffer_size == 4
+    given = JobConfig(strategy="async", clients=4, strategy_args={"buffer_size": 6})
+    assert strategy_from_config("async", given)[1].buffer_size == 6  # as given: it waits for deadlines
 
 
 def test_an_old_job_file_is_read_as_the_strategys_parameters_and_says_so_once(
@@ -50,7 +56,7 @@ def test_an_old_job_file_is_read_as_the_strategys_parameters_and_says_so_once(
 ):
     job = tmp_path / "job.toml"
     job.write_text('strategy = "async"\nasync_k = 4\nmax_staleness = 2\nserver_lr = 0.5\n')
-    with caplog.at_level(logging.WARNING, logger="fedmq.aggregator.config"):
+    with caplog.at_level(logging.WARNING, logger="fedmq.aggregator.job_keys"):
         cfg = JobConfig.from_dict(read_job_file(job).job)
         JobConfig.from_dict(read_job_file(job).job)  # read twice: said once
     assert cfg.strategy_args == {"buffer_size": 4, "max_staleness": 2, "server_lr": 0.5}

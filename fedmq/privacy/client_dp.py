@@ -1,0 +1,46 @@
+"""Client-mode differential privacy (``--dp client``): each selected agent clips its own update and adds its
+share of the noise before upload, so the aggregator only ever sees noised updates (the mode that composes with
+secure aggregation). A client hook (fedmq.hooks), run after the strategy's own hook.
+
+The share: N(0, σ²) per coordinate with σ = z·S/√m_min, where m_min is the fewest updates the aggregator
+closes a round with (its ``min_clients``): a round that closes holds at least m_min shares, so its sum carries
+at least the variance z²S² the accountant assumes, whoever dropped out (more contributors only add noise).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+from fedmq.errors import BadParameter
+from fedmq.hooks import ClientHook, Kept, State
+from fedmq.privacy.mechanism import add_gaussian, clip, noise_generator
+from fedmq.tasks.base import TrainResult
+
+
+def share_std(noise_multiplier: float, clip_norm: float, min_count: int) -> float:
+    """σ of one client's noise share: z·S/√m_min (module docstring)."""
+    return noise_multiplier * clip_norm / math.sqrt(min_count)
+
+
+class ClientDP(ClientHook):
+    """Clip the change from the model trained from (every uploaded tensor, one L2 norm) to ``clip_norm`` and
+    add N(0, ``noise_std``²) to each coordinate. The noise comes from the OS CSPRNG, or in `fedmq simulate`
+    from the job's seed (ClientContext.noise_seed)."""
+
+    name: ClassVar[str] = "dp"
+
+    def __init__(self, clip_norm: float, noise_std: float) -> None:
+        if not 0 < clip_norm < math.inf:
+            raise BadParameter(f"dp: clip_norm must be positive and finite, got {clip_norm}")
+        if not 0 <= noise_std < math.inf:
+            raise BadParameter(f"dp: noise_std must be >= 0 and finite, got {noise_std}")
+        self.clip_norm, self.noise_std = clip_norm, noise_std
+
+    def finish(self, trained: State, result: TrainResult, kept: Kept) -> State:
+        ctx = self.context
+        base = ctx.held
+        delta = {k: v.detach().float() - base[k].float() for k, v in trained.items()}
+        clipped, _ = clip(delta, self.clip_norm)
+        add_gaussian(clipped, self.noise_std, noise_generator(ctx.noise_seed, ctx.client, ctx.round, "dp"))
+        return {k: (base[k].float() + clipped[k]).to(trained[k].dtype) for k in trained}

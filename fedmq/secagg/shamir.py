@@ -1,0 +1,84 @@
+"""t-of-n Shamir secret sharing of 32-byte secrets (self-mask seeds b_u and mask private keys s_u^SK).
+
+Bonawitz et al. 2017, Fig. 4, Round 1 (ShareKeys) shares b_u and s_u^SK t-out-of-n; Bell et al. 2020 (CCS,
+"Secure single-server aggregation with (poly)logarithmic overhead") share them among a client's k neighbours
+only. The field arithmetic is pycryptodome's (`Crypto.Protocol.SecretSharing.Shamir`, a maintained library):
+it shares 16-byte secrets over GF(2^128), so a 32-byte secret is shared as its two 16-byte halves, each with
+its own random polynomial, and a holder's share is the pair of half-shares at the same index (32 bytes).
+
+A wrong share makes Shamir reconstruct a wrong secret without noticing, so every reconstruction here is
+checked against what the owner committed to (``check``): with more shares than needed, the server looks for a
+subset that passes and names the holders whose shares disagree with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from Crypto.Protocol.SecretSharing import Shamir
+
+from fedmq.errors import SecAggError
+
+SECRET_BYTES = 32
+_HALF = 16
+MAX_SUBSETS = 64  # subsets of the shares tried before a reconstruction that fails its check is given up
+
+
+@dataclass(frozen=True)
+class Share:
+    index: int  # the x-coordinate, 1..n
+    data: bytes  # the two half-shares, 16 bytes each
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.index < 2**16 or len(self.data) != SECRET_BYTES:
+            raise SecAggError("bad-share", f"a share is an index in 1..65535 and {SECRET_BYTES} bytes")
+
+
+def split(secret: bytes, threshold: int, count: int) -> list[Share]:
+    """SS.share: ``count`` shares (indices 1..count) of which any ``threshold`` give the secret back."""
+    if len(secret) != SECRET_BYTES:
+        raise SecAggError("bad-secret", f"a shared secret is {SECRET_BYTES} bytes, got {len(secret)}")
+    if not 1 <= threshold <= count:
+        raise SecAggError("bad-parameter", f"threshold {threshold} is not within 1..{count} shares")
+    low = Shamir.split(threshold, count, secret[:_HALF])
+    high = Shamir.split(threshold, count, secret[_HALF:])
+    return [Share(i, a + b) for (i, a), (j, b) in zip(low, high) if i == j]
+
+
+def combine(shares: list[Share]) -> bytes:
+    """SS.recon from exactly ``threshold`` shares (pycryptodome wants no more than needed)."""
+    try:
+        low = Shamir.combine([(s.index, s.data[:_HALF]) for s in shares])
+        high = Shamir.combine([(s.index, s.data[_HALF:]) for s in shares])
+    except ValueError as exc:
+        raise SecAggError("bad-share", f"shares do not combine: {exc}") from None
+    return low + high
+
+
+def recover(
+    shares: Mapping[str, Share], threshold: int, check: Callable[[bytes], bool], what: str
+) -> tuple[bytes, list[str]]:
+    """The secret ``what`` from its holders' shares, checked; also the holders whose shares disagree with it.
+
+    Fewer than ``threshold`` shares, or no subset (of the first MAX_SUBSETS tried) that reconstructs a secret
+    passing ``check``, is a SecAggError: nothing is returned that was not checked."""
+    holders = sorted(shares)
+    if len(holders) < threshold:
+        raise SecAggError(
+            "too-few-shares", f"{what} needs {threshold} shares, {len(holders)} came ({', '.join(holders)})"
+        )
+    for subset in itertools.islice(itertools.combinations(holders, threshold), MAX_SUBSETS):
+        secret = combine([shares[h] for h in subset])
+        if check(secret):
+            break
+    else:
+        raise SecAggError(
+            "bad-share", f"no {threshold} of the shares from {', '.join(holders)} reconstruct {what}"
+        )
+    if subset == tuple(holders[:threshold]):
+        return secret, []  # the first subset passed: the others were not needed and are not judged
+    base = [shares[h] for h in subset[: threshold - 1]]
+    bad = [h for h in holders if h not in subset and not check(combine([*base, shares[h]]))]
+    return secret, sorted(set(bad))

@@ -1,0 +1,158 @@
+"""The DP wrapper every averaging strategy takes (aggregator/strategies/private.py): clipping, the noise on
+the clipped sum, the fixed denominator, client mode's norm check, adaptive clipping and its state."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from fedmq.aggregator.config import DP_STRATEGIES, JobConfig
+from fedmq.aggregator.privacy import dp_plan
+from fedmq.aggregator.strategies.base import ClientUpdate, Strategy
+from fedmq.aggregator.strategies.private import CLIP_KEY, Private
+from fedmq.aggregator.strategies.registry import client_hooks, strategy_from_config
+from fedmq.errors import StrategyError
+from fedmq.privacy.client_dp import ClientDP
+from fedmq.privacy.mechanism import update_norm
+
+# K = 10 clients, C = 0.5: the fixed denominator is qK = 5
+CFG = JobConfig(dp="central", clients=10, fraction=0.5, clip_norm=2.0, noise_multiplier=1.0)
+MODEL = {"w": torch.zeros(1_000_000), "b": torch.zeros(10)}
+
+
+def _strategy(cfg: JobConfig = CFG, seed: int | None = 0, release: int = 1) -> Private:
+    _, strategy = strategy_from_config(cfg.strategy, cfg)
+    assert isinstance(strategy, Private)
+    strategy.draw_from(seed, release)
+    return strategy
+
+
+def _round(strategy: Strategy, updates: list[ClientUpdate], model=MODEL) -> dict[str, torch.Tensor]:
+    strategy.load_state_dict({})
+    strategy.begin(model)
+    for u in updates:
+        strategy.fold(u)
+    return strategy.finish()
+
+
+def _change(value: float, numel: int = 1_000_000) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((numel,), value), "b": torch.full((10,), value)}
+
+
+def test_every_averaging_strategy_is_wrapped_and_keeps_its_name():
+    for name in DP_STRATEGIES:
+        cfg = dataclasses.replace(CFG, strategy=name)
+        got, strategy = strategy_from_config(name, cfg)
+        assert isinstance(strategy, Private) and strategy.name == got == name
+
+
+def test_the_noise_on_the_mean_has_std_z_s_over_the_denominator():
+    out = _round(_strategy(), [ClientUpdate("a", 7, _change(0.0), delta=True)])
+    # z·S/D = 1 · 2 / 5
+    assert float(out["w"].std()) == pytest.approx(0.4, rel=0.02)
+    assert abs(float(out["w"].mean())) < 0.4 * 0.01
+
+
+def test_a_clipped_update_moves_the_model_by_at_most_s_over_the_denominator():
+    cfg = dataclasses.replace(CFG, noise_multiplier=0.0)
+    for value in (1e-4, 0.5, 30.0):
+        out = _round(_strategy(cfg), [ClientUpdate("a", 3, _change(value), delta=True)])
+        assert update_norm(out) <= 2.0 / 5 * (1 + 1e-5)
+        expected = min(update_norm(_change(value)), 2.0) / 5
+        assert update_norm(out) == pytest.approx(expected, rel=1e-4)
+
+
+def test_the_denominator_is_fixed_whatever_n_k_or_the_count():
+    cfg = dataclasses.replace(CFG, noise_multiplier=0.0)
+    small = _round(_strategy(cfg), [ClientUpdate("a", 1, _change(1e-4), delta=True)])
+    huge = _round(_strategy(cfg), [ClientUpdate("a", 10**9, _change(1e-4), delta=True)])
+    assert all(torch.equal(small[k], huge[k]) for k in small)
+    assert float(small["w"][0]) == pytest.approx(1e-4 / 5, rel=1e-5)  # divided by qK = 5, not by n = 1
+    two = _round(
+        _strategy(cfg),
+        [ClientUpdate("a", 1, _change(1e-4), delta=True), ClientUpdate("b", 99, _change(1e-4), delta=True)],
+    )
+    assert float(two["w"][0]) == pytest.approx(2e-4 / 5, rel=1e-5)
+
+
+def test_no_client_weight_is_exported():
+    strategy = _strategy()
+    _round(strategy, [ClientUpdate("a", 7, _change(0.1), delta=True)])
+    assert strategy.client_weights() == {}
+
+
+def test_seeded_noise_repeats_per_release():
+    u = [ClientUpdate("a", 7, _change(0.0), delta=True)]
+    a, b = _round(_strategy(release=3), u), _round(_strategy(release=3), u)
+    c = _round(_strategy(release=4), u)
+    assert torch.equal(a["w"], b["w"]) and not torch.equal(a["w"], c["w"])
+
+
+def test_client_mode_sums_without_noise_and_refuses_an_unclipped_update():
+    cfg = dataclasses.replace(CFG, dp="client", min_clients=4)
+    hooks = client_hooks(cfg)
+    assert hooks[-1][0] is ClientDP
+    assert hooks[-1][1] == {"clip_norm": 2.0, "noise_std": pytest.approx(1.0 * 2.0 / math.sqrt(4))}
+    strategy = _strategy(cfg)
+    out = _round(strategy, [ClientUpdate("a", 7, _change(1e-4), delta=True)])
+    assert float(out["w"][0]) == pytest.approx(1e-4 / 5, rel=1e-5)  # no noise added by the aggregator
+    strategy = _strategy(cfg)
+    strategy.begin(MODEL)
+    with pytest.raises(StrategyError, match="exceeds"):
+        strategy.fold(ClientUpdate("a", 7, _change(10.0), delta=True))  # norm 10⁴: never a noised S = 2
+
+
+def _adaptive(quantile: float) -> JobConfig:
+    return dataclasses.replace(
+        CFG, clients=200, fraction=0.5, clip_norm="adaptive", clip_quantile=quantile, noise_multiplier=0.5
+    )
+
+
+@pytest.mark.parametrize(("norm", "direction"), [(50.0, 1), (1e-6, -1)])
+def test_adaptive_clipping_moves_s_toward_the_quantile(norm, direction):
+    cfg = _adaptive(0.5)
+    model = {"w": torch.zeros(100)}
+    state: dict = {}
+    history = []
+    for release in range(1, 9):
+        strategy = _strategy(cfg, release=release)
+        strategy.load_state_dict(state)
+        strategy.begin(model)
+        for i in range(100):  # the expected count qK
+            strategy.fold(ClientUpdate(f"c{i}", 1, {"w": torch.full((100,), norm / 10)}, delta=True))
+        strategy.finish()
+        state = strategy.state_dict()
+        assert strategy.check_state(state, model) is None
+        history.append(state[CLIP_KEY])
+    # all above S: S grows; all below: S shrinks (Andrew et al.'s geometric step, ×e^{±0.1} at most)
+    steps = [b / a for a, b in zip(history, history[1:])]
+    assert all((s > 1) if direction > 0 else (s < 1) for s in steps)
+
+
+def test_a_kept_clip_norm_out_of_range_is_refused():
+    strategy = _strategy(_adaptive(0.5))
+    assert "clip norm" in (strategy.check_state({CLIP_KEY: -1.0}, MODEL) or "")
+    assert strategy.check_state({CLIP_KEY: 0.3}, MODEL) is None
+
+
+def test_the_plan_samples_at_c_and_async_is_accounted_without_sampling():
+    plan = dp_plan(CFG)
+    assert plan is not None and plan.sampling_rate == 0.5 and plan.denominator == 5
+    assert plan.delta == pytest.approx(1 / 10**1.1)
+    cfg = dataclasses.replace(CFG, strategy="async", strategy_args={"buffer_size": 4})
+    _, strategy = strategy_from_config("async", cfg)
+    assert isinstance(strategy, Private) and strategy.dp.sampling_rate == 1.0 and strategy.dp.denominator == 4
+    fedsgd = dp_plan(dataclasses.replace(CFG, strategy="fedsgd"))
+    assert fedsgd is not None and fedsgd.sampling_rate == 1.0 and fedsgd.denominator == 10
+
+
+def test_a_target_epsilon_gives_the_z_that_spends_it_over_the_planned_rounds():
+    cfg = dataclasses.replace(CFG, noise_multiplier=None, target_epsilon=3.0, rounds=20)
+    plan = dp_plan(cfg)
+    assert plan is not None
+    acc = plan.accountant()
+    assert acc.epsilon_after(20) <= 3.0 * (1 + 1e-6)
+    assert acc.epsilon_after(20) == pytest.approx(3.0, rel=0.01)
