@@ -1,7 +1,7 @@
-"""Draw the plots of docs/results/ that compare methods (table2, fraction, rounds-to-target, topk) from the
-kept results files (benchmarks/results/*.json), not from run folders.
+"""Draw the plots of docs/results/ that compare methods (table2, fraction, rounds-to-target, topk, privacy,
+privacy-async) from the kept results files (benchmarks/results/*.json), not from run folders.
 
-.venv/bin/python scripts/draw_results.py [NAME ...] [--out DIR]   (default: all four, into docs/results/)
+.venv/bin/python scripts/draw_results.py [NAME ...] [--out DIR]   (default: all, into docs/results/)
 
 A method is named by the strategy its rows record (``label``): a FedMed run made with a variant of FedMed's
 weights is called by that variant (``fedmed-relative``), as the pages call it; "FedMed" is the paper's
@@ -223,7 +223,101 @@ def topk() -> Figure:
     return fig
 
 
-FIGURES = {"table2": table2, "fraction": fraction, "rounds-to-target": rounds_to_target, "topk": topk}
+PRIVACY_FILE = "commands/privacy.k10000.json"  # made by command lines, not a grid
+PRIVACY_LINES = ((None, "tab:blue", "no DP"), (8.0, "tab:orange", "ε = 8"), (2.0, "tab:red", "ε = 2"))
+
+
+def _privacy_rows(availability: str, target: float | None) -> list[dict[str, Any]]:
+    return [
+        r
+        for r in results_file.read(RESULTS / PRIVACY_FILE)["runs"]
+        if r.get("availability", "always") == availability
+        and r.get("target_epsilon") == target
+        and r.get("strategy") != "async"
+    ]
+
+
+def _curve_mean(curves: list[list[float]]) -> list[float]:
+    return [mean_sd(list(v))[0] for v in zip(*curves, strict=True)]
+
+
+def privacy() -> Figure:
+    """Validation perplexity and ε against rounds: no DP, ε = 8 and ε = 2 (each seed thin, their mean
+    thick)."""
+    fig = _figure(9.5, 3.4)
+    ppl_ax, eps_ax = fig.subplots(1, 2, width_ratios=(3, 2))
+    for target, color, name in PRIVACY_LINES:
+        picked = _privacy_rows("always", target)
+        for r in picked:
+            ppl_ax.plot(
+                range(1, len(r["valid_curve"]) + 1), r["valid_curve"], color=color, linewidth=0.6, alpha=0.5
+            )
+        mean = _curve_mean([r["valid_curve"] for r in picked])
+        ppl_ax.plot(
+            range(1, len(mean) + 1), mean, color=color, linewidth=1.8, label=f"{name} ({len(picked)} seeds)"
+        )
+        if target is not None:
+            eps = picked[0]["epsilon_curve"]
+            eps_ax.plot(range(1, len(eps) + 1), eps, color=color, linewidth=1.8, label=name)
+            eps_ax.axhline(target, color=color, linestyle=":", linewidth=0.8)
+    ppl_ax.set_yscale("log")
+    ppl_ax.yaxis.set_minor_formatter(NullFormatter())
+    ticks = [500, 700, 1000, 2000, 5000, 10000]
+    ppl_ax.set_yticks(ticks, [str(t) for t in ticks])
+    ppl_ax.set_xlabel("round")
+    ppl_ax.set_ylabel("validation perplexity")
+    ppl_ax.set_title("WikiText-2, K = 10,000, 100 a round (gru-tiny)", fontsize=10)
+    ppl_ax.legend(frameon=False, fontsize=8)
+    eps_ax.set_xlabel("round")
+    eps_ax.set_ylabel("ε spent (δ = 1/K^1.1)")
+    eps_ax.set_title("ε against rounds (RDP accountant)", fontsize=10)
+    eps_ax.legend(frameon=False, fontsize=8)
+    for ax in (ppl_ax, eps_ax):
+        _clean(ax)
+    return fig
+
+
+def privacy_async() -> Figure:
+    """Validation perplexity against wall time under DP (ε = 8), clients online half the time: sync and
+    async."""
+    fig = _figure(6.5, 3.4)
+    ax = fig.subplots()
+    runs = [
+        r
+        for r in results_file.read(RESULTS / PRIVACY_FILE)["runs"]
+        if r.get("availability") not in (None, "always")
+    ]
+    for r, color in zip(
+        sorted(runs, key=lambda r: r["strategy"] == "async"), ("tab:orange", "tab:purple"), strict=True
+    ):
+        name = "async (buffer 100)" if r["strategy"] == "async" else "sync (Poisson, q = 0.01)"
+        ax.plot(
+            r["time_curve"],
+            r["valid_curve"],
+            color=color,
+            linewidth=1.6,
+            marker="o",
+            markersize=2,
+            label=f"{name}, z = {r['noise_multiplier']:.2f}",
+        )
+    ax.set_yscale("log")
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("wall seconds from round 1's start (2-core VM)")
+    ax.set_ylabel("validation perplexity")
+    ax.set_title("DP (ε = 8), availability bernoulli 0.5: sync against async", fontsize=10)
+    ax.legend(frameon=False, fontsize=8)
+    _clean(ax)
+    return fig
+
+
+FIGURES = {
+    "table2": table2,
+    "fraction": fraction,
+    "rounds-to-target": rounds_to_target,
+    "topk": topk,
+    "privacy": privacy,
+    "privacy-async": privacy_async,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
