@@ -6,8 +6,9 @@
 Each row is benchmarks/results_file.run_row's (test, best validation, the validation curve, bytes, wall
 times) plus what a DP comparison needs: the run's privacy settings (``dp``, ``target_epsilon``, ``delta``,
 ``clip_norm``, ``noise_multiplier``: z as the run derived it), ``epsilon_curve`` (ε after each round, null
-without DP) and ``time_curve`` (seconds from the start of round 1 to each round's close, for time to a
-target). ``--label`` adds a table label to one row (e.g. ``sync-s0:availability=bernoulli:0.5``).
+without DP), ``time_curve`` (seconds from the start of round 1 to each round's close, for time to a
+target) and ``received_curve`` (the updates folded each round). ``--label`` adds a table label to one row
+(e.g. ``sync-s0:availability=bernoulli:0.5``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def privacy_row(name: str, run_dir: Path, labels: dict[str, str]) -> dict[str, A
         row["clip_norm"] = plan.get("clip_norm", config["clip_norm"])
         row["noise_multiplier"] = plan.get("noise_multiplier")
         row["epsilon_curve"] = [results_file.sig(r.epsilon) for r in records]
+    row["received_curve"] = [len(r.received) for r in records]
     if records and records[0].time is not None and records[0].wall_s is not None:
         start = records[0].time - records[0].wall_s
         row["time_curve"] = [round(r.time - start, 1) if r.time is not None else None for r in records]
