@@ -224,46 +224,50 @@ def topk() -> Figure:
 
 
 PRIVACY_FILE = "commands/privacy.k10000.json"  # made by command lines, not a grid
-PRIVACY_LINES = ((None, "tab:blue", "no DP"), (8.0, "tab:orange", "ε = 8"), (2.0, "tab:red", "ε = 2"))
+# (dp, target ε), colour, line style, name: the always-online runs of the privacy page
+PRIVACY_LINES = (
+    (("none", None), "tab:blue", "-", "no DP"),
+    (("central", None), "tab:gray", ":", "clipping, no noise (z = 0)"),
+    (("central", 8.0), "tab:orange", "-", "ε = 8"),
+    (("central", 2.0), "tab:red", "--", "ε = 2"),
+)
 
 
-def _privacy_rows(availability: str, target: float | None) -> list[dict[str, Any]]:
-    return [
-        r
-        for r in results_file.read(RESULTS / PRIVACY_FILE)["runs"]
-        if r.get("availability", "always") == availability
-        and r.get("target_epsilon") == target
-        and r.get("strategy") != "async"
-    ]
+def _privacy_runs(always: bool) -> list[dict[str, Any]]:
+    """The privacy page's runs with every client online (``always``), or with intermittent ones."""
+    runs = results_file.read(RESULTS / PRIVACY_FILE)["runs"]
+    return [r for r in runs if (r.get("availability", "always") == "always") == always]
 
 
-def _curve_mean(curves: list[list[float]]) -> list[float]:
-    return [mean_sd(list(v))[0] for v in zip(*curves, strict=True)]
+def _log_ticks(ax: Any, ticks: list[int]) -> None:
+    ax.set_yscale("log")
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_yticks(ticks, [str(t) for t in ticks])
 
 
 def privacy() -> Figure:
-    """Validation perplexity and ε against rounds: no DP, ε = 8 and ε = 2 (each seed thin, their mean
-    thick)."""
+    """Validation perplexity and ε against rounds, every client online: no DP, clipping alone, ε = 8 and
+    ε = 2 (each seed thin, their mean thick)."""
     fig = _figure(9.5, 3.4)
     ppl_ax, eps_ax = fig.subplots(1, 2, width_ratios=(3, 2))
-    for target, color, name in PRIVACY_LINES:
-        picked = _privacy_rows("always", target)
-        for r in picked:
-            ppl_ax.plot(
-                range(1, len(r["valid_curve"]) + 1), r["valid_curve"], color=color, linewidth=0.6, alpha=0.5
-            )
-        mean = _curve_mean([r["valid_curve"] for r in picked])
+    runs = _privacy_runs(always=True)
+    for key, color, style, name in PRIVACY_LINES:
+        picked = [r for r in runs if (r["dp"], r["target_epsilon"]) == key]
+        if not picked:
+            continue
+        curves = [r["valid_curve"] for r in picked]
+        for curve in curves:
+            ppl_ax.plot(range(1, len(curve) + 1), curve, style, color=color, linewidth=0.6, alpha=0.5)
+        mean = [mean_sd(list(v))[0] for v in zip(*curves, strict=True)]
+        seeds = f"{len(picked)} seed{'s' if len(picked) > 1 else ''}"
         ppl_ax.plot(
-            range(1, len(mean) + 1), mean, color=color, linewidth=1.8, label=f"{name} ({len(picked)} seeds)"
+            range(1, len(mean) + 1), mean, style, color=color, linewidth=1.8, label=f"{name} ({seeds})"
         )
-        if target is not None:
+        if key[1] is not None:
             eps = picked[0]["epsilon_curve"]
-            eps_ax.plot(range(1, len(eps) + 1), eps, color=color, linewidth=1.8, label=name)
-            eps_ax.axhline(target, color=color, linestyle=":", linewidth=0.8)
-    ppl_ax.set_yscale("log")
-    ppl_ax.yaxis.set_minor_formatter(NullFormatter())
-    ticks = [500, 700, 1000, 2000, 5000, 10000]
-    ppl_ax.set_yticks(ticks, [str(t) for t in ticks])
+            eps_ax.plot(range(1, len(eps) + 1), eps, style, color=color, linewidth=1.8, label=name)
+            eps_ax.axhline(key[1], color=color, linestyle=":", linewidth=0.8)
+    _log_ticks(ppl_ax, [500, 700, 1000, 2000, 5000, 10000])
     ppl_ax.set_xlabel("round")
     ppl_ax.set_ylabel("validation perplexity")
     ppl_ax.set_title("WikiText-2, K = 10,000, 100 a round (gru-tiny)", fontsize=10)
@@ -282,26 +286,19 @@ def privacy_async() -> Figure:
     async."""
     fig = _figure(6.5, 3.4)
     ax = fig.subplots()
-    runs = [
-        r
-        for r in results_file.read(RESULTS / PRIVACY_FILE)["runs"]
-        if r.get("availability") not in (None, "always")
-    ]
-    for r, color in zip(
-        sorted(runs, key=lambda r: r["strategy"] == "async"), ("tab:orange", "tab:purple"), strict=True
-    ):
-        name = "async (buffer 100)" if r["strategy"] == "async" else "sync (Poisson, q = 0.01)"
+    for r in sorted(_privacy_runs(always=False), key=lambda r: r["strategy"] == "async"):
+        is_async = r["strategy"] == "async"
+        name = "async (buffer 100)" if is_async else "sync (Poisson, q = 0.01)"
         ax.plot(
             r["time_curve"],
             r["valid_curve"],
-            color=color,
+            color="tab:purple" if is_async else "tab:orange",
             linewidth=1.6,
             marker="o",
             markersize=2,
             label=f"{name}, z = {r['noise_multiplier']:.2f}",
         )
-    ax.set_yscale("log")
-    ax.yaxis.set_minor_formatter(NullFormatter())
+    _log_ticks(ax, [700, 1000, 2000, 5000, 10000])
     ax.set_xlabel("wall seconds from round 1's start (2-core VM)")
     ax.set_ylabel("validation perplexity")
     ax.set_title("DP (ε = 8), availability bernoulli 0.5: sync against async", fontsize=10)
