@@ -224,12 +224,13 @@ def topk() -> Figure:
 
 
 PRIVACY_FILE = "commands/privacy.k10000.json"  # made by command lines, not a grid
-# (dp, target ε), colour, line style, name: the always-online runs of the privacy page
+# (dp, target ε, S), colour, line style, name: the always-online runs of the privacy page
 PRIVACY_LINES = (
-    (("none", None), "tab:blue", "-", "no DP"),
-    (("central", None), "tab:gray", ":", "clipping, no noise (z = 0)"),
-    (("central", 8.0), "tab:orange", "-", "ε = 8"),
-    (("central", 2.0), "tab:red", "--", "ε = 2"),
+    (("none", None, None), "tab:blue", "-", "no DP"),
+    (("central", None, 0.56), "tab:gray", ":", "clipping alone, S = 0.56, z = 0"),
+    (("central", 8.0, 0.56), "tab:orange", "-", "ε = 8, S = 0.56"),
+    (("central", 2.0, 0.56), "tab:red", "--", "ε = 2, S = 0.56"),
+    (("central", 8.0, 1.0), "tab:green", "-", "ε = 8, S = 1.0"),
 )
 
 
@@ -247,12 +248,12 @@ def _log_ticks(ax: Any, ticks: list[int]) -> None:
 
 def privacy() -> Figure:
     """Validation perplexity and ε against rounds, every client online: no DP, clipping alone, ε = 8 and
-    ε = 2 (each seed thin, their mean thick)."""
+    ε = 2 at S = 0.56, ε = 8 at S = 1.0 (each seed thin, their mean thick)."""
     fig = _figure(9.5, 3.4)
     ppl_ax, eps_ax = fig.subplots(1, 2, width_ratios=(3, 2))
     runs = _privacy_runs(always=True)
     for key, color, style, name in PRIVACY_LINES:
-        picked = [r for r in runs if (r["dp"], r["target_epsilon"]) == key]
+        picked = [r for r in runs if (r["dp"], r["target_epsilon"], r.get("clip_norm")) == key]
         if not picked:
             continue
         curves = [r["valid_curve"] for r in picked]
@@ -263,9 +264,11 @@ def privacy() -> Figure:
         ppl_ax.plot(
             range(1, len(mean) + 1), mean, style, color=color, linewidth=1.8, label=f"{name} ({seeds})"
         )
-        if key[1] is not None:
+        if key[1] is not None and key[2] == 0.56:  # S does not change ε
             eps = picked[0]["epsilon_curve"]
-            eps_ax.plot(range(1, len(eps) + 1), eps, style, color=color, linewidth=1.8, label=name)
+            eps_ax.plot(
+                range(1, len(eps) + 1), eps, style, color=color, linewidth=1.8, label=f"ε = {key[1]:g}"
+            )
             eps_ax.axhline(key[1], color=color, linestyle=":", linewidth=0.8)
     _log_ticks(ppl_ax, [500, 700, 1000, 2000, 5000, 10000])
     ppl_ax.set_xlabel("round")
@@ -286,13 +289,19 @@ def privacy_async() -> Figure:
     async."""
     fig = _figure(6.5, 3.4)
     ax = fig.subplots()
-    for r in sorted(_privacy_runs(always=False), key=lambda r: r["strategy"] == "async"):
-        is_async = r["strategy"] == "async"
-        name = "async (buffer 100)" if is_async else "sync (Poisson, q = 0.01)"
+    for r in sorted(_privacy_runs(always=False), key=lambda r: (r["strategy"], r.get("heartbeat_s", ""))):
+        heartbeat = r.get("heartbeat_s")
+        if r["strategy"] != "async":
+            name, color, style = "sync (Poisson, q = 0.01)", "tab:orange", "-"
+        elif heartbeat == "1":
+            name, color, style = "async, heartbeat 1 s (versions of 1 update)", "tab:purple", ":"
+        else:
+            name, color, style = f"async (buffer 100), heartbeat {heartbeat} s", "tab:purple", "-"
         ax.plot(
             r["time_curve"],
             r["valid_curve"],
-            color="tab:purple" if is_async else "tab:orange",
+            style,
+            color=color,
             linewidth=1.6,
             marker="o",
             markersize=2,
