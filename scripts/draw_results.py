@@ -1,7 +1,7 @@
-"""Draw the plots of docs/results/ that compare methods (table2, fraction, rounds-to-target, topk) from the
-kept results files (benchmarks/results/*.json), not from run folders.
+"""Draw the plots of docs/results/ that compare methods (table2, fraction, rounds-to-target, topk, privacy,
+privacy-async) from the kept results files (benchmarks/results/*.json), not from run folders.
 
-.venv/bin/python scripts/draw_results.py [NAME ...] [--out DIR]   (default: all four, into docs/results/)
+.venv/bin/python scripts/draw_results.py [NAME ...] [--out DIR]   (default: all, into docs/results/)
 
 A method is named by the strategy its rows record (``label``): a FedMed run made with a variant of FedMed's
 weights is called by that variant (``fedmed-relative``), as the pages call it; "FedMed" is the paper's
@@ -223,7 +223,107 @@ def topk() -> Figure:
     return fig
 
 
-FIGURES = {"table2": table2, "fraction": fraction, "rounds-to-target": rounds_to_target, "topk": topk}
+PRIVACY_FILE = "commands/privacy.k10000.json"  # made by command lines, not a grid
+# (dp, target ε, S), colour, line style, name: the always-online runs of the privacy page
+PRIVACY_LINES = (
+    (("none", None, None), "tab:blue", "-", "no DP"),
+    (("central", None, 0.56), "tab:gray", ":", "clipping alone, S = 0.56, z = 0"),
+    (("central", 8.0, 0.56), "tab:orange", "-", "ε = 8, S = 0.56"),
+    (("central", 2.0, 0.56), "tab:red", "--", "ε = 2, S = 0.56"),
+    (("central", 8.0, 1.0), "tab:green", "-", "ε = 8, S = 1.0"),
+)
+
+
+def _privacy_runs(always: bool) -> list[dict[str, Any]]:
+    """The privacy page's runs with every client online (``always``), or with intermittent ones."""
+    runs = results_file.read(RESULTS / PRIVACY_FILE)["runs"]
+    return [r for r in runs if (r.get("availability", "always") == "always") == always]
+
+
+def _log_ticks(ax: Any, ticks: list[int]) -> None:
+    ax.set_yscale("log")
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_yticks(ticks, [str(t) for t in ticks])
+
+
+def privacy() -> Figure:
+    """Validation perplexity and ε against rounds, every client online: no DP, clipping alone, ε = 8 and
+    ε = 2 at S = 0.56, ε = 8 at S = 1.0 (each seed thin, their mean thick)."""
+    fig = _figure(9.5, 3.4)
+    ppl_ax, eps_ax = fig.subplots(1, 2, width_ratios=(3, 2))
+    runs = _privacy_runs(always=True)
+    for key, color, style, name in PRIVACY_LINES:
+        picked = [r for r in runs if (r["dp"], r["target_epsilon"], r.get("clip_norm")) == key]
+        if not picked:
+            continue
+        curves = [r["valid_curve"] for r in picked]
+        for curve in curves:
+            ppl_ax.plot(range(1, len(curve) + 1), curve, style, color=color, linewidth=0.6, alpha=0.5)
+        mean = [mean_sd(list(v))[0] for v in zip(*curves, strict=True)]
+        seeds = f"{len(picked)} seed{'s' if len(picked) > 1 else ''}"
+        ppl_ax.plot(
+            range(1, len(mean) + 1), mean, style, color=color, linewidth=1.8, label=f"{name} ({seeds})"
+        )
+        if key[1] is not None and key[2] == 0.56:  # S does not change ε
+            eps = picked[0]["epsilon_curve"]
+            eps_ax.plot(
+                range(1, len(eps) + 1), eps, style, color=color, linewidth=1.8, label=f"ε = {key[1]:g}"
+            )
+            eps_ax.axhline(key[1], color=color, linestyle=":", linewidth=0.8)
+    _log_ticks(ppl_ax, [500, 700, 1000, 2000, 5000, 10000])
+    ppl_ax.set_xlabel("round")
+    ppl_ax.set_ylabel("validation perplexity")
+    ppl_ax.set_title("WikiText-2, K = 10,000, 100 a round (gru-tiny)", fontsize=10)
+    ppl_ax.legend(frameon=False, fontsize=8)
+    eps_ax.set_xlabel("round")
+    eps_ax.set_ylabel("ε spent (δ = 1/K^1.1)")
+    eps_ax.set_title("ε against rounds (RDP accountant)", fontsize=10)
+    eps_ax.legend(frameon=False, fontsize=8)
+    for ax in (ppl_ax, eps_ax):
+        _clean(ax)
+    return fig
+
+
+def privacy_async() -> Figure:
+    """Validation perplexity against wall time under DP (ε = 8), clients online half the time: sync and
+    async."""
+    fig = _figure(6.5, 3.4)
+    ax = fig.subplots()
+    for r in sorted(_privacy_runs(always=False), key=lambda r: (r["strategy"], r.get("heartbeat_s", ""))):
+        heartbeat = r.get("heartbeat_s")
+        if r["strategy"] != "async":
+            name, color, style = "sync (Poisson, q = 0.01)", "tab:orange", "-"
+        elif heartbeat == "1":
+            name, color, style = "async, heartbeat 1 s (versions of 1 update)", "tab:purple", ":"
+        else:
+            name, color, style = f"async (buffer 100), heartbeat {heartbeat} s", "tab:purple", "-"
+        ax.plot(
+            r["time_curve"],
+            r["valid_curve"],
+            style,
+            color=color,
+            linewidth=1.6,
+            marker="o",
+            markersize=2,
+            label=f"{name}, z = {r['noise_multiplier']:.2f}",
+        )
+    _log_ticks(ax, [700, 1000, 2000, 5000, 10000])
+    ax.set_xlabel("wall seconds from round 1's start (2-core VM)")
+    ax.set_ylabel("validation perplexity")
+    ax.set_title("DP (ε = 8), availability bernoulli 0.5: sync against async", fontsize=10)
+    ax.legend(frameon=False, fontsize=8)
+    _clean(ax)
+    return fig
+
+
+FIGURES = {
+    "table2": table2,
+    "fraction": fraction,
+    "rounds-to-target": rounds_to_target,
+    "topk": topk,
+    "privacy": privacy,
+    "privacy-async": privacy_async,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

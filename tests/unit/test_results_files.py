@@ -14,8 +14,10 @@ from fedmq.aggregator.runlog import RunLog, write_summary
 from fedmq.benchmarks import results_file
 from fedmq.benchmarks.experiments import NAMES, SCALES
 
-FILES = sorted(results_file.KEPT.glob("*"))  # the results files and a README.md
-KEPT = [p for p in FILES if p.suffix == ".json"]
+# the results files and a README.md; commands/ holds those made by command lines, not by a grid
+FILES = sorted(p for p in results_file.KEPT.rglob("*") if p.is_file())
+KEPT = [p for p in FILES if p.suffix == ".json" and p.parent == results_file.KEPT]
+BY_COMMANDS = [p for p in FILES if p.suffix == ".json" and p.parent != results_file.KEPT]
 # a string that names a place on one machine: a home, work or temporary folder, or a Windows drive
 ABSOLUTE = re.compile(
     r"(?:^|[\s=:,;'\"(\[])(?:/home|/work|/tmp|/root|/Users|/mnt|/var|/opt|/srv)(?:/|\b)|[A-Za-z]:\\"
@@ -66,6 +68,20 @@ def test_each_kept_file_follows_the_format(path):
         if row.get("finished", True):
             assert row["test"] is not None and row["rounds_completed"] >= 1, row["run"]
     assert results_file.dumps(doc) == path.read_text()  # as the writer writes it
+
+
+@pytest.mark.parametrize("path", BY_COMMANDS, ids=[p.name for p in BY_COMMANDS])
+def test_each_file_made_by_command_lines_follows_the_format(path):
+    """The same format, but no grid: its experiment and scale name its page's runs, not a grid's cells."""
+    doc = results_file.read(path)
+    assert path.name == f"{doc['experiment']}.{doc['scale']}.json" and doc["runs"]
+    assert doc["seeds"] == sorted({r["seed"] for r in doc["runs"]})
+    assert re.fullmatch(r"[0-9a-f]{40}", doc["commit"])
+    for row in doc["runs"]:
+        assert isinstance(row["run"], str) and isinstance(row["seed"], int)
+        if row.get("finished", True):
+            assert row["test"] is not None and row["rounds_completed"] >= 1, row["run"]
+    assert results_file.dumps(doc) == path.read_text()
 
 
 def _run_folder(folder: Path, valid: list[float], strategies: list[str], up: list[int]) -> None:
