@@ -14,7 +14,10 @@ update is in, and every agent that owed one has delivered its update from this v
 past the presence horizon (three heartbeats). An agent that comes online after the announcement is not waited
 for: a new agent's queue did not exist when the version was announced; one that does hold the announcement is
 folded into a later version, with its staleness. So a population with fewer agents online than K publishes a
-version as soon as those online have trained, instead of once per report plus update deadline.
+version as soon as those online have trained, instead of once per report plus update deadline. Who is online
+is read afresh before each announcement (the presence that queued while the last version was evaluated and
+checkpointed, as a synchronous round's selection does), and the first version waits, up to the join time-out,
+for a buffer's worth of agents.
 
 Every update the broker confirmed to an agent is folded or dropped with a reason (logged with its message id):
 updates that arrive before a restarted aggregator's first announcement are kept, unacked, for its first
@@ -93,13 +96,20 @@ class AsyncRounds:
 
     def run(self) -> None:
         ctx, cfg = self.ctx, self.cfg
-        ctx.wait_for_agents(1, cfg.join_timeout_s, self._while_waiting)
+        # the first version, as a synchronous job's first round, waits for agents to join: a buffer's worth
+        # (or the whole job, when smaller), so that it is not announced to the first one alone and closed on
+        # its update
+        ctx.wait_for_agents(min(ctx.buffer_size, cfg.clients), cfg.join_timeout_s, self._while_waiting)
         self.history = ctx.spool.load_bases(ctx.version - ctx.max_staleness)
         _, spooled = ctx.spool.load(ctx.round)
         if spooled:
             log.info("resuming open round", round=ctx.round, spooled_updates=len(spooled))
         owed: _Owed | None = None
         while ctx.version < cfg.rounds and not ctx.stop.is_set() and ctx.within_budget():
+            # the beats that queued while the last version closed (evaluation, checkpoint) are counted first:
+            # unread, they would leave live agents looking offline, and the version would then close on its
+            # first update (nobody else can arrive)
+            ctx.wait_for_agents(1, cfg.presence_window_s, self._while_waiting)
             stats = RoundStats(ctx.round, online=ctx.online())
             stats.selected = stats.online
             self._keep_bases()

@@ -73,19 +73,20 @@ def test_a_second_update_from_the_same_version_is_dropped_as_a_duplicate(federat
 
 
 class Late(Agent):
-    """Joins two seconds after the others."""
+    """Joins six seconds after the others: after the first version's wait for agents (join_timeout_s 3)."""
 
     def run(self):  # type: ignore[no-untyped-def]
-        time.sleep(2.0)
+        time.sleep(6.0)
         return super().run()
 
 
 @pytest.mark.timeout(90)  # a version that refused the same clients again would be skipped round after round
 def test_a_skipped_version_takes_the_same_clients_from_the_same_version_again(federation, tiny_lm, tmp_path):
-    """min_clients = 3 and two agents late: the first buffer folds agent-0's update alone (nobody else owed
-    one) and is skipped, unpublished. agent-0 trains again from the same version, and that update is folded
-    with the others': only a published version's (client, version) pairs refuse a second update."""
-    cfg = _cfg("async-skip", buffer_size=3, min_clients=3, rounds=2)
+    """min_clients = 3 and two agents late, past the first version's wait for a buffer's worth of agents:
+    the first buffer folds agent-0's update alone (nobody else owed one) and is skipped, unpublished. agent-0
+    trains again from the same version, and that update is folded with the others': only a published
+    version's (client, version) pairs refuse a second update."""
+    cfg = _cfg("async-skip", buffer_size=3, min_clients=3, rounds=2, join_timeout_s=3.0)
     engine, _, summary = federation(
         tiny_lm(3),
         cfg,
