@@ -42,16 +42,16 @@ def split(secret: bytes, threshold: int, count: int) -> list[Share]:
         raise SecAggError("bad-secret", f"a shared secret is {SECRET_BYTES} bytes, got {len(secret)}")
     if not 1 <= threshold <= count:
         raise SecAggError("bad-parameter", f"threshold {threshold} is not within 1..{count} shares")
-    low = Shamir.split(threshold, count, secret[:_HALF])
-    high = Shamir.split(threshold, count, secret[_HALF:])
+    low = Shamir.split(threshold, count, secret[:_HALF], ssss=False)
+    high = Shamir.split(threshold, count, secret[_HALF:], ssss=False)
     return [Share(i, a + b) for (i, a), (j, b) in zip(low, high) if i == j]
 
 
 def combine(shares: list[Share]) -> bytes:
     """SS.recon from exactly ``threshold`` shares (pycryptodome wants no more than needed)."""
     try:
-        low = Shamir.combine([(s.index, s.data[:_HALF]) for s in shares])
-        high = Shamir.combine([(s.index, s.data[_HALF:]) for s in shares])
+        low = Shamir.combine([(s.index, s.data[:_HALF]) for s in shares], ssss=False)
+        high = Shamir.combine([(s.index, s.data[_HALF:]) for s in shares], ssss=False)
     except ValueError as exc:
         raise SecAggError("bad-share", f"shares do not combine: {exc}") from None
     return low + high
