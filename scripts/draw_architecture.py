@@ -86,7 +86,8 @@ def layers(ax):
         0.2,
         "aggregator",
         "engine, presence, model stream,\nsync round, async rounds, inbox, spool,\n"
-        "mediator, guards, strategies (each owns\nits round and state), checkpoints, run log",
+        "mediator, guards, strategies (each owns\nits round and state; DP wraps averaging ones),\n"
+        "checkpoints, run log",
         BLUE,
     )
     box(
@@ -120,7 +121,8 @@ def layers(ax):
         0.19,
         "fedmq  (import fedmq: the public API)",
         "errors, checks, tensor manifest, tasks (models, data, local training),\n"
-        "pulling rule, client hooks, plugins (package.module:Class); imports nothing above",
+        "pulling rule, client hooks, plugins (package.module:Class), differential privacy (accountant,\n"
+        "clipping, noise), secure aggregation's cryptographic core; imports nothing above",
         PURPLE,
     )
     ax.set_xlim(0, 1)
