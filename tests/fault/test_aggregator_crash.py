@@ -122,7 +122,7 @@ def test_async_kill9_mid_round_replays_the_spool(tmp_path, rabbit_url, job_id):
         spooled_ids = {messages.decode(p.read_bytes()).msg_id for p in spool.glob("update-*.msg")}
         assert spooled_ids and not fed.round_closed(2)
         fed.start_aggregator("agg2")
-        summary = fed.wait_aggregator("agg2", timeout=120)
+        summary = fed.wait_aggregator("agg2", timeout=budget(120))
         assert summary["version"] == 5 and summary["rounds_completed"] == 5
         assert fed.agg_events("resuming open round"), "the restart did not replay the async spool"
         # the job ended: each agent reads the end after its last upload and leaves on its own
