@@ -2,13 +2,15 @@
 (benchmarks/results/commands/privacy.k10000.json: made by command lines, not by an experiment grid).
 
 .venv/bin/python scripts/privacy_results.py OUT NAME=RUN_DIR [NAME=RUN_DIR ...] [--label NAME:KEY=VALUE ...]
+    [--add]
 
 Each row is benchmarks/results_file.run_row's (test, best validation, the validation curve, bytes, wall
 times) plus what a DP comparison needs: the run's privacy settings (``dp``, ``target_epsilon``, ``delta``,
 ``clip_norm``, ``noise_multiplier``: z as the run derived it), ``epsilon_curve`` (ε after each round, null
 without DP), ``time_curve`` (seconds from the start of round 1 to each round's close, for time to a
 target) and ``received_curve`` (the updates folded each round). ``--label`` adds a table label to one row
-(e.g. ``sync-s0:availability=bernoulli:0.5``).
+(e.g. ``sync-s0:availability=bernoulli:0.5``). ``--add`` keeps OUT's rows for the names not given (a new
+seed added to the page without its earlier run folders); without it OUT holds exactly the runs given.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("runs", nargs="+", help="NAME=RUN_DIR")
     parser.add_argument("--label", action="append", default=[], help="NAME:KEY=VALUE")
+    parser.add_argument("--add", action="store_true", help="keep OUT's rows for the names not given")
     args = parser.parse_args(argv)
     labels: dict[str, dict[str, str]] = {}
     for item in args.label:
@@ -77,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.runs:
         name, _, folder = item.partition("=")
         rows.append(privacy_row(name, Path(folder), labels.get(name, {})))
+    if args.add and args.out.exists():
+        given = {row["run"] for row in rows}
+        kept = json.loads(args.out.read_text(encoding="utf-8"))["runs"]
+        rows = [row for row in kept if row["run"] not in given] + rows
     commit, dirty = results_file.git_commit(ROOT)
     results_file.write(
         args.out, results_file.document("privacy", "k10000", rows, COMMAND, commit=commit, dirty=dirty)

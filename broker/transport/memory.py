@@ -11,7 +11,10 @@ number, "first", "last", "next" or a POSIX timestamp) without removing anything,
 ``x-stream-offset`` header, retention by ``x-max-length-bytes`` (whole messages, oldest first; RabbitMQ drops
 whole segments, so it keeps at least as much), and a quorum queue's ``x-delivery-limit`` with
 ``x-dead-letter-exchange``/``-routing-key`` (a message returned more than the limit, or rejected without
-requeue, is routed to the dead-letter key; no ``x-death`` header). Every ``connect("memory://NAME")`` in the
+requeue, is routed to the dead-letter key; no ``x-death`` header), and publisher flow control (a publish
+into a queue that holds ``FLOW_BYTES`` of ready messages while it has a consumer waits until the consumer has
+taken some: RabbitMQ's credit flow slows a publisher to its queue's pace, so a backlog of updates cannot grow
+without bound in the aggregator's own process). Every ``connect("memory://NAME")`` in the
 process shares the hub NAME; each is one "connection" with its own dispatcher thread that runs the handlers,
 so a slow handler blocks only its own connection's consumers.
 """
@@ -37,6 +40,11 @@ from fedmq.broker.transport.reassembly import EXPIRY_CHECK_S, ChunkGate, GatedDi
 from fedmq.broker.wire.chunk_frames import CHUNK_HEADER, DEFAULT_CHUNK_LIMIT, chunk_messages
 
 log = structlog.get_logger(__name__)
+
+# Ready bytes above which a publish into a consumed queue waits (module docstring): a few updates of a 10 M
+# parameter model, so the consumer never waits for lack of work.
+FLOW_BYTES = 64 * 1024**2
+FLOW_CHECK_S = 1.0  # a waiting publisher looks again this often (its connection may have closed)
 
 
 def _exchange_of(key: str) -> str | None:
@@ -94,18 +102,34 @@ class _Queue:
     ready: list[_Msg] = field(default_factory=list)  # sorted by seq
     consumers: list[_Consumer] = field(default_factory=list)
     rr: int = 0
+    ready_bytes: int = 0
 
     def push(self, msg: _Msg) -> None:
         self.ready.append(msg)
+        self.ready_bytes += len(msg.body)
         limit = self.arguments.get("x-max-length")
         if limit is not None:
             while len(self.ready) > int(limit):
-                dropped = self.ready.pop(0)
+                dropped = self.take()
                 log.debug(
                     "max-length queue dropped its oldest message",
                     queue=self.name,
                     message_id=dropped.message_id,
                 )
+
+    def take(self) -> _Msg:
+        """The oldest ready message, removed."""
+        msg = self.ready.pop(0)
+        self.ready_bytes -= len(msg.body)
+        return msg
+
+    def crowded(self) -> bool:
+        """Publishers into this queue wait (FLOW_BYTES): it holds that much ready and has a consumer to take
+        it, and the publishing thread is not one of its consumers' dispatchers (it would wait for itself)."""
+        if self.ready_bytes < FLOW_BYTES or not self.consumers:
+            return False
+        me = threading.current_thread()
+        return all(c.conn._thread is not me for c in self.consumers)
 
     def requeue(self, msgs: list[_Msg]) -> list[_Msg]:
         """Give ``msgs`` back; those returned more than the queue's ``x-delivery-limit`` times are not
@@ -119,6 +143,7 @@ class _Queue:
                 over.append(m)
             else:
                 bisect.insort(self.ready, m, key=lambda x: x.seq)
+                self.ready_bytes += len(m.body)
         return over
 
 
@@ -141,6 +166,10 @@ class _Stream(_Queue):
     def requeue(self, msgs: list[_Msg]) -> list[_Msg]:
         """Nothing to requeue: a stream keeps every message until retention drops it."""
         return []
+
+    def crowded(self) -> bool:
+        """Never: a stream is read, not drained, and retention bounds it."""
+        return False
 
     def start(self, offset: Any) -> int:
         """The first offset a new consumer reads, for an ``x-stream-offset`` value (default "next")."""
@@ -175,6 +204,7 @@ class _Hub:
     def __init__(self, name: str) -> None:
         self.name = name
         self.lock = threading.RLock()
+        self.drained = threading.Condition(self.lock)  # told when ready messages leave a queue
         self.queues: dict[str, _Queue] = {}
         # (exchange, pattern, queue): a binding's exchange is its pattern's job's (None: a key of no job)
         self.bindings: list[tuple[str | None, str, str]] = []
@@ -217,6 +247,7 @@ class _Hub:
             gone = [name for name in self.queues if name.startswith(prefix)]
             for name in gone:
                 del self.queues[name]
+            self.drained.notify_all()
             self.bindings = [(e, p, q) for e, p, q in self.bindings if q not in gone]
             self._routes.clear()
             return gone
@@ -266,8 +297,9 @@ class _Hub:
                     break
             if chosen is None:
                 return
-            msg = q.ready.pop(0)
+            msg = q.take()
             self._hand(chosen, msg, dict(msg.headers), msg.redelivered)
+            self.drained.notify_all()
 
     def _pump_stream(self, q: _Stream) -> None:
         for c in q.consumers:
@@ -377,6 +409,10 @@ class MemoryBroker(Broker):
         )
         with self._hub.lock:
             targets = self._hub.route(routing_key)
+            while any(q.crowded() for q in targets) and not self._closed:
+                self._hub.drained.wait(FLOW_CHECK_S)  # flow control (module docstring)
+                targets = self._hub.route(routing_key)
+            self._check_open()
             if not targets:
                 raise Undeliverable(f"message to {routing_key!r} is unroutable: no queue is bound to it")
             for data, hdrs in parts:
