@@ -78,7 +78,7 @@ from fedmq.train_config import TrainConfig
 log = structlog.get_logger(__name__)
 
 MAX_PREFETCH = 65535  # AMQP's prefetch-count is a 16-bit field
-RELEASE_EVERY = 16  # updates folded between two returns of the heap's free pages (broker.wire.malloc)
+RELEASE_EVERY = 16  # updates taken (folded or parked) between two returns of the heap's free pages (malloc)
 
 
 class _OutOfBounds(Exception):
@@ -167,7 +167,7 @@ class Engine:
         self.budget_spent = False  # the target ε ended the job (within_budget)
         self.phase = "starting"
         self._consumer: str | None = None
-        self._folds = 0  # updates taken to fold, for RELEASE_EVERY
+        self._taken = 0  # updates taken (folded or parked), for RELEASE_EVERY
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -416,6 +416,14 @@ class Engine:
         return ModelStream.form_for(self.version, self._holds(client), forms)
 
     # ------------------------------------------------------------------ folding (both modes)
+    def took_update(self) -> None:
+        """One more update taken off the inbox, folded or parked: every RELEASE_EVERY the heap's free pages go
+        back (broker.wire.malloc). Parked ones count too: a round whose first client in fold order is late
+        parks hundreds, and the heap grows meanwhile (in a simulation, with its agents' work too)."""
+        self._taken += 1
+        if self._taken % RELEASE_EVERY == 0:
+            release_free()
+
     def begin_strategy(self, stats: RoundStats, choice: str, **extra: Any) -> Strategy:
         """The round's strategy ``choice`` built from the job's settings and begun with the global model;
         ``extra`` from a first pass (second_pass)."""
@@ -435,9 +443,7 @@ class Engine:
         acks a folded one. ``screen`` (asynchronous mode): the guard judges the update before it is folded
         (RoundGuard.screen)."""
         env, base = arrival.env, arrival.base
-        self._folds += 1
-        if self._folds % RELEASE_EVERY == 0:
-            release_free()
+        self.took_update()
         try:
             update = self.decode_update(env, base, arrival.staleness)
         except CodecError as exc:

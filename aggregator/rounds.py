@@ -105,6 +105,8 @@ class RoundContext(Protocol):
 
     def leave_out(self, stats: RoundStats, client: str, why: str) -> None: ...
 
+    def took_update(self) -> None: ...  # an update folded or parked (now and then the heap is trimmed)
+
     def begin_strategy(self, stats: RoundStats, choice: str, **extra: object) -> Strategy: ...
 
     def fold(

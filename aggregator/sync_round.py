@@ -187,6 +187,7 @@ class SyncRound:
         ctx.spool.save_update(stats.round, env.client, msg.delivery.body)
         self.parked.add(env.client)
         ctx.inbox.ack(msg)
+        ctx.took_update()
 
     def _turn(self) -> str | None:
         """The first client in fold order that is still owed (none before it is)."""
