@@ -100,11 +100,22 @@ def _start_services(url: str, work: Path, job: str, clients: int, hosts: int) ->
     return procs
 
 
-def _wait(procs: list[subprocess.Popen], job: str, t0: float, timeout: float) -> tuple[int, int]:
-    """Sample the broker until every process exits (or ``timeout`` after ``t0``, then kill them): the job's
-    peak queue count and RabbitMQ's peak memory (0 where rabbitmqctl cannot tell)."""
-    peak_queues, peak_memory = 0, 0
+def _peak_rss(pid: int) -> int:
+    """A live process's peak RSS so far in bytes (Linux's VmHWM; 0 where /proc cannot tell)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:")), 0)
+
+
+def _wait(procs: list[subprocess.Popen], job: str, t0: float, timeout: float) -> tuple[int, int, int]:
+    """Sample the broker and the aggregator (``procs[0]``) until every process exits (or ``timeout`` after
+    ``t0``, then kill them): the job's peak queue count, RabbitMQ's peak memory (0 where rabbitmqctl cannot
+    tell) and the aggregator's peak RSS as last seen (0 where /proc cannot tell)."""
+    peak_queues, peak_memory, aggregator = 0, 0, 0
     while any(p.poll() is None for p in procs) and time.time() - t0 < timeout:
+        aggregator = max(aggregator, _peak_rss(procs[0].pid))
         queues, memory = _broker_facts(job)
         peak_queues, peak_memory = max(peak_queues, queues or 0), max(peak_memory, memory or 0)
         time.sleep(2.0)
@@ -112,7 +123,7 @@ def _wait(procs: list[subprocess.Popen], job: str, t0: float, timeout: float) ->
         if p.poll() is None:
             p.kill()
         p.wait()
-    return peak_queues, peak_memory
+    return peak_queues, peak_memory, aggregator
 
 
 def services_row(
@@ -130,7 +141,7 @@ def services_row(
     _, memory_before = _broker_facts(job)
     procs = _start_services(url, work, job, clients, hosts)
     t0 = time.time()
-    peak_queues, peak_memory = _wait(procs, job, t0, timeout)
+    peak_queues, peak_memory, aggregator_rss = _wait(procs, job, t0, timeout)
     metrics = read_rounds(work / "state").records
     ckpt = load_checkpoint(work / "state" / "checkpoints")
     folded = [u for ids in (ckpt.folded.values() if ckpt else []) for u in ids]
@@ -155,6 +166,7 @@ def services_row(
         "queues": peak_queues or None,
         "rabbitmq_memory_mb": peak_memory / 2**20 if peak_memory else None,
         "rabbitmq_memory_before_mb": memory_before / 2**20 if memory_before else None,
+        "aggregator_peak_mb": aggregator_rss / 2**20 if aggregator_rss else None,
         "s_per_round": period_median([m.time for m in metrics if m.time is not None]),
         "exit_codes": [p.returncode for p in procs],
         "wall_s": time.time() - t0,
@@ -185,12 +197,14 @@ def format_table(runs: list[Run], services: list[dict[str, Any]]) -> str:
             else "not measured"
         )
         per = f"{s['s_per_round']:.2f} s/round" if s["s_per_round"] else "s/round not measured"
+        agg = f"{s['aggregator_peak_mb']:.0f} MB" if s["aggregator_peak_mb"] else "not measured"
         lines += [
             "",
             f"RabbitMQ: {s['clients']:,} clients ({s['selected']:,} a round) in {s['hosts']} agent "
             f"processes: {s['rounds']} rounds completed, "
             f"{s['confirmed']} uploads confirmed, {s['folded']} folded, {s['lost']} lost, {s['duplicated']} "
             f"duplicated; the job's queues at most {s['queues']}; RabbitMQ's memory at most {mem}; "
+            f"the aggregator's peak RSS {agg}; "
             f"{per}; exit codes {s['exit_codes']}; {s['wall_s']:.0f} s in all",
         ]
     return "\n".join(lines)

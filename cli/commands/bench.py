@@ -180,6 +180,7 @@ def bench_population(
     ),
     services_clients: int = typer.Option(10_000, help="the population over RabbitMQ"),
     hosts: int = typer.Option(4, help="agent processes serving it"),
+    simulate: bool = typer.Option(True, help="--no-simulate: only the RabbitMQ runs (with --broker)"),
 ) -> None:
     """s/round, peak memory and broker queues as the population and the cohort grow (virtual clients), and
     a population over RabbitMQ: rounds completed, lost and duplicated updates, RabbitMQ's memory and queues.
@@ -200,12 +201,13 @@ def bench_population(
         or hosts < 1
         or services_clients < hosts
         or (broker and services_clients < max(ms))
+        or not (simulate or broker)
     ):
         raise UsageError(
             "want every --selected ≥ 1 and ≤ every --clients and --services-clients, "
-            "--rounds ≥ 2, --hosts ≥ 1"
+            "--rounds ≥ 2, --hosts ≥ 1, and --broker with --no-simulate"
         )
-    runs = population.simulate_rows(_corpus(data), ks, ms, rounds)
+    runs = population.simulate_rows(_corpus(data), ks, ms, rounds) if simulate else []
     services = (
         [population.services_row(broker, services_clients, hosts, m, rounds) for m in ms] if broker else []
     )
