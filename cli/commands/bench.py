@@ -195,7 +195,7 @@ def bench_population(
     if (
         not ks
         or not ms
-        or min(ks) < max(ms)
+        or (simulate and min(ks) < max(ms))
         or min(ms) < 1
         or rounds < 2
         or hosts < 1
