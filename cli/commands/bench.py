@@ -169,6 +169,28 @@ def bench_load(
     _bench("load", "bench_load", url=url, agents=counts, rounds=rounds, threads=threads)
 
 
+@app.command("secagg", cls=HelpCommand)
+def bench_secagg(
+    models: str = typer.Option("tiny,gru-small", help="model lengths to mask: tiny, gru-small"),
+    cohorts: str = typer.Option("10,100", help="clients a round (m), comma separated"),
+    dropout: float = typer.Option(0.3, help="share of the cohort that vanishes after masking"),
+) -> None:
+    """Secure aggregation's cryptographic core for one round: client and server CPU seconds and upload bytes
+    against the plain round's, with k and t (not over the broker yet: no round time).
+
+    Example: fedmq bench secagg --models tiny,gru-small --cohorts 10,100
+    """
+    from fedmq.benchmarks.secagg import MODELS
+
+    names = tuple(n.strip() for n in models.split(",") if n.strip())
+    ms = _whole_numbers("--cohorts", cohorts)
+    if not names or any(n not in MODELS for n in names) or not ms or min(ms) < 3 or not 0 <= dropout < 1:
+        raise UsageError(
+            f"want --models among {', '.join(MODELS)}, every --cohorts ≥ 3 and --dropout within [0, 1)"
+        )
+    _bench("secagg", "bench_secagg", models=names, cohorts=ms, dropout=dropout)
+
+
 @app.command("population", cls=HelpCommand)
 def bench_population(
     data: str = _corpus_option("wikitext-2"),
