@@ -78,7 +78,7 @@ from fedmq.train_config import TrainConfig
 log = structlog.get_logger(__name__)
 
 MAX_PREFETCH = 65535  # AMQP's prefetch-count is a 16-bit field
-RELEASE_EVERY = 16  # updates taken (folded or parked) between two returns of the heap's free pages (malloc)
+RELEASE_EVERY = 16  # parkings and folds between two returns of the heap's free pages (broker.wire.malloc)
 
 
 class _OutOfBounds(Exception):
@@ -167,7 +167,7 @@ class Engine:
         self.budget_spent = False  # the target ε ended the job (within_budget)
         self.phase = "starting"
         self._consumer: str | None = None
-        self._taken = 0  # updates taken (folded or parked), for RELEASE_EVERY
+        self._taken = 0  # parkings and folds, for RELEASE_EVERY
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -417,9 +417,9 @@ class Engine:
 
     # ------------------------------------------------------------------ folding (both modes)
     def took_update(self) -> None:
-        """One more update taken off the inbox, folded or parked: every RELEASE_EVERY the heap's free pages go
-        back (broker.wire.malloc). Parked ones count too: a round whose first client in fold order is late
-        parks hundreds, and the heap grows meanwhile (in a simulation, with its agents' work too)."""
+        """An update parked or folded (a parked one counts again when folded): every RELEASE_EVERY the heap's
+        free pages go back (broker.wire.malloc). Parking counts: a round whose first client in fold order is
+        late parks hundreds, and the heap grows meanwhile (in a simulation, with its agents' work too)."""
         self._taken += 1
         if self._taken % RELEASE_EVERY == 0:
             release_free()

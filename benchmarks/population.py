@@ -115,7 +115,8 @@ def _wait(procs: list[subprocess.Popen], job: str, t0: float, timeout: float) ->
     tell) and the aggregator's peak RSS as last seen (0 where /proc cannot tell)."""
     peak_queues, peak_memory, aggregator = 0, 0, 0
     while any(p.poll() is None for p in procs) and time.time() - t0 < timeout:
-        aggregator = max(aggregator, _peak_rss(procs[0].pid))
+        if procs[0].poll() is None:  # not once it is reaped: its pid may be another process's by then
+            aggregator = max(aggregator, _peak_rss(procs[0].pid))
         queues, memory = _broker_facts(job)
         peak_queues, peak_memory = max(peak_queues, queues or 0), max(peak_memory, memory or 0)
         time.sleep(2.0)

@@ -9,7 +9,7 @@ cohort): CPU seconds of its key rounds (advertise and share), of quantizing and 
 the unmasking request; its upload in payload bytes (public keys, encrypted shares and commitment, the masked
 vector, its unmasking shares; names and framing not counted) against its update's raw fp32 bytes. Per server:
 CPU seconds of collecting the shares, summing the masked vectors and unmasking (which re-expands the dropped
-clients' pairwise masks and the survivors' self-masks), against summing the same m fp32 vectors (a FedAvg
+clients' pairwise masks and the survivors' self-masks), against summing the survivors' fp32 vectors (a FedAvg
 fold's arithmetic, without its decode). k and t are ``graph.plan``'s for the cohort with ``corrupt`` and
 ``dropout`` fractions. The phases do not travel over the broker yet, so there is no round time.
 """
@@ -71,9 +71,10 @@ def one_round(
     plain_cpu = 0.0
     for u, c in clients.items():
         x = rng.uniform(-1.0, 1.0, length).astype(np.float32)
-        t0 = time.process_time()
-        plain += x  # the plain round's fold arithmetic, for the same vectors
-        plain_cpu += time.process_time() - t0
+        if u not in dropped:  # the plain round's fold arithmetic, for the same survivors' vectors
+            t0 = time.process_time()
+            plain += x
+            plain_cpu += time.process_time() - t0
         codes, cpu[u]["quantize"] = _cpu(quantizer.encode, x, rng)
         inbox, spent = _cpu(server.inbox, u)
         server_cpu["shares"] += spent

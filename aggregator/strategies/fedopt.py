@@ -19,11 +19,12 @@ exactly the steps it would have taken.
 Parameters (``--strategy-arg``): ``server_lr`` η (default 0.2; FedAdagrad 1.0: its v only grows, so its
 steps shrink from the start), ``beta1`` (0.9; FedAdagrad 0), ``beta2`` (0.99; FedAdagrad has none), ``tau``
 τ, the adaptivity (1e-3; FedAdagrad 0.3: a coordinate whose accumulated changes stay well below τ steps by
-about η/τ times its change, and only the large ones are damped; with τ = 1e-3 every coordinate that moved at
-all stepped by about η·(1 − β1) a round, and it trained far worse on PTB: docs/guide/strategy.md "Defaults,
-as swept"), and for a job ported from Flower: ``bias_correction`` (false;
-true scales η by √(1 − β2^t)/(1 − β1^t) at the t-th step, Adam's correction, which Flower's FedAdam applies
-with t = round + 1), ``initial_v`` (v_{−1}; default τ², Flower starts at 0) and ``weighted`` (true).
+about η/(2τ) times its change, as √v + τ ≈ 2τ there, and only the large ones are damped; with τ = 1e-3 every
+coordinate that moved at all took a first step of about η·(1 − β1), shrinking from there, and it trained far
+worse on PTB: docs/guide/strategy.md "Defaults, as swept"), and for a job ported from Flower:
+``bias_correction`` (false; true scales η by √(1 − β2^t)/(1 − β1^t) at the t-th step, Adam's correction,
+which Flower's FedAdam applies with t = round + 1), ``initial_v`` (v_{−1}; default τ², Flower starts at 0)
+and ``weighted`` (true).
 """
 
 from __future__ import annotations

@@ -407,10 +407,17 @@ class MemoryBroker(Broker):
             if frames is None
             else [(f, {**base_headers, CHUNK_HEADER: 1}) for f in frames]
         )
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._hub.lock:
             targets = self._hub.route(routing_key)
-            while any(q.crowded() for q in targets) and not self._closed:
-                self._hub.drained.wait(FLOW_CHECK_S)  # flow control (module docstring)
+            while any(q.crowded() for q in targets) and not self._closed:  # flow control (module docstring)
+                left = FLOW_CHECK_S if deadline is None else min(FLOW_CHECK_S, deadline - time.monotonic())
+                if left <= 0:
+                    raise BrokerError(
+                        f"publish to {routing_key!r} not taken within {timeout:g} s: its queue holds "
+                        f"{FLOW_BYTES // 2**20} MiB its consumer has not taken"
+                    )
+                self._hub.drained.wait(left)
                 targets = self._hub.route(routing_key)
             self._check_open()
             if not targets:
@@ -466,6 +473,7 @@ class MemoryBroker(Broker):
             self._hub.dead_letter(c.queue, c.queue.requeue(list(c.unacked.values())))
             c.unacked.clear()
             self._hub.pump(c.queue)
+            self._hub.drained.notify_all()  # a publisher waiting on this consumer looks again
 
     def ack(self, delivery: Delivery) -> None:
         self._gates.settle(delivery, None)

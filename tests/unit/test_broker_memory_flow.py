@@ -10,6 +10,7 @@ import pytest
 from load_factor import budget
 
 from fedmq.broker.transport import memory
+from fedmq.broker.transport.errors import BrokerError
 from fedmq.broker.transport.memory import MemoryBroker
 
 BODY = 100  # bytes a message
@@ -133,3 +134,19 @@ def _until(cond, limit_s: float = 5.0) -> bool:
         done.wait(step)
         waited += step
     return True
+
+
+def test_a_publish_with_a_timeout_gives_up_on_a_crowded_queue_in_one_error(small_flow):
+    pub, sub = MemoryBroker("flow-timeout"), MemoryBroker("flow-timeout")
+    try:
+        sub._hub.declare("q", {}, ("k",))
+        sub.consume("q", lambda d: None, prefetch=1)  # takes one and acks nothing: the rest stay ready
+        for i in range(4):
+            pub.publish("k", bytes([i]) * BODY)
+        with pytest.raises(BrokerError, match="not taken within 0.2 s"):
+            pub.publish("k", b"late" * 25, timeout=0.2)  # a heartbeat's timeout: it must not wait for ever
+        queue = sub._hub.queues["q"]
+        assert len(queue.ready) == 3 and all(m.body != b"late" * 25 for m in queue.ready)
+    finally:
+        pub.close()
+        sub.close()
