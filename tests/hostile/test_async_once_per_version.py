@@ -13,6 +13,7 @@ import time
 import uuid
 
 import pytest
+from quick_jobs import quick_job
 
 from fedmq.aggregator.checkpoint import load_checkpoint
 from fedmq.aggregator.config import JobConfig
@@ -23,21 +24,8 @@ from fedmq.client_agent.agent import Agent
 
 def _cfg(job: str, **kw: object) -> JobConfig:
     """An asynchronous job of three tiny clients; ``kw`` sets what a test is about."""
-    base = dict(
-        strategy="async",
-        clients=3,
-        fraction=1.0,
-        lr=1.0,
-        max_steps=2,
-        batch_size=4,
-        heartbeat_s=0.5,
-        join_timeout_s=20,
-        report_deadline_s=30,
-        update_deadline_s=30,
-    )
-    buffer_size = kw.pop("buffer_size")
-    args = {"buffer_size": buffer_size, "max_staleness": 3}
-    return JobConfig(job=job, strategy_args=args, **{**base, **kw})
+    args = {"buffer_size": kw.pop("buffer_size"), "max_staleness": 3}
+    return quick_job(job, strategy_args=args, **{"strategy": "async", "clients": 3, **kw})
 
 
 class Twice(Agent):

@@ -16,8 +16,8 @@ import threading
 import pytest
 import torch
 from load_factor import budget
+from quick_jobs import quick_job
 
-from fedmq.aggregator.config import JobConfig
 from fedmq.client_agent.agent import Agent
 from fedmq.tasks.base import model_state
 
@@ -63,18 +63,12 @@ def _first_version(federation, tiny_lm, tmp_path, kind: str):
     """One version of an async job, buffer_size 3, agent-0 hostile: (version 1, row, honest uploads, θ_0)."""
     task = tiny_lm(CLIENTS)
     job = f"first-buffer-{kind}"
-    cfg = JobConfig(
-        job=job,
+    cfg = quick_job(
+        job,
         strategy="async",
         strategy_args={"buffer_size": CLIENTS, "max_staleness": 2},
         rounds=1,
         clients=CLIENTS,
-        fraction=1.0,
-        lr=1.0,
-        max_steps=2,
-        batch_size=4,
-        heartbeat_s=0.5,
-        join_timeout_s=20,
         report_deadline_s=60,
         update_deadline_s=60,
         encoding="raw",  # exact models both ways: version 1 is compared with what the agents uploaded

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from quick_jobs import quick_job
 
 from fedmq.aggregator.checkpoint import CheckpointRefused, load_checkpoint, save_checkpoint
 from fedmq.aggregator.config import JobConfig
@@ -35,22 +36,13 @@ def task(tiny_lm):
 
 def _cfg(job: str, **kw) -> JobConfig:
     base = dict(
-        job=job,
         rounds=3,
         clients=2,
-        fraction=1.0,
-        lr=1.0,
-        max_steps=2,
-        batch_size=4,
-        heartbeat_s=0.5,
-        join_timeout_s=20,
-        report_deadline_s=30,
-        update_deadline_s=30,
         # the norm rule off: the round is one the guard cannot judge (with it on, a round of two with no
         # history drops an update moving the model by more than half its norm: these are dropped there)
         norm_bound_factor=0,
     )
-    return JobConfig(**{**base, **kw})
+    return quick_job(job, **{**base, **kw})
 
 
 def _run(federation, task, tmp_path, cfg: JobConfig, hostile: type[Agent]):

@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from quick_jobs import quick_job
 
 from fedmq.aggregator.config import JobConfig, JobConfigError
 from fedmq.client_agent.agent import Agent
@@ -26,21 +27,7 @@ def task(tiny_lm):
 
 def run(federation, task, tmp_path, robust: str, folded: int = 3, **bounds) -> float:
     name = f"robust-{robust.replace(':', '-').replace('.', '_')}-{len(bounds)}"
-    cfg = JobConfig(
-        job=name,
-        rounds=1,
-        clients=3,
-        fraction=1.0,
-        lr=5.0,
-        max_steps=2,
-        batch_size=4,
-        heartbeat_s=0.5,
-        join_timeout_s=20,
-        report_deadline_s=30,
-        update_deadline_s=30,
-        robust=robust,
-        **bounds,
-    )
+    cfg = quick_job(name, rounds=1, clients=3, lr=5.0, robust=robust, **bounds)
     engine, _, summary = federation(
         task,
         cfg,
