@@ -111,6 +111,69 @@ def save_checkpoint(
     keep: int = 3,
 ) -> Path:
     """Write one checkpoint atomically and prune all but the newest ``keep``; returns its path."""
+    return prepare_checkpoint(
+        path_dir,
+        round=round,
+        model_version=model_version,
+        global_state=global_state,
+        strategy_state=strategy_state,
+        mediator_state=mediator_state,
+        rng_state=rng_state,
+        folded=folded,
+        extra=extra,
+        keep=keep,
+    ).write()
+
+
+@dataclass(frozen=True)
+class PreparedCheckpoint:
+    """A checkpoint taken but not yet written: its state is captured (the JSON part serialized, the tensors
+    held by reference, which the engine never changes in place), so :meth:`write` may run on another thread
+    while the job goes on (aggregator.checkpoint_writer)."""
+
+    directory: Path
+    round: int
+    model_version: int
+    tensors: list[torch.Tensor]
+    meta: str
+    keep: int
+
+    def write(self) -> Path:
+        buf = io.BytesIO()
+        torch.save({"tensors": self.tensors, "meta": self.meta}, buf)
+        payload = buf.getvalue()
+        target = self.directory / f"ckpt-{self.round:08d}-{self.model_version:08d}.fmq"
+        with replacing(target, durable=True, private=True) as fh:  # the model: its owner's alone
+            fh.write(MAGIC)
+            fh.write(hashlib.sha256(payload).digest())
+            fh.write(payload)
+        for old in _candidates(self.directory)[self.keep :]:
+            old.unlink(missing_ok=True)
+        log.info(
+            "checkpoint.saved",
+            path=str(target),
+            round=self.round,
+            model_version=self.model_version,
+            bytes=len(payload) + 40,
+        )
+        return target
+
+
+def prepare_checkpoint(
+    path_dir: str | os.PathLike,
+    *,
+    round: int,
+    model_version: int,
+    global_state: dict[str, torch.Tensor],
+    strategy_state: dict,
+    mediator_state: dict,
+    rng_state: Any,
+    folded: dict[int, list[str]],
+    extra: dict,
+    keep: int = 3,
+) -> PreparedCheckpoint:
+    """Capture one checkpoint's state (checked and serialized now: CheckpointError on a bad value) for a
+    later ``write``."""
     if not (
         isinstance(round, int)
         and isinstance(model_version, int)
@@ -135,24 +198,7 @@ def save_checkpoint(
         "folded": {str(int(r)): [str(u) for u in ids] for r, ids in folded.items()},
         "extra": _encode(extra, tensors),
     }
-    buf = io.BytesIO()
-    torch.save({"tensors": tensors, "meta": json.dumps(meta)}, buf)
-    payload = buf.getvalue()
-    target = directory / f"ckpt-{round:08d}-{model_version:08d}.fmq"
-    with replacing(target, durable=True, private=True) as fh:  # the model: its owner's alone
-        fh.write(MAGIC)
-        fh.write(hashlib.sha256(payload).digest())
-        fh.write(payload)
-    for old in _candidates(directory)[keep:]:
-        old.unlink(missing_ok=True)
-    log.info(
-        "checkpoint.saved",
-        path=str(target),
-        round=round,
-        model_version=model_version,
-        bytes=len(payload) + 40,
-    )
-    return target
+    return PreparedCheckpoint(directory, round, model_version, tensors, json.dumps(meta), keep)
 
 
 def _candidates(directory: Path) -> list[Path]:

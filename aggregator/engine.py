@@ -38,8 +38,9 @@ from fedmq.aggregator.checkpoint import (
     check_fresh_start,
     check_resumable,
     load_checkpoint,
-    save_checkpoint,
+    prepare_checkpoint,
 )
+from fedmq.aggregator.checkpoint_writer import CheckpointWriter
 from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.guards import RoundGuard, Verdict, first_nonfinite
 from fedmq.aggregator.inbox import Inbox, Received
@@ -168,6 +169,9 @@ class Engine:
         self.phase = "starting"
         self._consumer: str | None = None
         self._taken = 0  # parkings and folds, for RELEASE_EVERY
+        # checkpoints and best.pt are written while the next round runs (aggregator.checkpoint_writer)
+        self.writer = CheckpointWriter()
+        self._new_best: dict[str, torch.Tensor] | None = None  # a new best: best.pt, beside the checkpoint
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -202,9 +206,11 @@ class Engine:
             else:
                 while self.round <= self.cfg.rounds and not self.stop.is_set() and self.within_budget():
                     SyncRound(self).run()
+            self.writer.wait()
         finally:
             if self._consumer:
                 self.broker.cancel(self._consumer)
+            self.writer.join()  # a write still pending when the run failed: on disk before the process ends
         summary = self._summary(time.time() - started)
         self.runlog.write_summary(summary)
         if self._all_rounds_done():
@@ -540,10 +546,15 @@ class Engine:
         score = self._evaluate(stats.round) if skipped is None else None
         record = self._record(stats, score, weights, skipped, verdict)
         self.round += 1
-        # row first: a kill before the checkpoint redoes the round, and the resume truncates this row again
+        # row first: a kill before the checkpoint is on disk redoes the round, and the resume truncates this
+        # row again; the checkpoint (and best.pt) are written while the next round runs, and the round's spool
+        # is cleared only then (aggregator.checkpoint_writer)
         self.runlog.append(record)
-        self._checkpoint()
-        self.spool.clear_upto(stats.round)
+        self.writer.submit(self._checkpoint_write(stats.round))
+        if self.privacy is not None and self.noise_seed is None:
+            # secret noise: a round folded again would not give the model the next round publishes, and two
+            # noised versions of one round would be two releases the accountant counts once. On disk first
+            self.writer.wait()
         self.last_row = row = record.to_json()
         if self.on_round:
             self.on_round(row)
@@ -625,9 +636,7 @@ class Engine:
             log.info("validation did not improve: clients' lr annealed", round=rnd, lr_scale=self.lr_scale)
         if better and math.isfinite(score):
             self.best = (score, rnd)
-            best = {k: v.clone() for k, v in self.global_state.items() if k in self.model_names}
-            with replacing(self.run_dir / "best.pt", private=True) as fh:
-                torch.save(best, fh)
+            self._new_best = {k: v for k, v in self.global_state.items() if k in self.model_names}
         return score
 
     def _score(self, state: State, split: str) -> float:
@@ -685,8 +694,10 @@ class Engine:
         )
 
     # ------------------------------------------------------------------ checkpoints
-    def _checkpoint(self) -> None:
-        save_checkpoint(
+    def _checkpoint_write(self, closed: int) -> Callable[[], None]:
+        """The checkpoint of the job as it stands (round ``closed`` closed), captured now; what writes it, and
+        the new best model before it, then clears the closed round's spool."""
+        prepared = prepare_checkpoint(
             self.ckpt_dir,
             round=self.round,
             model_version=self.version,
@@ -705,6 +716,16 @@ class Engine:
             },
             keep=self.cfg.keep_checkpoints,
         )
+        best, self._new_best = self._new_best, None
+
+        def write() -> None:
+            if best is not None:
+                with replacing(self.run_dir / "best.pt", private=True) as fh:
+                    torch.save(best, fh)
+            prepared.write()
+            self.spool.clear_upto(closed)
+
+        return write
 
     def _restore(self) -> None:
         ckpt = load_checkpoint(self.ckpt_dir)

@@ -50,6 +50,11 @@ class SyncRound:
         # when their turn comes (none of them is in memory)
         self.parked: set[str] = set()
         self.gone: set[str] = set()  # selected agents that announced going offline: nothing more will come
+        # what the spool says of the round's grant and strategy choice (None: not decided yet), and whether
+        # the round has closed: a restart then folds its spool again and closes it, announcing nothing
+        self.saved_granted: list[str] | None = None
+        self.saved_choice: str | None = None
+        self.closed = False
 
     def run(self) -> None:
         ctx, cfg, stats = self.ctx, self.cfg, self.stats
@@ -62,34 +67,38 @@ class SyncRound:
             ctx.hosted.update(spooled.get("hosts") or {})
             stats.reported = spooled["reported"]
             stats.unreachable = dict(spooled.get("unreachable") or {})
+            self.saved_granted, self.saved_choice = spooled.get("granted"), spooled.get("strategy")
+            self.closed = bool(spooled.get("closed"))
             log.info(
                 "resuming open round",
                 round=stats.round,
                 reported=len(stats.reported),
                 spooled_updates=len(spooled_updates),
             )
-            if (
-                stats.selected
-            ):  # the old announce (or grant) may have died with the old aggregator: send again, and so
-                # find again who can be reached (an agent whose queue is gone is left out of the round)
+            if stats.selected and not self.closed:
+                # the old announce (or grant) may have died with the old aggregator: send again, and so
+                # find again who can be reached (an agent whose queue is gone is left out of the round). A
+                # closed round (its checkpoint was still being written) announces nothing: its agents
+                # trained it already, and its spool holds every update it folded
                 ctx.announce(stats)
-                if spooled.get("granted") is not None and cfg.grant_phase:
-                    self._publish_grant(spooled["granted"])
+                if self.saved_granted is not None and cfg.grant_phase:
+                    self._publish_grant(self.saved_granted)
                 if stats.unreachable != (spooled.get("unreachable") or {}):
-                    granted = spooled.get("granted")
-                    self._save(
-                        None if granted is None else [c for c in granted if c in stats.selected],
-                        spooled.get("strategy"),
-                    )
+                    if self.saved_granted is not None:
+                        self.saved_granted = [c for c in self.saved_granted if c in stats.selected]
+                    self._save()
         if not stats.selected:
             why = "nobody reachable" if stats.unreachable else "nobody online"
             ctx.close_round(
                 stats, None, skipped="nobody sampled" if stats.online and cfg.dp != "none" else why
             )
             return
-        strategy = self._collect(spooled, spooled_updates)
+        strategy = self._collect(spooled_updates)
         if ctx.stop.is_set():  # interrupted (Ctrl-C, SIGTERM): the round stays open in the spool for --resume
             return
+        if not self.closed:
+            self.closed = True
+            self._save()
         ctx.close_round(stats, strategy)
 
     def _select(self) -> None:
@@ -112,26 +121,28 @@ class SyncRound:
             m = min(cfg.selected_count(), len(stats.online))
             stats.selected = sorted(rng.sample(stats.online, m)) if m else []
         ctx.spool.save_online(stats.round, stats.online)
-        self._save(None, None)
+        self._save()
         if stats.selected:
             ctx.announce(stats)
             if stats.unreachable:  # the spool must not list as selected an agent that was left out
-                self._save(None, None)
+                self._save()
 
-    def _collect(self, spooled: dict | None, spooled_updates: dict[str, bytes]) -> Strategy | None:
+    def _collect(self, spooled_updates: list[str]) -> Strategy | None:
         """Reports, mediation, grants and updates of one round;
         returns the strategy holding the folded updates."""
         ctx, cfg, stats = self.ctx, self.cfg, self.stats
         strategy: Strategy | None = None
-        granted: list[str] | None = spooled.get("granted") if spooled else None
+        granted = self.saved_granted
         if granted is not None or not cfg.grant_phase:
-            strategy = ctx.begin_strategy(stats, (spooled or {}).get("strategy") or cfg.strategy)
+            strategy = ctx.begin_strategy(stats, self.saved_choice or cfg.strategy)
             stats.granted = [
                 c for c in (granted if granted is not None else stats.selected) if c in stats.selected
             ]
         if strategy is not None:  # the spool holds the updates taken before a restart: fold them in turn
             self.parked.update(c for c in spooled_updates if c in stats.granted)
-            self._fold_in_order(strategy)
+            self._fold_in_order(strategy, closing=self.closed)
+        if self.closed:  # it closed before the restart: with what its spool holds, and nothing more
+            return strategy
         deadline = time.time() + (cfg.report_deadline_s if strategy is None else cfg.update_deadline_s)
         if strategy is not None and not cfg.grant_phase:
             deadline = time.time() + cfg.report_deadline_s + cfg.update_deadline_s
@@ -284,7 +295,7 @@ class SyncRound:
             return
         stats.reported[env.client] = float(env.payload["loss"])
         stats.bytes_up += msg.size
-        self._save(None, None)
+        self._save()
         self.ctx.inbox.ack(msg)
 
     def _mediate(self) -> Strategy:
@@ -293,9 +304,11 @@ class SyncRound:
             ctx.mediator.top_k(stats.reported, cfg.beta) if cfg.beta < 1 else sorted(stats.reported)
         )
         choice = self._choose()
-        self._save(stats.granted, choice)
+        self.saved_granted, self.saved_choice = list(stats.granted), choice
+        self._save()
         if self._publish_grant(stats.granted):
-            self._save(stats.granted, choice)
+            self.saved_granted = list(stats.granted)
+            self._save()
         log.info("uploads granted", round=stats.round, granted=len(stats.granted), strategy=choice)
         return ctx.begin_strategy(stats, choice)
 
@@ -326,7 +339,7 @@ class SyncRound:
         ctx.phase = "uploading"
         return left_out
 
-    def _save(self, granted: list[str] | None, choice: str | None) -> None:
+    def _save(self) -> None:
         stats = self.stats
         self.ctx.spool.save_state(
             stats.round,
@@ -335,7 +348,8 @@ class SyncRound:
                 "hosts": {c: self.ctx.hosted[c] for c in stats.selected if c in self.ctx.hosted},
                 "unreachable": stats.unreachable,
                 "reported": stats.reported,
-                "granted": granted,
-                "strategy": choice,
+                "granted": self.saved_granted,
+                "strategy": self.saved_choice,
+                "closed": self.closed,
             },
         )

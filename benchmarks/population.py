@@ -45,6 +45,34 @@ def simulate_rows(
     ]
 
 
+def cohort_lines(data: str, k: int, cohorts: list[tuple[int, Run]]) -> list[str]:
+    """How s/round grows with the cohort m, against the round's physical limit (benchmarks/limit.py: the
+    parts of this bench's round timed here on one core each): each run's s/round over its limit, and the
+    growth per client between the smallest and the largest m against the per-client work (train, encode_up,
+    decode_up, fold) spread over the cores. A growth per client near 1 × that work over the cores is linear
+    in m at the machine's speed; the goal is ≤ 1.2 ×. ``cohorts``: (m, its run) in the order they ran."""
+    from fedmq.benchmarks import limit
+
+    timed = [(m, r.s_per_round, r.name) for m, r in cohorts if r.s_per_round]
+    if len(timed) < 2:
+        return []
+    parts = limit.measure(data, k, timed[0][0])[0]
+    per_client = sum(parts.parts[name] for name in limit.PER_CLIENT)
+    lines = ["", parts.describe(), ""]
+    for m, s, name in timed:
+        bound = limit.Limit(parts.parts, m, parts.cores, parts.up, parts.down)
+        ratio = s / bound.seconds
+        lines.append(f"{name}: {s:.2f} s/round, limit {bound.seconds:.2f} s ({ratio:.2f} × the limit)")
+    (m0, s0, _), (m1, s1, _) = min(timed), max(timed)
+    if m1 > m0:
+        growth, share = (s1 - s0) / (m1 - m0), per_client / parts.cores
+        lines.append(
+            f"growth from m = {m0:,} to {m1:,}: {growth:.3f} s a client; per-client work {per_client:.3f} "
+            f"core-s over {parts.cores} cores = {share:.3f} s: {growth / share:.2f} × (goal ≤ 1.2 ×)"
+        )
+    return lines
+
+
 def _rabbitmqctl(*args: str) -> str | None:
     try:
         out = subprocess.run(["rabbitmqctl", *args], capture_output=True, text=True, timeout=30)

@@ -203,6 +203,11 @@ def bench_population(
     services_clients: int = typer.Option(10_000, help="the population over RabbitMQ"),
     hosts: int = typer.Option(4, help="agent processes serving it"),
     simulate: bool = typer.Option(True, help="--no-simulate: only the RabbitMQ runs (with --broker)"),
+    limit: bool = typer.Option(
+        True,
+        "--limit/--no-limit",
+        help="with one --clients and several --selected: each run against the round's physical limit here",
+    ),
 ) -> None:
     """s/round, peak memory and broker queues as the population and the cohort grow (virtual clients), and
     a population over RabbitMQ: rounds completed, lost and duplicated updates, RabbitMQ's memory and queues.
@@ -233,4 +238,7 @@ def bench_population(
     services = (
         [population.services_row(broker, services_clients, hosts, m, rounds) for m in ms] if broker else []
     )
-    typer.echo(population.format_table(runs, services))
+    table = population.format_table(runs, services)
+    if len(ms) > 1 and len(ks) == 1 and limit:
+        table = "\n".join([table, *population.cohort_lines(_corpus(data), ks[0], list(zip(ms, runs)))])
+    typer.echo(table)

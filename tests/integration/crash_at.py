@@ -8,7 +8,9 @@ Crash points of a round (the phases of tests/fault/fault_plan.py, seen from insi
   the round is spooled yet;
 - ``during-agg``: the round's first update is spooled (aggregator.spool);
 - ``after-agg``: the round's metrics row is written, its checkpoint not yet;
-- ``after-checkpoint``: the checkpoint that includes the round is written, the round's spool not yet cleared.
+- ``after-checkpoint``: the checkpoint that includes the round is written, the round's spool not yet cleared;
+- ``checkpoint-pending``: the checkpoint that includes the round is still being written (held back here)
+  while the next round has spooled its first update (aggregator.checkpoint_writer).
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import os
 import runpy
 import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-POINTS = ("trained", "during-agg", "after-agg", "after-checkpoint")
+POINTS = ("trained", "during-agg", "after-agg", "after-checkpoint", "checkpoint-pending")
 
 
 def _kill_after(owner: Any, name: str, hit: Callable[..., bool]) -> None:
@@ -38,8 +41,22 @@ def _kill_after(owner: Any, name: str, hit: Callable[..., bool]) -> None:
     setattr(owner, name, wrapper)
 
 
+def _hold_before(owner: Any, name: str, hit: Callable[..., bool]) -> None:
+    """Wrap ``owner.name``: when ``hit(*args, **kwargs)`` holds, wait for ever instead of calling it (the
+    process is killed meanwhile)."""
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if hit(*args, **kwargs):
+            threading.Event().wait()
+        return original(*args, **kwargs)
+
+    setattr(owner, name, wrapper)
+
+
 def arm(point: str, rnd: int) -> None:
-    from fedmq.aggregator import engine, runlog, spool
+    from fedmq.aggregator import checkpoint, runlog, spool
     from fedmq.client_agent import state
 
     if point == "trained":  # a round trains from version rnd - 1 (every round of the test folds)
@@ -53,7 +70,10 @@ def arm(point: str, rnd: int) -> None:
     elif point == "after-agg":
         _kill_after(runlog.RunLog, "append", lambda _self, row: getattr(row, "round", None) == rnd)
     elif point == "after-checkpoint":  # the checkpoint written after round rnd resumes at round rnd + 1
-        _kill_after(engine, "save_checkpoint", lambda *_a, **kw: kw["round"] == rnd + 1)
+        _kill_after(checkpoint.PreparedCheckpoint, "write", lambda self: self.round == rnd + 1)
+    elif point == "checkpoint-pending":
+        _hold_before(checkpoint.PreparedCheckpoint, "write", lambda self: self.round == rnd + 1)
+        _kill_after(spool.RoundSpool, "save_update", lambda _self, r, _client, _body: r == rnd + 1)
     else:
         raise SystemExit(f"unknown crash point {point!r}: one of {', '.join(POINTS)}")
 

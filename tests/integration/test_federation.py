@@ -349,20 +349,19 @@ def test_upload_only_pulling_keeps_unsent_tensors_private(federation, task, tmp_
 def test_a_checkpoint_that_fails_to_write_ends_the_run_and_a_resume_replays_its_round(
     federation, task, tmp_path, monkeypatch
 ):
-    """A round's checkpoint that cannot be written stops the run with its error before the next round starts;
-    the round's spool stays, and a resume replays the round from it."""
-    from fedmq.aggregator import engine as engine_module
-    from fedmq.aggregator.checkpoint import load_checkpoint
+    """A round's checkpoint is written while the next round runs; one that cannot be written stops the run
+    with its error when that next round closes. Both rounds' spools stay, and a resume replays them."""
+    from fedmq.aggregator.checkpoint import PreparedCheckpoint, load_checkpoint
 
-    real, written = engine_module.save_checkpoint, []
+    real, written = PreparedCheckpoint.write, []
 
-    def full_disk(path, **state):
-        if state["round"] == 3:  # the checkpoint after round 2
+    def full_disk(self):
+        if self.round == 3:  # the checkpoint after round 2
             raise OSError("No space left on device")
-        written.append(state["round"])
-        return real(path, **state)
+        written.append(self.round)
+        return real(self)
 
-    monkeypatch.setattr(engine_module, "save_checkpoint", full_disk)
+    monkeypatch.setattr(PreparedCheckpoint, "write", full_disk)
     cfg = JobConfig(
         encoding="raw",
         down_encoding="raw",
@@ -379,8 +378,8 @@ def test_a_checkpoint_that_fails_to_write_ends_the_run_and_a_resume_replays_its_
     with pytest.raises(OSError, match="No space left"):
         federation(task, cfg, "memory://e2e-ckpt", run)
     assert written == [2] and load_checkpoint(run / "checkpoints").round == 2
-    assert (run / "spool" / "r000002").is_dir() and not (run / "spool" / "r000003").exists()
-    monkeypatch.setattr(engine_module, "save_checkpoint", real)
+    assert (run / "spool" / "r000002").is_dir() and (run / "spool" / "r000003").is_dir()
+    monkeypatch.setattr(PreparedCheckpoint, "write", real)
     engine, _, summary = federation(task, cfg, "memory://e2e-ckpt", run)
     assert summary["rounds_completed"] == 3 and [r.round for r in engine.runlog.rows()] == [1, 2, 3]
     assert load_checkpoint(run / "checkpoints").round == 4 and not list((run / "spool").glob("r*"))
