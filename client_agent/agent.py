@@ -369,7 +369,9 @@ class Agent:
                 start = hook.start(start, kept)
             with self.trainers.borrow() as model:
                 result = self._train(model, start, cfg, rnd, crash="crash-train" in faults, hooks=hooks)
-                prepared = self._prepare(model, held, cfg, rnd, version, result, hooks=hooks)
+                trained = self._trained_state(model)
+            # the trainer is free again: the next client trains while this one encodes its update
+            prepared = self._prepare(trained, held, cfg, rnd, version, result, hooks=hooks)
             waits = (sync and cfg.grant) or "slow" in faults or "crash-grant" in faults
             if not waits:  # sent while paced: a broker that slows uploads then slows the training too
                 self._report(rnd, version, result)
@@ -467,13 +469,14 @@ class Agent:
         return result
 
     def _trained_state(self, model: torch.nn.Module) -> State:
-        """Our model after local training, as uploaded: views of the trainer's parameters, valid while it is
-        borrowed (what is kept past the round is cloned in _prepare)."""
-        return model_state(model)
+        """Our model after local training, as uploaded: a copy of the trainer's parameters, so that the
+        trainer can go to the next client before the update is encoded (a copy costs a memcpy of the model;
+        encoding costs several times that)."""
+        return {k: v.clone() for k, v in model_state(model).items()}
 
     def _prepare(
         self,
-        model: torch.nn.Module,
+        trained: State,
         held: State,
         cfg: RoundConfig,
         rnd: int,
@@ -483,7 +486,7 @@ class Agent:
     ) -> Prepared:
         """Encode the update (before the grant, so the trainer and the global model can go) and keep what
         the job's algorithm needs for our next round."""
-        upload = trained = self._trained_state(model)
+        upload = trained
         if hooks:
             hooks[0][0].context.trained = trained  # one context, shared by the round's hooks
         for hook, kept in hooks:
