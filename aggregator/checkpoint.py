@@ -63,14 +63,15 @@ class Checkpoint:
     path: Path | None = None
 
 
-def _encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
+def _encode(obj: Any, tensors: list[torch.Tensor], copy: bool = False) -> Any:
     if isinstance(obj, torch.Tensor):
-        tensors.append(obj.detach().cpu())
+        t = obj.detach().cpu()
+        tensors.append(t.clone() if copy else t)
         return {"__tensor__": len(tensors) - 1}
     if isinstance(obj, tuple):
-        return {"__tuple__": [_encode(v, tensors) for v in obj]}
+        return {"__tuple__": [_encode(v, tensors, copy) for v in obj]}
     if isinstance(obj, list):
-        return [_encode(v, tensors) for v in obj]
+        return [_encode(v, tensors, copy) for v in obj]
     if isinstance(obj, dict):
         out = {}
         for k, v in obj.items():
@@ -78,7 +79,7 @@ def _encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
                 raise CheckpointError(f"checkpoint state keys must be strings, got {k!r}")
             if k in ("__tensor__", "__tuple__"):
                 raise CheckpointError(f"checkpoint state may not use the reserved key {k!r}")
-            out[k] = _encode(v, tensors)
+            out[k] = _encode(v, tensors, copy)
         return out
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
@@ -127,9 +128,10 @@ def save_checkpoint(
 
 @dataclass(frozen=True)
 class PreparedCheckpoint:
-    """A checkpoint taken but not yet written: its state is captured (the JSON part serialized, the tensors
-    held by reference, which the engine never changes in place), so :meth:`write` may run on another thread
-    while the job goes on (aggregator.checkpoint_writer)."""
+    """A checkpoint taken but not yet written: its state is captured (the JSON part serialized; the global
+    model's tensors held by reference, which the engine replaces and never changes in place; the strategy's
+    and the rest copied, since a strategy of one's own may update its state in place), so :meth:`write` may
+    run on another thread while the job goes on (aggregator.checkpoint_writer)."""
 
     directory: Path
     round: int
@@ -192,11 +194,11 @@ def prepare_checkpoint(
         "round": round,
         "model_version": model_version,
         "global_state": _encode(dict(global_state), tensors),
-        "strategy_state": _encode(strategy_state, tensors),
-        "mediator_state": _encode(mediator_state, tensors),
-        "rng_state": _encode(rng_state, tensors),
+        "strategy_state": _encode(strategy_state, tensors, copy=True),
+        "mediator_state": _encode(mediator_state, tensors, copy=True),
+        "rng_state": _encode(rng_state, tensors, copy=True),
         "folded": {str(int(r)): [str(u) for u in ids] for r, ids in folded.items()},
-        "extra": _encode(extra, tensors),
+        "extra": _encode(extra, tensors, copy=True),
     }
     return PreparedCheckpoint(directory, round, model_version, tensors, json.dumps(meta), keep)
 

@@ -208,9 +208,11 @@ class Engine:
                     SyncRound(self).run()
             self.writer.wait()
         finally:
+            # a write still pending when the run failed: on disk before the inbox goes to a standby, which
+            # resumes from that checkpoint and the spools it leaves
+            self.writer.join()
             if self._consumer:
                 self.broker.cancel(self._consumer)
-            self.writer.join()  # a write still pending when the run failed: on disk before the process ends
         summary = self._summary(time.time() - started)
         self.runlog.write_summary(summary)
         if self._all_rounds_done():
@@ -548,12 +550,15 @@ class Engine:
         self.round += 1
         # row first: a kill before the checkpoint is on disk redoes the round, and the resume truncates this
         # row again; the checkpoint (and best.pt) are written while the next round runs, and the round's spool
-        # is cleared only then (aggregator.checkpoint_writer)
+        # is cleared only then (aggregator.checkpoint_writer). The previous round's checkpoint is on disk
+        # before this row is written: the rows never run more than one round past the newest checkpoint
+        self.writer.wait()
         self.runlog.append(record)
         self.writer.submit(self._checkpoint_write(stats.round))
-        if self.privacy is not None and self.noise_seed is None:
-            # secret noise: a round folded again would not give the model the next round publishes, and two
-            # noised versions of one round would be two releases the accountant counts once. On disk first
+        if cfg.mode == "async" or (self.privacy is not None and self.noise_seed is None):
+            # on disk before the next round. Asynchronous mode resumes only its open buffer's spool. Secret
+            # noise: a round folded again would not give the model the next round publishes, and two noised
+            # versions of one round would be two releases the accountant counts once
             self.writer.wait()
         self.last_row = row = record.to_json()
         if self.on_round:
@@ -731,6 +736,7 @@ class Engine:
         ckpt = load_checkpoint(self.ckpt_dir)
         if ckpt is None:
             check_fresh_start(self.ckpt_dir, max((r.round for r in self.runlog.rows()), default=0))
+            self.runlog.truncate_after(0)  # round 1's row, written before a kill: round 1 runs again
             return
         check_resumable(ckpt, self.shapes, lambda name: strategy_from_config(name, self.cfg)[1])
         self.round, self.version = ckpt.round, ckpt.model_version

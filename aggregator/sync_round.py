@@ -54,6 +54,7 @@ class SyncRound:
         # the round has closed: a restart then folds its spool again and closes it, announcing nothing
         self.saved_granted: list[str] | None = None
         self.saved_choice: str | None = None
+        self.saved_mediator: dict | None = None  # the mediator's state once it chose (FedMed's loss switch)
         self.closed = False
 
     def run(self) -> None:
@@ -68,6 +69,9 @@ class SyncRound:
             stats.reported = spooled["reported"]
             stats.unreachable = dict(spooled.get("unreachable") or {})
             self.saved_granted, self.saved_choice = spooled.get("granted"), spooled.get("strategy")
+            self.saved_mediator = spooled.get("mediator")
+            if self.saved_mediator is not None:  # it chose before the restart: its step is taken, as then
+                ctx.mediator.load_state_dict(self.saved_mediator)
             self.closed = bool(spooled.get("closed"))
             log.info(
                 "resuming open round",
@@ -305,6 +309,7 @@ class SyncRound:
         )
         choice = self._choose()
         self.saved_granted, self.saved_choice = list(stats.granted), choice
+        self.saved_mediator = ctx.mediator.state_dict() if cfg.plan.loss_switch else None
         self._save()
         if self._publish_grant(stats.granted):
             self.saved_granted = list(stats.granted)
@@ -350,6 +355,7 @@ class SyncRound:
                 "reported": stats.reported,
                 "granted": self.saved_granted,
                 "strategy": self.saved_choice,
+                "mediator": self.saved_mediator,
                 "closed": self.closed,
             },
         )

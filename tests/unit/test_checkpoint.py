@@ -148,3 +148,24 @@ def test_kill_9_during_saves_leaves_a_loadable_checkpoint(tmp_path):
         ck = load_checkpoint(tmp_path)
         assert ck is not None and ck.folded == {ck.round: ["u"]}
         assert torch.equal(ck.global_state["w"], torch.full((1_000_000,), float(ck.round)))
+
+
+def test_a_prepared_checkpoint_keeps_the_strategy_state_as_it_was_when_taken(tmp_path):
+    """A strategy of one's own may update its state in place while the checkpoint is being written."""
+    from fedmq.aggregator.checkpoint import prepare_checkpoint
+
+    momentum = torch.zeros(3)
+    prepared = prepare_checkpoint(
+        tmp_path,
+        round=2,
+        model_version=1,
+        global_state={"w": torch.ones(3)},
+        strategy_state={"mine": {"m": momentum}},
+        mediator_state={},
+        rng_state=None,
+        folded={},
+        extra={},
+    )
+    momentum.add_(5)  # the next round's step, before the write
+    prepared.write()
+    assert torch.equal(load_checkpoint(tmp_path).strategy_state["mine"]["m"], torch.zeros(3))
