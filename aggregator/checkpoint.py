@@ -98,32 +98,10 @@ def _decode(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
-def save_checkpoint(
-    path_dir: str | os.PathLike,
-    *,
-    round: int,
-    model_version: int,
-    global_state: dict[str, torch.Tensor],
-    strategy_state: dict,
-    mediator_state: dict,
-    rng_state: Any,
-    folded: dict[int, list[str]],
-    extra: dict,
-    keep: int = 3,
-) -> Path:
-    """Write one checkpoint atomically and prune all but the newest ``keep``; returns its path."""
-    return prepare_checkpoint(
-        path_dir,
-        round=round,
-        model_version=model_version,
-        global_state=global_state,
-        strategy_state=strategy_state,
-        mediator_state=mediator_state,
-        rng_state=rng_state,
-        folded=folded,
-        extra=extra,
-        keep=keep,
-    ).write()
+def save_checkpoint(path_dir: str | os.PathLike, **state: Any) -> Path:
+    """Write one checkpoint atomically and prune all but the newest ``keep``; returns its path
+    (``state``: prepare_checkpoint's keyword arguments)."""
+    return prepare_checkpoint(path_dir, **state).write()
 
 
 @dataclass(frozen=True)
