@@ -14,6 +14,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+import structlog
+
+log = structlog.get_logger(__name__)
+
 
 class CheckpointWriter:
     """One write at a time, in order, on a background thread."""
@@ -32,14 +36,20 @@ class CheckpointWriter:
 
     def wait(self) -> None:
         """Until the pending write (if any) is on disk; raise its error, once."""
-        self.join()
+        self._join()
         self._thread = None
         error, self._error = self._error, None
         if error is not None:
             raise error
 
     def join(self) -> None:
-        """Until the pending write (if any) is done, keeping its error for ``wait``."""
+        """Until the pending write (if any) is done, when the job is failing already: its error is logged
+        (and kept for ``wait``), not raised over the job's own."""
+        self._join()
+        if self._error is not None:
+            log.error("checkpoint write failed", error=f"{type(self._error).__name__}: {self._error}")
+
+    def _join(self) -> None:
         if self._thread is not None:
             self._thread.join()
 
