@@ -33,18 +33,16 @@ def agent_classes(kind: str) -> tuple[type[Agent], type[Agent]]:
         """Claims n = 2**52 and uploads ``kind``: "wipe" θ_k = noise (Δ ≈ −θ), "huge" Δ = 1e6 × its honest
         step, "honest" its honest step."""
 
-        def _prepare(self, model, held, cfg, rnd, version, result, **hook):
-            self.held = held
+        def _prepare(self, trained, held, cfg, rnd, version, result, **hook):
             result = dataclasses.replace(result, n_samples=2**52)
-            return super()._prepare(model, held, cfg, rnd, version, result, **hook)
+            return super()._prepare(self._hostile(trained, held), held, cfg, rnd, version, result, **hook)
 
-        def _trained_state(self, model):
-            trained = super()._trained_state(model)
+        def _hostile(self, trained, held):
             gen = torch.Generator().manual_seed(7)
             if kind == "wipe":
                 return {k: 1e-3 * torch.randn(v.shape, generator=gen) for k, v in trained.items()}
             if kind == "huge":
-                return {k: self.held[k] + 1e6 * (v - self.held[k]) for k, v in trained.items()}
+                return {k: held[k] + 1e6 * (v - held[k]) for k, v in trained.items()}
             return trained
 
         def _upload(self, rnd, version, prepared):

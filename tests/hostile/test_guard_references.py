@@ -22,7 +22,6 @@ import torch
 
 from fedmq.aggregator.config import JobConfig
 from fedmq.client_agent.agent import Agent
-from fedmq.tasks.base import load_state
 
 pytestmark = [pytest.mark.isolated_node, pytest.mark.slow]
 
@@ -32,19 +31,12 @@ VOCAB = 500  # a wiped (all-zero) model predicts uniformly: perplexity = the voc
 class NearZero(Agent):
     """Uploads the global model it was given plus 1e-6 noise (a delta of ~1e-6), claiming n = 1."""
 
-    def _prepare(self, model, held, cfg, rnd, version, result, **hook):
+    def _prepare(self, trained, held, cfg, rnd, version, result, **hook):
         gen = torch.Generator().manual_seed(rnd)
-        load_state(
-            model,
-            {
-                k: v + 1e-6 * torch.randn(v.shape, generator=gen)
-                for k, v in held.items()
-                if k in self.manifest.names
-            },
-        )
-        return super()._prepare(
-            model, held, cfg, rnd, version, dataclasses.replace(result, n_samples=1), **hook
-        )
+        names = self.manifest.names
+        near = {k: v + 1e-6 * torch.randn(v.shape, generator=gen) for k, v in held.items() if k in names}
+        result = dataclasses.replace(result, n_samples=1)
+        return super()._prepare(near, held, cfg, rnd, version, result, **hook)
 
 
 def poison(fill: float, honest_first: int = 0):
@@ -59,9 +51,9 @@ def poison(fill: float, honest_first: int = 0):
                 return super()._trained_state(model)
             return {k: torch.full_like(v, fill) for k, v in super()._trained_state(model).items()}
 
-        def _prepare(self, model, held, cfg, rnd, version, result, **hook):
+        def _prepare(self, trained, held, cfg, rnd, version, result, **hook):
             return super()._prepare(
-                model, held, cfg, rnd, version, dataclasses.replace(result, n_samples=2**52), **hook
+                trained, held, cfg, rnd, version, dataclasses.replace(result, n_samples=2**52), **hook
             )
 
     return Poison

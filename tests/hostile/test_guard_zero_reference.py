@@ -33,24 +33,23 @@ def task(tiny_lm):
 class Plateau(Agent):
     """An honest agent on a plateau: local training no longer changes the model (it uploads what it got)."""
 
-    def _trained_state(self, model):
-        return {k: v.detach().clone() for k, v in self.held.items() if k in self.manifest.names}
+    def _plateau_state(self, held):
+        return {k: v.detach().clone() for k, v in held.items() if k in self.manifest.names}
 
-    def _prepare(self, model, held, cfg, rnd, version, result, **hook):
-        self.held = held
-        return super()._prepare(model, held, cfg, rnd, version, result, **hook)
+    def _prepare(self, trained, held, cfg, rnd, version, result, **hook):
+        return super()._prepare(self._plateau_state(held), held, cfg, rnd, version, result, **hook)
 
 
 def hostile(fill: float):
     class Hostile(Plateau):
         """Claims n = 2**52 and uploads ``fill`` everywhere."""
 
-        def _trained_state(self, model):
-            return {k: torch.full_like(v, fill) for k, v in super()._trained_state(model).items()}
+        def _plateau_state(self, held):
+            return {k: torch.full_like(v, fill) for k, v in super()._plateau_state(held).items()}
 
-        def _prepare(self, model, held, cfg, rnd, version, result, **hook):
+        def _prepare(self, trained, held, cfg, rnd, version, result, **hook):
             result = dataclasses.replace(result, n_samples=2**52)
-            return super()._prepare(model, held, cfg, rnd, version, result, **hook)
+            return super()._prepare(trained, held, cfg, rnd, version, result, **hook)
 
     return Hostile
 

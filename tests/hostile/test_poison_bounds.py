@@ -30,9 +30,9 @@ def poison_agent(fill: float | None):
             state = super()._trained_state(model)
             return state if fill is None else {k: torch.full_like(v, fill) for k, v in state.items()}
 
-        def _prepare(self, model, held, cfg, rnd, version, result, **hook):
+        def _prepare(self, trained, held, cfg, rnd, version, result, **hook):
             return super()._prepare(
-                model, held, cfg, rnd, version, dataclasses.replace(result, n_samples=2**52), **hook
+                trained, held, cfg, rnd, version, dataclasses.replace(result, n_samples=2**52), **hook
             )
 
     return Poison

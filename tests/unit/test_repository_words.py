@@ -158,7 +158,6 @@ def test_process_talk_is_found(line):
         "the session's node with tests/integration/test_rabbit_faults.py",
         "def test_markov_sessions_and_stationary_share():",
         "with self.trainers.borrow() as model:",
-        "borrowed (what is kept past the round is cloned in _prepare)",
         'BLUE = "#0072B2"; GREY = "#999999"; BLACK = "#000000"',
         'assert runs == ["x/run", "x/run#2"]',
         "see https://github.com/pika/pika/issues/1234#issuecomment-1",
