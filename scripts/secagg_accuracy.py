@@ -2,7 +2,7 @@
 clients send what a secure sum would carry (fedmq.secagg.clear_sum: clipped to [-c, c], weighted by
 n_k / n_max, quantized to the b bits an m-client sum allows, decoded back), seed by seed.
 
-.venv/bin/python scripts/secagg_accuracy.py --data ptb --seeds 0,1,2 --clip 1.0,0.1 [--out DIR]
+.venv/bin/python scripts/secagg_accuracy.py --data ptb --seeds 0,1,2 --clip 1.0,0.05 [--lr 1.0] [--out DIR]
 
 Each run is a `fedmq simulate` (raw encodings both ways in every arm, as a secure job sends its quantized
 vector uncompressed); the strategy of the quantized arms is ``ClearSumFedAvg`` below, FedAvg with
@@ -52,10 +52,10 @@ def _largest_shard(data: str, clients: int, seed: int) -> int:
     return max(len(task.client_ids(c)) for c in range(task.num_clients))
 
 
-def _run(data: str, seed: int, out: Path, strategy: list[str]) -> float:
+def _run(data: str, seed: int, lr: float, out: Path, strategy: list[str]) -> float:
     if not (out / "summary.json").is_file():
         cmd = [sys.executable, "-m", "fedmq.cli.app", "simulate", "--data", data, "--seed", str(seed)]
-        cmd += [*SETTINGS, *strategy, "--out", str(out)]
+        cmd += [*SETTINGS, "--lr", str(lr), *strategy, "--out", str(out)]
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent)}
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, cwd=ROOT)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--data", default="ptb")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--clip", default="1.0,0.1", help="clipping ranges c to run, comma separated")
+    ap.add_argument("--lr", type=float, default=1.0, help="the clients' learning rate")
     ap.add_argument("--out", default="runs/secagg-accuracy")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -75,15 +76,16 @@ def main() -> None:
     out = Path(args.out)
     arms: dict[str, list[float]] = {"plain": []}
     for seed in seeds:
-        arms["plain"].append(_run(args.data, seed, out / f"plain-s{seed}", ["--strategy", "fedavg"]))
+        arms["plain"].append(_run(args.data, seed, args.lr, out / f"plain-s{seed}", ["--strategy", "fedavg"]))
         n_max = _largest_shard(args.data, k, seed)
         for c in clips:
             strategy = ["--strategy", "secagg_accuracy:ClearSumFedAvg"]
             for key, value in (("clip", c), ("clients", m), ("max_samples", n_max)):
                 strategy += ["--strategy-arg", f"{key}={value}"]
-            arms.setdefault(f"c = {c}", []).append(_run(args.data, seed, out / f"c{c}-s{seed}", strategy))
+            run = _run(args.data, seed, args.lr, out / f"c{c}-s{seed}", strategy)
+            arms.setdefault(f"c = {c}", []).append(run)
     bits = 32 - math.ceil(math.log2(m))
-    print(f"K = {k}, m = {m} a round ({bits} bits a coordinate), seeds {seeds}: final validation perplexity")
+    print(f"K = {k}, m = {m} a round ({bits} bits), lr {args.lr}, seeds {seeds}: validation perplexity")
     print("| arm | perplexity | against plain, paired by seed |")
     print("|---|---|---|")
     for arm, values in arms.items():
