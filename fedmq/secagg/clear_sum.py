@@ -38,18 +38,15 @@ class QuantizedUpload(ClientHook):
         if max_samples < 1:
             raise BadParameter(f"clear-sum: max_samples must be at least 1, got {max_samples}")
         self.max_samples = max_samples
-        self.clipped = 0  # coordinates clipped in the last update (for a report)
 
     def finish(self, trained: State, result: TrainResult, kept: Kept) -> State:
         ctx, q = self.context, self.quantizer
         w = min(result.n_samples, self.max_samples) / self.max_samples
         rng = np.random.default_rng(stable_seed(ctx.seed, ctx.client, ctx.round, "clear-sum"))
         out: State = {}
-        self.clipped = 0
         for name, value in trained.items():
-            base = ctx.held[name]
-            delta = (value.double() - base.double()).numpy().reshape(-1)
-            self.clipped += int(np.count_nonzero(np.abs(delta) > q.clip))
+            base = ctx.held[name].double()
+            delta = (value.double() - base).numpy().reshape(-1)
             sent = q.decode_sum(q.encode(np.clip(delta, -q.clip, q.clip) * w, rng), 1) / w
-            out[name] = (base.double() + torch.from_numpy(sent).reshape(value.shape)).to(value.dtype)
+            out[name] = (base + torch.from_numpy(sent).reshape(value.shape)).to(value.dtype)
         return out

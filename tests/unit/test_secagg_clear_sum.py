@@ -43,7 +43,8 @@ def test_fedavg_of_the_uploads_is_the_secure_mean_of_the_same_quantized_inputs()
     for k, s in SHAPES.items():
         secure = torch.from_numpy(q.decode_sum(total[k], m) / weights).reshape(s)
         assert torch.allclose(fedavg[k], secure, rtol=0, atol=1e-6), k
-    assert hook.clipped > 0  # some coordinates were beyond c, and were clipped
+    # the test has teeth for clipping: some coordinates were beyond c
+    assert any((t.abs() > clip).any() for state in trained.values() for t in state.values())
 
 
 def test_each_upload_is_within_one_step_over_its_weight_of_its_clipped_update_and_repeats():
