@@ -96,6 +96,7 @@ FLAGS = {
     "noise_multiplier": "--noise-multiplier",
     "target_epsilon": "--target-epsilon",
     "delta": "--delta",
+    "edges": "--edges",
 }
 
 
@@ -198,6 +199,9 @@ class JobConfig:
     # E: z is derived so that the planned rounds spend at most E, and the job stops before passing it
     target_epsilon: float | None = None
     delta: float | None = None  # δ of (ε, δ); unset: 1/K^1.1 (fedmq.privacy.accountant.default_delta)
+    # two-tier aggregation (docs/guide/edges.md): 0, or the number of edge aggregators (`fedmq aggregator run
+    # --tier edge`) that fold the updates of the clients routed to them into partial sums for this aggregator
+    edges: int = 0
     # the strategy's own parameters: its constructor's keyword arguments (the job file's [strategy] table,
     # --strategy-arg KEY=VALUE), checked against its signature when the strategy is built
     strategy_args: dict[str, Any] = field(default_factory=dict)
@@ -226,6 +230,7 @@ class JobConfig:
         self._check_ranges()
         self._check_choices()
         self._check_privacy()
+        self._check_edges()
 
     def _check_names(self) -> None:
         """The job id, the encodings and the strategy name."""
@@ -346,6 +351,25 @@ class JobConfig:
         if why is not None:
             _raise(why)
 
+    def _check_edges(self) -> None:
+        """Two-tier aggregation: a synchronous strategy whose aggregate is a sum of the clients' terms."""
+        if self.edges == 0:
+            return
+        from fedmq.aggregator.strategies.registry import STRATEGY_NAMES, round_strategy, strategy_class
+        from fedmq.broker.wire.messages import MAX_EDGES
+
+        if not 0 < self.edges <= MAX_EDGES:
+            _raise(f"{key('edges')} must be in [0, {MAX_EDGES}], got {self.edges}")
+        name = round_strategy(self.strategy, self)
+        if self.mode == "async" or not strategy_class(name).partial_sums:
+            _raise(
+                f"{key('edges')}: strategy {name!r} needs each client's update at one aggregator (it weighs, "
+                "ranks or buffers them); edges run strategies whose aggregate is a sum: "
+                + ", ".join(n for n in STRATEGY_NAMES if strategy_class(n).partial_sums)
+            )
+        if self.dp != "none":
+            _raise(f"{key('edges')}: {key('dp')} clips and noises each update at one aggregator; use one")
+
     def _check_strategy_args(self) -> None:
         """The strategy's arguments: a table of parameters, and a built-in strategy's by name, from its
         constructor's signature (read without torch: aggregator.strategies.signatures); their values are the
@@ -448,6 +472,7 @@ class JobConfig:
             encoding=self.encoding,
             grant=self.grant_phase,
             keep_model=self.keep_model,
+            edges=self.edges,
         )
 
     def to_dict(self) -> dict[str, Any]:

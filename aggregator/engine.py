@@ -42,6 +42,7 @@ from fedmq.aggregator.checkpoint import (
 )
 from fedmq.aggregator.checkpoint_writer import CheckpointWriter
 from fedmq.aggregator.config import JobConfig
+from fedmq.aggregator.decoding import decode_partial, decode_update
 from fedmq.aggregator.guards import RoundGuard, Verdict, first_nonfinite
 from fedmq.aggregator.inbox import Inbox, Received
 from fedmq.aggregator.mediator import Mediator
@@ -58,13 +59,14 @@ from fedmq.aggregator.strategies.base import ClientUpdate, State, Strategy
 from fedmq.aggregator.strategies.private import Private
 from fedmq.aggregator.strategies.registry import client_map, strategy_class, strategy_from_config
 from fedmq.aggregator.sync_round import SyncRound
+from fedmq.aggregator.tiered_round import TieredRound
 from fedmq.broker.transport import topology
 from fedmq.broker.transport.base import Broker, ReassemblyLimits
 from fedmq.broker.transport.errors import Undeliverable
 from fedmq.broker.transport.queues import message_chunks
 from fedmq.broker.wire import messages
 from fedmq.broker.wire.chunk_frames import DEFAULT_CHUNK_LIMIT
-from fedmq.broker.wire.encodings import decode_state, raw_nbytes
+from fedmq.broker.wire.encodings import raw_nbytes
 from fedmq.broker.wire.envelope import Envelope, Kind, Limits
 from fedmq.broker.wire.malloc import release_free
 from fedmq.errors import BadParameter, CodecError, FedmqError
@@ -204,8 +206,9 @@ class Engine:
             if self.cfg.mode == "async":
                 AsyncRounds(self).run()
             else:
+                runner = TieredRound if self.cfg.edges else SyncRound
                 while self.round <= self.cfg.rounds and not self.stop.is_set() and self.within_budget():
-                    SyncRound(self).run()
+                    runner(self).run()
             self.writer.wait()
         finally:
             # a write still pending when the run failed: on disk before the inbox goes to a standby, which
@@ -269,7 +272,8 @@ class Engine:
     def declare(self) -> None:
         """Declare the job's exchange, inbox and model stream (idempotent;
         agents need the exchange to join)."""
-        self.broker.declare_job(self.cfg.job, [], model_bytes=self.manifest.message_bound)
+        edges = tuple(range(self.cfg.edges))  # declared here too: agents may upload before an edge starts
+        self.broker.declare_job(self.cfg.job, [], model_bytes=self.manifest.message_bound, edges=edges)
 
     def _inbox_prefetch(self) -> int:
         """Prefetch sized to the round: every chunk of every selected agent's update can be in flight.
@@ -486,21 +490,63 @@ class Engine:
             self.inbox.count_rejection(reason, detail)
         return None
 
+    def fold_partial(self, stats: RoundStats, strategy: Strategy, arrival: Arrival, routed: set[str]) -> bool:
+        """Fold an edge aggregator's partial sum (two-tier aggregation) of the clients ``routed`` to it: the
+        partial counterpart of ``fold``, and like it the caller spools and acks one folded. Its clients join
+        the round's record as if their updates had come here; a partial that names a client not routed to
+        its edge, or does not fit the model, is rejected (when live) and False returned."""
+        env, p = arrival.env, arrival.env.payload
+        self.took_update()
+        clients, failed = set(p["clients"]), set(p["failed"])
+        try:
+            if not clients | failed <= routed or clients & failed:
+                raise CodecError("bad-partial", f"edge {env.client} names clients not routed to it")
+            part = decode_partial(env, self.manifest)
+            if set(part.terms) != clients:
+                raise CodecError("bad-partial", f"edge {env.client}: weights and clients differ")
+            strategy.fold_partial(part)
+        except CodecError as exc:
+            reason, detail = exc.reason, str(exc)
+        except (FedmqError, ValueError, TypeError, RuntimeError) as exc:
+            reason, detail = "rejected-by-strategy", str(exc)
+        except Exception as exc:  # never let a damaged partial crash the engine
+            reason, detail = "undecodable", f"{type(exc).__name__}: {exc}"
+        else:
+            for client, (_, loss, _, update_id) in p["clients"].items():
+                stats.received.append(client)
+                stats.update_ids[client] = update_id
+                stats.reported.setdefault(client, float(loss))
+                self.note_trained_from(client, env.model_version)
+            stats.failed.update(failed)
+            stats.bytes_up += p["bytes"][0]
+            stats.bytes_up_raw += p["bytes"][1]
+            return True
+        if arrival.received is not None:
+            self.inbox.reject(arrival.received.delivery, reason, detail)
+        elif arrival.parked:
+            self.inbox.count_rejection(reason, detail)
+        return False
+
+    def tell_edge(self, stats: RoundStats, edge: int, clients: list[str], deadline_s: float) -> None:
+        """Send edge aggregator ``edge`` the round's clients routed to it, the time it waits for them and
+        where the exact model they trained from is (edge-round)."""
+        entry = self.stream.exact(self.version, self.global_state)
+        env = messages.edge_round(
+            self.cfg.job, stats.round, self.version, clients, deadline_s, stats.strategy, entry
+        )
+        body = messages.encode(env)
+        try:
+            self.broker.publish(topology.rk_edge(self.cfg.job, edge), body, message_id=env.msg_id)
+        except Undeliverable as exc:  # its queue deleted: its clients' updates are lost for this round
+            log.warning("edge unreachable: its clients' round is lost", edge=edge, error=str(exc))
+        stats.bytes_down += len(body)
+
     def decode_update(
         self, env: Envelope, base: State, staleness: int = 0, n_samples: int | None = None
     ) -> ClientUpdate:
         """``env``'s update as a delta from ``base`` (checked against the manifest); ``n_samples`` replaces
         its claim (a weight the guard capped)."""
-        tensors = decode_state(env.payload["tensors"], self.manifest, base, as_delta=True)
-        return ClientUpdate(
-            env.client,
-            env.payload["n_samples"] if n_samples is None else n_samples,
-            {k: torch.from_numpy(v) for k, v in tensors.items()},
-            loss=env.payload["loss"],
-            staleness=staleness,
-            update_id=env.msg_id,
-            delta=True,
-        )
+        return decode_update(env, self.manifest, base, staleness, n_samples)
 
     def note_trained_from(self, client: str, version: int) -> None:
         """Where agents keep the model they trained from, ``client`` now holds ``version`` (see _holds)."""

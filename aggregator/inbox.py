@@ -19,6 +19,10 @@ from fedmq.errors import CodecError, FedmqError
 log = structlog.get_logger(__name__)
 
 AGENT_KINDS = (Kind.PRESENCE, Kind.REPORT, Kind.UPDATE)
+# what the aggregators of one job say to each other (two-tier aggregation): only from their own broker user
+TIER_KINDS = (Kind.EDGE_ROUND, Kind.PARTIAL, Kind.END)
+ROOT_KINDS = (*AGENT_KINDS, Kind.PARTIAL)
+EDGE_KINDS = (Kind.UPDATE, Kind.EDGE_ROUND, Kind.END)
 
 
 @dataclass
@@ -35,14 +39,22 @@ class Inbox:
     broker user), or be the user of the host the client is named for (a host's user speaks for its clients
     ``<host>-<n>``; a roster only from that user); "shared:USER" — every agent connects as USER (simulate
     over a shared guest account).
-    ``limits``: size bounds for decoding (the engine derives them from the job's manifest).
+    ``limits``: size bounds for decoding (the engine derives them from the job's manifest). ``kinds``: what
+    may come (an edge aggregator's queue: updates and the root's edge-round); a tier message (TIER_KINDS)
+    must come from this aggregator's own broker user, which the root and its edges share.
     """
 
     def __init__(
-        self, broker: Broker, job: str, identity: str = "strict", limits: Limits | None = None
+        self,
+        broker: Broker,
+        job: str,
+        identity: str = "strict",
+        limits: Limits | None = None,
+        kinds: tuple[Kind, ...] = ROOT_KINDS,
     ) -> None:
         self.broker = broker
         self.job = job
+        self.kinds = kinds
         self.identity = identity
         self.limits = limits or Limits()
         self.rejected: Counter[str] = Counter()
@@ -146,11 +158,15 @@ class Inbox:
     def _check(self, env: Envelope, delivery: Delivery) -> None:
         if env.job != self.job:
             raise CodecError("wrong-job", f"message for job {env.job!r}")
-        if env.kind not in AGENT_KINDS:
-            raise CodecError("unexpected-kind", f"{env.kind.value} is not sent to the aggregator")
+        if env.kind not in self.kinds:
+            raise CodecError("unexpected-kind", f"{env.kind.value} is not sent here")
         user = delivery.user_id
         if not user:
             raise CodecError("no-user-id", "message carries no AMQP user_id")
+        if env.kind in TIER_KINDS:
+            if user != self.broker.user:
+                raise CodecError("identity-mismatch", f"user {user!r} is not this job's aggregator")
+            return
         if self.identity.startswith("shared:"):
             ok = user == self.identity.partition(":")[2]
         elif env.kind is Kind.PRESENCE and "clients" in env.payload:  # a host: only its own user

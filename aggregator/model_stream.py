@@ -34,6 +34,7 @@ class ModelStream:
         self.prev_state: dict[str, torch.Tensor] | None = None  # θ_{v−1}, kept for delta pushes and pull-down
         self._published: Forms = {}
         self._published_version = messages.NO_VERSION
+        self._exact: tuple[int, dict] | None = None  # (version, its entry): the edges' form
 
     def keep_previous(self, state: dict[str, torch.Tensor]) -> None:
         """θ_v is about to be replaced: keep it as θ_{v−1} where a delta or a pull-down form needs it."""
@@ -70,6 +71,17 @@ class ModelStream:
             self.broker.publish(topology.rk_model(cfg.job), body, message_id=env.msg_id)
             self._published[form] = (messages.model_entry(env, since, len(body)), raw_nbytes(tensors))
         return dict(self._published)
+
+    def exact(self, version: int, state: dict[str, torch.Tensor]) -> dict:
+        """Version ``version`` in raw fp32, published once: what edge aggregators decode their clients'
+        updates against (the agents' forms may be lossy); its announce-style entry."""
+        if self._exact is None or self._exact[0] != version:
+            env = messages.model(self.cfg.job, version, encode_state(state, EncodingSpec.parse("raw")))
+            body = messages.encode(env)
+            since = time.time()
+            self.broker.publish(topology.rk_model(self.cfg.job), body, message_id=env.msg_id)
+            self._exact = (version, messages.model_entry(env, since, len(body)))
+        return self._exact[1]
 
     @staticmethod
     def form_for(version: int, holds: int, forms: Forms) -> str | None:

@@ -375,7 +375,7 @@ class Agent:
             waits = (sync and cfg.grant) or "slow" in faults or "crash-grant" in faults
             if not waits:  # sent while paced: a broker that slows uploads then slows the training too
                 self._report(rnd, version, result)
-                self._upload(rnd, version, prepared)
+                self._upload(rnd, version, prepared, cfg.edges)
                 return
         if "slow" in faults:
             self.log.faults.append((rnd, "slow"))
@@ -386,7 +386,7 @@ class Agent:
         if "crash-grant" in faults:
             self.log.faults.append((rnd, "crash-grant"))
             raise Offline("fault: crashed after the grant", False)
-        self._upload(rnd, version, prepared)
+        self._upload(rnd, version, prepared, cfg.edges)
 
     def _report(self, rnd: int, version: int, result: TrainResult) -> None:
         self._send(
@@ -532,11 +532,17 @@ class Agent:
                 return False
         return False
 
-    def _upload(self, rnd: int, version: int, prepared: Prepared) -> None:
+    def _upload(self, rnd: int, version: int, prepared: Prepared, edges: int = 0) -> None:
+        """Publish the update: to the inbox, or with ``edges`` to the edge aggregator that folds ours."""
         body, msg_id = prepared.body, prepared.msg_id
         # the fault suite watches these two lines to kill an agent mid-upload (see tests/fault/fault_plan.py)
         log.info("uploading update", client=self.client, round=rnd, msg_id=msg_id, bytes=len(body))
-        self._publish(body, msg_id, topology.rk_update(self.job, self.client))
+        key = (
+            topology.rk_edge_update(self.job, self.client, topology.edge_of(self.client, edges))
+            if edges
+            else topology.rk_update(self.job, self.client)
+        )
+        self._publish(body, msg_id, key)
         log.info("update confirmed", client=self.client, round=rnd, msg_id=msg_id)
         self.log.uploads.append((rnd, msg_id))
         self._audit(rnd, msg_id, version)

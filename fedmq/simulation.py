@@ -24,6 +24,7 @@ from typing import Any
 import structlog
 
 from fedmq.aggregator.config import JobConfig
+from fedmq.aggregator.edge import Edge
 from fedmq.aggregator.engine import Engine
 from fedmq.aggregator.runlog import CONFIG_FILE, holds_run
 from fedmq.aggregator.strategies.registry import client_hooks
@@ -137,6 +138,18 @@ class Simulation:
             if self.cohort
             else TrainerPool(self.task, self.trainers, cfg.seed)
         )
+        # two-tier aggregation: the edge aggregators, each with its own connection as the aggregator's user
+        edges = [
+            Edge(
+                connect(self.broker_url, user=topology.AGGREGATOR_USER if memory else None, **limit),
+                self.task,
+                cfg,
+                i,
+                self.run_dir,
+                durable=not memory,
+            )
+            for i in range(cfg.edges)
+        ]
         host = self._host(cfg, pool, availability, faults, limit if memory else None)
         self.agent_logs = host.logs
         host_thread = threading.Thread(target=self._run_host, args=(host,), name="host", daemon=True)
@@ -150,8 +163,13 @@ class Simulation:
             watcher = threading.Thread(target=watch, daemon=True)
             watcher.start()
         started: list[threading.Thread] = []
+        edge_threads = [
+            threading.Thread(target=self._run_edge, args=(e,), name=e.name, daemon=True) for e in edges
+        ]
         try:
             engine.declare()
+            for t in edge_threads:
+                t.start()
             if self.on_start:
                 self.on_start()
             host_thread.start()
@@ -165,6 +183,13 @@ class Simulation:
                 self._fail(f"aggregator: {_one_line(exc)}")
         finally:
             host.stop.set()
+            for edge in edges:
+                edge.stop.set()
+            for t in edge_threads:
+                if t.ident is not None:
+                    t.join(timeout=STOP_WAIT_S)
+            for edge in edges:
+                edge.broker.close()
             self._wait_for_agents(pool, started)
             queues: list[str] | None = None  # the job's queues on the broker, deleted at the end
             if isinstance(agg_broker, MemoryBroker):  # the in-process hub outlives the run: leave nothing
@@ -254,6 +279,14 @@ class Simulation:
                 return
             log.error("agent failed", client=client, exc_info=True, file_only=True)
             self._fail(f"agent {client}: {_one_line(exc)}")
+
+    def _run_edge(self, edge: Edge) -> None:
+        """Edge.run; a failure ends the whole simulation, as an agent's does."""
+        try:
+            edge.run()
+        except Exception as exc:
+            log.error("edge aggregator failed", edge=edge.name, exc_info=True, file_only=True)
+            self._fail(f"edge {edge.name}: {_one_line(exc)}")
 
     def _fail(self, cause: str) -> None:
         self.failures.append(cause)

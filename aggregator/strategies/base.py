@@ -39,6 +39,18 @@ class ClientUpdate:
     delta: bool = False
 
 
+@dataclass
+class PartialSum:
+    """What an edge aggregator folded of a round (``Strategy.partial``), for the root to add into its own
+    running sums (``Strategy.fold_partial``): per tensor the accumulator Σ_k w_k x_k and its weights
+    (Σ_k w_k, and the part of it folded as deltas), the denominator's count, and each client's weight."""
+
+    sums: dict[str, torch.Tensor]
+    weights: dict[str, tuple[float, float]]  # tensor -> (Σ w_k, Σ w_k of the delta terms)
+    count: float
+    terms: dict[str, float]  # client -> w_k (client_weights)
+
+
 @dataclass(frozen=True)
 class RoundPlan:
     """The shape of a strategy's rounds, read by the engine and (through the round config) the agents, so that
@@ -80,6 +92,10 @@ class Strategy(ABC):
     # keys of ``state_dict`` holding one tensor per model tensor, keyed by its name (a server optimizer's
     # moments): check_state asks each to be such a dict
     per_tensor_state: ClassVar[tuple[str, ...]] = ()
+    # its aggregate is made of running sums that folding another's ``partial`` into (``fold_partial``) gives
+    # exactly as folding its updates would, up to float rounding: two-tier aggregation (edge aggregators,
+    # docs/guide/edges.md) runs only such strategies. A subclass that overrides ``fold`` must say so again
+    partial_sums: ClassVar[bool] = False
 
     @classmethod
     def from_config(cls, cfg: Any, **extra: Any) -> Strategy:
@@ -155,6 +171,16 @@ class Strategy(ABC):
     def finish(self) -> State: ...
 
     _last_weights: dict[str, float] = {}  # finish() sets the instance's own
+
+    def partial(self) -> PartialSum:
+        """An edge's side of two-tier aggregation: what was folded since ``begin``, as sums (the strategy is
+        used up). Only where ``partial_sums`` is set."""
+        raise NotImplementedError(f"strategy {self.name!r} has no partial sums")
+
+    def fold_partial(self, part: PartialSum) -> None:
+        """The root's side: add an edge's ``partial`` into this round's sums, as if its updates were folded
+        here. Raise (changing nothing) if it does not fit the model. Only where ``partial_sums`` is set."""
+        raise NotImplementedError(f"strategy {self.name!r} has no partial sums")
 
     def second_pass(self, exclude: frozenset[str] = frozenset()) -> dict | None:
         """Parameters for folding the same updates again (leaving out ``exclude``), when the weights depend on

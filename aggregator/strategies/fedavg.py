@@ -15,6 +15,7 @@ which is plain FedAvg when w_k = n_k.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import ClassVar
 
@@ -27,7 +28,8 @@ from fedmq.aggregator.strategies._common import (
     validate_update,
     zeros_like_state,
 )
-from fedmq.aggregator.strategies.base import ClientUpdate, RoundPlan, State, Strategy
+from fedmq.aggregator.strategies.base import ClientUpdate, PartialSum, RoundPlan, State, Strategy
+from fedmq.errors import StrategyError
 from fedmq.train_config import TrainConfig
 
 
@@ -35,6 +37,7 @@ class FedAvg(Strategy):
     """Running n_k-weighted sum: one accumulator the size of the model, whatever the number of clients."""
 
     name: ClassVar[str] = "fedavg"
+    partial_sums: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._global: Mapping[str, torch.Tensor] | None = None
@@ -65,6 +68,37 @@ class FedAvg(Strategy):
             self._sums[name].add(w, t, update.delta)
         self._n += self.count(update)
         self._terms[update.client] = self._terms.get(update.client, 0.0) + w
+
+    def partial(self) -> PartialSum:
+        check_started(self._global, self.name)
+        sums, self._sums = self._sums, {}
+        return PartialSum(
+            {k: s.acc for k, s in sums.items()},
+            {k: (s.w, s.w_base) for k, s in sums.items()},
+            self._n,
+            dict(self._terms),
+        )
+
+    def fold_partial(self, part: PartialSum) -> None:
+        g = check_started(self._global, self.name)
+        for name, acc in part.sums.items():  # all checked before anything is added
+            if name not in self._sums or tuple(acc.shape) != tuple(g[name].shape):
+                raise StrategyError(f"partial sum: tensor {name!r} is not one of the model's, or misshaped")
+            if not bool(torch.isfinite(acc).all()):
+                raise StrategyError(f"partial sum: tensor {name!r} is not finite")
+        numbers = [part.count, *part.terms.values(), *(x for w in part.weights.values() for x in w)]
+        if set(part.weights) != set(part.sums) or not all(math.isfinite(x) and x >= 0 for x in numbers):
+            raise StrategyError("partial sum: weights missing, negative or not finite")
+        twice = sorted(set(part.terms) & set(self._terms))
+        if twice:
+            raise StrategyError(f"partial sum: client {twice[0]!r} folded twice")
+        for name, acc in part.sums.items():
+            s = self._sums[name]
+            s.acc.add_(acc.to(s.acc.dtype))
+            s.w += part.weights[name][0]
+            s.w_base += part.weights[name][1]
+        self._n += part.count
+        self._terms.update(part.terms)
 
     def finish(self) -> State:
         g = check_started(self._global, self.name)

@@ -76,14 +76,19 @@ def strategy_class(name: str) -> type[Strategy]:
     return _CLASSES[name]
 
 
+def round_strategy(name: str, cfg: Any) -> str:
+    """The strategy a round named ``name`` runs: a robust guard's where the job's (JobConfig.robust) replaces
+    FedAvg."""
+    return _ROBUST[cfg.robust.partition(":")[0]] if name == FedAvg.name and cfg.robust != "none" else name
+
+
 def strategy_from_config(name: str, cfg: Any, **extra: Any) -> tuple[str, Strategy]:
     """The strategy ``name`` built from the job's settings ``cfg`` (a JobConfig) for one round, and the name
     it runs under (a robust guard's where one replaces FedAvg); ``extra``:
     what a first pass asked for (second_pass)."""
     if cfg.strategy_args:  # they are the job's strategy's: a mistake names it as the job does
         bind(strategy_class(cfg.strategy), cfg.strategy_args, f"strategy {cfg.strategy!r}")
-    if name == FedAvg.name and cfg.robust != "none":
-        name = _ROBUST[cfg.robust.partition(":")[0]]
+    name = round_strategy(name, cfg)
     cls = strategy_class(name)
     # a robust guard replacing FedAvg, or FedMed's FedAvg fallback, takes none of them
     if name != cfg.strategy and cfg.strategy_args:

@@ -70,10 +70,16 @@ class Broker(ABC):
 
     @abstractmethod
     def declare_job(
-        self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True, model_bytes: int = 0
+        self,
+        job: str,
+        agents: list[str] | tuple[str, ...] = (),
+        *,
+        inbox: bool = True,
+        model_bytes: int = 0,
+        edges: tuple[int, ...] = (),
     ) -> None:
         """Idempotently declare the job's exchange, the aggregator inbox
-        (if ``inbox``) and each agent's queues.
+        (if ``inbox``), each agent's queues and the queues of the edge aggregators ``edges``.
 
         With ``inbox`` it also declares the job's model stream, whose retention ``model_bytes`` (an upper
         bound on a global-model message) sizes (broker.transport.queues.model_stream_args).

@@ -380,10 +380,16 @@ class MemoryBroker(Broker):
 
     # ---- publishing ---------------------------------------------------------------------------------
     def declare_job(
-        self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True, model_bytes: int = 0
+        self,
+        job: str,
+        agents: list[str] | tuple[str, ...] = (),
+        *,
+        inbox: bool = True,
+        model_bytes: int = 0,
+        edges: tuple[int, ...] = (),
     ) -> None:
         self._check_open()
-        specs = job_queues(job, agents, inbox=inbox, model_bytes=model_bytes)
+        specs = job_queues(job, agents, inbox=inbox, model_bytes=model_bytes, edges=tuple(edges))
         self._hub.declare_exchange(t.exchange(job))
         for spec in specs:
             self._hub.declare(spec.name, spec.arguments, spec.bindings)

@@ -58,14 +58,20 @@ log = structlog.get_logger(__name__)
 def agent_permissions(job: str, client: str) -> Permissions:
     """One client of one job: its own queues, the job's model stream (read only), its own routing keys."""
     c = re.escape(t.check_name("client id", client))
-    return _owner_permissions(job, client, rf"(report|update|presence)\.{c}")
+    return _owner_permissions(job, client, rf"((report|presence)\.{c}|update\.{c}{_TO_EDGE})")
 
 
 def host_permissions(job: str, host: str) -> Permissions:
     """One host of one job: its own queues, the model stream (read only), and the keys of its clients
     ``<host>-<n>`` (topology.host_client) and its own presence."""
     h = re.escape(t.check_host(host))
-    return _owner_permissions(job, host, rf"((report|update|presence)\.{h}-(0|[1-9][0-9]*)|presence\.{h})")
+    n = "(0|[1-9][0-9]*)"
+    return _owner_permissions(
+        job, host, rf"((report|presence)\.{h}-{n}|update\.{h}-{n}{_TO_EDGE}|presence\.{h})"
+    )
+
+
+_TO_EDGE = r"(\.e(0|[1-9][0-9]*))?"  # an update may go to an edge aggregator (topology.rk_edge_update)
 
 
 def _owner_permissions(job: str, owner: str, writes: str) -> Permissions:
@@ -128,7 +134,7 @@ def aggregator_permissions(job: str) -> Permissions:
         configure=mine,
         write=mine,
         read=mine,
-        topic_write=rf"^job\.{j}\.(global|control|model|(announce|grant)\.[^.]+)$",
+        topic_write=rf"^job\.{j}\.(global|control|model|(announce|grant|edge|partial)\.[^.]+)$",
         topic_read=rf"^job\.{j}\..*$",
     )
 

@@ -75,8 +75,18 @@ def message_chunks(model_bytes: int, chunk_limit: int) -> int:
     return math.ceil(model_bytes * 1.05 / chunk_limit) + 1
 
 
+def edge_queue(job: str, edge: int) -> QueueSpec:
+    """Edge aggregator ``edge``'s queue (two-tier aggregation): a quorum queue, declared by the edge."""
+    return QueueSpec(t.q_edge(job, edge), dict(QUORUM), tuple(t.edge_bindings(job, edge)))
+
+
 def job_queues(
-    job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True, model_bytes: int = 0
+    job: str,
+    agents: list[str] | tuple[str, ...] = (),
+    *,
+    inbox: bool = True,
+    model_bytes: int = 0,
+    edges: tuple[int, ...] = (),
 ) -> list[QueueSpec]:
     """Specs of the inbox and, given ``model_bytes`` (which sizes its retention), the model stream (if
     ``inbox``: the aggregator's side) and each agent's latest/control queues; BrokerError on a bad id."""
@@ -101,6 +111,7 @@ def job_queues(
         specs.append(
             QueueSpec(t.q_control(job, a), dict(CONTROL_ARGS), (t.rk_control(job), t.rk_grant(job, a)))
         )
+    specs.extend(edge_queue(job, e) for e in edges)
     return specs
 
 

@@ -26,7 +26,7 @@ from fedmq.broker.transport.rabbit_io import IoThread
 log = structlog.get_logger(__name__)
 
 
-_Job = tuple[str, tuple[str, ...], bool, int]  # (job, agents, inbox, model bytes)
+_Job = tuple[str, tuple[str, ...], bool, int, tuple[int, ...]]  # (job, agents, inbox, model bytes, edges)
 
 
 class JobTopology:
@@ -47,21 +47,30 @@ class JobTopology:
         self._watch_ch: Any = None
         self._jobs: list[_Job] = []
 
-    def declare(self, job: str, agents: tuple[str, ...], inbox: bool, model_bytes: int) -> None:
+    def declare(
+        self, job: str, agents: tuple[str, ...], inbox: bool, model_bytes: int, edges: tuple[int, ...] = ()
+    ) -> None:
         """Declare the job now and keep it, to declare it again after a reconnect."""
-        self._declare_now(job, agents, inbox, model_bytes)
-        if (job, agents, inbox, model_bytes) not in self._jobs:
-            self._jobs.append((job, agents, inbox, model_bytes))
+        self._declare_now(job, agents, inbox, model_bytes, edges)
+        if (job, agents, inbox, model_bytes, edges) not in self._jobs:
+            self._jobs.append((job, agents, inbox, model_bytes, edges))
 
     def restore(self) -> None:
         """After a reconnect: every declared job again."""
-        for job, agents, inbox, size in list(self._jobs):
-            self._declare_now(job, agents, inbox, size)
+        for job, agents, inbox, size, edges in list(self._jobs):
+            self._declare_now(job, agents, inbox, size, edges)
 
-    def _declare_now(self, job: str, agents: tuple[str, ...], inbox: bool, model_bytes: int = 0) -> None:
+    def _declare_now(
+        self,
+        job: str,
+        agents: tuple[str, ...],
+        inbox: bool,
+        model_bytes: int = 0,
+        edges: tuple[int, ...] = (),
+    ) -> None:
         conn = self._io.conn
         assert conn is not None
-        specs = job_queues(job, agents, inbox=inbox, model_bytes=model_bytes)
+        specs = job_queues(job, agents, inbox=inbox, model_bytes=model_bytes, edges=edges)
         ex = t.exchange(job)
         ch = conn.channel()
         if not inbox:
@@ -112,7 +121,7 @@ class JobTopology:
         """In a publishing thread, after a publish found ``ex`` missing: wait until the watch has declared it
         again. False at once on a side that does not declare it (an agent's), or when it is still missing
         after the watch's delay (3 checks, and some)."""
-        if not any(inbox and t.exchange(job) == ex for job, _, inbox, _ in list(self._jobs)):
+        if not any(inbox and t.exchange(job) == ex for job, _, inbox, _, _ in list(self._jobs)):
             return False
         deadline = time.monotonic() + 4 * self.exchange_check_s + 5
         while ex in self.gone and time.monotonic() < deadline:
@@ -155,8 +164,8 @@ class JobTopology:
 
     def _declare_again(self, ex: str, entries: list[_Job], what: str) -> None:
         try:
-            for job, agents, inbox, size in entries:
-                self._declare_now(job, agents, inbox, size)
+            for job, agents, inbox, size, edges in entries:
+                self._declare_now(job, agents, inbox, size, edges)
         except BrokerError as exc:
             log.warning("declaring the job again failed; retrying", exchange=ex, error=str(exc))
             return

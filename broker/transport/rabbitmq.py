@@ -103,13 +103,19 @@ class RabbitBroker(Broker):
 
     # ---- jobs and publishing ------------------------------------------------------------------------
     def declare_job(
-        self, job: str, agents: list[str] | tuple[str, ...] = (), *, inbox: bool = True, model_bytes: int = 0
+        self,
+        job: str,
+        agents: list[str] | tuple[str, ...] = (),
+        *,
+        inbox: bool = True,
+        model_bytes: int = 0,
+        edges: tuple[int, ...] = (),
     ) -> None:
-        agents_t = tuple(agents)
+        agents_t, edges_t = tuple(agents), tuple(int(e) for e in edges)
         size = int(model_bytes)
         job_queues(job, agents_t, inbox=inbox)  # validate ids in the caller's thread
         self._io.submit(
-            lambda: self._topology.declare(job, agents_t, inbox, size),
+            lambda: self._topology.declare(job, agents_t, inbox, size, edges_t),
             self.publish_timeout,
             "declaring the job",
         )

@@ -10,6 +10,7 @@ key (:func:`exchange_for`) and the Broker interface stays a routing key and a bo
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 EXCHANGE_PREFIX = "fedmq"
@@ -157,6 +158,34 @@ def rk_update(job: str, client: str) -> str:
     return f"job.{job}.update.{client}"
 
 
+def rk_edge_update(job: str, client: str, edge: int) -> str:
+    """An update routed to edge aggregator ``edge`` (two-tier aggregation): the inbox does not take it
+    (its binding ``update.*`` is one word), the edge's queue does."""
+    return f"job.{job}.update.{client}.{edge_name(edge)}"
+
+
+def rk_edge(job: str, edge: int) -> str:
+    """The root aggregator's word to edge ``edge``: a round's clients and model (edge-round)."""
+    return f"job.{job}.edge.{edge_name(edge)}"
+
+
+def rk_partial(job: str, edge: int) -> str:
+    """An edge's partial sum of a round, to the root's inbox."""
+    return f"job.{job}.partial.{edge_name(edge)}"
+
+
+def edge_name(edge: int) -> str:
+    """Edge ``edge``'s name in routing keys, queues and the root's records: ``e<edge>``."""
+    return f"e{int(edge)}"
+
+
+def edge_of(client: str, edges: int) -> int:
+    """The edge aggregator (0 … edges−1) that folds ``client``'s updates: a hash of its id, so every agent,
+    edge and root computes the same without being told, and clients spread evenly over the edges."""
+    digest = hashlib.sha256(client.encode()).digest()
+    return int.from_bytes(digest[:8], "big") % edges
+
+
 def rk_presence(job: str, client: str) -> str:
     return f"job.{job}.presence.{client}"
 
@@ -195,5 +224,20 @@ def q_control(job: str, client: str) -> str:
     return f"fedmq.{job}.agent.{client}.control"
 
 
+def q_edge(job: str, edge: int) -> str:
+    """Edge aggregator ``edge``'s queue (two-tier aggregation): its clients' updates and the root's word."""
+    return f"fedmq.{job}.edge.{edge_name(edge)}"
+
+
 def inbox_bindings(job: str) -> list[str]:
-    return [f"job.{job}.report.*", f"job.{job}.update.*", f"job.{job}.presence.*"]
+    return [
+        f"job.{job}.report.*",
+        f"job.{job}.update.*",
+        f"job.{job}.presence.*",
+        f"job.{job}.partial.*",
+    ]
+
+
+def edge_bindings(job: str, edge: int) -> list[str]:
+    """The root's word to this edge and the job's end (control), and the updates routed to it."""
+    return [rk_edge(job, edge), rk_control(job), f"job.{job}.update.*.{edge_name(edge)}"]

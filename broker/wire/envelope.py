@@ -47,6 +47,8 @@ class Kind(StrEnum):
     UPDATE = "update"
     MODEL = "model"
     END = "end"
+    EDGE_ROUND = "edge-round"
+    PARTIAL = "partial"
 
 
 _KINDS = tuple(k.value for k in Kind)

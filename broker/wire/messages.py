@@ -28,6 +28,19 @@ Every message is an Envelope (broker/wire/envelope.py); this module fixes the pa
 - end       aggregator -> every agent's control queue, once, when the job has run all its rounds
             {"rounds": rounds completed}: agents leave (a stopped or crashed aggregator sends none: the job
              goes on when it restarts)
+
+Two-tier aggregation (docs/guide/edges.md): a selected agent sends its update to its edge aggregator
+(the round config's ``edges``, topology.edge_of), not the inbox, and
+
+- edge-round  root -> one edge's queue, after the announce (again when some of its clients went offline)
+            {"clients": the round's selected clients routed to this edge, "deadline_s": seconds it waits for
+             them, "strategy": the round's strategy, "model": the announced version's exact form (an
+             announce models entry)}
+- partial   edge -> inbox   what the edge folded of a round (aggregator.strategies.base.PartialSum):
+            {"tensors": the sums, raw, "weights": {tensor: [Σ w, Σ w of delta terms]}, "count": the
+             denominator's count, "clients": {client: [w, loss, n_samples, update msg id]}, "failed":
+             [clients whose update was rejected], "bytes": [wire bytes, raw bytes] of the folded updates}
+             envelope.client is the edge's name (e<i>)
 """
 
 from __future__ import annotations
@@ -43,6 +56,7 @@ from fedmq.errors import CodecError
 from fedmq.train_config import TrainConfig
 
 NO_VERSION = -1
+MAX_EDGES = 4096  # edge aggregators of one job
 
 _FIELDS: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.PRESENCE: {"state": (str,), "holds": (int,)},
@@ -52,7 +66,17 @@ _FIELDS: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.GRANT: {"granted": (list,)},
     Kind.UPDATE: {"loss": (float, int), "n_samples": (int,), "tensors": (dict,)},
     Kind.END: {"rounds": (int,)},
+    Kind.EDGE_ROUND: {"clients": (list,), "deadline_s": (float, int), "strategy": (str,), "model": (dict,)},
+    Kind.PARTIAL: {
+        "tensors": (dict,),
+        "weights": (dict,),
+        "count": (float, int),
+        "clients": (dict,),
+        "failed": (list,),
+        "bytes": (list,),
+    },
 }
+MAX_DEADLINE_S = 7 * 24 * 3600.0  # an edge-round's wait: a week at most
 
 
 @dataclass(frozen=True)
@@ -69,14 +93,18 @@ class RoundConfig:
     encoding: str  # the upload's encoding (broker.wire.encodings.EncodingSpec syntax)
     grant: bool  # wait for a grant after reporting before uploading
     keep_model: bool  # keep the model trained from: the base of delta pushes, and pull-down's values
+    edges: int = 0  # two-tier aggregation: upload to edge topology.edge_of(client, edges); 0: to the inbox
 
     def to_payload(self) -> dict[str, Any]:
-        return {
+        payload = {
             "train": train_config.to_payload(self.train),
             "encoding": self.encoding,
             "grant": self.grant,
             "keep_model": self.keep_model,
         }
+        if self.edges:
+            payload["edges"] = self.edges
+        return payload
 
     @classmethod
     def from_payload(cls, payload: Any) -> RoundConfig:
@@ -99,7 +127,10 @@ class RoundConfig:
             EncodingSpec.parse(payload["encoding"])
         except (CodecError, TypeError, AttributeError) as exc:
             raise CodecError("bad-payload", f"announce config: encoding: {exc}") from None
-        return cls(train, payload["encoding"], payload["grant"], payload["keep_model"])
+        edges = payload.get("edges", 0)
+        if type(edges) is not int or not 0 <= edges <= MAX_EDGES:
+            raise CodecError("bad-payload", f"announce config: edges must be whole, in [0, {MAX_EDGES}]")
+        return cls(train, payload["encoding"], payload["grant"], payload["keep_model"], edges)
 
 
 def check_payload(env: Envelope) -> Envelope:
@@ -138,7 +169,52 @@ def check_payload(env: Envelope) -> Envelope:
             raise CodecError(
                 "bad-payload", "announce client must be {version, hooks: [{hook, hook_version, args}]}"
             )
+    if env.kind is Kind.EDGE_ROUND and not _edge_round_ok(payload):
+        raise CodecError(
+            "bad-payload", "edge-round needs client ids, a deadline in (0, a week] and a model entry"
+        )
+    if env.kind is Kind.PARTIAL and not _partial_ok(payload):
+        raise CodecError(
+            "bad-payload", "partial needs [w, w_delta] per tensor, a count, [w, loss, n, id] per client"
+        )
     return env
+
+
+def _edge_round_ok(p: dict) -> bool:
+    d = p["deadline_s"]
+    return (
+        all(isinstance(c, str) for c in p["clients"])
+        and type(d) in (int, float)
+        and 0 < d <= MAX_DEADLINE_S
+        and _model_entry_ok(p["model"])
+    )
+
+
+def _partial_ok(p: dict) -> bool:
+    def number(x: object) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+    def client_ok(v: object) -> bool:
+        return (
+            isinstance(v, list)
+            and len(v) == 4
+            and number(v[0])
+            and type(v[1]) in (int, float)
+            and math.isfinite(v[1])
+            and type(v[2]) is int
+            and 0 < v[2] < 2**53
+            and isinstance(v[3], str)
+        )
+
+    return (
+        all(isinstance(k, str) and isinstance(w, list) and len(w) == 2 for k, w in p["weights"].items())
+        and all(number(x) for w in p["weights"].values() for x in w)
+        and number(p["count"])
+        and all(isinstance(c, str) and client_ok(v) for c, v in p["clients"].items())
+        and all(isinstance(c, str) for c in p["failed"])
+        and len(p["bytes"]) == 2
+        and all(type(x) is int and x >= 0 for x in p["bytes"])
+    )
 
 
 def _roster_ok(clients: object) -> bool:
@@ -244,6 +320,36 @@ def update(
 ) -> Envelope:
     payload = {"loss": float(loss), "n_samples": int(n_samples), "tensors": tensors}
     return Envelope(Kind.UPDATE, job, rnd, client, version, payload)
+
+
+def edge_round(
+    job: str, rnd: int, version: int, clients: list[str], deadline_s: float, strategy: str, model: dict
+) -> Envelope:
+    payload = {"clients": clients, "deadline_s": float(deadline_s), "strategy": strategy, "model": model}
+    return Envelope(Kind.EDGE_ROUND, job, rnd, "aggregator", version, payload)
+
+
+def partial(
+    job: str,
+    rnd: int,
+    edge: str,
+    version: int,
+    tensors: dict,
+    weights: dict[str, list[float]],
+    count: float,
+    clients: dict[str, list[Any]],
+    failed: list[str],
+    nbytes: list[int],
+) -> Envelope:
+    payload = {
+        "tensors": tensors,
+        "weights": weights,
+        "count": float(count),
+        "clients": clients,
+        "failed": failed,
+        "bytes": nbytes,
+    }
+    return Envelope(Kind.PARTIAL, job, rnd, edge, version, payload)
 
 
 def end(job: str, version: int, rounds: int) -> Envelope:

@@ -52,6 +52,16 @@ def aggregator_run(
     consume_timeout: float = options.CONSUME_TIMEOUT,
     log_format: str = options.LOG_FORMAT,
     log_level: str = options.LOG_LEVEL,
+    tier: str = typer.Option(
+        "root",
+        envvar="FEDMQ_TIER",
+        help="root: the job's aggregator; edge: folds the updates of the clients routed to it into partial "
+        "sums for the root (two-tier aggregation, needs --edge)",
+    ),
+    edge: int | None = typer.Option(None, envvar="FEDMQ_EDGE", help="--tier edge: which edge, 0 … edges−1"),
+    edges: int | None = typer.Option(
+        None, envvar="FEDMQ_EDGES", help="the job's edge aggregators (two-tier aggregation; 0: none)"
+    ),
     print_config: bool = typer.Option(False, help="print the resolved, validated config as JSON and exit"),
 ) -> None:
     """Run the aggregator service until the job's rounds are done (resumes from --state-dir).
@@ -71,19 +81,28 @@ def aggregator_run(
     cfg = JobConfig.from_dict(
         merge(
             values,
-            {"job": job, "strategy": strategy, "rounds": rounds, "clients": clients, "fraction": fraction},
+            {
+                "job": job,
+                "strategy": strategy,
+                "rounds": rounds,
+                "clients": clients,
+                "fraction": fraction,
+                "edges": edges,
+            },
         )
     )
+    check_tier(tier, edge, cfg.edges)
     task_opts.setdefault("clients", cfg.clients)
     if print_config:
         typer.echo(json.dumps({**cfg.to_dict(), "task": task_opts}, sort_keys=True))
         return
-    setup_logs(log_level, log_format, state_dir / "logs" / "aggregator.jsonl")
+    log_name = "aggregator" if tier == "root" else f"edge-{edge}"
+    setup_logs(log_level, log_format, state_dir / "logs" / f"{log_name}.jsonl")
     prepare_process()
     from fedmq.aggregator.engine import Engine
     from fedmq.broker.transport.connect import connect
 
-    engine = None
+    engine: Any = None
     stop_on_signals(lambda: engine, lambda e: e.started)
     task_obj = make_task(task_opts)
     # a chunked update whose sender went silent this long (it died mid-upload) is dropped and its chunks
@@ -97,6 +116,11 @@ def aggregator_run(
         chunk_timeout_s=max(cfg.update_deadline_s, 300.0),
     )
     from fedmq.broker.transport import topology
+
+    if tier == "edge":
+        assert edge is not None
+        run_edge(conn, task_obj, cfg, edge, state_dir)
+        return
 
     def live_status() -> dict[str, Any]:
         inbox = topology.q_inbox(cfg.job)
@@ -115,3 +139,29 @@ def aggregator_run(
             conn.close()
     typer.echo(json.dumps(summary, default=str))
     check_progress(summary)
+
+
+def check_tier(tier: str, edge: int | None, edges: int) -> None:
+    """--tier and --edge against the job's edges, in one line (exit 2)."""
+    from fedmq.errors import BadParameter
+
+    if tier not in ("root", "edge"):
+        raise BadParameter(f"--tier {tier!r}: use root or edge")
+    if tier == "root" and edge is not None:
+        raise BadParameter("--edge is for --tier edge")
+    if tier == "edge" and (edge is None or not 0 <= edge < edges):
+        raise BadParameter(f"--tier edge needs --edge in [0, {edges}) (the job's edges = {edges})")
+
+
+def run_edge(conn: Any, task: Any, cfg: Any, index: int, state_dir: Path) -> None:
+    """`--tier edge`: fold the updates routed to edge ``index`` until the job ends or a signal stops it."""
+    from fedmq.aggregator.edge import Edge
+
+    service: Edge | None = None
+    stop_on_signals(lambda: service, lambda e: e.started)
+    service = Edge(conn, task, cfg, index, state_dir)
+    try:
+        partials = service.run()
+    finally:
+        conn.close()
+    typer.echo(json.dumps({"edge": service.name, "partials": partials, "job_ended": service.ended}))

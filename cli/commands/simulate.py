@@ -154,6 +154,12 @@ def simulate(
         metavar="F",
         help="influence guard: weight n_k ≤ F × the round's median n_k (0 = off)",
     ),
+    edges: int = _opt(
+        JOB.edges,
+        panel=STRATEGY,
+        metavar="N",
+        help="two-tier aggregation: N edge aggregators fold partial sums for the root (0 = none)",
+    ),
     dp: str = _opt(
         JOB.dp,
         panel=PRIVACY,
