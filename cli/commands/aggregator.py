@@ -58,7 +58,7 @@ def aggregator_run(
         help="root: the job's aggregator; edge: folds the updates of the clients routed to it into partial "
         "sums for the root (two-tier aggregation, needs --edge)",
     ),
-    edge: int | None = typer.Option(None, envvar="FEDMQ_EDGE", help="--tier edge: which edge, 0 … edges−1"),
+    edge: int | None = typer.Option(None, envvar="FEDMQ_EDGE", help="--tier edge: which edge, 0 to edges-1"),
     edges: int | None = typer.Option(
         None, envvar="FEDMQ_EDGES", help="the job's edge aggregators (two-tier aggregation; 0: none)"
     ),

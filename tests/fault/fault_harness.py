@@ -90,7 +90,7 @@ def wait_for(pred: Callable[[], bool], timeout: float, what: str, poll: float = 
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-def delete_job_queues(url: str, job: str, clients: int, hosts: int = 0) -> None:
+def delete_job_queues(url: str, job: str, clients: int, hosts: int = 0, edges: int = 0) -> None:
     """Remove the job's queues from a broker (tests on the shared broker leave nothing behind)."""
     import pika
 
@@ -105,6 +105,7 @@ def delete_job_queues(url: str, job: str, clients: int, hosts: int = 0) -> None:
         names = [t.q_inbox(job), t.q_dead(job), t.q_models(job)]
         owners = [f"h{h}" for h in range(hosts)] or [f"agent-{i}" for i in range(clients)]
         names += [q for o in owners for q in (t.q_latest(job, o), t.q_control(job, o))]
+        names += [t.q_edge(job, e) for e in range(edges)]
         for name in names:
             ch.queue_delete(name)
     finally:
@@ -150,6 +151,7 @@ class Federation:
     )  # e.g. FEDMQ_CHUNK_LIMIT / FEDMQ_HEARTBEAT for agents
     task: dict[str, Any] = field(default_factory=lambda: dict(TINY_TASK))  # the job file's [task] table
     hosts: int = 0  # > 0: the clients are served by this many host processes (h0, h1, …), not one each
+    edges: int = 0  # > 0: two-tier aggregation, with this many edge aggregator processes (edge-0, …)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     restarts: int = 0
 
@@ -177,6 +179,7 @@ class Federation:
             # raw: the kill-mid-upload faults need updates of several socket writes
             "encoding": "raw",
             "down_encoding": "raw",
+            **({"edges": self.edges} if self.edges else {}),
             **self.job_options,
         }
         self.cfg = job
@@ -225,6 +228,12 @@ class Federation:
             ],
             env,
         )
+
+    def start_edge(self, e: int, name: str | None = None) -> subprocess.Popen:
+        """Edge aggregator ``e`` (`aggregator run --tier edge`), sharing the root's state dir."""
+        args = ["aggregator", "run", "--tier", "edge", "--edge", str(e), "--broker", self.url]
+        args += ["--config", str(self.config), "--state-dir", str(self.state), "--log-level", "info"]
+        return self._spawn(name or f"edge-{e}", args)
 
     def start_agent(self, i: int) -> subprocess.Popen:
         url = self.agent_url(i) if self.agent_url else self.url
@@ -280,6 +289,8 @@ class Federation:
 
     def start(self) -> Federation:
         self.start_aggregator()
+        for e in range(self.edges):
+            self.start_edge(e)
         for i in range(self.hosts or self.clients):
             (self.start_host if self.hosts else self.start_agent)(i)
         return self
