@@ -10,10 +10,11 @@ for -- over K, that a population costs next to nothing; over m, that a round's m
 cohort (the aggregator holds one update at a time: aggregator.sync_round).
 
 Services: ``clients`` clients over RabbitMQ, served by ``hosts`` ``fedmq agent run --host`` processes against
-one ``fedmq aggregator run`` (the tiny language model of `fedmq bench load`, ``selected`` clients a round, a
-run for each m): rounds completed, uploads the hosts had confirmed by the broker (their audit logs) against
-the updates the aggregator folded (its checkpoint): lost and duplicated; the job's queue count and
-RabbitMQ's memory (``rabbitmqctl``, when this machine runs the broker), both at their peak during the run.
+one ``fedmq aggregator run`` (with ``edges``, through that many ``--tier edge`` edge aggregators; the tiny
+language model of `fedmq bench load`, ``selected`` clients a round, a run for each m): rounds completed,
+uploads the hosts had confirmed by the broker (their audit logs) against the updates the aggregator folded
+(its checkpoint): lost and duplicated; the job's queue count and RabbitMQ's memory (``rabbitmqctl``, when
+this machine runs the broker), both at their peak during the run.
 """
 
 from __future__ import annotations
@@ -93,10 +94,31 @@ def _broker_facts(job: str) -> tuple[int | None, int | None]:
     return queues, memory
 
 
-def _start_services(url: str, work: Path, job: str, clients: int, hosts: int) -> list[subprocess.Popen]:
-    """The aggregator of the job in ``work``/job.toml, then ``hosts`` agent processes sharing its ``clients``
-    clients out, each with an audit log of the uploads the broker confirmed."""
+def _start_services(
+    url: str, work: Path, job: str, clients: int, hosts: int, edges: int = 0
+) -> list[subprocess.Popen]:
+    """The aggregator of the job in ``work``/job.toml and its ``edges`` edge aggregators, then ``hosts`` agent
+    processes sharing its ``clients`` clients out, each with an audit log of the uploads the broker
+    confirmed."""
     procs = [start_aggregator(url, work)]
+    for e in range(edges):
+        edge = ("aggregator", "run", "--tier", "edge", "--edge", str(e), "--broker", url)
+        where = (
+            "--config",
+            str(work / "job.toml"),
+            "--state-dir",
+            str(work / "state"),
+            "--log-level",
+            "warning",
+        )
+        procs.append(
+            subprocess.Popen(
+                fedmq_command(*edge, *where),
+                stdout=open(work / f"e{e}.out", "wb"),
+                stderr=open(work / f"e{e}.err", "wb"),
+                env=one_thread_env(),
+            )
+        )
     per = -(-clients // hosts)
     for h in range(hosts):
         lo, hi = h * per, min((h + 1) * per, clients)
@@ -137,14 +159,18 @@ def _peak_rss(pid: int) -> int:
     return next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:")), 0)
 
 
-def _wait(procs: list[subprocess.Popen], job: str, t0: float, timeout: float) -> tuple[int, int, int]:
-    """Sample the broker and the aggregator (``procs[0]``) until every process exits (or ``timeout`` after
-    ``t0``, then kill them): the job's peak queue count, RabbitMQ's peak memory (0 where rabbitmqctl cannot
-    tell) and the aggregator's peak RSS as last seen (0 where /proc cannot tell)."""
-    peak_queues, peak_memory, aggregator = 0, 0, 0
+def _wait(
+    procs: list[subprocess.Popen], job: str, t0: float, timeout: float, aggregators: int = 1
+) -> tuple[int, int, list[int]]:
+    """Sample the broker and the aggregators (the first ``aggregators`` of ``procs``: the root and its edges)
+    until every process exits (or ``timeout`` after ``t0``, then kill them): the job's peak queue count,
+    RabbitMQ's peak memory (0 where rabbitmqctl cannot tell) and each aggregator's peak RSS as last seen (0
+    where /proc cannot tell)."""
+    peak_queues, peak_memory, rss = 0, 0, [0] * aggregators
     while any(p.poll() is None for p in procs) and time.time() - t0 < timeout:
-        if procs[0].poll() is None:  # not once it is reaped: its pid may be another process's by then
-            aggregator = max(aggregator, _peak_rss(procs[0].pid))
+        for i, p in enumerate(procs[:aggregators]):
+            if p.poll() is None:  # not once it is reaped: its pid may be another process's by then
+                rss[i] = max(rss[i], _peak_rss(p.pid))
         queues, memory = _broker_facts(job)
         peak_queues, peak_memory = max(peak_queues, queues or 0), max(peak_memory, memory or 0)
         time.sleep(2.0)
@@ -152,11 +178,17 @@ def _wait(procs: list[subprocess.Popen], job: str, t0: float, timeout: float) ->
         if p.poll() is None:
             p.kill()
         p.wait()
-    return peak_queues, peak_memory, aggregator
+    return peak_queues, peak_memory, rss
 
 
 def services_row(
-    url: str, clients: int = 10_000, hosts: int = 4, selected: int = 10, rounds: int = 5, timeout: float = 900
+    url: str,
+    clients: int = 10_000,
+    hosts: int = 4,
+    selected: int = 10,
+    rounds: int = 5,
+    timeout: float = 1800,
+    edges: int = 0,
 ) -> dict[str, Any]:
     from fedmq.aggregator.checkpoint import load_checkpoint
     from fedmq.aggregator.runlog import read_rounds
@@ -164,13 +196,27 @@ def services_row(
 
     job = f"pop-{uuid.uuid4().hex[:8]}"
     work = Path(tempfile.mkdtemp(prefix="fedmq-population-"))
-    cfg = tiny_job(job, url, clients, rounds, fraction=selected / clients, batch_size=2, heartbeat_s=5.0)
+    # a round's deadlines: the hosts train the cohort in turn, a few ms a client
+    deadline = max(120.0, 0.05 * selected)
+    cfg = tiny_job(
+        job,
+        url,
+        clients,
+        rounds,
+        fraction=selected / clients,
+        batch_size=2,
+        heartbeat_s=5.0,
+        edges=edges,
+        report_deadline_s=deadline,
+        update_deadline_s=deadline,
+    )
     task = {k: v for k, v in TINY_TASK.items() if k != "max_lines"}  # every builtin line: 11 words a client
     (work / "job.toml").write_text(_toml(cfg, {**task, "clients": clients}))
     _, memory_before = _broker_facts(job)
-    procs = _start_services(url, work, job, clients, hosts)
+    procs = _start_services(url, work, job, clients, hosts, edges)
     t0 = time.time()
-    peak_queues, peak_memory, aggregator_rss = _wait(procs, job, t0, timeout)
+    peak_queues, peak_memory, rss = _wait(procs, job, t0, timeout, 1 + edges)
+    aggregator_rss, edge_rss = rss[0], rss[1:]
     metrics = read_rounds(work / "state").records
     ckpt = load_checkpoint(work / "state" / "checkpoints")
     folded = [u for ids in (ckpt.folded.values() if ckpt else []) for u in ids]
@@ -187,6 +233,8 @@ def services_row(
         "clients": clients,
         "selected": selected,
         "hosts": hosts,
+        "edges": edges,
+        "edge_peak_mb": max(edge_rss) / 2**20 if edge_rss and min(edge_rss) else None,
         "rounds": len([m for m in metrics if not m.skipped]),
         "confirmed": len(confirmed),
         "folded": len(folded),
@@ -227,6 +275,9 @@ def format_table(runs: list[Run], services: list[dict[str, Any]]) -> str:
         )
         per = f"{s['s_per_round']:.2f} s/round" if s["s_per_round"] else "s/round not measured"
         agg = f"{s['aggregator_peak_mb']:.0f} MB" if s["aggregator_peak_mb"] else "not measured"
+        if s.get("edges"):
+            edge = f"{s['edge_peak_mb']:.0f} MB" if s["edge_peak_mb"] else "not measured"
+            agg += f", through {s['edges']} edge aggregators (each at most {edge})"
         lines += [
             "",
             f"RabbitMQ: {s['clients']:,} clients ({s['selected']:,} a round) in {s['hosts']} agent "

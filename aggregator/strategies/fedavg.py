@@ -70,6 +70,8 @@ class FedAvg(Strategy):
         self._terms[update.client] = self._terms.get(update.client, 0.0) + w
 
     def partial(self) -> PartialSum:
+        if not self.partial_sums:  # a subclass that folds otherwise (base.Strategy.partial_sums)
+            return super().partial()
         check_started(self._global, self.name)
         sums, self._sums = self._sums, {}
         return PartialSum(
@@ -80,6 +82,8 @@ class FedAvg(Strategy):
         )
 
     def fold_partial(self, part: PartialSum) -> None:
+        if not self.partial_sums:
+            return super().fold_partial(part)
         g = check_started(self._global, self.name)
         for name, acc in part.sums.items():  # all checked before anything is added
             if name not in self._sums or tuple(acc.shape) != tuple(g[name].shape):

@@ -9,15 +9,17 @@ to the job:
 * agent X may configure, write and read only its own queues ``fedmq.<job>.agent.X.(latest|control)``, read
   (not write) the job's model stream ``fedmq.<job>.models``, write
   to (publish on) and read (bind to) the job's exchange ``fedmq.<job>``; topic permissions on that exchange
-  let it publish only ``job.<job>.(report|update|presence).X`` and bind only ``job.<job>.(global|control)``
-  and its own ``job.<job>.(announce|grant).X``;
+  let it publish only ``job.<job>.(report|update|presence).X`` (and ``job.<job>.update.X.e<n>``, its update
+  to edge aggregator n) and bind only ``job.<job>.(global|control)`` and its own
+  ``job.<job>.(announce|grant).X``;
 * host H: the same for its own queues ``fedmq.<job>.agent.H.(latest|control)`` and its own
   ``job.<job>.(announce|grant).H``; it may publish its presence ``job.<job>.presence.H`` and
   ``job.<job>.(report|update|presence).H-<n>`` for its clients (n a client number, no leading zero), and no
   other client's keys: it speaks for its own clients only;
 * the aggregator may configure, write and read the job's own exchange ``fedmq.<job>`` and the job's
   ``fedmq.<job>.*`` queues, publish the job's ``global``/``control``/``model``/``announce``/``grant`` keys
-  and bind only the job's keys.
+  (and, for two-tier aggregation, ``edge``/``partial``: its edge aggregators run as this user) and bind only
+  the job's keys.
 
 Nobody is given configure on anything another job uses: each job has its own exchange
 (broker.transport.topology.exchange), so a job's aggregator can delete or rebind its own job's plumbing and

@@ -202,6 +202,7 @@ def bench_population(
     ),
     services_clients: int = typer.Option(10_000, help="the population over RabbitMQ"),
     hosts: int = typer.Option(4, help="agent processes serving it"),
+    edges: int = typer.Option(0, help="edge aggregators the RabbitMQ run folds through (two-tier)"),
     simulate: bool = typer.Option(True, help="--no-simulate: only the RabbitMQ runs (with --broker)"),
     limit: bool = typer.Option(
         True,
@@ -226,17 +227,20 @@ def bench_population(
         or min(ms) < 1
         or rounds < 2
         or hosts < 1
+        or edges < 0
         or services_clients < hosts
         or (broker and services_clients < max(ms))
         or not (simulate or broker)
     ):
         raise UsageError(
             "want every --selected ≥ 1 and ≤ every --clients and --services-clients, "
-            "--rounds ≥ 2, --hosts ≥ 1, and --broker with --no-simulate"
+            "--rounds ≥ 2, --hosts ≥ 1, --edges ≥ 0, and --broker with --no-simulate"
         )
     runs = population.simulate_rows(_corpus(data), ks, ms, rounds) if simulate else []
     services = (
-        [population.services_row(broker, services_clients, hosts, m, rounds) for m in ms] if broker else []
+        [population.services_row(broker, services_clients, hosts, m, rounds, edges=edges) for m in ms]
+        if broker
+        else []
     )
     table = population.format_table(runs, services)
     if len(ms) > 1 and len(ks) == 1 and limit:

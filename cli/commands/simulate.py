@@ -158,7 +158,7 @@ def simulate(
         JOB.edges,
         panel=STRATEGY,
         metavar="N",
-        help="two-tier aggregation: N edge aggregators fold partial sums for the root (0 = none)",
+        help="edge aggregators (two-tier)",
     ),
     dp: str = _opt(
         JOB.dp,

@@ -37,3 +37,5 @@ def test_the_services_line_names_the_aggregators_peak_memory():
     assert "the aggregator's peak RSS not measured" in population.format_table(
         [], [{**row, "aggregator_peak_mb": None}]
     )
+    edges = population.format_table([], [{**row, "edges": 4, "edge_peak_mb": 266.2}])
+    assert "412 MB, through 4 edge aggregators (each at most 266 MB)" in edges
