@@ -149,6 +149,10 @@ def check_tier(tier: str, edge: int | None, edges: int) -> None:
         raise BadParameter(f"--tier {tier!r}: use root or edge")
     if tier == "root" and edge is not None:
         raise BadParameter("--edge is for --tier edge")
+    if tier == "edge" and not edges:
+        raise BadParameter(
+            "--tier edge: the job has no edge aggregators (edges = N in the job file, or --edges N)"
+        )
     if tier == "edge" and (edge is None or not 0 <= edge < edges):
         raise BadParameter(f"--tier edge needs --edge in [0, {edges}) (the job's edges = {edges})")
 

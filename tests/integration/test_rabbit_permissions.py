@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 
 import fedmq_procs
@@ -111,6 +112,32 @@ def test_provisioned_users_are_confined(fed, job_id):
         ch.queue_delete(t.q_inbox(job_id))
     assert exc.value.reply_code == 403
     conn.close()
+    prov.purge(fed["aggregator"]["url"], job_id, [a1, a2])
+
+
+def test_provisioned_users_route_updates_to_edges_and_only_the_aggregator_speaks_for_the_tiers(fed, job_id):
+    """Two-tier aggregation: an agent's update to its edge reaches that edge's queue; it may not send another
+    agent's, read an edge's queue, or speak as an aggregator (edge-round, partial); the aggregator's user,
+    which edges run as, sends both and they arrive where they belong."""
+    a1, a2 = list(fed["agents"])
+    with connect(fed["aggregator"]["url"]) as agg, connect(fed["agents"][a1]["url"]) as agent:
+        agg.declare_job(job_id, [a1, a2], model_bytes=1000, edges=(0, 1))
+        at_edge: list = []
+        at_root: list = []
+        agg.consume(t.q_edge(job_id, 1), lambda d: (at_edge.append(d.body), agg.ack(d)))
+        agg.consume(t.q_inbox(job_id), lambda d: (at_root.append(d.body), agg.ack(d)))
+        agent.publish(t.rk_edge_update(job_id, a1, 1), b"mine", message_id="u1")
+        agg.publish(t.rk_edge(job_id, 1), b"edge-round", message_id="e1")
+        agg.publish(t.rk_partial(job_id, 1), b"partial", message_id="p1")
+        wait = time.monotonic() + budget(10)
+        while (len(at_edge) < 2 or not at_root) and time.monotonic() < wait:
+            time.sleep(0.05)
+        assert sorted(at_edge) == [b"edge-round", b"mine"] and at_root == [b"partial"]
+        for key in (t.rk_edge_update(job_id, a2, 1), t.rk_partial(job_id, 0), t.rk_edge(job_id, 0)):
+            with pytest.raises(BrokerError, match="403|ACCESS_REFUSED"):
+                agent.publish(key, b"forged")
+        with pytest.raises(BrokerError, match="403|ACCESS_REFUSED"):
+            agent.consume(t.q_edge(job_id, 0), lambda d: None)
     prov.purge(fed["aggregator"]["url"], job_id, [a1, a2])
 
 

@@ -102,6 +102,16 @@ def test_help_everywhere(cmd):
             ],
             "unknown strategy",
         ),
+        (["aggregator", "run", "--broker", "amqp://127.0.0.1:1/", "--tier", "branch"], "use root or edge"),
+        (["aggregator", "run", "--broker", "amqp://127.0.0.1:1/", "--tier", "edge"], "no edge aggregators"),
+        (
+            ["aggregator", "run", "--broker", "amqp://127.0.0.1:1/", "--tier", "edge", "--edges", "2"],
+            "--edge in [0, 2)",
+        ),
+        (
+            ["aggregator", "run", "--broker", "amqp://127.0.0.1:1/", "--edges", "2", "--strategy", "fedatt"],
+            "needs each client's update",
+        ),
     ],
 )
 def test_user_errors_are_one_line(args, needle, tmp_path):
