@@ -484,11 +484,15 @@ class Engine:
                 stats.bytes_up += arrival.size
                 stats.bytes_up_raw += raw_nbytes(update.tensors)
                 return update
+        self._refuse(arrival, reason, detail)
+        return None
+
+    def _refuse(self, arrival: Arrival, reason: str, detail: str) -> None:
+        """A bad update or partial sum: rejected when live, counted when it was acked already (parked)."""
         if arrival.received is not None:
             self.inbox.reject(arrival.received.delivery, reason, detail)
         elif arrival.parked:
             self.inbox.count_rejection(reason, detail)
-        return None
 
     def fold_partial(self, stats: RoundStats, strategy: Strategy, arrival: Arrival, routed: set[str]) -> bool:
         """Fold an edge aggregator's partial sum (two-tier aggregation) of the clients ``routed`` to it: the
@@ -521,10 +525,7 @@ class Engine:
             stats.bytes_up += p["bytes"][0]
             stats.bytes_up_raw += p["bytes"][1]
             return True
-        if arrival.received is not None:
-            self.inbox.reject(arrival.received.delivery, reason, detail)
-        elif arrival.parked:
-            self.inbox.count_rejection(reason, detail)
+        self._refuse(arrival, reason, detail)
         return False
 
     def tell_edge(self, stats: RoundStats, edge: int, clients: list[str], deadline_s: float) -> None:

@@ -135,13 +135,7 @@ class SyncRound:
         """Reports, mediation, grants and updates of one round;
         returns the strategy holding the folded updates."""
         ctx, cfg, stats = self.ctx, self.cfg, self.stats
-        strategy: Strategy | None = None
-        granted = self.saved_granted
-        if granted is not None or not cfg.grant_phase:
-            strategy = ctx.begin_strategy(stats, self.saved_choice or cfg.strategy)
-            stats.granted = [
-                c for c in (granted if granted is not None else stats.selected) if c in stats.selected
-            ]
+        strategy = self._begin_granted()
         if strategy is not None:  # the spool holds the updates taken before a restart: fold them in turn
             self.parked.update(c for c in spooled_updates if c in stats.granted)
             self._fold_in_order(strategy, closing=self.closed)
@@ -151,9 +145,7 @@ class SyncRound:
         if strategy is not None and not cfg.grant_phase:
             deadline = time.time() + cfg.report_deadline_s + cfg.update_deadline_s
         while not ctx.stop.is_set():
-            if strategy is None and (
-                set(stats.reported) | self.gone >= set(stats.selected) or time.time() >= deadline
-            ):
+            if strategy is None and self._reports_done(deadline):
                 if len(stats.reported) < cfg.min_clients:
                     return None
                 strategy = self._mediate()
@@ -171,6 +163,23 @@ class SyncRound:
             elif strategy is not None and due:
                 self._fold_in_order(strategy, at_most=1)
         return strategy  # stopped: parked updates stay in the spool for the next aggregator
+
+    def _begin_granted(self) -> Strategy | None:
+        """The round's strategy, begun, where its uploads are known without waiting for reports (no grant
+        phase, or a grant the spool kept), with ``stats.granted`` set; None while the grant is to come."""
+        ctx, cfg, stats, granted = self.ctx, self.cfg, self.stats, self.saved_granted
+        if granted is None and cfg.grant_phase:
+            return None
+        strategy = ctx.begin_strategy(stats, self.saved_choice or cfg.strategy)
+        stats.granted = [
+            c for c in (granted if granted is not None else stats.selected) if c in stats.selected
+        ]
+        return strategy
+
+    def _reports_done(self, deadline: float) -> bool:
+        """Every selected client reported or went offline, or the reports' time is over."""
+        stats = self.stats
+        return set(stats.reported) | self.gone >= set(stats.selected) or time.time() >= deadline
 
     def _dispatch(self, msg: Received, strategy: Strategy | None) -> None:
         ctx, stats, env = self.ctx, self.stats, msg.env

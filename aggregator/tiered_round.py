@@ -63,28 +63,21 @@ class TieredRound(SyncRound):
     def _collect(self, spooled_updates: list[str]) -> Strategy | None:
         """Reports and grants as in a synchronous round; then the edges' partial sums."""
         ctx, cfg, stats = self.ctx, self.cfg, self.stats
-        strategy: Strategy | None = None
         now = time.time()
         self.deadline = now + (0.0 if cfg.grant_phase else cfg.report_deadline_s) + cfg.update_deadline_s
-        granted = self.saved_granted
-        if granted is not None or not cfg.grant_phase:
-            strategy = ctx.begin_strategy(stats, self.saved_choice or cfg.strategy)
-            stats.granted = [
-                c for c in (granted if granted is not None else stats.selected) if c in stats.selected
-            ]
+        strategy = self._begin_granted()
+        if strategy is not None:
             self._route()
             self.parked.update(u for u in spooled_updates if u in self.routed)
             self._fold_in_order(strategy, closing=self.closed)
             if self.closed:
                 return strategy
-            if granted is not None:
+            if self.saved_granted is not None:
                 self.deadline = now + cfg.update_deadline_s
             self._tell_edges()
         report_deadline = now + cfg.report_deadline_s
         while not ctx.stop.is_set():
-            if strategy is None and (
-                set(stats.reported) | self.gone >= set(stats.selected) or time.time() >= report_deadline
-            ):
+            if strategy is None and self._reports_done(report_deadline):
                 if len(stats.reported) < cfg.min_clients:
                     return None
                 strategy = self._mediate()

@@ -221,12 +221,16 @@ def fedmq_command(*args: str) -> list[str]:
     return [str(Path(sys.executable).parent / "fedmq"), *args]
 
 
-def start_aggregator(url: str, work: Path) -> subprocess.Popen:
-    """``fedmq aggregator run`` of the job in ``work``/job.toml, its state and output in ``work``."""
+def start_aggregator(url: str, work: Path, edge: int | None = None) -> subprocess.Popen:
+    """``fedmq aggregator run`` of the job in ``work``/job.toml, its state and output in ``work``: the root,
+    or with ``edge`` that edge aggregator (its output in e<edge>.out/.err)."""
+    tier = () if edge is None else ("--tier", "edge", "--edge", str(edge))
+    name = "agg" if edge is None else f"e{edge}"
     return subprocess.Popen(
         fedmq_command(
             "aggregator",
             "run",
+            *tier,
             "--broker",
             url,
             "--config",
@@ -236,8 +240,8 @@ def start_aggregator(url: str, work: Path) -> subprocess.Popen:
             "--log-level",
             "warning",
         ),
-        stdout=open(work / "agg.out", "wb"),
-        stderr=open(work / "agg.err", "wb"),
+        stdout=open(work / f"{name}.out", "wb"),
+        stderr=open(work / f"{name}.err", "wb"),
         env=one_thread_env(),
     )
 

@@ -100,25 +100,7 @@ def _start_services(
     """The aggregator of the job in ``work``/job.toml and its ``edges`` edge aggregators, then ``hosts`` agent
     processes sharing its ``clients`` clients out, each with an audit log of the uploads the broker
     confirmed."""
-    procs = [start_aggregator(url, work)]
-    for e in range(edges):
-        edge = ("aggregator", "run", "--tier", "edge", "--edge", str(e), "--broker", url)
-        where = (
-            "--config",
-            str(work / "job.toml"),
-            "--state-dir",
-            str(work / "state"),
-            "--log-level",
-            "warning",
-        )
-        procs.append(
-            subprocess.Popen(
-                fedmq_command(*edge, *where),
-                stdout=open(work / f"e{e}.out", "wb"),
-                stderr=open(work / f"e{e}.err", "wb"),
-                env=one_thread_env(),
-            )
-        )
+    procs = [start_aggregator(url, work), *(start_aggregator(url, work, e) for e in range(edges))]
     per = -(-clients // hosts)
     for h in range(hosts):
         lo, hi = h * per, min((h + 1) * per, clients)

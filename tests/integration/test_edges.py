@@ -12,18 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from fold_reference import fedavg, noisy_updates, same_bits
 from load_factor import budget
 
 from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.edge import Edge
 from fedmq.aggregator.engine import Engine
 from fedmq.aggregator.runlog import read_rounds
-from fedmq.aggregator.strategies.base import ClientUpdate
-from fedmq.aggregator.strategies.fedavg import FedAvg
 from fedmq.broker.transport import topology
 from fedmq.broker.transport.connect import connect
 from fedmq.broker.wire import messages
-from fedmq.broker.wire.encodings import EncodingSpec, decode_state, encode_state
 from fedmq.errors import FedmqError
 from fedmq.tasks.base import model_state
 
@@ -56,19 +54,6 @@ def _cfg(job: str, **extra) -> JobConfig:
     return JobConfig(**{**settings, **extra})
 
 
-def _updates(global_state: dict[str, torch.Tensor], job: str) -> dict[str, bytes]:
-    """Each agent's update of round 1: the model plus its own noise, with its own sample count."""
-    out = {}
-    for i, client in enumerate(AGENTS):
-        gen = torch.Generator().manual_seed(i)
-        state = {k: v + 1e-3 * torch.randn(v.shape, generator=gen) for k, v in global_state.items()}
-        env = messages.update(
-            job, 1, client, 0, 1.0, 1 + i % 7, encode_state(state, EncodingSpec.parse("raw"))
-        )
-        out[client] = messages.encode(env)
-    return out
-
-
 def _wait(what, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + budget(timeout)
     while not what() and time.monotonic() < deadline:
@@ -96,7 +81,7 @@ def _one_round(task, tmp_path: Path, name: str, order_seed: int) -> tuple[dict, 
         env = messages.presence(job, client, "online", -1)
         admin.publish(topology.rk_presence(job, client), messages.encode(env), message_id=env.msg_id)
     _wait(lambda: engine.phase == "training" and all(e.open is not None for e in edges))
-    bodies = _updates(engine.global_state, job)
+    bodies = noisy_updates(engine.global_state, job, AGENTS)
     order = list(AGENTS)
     random.Random(order_seed).shuffle(order)
     for client in order:
@@ -111,38 +96,16 @@ def _one_round(task, tmp_path: Path, name: str, order_seed: int) -> tuple[dict, 
     return dict(engine.global_state), list(rows[0].received), edges
 
 
-def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def _fedavg(task, start: dict, bodies: dict[str, bytes], order: list[str]) -> dict[str, torch.Tensor]:
-    strategy = FedAvg()
-    strategy.begin(start)
-    manifest = task.manifest(task.build_model(0))
-    for client in order:
-        env = messages.decode(bodies[client])
-        tensors = decode_state(env.payload["tensors"], manifest, start, as_delta=True)
-        strategy.fold(
-            ClientUpdate(
-                client,
-                env.payload["n_samples"],
-                {k: torch.from_numpy(v) for k, v in tensors.items()},
-                delta=True,
-            )
-        )
-    return strategy.finish()
-
-
 def test_edges_give_the_same_bits_in_any_arrival_order_and_one_aggregators_fedavg(task, tmp_path):
     runs = [_one_round(task, tmp_path, f"r{i}", seed) for i, seed in enumerate((1, 2))]
     for _, received, edges in runs:
         assert received == sorted(AGENTS)  # every update folded, none lost
         assert sum(e.partials for e in edges) == EDGES and all(e.ended for e in edges)
         assert all(e.inbox.held_peak == 1 for e in edges)  # each update spooled and acked before the next
-    assert _same_bits(runs[0][0], runs[1][0])
+    assert same_bits(runs[0][0], runs[1][0])
     start = {k: v.detach().clone().float() for k, v in model_state(task.build_model(0)).items()}
-    one = _fedavg(task, start, _updates(start, "edges-one"), sorted(AGENTS))
-    assert not _same_bits(runs[0][0], one)  # the sums associate differently: float32 rounding, no more
+    one = fedavg(task, start, noisy_updates(start, "edges-one", AGENTS), sorted(AGENTS))
+    assert not same_bits(runs[0][0], one)  # the sums associate differently: float32 rounding, no more
     for name, tensor in one.items():
         torch.testing.assert_close(runs[0][0][name], tensor, rtol=1e-6, atol=1e-7)
 

@@ -9,18 +9,15 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+from fold_reference import fedavg, noisy_updates, same_bits
 from load_factor import budget
 
 from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.engine import Engine
 from fedmq.aggregator.runlog import read_rounds
-from fedmq.aggregator.strategies.base import ClientUpdate
-from fedmq.aggregator.strategies.fedavg import FedAvg
 from fedmq.broker.transport import topology
 from fedmq.broker.transport.connect import connect
 from fedmq.broker.wire import messages
-from fedmq.broker.wire.encodings import EncodingSpec, decode_state, encode_state
 from fedmq.tasks.base import model_state
 
 M = 100
@@ -61,18 +58,6 @@ def _wait(what, timeout: float = 60.0) -> None:
     assert what()
 
 
-def _updates(global_state: dict[str, torch.Tensor], job: str) -> dict[str, bytes]:
-    """Each agent's update of round 1: the model plus its own noise, with its own sample count."""
-    out = {}
-    for i, client in enumerate(AGENTS):
-        gen = torch.Generator().manual_seed(i)
-        state = {k: v + 1e-3 * torch.randn(v.shape, generator=gen) for k, v in global_state.items()}
-        tensors = encode_state(state, EncodingSpec.parse("raw"))
-        env = messages.update(job, 1, client, 0, 1.0, 1 + i % 7, tensors)
-        out[client] = messages.encode(env)
-    return out
-
-
 def _publish(pub, job: str, bodies: dict[str, bytes], order: list[str]) -> None:
     for client in order:
         pub.publish(topology.rk_update(job, client), bodies[client])
@@ -100,15 +85,11 @@ def _one_round(task, tmp_path: Path, name: str, order_seed: int | None) -> tuple
     order = sorted(AGENTS)[::-1]
     if order_seed is not None:
         random.Random(order_seed).shuffle(order)
-    _publish(admin, job, _updates(engine.global_state, job), order)
+    _publish(admin, job, noisy_updates(engine.global_state, job, AGENTS), order)
     runner.join(timeout=budget(120))
     assert not runner.is_alive()
     rows = read_rounds(tmp_path / name).records
     return dict(engine.global_state), list(rows[0].received), engine.inbox.held_peak
-
-
-def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_shuffled_arrivals_give_the_same_bits_holding_one_update_at_a_time(task, tmp_path):
@@ -117,40 +98,22 @@ def test_shuffled_arrivals_give_the_same_bits_holding_one_update_at_a_time(task,
         assert received == sorted(AGENTS)  # folded in grant order, not in arrival order
         # every delivery was settled before the next was taken: the 99 that came early waited on the spool
         assert held_peak == 1
-    assert _same_bits(runs[1][0], runs[0][0]) and _same_bits(runs[2][0], runs[0][0])
+    assert same_bits(runs[1][0], runs[0][0]) and same_bits(runs[2][0], runs[0][0])
     # the check has teeth: the same updates summed in arrival order would not give these bits
     start = {k: v.detach().clone().float() for k, v in model_state(task.build_model(0)).items()}
-    bodies = _updates(start, "fold-order")
+    bodies = noisy_updates(start, "fold-order", AGENTS)
     mixed = list(AGENTS)
     random.Random(3).shuffle(mixed)
-    assert not _same_bits(_fedavg(task, start, bodies, mixed), _fedavg(task, start, bodies, sorted(AGENTS)))
+    assert not same_bits(fedavg(task, start, bodies, mixed), fedavg(task, start, bodies, sorted(AGENTS)))
 
 
-def _fedavg(task, start: dict, bodies: dict[str, bytes], order: list[str]) -> dict[str, torch.Tensor]:
-    strategy = FedAvg()
-    strategy.begin(start)
-    manifest = task.manifest(task.build_model(0))
-    for client in order:
-        env = messages.decode(bodies[client])
-        tensors = decode_state(env.payload["tensors"], manifest, start, as_delta=True)
-        strategy.fold(
-            ClientUpdate(
-                client,
-                env.payload["n_samples"],
-                {k: torch.from_numpy(v) for k, v in tensors.items()},
-                delta=True,
-            )
-        )
-    return strategy.finish()
-
-
-def test_a_restart_with_updates_waiting_on_the_spool_gives_the_same_bits(task, tmp_path):
+def test_a_restart_with_updates_waiting_on_the_spool_gives_thesame_bits(task, tmp_path):
     plain, _, _ = _one_round(task, tmp_path, "plain", 5)
     job = "fold-restart"
     url = f"memory://{job}"
     run = tmp_path / "restart"
     engine, runner, admin = _selected(task, url, job, run)
-    bodies = _updates(engine.global_state, job)
+    bodies = noisy_updates(engine.global_state, job, AGENTS)
     order = sorted(AGENTS)
     late, early = order[:10], order[10:]
     random.Random(5).shuffle(early)
@@ -167,4 +130,4 @@ def test_a_restart_with_updates_waiting_on_the_spool_gives_the_same_bits(task, t
     runner.join(timeout=budget(120))
     assert not runner.is_alive()
     assert list(read_rounds(run).records[0].received) == order
-    assert _same_bits(dict(again.global_state), plain)
+    assert same_bits(dict(again.global_state), plain)
