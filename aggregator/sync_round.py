@@ -252,23 +252,29 @@ class SyncRound:
             elif not (closing or client in self.gone):
                 return
 
-    def _fold_parked(self, strategy: Strategy, client: str) -> None:
-        """Fold a parked update, read back from the spool; one that is rejected is dropped from it."""
-        rnd = self.stats.round
-        body = self.ctx.spool.read_update(rnd, client)
+    # what the round folds, one message per fold unit: a client's update (a tiered round: an edge's partial)
+    unit_kind = Kind.UPDATE
+
+    def _fold_parked(self, strategy: Strategy, unit: str) -> None:
+        """Fold a parked message, read back from the spool; one that is rejected is dropped from it."""
+        rnd, what = self.stats.round, self.unit_kind.value
+        body = self.ctx.spool.read_update(rnd, unit)
         try:
             if body is None:
                 raise CodecError("spool", "file gone")
             env = messages.decode(body, limits=self.ctx.inbox.limits)
-        except CodecError as exc:  # a damaged spool file: the update is lost, the round goes on without it
-            log.warning("spooled update unreadable: left out", round=rnd, client=client, error=str(exc))
+        except CodecError as exc:  # a damaged spool file: the unit is lost, the round goes on without it
+            log.warning(f"spooled {what} unreadable: left out", round=rnd, unit=unit, error=str(exc))
             return
-        if env.client != client or env.round != rnd or env.kind is not Kind.UPDATE:
-            log.warning("spooled update is another's: left out", round=rnd, client=client)
+        if env.client != unit or env.round != rnd or env.kind is not self.unit_kind:
+            log.warning(f"spooled {what} is another's: left out", round=rnd, unit=unit)
         else:
             self._fold(strategy, env, body, parked=True)
-        if client not in self.stats.received:
-            self.ctx.spool.drop_update(rnd, client)
+        if not self._folded(unit):
+            self.ctx.spool.drop_update(rnd, unit)
+
+    def _folded(self, unit: str) -> bool:
+        return unit in self.stats.received
 
     def _fold(
         self,

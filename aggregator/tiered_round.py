@@ -22,9 +22,7 @@ from fedmq.aggregator.rounds import Arrival, RoundContext
 from fedmq.aggregator.strategies.base import Strategy
 from fedmq.aggregator.sync_round import SyncRound
 from fedmq.broker.transport import topology
-from fedmq.broker.wire import messages
 from fedmq.broker.wire.envelope import Envelope, Kind
-from fedmq.errors import CodecError
 
 log = structlog.get_logger(__name__)
 
@@ -36,11 +34,14 @@ EDGE_GRACE_S = 10.0
 class TieredRound(SyncRound):
     """The engine's open round with ``cfg.edges`` edge aggregators; its fold units are the edges."""
 
+    unit_kind = Kind.PARTIAL
+
     def __init__(self, ctx: RoundContext) -> None:
         super().__init__(ctx)
         self.routed: dict[str, list[str]] = {}  # edge name -> its granted clients, in fold order
         self.edge_index: dict[str, int] = {}
         self.done: set[str] = set()  # edges whose partial was folded or rejected
+        self.folded: set[str] = set()  # edges whose partial was folded
         self.deadline = 0.0
 
     def _route(self) -> None:
@@ -143,26 +144,13 @@ class TieredRound(SyncRound):
                     return
                 folded += 1
                 self.parked.discard(edge)
+                self.done.add(edge)
                 self._fold_parked(strategy, edge)
             elif not closing:
                 return
 
-    def _fold_parked(self, strategy: Strategy, edge: str) -> None:
-        rnd = self.stats.round
-        body = self.ctx.spool.read_update(rnd, edge)
-        self.done.add(edge)
-        try:
-            if body is None:
-                raise CodecError("spool", "file gone")
-            env = messages.decode(body, limits=self.ctx.inbox.limits)
-        except CodecError as exc:  # a damaged spool file: the edge's clients are lost, the round goes on
-            log.warning("spooled partial unreadable: left out", round=rnd, edge=edge, error=str(exc))
-            return
-        if env.client != edge or env.round != rnd or env.kind is not Kind.PARTIAL:
-            log.warning("spooled partial is another's: left out", round=rnd, edge=edge)
-            self.ctx.spool.drop_update(rnd, edge)
-        elif not self._fold(strategy, env, body, parked=True):
-            self.ctx.spool.drop_update(rnd, edge)
+    def _folded(self, unit: str) -> bool:
+        return unit in self.folded
 
     def _fold(  # type: ignore[override]
         self,
@@ -185,6 +173,7 @@ class TieredRound(SyncRound):
         arrival = Arrival(env, len(body), ctx.global_state, received=received, parked=parked)
         if not ctx.fold_partial(stats, strategy, arrival, set(self.routed[env.client])):
             return False
+        self.folded.add(env.client)
         if received is not None:
             ctx.spool.save_update(stats.round, env.client, body)
             ctx.inbox.ack(received)

@@ -5,10 +5,31 @@ from __future__ import annotations
 
 import torch
 
+from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.strategies.base import ClientUpdate
 from fedmq.aggregator.strategies.fedavg import FedAvg
 from fedmq.broker.wire import messages
 from fedmq.broker.wire.encodings import EncodingSpec, decode_state, encode_state
+
+
+def one_round_job(job: str, clients: int, **extra) -> JobConfig:
+    """A FedAvg job of one round with every client selected and deadlines that never close it first; raw
+    both ways, so the updates are folded as they were made and the sums' order is all that can differ."""
+    settings = dict(
+        job=job,
+        strategy="fedavg",
+        rounds=1,
+        clients=clients,
+        fraction=1.0,
+        heartbeat_s=600,
+        join_timeout_s=600,
+        report_deadline_s=600,
+        update_deadline_s=600,
+        identity="shared:guest",
+        encoding="raw",
+        down_encoding="raw",
+    )
+    return JobConfig(**{**settings, **extra})
 
 
 def noisy_updates(global_state: dict[str, torch.Tensor], job: str, agents: list[str]) -> dict[str, bytes]:

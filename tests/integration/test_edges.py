@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fold_reference import fedavg, noisy_updates, same_bits
+from fold_reference import fedavg, noisy_updates, one_round_job, same_bits
 from load_factor import budget
 
 from fedmq.aggregator.config import JobConfig
@@ -36,22 +36,7 @@ def task(tiny_lm):
 
 
 def _cfg(job: str, **extra) -> JobConfig:
-    settings = dict(
-        job=job,
-        strategy="fedavg",
-        rounds=1,
-        clients=M,
-        fraction=1.0,
-        heartbeat_s=600,
-        join_timeout_s=600,
-        report_deadline_s=600,
-        update_deadline_s=600,
-        identity="shared:guest",
-        encoding="raw",
-        down_encoding="raw",
-        edges=EDGES,
-    )
-    return JobConfig(**{**settings, **extra})
+    return one_round_job(job, M, **{"edges": EDGES, **extra})
 
 
 def _wait(what, timeout: float = 60.0) -> None:

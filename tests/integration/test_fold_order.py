@@ -9,10 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-from fold_reference import fedavg, noisy_updates, same_bits
+from fold_reference import fedavg, noisy_updates, one_round_job, same_bits
 from load_factor import budget
 
-from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.engine import Engine
 from fedmq.aggregator.runlog import read_rounds
 from fedmq.broker.transport import topology
@@ -30,20 +29,7 @@ def task(tiny_lm):
 
 
 def _start(task, url: str, job: str, run: Path) -> tuple[Engine, threading.Thread]:
-    cfg = JobConfig(
-        job=job,
-        strategy="fedavg",
-        rounds=1,
-        clients=M,
-        fraction=1.0,
-        heartbeat_s=600,
-        join_timeout_s=600,
-        report_deadline_s=600,
-        update_deadline_s=600,
-        identity="shared:guest",
-        encoding="raw",
-        down_encoding="raw",
-    )  # raw: the updates are folded as they were made, so the sums' order is all that can differ
+    cfg = one_round_job(job, M)
     broker = connect(url, user=topology.AGGREGATOR_USER)
     engine = Engine(broker, task, cfg, run, durable=False, evaluate=False)
     runner = threading.Thread(target=engine.run, daemon=True)
