@@ -276,6 +276,19 @@ class SyncRound:
     def _folded(self, unit: str) -> bool:
         return unit in self.stats.received
 
+    def _wrong_base(self, env: Envelope, received: Received | None, parked: bool) -> bool:
+        """Refuse (reject when live, count when parked) what was made from another version than the
+        current one; True if refused."""
+        ctx = self.ctx
+        if env.model_version == ctx.version:
+            return False
+        why = f"made from version {env.model_version}, current is {ctx.version}"
+        if received is not None:
+            ctx.inbox.reject(received.delivery, "wrong-base", why)
+        elif parked:
+            ctx.inbox.count_rejection("wrong-base", why)
+        return True
+
     def _fold(
         self,
         strategy: Strategy,
@@ -287,12 +300,7 @@ class SyncRound:
         """Fold one update: live ``received`` (then spooled and acked), or read back from the spool
         (``parked``: acked already, so a rejection is counted, not settled)."""
         ctx, stats = self.ctx, self.stats
-        if env.model_version != ctx.version:
-            why = f"trained from version {env.model_version}, current is {ctx.version}"
-            if received is not None:
-                ctx.inbox.reject(received.delivery, "wrong-base", why)
-            elif parked:
-                ctx.inbox.count_rejection("wrong-base", why)
+        if self._wrong_base(env, received, parked):
             return
         arrival = Arrival(env, len(body), ctx.global_state, received=received, parked=parked)
         update = ctx.fold(stats, strategy, arrival)

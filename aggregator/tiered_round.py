@@ -163,12 +163,7 @@ class TieredRound(SyncRound):
         """Fold one partial, live (``received``: then spooled and acked) or from the spool; True if folded."""
         ctx, stats = self.ctx, self.stats
         self.done.add(env.client)
-        if env.model_version != ctx.version:
-            why = f"summed from version {env.model_version}, current is {ctx.version}"
-            if received is not None:
-                ctx.inbox.reject(received.delivery, "wrong-base", why)
-            elif parked:
-                ctx.inbox.count_rejection("wrong-base", why)
+        if self._wrong_base(env, received, parked):
             return False
         arrival = Arrival(env, len(body), ctx.global_state, received=received, parked=parked)
         if not ctx.fold_partial(stats, strategy, arrival, set(self.routed[env.client])):
