@@ -3,6 +3,7 @@ its edges (aggregator.edge) both fold."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -41,11 +42,13 @@ def partial_message(
     version: int,
     part: PartialSum,
     clients: dict[str, list[Any]],
-    failed: list[str],
-    nbytes: list[int],
+    failed: dict[str, str],
+    nbytes: list[int] | None = None,
+    guard: dict[str, dict] | None = None,
 ) -> Envelope:
     """An edge's partial sum of round ``rnd`` (broker.wire.messages, "partial"); ``clients``: client ->
-    [loss, n_samples, update id] of each folded update (its weight comes from ``part``)."""
+    [loss, n_samples, update id] of each folded update (its weight comes from ``part``); ``failed``: client ->
+    why it was not folded; ``guard``: the edge's guard verdict (Verdict.record)."""
     return messages.partial(
         job,
         rnd,
@@ -56,14 +59,19 @@ def partial_message(
         part.count,
         {c: [float(part.terms.get(c, 0.0)), *facts] for c, facts in clients.items()},
         failed,
-        nbytes,
+        nbytes or [0, 0],
+        guard or {"dropped": {}, "capped": {}},
     )
 
 
 def decode_partial(env: Envelope, manifest: Manifest) -> PartialSum:
     """The partial sum a "partial" message carries, its tensors checked against ``manifest`` (CodecError)."""
     p = env.payload
-    sums = decode_state(p["tensors"], manifest, None)
+    # the sums are accumulators: float32 (float64 for a float64 tensor), whatever the model's dtype
+    wide = Manifest(
+        tuple(replace(t, dtype="float64" if t.dtype == "float64" else "float32") for t in manifest)
+    )
+    sums = decode_state(p["tensors"], wide, None)
     if set(p["weights"]) != set(sums):
         raise CodecError("bad-payload", "partial: weights and tensors name different tensors")
     return PartialSum(

@@ -44,7 +44,7 @@ from fedmq.aggregator.checkpoint_writer import CheckpointWriter
 from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.decoding import decode_partial, decode_update
 from fedmq.aggregator.guards import RoundGuard, Verdict, first_nonfinite
-from fedmq.aggregator.inbox import Inbox, Received
+from fedmq.aggregator.inbox import Inbox, Received, upload_prefetch, upload_reassembly
 from fedmq.aggregator.mediator import Mediator
 from fedmq.aggregator.model_stream import Forms, ModelStream
 from fedmq.aggregator.presence import Presence
@@ -63,9 +63,7 @@ from fedmq.aggregator.tiered_round import TieredRound
 from fedmq.broker.transport import topology
 from fedmq.broker.transport.base import Broker, ReassemblyLimits
 from fedmq.broker.transport.errors import Undeliverable
-from fedmq.broker.transport.queues import message_chunks
 from fedmq.broker.wire import messages
-from fedmq.broker.wire.chunk_frames import DEFAULT_CHUNK_LIMIT
 from fedmq.broker.wire.encodings import raw_nbytes
 from fedmq.broker.wire.envelope import Envelope, Kind, Limits
 from fedmq.broker.wire.malloc import release_free
@@ -80,7 +78,6 @@ from fedmq.train_config import TrainConfig
 
 log = structlog.get_logger(__name__)
 
-MAX_PREFETCH = 65535  # AMQP's prefetch-count is a 16-bit field
 RELEASE_EVERY = 16  # parkings and folds between two returns of the heap's free pages (broker.wire.malloc)
 
 
@@ -276,24 +273,13 @@ class Engine:
         self.broker.declare_job(self.cfg.job, [], model_bytes=self.manifest.message_bound, edges=edges)
 
     def _inbox_prefetch(self) -> int:
-        """Prefetch sized to the round: every chunk of every selected agent's update can be in flight.
-
-        A smaller window would make the broker layer ack chunks before their message is complete (to avoid a
-        deadlock), and a crash of this process would then lose those partially received, confirmed updates.
-        """
-        chunk_limit = getattr(self.broker, "chunk_limit", DEFAULT_CHUNK_LIMIT)
-        per_update = message_chunks(self.manifest.message_bound, chunk_limit)
-        return min(MAX_PREFETCH, max(64, self.cfg.most_selected() * per_update + 16))
+        """Every chunk of every selected update may be in flight (aggregator.inbox.upload_prefetch)."""
+        return upload_prefetch(self.broker, self.manifest.message_bound, self.cfg.most_selected())
 
     def _reassembly(self) -> ReassemblyLimits:
-        """Bounds on incomplete chunked updates, from the manifest: one is at most one update message; a
-        sender (routing key, i.e. agent) may have two pending (a restarted agent's new upload beside its dead
-        partial one); all together, two more than the agents that may upload at once."""
-        m = self.inbox.limits.max_message_bytes
+        """Bounds on incomplete chunked updates, from the manifest (aggregator.inbox.upload_reassembly)."""
         uploaders = self.cfg.clients if self.cfg.mode == "async" else self.cfg.most_selected()
-        return ReassemblyLimits(
-            max_message_size=m, max_pending_bytes=(uploaders + 2) * m, max_pending_per_sender=2 * m
-        )
+        return upload_reassembly(self.inbox.limits.max_message_bytes, uploaders)
 
     def status(self) -> dict[str, Any]:
         online = self.online()
@@ -501,9 +487,10 @@ class Engine:
         its edge, or does not fit the model, is rejected (when live) and False returned."""
         env, p = arrival.env, arrival.env.payload
         self.took_update()
-        clients, failed = set(p["clients"]), set(p["failed"])
+        clients, failed, guard = set(p["clients"]), set(p["failed"]), p["guard"]
+        judged = set(guard["dropped"]) | set(guard["capped"])
         try:
-            if not clients | failed <= routed or clients & failed:
+            if not clients | failed | judged <= routed or clients & failed:
                 raise CodecError("bad-partial", f"edge {env.client} names clients not routed to it")
             part = decode_partial(env, self.manifest)
             if set(part.terms) != clients:
@@ -522,15 +509,22 @@ class Engine:
                 stats.reported.setdefault(client, float(loss))
                 self.note_trained_from(client, env.model_version)
             stats.failed.update(failed)
+            for client, why in p["failed"].items():  # what the edge refused, counted here too
+                self.inbox.count_rejection(why, f"edge {env.client}: {client}")
+            stats.edge_verdict.dropped.update(guard["dropped"])
+            stats.edge_verdict.capped.update(guard["capped"])
             stats.bytes_up += p["bytes"][0]
             stats.bytes_up_raw += p["bytes"][1]
             return True
         self._refuse(arrival, reason, detail)
         return False
 
-    def tell_edge(self, stats: RoundStats, edge: int, clients: list[str], deadline_s: float) -> None:
+    def tell_edge(
+        self, stats: RoundStats, edge: int, clients: list[str], deadline_s: float, first: bool = True
+    ) -> None:
         """Send edge aggregator ``edge`` the round's clients routed to it, the time it waits for them and
-        where the exact model they trained from is (edge-round)."""
+        where the exact model they trained from is (edge-round); bytes_down counts the model it reads
+        (``first``: the first time in the round)."""
         entry = self.stream.exact(self.version, self.global_state)
         env = messages.edge_round(
             self.cfg.job, stats.round, self.version, clients, deadline_s, stats.strategy, entry
@@ -540,7 +534,7 @@ class Engine:
             self.broker.publish(topology.rk_edge(self.cfg.job, edge), body, message_id=env.msg_id)
         except Undeliverable as exc:  # its queue deleted: its clients' updates are lost for this round
             log.warning("edge unreachable: its clients' round is lost", edge=edge, error=str(exc))
-        stats.bytes_down += len(body)
+        stats.bytes_down += len(body) + (entry["bytes"] if first else 0)
 
     def decode_update(
         self, env: Envelope, base: State, staleness: int = 0, n_samples: int | None = None
@@ -576,6 +570,8 @@ class Engine:
         state: dict[str, Any] = {}
         if skipped is None:
             new, weights, verdict, skipped, state = self._finish_guarded(stats, strategy)
+            verdict.dropped.update(stats.edge_verdict.dropped)  # judged on the edges (aggregator.edge)
+            verdict.capped.update(stats.edge_verdict.capped)
         if skipped is None:
             if state:
                 self.strategy_state[stats.strategy] = state

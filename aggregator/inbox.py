@@ -12,7 +12,9 @@ import structlog
 from fedmq.aggregator.presence_budget import PresenceBudget
 from fedmq.broker.transport import topology
 from fedmq.broker.transport.base import Broker, Delivery, ReassemblyLimits, Subscription
+from fedmq.broker.transport.queues import message_chunks
 from fedmq.broker.wire import messages
+from fedmq.broker.wire.chunk_frames import DEFAULT_CHUNK_LIMIT
 from fedmq.broker.wire.envelope import Envelope, Kind, Limits
 from fedmq.errors import CodecError, FedmqError
 
@@ -23,6 +25,29 @@ AGENT_KINDS = (Kind.PRESENCE, Kind.REPORT, Kind.UPDATE)
 TIER_KINDS = (Kind.EDGE_ROUND, Kind.PARTIAL, Kind.END)
 ROOT_KINDS = (*AGENT_KINDS, Kind.PARTIAL)
 EDGE_KINDS = (Kind.UPDATE, Kind.EDGE_ROUND, Kind.END)
+
+
+MAX_PREFETCH = 65535  # AMQP's prefetch-count is a 16-bit field
+
+
+def upload_prefetch(broker: Broker, message_bound: int, uploaders: int) -> int:
+    """A consumer's prefetch sized to a round's uploads: every chunk of every uploader's update can be in
+    flight. A smaller window would make the broker layer ack chunks before their message is complete (to
+    avoid a deadlock), and a crash of this process would then lose those partially received, confirmed
+    updates."""
+    chunk_limit = getattr(broker, "chunk_limit", DEFAULT_CHUNK_LIMIT)
+    per_update = message_chunks(message_bound, chunk_limit)
+    return min(MAX_PREFETCH, max(64, uploaders * per_update + 16))
+
+
+def upload_reassembly(max_message_bytes: int, uploaders: int) -> ReassemblyLimits:
+    """Bounds on incomplete chunked updates: one is at most one update message; a sender (routing key, i.e.
+    agent) may have two pending (a restarted agent's new upload beside its dead partial one); all together,
+    two more than the agents that may upload at once."""
+    m = max_message_bytes
+    return ReassemblyLimits(
+        max_message_size=m, max_pending_bytes=(uploaders + 2) * m, max_pending_per_sender=2 * m
+    )
 
 
 @dataclass

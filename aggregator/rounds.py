@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from fedmq.aggregator.config import JobConfig
-from fedmq.aggregator.guards import RoundGuard
+from fedmq.aggregator.guards import RoundGuard, Verdict
 from fedmq.aggregator.inbox import Inbox, Received
 from fedmq.aggregator.mediator import Mediator
 from fedmq.aggregator.spool import RoundSpool
@@ -40,6 +40,8 @@ class RoundStats:
     # asynchronous: client -> the newest version its updates folded into this round trained from (the engine
     # keeps it once the round is published: Engine.folded_from)
     trained_from: dict[str, int] = field(default_factory=dict)
+    # two-tier aggregation: what the edges' guards decided of their clients (the root's own verdict is empty)
+    edge_verdict: Verdict = field(default_factory=Verdict)
     bytes_up: int = 0
     bytes_down: int = 0
     bytes_up_raw: int = 0
@@ -121,7 +123,9 @@ class RoundContext(Protocol):
         self, stats: RoundStats, strategy: Strategy, arrival: Arrival, routed: set[str]
     ) -> bool: ...
 
-    def tell_edge(self, stats: RoundStats, edge: int, clients: list[str], deadline_s: float) -> None: ...
+    def tell_edge(
+        self, stats: RoundStats, edge: int, clients: list[str], deadline_s: float, first: bool = True
+    ) -> None: ...
 
     def note_trained_from(self, client: str, version: int) -> None: ...
 

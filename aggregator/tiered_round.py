@@ -39,7 +39,9 @@ class TieredRound(SyncRound):
     def __init__(self, ctx: RoundContext) -> None:
         super().__init__(ctx)
         self.routed: dict[str, list[str]] = {}  # edge name -> its granted clients, in fold order
+        self.allowed: dict[str, set[str]] = {}  # edge name -> the clients its partial may name
         self.edge_index: dict[str, int] = {}
+        self.told: set[str] = set()  # edges told of this round (each reads the exact model once)
         self.done: set[str] = set()  # edges whose partial was folded or rejected
         self.folded: set[str] = set()  # edges whose partial was folded
         self.deadline = 0.0
@@ -51,6 +53,13 @@ class TieredRound(SyncRound):
             by_edge.setdefault(topology.edge_of(client, self.cfg.edges), []).append(client)
         self.routed = {topology.edge_name(e): by_edge[e] for e in sorted(by_edge)}
         self.edge_index = {topology.edge_name(e): e for e in by_edge}
+        # what a partial may name: also the clients left out since (unreachable after a restart), whose
+        # updates the edge may have folded before
+        self.allowed = {name: set(clients) for name, clients in self.routed.items()}
+        for client in self.stats.unreachable:
+            name = topology.edge_name(topology.edge_of(client, self.cfg.edges))
+            if name in self.allowed:
+                self.allowed[name].add(client)
 
     def _tell_edges(self, names: list[str] | None = None) -> None:
         """Tell the edges ``names`` (default: all of the round's) their clients still expected."""
@@ -59,7 +68,8 @@ class TieredRound(SyncRound):
             if name in self.done or name in self.parked:
                 continue
             clients = [c for c in self.routed[name] if c not in self.gone]
-            self.ctx.tell_edge(self.stats, self.edge_index[name], clients, left)
+            self.ctx.tell_edge(self.stats, self.edge_index[name], clients, left, name not in self.told)
+            self.told.add(name)
 
     def _collect(self, spooled_updates: list[str]) -> Strategy | None:
         """Reports and grants as in a synchronous round; then the edges' partial sums."""
@@ -71,8 +81,9 @@ class TieredRound(SyncRound):
             self._route()
             self.parked.update(u for u in spooled_updates if u in self.routed)
             self._fold_in_order(strategy, closing=self.closed)
-            if self.closed:
-                return strategy
+        if self.closed:  # it closed before the restart: with what its spool holds, and nothing more
+            return strategy
+        if strategy is not None:
             if self.saved_granted is not None:
                 self.deadline = now + cfg.update_deadline_s
             self._tell_edges()
@@ -166,7 +177,7 @@ class TieredRound(SyncRound):
         if self._wrong_base(env, received, parked):
             return False
         arrival = Arrival(env, len(body), ctx.global_state, received=received, parked=parked)
-        if not ctx.fold_partial(stats, strategy, arrival, set(self.routed[env.client])):
+        if not ctx.fold_partial(stats, strategy, arrival, self.allowed[env.client]):
             return False
         self.folded.add(env.client)
         if received is not None:

@@ -146,7 +146,6 @@ class Simulation:
                 cfg,
                 i,
                 self.run_dir,
-                durable=not memory,
             )
             for i in range(cfg.edges)
         ]
@@ -196,7 +195,7 @@ class Simulation:
                 queues = agg_broker.purge_job(cfg.job)
             agg_broker.close()
             if not memory and not self.keep_queues:
-                queues = self._delete_queues([SIM_HOST])
+                queues = self._delete_queues([SIM_HOST], cfg.edges)
         if self.failures:
             raise SimulationFailed(self.failures[0])
         summary["uploads_confirmed"] = sum(len(a.uploads) for a in self.agent_logs.values())
@@ -293,13 +292,13 @@ class Simulation:
         if self.engine is not None:
             self.engine.stop.set()
 
-    def _delete_queues(self, agents: list[str]) -> list[str] | None:
+    def _delete_queues(self, agents: list[str], edges: int = 0) -> list[str] | None:
         """A simulation's job exists only for the run: leave nothing on the broker (unless keep_queues).
         The names deleted; None when it could not."""
         from fedmq.broker.transport.provision import purge
 
         try:
-            deleted = purge(self.broker_url, self.cfg.job, agents)
+            deleted = purge(self.broker_url, self.cfg.job, agents, edges)
             log.info("deleted the job's queues", job=self.cfg.job, queues=len(deleted))
             return deleted
         except FedmqError as exc:

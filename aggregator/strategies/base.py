@@ -94,7 +94,8 @@ class Strategy(ABC):
     per_tensor_state: ClassVar[tuple[str, ...]] = ()
     # its aggregate is made of running sums that folding another's ``partial`` into (``fold_partial``) gives
     # exactly as folding its updates would, up to float rounding: two-tier aggregation (edge aggregators,
-    # docs/guide/edges.md) runs only such strategies. A subclass that overrides ``fold`` must say so again
+    # docs/guide/edges.md) runs only such strategies. FedAvg's subclasses have them unless they override
+    # ``fold`` or ``second_pass`` (then they say so themselves)
     partial_sums: ClassVar[bool] = False
 
     @classmethod

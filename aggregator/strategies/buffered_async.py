@@ -46,7 +46,6 @@ def staleness_weight(tau: int) -> float:
 class BufferedAsync(FedAvg):
     name: ClassVar[str] = "async"
     plan: ClassVar[RoundPlan] = RoundPlan(mode="async")
-    partial_sums: ClassVar[bool] = False  # its buffers fold arrivals with their staleness, at the root
 
     # buffer_size 5 (was 3): with the default 8 clients, 3 a version left most updates stale and the model
     # rose at version 2 (docs/guide/strategy.md "Defaults, as swept"); a job of fewer clients than that

@@ -39,6 +39,13 @@ class FedAvg(Strategy):
     name: ClassVar[str] = "fedavg"
     partial_sums: ClassVar[bool] = True
 
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        """A subclass that folds otherwise, or folds the round twice (second_pass), has no partial sums
+        unless it says so itself (base.Strategy.partial_sums)."""
+        super().__init_subclass__(**kwargs)
+        if ("fold" in vars(cls) or "second_pass" in vars(cls)) and "partial_sums" not in vars(cls):
+            cls.partial_sums = False
+
     def __init__(self) -> None:
         self._global: Mapping[str, torch.Tensor] | None = None
         self._sums: dict[str, WeightedSum] = {}

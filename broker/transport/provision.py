@@ -346,13 +346,14 @@ def check(url: str, job: str | None = None) -> dict[str, Any]:
     return info
 
 
-def purge(url: str, job: str, agents: list[str] | tuple[str, ...] = ()) -> list[str]:
-    """Delete the job's inbox, model stream and the given agents' (or hosts': their queues are named alike)
-    queues; the names deleted."""
+def purge(url: str, job: str, agents: list[str] | tuple[str, ...] = (), edges: int = 0) -> list[str]:
+    """Delete the job's inbox, model stream, the given agents' (or hosts': their queues are named alike)
+    queues and its ``edges`` edge aggregators' queues; the names deleted."""
     import pika
     import pika.exceptions as pe
 
-    specs = job_queues(job, tuple(agents), inbox=True, model_bytes=1)  # (any size: the names are what count)
+    # (any size: the names are what count)
+    specs = job_queues(job, tuple(agents), inbox=True, model_bytes=1, edges=tuple(range(edges)))
     names = [s.name for s in specs]
     parts = split_url(url)
     ctl = local_ctl(url)  # the URL's node, or one error line (never "purged" with the agents' queues left)

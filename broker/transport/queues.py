@@ -76,8 +76,10 @@ def message_chunks(model_bytes: int, chunk_limit: int) -> int:
 
 
 def edge_queue(job: str, edge: int) -> QueueSpec:
-    """Edge aggregator ``edge``'s queue (two-tier aggregation): a quorum queue, declared by the edge."""
-    return QueueSpec(t.q_edge(job, edge), dict(QUORUM), tuple(t.edge_bindings(job, edge)))
+    """Edge aggregator ``edge``'s queue (two-tier aggregation; the root and the edge declare it): the inbox's
+    arguments, so one edge of a number is active and a second waits as its hot standby, and a message that
+    kills its consumer again and again is dead-lettered."""
+    return QueueSpec(t.q_edge(job, edge), inbox_args(job), tuple(t.edge_bindings(job, edge)))
 
 
 def job_queues(

@@ -32,14 +32,16 @@ Every message is an Envelope (broker/wire/envelope.py); this module fixes the pa
 Two-tier aggregation (docs/guide/edges.md): a selected agent sends its update to its edge aggregator
 (the round config's ``edges``, topology.edge_of), not the inbox, and
 
-- edge-round  root -> one edge's queue, after the announce (again when some of its clients went offline)
+- edge-round  root -> one edge's queue, once the round's uploads are known (after the announce, or the grant;
+            again, with fewer clients, when some of its clients went offline)
             {"clients": the round's selected clients routed to this edge, "deadline_s": seconds it waits for
              them, "strategy": the round's strategy, "model": the announced version's exact form (an
              announce models entry)}
 - partial   edge -> inbox   what the edge folded of a round (aggregator.strategies.base.PartialSum):
             {"tensors": the sums, raw, "weights": {tensor: [Σ w, Σ w of delta terms]}, "count": the
              denominator's count, "clients": {client: [w, loss, n_samples, update msg id]}, "failed":
-             [clients whose update was rejected], "bytes": [wire bytes, raw bytes] of the folded updates}
+             {client: why its update was not folded}, "bytes": [wire bytes, raw bytes] of the folded
+             updates, "guard": the edge's guard verdict {"dropped": {client: why}, "capped": {client: n}}}
              envelope.client is the edge's name (e<i>)
 """
 
@@ -72,8 +74,9 @@ _FIELDS: dict[Kind, dict[str, tuple[type, ...]]] = {
         "weights": (dict,),
         "count": (float, int),
         "clients": (dict,),
-        "failed": (list,),
+        "failed": (dict,),
         "bytes": (list,),
+        "guard": (dict,),
     },
 }
 MAX_DEADLINE_S = 7 * 24 * 3600.0  # an edge-round's wait: a week at most
@@ -184,6 +187,7 @@ def _edge_round_ok(p: dict) -> bool:
     d = p["deadline_s"]
     return (
         all(isinstance(c, str) for c in p["clients"])
+        and len(set(p["clients"])) == len(p["clients"])
         and type(d) in (int, float)
         and 0 < d <= MAX_DEADLINE_S
         and _model_entry_ok(p["model"])
@@ -211,9 +215,14 @@ def _partial_ok(p: dict) -> bool:
         and all(number(x) for w in p["weights"].values() for x in w)
         and number(p["count"])
         and all(isinstance(c, str) and client_ok(v) for c, v in p["clients"].items())
-        and all(isinstance(c, str) for c in p["failed"])
+        and all(isinstance(c, str) and isinstance(why, str) for c, why in p["failed"].items())
         and len(p["bytes"]) == 2
         and all(type(x) is int and x >= 0 for x in p["bytes"])
+        and set(p["guard"]) == {"dropped", "capped"}
+        and isinstance(p["guard"]["dropped"], dict)
+        and isinstance(p["guard"]["capped"], dict)
+        and all(isinstance(c, str) and isinstance(w, str) for c, w in p["guard"]["dropped"].items())
+        and all(isinstance(c, str) and type(n) is int and n > 0 for c, n in p["guard"]["capped"].items())
     )
 
 
@@ -338,8 +347,9 @@ def partial(
     weights: dict[str, list[float]],
     count: float,
     clients: dict[str, list[Any]],
-    failed: list[str],
+    failed: dict[str, str],
     nbytes: list[int],
+    guard: dict[str, dict],
 ) -> Envelope:
     payload = {
         "tensors": tensors,
@@ -348,6 +358,7 @@ def partial(
         "clients": clients,
         "failed": failed,
         "bytes": nbytes,
+        "guard": guard,
     }
     return Envelope(Kind.PARTIAL, job, rnd, edge, version, payload)
 

@@ -154,15 +154,16 @@ def broker_purge(
     hosts: str | None = typer.Option(
         None, help="also the queues of these hosts: N (h0 to hN-1) or ids, comma separated"
     ),
+    edges: int = typer.Option(0, help="also the queues of edge aggregators e0 to eN-1"),
 ) -> None:
     """Delete the job's queues. Through rabbitmqctl (a broker on this machine) every queue of the job; else
-    the inbox, the model stream and the queues of the agents and hosts named.
+    the inbox, the model stream and the queues of the agents, hosts and edges named.
 
     Example: fedmq broker purge --job wt2 --hosts 4
     """
     from fedmq.broker.transport import provision
 
-    if agents < 0:
-        raise UsageError(f"--agents must be at least 0, got {agents}")
-    provision.purge(broker, job, [*(f"agent-{i}" for i in range(agents)), *_host_ids(hosts)])
+    if agents < 0 or edges < 0:
+        raise UsageError(f"--agents and --edges must be at least 0, got {agents} and {edges}")
+    provision.purge(broker, job, [*(f"agent-{i}" for i in range(agents)), *_host_ids(hosts)], edges)
     typer.echo(f"purged job {job}")

@@ -18,10 +18,12 @@ from load_factor import budget
 from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.edge import Edge
 from fedmq.aggregator.engine import Engine
+from fedmq.aggregator.inbox import Inbox
 from fedmq.aggregator.runlog import read_rounds
 from fedmq.broker.transport import topology
 from fedmq.broker.transport.connect import connect
 from fedmq.broker.wire import messages
+from fedmq.broker.wire.encodings import EncodingSpec, encode_state
 from fedmq.errors import FedmqError
 from fedmq.tasks.base import model_state
 
@@ -103,3 +105,78 @@ def test_a_strategy_that_needs_each_update_is_refused_with_edges_in_one_line(ext
     with pytest.raises(FedmqError) as err:
         _cfg("edges-refused", **extra)
     assert "edges" in str(err.value) and word in str(err.value) and "\n" not in str(err.value)
+
+
+class _Root:
+    """The root's side of one edge, played by the test: the exact model in the stream, edge-rounds, and the
+    partial sums the edge sends (read from the inbox)."""
+
+    def __init__(self, task, tmp_path: Path, job: str, clients: int) -> None:
+        self.url, self.job = f"memory://{job}", job
+        self.cfg = one_round_job(job, clients, edges=1)
+        self.me = connect(self.url, user=topology.AGGREGATOR_USER)
+        self.me.declare_job(job, [], model_bytes=1 << 20, edges=(0,))
+        self.state = {k: v.detach().clone().float() for k, v in model_state(task.build_model(0)).items()}
+        model = messages.model(job, 0, encode_state(self.state, EncodingSpec.parse("raw")))
+        body = messages.encode(model)
+        self.me.publish(topology.rk_model(job), body, message_id=model.msg_id)
+        self.entry = messages.model_entry(model, time.time() - 1, len(body))
+        self.inbox = Inbox(self.me, job, "shared:guest")
+        self.inbox.subscribe(topology.q_inbox(job))
+        self.edge = Edge(connect(self.url, user=topology.AGGREGATOR_USER), task, self.cfg, 0, tmp_path)
+        self.agent = connect(self.url)  # every client: identity shared:guest
+        self.bodies = noisy_updates(self.state, job, AGENTS)
+        self.thread = threading.Thread(target=self.edge.run, daemon=True)
+
+    def tell(self, rnd: int, clients: list[str]) -> None:
+        env = messages.edge_round(self.job, rnd, 0, clients, 600.0, "fedavg", self.entry)
+        self.me.publish(topology.rk_edge(self.job, 0), messages.encode(env), message_id=env.msg_id)
+
+    def upload(self, client: str, rnd: int = 1) -> None:
+        body = self.bodies[client]
+        if rnd != 1:  # the same update, claimed for another round
+            env = messages.decode(body)
+            body = messages.encode(messages.update(self.job, rnd, client, 0, 1.0, 1, env.payload["tensors"]))
+        self.agent.publish(topology.rk_edge_update(self.job, client, 0), body)
+
+    def partial(self) -> messages.Envelope:
+        got = self.inbox.next(budget(30))
+        assert got is not None and got.env.kind is messages.Kind.PARTIAL
+        return got.env
+
+    def close(self) -> None:
+        self.edge.stop.set()
+        self.thread.join(timeout=budget(30))
+
+
+def test_an_update_taken_before_its_client_went_offline_is_still_folded(task, tmp_path):
+    root = _Root(task, tmp_path, "edge-gone", M)
+    root.tell(1, ["agent-1", "agent-2"])
+    root.thread.start()
+    try:
+        root.upload("agent-1")
+        _wait(lambda: root.edge.open is not None and "agent-1" in root.edge.open.done)
+        root.tell(1, [])  # both went offline; agent-1's update was taken already
+        env = root.partial()
+        assert set(env.payload["clients"]) == {"agent-1"} and env.payload["failed"] == {}
+    finally:
+        root.close()
+
+
+def test_updates_far_ahead_of_the_round_are_dropped_and_an_early_one_for_the_next_round_is_kept(
+    task, tmp_path
+):
+    root = _Root(task, tmp_path, "edge-early", M)
+    root.upload("agent-9", 1000)  # the edge's first delivery: it becomes active
+    root.thread.start()
+    try:
+        for rnd in range(1001, 1020):
+            root.upload("agent-9", rnd)
+        root.upload("agent-3")  # round 1's, before round 1's edge-round: kept
+        _wait(lambda: root.edge.inbox.dropped["future-round"] == 20 and 1 in root.edge.early)
+        root.tell(1, ["agent-3"])
+        env = root.partial()
+        assert set(env.payload["clients"]) == {"agent-3"}
+        assert root.edge.early == {}  # nothing of round 1000 and later is held
+    finally:
+        root.close()

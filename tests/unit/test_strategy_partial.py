@@ -135,16 +135,36 @@ def _entry() -> dict:
     return messages.model_entry(env, 1.0, 10)
 
 
+NO_GUARD = {"dropped": {}, "capped": {}}
+
+
+def _partial(**change) -> messages.Envelope:
+    fields = {
+        "tensors": {},
+        "weights": {},
+        "count": 1.0,
+        "clients": {"c": [1.0, 0.5, 3, "id"]},
+        "failed": {"d": "wrong-base"},
+        "nbytes": [1, 2],
+        "guard": NO_GUARD,
+    }
+    fields.update(change)
+    return messages.partial("j", 1, "e0", 0, **fields)
+
+
 @pytest.mark.parametrize(
     "env",
     [
         messages.edge_round("j", 1, 0, ["c1"], 0.0, "fedavg", {}),
         messages.edge_round("j", 1, 0, [1], 10.0, "fedavg", {}),
-        messages.partial("j", 1, "e0", 0, {}, {"w": [1.0]}, 1.0, {}, [], [0, 0]),
-        messages.partial("j", 1, "e0", 0, {}, {"w": [-1.0, 0.0]}, 1.0, {}, [], [0, 0]),
-        messages.partial("j", 1, "e0", 0, {}, {}, float("nan"), {}, [], [0, 0]),
-        messages.partial("j", 1, "e0", 0, {}, {}, 1.0, {"c": [1.0, 0.5, 0, "id"]}, [], [0, 0]),
-        messages.partial("j", 1, "e0", 0, {}, {}, 1.0, {}, [], [0]),
+        _partial(weights={"w": [1.0]}),
+        _partial(weights={"w": [-1.0, 0.0]}),
+        _partial(count=float("nan")),
+        _partial(clients={"c": [1.0, 0.5, 0, "id"]}),
+        _partial(nbytes=[0]),
+        _partial(failed={"d": 1}),
+        _partial(guard={"dropped": {}}),
+        _partial(guard={"dropped": {}, "capped": {"c": 0}}),
     ],
 )
 def test_the_wire_refuses_a_malformed_edge_round_or_partial(env):
@@ -153,9 +173,14 @@ def test_the_wire_refuses_a_malformed_edge_round_or_partial(env):
     assert err.value.reason == "bad-payload"
 
 
+def test_an_edge_round_naming_a_client_twice_is_refused():
+    with pytest.raises(CodecError):
+        messages.encode(messages.edge_round("j", 1, 0, ["c1", "c1"], 10.0, "fedavg", _entry()))
+
+
 def test_a_well_formed_edge_round_and_partial_pass_and_round_configs_carry_edges():
     messages.encode(messages.edge_round("j", 1, 0, ["c1"], 10.0, "fedavg", _entry()))
-    messages.encode(messages.partial("j", 1, "e0", 0, {}, {}, 1.0, {"c": [1.0, 0.5, 3, "id"]}, ["d"], [1, 2]))
+    messages.encode(_partial(guard={"dropped": {"x": "norm"}, "capped": {"y": 4}}))
     cfg = JobConfig(edges=3).round_config()
     assert messages.RoundConfig.from_payload(cfg.to_payload()).edges == 3
     with pytest.raises(CodecError):
@@ -186,10 +211,43 @@ def test_a_partial_from_another_user_than_the_aggregators_is_refused():
     root.declare_job("pj", [])
     inbox = Inbox(root, "pj", "shared:guest")
     inbox.subscribe(topology.q_inbox("pj"))
-    env = messages.partial("pj", 1, "e0", 0, {}, {}, 1.0, {}, [], [0, 0])
+    env = messages.partial("pj", 1, "e0", 0, {}, {}, 1.0, {}, {}, [0, 0], NO_GUARD)
     intruder = connect(url, user="guest")
     intruder.publish(topology.rk_partial("pj", 0), messages.encode(env))
     root.publish(topology.rk_partial("pj", 0), messages.encode(env))
     got = inbox.next(5.0) or inbox.next(5.0)  # the intruder's is rejected on the way (next gives None)
     assert got is not None and got.env.kind is messages.Kind.PARTIAL
     assert inbox.rejected["identity-mismatch"] == 1
+
+
+def test_a_fedavg_subclass_that_folds_otherwise_or_twice_has_no_partial_sums_unless_it_says_so():
+    class Folds(FedAvg):
+        def fold(self, update: ClientUpdate) -> None:
+            super().fold(update)
+
+    class Twice(FedAvg):
+        def second_pass(self, exclude: frozenset[str] = frozenset()) -> dict | None:
+            return None
+
+    class Says(Folds):
+        partial_sums = True
+
+    class Weighs(FedAvg):  # a weight of its own: still a sum
+        def weight(self, update: ClientUpdate) -> float:
+            return 1.0
+
+    assert not Folds.partial_sums and not Twice.partial_sums
+    assert Says.partial_sums and Weighs.partial_sums
+
+
+def test_a_half_precision_models_partial_decodes_against_float32_sums():
+    from fedmq.aggregator.decoding import decode_partial, partial_message
+    from fedmq.manifest import Manifest
+
+    half = {k: v.half() for k, v in _global().items()}
+    edge = FedAvg()
+    edge.begin(half)
+    edge.fold(ClientUpdate("c0", 2, {k: 0.1 * torch.ones(s) for k, s in SHAPES.items()}, delta=True))
+    env = partial_message("j", 1, "e0", 0, edge.partial(), {"c0": [0.5, 2, "id"]}, {})
+    part = decode_partial(messages.decode(messages.encode(env)), Manifest.from_arrays(half))
+    assert part.sums["w"].dtype == torch.float32 and part.terms == {"c0": 2.0}
