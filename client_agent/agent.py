@@ -87,6 +87,7 @@ class Prepared:
     body: bytes
     msg_id: str
     sent: dict[str, torch.Tensor] | None = None  # the tensors sent (only when AgentLog.sent is kept)
+    edges: int = 0  # the round's edge aggregators (RoundConfig.edges): 0, the update goes to the inbox
 
 
 class AgentArgs(TypedDict, total=False):
@@ -375,7 +376,7 @@ class Agent:
             waits = (sync and cfg.grant) or "slow" in faults or "crash-grant" in faults
             if not waits:  # sent while paced: a broker that slows uploads then slows the training too
                 self._report(rnd, version, result)
-                self._upload(rnd, version, prepared, cfg.edges)
+                self._upload(rnd, version, prepared)
                 return
         if "slow" in faults:
             self.log.faults.append((rnd, "slow"))
@@ -386,7 +387,7 @@ class Agent:
         if "crash-grant" in faults:
             self.log.faults.append((rnd, "crash-grant"))
             raise Offline("fault: crashed after the grant", False)
-        self._upload(rnd, version, prepared, cfg.edges)
+        self._upload(rnd, version, prepared)
 
     def _report(self, rnd: int, version: int, result: TrainResult) -> None:
         self._send(
@@ -514,7 +515,7 @@ class Agent:
         else:
             self.store.drop(self.client, "model")
             self.version = messages.NO_VERSION
-        return Prepared(result, messages.encode(env), env.msg_id, sent)
+        return Prepared(result, messages.encode(env), env.msg_id, sent, cfg.edges)
 
     def _wait_grant(self, rnd: int) -> bool:
         """Wait for this round's grant; a newer announce means the round closed without us. A stop with
@@ -532,14 +533,14 @@ class Agent:
                 return False
         return False
 
-    def _upload(self, rnd: int, version: int, prepared: Prepared, edges: int = 0) -> None:
-        """Publish the update: to the inbox, or with ``edges`` to the edge aggregator that folds ours."""
+    def _upload(self, rnd: int, version: int, prepared: Prepared) -> None:
+        """Publish the update: to the inbox, or with edge aggregators to the one that folds ours."""
         body, msg_id = prepared.body, prepared.msg_id
         # the fault suite watches these two lines to kill an agent mid-upload (see tests/fault/fault_plan.py)
         log.info("uploading update", client=self.client, round=rnd, msg_id=msg_id, bytes=len(body))
         key = (
-            topology.rk_edge_update(self.job, self.client, topology.edge_of(self.client, edges))
-            if edges
+            topology.rk_edge_update(self.job, self.client, topology.edge_of(self.client, prepared.edges))
+            if prepared.edges
             else topology.rk_update(self.job, self.client)
         )
         self._publish(body, msg_id, key)
