@@ -61,8 +61,9 @@ def _cfg(job: str, rounds: int, clients: int, **settings) -> JobConfig:
         rounds=rounds,
         clients=clients,
         # a presence counts for three beats; on a busy machine the engine reads a flood's backlog more slowly,
-        # and an honest host's beat queued behind it must still be read within its window
-        heartbeat_s=budget(0.5),
+        # and an honest host's beat queued behind it must still be read within its window (three beats: 3 s on
+        # an idle machine, while the flood lasts FLOOD_S)
+        heartbeat_s=budget(1.0),
         join_timeout_s=20,
         report_deadline_s=8,
         update_deadline_s=8,
