@@ -254,8 +254,23 @@ def run_flower(python: Path, setting: Setting, module: str = "flower_app", name:
     ]
     env = {**os.environ, "RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     code, out, err, tree, used = _measured(cmd, env, setting.timeout)
-    rows = [json.loads(line) for line in out.splitlines() if line.startswith('{"round"')]
+    rows = round_rows(out)
     return _run(name, setting, (code, err, tree, used), rows, [r["end"] for r in rows])
+
+
+def round_rows(out: str) -> list[dict]:
+    """The rounds' JSON rows a Flower run printed. Ray's workers write their log lines to the same stdout,
+    and one may land in front of a row without a line break: a row is read from where it starts."""
+    rows = []
+    for line in out.splitlines():
+        at = line.find('{"round"')
+        if at < 0:
+            continue
+        try:
+            rows.append(json.loads(line[at:]))
+        except ValueError:
+            continue
+    return rows
 
 
 def bench_flower(

@@ -17,3 +17,17 @@ def test_the_bench_flower_side_starts_ray_workers_unreniced() -> None:
 
 def test_the_control_starts_ray_workers_unreniced() -> None:
     assert flower_control.backend_config()["init_args"]["_system_config"] == {"worker_niceness": 0}
+
+
+def test_a_round_row_behind_a_ray_log_line_on_the_same_line_is_read():
+    from fedmq.benchmarks.flower import round_rows
+
+    out = "\n".join(
+        [
+            '{"round": 1, "end": 1.0}',
+            '\x1b[92mINFO \x1b[0m:      configure{"round": 2, "end": 2.0}',
+            "INFO : something else",
+            '{"round": 3, "end": 3.0',  # cut short: not a row
+        ]
+    )
+    assert [r["round"] for r in round_rows(out)] == [1, 2]
