@@ -30,7 +30,12 @@ from fedmq.aggregator.guards import RoundGuard, Verdict
 from fedmq.aggregator.inbox import EDGE_KINDS, Inbox, Received, upload_prefetch, upload_reassembly
 from fedmq.aggregator.spool import RoundSpool
 from fedmq.aggregator.strategies.base import ClientUpdate, PartialSum, State, Strategy
-from fedmq.aggregator.strategies.registry import round_strategy, strategy_class, strategy_from_config
+from fedmq.aggregator.strategies.registry import (
+    round_strategy,
+    strategy_class,
+    strategy_extras,
+    strategy_from_config,
+)
 from fedmq.broker.transport import topology
 from fedmq.broker.transport.base import Broker
 from fedmq.broker.transport.errors import BrokerError
@@ -90,9 +95,7 @@ class Edge:
         self.broker, self.cfg, self.index = broker, cfg, index
         self.name = topology.edge_name(index)
         model = task.build_model(cfg.seed)
-        state = model_state(model)
-        hook = strategy_class(cfg.strategy).client_hook
-        extras = hook.extra_tensors(list(state)) if hook is not None else {}
+        extras = strategy_extras(cfg.strategy, list(model_state(model)))
         self.manifest: Manifest = task.manifest(model).extended(extras)
         self.inbox = Inbox(
             broker, cfg.job, cfg.identity, Limits.for_model(self.manifest.message_bound), kinds=EDGE_KINDS
@@ -284,7 +287,7 @@ class Edge:
         verdict = self.guard.verdict()
         if verdict:  # out of bounds: fold again without them, or with their weight capped
             log.warning("updates out of bounds: folded again", edge=self.name, **verdict.record())
-            rnd = self._refold(rnd, verdict)
+            self._refold(rnd, verdict)
         env = partial_message(
             self.cfg.job,
             rnd.round,
@@ -300,16 +303,14 @@ class Edge:
         log.info("partial sum sent", edge=self.name, round=rnd.round, folded=len(rnd.facts))
         self._forget(rnd.round)
 
-    def _refold(self, rnd: EdgeRound, verdict: Verdict) -> EdgeRound:
-        """``rnd`` folded again from the spool in the root's order, leaving the dropped out and capping n."""
-        _, strategy = strategy_from_config(rnd.strategy_name, self.cfg)
-        strategy.begin(rnd.base)
-        again = rnd
-        again.strategy, again.done, again.facts, again.nbytes = strategy, set(), {}, [0, 0]
+    def _refold(self, rnd: EdgeRound, verdict: Verdict) -> None:
+        """Fold ``rnd`` again from the spool in the root's order, leaving the dropped out and capping n."""
+        _, rnd.strategy = strategy_from_config(rnd.strategy_name, self.cfg)
+        rnd.strategy.begin(rnd.base)
+        rnd.done, rnd.facts, rnd.nbytes = set(), {}, [0, 0]
         for client in rnd.clients:
             if client in rnd.arrived and client not in verdict.dropped and client not in rnd.failed:
-                self._fold(again, client, n=verdict.capped.get(client))
-        return again
+                self._fold(rnd, client, n=verdict.capped.get(client))
 
     def _give_up(self, env: Envelope, why: str) -> None:
         """Tell the root at once that none of the round's clients can be folded here, and why."""

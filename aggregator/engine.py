@@ -57,7 +57,11 @@ from fedmq.aggregator.runlog import RunLog
 from fedmq.aggregator.spool import RoundSpool
 from fedmq.aggregator.strategies.base import ClientUpdate, State, Strategy
 from fedmq.aggregator.strategies.private import Private
-from fedmq.aggregator.strategies.registry import client_map, strategy_class, strategy_from_config
+from fedmq.aggregator.strategies.registry import (
+    client_map,
+    strategy_extras,
+    strategy_from_config,
+)
 from fedmq.aggregator.sync_round import SyncRound
 from fedmq.aggregator.tiered_round import TieredRound
 from fedmq.broker.transport import topology
@@ -135,8 +139,7 @@ class Engine:
         self.model = task.build_model(cfg.seed)
         self.global_state = {k: v.detach().clone().float() for k, v in model_state(self.model).items()}
         self.model_names = set(self.global_state)  # the task's tensors; the rest are the strategy's (extras)
-        hook = strategy_class(cfg.strategy).client_hook
-        extras = hook.extra_tensors(list(self.global_state)) if hook is not None else {}
+        extras = strategy_extras(cfg.strategy, list(self.global_state))
         self.global_state.update(
             {name: torch.zeros_like(self.global_state[like]) for name, like in extras.items()}
         )
@@ -470,15 +473,8 @@ class Engine:
                 stats.bytes_up += arrival.size
                 stats.bytes_up_raw += raw_nbytes(update.tensors)
                 return update
-        self._refuse(arrival, reason, detail)
+        self.inbox.refuse(arrival.received, arrival.parked, reason, detail)
         return None
-
-    def _refuse(self, arrival: Arrival, reason: str, detail: str) -> None:
-        """A bad update or partial sum: rejected when live, counted when it was acked already (parked)."""
-        if arrival.received is not None:
-            self.inbox.reject(arrival.received.delivery, reason, detail)
-        elif arrival.parked:
-            self.inbox.count_rejection(reason, detail)
 
     def fold_partial(self, stats: RoundStats, strategy: Strategy, arrival: Arrival, routed: set[str]) -> bool:
         """Fold an edge aggregator's partial sum (two-tier aggregation) of the clients ``routed`` to it: the
@@ -516,7 +512,7 @@ class Engine:
             stats.bytes_up += p["bytes"][0]
             stats.bytes_up_raw += p["bytes"][1]
             return True
-        self._refuse(arrival, reason, detail)
+        self.inbox.refuse(arrival.received, arrival.parked, reason, detail)
         return False
 
     def tell_edge(

@@ -211,6 +211,15 @@ class Inbox:
         self._out.discard(id(delivery))
         self.broker.reject(delivery, requeue=False)
 
+    def refuse(self, received: Received | None, parked: bool, reason: str, detail: str = "") -> None:
+        """A bad update (or partial sum) the engine took: rejected while its delivery is live, only counted
+        when it was acked already (``parked``: spooled ahead of its turn); read from an earlier run's spool,
+        neither."""
+        if received is not None:
+            self.reject(received.delivery, reason, detail)
+        elif parked:
+            self.count_rejection(reason, detail)
+
     def count_rejection(self, reason: str, detail: str = "", routing_key: str = "") -> None:
         """Count and log a rejected message; ``reject`` also settles its delivery (one acked already, as an
         update spooled ahead of its turn, is only counted)."""

@@ -208,7 +208,12 @@ class SyncRound:
             if env.client not in stats.received:  # rejected: later clients need not wait for it
                 stats.failed.add(env.client)
             return
-        ctx.spool.save_update(stats.round, env.client, msg.delivery.body)
+        self._park(msg)
+
+    def _park(self, msg: Received) -> None:
+        """Spool a message ahead of its turn as it came and ack it: it is folded from the spool in turn."""
+        ctx, env = self.ctx, msg.env
+        ctx.spool.save_update(self.stats.round, env.client, msg.delivery.body)
         self.parked.add(env.client)
         ctx.inbox.ack(msg)
         ctx.took_update()
@@ -283,10 +288,7 @@ class SyncRound:
         if env.model_version == ctx.version:
             return False
         why = f"made from version {env.model_version}, current is {ctx.version}"
-        if received is not None:
-            ctx.inbox.reject(received.delivery, "wrong-base", why)
-        elif parked:
-            ctx.inbox.count_rejection("wrong-base", why)
+        ctx.inbox.refuse(received, parked, "wrong-base", why)
         return True
 
     def _fold(

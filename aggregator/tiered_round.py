@@ -136,10 +136,7 @@ class TieredRound(SyncRound):
         if self._turn() == env.client or env.model_version != ctx.version:
             self._fold(strategy, env, msg.delivery.body, msg)
             return
-        ctx.spool.save_update(self.stats.round, env.client, msg.delivery.body)
-        self.parked.add(env.client)
-        ctx.inbox.ack(msg)
-        ctx.took_update()
+        self._park(msg)
 
     def _turn(self) -> str | None:
         return next((e for e in self.routed if e not in self.done), None)

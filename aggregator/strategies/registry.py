@@ -76,6 +76,13 @@ def strategy_class(name: str) -> type[Strategy]:
     return _CLASSES[name]
 
 
+def strategy_extras(name: str, names: list[str]) -> dict[str, str]:
+    """The tensors strategy ``name`` keeps beside the model of tensors ``names``, each named to the model
+    tensor it is shaped like (its client hook's extra_tensors; none without a hook)."""
+    hook = strategy_class(name).client_hook
+    return hook.extra_tensors(names) if hook is not None else {}
+
+
 def round_strategy(name: str, cfg: Any) -> str:
     """The strategy a round named ``name`` runs: a robust guard's where the job's (JobConfig.robust) replaces
     FedAvg."""
