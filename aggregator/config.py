@@ -21,7 +21,7 @@ from fedmq.aggregator.job_keys import (
     split_strategy_table,
 )
 from fedmq.aggregator.privacy_settings import PRIVACY_TABLE, privacy_problem
-from fedmq.broker.wire.messages import RoundConfig
+from fedmq.broker.wire.messages import MAX_SECAGG_CLIP, RoundConfig
 from fedmq.errors import BadParameter
 from fedmq.params import check_values, unknown_parameter
 from fedmq.plugins import is_import_path
@@ -97,6 +97,10 @@ FLAGS = {
     "target_epsilon": "--target-epsilon",
     "delta": "--delta",
     "edges": "--edges",
+    "secagg": "--secagg",
+    "secagg_clip": "--secagg-clip",
+    "secagg_corrupt": "--secagg-corrupt",
+    "secagg_dropout": "--secagg-dropout",
 }
 
 
@@ -202,6 +206,15 @@ class JobConfig:
     # two-tier aggregation (docs/guide/edges.md): 0, or the number of edge aggregators (`fedmq aggregator run
     # --tier edge`) that fold the updates of the clients routed to them into partial sums for this aggregator
     edges: int = 0
+    # secure aggregation (docs/guide/secure-aggregation.md): the aggregator learns only the sum of a round's
+    # updates (SecAgg+ over the job's queues); each client clips every coordinate of its update to
+    # [-secagg_clip, secagg_clip] before it quantizes and masks it; the graph of who shares with whom is
+    # chosen so that a client stays hidden while at most secagg_corrupt of the cohort collude with the server
+    # and the round completes while at most secagg_dropout of it drop out after sharing their keys
+    secagg: bool = False
+    secagg_clip: float = 10.0
+    secagg_corrupt: float = 0.1
+    secagg_dropout: float = 0.3
     # the strategy's own parameters: its constructor's keyword arguments (the job file's [strategy] table,
     # --strategy-arg KEY=VALUE), checked against its signature when the strategy is built
     strategy_args: dict[str, Any] = field(default_factory=dict)
@@ -231,6 +244,7 @@ class JobConfig:
         self._check_choices()
         self._check_privacy()
         self._check_edges()
+        self._check_secagg()
 
     def _check_names(self) -> None:
         """The job id, the encodings and the strategy name."""
@@ -370,6 +384,42 @@ class JobConfig:
         if self.dp != "none":
             _raise(f"{key('edges')}: {key('dp')} clips and noises each update at one aggregator; use one")
 
+    def _check_secagg(self) -> None:
+        """Secure aggregation: a synchronous strategy whose aggregate is a weighted mean of the updates, and
+        nothing else that needs to read one client's update."""
+        if not self.secagg:
+            return
+        from fedmq.aggregator.strategies.registry import STRATEGY_NAMES, round_strategy, strategy_class
+
+        if not 0 < self.secagg_clip <= MAX_SECAGG_CLIP:
+            _raise(f"{key('secagg_clip')} must be in (0, {MAX_SECAGG_CLIP:g}], got {self.secagg_clip}")
+        for name in ("secagg_corrupt", "secagg_dropout"):
+            if not 0 <= getattr(self, name) < 0.5:
+                _raise(f"{key(name)} must be in [0, 0.5), got {getattr(self, name)}")
+        name = round_strategy(self.strategy, self)
+        if self.mode == "async" or not strategy_class(name).secure_sum:
+            _raise(
+                f"{key('secagg')}: strategy {name!r} needs to read each client's update (it weighs, ranks, "
+                "buffers or clips them one by one); a secure sum runs: "
+                + ", ".join(n for n in STRATEGY_NAMES if strategy_class(n).secure_sum)
+            )
+        why = next(
+            (
+                what
+                for what, wrong in (
+                    (f"{key('beta')} < 1 grants uploads by each client's loss", self.beta < 1),
+                    (f"{key('robust')} {self.robust} reads every update", self.robust != "none"),
+                    (f"{key('dp')} {self.dp} is not built over secure sums yet", self.dp != "none"),
+                    (f"{key('edges')}: edge aggregators read their clients' updates", self.edges != 0),
+                    (f"{key('noise')} is FedAtt's", self.noise != 0),
+                )
+                if wrong
+            ),
+            None,
+        )
+        if why is not None:
+            _raise(f"{key('secagg')}: {why}")
+
     def _check_strategy_args(self) -> None:
         """The strategy's arguments: a table of parameters, and a built-in strategy's by name, from its
         constructor's signature (read without torch: aggregator.strategies.signatures); their values are the
@@ -473,6 +523,7 @@ class JobConfig:
             grant=self.grant_phase,
             keep_model=self.keep_model,
             edges=self.edges,
+            secagg_clip=self.secagg_clip if self.secagg else 0.0,
         )
 
     def to_dict(self) -> dict[str, Any]:

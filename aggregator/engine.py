@@ -54,6 +54,7 @@ from fedmq.aggregator.privacy_ledger import PrivacyLedger
 from fedmq.aggregator.records import ONLINE_NAMES, RoundRecord, guard_summary, no_round_completed
 from fedmq.aggregator.rounds import Arrival, RoundStats
 from fedmq.aggregator.runlog import RunLog
+from fedmq.aggregator.secure_round import SecureRound
 from fedmq.aggregator.spool import RoundSpool
 from fedmq.aggregator.strategies.base import ClientUpdate, State, Strategy
 from fedmq.aggregator.strategies.private import Private
@@ -206,7 +207,7 @@ class Engine:
             if self.cfg.mode == "async":
                 AsyncRounds(self).run()
             else:
-                runner = TieredRound if self.cfg.edges else SyncRound
+                runner = TieredRound if self.cfg.edges else SecureRound if self.cfg.secagg else SyncRound
                 while self.round <= self.cfg.rounds and not self.stop.is_set() and self.within_budget():
                     runner(self).run()
             self.writer.wait()
@@ -594,10 +595,11 @@ class Engine:
         self.writer.wait()
         self.runlog.append(record)
         self.writer.submit(self._checkpoint_write(stats.round))
-        if cfg.mode == "async" or (self.privacy is not None and self.noise_seed is None):
+        if cfg.mode == "async" or cfg.secagg or (self.privacy is not None and self.noise_seed is None):
             # on disk before the next round. Asynchronous mode resumes only its open buffer's spool. Secret
             # noise: a round folded again would not give the model the next round publishes, and two noised
-            # versions of one round would be two releases the accountant counts once
+            # versions of one round would be two releases the accountant counts once. A secure round cannot
+            # be folded again at all (aggregator.secure_round)
             self.writer.wait()
         self.last_row = row = record.to_json()
         if self.on_round:

@@ -36,6 +36,7 @@ from fedmq.broker.wire.envelope import Envelope, Kind
 from fedmq.broker.wire.messages import RoundConfig
 from fedmq.client_agent.availability import Availability, Faults
 from fedmq.client_agent.joining import decode_event, join, leave, publish_presence
+from fedmq.client_agent.secure_upload import SecureUpload, flat_change
 from fedmq.client_agent.state import MemoryStore
 from fedmq.client_agent.trainers import TrainerPool
 from fedmq.errors import CodecError, FedmqError
@@ -104,6 +105,9 @@ class AgentArgs(TypedDict, total=False):
 
 
 class Agent:
+    # one client's side of secure aggregation in a round (a subclass may send otherwise: the hostile tests)
+    secure_upload: type[SecureUpload] = SecureUpload
+
     def __init__(
         self,
         connect: Connect,
@@ -351,6 +355,11 @@ class Agent:
         if "cut" in faults:
             self.log.faults.append((rnd, "cut"))
             raise Offline("fault: connection cut", False)
+        # secure aggregation: the keys go out now, so that the cohort forms while the clients train
+        clip = cfg.secagg_clip
+        secure = self.secure_upload(self, rnd, version, clip, cfg.train.seed) if clip else None
+        if secure is not None:
+            secure.advertise()
         context = ClientContext(self.client, rnd, version, cfg.train.seed, self.groups)
         context.noise_seed = cfg.train.seed if self.seeded_noise else None
         for hook, _ in hooks:
@@ -372,8 +381,12 @@ class Agent:
                 result = self._train(model, start, cfg, rnd, crash="crash-train" in faults, hooks=hooks)
                 trained = self._trained_state(model)
             # the trainer is free again: the next client trains while this one encodes its update
-            prepared = self._prepare(trained, held, cfg, rnd, version, result, hooks=hooks)
-            waits = (sync and cfg.grant) or "slow" in faults or "crash-grant" in faults
+            if secure is not None:
+                change = flat_change(self._finish(trained, result, hooks), held)
+                self._keep(held, cfg, version)
+            else:
+                prepared = self._prepare(trained, held, cfg, rnd, version, result, hooks=hooks)
+            waits = secure is not None or (sync and cfg.grant) or "slow" in faults or "crash-grant" in faults
             if not waits:  # sent while paced: a broker that slows uploads then slows the training too
                 self._report(rnd, version, result)
                 self._upload(rnd, version, prepared)
@@ -382,12 +395,20 @@ class Agent:
             self.log.faults.append((rnd, "slow"))
             time.sleep(self.faults.slow_seconds)
         self._report(rnd, version, result)
+        if secure is not None:
+            secure.run(change, result, lambda: self._crash_after_grant(rnd, faults))
+            return
         if sync and cfg.grant and not self._wait_grant(rnd):
             return
+        self._crash_after_grant(rnd, faults)
+        self._upload(rnd, version, prepared)
+
+    def _crash_after_grant(self, rnd: int, faults: set[str]) -> None:
+        """The crash-grant fault: down after the grant, before the upload (under secure aggregation: after
+        sharing its keys, before the masked upload)."""
         if "crash-grant" in faults:
             self.log.faults.append((rnd, "crash-grant"))
             raise Offline("fault: crashed after the grant", False)
-        self._upload(rnd, version, prepared)
 
     def _report(self, rnd: int, version: int, result: TrainResult) -> None:
         self._send(
@@ -487,11 +508,7 @@ class Agent:
     ) -> Prepared:
         """Encode the update (before the grant, so the trainer and the global model can go) and keep what
         the job's algorithm needs for our next round."""
-        upload = trained
-        if hooks:
-            hooks[0][0].context.trained = trained  # one context, shared by the round's hooks
-        for hook, kept in hooks:
-            upload = hook.finish(upload, result, kept)
+        upload = self._finish(trained, result, hooks)
         unknown = set(upload) - set(held)
         if not upload or unknown:
             raise ClientHookError(
@@ -509,29 +526,49 @@ class Agent:
                 hook.sent(update, kept)
         env = messages.update(self.job, rnd, self.client, version, result.reported, result.n_samples, tensors)
         sent = {k: v.clone() for k, v in upload.items()} if self.log.sent is not None else None
+        self._keep(held, cfg, version)
+        return Prepared(result, messages.encode(env), env.msg_id, sent, cfg.edges)
+
+    def _finish(self, trained: State, result: TrainResult, hooks: Sequence[tuple[ClientHook, Kept]]) -> State:
+        """What the client hooks make of the trained model (ClientHook.finish): what is uploaded."""
+        upload = trained
+        if hooks:
+            hooks[0][0].context.trained = trained  # one context, shared by the round's hooks
+        for hook, kept in hooks:
+            upload = hook.finish(upload, result, kept)
+        return upload
+
+    def _keep(self, held: State, cfg: RoundConfig, version: int) -> None:
+        """Keep the model trained from until the next round where the job asks for it (cfg.keep_model)."""
         if cfg.keep_model:
             self.store.put(self.client, "model", version, held)
             self.version = version
         else:
             self.store.drop(self.client, "model")
             self.version = messages.NO_VERSION
-        return Prepared(result, messages.encode(env), env.msg_id, sent, cfg.edges)
 
     def _wait_grant(self, rnd: int) -> bool:
         """Wait for this round's grant; a newer announce means the round closed without us. A stop with
         ``finish_round`` set (`fedmq agent run` on SIGTERM, bounded by its --stop-grace) still waits: the
         round under way is finished."""
+        env = self._wait_for(Kind.GRANT, rnd)
+        return env is not None and self.client in env.payload["granted"]
+
+    def _wait_for(self, kind: Kind, rnd: int) -> Envelope | None:
+        """The next message ``kind`` of round ``rnd`` (a grant, a step of secure aggregation); None when a
+        newer announce came first (the round closed without us: we take part in the new one) or the agent
+        stops (a stop with ``finish_round`` set still waits)."""
         while not self.stop.is_set() or (self.finish_round and not self.finished):
             env = self._next(timeout=0.5)
             if env is None:
                 continue
-            if env.kind is Kind.GRANT and env.round == rnd:
-                return self.client in env.payload["granted"]
+            if env.kind is kind and env.round == rnd:
+                return env
             if env.kind is Kind.ANNOUNCE and env.round > rnd:
                 if not self.stop.is_set():
                     self._on_announce(env)  # our round closed without us; take part in the new one
-                return False
-        return False
+                return None
+        return None
 
     def _upload(self, rnd: int, version: int, prepared: Prepared) -> None:
         """Publish the update: to the inbox, or with edge aggregators to the one that folds ours."""

@@ -32,7 +32,7 @@ from fedmq.broker.transport.errors import BrokerError
 from fedmq.broker.wire import messages
 from fedmq.broker.wire.envelope import Envelope, Kind
 from fedmq.client_agent.agent import Agent, AgentArgs, AgentLog, ClientHookError, Offline
-from fedmq.client_agent.joining import decode_event, join, leave, publish_presence
+from fedmq.client_agent.joining import ROUND_STEPS, decode_event, join, leave, publish_presence
 from fedmq.client_agent.state import MemoryStore
 from fedmq.client_agent.trainers import TrainerPool
 from fedmq.errors import CodecError
@@ -119,6 +119,8 @@ class _Events:
 class Host:
     """Serves the clients numbered in ``clients`` ([start, stop) ranges) of ``job``; see the module docstring.
     Keyword arguments are the one-client Agent's, given to every client's round."""
+
+    agent_class: type[Agent] = Agent  # what runs a client's round (a subclass: the hostile tests)
 
     def __init__(
         self,
@@ -253,7 +255,7 @@ class Host:
             log.info("job finished: leaving", host=self.host, rounds=env.payload["rounds"])
             self.finished = True
             self.stop.set()
-        elif env.kind is Kind.GRANT:
+        elif env.kind in ROUND_STEPS:  # each running client reads what concerns it
             with self._lock:
                 for _, events, _ in self._running.values():
                     events.put(delivery)
@@ -310,7 +312,7 @@ class Host:
         number = self.number(client)
         if number is None or self._broker is None:  # not ours, or the host is between connections
             return False
-        agent = Agent(self.connect, self.job, client, number, self.task, **self._agent_args)
+        agent = self.agent_class(self.connect, self.job, client, number, self.task, **self._agent_args)
         agent.log = self.logs.setdefault(client, AgentLog())
         agent.version = self._holds.get(client, messages.NO_VERSION)
         agent.last_round = self._last_round.get(client, 0)

@@ -77,9 +77,15 @@ def publish_presence(
     )
 
 
+# what an agent's (or host's) queues carry: a round's steps after its announcement (a grant, secure
+# aggregation's) and the job's end
+ROUND_STEPS = (Kind.GRANT, Kind.SECAGG_COHORT, Kind.SECAGG_INBOX, Kind.SECAGG_UNMASK)
+AGENT_EVENTS = (Kind.ANNOUNCE, *ROUND_STEPS, Kind.END)
+
+
 def decode_event(body: bytes, job: str) -> Envelope:
     """An announcement, grant or end of ``job`` from an owner's queues; CodecError for anything else."""
     env = messages.decode(body)
-    if env.job != job or env.kind not in (Kind.ANNOUNCE, Kind.GRANT, Kind.END):
+    if env.job != job or env.kind not in AGENT_EVENTS:
         raise CodecError("unexpected", f"{env.kind.value} for job {env.job}")
     return env

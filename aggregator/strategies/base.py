@@ -97,6 +97,11 @@ class Strategy(ABC):
     # docs/guide/edges.md) runs only such strategies. FedAvg's subclasses have them unless they override
     # ``fold`` or ``second_pass`` (then they say so themselves)
     partial_sums: ClassVar[bool] = False
+    # its aggregate is a weighted mean of the clients' changes whose weight a client can compute itself (n_k,
+    # or 1): secure aggregation (docs/guide/secure-aggregation.md), where the aggregator learns only the sum,
+    # runs only such strategies. FedAvg's subclasses have it unless they override ``fold``, ``second_pass``,
+    # ``weight`` or ``count`` (then they say so themselves)
+    secure_sum: ClassVar[bool] = False
 
     @classmethod
     def from_config(cls, cfg: Any, **extra: Any) -> Strategy:

@@ -38,13 +38,23 @@ class FedAvg(Strategy):
 
     name: ClassVar[str] = "fedavg"
     partial_sums: ClassVar[bool] = True
+    secure_sum: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         """A subclass that folds otherwise, or folds the round twice (second_pass), has no partial sums
-        unless it says so itself (base.Strategy.partial_sums)."""
+        unless it says so itself (base.Strategy.partial_sums); one that also weighs otherwise, no secure sums
+        (base.Strategy.secure_sum)."""
         super().__init_subclass__(**kwargs)
-        if ("fold" in vars(cls) or "second_pass" in vars(cls)) and "partial_sums" not in vars(cls):
+        own = vars(cls)
+        if ("fold" in own or "second_pass" in own) and "partial_sums" not in own:
             cls.partial_sums = False
+        if any(m in own for m in ("fold", "second_pass", "weight", "count")) and "secure_sum" not in own:
+            cls.secure_sum = False
+
+    @property
+    def weighs_samples(self) -> bool:
+        """Whether w_k is n_k (else 1): what a client of a secure sum scales its update by."""
+        return True
 
     def __init__(self) -> None:
         self._global: Mapping[str, torch.Tensor] | None = None
@@ -142,9 +152,15 @@ class ServerStep(FedAvg):
     ``weighted`` (default) takes the n_k-weighted mean of the clients' changes, as FedAvg and Flower do;
     ``weighted=False`` the plain mean over the round's clients, as Reddi et al.'s Algorithm 2 writes it."""
 
+    secure_sum: ClassVar[bool] = True
+
     def __init__(self, weighted: bool = True) -> None:
         super().__init__()
         self.weighted = weighted
+
+    @property
+    def weighs_samples(self) -> bool:
+        return self.weighted
 
     def weight(self, update: ClientUpdate) -> float:
         return super().weight(update) if self.weighted else 1.0

@@ -49,6 +49,15 @@ class Kind(StrEnum):
     END = "end"
     EDGE_ROUND = "edge-round"
     PARTIAL = "partial"
+    # secure aggregation (fedmq.secagg.payloads): client -> aggregator
+    SECAGG_KEYS = "secagg-keys"
+    SECAGG_SHARES = "secagg-shares"
+    MASKED = "masked"
+    SECAGG_ANSWER = "secagg-answer"
+    # aggregator -> the round's clients
+    SECAGG_COHORT = "secagg-cohort"
+    SECAGG_INBOX = "secagg-inbox"
+    SECAGG_UNMASK = "secagg-unmask"
 
 
 _KINDS = tuple(k.value for k in Kind)

@@ -55,10 +55,12 @@ from fedmq import client_map, train_config
 from fedmq.broker.wire.encodings import EncodingSpec
 from fedmq.broker.wire.envelope import Envelope, Kind, Limits, pack, unpack
 from fedmq.errors import CodecError
+from fedmq.secagg import payloads
 from fedmq.train_config import TrainConfig
 
 NO_VERSION = -1
 MAX_EDGES = 4096  # edge aggregators of one job
+MAX_SECAGG_CLIP = 1e6  # a secure sum's clipping range c: coordinates of an update within [-c, c]
 
 _FIELDS: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.PRESENCE: {"state": (str,), "holds": (int,)},
@@ -79,6 +81,7 @@ _FIELDS: dict[Kind, dict[str, tuple[type, ...]]] = {
         "guard": (dict,),
     },
 }
+_FIELDS.update({Kind(kind): fields for kind, fields in payloads.FIELDS.items()})
 MAX_DEADLINE_S = 7 * 24 * 3600.0  # an edge-round's wait: a week at most
 
 
@@ -97,6 +100,9 @@ class RoundConfig:
     grant: bool  # wait for a grant after reporting before uploading
     keep_model: bool  # keep the model trained from: the base of delta pushes, and pull-down's values
     edges: int = 0  # two-tier aggregation: upload to edge topology.edge_of(client, edges); 0: to the inbox
+    # secure aggregation: the clipping range c of every coordinate of the update (fedmq.secagg.quantize); the
+    # client masks its update (client_agent.secure_upload) instead of uploading it. 0: off
+    secagg_clip: float = 0.0
 
     def to_payload(self) -> dict[str, Any]:
         payload = {
@@ -107,6 +113,8 @@ class RoundConfig:
         }
         if self.edges:
             payload["edges"] = self.edges
+        if self.secagg_clip:
+            payload["secagg_clip"] = self.secagg_clip
         return payload
 
     @classmethod
@@ -133,7 +141,11 @@ class RoundConfig:
         edges = payload.get("edges", 0)
         if type(edges) is not int or not 0 <= edges <= MAX_EDGES:
             raise CodecError("bad-payload", f"announce config: edges must be whole, in [0, {MAX_EDGES}]")
-        return cls(train, payload["encoding"], payload["grant"], payload["keep_model"], edges)
+        clip = payload.get("secagg_clip", 0.0)
+        if type(clip) not in (int, float) or not 0 <= clip <= MAX_SECAGG_CLIP:
+            why = f"announce config: secagg_clip must be in [0, {MAX_SECAGG_CLIP:g}]"
+            raise CodecError("bad-payload", why)
+        return cls(train, payload["encoding"], payload["grant"], payload["keep_model"], edges, float(clip))
 
 
 def check_payload(env: Envelope) -> Envelope:
@@ -176,6 +188,8 @@ def check_payload(env: Envelope) -> Envelope:
         raise CodecError(
             "bad-payload", "edge-round needs client ids, a deadline in (0, a week] and a model entry"
         )
+    if env.kind.value in payloads.FIELDS:
+        payloads.check(env.kind.value, payload)
     if env.kind is Kind.PARTIAL and not _partial_ok(payload):
         raise CodecError(
             "bad-payload", "partial needs [w, w_delta] per tensor, a count, [w, loss, n, id] per client"
@@ -361,6 +375,12 @@ def partial(
         "guard": guard,
     }
     return Envelope(Kind.PARTIAL, job, rnd, edge, version, payload)
+
+
+def secagg(kind: Kind, job: str, rnd: int, sender: str, version: int, payload: dict[str, Any]) -> Envelope:
+    """A message of secure aggregation (fedmq.secagg.payloads builds its payload); ``sender``: the client, or
+    "aggregator"."""
+    return Envelope(kind, job, rnd, sender, version, payload)
 
 
 def end(job: str, version: int, rounds: int) -> Envelope:

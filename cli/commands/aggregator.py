@@ -62,6 +62,12 @@ def aggregator_run(
     edges: int | None = typer.Option(
         None, envvar="FEDMQ_EDGES", help="the job's edge aggregators (two-tier aggregation; 0: none)"
     ),
+    secagg: bool | None = typer.Option(
+        None,
+        "--secagg/--no-secagg",
+        envvar="FEDMQ_SECAGG",
+        help="secure aggregation: learn only the sum of a round's updates (secagg_* keys in --config)",
+    ),
     print_config: bool = typer.Option(False, help="print the resolved, validated config as JSON and exit"),
 ) -> None:
     """Run the aggregator service until the job's rounds are done (resumes from --state-dir).
@@ -88,6 +94,7 @@ def aggregator_run(
                 "clients": clients,
                 "fraction": fraction,
                 "edges": edges,
+                "secagg": secagg,
             },
         )
     )

@@ -1,0 +1,126 @@
+"""A client's side of secure aggregation in one synchronous round (docs/guide/secure-aggregation.md): it
+sends its masked update instead of its update, and the aggregator learns only the sum of the survivors'.
+
+The steps, each answering the aggregator's (aggregator.secure_round; payloads: fedmq.secagg.payloads):
+
+1. on the announcement, before training: advertise two fresh public keys (secagg-keys), so that the cohort
+   forms while the clients train;
+2. after training and the report: on the cohort (secagg-cohort), share its secrets with its neighbours
+   (secagg-shares, each share encrypted to its holder);
+3. on its inbox (secagg-inbox: its neighbours' shares, and n_max): clip the change it trained to [-c, c],
+   weigh it by w = min(n_k, n_max) / n_max (1 where the strategy weighs clients equally), quantize it and w
+   to b bits, mask it and upload it on its update key (masked);
+4. on the unmasking request (secagg-unmask): send the shares it holds that the aggregator may have
+   (secagg-answer).
+
+A step of another round is ignored; a newer announcement ends this round for the client, as one that does not
+grant it. Anything the core refuses (a roster without its keys, a neighbour's share that does not decrypt, a
+request that would unmask one client) is logged with what it names, and the client sits the rest of the round
+out: the aggregator then counts it as dropped and rebuilds what it needs from the other clients' shares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+import structlog
+import torch
+
+from fedmq.broker.transport import topology
+from fedmq.broker.wire import messages
+from fedmq.broker.wire.envelope import Kind
+from fedmq.errors import SecAggError
+from fedmq.hooks import stable_seed
+from fedmq.secagg import payloads
+from fedmq.secagg.masking import MaskingClient
+from fedmq.secagg.quantize import Quantizer
+from fedmq.tasks.base import TrainResult
+
+if TYPE_CHECKING:
+    from fedmq.client_agent.agent import Agent
+
+log = structlog.get_logger(__name__)
+
+
+def context(job: str, rnd: int, version: int) -> str:
+    """What names one secure sum: every key and encrypted share of it depends on it."""
+    return f"{job}/round-{rnd}/v{version}"
+
+
+def flat_change(upload: Mapping[str, torch.Tensor], held: Mapping[str, torch.Tensor]) -> np.ndarray:
+    """The update as one float32 vector: upload − held, tensor by tensor in the order of their names (the
+    aggregator reads the sum back in the same order: aggregator.secure_round.unflatten)."""
+    return np.concatenate([(upload[k].float() - held[k].float()).reshape(-1).numpy() for k in sorted(held)])
+
+
+class SecureUpload:
+    """One client's secure aggregation in round ``rnd`` (module docstring)."""
+
+    def __init__(self, agent: Agent, rnd: int, version: int, clip: float, seed: int) -> None:
+        self.agent, self.rnd, self.version, self.clip = agent, rnd, version, clip
+        self.seed = seed  # the job's: the stochastic rounding repeats in a seeded run
+        self.masking = MaskingClient(agent.client, context(agent.job, rnd, version))
+
+    def advertise(self) -> None:
+        """Step 1: c_u^PK and s_u^PK."""
+        self._send(Kind.SECAGG_KEYS, payloads.keys_payload(self.masking.advertise()))
+
+    def run(
+        self, change: np.ndarray, result: TrainResult, before_upload: Callable[[], None] = lambda: None
+    ) -> bool:
+        """Steps 2–4 for the trained ``change`` (flat_change); True once the client answered the unmasking
+        request. ``before_upload`` runs between its inbox and its masked upload (the agent's fault there
+        takes it down after it shared its keys: the dropout the protocol recovers from)."""
+        try:
+            return self._run(change, result, before_upload)
+        except SecAggError as exc:
+            self.agent.log.faults.append((self.rnd, f"secagg {exc.reason}: {exc}"))
+            log.warning(
+                "secure aggregation refused: sitting the round out",
+                client=self.agent.client,
+                round=self.rnd,
+                reason=exc.reason,
+                detail=str(exc),
+            )
+            return False
+
+    def _run(self, change: np.ndarray, result: TrainResult, before_upload: Callable[[], None]) -> bool:
+        agent = self.agent
+        env = agent._wait_for(Kind.SECAGG_COHORT, self.rnd)
+        if env is None or agent.client not in env.payload["members"]:
+            return False  # the round went on without us (our keys came too late)
+        cohort, roster = payloads.cohort(env.payload)
+        quantizer = Quantizer(self.clip, env.payload["bits"], len(cohort.members))
+        self._send(Kind.SECAGG_SHARES, payloads.shares_payload(self.masking.share_keys(cohort, roster)))
+        env = agent._wait_for(Kind.SECAGG_INBOX, self.rnd)
+        if env is None or agent.client not in env.payload["inboxes"]:
+            return False
+        before_upload()
+        n_max = env.payload["max_samples"]
+        weight = 1.0 if n_max == 0 else min(result.n_samples, n_max) / n_max
+        rng = np.random.default_rng(stable_seed(self.seed, agent.client, self.rnd, "secagg"))
+        from fedmq.client_agent.agent import Prepared  # the agent imports this module
+
+        x = quantizer.encode_weighted(change, weight, rng)
+        masked = self.masked(x, env.payload["inboxes"][agent.client])
+        up = messages.secagg(
+            Kind.MASKED, agent.job, self.rnd, agent.client, self.version, payloads.masked_payload(masked)
+        )
+        agent._upload(self.rnd, self.version, Prepared(result, messages.encode(up, level=0), up.msg_id))
+        env = agent._wait_for(Kind.SECAGG_UNMASK, self.rnd)
+        if env is None:
+            return False
+        answer = self.masking.unmask(payloads.unmask_request(env.payload))
+        self._send(Kind.SECAGG_ANSWER, payloads.answer_payload(answer))
+        return True
+
+    def masked(self, x: np.ndarray, inbox: Mapping[str, bytes]) -> np.ndarray:
+        """The quantized input ``x`` masked with the pairwise masks of the neighbours in ``inbox``."""
+        return self.masking.mask(x, inbox)
+
+    def _send(self, kind: Kind, payload: dict) -> None:
+        agent = self.agent
+        env = messages.secagg(kind, agent.job, self.rnd, agent.client, self.version, payload)
+        agent._send(env, topology.rk_report(agent.job, agent.client))

@@ -1,0 +1,267 @@
+"""Secure aggregation over the real RabbitMQ: an aggregator and two hosts of clients run synchronous rounds
+with `secagg = true`, and the model is held against the same job run in the clear.
+
+- the unmasked mean equals the plain FedAvg mean within the quantization bound;
+- with 30 % of the cohort gone after sharing their keys, or after their masked upload, the round completes
+  with the survivors' sum (equal to a plain run whose same clients drop);
+- with fewer survivors than t the round is skipped in one line and the model is left as it was;
+- a client's masked vector, as the aggregator holds it, passes a chi-square test of uniformity (its quantized
+  input, the control, does not);
+- a hostile client that sends a wrong-length vector is rejected by name and counted as dropped; one that
+  sends a neighbour a damaged share is named by that neighbour, which sits the round out; one that answers the
+  unmasking with a wrong share is named by the aggregator, which rebuilds the secret from the others: in
+  every case the sum is the honest survivors' (never a silent wrong sum).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from load_factor import budget
+
+from fedmq.aggregator.config import JobConfig
+from fedmq.aggregator.engine import Engine
+from fedmq.aggregator.runlog import read_rounds
+from fedmq.broker.transport.connect import connect
+from fedmq.client_agent.agent import Agent
+from fedmq.client_agent.availability import Faults
+from fedmq.client_agent.host import Host
+from fedmq.client_agent.secure_upload import SecureUpload
+from fedmq.secagg import payloads
+from fedmq.secagg.messages import UnmaskShares
+from fedmq.secagg.quantize import Quantizer
+from fedmq.secagg.shamir import Share
+
+CLIENTS = 10
+HOSTS = {"h0": [(0, 5)], "h1": [(5, 10)]}
+CLIP = 4.0
+
+
+@pytest.fixture(scope="module")
+def task(tiny_lm):
+    return tiny_lm(CLIENTS)
+
+
+def _job(job: str, **extra) -> JobConfig:
+    settings = dict(
+        job=job,
+        strategy="fedavg",
+        rounds=1,
+        clients=CLIENTS,
+        fraction=1.0,
+        heartbeat_s=1.0,
+        join_timeout_s=120,
+        # a round with clients gone waits for them until its deadlines (an honest client of this model takes
+        # well under a second to train and mask)
+        report_deadline_s=budget(30),
+        update_deadline_s=budget(15),
+        identity="shared:guest",
+        encoding="raw",
+        down_encoding="raw",
+        max_steps=2,
+        batch_size=4,
+        lr=1.0,
+        secagg_clip=CLIP,
+    )
+    return JobConfig(**{**settings, **extra})
+
+
+@dataclass
+class Dropping(Faults):
+    """crash-grant for the clients named, in round 1 only: under secure aggregation they go down after
+    sharing their keys, before their masked upload; in the clear, before their upload."""
+
+    clients: tuple[str, ...] = ()
+
+    def draw(self, client: str, rnd: int) -> set[str]:
+        return {"crash-grant"} if rnd == 1 and client in self.clients else set()
+
+
+def _run(task, cfg: JobConfig, url: str, run_dir: Path, agent_class: type[Agent] = Agent, **agent_kw):
+    """The aggregator and two hosts (threads, one connection each) over ``url``, run to the job's end: the
+    engine (``initial``: its model before round 1), its summary and the hosts."""
+    engine = Engine(connect(url), task, cfg, run_dir, durable=False, evaluate=False)
+    engine.initial = {k: v.clone() for k, v in engine.global_state.items()}
+    engine.declare()
+    hosts = []
+    for name, ranges in HOSTS.items():
+        host = Host(
+            lambda: connect(url),
+            cfg.job,
+            name,
+            ranges,
+            task,
+            heartbeat_s=cfg.heartbeat_s,
+            rejoin_s=600,
+            **agent_kw,
+        )
+        host.agent_class = agent_class
+        hosts.append(host)
+    threads = [threading.Thread(target=h.run, daemon=True) for h in hosts]
+    for t in threads:
+        t.start()
+    try:
+        summary = engine.run()
+    finally:
+        for h in hosts:
+            h.stop.set()
+        for t in threads:
+            t.join(timeout=budget(20))
+        engine.broker.close()
+    return engine, summary, hosts
+
+
+def _rows(engine: Engine) -> list:
+    return list(read_rounds(engine.run_dir).records)
+
+
+def _bound(cfg: JobConfig, n: int) -> float:
+    """How far a secure mean of n of the cohort's inputs may be from the mean of their clipped updates, per
+    coordinate: the sum's error n · step over Σ w ≥ n · min w (every client's w ≥ its n_k / n_max here)."""
+    q = Quantizer.for_clients(n, cfg.secagg_clip)
+    return (
+        4 * q.step
+    )  # Σ w ≥ n/4 for these shards, so (n · step) / Σ w ≤ 4 · step; and the weight's own rounding
+
+
+def _close(a: Engine, b: Engine, atol: float) -> None:
+    for name, value in a.global_state.items():
+        torch.testing.assert_close(value, b.global_state[name], rtol=0, atol=atol)
+
+
+def test_the_unmasked_mean_equals_the_plain_mean(task, rabbit_url, job_id, tmp_path):
+    secure, summary, _ = _run(task, _job(job_id, secagg=True), rabbit_url, tmp_path / "secure")
+    plain, *_ = _run(task, _job(job_id + "p"), rabbit_url, tmp_path / "plain")
+    [row] = _rows(secure)
+    assert not row.skipped and len(row.received) == CLIENTS
+    assert secure.version == plain.version == 1
+    # the models differ (the training moved them), and agree within the quantization bound
+    moved = max(float((secure.global_state[k] - v).abs().max()) for k, v in secure.initial.items())
+    assert moved > 100 * _bound(secure.cfg, CLIENTS)
+    _close(secure, plain, _bound(secure.cfg, CLIENTS) + 1e-6)
+    assert summary["rejected"] == {}
+
+
+@pytest.mark.parametrize("when", ["after-sharing", "after-masking"])
+def test_a_cohort_that_loses_30_percent_completes_with_the_survivors(
+    task, rabbit_url, job_id, tmp_path, when
+):
+    gone = ("h0-1", "h0-3", "h1-7")
+
+    class Vanishing(SecureUpload):
+        def _send(self, kind, payload):  # after its masked upload, no answer to the unmasking request
+            if kind.value == "secagg-answer" and self.agent.client in gone:
+                return
+            super()._send(kind, payload)
+
+    class Agent30(Agent):
+        secure_upload = Vanishing if when == "after-masking" else SecureUpload
+
+    faults = Dropping(clients=gone) if when == "after-sharing" else Faults()
+    cfg = _job(job_id, secagg=True)
+    secure, *_ = _run(task, cfg, rabbit_url, tmp_path / "secure", Agent30, faults=faults)
+    [row] = _rows(secure)
+    assert not row.skipped
+    if when == "after-sharing":  # dropped: their pairwise masks were rebuilt from their neighbours' shares
+        assert sorted(row.received) == sorted(set(_all()) - set(gone))
+        plain, *_ = _run(
+            task, _job(job_id + "p"), rabbit_url, tmp_path / "plain", faults=Dropping(clients=gone)
+        )
+        _close(secure, plain, _bound(cfg, CLIENTS - len(gone)) + 1e-6)
+    else:  # survivors that did not answer: their self masks were rebuilt from the others' shares
+        assert sorted(row.received) == _all()
+        plain, *_ = _run(task, _job(job_id + "p"), rabbit_url, tmp_path / "plain")
+        _close(secure, plain, _bound(cfg, CLIENTS) + 1e-6)
+
+
+def _all() -> list[str]:
+    return sorted(f"h{0 if i < 5 else 1}-{i}" for i in range(CLIENTS))
+
+
+def test_fewer_survivors_than_t_skip_the_round_and_leave_the_model(task, rabbit_url, job_id, tmp_path):
+    gone = tuple(_all()[:8])  # 2 of 10 left; t ≥ 3 for a cohort of 10 (fedmq.secagg.graph.plan)
+    cfg = _job(job_id, secagg=True, rounds=2)
+    engine, *_ = _run(task, cfg, rabbit_url, tmp_path / "run", faults=Dropping(clients=gone))
+    first, second = _rows(engine)
+    assert first.skip_reason.startswith("secure aggregation failed:") and "needed" in first.skip_reason
+    assert "\n" not in first.skip_reason
+    assert not second.skipped and len(second.received) == CLIENTS  # the job went on
+    assert engine.version == 1  # round 1 published nothing
+
+
+def test_a_masked_vector_as_the_aggregator_holds_it_is_uniform(
+    task, rabbit_url, job_id, tmp_path, monkeypatch
+):
+    held: list[np.ndarray] = []
+    real = payloads.masked
+    monkeypatch.setattr(payloads, "masked", lambda p: held.append(real(p).copy()) or held[-1])
+    inputs: list[np.ndarray] = []
+
+    class Recording(SecureUpload):
+        def masked(self, x, inbox):
+            inputs.append(x.copy())
+            return super().masked(x, inbox)
+
+    class RecordingAgent(Agent):
+        secure_upload = Recording
+
+    _run(task, _job(job_id, secagg=True), rabbit_url, tmp_path / "run", RecordingAgent)
+    assert len(held) == CLIENTS and len(inputs) == CLIENTS
+
+    def chi2_p(v: np.ndarray) -> float:
+        from scipy.stats import chisquare
+
+        counts = np.bincount((v >> np.uint32(24)).astype(np.int64), minlength=256)
+        return float(chisquare(counts).pvalue)
+
+    assert chi2_p(held[0]) > 1e-4  # uniform in Z_2^32 (a false alarm once in 10,000 runs)
+    assert chi2_p(inputs[0]) < 1e-12  # the control: the quantized input it hides is not
+
+
+def test_hostile_clients_are_named_and_the_sum_stays_the_honest_survivors(task, rabbit_url, job_id, tmp_path):
+    """h0-2 uploads a vector one coordinate short; h1-6 damages the share it sends one neighbour; h0-4
+    answers the unmasking with a wrong share of every seed it holds."""
+    damaged: dict[str, str] = {}
+
+    class Hostile(SecureUpload):
+        def masked(self, x, inbox):
+            y = super().masked(x, inbox)
+            return y[:-1] if self.agent.client == "h0-2" else y
+
+        def _send(self, kind, payload):
+            me = self.agent.client
+            if kind.value == "secagg-shares" and me == "h1-6":
+                victim = sorted(payload["shares"])[0]
+                damaged[me] = victim
+                ct = bytearray(payload["shares"][victim])
+                ct[-1] ^= 1
+                payload = {**payload, "shares": {**payload["shares"], victim: bytes(ct)}}
+            if kind.value == "secagg-answer" and me == "h0-4":
+                answer = payloads.unmask_shares(payload)
+                wrong = {v: Share(s.index, bytes(32)) for v, s in answer.seeds.items()}
+                payload = payloads.answer_payload(UnmaskShares(wrong, answer.keys))
+            super()._send(kind, payload)
+
+    class HostileAgent(Agent):
+        secure_upload = Hostile
+
+    cfg = _job(job_id, secagg=True)
+    engine, summary, hosts = _run(task, cfg, rabbit_url, tmp_path / "secure", HostileAgent)
+    [row] = _rows(engine)
+    victim = damaged["h1-6"]
+    assert not row.skipped
+    assert summary["rejected"].get("bad-length") == 1  # h0-2's vector, named in the log
+    out = {"h0-2", victim}  # the victim found the damaged share and sat the round out
+    why = " ".join(why for h in hosts if victim in h.logs for _, why in h.logs[victim].faults)
+    assert "h1-6" in why or victim == "h0-2"
+    assert summary["rejected"].get("bad-share", 0) >= 1  # h0-4's wrong shares, found and left out
+    assert sorted(row.received) == sorted(set(_all()) - out)
+    plain, *_ = _run(
+        task, _job(job_id + "p"), rabbit_url, tmp_path / "plain", faults=Dropping(clients=tuple(out))
+    )
+    _close(engine, plain, _bound(cfg, CLIENTS - 2) + 1e-6)
