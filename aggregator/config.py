@@ -408,7 +408,6 @@ class JobConfig:
                 what
                 for what, wrong in (
                     (f"{key('beta')} < 1 grants uploads by each client's loss", self.beta < 1),
-                    (f"{key('robust')} {self.robust} reads every update", self.robust != "none"),
                     (f"{key('dp')} {self.dp} is not built over secure sums yet", self.dp != "none"),
                     (f"{key('edges')}: edge aggregators read their clients' updates", self.edges != 0),
                     (f"{key('noise')} is FedAtt's", self.noise != 0),

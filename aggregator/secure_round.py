@@ -82,6 +82,7 @@ class SecureRound(SyncRound):
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
         self.samples: dict[str, int] = {}  # client -> n_k it reported
+        self.refused: set[str] = set()  # clients a step refused a message of: dropped from the protocol
 
     def run(self) -> None:
         ctx, stats = self.ctx, self.stats
@@ -99,7 +100,7 @@ class SecureRound(SyncRound):
         try:
             strategy = self._secure_sum()
         except SecAggError as exc:
-            skipped = f"secure aggregation failed: {exc}"
+            skipped = str(exc)  # "secure aggregation: <reason>: <what>"
         if ctx.stop.is_set():  # interrupted: a --resume closes it as skipped
             return
         self.closed = True
@@ -248,7 +249,10 @@ class SecureRound(SyncRound):
         ctx, stats = self.ctx, self.stats
         ctx.phase = f"secure-{name}"
         expected = set(expected)
-        while not ctx.stop.is_set() and not set(done) | self.gone >= expected and time.time() < deadline:
+        expected -= self.refused
+        while not ctx.stop.is_set() and not set(done) | self.gone | self.refused >= expected:
+            if time.time() >= deadline:
+                break
             msg = ctx.inbox.next(min(0.5, max(deadline - time.time(), 0.0)))
             if msg is None:
                 continue
@@ -263,15 +267,16 @@ class SecureRound(SyncRound):
                 if env.client not in stats.reported:
                     self.samples[env.client] = int(env.payload["n_samples"])
                 self._take_report(msg)
-            elif env.kind is not kind or env.client not in expected:
+            elif env.kind is not kind or env.client not in expected or env.client in self.refused:
                 ctx.inbox.drop(msg, f"not-in-step-{name}")
             elif env.client in done:
                 ctx.inbox.drop(msg, "duplicate")
             else:
                 try:
                     take(msg)
-                except SecAggError as exc:
+                except SecAggError as exc:  # the sender is out of the protocol; the round goes on
                     ctx.inbox.refuse(msg, False, exc.reason, f"{env.client}: {exc}")
+                    self.refused.add(env.client)
                     continue
                 if isinstance(done, set):
                     done.add(env.client)

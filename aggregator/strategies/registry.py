@@ -29,7 +29,7 @@ from fedmq.aggregator.strategies.private import Private
 from fedmq.aggregator.strategies.robust import ClippedFedAvg, Median, TrimmedMean
 from fedmq.aggregator.strategies.scaffold import Scaffold
 from fedmq.errors import BadParameter
-from fedmq.hooks import ClientHook, describe, hook_path
+from fedmq.hooks import PROTOCOL, ClientHook, describe, hook_path
 from fedmq.params import bind
 from fedmq.plugins import is_import_path, load_class
 from fedmq.privacy.client_dp import ClientDP, share_std
@@ -139,7 +139,10 @@ def client_map(cfg: Any) -> dict[str, Any]:
     hooks = client_hooks(cfg)
     for cls, args in hooks:
         _check_hook(cfg.strategy, cls, args)
-    return describe(hooks)
+    described = describe(hooks)
+    if cfg.secagg and not described:  # client_map.VERSION 3: older agents refuse it, never upload in clear
+        described = {"version": PROTOCOL, "hooks": []}
+    return described
 
 
 def _check_hook(strategy: str, cls: type[ClientHook], args: dict[str, Any]) -> None:

@@ -1,0 +1,124 @@
+"""Secure aggregation's settings and messages: the job refuses in one line what cannot run on a secure sum;
+every step's message survives the wire and a malformed one is refused as bad-payload; an agent too old to
+mask refuses the job instead of uploading in the clear."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fedmq.aggregator.config import JobConfig
+from fedmq.aggregator.job_keys import JobConfigError
+from fedmq.aggregator.strategies.fedavg import FedAvg
+from fedmq.aggregator.strategies.registry import client_map, strategy_class
+from fedmq.broker.wire import messages
+from fedmq.broker.wire.envelope import Kind
+from fedmq.errors import CodecError
+from fedmq.secagg import graph, payloads
+from fedmq.secagg.masking import MaskingClient
+from fedmq.secagg.messages import UnmaskRequest, UnmaskShares
+from fedmq.secagg.shamir import Share
+
+
+@pytest.mark.parametrize(
+    ("settings", "words"),
+    [
+        ({"strategy": "fedatt"}, "needs to read each client's update"),
+        ({"strategy": "async"}, "needs to read each client's update"),
+        ({"strategy": "scaffold"}, "needs to read each client's update"),
+        ({"beta": 0.5}, "grants uploads by each client's loss"),
+        ({"robust": "median"}, "strategy 'median' needs to read each client's update"),
+        ({"robust": "clip:1"}, "needs to read each client's update"),
+        ({"dp": "central"}, "not built over secure sums"),
+        ({"edges": 2}, "edge aggregators"),
+        ({"secagg_clip": 0.0}, "secagg_clip (--secagg-clip) must be in (0"),
+        ({"secagg_corrupt": 0.5}, "secagg_corrupt (--secagg-corrupt) must be in [0, 0.5)"),
+    ],
+)
+def test_what_cannot_run_on_a_secure_sum_is_refused_in_one_line(settings, words):
+    with pytest.raises(JobConfigError) as err:
+        JobConfig(secagg=True, **settings)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_secure_sums_run_the_strategies_whose_weights_a_client_knows():
+    secure = {n for n in ("fedavg", "fedsgd", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad")}
+    assert all(strategy_class(n).secure_sum for n in secure)
+    assert not strategy_class("fedavg-clip").secure_sum  # weighs by the update's norm
+
+    class ByNorm(FedAvg):
+        def weight(self, update):
+            return 1.0
+
+    assert not ByNorm.secure_sum and ByNorm.partial_sums  # a sum still, but not of weights a client knows
+    JobConfig(secagg=True, strategy="fedadam")  # accepted
+
+
+def test_the_round_config_carries_the_clipping_range():
+    cfg = JobConfig(secagg=True, secagg_clip=2.5).round_config()
+    assert messages.RoundConfig.from_payload(cfg.to_payload()).secagg_clip == 2.5
+    assert "secagg_clip" not in JobConfig().round_config().to_payload()
+    for bad in (-1.0, True, "1", 1e7):
+        with pytest.raises(CodecError, match="secagg_clip"):
+            messages.RoundConfig.from_payload({**cfg.to_payload(), "secagg_clip": bad})
+
+
+def test_an_agent_too_old_to_mask_refuses_a_secure_job(monkeypatch):
+    """A secure job's announcement always has a client map of the version that brought secure aggregation:
+    an agent of the version before reads it, says upgrade, and leaves (it would ignore secagg_clip and upload
+    its update in the clear)."""
+    from fedmq.client_agent import agent as agent_module
+    from fedmq.client_agent.agent import Agent, ClientHookError
+
+    spec = client_map(JobConfig(secagg=True))
+    assert spec == {"version": 3, "hooks": []} and client_map(JobConfig()) == {}
+    monkeypatch.setattr(agent_module, "PROTOCOL", 2)
+    with pytest.raises(ClientHookError, match="upgrade fedmq on the agents"):
+        Agent._client_hooks(object.__new__(Agent), spec, 0)
+
+
+def _roundtrip(kind: Kind, payload: dict) -> dict:
+    env = messages.secagg(kind, "job", 3, "agent-1", 2, payload)
+    return messages.decode(messages.encode(env)).payload
+
+
+def test_every_step_survives_the_wire_and_a_malformed_one_is_refused():
+    clients = {n: MaskingClient(n, "job/round-3/v2") for n in ("a", "b", "c", "d")}
+    roster = {n: c.advertise() for n, c in clients.items()}
+    cohort = graph.Cohort.build(sorted(roster), graph.GraphParams(3, 2), bytes(32))
+    assert (
+        payloads.public_keys(_roundtrip(Kind.SECAGG_KEYS, payloads.keys_payload(roster["a"]))) == roster["a"]
+    )
+    back, keys = payloads.cohort(
+        _roundtrip(Kind.SECAGG_COHORT, payloads.cohort_payload(cohort, roster, 30, "x"))
+    )
+    assert (
+        back.members == cohort.members and keys == roster and back.neighbours("a") == cohort.neighbours("a")
+    )
+    shared = clients["a"].share_keys(cohort, roster)
+    assert payloads.shared_keys(_roundtrip(Kind.SECAGG_SHARES, payloads.shares_payload(shared))) == shared
+    y = np.arange(7, dtype=np.uint32)
+    assert np.array_equal(payloads.masked(_roundtrip(Kind.MASKED, payloads.masked_payload(y))), y)
+    request = UnmaskRequest(("a", "b"), ("c",))
+    assert (
+        payloads.unmask_request(_roundtrip(Kind.SECAGG_UNMASK, payloads.unmask_payload(request))) == request
+    )
+    answer = UnmaskShares({"b": Share(1, bytes(32))}, {"c": Share(2, b"\1" * 32)})
+    assert payloads.unmask_shares(_roundtrip(Kind.SECAGG_ANSWER, payloads.answer_payload(answer))) == answer
+
+    bad = [
+        (Kind.SECAGG_KEYS, {"channel": b"short", "mask": bytes(32)}),
+        (Kind.SECAGG_COHORT, {**payloads.cohort_payload(cohort, roster, 30, "x"), "members": ["a", "b"]}),
+        (Kind.SECAGG_COHORT, {**payloads.cohort_payload(cohort, roster, 30, "x"), "bits": 33}),
+        (Kind.SECAGG_SHARES, {"shares": {"b": b""}, "commitment": bytes(32)}),
+        (Kind.SECAGG_INBOX, {"inboxes": {"a": {"b": 7}}, "max_samples": 3}),
+        (Kind.SECAGG_INBOX, {"inboxes": {}, "max_samples": -1}),
+        (Kind.MASKED, {"masked": b"\0" * 6}),
+        (Kind.SECAGG_UNMASK, {"survivors": ["a", "a"], "dropped": []}),
+        (Kind.SECAGG_ANSWER, {"seeds": {"b": [0, bytes(32)]}, "keys": {}}),
+        (Kind.SECAGG_ANSWER, {"seeds": {}, "keys": {"c": [1, bytes(31)]}}),
+    ]
+    for kind, payload in bad:
+        with pytest.raises(CodecError) as err:
+            messages.encode(messages.secagg(kind, "job", 3, "agent-1", 2, payload))
+        assert err.value.reason == "bad-payload", kind
