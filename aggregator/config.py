@@ -99,8 +99,6 @@ FLAGS = {
     "edges": "--edges",
     "secagg": "--secagg",
     "secagg_clip": "--secagg-clip",
-    "secagg_corrupt": "--secagg-corrupt",
-    "secagg_dropout": "--secagg-dropout",
 }
 
 

@@ -731,6 +731,7 @@ class Engine:
             bytes_up_raw=stats.bytes_up_raw,
             bytes_down_raw=stats.bytes_down_raw,
             wall_s=time.time() - stats.started,
+            cpu_s=time.process_time() - stats.cpu_started,
             weights=weights,
             rejected=dict(self.inbox.rejected),
             dropped_msgs=dict(self.inbox.dropped),
@@ -819,6 +820,8 @@ class Engine:
             "rounds_completed": sum(1 for r in rows if not r.skipped),
             "rounds_skipped": sum(1 for r in rows if r.skipped),
             "wall_s": wall,
+            # this process's CPU seconds: the aggregator's own as a service (with its agents under simulate)
+            "cpu_s": time.process_time(),
             "strategy": self.cfg.strategy,
             "version": self.version,
             "bytes_up": sum(r.bytes_up or 0 for r in rows),

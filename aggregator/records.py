@@ -59,6 +59,8 @@ class RoundRecord:
     bytes_up_raw: int | None = None  # the same tensors as fp32
     bytes_down_raw: int | None = None
     wall_s: float | None = None
+    # the aggregator's process CPU seconds during the round (under `fedmq simulate`: its agents' too)
+    cpu_s: float | None = None
     weights: dict[str, float] = field(default_factory=dict)  # client -> aggregation weight
     rejected: dict[str, int] = field(default_factory=dict)  # reason -> messages rejected so far
     dropped_msgs: dict[str, int] = field(default_factory=dict)  # reason -> messages dropped so far
@@ -150,6 +152,7 @@ _SCALARS = {
     "bytes_up_raw": _INTEGER,
     "bytes_down_raw": _INTEGER,
     "wall_s": _NUMBER,
+    "cpu_s": _NUMBER,
     "epsilon": _NUMBER,
     "delta": _NUMBER,
 }

@@ -47,6 +47,7 @@ class RoundStats:
     bytes_up_raw: int = 0
     bytes_down_raw: int = 0
     started: float = field(default_factory=time.time)
+    cpu_started: float = field(default_factory=time.process_time)
 
     def dropped(self) -> list[str]:
         """The clients that did not deliver what the round expected of them (its row's ``dropped``): selected

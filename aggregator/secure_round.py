@@ -49,10 +49,10 @@ from fedmq.broker.transport import topology
 from fedmq.broker.transport.errors import Undeliverable
 from fedmq.broker.wire import messages
 from fedmq.broker.wire.envelope import Kind
-from fedmq.client_agent.secure_upload import context
 from fedmq.errors import FedmqError, SecAggError
 from fedmq.secagg import graph, payloads
 from fedmq.secagg.masking import MaskingServer
+from fedmq.secagg.payloads import context
 from fedmq.secagg.quantize import Quantizer, max_bits
 
 log = structlog.get_logger(__name__)
@@ -62,7 +62,7 @@ INTERRUPTED = "secure round interrupted by a restart: its shares and masked sum 
 
 def unflatten(vector: np.ndarray, like: State) -> dict[str, torch.Tensor]:
     """A flat vector back into tensors shaped as ``like``'s, in the order of their names (the clients'
-    order: client_agent.secure_upload.flat_change)."""
+    order: client_agent.secure_upload.flat_change; neither side imports the other)."""
     out, at = {}, 0
     for name in sorted(like):
         size = like[name].numel()
@@ -168,8 +168,7 @@ class SecureRound(SyncRound):
         def take_masked(msg: Received) -> None:
             server.receive_masked(msg.env.client, payloads.masked(msg.env.payload))
             stats.update_ids[msg.env.client] = msg.env.msg_id
-            stats.bytes_up += msg.size
-            stats.bytes_up_raw += msg.size
+            stats.bytes_up_raw += 4 * (server.length - 1)  # the update it carries, as raw fp32
             ctx.took_update()
 
         self._step("masked", Kind.MASKED, sharers, time.time() + cfg.update_deadline_s, take_masked, masked)
@@ -280,6 +279,7 @@ class SecureRound(SyncRound):
                     continue
                 if isinstance(done, set):
                     done.add(env.client)
+                stats.bytes_up += msg.size  # every step's messages: the protocol's cost on the wire
                 ctx.inbox.ack(msg)
 
     def _send(self, kind: Kind, clients: list[str], payload: Callable[[list[str]], dict[str, Any]]) -> None:

@@ -94,7 +94,7 @@ def _broker_facts(job: str) -> tuple[int | None, int | None]:
     return queues, memory
 
 
-def _start_services(
+def start_services(
     url: str, work: Path, job: str, clients: int, hosts: int, edges: int = 0
 ) -> list[subprocess.Popen]:
     """The aggregator of the job in ``work``/job.toml and its ``edges`` edge aggregators, then ``hosts`` agent
@@ -141,7 +141,7 @@ def _peak_rss(pid: int) -> int:
     return next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:")), 0)
 
 
-def _wait(
+def wait_services(
     procs: list[subprocess.Popen], job: str, t0: float, timeout: float, aggregators: int = 1
 ) -> tuple[int, int, list[int]]:
     """Sample the broker and the aggregators (the first ``aggregators`` of ``procs``: the root and its edges)
@@ -195,9 +195,9 @@ def services_row(
     task = {k: v for k, v in TINY_TASK.items() if k != "max_lines"}  # every builtin line: 11 words a client
     (work / "job.toml").write_text(_toml(cfg, {**task, "clients": clients}))
     _, memory_before = _broker_facts(job)
-    procs = _start_services(url, work, job, clients, hosts, edges)
+    procs = start_services(url, work, job, clients, hosts, edges)
     t0 = time.time()
-    peak_queues, peak_memory, rss = _wait(procs, job, t0, timeout, 1 + edges)
+    peak_queues, peak_memory, rss = wait_services(procs, job, t0, timeout, 1 + edges)
     aggregator_rss, edge_rss = rss[0], rss[1:]
     metrics = read_rounds(work / "state").records
     ckpt = load_checkpoint(work / "state" / "checkpoints")

@@ -11,18 +11,29 @@ vector, its unmasking shares; names and framing not counted) against its update'
 CPU seconds of collecting the shares, summing the masked vectors and unmasking (which re-expands the dropped
 clients' pairwise masks and the survivors' self-masks), against summing the survivors' fp32 vectors (a FedAvg
 fold's arithmetic, without its decode). k and t are ``graph.plan``'s for the cohort with ``corrupt`` and
-``dropout`` fractions. The phases do not travel over the broker yet, so there is no round time.
+``dropout`` fractions.
+
+With a broker (``broker_rows``), the same model and m run as a job over RabbitMQ, plain and then under secure
+aggregation: round time, the aggregator's CPU and a client's upload per round (services_run).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import resource
 import statistics
+import tempfile
 import time
+import uuid
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from fedmq.benchmarks.flower import period_median
+from fedmq.benchmarks.load import TINY_TASK, _toml, tiny_job
+from fedmq.benchmarks.population import start_services, wait_services
 from fedmq.secagg.graph import Cohort, plan
 from fedmq.secagg.masking import MaskingClient, MaskingServer
 from fedmq.secagg.quantize import Quantizer
@@ -151,5 +162,116 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{r['server_shares_s']:.3f}, {r['server_sum_s']:.3f}, {r['server_unmask_s']:.3f} | "
             f"{r['plain_sum_s']:.3f} s | {server / max(r['plain_sum_s'], 1e-9):.1f}× | "
             f"{r['sum_error']:.2e} ({r['error_bound']:.2e}) |"
+        )
+    return "\n".join(lines)
+
+
+def _task(model: str, data: str) -> dict[str, Any]:
+    """The task options of a round bench's model: the tiny language model, or GRU-small tied over ``data``'s
+    vocabulary (10.6 M parameters over WikiText-2), validated on its first 200 lines."""
+    if model == "tiny":
+        return {k: v for k, v in TINY_TASK.items() if k != "max_lines"}
+    return {"task": "lm", "data": data, "model": "gru-small", "max_eval_lines": 200}
+
+
+def services_run(
+    url: str, model: str, m: int, secagg: bool, rounds: int, hosts: int, data: str
+) -> dict[str, Any]:
+    """One job of ``rounds`` rounds of m clients (all selected) over RabbitMQ: ``fedmq aggregator run`` and
+    ``hosts`` agent processes, plain (the default encoding, delta+bf16) or under secure aggregation. Per round
+    after the first (joining): the median round time, the aggregator's CPU seconds and the bytes a client
+    uploads; the hosts' CPU seconds per client and round (training included: the difference between the two
+    modes is the protocol's); validation at the end."""
+    from fedmq.aggregator.runlog import read_rounds
+    from fedmq.broker.transport.provision import purge
+
+    job = f"sa-{uuid.uuid4().hex[:8]}"
+    work = Path(tempfile.mkdtemp(prefix="fedmq-secagg-"))
+    cfg = tiny_job(
+        job,
+        url,
+        m,
+        rounds,
+        batch_size=4,
+        report_deadline_s=900.0,
+        update_deadline_s=900.0,
+        secagg=secagg,
+        secagg_clip=1.0,
+    )
+    (work / "job.toml").write_text(_toml(cfg, {**_task(model, data), "clients": m}))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    procs = start_services(url, work, job, m, hosts)
+    t0 = time.time()
+    wait_services(procs, job, t0, timeout=3600)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    purge(url, job, [f"h{h}" for h in range(hosts)])
+    rows = [r for r in read_rounds(work / "state").records if not r.skipped]
+    summary = json.loads((work / "state" / "summary.json").read_text())
+    later = [r for r in rows if r.round > 1] or rows
+    children = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return {
+        "model": model,
+        "m": m,
+        "secagg": secagg,
+        "rounds": len(rows),
+        "s_per_round": period_median([r.time for r in rows if r.time is not None]),
+        "aggregator_cpu_s": statistics.median(r.cpu_s or 0.0 for r in later) if later else None,
+        "client_upload_bytes": statistics.median((r.bytes_up or 0) / max(len(r.received), 1) for r in later)
+        if later
+        else None,
+        "raw_bytes": statistics.median((r.bytes_up_raw or 0) / max(len(r.received), 1) for r in later)
+        if later
+        else None,
+        "host_cpu_s_per_client": (children - summary["cpu_s"]) / (m * max(rounds, 1)),
+        "valid": summary.get("best_valid"),
+        "exit_codes": [p.returncode for p in procs],
+    }
+
+
+def broker_rows(
+    url: str,
+    models: tuple[str, ...] = ("tiny", "gru-small"),
+    cohorts: tuple[int, ...] = (10, 100),
+    rounds: int = 3,
+    hosts: int = 2,
+    data: str = "wikitext-2",
+) -> list[dict[str, Any]]:
+    """For each model and m: the plain job, then the same job under secure aggregation (services_run)."""
+    return [
+        services_run(url, model, m, secagg, rounds, hosts, data)
+        for model in models
+        for m in cohorts
+        for secagg in (False, True)
+    ]
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "–" if x is None else format(x, fmt)
+
+
+def format_broker_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | m | mode | rounds | s/round (÷ plain) | aggregator CPU s/round (÷ plain) | "
+        "client upload/round (÷ raw fp32) | hosts' CPU s per client-round | valid ppl |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    plain: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in rows:
+        key = (r["model"], r["m"])
+        if not r["secagg"]:
+            plain[key] = r
+        base = plain.get(key, r)
+
+        def ratio(name: str, r: dict[str, Any] = r, base: dict[str, Any] = base) -> str:
+            a, b = r[name], base[name]
+            return f" ({a / b:.2f}×)" if r["secagg"] and a is not None and b else ""
+
+        up, raw = r["client_upload_bytes"], r["raw_bytes"]
+        lines.append(
+            f"| {r['model']} | {r['m']} | {'secagg' if r['secagg'] else 'plain'} | {r['rounds']} | "
+            f"{_num(r['s_per_round'], '.1f')}{ratio('s_per_round')} | "
+            f"{_num(r['aggregator_cpu_s'], '.2f')}{ratio('aggregator_cpu_s')} | "
+            f"{_num(up, ',.0f')} B ({_num(up / raw if up and raw else None, '.3f')}×) | "
+            f"{r['host_cpu_s_per_client']:.2f} | {_num(r['valid'], '.1f')} |"
         )
     return "\n".join(lines)

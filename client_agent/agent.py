@@ -403,6 +403,13 @@ class Agent:
         self._crash_after_grant(rnd, faults)
         self._upload(rnd, version, prepared)
 
+    def _upload_masked(self, rnd: int, version: int, result: TrainResult, env: Envelope) -> None:
+        """Upload a masked update (secure aggregation): uncompressed, as its bytes are uniform."""
+        self._upload(rnd, version, Prepared(result, messages.encode(env, level=0), env.msg_id))
+
+    def _note_fault(self, rnd: int, what: str) -> None:
+        self.log.faults.append((rnd, what))
+
     def _crash_after_grant(self, rnd: int, faults: set[str]) -> None:
         """The crash-grant fault: down after the grant, before the upload (under secure aggregation: after
         sharing its keys, before the masked upload)."""

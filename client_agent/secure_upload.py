@@ -22,7 +22,7 @@ out: the aggregator then counts it as dropped and rebuilds what it needs from th
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import structlog
@@ -35,18 +35,26 @@ from fedmq.errors import SecAggError
 from fedmq.hooks import stable_seed
 from fedmq.secagg import payloads
 from fedmq.secagg.masking import MaskingClient
+from fedmq.secagg.payloads import context
 from fedmq.secagg.quantize import Quantizer
 from fedmq.tasks.base import TrainResult
-
-if TYPE_CHECKING:
-    from fedmq.client_agent.agent import Agent
 
 log = structlog.get_logger(__name__)
 
 
-def context(job: str, rnd: int, version: int) -> str:
-    """What names one secure sum: every key and encrypted share of it depends on it."""
-    return f"{job}/round-{rnd}/v{version}"
+class Link(Protocol):
+    """What a secure upload asks of its agent (client_agent.agent.Agent)."""
+
+    client: str
+    job: str
+
+    def _wait_for(self, kind: Kind, rnd: int) -> Envelope | None: ...
+
+    def _send(self, env: Envelope, routing_key: str) -> None: ...
+
+    def _upload_masked(self, rnd: int, version: int, result: TrainResult, env: Envelope) -> None: ...
+
+    def _note_fault(self, rnd: int, what: str) -> None: ...
 
 
 def flat_change(upload: Mapping[str, torch.Tensor], held: Mapping[str, torch.Tensor]) -> np.ndarray:
@@ -58,7 +66,7 @@ def flat_change(upload: Mapping[str, torch.Tensor], held: Mapping[str, torch.Ten
 class SecureUpload:
     """One client's secure aggregation in round ``rnd`` (module docstring)."""
 
-    def __init__(self, agent: Agent, rnd: int, version: int, clip: float, seed: int) -> None:
+    def __init__(self, agent: Link, rnd: int, version: int, clip: float, seed: int) -> None:
         self.agent, self.rnd, self.version, self.clip = agent, rnd, version, clip
         self.seed = seed  # the job's: the stochastic rounding repeats in a seeded run
         self.masking = MaskingClient(agent.client, context(agent.job, rnd, version))
@@ -76,7 +84,7 @@ class SecureUpload:
         try:
             return self._run(change, result, before_upload)
         except SecAggError as exc:
-            self.agent.log.faults.append((self.rnd, f"secagg {exc.reason}: {exc}"))
+            self.agent._note_fault(self.rnd, f"secagg {exc.reason}: {exc}")
             log.warning(
                 "secure aggregation refused: sitting the round out",
                 client=self.agent.client,
@@ -101,14 +109,12 @@ class SecureUpload:
         n_max = env.payload["max_samples"]
         weight = 1.0 if n_max == 0 else min(result.n_samples, n_max) / n_max
         rng = np.random.default_rng(stable_seed(self.seed, agent.client, self.rnd, "secagg"))
-        from fedmq.client_agent.agent import Prepared  # the agent imports this module
-
         x = quantizer.encode_weighted(change, weight, rng)
         masked = self.masked(x, env.payload["inboxes"][agent.client])
         up = messages.secagg(
             Kind.MASKED, agent.job, self.rnd, agent.client, self.version, payloads.masked_payload(masked)
         )
-        agent._upload(self.rnd, self.version, Prepared(result, messages.encode(up, level=0), up.msg_id))
+        agent._upload_masked(self.rnd, self.version, result, up)
         env = agent._wait_for(Kind.SECAGG_UNMASK, self.rnd)
         if env is None:
             return False

@@ -174,11 +174,18 @@ def bench_secagg(
     models: str = typer.Option("tiny,gru-small", help="model lengths to mask: tiny, gru-small"),
     cohorts: str = typer.Option("10,100", help="clients a round (m), comma separated"),
     dropout: float = typer.Option(0.3, help="share of the cohort that vanishes after masking"),
+    broker: str | None = typer.Option(
+        None, help="also run each model and m as a job over this RabbitMQ, plain and secure: round times"
+    ),
+    data: str = _corpus_option("wikitext-2"),
+    rounds: int = typer.Option(3, "-r", "--rounds", help="rounds of each job over the broker (≥ 2)"),
+    hosts: int = typer.Option(2, help="agent processes serving a job's clients"),
 ) -> None:
-    """Secure aggregation's cryptographic core for one round: client and server CPU seconds and upload bytes
-    against the plain round's, with k and t (not over the broker yet: no round time).
+    """Secure aggregation for one round: the cryptographic core's client and server CPU seconds and upload
+    bytes against the plain round's, with k and t; with --broker, whole jobs over RabbitMQ, plain and secure:
+    round time, aggregator CPU and upload per client.
 
-    Example: fedmq bench secagg --models tiny,gru-small --cohorts 10,100
+    Example: fedmq bench secagg --models tiny,gru-small --cohorts 10,100 --broker amqp://guest:guest@127.0.0.1:5672/%2F
     """
     from fedmq.benchmarks.secagg import MODELS
 
@@ -188,7 +195,14 @@ def bench_secagg(
         raise UsageError(
             f"want --models among {', '.join(MODELS)}, every --cohorts ≥ 3 and --dropout within [0, 1)"
         )
+    if rounds < 2 or hosts < 1:
+        raise UsageError(f"want --rounds ≥ 2 and --hosts ≥ 1, got {rounds} and {hosts}")
     _bench("secagg", "bench_secagg", models=names, cohorts=ms, dropout=dropout)
+    if broker is not None:
+        from fedmq.benchmarks import secagg
+
+        rows = secagg.broker_rows(broker, names, ms, rounds=rounds, hosts=hosts, data=data)
+        typer.echo(secagg.format_broker_table(rows))
 
 
 @app.command("population", cls=HelpCommand)

@@ -188,21 +188,8 @@ def simulate(
         help="z for ε ≤ E over --rounds",
     ),
     delta: float | None = _opt(JOB.delta, panel=PRIVACY, metavar="D", help="default 1/K^1.1"),
-    secagg: bool = _opt(
-        JOB.secagg,
-        "--secagg/--no-secagg",
-        panel=PRIVACY,
-        help="secure aggregation: the aggregator learns only the sum of a round's updates",
-    ),
-    secagg_clip: float = _opt(
-        JOB.secagg_clip, panel=PRIVACY, metavar="C", help="secure sums: each coordinate within [-C, C]"
-    ),
-    secagg_corrupt: float = _opt(
-        JOB.secagg_corrupt, panel=PRIVACY, metavar="G", help="secure sums: colluding share of a cohort"
-    ),
-    secagg_dropout: float = _opt(
-        JOB.secagg_dropout, panel=PRIVACY, metavar="D", help="secure sums: share that may drop out"
-    ),
+    secagg: bool = _opt(JOB.secagg, "--secagg/--no-secagg", panel=PRIVACY, help="secure aggregation"),
+    secagg_clip: float = _opt(JOB.secagg_clip, panel=PRIVACY, metavar="C", help="secagg: |coordinate| ≤ C"),
     epochs: int = _opt(JOB.epochs, "--epochs", "-e", panel=TRAIN, metavar="E", help="local epochs"),
     batch_size: int = _opt(
         JOB.batch_size, "--batch-size", "-b", panel=TRAIN, metavar="B", help="local batch size"

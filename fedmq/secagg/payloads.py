@@ -122,6 +122,12 @@ _CHECKS = {
 }
 
 
+def context(job: str, rnd: int, version: int) -> str:
+    """What names one secure sum, the same on every party: every key and encrypted share of it depends on
+    it."""
+    return f"{job}/round-{rnd}/v{version}"
+
+
 def check(kind: str, payload: dict) -> None:
     """CodecError("bad-payload") unless ``payload`` is a well-formed message of secure aggregation ``kind``
     (its fields' types are checked by the caller, from FIELDS)."""

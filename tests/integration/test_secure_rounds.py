@@ -276,3 +276,56 @@ def test_hostile_clients_are_named_and_the_sum_stays_the_honest_survivors(task, 
         task, _job(job_id + "p"), rabbit_url, tmp_path / "plain", faults=Dropping(clients=tuple(out))
     )
     _close(engine, plain, _bound(cfg, CLIENTS - 2) + 1e-6)
+
+
+def test_a_round_stopped_mid_unmasking_is_dropped_on_resume_and_nothing_of_an_input_was_written(
+    task, rabbit_url, job_id, tmp_path
+):
+    """The aggregator stops while the survivors' unmasking answers are on their way; its spool then holds
+    the round's selection and reports and nothing of any client's input. Resumed, it closes that round as
+    skipped (the shares and the masked sum were in the stopped aggregator's memory only) and the next round
+    runs with every client."""
+    answering = threading.Event()
+
+    class Answering(SecureUpload):
+        def _send(self, kind, payload):
+            if kind.value == "secagg-answer" and self.rnd == 1:
+                answering.set()
+            super()._send(kind, payload)
+
+    class AnsweringAgent(SaysGoodbye):
+        secure_upload = Answering
+
+    cfg = _job(job_id, secagg=True, rounds=2)
+    run_dir = tmp_path / "run"
+    first = Engine(connect(rabbit_url), task, cfg, run_dir, durable=False, evaluate=False)
+    first.declare()
+    hosts = [
+        Host(lambda: connect(rabbit_url), job_id, n, r, task, heartbeat_s=cfg.heartbeat_s, rejoin_s=0.5)
+        for n, r in HOSTS.items()
+    ]
+    for host in hosts:
+        host.agent_class = AnsweringAgent
+    threads = [threading.Thread(target=h.run, daemon=True) for h in hosts]
+    for t in threads:
+        t.start()
+    try:
+        threading.Thread(target=lambda: answering.wait(budget(120)) and first.stop.set(), daemon=True).start()
+        summary = first.run()
+        first.broker.close()
+        assert answering.is_set() and first.version == 0 and not _rows(first)
+        spooled = sorted(p.name for p in (run_dir / "spool").rglob("*") if p.is_file())
+        state, updates = first.spool.load(1)
+        assert state is not None and updates == [], spooled  # the round's state; no update, masked or not
+        second = Engine(connect(rabbit_url), task, cfg, run_dir, durable=False, evaluate=False)
+        summary = second.run()
+        second.broker.close()
+    finally:
+        for h in hosts:
+            h.stop.set()
+        for t in threads:
+            t.join(timeout=budget(20))
+    one, two = _rows(second)
+    assert one.skipped and one.skip_reason.startswith("secure round interrupted by a restart")
+    assert not two.skipped and len(two.received) == CLIENTS
+    assert second.version == 1 and summary["rounds_completed"] == 1

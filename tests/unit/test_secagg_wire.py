@@ -32,7 +32,7 @@ from fedmq.secagg.shamir import Share
         ({"dp": "central"}, "not built over secure sums"),
         ({"edges": 2}, "edge aggregators"),
         ({"secagg_clip": 0.0}, "secagg_clip (--secagg-clip) must be in (0"),
-        ({"secagg_corrupt": 0.5}, "secagg_corrupt (--secagg-corrupt) must be in [0, 0.5)"),
+        ({"secagg_corrupt": 0.5}, "secagg_corrupt must be in [0, 0.5)"),
     ],
 )
 def test_what_cannot_run_on_a_secure_sum_is_refused_in_one_line(settings, words):
