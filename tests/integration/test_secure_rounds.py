@@ -28,6 +28,7 @@ from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.engine import Engine
 from fedmq.aggregator.runlog import read_rounds
 from fedmq.broker.transport.connect import connect
+from fedmq.broker.transport.provision import purge
 from fedmq.client_agent.agent import Agent, Offline
 from fedmq.client_agent.availability import Faults
 from fedmq.client_agent.host import Host
@@ -122,6 +123,7 @@ def _run(task, cfg: JobConfig, url: str, run_dir: Path, agent_class: type[Agent]
         for t in threads:
             t.join(timeout=budget(20))
         engine.broker.close()
+        purge(url, cfg.job, list(HOSTS))  # the job's queues on the shared broker
     return engine, summary, hosts
 
 
@@ -325,6 +327,7 @@ def test_a_round_stopped_mid_unmasking_is_dropped_on_resume_and_nothing_of_an_in
             h.stop.set()
         for t in threads:
             t.join(timeout=budget(20))
+        purge(rabbit_url, job_id, list(HOSTS))
     one, two = _rows(second)
     assert one.skipped and one.skip_reason.startswith("secure round interrupted by a restart")
     assert not two.skipped and len(two.received) == CLIENTS
