@@ -406,7 +406,10 @@ class JobConfig:
                 what
                 for what, wrong in (
                     (f"{key('beta')} < 1 grants uploads by each client's loss", self.beta < 1),
-                    (f"{key('dp')} {self.dp} is not built over secure sums yet", self.dp != "none"),
+                    (
+                        f"{key('dp')} central clips each update at the aggregator: use {key('dp')} client",
+                        self.dp == "central",
+                    ),
                     (f"{key('edges')}: edge aggregators read their clients' updates", self.edges != 0),
                     (f"{key('noise')} is FedAtt's", self.noise != 0),
                 )

@@ -30,7 +30,7 @@ import torch
 
 from fedmq.broker.transport import topology
 from fedmq.broker.wire import messages
-from fedmq.broker.wire.envelope import Kind
+from fedmq.broker.wire.envelope import Envelope, Kind
 from fedmq.errors import SecAggError
 from fedmq.hooks import stable_seed
 from fedmq.secagg import payloads

@@ -31,7 +31,7 @@ import torch
 
 from fedmq.aggregator.privacy import ADAPTIVE_LEARNING_RATE, DPPlan
 from fedmq.aggregator.strategies._common import check_started, validate_update, zeros_like_state
-from fedmq.aggregator.strategies.base import ClientUpdate, State, Strategy
+from fedmq.aggregator.strategies.base import ClientUpdate, PartialSum, State, Strategy
 from fedmq.aggregator.strategies.buffered_async import staleness_weight
 from fedmq.aggregator.strategies.scaffold import Scaffold
 from fedmq.errors import StrategyError
@@ -117,6 +117,29 @@ class Private(Strategy):
         for name, t in delta.items():
             self._sum[name].add_(t.to(self._sum[name].dtype), alpha=weight)
         self._count += 1
+
+    @property
+    def weighs_samples(self) -> bool:
+        """Every contribution counts 1 (its n_k would tell the aggregator something): under secure
+        aggregation each client weighs itself by 1."""
+        return False
+
+    def fold_partial(self, part: PartialSum) -> None:
+        """A secure sum of clipped, noised changes, each of weight 1 (distributed DP under secure aggregation,
+        aggregator.secure_round): ``part.sums`` is their sum, ``part.terms`` names the clients in it. Client
+        mode only: central mode clips each update here, which a sum cannot be. Nothing is added unless all
+        fits."""
+        g = check_started(self._global, self.name)
+        if self.dp.mode != "client":
+            raise StrategyError("a secure sum runs under dp client only (central clips each update here)")
+        for name, acc in part.sums.items():
+            if name not in self._sum or tuple(acc.shape) != tuple(g[name].shape):
+                raise StrategyError(f"secure sum: tensor {name!r} is not one of the model's, or misshaped")
+            if not bool(torch.isfinite(acc).all()):
+                raise StrategyError(f"secure sum: tensor {name!r} is not finite")
+        for name, acc in part.sums.items():
+            self._sum[name].add_(acc.to(self._sum[name].dtype))
+        self._count += len(part.terms)
 
     @property
     def _share_std(self) -> float:

@@ -98,6 +98,27 @@ def test_a_dp_run_completes_and_states_the_accountants_epsilon(tmp_path, mode):
     assert f"ε = {expected[-1]:.3g} at δ" in report.markdown.read_text()
 
 
+def test_distributed_dp_under_secure_aggregation_is_client_dp_in_the_clear(tmp_path):
+    """dp client with secagg: each client clips and noises its change before masking, and the aggregator
+    unmasks only their sum. With the job's seeded sampling and noise, the run spends the same ε as the same
+    job in the clear and ends with the same model up to the secure sum's quantization."""
+    # raw both ways: no bf16 rounding of the updates in the clear, nor of the model the clients train from
+    args = [*RUN, "--dp", "client", "--min-clients", "2", "--encoding", "raw", "--down-encoding", "raw"]
+    clear = _fedmq(*args, "--out", str(tmp_path / "clear"), cwd=tmp_path)
+    secure = _fedmq(*args, "--secagg", "--secagg-clip", "10", "--out", str(tmp_path / "secure"), cwd=tmp_path)
+    assert secure["epsilon"] == clear["epsilon"] == pytest.approx(_expected_epsilons()[-1], rel=1e-9)
+    assert secure["rounds_completed"] == clear["rounds_completed"] > 0
+    rows = _rows(tmp_path / "secure")
+    assert all(r["weights"] == {} and r["mean_loss"] is None for r in rows)
+    x, y = (
+        load_checkpoint(tmp_path / "clear" / "checkpoints"),
+        load_checkpoint(tmp_path / "secure" / "checkpoints"),
+    )
+    for name, value in x.global_state.items():  # within a few quantization steps (2c / 2^29 each), not equal
+        torch.testing.assert_close(y.global_state[name], value, rtol=0, atol=1e-5)
+    assert any(not torch.equal(y.global_state[k], v) for k, v in x.global_state.items())
+
+
 def test_kill9_and_resume_give_the_same_epsilon_and_model(tmp_path):
     whole = tmp_path / "whole"
     a = _fedmq(*RUN, "--dp", "central", "--out", str(whole), cwd=tmp_path)

@@ -29,7 +29,7 @@ from fedmq.secagg.shamir import Share
         ({"beta": 0.5}, "grants uploads by each client's loss"),
         ({"robust": "median"}, "strategy 'median' needs to read each client's update"),
         ({"robust": "clip:1"}, "needs to read each client's update"),
-        ({"dp": "central"}, "not built over secure sums"),
+        ({"dp": "central"}, "dp (--dp) central clips each update at the aggregator: use dp (--dp) client"),
         ({"edges": 2}, "edge aggregators"),
         ({"secagg_clip": 0.0}, "secagg_clip (--secagg-clip) must be in (0"),
         ({"secagg_corrupt": 0.5}, "secagg_corrupt must be in [0, 0.5)"),
@@ -52,6 +52,31 @@ def test_secure_sums_run_the_strategies_whose_weights_a_client_knows():
 
     assert not ByNorm.secure_sum and ByNorm.partial_sums  # a sum still, but not of weights a client knows
     JobConfig(secagg=True, strategy="fedadam")  # accepted
+    JobConfig(secagg=True, dp="client")  # distributed DP: the clients noise before masking
+
+
+def test_a_secure_sum_of_noised_changes_is_what_client_dp_folds_one_by_one():
+    import torch
+
+    from fedmq.aggregator.strategies.base import ClientUpdate, PartialSum
+    from fedmq.aggregator.strategies.registry import strategy_from_config
+
+    cfg = JobConfig(secagg=True, dp="client", clients=10, fraction=0.5, noise_multiplier=1.0)
+    g = {"w": torch.zeros(3, 2), "b": torch.zeros(2)}
+    gen = torch.Generator().manual_seed(0)
+    changes = [{k: 0.1 * torch.randn(v.shape, generator=gen) for k, v in g.items()} for _ in range(4)]
+    _, one = strategy_from_config("fedavg", cfg)
+    _, summed = strategy_from_config("fedavg", cfg)
+    assert not summed.weighs_samples  # every client weighs itself by 1
+    for s in (one, summed):
+        s.begin(g)
+    for i, c in enumerate(changes):
+        one.fold(ClientUpdate(f"c{i}", 1, c, delta=True))
+    total = {k: sum(c[k] for c in changes) for k in g}
+    summed.fold_partial(PartialSum(total, {k: (4.0, 4.0) for k in g}, 4.0, {f"c{i}": 1.0 for i in range(4)}))
+    a, b = one.finish(), summed.finish()
+    for k in g:
+        torch.testing.assert_close(a[k], b[k])
 
 
 def test_the_round_config_carries_the_clipping_range():
