@@ -367,40 +367,45 @@ class JobConfig:
         """Two-tier aggregation: a synchronous strategy whose aggregate is a sum of the clients' terms."""
         if self.edges == 0:
             return
-        from fedmq.aggregator.strategies.registry import STRATEGY_NAMES, round_strategy, strategy_class
         from fedmq.broker.wire.messages import MAX_EDGES
 
         if not 0 < self.edges <= MAX_EDGES:
             _raise(f"{key('edges')} must be in [0, {MAX_EDGES}], got {self.edges}")
-        name = round_strategy(self.strategy, self)
-        if self.mode == "async" or not strategy_class(name).partial_sums:
-            _raise(
-                f"{key('edges')}: strategy {name!r} needs each client's update at one aggregator (it weighs, "
-                "ranks or buffers them); edges run strategies whose aggregate is a sum: "
-                + ", ".join(n for n in STRATEGY_NAMES if strategy_class(n).partial_sums)
-            )
+        self._require(
+            "partial_sums",
+            "edges",
+            "needs each client's update at one aggregator (it weighs, ranks or buffers them); edges run "
+            "strategies whose aggregate is a sum",
+        )
         if self.dp != "none":
             _raise(f"{key('edges')}: {key('dp')} clips and noises each update at one aggregator; use one")
+
+    def _require(self, capability: str, setting: str, why: str) -> None:
+        """Refuse in one line naming ``setting`` a round strategy without ``capability`` (a flag of its
+        class: partial_sums, secure_sum) or an asynchronous one; ``why`` says what it needs and what runs."""
+        from fedmq.aggregator.strategies.registry import STRATEGY_NAMES, round_strategy, strategy_class
+
+        name = round_strategy(self.strategy, self)
+        if self.mode == "async" or not getattr(strategy_class(name), capability):
+            able = ", ".join(n for n in STRATEGY_NAMES if getattr(strategy_class(n), capability))
+            _raise(f"{key(setting)}: strategy {name!r} {why}: {able}")
 
     def _check_secagg(self) -> None:
         """Secure aggregation: a synchronous strategy whose aggregate is a weighted mean of the updates, and
         nothing else that needs to read one client's update."""
         if not self.secagg:
             return
-        from fedmq.aggregator.strategies.registry import STRATEGY_NAMES, round_strategy, strategy_class
-
         if not 0 < self.secagg_clip <= MAX_SECAGG_CLIP:
             _raise(f"{key('secagg_clip')} must be in (0, {MAX_SECAGG_CLIP:g}], got {self.secagg_clip}")
         for name in ("secagg_corrupt", "secagg_dropout"):
             if not 0 <= getattr(self, name) < 0.5:
                 _raise(f"{key(name)} must be in [0, 0.5), got {getattr(self, name)}")
-        name = round_strategy(self.strategy, self)
-        if self.mode == "async" or not strategy_class(name).secure_sum:
-            _raise(
-                f"{key('secagg')}: strategy {name!r} needs to read each client's update (it weighs, ranks, "
-                "buffers or clips them one by one); a secure sum runs: "
-                + ", ".join(n for n in STRATEGY_NAMES if strategy_class(n).secure_sum)
-            )
+        self._require(
+            "secure_sum",
+            "secagg",
+            "needs to read each client's update (it weighs, ranks, buffers or clips them one by one); a "
+            "secure sum runs",
+        )
         why = next(
             (
                 what

@@ -44,7 +44,14 @@ from fedmq.aggregator.checkpoint_writer import CheckpointWriter
 from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.decoding import decode_partial, decode_update
 from fedmq.aggregator.guards import RoundGuard, Verdict, first_nonfinite
-from fedmq.aggregator.inbox import Inbox, Received, upload_prefetch, upload_reassembly
+from fedmq.aggregator.inbox import (
+    ROOT_KINDS,
+    SECURE_KINDS,
+    Inbox,
+    Received,
+    upload_prefetch,
+    upload_reassembly,
+)
 from fedmq.aggregator.mediator import Mediator
 from fedmq.aggregator.model_stream import Forms, ModelStream
 from fedmq.aggregator.presence import Presence
@@ -122,7 +129,8 @@ class Engine:
         self.on_round = on_round
         self.stop = threading.Event()
         # its decoding limits are set below, from the manifest
-        self.inbox = Inbox(broker, cfg.job, cfg.identity)
+        kinds = (*ROOT_KINDS, *SECURE_KINDS) if cfg.secagg else ROOT_KINDS  # a plain job refuses secagg's
+        self.inbox = Inbox(broker, cfg.job, cfg.identity, kinds=kinds)
         self.spool = RoundSpool(self.run_dir / "spool", durable)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.runlog = RunLog(self.run_dir)

@@ -20,16 +20,9 @@ from fedmq.errors import CodecError, FedmqError
 
 log = structlog.get_logger(__name__)
 
-# what agents send: secure aggregation's steps too (aggregator.secure_round)
-AGENT_KINDS = (
-    Kind.PRESENCE,
-    Kind.REPORT,
-    Kind.UPDATE,
-    Kind.SECAGG_KEYS,
-    Kind.SECAGG_SHARES,
-    Kind.MASKED,
-    Kind.SECAGG_ANSWER,
-)
+AGENT_KINDS = (Kind.PRESENCE, Kind.REPORT, Kind.UPDATE)
+# what agents send besides under secure aggregation (aggregator.secure_round): only a secure job takes it
+SECURE_KINDS = (Kind.SECAGG_KEYS, Kind.SECAGG_SHARES, Kind.MASKED, Kind.SECAGG_ANSWER)
 # what the aggregators of one job say to each other (two-tier aggregation): only from their own broker user
 TIER_KINDS = (Kind.EDGE_ROUND, Kind.PARTIAL, Kind.END)
 ROOT_KINDS = (*AGENT_KINDS, Kind.PARTIAL)

@@ -222,6 +222,12 @@ class SecureRound(SyncRound):
             ctx.note_trained_from(client, ctx.version)
 
     # ------------------------------------------------------------------ messages
+    def _take_report(self, msg: Received) -> None:
+        """A report, and the n_k it says (n_max is drawn from them)."""
+        if msg.env.client not in self.stats.reported:
+            self.samples[msg.env.client] = int(msg.env.payload["n_samples"])
+        super()._take_report(msg)
+
     @staticmethod
     def _taker(
         receive: Callable[[str, Any], None], convert: Callable[[Any], Any]
@@ -256,17 +262,9 @@ class SecureRound(SyncRound):
             if msg is None:
                 continue
             env = msg.env
-            if env.kind is Kind.PRESENCE:
-                self.gone.update(c for c in ctx.note_presence(msg) if c in stats.selected)
-            elif env.round != stats.round:
-                ctx.inbox.drop(msg, "stale-round" if env.round < stats.round else "future-round")
-            elif env.client not in stats.selected:
-                ctx.inbox.drop(msg, "not-selected")
-            elif env.kind is Kind.REPORT:
-                if env.client not in stats.reported:
-                    self.samples[env.client] = int(env.payload["n_samples"])
-                self._take_report(msg)
-            elif env.kind is not kind or env.client not in expected or env.client in self.refused:
+            if self._screen(msg):
+                continue
+            if env.kind is not kind or env.client not in expected or env.client in self.refused:
                 ctx.inbox.drop(msg, f"not-in-step-{name}")
             elif env.client in done:
                 ctx.inbox.drop(msg, "duplicate")

@@ -181,7 +181,9 @@ class SyncRound:
         stats = self.stats
         return set(stats.reported) | self.gone >= set(stats.selected) or time.time() >= deadline
 
-    def _dispatch(self, msg: Received, strategy: Strategy | None) -> None:
+    def _screen(self, msg: Received) -> bool:
+        """What every round takes the same way: a presence, a message of another round or from a client not
+        selected, a report. True when ``msg`` was one of them (and is settled)."""
         ctx, stats, env = self.ctx, self.stats, msg.env
         if env.kind is Kind.PRESENCE:
             # the inbox is FIFO per agent (and host): its earlier report/update came first
@@ -192,7 +194,15 @@ class SyncRound:
             ctx.inbox.drop(msg, "not-selected")
         elif env.kind is Kind.REPORT:
             self._take_report(msg)
-        elif env.client in stats.received or env.client in self.parked:
+        else:
+            return False
+        return True
+
+    def _dispatch(self, msg: Received, strategy: Strategy | None) -> None:
+        ctx, stats, env = self.ctx, self.stats, msg.env
+        if self._screen(msg):
+            return
+        if env.client in stats.received or env.client in self.parked:
             ctx.inbox.drop(msg, "duplicate")
         elif strategy is None or env.client not in stats.granted:
             ctx.inbox.drop(msg, "not-granted")

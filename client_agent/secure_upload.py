@@ -21,6 +21,7 @@ out: the aggregator then counts it as dropped and rebuilds what it needs from th
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
@@ -40,6 +41,10 @@ from fedmq.secagg.quantize import Quantizer
 from fedmq.tasks.base import TrainResult
 
 log = structlog.get_logger(__name__)
+
+# one client of this process quantizes, masks and uploads at a time: that step takes about ten model-sized
+# buffers (float64 copies, the PRG's keystream, the message), and a host's clients all get their inbox at once
+MASKING = threading.Lock()
 
 
 class Link(Protocol):
@@ -109,12 +114,15 @@ class SecureUpload:
         n_max = env.payload["max_samples"]
         weight = 1.0 if n_max == 0 else min(result.n_samples, n_max) / n_max
         rng = np.random.default_rng(stable_seed(self.seed, agent.client, self.rnd, "secagg"))
-        x = quantizer.encode_weighted(change, weight, rng)
-        masked = self.masked(x, env.payload["inboxes"][agent.client])
-        up = messages.secagg(
-            Kind.MASKED, agent.job, self.rnd, agent.client, self.version, payloads.masked_payload(masked)
-        )
-        agent._upload_masked(self.rnd, self.version, result, up)
+        with MASKING:
+            x = quantizer.encode_weighted(change, weight, rng)
+            masked = self.masked(x, env.payload["inboxes"][agent.client])
+            del x
+            up = messages.secagg(
+                Kind.MASKED, agent.job, self.rnd, agent.client, self.version, payloads.masked_payload(masked)
+            )
+            del masked
+            agent._upload_masked(self.rnd, self.version, result, up)
         env = agent._wait_for(Kind.SECAGG_UNMASK, self.rnd)
         if env is None:
             return False
