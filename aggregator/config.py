@@ -397,6 +397,11 @@ class JobConfig:
             return
         if not 0 < self.secagg_clip <= MAX_SECAGG_CLIP:
             _raise(f"{key('secagg_clip')} must be in (0, {MAX_SECAGG_CLIP:g}], got {self.secagg_clip}")
+        from fedmq.secagg.payloads import MAX_COHORT
+
+        most = self.most_selected()
+        if most > MAX_COHORT:
+            _raise(f"{key('secagg')}: a round selects up to {most}; a cohort has at most {MAX_COHORT}")
         for name in ("secagg_corrupt", "secagg_dropout"):
             if not 0 <= getattr(self, name) < 0.5:
                 _raise(f"{key(name)} must be in [0, 0.5), got {getattr(self, name)}")

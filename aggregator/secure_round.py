@@ -50,7 +50,7 @@ from fedmq.broker.transport.errors import Undeliverable
 from fedmq.broker.wire import messages
 from fedmq.broker.wire.envelope import Kind
 from fedmq.errors import FedmqError, SecAggError
-from fedmq.secagg import graph, payloads
+from fedmq.secagg import graph, keys, payloads
 from fedmq.secagg.masking import MaskingServer
 from fedmq.secagg.payloads import context
 from fedmq.secagg.quantize import Quantizer, max_bits
@@ -101,6 +101,8 @@ class SecureRound(SyncRound):
             strategy = self._secure_sum()
         except SecAggError as exc:
             skipped = str(exc)  # "secure aggregation: <reason>: <what>"
+        finally:  # a grant of nobody: a client still waiting for a step of this round stops waiting
+            self._send(Kind.GRANT, stats.selected, lambda _: {"granted": []})
         if ctx.stop.is_set():  # interrupted: a --resume closes it as skipped
             return
         self.closed = True
@@ -117,7 +119,10 @@ class SecureRound(SyncRound):
         roster: dict[str, Any] = {}
 
         def take_keys(msg: Received) -> None:
-            roster[msg.env.client] = payloads.public_keys(msg.env.payload)
+            advertised = payloads.public_keys(msg.env.payload)
+            keys.check_public(advertised.channel, msg.env.client)
+            keys.check_public(advertised.mask, msg.env.client)
+            roster[msg.env.client] = advertised
 
         self._step("keys", Kind.SECAGG_KEYS, stats.selected, report_by, take_keys, roster)
         if ctx.stop.is_set():
@@ -133,13 +138,15 @@ class SecureRound(SyncRound):
         label = context(cfg.job, stats.round, ctx.version)
         server = MaskingServer(cohort, roster, label, coordinates(ctx.global_state) + 1)
         members = list(cohort.members)
+        floor = max(params.threshold, cfg.min_clients)  # the fewest survivors whose sum may be unmasked
         log.info(
             "secure cohort", round=stats.round, members=n, degree=params.degree, threshold=params.threshold
         )
+        # to every selected client: one whose keys came too late learns that it is out
         self._send(
             Kind.SECAGG_COHORT,
-            members,
-            lambda _: payloads.cohort_payload(cohort, roster, quantizer.bits, label),
+            stats.selected,
+            lambda _: payloads.cohort_payload(cohort, roster, quantizer.bits, label, floor),
         )
 
         shared: set[str] = set()
@@ -159,8 +166,11 @@ class SecureRound(SyncRound):
         stats.granted = sharers
         self._send(
             Kind.SECAGG_INBOX,
-            sharers,
-            lambda clients: {"inboxes": {c: server.inbox(c) for c in clients}, "max_samples": max_samples},
+            members,  # a member that did not share learns that it is out
+            lambda clients: {
+                "inboxes": {c: server.inbox(c) for c in clients if c in shared},
+                "max_samples": max_samples,
+            },
         )
 
         masked: set[str] = set()
@@ -174,9 +184,14 @@ class SecureRound(SyncRound):
         self._step("masked", Kind.MASKED, sharers, time.time() + cfg.update_deadline_s, take_masked, masked)
         if ctx.stop.is_set():
             return None
+        if len(masked) < floor:  # a smaller sum would tell more of each input than the job allows
+            raise SecAggError(
+                "too-few-survivors", f"{len(masked)} of {n} clients sent masked inputs, {floor} needed"
+            )
         request = server.unmask_request()
         survivors = list(request.survivors)
-        self._send(Kind.SECAGG_UNMASK, survivors, lambda _: payloads.unmask_payload(request))
+        # to every client that shared: one counted as dropped learns that it is out
+        self._send(Kind.SECAGG_UNMASK, sharers, lambda _: payloads.unmask_payload(request))
         answered: set[str] = set()
         self._step(
             "unmask",
@@ -192,8 +207,6 @@ class SecureRound(SyncRound):
         for fault in server.faults:  # the secret was rebuilt without it: counted and named as a rejection
             ctx.inbox.count_rejection("bad-share", fault)
         mean, weight = quantizer.decode_weighted_mean(total, len(survivors))
-        if len(survivors) < cfg.min_clients:
-            return None
         self._fold(strategy, mean, weight * (max_samples or 1), survivors)
         return strategy
 
@@ -210,7 +223,7 @@ class SecureRound(SyncRound):
         """The unmasked mean as one partial sum of the survivors, folded into the round's strategy."""
         ctx, stats = self.ctx, self.stats
         g = ctx.global_state
-        sums = {k: (t * weight).to(g[k].dtype) for k, t in unflatten(mean, g).items()}
+        sums = {k: t * weight for k, t in unflatten(mean, g).items()}  # float64: the strategy's sums cast it
         share = weight / len(survivors)  # what the server knows of one client's weight: the mean
         part = PartialSum(sums, {k: (weight, weight) for k in sums}, weight, {c: share for c in survivors})
         try:
@@ -272,7 +285,9 @@ class SecureRound(SyncRound):
                 try:
                     take(msg)
                 except SecAggError as exc:  # the sender is out of the protocol; the round goes on
-                    ctx.inbox.refuse(msg, False, exc.reason, f"{env.client}: {exc}")
+                    # counted and acked, not rejected: a dead-letter queue would keep what it carries
+                    ctx.inbox.count_rejection(exc.reason, f"{env.client}: {exc}")
+                    ctx.inbox.ack(msg)
                     self.refused.add(env.client)
                     continue
                 if isinstance(done, set):

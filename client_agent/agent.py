@@ -384,6 +384,8 @@ class Agent:
             if secure is not None:
                 change = flat_change(self._finish(trained, result, hooks), held)
                 self._keep(held, cfg, version)
+                # while it waits for the cohort, the client holds its change and nothing model-sized else
+                held = start = trained = context.held = context.trained = {}
             else:
                 prepared = self._prepare(trained, held, cfg, rnd, version, result, hooks=hooks)
             waits = secure is not None or (sync and cfg.grant) or "slow" in faults or "crash-grant" in faults
@@ -571,6 +573,8 @@ class Agent:
                 continue
             if env.kind is kind and env.round == rnd:
                 return env
+            if env.kind is Kind.GRANT and env.round == rnd and not env.payload["granted"]:
+                return None  # the round closed without us (a secure round's end)
             if env.kind is Kind.ANNOUNCE and env.round > rnd:
                 if not self.stop.is_set():
                     self._on_announce(env)  # our round closed without us; take part in the new one

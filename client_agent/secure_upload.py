@@ -105,6 +105,7 @@ class SecureUpload:
         if env is None or agent.client not in env.payload["members"]:
             return False  # the round went on without us (our keys came too late)
         cohort, roster = payloads.cohort(env.payload)
+        floor = env.payload["floor"]
         quantizer = Quantizer(self.clip, env.payload["bits"], len(cohort.members))
         self._send(Kind.SECAGG_SHARES, payloads.shares_payload(self.masking.share_keys(cohort, roster)))
         env = agent._wait_for(Kind.SECAGG_INBOX, self.rnd)
@@ -122,10 +123,14 @@ class SecureUpload:
                 Kind.MASKED, agent.job, self.rnd, agent.client, self.version, payloads.masked_payload(masked)
             )
             del masked
-            agent._upload_masked(self.rnd, self.version, result, up)
+        agent._upload_masked(self.rnd, self.version, result, up)
         env = agent._wait_for(Kind.SECAGG_UNMASK, self.rnd)
-        if env is None:
-            return False
+        if env is None or agent.client not in env.payload["survivors"]:
+            return False  # the round went on without us (our masked input came too late)
+        if len(env.payload["survivors"]) < floor:
+            raise SecAggError(
+                "too-few-survivors", f"a sum of {len(env.payload['survivors'])}, {floor} needed"
+            )
         answer = self.masking.unmask(payloads.unmask_request(env.payload))
         self._send(Kind.SECAGG_ANSWER, payloads.answer_payload(answer))
         return True

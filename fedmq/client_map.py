@@ -12,9 +12,11 @@ from typing import Any
 
 from fedmq.plugins import is_import_path
 
-# 3: a round under secure aggregation announces a map even without hooks, so that an agent of version 2, which
-# would ignore the round config's secagg_clip and upload its update in the clear, refuses the job instead
-VERSION = 3
+VERSION = 3  # the newest this build reads
+# what a job without secure aggregation announces, so that agents of version 2 still run it. A secure job
+# announces VERSION (a map even without hooks): an agent of version 2, which would ignore the round config's
+# secagg_clip and upload its update in the clear, refuses the job instead
+PLAIN = 2
 
 
 def shape_ok(entry: Any) -> bool:

@@ -225,7 +225,7 @@ def describe(hooks: Sequence[tuple[type[ClientHook], Mapping[str, Any]]]) -> dic
     if not hooks:
         return {}
     return {
-        "version": PROTOCOL,
+        "version": client_map.PLAIN,
         "hooks": [
             {"hook": hook_path(cls), "hook_version": cls.version, "args": dict(args)} for cls, args in hooks
         ],

@@ -140,8 +140,8 @@ def client_map(cfg: Any) -> dict[str, Any]:
     for cls, args in hooks:
         _check_hook(cfg.strategy, cls, args)
     described = describe(hooks)
-    if cfg.secagg and not described:  # client_map.VERSION 3: older agents refuse it, never upload in clear
-        described = {"version": PROTOCOL, "hooks": []}
+    if cfg.secagg:  # fedmq.client_map.VERSION: older agents refuse it rather than upload in the clear
+        described = {"hooks": [], **described, "version": PROTOCOL}
     return described
 
 

@@ -68,6 +68,15 @@ def _info(purpose: str, context: str, a: str, b: str) -> bytes:
     return b"fedmq-secagg-v1" + b"".join(_field(s.encode()) for s in (purpose, context, a, b))
 
 
+def check_public(raw: bytes, owner: str) -> None:
+    """SecAggError("bad-key") unless ``raw`` is an X25519 public key a neighbour can agree a key with (one of
+    small order would make every neighbour's agreement fail, and so knock them all out of the round)."""
+    try:
+        generate().exchange(X25519PublicKey.from_public_bytes(raw))
+    except ValueError as exc:
+        raise SecAggError("bad-key", f"{owner}'s public key cannot be agreed with: {exc}") from None
+
+
 def derive(
     private: X25519PrivateKey, peer_public: bytes, purpose: str, context: str, a: str, b: str
 ) -> bytes:

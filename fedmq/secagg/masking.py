@@ -234,6 +234,14 @@ class MaskingServer:
                 raise SecAggError(
                     "bad-share", f"{sender} sent {kind} shares it was not asked for: {', '.join(extra)}"
                 )
+            # a holder's share of v's secret has its place among v's neighbours as index
+            wrong = sorted(
+                v for v, s in shares.items() if s.index != self.cohort.neighbours(v).index(sender) + 1
+            )
+            if wrong:
+                raise SecAggError(
+                    "bad-share", f"{sender}'s {kind} shares of {', '.join(wrong)} carry wrong indices"
+                )
         self._answers[sender] = answer
 
     def _recover(self, owner: str, kind: str) -> bytes:

@@ -7,7 +7,7 @@ One round of secure aggregation (aggregator.secure_round, client_agent.secure_up
 | kind | from → to | payload |
 |---|---|---|
 | secagg-keys | client → aggregator (its report key) | c_u^PK, s_u^PK |
-| secagg-cohort | aggregator → the cohort (their control queues) | members, k, t, graph seed, roster, bits |
+| secagg-cohort | aggregator → the selected (control queues) | members, k, t, seed, roster, bits, floor |
 | secagg-shares | client → aggregator (report key) | an encrypted share pair per neighbour, a commitment |
 | secagg-inbox | aggregator → the cohort | each recipient's shares; n_max for the weights |
 | masked | client → aggregator (its update key) | the masked vector, uint32 little-endian |
@@ -81,6 +81,7 @@ def _cohort_ok(p: dict) -> bool:
         and type(p["threshold"]) is int
         and type(p["bits"]) is int
         and 1 <= p["bits"] <= 32
+        and 1 <= p["floor"] <= len(members)
         and 0 < len(p["context"]) <= 256
         and set(keys) == set(members)
         and all(
@@ -99,6 +100,7 @@ FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
         "keys": (dict,),
         "bits": (int,),
         "context": (str,),
+        "floor": (int,),
     },
     "secagg-shares": {"shares": (dict,), "commitment": (bytes,)},
     "secagg-inbox": {"inboxes": (dict,), "max_samples": (int,)},
@@ -145,9 +147,12 @@ def public_keys(p: Mapping[str, Any]) -> PublicKeys:
 
 
 def cohort_payload(
-    cohort: Cohort, roster: Mapping[str, PublicKeys], bits: int, context: str
+    cohort: Cohort, roster: Mapping[str, PublicKeys], bits: int, context: str, floor: int
 ) -> dict[str, Any]:
+    """``floor``: the fewest survivors whose sum the aggregator may unmask (max(t, the job's min_clients));
+    a client refuses to help unmask a smaller one."""
     return {
+        "floor": floor,
         "members": list(cohort.members),
         "degree": cohort.params.degree,
         "threshold": cohort.params.threshold,

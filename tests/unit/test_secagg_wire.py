@@ -115,7 +115,7 @@ def test_every_step_survives_the_wire_and_a_malformed_one_is_refused():
         payloads.public_keys(_roundtrip(Kind.SECAGG_KEYS, payloads.keys_payload(roster["a"]))) == roster["a"]
     )
     back, keys = payloads.cohort(
-        _roundtrip(Kind.SECAGG_COHORT, payloads.cohort_payload(cohort, roster, 30, "x"))
+        _roundtrip(Kind.SECAGG_COHORT, payloads.cohort_payload(cohort, roster, 30, "x", 2))
     )
     assert (
         back.members == cohort.members and keys == roster and back.neighbours("a") == cohort.neighbours("a")
@@ -133,8 +133,8 @@ def test_every_step_survives_the_wire_and_a_malformed_one_is_refused():
 
     bad = [
         (Kind.SECAGG_KEYS, {"channel": b"short", "mask": bytes(32)}),
-        (Kind.SECAGG_COHORT, {**payloads.cohort_payload(cohort, roster, 30, "x"), "members": ["a", "b"]}),
-        (Kind.SECAGG_COHORT, {**payloads.cohort_payload(cohort, roster, 30, "x"), "bits": 33}),
+        (Kind.SECAGG_COHORT, {**payloads.cohort_payload(cohort, roster, 30, "x", 2), "members": ["a", "b"]}),
+        (Kind.SECAGG_COHORT, {**payloads.cohort_payload(cohort, roster, 30, "x", 2), "bits": 33}),
         (Kind.SECAGG_SHARES, {"shares": {"b": b""}, "commitment": bytes(32)}),
         (Kind.SECAGG_INBOX, {"inboxes": {"a": {"b": 7}}, "max_samples": 3}),
         (Kind.SECAGG_INBOX, {"inboxes": {}, "max_samples": -1}),
