@@ -83,6 +83,8 @@ class RoundRecord:
             out["unreachable"] = self.unreachable
         if self.online_count is not None:
             out["online_count"] = self.online_count
+        if self.cpu_s is not None:  # rows of runs before it was recorded have none
+            out["cpu_s"] = self.cpu_s
         if self.delta is not None:  # a DP run: ε (null while unbounded) and δ in every row
             out["epsilon"], out["delta"] = self.epsilon, self.delta
         return {**out, **self.extra}
@@ -165,7 +167,7 @@ _MAPS = {
 }
 _KNOWN = {f.name for f in fields(RoundRecord)} - {"extra"}
 # keys written only when the round has them
-_ONLY_WHEN_SET = ("guard", "unreachable", "online_count", "epsilon", "delta", "extra")
+_ONLY_WHEN_SET = ("guard", "unreachable", "online_count", "cpu_s", "epsilon", "delta", "extra")
 
 
 def guard_summary(rows: Iterable[RoundRecord]) -> dict[str, int]:

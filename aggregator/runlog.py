@@ -49,7 +49,6 @@ CSV_COLUMNS = (
     "skipped",
     "skip_reason",
     "wall_s",
-    "cpu_s",
     "epsilon",
     "delta",
     "bytes_up",

@@ -32,6 +32,7 @@ import torch
 from fedmq.broker.transport import topology
 from fedmq.broker.wire import messages
 from fedmq.broker.wire.envelope import Envelope, Kind
+from fedmq.broker.wire.malloc import release_free
 from fedmq.errors import SecAggError
 from fedmq.hooks import stable_seed
 from fedmq.secagg import payloads
@@ -124,6 +125,8 @@ class SecureUpload:
             )
             del masked
         agent._upload_masked(self.rnd, self.version, result, up)
+        del up, change
+        release_free()  # its model-sized buffers back to the OS (broker.wire.malloc: the heap fragments)
         env = agent._wait_for(Kind.SECAGG_UNMASK, self.rnd)
         if env is None or agent.client not in env.payload["survivors"]:
             return False  # the round went on without us (our masked input came too late)
