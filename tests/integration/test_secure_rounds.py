@@ -15,6 +15,7 @@ with `secagg = true`, and the model is held against the same job run in the clea
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,12 +93,10 @@ class SaysGoodbye(Agent):
             raise Offline("fault: gone after the grant", True)
 
 
-def _run(task, cfg: JobConfig, url: str, run_dir: Path, agent_class: type[Agent] = SaysGoodbye, **agent_kw):
-    """The aggregator and two hosts (threads, one connection each) over ``url``, run to the job's end: the
-    engine (``initial``: its model before round 1), its summary and the hosts."""
-    engine = Engine(connect(url), task, cfg, run_dir, durable=False, evaluate=False)
-    engine.initial = {k: v.clone() for k, v in engine.global_state.items()}
-    engine.declare()
+@contextlib.contextmanager
+def _hosts(task, cfg: JobConfig, url: str, agent_class: type[Agent] = SaysGoodbye, **agent_kw):
+    """Two hosts (threads, one connection each) serving the job's clients while the block runs; then stopped,
+    and the job's queues on the broker removed."""
     hosts = []
     for name, ranges in HOSTS.items():
         host = Host(
@@ -107,7 +106,7 @@ def _run(task, cfg: JobConfig, url: str, run_dir: Path, agent_class: type[Agent]
             ranges,
             task,
             heartbeat_s=cfg.heartbeat_s,
-            rejoin_s=600,
+            rejoin_s=0.5,
             **agent_kw,
         )
         host.agent_class = agent_class
@@ -116,14 +115,32 @@ def _run(task, cfg: JobConfig, url: str, run_dir: Path, agent_class: type[Agent]
     for t in threads:
         t.start()
     try:
-        summary = engine.run()
+        yield hosts
     finally:
         for h in hosts:
             h.stop.set()
         for t in threads:
             t.join(timeout=budget(20))
-        engine.broker.close()
-        purge(url, cfg.job, list(HOSTS))  # the job's queues on the shared broker
+        purge(url, cfg.job, list(HOSTS))
+
+
+def _engine(task, cfg: JobConfig, url: str, run_dir: Path) -> Engine:
+    """The job's aggregator (``initial``: its model before round 1)."""
+    engine = Engine(connect(url), task, cfg, run_dir, durable=False, evaluate=False)
+    engine.initial = {k: v.clone() for k, v in engine.global_state.items()}
+    engine.declare()
+    return engine
+
+
+def _run(task, cfg: JobConfig, url: str, run_dir: Path, agent_class: type[Agent] = SaysGoodbye, **agent_kw):
+    """The aggregator and two hosts over ``url``, run to the job's end: the engine, its summary and the
+    hosts."""
+    engine = _engine(task, cfg, url, run_dir)
+    with _hosts(task, cfg, url, agent_class, **agent_kw) as hosts:
+        try:
+            summary = engine.run()
+        finally:
+            engine.broker.close()
     return engine, summary, hosts
 
 
@@ -300,20 +317,10 @@ def test_a_round_stopped_mid_unmasking_is_dropped_on_resume_and_nothing_of_an_in
 
     cfg = _job(job_id, secagg=True, rounds=2)
     run_dir = tmp_path / "run"
-    first = Engine(connect(rabbit_url), task, cfg, run_dir, durable=False, evaluate=False)
-    first.declare()
-    hosts = [
-        Host(lambda: connect(rabbit_url), job_id, n, r, task, heartbeat_s=cfg.heartbeat_s, rejoin_s=0.5)
-        for n, r in HOSTS.items()
-    ]
-    for host in hosts:
-        host.agent_class = AnsweringAgent
-    threads = [threading.Thread(target=h.run, daemon=True) for h in hosts]
-    for t in threads:
-        t.start()
-    try:
+    first = _engine(task, cfg, rabbit_url, run_dir)
+    with _hosts(task, cfg, rabbit_url, AnsweringAgent):
         threading.Thread(target=lambda: answering.wait(budget(120)) and first.stop.set(), daemon=True).start()
-        summary = first.run()
+        first.run()
         first.broker.close()
         assert answering.is_set() and first.version == 0 and not _rows(first)
         spooled = sorted(p.name for p in (run_dir / "spool").rglob("*") if p.is_file())
@@ -322,12 +329,6 @@ def test_a_round_stopped_mid_unmasking_is_dropped_on_resume_and_nothing_of_an_in
         second = Engine(connect(rabbit_url), task, cfg, run_dir, durable=False, evaluate=False)
         summary = second.run()
         second.broker.close()
-    finally:
-        for h in hosts:
-            h.stop.set()
-        for t in threads:
-            t.join(timeout=budget(20))
-        purge(rabbit_url, job_id, list(HOSTS))
     one, two = _rows(second)
     assert one.skipped and one.skip_reason.startswith("secure round interrupted by a restart")
     assert not two.skipped and len(two.received) == CLIENTS
