@@ -148,9 +148,11 @@ def test_a_deleted_exchange_is_named_and_the_job_goes_on(rabbit_node, job_id):
                 time.sleep(0.1)
             assert len(_errors(logs, f"exchange {ex!r}")) == 2, logs
             # the aggregator's side declares it again after 3 checks, the agent's side binds its queues again
+            # (the agent may see the exchange back before the aggregator's thread has said it declared it)
             deadline = time.monotonic() + budget(20)
-            while time.monotonic() < deadline and not any(
-                "queues are bound again" in e.get("event", "") for e in logs
+            wanted = ("declared the job's missing exchange again", "queues are bound again")
+            while time.monotonic() < deadline and not all(
+                any(w in e.get("event", "") for e in logs) for w in wanted
             ):
                 time.sleep(0.1)
         events = [e.get("event", "") for e in logs]
