@@ -19,8 +19,9 @@ client_agent.secure_upload; the messages: fedmq.secagg.payloads):
    is unmasked, decoded into Σ w_k Δ_k / Σ w_k and folded into the round's strategy as one partial sum
    (Strategy.fold_partial), so the server optimizers take their step on the unmasked mean.
 
-A message a step refuses (a share for the wrong neighbours, a vector of the wrong length) is rejected by
-name and its sender counted as dropped; a round the protocol cannot complete (fewer members than it needs,
+A message a step refuses (a public key that cannot be agreed with, shares for the wrong neighbours, a vector
+of the wrong length) is counted by name and acked (a dead-letter queue would keep what it carries), and its
+sender counted as dropped; a round the protocol cannot complete (fewer members than it needs,
 fewer survivors than t, shares that rebuild no secret, a sum out of range) is skipped in one line, with the
 model and the strategy state as they were.
 
@@ -43,6 +44,7 @@ import structlog
 import torch
 
 from fedmq.aggregator.inbox import Received
+from fedmq.aggregator.rounds import RoundContext
 from fedmq.aggregator.strategies.base import PartialSum, State, Strategy
 from fedmq.aggregator.sync_round import SyncRound
 from fedmq.broker.transport import topology
@@ -51,6 +53,7 @@ from fedmq.broker.wire import messages
 from fedmq.broker.wire.envelope import Kind
 from fedmq.errors import FedmqError, SecAggError
 from fedmq.secagg import graph, keys, payloads
+from fedmq.secagg.keys import PublicKeys
 from fedmq.secagg.masking import MaskingServer
 from fedmq.secagg.payloads import context
 from fedmq.secagg.quantize import Quantizer, max_bits
@@ -79,7 +82,7 @@ def coordinates(like: State) -> int:
 class SecureRound(SyncRound):
     """The engine's open round under secure aggregation (module docstring)."""
 
-    def __init__(self, ctx: Any) -> None:
+    def __init__(self, ctx: RoundContext) -> None:
         super().__init__(ctx)
         self.samples: dict[str, int] = {}  # client -> n_k it reported
         self.refused: set[str] = set()  # clients a step refused a message of: dropped from the protocol
@@ -94,7 +97,7 @@ class SecureRound(SyncRound):
             return
         self._select()
         if not stats.selected:
-            ctx.close_round(stats, None, skipped="nobody reachable" if stats.unreachable else "nobody online")
+            self._close_empty()
             return
         strategy, skipped = None, None
         try:
@@ -116,7 +119,7 @@ class SecureRound(SyncRound):
         ctx, cfg, stats = self.ctx, self.cfg, self.stats
         report_by = time.time() + cfg.report_deadline_s
         strategy = ctx.begin_strategy(stats, cfg.strategy)
-        roster: dict[str, Any] = {}
+        roster: dict[str, PublicKeys] = {}
 
         def take_keys(msg: Received) -> None:
             advertised = payloads.public_keys(msg.env.payload)
@@ -124,7 +127,7 @@ class SecureRound(SyncRound):
             keys.check_public(advertised.mask, msg.env.client)
             roster[msg.env.client] = advertised
 
-        self._step("keys", Kind.SECAGG_KEYS, stats.selected, report_by, take_keys, roster)
+        self._step("keys", Kind.SECAGG_KEYS, stats.selected, report_by, take_keys)
         if ctx.stop.is_set():
             return None
         n = len(roster)
@@ -149,20 +152,13 @@ class SecureRound(SyncRound):
             lambda _: payloads.cohort_payload(cohort, roster, quantizer.bits, label, floor),
         )
 
-        shared: set[str] = set()
         shares_by = max(report_by, time.time() + cfg.update_deadline_s)
-        self._step(
-            "shares",
-            Kind.SECAGG_SHARES,
-            members,
-            shares_by,
-            self._taker(server.receive_shares, payloads.shared_keys),
-            shared,
-        )
+        take_shares = self._taker(server.receive_shares, payloads.shared_keys)
+        shared = self._step("shares", Kind.SECAGG_SHARES, members, shares_by, take_shares)
         if ctx.stop.is_set():
             return None
         sharers = sorted(shared)
-        max_samples = self._max_samples(sharers) if getattr(strategy, "weighs_samples", True) else 0
+        max_samples = self._max_samples(sharers) if strategy.weighs_samples else 0
         stats.granted = sharers
         self._send(
             Kind.SECAGG_INBOX,
@@ -173,15 +169,13 @@ class SecureRound(SyncRound):
             },
         )
 
-        masked: set[str] = set()
-
         def take_masked(msg: Received) -> None:
             server.receive_masked(msg.env.client, payloads.masked(msg.env.payload))
             stats.update_ids[msg.env.client] = msg.env.msg_id
             stats.bytes_up_raw += 4 * (server.length - 1)  # the update it carries, as raw fp32
             ctx.took_update()
 
-        self._step("masked", Kind.MASKED, sharers, time.time() + cfg.update_deadline_s, take_masked, masked)
+        masked = self._step("masked", Kind.MASKED, sharers, time.time() + cfg.update_deadline_s, take_masked)
         if ctx.stop.is_set():
             return None
         if len(masked) < floor:  # a smaller sum would tell more of each input than the job allows
@@ -192,15 +186,8 @@ class SecureRound(SyncRound):
         survivors = list(request.survivors)
         # to every client that shared: one counted as dropped learns that it is out
         self._send(Kind.SECAGG_UNMASK, sharers, lambda _: payloads.unmask_payload(request))
-        answered: set[str] = set()
-        self._step(
-            "unmask",
-            Kind.SECAGG_ANSWER,
-            survivors,
-            time.time() + cfg.update_deadline_s,
-            self._taker(server.receive_unmask, payloads.unmask_shares),
-            answered,
-        )
+        take_answer = self._taker(server.receive_unmask, payloads.unmask_shares)
+        self._step("unmask", Kind.SECAGG_ANSWER, survivors, time.time() + cfg.update_deadline_s, take_answer)
         if ctx.stop.is_set():
             return None
         total = server.aggregate()
@@ -259,18 +246,17 @@ class SecureRound(SyncRound):
         expected: Collection[str],
         deadline: float,
         take: Callable[[Received], None],
-        done: Collection[str],
-    ) -> None:
-        """Take ``kind`` messages from the clients ``expected`` until each has sent one (counted in
-        ``done``, which ``take`` fills or the step adds to), has gone offline, or ``deadline`` passes. A
-        message ``take`` refuses (SecAggError) is rejected by name; its sender is not counted."""
-        ctx, stats = self.ctx, self.stats
+    ) -> set[str]:
+        """Take ``kind`` messages from the clients ``expected`` until each has sent one, has gone offline or
+        was refused, or ``deadline`` passes; the clients taken. A message ``take`` refuses (SecAggError) is
+        counted by name and acked, and its sender is out of the protocol."""
+        ctx = self.ctx
         ctx.phase = f"secure-{name}"
-        expected = set(expected)
-        expected -= self.refused
-        while not ctx.stop.is_set() and not set(done) | self.gone | self.refused >= expected:
-            if time.time() >= deadline:
-                break
+        expected = set(expected) - self.refused
+        done: set[str] = set()
+        while not (
+            ctx.stop.is_set() or done | self.gone | self.refused >= expected or time.time() >= deadline
+        ):
             msg = ctx.inbox.next(min(0.5, max(deadline - time.time(), 0.0)))
             if msg is None:
                 continue
@@ -290,10 +276,10 @@ class SecureRound(SyncRound):
                     ctx.inbox.ack(msg)
                     self.refused.add(env.client)
                     continue
-                if isinstance(done, set):
-                    done.add(env.client)
-                stats.bytes_up += msg.size  # every step's messages: the protocol's cost on the wire
+                done.add(env.client)
+                self.stats.bytes_up += msg.size  # every step's messages: the protocol's cost on the wire
                 ctx.inbox.ack(msg)
+        return done
 
     def _send(self, kind: Kind, clients: list[str], payload: Callable[[list[str]], dict[str, Any]]) -> None:
         """One message of ``kind`` to each recipient (agent or host) of ``clients``, its payload for the

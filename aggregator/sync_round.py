@@ -92,10 +92,7 @@ class SyncRound:
                         self.saved_granted = [c for c in self.saved_granted if c in stats.selected]
                     self._save()
         if not stats.selected:
-            why = "nobody reachable" if stats.unreachable else "nobody online"
-            ctx.close_round(
-                stats, None, skipped="nobody sampled" if stats.online and cfg.dp != "none" else why
-            )
+            self._close_empty()
             return
         strategy = self._collect(spooled_updates)
         if ctx.stop.is_set():  # interrupted (Ctrl-C, SIGTERM): the round stays open in the spool for --resume
@@ -104,6 +101,13 @@ class SyncRound:
             self.closed = True
             self._save()
         ctx.close_round(stats, strategy)
+
+    def _close_empty(self) -> None:
+        """Close a round that selected nobody, saying why."""
+        stats = self.stats
+        why = "nobody reachable" if stats.unreachable else "nobody online"
+        sampled = stats.online and self.cfg.dp != "none"  # DP's Poisson sampling drew nobody
+        self.ctx.close_round(stats, None, skipped="nobody sampled" if sampled else why)
 
     def _select(self) -> None:
         ctx, cfg, stats = self.ctx, self.cfg, self.stats

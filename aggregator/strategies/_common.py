@@ -113,6 +113,16 @@ def sq_distance(a: torch.Tensor, b: torch.Tensor, tmp: torch.Tensor | None = Non
     return total
 
 
+def check_sums(sums: Mapping[str, torch.Tensor], model: Mapping[str, torch.Tensor], what: str) -> None:
+    """StrategyError unless every tensor of ``sums`` (a partial or secure sum) is one of ``model``'s, shaped
+    like it and finite: checked whole, before anything is added."""
+    for name, acc in sums.items():
+        if name not in model or tuple(acc.shape) != tuple(model[name].shape):
+            raise StrategyError(f"{what}: tensor {name!r} is not one of the model's, or misshaped")
+        if not bool(torch.isfinite(acc).all()):
+            raise StrategyError(f"{what}: tensor {name!r} is not finite")
+
+
 def _all_finite(t: torch.Tensor) -> bool:
     """One read-only pass: a NaN/inf makes the sum non-finite; only then
     (or on overflow) look element-wise."""

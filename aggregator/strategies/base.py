@@ -103,6 +103,11 @@ class Strategy(ABC):
     # ``weight`` or ``count`` (then they say so themselves)
     secure_sum: ClassVar[bool] = False
 
+    @property
+    def weighs_samples(self) -> bool:
+        """Under secure aggregation, whether a client weighs its change by n_k (else by 1)."""
+        return True
+
     @classmethod
     def from_config(cls, cfg: Any, **extra: Any) -> Strategy:
         """This round's strategy from the job's settings (``cfg``: an aggregator.config.JobConfig): the

@@ -25,6 +25,7 @@ from fedmq.aggregator.strategies._common import (
     WeightedSum,
     cast_like,
     check_started,
+    check_sums,
     validate_update,
     zeros_like_state,
 )
@@ -50,11 +51,6 @@ class FedAvg(Strategy):
             cls.partial_sums = False
         if any(m in own for m in ("fold", "second_pass", "weight", "count")) and "secure_sum" not in own:
             cls.secure_sum = False
-
-    @property
-    def weighs_samples(self) -> bool:
-        """Whether w_k is n_k (else 1): what a client of a secure sum scales its update by."""
-        return True
 
     def __init__(self) -> None:
         self._global: Mapping[str, torch.Tensor] | None = None
@@ -101,12 +97,7 @@ class FedAvg(Strategy):
     def fold_partial(self, part: PartialSum) -> None:
         if not self.partial_sums:
             return super().fold_partial(part)
-        g = check_started(self._global, self.name)
-        for name, acc in part.sums.items():  # all checked before anything is added
-            if name not in self._sums or tuple(acc.shape) != tuple(g[name].shape):
-                raise StrategyError(f"partial sum: tensor {name!r} is not one of the model's, or misshaped")
-            if not bool(torch.isfinite(acc).all()):
-                raise StrategyError(f"partial sum: tensor {name!r} is not finite")
+        check_sums(part.sums, check_started(self._global, self.name), "partial sum")
         numbers = [part.count, *part.terms.values(), *(x for w in part.weights.values() for x in w)]
         if set(part.weights) != set(part.sums) or not all(math.isfinite(x) and x >= 0 for x in numbers):
             raise StrategyError("partial sum: weights missing, negative or not finite")

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 
 from fedmq.aggregator.privacy import ADAPTIVE_LEARNING_RATE, DPPlan
-from fedmq.aggregator.strategies._common import check_started, validate_update, zeros_like_state
+from fedmq.aggregator.strategies._common import check_started, check_sums, validate_update, zeros_like_state
 from fedmq.aggregator.strategies.base import ClientUpdate, PartialSum, State, Strategy
 from fedmq.aggregator.strategies.buffered_async import staleness_weight
 from fedmq.aggregator.strategies.scaffold import Scaffold
@@ -132,11 +132,7 @@ class Private(Strategy):
         g = check_started(self._global, self.name)
         if self.dp.mode != "client":
             raise StrategyError("a secure sum runs under dp client only (central clips each update here)")
-        for name, acc in part.sums.items():
-            if name not in self._sum or tuple(acc.shape) != tuple(g[name].shape):
-                raise StrategyError(f"secure sum: tensor {name!r} is not one of the model's, or misshaped")
-            if not bool(torch.isfinite(acc).all()):
-                raise StrategyError(f"secure sum: tensor {name!r} is not finite")
+        check_sums(part.sums, g, "secure sum")
         for name, acc in part.sums.items():
             self._sum[name].add_(acc.to(self._sum[name].dtype))
         self._count += len(part.terms)
