@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fold_reference import one_round_job
 from load_factor import budget
 
 from fedmq.aggregator.config import JobConfig
@@ -50,27 +51,20 @@ def task(tiny_lm):
 
 
 def _job(job: str, **extra) -> JobConfig:
+    """A FedAvg round of every client, raw both ways (fold_reference.one_round_job), trained a little."""
     settings = dict(
-        job=job,
-        strategy="fedavg",
-        rounds=1,
-        clients=CLIENTS,
-        fraction=1.0,
         heartbeat_s=1.0,
         join_timeout_s=120,
         # a round with clients gone waits for them until its deadlines (an honest client of this model takes
         # well under a second to train and mask)
         report_deadline_s=budget(30),
         update_deadline_s=budget(15),
-        identity="shared:guest",
-        encoding="raw",
-        down_encoding="raw",
         max_steps=2,
         batch_size=4,
         lr=1.0,
         secagg_clip=CLIP,
     )
-    return JobConfig(**{**settings, **extra})
+    return one_round_job(job, CLIENTS, **{**settings, **extra})
 
 
 @dataclass
