@@ -65,15 +65,16 @@ def async_window(cfg: JobConfig, strategy: Strategy) -> tuple[int, int]:
     return sizes  # type: ignore[return-value]
 
 
-class _Owed:
-    """Who may still send an update trained from the version announced last (see the module docstring)."""
+class Owed:
+    """Who may still send an update (under secure aggregation: a check-in) trained from the version announced
+    last (see the module docstring)."""
 
     def __init__(self, version: int, online: list[str]) -> None:
         self.version = version
         self.waiting = set(online)
 
     def note(self, env: Envelope) -> None:
-        if env.kind is Kind.UPDATE and env.model_version == self.version:
+        if env.kind in (Kind.UPDATE, Kind.SECAGG_KEYS) and env.model_version == self.version:
             self.waiting.discard(env.client)
         elif env.kind is Kind.PRESENCE and env.payload["state"] != "online":
             self.waiting.discard(env.client)
@@ -104,7 +105,7 @@ class AsyncRounds:
         _, spooled = ctx.spool.load(ctx.round)
         if spooled:
             log.info("resuming open round", round=ctx.round, spooled_updates=len(spooled))
-        owed: _Owed | None = None
+        owed: Owed | None = None
         while ctx.version < cfg.rounds and not ctx.stop.is_set() and ctx.within_budget():
             # the beats that queued while the last version closed (evaluation, checkpoint) are counted first:
             # unread, they would leave live agents looking offline, and the version would then close on its
@@ -114,7 +115,7 @@ class AsyncRounds:
             stats.selected = stats.online
             self._keep_bases()
             ctx.announce(stats)
-            owed = _Owed(ctx.version, stats.online)
+            owed = Owed(ctx.version, stats.online)
             strategy = ctx.begin_strategy(stats, cfg.strategy)
             self.folded_ids = ctx.folded_ids()
             self.folded_n = {}
@@ -165,7 +166,7 @@ class AsyncRounds:
             del self.history[old]
         ctx.spool.drop_bases_before(ctx.version - ctx.max_staleness)
 
-    def _collect(self, stats: RoundStats, strategy: Strategy, owed: _Owed) -> None:
+    def _collect(self, stats: RoundStats, strategy: Strategy, owed: Owed) -> None:
         ctx, cfg = self.ctx, self.cfg
         deadline = time.time() + cfg.report_deadline_s + cfg.update_deadline_s
         while len(stats.received) < ctx.buffer_size and time.time() < deadline and not ctx.stop.is_set():
@@ -241,7 +242,7 @@ class AsyncRounds:
             strategy.fold(ctx.decode_update(env, base, staleness, n_samples=n))
         return strategy
 
-    def _wind_down(self, owed: _Owed | None) -> None:
+    def _wind_down(self, owed: Owed | None) -> None:
         """The last version is published: drop what is queued, and (durable spool) what is still owed, as
         ``job-finished`` (the module docstring says why)."""
         ctx, cfg = self.ctx, self.cfg

@@ -380,19 +380,20 @@ class JobConfig:
         if self.dp != "none":
             _raise(f"{key('edges')}: {key('dp')} clips and noises each update at one aggregator; use one")
 
-    def _require(self, capability: str, setting: str, why: str) -> None:
+    def _require(self, capability: str, setting: str, why: str, *, asynchronous: bool = False) -> None:
         """Refuse in one line naming ``setting`` a round strategy without ``capability`` (a flag of its
-        class: partial_sums, secure_sum) or an asynchronous one; ``why`` says what it needs and what runs."""
+        class: partial_sums, secure_sum), or an asynchronous one unless ``asynchronous``; ``why`` says what
+        it needs and what runs."""
         from fedmq.aggregator.strategies.registry import STRATEGY_NAMES, round_strategy, strategy_class
 
         name = round_strategy(self.strategy, self)
-        if self.mode == "async" or not getattr(strategy_class(name), capability):
+        if (self.mode == "async" and not asynchronous) or not getattr(strategy_class(name), capability):
             able = ", ".join(n for n in STRATEGY_NAMES if getattr(strategy_class(n), capability))
             _raise(f"{key(setting)}: strategy {name!r} {why}: {able}")
 
     def _check_secagg(self) -> None:
-        """Secure aggregation: a synchronous strategy whose aggregate is a weighted mean of the updates, and
-        nothing else that needs to read one client's update."""
+        """Secure aggregation: a strategy (synchronous, or buffered asynchronous) whose aggregate is a
+        weighted mean of the updates, and nothing else that needs to read one client's update."""
         if not self.secagg:
             return
         if not 0 < self.secagg_clip <= MAX_SECAGG_CLIP:
@@ -408,8 +409,9 @@ class JobConfig:
         self._require(
             "secure_sum",
             "secagg",
-            "needs to read each client's update (it weighs, ranks, buffers or clips them one by one); a "
-            "secure sum runs",
+            "needs to read each client's update (it weighs, ranks or clips them one by one); a secure sum "
+            "runs",
+            asynchronous=True,
         )
         why = next(
             (
@@ -422,6 +424,11 @@ class JobConfig:
                     ),
                     (f"{key('edges')}: edge aggregators read their clients' updates", self.edges != 0),
                     (f"{key('noise')} is FedAtt's", self.noise != 0),
+                    (
+                        f"{key('dp')} with asynchronous buffers is not built: a secure buffer runs without "
+                        "differential privacy",
+                        self.dp != "none" and self.mode == "async",
+                    ),
                 )
                 if wrong
             ),

@@ -61,6 +61,7 @@ from fedmq.aggregator.privacy_ledger import PrivacyLedger
 from fedmq.aggregator.records import ONLINE_NAMES, RoundRecord, guard_summary, no_round_completed
 from fedmq.aggregator.rounds import Arrival, RoundStats
 from fedmq.aggregator.runlog import RunLog
+from fedmq.aggregator.secure_buffers import SecureBuffers
 from fedmq.aggregator.secure_round import SecureRound
 from fedmq.aggregator.spool import RoundSpool
 from fedmq.aggregator.strategies.base import ClientUpdate, State, Strategy
@@ -213,7 +214,7 @@ class Engine:
                 self._restore()
             self.runlog.write_config(self._config_record())
             if self.cfg.mode == "async":
-                AsyncRounds(self).run()
+                (SecureBuffers if self.cfg.secagg else AsyncRounds)(self).run()
             else:
                 runner = TieredRound if self.cfg.edges else SecureRound if self.cfg.secagg else SyncRound
                 while self.round <= self.cfg.rounds and not self.stop.is_set() and self.within_budget():

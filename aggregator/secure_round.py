@@ -79,6 +79,14 @@ def coordinates(like: State) -> int:
     return sum(t.numel() for t in like.values())
 
 
+def checked_keys(msg: Received) -> PublicKeys:
+    """The public keys ``msg`` advertises; SecAggError for one that cannot be agreed with."""
+    advertised = payloads.public_keys(msg.env.payload)
+    keys.check_public(advertised.channel, msg.env.client)
+    keys.check_public(advertised.mask, msg.env.client)
+    return advertised
+
+
 class SecureRound(SyncRound):
     """The engine's open round under secure aggregation (module docstring)."""
 
@@ -93,6 +101,9 @@ class SecureRound(SyncRound):
         if spooled is not None:  # open when the aggregator stopped: it cannot be finished (module docstring)
             stats.online, stats.selected = spooled["online"], spooled["selected"]
             stats.reported = spooled["reported"]
+            ctx.hosted.update(spooled.get("hosts") or {})
+            self._restored(spooled)
+            self._release()  # a client still waiting for the old aggregator's next step stops waiting
             ctx.close_round(stats, None, skipped=INTERRUPTED)
             return
         self._select()
@@ -104,8 +115,8 @@ class SecureRound(SyncRound):
             strategy = self._secure_sum()
         except SecAggError as exc:
             skipped = str(exc)  # "secure aggregation: <reason>: <what>"
-        finally:  # a grant of nobody: a client still waiting for a step of this round stops waiting
-            self._send(Kind.GRANT, stats.selected, lambda _: {"granted": []})
+        finally:
+            self._release()
         if ctx.stop.is_set():  # interrupted: a --resume closes it as skipped
             return
         self.closed = True
@@ -119,15 +130,7 @@ class SecureRound(SyncRound):
         ctx, cfg, stats = self.ctx, self.cfg, self.stats
         report_by = time.time() + cfg.report_deadline_s
         strategy = ctx.begin_strategy(stats, cfg.strategy)
-        roster: dict[str, PublicKeys] = {}
-
-        def take_keys(msg: Received) -> None:
-            advertised = payloads.public_keys(msg.env.payload)
-            keys.check_public(advertised.channel, msg.env.client)
-            keys.check_public(advertised.mask, msg.env.client)
-            roster[msg.env.client] = advertised
-
-        self._step("keys", Kind.SECAGG_KEYS, stats.selected, report_by, take_keys)
+        roster = self._gather_keys(report_by)
         if ctx.stop.is_set():
             return None
         n = len(roster)
@@ -135,6 +138,7 @@ class SecureRound(SyncRound):
             raise SecAggError(
                 "too-few-members", f"{n} client(s) advertised keys, {max(2, cfg.min_clients)} needed"
             )
+        self._formed(sorted(roster))
         params = graph.plan(n, cfg.secagg_corrupt, cfg.secagg_dropout)
         cohort = graph.Cohort.build(sorted(roster), params, os.urandom(graph.SEED_BYTES))
         quantizer = Quantizer(cfg.secagg_clip, max_bits(n), n)
@@ -145,10 +149,9 @@ class SecureRound(SyncRound):
         log.info(
             "secure cohort", round=stats.round, members=n, degree=params.degree, threshold=params.threshold
         )
-        # to every selected client: one whose keys came too late learns that it is out
         self._send(
             Kind.SECAGG_COHORT,
-            stats.selected,
+            self._cohort_audience(members),
             lambda _: payloads.cohort_payload(cohort, roster, quantizer.bits, label, floor),
         )
 
@@ -197,6 +200,35 @@ class SecureRound(SyncRound):
         self._fold(strategy, mean, weight * (max_samples or 1), survivors)
         return strategy
 
+    # ------------------------------------------------------------------ what a secure buffer does otherwise
+    def _gather_keys(self, report_by: float) -> dict[str, PublicKeys]:
+        """Step 1: the selected clients' public keys, each checked on arrival, until ``report_by``."""
+        roster: dict[str, PublicKeys] = {}
+
+        def take_keys(msg: Received) -> None:
+            roster[msg.env.client] = checked_keys(msg)
+
+        self._step("keys", Kind.SECAGG_KEYS, self.stats.selected, report_by, take_keys)
+        return roster
+
+    def _formed(self, members: list[str]) -> None:
+        """The cohort is ``members``: enough of them to go on."""
+
+    def _cohort_audience(self, members: list[str]) -> list[str]:
+        """Who hears of the cohort: every selected client (one whose keys came too late learns it is out)."""
+        return self.stats.selected
+
+    def _trained_from(self, client: str) -> int:
+        """The version ``client``'s change was trained from."""
+        return self.ctx.version
+
+    def _release(self) -> None:
+        """A grant of nobody: a client still waiting for a step of this round stops waiting."""
+        self._send(Kind.GRANT, self.stats.selected, lambda _: {"granted": []})
+
+    def _restored(self, spooled: dict[str, Any]) -> None:
+        """What else a restart reads of the open round's spooled state, before it is closed."""
+
     def _max_samples(self, clients: Collection[str]) -> int:
         """n_max: the largest n_k of ``clients`` reported, capped as the sample guard caps a weight (at
         max_samples_factor × the lower median)."""
@@ -219,7 +251,7 @@ class SecureRound(SyncRound):
             raise SecAggError("bad-sum", f"the unmasked mean does not fit the model: {exc}") from None
         stats.received = list(survivors)
         for client in survivors:
-            ctx.note_trained_from(client, ctx.version)
+            ctx.note_trained_from(client, self._trained_from(client))
 
     # ------------------------------------------------------------------ messages
     def _take_report(self, msg: Received) -> None:

@@ -384,17 +384,18 @@ class SyncRound:
         return left_out
 
     def _save(self) -> None:
+        self.ctx.spool.save_state(self.stats.round, self._state())
+
+    def _state(self) -> dict:
+        """The round's state as its spool keeps it."""
         stats = self.stats
-        self.ctx.spool.save_state(
-            stats.round,
-            {
-                "selected": stats.selected,
-                "hosts": {c: self.ctx.hosted[c] for c in stats.selected if c in self.ctx.hosted},
-                "unreachable": stats.unreachable,
-                "reported": stats.reported,
-                "granted": self.saved_granted,
-                "strategy": self.saved_choice,
-                "mediator": self.saved_mediator,
-                "closed": self.closed,
-            },
-        )
+        return {
+            "selected": stats.selected,
+            "hosts": {c: self.ctx.hosted[c] for c in stats.selected if c in self.ctx.hosted},
+            "unreachable": stats.unreachable,
+            "reported": stats.reported,
+            "granted": self.saved_granted,
+            "strategy": self.saved_choice,
+            "mediator": self.saved_mediator,
+            "closed": self.closed,
+        }

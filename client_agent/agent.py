@@ -147,6 +147,8 @@ class Agent:
         self.model_names = frozenset(self.manifest.names)
         self.groups = self.trainers.groups
         self.version = messages.NO_VERSION  # the version of the global model kept (NO_VERSION: none)
+        # the newest announcement read while a secure buffer held this client (asynchronous jobs)
+        self.newer: Envelope | None = None
         self.last_round = 0
         self.log = AgentLog()
         # client hooks this agent may import when an announcement names one: fedmq's own, and those in the
@@ -229,6 +231,9 @@ class Agent:
             # idle agents wake rarely (simulate runs K of them)
             env = self._next(timeout=max(self.heartbeat_s, 0.5))
             if env is not None and env.kind is Kind.ANNOUNCE:
+                self._on_announce(env)
+            while self.newer is not None and not self.stop.is_set():
+                env, self.newer = self.newer, None  # read while a secure buffer held us
                 self._on_announce(env)
 
     def _next(self, timeout: float) -> Envelope | None:
@@ -358,9 +363,9 @@ class Agent:
             raise Offline("fault: connection cut", False)
         # secure aggregation: the keys go out now, so that the cohort forms while the clients train
         clip = cfg.secagg_clip
-        secure = self.secure_upload(self, rnd, version, clip, cfg.train.seed) if clip else None
-        if secure is not None:
-            secure.advertise()
+        secure = self.secure_upload(self, rnd, version, clip, cfg.train.seed, not sync) if clip else None
+        if secure is not None and sync:
+            secure.advertise()  # (an asynchronous buffer's client checks in once it has trained)
         context = ClientContext(self.client, rnd, version, cfg.train.seed, self.groups)
         context.noise_seed = cfg.train.seed if self.seeded_noise else None
         for hook, _ in hooks:
@@ -575,13 +580,37 @@ class Agent:
                 continue
             if env.kind is kind and env.round == rnd:
                 return env
-            if env.kind is Kind.GRANT and env.round == rnd and not env.payload["granted"]:
+            if env.kind is Kind.GRANT and env.round == rnd and self._released(env):
                 return None  # the round closed without us (a secure round's end)
             if env.kind is Kind.ANNOUNCE and env.round > rnd:
-                if not self.stop.is_set():
+                if env.payload["mode"] == "async":
+                    self.newer = env  # our buffer closed without us: the serving loop trains on it next
+                elif not self.stop.is_set():
                     self._on_announce(env)  # our round closed without us; take part in the new one
                 return None
         return None
+
+    def _wait_for_cohort(self, since: int) -> Envelope | None:
+        """After an asynchronous buffer's check-in: the first cohort of a round from ``since`` on that names
+        this client; None when a grant refuses its check-in or the agent stops. Newer announcements are
+        kept for after (``newer``); cohorts of others, and the end of a buffer this client was in before, are
+        not ours to answer."""
+        while not self.stop.is_set() or (self.finish_round and not self.finished):
+            env = self._next(timeout=0.5)
+            if env is None:
+                continue
+            cohort = env.kind is Kind.SECAGG_COHORT and env.round >= since
+            if cohort and self.client in env.payload["members"]:
+                return env
+            if env.kind is Kind.GRANT and self.client in env.payload.get("refused", ()):
+                return None  # our check-in was not taken (too stale, or offline meanwhile)
+            if env.kind is Kind.ANNOUNCE and (self.newer is None or env.round > self.newer.round):
+                self.newer = env
+        return None
+
+    def _released(self, env: Envelope) -> bool:
+        """An empty grant ends the round for this client: for everyone waiting, or for those it names."""
+        return not env.payload["granted"] and self.client in env.payload.get("released", (self.client,))
 
     def _upload(self, rnd: int, version: int, prepared: Prepared) -> None:
         """Publish the update: to the inbox, or with edge aggregators to the one that folds ours."""

@@ -13,6 +13,13 @@ The steps, each answering the aggregator's (aggregator.secure_round; payloads: f
 4. on the unmasking request (secagg-unmask): send the shares it holds that the aggregator may have
    (secagg-answer).
 
+In an asynchronous job (a secure buffer: aggregator.secure_buffers) the client checks in instead of step 1:
+after training and its report it advertises its keys, tagged with the version it trained from, and waits for
+a buffer's cohort that names it (or a grant that releases it: its check-in was too stale, or the job ended),
+reading newer announcements on the way. The cohort's round and version name the sum; the client weighs its
+change by the staleness weight s(τ) of τ = the buffer's version − its own (fedmq.staleness) as well as by
+n_k; the steps after that are the synchronous round's.
+
 A step of another round is ignored; a newer announcement ends this round for the client, as one that does not
 grant it. Anything the core refuses (a roster without its keys, a neighbour's share that does not decrypt, a
 request that would unmask one client) is logged with what it names, and the client sits the rest of the round
@@ -39,6 +46,7 @@ from fedmq.secagg import payloads
 from fedmq.secagg.masking import MaskingClient
 from fedmq.secagg.payloads import context
 from fedmq.secagg.quantize import Quantizer
+from fedmq.staleness import staleness_weight
 from fedmq.tasks.base import TrainResult
 
 log = structlog.get_logger(__name__)
@@ -56,6 +64,8 @@ class Link(Protocol):
 
     def _wait_for(self, kind: Kind, rnd: int) -> Envelope | None: ...
 
+    def _wait_for_cohort(self, since: int) -> Envelope | None: ...
+
     def _send(self, env: Envelope, routing_key: str) -> None: ...
 
     def _upload_masked(self, rnd: int, version: int, result: TrainResult, env: Envelope) -> None: ...
@@ -72,14 +82,36 @@ def flat_change(upload: Mapping[str, torch.Tensor], held: Mapping[str, torch.Ten
 class SecureUpload:
     """One client's secure aggregation in round ``rnd`` (module docstring)."""
 
-    def __init__(self, agent: Link, rnd: int, version: int, clip: float, seed: int) -> None:
+    def __init__(
+        self, agent: Link, rnd: int, version: int, clip: float, seed: int, asynchronous: bool = False
+    ) -> None:
         self.agent, self.rnd, self.version, self.clip = agent, rnd, version, clip
         self.seed = seed  # the job's: the stochastic rounding repeats in a seeded run
+        self.asynchronous = asynchronous  # a secure buffer: the client checks in after training
         self.masking = MaskingClient(agent.client, context(agent.job, rnd, version))
 
     def advertise(self) -> None:
-        """Step 1: c_u^PK and s_u^PK."""
+        """Step 1 (or an asynchronous buffer's check-in): c_u^PK and s_u^PK."""
         self._send(Kind.SECAGG_KEYS, payloads.keys_payload(self.masking.advertise()))
+
+    def _join_cohort(self) -> tuple[Envelope | None, float]:
+        """The cohort message that names this client, and the staleness weight its change takes (1 in a
+        synchronous round); (None, 0) when the round or buffer went on without it."""
+        agent = self.agent
+        if not self.asynchronous:
+            env = agent._wait_for(Kind.SECAGG_COHORT, self.rnd)
+            return (env, 1.0) if env is not None and agent.client in env.payload["members"] else (None, 0.0)
+        self.advertise()  # the check-in, tagged with the version trained from
+        env = agent._wait_for_cohort(self.rnd)
+        if env is None:
+            return None, 0.0
+        tau = env.model_version - self.version
+        if tau < 0:
+            raise SecAggError("bad-version", f"buffer v{env.model_version}, change from v{self.version}")
+        # the buffer names the sum: its round and version, as the aggregator's own label
+        self.rnd = env.round
+        self.masking.context = context(agent.job, env.round, env.model_version)
+        return env, staleness_weight(tau)
 
     def run(
         self, change: np.ndarray, result: TrainResult, before_upload: Callable[[], None] = lambda: None
@@ -102,9 +134,9 @@ class SecureUpload:
 
     def _run(self, change: np.ndarray, result: TrainResult, before_upload: Callable[[], None]) -> bool:
         agent = self.agent
-        env = agent._wait_for(Kind.SECAGG_COHORT, self.rnd)
-        if env is None or agent.client not in env.payload["members"]:
-            return False  # the round went on without us (our keys came too late)
+        env, stale = self._join_cohort()
+        if env is None:
+            return False  # the round went on without us (our keys came too late, or the buffer never took us)
         cohort, roster = payloads.cohort(env.payload)
         floor = env.payload["floor"]
         quantizer = Quantizer(self.clip, env.payload["bits"], len(cohort.members))
@@ -117,7 +149,7 @@ class SecureUpload:
         weight = 1.0 if n_max == 0 else min(result.n_samples, n_max) / n_max
         rng = np.random.default_rng(stable_seed(self.seed, agent.client, self.rnd, "secagg"))
         with MASKING:
-            x = quantizer.encode_weighted(change, weight, rng)
+            x = quantizer.encode_weighted(change, weight, rng, stale)
             masked = self.masked(x, env.payload["inboxes"][agent.client])
             del x
             up = messages.secagg(

@@ -190,7 +190,8 @@ class Strategy(ABC):
 
     def fold_partial(self, part: PartialSum) -> None:
         """The root's side: add an edge's ``partial`` into this round's sums, as if its updates were folded
-        here. Raise (changing nothing) if it does not fit the model. Only where ``partial_sums`` is set."""
+        here; or a secure round's unmasked sum (aggregator.secure_round). Raise (changing nothing) if it does
+        not fit the model. Only where ``partial_sums`` or ``secure_sum`` is set."""
         raise NotImplementedError(f"strategy {self.name!r} has no partial sums")
 
     def second_pass(self, exclude: frozenset[str] = frozenset()) -> dict | None:

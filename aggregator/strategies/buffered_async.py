@@ -21,31 +21,33 @@ The staleness factor is deliberately *not* renormalised (dividing by Σ s(τ_k) 
 whenever the buffer's updates share one staleness, e.g. K = 1): a buffer of stale updates moves the model
 less. η_g (``server_lr``) defaults to 1.0, so K fresh updates give exactly FedAvg of their models. This is
 FedAvg's streaming fold with the client weight w_k = η_g s(τ_k) n_k.
+
+Under secure aggregation (a secure buffer: aggregator.secure_buffers) the aggregator sees only the buffer's
+sum: each client weighs its own change by s(τ_k) (it knows its version) and n_k, and ``fold_partial`` takes
+the sum Σ s(τ_k) n_k Δ_k with Σ n_k and applies η_g, so a secure buffer gives the formula above.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
 
 from fedmq.aggregator.strategies._common import MAX_BUFFER, MAX_SERVER_LR
-from fedmq.aggregator.strategies.base import ClientUpdate, RoundPlan, State, Strategy
+from fedmq.aggregator.strategies.base import ClientUpdate, PartialSum, RoundPlan, State, Strategy
 from fedmq.aggregator.strategies.errors import StaleUpdate
 from fedmq.aggregator.strategies.fedavg import FedAvg
 from fedmq.checks import check_int, check_number
 from fedmq.errors import StrategyError
-
-
-def staleness_weight(tau: int) -> float:
-    return 1.0 / math.sqrt(1.0 + tau)
+from fedmq.staleness import staleness_weight
 
 
 class BufferedAsync(FedAvg):
     name: ClassVar[str] = "async"
     plan: ClassVar[RoundPlan] = RoundPlan(mode="async")
+    secure_sum: ClassVar[bool] = True  # the clients apply s(τ) (module docstring)
 
     # buffer_size 5 (was 3): with the default 8 clients, 3 a version left most updates stale and the model
     # rose at version 2 (docs/guide/strategy.md "Defaults, as swept"); a job of fewer clients than that
@@ -82,6 +84,12 @@ class BufferedAsync(FedAvg):
         self.admit(update)
         super().fold(update)
         self._count += 1
+
+    def fold_partial(self, part: PartialSum) -> None:
+        """A secure buffer's sum, its changes weighed by s(τ_k) n_k on the clients: η_g is applied here."""
+        lr = self.server_lr
+        super().fold_partial(dataclasses.replace(part, sums={k: t * lr for k, t in part.sums.items()}))
+        self._count += len(part.terms)
 
     def admit(self, update: ClientUpdate) -> None:
         """Raise unless ``update`` may be folded: its staleness an integer within ``max_staleness``, and a

@@ -95,7 +95,7 @@ class FedAvg(Strategy):
         )
 
     def fold_partial(self, part: PartialSum) -> None:
-        if not self.partial_sums:
+        if not (self.partial_sums or self.secure_sum):  # an edge's partial, or a secure round's sum
             return super().fold_partial(part)
         check_sums(part.sums, check_started(self._global, self.name), "partial sum")
         numbers = [part.count, *part.terms.values(), *(x for w in part.weights.values() for x in w)]

@@ -32,10 +32,10 @@ import torch
 from fedmq.aggregator.privacy import ADAPTIVE_LEARNING_RATE, DPPlan
 from fedmq.aggregator.strategies._common import check_started, check_sums, validate_update, zeros_like_state
 from fedmq.aggregator.strategies.base import ClientUpdate, PartialSum, State, Strategy
-from fedmq.aggregator.strategies.buffered_async import staleness_weight
 from fedmq.aggregator.strategies.scaffold import Scaffold
 from fedmq.errors import StrategyError
 from fedmq.privacy.mechanism import add_gaussian, clip, noise_generator, plausible_norm, update_norm
+from fedmq.staleness import staleness_weight
 
 CLIP_KEY = "dp.clip_norm"  # the current S in the strategy state (adaptive clipping)
 CLIP_RANGE = (1e-9, 1e9)  # a kept S outside it is refused (check_state)

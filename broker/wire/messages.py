@@ -22,7 +22,10 @@ Every message is an Envelope (broker/wire/envelope.py); this module fixes the pa
              can apply and fetches nothing when it already holds that version. Keys an agent does not know it
              ignores
 - report    agent -> inbox   {"loss": float, "n_samples": int}
-- grant     aggregator -> each selected agent's control queue   {"granted": [ids]}
+- grant     aggregator -> each selected agent's control queue   {"granted": [ids]}; an empty grant ends the
+            round for whoever still waits in it, or, with "released": [ids], for those clients only (a
+            secure asynchronous buffer's end); with "refused": [ids], it tells those clients their
+            check-in was not taken (aggregator.secure_buffers)
 - update    agent -> inbox   {"loss": float, "n_samples": int, "tensors": encoded state}
             envelope.model_version is the global version the agent trained from.
 - end       aggregator -> every agent's control queue, once, when the job has run all its rounds
@@ -170,6 +173,10 @@ def check_payload(env: Envelope) -> Envelope:
         )
     for name in ("selected", "granted"):
         if name in fields and not all(isinstance(c, str) for c in payload[name]):
+            raise CodecError("bad-payload", f"{name} must be a list of client ids")
+    for name in ("released", "refused"):
+        named = payload.get(name, []) if env.kind is Kind.GRANT else []
+        if not (isinstance(named, list) and all(isinstance(c, str) for c in named)):
             raise CodecError("bad-payload", f"{name} must be a list of client ids")
     if env.kind is Kind.ANNOUNCE:
         if payload["mode"] not in ("sync", "async"):

@@ -13,11 +13,12 @@ rounding sends every value in the same half-step the same way, round after round
 error of one step per client instead of half. A sum of m inputs is within m · step of the sum of the clipped
 inputs, coordinate by coordinate (``error_bound``).
 
-Weighted means (FedAvg's Σ n_k Δ_k / Σ n_k, and staleness weights in asynchronous buffers) are summed as two
-parts of one vector: the client scales its clipped update by its weight w ∈ [0, 1] (w = n_k / n_max times its
-staleness weight, n_k capped at the job's n_max, so w · Δ stays in [-c, c]) and appends w, quantized with the
-same b bits on [0, 1]; the server divides the first sum by the second (``encode_weighted``,
-``decode_weighted_mean``). Both parts stay within the same overflow bound.
+Weighted means (FedAvg's Σ n_k Δ_k / Σ n_k) are summed as two parts of one vector: the client scales its
+clipped update by its weight w ∈ [0, 1] (w = n_k / n_max, n_k capped at the job's n_max, so w · Δ stays in
+[-c, c]) and appends w, quantized with the same b bits on [0, 1]; the server divides the first sum by the
+second (``encode_weighted``, ``decode_weighted_mean``). In an asynchronous buffer the update is also scaled
+by its staleness weight s ∈ (0, 1] and the appended weight is not (BufferedAsync's Σ s_k n_k Δ_k / Σ n_k).
+Both parts stay within the same overflow bound.
 """
 
 from __future__ import annotations
@@ -92,13 +93,18 @@ class Quantizer:
         y /= self.step
         return self._round(y, rng)
 
-    def encode_weighted(self, x: np.ndarray, weight: float, rng: np.random.Generator) -> np.ndarray:
-        """weight · clip(x) followed by the weight itself, one coordinate more than x (weight in [0, 1])."""
+    def encode_weighted(
+        self, x: np.ndarray, weight: float, rng: np.random.Generator, scale: float = 1.0
+    ) -> np.ndarray:
+        """scale · weight · clip(x) followed by the weight itself, one coordinate more than x (weight in
+        [0, 1]; scale in (0, 1]: an asynchronous buffer's staleness weight)."""
         if not 0.0 <= weight <= 1.0:
             raise SecAggError("bad-parameter", f"a weight is within [0, 1], not {weight}")
+        if not 0.0 < scale <= 1.0:
+            raise SecAggError("bad-parameter", f"a staleness weight is within (0, 1], not {scale}")
         x = np.clip(np.asarray(x, dtype=np.float64).reshape(-1), -self.clip, self.clip)
         w = self._round(np.array([weight * self.levels], dtype=np.float64), rng)
-        return np.concatenate([self.encode(x * weight, rng), w])
+        return np.concatenate([self.encode(x * (weight * scale), rng), w])
 
     def _count(self, total: np.ndarray, count: int) -> None:
         """Checks a sum before decoding: ``count`` honest inputs sum to at most count · (2^b - 1) in every

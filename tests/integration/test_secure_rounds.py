@@ -11,6 +11,16 @@ with `secagg = true`, and the model is held against the same job run in the clea
   sends a neighbour a damaged share is named by that neighbour, which sits the round out; one that answers the
   unmasking with a wrong share is named by the aggregator, which rebuilds the secret from the others: in
   every case the sum is the honest survivors' (never a silent wrong sum).
+
+Asynchronous jobs (secure buffers, aggregator.secure_buffers), over the same hosts:
+
+- every version's change equals BufferedAsync's Σ s(τ_k) n_k Δ_k / Σ n_k over the buffer's members, each
+  weighing its change by its own staleness, within the quantization bound (stale members included);
+- with max_staleness 0, every check-in from an older version is refused and its client trains again from the
+  newest: every buffer is fresh, and the job completes;
+- a member gone after sharing its keys is left out and the buffer completes with the others;
+- a buffer open when the aggregator stops is closed as skipped on resume, its members told, and the job
+  completes.
 """
 
 from __future__ import annotations
@@ -327,3 +337,159 @@ def test_a_round_stopped_mid_unmasking_is_dropped_on_resume_and_nothing_of_an_in
     assert one.skipped and one.skip_reason.startswith("secure round interrupted by a restart")
     assert not two.skipped and len(two.received) == CLIENTS
     assert second.version == 1 and summary["rounds_completed"] == 1
+
+
+# ---------------------------------------------------------------------------------------- secure buffers
+BUFFER = 4
+
+
+def _async_job(job: str, **extra) -> JobConfig:
+    """An asynchronous job of 3 versions, buffers of BUFFER, under secure aggregation; no weight is capped,
+    so that a buffer's mean is BufferedAsync's over the members' own n_k."""
+    settings = dict(strategy="async", rounds=3, secagg=True, max_samples_factor=0.0)
+    args = {"buffer_size": BUFFER, **extra.pop("strategy_args", {})}
+    return _job(job, **{**settings, "strategy_args": args, **extra})
+
+
+@dataclass
+class Masked:
+    """What one member of a buffer put in: its change, n_k and the version it trained from."""
+
+    change: np.ndarray
+    n_samples: int
+    base: int
+
+
+def _recording(inputs: dict[int, dict[str, Masked]], base: type[SecureUpload] = SecureUpload):
+    """An agent class whose clients record what they masked, by buffer round (a subclass of ``base``)."""
+
+    class Recording(base):  # type: ignore[misc, valid-type]
+        def run(self, change, result, before_upload=lambda: None):
+            kept = change.copy()
+            done = super().run(change, result, before_upload)
+            if done:
+                inputs.setdefault(self.rnd, {})[self.agent.client] = Masked(
+                    kept, result.n_samples, self.version
+                )
+            return done
+
+    class RecordingAgent(SaysGoodbye):
+        secure_upload = Recording
+
+    return RecordingAgent
+
+
+def _run_async(task, cfg: JobConfig, url: str, run_dir: Path, agent_class: type[Agent], **agent_kw):
+    """As _run, keeping the model after every round (``engine.states``: round -> its model)."""
+    engine = _engine(task, cfg, url, run_dir)
+    engine.states = {0: engine.initial}
+    engine.on_round = lambda row: engine.states.update(
+        {row["round"]: {k: v.clone() for k, v in engine.global_state.items()}}
+    )
+    with _hosts(task, cfg, url, agent_class, **agent_kw) as hosts:
+        try:
+            summary = engine.run()
+        finally:
+            engine.broker.close()
+    return engine, summary, hosts
+
+
+def _check_buffers(engine: Engine, inputs: dict[int, dict[str, Masked]]) -> int:
+    """Each published version against BufferedAsync's mean of its members' recorded changes; the stale
+    members seen."""
+    from fedmq.aggregator.secure_round import unflatten
+    from fedmq.staleness import staleness_weight
+
+    stale, version = 0, 0
+    for row in _rows(engine):
+        before, after = engine.states[row.round - 1], engine.states[row.round]
+        if row.skipped:
+            continue
+        members = inputs[row.round]
+        assert sorted(members) == sorted(row.received)
+        total = sum(m.n_samples for m in members.values())
+        mean = sum(staleness_weight(version - m.base) * m.n_samples * m.change for m in members.values())
+        expected = unflatten(mean / total, before)
+        stale += sum(m.base < version for m in members.values())
+        for name, value in expected.items():
+            torch.testing.assert_close(
+                after[name] - before[name],
+                value.to(after[name].dtype),
+                rtol=0,
+                atol=_bound(engine.cfg, len(members)) + 1e-6,
+            )
+        version += 1
+    return stale
+
+
+def test_secure_buffers_fold_each_members_change_with_its_own_staleness(task, rabbit_url, job_id, tmp_path):
+    inputs: dict[int, dict[str, Masked]] = {}
+    cfg = _async_job(job_id)
+    engine, summary, _ = _run_async(task, cfg, rabbit_url, tmp_path / "run", _recording(inputs))
+    rows = _rows(engine)
+    assert engine.version == 3 and all(not r.skipped and len(r.received) == BUFFER for r in rows)
+    # 10 clients check in from version 0 and a buffer takes 4: the later buffers take the stale ones first
+    assert _check_buffers(engine, inputs) >= BUFFER
+    assert summary["rejected"] == {}
+
+
+def test_with_no_staleness_allowed_every_older_check_in_is_refused_and_every_buffer_is_fresh(
+    task, rabbit_url, job_id, tmp_path
+):
+    inputs: dict[int, dict[str, Masked]] = {}
+    cfg = _async_job(job_id, strategy_args={"max_staleness": 0})
+    engine, summary, _ = _run_async(task, cfg, rabbit_url, tmp_path / "run", _recording(inputs))
+    assert engine.version == 3
+    assert _check_buffers(engine, inputs) == 0  # every member trained from the buffer's own version
+    assert summary["dropped"].get("too-stale", 0) >= CLIENTS - BUFFER  # told, and trained again
+
+
+def test_a_buffer_member_gone_after_sharing_is_left_out_and_the_buffer_completes(
+    task, rabbit_url, job_id, tmp_path
+):
+    inputs: dict[int, dict[str, Masked]] = {}
+    gone: list[str] = []
+
+    class Leaving(SecureUpload):
+        def _send(self, kind, payload):  # the first member to share its keys goes, before its masked upload
+            super()._send(kind, payload)
+            if kind.value == "secagg-shares" and not gone:
+                gone.append(self.agent.client)
+                raise Offline("gone after sharing", True)
+
+    cfg = _async_job(job_id)
+    engine, _, _ = _run_async(task, cfg, rabbit_url, tmp_path / "run", _recording(inputs, Leaving))
+    first = _rows(engine)[0]
+    assert not first.skipped and gone and gone[0] not in first.received
+    assert len(first.received) == BUFFER - 1
+    assert engine.version == 3
+    _check_buffers(engine, inputs)
+
+
+def test_a_buffer_open_at_a_stop_is_dropped_on_resume_its_members_told(task, rabbit_url, job_id, tmp_path):
+    answering = threading.Event()
+
+    class Answering(SecureUpload):
+        def _send(self, kind, payload):
+            if kind.value == "secagg-answer" and self.rnd == 1:
+                answering.set()
+            super()._send(kind, payload)
+
+    inputs: dict[int, dict[str, Masked]] = {}
+    cfg = _async_job(job_id)
+    run_dir = tmp_path / "run"
+    first = _engine(task, cfg, rabbit_url, run_dir)
+    with _hosts(task, cfg, rabbit_url, _recording(inputs, Answering)):
+        threading.Thread(target=lambda: answering.wait(budget(120)) and first.stop.set(), daemon=True).start()
+        first.run()
+        first.broker.close()
+        assert answering.is_set() and first.version == 0
+        state, updates = first.spool.load(1)
+        assert state is not None and len(state["members"]) == BUFFER and updates == []
+        second = Engine(connect(rabbit_url), task, cfg, run_dir, durable=False, evaluate=False)
+        summary = second.run()
+        second.broker.close()
+    rows = _rows(second)
+    assert rows[0].skipped and rows[0].skip_reason.startswith("secure round interrupted by a restart")
+    assert second.version == 3 and summary["rounds_completed"] == 3
+    assert all(len(r.received) == BUFFER for r in rows[1:])

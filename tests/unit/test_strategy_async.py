@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from fedmq.aggregator.strategies.base import ClientUpdate
-from fedmq.aggregator.strategies.buffered_async import BufferedAsync, staleness_weight
+from fedmq.aggregator.strategies.buffered_async import BufferedAsync
 from fedmq.aggregator.strategies.errors import StaleUpdate
 from fedmq.errors import BadParameter, StrategyError
+from fedmq.staleness import staleness_weight
 
 GLOBAL = {"w": torch.tensor([1.0, 1.0])}
 

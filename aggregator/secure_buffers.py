@@ -1,0 +1,232 @@
+"""Asynchronous jobs under secure aggregation (`secagg = true` with the `async` strategy,
+docs/guide/secure-aggregation.md): each version is one secure buffer, and the sum of its members' changes is
+all the aggregator learns of them.
+
+A version is announced to every agent online, as in aggregator.async_rounds; an agent trains from the newest
+version it has read, reports, and then checks in: it advertises its public keys (secagg-keys), tagged with
+the version it trained from. The buffer's cohort is formed from the check-ins in the order they came, up to
+K (the strategy's ``buffer_size``; at least 2 and the job's ``min_clients``), once K are in, once nobody
+online can still check in from the announced version (as an asynchronous version folds early), or at the
+report plus the update deadline. Check-ins beyond K wait for the next buffer (unacked: a restarted
+aggregator gets them again), as updates beyond K wait for the next version; one from a version more than
+``max_staleness`` back, from an agent gone offline, or with keys that cannot be agreed with, is dropped with
+its reason and its client told (a grant naming it in ``refused``), to train from the newest version.
+
+The cohort then runs the synchronous round's steps (aggregator.secure_round: shares, masked inputs,
+unmasking), in which each member weighs its clipped change by its staleness weight s(τ), τ = the buffer's
+version − its own, as well as by n_k (client_agent.secure_upload), so that the unmasked sum is
+Σ s(τ_k) n_k Δ_k and its weight Σ n_k: BufferedAsync folds it (``fold_partial``, which applies η_g) into
+the next version, as it folds K updates in the clear. A buffer that cannot complete is skipped in one line,
+the version unchanged, and its members are released; the next buffer is announced with the same version.
+
+Reports carry n_k (n_max is drawn from them) and the loss the version's row shows; they are acked as they
+come. Crash safety as in a secure round: nothing of one client's input is written; the spool holds the
+buffer's state and members, and a buffer that a restart finds open is closed as skipped, its members told.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import structlog
+
+from fedmq.aggregator.async_rounds import Owed
+from fedmq.aggregator.inbox import Received
+from fedmq.aggregator.rounds import RoundContext
+from fedmq.aggregator.secure_round import SecureRound, checked_keys
+from fedmq.broker.wire.envelope import Kind
+from fedmq.errors import SecAggError
+from fedmq.secagg.keys import PublicKeys
+
+log = structlog.get_logger(__name__)
+
+
+class CheckIns:
+    """What the buffers of one job share: the check-ins waiting for a cohort (client -> its secagg-keys
+    message, unacked, oldest first) and the n_k and loss each client reported last."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, Received] = {}
+        self.samples: dict[str, int] = {}
+        self.losses: dict[str, float] = {}
+
+
+class SecureBuffers:
+    """Runs the job's asynchronous versions under secure aggregation until ``cfg.rounds`` are published (or
+    ``ctx.stop`` is set)."""
+
+    def __init__(self, ctx: RoundContext) -> None:
+        self.ctx = ctx
+        self.checkins = CheckIns()
+
+    def run(self) -> None:
+        ctx, cfg = self.ctx, self.ctx.cfg
+        # as an asynchronous job's first version: wait for a buffer's worth of agents (check-ins a stopped
+        # aggregator left unacked come again meanwhile)
+        ctx.wait_for_agents(min(ctx.buffer_size, cfg.clients), cfg.join_timeout_s, self._while_waiting)
+        while ctx.version < cfg.rounds and not ctx.stop.is_set() and ctx.within_budget():
+            SecureBuffer(ctx, self.checkins).run()
+        if ctx.version >= cfg.rounds and not ctx.stop.is_set():
+            for msg in self.checkins.waiting.values():  # the agents leave on the job's end
+                ctx.inbox.drop(msg, "job-finished")
+            self.checkins.waiting.clear()
+
+    def _while_waiting(self, msg: Received) -> None:
+        while_waiting(self.ctx, self.checkins, msg)
+
+
+def while_waiting(ctx: RoundContext, checkins: CheckIns, msg: Received) -> None:
+    """The engine's wait for agents hands every message here: presence noted, check-ins and reports taken
+    (take_between_steps), anything else dropped."""
+    if msg.env.kind is Kind.PRESENCE:
+        ctx.note_presence(msg)
+    elif not take_between_steps(ctx, checkins, msg):
+        ctx.inbox.drop(msg, "unexpected")
+
+
+def take_between_steps(ctx: RoundContext, checkins: CheckIns, msg: Received) -> bool:
+    """What a secure buffer takes whatever step it is in: a check-in (kept for a cohort), a report (its n_k
+    and loss noted). True when ``msg`` was one (and is settled, or kept)."""
+    env = msg.env
+    if env.kind is Kind.SECAGG_KEYS:
+        if env.client in checkins.waiting:  # one check-in a client at a time: it waits for its cohort
+            ctx.inbox.drop(msg, "duplicate")
+        else:
+            checkins.waiting[env.client] = msg
+    elif env.kind is Kind.REPORT:
+        checkins.samples[env.client] = int(env.payload["n_samples"])
+        checkins.losses[env.client] = float(env.payload["loss"])
+        ctx.inbox.ack(msg)
+    else:
+        return False
+    return True
+
+
+class SecureBuffer(SecureRound):
+    """One version of an asynchronous job under secure aggregation (module docstring)."""
+
+    def __init__(self, ctx: RoundContext, checkins: CheckIns) -> None:
+        super().__init__(ctx)
+        self.checkins = checkins
+        self.samples = checkins.samples  # n_max is drawn from every report (SecureRound._max_samples)
+        self.members: list[str] = []
+        self.bases: dict[str, int] = {}  # member -> the version it trained from
+
+    def _select(self) -> None:
+        """Every agent online hears of the version (aggregator.async_rounds)."""
+        ctx, cfg, stats = self.ctx, self.cfg, self.stats
+        ctx.phase = "waiting-for-agents"
+        # the beats that queued while the last version closed are counted first (AsyncRounds.run says why)
+        ctx.wait_for_agents(1, cfg.presence_window_s, lambda msg: while_waiting(ctx, self.checkins, msg))
+        stats.online = ctx.online()
+        stats.selected = list(stats.online)
+        ctx.spool.save_online(stats.round, stats.online)
+        self._save()
+        if stats.selected:
+            ctx.announce(stats)
+
+    def _gather_keys(self, report_by: float) -> dict[str, PublicKeys]:
+        """The cohort's check-ins, oldest first (module docstring)."""
+        ctx, cfg, stats = self.ctx, self.cfg, self.stats
+        ctx.phase = "secure-check-in"
+        target = max(ctx.buffer_size, 2, cfg.min_clients)
+        deadline = time.time() + cfg.report_deadline_s + cfg.update_deadline_s
+        # a client waiting with its check-in does not train from this version
+        owed = Owed(ctx.version, [c for c in stats.online if c not in self.checkins.waiting])
+        roster: dict[str, PublicKeys] = {}
+        while not ctx.stop.is_set():
+            self._admit(roster, target)
+            if len(roster) >= target or time.time() >= deadline:
+                break
+            if len(roster) >= max(2, cfg.min_clients) and owed.nobody(ctx.online()):
+                log.info("nobody else can check in: the buffer forms", round=stats.round, members=len(roster))
+                break
+            msg = ctx.inbox.next(min(0.5, max(deadline - time.time(), 0.0)))
+            if msg is None:
+                continue
+            owed.note(msg.env)
+            if not self._screen(msg):
+                ctx.inbox.drop(msg, "not-in-step-check-in")
+        return roster
+
+    def _admit(self, roster: dict[str, PublicKeys], target: int) -> None:
+        """Check-ins into ``roster``, oldest first, until it holds ``target``; one that cannot be taken is
+        dropped or refused with its reason, and its client released."""
+        ctx = self.ctx
+        online = set(ctx.online())
+        for client, msg in list(self.checkins.waiting.items()):
+            if len(roster) >= target:
+                return
+            if client in roster:
+                continue
+            version = msg.env.model_version
+            why = None
+            if client not in online:
+                why = "offline"
+            elif version > ctx.version:
+                why = "future-version"
+            elif ctx.version - version > ctx.max_staleness:
+                why = "too-stale"
+            if why is not None:
+                del self.checkins.waiting[client]
+                ctx.inbox.drop(msg, why)
+                self._send(Kind.GRANT, [client], refused)
+                continue
+            try:
+                roster[client] = checked_keys(msg)
+            except SecAggError as exc:  # counted and acked, as a step's refusal (SecureRound._step)
+                del self.checkins.waiting[client]
+                ctx.inbox.count_rejection(exc.reason, f"{client}: {exc}")
+                ctx.inbox.ack(msg)
+                self._send(Kind.GRANT, [client], refused)
+                continue
+            self.bases[client] = version
+
+    def _formed(self, members: list[str]) -> None:
+        """The members' check-ins are taken (acked); the spool names them, so that a restart can tell them
+        the buffer is gone."""
+        ctx, stats = self.ctx, self.stats
+        for client in members:
+            ctx.inbox.ack(self.checkins.waiting.pop(client))
+        self.members = members
+        stats.selected = sorted(set(stats.selected) | set(members))
+        stats.reported = {c: self.checkins.losses[c] for c in members if c in self.checkins.losses}
+        self._save()
+
+    def _cohort_audience(self, members: list[str]) -> list[str]:
+        """Only the members: a client whose check-in waits for a later buffer keeps waiting."""
+        return members
+
+    def _trained_from(self, client: str) -> int:
+        return self.bases[client]
+
+    def _fold(self, strategy: Any, mean: Any, weight: float, survivors: list[str]) -> None:
+        super()._fold(strategy, mean, weight, survivors)
+        for client in survivors:
+            self.stats.trained_from[client] = self.bases[client]
+
+    def _release(self) -> None:
+        """The members still waiting for a step of this buffer stop waiting (the others keep theirs)."""
+        self._send(Kind.GRANT, self.members, released)
+
+    def _restored(self, spooled: dict[str, Any]) -> None:
+        self.members = list(spooled.get("members") or [])
+
+    def _state(self) -> dict:
+        return {**super()._state(), "members": self.members}
+
+    def _screen(self, msg: Received) -> bool:
+        """Check-ins and reports come between the steps too; the rest as in a secure round."""
+        return take_between_steps(self.ctx, self.checkins, msg) or super()._screen(msg)
+
+
+def released(served: list[str]) -> dict[str, Any]:
+    """An empty grant that ends the buffer for ``served`` only (the members)."""
+    return {"granted": [], "released": served}
+
+
+def refused(served: list[str]) -> dict[str, Any]:
+    """An empty grant that tells ``served`` their check-in was not taken (a member's end of a buffer cannot
+    be mistaken for it: it may come after the member has checked in again)."""
+    return {"granted": [], "refused": served}
