@@ -24,7 +24,7 @@ from fedmq.secagg.shamir import Share
     ("settings", "words"),
     [
         ({"strategy": "fedatt"}, "needs to read each client's update"),
-        ({"strategy": "async"}, "needs to read each client's update"),
+        ({"strategy": "async", "dp": "client"}, "dp (--dp) with asynchronous buffers is not built"),
         ({"strategy": "scaffold"}, "needs to read each client's update"),
         ({"beta": 0.5}, "grants uploads by each client's loss"),
         ({"robust": "median"}, "strategy 'median' needs to read each client's update"),
@@ -52,6 +52,8 @@ def test_secure_sums_run_the_strategies_whose_weights_a_client_knows():
 
     assert not ByNorm.secure_sum and ByNorm.partial_sums  # a sum still, but not of weights a client knows
     JobConfig(secagg=True, strategy="fedadam")  # accepted
+    JobConfig(secagg=True, strategy="async")  # secure buffers: the clients apply their staleness weight
+    assert strategy_class("async").secure_sum
     JobConfig(secagg=True, dp="client")  # distributed DP: the clients noise before masking
 
 
@@ -147,3 +149,57 @@ def test_every_step_survives_the_wire_and_a_malformed_one_is_refused():
         with pytest.raises(CodecError) as err:
             messages.encode(messages.secagg(kind, "job", 3, "agent-1", 2, payload))
         assert err.value.reason == "bad-payload", kind
+
+
+def test_a_secure_buffer_folds_what_buffered_async_folds_one_by_one():
+    """The members weigh their changes by s(τ_k) n_k (the quantizer's scale), BufferedAsync's fold_partial
+    applies η_g: the version is the one its fold of the same updates gives."""
+    import torch
+
+    from fedmq.aggregator.strategies.base import ClientUpdate, PartialSum
+    from fedmq.aggregator.strategies.buffered_async import BufferedAsync
+    from fedmq.secagg.quantize import Quantizer
+    from fedmq.staleness import staleness_weight
+
+    g = {"w": torch.zeros(4, 3), "b": torch.zeros(3)}
+    gen = torch.Generator().manual_seed(0)
+    members = [
+        (0.1 * torch.randn(15, generator=gen, dtype=torch.float64), n, tau)
+        for n, tau in ((3, 0), (5, 2), (2, 1))
+    ]
+    one, summed = BufferedAsync(buffer_size=3, server_lr=0.7), BufferedAsync(buffer_size=3, server_lr=0.7)
+    for s in (one, summed):
+        s.begin(g)
+    for i, (x, n, tau) in enumerate(members):
+        tensors = {"b": x[:3].float(), "w": x[3:].reshape(4, 3).float()}  # the flat order: names sorted
+        one.fold(ClientUpdate(f"c{i}", n, tensors, delta=True, staleness=tau))
+    q, n_max = Quantizer.for_clients(3, 1.0), 5
+    rng = np.random.default_rng(0)
+    total = sum(q.encode_weighted(x.numpy(), n / n_max, rng, staleness_weight(tau)) for x, n, tau in members)
+    mean, weight = q.decode_weighted_mean(total, 3)
+    sums = {
+        "b": torch.from_numpy(mean[:3] * weight * n_max),
+        "w": torch.from_numpy(mean[3:].reshape(4, 3) * weight * n_max),
+    }
+    count = weight * n_max
+    summed.fold_partial(
+        PartialSum(sums, {k: (count, count) for k in g}, count, {"c0": 1.0, "c1": 1.0, "c2": 1.0})
+    )
+    assert summed.pending == one.pending == 3
+    a, b = one.finish(), summed.finish()
+    for k in g:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=3 * q.step * n_max + 1e-6)
+    with pytest.raises(Exception, match="staleness weight"):
+        q.encode_weighted(np.zeros(3), 1.0, rng, 0.0)
+
+
+def test_a_grant_names_whom_it_releases_and_whose_check_in_it_refuses():
+    for field in ("released", "refused"):
+        env = messages.secagg(Kind.GRANT, "job", 3, "aggregator", 2, {"granted": [], field: ["h0-1"]})
+        assert messages.decode(messages.encode(env)).payload[field] == ["h0-1"]
+        for bad in ("h0-1", [1]):
+            with pytest.raises(CodecError) as err:
+                messages.encode(
+                    messages.secagg(Kind.GRANT, "job", 3, "aggregator", 2, {"granted": [], field: bad})
+                )
+            assert err.value.reason == "bad-payload"
