@@ -11,10 +11,12 @@ The server, with S the round's clients and N the population:
 
     x ← x + η_g · (1/|S|) Σ Δy_i,        c ← c + (1/N) Σ Δc_i      (= (|S|/N) · mean Δc_i)
 
-Both sums are unweighted, as in the paper. c travels with the model as one extra tensor per parameter
-(``scaffold.c:NAME``, ClientHook.extra_tensors): published to the clients each round, checkpointed with x. K
-is the number of steps the client took (TrainResult.steps) and η_l the round's learning rate; option II
-assumes plain SGD steps (no momentum, no lr decay within the round, no clipping).
+Both sums are unweighted, as in the paper, so under secure aggregation one secure sum of the clients'
+(Δy_i, Δc_i) gives both (``fold_partial``): each client masks its change of the model and of c together
+(c is one of the tensors it uploads), weighing itself by 1. c travels with the model as one extra tensor per
+parameter (``scaffold.c:NAME``, ClientHook.extra_tensors): published to the clients each round, checkpointed
+with x. K is the number of steps the client took (TrainResult.steps) and η_l the round's learning rate;
+option II assumes plain SGD steps (no momentum, no lr decay within the round, no clipping).
 
 Resuming bit for bit: a client keeps c_i⁺ together with the c_i it trained from, keyed by the global model's
 version that round trained from (one kept entry, written at once). A round that trains from a newer version
@@ -36,9 +38,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from fedmq.aggregator.strategies._common import MAX_SERVER_LR, check_started, validate_update
-from fedmq.aggregator.strategies.base import ClientUpdate, State, Strategy
-from fedmq.errors import BadParameter
+from fedmq.aggregator.strategies._common import MAX_SERVER_LR, check_started, check_sums, validate_update
+from fedmq.aggregator.strategies.base import ClientUpdate, PartialSum, State, Strategy
+from fedmq.errors import BadParameter, StrategyError
 from fedmq.hooks import ClientHook, Kept
 from fedmq.tasks.base import TrainConfig, TrainResult
 
@@ -125,6 +127,7 @@ def _say_unmet_assumption(cfg: Any) -> None:
 class Scaffold(Strategy):
     name: ClassVar[str] = "scaffold"
     client_hook: ClassVar[type[ClientHook] | None] = ScaffoldHook
+    secure_sum: ClassVar[bool] = True  # Σ Δy_i and Σ Δc_i, unweighted (module docstring)
 
     def __init__(self, server_lr: float = 1.0) -> None:
         if not 0 < server_lr <= MAX_SERVER_LR:
@@ -153,6 +156,21 @@ class Scaffold(Strategy):
         for k, t in update.tensors.items():
             self._sums[k] += (t if update.delta else t - g[k]).double()
         self._clients.append(update.client)
+
+    @property
+    def weighs_samples(self) -> bool:
+        return False  # every client weighs 1
+
+    def fold_partial(self, part: PartialSum) -> None:
+        """A secure round's sum of the survivors' (Δy_i, Δc_i), each weighed 1."""
+        g = check_started(self._global, self.name)
+        check_sums(part.sums, g, "secure sum")
+        twice = sorted(set(part.terms) & set(self._clients))
+        if twice:
+            raise StrategyError(f"secure sum: client {twice[0]!r} folded twice")
+        for k, t in part.sums.items():
+            self._sums[k] += t.double()
+        self._clients.extend(part.terms)
 
     def finish(self) -> State:
         g = check_started(self._global, self.name)

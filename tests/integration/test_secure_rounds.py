@@ -493,3 +493,15 @@ def test_a_buffer_open_at_a_stop_is_dropped_on_resume_its_members_told(task, rab
     assert rows[0].skipped and rows[0].skip_reason.startswith("secure round interrupted by a restart")
     assert second.version == 3 and summary["rounds_completed"] == 3
     assert all(len(r.received) == BUFFER for r in rows[1:])
+
+
+def test_scaffold_sums_its_model_and_control_variate_changes_securely(task, rabbit_url, job_id, tmp_path):
+    """One secure sum of every client's (Δy_i, Δc_i): x and c as the same round in the clear gives them."""
+    cfg = _job(job_id, secagg=True, strategy="scaffold")
+    secure, summary, _ = _run(task, cfg, rabbit_url, tmp_path / "secure")
+    plain, *_ = _run(task, _job(job_id + "p", strategy="scaffold"), rabbit_url, tmp_path / "plain")
+    [row] = _rows(secure)
+    assert not row.skipped and len(row.received) == CLIENTS and summary["rejected"] == {}
+    controls = [k for k in secure.global_state if k.startswith("scaffold.c:")]
+    assert controls and all(float(secure.global_state[k].abs().max()) > 0 for k in controls)  # c moved
+    _close(secure, plain, _bound(cfg, CLIENTS) + 1e-6)
