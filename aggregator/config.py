@@ -398,8 +398,16 @@ class JobConfig:
             return
         if not 0 < self.secagg_clip <= MAX_SECAGG_CLIP:
             _raise(f"{key('secagg_clip')} must be in (0, {MAX_SECAGG_CLIP:g}], got {self.secagg_clip}")
+        from fedmq.secagg.graph import MIN_COHORT
         from fedmq.secagg.payloads import MAX_COHORT
 
+        fixed = self.mode == "sync" and self.dp == "none"  # (Poisson sampling draws a cohort of any size)
+        fewest = self.selected_count() if fixed else self.clients
+        if fewest < MIN_COHORT:
+            _raise(
+                f"{key('secagg')}: a cohort of {fewest} cannot hide one input in its sum; "
+                f"{'a round selects' if fixed else 'a job has'} at least {MIN_COHORT} clients under it"
+            )
         most = self.most_selected()
         if most > MAX_COHORT:
             _raise(f"{key('secagg')}: a round selects up to {most}; a cohort has at most {MAX_COHORT}")

@@ -5,23 +5,28 @@ all the aggregator learns of them.
 A version is announced to every agent online, as in aggregator.async_rounds; an agent trains from the newest
 version it has read, reports, and then checks in: it advertises its public keys (secagg-keys), tagged with
 the version it trained from. The buffer's cohort is formed from the check-ins in the order they came, up to
-K (the strategy's ``buffer_size``; at least 2 and the job's ``min_clients``), once K are in, once nobody
-online can still check in from the announced version (as an asynchronous version folds early), or at the
-report plus the update deadline. Check-ins beyond K wait for the next buffer (unacked: a restarted
-aggregator gets them again), as updates beyond K wait for the next version; one from a version more than
-``max_staleness`` back, from an agent gone offline, or with keys that cannot be agreed with, is dropped with
+K (the strategy's ``buffer_size``; at least 3, fedmq.secagg.graph.MIN_COHORT, and the job's
+``min_clients``), once K are in, once nobody online can still check in from the announced version (as an
+asynchronous version folds early), or at the report plus the update deadline. Check-ins beyond K wait for
+the next buffer, as updates beyond K wait for the next version; a client that checks in again replaces its
+older check-in. One from a version more than ``max_staleness`` back, from a version the client's change was
+already folded from, from an agent gone offline, or with keys that cannot be agreed with, is dropped with
 its reason and its client told (a grant naming it in ``refused``), to train from the newest version.
 
 The cohort then runs the synchronous round's steps (aggregator.secure_round: shares, masked inputs,
 unmasking), in which each member weighs its clipped change by its staleness weight s(τ), τ = the buffer's
 version − its own, as well as by n_k (client_agent.secure_upload), so that the unmasked sum is
 Σ s(τ_k) n_k Δ_k and its weight Σ n_k: BufferedAsync folds it (``fold_partial``, which applies η_g) into
-the next version, as it folds K updates in the clear. A buffer that cannot complete is skipped in one line,
-the version unchanged, and its members are released; the next buffer is announced with the same version.
+the next version, as it folds K updates in the clear. A buffer that cannot complete once its cohort went out
+is skipped in one line, the version unchanged, and its members released (a grant naming them in
+``released``); the next buffer is announced with the same version. One that cannot form keeps the check-ins
+waiting.
 
-Reports carry n_k (n_max is drawn from them) and the loss the version's row shows; they are acked as they
-come. Crash safety as in a secure round: nothing of one client's input is written; the spool holds the
-buffer's state and members, and a buffer that a restart finds open is closed as skipped, its members told.
+Crash safety. A check-in and its client's report (n_k, loss) are held unacked until the check-in is taken
+into a cohort or dropped, so a restarted aggregator gets them again; the spool names a cohort's members before
+their check-ins are acked and its message goes out. As in a secure round nothing of one client's input is
+written, and a buffer that a restart finds open is closed as skipped, its members told (their check-ins
+refused, and the buffer released).
 """
 
 from __future__ import annotations
@@ -35,8 +40,10 @@ from fedmq.aggregator.async_rounds import Owed
 from fedmq.aggregator.inbox import Received
 from fedmq.aggregator.rounds import RoundContext
 from fedmq.aggregator.secure_round import SecureRound, checked_keys
+from fedmq.broker.wire import messages
 from fedmq.broker.wire.envelope import Kind
 from fedmq.errors import SecAggError
+from fedmq.secagg import graph
 from fedmq.secagg.keys import PublicKeys
 
 log = structlog.get_logger(__name__)
@@ -44,12 +51,44 @@ log = structlog.get_logger(__name__)
 
 class CheckIns:
     """What the buffers of one job share: the check-ins waiting for a cohort (client -> its secagg-keys
-    message, unacked, oldest first) and the n_k and loss each client reported last."""
+    message, oldest first) and each client's last report (its n_k and loss), both held unacked until the
+    check-in is settled, so that a restarted aggregator gets them again."""
 
     def __init__(self) -> None:
         self.waiting: dict[str, Received] = {}
-        self.samples: dict[str, int] = {}
-        self.losses: dict[str, float] = {}
+        self.reports: dict[str, Received] = {}
+
+    def take(self, ctx: RoundContext, msg: Received) -> bool:
+        """A check-in (kept for a cohort; one a client at a time, the newer kept) or a report (kept beside
+        it). True when ``msg`` was one."""
+        env = msg.env
+        held = {Kind.SECAGG_KEYS: self.waiting, Kind.REPORT: self.reports}.get(env.kind)
+        if held is None:
+            return False
+        older = held.pop(env.client, None)
+        if older is not None:  # a client that checked in again (it lost its keys with a reconnect)
+            ctx.inbox.drop(older, "superseded")
+        held[env.client] = msg
+        return True
+
+    def samples(self, client: str) -> int | None:
+        report = self.reports.get(client)
+        return None if report is None else int(report.env.payload["n_samples"])
+
+    def loss(self, client: str) -> float | None:
+        report = self.reports.get(client)
+        return None if report is None else float(report.env.payload["loss"])
+
+    def settle(self, ctx: RoundContext, client: str, dropped: str | None = None) -> None:
+        """``client``'s check-in is taken (acked), or ``dropped`` with that reason; its report goes too."""
+        msg = self.waiting.pop(client, None)
+        if msg is not None and dropped is None:
+            ctx.inbox.ack(msg)
+        elif msg is not None:
+            ctx.inbox.drop(msg, dropped)
+        report = self.reports.pop(client, None)
+        if report is not None:
+            ctx.inbox.ack(report)
 
 
 class SecureBuffers:
@@ -68,39 +107,22 @@ class SecureBuffers:
         while ctx.version < cfg.rounds and not ctx.stop.is_set() and ctx.within_budget():
             SecureBuffer(ctx, self.checkins).run()
         if ctx.version >= cfg.rounds and not ctx.stop.is_set():
-            for msg in self.checkins.waiting.values():  # the agents leave on the job's end
-                ctx.inbox.drop(msg, "job-finished")
-            self.checkins.waiting.clear()
+            for client in list(self.checkins.waiting):  # the agents leave on the job's end
+                self.checkins.settle(ctx, client, "job-finished")
+            for client in list(self.checkins.reports):
+                self.checkins.settle(ctx, client)
 
     def _while_waiting(self, msg: Received) -> None:
         while_waiting(self.ctx, self.checkins, msg)
 
 
 def while_waiting(ctx: RoundContext, checkins: CheckIns, msg: Received) -> None:
-    """The engine's wait for agents hands every message here: presence noted, check-ins and reports taken
-    (take_between_steps), anything else dropped."""
+    """The engine's wait for agents hands every message here: presence noted, check-ins and reports kept,
+    anything else dropped."""
     if msg.env.kind is Kind.PRESENCE:
         ctx.note_presence(msg)
-    elif not take_between_steps(ctx, checkins, msg):
+    elif not checkins.take(ctx, msg):
         ctx.inbox.drop(msg, "unexpected")
-
-
-def take_between_steps(ctx: RoundContext, checkins: CheckIns, msg: Received) -> bool:
-    """What a secure buffer takes whatever step it is in: a check-in (kept for a cohort), a report (its n_k
-    and loss noted). True when ``msg`` was one (and is settled, or kept)."""
-    env = msg.env
-    if env.kind is Kind.SECAGG_KEYS:
-        if env.client in checkins.waiting:  # one check-in a client at a time: it waits for its cohort
-            ctx.inbox.drop(msg, "duplicate")
-        else:
-            checkins.waiting[env.client] = msg
-    elif env.kind is Kind.REPORT:
-        checkins.samples[env.client] = int(env.payload["n_samples"])
-        checkins.losses[env.client] = float(env.payload["loss"])
-        ctx.inbox.ack(msg)
-    else:
-        return False
-    return True
 
 
 class SecureBuffer(SecureRound):
@@ -109,7 +131,6 @@ class SecureBuffer(SecureRound):
     def __init__(self, ctx: RoundContext, checkins: CheckIns) -> None:
         super().__init__(ctx)
         self.checkins = checkins
-        self.samples = checkins.samples  # n_max is drawn from every report (SecureRound._max_samples)
         self.members: list[str] = []
         self.bases: dict[str, int] = {}  # member -> the version it trained from
 
@@ -130,7 +151,8 @@ class SecureBuffer(SecureRound):
         """The cohort's check-ins, oldest first (module docstring)."""
         ctx, cfg, stats = self.ctx, self.cfg, self.stats
         ctx.phase = "secure-check-in"
-        target = max(ctx.buffer_size, 2, cfg.min_clients)
+        needed = max(graph.MIN_COHORT, cfg.min_clients)
+        target = max(ctx.buffer_size, needed)
         deadline = time.time() + cfg.report_deadline_s + cfg.update_deadline_s
         # a client waiting with its check-in does not train from this version
         owed = Owed(ctx.version, [c for c in stats.online if c not in self.checkins.waiting])
@@ -139,23 +161,25 @@ class SecureBuffer(SecureRound):
             self._admit(roster, target)
             if len(roster) >= target or time.time() >= deadline:
                 break
-            if len(roster) >= max(2, cfg.min_clients) and owed.nobody(ctx.online()):
+            if len(roster) >= needed and owed.nobody(ctx.online()):
                 log.info("nobody else can check in: the buffer forms", round=stats.round, members=len(roster))
                 break
             msg = ctx.inbox.next(min(0.5, max(deadline - time.time(), 0.0)))
             if msg is None:
                 continue
             owed.note(msg.env)
+            if msg.env.kind is Kind.SECAGG_KEYS:  # from an older version: it waits now, it trains no more
+                owed.waiting.discard(msg.env.client)
             if not self._screen(msg):
                 ctx.inbox.drop(msg, "not-in-step-check-in")
         return roster
 
     def _admit(self, roster: dict[str, PublicKeys], target: int) -> None:
         """Check-ins into ``roster``, oldest first, until it holds ``target``; one that cannot be taken is
-        dropped or refused with its reason, and its client released."""
-        ctx = self.ctx
+        dropped or refused with its reason, its client told first."""
+        ctx, checkins = self.ctx, self.checkins
         online = set(ctx.online())
-        for client, msg in list(self.checkins.waiting.items()):
+        for client, msg in list(checkins.waiting.items()):
             if len(roster) >= target:
                 return
             if client in roster:
@@ -168,31 +192,32 @@ class SecureBuffer(SecureRound):
                 why = "future-version"
             elif ctx.version - version > ctx.max_staleness:
                 why = "too-stale"
-            if why is not None:
-                del self.checkins.waiting[client]
-                ctx.inbox.drop(msg, why)
-                self._send(Kind.GRANT, [client], refused)
-                continue
-            try:
-                roster[client] = checked_keys(msg)
-            except SecAggError as exc:  # counted and acked, as a step's refusal (SecureRound._step)
-                del self.checkins.waiting[client]
-                ctx.inbox.count_rejection(exc.reason, f"{client}: {exc}")
-                ctx.inbox.ack(msg)
-                self._send(Kind.GRANT, [client], refused)
-                continue
-            self.bases[client] = version
+            elif version <= ctx.folded_from.get(client, messages.NO_VERSION):
+                why = "duplicate"  # one change a client and version, as in the clear (async_rounds)
+            else:
+                try:
+                    roster[client] = checked_keys(msg)
+                    self.bases[client] = version
+                    continue
+                except SecAggError as exc:  # counted, as a step's refusal (SecureRound._step)
+                    ctx.inbox.count_rejection(exc.reason, f"{client}: {exc}")
+                    why = "refused"
+            # told before its check-in is settled: a crash in between gives the check-in again, not a client
+            # left waiting
+            self._send(Kind.GRANT, [client], refused)
+            checkins.settle(ctx, client, why)
 
     def _formed(self, members: list[str]) -> None:
-        """The members' check-ins are taken (acked); the spool names them, so that a restart can tell them
-        the buffer is gone."""
-        ctx, stats = self.ctx, self.stats
-        for client in members:
-            ctx.inbox.ack(self.checkins.waiting.pop(client))
+        """The spool names the members (a restart tells them the buffer is gone), then their check-ins and
+        reports are taken (acked)."""
+        stats, checkins = self.stats, self.checkins
+        self.samples = {c: n for c in members if (n := checkins.samples(c)) is not None}
+        stats.reported = {c: loss for c in members if (loss := checkins.loss(c)) is not None}
         self.members = members
         stats.selected = sorted(set(stats.selected) | set(members))
-        stats.reported = {c: self.checkins.losses[c] for c in members if c in self.checkins.losses}
         self._save()
+        for client in members:
+            checkins.settle(self.ctx, client)
 
     def _cohort_audience(self, members: list[str]) -> list[str]:
         """Only the members: a client whose check-in waits for a later buffer keeps waiting."""
@@ -206,9 +231,14 @@ class SecureBuffer(SecureRound):
         for client in survivors:
             self.stats.trained_from[client] = self.bases[client]
 
-    def _release(self) -> None:
-        """The members still waiting for a step of this buffer stop waiting (the others keep theirs)."""
-        self._send(Kind.GRANT, self.members, released)
+    def _release(self, restart: bool = False) -> None:
+        """The members still waiting for a step of this buffer stop waiting (the others keep theirs). After a
+        restart a member may still wait for the cohort, so the grant also refuses its check-in."""
+        self._send(
+            Kind.GRANT,
+            self.members,
+            lambda served: {**released(served), **(refused(served) if restart else {})},
+        )
 
     def _restored(self, spooled: dict[str, Any]) -> None:
         self.members = list(spooled.get("members") or [])
@@ -218,7 +248,7 @@ class SecureBuffer(SecureRound):
 
     def _screen(self, msg: Received) -> bool:
         """Check-ins and reports come between the steps too; the rest as in a secure round."""
-        return take_between_steps(self.ctx, self.checkins, msg) or super()._screen(msg)
+        return self.checkins.take(self.ctx, msg) or super()._screen(msg)
 
 
 def released(served: list[str]) -> dict[str, Any]:

@@ -27,8 +27,9 @@ model and the strategy state as they were.
 
 Crash safety: nothing of one client's input, masked or not, is written; the spool holds the round's
 selection and reports only. A secure round that a restart finds open cannot be finished (the shares and
-the running sum were in the old aggregator's memory), so it is closed as skipped and the job goes on with
-the next round; the engine writes a secure round's checkpoint before it announces the next one, so that a
+the running sum were in the old aggregator's memory), so it is closed as skipped, with a grant of nobody to
+its clients (one still waiting for the old aggregator's next step stops), and the job goes on with the
+next round; the engine writes a secure round's checkpoint before it announces the next one, so that a
 version is never published twice with different models.
 """
 
@@ -103,7 +104,7 @@ class SecureRound(SyncRound):
             stats.reported = spooled["reported"]
             ctx.hosted.update(spooled.get("hosts") or {})
             self._restored(spooled)
-            self._release()  # a client still waiting for the old aggregator's next step stops waiting
+            self._release(restart=True)  # a client still waiting for the old aggregator's step stops
             ctx.close_round(stats, None, skipped=INTERRUPTED)
             return
         self._select()
@@ -133,12 +134,9 @@ class SecureRound(SyncRound):
         roster = self._gather_keys(report_by)
         if ctx.stop.is_set():
             return None
-        n = len(roster)
-        if n < max(2, cfg.min_clients):
-            raise SecAggError(
-                "too-few-members", f"{n} client(s) advertised keys, {max(2, cfg.min_clients)} needed"
-            )
-        self._formed(sorted(roster))
+        n, needed = len(roster), max(graph.MIN_COHORT, cfg.min_clients)
+        if n < needed:
+            raise SecAggError("too-few-members", f"{n} client(s) advertised keys, {needed} needed")
         params = graph.plan(n, cfg.secagg_corrupt, cfg.secagg_dropout)
         cohort = graph.Cohort.build(sorted(roster), params, os.urandom(graph.SEED_BYTES))
         quantizer = Quantizer(cfg.secagg_clip, max_bits(n), n)
@@ -149,6 +147,7 @@ class SecureRound(SyncRound):
         log.info(
             "secure cohort", round=stats.round, members=n, degree=params.degree, threshold=params.threshold
         )
+        self._formed(members)
         self._send(
             Kind.SECAGG_COHORT,
             self._cohort_audience(members),
@@ -212,7 +211,7 @@ class SecureRound(SyncRound):
         return roster
 
     def _formed(self, members: list[str]) -> None:
-        """The cohort is ``members``: enough of them to go on."""
+        """The cohort is ``members``, planned; its message goes out next."""
 
     def _cohort_audience(self, members: list[str]) -> list[str]:
         """Who hears of the cohort: every selected client (one whose keys came too late learns it is out)."""
@@ -222,8 +221,9 @@ class SecureRound(SyncRound):
         """The version ``client``'s change was trained from."""
         return self.ctx.version
 
-    def _release(self) -> None:
-        """A grant of nobody: a client still waiting for a step of this round stops waiting."""
+    def _release(self, restart: bool = False) -> None:
+        """A grant of nobody: a client still waiting for a step of this round stops waiting (``restart``:
+        the round was open when the aggregator stopped, and is closed without going on)."""
         self._send(Kind.GRANT, self.stats.selected, lambda _: {"granted": []})
 
     def _restored(self, spooled: dict[str, Any]) -> None:

@@ -609,8 +609,11 @@ class Agent:
         return None
 
     def _released(self, env: Envelope) -> bool:
-        """An empty grant ends the round for this client: for everyone waiting, or for those it names."""
-        return not env.payload["granted"] and self.client in env.payload.get("released", (self.client,))
+        """An empty grant ends the round for this client: for everyone waiting, or for those it names in
+        "released" (one that only refuses check-ins releases nobody in a round)."""
+        payload = env.payload
+        everyone = () if "refused" in payload else (self.client,)
+        return not payload["granted"] and self.client in payload.get("released", everyone)
 
     def _upload(self, rnd: int, version: int, prepared: Prepared) -> None:
         """Publish the update: to the inbox, or with edge aggregators to the one that folds ours."""

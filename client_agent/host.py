@@ -265,6 +265,11 @@ class Host:
                     self._offer(client, env, delivery)
         else:  # asynchronous: every client of ours that is up trains on the newest version, in turns
             with self._lock:
+                last = self._async_newest
+                if last is not None and env.model_version == last.model_version and env.round > last.round:
+                    # the version again: its round was skipped, and what was sent from it was not kept (a
+                    # skipped round keeps none): its clients train from it again
+                    self._trained = {c: v for c, v in self._trained.items() if v != env.model_version}
                 self._async_newest = env
                 self._exhausted = NEVER  # a new announce (a skipped round re-announces its version)
                 self._async_fill()

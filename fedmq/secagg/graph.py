@@ -80,11 +80,16 @@ def _harary_ok(n: int, k: int, corrupt: int, dropped: int) -> GraphParams | None
     return GraphParams(degree=k, threshold=t)
 
 
+MIN_COHORT = 3  # a sum of two inputs tells each of them the other's
+
+
 def plan(n: int, corrupt_fraction: float, dropout_fraction: float) -> GraphParams:
     """k and t for a cohort of n, of which γ = corrupt_fraction may collude with the server and
     δ = dropout_fraction may drop out (module docstring: the conditions and their source)."""
-    if n < 3:
-        raise SecAggError("bad-parameter", f"a cohort of {n} cannot hide one input in a sum: 3 or more")
+    if n < MIN_COHORT:
+        raise SecAggError(
+            "bad-parameter", f"a cohort of {n} cannot hide one input in a sum: {MIN_COHORT} or more"
+        )
     for name, value in (("corrupt", corrupt_fraction), ("dropout", dropout_fraction)):
         if not 0.0 <= value < 1.0:
             raise SecAggError("bad-parameter", f"the {name} fraction is within [0, 1), not {value}")

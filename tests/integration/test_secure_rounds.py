@@ -476,7 +476,9 @@ def test_a_buffer_open_at_a_stop_is_dropped_on_resume_its_members_told(task, rab
             super()._send(kind, payload)
 
     inputs: dict[int, dict[str, Masked]] = {}
-    cfg = _async_job(job_id)
+    # every client in every buffer: the job goes on only if the hosts train the interrupted buffer's members
+    # again from the same version, and they check in again
+    cfg = _async_job(job_id, strategy_args={"buffer_size": CLIENTS})
     run_dir = tmp_path / "run"
     first = _engine(task, cfg, rabbit_url, run_dir)
     with _hosts(task, cfg, rabbit_url, _recording(inputs, Answering)):
@@ -485,14 +487,14 @@ def test_a_buffer_open_at_a_stop_is_dropped_on_resume_its_members_told(task, rab
         first.broker.close()
         assert answering.is_set() and first.version == 0
         state, updates = first.spool.load(1)
-        assert state is not None and len(state["members"]) == BUFFER and updates == []
+        assert state is not None and len(state["members"]) == CLIENTS and updates == []
         second = Engine(connect(rabbit_url), task, cfg, run_dir, durable=False, evaluate=False)
         summary = second.run()
         second.broker.close()
     rows = _rows(second)
     assert rows[0].skipped and rows[0].skip_reason.startswith("secure round interrupted by a restart")
     assert second.version == 3 and summary["rounds_completed"] == 3
-    assert all(len(r.received) == BUFFER for r in rows[1:])
+    assert all(len(r.received) == CLIENTS for r in rows[1:])
 
 
 def test_scaffold_sums_its_model_and_control_variate_changes_securely(task, rabbit_url, job_id, tmp_path):

@@ -33,6 +33,8 @@ from fedmq.secagg.shamir import Share
         ({"edges": 2}, "edge aggregators"),
         ({"secagg_clip": 0.0}, "secagg_clip (--secagg-clip) must be in (0"),
         ({"secagg_corrupt": 0.5}, "secagg_corrupt must be in [0, 0.5)"),
+        ({"clients": 10, "fraction": 0.2}, "a cohort of 2 cannot hide one input in its sum"),
+        ({"strategy": "async", "clients": 2}, "a job has at least 3 clients under it"),
     ],
 )
 def test_what_cannot_run_on_a_secure_sum_is_refused_in_one_line(settings, words):

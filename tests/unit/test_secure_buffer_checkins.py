@@ -1,0 +1,53 @@
+"""A secure buffer's check-ins (aggregator.secure_buffers.CheckIns): one a client, the newer kept and the
+older dropped as superseded; a report is held beside its check-in and both are settled together (acked when
+taken, the check-in dropped with its reason when not), so that nothing is acked before it is used."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from fedmq.aggregator.inbox import Received
+from fedmq.aggregator.secure_buffers import CheckIns
+from fedmq.broker.wire import messages
+from fedmq.broker.wire.envelope import Kind
+
+
+class Settled:
+    """The inbox's side of it: which deliveries were acked, and which dropped with what reason."""
+
+    def __init__(self) -> None:
+        self.acked: list[str] = []
+        self.dropped: list[tuple[str, str]] = []
+
+    def ack(self, msg: Received) -> None:
+        self.acked.append(msg.env.msg_id)
+
+    def drop(self, msg: Received, reason: str) -> None:
+        self.dropped.append((msg.env.msg_id, reason))
+
+
+def _received(env) -> Received:
+    return Received(env, SimpleNamespace(body=b""), 0)  # type: ignore[arg-type]
+
+
+def _check_in(client: str, version: int) -> Received:
+    payload = {"channel": bytes(32), "mask": bytes(32)}
+    return _received(messages.secagg(Kind.SECAGG_KEYS, "job", 1, client, version, payload))
+
+
+def test_a_client_checks_in_once_the_newer_kept_and_its_report_settles_with_it():
+    inbox = Settled()
+    ctx = SimpleNamespace(inbox=inbox)
+    checkins = CheckIns()
+    report = _received(messages.report("job", 1, "a", 0, 2.5, 40))
+    first, second, other = _check_in("a", 0), _check_in("a", 1), _check_in("b", 0)
+    for msg in (report, first, other, second):
+        assert checkins.take(ctx, msg)  # type: ignore[arg-type]
+    assert not checkins.take(ctx, _received(messages.presence("job", "a", "online", 0)))  # type: ignore[arg-type]
+    assert inbox.dropped == [(first.env.msg_id, "superseded")] and inbox.acked == []
+    assert list(checkins.waiting) == ["b", "a"] and checkins.waiting["a"] is second  # b came first now
+    assert checkins.samples("a") == 40 and checkins.loss("a") == 2.5 and checkins.samples("b") is None
+    checkins.settle(ctx, "a")  # type: ignore[arg-type]
+    assert inbox.acked == [second.env.msg_id, report.env.msg_id] and checkins.samples("a") is None
+    checkins.settle(ctx, "b", "too-stale")  # type: ignore[arg-type]
+    assert inbox.dropped[-1] == (other.env.msg_id, "too-stale") and not checkins.waiting
