@@ -136,10 +136,25 @@ def _engine(task, cfg: JobConfig, url: str, run_dir: Path) -> Engine:
     return engine
 
 
-def _run(task, cfg: JobConfig, url: str, run_dir: Path, agent_class: type[Agent] = SaysGoodbye, **agent_kw):
+def _run(
+    task,
+    cfg: JobConfig,
+    url: str,
+    run_dir: Path,
+    agent_class: type[Agent] = SaysGoodbye,
+    *,
+    keep_states: bool = False,
+    **agent_kw,
+):
     """The aggregator and two hosts over ``url``, run to the job's end: the engine, its summary and the
-    hosts."""
+    hosts. ``keep_states``: the engine keeps its model after every round (``engine.states``: round ->
+    model)."""
     engine = _engine(task, cfg, url, run_dir)
+    if keep_states:
+        engine.states = {0: engine.initial}
+        engine.on_round = lambda row: engine.states.update(
+            {row["round"]: {k: v.clone() for k, v in engine.global_state.items()}}
+        )
     with _hosts(task, cfg, url, agent_class, **agent_kw) as hosts:
         try:
             summary = engine.run()
@@ -301,6 +316,18 @@ def test_hostile_clients_are_named_and_the_sum_stays_the_honest_survivors(task, 
     _close(engine, plain, _bound(cfg, CLIENTS - 2) + 1e-6)
 
 
+def _answering(answering: threading.Event) -> type[SecureUpload]:
+    """A client side that sets ``answering`` as it answers round 1's unmasking request."""
+
+    class Answering(SecureUpload):
+        def _send(self, kind, payload):
+            if kind.value == "secagg-answer" and self.rnd == 1:
+                answering.set()
+            super()._send(kind, payload)
+
+    return Answering
+
+
 def test_a_round_stopped_mid_unmasking_is_dropped_on_resume_and_nothing_of_an_input_was_written(
     task, rabbit_url, job_id, tmp_path
 ):
@@ -310,14 +337,8 @@ def test_a_round_stopped_mid_unmasking_is_dropped_on_resume_and_nothing_of_an_in
     runs with every client."""
     answering = threading.Event()
 
-    class Answering(SecureUpload):
-        def _send(self, kind, payload):
-            if kind.value == "secagg-answer" and self.rnd == 1:
-                answering.set()
-            super()._send(kind, payload)
-
     class AnsweringAgent(SaysGoodbye):
-        secure_upload = Answering
+        secure_upload = _answering(answering)
 
     cfg = _job(job_id, secagg=True, rounds=2)
     run_dir = tmp_path / "run"
@@ -379,21 +400,6 @@ def _recording(inputs: dict[int, dict[str, Masked]], base: type[SecureUpload] = 
     return RecordingAgent
 
 
-def _run_async(task, cfg: JobConfig, url: str, run_dir: Path, agent_class: type[Agent], **agent_kw):
-    """As _run, keeping the model after every round (``engine.states``: round -> its model)."""
-    engine = _engine(task, cfg, url, run_dir)
-    engine.states = {0: engine.initial}
-    engine.on_round = lambda row: engine.states.update(
-        {row["round"]: {k: v.clone() for k, v in engine.global_state.items()}}
-    )
-    with _hosts(task, cfg, url, agent_class, **agent_kw) as hosts:
-        try:
-            summary = engine.run()
-        finally:
-            engine.broker.close()
-    return engine, summary, hosts
-
-
 def _check_buffers(engine: Engine, inputs: dict[int, dict[str, Masked]]) -> int:
     """Each published version against BufferedAsync's mean of its members' recorded changes; the stale
     members seen."""
@@ -425,7 +431,7 @@ def _check_buffers(engine: Engine, inputs: dict[int, dict[str, Masked]]) -> int:
 def test_secure_buffers_fold_each_members_change_with_its_own_staleness(task, rabbit_url, job_id, tmp_path):
     inputs: dict[int, dict[str, Masked]] = {}
     cfg = _async_job(job_id)
-    engine, summary, _ = _run_async(task, cfg, rabbit_url, tmp_path / "run", _recording(inputs))
+    engine, summary, _ = _run(task, cfg, rabbit_url, tmp_path / "run", _recording(inputs), keep_states=True)
     rows = _rows(engine)
     assert engine.version == 3 and all(not r.skipped and len(r.received) == BUFFER for r in rows)
     # 10 clients check in from version 0 and a buffer takes 4: the later buffers take the stale ones first
@@ -438,7 +444,7 @@ def test_with_no_staleness_allowed_every_older_check_in_is_refused_and_every_buf
 ):
     inputs: dict[int, dict[str, Masked]] = {}
     cfg = _async_job(job_id, strategy_args={"max_staleness": 0})
-    engine, summary, _ = _run_async(task, cfg, rabbit_url, tmp_path / "run", _recording(inputs))
+    engine, summary, _ = _run(task, cfg, rabbit_url, tmp_path / "run", _recording(inputs), keep_states=True)
     assert engine.version == 3
     assert _check_buffers(engine, inputs) == 0  # every member trained from the buffer's own version
     assert summary["dropped"].get("too-stale", 0) >= CLIENTS - BUFFER  # told, and trained again
@@ -458,7 +464,8 @@ def test_a_buffer_member_gone_after_sharing_is_left_out_and_the_buffer_completes
                 raise Offline("gone after sharing", True)
 
     cfg = _async_job(job_id)
-    engine, _, _ = _run_async(task, cfg, rabbit_url, tmp_path / "run", _recording(inputs, Leaving))
+    agent = _recording(inputs, Leaving)
+    engine, _, _ = _run(task, cfg, rabbit_url, tmp_path / "run", agent, keep_states=True)
     first = _rows(engine)[0]
     assert not first.skipped and gone and gone[0] not in first.received
     assert len(first.received) == BUFFER - 1
@@ -468,20 +475,13 @@ def test_a_buffer_member_gone_after_sharing_is_left_out_and_the_buffer_completes
 
 def test_a_buffer_open_at_a_stop_is_dropped_on_resume_its_members_told(task, rabbit_url, job_id, tmp_path):
     answering = threading.Event()
-
-    class Answering(SecureUpload):
-        def _send(self, kind, payload):
-            if kind.value == "secagg-answer" and self.rnd == 1:
-                answering.set()
-            super()._send(kind, payload)
-
     inputs: dict[int, dict[str, Masked]] = {}
     # every client in every buffer: the job goes on only if the hosts train the interrupted buffer's members
     # again from the same version, and they check in again
     cfg = _async_job(job_id, strategy_args={"buffer_size": CLIENTS})
     run_dir = tmp_path / "run"
     first = _engine(task, cfg, rabbit_url, run_dir)
-    with _hosts(task, cfg, rabbit_url, _recording(inputs, Answering)):
+    with _hosts(task, cfg, rabbit_url, _recording(inputs, _answering(answering))):
         threading.Thread(target=lambda: answering.wait(budget(120)) and first.stop.set(), daemon=True).start()
         first.run()
         first.broker.close()
