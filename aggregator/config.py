@@ -398,7 +398,7 @@ class JobConfig:
             return
         if not 0 < self.secagg_clip <= MAX_SECAGG_CLIP:
             _raise(f"{key('secagg_clip')} must be in (0, {MAX_SECAGG_CLIP:g}], got {self.secagg_clip}")
-        from fedmq.secagg.graph import MIN_COHORT
+        from fedmq.secagg.graph import MIN_COHORT, intolerable
         from fedmq.secagg.payloads import MAX_COHORT
 
         fixed = self.mode == "sync" and self.dp == "none"  # (Poisson sampling draws a cohort of any size)
@@ -411,9 +411,27 @@ class JobConfig:
         most = self.most_selected()
         if most > MAX_COHORT:
             _raise(f"{key('secagg')}: a round selects up to {most}; a cohort has at most {MAX_COHORT}")
+        from fedmq.aggregator.inbox import MAX_PREFETCH
+
+        # secure buffers hold each client's check-in and report unacked (aggregator.secure_buffers): half
+        # the inbox's window at most, the rest for the steps' messages
+        if self.mode == "async" and 4 * self.clients > MAX_PREFETCH:
+            _raise(
+                f"{key('secagg')}: secure buffers hold two messages a client in the inbox's window; "
+                f"at most {MAX_PREFETCH // 4} clients, not {self.clients}"
+            )
         for name in ("secagg_corrupt", "secagg_dropout"):
             if not 0 <= getattr(self, name) < 0.5:
                 _raise(f"{key(name)} must be in [0, 0.5), got {getattr(self, name)}")
+        # every cohort size a round or buffer may form (only those below 2 / (1 − γ − δ) can fail)
+        spare = 1 - self.secagg_corrupt - self.secagg_dropout  # > 0: both are below 0.5
+        small = min(self.most_selected() if fixed else self.clients, math.ceil(2 / spare) + 1)
+        sizes = range(max(MIN_COHORT, self.min_clients), small + 1)
+        why = next(
+            (w for n in sizes if (w := intolerable(n, self.secagg_corrupt, self.secagg_dropout))), None
+        )
+        if why is not None:
+            _raise(f"{key('secagg_corrupt')} and {key('secagg_dropout')}: {why}")
         self._require(
             "secure_sum",
             "secagg",

@@ -11,7 +11,8 @@ asynchronous version folds early), or at the report plus the update deadline. Ch
 the next buffer, as updates beyond K wait for the next version; a client that checks in again replaces its
 older check-in. One from a version more than ``max_staleness`` back, from a version the client's change was
 already folded from, from an agent gone offline, or with keys that cannot be agreed with, is dropped with
-its reason and its client told (a grant naming it in ``refused``), to train from the newest version.
+its reason and its client told (a grant naming the check-in in ``refused``), to train from the newest
+version.
 
 The cohort then runs the synchronous round's steps (aggregator.secure_round: shares, masked inputs,
 unmasking), in which each member weighs its clipped change by its staleness weight s(τ), τ = the buffer's
@@ -106,8 +107,8 @@ class SecureBuffers:
         ctx.wait_for_agents(min(ctx.buffer_size, cfg.clients), cfg.join_timeout_s, self._while_waiting)
         while ctx.version < cfg.rounds and not ctx.stop.is_set() and ctx.within_budget():
             SecureBuffer(ctx, self.checkins).run()
-        if ctx.version >= cfg.rounds and not ctx.stop.is_set():
-            for client in list(self.checkins.waiting):  # the agents leave on the job's end
+        if not ctx.stop.is_set():  # the job's end (its rounds, or its privacy budget): the agents leave
+            for client in list(self.checkins.waiting):
                 self.checkins.settle(ctx, client, "job-finished")
             for client in list(self.checkins.reports):
                 self.checkins.settle(ctx, client)
@@ -133,6 +134,8 @@ class SecureBuffer(SecureRound):
         self.checkins = checkins
         self.members: list[str] = []
         self.bases: dict[str, int] = {}  # member -> the version it trained from
+        self.sources: dict[str, Received] = {}  # member -> the check-in its keys came from
+        self.check_ins: dict[str, str] = {}  # member -> its check-in's message id (spooled)
 
     def _select(self) -> None:
         """Every agent online hears of the version (aggregator.async_rounds)."""
@@ -158,7 +161,7 @@ class SecureBuffer(SecureRound):
         owed = Owed(ctx.version, [c for c in stats.online if c not in self.checkins.waiting])
         roster: dict[str, PublicKeys] = {}
         while not ctx.stop.is_set():
-            self._admit(roster, target)
+            self._admit(roster, target, owed)
             if len(roster) >= target or time.time() >= deadline:
                 break
             if len(roster) >= needed and owed.nobody(ctx.online()):
@@ -174,15 +177,18 @@ class SecureBuffer(SecureRound):
                 ctx.inbox.drop(msg, "not-in-step-check-in")
         return roster
 
-    def _admit(self, roster: dict[str, PublicKeys], target: int) -> None:
-        """Check-ins into ``roster``, oldest first, until it holds ``target``; one that cannot be taken is
-        dropped or refused with its reason, its client told first."""
+    def _admit(self, roster: dict[str, PublicKeys], target: int, owed: Owed) -> None:
+        """Check-ins into ``roster``, oldest first, until it holds ``target`` (a client's newer check-in
+        replacing its older one there too); one that cannot be taken is dropped or refused with its reason,
+        its client told first (it then trains from this version: ``owed`` waits for it again)."""
         ctx, checkins = self.ctx, self.checkins
         online = set(ctx.online())
+        for client in [c for c in checkins.reports if c not in online and c not in checkins.waiting]:
+            checkins.settle(ctx, client)  # a report whose check-in will not come
         for client, msg in list(checkins.waiting.items()):
-            if len(roster) >= target:
-                return
-            if client in roster:
+            if len(roster) >= target and client not in roster:
+                continue
+            if self.sources.get(client) is msg:
                 continue
             version = msg.env.model_version
             why = None
@@ -197,15 +203,19 @@ class SecureBuffer(SecureRound):
             else:
                 try:
                     roster[client] = checked_keys(msg)
-                    self.bases[client] = version
+                    self.bases[client], self.sources[client] = version, msg
                     continue
                 except SecAggError as exc:  # counted, as a step's refusal (SecureRound._step)
                     ctx.inbox.count_rejection(exc.reason, f"{client}: {exc}")
                     why = "refused"
+            roster.pop(client, None)  # (its older check-in, now superseded, may be there)
+            self.sources.pop(client, None)
             # told before its check-in is settled: a crash in between gives the check-in again, not a client
             # left waiting
-            self._send(Kind.GRANT, [client], refused)
+            self._send(Kind.GRANT, [client], lambda _, m=msg: refused([m.env.msg_id]))
             checkins.settle(ctx, client, why)
+            if client in online:
+                owed.waiting.add(client)
 
     def _formed(self, members: list[str]) -> None:
         """The spool names the members (a restart tells them the buffer is gone), then their check-ins and
@@ -214,6 +224,7 @@ class SecureBuffer(SecureRound):
         self.samples = {c: n for c in members if (n := checkins.samples(c)) is not None}
         stats.reported = {c: loss for c in members if (loss := checkins.loss(c)) is not None}
         self.members = members
+        self.check_ins = {c: self.sources[c].env.msg_id for c in members}
         stats.selected = sorted(set(stats.selected) | set(members))
         self._save()
         for client in members:
@@ -234,17 +245,19 @@ class SecureBuffer(SecureRound):
     def _release(self, restart: bool = False) -> None:
         """The members still waiting for a step of this buffer stop waiting (the others keep theirs). After a
         restart a member may still wait for the cohort, so the grant also refuses its check-in."""
-        self._send(
-            Kind.GRANT,
-            self.members,
-            lambda served: {**released(served), **(refused(served) if restart else {})},
-        )
+        ids = self.check_ins
+
+        def release(served: list[str]) -> dict[str, Any]:
+            return {**released(served), **(refused([ids[c] for c in served if c in ids]) if restart else {})}
+
+        self._send(Kind.GRANT, self.members, release)
 
     def _restored(self, spooled: dict[str, Any]) -> None:
         self.members = list(spooled.get("members") or [])
+        self.check_ins = dict(spooled.get("check_ins") or {})
 
     def _state(self) -> dict:
-        return {**super()._state(), "members": self.members}
+        return {**super()._state(), "members": self.members, "check_ins": self.check_ins}
 
     def _screen(self, msg: Received) -> bool:
         """Check-ins and reports come between the steps too; the rest as in a secure round."""
@@ -256,7 +269,8 @@ def released(served: list[str]) -> dict[str, Any]:
     return {"granted": [], "released": served}
 
 
-def refused(served: list[str]) -> dict[str, Any]:
-    """An empty grant that tells ``served`` their check-in was not taken (a member's end of a buffer cannot
-    be mistaken for it: it may come after the member has checked in again)."""
-    return {"granted": [], "refused": served}
+def refused(check_ins: list[str]) -> dict[str, Any]:
+    """An empty grant that refuses the check-ins of these message ids: only a client still waiting with one
+    of them stops waiting (a member's end of a buffer, or a refusal of an older check-in, cannot be taken
+    for it: either may come after the client has checked in again)."""
+    return {"granted": [], "refused": check_ins}

@@ -590,11 +590,11 @@ class Agent:
                 return None
         return None
 
-    def _wait_for_cohort(self, since: int) -> Envelope | None:
-        """After an asynchronous buffer's check-in: the first cohort of a round from ``since`` on that names
-        this client; None when a grant refuses its check-in or the agent stops. Newer announcements are
-        kept for after (``newer``); cohorts of others, and the end of a buffer this client was in before, are
-        not ours to answer."""
+    def _wait_for_cohort(self, since: int, check_in: str) -> Envelope | None:
+        """After an asynchronous buffer's check-in (message id ``check_in``): the next cohort of a round from
+        ``since`` on that names this client; None when a grant refuses that check-in or the agent stops.
+        Newer announcements are kept for after (``newer``); cohorts of others, and the end of a buffer this
+        client was in before, are not ours to answer."""
         while not self.stop.is_set() or (self.finish_round and not self.finished):
             env = self._next(timeout=0.5)
             if env is None:
@@ -602,7 +602,7 @@ class Agent:
             cohort = env.kind is Kind.SECAGG_COHORT and env.round >= since
             if cohort and self.client in env.payload["members"]:
                 return env
-            if env.kind is Kind.GRANT and self.client in env.payload.get("refused", ()):
+            if env.kind is Kind.GRANT and check_in in env.payload.get("refused", ()):
                 return None  # our check-in was not taken (too stale, or offline meanwhile)
             if env.kind is Kind.ANNOUNCE and (self.newer is None or env.round > self.newer.round):
                 self.newer = env

@@ -167,6 +167,7 @@ class Host:
         self._trained: dict[str, int] = {}
         self._turn = 0
         self._exhausted = NEVER
+        self._again = (NEVER, 0)  # the version last announced again, and in which round (a skipped round)
         self._lock = threading.Lock()
         self._broker: Broker | None = None
 
@@ -268,8 +269,9 @@ class Host:
                 last = self._async_newest
                 if last is not None and env.model_version == last.model_version and env.round > last.round:
                     # the version again: its round was skipped, and what was sent from it was not kept (a
-                    # skipped round keeps none): its clients train from it again
+                    # skipped round keeps none): its clients train from it again, those still finishing too
                     self._trained = {c: v for c, v in self._trained.items() if v != env.model_version}
+                    self._again = (env.model_version, env.round)
                 self._async_newest = env
                 self._exhausted = NEVER  # a new announce (a skipped round re-announces its version)
                 self._async_fill()
@@ -363,8 +365,11 @@ class Host:
                     self._holds.pop(client, None)
                 else:
                     self._holds[client] = agent.version
-                if env.payload["mode"] == "async" and (down or len(agent.log.uploads) > uploads):
-                    # done with this version: uploaded, or offline for it (availability is per version)
+                # done with this version: uploaded, or offline for it (availability is per version), unless
+                # the version was announced again since (its round skipped: what was sent is not kept)
+                again = self._again[0] == env.model_version and self._again[1] > env.round
+                done = down or len(agent.log.uploads) > uploads
+                if env.payload["mode"] == "async" and done and not again:
                     self._trained[client] = env.model_version
                 if down:
                     self._down[client] = time.monotonic() + self.rejoin_s

@@ -15,10 +15,10 @@ The steps, each answering the aggregator's (aggregator.secure_round; payloads: f
 
 In an asynchronous job (a secure buffer: aggregator.secure_buffers) the client checks in instead of step 1:
 after training and its report it advertises its keys, tagged with the version it trained from, and waits for
-a buffer's cohort that names it (or a grant that releases it: its check-in was too stale, or the job ended),
-reading newer announcements on the way. The cohort's round and version name the sum; the client weighs its
-change by the staleness weight s(τ) of τ = the buffer's version − its own (fedmq.staleness) as well as by
-n_k; the steps after that are the synchronous round's.
+a buffer's cohort that names it with the keys it just advertised (or a grant that refuses that check-in: too
+stale, say), reading newer announcements on the way. The cohort's round and version name the sum; the client
+weighs its change by the staleness weight s(τ) of τ = the buffer's version − its own (fedmq.staleness) as well
+as by n_k; the steps after that are the synchronous round's.
 
 A step of another round is ignored; a newer announcement ends this round for the client, as one that does not
 grant it. Anything the core refuses (a roster without its keys, a neighbour's share that does not decrypt, a
@@ -64,7 +64,7 @@ class Link(Protocol):
 
     def _wait_for(self, kind: Kind, rnd: int) -> Envelope | None: ...
 
-    def _wait_for_cohort(self, since: int) -> Envelope | None: ...
+    def _wait_for_cohort(self, since: int, check_in: str) -> Envelope | None: ...
 
     def _send(self, env: Envelope, routing_key: str) -> None: ...
 
@@ -92,7 +92,10 @@ class SecureUpload:
 
     def advertise(self) -> None:
         """Step 1 (or an asynchronous buffer's check-in): c_u^PK and s_u^PK."""
-        self._send(Kind.SECAGG_KEYS, payloads.keys_payload(self.masking.advertise()))
+        self.keys = self.masking.advertise()
+        env = self._message(Kind.SECAGG_KEYS, payloads.keys_payload(self.keys))
+        self.check_in = env.msg_id  # what a refusal of this check-in names
+        self._publish(env)
 
     def _join_cohort(self) -> tuple[Envelope | None, float]:
         """The cohort message that names this client, and the staleness weight its change takes (1 in a
@@ -102,9 +105,12 @@ class SecureUpload:
             env = agent._wait_for(Kind.SECAGG_COHORT, self.rnd)
             return (env, 1.0) if env is not None and agent.client in env.payload["members"] else (None, 0.0)
         self.advertise()  # the check-in, tagged with the version trained from
-        env = agent._wait_for_cohort(self.rnd)
-        if env is None:
-            return None, 0.0
+        while True:
+            env = agent._wait_for_cohort(self.rnd, self.check_in)
+            if env is None:
+                return None, 0.0
+            if payloads.cohort(env.payload)[1].get(agent.client) == self.keys:
+                break  # (a cohort formed from an older check-in of ours is not ours to answer)
         tau = env.model_version - self.version
         if tau < 0:
             raise SecAggError("bad-version", f"buffer v{env.model_version}, change from v{self.version}")
@@ -175,6 +181,11 @@ class SecureUpload:
         return self.masking.mask(x, inbox)
 
     def _send(self, kind: Kind, payload: dict) -> None:
+        self._publish(self._message(kind, payload))
+
+    def _message(self, kind: Kind, payload: dict) -> Envelope:
         agent = self.agent
-        env = messages.secagg(kind, agent.job, self.rnd, agent.client, self.version, payload)
-        agent._send(env, topology.rk_report(agent.job, agent.client))
+        return messages.secagg(kind, agent.job, self.rnd, agent.client, self.version, payload)
+
+    def _publish(self, env: Envelope) -> None:
+        self.agent._send(env, topology.rk_report(self.agent.job, self.agent.client))

@@ -24,8 +24,8 @@ Every message is an Envelope (broker/wire/envelope.py); this module fixes the pa
 - report    agent -> inbox   {"loss": float, "n_samples": int}
 - grant     aggregator -> each selected agent's control queue   {"granted": [ids]}; an empty grant ends the
             round for whoever still waits in it, or, with "released": [ids], for those clients only (a
-            secure asynchronous buffer's end); with "refused": [ids], it tells those clients their
-            check-in was not taken (aggregator.secure_buffers)
+            secure asynchronous buffer's end); with "refused": [message ids], it tells the clients that
+            sent those check-ins that they were not taken (aggregator.secure_buffers)
 - update    agent -> inbox   {"loss": float, "n_samples": int, "tensors": encoded state}
             envelope.model_version is the global version the agent trained from.
 - end       aggregator -> every agent's control queue, once, when the job has run all its rounds

@@ -93,19 +93,27 @@ def plan(n: int, corrupt_fraction: float, dropout_fraction: float) -> GraphParam
     for name, value in (("corrupt", corrupt_fraction), ("dropout", dropout_fraction)):
         if not 0.0 <= value < 1.0:
             raise SecAggError("bad-parameter", f"the {name} fraction is within [0, 1), not {value}")
+    why = intolerable(n, corrupt_fraction, dropout_fraction)
+    if why is not None:
+        raise SecAggError("bad-parameter", why)
     corrupt, dropped = math.floor(corrupt_fraction * n), math.floor(dropout_fraction * n)
     for k in range(2, n - 1, 2):
         found = _harary_ok(n, k, corrupt, dropped)
         if found:
             return found
-    t = max(corrupt + 1, 2)
-    if t > n - 1 - dropped:
-        raise SecAggError(
-            "bad-parameter",
+    return GraphParams(degree=n - 1, threshold=max(corrupt + 1, 2))
+
+
+def intolerable(n: int, corrupt_fraction: float, dropout_fraction: float) -> str | None:
+    """Why even the complete graph on n cannot hold (a threshold above the colluders and within the
+    survivors), or None: ``plan`` then finds a graph. Only small cohorts can fail, below 2 / (1 − γ − δ)."""
+    corrupt, dropped = math.floor(corrupt_fraction * n), math.floor(dropout_fraction * n)
+    if max(corrupt + 1, 2) > n - 1 - dropped:
+        return (
             f"a cohort of {n} cannot tolerate {corrupt} corrupted and {dropped} dropped clients "
-            f"(it needs t > {corrupt} and t ≤ {n - 1 - dropped})",
+            f"(it needs t > {corrupt} and t ≤ {n - 1 - dropped})"
         )
-    return GraphParams(degree=n - 1, threshold=t)
+    return None
 
 
 @dataclass(frozen=True)
