@@ -427,11 +427,13 @@ class JobConfig:
         spare = 1 - self.secagg_corrupt - self.secagg_dropout  # > 0: both are below 0.5
         small = min(self.most_selected() if fixed else self.clients, math.ceil(2 / spare) + 1)
         sizes = range(max(MIN_COHORT, self.min_clients), small + 1)
-        why = next(
-            (w for n in sizes if (w := intolerable(n, self.secagg_corrupt, self.secagg_dropout))), None
-        )
-        if why is not None:
-            _raise(f"{key('secagg_corrupt')} and {key('secagg_dropout')}: {why}")
+        failing = [n for n in sizes if intolerable(n, self.secagg_corrupt, self.secagg_dropout)]
+        if failing:
+            why = intolerable(failing[0], self.secagg_corrupt, self.secagg_dropout)
+            _raise(
+                f"{key('secagg_corrupt')} and {key('secagg_dropout')}: {why}; lower them, or set "
+                f"{key('min_clients')} above {failing[-1]}"
+            )
         self._require(
             "secure_sum",
             "secagg",

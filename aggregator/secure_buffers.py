@@ -33,6 +33,7 @@ refused, and the buffer released).
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from typing import Any
 
 import structlog
@@ -58,6 +59,7 @@ class CheckIns:
     def __init__(self) -> None:
         self.waiting: dict[str, Received] = {}
         self.reports: dict[str, Received] = {}
+        self.interrupted: set[str] = set()  # check-ins of a buffer a restart closed: never taken again
 
     def take(self, ctx: RoundContext, msg: Received) -> bool:
         """A check-in (kept for a cohort; one a client at a time, the newer kept) or a report (kept beside
@@ -66,6 +68,9 @@ class CheckIns:
         held = {Kind.SECAGG_KEYS: self.waiting, Kind.REPORT: self.reports}.get(env.kind)
         if held is None:
             return False
+        if env.msg_id in self.interrupted:  # given again after the restart; its client was told
+            ctx.inbox.drop(msg, "interrupted")
+            return True
         older = held.pop(env.client, None)
         if older is not None:  # a client that checked in again (it lost its keys with a reconnect)
             ctx.inbox.drop(older, "superseded")
@@ -79,6 +84,14 @@ class CheckIns:
     def loss(self, client: str) -> float | None:
         report = self.reports.get(client)
         return None if report is None else float(report.env.payload["loss"])
+
+    def interrupt(self, ctx: RoundContext, check_ins: Collection[str]) -> None:
+        """The check-ins (message ids) of a buffer a restart closed: their clients are told, and the
+        messages, if the broker gives them again, are dropped."""
+        self.interrupted.update(check_ins)
+        for client, msg in list(self.waiting.items()):
+            if msg.env.msg_id in self.interrupted:
+                self.settle(ctx, client, "interrupted")
 
     def settle(self, ctx: RoundContext, client: str, dropped: str | None = None) -> None:
         """``client``'s check-in is taken (acked), or ``dropped`` with that reason; its report goes too."""
@@ -180,12 +193,13 @@ class SecureBuffer(SecureRound):
     def _admit(self, roster: dict[str, PublicKeys], target: int, owed: Owed) -> None:
         """Check-ins into ``roster``, oldest first, until it holds ``target`` (a client's newer check-in
         replacing its older one there too); one that cannot be taken is dropped or refused with its reason,
-        its client told first (it then trains from this version: ``owed`` waits for it again)."""
+        its client told first (one that checked in from an older version then trains from this one: ``owed``
+        waits for it again)."""
         ctx, checkins = self.ctx, self.checkins
         online = set(ctx.online())
-        for client in [c for c in checkins.reports if c not in online and c not in checkins.waiting]:
-            checkins.settle(ctx, client)  # a report whose check-in will not come
-        for client, msg in list(checkins.waiting.items()):
+        # the roster's own clients first (one whose newer check-in is refused frees its place), then the
+        # others in the order they came
+        for client, msg in sorted(checkins.waiting.items(), key=lambda item: item[0] not in roster):
             if len(roster) >= target and client not in roster:
                 continue
             if self.sources.get(client) is msg:
@@ -214,7 +228,7 @@ class SecureBuffer(SecureRound):
             # left waiting
             self._send(Kind.GRANT, [client], lambda _, m=msg: refused([m.env.msg_id]))
             checkins.settle(ctx, client, why)
-            if client in online:
+            if client in online and version < ctx.version:  # it holds this version's announcement
                 owed.waiting.add(client)
 
     def _formed(self, members: list[str]) -> None:
@@ -255,6 +269,7 @@ class SecureBuffer(SecureRound):
     def _restored(self, spooled: dict[str, Any]) -> None:
         self.members = list(spooled.get("members") or [])
         self.check_ins = dict(spooled.get("check_ins") or {})
+        self.checkins.interrupt(self.ctx, self.check_ins.values())
 
     def _state(self) -> dict:
         return {**super()._state(), "members": self.members, "check_ins": self.check_ins}

@@ -267,9 +267,13 @@ class Host:
         else:  # asynchronous: every client of ours that is up trains on the newest version, in turns
             with self._lock:
                 last = self._async_newest
-                if last is not None and env.model_version == last.model_version and env.round > last.round:
-                    # the version again: its round was skipped, and what was sent from it was not kept (a
-                    # skipped round keeps none): its clients train from it again, those still finishing too
+                again = (
+                    last is not None and env.model_version == last.model_version and env.round > last.round
+                )
+                if again and "secagg_clip" in env.payload["config"]:
+                    # a secure buffer's version again: its buffer was skipped, and the masked inputs sent to
+                    # it were not kept: its clients train from it again, those still finishing too (in the
+                    # clear an update that comes after the skip is folded in the next round instead)
                     self._trained = {c: v for c, v in self._trained.items() if v != env.model_version}
                     self._again = (env.model_version, env.round)
                 self._async_newest = env
@@ -366,8 +370,12 @@ class Host:
                 else:
                     self._holds[client] = agent.version
                 # done with this version: uploaded, or offline for it (availability is per version), unless
-                # the version was announced again since (its round skipped: what was sent is not kept)
-                again = self._again[0] == env.model_version and self._again[1] > env.round
+                # its secure buffer was skipped since and no later one took its upload
+                again = (
+                    self._again[0] == env.model_version
+                    and env.round < self._again[1]
+                    and not any(rnd >= self._again[1] for rnd, _ in agent.log.uploads[uploads:])
+                )
                 done = down or len(agent.log.uploads) > uploads
                 if env.payload["mode"] == "async" and done and not again:
                     self._trained[client] = env.model_version

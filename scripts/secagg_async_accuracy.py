@@ -2,7 +2,7 @@
 clear and under secure aggregation (`--secagg`: the whole protocol over the embedded broker, clients weighing
 their own staleness), seed by seed, compared at the same number of folds (published versions).
 
-.venv/bin/python scripts/secagg_async_accuracy.py --data ptb --seeds 0,1,2 [--versions 12] [--out DIR]
+.venv/bin/python scripts/secagg_async_accuracy.py --data ptb --seeds 0,1,2 [--versions 10] [--out DIR]
 
 Raw encodings both ways in both arms (a secure job sends its quantized vector uncompressed). Asynchronous runs
 are not bit-reproducible (the buffers' members depend on arrival order), so the plain arm's own spread from
@@ -45,7 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default="ptb")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--versions", type=int, default=12)
+    ap.add_argument("--versions", type=int, default=10)
     ap.add_argument("--out", default="runs/secagg-async-accuracy")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]

@@ -51,3 +51,16 @@ def test_a_client_checks_in_once_the_newer_kept_and_its_report_settles_with_it()
     assert inbox.acked == [second.env.msg_id, report.env.msg_id] and checkins.samples("a") is None
     checkins.settle(ctx, "b", "too-stale")  # type: ignore[arg-type]
     assert inbox.dropped[-1] == (other.env.msg_id, "too-stale") and not checkins.waiting
+
+
+def test_the_check_ins_of_a_buffer_a_restart_closed_are_never_taken_again():
+    inbox = Settled()
+    ctx = SimpleNamespace(inbox=inbox)
+    checkins = CheckIns()
+    given_again, other = _check_in("a", 0), _check_in("b", 0)
+    for msg in (given_again, other):
+        checkins.take(ctx, msg)  # type: ignore[arg-type]
+    checkins.interrupt(ctx, [given_again.env.msg_id])  # type: ignore[arg-type]
+    assert list(checkins.waiting) == ["b"] and inbox.dropped == [(given_again.env.msg_id, "interrupted")]
+    assert checkins.take(ctx, given_again)  # type: ignore[arg-type]  (the broker gives it once more)
+    assert list(checkins.waiting) == ["b"] and inbox.dropped[-1] == (given_again.env.msg_id, "interrupted")
