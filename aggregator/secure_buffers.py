@@ -8,11 +8,12 @@ the version it trained from. The buffer's cohort is formed from the check-ins in
 K (the strategy's ``buffer_size``; at least 3, fedmq.secagg.graph.MIN_COHORT, and the job's
 ``min_clients``), once K are in, once nobody online can still check in from the announced version (as an
 asynchronous version folds early), or at the report plus the update deadline. Check-ins beyond K wait for
-the next buffer, as updates beyond K wait for the next version; a client that checks in again replaces its
-older check-in. One from a version more than ``max_staleness`` back, from a version the client's change was
-already folded from, from an agent gone offline, or with keys that cannot be agreed with, is dropped with
-its reason and its client told (a grant naming the check-in in ``refused``), to train from the newest
-version.
+the next buffer, as updates beyond K wait for the next version; a client that checks in again (a host's
+client trains from the next version while its check-in waits: client_agent.host) replaces its older
+check-in, whose round is told. One from a version more than ``max_staleness`` back, from a version the
+client's change was already folded from, from an agent gone offline, or with keys that cannot be agreed
+with, is dropped with its reason and its client told (a grant naming the check-in in ``refused``), to
+train from the newest version.
 
 The cohort then runs the synchronous round's steps (aggregator.secure_round: shares, masked inputs,
 unmasking), in which each member weighs its clipped change by its staleness weight s(τ), τ = the buffer's
@@ -33,6 +34,7 @@ refused, and the buffer released).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Collection
 from typing import Any
 
@@ -53,36 +55,44 @@ log = structlog.get_logger(__name__)
 
 class CheckIns:
     """What the buffers of one job share: the check-ins waiting for a cohort (client -> its secagg-keys
-    message, oldest first) and each client's last report (its n_k and loss), both held unacked until the
-    check-in is settled, so that a restarted aggregator gets them again."""
+    message, oldest first) and each client's reports (its n_k and loss, by the version it trained from), both
+    held unacked until the check-in is settled, so that a restarted aggregator gets them again."""
 
     def __init__(self) -> None:
         self.waiting: dict[str, Received] = {}
-        self.reports: dict[str, Received] = {}
+        self.reports: dict[str, dict[int, Received]] = {}
         self.interrupted: set[str] = set()  # check-ins of a buffer a restart closed: never taken again
+        # check-ins a newer one of their client replaced, (client, message id): their clients are told
+        self.superseded: list[tuple[str, str]] = []
 
     def take(self, ctx: RoundContext, msg: Received) -> bool:
         """A check-in (kept for a cohort; one a client at a time, the newer kept) or a report (kept beside
         it). True when ``msg`` was one."""
         env = msg.env
-        held = {Kind.SECAGG_KEYS: self.waiting, Kind.REPORT: self.reports}.get(env.kind)
-        if held is None:
+        if env.kind not in (Kind.SECAGG_KEYS, Kind.REPORT):
             return False
         if env.msg_id in self.interrupted:  # given again after the restart; its client was told
             ctx.inbox.drop(msg, "interrupted")
             return True
-        older = held.pop(env.client, None)
-        if older is not None:  # a client that checked in again (it lost its keys with a reconnect)
+        if env.kind is Kind.REPORT:
+            reports = self.reports.setdefault(env.client, {})
+            older = reports.pop(env.model_version, None)
+            reports[env.model_version] = msg
+        else:
+            older = self.waiting.pop(env.client, None)
+            self.waiting[env.client] = msg
+            if older is not None:  # trained again meanwhile (or lost its keys with a reconnect)
+                self.superseded.append((env.client, older.env.msg_id))
+        if older is not None:
             ctx.inbox.drop(older, "superseded")
-        held[env.client] = msg
         return True
 
-    def samples(self, client: str) -> int | None:
-        report = self.reports.get(client)
+    def samples(self, client: str, version: int) -> int | None:
+        report = self.reports.get(client, {}).get(version)
         return None if report is None else int(report.env.payload["n_samples"])
 
-    def loss(self, client: str) -> float | None:
-        report = self.reports.get(client)
+    def loss(self, client: str, version: int) -> float | None:
+        report = self.reports.get(client, {}).get(version)
         return None if report is None else float(report.env.payload["loss"])
 
     def interrupt(self, ctx: RoundContext, check_ins: Collection[str]) -> None:
@@ -94,15 +104,20 @@ class CheckIns:
                 self.settle(ctx, client, "interrupted")
 
     def settle(self, ctx: RoundContext, client: str, dropped: str | None = None) -> None:
-        """``client``'s check-in is taken (acked), or ``dropped`` with that reason; its report goes too."""
+        """``client``'s check-in is taken (acked), or ``dropped`` with that reason; its reports go too, those
+        from its version and older (one from a newer version waits for its own check-in; all of them when the
+        client has no check-in waiting)."""
         msg = self.waiting.pop(client, None)
         if msg is not None and dropped is None:
             ctx.inbox.ack(msg)
         elif msg is not None:
             ctx.inbox.drop(msg, dropped)
-        report = self.reports.pop(client, None)
-        if report is not None:
-            ctx.inbox.ack(report)
+        reports = self.reports.get(client, {})
+        upto = msg.env.model_version if msg is not None else max(reports, default=messages.NO_VERSION)
+        for version in [v for v in reports if v <= upto]:
+            ctx.inbox.ack(reports.pop(version))
+        if not reports:
+            self.reports.pop(client, None)
 
 
 class SecureBuffers:
@@ -197,6 +212,9 @@ class SecureBuffer(SecureRound):
         waits for it again)."""
         ctx, checkins = self.ctx, self.checkins
         online = set(ctx.online())
+        while checkins.superseded:  # a client still waiting with a replaced check-in stops waiting
+            client, check_in = checkins.superseded.pop(0)
+            self._send(Kind.GRANT, [client], lambda _, m=check_in: refused([m]))
         # the roster's own clients first (one whose newer check-in is refused frees its place), then the
         # others in the order they came
         for client, msg in sorted(checkins.waiting.items(), key=lambda item: item[0] not in roster):
@@ -235,9 +253,12 @@ class SecureBuffer(SecureRound):
         """The spool names the members (a restart tells them the buffer is gone), then their check-ins and
         reports are taken (acked)."""
         stats, checkins = self.stats, self.checkins
-        self.samples = {c: n for c in members if (n := checkins.samples(c)) is not None}
-        stats.reported = {c: loss for c in members if (loss := checkins.loss(c)) is not None}
+        bases = self.bases
+        self.samples = {c: n for c in members if (n := checkins.samples(c, bases[c])) is not None}
+        stats.reported = {c: loss for c in members if (loss := checkins.loss(c, bases[c])) is not None}
         self.members = members
+        taus = Counter(self.ctx.version - bases[c] for c in members)
+        log.info("secure buffer", round=stats.round, staleness={str(t): n for t, n in sorted(taus.items())})
         self.check_ins = {c: self.sources[c].env.msg_id for c in members}
         stats.selected = sorted(set(stats.selected) | set(members))
         self._save()

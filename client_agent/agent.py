@@ -158,6 +158,9 @@ class Agent:
         self._events: Subscription | None = None  # announcements and grants of the current connection
         self._broker: Broker | None = None
         self._refused: BrokerError | None = None  # a heartbeat refused for good: the agent ends with it
+        # told when an asynchronous buffer's check-in is out, with the version trained from (a host parks
+        # the client's round: client_agent.host)
+        self.on_check_in: Callable[[Agent, int], None] | None = None
 
     @property
     def connected(self) -> bool:
@@ -607,6 +610,13 @@ class Agent:
             if env.kind is Kind.ANNOUNCE and (self.newer is None or env.round > self.newer.round):
                 self.newer = env
         return None
+
+    def _checked_in(self, version: int) -> None:
+        """An asynchronous buffer's check-in from ``version`` is out. A host then lets the client train from
+        a newer version while this round waits for its cohort (its newer check-in replaces this one if no
+        cohort took it yet); a one-client agent waits, and trains from the newest version it read after."""
+        if self.on_check_in is not None:
+            self.on_check_in(self, version)
 
     def _released(self, env: Envelope) -> bool:
         """An empty grant ends the round for this client: for everyone waiting, or for those it names in

@@ -10,7 +10,9 @@ in the population, its data partition) and speak through the host's broker user:
 A client costs nothing until it is selected: no thread, no object but what the job's algorithm keeps for it
 (the state store, on disk in a simulation). A selected client runs the one-client agent's round
 (client_agent.agent.Agent._on_announce) in a thread of its own, over the host's connection; the thread
-ends with the round. A client that goes offline in its availability model, or is cut by a fault,
+ends with the round (in an asynchronous job under secure aggregation, a round that has checked in to a
+secure buffer is parked: it waits for its cohort while the client trains from the next version, as in the
+clear). A client that goes offline in its availability model, or is cut by a fault,
 is down for ``rejoin_s`` (the one-client agent's rejoin delay), saying so when it leaves gracefully; an
 announcement that selects it while down waits for its return, as it would in its own announcement queue.
 """
@@ -161,13 +163,15 @@ class Host:
         self._down: dict[str, float] = {}  # client -> when it comes back
         self._waiting: dict[str, Envelope] = {}  # the newest announce that selected a client while down
         self._running: dict[str, tuple[Agent, _Events, threading.Thread]] = {}
+        # rounds that checked in to a secure buffer and wait for its cohort, their places given up (_park)
+        # (the version each trained from, which _trained names unless the client trained since)
+        self._parked: dict[threading.Thread, tuple[Agent, _Events, int]] = {}
         self._async_newest: Envelope | None = None
         # asynchronous rounds: the version each client last trained from, where the round robin of free
         # places looks next, and the version for which it found nobody left to train
         self._trained: dict[str, int] = {}
         self._turn = 0
         self._exhausted = NEVER
-        self._again = (NEVER, 0)  # the version last announced again, and in which round (a skipped round)
         self._lock = threading.Lock()
         self._broker: Broker | None = None
 
@@ -258,7 +262,7 @@ class Host:
             self.stop.set()
         elif env.kind in ROUND_STEPS:  # each running client reads what concerns it
             with self._lock:
-                for _, events, _ in self._running.values():
+                for _, events, _ in [*self._running.values(), *self._parked.values()]:
                     events.put(delivery)
         elif env.payload["mode"] == "sync":
             for client in env.payload["selected"]:
@@ -272,10 +276,10 @@ class Host:
                 )
                 if again and "secagg_clip" in env.payload["config"]:
                     # a secure buffer's version again: its buffer was skipped, and the masked inputs sent to
-                    # it were not kept: its clients train from it again, those still finishing too (in the
-                    # clear an update that comes after the skip is folded in the next round instead)
+                    # it were not kept: the clients that trained from it train from it again (one whose
+                    # check-in still waits replaces it; in the clear an update that comes after the skip is
+                    # folded in the next round instead)
                     self._trained = {c: v for c, v in self._trained.items() if v != env.model_version}
-                    self._again = (env.model_version, env.round)
                 self._async_newest = env
                 self._exhausted = NEVER  # a new announce (a skipped round re-announces its version)
                 self._async_fill()
@@ -330,10 +334,34 @@ class Host:
         agent._broker = _Link(self)
         events = _Events()
         agent._events = events  # type: ignore[assignment]
+        agent.on_check_in = self._park
         thread = threading.Thread(target=self._run_round, args=(agent, events, env), name=client, daemon=True)
         self._running[client] = (agent, events, thread)
         thread.start()
         return True
+
+    def _park(self, agent: Agent, version: int) -> None:
+        """``agent``'s round checked in to a secure buffer with its change from ``version``: it waits for the
+        cohort parked, its place free for the next round, this client's own included once a newer version is
+        announced (as in the clear, where a client trains again as soon as it uploads; its newer check-in
+        replaces this one unless a cohort took this one first)."""
+        with self._lock:
+            entry = self._running.get(agent.client)
+            if entry is None or entry[0] is not agent:
+                return
+            del self._running[agent.client]
+            self._parked[entry[2]] = (agent, entry[1], version)
+            self._round_over(agent)
+            self._trained[agent.client] = version
+            self._async_fill()
+
+    def _round_over(self, agent: Agent) -> None:
+        """What the host keeps of a client's round once it is over or parked (the caller holds the lock)."""
+        self._last_round[agent.client] = agent.last_round
+        if agent.version == messages.NO_VERSION:
+            self._holds.pop(agent.client, None)
+        else:
+            self._holds[agent.client] = agent.version
 
     def _run_round(self, agent: Agent, events: _Events, env: Envelope) -> None:
         client, down, uploads = agent.client, False, len(agent.log.uploads)
@@ -357,39 +385,45 @@ class Host:
                 self._fail(client, exc)
         finally:
             with self._lock:
-                del self._running[client]
-                # an announce routed here as the round ended (it selects the client again): not lost
-                newer = [
-                    e
-                    for d in events.drain()
-                    if (e := messages.decode(d.body)).kind is Kind.ANNOUNCE and e.round > agent.last_round
-                ]
-                self._last_round[client] = agent.last_round
-                if agent.version == messages.NO_VERSION:
-                    self._holds.pop(client, None)
-                else:
-                    self._holds[client] = agent.version
-                # done with this version: uploaded, or offline for it (availability is per version), unless
-                # its secure buffer was skipped since and no later one took its upload
-                again = (
-                    self._again[0] == env.model_version
-                    and env.round < self._again[1]
-                    and not any(rnd >= self._again[1] for rnd, _ in agent.log.uploads[uploads:])
-                )
-                done = down or len(agent.log.uploads) > uploads
-                if env.payload["mode"] == "async" and done and not again:
-                    self._trained[client] = env.model_version
-                if down:
-                    self._down[client] = time.monotonic() + self.rejoin_s
-                    if newer:
-                        self._waiting[client] = newer[-1]
-                elif newer and not self.stop.is_set():
-                    self._start(client, newer[-1])
-                elif env.payload["mode"] == "async":
-                    newest = self._async_newest
-                    if newest is not None and self._trained.get(client, NEVER) < newest.model_version:
-                        self._exhausted = NEVER  # it is free and has not trained from the newest
-                self._async_fill()  # a place is free: asynchronous rounds give the next client its turn
+                self._round_ended(agent, events, env, down, uploads)
+
+    def _round_ended(self, agent: Agent, events: _Events, env: Envelope, down: bool, uploads: int) -> None:
+        """What follows a client's round (the caller holds the lock): its next round, or its time down."""
+        client = agent.client
+        parked = self._parked.pop(threading.current_thread(), None)
+        if parked is not None:
+            # its check-in was not taken, or its buffer was skipped before its masked upload: it trains from
+            # the newest version again (a skipped buffer's is announced again), unless it did meanwhile
+            if len(agent.log.uploads) == uploads and self._trained.get(client) == parked[2]:
+                del self._trained[client]
+                self._exhausted = NEVER
+            if down:
+                self._down[client] = time.monotonic() + self.rejoin_s
+            self._async_fill()
+            return
+        del self._running[client]
+        # an announce routed here as the round ended (it selects the client again): not lost
+        newer = [
+            e
+            for d in events.drain()
+            if (e := messages.decode(d.body)).kind is Kind.ANNOUNCE and e.round > agent.last_round
+        ]
+        self._round_over(agent)
+        # done with this version: uploaded, or offline for it (availability is per version)
+        done = down or len(agent.log.uploads) > uploads
+        if env.payload["mode"] == "async" and done:
+            self._trained[client] = env.model_version
+        if down:
+            self._down[client] = time.monotonic() + self.rejoin_s
+            if newer:
+                self._waiting[client] = newer[-1]
+        elif newer and not self.stop.is_set():
+            self._start(client, newer[-1])
+        elif env.payload["mode"] == "async":
+            newest = self._async_newest
+            if newest is not None and self._trained.get(client, NEVER) < newest.model_version:
+                self._exhausted = NEVER  # it is free and has not trained from the newest
+        self._async_fill()  # a place is free: asynchronous rounds give the next client its turn
 
     def _fail(self, client: str, exc: BaseException) -> None:
         if self.failure is None:
@@ -419,7 +453,7 @@ class Host:
         """Stop every running client (the job ended, or the host is stopping) and wait at most ``wait_s`` in
         all; True when none is left."""
         with self._lock:
-            running = list(self._running.values())
+            running = [*self._running.values(), *self._parked.values()]
         for agent, _, _ in running:
             agent.finished = self.finished
             agent.stop.set()

@@ -16,9 +16,10 @@ The steps, each answering the aggregator's (aggregator.secure_round; payloads: f
 In an asynchronous job (a secure buffer: aggregator.secure_buffers) the client checks in instead of step 1:
 after training and its report it advertises its keys, tagged with the version it trained from, and waits for
 a buffer's cohort that names it with the keys it just advertised (or a grant that refuses that check-in: too
-stale, say), reading newer announcements on the way. The cohort's round and version name the sum; the client
-weighs its change by the staleness weight s(τ) of τ = the buffer's version − its own (fedmq.staleness) as well
-as by n_k; the steps after that are the synchronous round's.
+stale, or replaced by the client's newer one), reading newer announcements on the way (a host's client is
+parked meanwhile, and trains from them: Agent._checked_in). The cohort's round and version name the sum;
+the client weighs its change by the staleness weight s(τ) of τ = the buffer's version − its own
+(fedmq.staleness) as well as by n_k; the steps after that are the synchronous round's.
 
 A step of another round is ignored; a newer announcement ends this round for the client, as one that does not
 grant it. Anything the core refuses (a roster without its keys, a neighbour's share that does not decrypt, a
@@ -66,6 +67,8 @@ class Link(Protocol):
 
     def _wait_for_cohort(self, since: int, check_in: str) -> Envelope | None: ...
 
+    def _checked_in(self, version: int) -> None: ...
+
     def _send(self, env: Envelope, routing_key: str) -> None: ...
 
     def _upload_masked(self, rnd: int, version: int, result: TrainResult, env: Envelope) -> None: ...
@@ -105,6 +108,7 @@ class SecureUpload:
             env = agent._wait_for(Kind.SECAGG_COHORT, self.rnd)
             return (env, 1.0) if env is not None and agent.client in env.payload["members"] else (None, 0.0)
         self.advertise()  # the check-in, tagged with the version trained from
+        agent._checked_in(self.version)
         while True:
             env = agent._wait_for_cohort(self.rnd, self.check_in)
             if env is None:

@@ -16,6 +16,8 @@ Asynchronous jobs (secure buffers, aggregator.secure_buffers), over the same hos
 
 - every version's change equals BufferedAsync's Σ s(τ_k) n_k Δ_k / Σ n_k over the buffer's members, each
   weighing its change by its own staleness, within the quantization bound (stale members included);
+- a hosted client whose check-in waits for a later buffer trains from the newer version meanwhile, and
+  every version is still BufferedAsync's;
 - with max_staleness 0, every check-in from an older version is refused and its client trains again from the
   newest: every buffer is fresh, and the job completes;
 - a member gone after sharing its keys is left out and the buffer completes with the others;
@@ -437,6 +439,43 @@ def test_secure_buffers_fold_each_members_change_with_its_own_staleness(task, ra
     # 10 clients check in from version 0 and a buffer takes 4: the later buffers take the stale ones first
     assert _check_buffers(engine, inputs) >= BUFFER
     assert summary["rejected"] == {}
+
+
+def test_a_hosted_client_trains_from_a_newer_version_while_its_check_in_waits(
+    task, rabbit_url, job_id, tmp_path
+):
+    inputs: dict[int, dict[str, Masked]] = {}
+    out: dict[str, int] = {}  # client -> its check-ins out and not yet settled
+    overlaps: list[tuple[str, int]] = []  # (client, round) trained while a check-in of its own waited
+    lock = threading.Lock()
+
+    class Counting(SecureUpload):
+        def run(self, change, result, before_upload=lambda: None):
+            try:
+                return super().run(change, result, before_upload)
+            finally:
+                with lock:
+                    out[self.agent.client] -= 1
+
+    class Watched(_recording(inputs, Counting)):  # type: ignore[misc]
+        def _checked_in(self, version):
+            with lock:
+                out[self.client] = out.get(self.client, 0) + 1
+            super()._checked_in(version)
+
+        def _train(self, model, held, cfg, rnd, crash, hooks=()):
+            with lock:
+                if out.get(self.client, 0) > 0:
+                    overlaps.append((self.client, rnd))
+            return super()._train(model, held, cfg, rnd, crash, hooks)
+
+    cfg = _async_job(job_id)
+    engine, _, _ = _run(task, cfg, rabbit_url, tmp_path / "run", Watched, keep_states=True)
+    assert engine.version == 3
+    # 6 of 10 check-ins from version 0 wait for a later buffer: their hosts train them from version 1
+    # meanwhile (a one-client agent would wait idle), and every version is still BufferedAsync's
+    assert overlaps and all(rnd > 1 for _, rnd in overlaps)
+    _check_buffers(engine, inputs)
 
 
 def test_with_no_staleness_allowed_every_older_check_in_is_refused_and_every_buffer_is_fresh(

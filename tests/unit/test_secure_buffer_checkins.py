@@ -1,6 +1,7 @@
 """A secure buffer's check-ins (aggregator.secure_buffers.CheckIns): one a client, the newer kept and the
-older dropped as superseded; a report is held beside its check-in and both are settled together (acked when
-taken, the check-in dropped with its reason when not), so that nothing is acked before it is used."""
+older dropped as superseded (its client to be told); a report is held beside the check-in of its version and
+both are settled together (acked when taken, the check-in dropped with its reason when not), so that nothing
+is acked before it is used."""
 
 from __future__ import annotations
 
@@ -45,12 +46,33 @@ def test_a_client_checks_in_once_the_newer_kept_and_its_report_settles_with_it()
         assert checkins.take(ctx, msg)  # type: ignore[arg-type]
     assert not checkins.take(ctx, _received(messages.presence("job", "a", "online", 0)))  # type: ignore[arg-type]
     assert inbox.dropped == [(first.env.msg_id, "superseded")] and inbox.acked == []
+    assert checkins.superseded == [("a", first.env.msg_id)]  # its client is told (SecureBuffer._admit)
     assert list(checkins.waiting) == ["b", "a"] and checkins.waiting["a"] is second  # b came first now
-    assert checkins.samples("a") == 40 and checkins.loss("a") == 2.5 and checkins.samples("b") is None
+    assert checkins.samples("a", 0) == 40 and checkins.loss("a", 0) == 2.5
+    assert checkins.samples("b", 0) is None
     checkins.settle(ctx, "a")  # type: ignore[arg-type]
-    assert inbox.acked == [second.env.msg_id, report.env.msg_id] and checkins.samples("a") is None
+    assert inbox.acked == [second.env.msg_id, report.env.msg_id] and checkins.samples("a", 0) is None
     checkins.settle(ctx, "b", "too-stale")  # type: ignore[arg-type]
     assert inbox.dropped[-1] == (other.env.msg_id, "too-stale") and not checkins.waiting
+
+
+def test_a_report_pairs_with_the_check_in_of_its_own_version():
+    """A hosted client trains again while its check-in waits: the newer report must not stand for the older
+    check-in, and it waits for its own check-in when the older one is settled."""
+    inbox = Settled()
+    ctx = SimpleNamespace(inbox=inbox)
+    checkins = CheckIns()
+    older = _received(messages.report("job", 1, "a", 0, 3.0, 40))
+    check_in = _check_in("a", 0)
+    newer = _received(messages.report("job", 2, "a", 1, 2.0, 30))
+    for msg in (older, check_in, newer):
+        checkins.take(ctx, msg)  # type: ignore[arg-type]
+    assert checkins.loss("a", 0) == 3.0 and checkins.samples("a", 1) == 30
+    checkins.settle(ctx, "a")  # type: ignore[arg-type]
+    assert inbox.acked == [check_in.env.msg_id, older.env.msg_id]  # the newer report is still held
+    assert checkins.samples("a", 1) == 30 and checkins.samples("a", 0) is None
+    checkins.settle(ctx, "a")  # type: ignore[arg-type]  (no check-in waiting: its reports all go)
+    assert inbox.acked[-1] == newer.env.msg_id and not checkins.reports
 
 
 def test_the_check_ins_of_a_buffer_a_restart_closed_are_never_taken_again():
