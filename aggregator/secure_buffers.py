@@ -185,8 +185,12 @@ class SecureBuffer(SecureRound):
         needed = max(graph.MIN_COHORT, cfg.min_clients)
         target = max(ctx.buffer_size, needed)
         deadline = time.time() + cfg.report_deadline_s + cfg.update_deadline_s
-        # a client waiting with its check-in does not train from this version
-        owed = Owed(ctx.version, [c for c in stats.online if c not in self.checkins.waiting])
+        # every client online trains from this version, those whose older check-in waits too (parked)
+        waiting = self.checkins.waiting
+        owed = Owed(
+            ctx.version,
+            [c for c in stats.online if c not in waiting or waiting[c].env.model_version < ctx.version],
+        )
         roster: dict[str, PublicKeys] = {}
         while not ctx.stop.is_set():
             self._admit(roster, target, owed)
@@ -199,8 +203,6 @@ class SecureBuffer(SecureRound):
             if msg is None:
                 continue
             owed.note(msg.env)
-            if msg.env.kind is Kind.SECAGG_KEYS:  # from an older version: it waits now, it trains no more
-                owed.waiting.discard(msg.env.client)
             if not self._screen(msg):
                 ctx.inbox.drop(msg, "not-in-step-check-in")
         return roster

@@ -19,7 +19,6 @@ announcement that selects it while down waits for its return, as it would in its
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +34,7 @@ from fedmq.broker.wire import messages
 from fedmq.broker.wire.envelope import Envelope, Kind
 from fedmq.client_agent.agent import Agent, AgentArgs, AgentLog, ClientHookError, Offline
 from fedmq.client_agent.joining import ROUND_STEPS, decode_event, join, leave, publish_presence
+from fedmq.client_agent.relay import Events, Relay
 from fedmq.client_agent.state import MemoryStore
 from fedmq.client_agent.trainers import TrainerPool
 from fedmq.errors import CodecError
@@ -45,77 +45,6 @@ log = structlog.get_logger(__name__)
 Ranges = Sequence[tuple[int, int]]
 ASYNC_AT_ONCE = 64  # asynchronous rounds: a host's clients training at once (the others take turns)
 NEVER = messages.NO_VERSION - 1  # "trained from" a client that has not trained
-
-
-class _Link(Broker):
-    """A running client's view of its host's connection (whichever it is now: the host reconnects under its
-    running clients): publishes and stream reads go through it; the host has settled every delivery it
-    hands over, and the connection is the host's to close."""
-
-    def __init__(self, host: Host) -> None:
-        self.host = host
-
-    @property
-    def broker(self) -> Broker:
-        broker = self.host._broker
-        if broker is None:
-            raise BrokerError("the host is not connected")
-        return broker
-
-    def declare_job(self, *args: Any, **kwargs: Any) -> None:
-        raise AssertionError("a hosted client declares nothing")
-
-    def publish(self, routing_key: str, body: bytes, **kwargs: Any) -> None:
-        self.broker.publish(routing_key, body, **kwargs)
-
-    def consume(self, queue: str, handler: Any, **kwargs: Any) -> str:
-        return self.broker.consume(queue, handler, **kwargs)
-
-    def cancel(self, consumer_tag: str) -> None:
-        self.broker.cancel(consumer_tag)
-
-    def fetch(self, queue: str, message_id: str, **kwargs: Any) -> Delivery:
-        return self.broker.fetch(queue, message_id, **kwargs)
-
-    def ack(self, delivery: Delivery) -> None:
-        pass  # the host settled it
-
-    def reject(self, delivery: Delivery, *, requeue: bool = False) -> None:
-        pass
-
-    def queue_depth(self, queue: str) -> int:
-        return self.broker.queue_depth(queue)
-
-    def status(self) -> dict[str, Any]:
-        return self.broker.status()
-
-    def close(self) -> None:
-        pass
-
-
-class _Events:
-    """A running client's announcements and grants, as the host routes them (Agent._next reads them)."""
-
-    def __init__(self) -> None:
-        self._q: queue.Queue[Delivery] = queue.Queue()
-
-    def put(self, delivery: Delivery) -> None:
-        self._q.put(delivery)
-
-    def next(self, timeout: float | None) -> Delivery | None:
-        try:
-            return self._q.get(timeout=timeout)
-        except queue.Empty:
-            return None
-
-    def drain(self) -> list[Delivery]:
-        """What was routed here and not read (its round has ended)."""
-        left = []
-        while True:
-            try:
-                left.append(self._q.get_nowait())
-            except queue.Empty:
-                return left
 
 
 class Host:
@@ -162,10 +91,10 @@ class Host:
         self._last_round: dict[str, int] = {}
         self._down: dict[str, float] = {}  # client -> when it comes back
         self._waiting: dict[str, Envelope] = {}  # the newest announce that selected a client while down
-        self._running: dict[str, tuple[Agent, _Events, threading.Thread]] = {}
+        self._running: dict[str, tuple[Agent, Events, threading.Thread]] = {}
         # rounds that checked in to a secure buffer and wait for its cohort, their places given up (_park)
         # (the version each trained from, which _trained names unless the client trained since)
-        self._parked: dict[threading.Thread, tuple[Agent, _Events, int]] = {}
+        self._parked: dict[threading.Thread, tuple[Agent, Events, int]] = {}
         self._async_newest: Envelope | None = None
         # asynchronous rounds: the version each client last trained from, where the round robin of free
         # places looks next, and the version for which it found nobody left to train
@@ -331,8 +260,8 @@ class Host:
         agent.log = self.logs.setdefault(client, AgentLog())
         agent.version = self._holds.get(client, messages.NO_VERSION)
         agent.last_round = self._last_round.get(client, 0)
-        agent._broker = _Link(self)
-        events = _Events()
+        agent._broker = Relay(self)
+        events = Events()
         agent._events = events  # type: ignore[assignment]
         agent.on_check_in = self._park
         thread = threading.Thread(target=self._run_round, args=(agent, events, env), name=client, daemon=True)
@@ -363,7 +292,7 @@ class Host:
         else:
             self._holds[agent.client] = agent.version
 
-    def _run_round(self, agent: Agent, events: _Events, env: Envelope) -> None:
+    def _run_round(self, agent: Agent, events: Events, env: Envelope) -> None:
         client, down, uploads = agent.client, False, len(agent.log.uploads)
         try:
             agent._on_announce(env)
@@ -387,7 +316,7 @@ class Host:
             with self._lock:
                 self._round_ended(agent, events, env, down, uploads)
 
-    def _round_ended(self, agent: Agent, events: _Events, env: Envelope, down: bool, uploads: int) -> None:
+    def _round_ended(self, agent: Agent, events: Events, env: Envelope, down: bool, uploads: int) -> None:
         """What follows a client's round (the caller holds the lock): its next round, or its time down."""
         client = agent.client
         parked = self._parked.pop(threading.current_thread(), None)

@@ -16,8 +16,8 @@ Asynchronous jobs (secure buffers, aggregator.secure_buffers), over the same hos
 
 - every version's change equals BufferedAsync's Σ s(τ_k) n_k Δ_k / Σ n_k over the buffer's members, each
   weighing its change by its own staleness, within the quantization bound (stale members included);
-- a hosted client whose check-in waits for a later buffer trains from the newer version meanwhile, and
-  every version is still BufferedAsync's;
+- a client whose check-in waits for a later buffer trains from the newer version meanwhile (a hosted client,
+  and a one-client agent), and every version is still BufferedAsync's;
 - with max_staleness 0, every check-in from an older version is refused and its client trains again from the
   newest: every buffer is fresh, and the job completes;
 - a member gone after sharing its keys is left out and the buffer completes with the others;
@@ -441,12 +441,10 @@ def test_secure_buffers_fold_each_members_change_with_its_own_staleness(task, ra
     assert summary["rejected"] == {}
 
 
-def test_a_hosted_client_trains_from_a_newer_version_while_its_check_in_waits(
-    task, rabbit_url, job_id, tmp_path
-):
-    inputs: dict[int, dict[str, Masked]] = {}
+def _watched(inputs: dict[int, dict[str, Masked]], overlaps: list[tuple[str, int]]) -> type[Agent]:
+    """A recording agent class (_recording) that also notes in ``overlaps`` each (client, round) trained while
+    a check-in of the same client was out and not yet settled."""
     out: dict[str, int] = {}  # client -> its check-ins out and not yet settled
-    overlaps: list[tuple[str, int]] = []  # (client, round) trained while a check-in of its own waited
     lock = threading.Lock()
 
     class Counting(SecureUpload):
@@ -469,11 +467,56 @@ def test_a_hosted_client_trains_from_a_newer_version_while_its_check_in_waits(
                     overlaps.append((self.client, rnd))
             return super()._train(model, held, cfg, rnd, crash, hooks)
 
+    return Watched
+
+
+def test_a_hosted_client_trains_from_a_newer_version_while_its_check_in_waits(
+    task, rabbit_url, job_id, tmp_path
+):
+    inputs: dict[int, dict[str, Masked]] = {}
+    overlaps: list[tuple[str, int]] = []
     cfg = _async_job(job_id)
-    engine, _, _ = _run(task, cfg, rabbit_url, tmp_path / "run", Watched, keep_states=True)
+    engine, _, _ = _run(task, cfg, rabbit_url, tmp_path / "run", _watched(inputs, overlaps), keep_states=True)
     assert engine.version == 3
     # 6 of 10 check-ins from version 0 wait for a later buffer: their hosts train them from version 1
-    # meanwhile (a one-client agent would wait idle), and every version is still BufferedAsync's
+    # meanwhile, and every version is still BufferedAsync's
+    assert overlaps and all(rnd > 1 for _, rnd in overlaps)
+    _check_buffers(engine, inputs)
+
+
+def test_a_one_client_agent_parks_its_check_in_and_trains_from_the_newer_version(
+    task, rabbit_url, job_id, tmp_path
+):
+    """The same with one agent (a connection of its own) a client: the agent parks the round itself."""
+    inputs: dict[int, dict[str, Masked]] = {}
+    overlaps: list[tuple[str, int]] = []
+    cfg = _async_job(job_id)
+    engine = _engine(task, cfg, rabbit_url, tmp_path / "run")
+    engine.states = {0: engine.initial}
+    engine.on_round = lambda row: engine.states.update(
+        {row["round"]: {k: v.clone() for k, v in engine.global_state.items()}}
+    )
+    names = [f"agent-{i}" for i in range(CLIENTS)]
+    watched = _watched(inputs, overlaps)
+    agents = [
+        watched(
+            lambda: connect(rabbit_url), cfg.job, name, i, task, heartbeat_s=cfg.heartbeat_s, rejoin_s=0.5
+        )
+        for i, name in enumerate(names)
+    ]
+    threads = [threading.Thread(target=a.run, daemon=True) for a in agents]
+    for t in threads:
+        t.start()
+    try:
+        engine.run()
+    finally:
+        engine.broker.close()
+        for a in agents:
+            a.stop.set()
+        for t in threads:
+            t.join(timeout=budget(20))
+        purge(rabbit_url, cfg.job, names)
+    assert engine.version == 3 and not any(t.is_alive() for t in threads)
     assert overlaps and all(rnd > 1 for _, rnd in overlaps)
     _check_buffers(engine, inputs)
 
