@@ -411,14 +411,15 @@ class JobConfig:
         most = self.most_selected()
         if most > MAX_COHORT:
             _raise(f"{key('secagg')}: a round selects up to {most}; a cohort has at most {MAX_COHORT}")
-        from fedmq.aggregator.inbox import MAX_PREFETCH
+        from fedmq.aggregator.inbox import HELD_A_CLIENT, MAX_PREFETCH
 
-        # secure buffers hold each client's check-in and report unacked (aggregator.secure_buffers): half
-        # the inbox's window at most, the rest for the steps' messages
-        if self.mode == "async" and 4 * self.clients > MAX_PREFETCH:
+        # secure buffers hold messages of each client unacked (aggregator.secure_buffers): half the inbox's
+        # window at most, the rest for the steps' messages
+        most_held = MAX_PREFETCH // (2 * HELD_A_CLIENT)
+        if self.mode == "async" and self.clients > most_held:
             _raise(
-                f"{key('secagg')}: secure buffers hold two messages a client in the inbox's window; "
-                f"at most {MAX_PREFETCH // 4} clients, not {self.clients}"
+                f"{key('secagg')}: secure buffers hold {HELD_A_CLIENT} messages a client in the inbox's "
+                f"window; at most {most_held} clients, not {self.clients}"
             )
         for name in ("secagg_corrupt", "secagg_dropout"):
             if not 0 <= getattr(self, name) < 0.5:

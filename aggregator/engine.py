@@ -45,6 +45,7 @@ from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.decoding import decode_partial, decode_update
 from fedmq.aggregator.guards import RoundGuard, Verdict, first_nonfinite
 from fedmq.aggregator.inbox import (
+    HELD_A_CLIENT,
     MAX_PREFETCH,
     ROOT_KINDS,
     SECURE_KINDS,
@@ -288,10 +289,10 @@ class Engine:
 
     def _inbox_prefetch(self) -> int:
         """Every chunk of every selected update may be in flight (aggregator.inbox.upload_prefetch); secure
-        buffers also hold each client's check-in and report unacked (aggregator.secure_buffers)."""
+        buffers also hold messages of each client unacked (HELD_A_CLIENT)."""
         cfg = self.cfg
         window = upload_prefetch(self.broker, self.manifest.message_bound, cfg.most_selected())
-        held = 2 * cfg.clients if cfg.secagg and cfg.mode == "async" else 0
+        held = HELD_A_CLIENT * cfg.clients if cfg.secagg and cfg.mode == "async" else 0
         return min(MAX_PREFETCH, window + held)
 
     def _reassembly(self) -> ReassemblyLimits:

@@ -30,6 +30,9 @@ EDGE_KINDS = (Kind.UPDATE, Kind.EDGE_ROUND, Kind.END)
 
 
 MAX_PREFETCH = 65535  # AMQP's prefetch-count is a 16-bit field
+# messages of one client that secure buffers hold unacked (aggregator.secure_buffers): its check-in, that
+# check-in's report, and the report of its next check-in on its way
+HELD_A_CLIENT = 3
 
 
 def upload_prefetch(broker: Broker, message_bound: int, uploaders: int) -> int:

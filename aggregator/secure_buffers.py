@@ -62,8 +62,9 @@ class CheckIns:
         self.waiting: dict[str, Received] = {}
         self.reports: dict[str, dict[int, Received]] = {}
         self.interrupted: set[str] = set()  # check-ins of a buffer a restart closed: never taken again
-        # check-ins a newer one of their client replaced, (client, message id): their clients are told
-        self.superseded: list[tuple[str, str]] = []
+        # check-ins a newer one of their client replaced: held unacked until their client is told
+        # (SecureBuffer._tell_superseded), so that a crash in between gives them again
+        self.superseded: list[tuple[str, Received]] = []
 
     def take(self, ctx: RoundContext, msg: Received) -> bool:
         """A check-in (kept for a cohort; one a client at a time, the newer kept) or a report (kept beside
@@ -78,13 +79,14 @@ class CheckIns:
             reports = self.reports.setdefault(env.client, {})
             older = reports.pop(env.model_version, None)
             reports[env.model_version] = msg
-        else:
-            older = self.waiting.pop(env.client, None)
-            self.waiting[env.client] = msg
-            if older is not None:  # trained again meanwhile (or lost its keys with a reconnect)
-                self.superseded.append((env.client, older.env.msg_id))
-        if older is not None:
-            ctx.inbox.drop(older, "superseded")
+            if older is not None:
+                ctx.inbox.drop(older, "superseded")
+            return True
+        older = self.waiting.pop(env.client, None)
+        self.waiting[env.client] = msg
+        if older is not None:  # trained again meanwhile (or lost its keys with a reconnect)
+            self.superseded.append((env.client, older))
+            self._settle_reports(ctx, env.client, env.model_version - 1)  # the replaced one's: unused
         return True
 
     def samples(self, client: str, version: int) -> int | None:
@@ -112,8 +114,12 @@ class CheckIns:
             ctx.inbox.ack(msg)
         elif msg is not None:
             ctx.inbox.drop(msg, dropped)
+        upto = msg.env.model_version if msg is not None else max(self.reports.get(client, {}), default=0)
+        self._settle_reports(ctx, client, upto)
+
+    def _settle_reports(self, ctx: RoundContext, client: str, upto: int) -> None:
+        """``client``'s reports from version ``upto`` and older are acked."""
         reports = self.reports.get(client, {})
-        upto = msg.env.model_version if msg is not None else max(reports, default=messages.NO_VERSION)
         for version in [v for v in reports if v <= upto]:
             ctx.inbox.ack(reports.pop(version))
         if not reports:
@@ -140,6 +146,9 @@ class SecureBuffers:
                 self.checkins.settle(ctx, client, "job-finished")
             for client in list(self.checkins.reports):
                 self.checkins.settle(ctx, client)
+            for _, msg in self.checkins.superseded:
+                ctx.inbox.drop(msg, "job-finished")
+            self.checkins.superseded.clear()
 
     def _while_waiting(self, msg: Received) -> None:
         while_waiting(self.ctx, self.checkins, msg)
@@ -170,7 +179,7 @@ class SecureBuffer(SecureRound):
         ctx, cfg, stats = self.ctx, self.cfg, self.stats
         ctx.phase = "waiting-for-agents"
         # the beats that queued while the last version closed are counted first (AsyncRounds.run says why)
-        ctx.wait_for_agents(1, cfg.presence_window_s, lambda msg: while_waiting(ctx, self.checkins, msg))
+        ctx.wait_for_agents(1, cfg.presence_window_s, self._while_waiting)
         stats.online = ctx.online()
         stats.selected = list(stats.online)
         ctx.spool.save_online(stats.round, stats.online)
@@ -214,9 +223,7 @@ class SecureBuffer(SecureRound):
         waits for it again)."""
         ctx, checkins = self.ctx, self.checkins
         online = set(ctx.online())
-        while checkins.superseded:  # a client still waiting with a replaced check-in stops waiting
-            client, check_in = checkins.superseded.pop(0)
-            self._send(Kind.GRANT, [client], lambda _, m=check_in: refused([m]))
+        self._tell_superseded()
         # the roster's own clients first (one whose newer check-in is refused frees its place), then the
         # others in the order they came
         for client, msg in sorted(checkins.waiting.items(), key=lambda item: item[0] not in roster):
@@ -299,7 +306,23 @@ class SecureBuffer(SecureRound):
 
     def _screen(self, msg: Received) -> bool:
         """Check-ins and reports come between the steps too; the rest as in a secure round."""
-        return self.checkins.take(self.ctx, msg) or super()._screen(msg)
+        if self.checkins.take(self.ctx, msg):
+            self._tell_superseded()
+            return True
+        return super()._screen(msg)
+
+    def _while_waiting(self, msg: Received) -> None:
+        while_waiting(self.ctx, self.checkins, msg)
+        self._tell_superseded()
+
+    def _tell_superseded(self) -> None:
+        """The round of each check-in a newer one replaced stops waiting (a grant that refuses it), and then
+        the check-in is dropped: a crash in between gives it again, and the newer one replaces it again."""
+        checkins = self.checkins
+        while checkins.superseded:
+            client, msg = checkins.superseded.pop(0)
+            self._send(Kind.GRANT, [client], lambda _, m=msg.env.msg_id: refused([m]))
+            self.ctx.inbox.drop(msg, "superseded")
 
 
 def released(served: list[str]) -> dict[str, Any]:

@@ -151,6 +151,8 @@ class Agent:
         self.model_names = frozenset(self.manifest.names)
         self.groups = self.trainers.groups
         self.version = messages.NO_VERSION  # the version of the global model kept (NO_VERSION: none)
+        self.uploaded = 0  # uploads this agent object confirmed (a host's: this round's)
+        self.answered = False  # its last secure round's unmasking answered (a host's: this round's)
         self.last_round = 0
         self.log = AgentLog()
         # client hooks this agent may import when an announcement names one: fedmq's own, and those in the
@@ -420,7 +422,7 @@ class Agent:
             self._park(secure, change, result, lambda: self._crash_after_grant(rnd, faults))
             return
         if secure is not None:
-            secure.run(change, result, lambda: self._crash_after_grant(rnd, faults))
+            self.answered = secure.run(change, result, lambda: self._crash_after_grant(rnd, faults))
             return
         if sync and cfg.grant and not self._wait_grant(rnd):
             return
@@ -674,6 +676,7 @@ class Agent:
         self._publish(body, msg_id, key)
         log.info("update confirmed", client=self.client, round=rnd, msg_id=msg_id)
         self.log.uploads.append((rnd, msg_id))
+        self.uploaded += 1
         self._audit(rnd, msg_id, version)
         if self.log.sent is not None and prepared.sent is not None:
             self.log.sent[rnd] = (prepared.result.n_samples, prepared.sent)

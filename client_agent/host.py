@@ -44,6 +44,7 @@ log = structlog.get_logger(__name__)
 
 Ranges = Sequence[tuple[int, int]]
 ASYNC_AT_ONCE = 64  # asynchronous rounds: a host's clients training at once (the others take turns)
+PARKED_AT_ONCE = 64  # secure buffers: a host's rounds parked at once, each holding its client's change
 NEVER = messages.NO_VERSION - 1  # "trained from" a client that has not trained
 
 
@@ -205,10 +206,13 @@ class Host:
                 )
                 if again and "secagg_clip" in env.payload["config"]:
                     # a secure buffer's version again: its buffer was skipped, and the masked inputs sent to
-                    # it were not kept: the clients that trained from it train from it again (one whose
-                    # check-in still waits replaces it; in the clear an update that comes after the skip is
-                    # folded in the next round instead)
-                    self._trained = {c: v for c, v in self._trained.items() if v != env.model_version}
+                    # it were not kept: the clients that trained from it train from it again, but for those
+                    # whose check-in from it still waits (a member's parked round, released, ends: _round_
+                    # ended); in the clear an update that comes after the skip is folded in the next round
+                    waiting = {(a.client, v) for a, _, v in self._parked.values()}
+                    self._trained = {
+                        c: v for c, v in self._trained.items() if v != env.model_version or (c, v) in waiting
+                    }
                 self._async_newest = env
                 self._exhausted = NEVER  # a new announce (a skipped round re-announces its version)
                 self._async_fill()
@@ -276,12 +280,13 @@ class Host:
         replaces this one unless a cohort took this one first)."""
         with self._lock:
             entry = self._running.get(agent.client)
-            if entry is None or entry[0] is not agent:
-                return
+            if entry is None or entry[0] is not agent or len(self._parked) >= PARKED_AT_ONCE:
+                return  # (too many parked: this round waits for its cohort in its place)
             del self._running[agent.client]
             self._parked[entry[2]] = (agent, entry[1], version)
             self._round_over(agent)
             self._trained[agent.client] = version
+            self._exhausted = NEVER  # a newer version may have found nobody free: this client is now
             self._async_fill()
 
     def _round_over(self, agent: Agent) -> None:
@@ -293,7 +298,7 @@ class Host:
             self._holds[agent.client] = agent.version
 
     def _run_round(self, agent: Agent, events: Events, env: Envelope) -> None:
-        client, down, uploads = agent.client, False, len(agent.log.uploads)
+        client, down = agent.client, False
         try:
             agent._on_announce(env)
         except Offline as off:
@@ -314,16 +319,16 @@ class Host:
                 self._fail(client, exc)
         finally:
             with self._lock:
-                self._round_ended(agent, events, env, down, uploads)
+                self._round_ended(agent, events, env, down)
 
-    def _round_ended(self, agent: Agent, events: Events, env: Envelope, down: bool, uploads: int) -> None:
+    def _round_ended(self, agent: Agent, events: Events, env: Envelope, down: bool) -> None:
         """What follows a client's round (the caller holds the lock): its next round, or its time down."""
         client = agent.client
         parked = self._parked.pop(threading.current_thread(), None)
         if parked is not None:
-            # its check-in was not taken, or its buffer was skipped before its masked upload: it trains from
+            # its check-in was refused, or its buffer ended before it answered the unmasking: it trains from
             # the newest version again (a skipped buffer's is announced again), unless it did meanwhile
-            if len(agent.log.uploads) == uploads and self._trained.get(client) == parked[2]:
+            if not agent.answered and self._trained.get(client) == parked[2]:
                 del self._trained[client]
                 self._exhausted = NEVER
             if down:
@@ -339,7 +344,7 @@ class Host:
         ]
         self._round_over(agent)
         # done with this version: uploaded, or offline for it (availability is per version)
-        done = down or len(agent.log.uploads) > uploads
+        done = down or agent.uploaded > 0
         if env.payload["mode"] == "async" and done:
             self._trained[client] = env.model_version
         if down:
@@ -382,11 +387,12 @@ class Host:
         """Stop every running client (the job ended, or the host is stopping) and wait at most ``wait_s`` in
         all; True when none is left."""
         with self._lock:
-            running = [*self._running.values(), *self._parked.values()]
-        for agent, _, _ in running:
+            running = [(a, t) for a, _, t in self._running.values()]
+            running += [(a, t) for t, (a, _, _) in self._parked.items()]
+        for agent, _ in running:
             agent.finished = self.finished
             agent.stop.set()
         deadline = time.monotonic() + wait_s
-        for _, _, thread in running:
+        for _, thread in running:
             thread.join(timeout=max(deadline - time.monotonic(), 0.0))
-        return not any(thread.is_alive() for _, _, thread in running)
+        return not any(thread.is_alive() for _, thread in running)

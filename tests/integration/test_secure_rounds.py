@@ -101,8 +101,8 @@ class SaysGoodbye(Agent):
 
 @contextlib.contextmanager
 def _hosts(task, cfg: JobConfig, url: str, agent_class: type[Agent] = SaysGoodbye, **agent_kw):
-    """Two hosts (threads, one connection each) serving the job's clients while the block runs; then stopped,
-    and the job's queues on the broker removed."""
+    """Two hosts (threads, one connection each) serving the job's clients while the block runs; then stopped
+    (each must end cleanly), and the job's queues on the broker removed."""
     hosts = []
     for name, ranges in HOSTS.items():
         host = Host(
@@ -117,7 +117,15 @@ def _hosts(task, cfg: JobConfig, url: str, agent_class: type[Agent] = SaysGoodby
         )
         host.agent_class = agent_class
         hosts.append(host)
-    threads = [threading.Thread(target=h.run, daemon=True) for h in hosts]
+    failures: list[BaseException] = []
+
+    def serve(host: Host) -> None:
+        try:
+            host.run()
+        except Exception as exc:  # a host must end cleanly, its parked rounds too
+            failures.append(exc)
+
+    threads = [threading.Thread(target=serve, args=(h,), daemon=True) for h in hosts]
     for t in threads:
         t.start()
     try:
@@ -128,6 +136,7 @@ def _hosts(task, cfg: JobConfig, url: str, agent_class: type[Agent] = SaysGoodby
         for t in threads:
             t.join(timeout=budget(20))
         purge(url, cfg.job, list(HOSTS))
+    assert not failures and not any(t.is_alive() for t in threads), failures
 
 
 def _engine(task, cfg: JobConfig, url: str, run_dir: Path) -> Engine:

@@ -1,7 +1,7 @@
 """A secure buffer's check-ins (aggregator.secure_buffers.CheckIns): one a client, the newer kept and the
-older dropped as superseded (its client to be told); a report is held beside the check-in of its version and
-both are settled together (acked when taken, the check-in dropped with its reason when not), so that nothing
-is acked before it is used."""
+older held until its client is told (its report acked: nothing will use it); a report is held beside the
+check-in of its version and both are settled together (acked when taken, the check-in dropped with its
+reason when not), so that nothing is acked before it is used."""
 
 from __future__ import annotations
 
@@ -45,13 +45,17 @@ def test_a_client_checks_in_once_the_newer_kept_and_its_report_settles_with_it()
     for msg in (report, first, other, second):
         assert checkins.take(ctx, msg)  # type: ignore[arg-type]
     assert not checkins.take(ctx, _received(messages.presence("job", "a", "online", 0)))  # type: ignore[arg-type]
-    assert inbox.dropped == [(first.env.msg_id, "superseded")] and inbox.acked == []
-    assert checkins.superseded == [("a", first.env.msg_id)]  # its client is told (SecureBuffer._admit)
+    # the replaced check-in is held until its client is told (SecureBuffer._tell_superseded); its report,
+    # which nothing will use, is acked
+    assert checkins.superseded == [("a", first)] and inbox.dropped == []
+    assert inbox.acked == [report.env.msg_id] and checkins.samples("a", 0) is None
     assert list(checkins.waiting) == ["b", "a"] and checkins.waiting["a"] is second  # b came first now
-    assert checkins.samples("a", 0) == 40 and checkins.loss("a", 0) == 2.5
+    newer = _received(messages.report("job", 2, "a", 1, 2.0, 30))
+    checkins.take(ctx, newer)  # type: ignore[arg-type]
+    assert checkins.samples("a", 1) == 30 and checkins.loss("a", 1) == 2.0
     assert checkins.samples("b", 0) is None
     checkins.settle(ctx, "a")  # type: ignore[arg-type]
-    assert inbox.acked == [second.env.msg_id, report.env.msg_id] and checkins.samples("a", 0) is None
+    assert inbox.acked[1:] == [second.env.msg_id, newer.env.msg_id] and checkins.samples("a", 1) is None
     checkins.settle(ctx, "b", "too-stale")  # type: ignore[arg-type]
     assert inbox.dropped[-1] == (other.env.msg_id, "too-stale") and not checkins.waiting
 
