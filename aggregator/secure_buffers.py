@@ -194,12 +194,9 @@ class SecureBuffer(SecureRound):
         needed = max(graph.MIN_COHORT, cfg.min_clients)
         target = max(ctx.buffer_size, needed)
         deadline = time.time() + cfg.report_deadline_s + cfg.update_deadline_s
-        # every client online trains from this version, those whose older check-in waits too (parked)
-        waiting = self.checkins.waiting
-        owed = Owed(
-            ctx.version,
-            [c for c in stats.online if c not in waiting or waiting[c].env.model_version < ctx.version],
-        )
+        # a client whose check-in waits may not train from this version (a one-client agent waits for its
+        # cohort; a host's client parked while one was newer): a buffer short of K does not wait for it
+        owed = Owed(ctx.version, [c for c in stats.online if c not in self.checkins.waiting])
         roster: dict[str, PublicKeys] = {}
         while not ctx.stop.is_set():
             self._admit(roster, target, owed)
@@ -212,6 +209,8 @@ class SecureBuffer(SecureRound):
             if msg is None:
                 continue
             owed.note(msg.env)
+            if msg.env.kind is Kind.SECAGG_KEYS:  # from an older version: it may wait now, not train
+                owed.waiting.discard(msg.env.client)
             if not self._screen(msg):
                 ctx.inbox.drop(msg, "not-in-step-check-in")
         return roster

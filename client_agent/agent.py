@@ -9,13 +9,11 @@ borrows one from a TrainerPool for the round, and keeps only what the job's algo
 
 Threads: the broker's own I/O thread keeps the connection (and its heartbeats) alive; the broker's dispatcher
 thread only queues deliveries here; the agent thread trains; a presence thread announces the agent while it
-is online; a parked round (an asynchronous buffer's check-in waiting for its cohort, _park) runs in a thread
-of its own. Going offline (availability model or fault) closes the connection for real.
+is online. Going offline (availability model or fault) closes the connection for real.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import threading
@@ -25,7 +23,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypedDict
 
-import numpy as np
 import structlog
 import torch
 
@@ -39,8 +36,7 @@ from fedmq.broker.wire.envelope import Envelope, Kind
 from fedmq.broker.wire.malloc import release_free
 from fedmq.broker.wire.messages import RoundConfig
 from fedmq.client_agent.availability import Availability, Faults
-from fedmq.client_agent.joining import ROUND_STEPS, decode_event, join, leave, publish_presence
-from fedmq.client_agent.relay import Events, Relay
+from fedmq.client_agent.joining import decode_event, join, leave, publish_presence
 from fedmq.client_agent.secure_upload import SecureUpload, flat_change
 from fedmq.client_agent.state import MemoryStore
 from fedmq.client_agent.trainers import TrainerPool
@@ -151,6 +147,8 @@ class Agent:
         self.model_names = frozenset(self.manifest.names)
         self.groups = self.trainers.groups
         self.version = messages.NO_VERSION  # the version of the global model kept (NO_VERSION: none)
+        # the newest announcement read while a secure buffer held this client (asynchronous jobs)
+        self.newer: Envelope | None = None
         self.uploaded = 0  # uploads this agent object confirmed (a host's: this round's)
         self.answered = False  # its last secure round's unmasking answered (a host's: this round's)
         self.last_round = 0
@@ -163,11 +161,8 @@ class Agent:
         self._broker: Broker | None = None
         self._refused: BrokerError | None = None  # a heartbeat refused for good: the agent ends with it
         # told when an asynchronous buffer's check-in is out, with the version trained from (a host parks
-        # the client's round: client_agent.host); None: this agent parks its rounds itself (_park)
+        # the client's round: client_agent.host)
         self.on_check_in: Callable[[Agent, int], None] | None = None
-        self._parked: list[Events] = []  # its parked rounds' events (a one-client agent's)
-        self._parked_lock = threading.Lock()
-        self._parked_error: BaseException | None = None  # what ended a parked round: the agent ends with it
 
     @property
     def connected(self) -> bool:
@@ -238,12 +233,12 @@ class Agent:
         while not self.stop.is_set():
             if self._refused is not None:
                 raise self._refused
-            error, self._parked_error = self._parked_error, None
-            if error is not None:
-                raise error
             # idle agents wake rarely (simulate runs K of them)
             env = self._next(timeout=max(self.heartbeat_s, 0.5))
             if env is not None and env.kind is Kind.ANNOUNCE:
+                self._on_announce(env)
+            while self.newer is not None and not self.stop.is_set():
+                env, self.newer = self.newer, None  # read while a secure buffer held us
                 self._on_announce(env)
 
     def _next(self, timeout: float) -> Envelope | None:
@@ -261,10 +256,6 @@ class Agent:
             return None
         if broker:
             broker.ack(delivery)
-        if env.kind in ROUND_STEPS:
-            with self._parked_lock:
-                for events in self._parked:  # each parked round reads what concerns it
-                    events.put(delivery)
         if env.kind is Kind.END:  # the job ran all its rounds: leave (run() returns)
             log.info("job finished: leaving", client=self.client, rounds=env.payload["rounds"])
             self.finished = True
@@ -418,9 +409,6 @@ class Agent:
             self.log.faults.append((rnd, "slow"))
             time.sleep(self.faults.slow_seconds)
         self._report(rnd, version, result)
-        if secure is not None and not sync and self.on_check_in is None:
-            self._park(secure, change, result, lambda: self._crash_after_grant(rnd, faults))
-            return
         if secure is not None:
             self.answered = secure.run(change, result, lambda: self._crash_after_grant(rnd, faults))
             return
@@ -600,7 +588,9 @@ class Agent:
             if env.kind is Kind.GRANT and env.round == rnd and self._released(env):
                 return None  # the round closed without us (a secure round's end)
             if env.kind is Kind.ANNOUNCE and env.round > rnd:
-                if not self.stop.is_set():
+                if env.payload["mode"] == "async":
+                    self.newer = env  # our buffer closed without us: the serving loop trains on it next
+                elif not self.stop.is_set():
                     self._on_announce(env)  # our round closed without us; take part in the new one
                 return None
         return None
@@ -608,8 +598,8 @@ class Agent:
     def _wait_for_cohort(self, since: int, check_in: str) -> Envelope | None:
         """After an asynchronous buffer's check-in (message id ``check_in``): the next cohort of a round from
         ``since`` on that names this client; None when a grant refuses that check-in or the agent stops.
-        Cohorts of others, and the end of a buffer this client was in before, are not ours to answer (a
-        parked round reads no announcements: the agent trains from those)."""
+        Newer announcements are kept for after (``newer``); cohorts of others, and the end of a buffer this
+        client was in before, are not ours to answer."""
         while not self.stop.is_set() or (self.finish_round and not self.finished):
             env = self._next(timeout=0.5)
             if env is None:
@@ -618,43 +608,17 @@ class Agent:
             if cohort and self.client in env.payload["members"]:
                 return env
             if env.kind is Kind.GRANT and check_in in env.payload.get("refused", ()):
-                return None  # our check-in was not taken (too stale, replaced, or offline meanwhile)
+                return None  # our check-in was not taken (too stale, or offline meanwhile)
+            if env.kind is Kind.ANNOUNCE and (self.newer is None or env.round > self.newer.round):
+                self.newer = env
         return None
 
     def _checked_in(self, version: int) -> None:
-        """An asynchronous buffer's check-in from ``version`` is out: a host parks the round (it waits for
-        its cohort while the client trains from a newer version; a newer check-in replaces this one if no
-        cohort took it yet). A one-client agent's round is parked already (_park)."""
+        """An asynchronous buffer's check-in from ``version`` is out. A host then lets the client train from
+        a newer version while this round waits for its cohort (its newer check-in replaces this one if no
+        cohort took it yet); a one-client agent waits, and trains from the newest version it read after."""
         if self.on_check_in is not None:
             self.on_check_in(self, version)
-
-    def _park(
-        self, secure: SecureUpload, change: np.ndarray, result: TrainResult, before_upload: Callable[[], None]
-    ) -> None:
-        """A one-client agent's asynchronous buffer: the check-in and the steps after it run in a thread of
-        their own, over a Relay of this agent's connection, while the agent trains from the versions it
-        reads next (as a host parks its clients' rounds). The parked round reads the steps the agent
-        routes to it (_next); an error that ends it (a fault that takes the client down) ends the agent's
-        serving loop too."""
-        view = copy.copy(self)  # the same client, log and store; its own events, and no parked rounds
-        events = Events()
-        view._broker, view._events, view._parked = Relay(self), events, []  # type: ignore[assignment]
-        secure.agent = view
-
-        def parked() -> None:
-            try:
-                secure.run(change, result, before_upload)
-            except BrokerError as exc:  # the connection went: the buffer goes on without this client
-                log.warning("parked round lost with the connection", client=self.client, error=str(exc))
-            except Exception as exc:  # Offline, or a failure: the serving loop raises it
-                self._parked_error = exc
-            finally:
-                with self._parked_lock:
-                    self._parked.remove(events)
-
-        with self._parked_lock:
-            self._parked.append(events)
-        threading.Thread(target=parked, name=f"{self.client}-parked", daemon=True).start()
 
     def _released(self, env: Envelope) -> bool:
         """An empty grant ends the round for this client: for everyone waiting, or for those it names in

@@ -1,6 +1,6 @@
-"""A round served over a connection that another owns: a host's client rounds (client_agent.host), and a
-one-client agent's parked rounds (client_agent.agent). The owner reads and settles every delivery and routes
-to each round what concerns it; the round reads those from its Events and publishes through its Relay."""
+"""A client's round served over its host's connection (client_agent.host): the host reads and settles every
+delivery and routes to each round what concerns it; the round reads those from its Events and publishes
+through its Relay."""
 
 from __future__ import annotations
 
@@ -12,16 +12,15 @@ from fedmq.broker.transport.errors import BrokerError
 
 
 class Owner(Protocol):
-    """What owns the connection: its current broker (None between connections)."""
+    """What owns the connection (a host): its current broker (None between connections)."""
 
     _broker: Broker | None
 
 
 class Relay(Broker):
-    """A round's view of a connection another owns (a host's, under its running clients; an agent's, under
-    its parked rounds), whichever it is now (the owner reconnects under them): publishes and stream reads go
-    through it; the owner has settled every delivery it hands over, and the connection is the owner's to
-    close."""
+    """A round's view of its host's connection, whichever it is now (the host reconnects under its rounds):
+    publishes and stream reads go through it; the host has settled every delivery it hands over, and the
+    connection is the host's to close."""
 
     def __init__(self, owner: Owner) -> None:
         self.owner = owner
@@ -65,7 +64,7 @@ class Relay(Broker):
 
 
 class Events:
-    """A round's announcements and steps, as its owner routes them (Agent._next reads them)."""
+    """A round's announcements and steps, as its host routes them (Agent._next reads them)."""
 
     def __init__(self) -> None:
         self._q: queue.Queue[Delivery] = queue.Queue()

@@ -16,8 +16,8 @@ The steps, each answering the aggregator's (aggregator.secure_round; payloads: f
 In an asynchronous job (a secure buffer: aggregator.secure_buffers) the client checks in instead of step 1:
 after training and its report it advertises its keys, tagged with the version it trained from, and waits for
 a buffer's cohort that names it with the keys it just advertised (or a grant that refuses that check-in: too
-stale, or replaced by the client's newer one); that round is parked meanwhile, and the client trains from
-the next version (Agent._park, Host._park). The cohort's round and version name the sum;
+stale, or replaced by the client's newer one), reading newer announcements on the way (a host's client is
+parked meanwhile, and trains from the next version: Host._park). The cohort's round and version name the sum;
 the client weighs its change by the staleness weight s(τ) of τ = the buffer's version − its own
 (fedmq.staleness) as well as by n_k; the steps after that are the synchronous round's.
 

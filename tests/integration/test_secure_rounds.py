@@ -16,8 +16,8 @@ Asynchronous jobs (secure buffers, aggregator.secure_buffers), over the same hos
 
 - every version's change equals BufferedAsync's Σ s(τ_k) n_k Δ_k / Σ n_k over the buffer's members, each
   weighing its change by its own staleness, within the quantization bound (stale members included);
-- a client whose check-in waits for a later buffer trains from the newer version meanwhile (a hosted client,
-  and a one-client agent), and every version is still BufferedAsync's;
+- a hosted client whose check-in waits for a later buffer trains from the newer version meanwhile, and
+  every version is still BufferedAsync's;
 - with max_staleness 0, every check-in from an older version is refused and its client trains again from the
   newest: every buffer is fresh, and the job completes;
 - a member gone after sharing its keys is left out and the buffer completes with the others;
@@ -489,43 +489,6 @@ def test_a_hosted_client_trains_from_a_newer_version_while_its_check_in_waits(
     assert engine.version == 3
     # 6 of 10 check-ins from version 0 wait for a later buffer: their hosts train them from version 1
     # meanwhile, and every version is still BufferedAsync's
-    assert overlaps and all(rnd > 1 for _, rnd in overlaps)
-    _check_buffers(engine, inputs)
-
-
-def test_a_one_client_agent_parks_its_check_in_and_trains_from_the_newer_version(
-    task, rabbit_url, job_id, tmp_path
-):
-    """The same with one agent (a connection of its own) a client: the agent parks the round itself."""
-    inputs: dict[int, dict[str, Masked]] = {}
-    overlaps: list[tuple[str, int]] = []
-    cfg = _async_job(job_id)
-    engine = _engine(task, cfg, rabbit_url, tmp_path / "run")
-    engine.states = {0: engine.initial}
-    engine.on_round = lambda row: engine.states.update(
-        {row["round"]: {k: v.clone() for k, v in engine.global_state.items()}}
-    )
-    names = [f"agent-{i}" for i in range(CLIENTS)]
-    watched = _watched(inputs, overlaps)
-    agents = [
-        watched(
-            lambda: connect(rabbit_url), cfg.job, name, i, task, heartbeat_s=cfg.heartbeat_s, rejoin_s=0.5
-        )
-        for i, name in enumerate(names)
-    ]
-    threads = [threading.Thread(target=a.run, daemon=True) for a in agents]
-    for t in threads:
-        t.start()
-    try:
-        engine.run()
-    finally:
-        engine.broker.close()
-        for a in agents:
-            a.stop.set()
-        for t in threads:
-            t.join(timeout=budget(20))
-        purge(rabbit_url, cfg.job, names)
-    assert engine.version == 3 and not any(t.is_alive() for t in threads)
     assert overlaps and all(rnd > 1 for _, rnd in overlaps)
     _check_buffers(engine, inputs)
 
