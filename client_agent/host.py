@@ -94,8 +94,9 @@ class Host:
         self._waiting: dict[str, Envelope] = {}  # the newest announce that selected a client while down
         self._running: dict[str, tuple[Agent, Events, threading.Thread]] = {}
         # rounds that checked in to a secure buffer and wait for its cohort, their places given up (_park)
-        # (the version each trained from, which _trained names unless the client trained since)
+        # (the version each counts as trained from, which _trained names unless the client trained since)
         self._parked: dict[threading.Thread, tuple[Agent, Events, int]] = {}
+        self._again: set[threading.Thread] = set()  # parked rounds whose version was announced again
         self._async_newest: Envelope | None = None
         # asynchronous rounds: the version each client last trained from, where the round robin of free
         # places looks next, and the version for which it found nobody left to train
@@ -210,6 +211,7 @@ class Host:
                     # whose check-in from it still waits (a member's parked round, released, ends: _round_
                     # ended); in the clear an update that comes after the skip is folded in the next round
                     waiting = {(a.client, v) for a, _, v in self._parked.values()}
+                    self._again.update(t for t, (_, _, v) in self._parked.items() if v == env.model_version)
                     self._trained = {
                         c: v for c, v in self._trained.items() if v != env.model_version or (c, v) in waiting
                     }
@@ -277,16 +279,21 @@ class Host:
         """``agent``'s round checked in to a secure buffer with its change from ``version``: it waits for the
         cohort parked, its place free for the next round, this client's own included once a newer version is
         announced (as in the clear, where a client trains again as soon as it uploads; its newer check-in
-        replaces this one unless a cohort took this one first)."""
+        replaces this one unless a cohort took this one first). The parked round keeps the version the
+        client now counts as trained from (_trained)."""
         with self._lock:
             entry = self._running.get(agent.client)
             if entry is None or entry[0] is not agent or len(self._parked) >= PARKED_AT_ONCE:
                 return  # (too many parked: this round waits for its cohort in its place)
+            # it trains next from a version announced after it checked in: the one out now takes the check-ins
+            # waiting first, so a change from it would reach a buffer no fresher than one from the next, and
+            # on a host whose clients share trainers it would queue behind theirs (two versions stale)
+            newest = self._async_newest
+            trained = max(version, newest.model_version if newest else version)
             del self._running[agent.client]
-            self._parked[entry[2]] = (agent, entry[1], version)
+            self._parked[entry[2]] = (agent, entry[1], trained)
             self._round_over(agent)
-            self._trained[agent.client] = version
-            self._exhausted = NEVER  # a newer version may have found nobody free: this client is now
+            self._trained[agent.client] = trained
             self._async_fill()
 
     def _round_over(self, agent: Agent) -> None:
@@ -324,11 +331,15 @@ class Host:
     def _round_ended(self, agent: Agent, events: Events, env: Envelope, down: bool) -> None:
         """What follows a client's round (the caller holds the lock): its next round, or its time down."""
         client = agent.client
-        parked = self._parked.pop(threading.current_thread(), None)
+        thread = threading.current_thread()
+        parked = self._parked.pop(thread, None)
         if parked is not None:
-            # its check-in was refused, or its buffer ended before it answered the unmasking: it trains from
-            # the newest version again (a skipped buffer's is announced again), unless it did meanwhile
-            if not agent.answered and self._trained.get(client) == parked[2]:
+            # its check-in was refused, its buffer ended before it answered the unmasking, or its version was
+            # announced again (a skipped buffer's, which may have been its own): it trains from the newest
+            # version again, unless it did meanwhile
+            again = thread in self._again
+            self._again.discard(thread)
+            if (again or not agent.answered) and self._trained.get(client) == parked[2]:
                 del self._trained[client]
                 self._exhausted = NEVER
             if down:
