@@ -252,7 +252,7 @@ class SecureBuffer(SecureRound):
             self.sources.pop(client, None)
             # told before its check-in is settled: a crash in between gives the check-in again, not a client
             # left waiting
-            self._send(Kind.GRANT, [client], lambda _, m=msg: refused([m.env.msg_id]))
+            self._refuse(client, msg)
             checkins.settle(ctx, client, why)
             if client in online and version < ctx.version:  # it holds this version's announcement
                 owed.waiting.add(client)
@@ -320,8 +320,12 @@ class SecureBuffer(SecureRound):
         checkins = self.checkins
         while checkins.superseded:
             client, msg = checkins.superseded.pop(0)
-            self._send(Kind.GRANT, [client], lambda _, m=msg.env.msg_id: refused([m]))
+            self._refuse(client, msg)
             self.ctx.inbox.drop(msg, "superseded")
+
+    def _refuse(self, client: str, check_in: Received) -> None:
+        """A grant that refuses ``client``'s ``check_in``: the round waiting with it stops waiting."""
+        self._send(Kind.GRANT, [client], lambda _: refused([check_in.env.msg_id]))
 
 
 def released(served: list[str]) -> dict[str, Any]:

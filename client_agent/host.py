@@ -210,11 +210,11 @@ class Host:
                     # it were not kept: the clients that trained from it train from it again, but for those
                     # whose check-in from it still waits (a member's parked round, released, ends: _round_
                     # ended); in the clear an update that comes after the skip is folded in the next round
-                    waiting = {(a.client, v) for a, _, v in self._parked.values()}
-                    self._again.update(t for t, (_, _, v) in self._parked.items() if v == env.model_version)
-                    self._trained = {
-                        c: v for c, v in self._trained.items() if v != env.model_version or (c, v) in waiting
-                    }
+                    skipped = env.model_version
+                    parked = [(t, a.client) for t, (a, _, v) in self._parked.items() if v == skipped]
+                    self._again.update(t for t, _ in parked)
+                    keep = {c for _, c in parked}
+                    self._trained = {c: v for c, v in self._trained.items() if v != skipped or c in keep}
                 self._async_newest = env
                 self._exhausted = NEVER  # a new announce (a skipped round re-announces its version)
                 self._async_fill()
