@@ -484,13 +484,13 @@ def test_a_hosted_client_trains_from_a_newer_version_while_its_check_in_waits(
 ):
     inputs: dict[int, dict[str, Masked]] = {}
     overlaps: list[tuple[str, int]] = []
-    cfg = _async_job(job_id)
+    # buffers of 3 from 10 clients: a check-in waits through at least one announcement after it is out (a
+    # whole buffer's steps), and its host trains the client from that version meanwhile
+    cfg = _async_job(job_id, rounds=5, strategy_args={"buffer_size": 3})
     engine, _, _ = _run(task, cfg, rabbit_url, tmp_path / "run", _watched(inputs, overlaps), keep_states=True)
-    assert engine.version == 3
-    # 6 of 10 check-ins from version 0 wait for a later buffer: their hosts train them from version 1
-    # meanwhile, and every version is still BufferedAsync's
+    assert engine.version == 5
     assert overlaps and all(rnd > 1 for _, rnd in overlaps)
-    _check_buffers(engine, inputs)
+    _check_buffers(engine, inputs)  # and every version is still BufferedAsync's
 
 
 def test_with_no_staleness_allowed_every_older_check_in_is_refused_and_every_buffer_is_fresh(
