@@ -453,11 +453,6 @@ class JobConfig:
                     ),
                     (f"{key('edges')}: edge aggregators read their clients' updates", self.edges != 0),
                     (f"{key('noise')} is FedAtt's", self.noise != 0),
-                    (
-                        f"{key('dp')} with asynchronous buffers is not built: a secure buffer runs without "
-                        "differential privacy",
-                        self.dp != "none" and self.mode == "async",
-                    ),
                 )
                 if wrong
             ),

@@ -45,6 +45,7 @@ from fedmq.hooks import PROTOCOL, ClientContext, ClientHook, Kept, install_gradi
 from fedmq.manifest import Manifest
 from fedmq.params import bind
 from fedmq.plugins import is_import_path, load_class
+from fedmq.privacy.client_dp import ClientDP
 from fedmq.state_checks import state_problem
 from fedmq.tasks.base import State, Task, TrainResult, load_state, model_state
 
@@ -375,6 +376,8 @@ class Agent:
         context.noise_seed = cfg.train.seed if self.seeded_noise else None
         for hook, _ in hooks:
             hook.context = context
+            if secure is not None and isinstance(hook, ClientDP):
+                secure.dp = hook
         own = next((s for hook, kept in hooks if (s := hook.own_state(kept)) is not None), None)
         with self.trainers.ahead():  # decoding before a trainer is free overlaps another client's training
             manifest = self._manifest_for(hooks)

@@ -43,6 +43,7 @@ from fedmq.broker.wire.envelope import Envelope, Kind
 from fedmq.broker.wire.malloc import release_free
 from fedmq.errors import SecAggError
 from fedmq.hooks import stable_seed
+from fedmq.privacy.client_dp import ClientDP
 from fedmq.secagg import payloads
 from fedmq.secagg.masking import MaskingClient
 from fedmq.secagg.payloads import context
@@ -92,6 +93,7 @@ class SecureUpload:
         self.seed = seed  # the job's: the stochastic rounding repeats in a seeded run
         self.asynchronous = asynchronous  # a secure buffer: the client checks in after training
         self.masking = MaskingClient(agent.client, context(agent.job, rnd, version))
+        self.dp: ClientDP | None = None  # client-mode DP: a stale change keeps a whole share (ClientDP.weigh)
 
     def advertise(self) -> None:
         """Step 1 (or an asynchronous buffer's check-in): c_u^PK and s_u^PK."""
@@ -159,6 +161,8 @@ class SecureUpload:
         weight = 1.0 if n_max == 0 else min(result.n_samples, n_max) / n_max
         rng = np.random.default_rng(stable_seed(self.seed, agent.client, self.rnd, "secagg"))
         with MASKING:
+            if self.dp is not None and stale < 1.0:  # weighed before quantizing: its noise share stays whole
+                change, stale = self.dp.weigh(change, stale, self.rnd), 1.0
             x = quantizer.encode_weighted(change, weight, rng, stale)
             masked = self.masked(x, env.payload["inboxes"][agent.client])
             del x

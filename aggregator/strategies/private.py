@@ -6,7 +6,8 @@ Central mode: each update's change Δ_k (every tensor it uploads, one L2 norm) i
 ``finish`` the sum gets N(0, z_Δ²S²) per coordinate and is divided by the fixed denominator D (the expected
 contributors: aggregator/privacy.py), never by the number that came or their n_k. Client mode: the agents
 clipped and noised (fedmq/privacy/client_dp.py); an update whose norm exceeds what a clipped, noised update
-can have is refused, the rest summed and divided by D.
+can have is refused, the rest summed and divided by D, with N(0, z²S² − v) added first where the shares'
+variance v in the sum falls short of z²S² (asynchronous staleness weights shrink a share with its change).
 
 The noised mean change is then folded into the wrapped strategy as one update from the model the round
 started from (n_k = 1), so FedAvg adds it, the server optimizers (FedAvgM, FedAdam …) step on it, FedProx
@@ -40,6 +41,7 @@ from fedmq.staleness import staleness_weight
 CLIP_KEY = "dp.clip_norm"  # the current S in the strategy state (adaptive clipping)
 CLIP_RANGE = (1e-9, 1e9)  # a kept S outside it is refused (check_state)
 MEAN = "dp-mean"  # the one update the wrapped strategy folds: the noised mean change
+TOP_UP_TOLERANCE = 1e-9  # client mode: a shortfall below this share of z²S² is float rounding, not noise
 
 
 class Private(Strategy):
@@ -64,6 +66,7 @@ class Private(Strategy):
         self._sum: State = {}
         self._count = 0
         self._unclipped = 0  # adaptive: updates within S
+        self._noise_var = 0.0  # client mode: the variance of the noise the clients' shares put in the sum
 
     def draw_from(self, seed: int | None, release: int) -> None:
         """Noise for this release from the OS CSPRNG, or (``seed`` given: `fedmq simulate`) from the job's
@@ -92,6 +95,7 @@ class Private(Strategy):
     def begin(self, global_state: Mapping[str, torch.Tensor]) -> None:
         self._global = global_state
         self._sum = zeros_like_state(global_state)
+        self._noise_var = 0.0
         self._count = self._unclipped = 0
         self.inner.begin(global_state)
 
@@ -117,6 +121,7 @@ class Private(Strategy):
         for name, t in delta.items():
             self._sum[name].add_(t.to(self._sum[name].dtype), alpha=weight)
         self._count += 1
+        self._noise_var += (weight * self._share_std) ** 2  # client mode: its share, weighed as its change
 
     @property
     def weighs_samples(self) -> bool:
@@ -136,6 +141,8 @@ class Private(Strategy):
         for name, acc in part.sums.items():
             self._sum[name].add_(acc.to(self._sum[name].dtype))
         self._count += len(part.terms)
+        # each client's share is whole: a stale one is topped up after its weighing (ClientDP.weigh)
+        self._noise_var += len(part.terms) * self._share_std**2
 
     @property
     def _share_std(self) -> float:
@@ -145,12 +152,23 @@ class Private(Strategy):
         check_started(self._global, self.name)
         if self.dp.mode == "central":
             add_gaussian(self._sum, self.dp.update_noise * self.clip_norm, self.generator)
+        else:
+            add_gaussian(self._sum, self._top_up(), self.generator)
         mean = {k: v.div_(self.dp.denominator) for k, v in self._sum.items()}
         if self.dp.adaptive:
             self._adapt()
         self.inner.fold(ClientUpdate(MEAN, 1, mean, delta=True))
         self._global, self._sum = None, {}
         return self.inner.finish()
+
+    def _top_up(self) -> float:
+        """Client mode: the std of the noise the aggregator adds so that the sum carries the z·S the
+        accountant charges. The clients' shares give it when at least m_min came at full weight;
+        asynchronous staleness weights s(τ) < 1 shrink a share with its change, which leaves the sum short
+        (a fresh update still moves it by S): the aggregator adds what is missing."""
+        needed = (self.dp.update_noise * self.clip_norm) ** 2
+        missing = needed - self._noise_var
+        return math.sqrt(missing) if missing > needed * TOP_UP_TOLERANCE else 0.0
 
     def _adapt(self) -> None:
         """Andrew et al.'s geometric step of S toward the target quantile, on the noised clipped count."""

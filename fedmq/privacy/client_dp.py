@@ -5,12 +5,18 @@ secure aggregation). A client hook (fedmq.hooks), run after the strategy's own h
 The share: N(0, σ²) per coordinate with σ = z·S/√m_min, where m_min is the fewest updates the aggregator
 closes a round with (its ``min_clients``): a round that closes holds at least m_min shares, so its sum carries
 at least the variance z²S² the accountant assumes, whoever dropped out (more contributors only add noise).
+A change weighed by an asynchronous staleness weight s(τ) < 1 loses part of its share with it: the aggregator
+tops the sum up (aggregator.strategies.private), or, in a secure buffer, where the server sees only the sum,
+the client does (``ClientDP.weigh``).
 """
 
 from __future__ import annotations
 
 import math
 from typing import ClassVar
+
+import numpy as np
+import torch
 
 from fedmq.errors import BadParameter
 from fedmq.hooks import ClientHook, Kept, State
@@ -44,3 +50,16 @@ class ClientDP(ClientHook):
         clipped, _ = clip(delta, self.clip_norm)
         add_gaussian(clipped, self.noise_std, noise_generator(ctx.noise_seed, ctx.client, ctx.round, "dp"))
         return {k: (base[k].float() + clipped[k]).to(trained[k].dtype) for k in trained}
+
+    def weigh(self, change: np.ndarray, weight: float, rnd: int) -> np.ndarray:
+        """``weight`` · ``change`` (clipped and noised by ``finish``) plus N(0, (1 − weight²)·σ²): a change
+        weighed by its staleness s(τ) ≤ 1 keeps a whole share of the noise, so its sum still carries z·S while
+        it moves the model by at most s(τ)·S. For a secure asynchronous buffer, whose clients weigh themselves
+        (the server learns only the sum, and tops up none of it); ``rnd``: the buffer's round."""
+        if not 0.0 < weight <= 1.0:
+            raise BadParameter(f"dp: a staleness weight is within (0, 1], not {weight}")
+        out = torch.from_numpy(np.asarray(change, dtype=np.float32) * np.float32(weight))
+        ctx = self.context
+        rng = noise_generator(ctx.noise_seed, ctx.client, rnd, "dp-stale")
+        add_gaussian({"change": out}, self.noise_std * math.sqrt(1.0 - weight * weight), rng)
+        return out.numpy()

@@ -22,7 +22,9 @@ Asynchronous jobs (secure buffers, aggregator.secure_buffers), over the same hos
   newest: every buffer is fresh, and the job completes;
 - a member gone after sharing its keys is left out and the buffer completes with the others;
 - a buffer open when the aggregator stops is closed as skipped on resume, its members told, and the job
-  completes.
+  completes;
+- under client-mode DP, a stale member tops its weighed noise share back up to a whole one, the server adds
+  nothing and divides by K, and every version is accounted.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from load_factor import budget
 from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.engine import Engine
 from fedmq.aggregator.runlog import read_rounds
+from fedmq.aggregator.secure_round import unflatten as _unflatten
 from fedmq.broker.transport.connect import connect
 from fedmq.broker.transport.provision import purge
 from fedmq.client_agent.agent import Agent, Offline
@@ -414,7 +417,6 @@ def _recording(inputs: dict[int, dict[str, Masked]], base: type[SecureUpload] = 
 def _check_buffers(engine: Engine, inputs: dict[int, dict[str, Masked]]) -> int:
     """Each published version against BufferedAsync's mean of its members' recorded changes; the stale
     members seen."""
-    from fedmq.aggregator.secure_round import unflatten
     from fedmq.staleness import staleness_weight
 
     stale, version = 0, 0
@@ -426,7 +428,7 @@ def _check_buffers(engine: Engine, inputs: dict[int, dict[str, Masked]]) -> int:
         assert sorted(members) == sorted(row.received)
         total = sum(m.n_samples for m in members.values())
         mean = sum(staleness_weight(version - m.base) * m.n_samples * m.change for m in members.values())
-        expected = unflatten(mean / total, before)
+        expected = _unflatten(mean / total, before)
         stale += sum(m.base < version for m in members.values())
         for name, value in expected.items():
             torch.testing.assert_close(
@@ -549,6 +551,81 @@ def test_a_buffer_open_at_a_stop_is_dropped_on_resume_its_members_told(task, rab
     assert rows[0].skipped and rows[0].skip_reason.startswith("secure round interrupted by a restart")
     assert second.version == 3 and summary["rounds_completed"] == 3
     assert all(len(r.received) == CLIENTS for r in rows[1:])
+
+
+@dataclass
+class Weighed:
+    """A stale member's change as it trained it (clipped and noised) and as it masked it (ClientDP.weigh)."""
+
+    weight: float
+    trained: np.ndarray
+    masked: np.ndarray
+
+
+def _weighing(inputs: dict[int, dict[str, Masked]], weighed: list[Weighed]) -> type[Agent]:
+    """A recording agent class (_recording) under client-mode DP whose members record the change they masked:
+    a stale one's as ClientDP.weigh gave it (also noted in ``weighed``), a fresh one's as it trained it."""
+
+    class Weighing(SecureUpload):
+        def run(self, change, result, before_upload=lambda: None):
+            hook = self.dp
+            assert hook is not None  # the job's client-mode DP reached the secure upload
+            weigh = hook.weigh
+
+            def recorded(trained, weight, rnd):
+                masked = weigh(trained, weight, rnd)
+                weighed.append(Weighed(weight, trained.copy(), masked.copy()))
+                change_in[0] = masked
+                return masked
+
+            change_in = [change.copy()]
+            hook.weigh = recorded  # type: ignore[method-assign]
+            done = super().run(change, result, before_upload)
+            if done:
+                inputs.setdefault(self.rnd, {})[self.agent.client] = Masked(change_in[0], 1, self.version)
+            return done
+
+    class WeighingAgent(SaysGoodbye):
+        secure_upload = Weighing
+
+    return WeighingAgent
+
+
+def test_distributed_dp_in_secure_buffers_keeps_a_stale_members_noise_share_whole(
+    task, rabbit_url, job_id, tmp_path
+):
+    """Client-mode DP with secure buffers: a stale member weighs its clipped, noised change by s(τ) and tops
+    its noise share back up to σ = z·S/√m_min; the server adds nothing (its sum holds at least m_min whole
+    shares) and divides by K; every version is accounted."""
+    inputs: dict[int, dict[str, Masked]] = {}
+    weighed: list[Weighed] = []
+    z, s_norm, m_min = 0.05, 1.0, 3
+    cfg = _async_job(job_id, dp="client", clip_norm=s_norm, noise_multiplier=z, min_clients=m_min)
+    engine, summary, _ = _run(
+        task, cfg, rabbit_url, tmp_path / "run", _weighing(inputs, weighed), keep_states=True
+    )
+    rows = _rows(engine)
+    assert engine.version == 3 and summary["rejected"] == {}
+    epsilons = [r.epsilon for r in rows]
+    assert all(e is not None and e > 0 for e in epsilons) and epsilons == sorted(epsilons)
+    assert weighed  # buffers after the first take check-ins from older versions
+    sigma = z * s_norm / np.sqrt(m_min)
+    for w in weighed:
+        assert 0 < w.weight < 1
+        topped = (w.masked - w.weight * w.trained).astype(np.float64)
+        assert float(topped.std()) == pytest.approx(sigma * np.sqrt(1 - w.weight**2), rel=0.1)
+    for row in rows:
+        before, after = engine.states[row.round - 1], engine.states[row.round]
+        members = inputs[row.round]
+        assert not row.skipped and sorted(members) == sorted(row.received)
+        mean = sum(m.change for m in members.values()) / BUFFER  # the fixed denominator K, nothing added
+        for name, value in _unflatten(mean, before).items():
+            torch.testing.assert_close(
+                after[name] - before[name],
+                value.to(after[name].dtype),
+                rtol=0,
+                atol=_bound(cfg, BUFFER) + 1e-6,
+            )
 
 
 def test_scaffold_sums_its_model_and_control_variate_changes_securely(task, rabbit_url, job_id, tmp_path):

@@ -14,7 +14,8 @@ from fedmq.aggregator.privacy import dp_plan
 from fedmq.aggregator.strategies.base import ClientUpdate, Strategy
 from fedmq.aggregator.strategies.private import CLIP_KEY, Private
 from fedmq.aggregator.strategies.registry import client_hooks, strategy_from_config
-from fedmq.errors import StrategyError
+from fedmq.errors import BadParameter, StrategyError
+from fedmq.hooks import ClientContext
 from fedmq.privacy.client_dp import ClientDP
 from fedmq.privacy.mechanism import update_norm
 
@@ -97,12 +98,53 @@ def test_client_mode_sums_without_noise_and_refuses_an_unclipped_update():
     assert hooks[-1][0] is ClientDP
     assert hooks[-1][1] == {"clip_norm": 2.0, "noise_std": pytest.approx(1.0 * 2.0 / math.sqrt(4))}
     strategy = _strategy(cfg)
-    out = _round(strategy, [ClientUpdate("a", 7, _change(1e-4), delta=True)])
-    assert float(out["w"][0]) == pytest.approx(1e-4 / 5, rel=1e-5)  # no noise added by the aggregator
+    out = _round(strategy, [ClientUpdate(c, 7, _change(1e-4), delta=True) for c in "abcd"])
+    assert float(out["w"][0]) == pytest.approx(4e-4 / 5, rel=1e-5)  # m_min shares: nothing added
     strategy = _strategy(cfg)
     strategy.begin(MODEL)
     with pytest.raises(StrategyError, match="exceeds"):
         strategy.fold(ClientUpdate("a", 7, _change(10.0), delta=True))  # norm 10⁴: never a noised S = 2
+
+
+def _noised(std: float, seed: int, numel: int = 1_000_000) -> dict[str, torch.Tensor]:
+    """A client-mode change of nothing but its noise share."""
+    gen = torch.Generator().manual_seed(seed)
+    return {"w": std * torch.randn(numel, generator=gen), "b": std * torch.randn(10, generator=gen)}
+
+
+def test_client_mode_tops_up_the_noise_that_staleness_weights_take_from_an_asynchronous_sum():
+    """Two clients' shares σ = z·S/√2 give the release z·S when both are fresh; at τ = 3 (s = 1/2) each share
+    shrinks with its change, and the aggregator adds what is missing: the mean's noise stays z·S/D."""
+    cfg = dataclasses.replace(
+        CFG, dp="client", min_clients=2, strategy="async", strategy_args={"buffer_size": 4}
+    )
+    share = 1.0 * 2.0 / math.sqrt(2)
+    fresh = [ClientUpdate(c, 1, _noised(share, i), delta=True) for i, c in enumerate("ab")]
+    out = _round(_strategy(cfg), fresh)
+    summed = (fresh[0].tensors["w"] + fresh[1].tensors["w"]) / 4  # η_g = 1: nothing added
+    torch.testing.assert_close(out["w"], summed)
+    stale = [dataclasses.replace(u, staleness=3) for u in fresh]
+    out = _round(_strategy(cfg), stale)
+    assert float(out["w"].std()) == pytest.approx(1.0 * 2.0 / 4, rel=0.02)  # z·S/D, not half of it
+    added = out["w"] - summed / 2  # N(0, (1 − s²)·z²S²) over D
+    assert float(added.std()) == pytest.approx(math.sqrt(1 - 1 / 4) * 2.0 / 4, rel=0.02)
+
+
+def test_a_stale_client_weighs_its_change_and_keeps_a_whole_noise_share():
+    """Secure asynchronous buffers: the client weighs itself by s(τ) and tops its share back up to σ."""
+    hook = ClientDP(clip_norm=2.0, noise_std=0.5)
+    hook.context = ClientContext("a", 3, 0, seed=0)
+    hook.context.noise_seed = 0
+    gen = torch.Generator().manual_seed(1)
+    change = (0.01 + 0.5 * torch.randn(1_000_000, generator=gen)).numpy()
+    out = hook.weigh(change, 0.25, rnd=7)
+    assert out.dtype == change.dtype and out.shape == change.shape
+    assert float(out.std()) == pytest.approx(0.5, rel=0.01)
+    assert float(out.mean()) == pytest.approx(0.0025, abs=2e-3)
+    assert (hook.weigh(change, 0.25, rnd=7) == out).all()  # seeded (`fedmq simulate`): it repeats
+    assert (hook.weigh(change, 1.0, rnd=7) == change).all()  # a fresh change is its own share
+    with pytest.raises(BadParameter, match="staleness weight"):
+        hook.weigh(change, 0.0, rnd=7)
 
 
 def _adaptive(quantile: float) -> JobConfig:

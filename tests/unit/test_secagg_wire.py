@@ -24,7 +24,6 @@ from fedmq.secagg.shamir import Share
     ("settings", "words"),
     [
         ({"strategy": "fedatt"}, "needs to read each client's update"),
-        ({"strategy": "async", "dp": "client"}, "dp (--dp) with asynchronous buffers is not built"),
         ({"strategy": "fedmed"}, "needs to read each client's update"),
         ({"beta": 0.5}, "grants uploads by each client's loss"),
         ({"robust": "median"}, "strategy 'median' needs to read each client's update"),
@@ -59,6 +58,7 @@ def test_secure_sums_run_the_strategies_whose_weights_a_client_knows():
     JobConfig(secagg=True, strategy="async")  # secure buffers: the clients apply their staleness weight
     assert strategy_class("async").secure_sum
     JobConfig(secagg=True, dp="client")  # distributed DP: the clients noise before masking
+    JobConfig(secagg=True, dp="client", strategy="async")  # a stale client tops its share up (ClientDP.weigh)
 
 
 def test_a_secure_sum_of_noised_changes_is_what_client_dp_folds_one_by_one():
