@@ -54,7 +54,7 @@ from fedmq.tasks.base import TrainResult
 log = structlog.get_logger(__name__)
 
 # one client of this process quantizes, masks and uploads at a time: that step takes about ten model-sized
-# buffers (float64 copies, the PRG's keystream, the message), and a host's clients all get their inbox at once
+# buffers (float64 copies, the masked vector, the message), and a host's clients all get their inbox at once
 MASKING = threading.Lock()
 
 

@@ -116,12 +116,12 @@ class MaskingClient:
             held[v] = unpack_shares(keys.decrypt(secret, self.context, v, self.name, ciphertext), v)
             if held[v][0].index != cohort.neighbours(v).index(self.name) + 1:
                 raise SecAggError("bad-share", f"the shares {v} sent {self.name} carry the wrong index")
-        y = x.copy()
-        scratch = np.empty_like(y)
-        prg.apply(y, self._seed, 1, scratch)
+        masks = [(self._seed, 1)]
         for v in sorted(inbox):
             pair = keys.derive(self._mask, self._roster[v].mask, keys.MASK_SEED, self.context, self.name, v)
-            prg.apply(y, pair, mask_sign(self.name, v), scratch)
+            masks.append((pair, mask_sign(self.name, v)))
+        y = x.copy()
+        prg.apply(y, masks)
         self._held, self._masked_with = held, frozenset(inbox)
         return y
 
@@ -267,15 +267,14 @@ class MaskingServer:
         pairwise masks its dropped neighbours will never cancel. Any secret that cannot be rebuilt and
         checked is a SecAggError, and nothing is returned."""
         self._enter(4, "the aggregate")
-        total = self._total.copy()
-        scratch = np.empty_like(total)
-        for u in sorted(self._masked):
-            prg.apply(total, self._recover(u, "seeds"), -1, scratch)
+        masks = [(self._recover(u, "seeds"), -1) for u in sorted(self._masked)]
         for u in sorted(set(self._shared) - self._masked):
             private = keys.private_from_bytes(self._recover(u, "keys"))
             for v in self._partners(u):
                 if v in self._masked:  # v added Δ_{v,u} · PRG(s_{v,u}); take it out
                     pair = keys.derive(private, self.roster[v].mask, keys.MASK_SEED, self.context, u, v)
-                    prg.apply(total, pair, -mask_sign(v, u), scratch)
+                    masks.append((pair, -mask_sign(v, u)))
+        total = self._total.copy()
+        prg.apply(total, masks)
         self._phase, self._total = 5, np.zeros(0, prg.DTYPE)
         return total

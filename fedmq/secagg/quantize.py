@@ -76,22 +76,9 @@ class Quantizer:
         """Largest error of a decoded sum of ``count`` inputs against the sum of the clipped inputs."""
         return count * self.step
 
-    def _round(self, y: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """floor(y + u), u uniform in [0, 1), overwriting y (a float64 vector the caller owns)."""
-        y += rng.random(y.shape[0])
-        np.floor(y, out=y)
-        return y.astype(DTYPE)
-
     def encode(self, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """A float vector as b-bit values in Z_{2^32}; ``rng`` draws the rounding."""
-        x = np.asarray(x).reshape(-1)
-        if not np.isfinite(x).all():
-            raise SecAggError("non-finite", "the update has NaN or infinite coordinates")
-        y = x.astype(np.float64)  # a copy, computed in place from here: one model-sized float64 buffer
-        np.clip(y, -self.clip, self.clip, out=y)
-        y += self.clip
-        y /= self.step
-        return self._round(y, rng)
+        return self._encode(x, 1.0, rng, 0)
 
     def encode_weighted(
         self, x: np.ndarray, weight: float, rng: np.random.Generator, scale: float = 1.0
@@ -102,9 +89,28 @@ class Quantizer:
             raise SecAggError("bad-parameter", f"a weight is within [0, 1], not {weight}")
         if not 0.0 < scale <= 1.0:
             raise SecAggError("bad-parameter", f"a staleness weight is within (0, 1], not {scale}")
-        x = np.clip(np.asarray(x, dtype=np.float64).reshape(-1), -self.clip, self.clip)
-        w = self._round(np.array([weight * self.levels], dtype=np.float64), rng)
-        return np.concatenate([self.encode(x * (weight * scale), rng), w])
+        w = np.floor(weight * self.levels + rng.random())  # drawn first, as the vector's rounding is
+        out = self._encode(x, weight * scale, rng, 1)
+        out[-1] = w
+        return out
+
+    def _encode(self, x: np.ndarray, factor: float, rng: np.random.Generator, extra: int) -> np.ndarray:
+        """factor · clip(x) as b-bit values, stochastically rounded (floor(y + u), u uniform in [0, 1)), and
+        ``extra`` coordinates more for the caller. In place in one float64 copy of x and the rounding's
+        draws: a model-sized step repeated for every client a host masks."""
+        y = np.array(x, dtype=np.float64).reshape(-1)  # a copy, computed in place from here
+        if not np.isfinite(y).all():
+            raise SecAggError("non-finite", "the update has NaN or infinite coordinates")
+        np.clip(y, -self.clip, self.clip, out=y)
+        if factor != 1.0:
+            y *= factor
+        y += self.clip
+        y /= self.step
+        y += rng.random(y.shape[0])
+        np.floor(y, out=y)
+        out = np.empty(y.shape[0] + extra, DTYPE)
+        out[: y.shape[0]] = y
+        return out
 
     def _count(self, total: np.ndarray, count: int) -> None:
         """Checks a sum before decoding: ``count`` honest inputs sum to at most count · (2^b - 1) in every

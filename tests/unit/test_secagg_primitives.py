@@ -63,17 +63,33 @@ def test_the_prg_is_aes_ctr_keystream_read_as_little_endian_uint32():
 def test_applying_a_mask_and_its_negation_cancels_in_the_ring():
     total = np.arange(5000, dtype=np.uint32)
     seed = os.urandom(32)
-    prg.apply(total, seed, 1)
+    prg.apply(total, [(seed, 1)])
     assert not np.array_equal(total, np.arange(5000, dtype=np.uint32))
-    prg.apply(total, seed, -1, np.empty(5000, np.uint32))
+    prg.apply(total, [(seed, -1)])
     assert np.array_equal(total, np.arange(5000, dtype=np.uint32))
 
 
-def test_the_prg_refuses_a_short_seed_or_a_wrong_buffer():
+def test_masks_added_chunk_by_chunk_are_the_whole_keystreams_summed():
+    n = 2 * prg.CHUNK + 5  # two whole chunks and a short one
+    masks = [(os.urandom(32), 1), (os.urandom(32), -1), (os.urandom(32), 1)]
+    total = np.arange(n, dtype=np.uint32)
+    prg.apply(total, masks)
+    expected = np.arange(n, dtype=np.uint32)
+    for seed, sign in masks:
+        expected = expected + prg.expand(seed, n) if sign > 0 else expected - prg.expand(seed, n)
+    assert expected.dtype == np.uint32 and np.array_equal(total, expected)
+
+
+def test_the_prg_refuses_a_short_seed_a_bad_sign_or_a_wrong_buffer():
     with pytest.raises(SecAggError, match="bad-seed"):
         prg.expand(b"short", 10)
-    with pytest.raises(SecAggError, match="bad-length"):
-        prg.expand(bytes(32), 10, np.empty(9, np.uint32))
+    with pytest.raises(SecAggError, match="bad-seed"):
+        prg.apply(np.zeros(10, np.uint32), [(b"short", 1)])
+    with pytest.raises(SecAggError, match="bad-parameter"):
+        prg.apply(np.zeros(10, np.uint32), [(bytes(32), 2)])
+    for wrong in (np.zeros(10, np.int64), np.zeros((2, 5), np.uint32), np.zeros(20, np.uint32)[::2]):
+        with pytest.raises(SecAggError, match="bad-length"):
+            prg.apply(wrong, [(bytes(32), 1)])
 
 
 def test_any_t_of_n_shares_give_the_32_byte_secret_back():
