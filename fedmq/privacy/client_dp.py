@@ -35,6 +35,9 @@ class ClientDP(ClientHook):
     from the job's seed (ClientContext.noise_seed)."""
 
     name: ClassVar[str] = "dp"
+    # 2: a stale member of a secure buffer tops its weighed share up (``weigh``); an agent of version 1 would
+    # not, so a job's announcement of version 2 turns it away
+    version: ClassVar[int] = 2
 
     def __init__(self, clip_norm: float, noise_std: float) -> None:
         if not 0 < clip_norm < math.inf:
@@ -52,7 +55,8 @@ class ClientDP(ClientHook):
         return {k: (base[k].float() + clipped[k]).to(trained[k].dtype) for k in trained}
 
     def weigh(self, change: np.ndarray, weight: float, rnd: int) -> np.ndarray:
-        """``weight`` · ``change`` (clipped and noised by ``finish``) plus N(0, (1 − weight²)·σ²): a change
+        """``weight`` · ``change`` (clipped and noised by ``finish``; a float32 vector, as the secure upload's
+        flat change is) plus N(0, (1 − weight²)·σ²), drawn from a stream of its own: a change
         weighed by its staleness s(τ) ≤ 1 keeps a whole share of the noise, so its sum still carries z·S while
         it moves the model by at most s(τ)·S. For a secure asynchronous buffer, whose clients weigh themselves
         (the server learns only the sum, and tops up none of it); ``rnd``: the buffer's round."""

@@ -596,7 +596,8 @@ def test_distributed_dp_in_secure_buffers_keeps_a_stale_members_noise_share_whol
 ):
     """Client-mode DP with secure buffers: a stale member weighs its clipped, noised change by s(τ) and tops
     its noise share back up to σ = z·S/√m_min; the server adds nothing (its sum holds at least m_min whole
-    shares) and divides by K; every version is accounted."""
+    shares) and divides by the fixed denominator (K, which every buffer here fills); every version is
+    accounted."""
     inputs: dict[int, dict[str, Masked]] = {}
     weighed: list[Weighed] = []
     z, s_norm, m_min = 0.05, 1.0, 3

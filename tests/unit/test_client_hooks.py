@@ -312,3 +312,18 @@ def test_a_parameter_only_the_client_hook_refuses_fails_the_job_before_it_starts
     with pytest.raises(BadParameter, match="max_norm must be positive"):
         fedmq.Simulation(cfg, LogReg(clients=2), run_dir=tmp_path / "run").run()
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_an_agent_with_the_client_dp_hook_of_before_stale_top_ups_refuses_a_dp_job(monkeypatch):
+    """Version 2 of ClientDP tops a stale secure member's share up (ClientDP.weigh): a job announces it, and
+    an agent whose hook is version 1 would leave that release short of noise, so it refuses in one line."""
+    from fedmq.aggregator.config import JobConfig
+    from fedmq.aggregator.strategies.registry import client_map
+    from fedmq.privacy.client_dp import ClientDP
+
+    spec = client_map(JobConfig(dp="client", secagg=True, strategy="async"))
+    [entry] = [e for e in spec["hooks"] if e["hook"].endswith(":ClientDP")]
+    assert entry["hook_version"] == ClientDP.version == 2
+    monkeypatch.setattr(ClientDP, "version", 1)
+    with pytest.raises(ClientHookError, match="the job runs version 2, this agent has 1"):
+        _agent("async")._client_hooks(spec, 3)

@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from fedmq.aggregator.config import DP_STRATEGIES, JobConfig
 from fedmq.aggregator.privacy import dp_plan
-from fedmq.aggregator.strategies.base import ClientUpdate, Strategy
+from fedmq.aggregator.strategies.base import ClientUpdate, PartialSum, Strategy
 from fedmq.aggregator.strategies.private import CLIP_KEY, Private
 from fedmq.aggregator.strategies.registry import client_hooks, strategy_from_config
 from fedmq.errors import BadParameter, StrategyError
@@ -141,10 +142,35 @@ def test_a_stale_client_weighs_its_change_and_keeps_a_whole_noise_share():
     assert out.dtype == change.dtype and out.shape == change.shape
     assert float(out.std()) == pytest.approx(0.5, rel=0.01)
     assert float(out.mean()) == pytest.approx(0.0025, abs=2e-3)
+    topped = out - 0.25 * change  # the top-up: drawn apart from the share it completes
+    assert abs(float(np.corrcoef(topped, change)[0, 1])) < 0.01
     assert (hook.weigh(change, 0.25, rnd=7) == out).all()  # seeded (`fedmq simulate`): it repeats
     assert (hook.weigh(change, 1.0, rnd=7) == change).all()  # a fresh change is its own share
     with pytest.raises(BadParameter, match="staleness weight"):
         hook.weigh(change, 0.0, rnd=7)
+
+
+def test_a_secure_sum_of_m_min_whole_shares_gets_nothing_added_and_a_smaller_one_is_topped_up():
+    """fold_partial counts each client's share whole (a stale one topped itself up): a sum of m_min of them
+    carries z·S; one of fewer gets the rest from the aggregator, from the release's seeded generator."""
+    cfg = dataclasses.replace(CFG, dp="client", min_clients=4)
+    share = 1.0 * 2.0 / math.sqrt(4)
+
+    def secure(count: int, release: int = 1) -> dict[str, torch.Tensor]:
+        noise = [_noised(share, i) for i in range(count)]
+        sums = {k: sum(n[k] for n in noise) for k in MODEL}
+        strategy = _strategy(cfg, release=release)
+        strategy.load_state_dict({})
+        strategy.begin(MODEL)
+        names = {f"c{i}": 1.0 for i in range(count)}
+        strategy.fold_partial(PartialSum(sums, {k: (count, count) for k in MODEL}, count, names))
+        return {"sum": sums["w"] / 5, **strategy.finish()}
+
+    whole = secure(4)
+    torch.testing.assert_close(whole["w"], whole["sum"])  # ÷ D = 5, nothing added
+    short = secure(1)
+    assert float((short["w"] - short["sum"]).std()) == pytest.approx(math.sqrt(1 - 1 / 4) * 2.0 / 5, rel=0.02)
+    assert torch.equal(secure(1)["w"], short["w"]) and not torch.equal(secure(1, release=2)["w"], short["w"])
 
 
 def _adaptive(quantile: float) -> JobConfig:
