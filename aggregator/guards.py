@@ -64,6 +64,7 @@ import numpy as np
 import torch
 
 from fedmq.aggregator.strategies.base import ClientUpdate
+from fedmq.state_checks import all_finite
 
 HISTORY = 10  # rounds whose reference (n, ‖Δ‖) the synchronous guard remembers
 # with no reference norm, an update may move the model by at most this share of its norm: halve, not wipe it
@@ -113,7 +114,7 @@ def beyond_float32(norm: float) -> str | None:
 def first_nonfinite(state: Mapping[str, torch.Tensor]) -> str | None:
     """The name of the first tensor holding a NaN/Inf, or None when the whole state is finite."""
     for name, t in state.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if not all_finite(t):
             return name
     return None
 

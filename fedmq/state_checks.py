@@ -22,6 +22,16 @@ import torch
 NORM_MAX = math.sqrt(float(np.finfo(np.float32).max))  # ‖t‖² must be a float32 number
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` is finite. One read-only pass, its norm: a NaN or an infinity makes
+    the norm non-finite, so a finite norm settles it; only a non-finite one (or an overflow) is looked at
+    element by element. torch's ``isfinite(t).all()`` alone takes about 35 times as long on a model-sized
+    float32 tensor (0.12 s for 10 M elements on the 2-core x86 VM of docs/benchmarks.md)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    return math.isfinite(float(torch.linalg.vector_norm(t))) or bool(torch.isfinite(t).all())
+
+
 def tensor_problem(t: torch.Tensor, shape: Sequence[int] | None = None) -> str | None:
     """Why the tensor ``t`` may not be kept (see the module docstring), or None."""
     if not t.is_floating_point():
@@ -29,12 +39,13 @@ def tensor_problem(t: torch.Tensor, shape: Sequence[int] | None = None) -> str |
     if shape is not None and tuple(t.shape) != tuple(shape):
         return f"shape {list(t.shape)} is not the model's {list(shape)}"
     t = t.detach()
-    if not bool(torch.isfinite(t).all()):
-        return "not finite"
-    # the norm in the tensor's own precision first (no copy of a float32 model); only a norm near the bound,
-    # or one that overflowed there, is computed again in float64 to judge it exactly
+    # the norm in the tensor's own precision first (no copy of a float32 model): one below the bound is also
+    # finite, so every element is (all_finite); only a norm near the bound, or one that is not finite, is
+    # looked at again: element by element, and in float64 to judge it exactly
     if float(torch.linalg.vector_norm(t)) < NORM_MAX * 0.99:
         return None
+    if not all_finite(t):
+        return "not finite"
     norm = float(torch.linalg.vector_norm(t.double()))
     if not norm <= NORM_MAX:
         return f"norm {norm:.3g} > {NORM_MAX:.3g}"

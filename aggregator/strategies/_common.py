@@ -10,6 +10,7 @@ import torch
 
 from fedmq.aggregator.strategies.base import ClientUpdate, State
 from fedmq.errors import StrategyError
+from fedmq.state_checks import all_finite
 
 # Bounds of parameters a constructor can check: finite values beyond them make every update non-finite
 # (skipped) or a round that never fills, so a job would only wait on its deadlines.
@@ -80,7 +81,7 @@ def validate_update(
                 f"update from {update.client!r}: tensor {name!r} has shape {tuple(t.shape)}, "
                 f"expected {tuple(global_state[name].shape)}"
             )
-        if check_finite and t.is_floating_point() and not _all_finite(t):
+        if check_finite and t.is_floating_point() and not all_finite(t):
             raise StrategyError(f"update from {update.client!r}: tensor {name!r} has non-finite values")
 
 
@@ -119,16 +120,8 @@ def check_sums(sums: Mapping[str, torch.Tensor], model: Mapping[str, torch.Tenso
     for name, acc in sums.items():
         if name not in model or tuple(acc.shape) != tuple(model[name].shape):
             raise StrategyError(f"{what}: tensor {name!r} is not one of the model's, or misshaped")
-        if not bool(torch.isfinite(acc).all()):
+        if not all_finite(acc):
             raise StrategyError(f"{what}: tensor {name!r} is not finite")
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    """One read-only pass: a NaN/inf makes the sum non-finite; only then
-    (or on overflow) look element-wise."""
-    if bool(torch.isfinite(t.sum())):
-        return True
-    return bool(torch.isfinite(t).all())
 
 
 def full_tensor(update: ClientUpdate, global_state: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
