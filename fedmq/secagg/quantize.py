@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedmq.errors import SecAggError
-from fedmq.secagg.prg import DTYPE
+from fedmq.secagg.prg import CHUNK, DTYPE
 
 RING_BITS = 32
 MIN_BITS = 8  # fewer bits a coordinate than this is refused rather than run at a uselessly coarse step
@@ -96,20 +96,28 @@ class Quantizer:
 
     def _encode(self, x: np.ndarray, factor: float, rng: np.random.Generator, extra: int) -> np.ndarray:
         """factor · clip(x) as b-bit values, stochastically rounded (floor(y + u), u uniform in [0, 1)), and
-        ``extra`` coordinates more for the caller. In place in one float64 copy of x and the rounding's
-        draws: a model-sized step repeated for every client a host masks."""
-        y = np.array(x, dtype=np.float64).reshape(-1)  # a copy, computed in place from here
-        if not np.isfinite(y).all():
-            raise SecAggError("non-finite", "the update has NaN or infinite coordinates")
-        np.clip(y, -self.clip, self.clip, out=y)
-        if factor != 1.0:
-            y *= factor
-        y += self.clip
-        y /= self.step
-        y += rng.random(y.shape[0])
-        np.floor(y, out=y)
-        out = np.empty(y.shape[0] + extra, DTYPE)
-        out[: y.shape[0]] = y
+        ``extra`` coordinates more for the caller. Computed a cache-sized chunk at a time in float64 (the
+        rounding's draws come in the same order as for the whole vector at once), so a model-sized update
+        costs its uint32 output and no model-sized float64 copies."""
+        x = np.asarray(x).reshape(-1)
+        n = x.shape[0]
+        out = np.empty(n + extra, DTYPE)
+        y = np.empty(min(n, CHUNK), np.float64)
+        for start in range(0, n, CHUNK):
+            part = x[start : start + CHUNK]
+            m = part.shape[0]
+            z = y[:m]
+            z[:] = part
+            if not np.isfinite(z).all():
+                raise SecAggError("non-finite", "the update has NaN or infinite coordinates")
+            np.clip(z, -self.clip, self.clip, out=z)
+            if factor != 1.0:
+                z *= factor
+            z += self.clip
+            z /= self.step
+            z += rng.random(m)
+            np.floor(z, out=z)
+            out[start : start + m] = z
         return out
 
     def _count(self, total: np.ndarray, count: int) -> None:
