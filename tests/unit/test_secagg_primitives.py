@@ -87,6 +87,10 @@ def test_the_prg_refuses_a_short_seed_a_bad_sign_or_a_wrong_buffer():
         prg.apply(np.zeros(10, np.uint32), [(b"short", 1)])
     with pytest.raises(SecAggError, match="bad-parameter"):
         prg.apply(np.zeros(10, np.uint32), [(bytes(32), 2)])
+    total = np.arange(10, dtype=np.uint32)
+    with pytest.raises(SecAggError, match="bad-seed"):  # checked before anything is added
+        prg.apply(total, [(bytes(32), 1), (b"short", 1), (bytes(32), -1)])
+    assert np.array_equal(total, np.arange(10, dtype=np.uint32))
     for wrong in (np.zeros(10, np.int64), np.zeros((2, 5), np.uint32), np.zeros(20, np.uint32)[::2]):
         with pytest.raises(SecAggError, match="bad-length"):
             prg.apply(wrong, [(bytes(32), 1)])

@@ -86,3 +86,21 @@ def test_bad_inputs_are_refused_in_one_line():
         with pytest.raises(SecAggError, match=message) as caught:
             call()
         assert "\n" not in str(caught.value)
+
+
+def test_chunked_codes_are_the_whole_vectors_rounding():
+    """The quantizer works a chunk at a time (prg.CHUNK); its codes are floor((f·clip(x) + c) / step + u) with
+    the draws u in the vector's order, the weight's drawn first, as one pass over the whole vector gives."""
+    from fedmq.secagg.prg import CHUNK
+
+    q = Quantizer.for_clients(100, 0.5)
+    x = np.random.default_rng(3).standard_normal(2 * CHUNK + 7).astype(np.float32)
+    got = q.encode_weighted(x, 0.6, np.random.default_rng(4), 0.5)
+    rng = np.random.default_rng(4)
+    w = np.floor(0.6 * q.levels + rng.random())
+    y = (np.clip(x.astype(np.float64), -0.5, 0.5) * (0.6 * 0.5) + 0.5) / q.step + rng.random(x.size)
+    assert np.array_equal(got, np.append(np.floor(y), w).astype(np.uint32))
+    bad = x.copy()
+    bad[-1] = np.nan  # in the last chunk
+    with pytest.raises(SecAggError, match="non-finite"):
+        q.encode(bad, np.random.default_rng(0))
