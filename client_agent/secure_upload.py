@@ -53,8 +53,9 @@ from fedmq.tasks.base import TrainResult
 
 log = structlog.get_logger(__name__)
 
-# one client of this process quantizes, masks and uploads at a time: that step takes about ten model-sized
-# buffers (float64 copies, the masked vector, the message), and a host's clients all get their inbox at once
+# one client of this process quantizes, masks and uploads at a time: that step takes a few model-sized buffers
+# (its codes, the masked copy, the message; under client DP a stale change's weighed copy and its noise), and
+# a host's clients all get their inbox at once
 MASKING = threading.Lock()
 
 
