@@ -22,18 +22,6 @@ _COUNTER0 = bytes(16)
 CHUNK = 1 << 16  # coordinates of every mask one pass of ``apply`` expands: 256 KiB, held in the CPU's cache
 
 
-def expand(seed: bytes, n: int) -> np.ndarray:
-    """PRG(seed): n uniform elements of Z_{2^32}, the whole vector at once (``apply`` adds masks chunk by
-    chunk; the two read the same keystream)."""
-    if len(seed) != KEY_BYTES:
-        raise SecAggError("bad-seed", f"a PRG seed is {KEY_BYTES} bytes, got {len(seed)}")
-    out = np.empty(n, DTYPE)
-    encryptor = Cipher(algorithms.AES(seed), modes.CTR(_COUNTER0)).encryptor()
-    # keystream = AES-CTR applied to zeros; np.zeros maps zero pages lazily, so the input costs little
-    encryptor.update_into(np.zeros(n, DTYPE).data.cast("B"), out.data.cast("B"))
-    return out
-
-
 def apply(total: np.ndarray, masks: Iterable[tuple[bytes, int]]) -> None:
     """total ← total + Σ sign · PRG(seed) in Z_{2^32}, in place, over ``masks`` (seed, sign ±1). Every mask is
     expanded over one chunk of ``total`` before the next chunk, so the keystream and that chunk of the sum
