@@ -26,7 +26,7 @@ from typing import Any, TypedDict
 import structlog
 import torch
 
-from fedmq import defaults
+from fedmq import client_map, defaults
 from fedmq.broker.transport import topology
 from fedmq.broker.transport.base import Broker, Subscription
 from fedmq.broker.transport.errors import BrokerError
@@ -369,6 +369,8 @@ class Agent:
             raise Offline("fault: connection cut", False)
         # secure aggregation: the keys go out now, so that the cohort forms while the clients train
         clip = cfg.secagg_clip
+        if clip:
+            self._check_secure(payload.get("client"))
         secure = self.secure_upload(self, rnd, version, clip, cfg.train.seed, not sync) if clip else None
         if secure is not None and sync:
             secure.advertise()  # (an asynchronous buffer's client checks in once it has trained)
@@ -457,6 +459,16 @@ class Agent:
             namespace = f"hook.{hook.name or type(hook).__name__}"
             hooks.append((hook, Kept(self.store, self.client, namespace, version)))
         return hooks
+
+    @staticmethod
+    def _check_secure(spec: Any) -> None:
+        """A secure job's client map is of version client_map.SECURE or newer: an older aggregator masks with
+        another PRG (ClientHookError, one line, rather than a round whose masks do not cancel)."""
+        if (spec or {}).get("version", 0) < client_map.SECURE:
+            raise ClientHookError(
+                "the job's aggregator runs an older secure aggregation (another mask PRG): "
+                "upgrade fedmq on the aggregator"
+            )
 
     def _client_hook(self, entry: dict[str, Any]) -> ClientHook:
         """One hook of the client map: imported only from fedmq or the job's strategy's module."""

@@ -12,11 +12,15 @@ from typing import Any
 
 from fedmq.plugins import is_import_path
 
-VERSION = 3  # the newest this build reads
+VERSION = 4  # the newest this build reads
 # what a job without secure aggregation announces, so that agents of version 2 still run it. A secure job
 # announces VERSION (a map even without hooks): an agent of version 2, which would ignore the round config's
 # secagg_clip and upload its update in the clear, refuses the job instead
 PLAIN = 2
+# the first version whose secure jobs mask with today's PRG (fedmq.secagg.prg.NAME; version 3 counted from
+# block 0): an agent and an aggregator on either side of it would not cancel each other's masks, so the
+# older side refuses the job in words instead of the round failing on a sum out of range
+SECURE = 4
 
 
 def shape_ok(entry: Any) -> bool:

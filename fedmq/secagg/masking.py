@@ -9,7 +9,7 @@ drives it message by message (messages.py) and decides who is still there:
   sends everyone the ``Cohort`` and the roster of public keys.
 - Round 1, ShareKeys: ``client.share_keys(cohort, roster)`` → ``SharedKeys``; ``server.receive_shares``.
 - Round 2, MaskedInputCollection: ``server.inbox(name)`` (closes Round 1) → ``client.mask(x, inbox)`` → the
-  masked vector; ``server.receive_masked``.
+  masked vector (x itself, masked in place); ``server.receive_masked``.
 - Round 4, Unmasking: ``server.unmask_request()`` (closes Round 2) → ``client.unmask(request)`` →
   ``UnmaskShares``; ``server.receive_unmask``; ``server.aggregate()`` → the sum of the survivors' inputs.
 
@@ -97,7 +97,8 @@ class MaskingClient:
     def mask(self, x: np.ndarray, inbox: Mapping[str, bytes]) -> np.ndarray:
         """Round 2 (MaskedInputCollection): y_u = x_u + PRG(b_u) + Σ_v Δ_{u,v} · PRG(s_{u,v}) in Z_{2^32},
         over the neighbours v whose shares ``inbox`` brings (those still in the round after Round 1). Each
-        share is decrypted now, so a share altered on the way is named before anything is masked."""
+        share is decrypted now, so a share altered on the way is named before anything is masked. ``x`` is
+        masked in place and returned (no model-sized copy); on a refusal it is left as it was."""
         cohort = self._cohort
         if cohort is None or self._masked_with is not None:
             raise SecAggError("out-of-order", f"{self.name} masks once, after sharing its keys")
@@ -120,10 +121,9 @@ class MaskingClient:
         for v in sorted(inbox):
             pair = keys.derive(self._mask, self._roster[v].mask, keys.MASK_SEED, self.context, self.name, v)
             masks.append((pair, mask_sign(self.name, v)))
-        y = x.copy()
-        prg.apply(y, masks)
+        prg.apply(x, masks)
         self._held, self._masked_with = held, frozenset(inbox)
-        return y
+        return x
 
     def unmask(self, request: UnmaskRequest) -> UnmaskShares:
         """Round 4 (Unmasking): the shares of b_v for surviving neighbours and of s_v^SK for dropped ones.

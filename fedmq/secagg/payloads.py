@@ -104,7 +104,7 @@ FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     },
     "secagg-shares": {"shares": (dict,), "commitment": (bytes,)},
     "secagg-inbox": {"inboxes": (dict,), "max_samples": (int,)},
-    "masked": {"masked": (bytes,)},
+    "masked": {"masked": (bytes, memoryview)},  # a memoryview on the way out (masked_payload)
     "secagg-unmask": {"survivors": (list,), "dropped": (list,)},
     "secagg-answer": {"seeds": (dict,), "keys": (dict,)},
 }
@@ -178,7 +178,10 @@ def shared_keys(p: Mapping[str, Any]) -> SharedKeys:
 
 
 def masked_payload(y: np.ndarray) -> dict[str, Any]:
-    return {"masked": y.astype(prg.DTYPE, copy=False).tobytes()}
+    """The masked vector by reference (its bytes are copied once, into the packed message: broker.wire)."""
+    if y.dtype != prg.DTYPE or y.ndim != 1 or not y.flags.c_contiguous:
+        raise CodecError("bad-payload", f"a masked vector is a contiguous uint32 vector, not {y.dtype}")
+    return {"masked": y.data.cast("B")}
 
 
 def masked(p: Mapping[str, Any]) -> np.ndarray:

@@ -47,7 +47,8 @@ class Round:
 
     def mask(self, inputs: dict[str, np.ndarray], dropped: set[str] = frozenset()) -> dict[str, np.ndarray]:
         """Every client masks; those in ``dropped`` vanish before their vector reaches the server."""
-        masked = {u: self.clients[u].mask(x, self.server.inbox(u)) for u, x in inputs.items()}
+        # (mask works in place: the inputs stay the test's to compare the sum with)
+        masked = {u: self.clients[u].mask(x.copy(), self.server.inbox(u)) for u, x in inputs.items()}
         for u, y in masked.items():
             if u not in dropped:
                 self.server.receive_masked(u, y)
@@ -162,8 +163,17 @@ def test_a_share_tampered_in_transit_is_named_by_its_recipient():
     inbox = run.server.inbox("client-01")
     sender = sorted(inbox)[0]
     inbox[sender] = inbox[sender][:-1] + bytes([inbox[sender][-1] ^ 0x80])
+    x = np.arange(50, dtype=np.uint32)
     with pytest.raises(SecAggError, match=f"bad-ciphertext: the shares {sender} sent to client-01"):
-        run.clients["client-01"].mask(np.zeros(50, np.uint32), inbox)
+        run.clients["client-01"].mask(x, inbox)
+    assert np.array_equal(x, np.arange(50, dtype=np.uint32))  # refused before anything was masked
+
+
+def test_a_client_masks_its_input_in_place():
+    run = Round(names(4), GraphParams(degree=3, threshold=2), 30)
+    x = np.arange(30, dtype=np.uint32)
+    y = run.clients["client-00"].mask(x, run.server.inbox("client-00"))
+    assert y is x and not np.array_equal(x, np.arange(30, dtype=np.uint32))
 
 
 def _lying(answer: UnmaskShares, owner: str) -> UnmaskShares:
@@ -205,7 +215,7 @@ def test_a_wrong_length_vector_is_named_and_changes_nothing():
     m, n = 6, 40
     run = Round(names(m), GraphParams(degree=4, threshold=2), n)
     codes = codes_of(m, n, seed=7)
-    masked = {u: run.clients[u].mask(codes[u], run.server.inbox(u)) for u in names(m)}
+    masked = {u: run.clients[u].mask(codes[u].copy(), run.server.inbox(u)) for u in names(m)}
     for bad in (masked["client-03"][:-1], masked["client-03"].astype(np.int64), [1, 2, 3]):
         with pytest.raises(SecAggError, match="bad-length: client-03 sent .*, 40 uint32 expected"):
             run.server.receive_masked("client-03", bad)

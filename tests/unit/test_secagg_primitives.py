@@ -54,14 +54,14 @@ def _prg(seed: bytes, n: int) -> np.ndarray:
     return mask
 
 
-def test_the_prg_is_aes_ctr_keystream_read_as_little_endian_uint32():
+def test_the_prg_is_aes_ctr_keystream_from_counter_two_read_as_little_endian_uint32():
     seed = bytes(range(32))
     n = prg.CHUNK + 1000  # across a chunk's end: the keystream goes on where the last chunk left it
     mask = _prg(seed, n)
     assert mask.dtype == np.dtype("<u4") and mask.shape == (n,)
-    # independent cross-check: AES-256 of the counter blocks 0, 1, 2, ...
+    # independent cross-check: AES-256 of the counter blocks 0^96 ‖ 2, 0^96 ‖ 3, ...
     ecb = Cipher(algorithms.AES(seed), modes.ECB()).encryptor()
-    blocks = b"".join(i.to_bytes(16, "big") for i in range(n // 4))
+    blocks = b"".join((i + 2).to_bytes(16, "big") for i in range(n // 4))
     assert np.array_equal(mask, np.frombuffer(ecb.update(blocks), "<u4"))
     assert np.array_equal(_prg(seed, n), mask)  # deterministic
     assert np.array_equal(_prg(seed, 10), mask[:10])  # a prefix of the same stream
@@ -100,6 +100,15 @@ def test_the_prg_refuses_a_short_seed_a_bad_sign_or_a_wrong_buffer():
     for wrong in (np.zeros(10, np.int64), np.zeros((2, 5), np.uint32), np.zeros(20, np.uint32)[::2]):
         with pytest.raises(SecAggError, match="bad-length"):
             prg.apply(wrong, [(bytes(32), 1)])
+
+
+def test_the_prg_refuses_a_vector_longer_than_one_key_may_encrypt(monkeypatch: pytest.MonkeyPatch):
+    assert prg.MAX_LENGTH == (2**39 - 256) // 32  # GCM's limit on one nonce, in uint32 coordinates
+    monkeypatch.setattr(prg, "MAX_LENGTH", 9)
+    total = np.arange(10, dtype=np.uint32)
+    with pytest.raises(SecAggError, match="bad-length: a mask covers at most 9 coordinates, not 10"):
+        prg.apply(total, [(bytes(32), 1)])
+    assert np.array_equal(total, np.arange(10, dtype=np.uint32))
 
 
 def test_any_t_of_n_shares_give_the_32_byte_secret_back():

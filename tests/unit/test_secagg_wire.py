@@ -102,8 +102,27 @@ def test_an_agent_too_old_to_mask_refuses_a_secure_job(monkeypatch):
     from fedmq.client_agent.agent import Agent, ClientHookError
 
     spec = client_map(JobConfig(secagg=True))
-    assert spec == {"version": 3, "hooks": []} and client_map(JobConfig()) == {}
+    assert spec == {"version": 4, "hooks": []} and client_map(JobConfig()) == {}
     monkeypatch.setattr(agent_module, "PROTOCOL", 2)
+    with pytest.raises(ClientHookError, match="upgrade fedmq on the agents"):
+        Agent._client_hooks(object.__new__(Agent), spec, 0)
+
+
+def test_agents_and_aggregators_that_mask_with_different_prgs_refuse_each_other(monkeypatch):
+    """Version 4 of the client map brought the mask PRG that counts from block 2 (fedmq.secagg.prg): an agent
+    of version 3 refuses a secure job of version 4, and an agent of version 4 refuses a secure job whose
+    aggregator announces version 3, each in one line, instead of a round whose masks do not cancel."""
+    from fedmq import client_map as versions
+    from fedmq.client_agent import agent as agent_module
+    from fedmq.client_agent.agent import Agent, ClientHookError
+
+    spec = client_map(JobConfig(secagg=True))
+    assert spec["version"] == versions.SECURE == versions.VERSION
+    Agent._check_secure(spec)  # today's aggregator: taken
+    for older in ({"version": 3, "hooks": []}, {}, None):
+        with pytest.raises(ClientHookError, match="upgrade fedmq on the aggregator"):
+            Agent._check_secure(older)
+    monkeypatch.setattr(agent_module, "PROTOCOL", 3)
     with pytest.raises(ClientHookError, match="upgrade fedmq on the agents"):
         Agent._client_hooks(object.__new__(Agent), spec, 0)
 
@@ -153,6 +172,16 @@ def test_every_step_survives_the_wire_and_a_malformed_one_is_refused():
         with pytest.raises(CodecError) as err:
             messages.encode(messages.secagg(kind, "job", 3, "agent-1", 2, payload))
         assert err.value.reason == "bad-payload", kind
+    for wrong in (np.arange(8, dtype=np.int64), np.arange(8, dtype=np.uint32)[::2]):
+        with pytest.raises(CodecError, match="contiguous uint32"):
+            payloads.masked_payload(wrong)
+
+
+def test_a_masked_upload_carries_the_vector_by_reference_and_arrives_as_its_bytes():
+    big = np.arange(300_000, dtype=np.uint32)  # past the size the packer keeps by reference
+    payload = payloads.masked_payload(big)
+    assert isinstance(payload["masked"], memoryview) and payload["masked"].obj is big
+    assert np.array_equal(payloads.masked(_roundtrip(Kind.MASKED, payload)), big)
 
 
 def test_a_secure_buffer_folds_what_buffered_async_folds_one_by_one():
