@@ -81,7 +81,7 @@ from fedmq.broker.transport.errors import Undeliverable
 from fedmq.broker.wire import messages
 from fedmq.broker.wire.encodings import raw_nbytes
 from fedmq.broker.wire.envelope import Envelope, Kind, Limits
-from fedmq.broker.wire.malloc import release_free
+from fedmq.broker.wire.malloc import Trimmer
 from fedmq.errors import BadParameter, CodecError, FedmqError
 from fedmq.files import replacing
 from fedmq.manifest import Manifest
@@ -182,7 +182,7 @@ class Engine:
         self.budget_spent = False  # the target ε ended the job (within_budget)
         self.phase = "starting"
         self._consumer: str | None = None
-        self._taken = 0  # parkings and folds, for RELEASE_EVERY
+        self._trimmer = Trimmer(RELEASE_EVERY)  # parkings and folds
         # checkpoints and best.pt are written while the next round runs (aggregator.checkpoint_writer)
         self.writer = CheckpointWriter()
         self._new_best: dict[str, torch.Tensor] | None = None  # a new best: best.pt, beside the checkpoint
@@ -437,9 +437,7 @@ class Engine:
         """An update parked or folded (a parked one counts again when folded): every RELEASE_EVERY the heap's
         free pages go back (broker.wire.malloc). Parking counts: a round whose first client in fold order is
         late parks hundreds, and the heap grows meanwhile (in a simulation, with its agents' work too)."""
-        self._taken += 1
-        if self._taken % RELEASE_EVERY == 0:
-            release_free()
+        self._trimmer.took()
 
     def begin_strategy(self, stats: RoundStats, choice: str, **extra: Any) -> Strategy:
         """The round's strategy ``choice`` built from the job's settings and begun with the global model;

@@ -33,11 +33,10 @@ from fedmq.broker.transport.errors import BrokerError
 from fedmq.broker.wire import messages
 from fedmq.broker.wire.encodings import EncodingSpec, decode_state, encode_state
 from fedmq.broker.wire.envelope import Envelope, Kind
-from fedmq.broker.wire.malloc import release_free
 from fedmq.broker.wire.messages import RoundConfig
 from fedmq.client_agent.availability import Availability, Faults
 from fedmq.client_agent.joining import decode_event, join, leave, publish_presence
-from fedmq.client_agent.secure_upload import SecureUpload, flat_change
+from fedmq.client_agent.secure_upload import FREED, SecureUpload, flat_change
 from fedmq.client_agent.state import MemoryStore
 from fedmq.client_agent.trainers import TrainerPool
 from fedmq.errors import CodecError, FedmqError
@@ -402,7 +401,7 @@ class Agent:
                 self._keep(held, cfg, version)
                 # while it waits for the cohort, the client holds its change and nothing model-sized else
                 held = start = trained = context.held = context.trained = {}
-                release_free()
+                FREED.took()
             else:
                 prepared = self._prepare(trained, held, cfg, rnd, version, result, hooks=hooks)
             waits = secure is not None or (sync and cfg.grant) or "slow" in faults or "crash-grant" in faults

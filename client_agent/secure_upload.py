@@ -40,7 +40,7 @@ import torch
 from fedmq.broker.transport import topology
 from fedmq.broker.wire import messages
 from fedmq.broker.wire.envelope import Envelope, Kind
-from fedmq.broker.wire.malloc import release_free
+from fedmq.broker.wire.malloc import Trimmer
 from fedmq.errors import SecAggError
 from fedmq.hooks import stable_seed
 from fedmq.privacy.client_dp import ClientDP
@@ -57,6 +57,11 @@ log = structlog.get_logger(__name__)
 # (its codes, the masked copy, the message; under client DP a stale change's weighed copy and its noise), and
 # a host's clients all get their inbox at once
 MASKING = threading.Lock()
+# a client frees model-sized buffers twice (its trained model once its change is taken, its masked upload once
+# sent): the process's free pages go back to the OS every TRIM_EVERY of those (broker.wire.malloc), so that a
+# host's heap stays bounded without refilling it for every client
+TRIM_EVERY = 4
+FREED = Trimmer(TRIM_EVERY)
 
 
 class Link(Protocol):
@@ -81,7 +86,16 @@ class Link(Protocol):
 def flat_change(upload: Mapping[str, torch.Tensor], held: Mapping[str, torch.Tensor]) -> np.ndarray:
     """The update as one float32 vector: upload − held, tensor by tensor in the order of their names (the
     aggregator reads the sum back in the same order: aggregator.secure_round.unflatten)."""
-    return np.concatenate([(upload[k].float() - held[k].float()).reshape(-1).numpy() for k in sorted(held)])
+    names = sorted(held)
+    out = np.empty(sum(held[k].numel() for k in names), np.float32)
+    at = 0
+    for k in names:  # each difference written into its place: no per-tensor copies to concatenate
+        n = held[k].numel()
+        torch.sub(
+            upload[k].float().reshape(-1), held[k].float().reshape(-1), out=torch.from_numpy(out[at : at + n])
+        )
+        at += n
+    return out
 
 
 class SecureUpload:
@@ -173,7 +187,7 @@ class SecureUpload:
             del masked
         agent._upload_masked(self.rnd, self.version, result, up)
         del up, change
-        release_free()  # its model-sized buffers back to the OS (broker.wire.malloc: the heap fragments)
+        FREED.took()
         env = agent._wait_for(Kind.SECAGG_UNMASK, self.rnd)
         if env is None or agent.client not in env.payload["survivors"]:
             return False  # the round went on without us (our masked input came too late)

@@ -479,3 +479,24 @@ def test_as_delta_needs_the_base_and_still_rejects_nan() -> None:
     bad = {**STATE, "rnn.bias": np.full(96, np.nan, np.float32)}
     assert _reason(_enc("raw", state=bad), base=BASE, as_delta=True) == "non-finite"
     assert _reason(_enc("fp16", state=bad), base=BASE, as_delta=True) == "non-finite"
+
+
+def test_a_trimmer_gives_the_free_pages_back_at_every_nth_freed_buffer_counted_across_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+
+    from fedmq.broker.wire import malloc
+
+    returns: list[int] = []
+    monkeypatch.setattr(malloc, "release_free", lambda: returns.append(1) or True)
+    trimmer = malloc.Trimmer(4)
+    assert [trimmer.took() for _ in range(8)] == [False, False, False, True] * 2
+    threads = [threading.Thread(target=lambda: [trimmer.took() for _ in range(100)]) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(returns) == 2 + 8 * 100 // 4  # not one call lost or doubled between the threads
+    with pytest.raises(ValueError, match="at least 1"):
+        malloc.Trimmer(0)
