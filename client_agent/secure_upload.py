@@ -53,9 +53,9 @@ from fedmq.tasks.base import TrainResult
 
 log = structlog.get_logger(__name__)
 
-# one client of this process quantizes, masks and uploads at a time: that step takes a few model-sized buffers
-# (its codes, the masked copy, the message; under client DP a stale change's weighed copy and its noise), and
-# a host's clients all get their inbox at once
+# one client of this process quantizes, masks and uploads at a time: that step takes its codes (masked in
+# place; under client DP also a stale change's weighed copy and its noise), and the packed message takes one
+# more model-sized buffer; a host's clients all get their inbox at once
 MASKING = threading.Lock()
 # a client frees model-sized buffers twice (its trained model once its change is taken, its masked upload once
 # sent): the process's free pages go back to the OS every TRIM_EVERY of those (broker.wire.malloc), so that a
@@ -200,7 +200,8 @@ class SecureUpload:
         return True
 
     def masked(self, x: np.ndarray, inbox: Mapping[str, bytes]) -> np.ndarray:
-        """The quantized input ``x`` masked with the pairwise masks of the neighbours in ``inbox``."""
+        """The quantized input ``x`` masked, in place, with its self mask and the pairwise masks of the
+        neighbours in ``inbox``."""
         return self.masking.mask(x, inbox)
 
     def _send(self, kind: Kind, payload: dict) -> None:

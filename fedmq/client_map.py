@@ -17,9 +17,10 @@ VERSION = 4  # the newest this build reads
 # announces VERSION (a map even without hooks): an agent of version 2, which would ignore the round config's
 # secagg_clip and upload its update in the clear, refuses the job instead
 PLAIN = 2
-# the first version whose secure jobs mask with today's PRG (fedmq.secagg.prg.NAME; version 3 counted from
-# block 0): an agent and an aggregator on either side of it would not cancel each other's masks, so the
-# older side refuses the job in words instead of the round failing on a sum out of range
+# the first version whose secure jobs mask with today's PRG (fedmq.secagg.prg: AES-256 counting from block 2;
+# version 3 counted from block 0): an agent and an aggregator on either side of it would not cancel each
+# other's masks, so the agent refuses the job in words instead of the round failing on a sum out of range (an
+# agent of version 3 refuses the newer map; one of version 4, a secure job announcing an older one)
 SECURE = 4
 
 

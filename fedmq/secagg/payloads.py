@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from fedmq.errors import CodecError
+from fedmq.errors import CodecError, SecAggError
 from fedmq.secagg import prg
 from fedmq.secagg.graph import SEED_BYTES, Cohort, GraphParams
 from fedmq.secagg.keys import KEY_BYTES, PublicKeys
@@ -180,7 +180,7 @@ def shared_keys(p: Mapping[str, Any]) -> SharedKeys:
 def masked_payload(y: np.ndarray) -> dict[str, Any]:
     """The masked vector by reference (its bytes are copied once, into the packed message: broker.wire)."""
     if y.dtype != prg.DTYPE or y.ndim != 1 or not y.flags.c_contiguous:
-        raise CodecError("bad-payload", f"a masked vector is a contiguous uint32 vector, not {y.dtype}")
+        raise SecAggError("bad-length", "a masked vector is one contiguous uint32 vector")
     return {"masked": y.data.cast("B")}
 
 

@@ -13,7 +13,7 @@ from fedmq.aggregator.strategies.fedavg import FedAvg
 from fedmq.aggregator.strategies.registry import client_map, strategy_class
 from fedmq.broker.wire import messages
 from fedmq.broker.wire.envelope import Kind
-from fedmq.errors import CodecError
+from fedmq.errors import CodecError, SecAggError
 from fedmq.secagg import graph, payloads
 from fedmq.secagg.masking import MaskingClient
 from fedmq.secagg.messages import UnmaskRequest, UnmaskShares
@@ -173,7 +173,7 @@ def test_every_step_survives_the_wire_and_a_malformed_one_is_refused():
             messages.encode(messages.secagg(kind, "job", 3, "agent-1", 2, payload))
         assert err.value.reason == "bad-payload", kind
     for wrong in (np.arange(8, dtype=np.int64), np.arange(8, dtype=np.uint32)[::2]):
-        with pytest.raises(CodecError, match="contiguous uint32"):
+        with pytest.raises(SecAggError, match="bad-length: a masked vector is one contiguous uint32"):
             payloads.masked_payload(wrong)
 
 
@@ -236,3 +236,27 @@ def test_a_grant_names_whom_it_releases_and_whose_check_in_it_refuses():
                     messages.secagg(Kind.GRANT, "job", 3, "aggregator", 2, {"granted": [], field: bad})
                 )
             assert err.value.reason == "bad-payload"
+
+
+def test_a_change_is_flattened_name_by_name_in_float32_for_any_dtype_and_layout():
+    """flat_change writes each difference into its place: the same vector as concatenating the per-tensor
+    float32 differences in the order of their names (what the aggregator unflattens), whatever the dtype,
+    layout or rank of a tensor."""
+    import torch
+
+    from fedmq.client_agent.secure_upload import flat_change
+
+    g = torch.Generator().manual_seed(3)
+    held = {
+        "w": torch.randn(4, 3, generator=g).t(),  # not contiguous
+        "b": torch.randn(5, generator=g).half(),
+        "count": torch.tensor(7, dtype=torch.int64),  # 0-d, integer
+        "a.emb": torch.randn(2, 3, 2, generator=g),
+    }
+    upload = {k: (v + 1 if not v.is_floating_point() else v * 1.5 + 0.25) for k, v in held.items()}
+    expected = np.concatenate(
+        [(upload[k].float() - held[k].float()).reshape(-1).numpy() for k in sorted(held)]
+    )
+    got = flat_change(upload, held)
+    assert got.dtype == np.float32 and got.shape == (12 + 5 + 1 + 12,)
+    assert np.array_equal(got, expected)
