@@ -462,10 +462,10 @@ class Agent:
     @staticmethod
     def _check_secure(spec: Any) -> None:
         """A secure job's client map is of version client_map.SECURE or newer: an older aggregator masks with
-        another PRG (ClientHookError, one line, rather than a round whose masks do not cancel)."""
+        other masks (ClientHookError, one line, rather than a round whose masks do not cancel)."""
         if (spec or {}).get("version", 0) < client_map.SECURE:
             raise ClientHookError(
-                "the job's aggregator runs an older secure aggregation (another mask PRG): "
+                "the job's aggregator runs an older secure aggregation (other masks): "
                 "upgrade fedmq on the aggregator"
             )
 

@@ -12,16 +12,18 @@ from typing import Any
 
 from fedmq.plugins import is_import_path
 
-VERSION = 4  # the newest this build reads
+VERSION = 5  # the newest this build reads
 # what a job without secure aggregation announces, so that agents of version 2 still run it. A secure job
 # announces VERSION (a map even without hooks): an agent of version 2, which would ignore the round config's
 # secagg_clip and upload its update in the clear, refuses the job instead
 PLAIN = 2
-# the first version whose secure jobs mask with today's PRG (fedmq.secagg.prg: AES-256 counting from block 2;
-# version 3 counted from block 0): an agent and an aggregator on either side of it would not cancel each
-# other's masks, so the agent refuses the job in words instead of the round failing on a sum out of range (an
-# agent of version 3 refuses the newer map; one of version 4, a secure job announcing an older one)
-SECURE = 4
+# the first version whose secure jobs mask as this build does (fedmq.secagg: the PRG is AES-256 counting from
+# block 2, and s_u^SK and b_u are expanded from the 16-byte secrets that Shamir shares; version 4 shared the
+# 32-byte keys themselves, version 3 also counted from block 0): an agent and an aggregator on either side of
+# it would not cancel each other's masks, so the agent refuses the job in words instead of the round failing
+# on a sum out of range (an agent of version 4 refuses the newer map; one of version 5, a secure job
+# announcing an older one)
+SECURE = 5
 
 
 def shape_ok(entry: Any) -> bool:

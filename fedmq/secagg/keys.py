@@ -10,6 +10,11 @@ Here KA is X25519 and its shared secret goes through HKDF-SHA256 (RFC 5869) with
 is for and the round or buffer it belongs to (``context``), so that the two uses never share a key and no key
 is reused across rounds even if a client kept its key pairs. AE is AES-256-GCM with the context and the
 (sender, recipient) pair as associated data: a share moved to another pair, round or buffer fails to decrypt.
+
+What a client secret-shares is 16 random bytes in place of each of s_u^SK and b_u (``expand``: HKDF-SHA256 to
+the X25519 private key, ``mask_key``, and to the key of the self mask's PRG): pycryptodome's Shamir shares
+one 16-byte block at a time in pure Python, and 128 bits are X25519's own security level, so sharing the
+32-byte keys themselves would double that cost for no security.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from fedmq.errors import SecAggError
 KEY_BYTES = 32  # X25519 keys, derived keys and PRG seeds
 NONCE_BYTES = 12  # AES-GCM's nonce
 MASK_SEED = "pairwise-mask-seed"
+MASK_KEY = "mask-private-key"
+SELF_MASK = "self-mask-seed"
 SHARE_KEY = "share-encryption-key"
 
 
@@ -48,15 +55,17 @@ def public_bytes(private: X25519PrivateKey) -> bytes:
     return private.public_key().public_bytes_raw()
 
 
-def private_bytes(private: X25519PrivateKey) -> bytes:
-    """The raw 32 bytes of a private key: what Shamir shares (Round 1 ShareKeys shares s_u^SK)."""
-    return private.private_bytes_raw()
+def expand(secret: bytes, purpose: str, context: str, owner: str) -> bytes:
+    """HKDF-SHA256 of a client's shared secret (16 random bytes: shamir.SECRET_BYTES) to the 32 bytes of
+    ``purpose`` in ``context``: the server that rebuilds the secret derives the same bytes."""
+    info = _info(purpose, context, owner, "")
+    return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None, info=info).derive(secret)
 
 
-def private_from_bytes(raw: bytes) -> X25519PrivateKey:
-    if len(raw) != KEY_BYTES:
-        raise SecAggError("bad-key", f"a private key is {KEY_BYTES} bytes, got {len(raw)}")
-    return X25519PrivateKey.from_private_bytes(raw)
+def mask_key(secret: bytes, context: str, owner: str) -> X25519PrivateKey:
+    """s_u^SK, expanded from the secret that Shamir shares in its place (Round 1 ShareKeys shares s_u^SK):
+    any 32 bytes are an X25519 private key, and 128 random bits are X25519's own security level."""
+    return X25519PrivateKey.from_private_bytes(expand(secret, MASK_KEY, context, owner))
 
 
 def _field(data: bytes) -> bytes:

@@ -41,7 +41,7 @@ from fedmq.secagg.messages import (
 
 
 def seed_commitment(context: str, owner: str, seed: bytes) -> bytes:
-    """SHA-256 of the self-mask seed b_u, bound to the round and its owner (b_u is 32 random bytes, so the
+    """SHA-256 of the self-mask seed b_u, bound to the round and its owner (b_u is 16 random bytes, so the
     commitment tells nothing about it)."""
     parts = (b"fedmq-secagg-v1/seed", context.encode(), owner.encode(), seed)
     return hashlib.sha256(b"".join(len(p).to_bytes(4, "big") + p for p in parts)).digest()
@@ -59,11 +59,15 @@ class MaskingClient:
         self.name = name
         self.context = context
         self._channel = keys.generate()  # c_u
-        self._mask = keys.generate()  # s_u
-        self._seed = os.urandom(keys.KEY_BYTES)  # b_u
+        # what Shamir shares: s_u^SK and PRG(b_u)'s key are expanded from 16 random bytes each (keys.expand)
+        self._key_secret = os.urandom(shamir.SECRET_BYTES)
+        self._mask = keys.mask_key(self._key_secret, context, name)  # s_u
+        self._seed = os.urandom(shamir.SECRET_BYTES)  # b_u
         self._cohort: Cohort | None = None
         self._roster: Mapping[str, PublicKeys] = {}
         self._held: dict[str, tuple[shamir.Share, shamir.Share]] = {}  # neighbour → (key share, seed share)
+        # neighbour → the key agreed on the channel (keys.derive puts the pair in order: one key both ways)
+        self._channel_keys: dict[str, bytes] = {}
         self._masked_with: frozenset[str] | None = None
         self._answered = False
 
@@ -84,11 +88,12 @@ class MaskingClient:
             raise SecAggError("bad-roster", f"the roster lacks the keys of {', '.join(missing)}")
         self._cohort, self._roster = cohort, dict(roster)
         t, k = cohort.threshold, len(neighbours)
-        key_shares = shamir.split(keys.private_bytes(self._mask), t, k)
+        key_shares = shamir.split(self._key_secret, t, k)
         seed_shares = shamir.split(self._seed, t, k)
         ciphertexts = {}
         for v, key_share, seed_share in zip(neighbours, key_shares, seed_shares):
             secret = keys.derive(self._channel, roster[v].channel, keys.SHARE_KEY, self.context, self.name, v)
+            self._channel_keys[v] = secret
             ciphertexts[v] = keys.encrypt(
                 secret, self.context, self.name, v, pack_shares(key_share, seed_share)
             )
@@ -111,13 +116,11 @@ class MaskingClient:
             )
         held = {}
         for v, ciphertext in sorted(inbox.items()):
-            secret = keys.derive(
-                self._channel, self._roster[v].channel, keys.SHARE_KEY, self.context, v, self.name
-            )
-            held[v] = unpack_shares(keys.decrypt(secret, self.context, v, self.name, ciphertext), v)
+            plaintext = keys.decrypt(self._channel_keys[v], self.context, v, self.name, ciphertext)
+            held[v] = unpack_shares(plaintext, v)
             if held[v][0].index != cohort.neighbours(v).index(self.name) + 1:
                 raise SecAggError("bad-share", f"the shares {v} sent {self.name} carry the wrong index")
-        masks = [(self._seed, 1)]
+        masks = [(keys.expand(self._seed, keys.SELF_MASK, self.context, self.name), 1)]
         for v in sorted(inbox):
             pair = keys.derive(self._mask, self._roster[v].mask, keys.MASK_SEED, self.context, self.name, v)
             masks.append((pair, mask_sign(self.name, v)))
@@ -256,7 +259,8 @@ class MaskingServer:
             what = f"{owner}'s mask key"
 
             def check(secret: bytes) -> bool:
-                return keys.public_bytes(keys.private_from_bytes(secret)) == self.roster[owner].mask
+                rebuilt = keys.mask_key(secret, self.context, owner)
+                return keys.public_bytes(rebuilt) == self.roster[owner].mask
 
         secret, bad = shamir.recover(holders, self.cohort.threshold, check, what)
         self.faults += [f"{h}'s share of {what} is wrong" for h in bad]
@@ -267,9 +271,12 @@ class MaskingServer:
         pairwise masks its dropped neighbours will never cancel. Any secret that cannot be rebuilt and
         checked is a SecAggError, and nothing is returned."""
         self._enter(4, "the aggregate")
-        masks = [(self._recover(u, "seeds"), -1) for u in sorted(self._masked)]
+        masks = [
+            (keys.expand(self._recover(u, "seeds"), keys.SELF_MASK, self.context, u), -1)
+            for u in sorted(self._masked)
+        ]
         for u in sorted(set(self._shared) - self._masked):
-            private = keys.private_from_bytes(self._recover(u, "keys"))
+            private = keys.mask_key(self._recover(u, "keys"), self.context, u)
             for v in self._partners(u):
                 if v in self._masked:  # v added Δ_{v,u} · PRG(s_{v,u}); take it out
                     pair = keys.derive(private, self.roster[v].mask, keys.MASK_SEED, self.context, u, v)

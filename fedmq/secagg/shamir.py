@@ -1,10 +1,11 @@
-"""t-of-n Shamir secret sharing of 32-byte secrets (self-mask seeds b_u and mask private keys s_u^SK).
+"""t-of-n Shamir secret sharing of 16-byte secrets (what self-mask seeds b_u and mask private keys s_u^SK are
+expanded from: masking.py).
 
 Bonawitz et al. 2017, Fig. 4, Round 1 (ShareKeys) shares b_u and s_u^SK t-out-of-n; Bell et al. 2020 (CCS,
 "Secure single-server aggregation with (poly)logarithmic overhead") share them among a client's k neighbours
 only. The field arithmetic is pycryptodome's (`Crypto.Protocol.SecretSharing.Shamir`, a maintained library):
-it shares 16-byte secrets over GF(2^128), so a 32-byte secret is shared as its two 16-byte halves, each with
-its own random polynomial, and a holder's share is the pair of half-shares at the same index (32 bytes).
+it shares one 16-byte secret over GF(2^128), in pure Python, so each secret is one 16-byte block: 128 bits,
+the security level of X25519 itself, at half the cost of sharing and rebuilding 32 bytes as two blocks.
 
 A wrong share makes Shamir reconstruct a wrong secret without noticing, so every reconstruction here is
 checked against what the owner committed to (``check``): with more shares than needed, the server looks for a
@@ -21,15 +22,14 @@ from Crypto.Protocol.SecretSharing import Shamir
 
 from fedmq.errors import SecAggError
 
-SECRET_BYTES = 32
-_HALF = 16
+SECRET_BYTES = 16  # one GF(2^128) element: what pycryptodome shares
 MAX_SUBSETS = 64  # subsets of the shares tried before a reconstruction that fails its check is given up
 
 
 @dataclass(frozen=True)
 class Share:
     index: int  # the x-coordinate, 1..n
-    data: bytes  # the two half-shares, 16 bytes each
+    data: bytes  # SECRET_BYTES
 
     def __post_init__(self) -> None:
         if not 1 <= self.index < 2**16 or len(self.data) != SECRET_BYTES:
@@ -42,19 +42,15 @@ def split(secret: bytes, threshold: int, count: int) -> list[Share]:
         raise SecAggError("bad-secret", f"a shared secret is {SECRET_BYTES} bytes, got {len(secret)}")
     if not 1 <= threshold <= count:
         raise SecAggError("bad-parameter", f"threshold {threshold} is not within 1..{count} shares")
-    low = Shamir.split(threshold, count, secret[:_HALF], ssss=False)
-    high = Shamir.split(threshold, count, secret[_HALF:], ssss=False)
-    return [Share(i, a + b) for (i, a), (j, b) in zip(low, high) if i == j]
+    return [Share(i, data) for i, data in Shamir.split(threshold, count, secret, ssss=False)]
 
 
 def combine(shares: list[Share]) -> bytes:
     """SS.recon from exactly ``threshold`` shares (pycryptodome wants no more than needed)."""
     try:
-        low = Shamir.combine([(s.index, s.data[:_HALF]) for s in shares], ssss=False)
-        high = Shamir.combine([(s.index, s.data[_HALF:]) for s in shares], ssss=False)
+        return Shamir.combine([(s.index, s.data) for s in shares], ssss=False)
     except ValueError as exc:
         raise SecAggError("bad-share", f"shares do not combine: {exc}") from None
-    return low + high
 
 
 def recover(

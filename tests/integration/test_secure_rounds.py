@@ -306,7 +306,7 @@ def test_hostile_clients_are_named_and_the_sum_stays_the_honest_survivors(task, 
                 payload = {**payload, "shares": {**payload["shares"], victim: bytes(ct)}}
             if kind.value == "secagg-answer" and me == "h0-4":
                 answer = payloads.unmask_shares(payload)
-                wrong = {v: Share(s.index, bytes(32)) for v, s in answer.seeds.items()}
+                wrong = {v: Share(s.index, bytes(16)) for v, s in answer.seeds.items()}
                 payload = payloads.answer_payload(UnmaskShares(wrong, answer.keys))
             super()._send(kind, payload)
 

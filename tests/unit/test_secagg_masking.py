@@ -178,7 +178,7 @@ def test_a_client_masks_its_input_in_place():
 
 def _lying(answer: UnmaskShares, owner: str) -> UnmaskShares:
     seeds = dict(answer.seeds)
-    seeds[owner] = Share(seeds[owner].index, bytes(32))
+    seeds[owner] = Share(seeds[owner].index, bytes(16))
     return UnmaskShares(seeds, answer.keys)
 
 

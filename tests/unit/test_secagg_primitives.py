@@ -111,20 +111,20 @@ def test_the_prg_refuses_a_vector_longer_than_one_key_may_encrypt(monkeypatch: p
     assert np.array_equal(total, np.arange(10, dtype=np.uint32))
 
 
-def test_any_t_of_n_shares_give_the_32_byte_secret_back():
-    secret = os.urandom(32)
+def test_any_t_of_n_shares_give_the_16_byte_secret_back():
+    secret = os.urandom(16)
     shares = shamir.split(secret, 3, 6)
-    assert [s.index for s in shares] == [1, 2, 3, 4, 5, 6] and all(len(s.data) == 32 for s in shares)
+    assert [s.index for s in shares] == [1, 2, 3, 4, 5, 6] and all(len(s.data) == 16 for s in shares)
     for subset in ([0, 1, 2], [5, 3, 1], [2, 4, 5]):
         assert shamir.combine([shares[i] for i in subset]) == secret
-    # fewer than t shares: pycryptodome still returns 32 bytes, but not the secret; hence recover's check
+    # fewer than t shares: pycryptodome still returns 16 bytes, but not the secret; hence recover's check
     assert shamir.combine(shares[:2]) != secret
 
 
 def test_recover_checks_the_secret_and_names_a_wrong_share():
-    secret = os.urandom(32)
+    secret = os.urandom(16)
     held = dict(zip("abcdef", shamir.split(secret, 3, 6)))
-    held["a"] = shamir.Share(held["a"].index, bytes(32))
+    held["a"] = shamir.Share(held["a"].index, bytes(16))
 
     def check(candidate: bytes) -> bool:
         return candidate == secret
@@ -139,10 +139,26 @@ def test_recover_checks_the_secret_and_names_a_wrong_share():
         shamir.recover({h: held[h] for h in "abc"}, 3, check, "alice's seed")
 
 
+def test_a_shared_secret_expands_to_its_own_key_for_each_purpose_round_and_owner():
+    """What Shamir shares is 16 bytes; the X25519 mask key and the self mask's PRG key are expanded from it,
+    so the server that rebuilds it derives the key the owner advertised, and nothing else derives that key."""
+    secret = os.urandom(shamir.SECRET_BYTES)
+    key = keys.mask_key(secret, "job/round-1", "alice")
+    assert key.private_bytes_raw() == keys.expand(secret, keys.MASK_KEY, "job/round-1", "alice")
+    assert keys.public_bytes(keys.mask_key(secret, "job/round-1", "alice")) == keys.public_bytes(key)
+    expanded = {
+        keys.expand(secret, purpose, context, owner)
+        for purpose in (keys.MASK_KEY, keys.SELF_MASK)
+        for context in ("job/round-1", "job/round-2")
+        for owner in ("alice", "bob")
+    }
+    assert len(expanded) == 8 and {len(x) for x in expanded} == {keys.KEY_BYTES}
+
+
 def test_shamir_refuses_bad_parameters():
     with pytest.raises(SecAggError, match="bad-secret"):
-        shamir.split(b"x" * 31, 2, 3)
+        shamir.split(b"x" * 32, 2, 3)
     with pytest.raises(SecAggError, match="bad-parameter"):
-        shamir.split(b"x" * 32, 4, 3)
+        shamir.split(b"x" * 16, 4, 3)
     with pytest.raises(SecAggError, match="bad-share"):
-        shamir.Share(0, bytes(32))
+        shamir.Share(0, bytes(16))

@@ -102,16 +102,17 @@ def test_an_agent_too_old_to_mask_refuses_a_secure_job(monkeypatch):
     from fedmq.client_agent.agent import Agent, ClientHookError
 
     spec = client_map(JobConfig(secagg=True))
-    assert spec == {"version": 4, "hooks": []} and client_map(JobConfig()) == {}
+    assert spec == {"version": 5, "hooks": []} and client_map(JobConfig()) == {}
     monkeypatch.setattr(agent_module, "PROTOCOL", 2)
     with pytest.raises(ClientHookError, match="upgrade fedmq on the agents"):
         Agent._client_hooks(object.__new__(Agent), spec, 0)
 
 
-def test_agents_and_aggregators_that_mask_with_different_prgs_refuse_each_other(monkeypatch):
-    """Version 4 of the client map brought the mask PRG that counts from block 2 (fedmq.secagg.prg): an agent
-    of version 3 refuses a secure job of version 4, and an agent of version 4 refuses a secure job whose
-    aggregator announces version 3, each in one line, instead of a round whose masks do not cancel."""
+def test_agents_and_aggregators_that_mask_differently_refuse_each_other(monkeypatch):
+    """Version 5 of the client map brought masks expanded from 16-byte shared secrets (version 4, the PRG
+    that counts from block 2: fedmq.secagg.prg): an agent of version 4 refuses a secure job of version 5, and
+    an agent of version 5 refuses a secure job whose aggregator announces version 4 or 3, each in one line,
+    instead of a round whose masks do not cancel."""
     from fedmq import client_map as versions
     from fedmq.client_agent import agent as agent_module
     from fedmq.client_agent.agent import Agent, ClientHookError
@@ -119,10 +120,10 @@ def test_agents_and_aggregators_that_mask_with_different_prgs_refuse_each_other(
     spec = client_map(JobConfig(secagg=True))
     assert spec["version"] == versions.SECURE == versions.VERSION
     Agent._check_secure(spec)  # today's aggregator: taken
-    for older in ({"version": 3, "hooks": []}, {}, None):
+    for older in ({"version": 4, "hooks": []}, {"version": 3, "hooks": []}, {}, None):
         with pytest.raises(ClientHookError, match="upgrade fedmq on the aggregator"):
             Agent._check_secure(older)
-    monkeypatch.setattr(agent_module, "PROTOCOL", 3)
+    monkeypatch.setattr(agent_module, "PROTOCOL", 4)
     with pytest.raises(ClientHookError, match="upgrade fedmq on the agents"):
         Agent._client_hooks(object.__new__(Agent), spec, 0)
 
@@ -153,7 +154,7 @@ def test_every_step_survives_the_wire_and_a_malformed_one_is_refused():
     assert (
         payloads.unmask_request(_roundtrip(Kind.SECAGG_UNMASK, payloads.unmask_payload(request))) == request
     )
-    answer = UnmaskShares({"b": Share(1, bytes(32))}, {"c": Share(2, b"\1" * 32)})
+    answer = UnmaskShares({"b": Share(1, bytes(16))}, {"c": Share(2, b"\1" * 16)})
     assert payloads.unmask_shares(_roundtrip(Kind.SECAGG_ANSWER, payloads.answer_payload(answer))) == answer
 
     bad = [
@@ -165,8 +166,8 @@ def test_every_step_survives_the_wire_and_a_malformed_one_is_refused():
         (Kind.SECAGG_INBOX, {"inboxes": {}, "max_samples": -1}),
         (Kind.MASKED, {"masked": b"\0" * 6}),
         (Kind.SECAGG_UNMASK, {"survivors": ["a", "a"], "dropped": []}),
-        (Kind.SECAGG_ANSWER, {"seeds": {"b": [0, bytes(32)]}, "keys": {}}),
-        (Kind.SECAGG_ANSWER, {"seeds": {}, "keys": {"c": [1, bytes(31)]}}),
+        (Kind.SECAGG_ANSWER, {"seeds": {"b": [0, bytes(16)]}, "keys": {}}),
+        (Kind.SECAGG_ANSWER, {"seeds": {}, "keys": {"c": [1, bytes(15)]}}),
     ]
     for kind, payload in bad:
         with pytest.raises(CodecError) as err:
