@@ -33,6 +33,7 @@ from typing import Any
 import structlog
 import torch
 
+from fedmq.aggregator import secret_pool
 from fedmq.aggregator.async_rounds import AsyncRounds, async_window
 from fedmq.aggregator.checkpoint import (
     check_fresh_start,
@@ -744,7 +745,7 @@ class Engine:
             bytes_up_raw=stats.bytes_up_raw,
             bytes_down_raw=stats.bytes_down_raw,
             wall_s=time.time() - stats.started,
-            cpu_s=time.process_time() - stats.cpu_started,
+            cpu_s=secret_pool.cpu_time() - stats.cpu_started,
             weights=weights,
             rejected=dict(self.inbox.rejected),
             dropped_msgs=dict(self.inbox.dropped),
@@ -834,7 +835,7 @@ class Engine:
             "rounds_skipped": sum(1 for r in rows if r.skipped),
             "wall_s": wall,
             # this process's CPU seconds: the aggregator's own as a service (with its agents under simulate)
-            "cpu_s": time.process_time(),
+            "cpu_s": secret_pool.cpu_time(),
             "strategy": self.cfg.strategy,
             "version": self.version,
             "bytes_up": sum(r.bytes_up or 0 for r in rows),

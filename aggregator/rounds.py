@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from fedmq.aggregator import secret_pool
 from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.guards import RoundGuard, Verdict
 from fedmq.aggregator.inbox import Inbox, Received
@@ -47,7 +48,7 @@ class RoundStats:
     bytes_up_raw: int = 0
     bytes_down_raw: int = 0
     started: float = field(default_factory=time.time)
-    cpu_started: float = field(default_factory=time.process_time)
+    cpu_started: float = field(default_factory=secret_pool.cpu_time)
 
     def dropped(self) -> list[str]:
         """The clients that did not deliver what the round expected of them (its row's ``dropped``): selected

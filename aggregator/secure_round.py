@@ -44,6 +44,7 @@ import numpy as np
 import structlog
 import torch
 
+from fedmq.aggregator import secret_pool
 from fedmq.aggregator.inbox import Received
 from fedmq.aggregator.rounds import RoundContext
 from fedmq.aggregator.strategies.base import PartialSum, State, Strategy
@@ -148,6 +149,7 @@ class SecureRound(SyncRound):
             "secure cohort", round=stats.round, members=n, degree=params.degree, threshold=params.threshold
         )
         self._formed(members)
+        secret_pool.warm()  # its workers start while the cohort trains
         self._send(
             Kind.SECAGG_COHORT,
             self._cohort_audience(members),
@@ -192,7 +194,7 @@ class SecureRound(SyncRound):
         self._step("unmask", Kind.SECAGG_ANSWER, survivors, time.time() + cfg.update_deadline_s, take_answer)
         if ctx.stop.is_set():
             return None
-        total = server.aggregate()
+        total = server.aggregate(secret_pool.spread)
         for fault in server.faults:  # the secret was rebuilt without it: counted and named as a rejection
             ctx.inbox.count_rejection("bad-share", fault)
         mean, weight = quantizer.decode_weighted_mean(total, len(survivors))

@@ -247,36 +247,43 @@ class MaskingServer:
                 )
         self._answers[sender] = answer
 
-    def _recover(self, owner: str, kind: str) -> bytes:
+    def _request(self, owner: str, kind: str) -> shamir.Request:
+        """What rebuilding ``owner``'s secret of ``kind`` ("seeds": b_u, "keys": s_u^SK's) takes: the shares
+        its holders sent, the check against what the owner committed to or advertised, and its name."""
         holders = {h: getattr(a, kind)[owner] for h, a in self._answers.items() if owner in getattr(a, kind)}
         if kind == "seeds":
             commitment = self._shared[owner].seed_commitment
-            what = f"{owner}'s self-mask seed"
 
             def check(secret: bytes) -> bool:
                 return seed_commitment(self.context, owner, secret) == commitment
-        else:
-            what = f"{owner}'s mask key"
 
-            def check(secret: bytes) -> bool:
-                rebuilt = keys.mask_key(secret, self.context, owner)
-                return keys.public_bytes(rebuilt) == self.roster[owner].mask
+            return holders, check, f"{owner}'s self-mask seed"
 
-        secret, bad = shamir.recover(holders, self.cohort.threshold, check, what)
-        self.faults += [f"{h}'s share of {what} is wrong" for h in bad]
-        return secret
+        def check_key(secret: bytes) -> bool:
+            rebuilt = keys.mask_key(secret, self.context, owner)
+            return keys.public_bytes(rebuilt) == self.roster[owner].mask
 
-    def aggregate(self) -> np.ndarray:
+        return holders, check_key, f"{owner}'s mask key"
+
+    def aggregate(self, mapper: shamir.Mapper = map) -> np.ndarray:
         """Σ x_u over the survivors U_3 (uint32): the running sum less each survivor's PRG(b_u) and less the
         pairwise masks its dropped neighbours will never cancel. Any secret that cannot be rebuilt and
-        checked is a SecAggError, and nothing is returned."""
+        checked is a SecAggError, and nothing is returned. ``mapper`` combines the secrets' shares
+        (shamir.recover_all: map here, a process pool's map to use the machine's cores)."""
         self._enter(4, "the aggregate")
-        masks = [
-            (keys.expand(self._recover(u, "seeds"), keys.SELF_MASK, self.context, u), -1)
-            for u in sorted(self._masked)
+        survivors, dropped = sorted(self._masked), sorted(set(self._shared) - self._masked)
+        requests = [self._request(u, "seeds") for u in survivors] + [
+            self._request(u, "keys") for u in dropped
         ]
-        for u in sorted(set(self._shared) - self._masked):
-            private = keys.mask_key(self._recover(u, "keys"), self.context, u)
+        recovered = shamir.recover_all(requests, self.cohort.threshold, mapper)
+        for (_, _, what), (_, bad) in zip(requests, recovered):
+            self.faults += [f"{h}'s share of {what} is wrong" for h in bad]
+        secrets = dict(zip([("seeds", u) for u in survivors] + [("keys", u) for u in dropped], recovered))
+        masks = [
+            (keys.expand(secrets["seeds", u][0], keys.SELF_MASK, self.context, u), -1) for u in survivors
+        ]
+        for u in dropped:
+            private = keys.mask_key(secrets["keys", u][0], self.context, u)
             for v in self._partners(u):
                 if v in self._masked:  # v added Δ_{v,u} · PRG(s_{v,u}); take it out
                     pair = keys.derive(private, self.roster[v].mask, keys.MASK_SEED, self.context, u, v)

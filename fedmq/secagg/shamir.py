@@ -15,7 +15,7 @@ subset that passes and names the holders whose shares disagree with it.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from Crypto.Protocol.SecretSharing import Shamir
@@ -24,6 +24,10 @@ from fedmq.errors import SecAggError
 
 SECRET_BYTES = 16  # one GF(2^128) element: what pycryptodome shares
 MAX_SUBSETS = 64  # subsets of the shares tried before a reconstruction that fails its check is given up
+
+Points = list[tuple[int, bytes]]  # (index, data) of the shares to combine: what a worker process is sent
+# map(), or a process pool's map: how recover_all combines every secret's first subset
+Mapper = Callable[[Callable[[Points], "bytes | None"], list[Points]], Iterable["bytes | None"]]
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,14 @@ def combine(shares: list[Share]) -> bytes:
         raise SecAggError("bad-share", f"shares do not combine: {exc}") from None
 
 
+def combine_points(points: Points) -> bytes | None:
+    """``combine`` of (index, data) pairs, None where they do not combine (a task a worker process runs)."""
+    try:
+        return Shamir.combine(points, ssss=False)
+    except ValueError:
+        return None
+
+
 def recover(
     shares: Mapping[str, Share], threshold: int, check: Callable[[bytes], bool], what: str
 ) -> tuple[bytes, list[str]]:
@@ -78,3 +90,30 @@ def recover(
     base = [shares[h] for h in subset[: threshold - 1]]
     bad = [h for h in holders if h not in subset and not check(combine([*base, shares[h]]))]
     return secret, sorted(set(bad))
+
+
+Request = tuple[Mapping[str, Share], Callable[[bytes], bool], str]  # recover()'s shares, check and what
+
+
+def recover_all(
+    requests: Sequence[Request], threshold: int, mapper: Mapper = map
+) -> list[tuple[bytes, list[str]]]:
+    """``recover`` of each request, in order, with the same results and the same first error.
+
+    The first subset of every request (its first ``threshold`` holders) is combined through ``mapper``:
+    pycryptodome's arithmetic is pure Python and holds the GIL, so a process pool's map spreads the
+    rebuilding of a cohort's secrets over the cores. A request whose first subset fails its check, or that
+    has too few shares, goes through ``recover`` itself, which names the wrong shares or refuses."""
+    ready = [i for i, (shares, _, _) in enumerate(requests) if len(shares) >= threshold]
+    firsts = [
+        [(requests[i][0][h].index, requests[i][0][h].data) for h in sorted(requests[i][0])[:threshold]]
+        for i in ready
+    ]
+    combined = dict(zip(ready, mapper(combine_points, firsts)))
+    out = []
+    for i, (shares, check, what) in enumerate(requests):
+        secret = combined.get(i)
+        out.append(
+            (secret, []) if secret is not None and check(secret) else recover(shares, threshold, check, what)
+        )
+    return out
