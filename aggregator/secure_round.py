@@ -194,7 +194,7 @@ class SecureRound(SyncRound):
         self._step("unmask", Kind.SECAGG_ANSWER, survivors, time.time() + cfg.update_deadline_s, take_answer)
         if ctx.stop.is_set():
             return None
-        total = server.aggregate(secret_pool.spread)
+        total = server.aggregate(secret_pool.combine)
         for fault in server.faults:  # the secret was rebuilt without it: counted and named as a rejection
             ctx.inbox.count_rejection("bad-share", fault)
         mean, weight = quantizer.decode_weighted_mean(total, len(survivors))

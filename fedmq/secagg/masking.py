@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
 
@@ -265,17 +265,19 @@ class MaskingServer:
 
         return holders, check_key, f"{owner}'s mask key"
 
-    def aggregate(self, mapper: shamir.Mapper = map) -> np.ndarray:
+    def aggregate(
+        self, combine_batch: Callable[[list[shamir.Points]], list[bytes | None]] = shamir.combine_each
+    ) -> np.ndarray:
         """Σ x_u over the survivors U_3 (uint32): the running sum less each survivor's PRG(b_u) and less the
         pairwise masks its dropped neighbours will never cancel. Any secret that cannot be rebuilt and
-        checked is a SecAggError, and nothing is returned. ``mapper`` combines the secrets' shares
-        (shamir.recover_all: map here, a process pool's map to use the machine's cores)."""
+        checked is a SecAggError, and nothing is returned. ``combine_batch`` combines the secrets' shares
+        (shamir.recover_all: in this process, or on the aggregator's worker processes)."""
         self._enter(4, "the aggregate")
         survivors, dropped = sorted(self._masked), sorted(set(self._shared) - self._masked)
         requests = [self._request(u, "seeds") for u in survivors] + [
             self._request(u, "keys") for u in dropped
         ]
-        recovered = shamir.recover_all(requests, self.cohort.threshold, mapper)
+        recovered = shamir.recover_all(requests, self.cohort.threshold, combine_batch)
         for (_, _, what), (_, bad) in zip(requests, recovered):
             self.faults += [f"{h}'s share of {what} is wrong" for h in bad]
         secrets = dict(zip([("seeds", u) for u in survivors] + [("keys", u) for u in dropped], recovered))

@@ -15,7 +15,7 @@ subset that passes and names the holders whose shares disagree with it.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from Crypto.Protocol.SecretSharing import Shamir
@@ -26,8 +26,6 @@ SECRET_BYTES = 16  # one GF(2^128) element: what pycryptodome shares
 MAX_SUBSETS = 64  # subsets of the shares tried before a reconstruction that fails its check is given up
 
 Points = list[tuple[int, bytes]]  # (index, data) of the shares to combine: what a worker process is sent
-# map(), or a process pool's map: how recover_all combines every secret's first subset
-Mapper = Callable[[Callable[[Points], "bytes | None"], list[Points]], Iterable["bytes | None"]]
 
 
 @dataclass(frozen=True)
@@ -95,21 +93,28 @@ def recover(
 Request = tuple[Mapping[str, Share], Callable[[bytes], bool], str]  # recover()'s shares, check and what
 
 
+def combine_each(batch: list[Points]) -> list[bytes | None]:
+    """``combine_points`` of each item, in this process."""
+    return [combine_points(points) for points in batch]
+
+
 def recover_all(
-    requests: Sequence[Request], threshold: int, mapper: Mapper = map
+    requests: Sequence[Request],
+    threshold: int,
+    combine_batch: Callable[[list[Points]], list[bytes | None]] = combine_each,
 ) -> list[tuple[bytes, list[str]]]:
     """``recover`` of each request, in order, with the same results and the same first error.
 
-    The first subset of every request (its first ``threshold`` holders) is combined through ``mapper``:
-    pycryptodome's arithmetic is pure Python and holds the GIL, so a process pool's map spreads the
-    rebuilding of a cohort's secrets over the cores. A request whose first subset fails its check, or that
+    The first subset of every request (its first ``threshold`` holders) is combined in one batch by
+    ``combine_batch``: pycryptodome's arithmetic is pure Python and holds the GIL, so the aggregator hands the
+    batch to worker processes (aggregator.secret_pool). A request whose first subset fails its check, or that
     has too few shares, goes through ``recover`` itself, which names the wrong shares or refuses."""
     ready = [i for i, (shares, _, _) in enumerate(requests) if len(shares) >= threshold]
     firsts = [
         [(requests[i][0][h].index, requests[i][0][h].data) for h in sorted(requests[i][0])[:threshold]]
         for i in ready
     ]
-    combined = dict(zip(ready, mapper(combine_points, firsts)))
+    combined = dict(zip(ready, combine_batch(firsts)))
     out = []
     for i, (shares, check, what) in enumerate(requests):
         secret = combined.get(i)
