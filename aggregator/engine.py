@@ -834,7 +834,8 @@ class Engine:
             "rounds_completed": sum(1 for r in rows if not r.skipped),
             "rounds_skipped": sum(1 for r in rows if r.skipped),
             "wall_s": wall,
-            # this process's CPU seconds: the aggregator's own as a service (with its agents under simulate)
+            # this process's CPU seconds and its secret workers': the aggregator's own as a service (with its
+            # agents under simulate)
             "cpu_s": secret_pool.cpu_time(),
             "strategy": self.cfg.strategy,
             "version": self.version,

@@ -3,10 +3,16 @@ at once) is refused at start, in one line, with exit code 2: never started half-
 
 from __future__ import annotations
 
+import re
+
 import fedmq_procs
 import pytest
 
 from fedmq.population import PopulationTooLarge, check_population, limits
+
+
+def _kind(fact: str) -> str:
+    return re.sub(r"[\d.,]+", "N", fact)
 
 
 def test_the_limits_are_read_from_the_host_and_name_their_fact():
@@ -15,7 +21,8 @@ def test_the_limits_are_read_from_the_host_and_name_their_fact():
     assert all(n >= 0 and fact for n, fact in found)
     # a client that is not in a round has no thread: a round of 1 in 1,000 is bound by fewer facts, higher
     assert limits(1e-3)[0][0] > found[0][0] or "memory" in found[0][1]
-    assert [fact for _, fact in limits(0)] == [fact for _, fact in found if "memory" in fact]
+    # the same facts (their figures move with the host's free memory between two reads)
+    assert [_kind(fact) for _, fact in limits(0)] == [_kind(fact) for _, fact in found if "memory" in fact]
     check_population(1)
     with pytest.raises(PopulationTooLarge, match=r"at most \d+ clients"):
         check_population(found[0][0] + 1)

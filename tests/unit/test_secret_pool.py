@@ -1,7 +1,7 @@
 """Rebuilding a cohort's secrets on worker processes (shamir.recover_all, aggregator.secret_pool): the same
 secrets, the same shares named wrong and the same first refusal as recover() one secret at a time; workers
-in a session of their own (a Ctrl-C stops the aggregator, not them) that never run the aggregator's program,
-and a killed worker that gives way to the aggregator's own process."""
+in a session of their own that never run the aggregator's program or what its directory holds, end with it,
+and, when they cannot start, break or go silent, leave the combining to the aggregator's own process."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,23 @@ from fedmq.secagg import shamir
 BATCHES = [shamir.combine_each, secret_pool.combine]
 IDS = ["in-process", "worker-processes"]
 SEVERAL_CORES = pytest.mark.skipif(
-    len(os.sched_getaffinity(0)) < 2, reason="one core: the aggregator combines in its own process"
+    secret_pool.cores() < 2, reason="one core: the aggregator combines in its own process"
 )
+
+
+@pytest.fixture(autouse=True)
+def fresh_pool():
+    """Every test starts and ends with no workers and none turned off."""
+
+    def reset() -> None:
+        with secret_pool._lock:
+            if secret_pool._workers is not None:
+                secret_pool._kill(secret_pool._workers)
+            secret_pool._workers, secret_pool._off = None, None
+
+    reset()
+    yield
+    reset()
 
 
 def _requests(count: int, wrong: frozenset[int] = frozenset(), short: frozenset[int] = frozenset()):
@@ -43,6 +59,10 @@ def _requests(count: int, wrong: frozenset[int] = frozenset(), short: frozenset[
     return secrets, requests
 
 
+def _rebuilt(requests) -> list[bytes]:
+    return [secret for secret, _ in shamir.recover_all(requests, 3, secret_pool.combine)]
+
+
 @pytest.mark.parametrize("combine_batch", BATCHES, ids=IDS)
 def test_recover_all_gives_what_recover_gives_one_by_one(combine_batch):
     secrets, requests = _requests(12, wrong=frozenset({4, 9}))
@@ -51,8 +71,8 @@ def test_recover_all_gives_what_recover_gives_one_by_one(combine_batch):
     assert got == [shamir.recover(shares, 3, check, what) for shares, check, what in requests]
     assert [secret for secret, _ in got] == secrets
     assert [bad for _, bad in got] == [["a"] if i in {4, 9} else [] for i in range(12)]
-    if combine_batch is secret_pool.combine and len(os.sched_getaffinity(0)) > 1:  # cpu_time counts them
-        assert secret_pool._worker_cpu > workers_cpu
+    if combine_batch is secret_pool.combine and secret_pool.cores() > 1:  # cpu_time counts the workers'
+        assert secret_pool._workers is not None and secret_pool._worker_cpu > workers_cpu
 
 
 @pytest.mark.parametrize("combine_batch", BATCHES, ids=IDS)
@@ -62,54 +82,122 @@ def test_recover_all_refuses_the_first_secret_that_cannot_be_rebuilt(combine_bat
         shamir.recover_all(requests, 3, combine_batch)
 
 
+def test_the_workers_are_as_many_as_the_cpu_quota_allows(tmp_path: Path, monkeypatch):
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(secret_pool, "_CGROUP", tmp_path)
+    assert secret_pool.cores() == min(cpus, secret_pool.MAX_WORKERS)  # no cgroup files: no quota
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert secret_pool.cores() == min(cpus, secret_pool.MAX_WORKERS)
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert secret_pool.cores() == min(cpus, 2)
+    (tmp_path / "cpu.max").write_text("50000 100000\n")
+    assert secret_pool.cores() == 1
+    assert secret_pool.combine([[(1, bytes(16))]] * 4) == [shamir.combine_points([(1, bytes(16))])] * 4
+    assert secret_pool._workers is None and secret_pool._off == "one core"
+
+
 @SEVERAL_CORES
-def test_workers_live_apart_and_a_killed_one_gives_way_to_the_aggregators_process():
+def test_workers_live_apart_and_a_killed_one_leaves_the_combining_to_the_aggregator():
     secrets, requests = _requests(8)
     secret_pool.warm()
     workers = secret_pool._workers
-    assert workers and all(os.getsid(w.pid) not in (os.getsid(0), os.getpgid(0)) for w in workers)
-    assert [s for s, _ in shamir.recover_all(requests, 3, secret_pool.combine)] == secrets
+    assert workers and all(os.getsid(w.pid) != os.getsid(0) for w in workers)
+    assert _rebuilt(requests) == secrets
     os.kill(workers[-1].pid, signal.SIGKILL)
     workers[-1].wait()
-    # a worker is gone: this round's secrets are rebuilt in-process, and the workers are replaced
-    assert [s for s, _ in shamir.recover_all(requests, 3, secret_pool.combine)] == secrets
-    assert secret_pool._workers is None and all(w.poll() is not None for w in workers)
-    assert [s for s, _ in shamir.recover_all(requests, 3, secret_pool.combine)] == secrets
-    assert secret_pool._workers is not None and secret_pool._workers is not workers
+    assert _rebuilt(requests) == secrets  # rebuilt in-process; the other workers are killed too
+    assert secret_pool._workers is None and "a worker broke" in (secret_pool._off or "")
+    assert all(w.poll() is not None for w in workers)
+    assert _rebuilt(requests) == secrets and secret_pool._workers is None  # and stay off
 
 
 @SEVERAL_CORES
-def test_a_script_without_a_main_guard_does_not_run_again_in_the_workers(tmp_path: Path):
-    """multiprocessing's workers would import the program's main module; these are started apart."""
+def test_a_silent_worker_is_given_up(monkeypatch):
+    """A stopped worker never answers: past TIMEOUT_S the batch is combined in-process."""
+    monkeypatch.setattr(secret_pool, "TIMEOUT_S", 0.5)
+    secrets, requests = _requests(8)
+    secret_pool.warm()
+    workers = secret_pool._workers
+    assert workers
+    os.kill(workers[0].pid, signal.SIGSTOP)
+    assert _rebuilt(requests) == secrets
+    assert "TimeoutError" in (secret_pool._off or "") and all(w.poll() is not None for w in workers)
+
+
+def test_workers_that_cannot_start_leave_the_combining_to_the_aggregator(monkeypatch):
+    monkeypatch.setattr(secret_pool, "cores", lambda: 2)
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    secrets, requests = _requests(8)
+    assert _rebuilt(requests) == secrets
+    assert secret_pool._workers is None and "cannot start" in (secret_pool._off or "")
+
+
+@SEVERAL_CORES
+def test_batches_from_several_threads_each_get_their_own_secrets():
+    cases = [_requests(9) for _ in range(4)]
+    got: dict[int, list[bytes]] = {}
+
+    def run(i: int) -> None:
+        got[i] = [s for _ in range(10) for s in _rebuilt(cases[i][1])]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(got[i] == cases[i][0] * 10 for i in range(len(cases)))
+    assert secret_pool._workers is not None and secret_pool._off is None
+
+
+def _script(tmp_path: Path, body: str) -> Path:
+    script = tmp_path / "program" / "aggregator.py"
+    script.parent.mkdir()
+    script.write_text(textwrap.dedent(body))
+    return script
+
+
+@SEVERAL_CORES
+def test_workers_run_neither_the_program_nor_what_its_directory_holds(tmp_path: Path):
+    """multiprocessing's workers would import the program's main module (a script without a __main__ guard
+    runs again in each); `python -m` would import a `fedmq` found in the directory it was started in."""
     marker = tmp_path / "runs"
-    script = tmp_path / "unguarded.py"
-    script.write_text(
-        textwrap.dedent(
-            f"""
-            import os
-            from fedmq.aggregator import secret_pool
-            from fedmq.secagg import shamir
-            with open({str(marker)!r}, "a") as f:
-                f.write("run\\n")
-            shares = shamir.split(os.urandom(16), 2, 3)
-            points = [(s.index, s.data) for s in shares[:2]]
-            assert secret_pool.combine([points, points]) == [shamir.combine_points(points)] * 2
-            assert secret_pool._workers is not None
-            """
-        )
+    script = _script(
+        tmp_path,
+        f"""
+        import os
+        from fedmq.aggregator import secret_pool
+        from fedmq.secagg import shamir
+        with open({str(marker)!r}, "a") as f:
+            f.write("run\\n")
+        shares = shamir.split(os.urandom(16), 2, 3)
+        points = [(s.index, s.data) for s in shares[:2]]
+        assert secret_pool.combine([points, points]) == [shamir.combine_points(points)] * 2
+        assert secret_pool._workers is not None, secret_pool._off
+        """,
     )
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    here = tmp_path / "cwd"
+    (here / "fedmq").mkdir(parents=True)
+    (here / "fedmq" / "__init__.py").write_text("raise SystemExit('the wrong fedmq')\n")
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=here, capture_output=True, text=True, timeout=budget(120)
+    )
     assert done.returncode == 0, done.stderr
     assert marker.read_text() == "run\n"
 
 
 @SEVERAL_CORES
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="pidfd_open is Linux's")
 def test_the_workers_end_with_the_aggregator_however_it_ends(tmp_path: Path):
     """A kill -9 of the aggregator closes the workers' stdin: they exit (pidfd: the exit is the event)."""
-    script = tmp_path / "aggregator.py"
-    script.write_text(
-        "import sys\nfrom fedmq.aggregator import secret_pool\nsecret_pool.warm()\n"
-        "print(*(w.pid for w in secret_pool._workers), flush=True)\nsys.stdin.read()\n"
+    script = _script(
+        tmp_path,
+        """
+        import sys
+        from fedmq.aggregator import secret_pool
+        secret_pool.warm()
+        print(*(w.pid for w in secret_pool._workers), flush=True)
+        sys.stdin.read()
+        """,
     )
     proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdout is not None
