@@ -4,7 +4,7 @@ Unmasking a secure round rebuilds one secret per survivor (and one per dropped c
 Shamir shares (fedmq.secagg.shamir.recover_all), and pycryptodome does that arithmetic in pure Python:
 about 4.5 ms a secret at t = 11, all under the GIL, on the round's critical path while every client waits.
 ``combine`` shares those combinations out among worker processes, one per core the aggregator may use (its
-CPU affinity and its cgroup's CPU quota, at most MAX_WORKERS).
+CPU affinity and the CPU quota of its cgroup and the cgroups above it, at most MAX_WORKERS).
 
 A worker is a plain subprocess, ``python -P -m fedmq.aggregator.secret_worker``, not one of
 multiprocessing's, so that it never imports the program that runs the aggregator (a user's script without
@@ -12,9 +12,10 @@ a ``__main__`` guard would run again in every worker) nor anything from the dire
 holds nothing but the shares it is sent (the secrets it gives back are the ones the aggregator rebuilds
 anyway), runs in a session of its own (a Ctrl-C in the terminal stops the aggregator, not it), and exits
 when its stdin closes: with the aggregator, however that ends. The workers start when a secure cohort forms
-(``warm``). Where they cannot start, or one breaks (killed, unreadable, or silent for TIMEOUT_S), the
-aggregator kills them, says so once, and combines in its own process from then on. The CPU seconds the
-workers report (start-up included, up to each one's last answer) count in the aggregator's ``cpu_time``.
+(``warm``). Where they cannot start, or one breaks (killed, unreadable, or a batch not done within its
+deadline: TIMEOUT_S, or 10 ms a secret if longer), the aggregator kills them, says so once, and combines in
+its own process from then on. The workers' CPU seconds (start-up included: what each reported with its last
+answer, or what it had used when it was killed) count in the aggregator's ``cpu_time``.
 """
 
 from __future__ import annotations
@@ -36,16 +37,14 @@ from fedmq.secagg.shamir import Points, combine_each
 
 log = structlog.get_logger(__name__)
 MAX_WORKERS = 8
-TIMEOUT_S = (
-    60.0  # a worker that has not taken or answered its batch in this long (or 10 ms a secret) is stuck
-)
+TIMEOUT_S = 60.0  # a batch's deadline (or 10 ms a secret, if longer): a worker not done by then is stuck
 _CGROUP = Path("/sys/fs/cgroup")
 _lock = threading.Lock()  # the state below
 _exchange = threading.Lock()  # one batch at a time goes through the workers' pipes
 _workers: list[subprocess.Popen] | None = None
 _off: str | None = None  # why the workers are not used (None: they are, or will be)
-_reported: dict[int, float] = {}  # a worker's pid -> the CPU seconds it last reported
-_worker_cpu = 0.0  # CPU seconds the workers spent, as they reported them
+_reported: dict[subprocess.Popen, float] = {}  # a worker -> the CPU seconds it last reported
+_worker_cpu = 0.0  # CPU seconds the workers spent, as they reported them or as they were reaped
 
 
 def cpu_time() -> float:
@@ -54,19 +53,34 @@ def cpu_time() -> float:
     return time.process_time() + _worker_cpu
 
 
-def _quota() -> float | None:
-    """The cores this process's cgroup may use (cgroup v2 cpu.max or v1's CFS quota); None when unlimited."""
+def _read_quota(path: Path, v2: bool) -> float | None:
     try:
-        quota, period = (_CGROUP / "cpu.max").read_text().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        pass
-    try:
-        quota_us = int((_CGROUP / "cpu" / "cpu.cfs_quota_us").read_text())
-        period_us = int((_CGROUP / "cpu" / "cpu.cfs_period_us").read_text())
+        if v2:
+            quota, period = path.read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        quota_us = int(path.read_text())
+        period_us = int((path.parent / "cpu.cfs_period_us").read_text())
         return None if quota_us <= 0 else quota_us / period_us
-    except (OSError, ValueError):
+    except (OSError, ValueError, ZeroDivisionError):
         return None
+
+
+def _quota() -> float | None:
+    """The cores this process may use by CPU quotas (cgroup v2's ``cpu.max`` of its cgroup and of those above
+    it, or v1's CFS quota); None when none is set."""
+    folders = [_CGROUP]
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        if line.startswith("0::"):  # cgroup v2, the unified hierarchy: this process's cgroup, then up
+            own = _CGROUP / line[3:].strip().lstrip("/")
+            folders += [own, *(p for p in own.parents if p.is_relative_to(_CGROUP))]
+    found = [q for f in folders if (q := _read_quota(f / "cpu.max", v2=True)) is not None]
+    v1 = _read_quota(_CGROUP / "cpu" / "cpu.cfs_quota_us", v2=False)
+    found += [v1] if v1 is not None else []
+    return min(found) if found else None
 
 
 def cores() -> int:
@@ -77,9 +91,17 @@ def cores() -> int:
 
 
 def _kill(workers: list[subprocess.Popen]) -> None:
+    """Kill and reap ``workers``, counting the CPU each used after its last answer (with _lock held)."""
+    global _worker_cpu
     for proc in workers:
         proc.kill()
-        proc.wait()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            _worker_cpu += max(0.0, usage.ru_utime + usage.ru_stime - _reported.get(proc, 0.0))
+        except ChildProcessError:  # reaped already
+            proc.wait()
+        _reported.pop(proc, None)
         for stream in (proc.stdin, proc.stdout):
             if stream is not None:
                 try:
@@ -89,7 +111,7 @@ def _kill(workers: list[subprocess.Popen]) -> None:
 
 
 def _turn_off(why: str) -> None:
-    """No workers from now on (called with _lock held)."""
+    """No workers from now on (with _lock held)."""
     global _workers, _off
     if _workers is not None:
         _kill(_workers)
@@ -111,22 +133,21 @@ def _start() -> list[subprocess.Popen] | None:
         started: list[subprocess.Popen] = []
         try:
             for _ in range(cores()):
-                started.append(
-                    subprocess.Popen(
-                        [sys.executable, "-P", "-m", "fedmq.aggregator.secret_worker"],
-                        stdin=subprocess.PIPE,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.DEVNULL,
-                        start_new_session=True,
-                    )
+                proc = subprocess.Popen(
+                    [sys.executable, "-P", "-m", "fedmq.aggregator.secret_worker"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
                 )
-        except OSError as exc:
+                started.append(proc)
+                os.set_blocking(proc.stdin.fileno(), False)  # type: ignore[union-attr]
+        except BaseException as exc:  # none of them is kept
             _kill(started)
-            _turn_off(f"they cannot start: {exc}")
+            _turn_off(f"they cannot start: {type(exc).__name__}: {exc}")
+            if not isinstance(exc, Exception):
+                raise
             return None
-        for proc in started:
-            assert proc.stdin is not None and proc.stdout is not None
-            os.set_blocking(proc.stdin.fileno(), False)
         _workers = started
         return _workers
 
@@ -137,16 +158,31 @@ def warm() -> None:
     _start()
 
 
-def _ready(fd: int, events: int, deadline: float) -> Callable[[], None]:
-    """A ``wait`` for secret_worker's frames: until ``fd`` is ready for ``events``, or TimeoutError."""
+def _ready(fd: int, events: int, deadline: float, allowed: float) -> Callable[[], None]:
+    """A ``wait`` for secret_worker's frames: until ``fd`` is ready for ``events``, or TimeoutError once
+    ``deadline`` (``allowed`` seconds after the batch began) has passed."""
 
     def wait() -> None:
         poller = select.poll()
         poller.register(fd, events)
         if not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
-            raise TimeoutError(f"a worker was silent for {TIMEOUT_S:.0f} s or more")
+            raise TimeoutError(f"a batch of secrets was not done within {allowed:.3g} s")
 
     return wait
+
+
+def _checked(answer: object, count: int) -> tuple[list[bytes | None], float]:
+    """A worker's answer to a part of ``count`` items, or ValueError (a worker of another build, broken)."""
+    if (
+        not isinstance(answer, list)
+        or len(answer) != 2
+        or not isinstance(answer[0], list)
+        or len(answer[0]) != count
+        or not all(x is None or isinstance(x, bytes) for x in answer[0])
+        or not isinstance(answer[1], (int, float))
+    ):
+        raise ValueError(f"a worker's answer is not {count} secrets and its CPU seconds")
+    return answer[0], float(answer[1])
 
 
 def combine(batch: list[Points]) -> list[bytes | None]:
@@ -160,21 +196,19 @@ def combine(batch: list[Points]) -> list[bytes | None]:
             return combine_each(batch)
         per = -(-len(batch) // len(workers))
         parts = [batch[i : i + per] for i in range(0, len(batch), per)]
-        deadline = time.monotonic() + max(TIMEOUT_S, 0.01 * len(batch))
         busy = workers[: len(parts)]
+        allowed = max(TIMEOUT_S, 0.01 * len(batch))
+        deadline = time.monotonic() + allowed
         try:
             for proc, part in zip(busy, parts):
                 fd = proc.stdin.fileno()  # type: ignore[union-attr]
-                write_frame(
-                    fd, [[list(p) for p in points] for points in part], _ready(fd, select.POLLOUT, deadline)
-                )
+                frame = [[list(p) for p in points] for points in part]
+                write_frame(fd, frame, _ready(fd, select.POLLOUT, deadline, allowed))
             answers = []
-            for proc in busy:
+            for proc, part in zip(busy, parts):
                 fd = proc.stdout.fileno()  # type: ignore[union-attr]
-                answers.append(read_frame(fd, _ready(fd, select.POLLIN, deadline)))
-            results = [secret for secrets, _ in answers for secret in secrets]
-            if len(results) != len(batch):
-                raise ValueError(f"{len(results)} secrets came back for {len(batch)}")
+                answer = read_frame(fd, _ready(fd, select.POLLIN, deadline, allowed))
+                answers.append(_checked(answer, len(part)))
         except BaseException as exc:  # the pipes may hold half a frame: these workers are done
             with _lock:
                 _turn_off(f"a worker broke: {type(exc).__name__}: {exc}")
@@ -183,6 +217,6 @@ def combine(batch: list[Points]) -> list[bytes | None]:
             return combine_each(batch)
         with _lock:
             for proc, (_, cpu) in zip(busy, answers):
-                _worker_cpu += cpu - _reported.get(proc.pid, 0.0)
-                _reported[proc.pid] = cpu
-        return results
+                _worker_cpu += max(0.0, cpu - _reported.get(proc, 0.0))
+                _reported[proc] = cpu
+        return [secret for secrets, _ in answers for secret in secrets]

@@ -29,7 +29,10 @@ def write_frame(fd: int, obj: Any, wait: Callable[[], None] = lambda: None) -> N
     view = memoryview(FRAME.pack(len(data)) + data)
     while view:
         wait()
-        view = view[os.write(fd, view) :]
+        try:
+            view = view[os.write(fd, view) :]
+        except BlockingIOError:  # a non-blocking fd that filled up again: wait for room
+            continue
 
 
 def _read_exact(fd: int, size: int, wait: Callable[[], None]) -> bytes:

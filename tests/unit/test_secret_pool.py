@@ -82,7 +82,14 @@ def test_recover_all_refuses_the_first_secret_that_cannot_be_rebuilt(combine_bat
         shamir.recover_all(requests, 3, combine_batch)
 
 
-def test_the_workers_are_as_many_as_the_cpu_quota_allows(tmp_path: Path, monkeypatch):
+def _own_cgroup() -> str | None:
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        if line.startswith("0::"):
+            return line[3:].strip().lstrip("/")
+    return None
+
+
+def test_the_workers_are_as_many_as_the_cpu_quotas_allow(tmp_path: Path, monkeypatch):
     cpus = len(os.sched_getaffinity(0))
     monkeypatch.setattr(secret_pool, "_CGROUP", tmp_path)
     assert secret_pool.cores() == min(cpus, secret_pool.MAX_WORKERS)  # no cgroup files: no quota
@@ -90,10 +97,33 @@ def test_the_workers_are_as_many_as_the_cpu_quota_allows(tmp_path: Path, monkeyp
     assert secret_pool.cores() == min(cpus, secret_pool.MAX_WORKERS)
     (tmp_path / "cpu.max").write_text("150000 100000\n")
     assert secret_pool.cores() == min(cpus, 2)
-    (tmp_path / "cpu.max").write_text("50000 100000\n")
+    own = _own_cgroup()
+    if own:  # a quota on this process's own cgroup, below one on the root, binds too
+        (tmp_path / own).mkdir(parents=True, exist_ok=True)
+        (tmp_path / own / "cpu.max").write_text("50000 100000\n")
+    else:
+        (tmp_path / "cpu.max").write_text("50000 100000\n")
     assert secret_pool.cores() == 1
     assert secret_pool.combine([[(1, bytes(16))]] * 4) == [shamir.combine_points([(1, bytes(16))])] * 4
     assert secret_pool._workers is None and secret_pool._off == "one core"
+
+
+def _batch(count: int) -> list[shamir.Points]:
+    """``count`` distinct share lists (2-of-3 of a random secret each), the last of them not combinable."""
+    batch = []
+    for _ in range(count - 1):
+        shares = shamir.split(os.urandom(shamir.SECRET_BYTES), 2, 3)
+        batch.append([(s.index, s.data) for s in shares[1:]])
+    return [*batch, [(1, bytes(16)), (1, bytes(16))]]  # one index twice: pycryptodome refuses it
+
+
+@SEVERAL_CORES
+def test_the_workers_give_back_each_items_secret_in_its_place():
+    batch = _batch(3 * secret_pool.cores() + 2)  # more parts than workers, of unequal sizes
+    expected = shamir.combine_each(batch)
+    assert expected[-1] is None and all(expected[:-1])
+    assert secret_pool.combine(batch) == expected
+    assert secret_pool._workers is not None and secret_pool._off is None
 
 
 @SEVERAL_CORES
@@ -103,8 +133,8 @@ def test_workers_live_apart_and_a_killed_one_leaves_the_combining_to_the_aggrega
     workers = secret_pool._workers
     assert workers and all(os.getsid(w.pid) != os.getsid(0) for w in workers)
     assert _rebuilt(requests) == secrets
-    os.kill(workers[-1].pid, signal.SIGKILL)
-    workers[-1].wait()
+    os.kill(workers[0].pid, signal.SIGKILL)  # the first worker always has a part
+    workers[0].wait()
     assert _rebuilt(requests) == secrets  # rebuilt in-process; the other workers are killed too
     assert secret_pool._workers is None and "a worker broke" in (secret_pool._off or "")
     assert all(w.poll() is not None for w in workers)
@@ -134,18 +164,19 @@ def test_workers_that_cannot_start_leave_the_combining_to_the_aggregator(monkeyp
 
 @SEVERAL_CORES
 def test_batches_from_several_threads_each_get_their_own_secrets():
-    cases = [_requests(9) for _ in range(4)]
-    got: dict[int, list[bytes]] = {}
+    batches = [_batch(2 * secret_pool.cores() + 1) for _ in range(4)]
+    expected = [shamir.combine_each(batch) for batch in batches]
+    got: dict[int, list[list[bytes | None]]] = {}
 
     def run(i: int) -> None:
-        got[i] = [s for _ in range(10) for s in _rebuilt(cases[i][1])]
+        got[i] = [secret_pool.combine(batches[i]) for _ in range(10)]
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(batches))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert all(got[i] == cases[i][0] * 10 for i in range(len(cases)))
+    assert all(got[i] == [expected[i]] * 10 for i in range(len(batches)))
     assert secret_pool._workers is not None and secret_pool._off is None
 
 
