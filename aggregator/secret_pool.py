@@ -12,8 +12,9 @@ a ``__main__`` guard would run again in every worker) nor anything from the dire
 holds nothing but the shares it is sent (the secrets it gives back are the ones the aggregator rebuilds
 anyway), runs in a session of its own (a Ctrl-C in the terminal stops the aggregator, not it), and exits
 when its stdin closes: with the aggregator, however that ends. The workers start when a secure cohort forms
-(``warm``). Where they cannot start, or one breaks (killed, unreadable, or a batch not done within its
-deadline: TIMEOUT_S, or 10 ms a secret if longer), the aggregator kills them, says so once, and combines in
+(``warm``). Where one breaks (killed, unreadable, or a batch not done within its deadline: TIMEOUT_S, or 10
+ms a secret if longer), the aggregator kills them all, combines that batch in its own process and starts new
+workers for the next; where they cannot start, or have broken MAX_BREAKS times, it says so and combines in
 its own process from then on. The workers' CPU seconds (start-up included: what each reported with its last
 answer, or what it had used when it was killed) count in the aggregator's ``cpu_time``.
 """
@@ -37,12 +38,14 @@ from fedmq.secagg.shamir import Points, combine_each
 
 log = structlog.get_logger(__name__)
 MAX_WORKERS = 8
+MAX_BREAKS = 3  # workers broken this often in one process are not started again
 TIMEOUT_S = 60.0  # a batch's deadline (or 10 ms a secret, if longer): a worker not done by then is stuck
 _CGROUP = Path("/sys/fs/cgroup")
 _lock = threading.Lock()  # the state below
 _exchange = threading.Lock()  # one batch at a time goes through the workers' pipes
 _workers: list[subprocess.Popen] | None = None
 _off: str | None = None  # why the workers are not used (None: they are, or will be)
+_breaks = 0  # batches the workers failed
 _reported: dict[subprocess.Popen, float] = {}  # a worker -> the CPU seconds it last reported
 _worker_cpu = 0.0  # CPU seconds the workers spent, as they reported them or as they were reaped
 
@@ -152,6 +155,20 @@ def _start() -> list[subprocess.Popen] | None:
         return _workers
 
 
+def _broke(why: str) -> None:
+    """The workers failed a batch: killed, to be started afresh for the next, or turned off for good."""
+    global _workers, _breaks
+    with _lock:
+        _breaks += 1
+        if _breaks >= MAX_BREAKS:
+            _turn_off(f"they broke {_breaks} times, last: {why}")
+            return
+        if _workers is not None:
+            _kill(_workers)
+        _workers = None
+    log.warning("a secret worker broke: this batch combined in the aggregator's process", reason=why)
+
+
 def warm() -> None:
     """Start the workers now (an interpreter takes a tenth of a second or more to start), so that the round's
     unmasking does not wait for them: called when a secure cohort forms, while its clients train."""
@@ -210,8 +227,7 @@ def combine(batch: list[Points]) -> list[bytes | None]:
                 answer = read_frame(fd, _ready(fd, select.POLLIN, deadline, allowed))
                 answers.append(_checked(answer, len(part)))
         except BaseException as exc:  # the pipes may hold half a frame: these workers are done
-            with _lock:
-                _turn_off(f"a worker broke: {type(exc).__name__}: {exc}")
+            _broke(f"{type(exc).__name__}: {exc}")
             if not isinstance(exc, Exception):
                 raise
             return combine_each(batch)

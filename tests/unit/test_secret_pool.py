@@ -36,7 +36,7 @@ def fresh_pool():
         with secret_pool._lock:
             if secret_pool._workers is not None:
                 secret_pool._kill(secret_pool._workers)
-            secret_pool._workers, secret_pool._off = None, None
+            secret_pool._workers, secret_pool._off, secret_pool._breaks = None, None, 0
 
     reset()
     yield
@@ -127,18 +127,25 @@ def test_the_workers_give_back_each_items_secret_in_its_place():
 
 
 @SEVERAL_CORES
-def test_workers_live_apart_and_a_killed_one_leaves_the_combining_to_the_aggregator():
+def test_workers_live_apart_and_killed_ones_are_replaced_until_they_break_too_often():
     secrets, requests = _requests(8)
     secret_pool.warm()
     workers = secret_pool._workers
     assert workers and all(os.getsid(w.pid) != os.getsid(0) for w in workers)
     assert _rebuilt(requests) == secrets
-    os.kill(workers[0].pid, signal.SIGKILL)  # the first worker always has a part
-    workers[0].wait()
-    assert _rebuilt(requests) == secrets  # rebuilt in-process; the other workers are killed too
-    assert secret_pool._workers is None and "a worker broke" in (secret_pool._off or "")
-    assert all(w.poll() is not None for w in workers)
-    assert _rebuilt(requests) == secrets and secret_pool._workers is None  # and stay off
+    for breaks in range(1, secret_pool.MAX_BREAKS + 1):
+        workers = secret_pool._workers
+        assert workers
+        os.kill(workers[0].pid, signal.SIGKILL)  # the first worker always has a part
+        workers[0].wait()
+        assert _rebuilt(requests) == secrets  # this batch in-process; the other workers are killed too
+        assert secret_pool._breaks == breaks and all(w.poll() is not None for w in workers)
+        if breaks < secret_pool.MAX_BREAKS:
+            assert secret_pool._off is None
+            assert _rebuilt(requests) == secrets and secret_pool._workers not in (None, workers)  # new ones
+    assert secret_pool._workers is None
+    assert f"broke {secret_pool.MAX_BREAKS} times" in (secret_pool._off or "")
+    assert _rebuilt(requests) == secrets and secret_pool._workers is None  # and they stay off
 
 
 @SEVERAL_CORES
@@ -151,7 +158,7 @@ def test_a_silent_worker_is_given_up(monkeypatch):
     assert workers
     os.kill(workers[0].pid, signal.SIGSTOP)
     assert _rebuilt(requests) == secrets
-    assert "TimeoutError" in (secret_pool._off or "") and all(w.poll() is not None for w in workers)
+    assert secret_pool._breaks == 1 and all(w.poll() is not None for w in workers)
 
 
 def test_workers_that_cannot_start_leave_the_combining_to_the_aggregator(monkeypatch):
