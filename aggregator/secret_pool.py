@@ -10,7 +10,7 @@ A worker is a plain subprocess, ``python -P -m fedmq.aggregator.secret_worker``,
 multiprocessing's, so that it never imports the program that runs the aggregator (a user's script without
 a ``__main__`` guard would run again in every worker) nor anything from the directory it was started in. It
 holds nothing but the shares it is sent (the secrets it gives back are the ones the aggregator rebuilds
-anyway), runs in a session of its own (a Ctrl-C in the terminal stops the aggregator, not it), and exits
+anyway), is detached from the terminal (a Ctrl-C there stops the aggregator, not it), and exits
 when its stdin closes: with the aggregator, however that ends. The workers start when a secure cohort forms
 (``warm``). Where one breaks (killed, unreadable, or a batch not done within its deadline: TIMEOUT_S, or 10
 ms a secret if longer), the aggregator kills them all, combines that batch in its own process and starts new
@@ -127,7 +127,8 @@ def _start() -> list[subprocess.Popen] | None:
     with _lock:
         if _workers is not None or _off is not None:
             return _workers
-        if cores() < 2:
+        count = cores()
+        if count < 2:
             _off = "one core"  # nothing to spread over: not a fault, nothing logged
             return None
         if not sys.executable:
@@ -135,7 +136,7 @@ def _start() -> list[subprocess.Popen] | None:
             return None
         started: list[subprocess.Popen] = []
         try:
-            for _ in range(cores()):
+            for _ in range(count):
                 proc = subprocess.Popen(
                     [sys.executable, "-P", "-m", "fedmq.aggregator.secret_worker"],
                     stdin=subprocess.PIPE,

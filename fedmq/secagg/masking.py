@@ -280,12 +280,13 @@ class MaskingServer:
         recovered = shamir.recover_all(requests, self.cohort.threshold, combine_batch)
         for (_, _, what), (_, bad) in zip(requests, recovered):
             self.faults += [f"{h}'s share of {what} is wrong" for h in bad]
-        secrets = dict(zip([("seeds", u) for u in survivors] + [("keys", u) for u in dropped], recovered))
+        secrets = [secret for secret, _ in recovered]  # the survivors' seeds, then the dropped clients' keys
         masks = [
-            (keys.expand(secrets["seeds", u][0], keys.SELF_MASK, self.context, u), -1) for u in survivors
+            (keys.expand(seed, keys.SELF_MASK, self.context, u), -1)
+            for u, seed in zip(survivors, secrets[: len(survivors)])
         ]
-        for u in dropped:
-            private = keys.mask_key(secrets["keys", u][0], self.context, u)
+        for u, key_secret in zip(dropped, secrets[len(survivors) :]):
+            private = keys.mask_key(key_secret, self.context, u)
             for v in self._partners(u):
                 if v in self._masked:  # v added Δ_{v,u} · PRG(s_{v,u}); take it out
                     pair = keys.derive(private, self.roster[v].mask, keys.MASK_SEED, self.context, u, v)

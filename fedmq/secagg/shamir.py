@@ -58,8 +58,8 @@ def combine(shares: list[Share]) -> bytes:
 def combine_points(points: Points) -> bytes | None:
     """``combine`` of (index, data) pairs, None where they do not combine (a task a worker process runs)."""
     try:
-        return Shamir.combine(points, ssss=False)
-    except ValueError:
+        return combine([Share(index, data) for index, data in points])
+    except SecAggError:
         return None
 
 

@@ -1,6 +1,6 @@
 """Rebuilding a cohort's secrets on worker processes (shamir.recover_all, aggregator.secret_pool): the same
 secrets, the same shares named wrong and the same first refusal as recover() one secret at a time; workers
-in a session of their own that never run the aggregator's program or what its directory holds, end with it,
+detached from the terminal that never run the aggregator's program or what its directory holds, end with it,
 and, when they cannot start, break or go silent, leave the combining to the aggregator's own process."""
 
 from __future__ import annotations
