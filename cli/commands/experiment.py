@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from fedmq.cli import options
-from fedmq.cli.process import setup_logs
+from fedmq.cli.process import reproducible_blas, setup_logs
 
 
 def experiment(
@@ -41,6 +41,7 @@ def experiment(
     seed_list = experiments.parse_seeds(seeds)
     experiments.check_corpora(name, scale)  # a missing corpus is one line, and nothing is written
     setup_logs(log_level, "json", out / name / "experiment.jsonl")
+    reproducible_blas()
     experiments.run_experiment(
         name,
         scale,

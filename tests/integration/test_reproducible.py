@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+from collections import Counter
 from pathlib import Path
 
 import fedmq_procs
@@ -69,3 +72,20 @@ def test_same_seed_same_numbers_in_process_slowed_and_over_rabbitmq(tmp_path, ra
     for other in final[1:]:
         assert other.keys() == final[0].keys()
         assert all(torch.equal(other[k], final[0][k]) for k in final[0])
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch was built without Intel MKL")
+def test_mkl_computes_in_its_reproducible_mode(tmp_path):
+    """MKL's run-to-run reproducibility (MKL_CBWR) is on in every matrix product of a run: MKL_VERBOSE names
+    the mode of each call."""
+    proc = fedmq_procs.run(
+        fedmq_procs.command("simulate", *JOB[:-4], "--rounds", "1", "--out", str(tmp_path / "run")),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "MKL_VERBOSE": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    modes = Counter(re.findall(r"CNR:(\S+)", proc.stdout))
+    assert sum(modes.values()) > 100 and set(modes) == {"AUTO"}, modes
