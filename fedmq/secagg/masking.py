@@ -64,10 +64,11 @@ class MaskingClient:
         self._mask = keys.mask_key(self._key_secret, context, name)  # s_u
         self._seed = os.urandom(shamir.SECRET_BYTES)  # b_u
         self._cohort: Cohort | None = None
-        self._roster: Mapping[str, PublicKeys] = {}
         self._held: dict[str, tuple[shamir.Share, shamir.Share]] = {}  # neighbour → (key share, seed share)
         # neighbour → the key agreed on the channel (keys.derive puts the pair in order: one key both ways)
         self._channel_keys: dict[str, bytes] = {}
+        # neighbour → s_{u,v}, agreed when the keys are shared: masking, after training, only expands them
+        self._pair_seeds: dict[str, bytes] = {}
         self._masked_with: frozenset[str] | None = None
         self._answered = False
 
@@ -86,7 +87,7 @@ class MaskingClient:
         missing = [v for v in neighbours if v not in roster]
         if missing:
             raise SecAggError("bad-roster", f"the roster lacks the keys of {', '.join(missing)}")
-        self._cohort, self._roster = cohort, dict(roster)
+        self._cohort = cohort
         t, k = cohort.threshold, len(neighbours)
         key_shares = shamir.split(self._key_secret, t, k)
         seed_shares = shamir.split(self._seed, t, k)
@@ -94,6 +95,9 @@ class MaskingClient:
         for v, key_share, seed_share in zip(neighbours, key_shares, seed_shares):
             secret = keys.derive(self._channel, roster[v].channel, keys.SHARE_KEY, self.context, self.name, v)
             self._channel_keys[v] = secret
+            self._pair_seeds[v] = keys.derive(
+                self._mask, roster[v].mask, keys.MASK_SEED, self.context, self.name, v
+            )
             ciphertexts[v] = keys.encrypt(
                 secret, self.context, self.name, v, pack_shares(key_share, seed_share)
             )
@@ -121,9 +125,7 @@ class MaskingClient:
             if held[v][0].index != cohort.neighbours(v).index(self.name) + 1:
                 raise SecAggError("bad-share", f"the shares {v} sent {self.name} carry the wrong index")
         masks = [(keys.expand(self._seed, keys.SELF_MASK, self.context, self.name), 1)]
-        for v in sorted(inbox):
-            pair = keys.derive(self._mask, self._roster[v].mask, keys.MASK_SEED, self.context, self.name, v)
-            masks.append((pair, mask_sign(self.name, v)))
+        masks += [(self._pair_seeds[v], mask_sign(self.name, v)) for v in sorted(inbox)]
         prg.apply(x, masks)
         self._held, self._masked_with = held, frozenset(inbox)
         return x
