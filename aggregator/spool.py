@@ -2,10 +2,11 @@
 
 An update is acked only after its bytes are in the spool (fsynced for a real broker): a restart replays the
 spool of the round that was open, so no confirmed update is lost, and the (round, client) key means none is
-counted twice. The bytes are kept as they came off the wire, and read back one update at a time: a round's
-updates are on disk, never all in memory. The spool of a round is deleted once the checkpoint that includes
-the round is written. Acking promptly also keeps every delivery far below RabbitMQ's consumer timeout,
-whatever the round length.
+counted twice. A report is acked once it is appended to the round's report log (``save_report``): one line,
+where rewriting the round's state for each would cost O(m) a report and O(m²) a round of m. The bytes are
+kept as they came off the wire, and read back one update at a time: a round's updates are on disk, never all
+in memory. The spool of a round is deleted once the checkpoint that includes the round is written. Acking
+promptly also keeps every delivery far below RabbitMQ's consumer timeout, whatever the round length.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from fedmq.files import write_atomic
+from fedmq.files import append_line, write_atomic
 
 _KEY = re.compile(r"^[A-Za-z0-9_-]{1,80}$")
+REPORTS = "reports.jsonl"  # a round's report log: one [client, loss] line a report
 
 
 class RoundSpool:
@@ -39,6 +41,12 @@ class RoundSpool:
         """Who was online when the round selected (before its first save_state): apart from the round's
         state, which is rewritten at every report, because a population's list is megabytes."""
         write_atomic(self._dir(rnd) / "online.json", json.dumps(online).encode(), durable=self.durable)
+
+    def save_report(self, rnd: int, client: str, loss: float) -> None:
+        """One report of the round, appended to its report log (what ``load`` adds to the state's
+        ``reported``)."""
+        line = json.dumps([client, loss]).encode() + b"\n"
+        append_line(self._dir(rnd) / REPORTS, line, durable=self.durable)
 
     def _update_file(self, rnd: int, key: str) -> Path:
         if not _KEY.match(key):  # client ids are validated by the envelope; never let a name leave the dir
@@ -72,6 +80,8 @@ class RoundSpool:
         if state is not None and "online" not in state:
             online_file = d / "online.json"
             state["online"] = json.loads(online_file.read_text()) if online_file.is_file() else []
+        if state is not None and (d / REPORTS).is_file():
+            state["reported"] = {**state.get("reported", {}), **_read_reports(d / REPORTS)}
         return state, sorted(p.stem.removeprefix("update-") for p in d.glob("update-*.msg"))
 
     def save_base(self, version: int, state: dict[str, Any]) -> None:
@@ -109,3 +119,16 @@ class RoundSpool:
         for d in self.root.glob("r*"):
             if d.is_dir() and d.name[1:].isdigit() and int(d.name[1:]) <= rnd:
                 shutil.rmtree(d, ignore_errors=True)
+
+
+def _read_reports(path: Path) -> dict[str, float]:
+    """A report log's reports; a line cut short by a crash (its report was never acked) is skipped."""
+    reports: dict[str, float] = {}
+    for line in path.read_bytes().splitlines():
+        try:
+            client, loss = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(client, str) and isinstance(loss, (int, float)):
+            reports[client] = float(loss)
+    return reports

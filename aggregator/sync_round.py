@@ -338,7 +338,7 @@ class SyncRound:
             return
         stats.reported[env.client] = float(env.payload["loss"])
         stats.bytes_up += msg.size
-        self._save()
+        self.ctx.spool.save_report(stats.round, env.client, stats.reported[env.client])
         self.ctx.inbox.ack(msg)
 
     def _mediate(self) -> Strategy:

@@ -47,6 +47,23 @@ def write_atomic(
         fh.write(data)
 
 
+def append_line(path: str | os.PathLike, line: bytes, *, durable: bool = False) -> None:
+    """Append ``line`` (ending in a newline) to ``path`` in one write, creating the file if it is missing;
+    ``durable`` fsyncs it (and its folder when the file is new) before returning. A crash can leave only the
+    last line cut short: a reader skips a line it cannot parse."""
+    path = Path(path)
+    new = durable and not path.exists()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+    try:
+        os.write(fd, line)
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    if new:
+        fsync_dir(path.parent)
+
+
 def private_folder(path: str | os.PathLike) -> Path:
     """Create ``path`` (and its parents) readable by its owner only, or make an existing folder of this user's
     so: a run folder holds the trained model, its metrics and logs, which say as much about the clients' data

@@ -27,6 +27,7 @@ import fedmq_procs
 from load_factor import budget
 
 from fedmq.aggregator.runlog import read_rounds
+from fedmq.aggregator.spool import RoundSpool
 
 ROOT = Path(__file__).resolve().parents[2]
 FEDMQ = str(Path(sys.executable).parent / "fedmq")
@@ -345,10 +346,10 @@ class Federation:
         return (self.state / "spool" / f"r{rnd:06d}" / "round.json").is_file()
 
     def round_state(self, rnd: int) -> dict[str, Any]:
-        """The open round's facts in the spool (selected, reported, granted);
+        """The open round's facts in the spool (selected, reported, granted), as a restart would read them;
         {} before it opens or after it closed."""
         try:
-            return json.loads((self.state / "spool" / f"r{rnd:06d}" / "round.json").read_text())
+            return RoundSpool(self.state / "spool").load(rnd)[0] or {}
         except (OSError, ValueError):
             return {}
 

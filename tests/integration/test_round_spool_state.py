@@ -4,7 +4,6 @@ mediating again (and granting others than the agents that trained for it)."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
@@ -14,6 +13,7 @@ from load_factor import budget
 
 from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.engine import Engine
+from fedmq.aggregator.spool import RoundSpool
 from fedmq.broker.transport import topology
 from fedmq.broker.transport.connect import connect
 from fedmq.broker.wire import messages
@@ -34,8 +34,8 @@ def _wait(what, timeout: float = 60.0) -> None:
 
 
 def _spooled(run: Path) -> dict:
-    path = run / "spool" / "r000001" / "round.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    """Round 1's state as a restart would read it (its report log included)."""
+    return RoundSpool(run / "spool").load(1)[0] or {}
 
 
 def test_a_report_after_the_grant_keeps_the_grant_in_the_spool(task, tmp_path):

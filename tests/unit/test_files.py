@@ -7,7 +7,7 @@ import os
 import pytest
 
 from fedmq import files
-from fedmq.files import replacing, write_atomic
+from fedmq.files import append_line, replacing, write_atomic
 
 
 def test_write_atomic_replaces_the_file_and_leaves_no_temporary(tmp_path):
@@ -71,3 +71,17 @@ def test_private_files_are_the_owners_alone_from_the_moment_they_exist(tmp_path)
     umask = os.umask(0)
     os.umask(umask)
     assert (tmp_path / "report.md").stat().st_mode & 0o777 == 0o666 & ~umask  # an ordinary file otherwise
+
+
+def test_append_line_adds_one_line_and_a_durable_one_is_fsynced(tmp_path, monkeypatch):
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(files.os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    path = tmp_path / "reports.jsonl"
+    append_line(path, b"one\n")
+    assert synced == []
+    append_line(path, b"two\n", durable=True)
+    assert len(synced) == 1  # the file: its folder already named it
+    append_line(tmp_path / "new.jsonl", b"x\n", durable=True)
+    assert len(synced) == 3  # a new file, and the folder entry that names it
+    assert path.read_bytes() == b"one\ntwo\n"

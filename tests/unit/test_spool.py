@@ -29,3 +29,26 @@ def test_a_key_that_could_leave_the_round_folder_is_refused(tmp_path, key):
     with pytest.raises(ValueError, match="bad spool key"):
         spool.save_update(1, key, b"x")
     assert not any(tmp_path.rglob("*"))
+
+
+def test_reports_are_appended_and_load_adds_them_to_the_state(tmp_path):
+    spool = RoundSpool(tmp_path, durable=False)
+    spool.save_state(2, {"selected": ["a", "b", "c"], "reported": {"a": 1.5}})
+    spool.save_report(2, "b", 2.25)
+    spool.save_report(2, "c", 3.0)
+    state_file = tmp_path / "r000002" / "round.json"
+    before = state_file.read_bytes()
+    spool.save_report(2, "d", 4.0)
+    assert state_file.read_bytes() == before  # a report does not rewrite the round's state
+    state, _ = spool.load(2)
+    assert state is not None and state["reported"] == {"a": 1.5, "b": 2.25, "c": 3.0, "d": 4.0}
+
+
+def test_a_report_line_cut_short_by_a_crash_is_skipped(tmp_path):
+    spool = RoundSpool(tmp_path, durable=True)
+    spool.save_state(1, {"selected": ["a", "b"], "reported": {}})
+    spool.save_report(1, "a", 0.5)
+    with (tmp_path / "r000001" / "reports.jsonl").open("ab") as fh:
+        fh.write(b'["b", 0.')  # the process died in the middle of the write: b's report was never acked
+    state, _ = spool.load(1)
+    assert state is not None and state["reported"] == {"a": 0.5}
