@@ -64,6 +64,7 @@ class SyncRound:
         self._got_of: tuple[list[str], int] = ([], 0)  # the list _got was made from, and its length then
         self._folded_upto: tuple[list[str], int] = ([], 0)  # stats.granted as scanned, and its prefix folded
         self._reported_upto: tuple[list[str], int] = ([], 0)  # stats.selected as scanned, and its prefix
+        self._sets: dict[str, tuple[list[str], set[str]]] = {}  # "selected"/"granted": the list, as a set
 
     def run(self) -> None:
         ctx, cfg, stats = self.ctx, self.cfg, self.stats
@@ -182,7 +183,7 @@ class SyncRound:
             return None
         strategy = ctx.begin_strategy(stats, self.saved_choice or cfg.strategy)
         stats.granted = [
-            c for c in (granted if granted is not None else stats.selected) if c in stats.selected
+            c for c in (granted if granted is not None else stats.selected) if c in self._as_set("selected")
         ]
         return strategy
 
@@ -195,6 +196,15 @@ class SyncRound:
             i += 1  # reports and departures only add up: the prefix stays settled
         self._reported_upto = (selected, i)
         return i >= len(selected) or time.time() >= deadline
+
+    def _as_set(self, which: str) -> set[str]:
+        """``stats.selected`` or ``stats.granted`` as a set, made again only when the list is replaced (they
+        are never changed in place: a client left out makes new lists)."""
+        clients = getattr(self.stats, which)
+        cached = self._sets.get(which)
+        if cached is None or cached[0] is not clients:
+            cached = self._sets[which] = (clients, set(clients))
+        return cached[1]
 
     def _received(self) -> set[str]:
         """``stats.received`` as a set, brought up to date with the list (which only grows in a round)."""
@@ -228,10 +238,10 @@ class SyncRound:
         ctx, stats, env = self.ctx, self.stats, msg.env
         if env.kind is Kind.PRESENCE:
             # the inbox is FIFO per agent (and host): its earlier report/update came first
-            self.gone.update(c for c in ctx.note_presence(msg) if c in stats.selected)
+            self.gone.update(c for c in ctx.note_presence(msg) if c in self._as_set("selected"))
         elif env.round != stats.round:
             ctx.inbox.drop(msg, "stale-round" if env.round < stats.round else "future-round")
-        elif env.client not in stats.selected:
+        elif env.client not in self._as_set("selected"):
             ctx.inbox.drop(msg, "not-selected")
         elif env.kind is Kind.REPORT:
             self._take_report(msg)
@@ -245,7 +255,7 @@ class SyncRound:
             return
         if env.client in self._received() or env.client in self.parked:
             ctx.inbox.drop(msg, "duplicate")
-        elif strategy is None or env.client not in stats.granted:
+        elif strategy is None or env.client not in self._as_set("granted"):
             ctx.inbox.drop(msg, "not-granted")
         else:
             stats.failed.discard(env.client)  # a new try after a rejected update
