@@ -57,9 +57,9 @@ class SyncRound:
         self.saved_choice: str | None = None
         self.saved_mediator: dict | None = None  # the mediator's state once it chose (FedMed's loss switch)
         self.closed = False
-        # stats.received as a set, and how far into stats.granted (stats.selected) every client was folded
-        # (reported or gone): the round's checks cost O(1) a message where the scan of m clients they replace
-        # cost O(m) (O(m²) a round; O(m³) with the list's own membership test)
+        # stats.received as a set, how far into stats.granted every client was folded and how far into
+        # stats.selected every client reported or went offline: the round's checks cost O(1) a message where
+        # the scan of m clients they replace cost O(m) (O(m²) a round; O(m³) with the list's membership test)
         self._got: set[str] = set()
         self._got_of: tuple[list[str], int] = ([], 0)  # the list _got was made from, and its length then
         self._folded_upto: tuple[list[str], int] = ([], 0)  # stats.granted as scanned, and its prefix folded

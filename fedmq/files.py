@@ -48,14 +48,19 @@ def write_atomic(
 
 
 def append_line(path: str | os.PathLike, line: bytes, *, durable: bool = False) -> None:
-    """Append ``line`` (ending in a newline) to ``path`` in one write, creating the file if it is missing;
-    ``durable`` fsyncs it (and its folder when the file is new) before returning. A crash can leave only the
-    last line cut short: a reader skips a line it cannot parse."""
+    """Append ``line`` (ending in a newline) to ``path``, creating the file if it is missing; ``durable``
+    fsyncs it (and its folder when the file is new) before returning. A crash can leave the last line cut
+    short (a reader skips a line it cannot parse): the next line then starts on a line of its own."""
     path = Path(path)
     new = durable and not path.exists()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o666)
     try:
-        os.write(fd, line)
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            line = b"\n" + line
+        view = memoryview(line)
+        while view:
+            view = view[os.write(fd, view) :]
         if durable:
             os.fsync(fd)
     finally:

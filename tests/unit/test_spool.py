@@ -52,3 +52,6 @@ def test_a_report_line_cut_short_by_a_crash_is_skipped(tmp_path):
         fh.write(b'["b", 0.')  # the process died in the middle of the write: b's report was never acked
     state, _ = spool.load(1)
     assert state is not None and state["reported"] == {"a": 0.5}
+    spool.save_report(1, "c", 0.75)  # after the restart: c's report is acked, and must not be lost
+    state, _ = spool.load(1)
+    assert state is not None and state["reported"] == {"a": 0.5, "c": 0.75}
