@@ -39,7 +39,7 @@ class RoundSpool:
 
     def save_online(self, rnd: int, online: list[str]) -> None:
         """Who was online when the round selected (before its first save_state): apart from the round's
-        state, which is rewritten at every report, because a population's list is megabytes."""
+        state, which is rewritten at each of the round's steps, because a population's list is megabytes."""
         write_atomic(self._dir(rnd) / "online.json", json.dumps(online).encode(), durable=self.durable)
 
     def save_report(self, rnd: int, client: str, loss: float) -> None:
