@@ -127,7 +127,7 @@ def _read_reports(path: Path) -> dict[str, float]:
     for line in path.read_bytes().splitlines():
         try:
             client, loss = json.loads(line)
-        except ValueError:
+        except (ValueError, TypeError):  # cut short, or damaged on disk
             continue
         if isinstance(client, str) and isinstance(loss, (int, float)):
             reports[client] = float(loss)

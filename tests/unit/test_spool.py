@@ -49,7 +49,7 @@ def test_a_report_line_cut_short_by_a_crash_is_skipped(tmp_path):
     spool.save_state(1, {"selected": ["a", "b"], "reported": {}})
     spool.save_report(1, "a", 0.5)
     with (tmp_path / "r000001" / "reports.jsonl").open("ab") as fh:
-        fh.write(b'["b", 0.')  # the process died in the middle of the write: b's report was never acked
+        fh.write(b'7\n["x", "y"]\n["b", 0.')  # damaged lines, then a write the process died in the middle of
     state, _ = spool.load(1)
     assert state is not None and state["reported"] == {"a": 0.5}
     spool.save_report(1, "c", 0.75)  # after the restart: c's report is acked, and must not be lost
