@@ -380,7 +380,8 @@ class Agent:
             if secure is not None and isinstance(hook, ClientDP):
                 secure.dp = hook
         own = next((s for hook, kept in hooks if (s := hook.own_state(kept)) is not None), None)
-        with self.trainers.ahead():  # decoding before a trainer is free overlaps another client's training
+        # decoding before a trainer is free overlaps another client's training; clients go in in fold order
+        with self.trainers.ahead((rnd, self.client)):
             manifest = self._manifest_for(hooks)
             held = self._fetch_model(env, manifest, own)
             if held is None:
