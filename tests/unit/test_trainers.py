@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from fedmq.client_agent.trainers import PoolClosed, TrainerPool
+from fedmq.client_agent.trainers import PoolClosed, TrainerPool, _TurnGate
 from fedmq.tasks.base import TrainConfig
 from fedmq.tasks.registry import make_task
 
@@ -163,3 +163,39 @@ def test_at_most_one_client_more_than_the_trainers_holds_a_decoded_model(pool):
     for t in threads:
         t.join()
     assert most[0] == pool.size + 1
+
+
+def test_waiting_agents_go_in_by_turn_not_by_arrival():
+    """A synchronous round folds in name order: agents that wait for a place go in that order, whatever order
+    their threads came in (so their updates arrive in turn rather than parked on the aggregator's spool). One
+    place here, so that the order they go in is the order they record."""
+    gate = _TurnGate(1)
+    entered: list[str] = []
+    names = ["agent-7", "agent-2", "agent-9", "agent-0", "agent-5", "agent-3"]
+
+    def client(name: str) -> None:
+        with gate.slot((1, name)):
+            entered.append(name)
+
+    release = threading.Event()
+
+    def holder() -> None:  # the place taken until every other agent waits
+        with gate.slot((0, "held")):
+            release.wait()
+
+    first = threading.Thread(target=holder)
+    first.start()
+    while not gate._waiting and gate._free:  # the holder is in
+        time.sleep(0.01)
+    threads = [threading.Thread(target=client, args=(n,)) for n in names]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while len(gate._waiting) < len(names) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(gate._waiting) == len(names)  # every client came and waits
+    release.set()
+    for t in [first, *threads]:
+        t.join()
+    assert entered == sorted(names)
+    assert gate._free == 1 and not gate._waiting  # the place is back
