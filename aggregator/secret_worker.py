@@ -1,7 +1,7 @@
 """A worker process of aggregator.secret_pool: ``python -P -m fedmq.aggregator.secret_worker``.
 
 It reads batches of Shamir shares on its stdin and writes, for each batch, the secrets they combine into
-(``fedmq.secagg.shamir.combine_points``; None where they do not combine) and the CPU seconds this process
+(``fedmq.secagg.shamir.combine_each``; None where they do not combine) and the CPU seconds this process
 has used since it started, both as length-prefixed msgpack. It exits when its stdin closes. It imports only
 msgpack and the Shamir module (``-P``: nothing from the directory it was started in), and its stdout
 carries nothing but frames: whatever else would be printed goes to its stderr.
@@ -17,7 +17,7 @@ from typing import Any
 
 import msgpack
 
-from fedmq.secagg.shamir import combine_points
+from fedmq.secagg.shamir import combine_each
 
 FRAME = struct.Struct(">I")  # a frame's length, then its msgpack
 MAX_FRAME = 1 << 28  # 256 MiB: the shares of about a million secrets
@@ -62,8 +62,7 @@ def serve(requests: int, answers: int) -> None:
             batch = read_frame(requests)
         except EOFError:
             return
-        secrets = [combine_points([(index, data) for index, data in points]) for points in batch]
-        write_frame(answers, [secrets, time.process_time()])
+        write_frame(answers, [combine_each(batch), time.process_time()])
 
 
 if __name__ == "__main__":
