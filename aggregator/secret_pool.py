@@ -1,8 +1,9 @@
 """The aggregator's worker processes for rebuilding secure aggregation's secrets over the machine's cores.
 
 Unmasking a secure round rebuilds one secret per survivor (and one per dropped client) from its holders'
-Shamir shares (fedmq.secagg.shamir.recover_all), and pycryptodome does that arithmetic in pure Python:
-about 4.5 ms a secret at t = 11, all under the GIL, on the round's critical path while every client waits.
+Shamir shares (fedmq.secagg.shamir.recover_all): a Python loop over FLINT's field operations, about 0.3 ms a
+secret at t = 11, all under the GIL, on the round's critical path while every client waits (0.4 s at 1,000
+survivors in one process, 0.18 s on two workers).
 ``combine`` shares those combinations out among worker processes, one per core the aggregator may use (its
 CPU affinity and the CPU quota of its cgroup and the cgroups above it, at most MAX_WORKERS).
 

@@ -12,9 +12,9 @@ is reused across rounds even if a client kept its key pairs. AE is AES-256-GCM w
 (sender, recipient) pair as associated data: a share moved to another pair, round or buffer fails to decrypt.
 
 What a client secret-shares is 16 random bytes in place of each of s_u^SK and b_u (``expand``: HKDF-SHA256 to
-the X25519 private key, ``mask_key``, and to the key of the self mask's PRG): pycryptodome's Shamir shares
-one 16-byte block at a time in pure Python, and 128 bits are X25519's own security level, so sharing the
-32-byte keys themselves would double that cost for no security.
+the X25519 private key, ``mask_key``, and to the key of the self mask's PRG): Shamir shares one 16-byte
+GF(2^128) element at a time (shamir.py), and 128 bits are X25519's own security level, so sharing the 32-byte
+keys themselves would double that cost for no security.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ Everything here is checked before the core sees it: a forged or damaged message 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -163,9 +164,16 @@ def cohort_payload(
     }
 
 
+@functools.lru_cache(maxsize=8)
+def _graph(members: tuple[str, ...], degree: int, threshold: int, seed: bytes) -> Cohort:
+    """Cohort.build, once for all the clients of a host that one cohort message names (a Cohort is frozen)."""
+    return Cohort.build(members, GraphParams(degree, threshold), seed)
+
+
 def cohort(p: Mapping[str, Any]) -> tuple[Cohort, dict[str, PublicKeys]]:
-    """The cohort and roster a secagg-cohort message names; SecAggError if they cannot form a graph."""
-    built = Cohort.build(p["members"], GraphParams(p["degree"], p["threshold"]), p["seed"])
+    """The cohort and roster a secagg-cohort message names (checked: ``check``); SecAggError if they cannot
+    form a graph."""
+    built = _graph(tuple(p["members"]), p["degree"], p["threshold"], p["seed"])
     return built, {m: PublicKeys(c, s) for m, (c, s) in p["keys"].items()}
 
 

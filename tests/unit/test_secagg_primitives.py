@@ -117,8 +117,35 @@ def test_any_t_of_n_shares_give_the_16_byte_secret_back():
     assert [s.index for s in shares] == [1, 2, 3, 4, 5, 6] and all(len(s.data) == 16 for s in shares)
     for subset in ([0, 1, 2], [5, 3, 1], [2, 4, 5]):
         assert shamir.combine([shares[i] for i in subset]) == secret
-    # fewer than t shares: pycryptodome still returns 16 bytes, but not the secret; hence recover's check
+    # fewer than t shares still give 16 bytes, but not the secret; hence recover's check
     assert shamir.combine(shares[:2]) != secret
+    # more than t right shares lie on the same polynomial: the same secret
+    assert shamir.combine(shares) == secret
+
+
+@pytest.mark.parametrize("threshold, count", [(1, 1), (2, 3), (11, 34), (34, 34), (40, 300)])
+def test_shares_are_pycryptodomes_both_ways(threshold: int, count: int):
+    """The scheme is pycryptodome's share for share (shamir's docstring): its shares combine here into its
+    secret, and shares from here combine in pycryptodome, from any ``threshold`` of them."""
+    from Crypto.Protocol.SecretSharing import Shamir
+
+    rng = np.random.default_rng(threshold * 1000 + count)
+    for secret in (os.urandom(16), bytes(16), b"\xff" * 16):
+        ours = shamir.split(secret, threshold, count)
+        theirs = [shamir.Share(i, data) for i, data in Shamir.split(threshold, count, secret, ssss=False)]
+        for _ in range(3):
+            pick = sorted(rng.choice(count, size=threshold, replace=False))
+            assert Shamir.combine([(ours[i].index, ours[i].data) for i in pick], ssss=False) == secret
+            assert shamir.combine([theirs[i] for i in pick]) == secret
+    # every share of a degree-(t - 1) polynomial is as pycryptodome computes it: t = 1 gives the secret itself
+    assert [s.data for s in shamir.split(b"\x01" * 16, 1, 4)] == [b"\x01" * 16] * 4
+
+
+def test_combine_refuses_no_shares_or_an_index_twice():
+    shares = shamir.split(os.urandom(16), 2, 3)
+    for bad in ([], [shares[0], shares[0]]):
+        with pytest.raises(SecAggError, match="bad-share: shares do not combine"):
+            shamir.combine(bad)
 
 
 def test_recover_checks_the_secret_and_names_a_wrong_share():

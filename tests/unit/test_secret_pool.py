@@ -114,7 +114,7 @@ def _batch(count: int) -> list[shamir.Points]:
     for _ in range(count - 1):
         shares = shamir.split(os.urandom(shamir.SECRET_BYTES), 2, 3)
         batch.append([(s.index, s.data) for s in shares[1:]])
-    return [*batch, [(1, bytes(16)), (1, bytes(16))]]  # one index twice: pycryptodome refuses it
+    return [*batch, [(1, bytes(16)), (1, bytes(16))]]  # one index twice: combine refuses it
 
 
 @SEVERAL_CORES
