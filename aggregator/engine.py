@@ -471,7 +471,7 @@ class Engine:
             try:
                 if why is not None:
                     raise _OutOfBounds(why)
-                strategy.fold(update)
+                strategy.fold(self.guard.capped_ahead(update))
             except _OutOfBounds as exc:
                 log.warning("update out of bounds: rejected", client=env.client, reason=str(exc))
                 reason, detail = "out-of-bounds", str(exc)
@@ -638,14 +638,17 @@ class Engine:
         overflowing norm, a wrong shape) is never kept: it is skipped, model and strategy state unchanged."""
         verdict = self.guard.verdict()
         second = strategy.second_pass(frozenset(verdict.dropped))  # weights that need the whole round first
-        if verdict:
+        again = self.guard.refold_needed(verdict)  # not when the weights it caps were capped as folded
+        if again:
             log.warning(
                 "updates out of bounds: the round is aggregated again without them",
                 round=stats.round,
                 dropped=verdict.dropped,
                 capped=verdict.capped,
             )
-        if verdict or second is not None:
+        elif verdict:
+            log.info("weights capped as folded", round=stats.round, capped=verdict.capped)
+        if again or second is not None:
             strategy = self._refold(stats, verdict, second or {})
         new = {k: v.float() for k, v in strategy.finish().items()}
         weights = strategy.client_weights()

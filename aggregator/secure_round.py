@@ -94,7 +94,6 @@ class SecureRound(SyncRound):
 
     def __init__(self, ctx: RoundContext) -> None:
         super().__init__(ctx)
-        self.samples: dict[str, int] = {}  # client -> n_k it reported
         self.refused: set[str] = set()  # clients a step refused a message of: dropped from the protocol
 
     def run(self) -> None:
@@ -256,12 +255,6 @@ class SecureRound(SyncRound):
             ctx.note_trained_from(client, self._trained_from(client))
 
     # ------------------------------------------------------------------ messages
-    def _take_report(self, msg: Received) -> None:
-        """A report, and the n_k it says (n_max is drawn from them)."""
-        if msg.env.client not in self.stats.reported:
-            self.samples[msg.env.client] = int(msg.env.payload["n_samples"])
-        super()._take_report(msg)
-
     @staticmethod
     def _taker(
         receive: Callable[[str, Any], None], convert: Callable[[Any], Any]

@@ -51,6 +51,7 @@ class SyncRound:
         # when their turn comes (none of them is in memory)
         self.parked: set[str] = set()
         self.gone: set[str] = set()  # selected agents that announced going offline: nothing more will come
+        self.samples: dict[str, int] = {}  # client -> the n_k its report said (the guard caps weights ahead)
         # what the spool says of the round's grant and strategy choice (None: not decided yet), and whether
         # the round has closed: a restart then folds its spool again and closes it, announcing nothing
         self.saved_granted: list[str] | None = None
@@ -379,6 +380,7 @@ class SyncRound:
             self.ctx.inbox.drop(msg, "duplicate")
             return
         stats.reported[env.client] = float(env.payload["loss"])
+        self.samples[env.client] = int(env.payload["n_samples"])
         stats.bytes_up += msg.size
         self.ctx.spool.save_report(stats.round, env.client, stats.reported[env.client])
         self.ctx.inbox.ack(msg)
@@ -396,7 +398,9 @@ class SyncRound:
             self.saved_granted = list(stats.granted)
             self._save()
         log.info("uploads granted", round=stats.round, granted=len(stats.granted), strategy=choice)
-        return ctx.begin_strategy(stats, choice)
+        strategy = ctx.begin_strategy(stats, choice)
+        ctx.guard.expect([self.samples[c] for c in stats.granted if c in self.samples])
+        return strategy
 
     def _choose(self) -> str:
         """The round's strategy: the job's, or plain FedAvg where its plan has the loss switch say so

@@ -147,8 +147,9 @@ def recover_all(
 
     The first subset of every request (its first ``threshold`` holders) is combined in one batch by
     ``combine_batch``: the interpolation is a Python loop over field operations and holds the GIL, so the
-    aggregator hands the batch to worker processes (aggregator.secret_pool). A request whose first subset fails its check, or that
-    has too few shares, goes through ``recover`` itself, which names the wrong shares or refuses."""
+    aggregator hands the batch to worker processes (aggregator.secret_pool). A request whose first subset
+    fails its check, or that has too few shares, goes through ``recover`` itself, which names the wrong
+    shares or refuses."""
     ready = [i for i, (shares, _, _) in enumerate(requests) if len(shares) >= threshold]
     firsts = [
         [(requests[i][0][h].index, requests[i][0][h].data) for h in sorted(requests[i][0])[:threshold]]

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import fedmq
 from fedmq.cli.status import summary_caption
@@ -57,6 +58,32 @@ def test_the_summary_says_when_the_guard_capped_and_a_flag_turns_it_off(tmp_path
     assert summary["guard"] == {"rounds": 0, "capped": 0, "dropped": 0}
     assert all(r["weights"]["agent-3"] == pytest.approx(1000 / 1300) for r in rows)  # n_k / sum n
     assert "influence guard" not in summary_caption(summary)
+
+
+def test_a_capped_round_is_folded_once_and_to_the_same_bits(tmp_path, skewed, monkeypatch):
+    """In a round with a grant phase (here top-K with β = 0.9: all four granted), the cap the reports foretell
+    is applied as updates are folded, so an honest skewed round is not folded a second time from its spool;
+    the model is the one the second pass gives, bit for bit."""
+    from fedmq.aggregator.checkpoint import load_checkpoint
+    from fedmq.aggregator.engine import Engine
+    from fedmq.aggregator.guards import RoundGuard
+
+    passes: list[int] = []
+    refold = Engine._refold
+    monkeypatch.setattr(
+        Engine, "_refold", lambda self, stats, *a: passes.append(stats.round) or refold(self, stats, *a)
+    )
+    _, rows = run(tmp_path, skewed(), "ahead", beta=0.9)
+    assert passes == [] and all(list(r["guard"]["capped"]) == ["agent-3"] for r in rows)
+
+    monkeypatch.setattr(RoundGuard, "expect", lambda self, claims: None)  # no cap ahead: capped at the close
+    _, again = run(tmp_path, skewed(), "second-pass", beta=0.9)
+    assert passes == [1, 2] and [r["weights"] for r in again] == [r["weights"] for r in rows]
+    ahead = load_checkpoint(tmp_path / "ahead" / "checkpoints")
+    second = load_checkpoint(tmp_path / "second-pass" / "checkpoints")
+    assert ahead is not None and second is not None and ahead.model_version == second.model_version == 2
+    a, b = ahead.global_state, second.global_state
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_simulate_has_the_flag():

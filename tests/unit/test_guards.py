@@ -56,6 +56,44 @@ def test_huge_n_samples_with_a_normal_update_is_capped_to_factor_times_median():
     assert verdict.dropped == {} and verdict.capped == {"evil": 480}
 
 
+def test_weights_capped_as_the_reports_foretold_need_no_second_pass():
+    """A synchronous round caps as it folds, at the cap the granted clients' reported n_k give; the close
+    folds the round again only when its verdict differs from what was applied."""
+    guard = RoundGuard(4.0, 10.0)
+    guard.begin()
+    guard.expect([100, 120, 2000])  # the lower median is 120: a cap of 480
+    honest = [delta("a", 100, 0.1), delta("b", 120, 0.1)]
+    big = delta("c", 2000, 0.1)
+    assert all(guard.capped_ahead(u) is u for u in honest)
+    folded = guard.capped_ahead(big)
+    assert folded.n_samples == 480 and big.n_samples == 2000 and folded.tensors is big.tensors
+    for u in (*honest, big):
+        guard.note(u, GLOBAL)  # the guard judges the claims as sent
+    verdict = guard.verdict()
+    assert verdict.capped == {"c": 480} == guard.applied and not guard.refold_needed(verdict)
+
+    # an update whose n is not its report's, or a client that never delivers, moves the cap: fold again
+    guard.begin()
+    assert guard.cap_ahead is None and guard.applied == {}
+    guard.expect([100, 120, 2000])
+    for u in (delta("a", 100, 0.1), delta("b", 5000, 0.1), delta("c", 2000, 0.1)):
+        guard.note(u, GLOBAL)
+        guard.capped_ahead(u)
+    verdict = guard.verdict()  # claims 100, 2000, 5000: the median is 2000 and nothing is capped
+    assert verdict.capped == {} and guard.applied == {"b": 480, "c": 480} and guard.refold_needed(verdict)
+
+    # a dropped update always means a second pass; no reports (a restart) means no cap ahead
+    guard.begin()
+    guard.expect([100, 120, 130])
+    for u in (delta("a", 100, 0.1), delta("b", 120, 0.1), delta("evil", 130, 3e38)):
+        guard.note(u, GLOBAL)
+        guard.capped_ahead(u)
+    assert guard.refold_needed(guard.verdict())
+    guard.begin()
+    guard.expect([])
+    assert guard.cap_ahead is None
+
+
 def test_a_lone_update_is_judged_against_the_models_norm_only():
     # no peer, no history: within half the model's norm (‖θ‖ = √12) it passes, whatever its n
     assert not judge(delta("a", 2**52, 0.4))
