@@ -25,14 +25,15 @@ same ``n_samples`` and wipes the model. The engine therefore
 * and when something is out of bounds, aggregates the round again from its spool without / with the capped
   weights (a second pass only then: an honest round is folded once and its maths is unchanged).
 
-A synchronous round knows every granted client's n_k before any update arrives (its report says it), so it
-caps weights as it folds (:meth:`RoundGuard.expect`, :meth:`RoundGuard.capped_ahead`): the cap the close
-would set if every granted client delivers the n it reported. When the verdict caps exactly those, the
-round is not folded again: each update was folded once, in the same order and with the same weight as a
-second pass would fold it, so the aggregate is the same bit for bit. Otherwise (an update dropped, a client
-that did not deliver, an n unlike its report) the round is folded again as above. With skewed shards an
-honest round often holds a client whose n_k exceeds the cap; at 1,000 clients a round nearly every round
-does, and folding it again decoded all 1,000 updates a second time.
+A synchronous round with a grant phase (top-K, FedMed) knows every granted client's n_k before any update
+arrives (its report says it), so it caps weights as it folds (:meth:`RoundGuard.expect`,
+:meth:`RoundGuard.capped_ahead`): the cap the close would set if every granted client delivers the n it
+reported. When the verdict caps exactly those, the round is not folded again: each update was folded once,
+in the same order and with the same weight as a second pass would fold it, so the aggregate is the same bit
+for bit. Otherwise (an update dropped, a client that did not deliver, an n unlike its report) the round is
+folded again as above. With skewed shards an honest round often holds a client whose n_k exceeds the cap
+(at 1,000 clients a round nearly every round does); a round without a grant phase learns each n_k with its
+update, and still folds such a round again.
 
 Asynchronous mode folds each update as it arrives, so :meth:`RoundGuard.screen` judges it *before* folding,
 against the newest accepted (n, ‖Δ‖) of every *other* client (one vote per client, so an agent sending many
