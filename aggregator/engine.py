@@ -638,13 +638,19 @@ class Engine:
         overflowing norm, a wrong shape) is never kept: it is skipped, model and strategy state unchanged."""
         verdict = self.guard.verdict()
         second = strategy.second_pass(frozenset(verdict.dropped))  # weights that need the whole round first
-        again = self.guard.refold_needed(verdict)  # not when the weights it caps were capped as folded
-        if again:
+        received = set(stats.received)  # in the order folded: the second pass folds in the grant's
+        in_order = stats.received == [c for c in stats.granted if c in received]
+        again = self.guard.refold_needed(verdict, in_order)  # not when its caps were applied as folded
+        if again and verdict:
             log.warning(
                 "updates out of bounds: the round is aggregated again without them",
                 round=stats.round,
                 dropped=verdict.dropped,
                 capped=verdict.capped,
+            )
+        elif again:
+            log.info(
+                "weights capped as folded, not as the round closed: it is aggregated again", round=stats.round
             )
         elif verdict:
             log.info("weights capped as folded", round=stats.round, capped=verdict.capped)

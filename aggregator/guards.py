@@ -188,10 +188,14 @@ class RoundGuard:
         self.applied[update.client] = cap
         return dataclasses.replace(update, n_samples=cap)
 
-    def refold_needed(self, verdict: Verdict) -> bool:
-        """Whether the round must be folded again for ``verdict``: it drops an update, or caps other weights
-        than those capped ahead."""
-        return bool(verdict.dropped) or verdict.capped != self.applied
+    def refold_needed(self, verdict: Verdict, in_order: bool = True) -> bool:
+        """Whether the round must be folded again for ``verdict``: it drops an update, caps other weights than
+        those capped ahead, or caps were applied ahead but the updates were not folded in the grant's order
+        (``in_order`` False: a client retried after a rejection, or one counted gone delivered after all), the
+        order a second pass folds in."""
+        return (
+            bool(verdict.dropped) or verdict.capped != self.applied or (bool(self.applied) and not in_order)
+        )
 
     def note(self, update: ClientUpdate, global_state: Mapping[str, torch.Tensor]) -> None:
         norm = delta_norm(update, global_state) if self.norm_factor > 0 else 0.0

@@ -15,7 +15,8 @@ The field arithmetic is FLINT's (python-flint: ``fq_default`` over that modulus,
 pycryptodome's is pure Python: on a 2-core x86 VM, splitting a secret into 34 shares at t = 11 takes 0.75 ms
 here against about 4 ms, and rebuilding it from 11 shares 0.3 ms against 5 ms, so at 100 clients a round the
 sharing and the rebuilding cost about 0.2 CPU seconds instead of one. Unlike pycryptodome's multiplication,
-FLINT's is not written to take the same time whatever its operands.
+FLINT's is not written to take the same time whatever its operands, nor is the conversion of a value to an
+element here (a loop over its bits up to the highest one set).
 
 A wrong share makes Shamir reconstruct a wrong secret without noticing, so every reconstruction here is
 checked against what the owner committed to (``check``): with more shares than needed, the server looks for a
@@ -72,7 +73,9 @@ def split(secret: bytes, threshold: int, count: int) -> list[Share]:
     if len(secret) != SECRET_BYTES:
         raise SecAggError("bad-secret", f"a shared secret is {SECRET_BYTES} bytes, got {len(secret)}")
     if not 1 <= threshold <= count < 2**16:
-        raise SecAggError("bad-parameter", f"threshold {threshold} is not within 1..{count} shares")
+        raise SecAggError(
+            "bad-parameter", f"threshold {threshold} of {count} shares: 1 ≤ t ≤ n ≤ 65535 needed"
+        )
     # p(x) = secret + a_1 x + ... + a_{t-1} x^{t-1}, each a_i uniform over the field
     coefficients = [_decode(secret), *(_decode(os.urandom(SECRET_BYTES)) for _ in range(threshold - 1))]
     p = flint.fq_default_poly(coefficients, _POLYNOMIALS)

@@ -71,6 +71,8 @@ def test_weights_capped_as_the_reports_foretold_need_no_second_pass():
         guard.note(u, GLOBAL)  # the guard judges the claims as sent
     verdict = guard.verdict()
     assert verdict.capped == {"c": 480} == guard.applied and not guard.refold_needed(verdict)
+    # folded out of the grant's order (a retry after a rejection): the second pass's order differs
+    assert guard.refold_needed(verdict, in_order=False)
 
     # an update whose n is not its report's, or a client that never delivers, moves the cap: fold again
     guard.begin()
