@@ -84,9 +84,9 @@ def split(secret: bytes, threshold: int, count: int) -> list[Share]:
 
 def combine(shares: list[Share]) -> bytes:
     """SS.recon: p(0) from ``threshold`` shares (more give the same secret while every one is right)."""
-    xs = [_element(s.index) for s in shares]
     if not shares or len({s.index for s in shares}) != len(shares):
         raise SecAggError("bad-share", "shares do not combine: none, or one index twice")
+    xs = [_element(s.index) for s in shares]
     secret = _FIELD.zero()
     for j, share in enumerate(shares):  # Lagrange at 0: y_j Π_{m≠j} x_m / (x_j - x_m), and - is + here
         numerator, denominator = _FIELD.one(), _FIELD.one()

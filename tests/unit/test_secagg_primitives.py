@@ -1,5 +1,5 @@
 """Secure aggregation's primitives (fedmq/secagg): key agreement and derivation, the encryption of shares, the
-mask PRG against AES applied to its counter blocks, and Shamir sharing of 32-byte secrets with its checks."""
+mask PRG against AES applied to its counter blocks, and Shamir sharing of 16-byte secrets with its checks."""
 
 from __future__ import annotations
 
