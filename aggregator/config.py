@@ -182,9 +182,9 @@ class JobConfig:
     identity: str = "strict"
     # FedAvg guard: none | clip:NORM (norm clipping) | trimmed:FRAC | median (coordinate-wise)
     robust: str = "none"
-    # bounds on one client's influence (aggregator.guards; 0 = off): n_k capped at this x the round's
-    # lower-median n_k, and an update whose delta norm exceeds this x the round's lower-median norm is left
-    # out
+    # bounds on one client's influence (aggregator.guards; 0 = off): n_k capped at this x the lower-median
+    # n_k of recent rounds, and an update whose delta norm exceeds this x the round's lower-median norm is
+    # left out
     max_samples_factor: float = 4.0
     norm_bound_factor: float = 10.0
     # client-level differential privacy (docs/guide/privacy.md; a job file's [privacy] table): none, central

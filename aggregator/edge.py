@@ -210,6 +210,7 @@ class Edge:
         _, strategy = strategy_from_config(env.payload["strategy"], self.cfg)
         strategy.begin(base)
         self.guard.begin()
+        self.guard.expect([])  # the history's cap, if any, applied as the round folds
         self.open = rnd = EdgeRound(env, base, strategy)
         rnd.arrived = self.early.pop(env.round, set()) & set(rnd.clients)
         log.info("edge round open", edge=self.name, round=env.round, clients=len(rnd.clients))
@@ -245,26 +246,29 @@ class Edge:
                 return
             rnd.turn += 1
 
-    def _fold(self, rnd: EdgeRound, client: str, body: bytes | None = None, n: int | None = None) -> None:
-        """Fold one spooled update into ``rnd``'s strategy; one that is refused is named in ``rnd.failed``."""
+    def _fold(
+        self, rnd: EdgeRound, client: str, body: bytes | None = None, verdict: Verdict | None = None
+    ) -> None:
+        """Fold one spooled update into ``rnd``'s strategy, its weight capped ahead (RoundGuard.capped_ahead),
+        or as ``verdict`` says when the round is folded again; one that is refused is named in
+        ``rnd.failed``."""
         rnd.done.add(client)
         started = time.perf_counter()
         body = body if body is not None else self.spool.read_update(rnd.round, client)
         try:
             if body is None:
                 raise CodecError("spool", "spooled update gone")
-            update = self._decoded(body, rnd, client, n)
-            rnd.strategy.fold(update)
-        except CodecError as exc:
-            rnd.failed[client] = exc.reason
-            self.inbox.count_rejection(exc.reason, f"{client}: {exc}")
-            return
+            update = self._decoded(body, rnd, client, None if verdict is None else verdict.capped.get(client))
+            folded = self.guard.capped_ahead(update) if verdict is None else update
+            rnd.strategy.fold(folded)
         except (FedmqError, ValueError, TypeError, RuntimeError) as exc:
-            rnd.failed[client] = "rejected-by-strategy"
-            self.inbox.count_rejection("rejected-by-strategy", f"{client}: {exc}")
+            reason = exc.reason if isinstance(exc, CodecError) else "rejected-by-strategy"
+            rnd.failed[client] = reason
+            self.guard.applied.pop(client, None)  # not folded: no cap applied to it
+            self.inbox.count_rejection(reason, f"{client}: {exc}")
             return
         self.guard.note(update, rnd.base)
-        rnd.facts[client] = [float(update.loss or 0.0), int(update.n_samples), update.update_id]
+        rnd.facts[client] = [float(update.loss or 0.0), int(folded.n_samples), update.update_id]
         rnd.nbytes[0] += len(body)
         rnd.nbytes[1] += raw_nbytes(update.tensors)
         rnd.fold_s += (time.perf_counter() - started - rnd.fold_s) / len(rnd.facts)
@@ -285,7 +289,7 @@ class Edge:
             if client in rnd.arrived and client not in rnd.done:
                 self._fold(rnd, client)
         verdict = self.guard.verdict()
-        if verdict:  # out of bounds: fold again without them, or with their weight capped
+        if self.guard.refold_needed(verdict):  # out of bounds: fold again without them, or capped otherwise
             log.warning("updates out of bounds: folded again", edge=self.name, **verdict.record())
             self._refold(rnd, verdict)
         env = partial_message(
@@ -310,7 +314,7 @@ class Edge:
         rnd.done, rnd.facts, rnd.nbytes = set(), {}, [0, 0]
         for client in rnd.clients:
             if client in rnd.arrived and client not in verdict.dropped and client not in rnd.failed:
-                self._fold(rnd, client, n=verdict.capped.get(client))
+                self._fold(rnd, client, verdict=verdict)
 
     def _give_up(self, env: Envelope, why: str) -> None:
         """Tell the root at once that none of the round's clients can be folded here, and why."""

@@ -7,16 +7,19 @@ same ``n_samples`` and wipes the model. The engine therefore
 
 * notes, for every folded update, its ``n_samples`` and the L2 norm of its delta ‖Δ_k‖
   (:meth:`RoundGuard.note`, one read of the update; float64 where float32 would overflow);
-* at the close asks :meth:`RoundGuard.verdict` for the updates out of bounds, judged against a reference one
-  hostile client cannot move: with K ≥ 3 updates the round's own lower median (the ⌈K/2⌉-th smallest); with
-  K ≤ 2 the *history*, the median of the references of the last HISTORY rounds that had K ≥ 3 updates (with
-  two updates the lower median is the smaller one, and an attacker sending a near-zero update would make the
-  honest one look huge). Without history a round of two updates caps n only at ``samples_factor`` × the
-  smaller n (the round's lower median):
+* at the close asks :meth:`RoundGuard.verdict` for the updates out of bounds, judged against references one
+  hostile client cannot move: a round's own lower median (the ⌈K/2⌉-th smallest of K updates), or the
+  *history*, the median of the lower medians of the last HISTORY rounds that had K ≥ 3 updates (kept in the
+  checkpoint):
 
-  - ‖Δ_k‖ > ``norm_factor`` × median ‖Δ‖: the update is **dropped** (not clipped: with its weight still up to
+  - ‖Δ_k‖ > ``norm_factor`` × the reference ‖Δ‖ -- with K ≥ 3 the round's own, with K ≤ 2 the history's (with
+    two updates the lower median is the smaller one, and an attacker sending a near-zero update would make the
+    honest one look huge): the update is **dropped** (not clipped: with its weight still up to
     ``samples_factor`` × the median, a clipped −θ would still shrink the model by several honest steps);
-  - n_k > ``samples_factor`` × median n: its weight is **capped** to that bound;
+  - n_k > ``samples_factor`` × the reference n: its weight is **capped** to that bound. Its reference is the
+    history's whenever there is one, whatever the round's size, else the round's own (of two updates, the
+    smaller n; one update alone is not capped): so from a job's first round of three updates on the cap is
+    known before a round starts, and the round caps as it folds (below);
   - a reference of 0 (a plateau: after lr_anneal the honest deltas are exactly zero) leaves no room: every
     update that changes anything is dropped (half the round sent nothing: at worst the model stays);
   - no reference at all (no history yet): ‖Δ_k‖ > NO_REFERENCE_SHARE × ‖θ‖ is dropped, so one update nothing
@@ -25,15 +28,17 @@ same ``n_samples`` and wipes the model. The engine therefore
 * and when something is out of bounds, aggregates the round again from its spool without / with the capped
   weights (a second pass only then: an honest round is folded once and its maths is unchanged).
 
-A synchronous round with a grant phase (top-K, FedMed) knows every granted client's n_k before any update
-arrives (its report says it), so it caps weights as it folds (:meth:`RoundGuard.expect`,
-:meth:`RoundGuard.capped_ahead`): the cap the close would set if every granted client delivers the n it
-reported. When the verdict caps exactly those, the round is not folded again: each update was folded once,
-in the same order and with the same weight as a second pass would fold it, so the aggregate is the same bit
-for bit. Otherwise (an update dropped, a client that did not deliver, an n unlike its report) the round is
-folded again as above. With skewed shards an honest round often holds a client whose n_k exceeds the cap
-(at 1,000 clients a round nearly every round does); a round without a grant phase learns each n_k with its
-update, and still folds such a round again.
+A synchronous round caps weights as it folds (:meth:`RoundGuard.expect`, :meth:`RoundGuard.capped_ahead`)
+when it knows the cap before its updates come: with a history always; before one, in a round with a grant
+phase (top-K, FedMed), from the n_k each granted client reported, the cap the close sets if each delivers
+the n it reported. When the verdict caps exactly those, the round is not folded again: each update was
+folded once, in the same order and with the same weight as a second pass would fold it, so the aggregate is
+the same bit for bit. Otherwise (an update dropped, a client that did not deliver, an n unlike its report,
+updates folded out of the fold order) the round is folded again as above. With skewed shards an honest
+round often holds a client whose n_k exceeds the cap (at 1,000 clients a round nearly every round does),
+which is why the history comes first: the round's own lower median is known only at its close. The cost:
+the cap follows a population whose n_k drift (devices gathering data) over about HISTORY / 2 rounds, not
+at once.
 
 Asynchronous mode folds each update as it arrives, so :meth:`RoundGuard.screen` judges it *before* folding,
 against the newest accepted (n, ‖Δ‖) of every *other* client (one vote per client, so an agent sending many
@@ -176,8 +181,9 @@ class RoundGuard:
         self._global: Mapping[str, torch.Tensor] = {}
 
     def expect(self, claims: list[int]) -> None:
-        """A synchronous round's granted clients reported ``claims`` (their n_k): the weight cap the close
-        will set if each delivers what it reported, applied as updates are folded (``capped_ahead``)."""
+        """A synchronous round is about to fold: the weight cap its close will set, applied as updates are
+        folded (``capped_ahead``). With a history, the history's; without, the cap ``claims`` give (the n_k
+        a grant phase's clients reported) if each granted client delivers what it reported."""
         self.cap_ahead = self._samples_cap([float(n) for n in claims])
 
     def capped_ahead(self, update: ClientUpdate) -> ClientUpdate:
@@ -233,13 +239,16 @@ class RoundGuard:
         return out
 
     def _samples_cap(self, ns: list[float]) -> int | None:
-        """The weight cap over a round's claims ``ns`` (the history as it stands), or None: no cap."""
-        if not (self.samples_factor > 0 and len(ns) >= 2):
+        """The weight cap over a round's claims ``ns``, or None: no cap. With a history, ``samples_factor`` ×
+        the median of the earlier rounds' lower medians of n, whatever the claims (so it is known before the
+        round); without, ``samples_factor`` × the round's own lower median of two claims or more."""
+        if self.samples_factor <= 0:
             return None
-        ref_n, _ = self._reference(ns, self.history_n)
-        if len(ns) == 2:  # never below what the round itself says: a claim of n = 1 cannot shrink the other
-            ref_n = max(lower_median(ns), ref_n or 0.0)
-        return max(1, int(self.samples_factor * (ref_n or 0.0)))
+        if self.history_n:
+            return max(1, int(self.samples_factor * statistics.median(self.history_n)))
+        if len(ns) < 2:
+            return None
+        return max(1, int(self.samples_factor * lower_median(ns)))
 
     @staticmethod
     def _reference(values: list[float], history: deque[float]) -> tuple[float | None, str]:

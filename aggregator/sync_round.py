@@ -179,14 +179,13 @@ class SyncRound:
     def _begin_granted(self) -> Strategy | None:
         """The round's strategy, begun, where its uploads are known without waiting for reports (no grant
         phase, or a grant the spool kept), with ``stats.granted`` set; None while the grant is to come."""
-        ctx, cfg, stats, granted = self.ctx, self.cfg, self.stats, self.saved_granted
+        cfg, stats, granted = self.cfg, self.stats, self.saved_granted
         if granted is None and cfg.grant_phase:
             return None
-        strategy = ctx.begin_strategy(stats, self.saved_choice or cfg.strategy)
         stats.granted = [
             c for c in (granted if granted is not None else stats.selected) if c in self._as_set("selected")
         ]
-        return strategy
+        return self._begin(self.saved_choice or cfg.strategy)
 
     def _reports_done(self, deadline: float) -> bool:
         """Every selected client reported or went offline, or the reports' time is over."""
@@ -398,8 +397,13 @@ class SyncRound:
             self.saved_granted = list(stats.granted)
             self._save()
         log.info("uploads granted", round=stats.round, granted=len(stats.granted), strategy=choice)
-        strategy = ctx.begin_strategy(stats, choice)
-        ctx.guard.expect([self.samples[c] for c in stats.granted if c in self.samples])
+        return self._begin(choice)
+
+    def _begin(self, choice: str) -> Strategy:
+        """The round's strategy ``choice`` begun, and the guard told the weight cap it can apply as the
+        granted clients' updates are folded (RoundGuard.expect: the history's, or their reports')."""
+        strategy = self.ctx.begin_strategy(self.stats, choice)
+        self.ctx.guard.expect([self.samples[c] for c in self.stats.granted if c in self.samples])
         return strategy
 
     def _choose(self) -> str:

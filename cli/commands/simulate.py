@@ -152,7 +152,7 @@ def simulate(
         JOB.max_samples_factor,
         panel=STRATEGY,
         metavar="F",
-        help="influence guard: weight n_k ≤ F × the round's median n_k (0 = off)",
+        help="influence guard: weight n_k ≤ F × the median n_k of recent rounds (0 = off)",
     ),
     edges: int = _opt(
         JOB.edges,

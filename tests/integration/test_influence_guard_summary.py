@@ -60,10 +60,17 @@ def test_the_summary_says_when_the_guard_capped_and_a_flag_turns_it_off(tmp_path
     assert "influence guard" not in summary_caption(summary)
 
 
-def test_a_capped_round_is_folded_once_and_to_the_same_bits(tmp_path, skewed, monkeypatch):
-    """In a round with a grant phase (here top-K with β = 0.9: all four granted), the cap the reports foretell
-    is applied as updates are folded, so an honest skewed round is not folded a second time from its spool;
-    the model is the one the second pass gives, bit for bit."""
+@pytest.mark.parametrize(
+    ("job", "ahead_from"),
+    [
+        ({"beta": 0.9}, 1),  # top-K with β = 0.9 (all four granted): round 1 from the reports, then history
+        ({}, 2),  # no grant phase: round 1 is capped at its close and folded again; round 2 from the history
+    ],
+)
+def test_a_capped_round_is_folded_once_and_to_the_same_bits(tmp_path, skewed, monkeypatch, job, ahead_from):
+    """A synchronous round that knows its weight cap before its updates come (the granted clients' reports,
+    or the earlier rounds' reference) caps them as they are folded, so an honest skewed round is not folded a
+    second time from its spool; the model is the one the second pass gives, bit for bit."""
     from fedmq.aggregator.checkpoint import load_checkpoint
     from fedmq.aggregator.engine import Engine
     from fedmq.aggregator.guards import RoundGuard
@@ -73,11 +80,14 @@ def test_a_capped_round_is_folded_once_and_to_the_same_bits(tmp_path, skewed, mo
     monkeypatch.setattr(
         Engine, "_refold", lambda self, stats, *a: passes.append(stats.round) or refold(self, stats, *a)
     )
-    _, rows = run(tmp_path, skewed(), "ahead", beta=0.9)
-    assert passes == [] and all(list(r["guard"]["capped"]) == ["agent-3"] for r in rows)
+    _, rows = run(tmp_path, skewed(), "ahead", **job)
+    assert passes == list(range(1, ahead_from)) and all(
+        list(r["guard"]["capped"]) == ["agent-3"] for r in rows
+    )
 
+    passes.clear()
     monkeypatch.setattr(RoundGuard, "expect", lambda self, claims: None)  # no cap ahead: capped at the close
-    _, again = run(tmp_path, skewed(), "second-pass", beta=0.9)
+    _, again = run(tmp_path, skewed(), "second-pass", **job)
     assert passes == [1, 2] and [r["weights"] for r in again] == [r["weights"] for r in rows]
     ahead = load_checkpoint(tmp_path / "ahead" / "checkpoints")
     second = load_checkpoint(tmp_path / "second-pass" / "checkpoints")

@@ -75,6 +75,7 @@ def test_weights_capped_as_the_reports_foretold_need_no_second_pass():
     assert guard.refold_needed(verdict, in_order=False)
 
     # an update whose n is not its report's, or a client that never delivers, moves the cap: fold again
+    guard = RoundGuard(4.0, 10.0)  # no history yet: the cap is the claims'
     guard.begin()
     assert guard.cap_ahead is None and guard.applied == {}
     guard.expect([100, 120, 2000])
@@ -84,16 +85,48 @@ def test_weights_capped_as_the_reports_foretold_need_no_second_pass():
     verdict = guard.verdict()  # claims 100, 2000, 5000: the median is 2000 and nothing is capped
     assert verdict.capped == {} and guard.applied == {"b": 480, "c": 480} and guard.refold_needed(verdict)
 
-    # a dropped update always means a second pass; no reports (a restart) means no cap ahead
+    # a dropped update always means a second pass; no reports (a restart) and no history mean no cap ahead
+    guard = RoundGuard(4.0, 10.0)
     guard.begin()
     guard.expect([100, 120, 130])
     for u in (delta("a", 100, 0.1), delta("b", 120, 0.1), delta("evil", 130, 3e38)):
         guard.note(u, GLOBAL)
         guard.capped_ahead(u)
     assert guard.refold_needed(guard.verdict())
+    guard = RoundGuard(4.0, 10.0)
     guard.begin()
     guard.expect([])
     assert guard.cap_ahead is None
+
+
+def test_with_a_history_the_cap_is_known_before_the_round():
+    """After a round of three updates or more, the cap is samples_factor × the median of the earlier rounds'
+    lower medians of n, whatever this round's claims: a round without a grant phase (no reports) caps as it
+    folds, and one honest skewed round is folded once."""
+    guard = RoundGuard(4.0, 10.0)
+    guard.begin()
+    guard.expect([])
+    assert guard.cap_ahead is None  # a job's first round: the round's own median, known at its close
+    for u in (delta("a", 100, 0.1), delta("b", 120, 0.1), delta("c", 2000, 0.1)):
+        guard.note(u, GLOBAL)
+    assert guard.verdict().capped == {"c": 480}  # the round's own lower median, 120; now the history's
+    for claims in ([], [1, 1, 1], [10**6, 10**6, 10**6]):  # a round's claims cannot move it
+        guard.begin()
+        guard.expect(claims)
+        assert guard.cap_ahead == 480
+    skewed = [delta("a", 10, 0.1), delta("b", 20, 0.1), delta("c", 5000, 0.1)]  # own median 20: cap 80
+    for u in skewed:
+        guard.note(u, GLOBAL)
+        guard.capped_ahead(u)
+    verdict = guard.verdict()
+    assert verdict.capped == {"c": 480} == guard.applied and not guard.refold_needed(verdict)
+    assert list(guard.history_n) == [120.0, 20.0]  # this round's median joins the history for later rounds
+    guard.begin()
+    guard.expect([])
+    assert guard.cap_ahead == int(4 * 70.0)  # the median of 120 and 20
+    guard.note(delta("a", 100, 0.1), GLOBAL)  # a round of two: the history judges it too
+    guard.note(delta("b", 500, 0.1), GLOBAL)
+    assert guard.verdict().capped == {"b": 280}
 
 
 def test_a_lone_update_is_judged_against_the_models_norm_only():
