@@ -9,7 +9,9 @@ BPTT 8, validation on one line, R rounds. Each system runs as its own process, o
   ``flwr[simulation]==1.41.0``; with ``control``, also benchmarks/flower_control.py, a minimal harness written
   apart from it on Flower's classic API, whose s/round the bench's Flower side must match (within ±20 %).
 * fedmq: ``fedmq simulate`` on the in-process broker: default encodings (delta+bf16 up, bf16 down), raw both
-  ways (lossless), and the recommended compressed ones.
+  ways (lossless), and the recommended compressed ones. Its clients train as Flower's do: as many at once as
+  there are usable cores, torch held to one thread each (``--trainers`` the cores, ``OMP_NUM_THREADS=1``; Ray
+  gives each one-CPU actor one thread).
 * the scaling curve: fedmq at K ∈ ``scale`` with ``selected`` clients per round.
 
 s/round is the same interval on both sides: the period from one round's end to the next's, where a round ends
@@ -150,6 +152,7 @@ def _last_line(text: str) -> str:
 
 
 def run_fedmq(name: str, setting: Setting, encoding: str = "delta+bf16", down_encoding: str = "bf16") -> Run:
+    trainers = usable_cores()  # clients that train at once, one torch thread each (module docstring)
     with tempfile.TemporaryDirectory(prefix="fedmq-bench-") as tmp:
         out = Path(tmp) / "run"
         cmd = [
@@ -180,12 +183,15 @@ def run_fedmq(name: str, setting: Setting, encoding: str = "delta+bf16", down_en
             encoding,
             "--down-encoding",
             down_encoding,
+            "--trainers",
+            str(trainers),
             "--out",
             str(out),
             "--log-level",
             "warning",
         ]
-        code, stdout, err, tree, used = _measured(cmd, dict(os.environ), setting.timeout)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"} if trainers > 1 else dict(os.environ)
+        code, stdout, err, tree, used = _measured(cmd, env, setting.timeout)
         # dicts, as Flower's rows are
         rows = [r.to_json() for r in read_rounds(out).records] if out.is_dir() else []
     run = _run(name, setting, (code, err, tree, used), rows, [r["time"] for r in rows])

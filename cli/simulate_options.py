@@ -8,10 +8,10 @@ faults, device and broker are flags only.
 
 ``--resume`` rebuilds the run from the options it recorded in its ``config.json`` (``extra.cli``): an option
 given again (as a flag or in ``--config``) must have its saved value, except those that only say where or how
-long it runs (``RESUMABLE``: ``--rounds`` extends a run, ``--device``, ``--cohort``, ``--broker``); any other
-difference is refused in one line. A run folder written before options were recorded is resumed from its
-JobConfig keys and the task facts it kept (task, model, partition, bptt, tied, dropout); the checkpoint check
-in cli/run_folder.py catches the rest.
+long it runs (``RESUMABLE``: ``--rounds`` extends a run, ``--device``, ``--cohort``, ``--trainers``,
+``--broker``); any other difference is refused in one line. A run folder written before options were
+recorded is resumed from its JobConfig keys and the task facts it kept (task, model, partition, bptt, tied,
+dropout); the checkpoint check in cli/run_folder.py catches the rest.
 
 Everything here is torch-free (aggregator.config, client_agent.availability, fedmq.tasks.catalog and
 .partition, broker.transport.connect's URL check), so a bad flag is rejected in well under a second.
@@ -62,7 +62,7 @@ TASK_FLAGS = (
 NOT_RECORDED = ("config", "out", "resume", "keep_queues", "as_json", "log_level", "metrics_port")
 # --strategy-arg KEY=VALUE, over the file's [strategy] table (JobConfig.strategy_args)
 STRATEGY_ARG = "strategy_arg"
-RESUMABLE = ("rounds", "device", "cohort", "broker")
+RESUMABLE = ("rounds", "device", "cohort", "trainers", "broker")
 # JobConfig keys without a flag (the file may set them) and the task options without one
 FILE_JOB_KEYS = tuple(
     f.name
@@ -224,7 +224,7 @@ def check(values: dict[str, Any]) -> None:
     for name in ("vocab_size", "max_lines", "max_eval_lines", "eval_max_sentences"):
         if (values.get(name) or 0) < 0:
             raise UsageError(f"{option_name(name)} must not be negative (0 means no cap)")
-    for name in ("clients", "bptt", "beam", "min_count"):
+    for name in ("clients", "bptt", "beam", "min_count", "trainers"):
         if values.get(name) is not None and values[name] < 1:
             raise UsageError(f"{option_name(name)} must be at least 1, got {values[name]}")
     if not 0 <= values["dropout"] < 1:

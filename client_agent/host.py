@@ -72,7 +72,7 @@ class Host:
         self.connect, self.job, self.host = connect, job, topology.check_host(host)
         self.ranges = [(int(lo), int(hi)) for lo, hi in clients]
         self.heartbeat_s, self.rejoin_s = heartbeat_s, rejoin_s
-        self.trainers = trainers or TrainerPool(task, 1, seed)
+        self.trainers = trainers or TrainerPool(task, defaults.TRAINERS, seed)
         self._agent_args: dict[str, Any] = dict(
             agent_args,
             heartbeat_s=heartbeat_s,

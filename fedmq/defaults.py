@@ -35,6 +35,9 @@ LR_ANNEAL = 4.0  # the clients' lr ÷ this from the round after one that did not
 # counts for three beats
 HEARTBEAT_S = 5.0
 REJOIN_S = 2.0  # s an agent (or a host's client) stays away after it went offline, before it joins again
+# models a process's clients train on at once (a simulation's, a host's): 1, clients in turn, each step on all
+# torch's threads; a GPU keeps 1 (CUDA holds state per training thread)
+TRAINERS = 1
 
 
 def lr_for(strategy: str) -> float:

@@ -23,6 +23,7 @@ from typing import Any
 
 import structlog
 
+from fedmq import defaults
 from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.edge import Edge
 from fedmq.aggregator.engine import Engine
@@ -80,7 +81,7 @@ class Simulation:
     device: str = "cpu"
     resume: bool = False  # continue the run in run_dir; without it a run_dir that holds a run is refused
     rejoin_s: float = 1.0
-    trainers: int = 1  # models that train at once; 1: clients train in turn, each with all torch's threads
+    trainers: int = defaults.TRAINERS  # models that train at once (client_agent.trainers.TrainerPool)
     cohort: bool = False  # train a round's selected clients together (client_agent.trainers.CohortPool)
     keep_queues: bool = False  # over RabbitMQ: leave the job's queues on the broker after the run
     on_round: Callable[[dict], None] | None = None

@@ -9,6 +9,7 @@ from typing import Any
 
 import typer
 
+from fedmq import defaults
 from fedmq.aggregator.config import JobFile
 from fedmq.cli import options
 from fedmq.cli.errors import UsageError
@@ -90,7 +91,7 @@ def agent_run(
         help="with --host-from-hostname: N, the hosts (the StatefulSet's replicas)",
     ),
     trainers: int = typer.Option(
-        1,
+        defaults.TRAINERS,
         envvar="FEDMQ_TRAINERS",
         metavar="N",
         help="a host's models that train at once (its clients share them)",
@@ -123,7 +124,7 @@ def agent_run(
     served = _hosted_clients(
         population, host, clients, host_from_hostname, hosts, client_id, client_id_from_hostname, index
     )
-    if served is None and (trainers != 1 or client_state is not None):
+    if served is None and (trainers != defaults.TRAINERS or client_state is not None):
         raise UsageError(
             "--trainers and --client-state are a host's options: give --host or --host-from-hostname"
         )

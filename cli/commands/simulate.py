@@ -281,6 +281,12 @@ def simulate(
         help="train a round's clients as one batched model (LM, SGD; for a GPU); "
         "the report deadline is then per client",
     ),
+    trainers: int = _opt(
+        defaults.TRAINERS,
+        panel=RUN,
+        metavar="N",
+        help="clients that train at once (docs/cli.md)",
+    ),
     seed: int = _opt(
         JOB.seed, panel=RUN, metavar="N", help="one seed for sampling, dropouts, shards and init"
     ),
@@ -401,6 +407,7 @@ def _simulate(
         faults=opts["faults"],
         device=opts["device"],
         cohort=opts["cohort"],
+        trainers=opts["trainers"],
         resume=resume,
         keep_queues=keep_queues,
         on_round=on_round,

@@ -1,4 +1,5 @@
-"""The same seed and config give the same numbers bit for bit, whatever the broker and the arrival order."""
+"""The same seed and config give the same numbers bit for bit, whatever the broker, the arrival order and the
+number of clients that train at once."""
 
 from __future__ import annotations
 
@@ -62,12 +63,16 @@ def test_same_seed_same_numbers_in_process_slowed_and_over_rabbitmq(tmp_path, ra
     # half the agents sleep before reporting: updates arrive in another order than in the plain run
     slow_rows, slow = _simulate(tmp_path / "slow", "--faults", "slow:0.5:0.7")
     rabbit_rows, rabbit = _simulate(tmp_path / "rabbit", "--broker", rabbit_url)
+    # two clients train at once, each on a model of its own: which model a client trains on changes nothing
+    two_rows, two = _simulate(tmp_path / "two", "--trainers", "2")
     assert len(plain_rows) == 3 and all(len(r["received"]) == 4 for r in plain_rows)
     assert _numbers(slow_rows) == _numbers(plain_rows)
     assert _numbers(rabbit_rows) == _numbers(plain_rows)
-    assert slow["test"] == plain["test"] == rabbit["test"]
+    assert _numbers(two_rows) == _numbers(plain_rows)
+    assert slow["test"] == plain["test"] == rabbit["test"] == two["test"]
     final = [
-        torch.load(tmp_path / name / "best.pt", weights_only=True) for name in ("plain", "slow", "rabbit")
+        torch.load(tmp_path / name / "best.pt", weights_only=True)
+        for name in ("plain", "slow", "rabbit", "two")
     ]
     for other in final[1:]:
         assert other.keys() == final[0].keys()

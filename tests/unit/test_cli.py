@@ -211,8 +211,9 @@ def test_simulate_help_groups_options_and_lists_every_choice_in_full():
         assert name in names, name
     assert "--config FILE" in text and "--tied / --untied" in text and "-k, --clients K" in text
     assert "--metrics-port PORT" in text
-    # 120 before the privacy panel (one line a flag), its example and the two secure-aggregation flags
-    assert len(text.splitlines()) < 132
+    # 120 before the privacy panel (one line a flag), its example, the two secure-aggregation flags and
+    # --trainers
+    assert len(text.splitlines()) < 133
 
 
 def test_agent_run_help_shows_option_names_and_brackets():
@@ -270,6 +271,7 @@ def fedmq_torch_probe(*args: str) -> tuple[subprocess.CompletedProcess, bool]:
         (["--data", "/nonexistent/corpus"], "no such folder"),
         (["--task", "lm", "--domains", "news"], "--domains"),
         (["--beam", "4"], "--beam"),
+        (["--trainers", "0"], "--trainers must be at least 1, got 0"),
         (["--task", "nmt", "--data", ".", "--bptt", "20"], "--bptt"),
         (["--task", "nmt", "--data", ".", "--tied"], "--tied"),
         (["--task", "nmt"], "needs --data"),
