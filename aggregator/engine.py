@@ -95,7 +95,6 @@ from fedmq.train_config import TrainConfig
 log = structlog.get_logger(__name__)
 
 RELEASE_EVERY = 16  # parkings and folds between two returns of the heap's free pages (broker.wire.malloc)
-KEEP_FREE = 256 * 2**20  # bytes free in the heap that are kept for reuse, not given back (Trimmer.keep_free)
 
 
 class _OutOfBounds(Exception):
@@ -184,7 +183,7 @@ class Engine:
         self.budget_spent = False  # the target ε ended the job (within_budget)
         self.phase = "starting"
         self._consumer: str | None = None
-        self._trimmer = Trimmer(RELEASE_EVERY, KEEP_FREE)  # parkings and folds
+        self._trimmer = Trimmer(RELEASE_EVERY)  # parkings and folds
         # checkpoints and best.pt are written while the next round runs (aggregator.checkpoint_writer)
         self.writer = CheckpointWriter()
         self._new_best: dict[str, torch.Tensor] | None = None  # a new best: best.pt, beside the checkpoint

@@ -17,10 +17,8 @@ update (and, in a simulation, trains and encodes them) then grows by about 1.3 M
 it uses stays flat (GRU-small, m = 300 of K = 10,000: 0.5 GB in use, 1.4 GB free in the heap after two
 rounds; glibc's mallinfo2). ``release_free()`` gives the free pages back (malloc_trim: tens of ms); a
 ``Trimmer`` calls it every few model-sized buffers freed: the aggregator every 16 updates it parks or folds
-(aggregator.engine.RELEASE_EVERY) when its heap holds more than 256 MiB free (KEEP_FREE: below that, what is
-free is the buffers the next updates reuse, and giving them back only faults them in again), so that a
-round's memory does not grow with its cohort m, and a host of secure clients every 4 buffers its clients
-free (client_agent.secure_upload.TRIM_EVERY).
+(aggregator.engine.RELEASE_EVERY), so that a round's memory does not grow with its cohort m, and a host of
+secure clients every 4 buffers its clients free (client_agent.secure_upload.TRIM_EVERY).
 """
 
 from __future__ import annotations
@@ -56,32 +54,6 @@ def tune_allocator() -> bool:
     return ok
 
 
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
-    ]
-
-
-def heap_free() -> int | None:
-    """Bytes free in the tuned heap (glibc's mallinfo2 ``fordblks``), or None where that is not known."""
-    if _libc is None or not hasattr(_libc, "mallinfo2"):
-        return None
-    _libc.mallinfo2.restype = _Mallinfo2
-    return int(_libc.mallinfo2().fordblks)
-
-
 def release_free() -> bool:
     """Give the tuned heap's free pages back to the OS; False (and nothing done) where it was not tuned."""
     return _libc is not None and bool(_libc.malloc_trim(0))
@@ -93,21 +65,16 @@ class Trimmer:
     that gave its pages back after every client of a secure round spent about a fifth of its CPU refilling
     them (its training's buffers included), against none in a plain round."""
 
-    def __init__(self, every: int, keep_free: int = 0) -> None:
+    def __init__(self, every: int) -> None:
         if every < 1:
             raise ValueError(f"every must be at least 1, not {every}")
-        self.every, self.keep_free = every, keep_free
+        self.every = every
         self._count = 0
         self._lock = threading.Lock()
 
     def took(self) -> bool:
-        """One more model-sized buffer freed; True when this call gave the free pages back: at every
-        ``every``-th call, unless the heap holds ``keep_free`` bytes free or fewer (the buffers the next
-        updates reuse: giving them back would only fault them in again)."""
+        """One more model-sized buffer freed; True when this call gave the free pages back."""
         with self._lock:
             self._count += 1
             due = self._count % self.every == 0
-        if due and self.keep_free > 0:
-            free = heap_free()
-            due = free is None or free > self.keep_free
         return due and release_free()

@@ -500,20 +500,3 @@ def test_a_trimmer_gives_the_free_pages_back_at_every_nth_freed_buffer_counted_a
     assert len(returns) == 2 + 8 * 100 // 4  # not one call lost or doubled between the threads
     with pytest.raises(ValueError, match="at least 1"):
         malloc.Trimmer(0)
-
-
-def test_a_trimmer_keeps_a_heap_with_little_free_for_reuse(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``keep_free``, a due return happens only when the heap holds more than that free: the buffers the
-    next updates reuse are not given back to be faulted in again."""
-    from fedmq.broker.wire import malloc
-
-    returns: list[int] = []
-    monkeypatch.setattr(malloc, "release_free", lambda: returns.append(1) or True)
-    free = [100]
-    monkeypatch.setattr(malloc, "heap_free", lambda: free[0])
-    trimmer = malloc.Trimmer(2, keep_free=100)
-    assert [trimmer.took() for _ in range(4)] == [False, False, False, False] and returns == []
-    free[0] = 101
-    assert [trimmer.took() for _ in range(2)] == [False, True] and returns == [1]
-    free[0] = None  # not known (not glibc's mallinfo2): returned as without keep_free
-    assert [trimmer.took() for _ in range(2)] == [False, True] and returns == [1, 1]
