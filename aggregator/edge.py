@@ -289,7 +289,9 @@ class Edge:
             if client in rnd.arrived and client not in rnd.done:
                 self._fold(rnd, client)
         verdict = self.guard.verdict()
-        if self.guard.refold_needed(verdict):  # out of bounds: fold again without them, or capped otherwise
+        # in the order folded: a late one of those counted gone offline came after later ones
+        in_order = list(rnd.facts) == [c for c in rnd.clients if c in rnd.facts]
+        if self.guard.refold_needed(verdict, in_order):  # out of bounds, or capped other than as folded
             log.warning("updates out of bounds: folded again", edge=self.name, **verdict.record())
             self._refold(rnd, verdict)
         env = partial_message(

@@ -436,9 +436,8 @@ class Engine:
     # ------------------------------------------------------------------ folding (both modes)
     def took_update(self) -> None:
         """An update parked or folded (a parked one counts again when folded): every RELEASE_EVERY the heap's
-        free pages go back if more than KEEP_FREE are free (broker.wire.malloc). Parking counts: a round whose
-        first client in fold order is late parks hundreds, and the heap grows meanwhile (in a simulation, with
-        its agents' work too)."""
+        free pages go back (broker.wire.malloc). Parking counts: a round whose first client in fold order is
+        late parks hundreds, and the heap grows meanwhile (in a simulation, with its agents' work too)."""
         self._trimmer.took()
 
     def begin_strategy(self, stats: RoundStats, choice: str, **extra: Any) -> Strategy:

@@ -17,9 +17,11 @@ same ``n_samples`` and wipes the model. The engine therefore
     honest one look huge): the update is **dropped** (not clipped: with its weight still up to
     ``samples_factor`` × the median, a clipped −θ would still shrink the model by several honest steps);
   - n_k > ``samples_factor`` × the reference n: its weight is **capped** to that bound. Its reference is the
-    history's whenever there is one, whatever the round's size, else the round's own (of two updates, the
-    smaller n; one update alone is not capped): so from a job's first round of three updates on the cap is
-    known before a round starts, and the round caps as it folds (below);
+    history's whenever there is one, whatever the round's size, but with K ≥ 3 never more than HISTORY_SLACK ×
+    the round's own lower median (a round whose honest clients hold less than usual: one client then weighs
+    at most ``samples_factor`` × HISTORY_SLACK × their median); with no history, the round's own (of two
+    updates, the smaller n; one update alone is not capped). So from a job's first round of three updates on
+    the cap is known before a round starts, and the round caps as it folds (below);
   - a reference of 0 (a plateau: after lr_anneal the honest deltas are exactly zero) leaves no room: every
     update that changes anything is dropped (half the round sent nothing: at worst the model stays);
   - no reference at all (no history yet): ‖Δ_k‖ > NO_REFERENCE_SHARE × ‖θ‖ is dropped, so one update nothing
@@ -83,6 +85,9 @@ from fedmq.aggregator.strategies.base import ClientUpdate
 from fedmq.state_checks import all_finite
 
 HISTORY = 10  # rounds whose reference (n, ‖Δ‖) the synchronous guard remembers
+# the history's reference n is never more than this × a round's own lower median (K ≥ 3): a round whose honest
+# clients hold less than usual does not let one client weigh more than samples_factor × this × its median
+HISTORY_SLACK = 2.0
 # with no reference norm, an update may move the model by at most this share of its norm: halve, not wipe it
 NO_REFERENCE_SHARE = 0.5
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -153,10 +158,11 @@ class RoundGuard:
     """Collects (n_k, ‖Δ_k‖) of a round's folded updates and judges them at the close (module docstring); in
     asynchronous mode judges each update before it is folded (:meth:`screen`).
 
-    A factor of 0 turns its bound off. A round's own reference needs three updates; with fewer, the history
-    of earlier rounds is the reference, and without history the model's norm bounds an update
-    (NO_REFERENCE_SHARE). Asynchronous updates with no reference are held and judged the same way at the
-    buffer's close (:meth:`judge_held`).
+    A factor of 0 turns its bound off. A round's own norm reference needs three updates; with fewer, the
+    history of earlier rounds is the reference, and without history the model's norm bounds an update
+    (NO_REFERENCE_SHARE). The n reference is the history's when there is one (:meth:`_samples_cap`).
+    Asynchronous updates with no reference are held and judged the same way at the buffer's close
+    (:meth:`judge_held`).
     """
 
     def __init__(self, samples_factor: float, norm_factor: float) -> None:
@@ -240,12 +246,17 @@ class RoundGuard:
 
     def _samples_cap(self, ns: list[float]) -> int | None:
         """The weight cap over a round's claims ``ns``, or None: no cap. With a history, ``samples_factor`` ×
-        the median of the earlier rounds' lower medians of n, whatever the claims (so it is known before the
-        round); without, ``samples_factor`` × the round's own lower median of two claims or more."""
+        the median of the earlier rounds' lower medians of n, but with three claims or more never above
+        ``samples_factor`` × HISTORY_SLACK × their own lower median (so with no claims it is known before the
+        round, and the close agrees unless the round's median is under 1 / HISTORY_SLACK of the history's);
+        without a history, ``samples_factor`` × the round's own lower median of two claims or more."""
         if self.samples_factor <= 0:
             return None
         if self.history_n:
-            return max(1, int(self.samples_factor * statistics.median(self.history_n)))
+            ref = statistics.median(self.history_n)
+            if len(ns) >= 3:
+                ref = min(ref, HISTORY_SLACK * lower_median(ns))
+            return max(1, int(self.samples_factor * ref))
         if len(ns) < 2:
             return None
         return max(1, int(self.samples_factor * lower_median(ns)))

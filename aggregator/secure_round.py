@@ -11,8 +11,8 @@ client_agent.secure_upload; the messages: fedmq.secagg.payloads):
    coordinate (b: the most whose sum over the cohort cannot wrap) and sends the cohort;
 2. shares: each member's encrypted shares, once it has trained and reported (until the report deadline, or
    update_deadline_s after the cohort went out if that is later); each member then gets its inbox, and n_max
-   (the largest n_k reported, capped at max_samples_factor × their lower median as the sample guard caps it;
-   0 when the strategy weighs clients equally);
+   (the largest n_k reported, capped at max_samples_factor × their lower median, the sample guard's rule for a
+   round with no history; 0 when the strategy weighs clients equally);
 3. masked: the masked vectors of the members that shared, added to the running sum as they come (acked once
    added: nothing of them is kept but that sum) until update_deadline_s;
 4. unmask: the survivors' shares of the seeds and keys the sum needs, until update_deadline_s; then the sum
@@ -231,8 +231,8 @@ class SecureRound(SyncRound):
         """What else a restart reads of the open round's spooled state, before it is closed."""
 
     def _max_samples(self, clients: Collection[str]) -> int:
-        """n_max: the largest n_k of ``clients`` reported, capped as the sample guard caps a weight (at
-        max_samples_factor × the lower median)."""
+        """n_max: the largest n_k of ``clients`` reported, capped at max_samples_factor × their lower median
+        (the sample guard's rule for a round with no history: a secure round judges its own cohort)."""
         known = sorted(self.samples[c] for c in clients if c in self.samples) or [1]
         top = known[-1]
         if self.cfg.max_samples_factor > 0:

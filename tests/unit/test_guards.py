@@ -110,23 +110,48 @@ def test_with_a_history_the_cap_is_known_before_the_round():
     for u in (delta("a", 100, 0.1), delta("b", 120, 0.1), delta("c", 2000, 0.1)):
         guard.note(u, GLOBAL)
     assert guard.verdict().capped == {"c": 480}  # the round's own lower median, 120; now the history's
-    for claims in ([], [1, 1, 1], [10**6, 10**6, 10**6]):  # a round's claims cannot move it
+    for claims in ([], [10**6, 10**6, 10**6]):  # a round's claims cannot raise it
         guard.begin()
         guard.expect(claims)
         assert guard.cap_ahead == 480
-    skewed = [delta("a", 10, 0.1), delta("b", 20, 0.1), delta("c", 5000, 0.1)]  # own median 20: cap 80
+    guard.begin()
+    guard.expect([1, 1, 1])  # reports far below the history bound it (HISTORY_SLACK × their median)
+    assert guard.cap_ahead == 8
+    guard.begin()
+    guard.expect([])
+    skewed = [delta("a", 70, 0.1), delta("b", 80, 0.1), delta("c", 5000, 0.1)]  # 2 × 80 > 120: the history's
     for u in skewed:
         guard.note(u, GLOBAL)
         guard.capped_ahead(u)
     verdict = guard.verdict()
     assert verdict.capped == {"c": 480} == guard.applied and not guard.refold_needed(verdict)
-    assert list(guard.history_n) == [120.0, 20.0]  # this round's median joins the history for later rounds
+    assert list(guard.history_n) == [120.0, 80.0]  # this round's median joins the history for later rounds
     guard.begin()
     guard.expect([])
-    assert guard.cap_ahead == int(4 * 70.0)  # the median of 120 and 20
+    assert guard.cap_ahead == int(4 * 100.0)  # the median of 120 and 80
     guard.note(delta("a", 100, 0.1), GLOBAL)  # a round of two: the history judges it too
     guard.note(delta("b", 500, 0.1), GLOBAL)
-    assert guard.verdict().capped == {"b": 280}
+    assert guard.verdict().capped == {"b": 400}
+
+
+def test_a_round_whose_clients_hold_little_bounds_the_historys_reference():
+    """The history's reference is never above HISTORY_SLACK × a round's own lower median (K ≥ 3): two honest
+    clients of n = 5 against a history of 100 do not let a third weigh 400; the close caps it at 4 × 2 × 5
+    and the round is folded again with that cap."""
+    guard = RoundGuard(4.0, 10.0)
+    guard.begin()
+    for u in (delta("a", 100, 0.1), delta("b", 100, 0.1), delta("c", 100, 0.1)):
+        guard.note(u, GLOBAL)
+    guard.verdict()
+    guard.begin()
+    guard.expect([])
+    assert guard.cap_ahead == 400
+    for u in (delta("a", 5, 0.1), delta("b", 5, 0.1), delta("evil", 10**6, 0.1)):
+        guard.note(u, GLOBAL)
+        guard.capped_ahead(u)
+    verdict = guard.verdict()
+    assert verdict.capped == {"evil": 40} and guard.applied == {"evil": 400}
+    assert guard.refold_needed(verdict)
 
 
 def test_a_lone_update_is_judged_against_the_models_norm_only():
