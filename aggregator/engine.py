@@ -95,6 +95,7 @@ from fedmq.train_config import TrainConfig
 log = structlog.get_logger(__name__)
 
 RELEASE_EVERY = 16  # parkings and folds between two returns of the heap's free pages (broker.wire.malloc)
+RELEASE_GROWTH = 256 * 2**20  # ... once the process grew by more than this since the last return
 
 
 class _OutOfBounds(Exception):
@@ -183,7 +184,7 @@ class Engine:
         self.budget_spent = False  # the target ε ended the job (within_budget)
         self.phase = "starting"
         self._consumer: str | None = None
-        self._trimmer = Trimmer(RELEASE_EVERY)  # parkings and folds
+        self._trimmer = Trimmer(RELEASE_EVERY, RELEASE_GROWTH)  # parkings and folds
         # checkpoints and best.pt are written while the next round runs (aggregator.checkpoint_writer)
         self.writer = CheckpointWriter()
         self._new_best: dict[str, torch.Tensor] | None = None  # a new best: best.pt, beside the checkpoint
@@ -436,8 +437,9 @@ class Engine:
     # ------------------------------------------------------------------ folding (both modes)
     def took_update(self) -> None:
         """An update parked or folded (a parked one counts again when folded): every RELEASE_EVERY the heap's
-        free pages go back (broker.wire.malloc). Parking counts: a round whose first client in fold order is
-        late parks hundreds, and the heap grows meanwhile (in a simulation, with its agents' work too)."""
+        free pages go back once the process grew by RELEASE_GROWTH (broker.wire.malloc). Parking counts: a
+        round whose first client in fold order is late parks hundreds, and the heap grows meanwhile (in a
+        simulation, with its agents' work too)."""
         self._trimmer.took()
 
     def begin_strategy(self, stats: RoundStats, choice: str, **extra: Any) -> Strategy:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import threading
 
 import structlog
@@ -59,22 +60,43 @@ def release_free() -> bool:
     return _libc is not None and bool(_libc.malloc_trim(0))
 
 
+def resident() -> int | None:
+    """This process's resident memory in bytes (/proc/self/statm), or None where it cannot be read."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class Trimmer:
     """``release_free()`` at every ``every``-th ``took()``, counted across the process's threads. Returning
     the free pages bounds the heap, but each return costs the page faults of touching them again: a host
     that gave its pages back after every client of a secure round spent about a fifth of its CPU refilling
     them (its training's buffers included), against none in a plain round."""
 
-    def __init__(self, every: int) -> None:
+    def __init__(self, every: int, growth: int = 0) -> None:
         if every < 1:
             raise ValueError(f"every must be at least 1, not {every}")
-        self.every = every
+        self.every, self.growth = every, growth
         self._count = 0
+        self._floor: int | None = None  # resident bytes after the last return (or at the first check)
         self._lock = threading.Lock()
 
     def took(self) -> bool:
-        """One more model-sized buffer freed; True when this call gave the free pages back."""
+        """One more model-sized buffer freed; True when this call gave the free pages back: at every
+        ``every``-th call, once the process's resident memory has grown by more than ``growth`` bytes since
+        the last return (0: at every ``every``-th call). Pages the process reuses are then left where they
+        are, rather than given back and faulted in again by the next buffers."""
         with self._lock:
             self._count += 1
             due = self._count % self.every == 0
-        return due and release_free()
+            if due and self.growth > 0:
+                now = resident()
+                if now is not None and (self._floor is None or now - self._floor <= self.growth):
+                    self._floor = now if self._floor is None else self._floor
+                    return False
+            if not (due and release_free()):
+                return False
+            self._floor = resident()
+            return True
