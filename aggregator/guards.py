@@ -188,8 +188,9 @@ class RoundGuard:
 
     def expect(self, claims: list[int]) -> None:
         """A synchronous round is about to fold: the weight cap its close will set, applied as updates are
-        folded (``capped_ahead``). With a history, the history's; without, the cap ``claims`` give (the n_k
-        a grant phase's clients reported) if each granted client delivers what it reported."""
+        folded (``capped_ahead``; :meth:`_samples_cap` over ``claims``, the n_k a grant phase's clients
+        reported, if any): the history's, else the one ``claims`` give if each granted client delivers what
+        it reported."""
         self.cap_ahead = self._samples_cap([float(n) for n in claims])
 
     def capped_ahead(self, update: ClientUpdate) -> ClientUpdate:

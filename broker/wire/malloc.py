@@ -17,8 +17,10 @@ update (and, in a simulation, trains and encodes them) then grows by about 1.3 M
 it uses stays flat (GRU-small, m = 300 of K = 10,000: 0.5 GB in use, 1.4 GB free in the heap after two
 rounds; glibc's mallinfo2). ``release_free()`` gives the free pages back (malloc_trim: tens of ms); a
 ``Trimmer`` calls it every few model-sized buffers freed: the aggregator every 16 updates it parks or folds
-(aggregator.engine.RELEASE_EVERY), so that a round's memory does not grow with its cohort m, and a host of
-secure clients every 4 buffers its clients free (client_agent.secure_upload.TRIM_EVERY).
+(aggregator.engine.RELEASE_EVERY) once its resident memory grew by more than 256 MiB since the last return
+(RELEASE_GROWTH: the pages it keeps reusing stay, rather than being given back and faulted in again), so that
+a round's memory does not grow with its cohort m, and a host of secure clients every 4 buffers its clients
+free (client_agent.secure_upload.TRIM_EVERY).
 """
 
 from __future__ import annotations
