@@ -93,12 +93,16 @@ class Trimmer:
         with self._lock:
             self._count += 1
             due = self._count % self.every == 0
-            if due and self.growth > 0:
-                now = resident()
-                if now is not None and (self._floor is None or now - self._floor <= self.growth):
-                    self._floor = now if self._floor is None else self._floor
-                    return False
-            if not (due and release_free()):
+            if not due:
                 return False
-            self._floor = resident()
+            if self.growth > 0:
+                now = resident()
+                if now is not None:
+                    self._floor = now if self._floor is None else self._floor
+                    if now - self._floor <= self.growth:
+                        return False
+            if not release_free():
+                return False
+            if self.growth > 0:  # the floor the next growth is measured from
+                self._floor = resident()
             return True
