@@ -138,6 +138,7 @@ class Edge:
                     self._dispatch(msg)
         finally:
             self.broker.cancel(tag)
+            self.spool.drop_free()
         return self.partials
 
     @property

@@ -95,7 +95,7 @@ from fedmq.train_config import TrainConfig
 log = structlog.get_logger(__name__)
 
 RELEASE_EVERY = 16  # parkings and folds between two returns of the heap's free pages (broker.wire.malloc)
-RELEASE_GROWTH = 256 * 2**20  # ... once the process grew by more than this since the last return
+RELEASE_GROWTH = 256 * 2**20  # ... once the process grew by more than this (broker.wire.malloc.Trimmer)
 
 
 class _OutOfBounds(Exception):
@@ -228,6 +228,7 @@ class Engine:
             # a write still pending when the run failed: on disk before the inbox goes to a standby, which
             # resumes from that checkpoint and the spools it leaves
             self.writer.join()
+            self.spool.drop_free()
             if self._consumer:
                 self.broker.cancel(self._consumer)
         summary = self._summary(time.time() - started)

@@ -17,17 +17,29 @@ from typing import IO, Any
 
 @contextlib.contextmanager
 def replacing(
-    path: str | os.PathLike, *, text: bool = False, durable: bool = False, private: bool = False
+    path: str | os.PathLike,
+    *,
+    text: bool = False,
+    durable: bool = False,
+    private: bool = False,
+    reuse: Path | None = None,
 ) -> Iterator[IO[Any]]:
     """A file to write ``path``'s new content to (binary, or text in UTF-8 with ``text``): it replaces
-    ``path`` when the block ends, and is removed instead when the block raises."""
+    ``path`` when the block ends, and is removed instead when the block raises. ``reuse``: a file no longer
+    needed, on the same file system, that becomes the temporary and is written over (what it held beyond the
+    new content cut off), where it still exists: its pages are in the page cache already, where a new file's
+    are fresh memory, whose first touch costs more than the copy into it (the host's, on a VM that gets
+    freed memory back)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")  # a dot first: no reader's glob sees it
     try:
-        # 0o666: the umask's
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o666)
+        fd = _reused(reuse, tmp) if reuse is not None and not private else -1
+        if fd < 0:  # 0o666: the umask's
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o666)
         with os.fdopen(fd, "w", encoding="utf-8", newline="") if text else os.fdopen(fd, "wb") as fh:
             yield fh
+            if reuse is not None:
+                fh.truncate()
             if durable:
                 fh.flush()
                 os.fsync(fh.fileno())
@@ -39,11 +51,30 @@ def replacing(
         fsync_dir(path.parent)
 
 
+def _reused(old: Path, tmp: Path) -> int:
+    """``old`` renamed to ``tmp`` and opened for writing; -1 when it is gone (another writer took it)."""
+    try:
+        os.replace(old, tmp)
+    except OSError:
+        return -1
+    try:
+        return os.open(tmp, os.O_WRONLY)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        return -1
+
+
 def write_atomic(
-    path: str | os.PathLike, data: bytes | str, *, durable: bool = False, private: bool = False
+    path: str | os.PathLike,
+    data: bytes | str,
+    *,
+    durable: bool = False,
+    private: bool = False,
+    reuse: Path | None = None,
 ) -> None:
-    """Replace ``path`` by ``data`` (a str is written as UTF-8), whole or not at all (module docstring)."""
-    with replacing(path, text=isinstance(data, str), durable=durable, private=private) as fh:
+    """Replace ``path`` by ``data`` (a str is written as UTF-8), whole or not at all (module docstring;
+    ``reuse``: see ``replacing``)."""
+    with replacing(path, text=isinstance(data, str), durable=durable, private=private, reuse=reuse) as fh:
         fh.write(data)
 
 

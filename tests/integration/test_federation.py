@@ -383,3 +383,4 @@ def test_a_checkpoint_that_fails_to_write_ends_the_run_and_a_resume_replays_its_
     engine, _, summary = federation(task, cfg, "memory://e2e-ckpt", run)
     assert summary["rounds_completed"] == 3 and [r.round for r in engine.runlog.rows()] == [1, 2, 3]
     assert load_checkpoint(run / "checkpoints").round == 4 and not list((run / "spool").glob("r*"))
+    assert not (run / "spool" / "free").exists()  # the cleared rounds' files, kept for reuse, go at the end

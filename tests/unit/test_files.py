@@ -85,3 +85,30 @@ def test_append_line_adds_one_line_and_a_durable_one_is_fsynced(tmp_path, monkey
     append_line(tmp_path / "new.jsonl", b"x\n", durable=True)
     assert len(synced) == 3  # a new file, and the folder entry that names it
     assert path.read_bytes() == b"one\ntwo\n"
+
+
+def test_a_reused_file_is_written_over_in_place_and_cut_to_the_new_content(tmp_path):
+    old = tmp_path / "old.msg"
+    old.write_bytes(b"x" * 100)
+    inode = old.stat().st_ino
+    write_atomic(tmp_path / "new.msg", b"short", reuse=old)
+    new = tmp_path / "new.msg"
+    assert new.read_bytes() == b"short" and new.stat().st_ino == inode  # the old file's, its pages cached
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.msg"]
+
+
+def test_a_reused_file_that_is_gone_gives_a_new_one(tmp_path):
+    write_atomic(tmp_path / "new.msg", b"data", reuse=tmp_path / "taken-by-another-writer.msg")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.msg"]
+    assert (tmp_path / "new.msg").read_bytes() == b"data"
+
+
+def test_a_failed_write_over_a_reused_file_keeps_the_old_target(tmp_path):
+    (tmp_path / "f").write_bytes(b"before")
+    old = tmp_path / "old.msg"
+    old.write_bytes(b"x" * 10)
+    with pytest.raises(RuntimeError), replacing(tmp_path / "f", reuse=old) as fh:
+        fh.write(b"half")
+        raise RuntimeError("crash")
+    assert (tmp_path / "f").read_bytes() == b"before"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]  # the reused file went with the temporary

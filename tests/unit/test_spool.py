@@ -55,3 +55,23 @@ def test_a_report_line_cut_short_by_a_crash_is_skipped(tmp_path):
     spool.save_report(1, "c", 0.75)  # after the restart: c's report is acked, and must not be lost
     state, _ = spool.load(1)
     assert state is not None and state["reported"] == {"a": 0.5, "c": 0.75}
+
+
+def test_a_cleared_rounds_update_files_are_written_over_by_the_next_rounds(tmp_path):
+    spool = RoundSpool(tmp_path, durable=False)
+    for key in ("a", "b", "c"):
+        spool.save_update(1, key, b"round one " * 10)
+    inodes = {p.stat().st_ino for p in (tmp_path / "r000001").glob("update-*.msg")}
+    spool.clear_upto(1)
+    assert spool.load(1) == (None, []) and len(list((tmp_path / "free").iterdir())) == 3
+    spool.save_update(2, "a", b"two")
+    spool.save_update(2, "d", b"round two, d")
+    assert spool.read_update(2, "a") == b"two" and spool.read_update(2, "d") == b"round two, d"
+    assert {p.stat().st_ino for p in (tmp_path / "r000002").glob("update-*.msg")} <= inodes
+    assert spool.load(2)[1] == ["a", "d"] and len(list((tmp_path / "free").iterdir())) == 1
+    spool.clear_upto(2)  # two updates in round 2: the free files are capped at two
+    assert len(list((tmp_path / "free").iterdir())) == 2
+    spool.drop_free()
+    assert not (tmp_path / "free").exists()
+    spool.save_update(3, "a", b"three")  # nothing left to reuse: a new file
+    assert spool.read_update(3, "a") == b"three"
