@@ -95,7 +95,7 @@ from fedmq.train_config import TrainConfig
 log = structlog.get_logger(__name__)
 
 RELEASE_EVERY = 16  # parkings and folds between two returns of the heap's free pages (broker.wire.malloc)
-RELEASE_GROWTH = 256 * 2**20  # ... once the process grew by more than this (broker.wire.malloc.Trimmer)
+RELEASE_GROWTH = 256 * 2**20  # ... once the process grew by more than this since the last return
 
 
 class _OutOfBounds(Exception):

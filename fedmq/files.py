@@ -29,7 +29,7 @@ def replacing(
     needed, on the same file system, that becomes the temporary and is written over (what it held beyond the
     new content cut off), where it still exists: its pages are in the page cache already, where a new file's
     are fresh memory, whose first touch costs more than the copy into it (the host's, on a VM that gets
-    freed memory back)."""
+    freed memory back). With ``private`` a new file is made (a reused one would keep its old permissions)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")  # a dot first: no reader's glob sees it
     try:

@@ -17,15 +17,16 @@ update (and, in a simulation, trains and encodes them) then grows by about 1.3 M
 it uses stays flat (GRU-small, m = 300 of K = 10,000: 0.5 GB in use, 1.4 GB free in the heap after two
 rounds; glibc's mallinfo2). ``release_free()`` gives the free pages back (malloc_trim: tens of ms); a
 ``Trimmer`` calls it every few model-sized buffers freed: the aggregator every 16 updates it parks or folds
-(aggregator.engine.RELEASE_EVERY) once its resident memory grew by more than 256 MiB over what it held at the
-first check after the last return (RELEASE_GROWTH), so that a round's memory does not grow with its cohort
-m, and a host of secure clients every 4 buffers its clients free (client_agent.secure_upload.TRIM_EVERY).
+(aggregator.engine.RELEASE_EVERY) once its resident memory grew by more than 256 MiB since the last return
+(RELEASE_GROWTH), so that a round's memory does not grow with its cohort m, and a host of secure clients
+every 4 buffers its clients free (client_agent.secure_upload.TRIM_EVERY).
 
-Measuring the growth from the first check after a return, not from the return itself, matters: right after
-a return the process's working set (the buffers it frees and takes again with every update) is out of memory,
-and faulting it back in alone grew the process by more than 256 MiB, so nearly every check gave the pages back
-(GRU-small, m = 1,000 a round: 209 returns in two rounds, against 25 measured from the refilled floor, 74.0
-against 66.9 s a round, for a peak of 1.75 against 1.86 GB).
+In a busy simulation the growth is passed at nearly every check: faulting the working set (the buffers freed
+and taken again with every update) back in after a return alone grows the process by more than 256 MiB
+(GRU-small, m = 1,000 of K = 10,000, two trainers: 209 returns in two rounds). Measuring the growth from the
+first check after a return instead, with the working set back, returned 25 times and ran a round in 66.9
+against 74.0 s (one run each), but its peak at m = 1,000 was 1.94-2.00 GB in three runs, against 1.75 GB
+(and the 2 GB goal of docs/benchmarks.md): not kept.
 """
 
 from __future__ import annotations
@@ -87,15 +88,14 @@ class Trimmer:
             raise ValueError(f"every must be at least 1, not {every}")
         self.every, self.growth = every, growth
         self._count = 0
-        self._floor: int | None = None  # resident bytes at the first check after the last return
+        self._floor: int | None = None  # resident bytes after the last return (or at the first check)
         self._lock = threading.Lock()
 
     def took(self) -> bool:
         """One more model-sized buffer freed; True when this call gave the free pages back: at every
-        ``every``-th call, once the process's resident memory has grown by more than ``growth`` bytes over
-        what it held at the first such check after the last return, when its working set was back in memory
-        (0: at every ``every``-th call). Pages the process reuses are then left where they are, rather than
-        given back and faulted in again by the next buffers (module docstring)."""
+        ``every``-th call, once the process's resident memory has grown by more than ``growth`` bytes since
+        the last return (0: at every ``every``-th call). Pages the process reuses are then left where they
+        are, rather than given back and faulted in again by the next buffers."""
         with self._lock:
             self._count += 1
             due = self._count % self.every == 0
@@ -109,5 +109,6 @@ class Trimmer:
                         return False
             if not release_free():
                 return False
-            self._floor = None  # the next check sets it, the working set faulted in again
+            if self.growth > 0:  # the floor the next growth is measured from
+                self._floor = resident()
             return True
