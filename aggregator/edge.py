@@ -129,17 +129,22 @@ class Edge:
                 return self.partials
             shutil.rmtree(self.spool_dir, ignore_errors=True)  # the active edge: what a dead one left goes
             log.info("edge aggregator active", job=cfg.job, edge=self.name)
-            while not self.stop.is_set():
-                if self.open is not None and self.open.complete():
-                    self._close()
-                    continue
-                msg = self.inbox.next(0.5)
-                if msg is not None:
-                    self._dispatch(msg)
+            try:
+                self._serve()
+            finally:
+                self.spool.drop_free()  # the active edge's own: a standby never touches the folder
         finally:
             self.broker.cancel(tag)
-            self.spool.drop_free()
         return self.partials
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            if self.open is not None and self.open.complete():
+                self._close()
+                continue
+            msg = self.inbox.next(0.5)
+            if msg is not None:
+                self._dispatch(msg)
 
     @property
     def started(self) -> bool:

@@ -228,7 +228,8 @@ class Engine:
             # a write still pending when the run failed: on disk before the inbox goes to a standby, which
             # resumes from that checkpoint and the spools it leaves
             self.writer.join()
-            self.spool.drop_free()
+            if self._active:  # a standby never writes to the state it shares (docs/reliability.md)
+                self.spool.drop_free()
             if self._consumer:
                 self.broker.cancel(self._consumer)
         summary = self._summary(time.time() - started)

@@ -5,14 +5,15 @@ spool of the round that was open, so no confirmed update is lost, and the (round
 counted twice. A report is acked once it is appended to the round's report log (``save_report``): one line,
 where rewriting the round's state for each would cost O(m) a report and O(m²) a round of m. The bytes are
 kept as they came off the wire, and read back one update at a time: a round's updates are on disk, never all
-in memory. The spool of a round is deleted once the checkpoint that includes the round is written. Acking
+in memory. The spool of a round is cleared once the checkpoint that includes the round is written. Acking
 promptly also keeps every delivery far below RabbitMQ's consumer timeout, whatever the round length.
 
-A deleted round's update files are kept in ``free/`` instead, as many as that round had, and the next
-updates are written over them (fedmq.files.replacing's ``reuse``): their pages stay in the page cache, where
-deleting them and writing new files took fresh memory for every update, which costs more than the copy
-itself on a VM whose host takes freed memory back (GRU-small, m = 200 a round: the aggregator's thread spent
-about half its time writing the spool). ``drop_free`` deletes them at the job's end.
+Clearing keeps the cleared rounds' update files in ``free/``, as many as they had, and the next updates are
+written over them (fedmq.files.replacing's ``reuse``): while a round's spool fits in memory their pages stay
+in the page cache, where deleting them and writing new files took fresh memory for every update, which costs
+more than the copy itself on a VM whose host takes freed memory back (docs/benchmarks.md, "Cohorts"). So a
+client's update stays on disk, unread, until a later update is written over it or the run ends
+(``drop_free``, called by the process that was active): up to a round longer than before.
 """
 
 from __future__ import annotations
@@ -133,12 +134,11 @@ class RoundSpool:
         """Delete the spools of rounds up to ``rnd``, keeping their update files in FREE for the next
         updates to write over, as many as these rounds had (any more left there are deleted)."""
         free, kept = self.root / FREE, 0
-        for d in self.root.glob("r*"):
+        for d in _listed(self.root, "r*"):
             if d.is_dir() and d.name[1:].isdigit() and int(d.name[1:]) <= rnd:
-                for f in d.glob("update-*.msg"):
-                    kept += _moved(f, free)
+                kept += sum(_moved(f, free) for f in _listed(d, "update-*.msg"))
                 shutil.rmtree(d, ignore_errors=True)
-        files = sorted(free.glob("*.msg")) if free.is_dir() else []
+        files = sorted(_listed(free, "*.msg"))
         with self._free_lock:
             self._free = files[:kept]
         for f in files[kept:]:
@@ -149,6 +149,14 @@ class RoundSpool:
         with self._free_lock:
             self._free = []
         shutil.rmtree(self.root / FREE, ignore_errors=True)
+
+
+def _listed(d: Path, pattern: str) -> list[Path]:
+    """``d``'s entries matching ``pattern``; none when ``d`` is gone (another process cleared it)."""
+    try:
+        return list(d.glob(pattern))
+    except OSError:
+        return []
 
 
 def _moved(f: Path, free: Path) -> int:

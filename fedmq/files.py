@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,14 +27,17 @@ def replacing(
 ) -> Iterator[IO[Any]]:
     """A file to write ``path``'s new content to (binary, or text in UTF-8 with ``text``): it replaces
     ``path`` when the block ends, and is removed instead when the block raises. ``reuse``: a file no longer
-    needed, on the same file system, that becomes the temporary and is written over (what it held beyond the
-    new content cut off), where it still exists: its pages are in the page cache already, where a new file's
-    are fresh memory, whose first touch costs more than the copy into it (the host's, on a VM that gets
-    freed memory back). With ``private`` a new file is made (a reused one would keep its old permissions)."""
+    needed, on the same file system, that becomes the temporary and is written over from its start (write
+    the block's content in order: what the file held beyond the last write is cut off), where it is still a
+    plain file with no other link: its pages are in the page cache already, where a new file's are fresh
+    memory, whose first touch costs more than the copy into it (the host's, on a VM that gets freed memory
+    back). Not with ``private`` (a reused file would keep its old permissions)."""
     path = Path(path)
+    if reuse is not None and (private or Path(reuse) == path):
+        raise ValueError("reuse: not for a private file, nor the file being replaced")
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")  # a dot first: no reader's glob sees it
     try:
-        fd = _reused(reuse, tmp) if reuse is not None and not private else -1
+        fd = _reused(Path(reuse), tmp) if reuse is not None else -1
         if fd < 0:  # 0o666: the umask's
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o666)
         with os.fdopen(fd, "w", encoding="utf-8", newline="") if text else os.fdopen(fd, "wb") as fh:
@@ -52,16 +56,29 @@ def replacing(
 
 
 def _reused(old: Path, tmp: Path) -> int:
-    """``old`` renamed to ``tmp`` and opened for writing; -1 when it is gone (another writer took it)."""
+    """``old`` renamed to ``tmp`` and opened for writing; -1 (and ``old`` left alone) when it is gone
+    (another writer took it) or is not a plain file of one link: a hard link's other name, or a reader
+    holding it open by a link, would see it change."""
     try:
+        if not _single_file(os.lstat(old)):
+            return -1
         os.replace(old, tmp)
     except OSError:
         return -1
     try:
-        return os.open(tmp, os.O_WRONLY)
+        fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW)
     except OSError:
-        tmp.unlink(missing_ok=True)
-        return -1
+        fd = -1
+    if fd >= 0 and _single_file(os.fstat(fd)):
+        return fd
+    if fd >= 0:
+        os.close(fd)
+    tmp.unlink(missing_ok=True)  # linked again meanwhile: this name goes, the other stays as it was
+    return -1
+
+
+def _single_file(st: os.stat_result) -> bool:
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
 
 
 def write_atomic(

@@ -87,12 +87,13 @@ def test_hot_standby_takes_over_from_the_checkpoint_and_spool(federation):
         "the standby to wait on the inbox",
     )
     wait_for(lambda: fed.round_open(3) and fed.spooled_updates(3) >= 1, 90, "an update spooled in round 3")
-    fed.kill9("agg")
-    # round 1's spool was cleared (its checkpoint is on disk before round 2 closes): its update files were
-    # kept for reuse, so the kill came while round 3's updates were written over them
+    # round 1's spool was cleared before round 2 closed (its checkpoint first): its update files were kept
+    # for the next updates to write over, and the kill leaves them to the standby
     assert (fed.state / "spool" / "free").is_dir()
+    fed.kill9("agg")
     summary = fed.wait_aggregator("standby", timeout=120)
     assert summary["rounds_completed"] == 4 and summary["version"] == 4
+    assert not (fed.state / "spool" / "free").exists()  # the active standby's run ended: they went
     # the standby started from the dead one's checkpoint (round 3) and replayed its spool
     resumed = fed.agg_events("resumed from checkpoint")
     assert resumed and resumed[-1]["round"] == 3, resumed

@@ -87,14 +87,41 @@ def test_append_line_adds_one_line_and_a_durable_one_is_fsynced(tmp_path, monkey
     assert path.read_bytes() == b"one\ntwo\n"
 
 
-def test_a_reused_file_is_written_over_in_place_and_cut_to_the_new_content(tmp_path):
+@pytest.mark.parametrize("durable", [False, True])
+def test_a_reused_file_is_written_over_in_place_and_cut_to_the_new_content(tmp_path, monkeypatch, durable):
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(files.os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
     old = tmp_path / "old.msg"
     old.write_bytes(b"x" * 100)
-    inode = old.stat().st_ino
-    write_atomic(tmp_path / "new.msg", b"short", reuse=old)
-    new = tmp_path / "new.msg"
-    assert new.read_bytes() == b"short" and new.stat().st_ino == inode  # the old file's, its pages cached
+    with old.open("rb") as held:  # open on the old file: it sees the new bytes, written into that very file
+        write_atomic(tmp_path / "new.msg", b"short", reuse=old, durable=durable)
+        assert held.read() == b"short"
+    assert (tmp_path / "new.msg").read_bytes() == b"short"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new.msg"]
+    assert len(synced) == (2 if durable else 0)  # the file and its folder, as without reuse
+    write_atomic(tmp_path / "newer.txt", "longer than before ✓", reuse=tmp_path / "new.msg")
+    assert (tmp_path / "newer.txt").read_text(encoding="utf-8") == "longer than before ✓"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["newer.txt"]
+
+
+def test_a_file_with_another_link_is_not_reused(tmp_path):
+    old = tmp_path / "old.msg"
+    old.write_bytes(b"kept")
+    os.link(old, tmp_path / "backup.msg")  # a snapshot's hard link must not change
+    write_atomic(tmp_path / "new.msg", b"data", reuse=old)
+    assert (tmp_path / "backup.msg").read_bytes() == b"kept" and old.read_bytes() == b"kept"
+    assert (tmp_path / "new.msg").read_bytes() == b"data"
+
+
+def test_reuse_is_refused_for_a_private_file_or_the_file_replaced(tmp_path):
+    old = tmp_path / "old.msg"
+    old.write_bytes(b"kept")
+    with pytest.raises(ValueError, match="reuse"):
+        write_atomic(tmp_path / "secret", b"k", private=True, reuse=old)
+    with pytest.raises(ValueError, match="reuse"):
+        write_atomic(old, b"k", reuse=old)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.msg"] and old.read_bytes() == b"kept"
 
 
 def test_a_reused_file_that_is_gone_gives_a_new_one(tmp_path):

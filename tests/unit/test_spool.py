@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 from fedmq.aggregator.spool import RoundSpool
@@ -75,3 +79,40 @@ def test_a_cleared_rounds_update_files_are_written_over_by_the_next_rounds(tmp_p
     assert not (tmp_path / "free").exists()
     spool.save_update(3, "a", b"three")  # nothing left to reuse: a new file
     assert spool.read_update(3, "a") == b"three"
+
+
+def test_a_process_killed_while_writing_over_a_kept_file_leaves_no_update_behind(tmp_path):
+    """A process dies (os._exit, as at a kill -9) half-way through writing round 2's update over round 1's
+    kept file: the half-written temporary is hidden, the restarted spool lists no update for round 2 and
+    reads none, and the redelivered update is spooled whole."""
+    child = textwrap.dedent(
+        f"""
+        import os
+        from pathlib import Path
+        from fedmq.aggregator import spool as spool_module
+        from fedmq.files import replacing
+
+        spool = spool_module.RoundSpool(Path({str(tmp_path)!r}), durable=True)
+        spool.save_update(1, "a", b"round one " * 1000)
+        spool.clear_upto(1)
+
+        def dies_half_way(path, data, *, durable, reuse):
+            with replacing(path, durable=durable, reuse=reuse) as fh:
+                fh.write(data[: len(data) // 2])
+                fh.flush()
+                os._exit(9)
+
+        spool_module.write_atomic = dies_half_way
+        spool.save_update(2, "b", b"round two " * 1000)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 9, done.stderr
+    halves = list((tmp_path / "r000002").glob(".update-b.msg.*.tmp"))
+    half = halves[0].read_bytes() if len(halves) == 1 else b""
+    assert half == b"round two " * 500 + b"round one " * 500  # it died mid-write over the kept file
+    assert not any((tmp_path / "free").iterdir())  # the kept file had become the temporary
+    spool = RoundSpool(tmp_path, durable=True)  # the restart
+    assert spool.load(2)[1] == [] and spool.read_update(2, "b") is None
+    spool.save_update(2, "b", b"round two " * 1000)  # redelivered: never acked before the kill
+    assert spool.load(2)[1] == ["b"] and spool.read_update(2, "b") == b"round two " * 1000
