@@ -25,8 +25,9 @@ In a busy simulation the growth is passed at nearly every check: faulting the wo
 and taken again with every update) back in after a return alone grows the process by more than 256 MiB
 (GRU-small, m = 1,000 of K = 10,000, two trainers: 209 returns in two rounds). Measuring the growth from the
 first check after a return instead, with the working set back, returned 25 times and ran a round in 66.9
-against 74.0 s (one run each), but its peak at m = 1,000 was 1.94-2.00 GB in three runs, against 1.75 GB
-(and the 2 GB goal of docs/benchmarks.md): not kept.
+against 74.0 s (one run each, back to back), but its peak at m = 1,000 was 1.94-2.00 GB in three bench runs
+(two with 256 MiB, one with 128 MiB), against the 2 GB goal of docs/benchmarks.md, whose runs with this rule
+give the figures it keeps: not kept.
 """
 
 from __future__ import annotations
