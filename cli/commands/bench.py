@@ -228,7 +228,7 @@ def bench_population(
     a population over RabbitMQ: rounds completed, lost and duplicated updates, RabbitMQ's memory and queues.
 
     Example: fedmq bench population --data wikitext-2 --broker amqp://guest:guest@127.0.0.1:5672/%2F
-    (cohorts: fedmq bench population --clients 10000 --selected 10,100,1000 -r 2)
+    (cohorts: fedmq bench population --clients 10000 --selected 10,100,1000 -r 3)
     """
     from fedmq.benchmarks import population
 
