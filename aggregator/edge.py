@@ -26,7 +26,7 @@ import torch
 
 from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.decoding import decode_update, partial_message
-from fedmq.aggregator.guards import RoundGuard, Verdict
+from fedmq.aggregator.guards import RoundGuard, Verdict, in_fold_order
 from fedmq.aggregator.inbox import EDGE_KINDS, Inbox, Received, upload_prefetch, upload_reassembly
 from fedmq.aggregator.spool import RoundSpool
 from fedmq.aggregator.strategies.base import ClientUpdate, PartialSum, State, Strategy
@@ -296,7 +296,7 @@ class Edge:
                 self._fold(rnd, client)
         verdict = self.guard.verdict()
         # in the order folded: a late one of those counted gone offline came after later ones
-        in_order = list(rnd.facts) == [c for c in rnd.clients if c in rnd.facts]
+        in_order = in_fold_order(list(rnd.facts), rnd.clients)
         if self.guard.refold_needed(verdict, in_order):  # out of bounds, or capped other than as folded
             log.warning("updates out of bounds: folded again", edge=self.name, **verdict.record())
             self._refold(rnd, verdict)

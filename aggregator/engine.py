@@ -44,7 +44,7 @@ from fedmq.aggregator.checkpoint import (
 from fedmq.aggregator.checkpoint_writer import CheckpointWriter
 from fedmq.aggregator.config import JobConfig
 from fedmq.aggregator.decoding import decode_partial, decode_update
-from fedmq.aggregator.guards import RoundGuard, Verdict, first_nonfinite
+from fedmq.aggregator.guards import RoundGuard, Verdict, first_nonfinite, in_fold_order
 from fedmq.aggregator.inbox import (
     HELD_A_CLIENT,
     MAX_PREFETCH,
@@ -642,8 +642,7 @@ class Engine:
         overflowing norm, a wrong shape) is never kept: it is skipped, model and strategy state unchanged."""
         verdict = self.guard.verdict()
         second = strategy.second_pass(frozenset(verdict.dropped))  # weights that need the whole round first
-        received = set(stats.received)  # in the order folded: the second pass folds in the grant's
-        in_order = stats.received == [c for c in stats.granted if c in received]
+        in_order = in_fold_order(stats.received, stats.granted)  # the second pass folds in the grant's
         again = self.guard.refold_needed(verdict, in_order)  # not when its caps were applied as folded
         if again and verdict:
             log.warning(

@@ -74,7 +74,7 @@ import dataclasses
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -349,3 +349,10 @@ class RoundGuard:
             self.history_n.clear()
             self.history_norm.clear()
             self.latest = {}
+
+
+def in_fold_order(folded: Sequence[str], order: Iterable[str]) -> bool:
+    """Whether the clients ``folded`` (in the order folded) came in ``order``, the order a second pass folds
+    in (a round's grant, an edge's clients): ``refold_needed``'s ``in_order``."""
+    done = set(folded)
+    return list(folded) == [c for c in order if c in done]

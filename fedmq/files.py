@@ -33,11 +33,11 @@ def replacing(
     memory, whose first touch costs more than the copy into it (the host's, on a VM that gets freed memory
     back). Not with ``private`` (a reused file would keep its old permissions)."""
     path = Path(path)
-    if reuse is not None and (private or Path(reuse) == path):
+    if reuse is not None and (private or reuse == path):
         raise ValueError("reuse: not for a private file, nor the file being replaced")
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")  # a dot first: no reader's glob sees it
     try:
-        fd = _reused(Path(reuse), tmp) if reuse is not None else -1
+        fd = _reused(reuse, tmp) if reuse is not None else -1
         if fd < 0:  # 0o666: the umask's
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o666)
         with os.fdopen(fd, "w", encoding="utf-8", newline="") if text else os.fdopen(fd, "wb") as fh:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fedmq.aggregator.config import JobConfig, JobConfigError
-from fedmq.aggregator.guards import RoundGuard, delta_norm, first_nonfinite, lower_median
+from fedmq.aggregator.guards import RoundGuard, delta_norm, first_nonfinite, in_fold_order, lower_median
 from fedmq.aggregator.strategies.base import ClientUpdate
 
 GLOBAL = {"w": torch.ones(4, 3), "b": torch.zeros(3)}
@@ -275,3 +275,9 @@ def test_async_small_first_buffer_has_the_no_reference_rule():
     assert claim.n_samples == 400 and "b" in guard.held
     guard.withdraw(claim)  # refused by the strategy after the screen: no longer judged
     assert not guard.held and not guard.judge_held(GLOBAL)
+
+
+def test_in_fold_order_compares_the_folded_clients_with_the_order_a_second_pass_folds_in():
+    assert in_fold_order(["a", "c"], ["a", "b", "c"])  # b never came: still in order
+    assert not in_fold_order(["c", "a"], ["a", "b", "c"])  # a late one folded after a later one
+    assert in_fold_order([], ["a"])
